@@ -179,6 +179,7 @@ class Runtime:
         """Build and start in background threads; returns when the proxy is listening."""
         runtime = cls.build(config, **options)
         runtime._start_double()
+        runtime.library.watch()  # hand edits of the skills folder become generations
         runtime.proxy.start()
         if runtime.config.auto_evolve:
             runtime.fast_loop  # noqa: B018 - builds and attaches it
@@ -193,6 +194,7 @@ class Runtime:
     def serve_forever(self) -> None:
         """Run the proxy in the foreground (``metaclaw serve``) until interrupted."""
         self._start_double()
+        self.library.watch()
         if self.config.auto_evolve:
             self.fast_loop  # noqa: B018 - builds and attaches it (the double has its URL now)
         try:
@@ -208,6 +210,7 @@ class Runtime:
                     getattr(part, "close", part.stop)()
                 except Exception:  # stopping must never raise over a half-started runtime
                     pass
+        self.library.unwatch()
 
     @property
     def url(self) -> str:

@@ -19,6 +19,21 @@ Every change (add, edit, remove, import, rollback, or files edited by hand) crea
 diffed, any generation restored. The folder on disk mirrors the current generation; files are
 written atomically (temporary file + ``os.replace``).
 
+One workspace, many processes: the store is the single source of truth for the current
+generation. A proxy, the CLI and several notebook kernels may share one workspace:
+
+- every read of the library (:meth:`SkillLibrary.current`) first asks the store whether any
+  process committed since the last look (``PRAGMA data_version``, microseconds, no directory
+  scan) and adopts a newer generation from the store's snapshot;
+- every change runs inside one exclusive store transaction (``BEGIN IMMEDIATE``, which also
+  serialises other processes): adopt the latest generation, validate the operations against
+  it, write the files, insert the generation with ``parent`` = the latest. Two processes
+  evolving at once therefore produce a linear history, never a fork, and an operation that
+  conflicts with the other process's change fails with a clear error;
+- files edited by hand become a generation of kind ``disk``: at construction, on
+  :meth:`SkillLibrary.reload`, and continuously while :meth:`SkillLibrary.watch` runs (a
+  file-system watcher, what the proxy and notebook runtimes use).
+
 A broken ``SKILL.md`` (bad YAML, missing ``name`` or ``description``, a name that does not match
 its folder, an invalid name, bytes that are not UTF-8) never stops a load: it is reported in
 :attr:`SkillLibrary.problems` as a :class:`LoadProblem` with its path and reason, and skipped.
@@ -26,6 +41,7 @@ its folder, an invalid name, bytes that are not UTF-8) never stops a load: it is
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import functools
 import html
@@ -450,6 +466,8 @@ class SkillLibrary:
         self._generation = -1
         self._subscribers: list[Callable[[int], None]] = []
         self._snapshots: dict[int, dict[str, Skill]] = {}
+        self._watcher: threading.Thread | None = None
+        self._stop_watching = threading.Event()
         if self.directory.exists() and not self.directory.is_dir():
             raise SkillFormatError(f"the skills folder {self.directory} is a file; pass a folder "
                                    "(it is created when missing)")
@@ -464,9 +482,36 @@ class SkillLibrary:
             return self._generation
 
     def current(self) -> tuple[int, list[Skill]]:
-        """(generation, skills sorted by name), read atomically."""
+        """(generation, skills sorted by name), read atomically; a generation committed by
+        another process is adopted first (see :meth:`sync`)."""
+        self.sync()
         with self._lock:
             return self._generation, list(self._sorted)
+
+    def sync(self) -> int:
+        """Adopt the store's latest generation if another process (or library) committed one.
+
+        Cheap when nothing changed (one ``PRAGMA data_version``), so it runs before every
+        request. Subscribers are told about an adopted generation. Returns the generation.
+        """
+        latest = self.store.current_generation()
+        if latest is None or latest == self._generation:
+            return self._generation
+        with self._lock:
+            adopted = self._adopt_latest()
+        if adopted:
+            self._notify(self._generation)
+        return self._generation
+
+    def _adopt_latest(self) -> bool:
+        """Load the store's latest generation into memory (caller holds the lock)."""
+        latest = self.store.latest_generation()
+        if latest is None or latest == self._generation:
+            return False
+        previous = self._generation
+        self._set(latest, self.snapshot(latest))
+        log.info("skill library: adopted generation %d (was %d) from the store", latest, previous)
+        return previous != -1
 
     def skills(self) -> list[Skill]:
         """The current skills, sorted by name."""
@@ -578,7 +623,7 @@ class SkillLibrary:
         ops = list(ops)
         if not ops:
             raise SkillFormatError("no operations given; pass at least one SkillOp")
-        with self._lock:
+        with self._exclusive():
             new = self._validate(ops)
             generation = self._commit(new, ops, kind=kind, reason=reason)
         self._notify(generation)
@@ -598,7 +643,7 @@ class SkillLibrary:
         else:
             incoming, problems = load_skills_dir(source)
         why = f"imported from {source}"
-        with self._lock:
+        with self._exclusive():
             self.problems.extend(problems)
             merged = {**self._skills, **incoming}
             ops = _changes(self._skills, merged, why)
@@ -612,23 +657,19 @@ class SkillLibrary:
         """Restore an earlier generation as a new generation (kind ``rollback``); returns it."""
         target = self.snapshot(generation)
         why = f"rollback to generation {generation}"
-        with self._lock:
+        with self._exclusive():
             ops = _changes(self._skills, target, why)
             new_generation = self._commit(target, ops, kind="rollback", reason=why)
         self._notify(new_generation)
         return new_generation
 
     def refresh(self) -> int:
-        """Cheap check for changes made by another process (e.g. ``metaclaw skills rollback``):
-        when the store has a newer generation, :meth:`reload`. Returns the current generation."""
-        latest = self.store.latest_generation()
-        if latest is not None and latest != self.generation:
-            return self.reload()
-        return self.generation
+        """Adopt a generation committed by another process; same as :meth:`sync`."""
+        return self.sync()
 
     def reload(self) -> int:
         """Re-read the folder; records a ``disk`` generation if files changed. Returns the generation."""
-        with self._lock:
+        with self._exclusive(adopt=False):
             previous = self._generation
             disk, problems = load_skills_dir(self.directory)
             self.problems = problems
@@ -665,7 +706,81 @@ class SkillLibrary:
             self._notify(generation)
         return generation
 
+    def watch(self, *, debounce_ms: int = 300) -> "SkillLibrary":
+        """Turn hand edits of the folder into generations while the process runs.
+
+        A daemon thread waits on file-system events (``watchfiles``: inotify / FSEvents /
+        ReadDirectoryChanges, polling where none exists) and calls :meth:`reload` when a
+        ``SKILL.md`` changes; broken files are reported (``problems``, the log and a
+        ``skill_file_problem`` event in the store) and keep their stored version. Idempotent;
+        :meth:`unwatch` stops it.
+        """
+        with self._lock:
+            if self._watcher is not None and self._watcher.is_alive():
+                return self
+            self._stop_watching = threading.Event()
+            ready = threading.Event()
+            self._watcher = threading.Thread(target=self._watch_loop, args=(debounce_ms, ready),
+                                             name="metaclaw-skills-watch", daemon=True)
+            self._watcher.start()
+        ready.wait(5.0)  # from here on no edit is missed
+        return self
+
+    def unwatch(self, timeout: float = 5.0) -> None:
+        """Stop the watcher started by :meth:`watch` (no-op when none runs)."""
+        with self._lock:
+            watcher, self._watcher = self._watcher, None
+        if watcher is not None:
+            self._stop_watching.set()
+            watcher.join(timeout)
+
+    @property
+    def watching(self) -> bool:
+        return self._watcher is not None and self._watcher.is_alive()
+
+    def _watch_loop(self, debounce_ms: int, ready: threading.Event) -> None:
+        import watchfiles
+
+        def relevant(change: Any, path: str) -> bool:
+            name = os.path.basename(path)
+            return name == SKILL_FILE or (not name.startswith(".") and "." not in name)
+
+        try:
+            # the first (empty) yield on timeout means the watch is in place: one reload then
+            # catches edits made before it was; later empty yields cost nothing
+            for changes in watchfiles.watch(self.directory, watch_filter=relevant,
+                                            debounce=debounce_ms, stop_event=self._stop_watching,
+                                            rust_timeout=200, yield_on_timeout=True,
+                                            raise_interrupt=False):
+                if not changes and ready.is_set():
+                    continue
+                try:
+                    known = {(p.path, p.reason) for p in self.problems}
+                    self.reload()
+                    for problem in self.problems:
+                        if (problem.path, problem.reason) not in known:
+                            self.store.record_event(
+                                source="skills", kind="skill_file_problem", level="warning",
+                                message=str(problem), path=problem.path)
+                except Exception:  # keep watching: the next edit may fix it
+                    log.exception("could not reload the skills folder %s", self.directory)
+                ready.set()
+        except Exception:
+            log.exception("the skills folder watcher stopped; hand edits of %s are picked up "
+                          "on the next reload", self.directory)
+        finally:
+            ready.set()
+
     # -- internals --------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _exclusive(self, adopt: bool = True):
+        """Hold the library lock and the store's write lock (every process), having adopted
+        the latest stored generation, so a change is validated against the true latest."""
+        with self._lock, self.store.transaction():
+            if adopt:
+                self._adopt_latest()
+            yield
+
     def _validate(self, ops: list[SkillOp]) -> dict[str, Skill]:
         new = dict(self._skills)
         for i, op in enumerate(ops):

@@ -12,6 +12,9 @@ Tables (schema version in ``PRAGMA user_version``; migrations are explicit, in `
 - ``policy_versions``        one row per published set of trained weights
 - ``training_steps``         one row per GRPO step
 - ``scheduler_transitions``  one row per scheduler state change
+- ``events``                 one row per notable event of a loop (a judge or evolver call that
+                             failed, a broken skill file, a generation adopted from another
+                             process), with its source, level, message and details
 
 Every write is committed before the call returns (``synchronous=FULL``), so an acknowledged write
 survives ``kill -9`` of the process. One connection is shared behind a lock; every table is
@@ -34,7 +37,8 @@ DEFAULT_DB = Path(".metaclaw") / "metaclaw.db"
 JSON_COLUMNS = {
     "request_messages", "request_params", "tool_calls", "usage", "injected_skills",
     "judge_votes", "prompt_tokens_ids", "completion_tokens_ids", "completion_logprobs",
-    "meta", "snapshot", "evidence", "metrics", "signals",
+    "meta", "snapshot", "evidence", "metrics", "signals", "retrieval_scores", "identified_by",
+    "detail",
 }
 
 MIGRATIONS: list[str] = [
@@ -135,12 +139,29 @@ MIGRATIONS: list[str] = [
         signals     TEXT NOT NULL DEFAULT '{}'
     );
     """,
+    # 2: why a turn got its skills and its session, and the loops' events
+    """
+    ALTER TABLE turns ADD COLUMN retrieval_query TEXT;
+    ALTER TABLE turns ADD COLUMN retrieval_scores TEXT;
+    ALTER TABLE turns ADD COLUMN identified_by TEXT;
+    CREATE TABLE events (
+        id       INTEGER PRIMARY KEY AUTOINCREMENT,
+        at       REAL NOT NULL,
+        source   TEXT NOT NULL,
+        kind     TEXT NOT NULL,
+        level    TEXT NOT NULL DEFAULT 'info',
+        message  TEXT NOT NULL,
+        detail   TEXT NOT NULL DEFAULT '{}'
+    );
+    CREATE INDEX events_kind ON events(kind, at);
+    """,
 ]
 
 SCHEMA_VERSION = len(MIGRATIONS)
 
 TABLES = ("sessions", "turns", "skill_generations", "skill_events", "policy_versions",
-          "training_steps", "scheduler_transitions")
+          "training_steps", "scheduler_transitions", "events")
+EVENT_LEVELS = ("info", "warning", "error")
 
 
 class StoreError(RuntimeError):
@@ -177,6 +198,16 @@ class Store:
             self._migrate()
         except sqlite3.DatabaseError as exc:
             raise StoreError(f"cannot open the MetaClaw store at {self.path}: {exc}") from exc
+        # A second, read-only connection answers "did anything commit since I last looked?"
+        # (``PRAGMA data_version`` changes only for commits made by *other* connections, this
+        # process's writer included), without waiting behind the writer's lock.
+        self._probe_lock = threading.Lock()
+        self._probe: sqlite3.Connection | None = None
+        self._probe_version: int | None = None
+        self._probe_latest: int | None = None
+        if str(path) != ":memory:":
+            self._probe = sqlite3.connect(str(path), check_same_thread=False,
+                                          isolation_level=None, timeout=30.0)
 
     # -- schema ---------------------------------------------------------------------------
     def _migrate(self) -> None:
@@ -205,6 +236,9 @@ class Store:
     def close(self) -> None:
         with self._lock:
             self._db.close()
+        with self._probe_lock:
+            if self._probe is not None:
+                self._probe.close()
 
     def counts(self) -> dict[str, int]:
         """Rows per table."""
@@ -328,6 +362,24 @@ class Store:
             value = self._db.execute("SELECT MAX(generation) FROM skill_generations").fetchone()[0]
         return None if value is None else int(value)
 
+    def current_generation(self) -> int | None:
+        """The latest generation committed by any process, cheap enough for every request.
+
+        The number is re-read only when some connection has committed since the last call
+        (``PRAGMA data_version`` on a private connection: a few microseconds); otherwise the
+        cached value is returned without touching the tables or the writer's lock.
+        """
+        if self._probe is None:  # an in-memory store has no other connection to hear from
+            return self.latest_generation()
+        with self._probe_lock:
+            version = self._probe.execute("PRAGMA data_version").fetchone()[0]
+            if version != self._probe_version:
+                value = self._probe.execute(
+                    "SELECT MAX(generation) FROM skill_generations").fetchone()[0]
+                self._probe_version = version
+                self._probe_latest = None if value is None else int(value)
+            return self._probe_latest
+
     def generation(self, number: int) -> dict[str, Any] | None:
         rows = self.query("SELECT * FROM skill_generations WHERE generation = ?", (number,))
         return rows[0] if rows else None
@@ -358,6 +410,36 @@ class Store:
         return self._insert("scheduler_transitions", {
             "at": time.time() if at is None else at, "from_state": from_state,
             "to_state": to_state, "reason": reason, "signals": signals or {}})
+
+    # -- events ---------------------------------------------------------------------------
+    def record_event(self, *, source: str, kind: str, message: str, level: str = "info",
+                     **detail: Any) -> int:
+        """Record a notable event of a loop (``level``: info, warning or error)."""
+        if level not in EVENT_LEVELS:
+            raise ValueError(f"event level must be one of {', '.join(EVENT_LEVELS)}, not {level!r}")
+        return self._insert("events", {"at": time.time(), "source": source, "kind": kind,
+                                       "level": level, "message": message, "detail": detail})
+
+    def events(self, *, kind: str | None = None, level: str | None = None,
+               limit: int | None = None) -> list[dict[str, Any]]:
+        """Events, newest first, optionally of one kind or level."""
+        where, params = ["1=1"], []
+        if kind is not None:
+            where.append("kind = ?")
+            params.append(kind)
+        if level is not None:
+            where.append("level = ?")
+            params.append(level)
+        sql = f"SELECT * FROM events WHERE {' AND '.join(where)} ORDER BY id DESC"
+        if limit is not None:
+            sql += f" LIMIT {int(limit)}"
+        return self.query(sql, params)
+
+    def event_counts(self) -> dict[str, int]:
+        """Warning and error events per kind (what ``status`` views show)."""
+        rows = self.query("SELECT kind, COUNT(*) AS n FROM events WHERE level != 'info' "
+                          "GROUP BY kind ORDER BY kind")
+        return {row["kind"]: row["n"] for row in rows}
 
     # -- frames ---------------------------------------------------------------------------
     def frame(self, table: str, where: str = "1=1", params: Iterable[Any] = ()):

@@ -1,0 +1,215 @@
+"""One workspace, many processes: every process sees the generation any other one committed,
+hand edits become generations, and concurrent writers keep one linear history."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import openai
+import pytest
+
+from metaclaw.double import DoubleServer, Reply
+from metaclaw.skills import Skill, SkillLibrary
+from metaclaw.store import Store
+from test_cli import CLI, free_port, run_cli, wait_for_port, write_skill
+
+
+def _in_another_process(code: str, *args) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), *map(str, args)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(proc: subprocess.Popen) -> str:
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    return out
+
+
+ADD_ONE = """
+    import sys
+    from metaclaw.skills import Skill, SkillLibrary
+    from metaclaw.store import Store
+    library = SkillLibrary(sys.argv[1], Store(sys.argv[2]))
+    print(library.add(Skill(name=sys.argv[3], description="Added by another process.",
+                            category="ops", body="Body.")))
+"""
+
+
+def test_a_generation_committed_by_another_process_is_seen_on_the_next_read(tmp_path):
+    skills, db = tmp_path / "skills", tmp_path / "ws.db"
+    write_skill(skills, "first", "The first skill.", "Body.")
+    library = SkillLibrary(skills, Store(db))
+    assert library.current()[0] == 0
+    seen = []
+    library.subscribe(seen.append)
+
+    generation = int(_finish(_in_another_process(ADD_ONE, skills, db, "second")))
+
+    assert generation == 1
+    current, names = library.current()
+    assert current == 1 and [s.name for s in names] == ["first", "second"]
+    assert seen == [1]  # subscribers (buffer purge, fast loop) hear about the adoption
+
+
+def test_two_processes_changing_the_library_at_once_keep_one_linear_history(tmp_path):
+    skills, db = tmp_path / "skills", tmp_path / "ws.db"
+    write_skill(skills, "common", "Shared by both writers.", "Start.")
+    SkillLibrary(skills, Store(db))
+    writer = """
+        import sys
+        from metaclaw.skills import Skill, SkillLibrary
+        from metaclaw.store import Store
+        library = SkillLibrary(sys.argv[1], Store(sys.argv[2]))
+        tag = sys.argv[3]
+        for i in range(12):
+            library.add(Skill(name=f"{tag}-{i}", description="d", category="c", body="b"))
+            common = library.get("common")
+            library.edit(Skill(name="common", description=common.description,
+                               category="c", body=common.body + f"\\n{tag}{i}"))
+    """
+    procs = [_in_another_process(writer, skills, db, tag) for tag in ("a", "b")]
+    for proc in procs:
+        _finish(proc)
+
+    store = Store(db)
+    rows = store.query("SELECT generation, parent FROM skill_generations ORDER BY generation")
+    assert [r["generation"] for r in rows] == list(range(49))
+    assert all(r["parent"] == r["generation"] - 1 for r in rows[1:])  # no fork
+    library = SkillLibrary(skills, store)
+    assert library.generation == 48  # the folder matches the latest generation: no disk change
+    names = {s.name for s in library.skills()}
+    assert {f"{t}-{i}" for t in "ab" for i in range(12)} <= names
+    common = library.get("common").body.splitlines()
+    assert sorted(common[1:]) == sorted(f"{t}{i}" for t in "ab" for i in range(12))  # no edit lost
+
+
+def _wait_for(predicate, timeout=15.0):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError("condition not reached in time")
+
+
+def test_hand_edits_become_generations_and_broken_files_are_reported(tmp_path):
+    skills, db = tmp_path / "skills", tmp_path / "ws.db"
+    write_skill(skills, "first", "The first skill.", "Body.")
+    store = Store(db)
+    library = SkillLibrary(skills, store).watch()
+    try:
+        write_skill(skills, "by-hand", "Written in an editor.", "Hand-made body.")
+        _wait_for(lambda: library.current()[0] == 1)
+        assert store.generation(1)["kind"] == "disk" and "by-hand" in library
+
+        (skills / "first" / "SKILL.md").write_text("---\nname: [unclosed\n---\nbody\n")
+        event = _wait_for(lambda: store.events(kind="skill_file_problem"))
+        assert "first" in event[0]["message"] and event[0]["level"] == "warning"
+        assert library.get("first").body == "Body."  # the stored version is kept
+        assert library.current()[0] == 1  # a broken file is not a removal
+    finally:
+        library.unwatch()
+    assert not library.watching
+
+
+def test_embedding_index_re_embeds_only_the_changed_skill(tmp_path):
+    from metaclaw import retrieval
+
+    if not retrieval.embeddings_available():
+        pytest.skip("the embeddings extra is not installed")
+
+    class Counting(retrieval.EmbeddingRetriever):
+        encoded: list[str] = []
+
+        def _encode(self, texts):
+            self.encoded.extend(texts)
+            return super()._encode(texts)
+
+    skills, db = tmp_path / "skills", tmp_path / "ws.db"
+    for i in range(5):
+        write_skill(skills, f"skill-{i}", f"Skill number {i}.", "Body.")
+    library = SkillLibrary(skills, Store(db))
+    retriever = Counting()
+    retriever.rank("query", library.skills())
+    before = len(retriever.encoded)
+    _finish(_in_another_process(ADD_ONE, skills, db, "new-one"))
+    retriever.rank("query", library.current()[1])
+    assert len(retriever.encoded) - before == 2  # the new skill's two texts; the query is cached
+
+
+def _judge_and_evolver(body):
+    """A scripted double for the judge and evolver endpoints (not a model): the evolver gets
+    one operation adding a backup skill; the judge scores by the prompt's length parity, so
+    the first turns fail and GRPO groups have variance."""
+    if (body.get("response_format") or {}).get("json_schema", {}).get("name") == "skill_operations":
+        return Reply(json.dumps({"operations": [{
+            "op": "add", "name": "backup-before-editing",
+            "description": "Before editing a config file, copy it to a .bak file.",
+            "category": "safety", "body": "Copy the config file to <name>.bak before you edit it.",
+            "reason": "the user lost a config file", "evidence": []}]}))
+    prompt = json.dumps(body["messages"])
+    return Reply(json.dumps({"score": 1 if len(prompt) % 2 else -1, "rationale": "scripted"}))
+
+
+def test_serve_then_cli_evolve_then_the_next_turn_trains(tmp_path):
+    """`metaclaw serve` in one process, `metaclaw score/evolve/train` in others: the next turn
+    gets the new skill, is tagged with the new generation, is in the live query set, and
+    `train --now` trains on it."""
+    from metaclaw.tinymodel import write_tiny_model
+
+    skills, db = tmp_path / "skills", tmp_path / "ws.db"
+    write_skill(skills, "weather-small-talk", "Chat about the weather politely.", "Forecast.")
+    port = free_port()
+    with DoubleServer([Reply("I edited the config directly.")]) as agent, \
+            DoubleServer(_judge_and_evolver) as judge:
+        proc = subprocess.Popen([str(a) for a in [
+            *CLI, "serve", "--upstream", agent.url, "--model", "m", "--port", port,
+            "--skills", skills, "--db", db, "--retrieval", "lexical"]],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            wait_for_port(proc, port)
+            client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x")
+            ask = [{"role": "user", "content": "Edit the config file deploy/config.yaml to "
+                                               "raise the timeout."}]
+            client.chat.completions.create(model="m", messages=ask,
+                                           extra_headers={"X-Session-Id": "s1"})
+            client.chat.completions.create(
+                model="m", extra_headers={"X-Session-Id": "s1"},
+                messages=[*ask, {"role": "assistant", "content": "I edited the config directly."},
+                          {"role": "user", "content": "You broke it and there is no backup."}])
+            store = Store(db)
+            _wait_for(lambda: len(store.turns()) == 2)
+            judge_args = ["--judge-url", judge.url, "--judge-model", "judge", "--votes", 1]
+            run_cli("score", "--db", db, *judge_args)
+            out = run_cli("evolve", "--db", db, "--skills", skills, "--evolver-url", judge.url,
+                          "--evolver-model", "evolver", "--json")
+            assert json.loads(out.stdout)["generation"] == 1
+
+            raw = client.chat.completions.with_raw_response.create(
+                model="m", messages=[{"role": "user", "content": "Please edit the config file "
+                                                                 "app/settings.yaml"}],
+                extra_headers={"X-Session-Id": "s2"})
+            assert raw.headers["x-metaclaw-skill-generation"] == "1"
+            assert "backup-before-editing" in raw.headers["x-metaclaw-injected-skills"]
+            assert "backup-before-editing" in json.dumps(agent.requests[-1]["body"]["messages"])
+            turn = _wait_for(lambda: store.turns("session_id = 's2'"))[0]
+            assert turn["skill_generation"] == 1
+            rows = [json.loads(line) for line in
+                    run_cli("buffers", "--db", db, "--json").stdout.splitlines()]
+            assert {"id": turn["id"], "set": "query", "state": "live"}.items() <= next(
+                r for r in rows if r["id"] == turn["id"]).items()
+        finally:
+            proc.terminate()
+            proc.wait(timeout=20)
+
+        model = write_tiny_model(tmp_path / "tiny")
+        out = run_cli("train", "--db", db, "--base-model", model, "--now", "--steps", 1,
+                      "--group-size", 4, "--groups-per-step", 1, "--max-tokens", 8,
+                      "--state-dir", tmp_path / "train", *judge_args)
+    steps = Store(db).query("SELECT * FROM training_steps")
+    assert len(steps) == 1 and steps[0]["skill_generation"] == 1, out.stdout
+    assert steps[0]["groups"] == 1 and steps[0]["tokens"] > 0, out.stdout
