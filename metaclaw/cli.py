@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -26,6 +27,15 @@ def command(name: str):
         return fn
 
     return register
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def _printable(text: Any) -> str:
+    """Text safe for a terminal: control characters (escape sequences included) are shown
+    escaped, so a client-chosen string cannot drive the user's terminal."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", str(text))
 
 
 def _print_json(obj: Any) -> None:
@@ -235,6 +245,24 @@ def cmd_evolve(args: argparse.Namespace) -> int:
         _print_json(result.to_dict())
     else:
         print(result)
+    return 0
+
+
+@command("events")
+def cmd_events(args: argparse.Namespace) -> int:
+    from metaclaw.runtime import failure_summary
+
+    store = _store(args.db)
+    rows = store.events(kind=args.kind, level=args.level, limit=args.last)
+    for row in reversed(rows):
+        if args.json:
+            _print_json(row)
+        else:
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(row["at"]))
+            print(f"{when}  {row['level']:<7}  {row['kind']:<20}  {_printable(row['message'])}")
+    if not args.json:
+        summary = failure_summary(store)
+        print(f"failures: {summary['failures']}")
     return 0
 
 
@@ -501,6 +529,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dedupe", type=float, default=0.85,
                    help="embedding similarity at which an added skill counts as a duplicate")
     p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("events", help="what the loops reported: failed judge / evolver calls, "
+                                      "broken skill files (every process of the workspace)")
+    p.add_argument("--db", default=str(DEFAULT_DB))
+    p.add_argument("--kind", help="only this kind (e.g. judge_failed, evolve_failed)")
+    p.add_argument("--level", choices=["info", "warning", "error"])
+    p.add_argument("--last", type=int, default=50, help="the last N events (default 50)")
+    p.add_argument("--json", action="store_true", help="one JSON object per line")
 
     p = sub.add_parser("buffers", help="support / query buffers by generation")
     p.add_argument("--db", default=str(DEFAULT_DB))

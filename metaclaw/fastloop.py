@@ -26,7 +26,10 @@ never on the proxy's. For each recorded turn:
    (a manual edit, a rollback) purges the older live turns as well.
 
 Every step is recorded as a :class:`FastLoopEvent` in :attr:`FastLoop.events` and passed to the
-callbacks registered with :meth:`FastLoop.on_event` (called from the loop's thread).
+callbacks registered with :meth:`FastLoop.on_event` (called from the loop's thread). A judge or
+evolver call that fails (wrong model name, authentication, invalid JSON, timeout) is logged with
+its endpoint, model and the upstream's message and recorded in the store's ``events`` table
+(:meth:`metaclaw.store.Store.events`), so every process and view can count it.
 """
 
 from __future__ import annotations
@@ -50,6 +53,10 @@ log = logging.getLogger("metaclaw.fastloop")
 #: Kinds of :class:`FastLoopEvent`.
 EVENT_KINDS = ("turn", "judged", "judge_failed", "evolve_started", "evolved", "evolve_skipped",
                "evolve_no_change", "evolve_rejected", "evolve_failed", "generation", "error")
+
+
+#: Kinds that mean a judge or evolver call failed (logged and recorded in the store).
+FAILURE_KINDS = ("judge_failed", "evolve_failed")
 
 
 @dataclass
@@ -220,6 +227,8 @@ class FastLoop:
         keys = ("session_id", "turn_id", "generation")
         event = FastLoopEvent(kind, time.time(), **{k: fields.pop(k) for k in keys if k in fields},
                               detail=fields)
+        if kind in FAILURE_KINDS:
+            self._report_failure(event)
         with self._events_lock:
             self.events.append(event)
             if len(self.events) > self.max_events:
@@ -230,6 +239,31 @@ class FastLoop:
             except Exception:  # a broken display must not stop the loop
                 log.exception("fast loop event callback %r failed", callback)
         return event
+
+    def _report_failure(self, event: FastLoopEvent) -> None:
+        """A failed judge or evolver call is never silent: it is logged with the endpoint, the
+        model and the upstream's message, and recorded in the store's ``events`` table, where
+        ``%metaclaw status``, ``metaclaw events`` and the notebook views count it."""
+        from metaclaw.proxy import safe_url
+
+        role = "judge" if event.kind == "judge_failed" else "evolver"
+        client = self.judge if role == "judge" else self.evolver
+        endpoint, model = safe_url(getattr(client, "base_url", None)), getattr(client, "model", None)
+        error = str(event.detail.get("error") or event.detail.get("reason") or "unknown error")
+        where = " ".join(x for x in (f"session {event.session_id}" if event.session_id else "",
+                                     f"turn {event.turn_id}" if event.turn_id is not None else "")
+                         if x)
+        message = (f"{role} call failed{' for ' + where if where else ''}: model {model!r} at "
+                   f"{endpoint}: {error}")
+        log.warning("fast loop: %s", message)
+        try:
+            self.store.record_event(source="fast_loop", kind=event.kind,
+                                    level="error",
+                                    message=message, endpoint=endpoint, model=model, error=error,
+                                    session_id=event.session_id, turn_id=event.turn_id,
+                                    generation=event.generation)
+        except Exception:  # the store may be closing; the log line above still tells
+            log.exception("could not record the fast loop failure")
 
     def events_frame(self):
         """The events as a ``polars.DataFrame``: kind, at, session_id, turn_id, generation,

@@ -36,6 +36,17 @@ def offline_reply(body: dict[str, Any]):
                  f"message. Skills injected into my system prompt: {listed}.")
 
 
+def failure_summary(store: Store) -> dict[str, Any]:
+    """What ``status`` views show of failed loop calls and broken skill files: counts per kind
+    (every process of the workspace) and the latest message."""
+    counts = store.event_counts()
+    if not counts:
+        return {"failures": "none"}
+    last = store.events(limit=1, level="error") or store.events(limit=1, level="warning")
+    return {"failures": ", ".join(f"{kind}: {n}" for kind, n in counts.items()),
+            "last_failure": last[0]["message"] if last else None}
+
+
 @dataclass
 class RuntimeConfig:
     """Everything ``metaclaw serve`` / ``%metaclaw start`` accept (see README, Configuration)."""
@@ -250,6 +261,7 @@ class Runtime:
             if self.config.host == "127.0.0.1" else "none",
             "api_key_env": self.config.api_key_env
             + (" (set)" if os.environ.get(self.config.api_key_env) else " (unset)"),
+            **failure_summary(self.store),
         }
 
     def __repr__(self) -> str:

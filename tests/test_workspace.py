@@ -213,3 +213,35 @@ def test_serve_then_cli_evolve_then_the_next_turn_trains(tmp_path):
     steps = Store(db).query("SELECT * FROM training_steps")
     assert len(steps) == 1 and steps[0]["skill_generation"] == 1, out.stdout
     assert steps[0]["groups"] == 1 and steps[0]["tokens"] > 0, out.stdout
+
+
+def test_a_failing_judge_is_logged_recorded_counted_and_shown(tmp_path, caplog):
+    """--auto-evolve with a judge endpoint that refuses the model name: the failure names the
+    endpoint, the model and the upstream's message in the log, the store's events, the
+    runtime's status and `metaclaw events`."""
+    from metaclaw.runtime import Runtime
+
+    refuse = DoubleServer(lambda body: Reply("The model 'no-such-judge' does not exist",
+                                             status=404))
+    with DoubleServer([Reply("done")]) as agent, refuse as judge:
+        runtime = Runtime.start(upstream_url=agent.url, model="m", db_path=str(tmp_path / "ws.db"),
+                                skills_dir=str(tmp_path / "skills"), judge_url=judge.url,
+                                judge_model="no-such-judge", evolver_url=judge.url,
+                                evolver_model="no-such-evolver", auto_evolve=True)
+        try:
+            runtime.client().chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "hello"}],
+                extra_headers={"X-Session-Id": "s", "X-Session-Done": "true"})
+            runtime.proxy.flush()
+            runtime.fast_loop.wait_idle()
+            status = runtime.status()
+        finally:
+            runtime.stop()
+    events = runtime.store.events(kind="judge_failed")
+    assert len(events) == 1 and events[0]["level"] == "error"
+    for text in (events[0]["message"], status["last_failure"],
+                 next(r.getMessage() for r in caplog.records if "judge call failed" in r.getMessage())):
+        assert "no-such-judge" in text and judge.url in text and "does not exist" in text
+    assert events[0]["detail"]["endpoint"] == judge.url and "judge_failed: 1" in status["failures"]
+    out = run_cli("events", "--db", tmp_path / "ws.db").stdout
+    assert "judge_failed" in out and "does not exist" in out and "judge_failed: 1" in out

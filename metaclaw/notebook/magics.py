@@ -150,6 +150,17 @@ class MetaClawMagics(Magics):
         """Show the running proxy: URL, upstream, skill generation, counts."""
         return self._require_runtime()
 
+    def _do_events(self, argv: list[str], cell: str | None):
+        """%metaclaw events [--kind K] [--last N]: what the loops reported (failed judge and
+        evolver calls, broken skill files), newest first, as a polars DataFrame."""
+        parser = _parser("events", self._do_events.__doc__)
+        parser.add_argument("--kind")
+        parser.add_argument("--last", type=int, default=50)
+        args = parser.parse_args(argv)
+        store = self._require_runtime().store
+        where, params = ("kind = ?", [args.kind]) if args.kind else ("1=1", [])
+        return store.frame("events", where, params).sort("id", descending=True).head(args.last)
+
     def _do_stop(self, argv: list[str], cell: str | None) -> None:
         """Stop the proxy (and the offline double)."""
         runtime = self._require_runtime()
