@@ -675,26 +675,29 @@ class Proxy(ServedApp):
         return _Turn(session_id, turn_type.strip().lower(), done, stream, client_usage, forward)
 
     # -- retrieval (runs in a worker thread) ----------------------------------------------
-    def _retrieve(self, messages: list[dict[str, Any]]
-                  ) -> tuple[int, list[dict[str, Any]], list[str], str | None]:
-        """(generation, messages with the skill block, injected names, retrieval error or None)."""
+    def _retrieve(self, messages: list[dict[str, Any]]) -> dict[str, Any]:
+        """Retrieve and inject: the record fields (``skill_generation``, ``injected_skills``,
+        ``retrieval_query``, ``retrieval_scores``, ``error``) plus ``messages`` with the skill
+        block. Runs in a worker thread."""
         from metaclaw import retrieval
 
         generation, skills = self.library.current()
-        if not skills:
-            return generation, messages, [], None
+        query = retrieval.query_text(messages)
+        found = {"skill_generation": generation, "messages": messages, "injected_skills": [],
+                 "retrieval_query": query, "retrieval_scores": [], "error": None}
+        if not skills or not query:
+            return found
         try:
-            query = retrieval.query_text(messages)
             selected = retrieval.select(self.retriever, query, skills, top_k=self.config.top_k,
                                         min_score=self.config.min_score,
-                                        budget_chars=self.config.budget_chars) if query else []
-            block = retrieval.render_block(selected)
-            names = [s.skill.name for s in selected]
-            return generation, retrieval.inject(messages, block), names, None
+                                        budget_chars=self.config.budget_chars)
         except Exception as exc:  # serve the turn without skills rather than fail the agent
             log.exception("skill retrieval failed; serving this turn without skills")
-            return generation, messages, [], ("skill retrieval failed (served without "
-                                              f"skills): {exc}")
+            return {**found, "error": f"skill retrieval failed (served without skills): {exc}"}
+        return {**found, "messages": retrieval.inject(messages, retrieval.render_block(selected)),
+                "injected_skills": [s.skill.name for s in selected],
+                "retrieval_scores": [{"name": s.skill.name, "score": round(float(s.score), 4)}
+                                     for s in selected]}
 
     # -- handlers -------------------------------------------------------------------------
     async def _health(self, request: web.Request) -> web.Response:
@@ -735,15 +738,13 @@ class Proxy(ServedApp):
         self._check_auth(request)
         body = await self._read_body(request)
         turn = self._parse_turn(request, body)
-        loop = asyncio.get_running_loop()
-        retrieval_error = None
         if turn.turn_type == "main":
-            generation, messages, injected, retrieval_error = await loop.run_in_executor(
+            retrieved = await asyncio.get_running_loop().run_in_executor(
                 self._retrieval_pool, self._retrieve, turn.body["messages"])
-        else:
-            generation, _ = self.library.current()
-            messages, injected = turn.body["messages"], []
-        turn.body["messages"] = messages
+        else:  # side calls (titles, summaries) get no skills
+            retrieved = {"skill_generation": self.library.current()[0], "injected_skills": [],
+                         "messages": turn.body["messages"], "error": None}
+        messages = turn.body["messages"] = retrieved.pop("messages")
         responder = self._responder
         record: dict[str, Any] = {
             "session_id": turn.session_id,
@@ -753,12 +754,11 @@ class Proxy(ServedApp):
             "request_messages": messages,
             "request_params": {k: v for k, v in body.items()
                                if k not in _OWN_COLUMNS and k not in PROXY_FIELDS},
-            "skill_generation": generation,
-            "injected_skills": injected,
             "policy_version": int(getattr(responder, "policy_version", 0)) if responder else 0,
-            "error": retrieval_error,
+            **retrieved,
         }
-        headers = {"X-MetaClaw-Skill-Generation": str(generation),
+        injected = record["injected_skills"]
+        headers = {"X-MetaClaw-Skill-Generation": str(record["skill_generation"]),
                    "X-MetaClaw-Injected-Skills": ",".join(injected),
                    "X-MetaClaw-Policy-Version": str(record["policy_version"])}
         if turn.stream:

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, Sequence, runtime_checkable
 
+from metaclaw.asks import INSTRUCTION_ROLES, content_text, extract_ask
 from metaclaw.skills import Skill
 
 log = logging.getLogger(__name__)
@@ -539,26 +540,10 @@ def make_retriever(kind: str = "auto", model: str | None = None) -> Retriever:
 
 # -- selection, rendering, injection -------------------------------------------------------------
 
-def _text_of(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if isinstance(part, str):
-                parts.append(part)
-            elif isinstance(part, dict) and isinstance(part.get("text"), str):
-                parts.append(part["text"])
-        return "\n".join(parts)
-    return ""
-
-
 def query_text(messages: list[dict]) -> str:
-    """The text to retrieve for: the last user message (string or list-of-parts content)."""
-    for message in reversed(messages or []):
-        if isinstance(message, dict) and message.get("role") == "user":
-            return _text_of(message.get("content")).strip()
-    return ""
+    """The text to retrieve for: the user's real ask and its task context, found by
+    :func:`metaclaw.asks.extract_ask` in whatever shape the agent framework sent it."""
+    return extract_ask(messages).text
 
 
 def _section(skill: Skill) -> str:
@@ -627,7 +612,7 @@ def augment(retriever: Retriever, messages: list[dict], skills: list[Skill], *, 
 
 
 def inject(messages: list[dict], block: str) -> list[dict]:
-    """A new message list with ``block`` appended to the first system message.
+    """A new message list with ``block`` appended to the first system (or ``developer``) message.
 
     A system message is inserted at index 0 when there is none. String content gets the block
     after a blank line; list-of-parts content gets an extra text part. The input is not changed;
@@ -637,12 +622,12 @@ def inject(messages: list[dict], block: str) -> list[dict]:
     if not block:
         return out
     for i, message in enumerate(out):
-        if isinstance(message, dict) and message.get("role") == "system":
+        if isinstance(message, dict) and message.get("role") in INSTRUCTION_ROLES:
             content = message.get("content")
             if isinstance(content, list):
                 new_content: Any = [*content, {"type": "text", "text": block}]
             else:
-                text = _text_of(content).rstrip() if content is not None else ""
+                text = content_text(content).rstrip() if content is not None else ""
                 new_content = f"{text}\n\n{block}" if text else block
             out[i] = {**message, "content": new_content}
             return out

@@ -221,7 +221,7 @@ def test_query_text_uses_the_last_user_message():
                                              {"type": "image_url", "image_url": {"url": "x"}},
                                              {"type": "text", "text": "of config.yaml"}]},
                 {"role": "tool", "content": "result", "tool_call_id": "1"}]
-    assert query_text(messages) == "keep a copy\nof config.yaml"
+    assert query_text(messages) == "keep a copy of config.yaml"
     assert query_text([{"role": "system", "content": "only system"}]) == ""
     assert query_text([]) == ""
 

@@ -1,0 +1,196 @@
+"""Find what the user actually asked in an agent framework's request: the retrieval query.
+
+Agent frameworks rarely send the user's ask as a plain last user message. What they send, and
+what this module does about it (every rule lives in :data:`RULES` or in :func:`extract_ask`):
+
+- **The ask sits several messages back.** After the model calls tools, the last messages are
+  the assistant's tool calls and the tool results (``role: tool``, or a user message made only
+  of ``tool_result`` parts): the ask is the last user message that carries text of the user's
+  own. Messages of roles ``system`` and ``developer`` are instructions, never the ask.
+- **Content is a list of parts.** Text parts are joined; images, audio and files are skipped.
+- **Framework context blocks.** Claude-Code-style clients put ``<system-reminder>`` blocks (and
+  other tagged context: environment details, workspace files, tool or skill inventories) into
+  the same user message as the ask, or into user messages of their own. Such blocks are
+  removed; a user message with nothing left is framework context, not the ask.
+- **Envelopes and metadata.** Chat gateways (OpenClaw and its channels) wrap the ask in a
+  bracketed envelope with the channel, sender and a timestamp (``[Telegram Ann +2m Mon
+  2026-03-16 09:30 GMT+8] ...``), and may prepend metadata sections such as ``Conversation info
+  (untrusted metadata):`` followed by a fenced JSON block. Both are removed.
+- **Feedback prefixes.** A ``[Previous Feedback] ...`` block (the MetaClaw-Bench protocol, and a
+  common way to pass a grader's verdict) is the outcome of the previous turn, not the new ask:
+  it is split off into :attr:`Ask.feedback`.
+- **Short follow-ups.** "yes", "go on", "do it": when the ask has fewer than
+  :data:`SHORT_ASK_WORDS` words, the previous ask is prepended as task context.
+
+Adding a framework: append a :class:`Rule` to :data:`RULES` (a name and a function from text to
+text), with a test built from a captured request of that framework.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+#: Roles whose messages are instructions for the model (skills are injected into the first).
+INSTRUCTION_ROLES = ("system", "developer")
+#: An ask shorter than this (in words) is completed with the previous ask.
+SHORT_ASK_WORDS = 4
+#: The query is cut to this many characters (the retrievers only need the gist).
+MAX_QUERY_CHARS = 2000
+FEEDBACK_MARK = "[Previous Feedback]"
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One way frameworks wrap the ask: ``apply(text) -> text`` removes the wrapping."""
+
+    name: str
+    apply: Callable[[str], str]
+
+
+def _remove_blocks(tags: tuple[str, ...]) -> Callable[[str], str]:
+    pattern = re.compile(r"<(%s)(?:\s[^>]*)?>.*?</\1>" % "|".join(map(re.escape, tags)),
+                         re.S | re.I)
+    return lambda text: pattern.sub("", text)
+
+
+#: Tagged context blocks that frameworks put beside the ask.
+CONTEXT_TAGS = ("system-reminder", "environment_details", "environment", "env", "context",
+                "workspace", "workspace_files", "files", "file", "tools", "available_tools",
+                "skills", "available_skills", "memory", "memories", "user-prompt-submit-hook",
+                "local-command-stdout", "command-name", "command-message", "reminder",
+                "runtime", "metadata")
+
+_CHANNELS = (r"WhatsApp|Telegram|Discord|Slack|Signal|iMessage|BlueBubbles|Google ?Chat|"
+             r"Matrix|Teams|Microsoft Teams|Mattermost|LINE|Zalo|WebChat|Web|SMS|Email|IRC|"
+             r"Nostr|Twitch|Feishu|Lark|DingTalk|WeChat|QQ")
+_TIMESTAMP = (r"\d{4}-\d{2}-\d{2}[ T]\d{1,2}:\d{2}|\d{1,2}:\d{2}(?::\d{2})?\s*(?:[AP]M)?\s*"
+              r"(?:UTC|GMT|[A-Z]{2,5}|[+-]\d{2}:?\d{2})")
+# "[Telegram Ann (@ann) id:42 +2m Mon 2026-03-16 09:30 GMT+8] text": a leading bracket that
+# names a channel or carries a timestamp
+_ENVELOPE = re.compile(r"\A\s*\[(?=[^\]\n]*(?:\b(?:%s)\b|%s))[^\]\n]{1,300}\]\s*"
+                       % (_CHANNELS, _TIMESTAMP), re.I)
+# "Conversation info (untrusted metadata):" / "Sender (untrusted metadata):" + fenced block
+_METADATA = re.compile(r"^[^\n]{0,80}\((?:untrusted )?metadata\):\s*\n```[^\n]*\n.*?\n```\s*",
+                       re.I | re.S | re.M)
+# leading "Current time: ..." / "Sender: ..." lines (only at the very start of the text)
+_HEADER_LINES = re.compile(r"\A\s*(?:(?:Current (?:time|date)|Timestamp|Sender|Channel|"
+                           r"Session(?: id)?|Message id|Chat id)\s*:[^\n]*\n\s*)+", re.I)
+# Claude-Code slash commands: the command's arguments are the ask
+_COMMAND_ARGS = re.compile(r"<command-args>(.*?)</command-args>", re.S)
+
+
+def _command_args(text: str) -> str:
+    found = _COMMAND_ARGS.search(text)
+    if found is None:
+        return text
+    return _COMMAND_ARGS.sub("", text) + "\n" + found.group(1)
+
+
+#: The rules, applied in order to every candidate user text.
+RULES: list[Rule] = [
+    Rule("command-args", _command_args),
+    Rule("context-blocks", _remove_blocks(CONTEXT_TAGS)),
+    Rule("metadata-sections", lambda text: _METADATA.sub("", text)),
+    Rule("envelope", lambda text: _ENVELOPE.sub("", text)),
+    Rule("header-lines", lambda text: _HEADER_LINES.sub("", text)),
+]
+
+
+@dataclass
+class Ask:
+    """What the user asked. ``text``: the retrieval query (ask plus task context, cut to
+    :data:`MAX_QUERY_CHARS`); ``ask``: the ask alone; ``message_index``: where it was found
+    (``None``: nowhere); ``feedback``: a feedback block that came with it; ``rules``: the rules
+    that changed the text; ``context``: the previous ask, when it was added."""
+
+    text: str = ""
+    ask: str = ""
+    message_index: int | None = None
+    feedback: str = ""
+    rules: list[str] = field(default_factory=list)
+    context: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"text": self.text, "ask": self.ask, "message_index": self.message_index,
+                "feedback": self.feedback, "rules": self.rules, "context": self.context}
+
+
+def content_text(content: Any) -> str:
+    """The text of a message ``content``: a string, or the text of a list of parts (OpenAI
+    ``text`` / ``input_text`` parts, Anthropic ``text`` blocks); other parts are skipped."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if isinstance(part, str):
+                texts.append(part)
+            elif isinstance(part, dict) and part.get("type") in ("text", "input_text", None) \
+                    and isinstance(part.get("text"), str):
+                texts.append(part["text"])
+        return "\n".join(texts)
+    return ""
+
+
+def _only_tool_results(content: Any) -> bool:
+    return isinstance(content, list) and bool(content) and all(
+        isinstance(p, dict) and p.get("type") == "tool_result" for p in content)
+
+
+def split_feedback(text: str) -> tuple[str, str]:
+    """``text`` -> (feedback, the rest). The feedback block starts at ``[Previous Feedback]``
+    and ends at the first blank line outside a code fence."""
+    head, mark, rest = text.partition(FEEDBACK_MARK)
+    if not mark:
+        return "", text
+    lines = rest.split("\n")
+    fence = False
+    for i, line in enumerate(lines):
+        if line.strip().startswith("```"):
+            fence = not fence
+        if not fence and i > 0 and not line.strip():
+            return "\n".join(lines[:i]).strip(), (head + "\n".join(lines[i + 1:])).strip()
+    return rest.strip(), head.strip()
+
+
+def clean(text: str) -> tuple[str, str, list[str]]:
+    """Apply :data:`RULES` and split off feedback: (ask, feedback, names of rules that fired)."""
+    fired = []
+    for rule in RULES:
+        new = rule.apply(text)
+        if new != text:
+            fired.append(rule.name)
+            text = new
+    feedback, text = split_feedback(text)
+    if feedback:
+        fired.append("feedback")
+    return " ".join(text.split()), " ".join(feedback.split()), fired
+
+
+def extract_ask(messages: list[dict[str, Any]] | None) -> Ask:
+    """The user's real ask in an OpenAI-style message list (see the module docstring)."""
+    found = Ask()
+    messages = messages if isinstance(messages, list) else []
+    for index in range(len(messages) - 1, -1, -1):
+        message = messages[index]
+        if not isinstance(message, dict) or message.get("role") != "user":
+            continue
+        content = message.get("content")
+        if _only_tool_results(content):
+            continue
+        ask, feedback, fired = clean(content_text(content))
+        if not ask:
+            if feedback and not found.feedback:
+                found.feedback, found.rules = feedback, fired
+            continue  # framework context or feedback alone: look further back
+        found = Ask(ask, ask, index, feedback or found.feedback, fired or found.rules)
+        break
+    if found.message_index is not None and len(found.ask.split()) < SHORT_ASK_WORDS:
+        previous = extract_ask(messages[:found.message_index])
+        if previous.ask:
+            found.context = previous.ask
+            found.text = f"{previous.ask}\n{found.ask}"
+    found.text = found.text[:MAX_QUERY_CHARS]
+    return found
