@@ -14,8 +14,12 @@ what this module does about it (every rule lives in :data:`RULES` or in :func:`e
   removed; a user message with nothing left is framework context, not the ask.
 - **Envelopes and metadata.** Chat gateways (OpenClaw and its channels) wrap the ask in a
   bracketed envelope with the channel, sender and a timestamp (``[Telegram Ann +2m Mon
-  2026-03-16 09:30 GMT+8] ...``), and may prepend metadata sections such as ``Conversation info
-  (untrusted metadata):`` followed by a fenced JSON block. Both are removed.
+  2026-03-16 09:30 GMT+8] ...``, or just ``[Mon 2026-11-23 11:30 UTC] ...`` from the OpenClaw
+  CLI), append a ``Runtime: agent=... | session=... | sessionId=...`` line to a session's first
+  message, end every request with a user message holding only
+  ``<<<BEGIN_OPENCLAW_INTERNAL_CONTEXT>>> ... <<<END_OPENCLAW_INTERNAL_CONTEXT>>>``, and may
+  prepend metadata sections such as ``Conversation info (untrusted metadata):`` followed by a
+  fenced JSON block. All of these are removed.
 - **Feedback prefixes.** A ``[Previous Feedback] ...`` block (the MetaClaw-Bench protocol, and a
   common way to pass a grader's verdict) is the outcome of the previous turn, not the new ask:
   it is split off into :attr:`Ask.feedback`.
@@ -77,6 +81,10 @@ _METADATA = re.compile(r"^[^\n]{0,80}\((?:untrusted )?metadata\):\s*\n```[^\n]*\
 # leading "Current time: ..." / "Sender: ..." lines (only at the very start of the text)
 _HEADER_LINES = re.compile(r"\A\s*(?:(?:Current (?:time|date)|Timestamp|Sender|Channel|"
                            r"Session(?: id)?|Message id|Chat id)\s*:[^\n]*\n\s*)+", re.I)
+# OpenClaw: "<<<BEGIN_OPENCLAW_INTERNAL_CONTEXT>>> ... <<<END_OPENCLAW_INTERNAL_CONTEXT>>>"
+_FENCED_CONTEXT = re.compile(r"<<<BEGIN_([A-Z0-9_]+)>>>.*?<<<END_\1>>>", re.S)
+# OpenClaw: "Runtime: agent=main | session=agent:main:main | sessionId=... | host=..." lines
+_RUNTIME_LINE = re.compile(r"^Runtime:[^\n]*\b(?:agent|session|sessionId)=[^\n]*$", re.M)
 # Claude-Code slash commands: the command's arguments are the ask
 _COMMAND_ARGS = re.compile(r"<command-args>(.*?)</command-args>", re.S)
 
@@ -92,6 +100,8 @@ def _command_args(text: str) -> str:
 RULES: list[Rule] = [
     Rule("command-args", _command_args),
     Rule("context-blocks", _remove_blocks(CONTEXT_TAGS)),
+    Rule("fenced-context", lambda text: _FENCED_CONTEXT.sub("", text)),
+    Rule("runtime-line", lambda text: _RUNTIME_LINE.sub("", text)),
     Rule("metadata-sections", lambda text: _METADATA.sub("", text)),
     Rule("envelope", lambda text: _ENVELOPE.sub("", text)),
     Rule("header-lines", lambda text: _HEADER_LINES.sub("", text)),

@@ -23,8 +23,9 @@ Upstream failures map to OpenAI error JSON with the right status: upstream HTTP 
 status and message, a timeout is 504, an unreachable upstream 502, and a stream the upstream drops
 midway ends with an SSE ``data: {"error": ...}`` event. Failed turns are recorded too.
 
-Session headers (compatible with upstream MetaClaw): ``X-Session-Id`` (or body ``session_id``;
-default ``"default"``), ``X-Turn-Type`` (``main`` | ``side``), ``X-Session-Done``. They and the
+Session headers (compatible with upstream MetaClaw): ``X-Session-Id`` (or body ``session_id``),
+``X-Turn-Type`` (``main`` | ``side``), ``X-Session-Done``. Clients that send none of them still
+get sessions and side-call detection: see :mod:`metaclaw.sessions` for the precedence. They and the
 client's ``Authorization`` header are never forwarded; the upstream key comes from the environment
 variable named by ``ProxyConfig.api_key_env`` and is never logged or stored.
 
@@ -52,6 +53,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from aiohttp import web
 
+from metaclaw import sessions
 from metaclaw.store import Store
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -59,12 +61,10 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger("metaclaw.proxy")
 
-TURN_TYPES = ("main", "side")
 #: Body fields understood by the proxy itself; removed before forwarding.
 PROXY_FIELDS = ("session_id", "turn_type", "session_done")
 #: Body fields recorded in their own columns rather than in ``request_params``.
 _OWN_COLUMNS = ("messages", "model", "stream")
-_TRUE = {"1", "true", "yes", "on"}
 NO_KEY = "sk-no-key"
 
 
@@ -382,6 +382,7 @@ class _Turn:
     stream: bool
     client_usage: bool          # the client asked for the usage chunk itself
     body: dict[str, Any]        # what is forwarded (model set, proxy fields removed)
+    identified_by: dict[str, str]  # which rule found the session and the turn type
 
 
 class ServedApp:
@@ -657,22 +658,18 @@ class Proxy(ServedApp):
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
                 raise bad(name, f"'{name}' must be a number")
 
-        session_id = request.headers.get("X-Session-Id") or body.get("session_id") or "default"
-        if not isinstance(session_id, str) or len(session_id) > 256:
-            raise bad("session_id", "the session id (X-Session-Id or body 'session_id') must be a "
-                                    "string of at most 256 characters")
-        turn_type = request.headers.get("X-Turn-Type") or body.get("turn_type") or "main"
-        if not isinstance(turn_type, str) or turn_type.strip().lower() not in TURN_TYPES:
-            raise bad("turn_type", f"X-Turn-Type must be 'main' or 'side', not {turn_type!r}")
-        done_value = request.headers.get("X-Session-Done", body.get("session_done", False))
-        done = done_value is True or str(done_value).strip().lower() in _TRUE
+        try:
+            identity = sessions.identify(request.headers, body)
+        except sessions.IdentityError as exc:
+            raise bad(exc.param, str(exc)) from None
 
         forward = {k: v for k, v in body.items() if k not in PROXY_FIELDS}
         forward["model"] = model
         client_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         if stream and self.config.stream_usage and not client_usage:
             forward["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
-        return _Turn(session_id, turn_type.strip().lower(), done, stream, client_usage, forward)
+        return _Turn(identity.session_id, identity.turn_type, identity.done, stream, client_usage,
+                     forward, identity.how)
 
     # -- retrieval (runs in a worker thread) ----------------------------------------------
     def _retrieve(self, messages: list[dict[str, Any]]) -> dict[str, Any]:
@@ -749,6 +746,7 @@ class Proxy(ServedApp):
         record: dict[str, Any] = {
             "session_id": turn.session_id,
             "turn_type": turn.turn_type,
+            "identified_by": turn.identified_by,
             "model": turn.body["model"],
             "stream": int(turn.stream),
             "request_messages": messages,

@@ -243,7 +243,10 @@ def test_side_turns_are_not_injected(proxy, double):
     assert upstream_body(double)["messages"] == messages
     row = last_turn(proxy)
     assert row["turn_type"] == "side" and row["injected_skills"] == []
-    assert row["session_id"] == "default"
+    # no session header: the conversation's fingerprint, never a shared "default" session
+    assert row["session_id"].startswith("conv-")
+    assert row["identified_by"] == {"session": "fingerprint:first-user-message",
+                                    "turn_type": "header:X-Turn-Type"}
 
 
 def test_session_id_from_body_and_session_done(proxy, double, workspace):

@@ -1,0 +1,194 @@
+"""Which session a request belongs to, and whether it is a main turn or a side call, without
+cooperation from the client.
+
+Many agents send no session header. The session id is taken from the first of these that the
+request carries (the precedence, documented and tested):
+
+1. the ``X-Session-Id`` header, then the body field ``session_id`` (MetaClaw's own, compatible
+   with upstream MetaClaw), then other frameworks' session headers (:data:`SESSION_HEADERS`);
+2. a session id in the body's ``metadata`` (``metadata.session_id``, or the ``session_<id>``
+   part of ``metadata.user_id`` that Claude-Code-style clients send);
+3. a session id the framework embeds in the conversation (:data:`EMBEDDED_SESSION`: OpenClaw
+   writes ``sessionId=<uuid>`` into a session's first user message);
+4. a fingerprint of the conversation: a hash of the body's ``user`` field and the first user
+   message as sent (frameworks resend the whole history each turn, so every turn of one
+   conversation carries the same first message, and its envelope's timestamp keeps two
+   conversations with the same opening apart): ``conv-<12 hex>``;
+5. ``unidentified`` for a request without any of these (no user message at all), logged.
+
+Nothing is ever lumped into a ``default`` session silently: :attr:`Identity.how` says which
+rule decided, and the proxy records it with the turn (``turns.identified_by``).
+
+Turn type: ``X-Turn-Type`` / body ``turn_type`` decide when given. Otherwise
+:data:`SIDE_CALL_RULES` recognise the side calls frameworks make beside the user's task (a title
+for the conversation, a summary or compaction of it, a quota or health probe, a sub-agent's
+call): they get no skills and never reach the support or query set. Everything else is ``main``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from metaclaw.asks import INSTRUCTION_ROLES, content_text
+
+log = logging.getLogger(__name__)
+
+TURN_TYPES = ("main", "side")
+MAX_SESSION_CHARS = 256
+#: Session headers of other frameworks, after ``X-Session-Id`` (first match wins).
+SESSION_HEADERS = ("X-Claude-Code-Session-Id", "X-Conversation-Id", "X-Thread-Id",
+                   "Session-Id", "Conversation-Id")
+#: A session id embedded in message text (OpenClaw's runtime line: ``sessionId=<uuid>``).
+EMBEDDED_SESSION = re.compile(r"\bsessionId=([A-Za-z0-9][A-Za-z0-9._:-]{5,127})")
+_METADATA_SESSION = re.compile(r"session_([A-Za-z0-9-]{6,128})")
+# printable characters only: a session id is shown in tables and terminals
+_SESSION_OK = re.compile(r"[^\x00-\x1f\x7f-\x9f]+")
+
+
+class IdentityError(ValueError):
+    """A session id or turn type the client gave is not acceptable; ``param`` names it."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class Identity:
+    """``session_id``, ``turn_type``, ``done`` (the client closed the session) and ``how``:
+    which rule decided each (``{"session": ..., "turn_type": ...}``)."""
+
+    session_id: str
+    turn_type: str
+    done: bool
+    how: dict[str, str]
+
+
+@dataclass(frozen=True)
+class SideCallRule:
+    """A kind of side call: ``matches(body, instructions, last_user_text) -> bool``."""
+
+    name: str
+    matches: Callable[[dict[str, Any], str, str], bool]
+
+
+def _says(*patterns: str) -> Callable[[dict[str, Any], str, str], bool]:
+    pattern = re.compile("|".join(patterns), re.I)
+    return lambda body, instructions, last: bool(pattern.search(instructions)
+                                                 or pattern.search(last[:2000]))
+
+
+def _tiny_probe(body: dict[str, Any], instructions: str, last: str) -> bool:
+    limit = body.get("max_tokens", body.get("max_completion_tokens"))
+    return (isinstance(limit, int) and not isinstance(limit, bool) and limit <= 4
+            and not body.get("tools"))
+
+
+def _sub_agent(body: dict[str, Any], instructions: str, last: str) -> bool:
+    return bool(re.search(r"\bsession=agent:[^|\s]*:subagent:", instructions + "\n" + last))
+
+
+#: How side calls are recognised (first match wins); extend for a new framework.
+SIDE_CALL_RULES: list[SideCallRule] = [
+    SideCallRule("title", _says(
+        r"\b(?:generate|write|create|suggest|give)\b[^.\n]{0,40}\btitle\b[^.\n]{0,60}"
+        r"\b(?:conversation|chat|session|thread)\b",
+        r"\btitle\b[^.\n]{0,20}\b(?:of|for)\b[^.\n]{0,20}\b(?:this|the) (?:conversation|chat)\b")),
+    SideCallRule("summary", _says(
+        r"\b(?:summari[sz]e|create a (?:detailed )?summary of|compact)\b[^.\n]{0,40}"
+        r"\b(?:conversation|chat history|session|transcript)\b")),
+    SideCallRule("quota-probe", _tiny_probe),
+    SideCallRule("sub-agent", _sub_agent),
+]
+
+
+def _header(headers: Mapping[str, str], name: str) -> str | None:
+    value = headers.get(name)
+    return value if value else None
+
+
+def _check_session(value: Any, where: str) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise IdentityError("session_id", f"the session id ({where}) must be a non-empty string")
+    value = value.strip()
+    if len(value) > MAX_SESSION_CHARS or not _SESSION_OK.fullmatch(value):
+        raise IdentityError("session_id", f"the session id ({where}) must be at most "
+                                          f"{MAX_SESSION_CHARS} printable characters (no control "
+                                          "characters)")
+    return value
+
+
+def _first_user_text(messages: list[Any]) -> str | None:
+    for message in messages:
+        if isinstance(message, dict) and message.get("role") == "user":
+            return content_text(message.get("content"))
+    return None
+
+
+def session_of(headers: Mapping[str, str], body: dict[str, Any]) -> tuple[str, str]:
+    """(session id, which rule found it) by the precedence in the module docstring."""
+    for name in ("X-Session-Id",):
+        if (value := _header(headers, name)) is not None:
+            return _check_session(value, f"header {name}"), f"header:{name}"
+    if body.get("session_id") is not None:
+        return _check_session(body["session_id"], "body 'session_id'"), "body:session_id"
+    for name in SESSION_HEADERS:
+        if (value := _header(headers, name)) is not None:
+            return _check_session(value, f"header {name}"), f"header:{name}"
+    metadata = body.get("metadata") if isinstance(body.get("metadata"), dict) else {}
+    if isinstance(metadata.get("session_id"), str) and metadata["session_id"].strip():
+        return _check_session(metadata["session_id"], "metadata.session_id"), "metadata:session_id"
+    if isinstance(metadata.get("user_id"), str):
+        found = _METADATA_SESSION.search(metadata["user_id"])
+        if found:
+            return found.group(1), "metadata:user_id"
+    messages = body.get("messages") if isinstance(body.get("messages"), list) else []
+    for message in messages:
+        if isinstance(message, dict) and message.get("role") in ("user", *INSTRUCTION_ROLES):
+            found = EMBEDDED_SESSION.search(content_text(message.get("content")))
+            if found:
+                return found.group(1), "message:sessionId"
+    first = _first_user_text(messages)
+    if first is not None:
+        user = body.get("user") if isinstance(body.get("user"), str) else ""
+        digest = hashlib.sha256(f"{user}\x00{first}".encode("utf-8", "replace")).hexdigest()
+        return f"conv-{digest[:12]}", "fingerprint:first-user-message"
+    log.warning("a request carries no session id and no user message; recorded as "
+                "'unidentified' (send X-Session-Id to group its turns)")
+    return "unidentified", "none"
+
+
+def turn_type_of(headers: Mapping[str, str], body: dict[str, Any]) -> tuple[str, str]:
+    """(``main`` | ``side``, which rule decided)."""
+    given = _header(headers, "X-Turn-Type") or body.get("turn_type")
+    if given is not None:
+        if not isinstance(given, str) or given.strip().lower() not in TURN_TYPES:
+            raise IdentityError("turn_type", f"X-Turn-Type must be 'main' or 'side', not {given!r}")
+        how = "header:X-Turn-Type" if _header(headers, "X-Turn-Type") else "body:turn_type"
+        return given.strip().lower(), how
+    messages = body.get("messages") if isinstance(body.get("messages"), list) else []
+    instructions = "\n".join(content_text(m.get("content")) for m in messages
+                             if isinstance(m, dict) and m.get("role") in INSTRUCTION_ROLES)
+    last = next((content_text(m.get("content")) for m in reversed(messages)
+                 if isinstance(m, dict) and m.get("role") == "user"), "")
+    for rule in SIDE_CALL_RULES:
+        if rule.matches(body, instructions, last):
+            return "side", f"rule:{rule.name}"
+    return "main", "default"
+
+
+_TRUE = {"1", "true", "yes", "on"}
+
+
+def identify(headers: Mapping[str, str], body: dict[str, Any]) -> Identity:
+    """The session, turn type and done flag of a request (raises :class:`IdentityError` for a
+    session id or turn type the client gave that cannot be accepted)."""
+    session_id, session_how = session_of(headers, body)
+    turn_type, type_how = turn_type_of(headers, body)
+    done_value = headers.get("X-Session-Done", body.get("session_done", False))
+    done = done_value is True or str(done_value).strip().lower() in _TRUE
+    return Identity(session_id, turn_type, done, {"session": session_how, "turn_type": type_how})

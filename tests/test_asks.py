@@ -1,0 +1,121 @@
+"""Finding the user's real ask in the shapes agent frameworks send (captured requests of the real
+OpenClaw CLI, Claude-Code-style context blocks, plain SDK calls), and fuzzing the extractor."""
+
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from metaclaw import asks
+from metaclaw.asks import Rule, extract_ask
+from metaclaw.retrieval import inject
+
+FIXTURES = Path(__file__).parent / "fixtures" / "requests"
+
+
+def captured(client: str, name: str) -> dict:
+    return json.loads((FIXTURES / client / f"{name}.json").read_text())
+
+
+@pytest.mark.parametrize("name, ask", [
+    ("001", "Rename notes.txt to notes-2026.txt in my workspace"),   # first turn of a session
+    ("002", "Thanks. Did it work?"),                                 # second turn
+    ("003", "What is in notes.txt?"),
+    ("004", "What is in notes.txt?"),        # after the read tool's result: the ask is behind it
+    ("005", "Rename notes.txt to notes-2026.txt in my workspace"),   # a new session
+    ("006", "And now list my workspace files."),
+])
+def test_openclaw_requests_yield_the_users_ask(name, ask):
+    """Real OpenClaw requests: the ask wears a timestamp envelope, the session's first message
+    carries a runtime line, and every request ends with an internal-context user message."""
+    body = captured("openclaw", name)["body"]
+    assert body["messages"][-1]["role"] == "user"  # the last user message is not the ask
+    found = extract_ask(body["messages"])
+    assert found.ask == ask and found.text == ask
+    assert "envelope" in found.rules
+
+
+def test_claude_code_style_context_blocks_and_slash_commands():
+    reminder = "<system-reminder>\nAs you answer, use this context: CLAUDE.md says ...\n</system-reminder>"
+    messages = [{"role": "user", "content": [
+        {"type": "text", "text": reminder},
+        {"type": "text", "text": "Fix the flaky test in tests/test_api.py"},
+        {"type": "text", "text": "<system-reminder>todo list is empty</system-reminder>"}]}]
+    assert extract_ask(messages).ask == "Fix the flaky test in tests/test_api.py"
+    # the tool loop: assistant tool_use, then a user message made only of tool results
+    messages += [{"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "Read",
+                                                    "input": {"path": "tests/test_api.py"}}]},
+                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                                               "content": "def test_x(): ..."}]},
+                 {"role": "user", "content": reminder}]
+    found = extract_ask(messages)
+    assert found.ask == "Fix the flaky test in tests/test_api.py" and found.message_index == 0
+    slash = [{"role": "user", "content": "<command-name>/review</command-name>"
+                                         "<command-message>review</command-message>"
+                                         "<command-args>the retry logic in client.py</command-args>"}]
+    assert extract_ask(slash).ask == "the retry logic in client.py"
+
+
+def test_plain_sdk_shapes_parts_tool_results_and_developer_role():
+    messages = [{"role": "developer", "content": "Be terse."},
+                {"role": "user", "content": [{"type": "text", "text": "keep a copy"},
+                                             {"type": "image_url", "image_url": {"url": "x"}},
+                                             {"type": "text", "text": "of config.yaml"}]},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "1", "type": "function", "function": {"name": "cp", "arguments": "{}"}}]},
+                {"role": "tool", "tool_call_id": "1", "content": "copied"}]
+    found = extract_ask(messages)
+    assert found.ask == "keep a copy of config.yaml" and found.message_index == 1
+    injected = inject(messages, "## Skills")
+    assert injected[0] == {"role": "developer", "content": "Be terse.\n\n## Skills"}
+    assert len(injected) == len(messages)  # no second system message next to the developer one
+
+
+def test_channel_envelopes_metadata_and_feedback_prefixes():
+    message = ("Conversation info (untrusted metadata):\n```json\n{\"chat_id\": 42}\n```\n\n"
+               "[Telegram Ann (@ann) id:42 +2m Mon 2026-03-16 09:30 GMT+8] book the room for 3pm")
+    assert extract_ask([{"role": "user", "content": message}]).ask == "book the room for 3pm"
+    fed = extract_ask([{"role": "user", "content": "[Previous Feedback] incorrect: dates need an "
+                                                   "offset.\n\nWrite the standup notes to notes.md"}])
+    assert fed.ask == "Write the standup notes to notes.md"
+    assert fed.feedback == "incorrect: dates need an offset." and "feedback" in fed.rules
+    # feedback on its own (after a task's last round): the ask is the one before it
+    alone = extract_ask([{"role": "user", "content": "Export the report as CSV"},
+                         {"role": "assistant", "content": "done"},
+                         {"role": "user", "content": "[Previous Feedback] correct"}])
+    assert alone.ask == "Export the report as CSV" and alone.feedback == "correct"
+
+
+def test_a_short_follow_up_carries_the_previous_ask_as_context():
+    found = extract_ask([{"role": "user", "content": "Deploy the staging branch"},
+                         {"role": "assistant", "content": "Shall I run the migrations first?"},
+                         {"role": "user", "content": "yes"}])
+    assert found.ask == "yes" and found.context == "Deploy the staging branch"
+    assert found.text == "Deploy the staging branch\nyes"
+
+
+def test_a_new_framework_is_one_rule(monkeypatch):
+    wrapped = [{"role": "user", "content": "@@ctx: repo=x @@\nsummarise the open pull requests"}]
+    assert extract_ask(wrapped).ask.startswith("@@ctx")
+    monkeypatch.setattr(asks, "RULES", [*asks.RULES, Rule(
+        "at-context", lambda text: text.split("@@\n", 1)[-1])])
+    found = extract_ask(wrapped)
+    assert found.ask == "summarise the open pull requests" and found.rules == ["at-context"]
+
+
+_json = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=40),
+                     lambda inner: st.lists(inner, max_size=4)
+                     | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=12)
+_message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "developer",
+                                                           "assistant", "tool", "x"]),
+                                  "content": _json | st.text(max_size=300)})
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_message | _json, max_size=8))
+def test_the_extractor_never_fails_on_any_message_list(messages):
+    found = extract_ask(messages)
+    assert isinstance(found.text, str) and len(found.text) <= asks.MAX_QUERY_CHARS
+    assert found.message_index is None or messages[found.message_index]["role"] == "user"

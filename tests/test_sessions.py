@@ -1,0 +1,127 @@
+"""Sessions and turn types without cooperation from the client: the documented precedence, real
+OpenClaw requests, side-call rules, hostile session ids, and a captured request replayed
+through the proxy."""
+
+import json
+
+import aiohttp
+import pytest
+
+from metaclaw.double import DoubleServer, Reply
+from metaclaw.proxy import Proxy, ProxyConfig
+from metaclaw.sessions import IdentityError, identify
+from metaclaw.skills import Skill, SkillLibrary
+from test_asks import captured
+
+ASK = [{"role": "user", "content": "hello"}]
+
+
+@pytest.mark.parametrize("headers, body, session, how", [
+    ({"X-Session-Id": "h"}, {"session_id": "b", "messages": ASK}, "h", "header:X-Session-Id"),
+    ({}, {"session_id": "b", "metadata": {"session_id": "m"}, "messages": ASK}, "b",
+     "body:session_id"),
+    ({"X-Conversation-Id": "c1"}, {"metadata": {"session_id": "m"}, "messages": ASK}, "c1",
+     "header:X-Conversation-Id"),
+    ({}, {"metadata": {"session_id": "m"}, "messages": ASK}, "m", "metadata:session_id"),
+    ({}, {"metadata": {"user_id": "user_ab12_account_cd34_session_0f1e2d3c-aaaa"},
+          "messages": ASK}, "0f1e2d3c-aaaa", "metadata:user_id"),
+    ({}, {"messages": [{"role": "user", "content": "hi\n\nRuntime: agent=main | "
+                                                   "sessionId=7d3f0c1a-9b2e | host=x"}]},
+     "7d3f0c1a-9b2e", "message:sessionId"),
+])
+def test_session_precedence(headers, body, session, how):
+    identity = identify(headers, body)
+    assert (identity.session_id, identity.how["session"]) == (session, how)
+
+
+def test_without_any_id_the_conversation_fingerprint_keeps_conversations_apart():
+    first = {"role": "user", "content": "[Mon 2026-11-23 11:30 UTC] plan my week"}
+    turn1 = identify({}, {"messages": [first]})
+    turn2 = identify({}, {"messages": [first, {"role": "assistant", "content": "ok"},
+                                       {"role": "user", "content": "and next week?"}]})
+    other = identify({}, {"messages": [{"role": "user", "content": "[Mon 2026-11-23 11:42 UTC] "
+                                                                   "plan my week"}]})
+    another_user = identify({}, {"user": "bob", "messages": [first]})
+    assert turn1.session_id == turn2.session_id and turn1.session_id.startswith("conv-")
+    assert len({turn1.session_id, other.session_id, another_user.session_id}) == 3
+    assert turn1.how["session"] == "fingerprint:first-user-message"
+    assert identify({}, {"messages": []}).session_id == "unidentified"
+
+
+def test_real_openclaw_requests_are_grouped_by_openclaws_own_session():
+    ids = {name: identify(captured("openclaw", name)["headers"], captured("openclaw", name)["body"])
+           for name in ("001", "002", "003", "004", "005", "006")}
+    first = ids["001"].session_id
+    assert first == "f97f23cd-b4ef-4851-aaa7-85ec94740015"
+    assert all(ids[n].session_id == first for n in ("002", "003", "004", "006"))
+    assert ids["005"].session_id == "36d02417-ff33-4cae-9520-e437d24c973a"  # `--session-id`
+    assert all(i.turn_type == "main" and i.how == {"session": "message:sessionId",
+                                                   "turn_type": "default"} for i in ids.values())
+
+
+@pytest.mark.parametrize("body, rule", [
+    ({"messages": [{"role": "system", "content": "Generate a concise title for this "
+                                                 "conversation in 3-7 words."},
+                   {"role": "user", "content": "how do I bake bread"}]}, "title"),
+    ({"messages": [{"role": "user", "content": "Your task is to create a detailed summary of the "
+                                               "conversation so far, paying attention to ..."}]},
+     "summary"),
+    ({"max_tokens": 1, "messages": [{"role": "user", "content": "quota"}]}, "quota-probe"),
+    ({"messages": [{"role": "user", "content": "do the subtask\n\nRuntime: agent=main | "
+                                               "session=agent:main:subagent:42 | sessionId=abcdef1"}]},
+     "sub-agent"),
+])
+def test_side_calls_are_recognised(body, rule):
+    identity = identify({}, body)
+    assert identity.turn_type == "side" and identity.how["turn_type"] == f"rule:{rule}"
+    # the client's own word wins
+    assert identify({"X-Turn-Type": "main"}, body).turn_type == "main"
+
+
+def test_a_user_asking_about_titles_is_still_a_main_turn():
+    body = {"tools": [{"type": "function", "function": {"name": "write"}}],
+            "messages": [{"role": "user", "content": "Change the title of README.md to 'Intro'"}]}
+    assert identify({}, body).turn_type == "main"
+
+
+@pytest.mark.parametrize("value", ["a\x1b[31mred", "x" * 300, "   ", "tab\tin"])
+def test_hostile_session_ids_are_refused(value):
+    with pytest.raises(IdentityError) as caught:
+        identify({"X-Session-Id": value}, {"messages": ASK})
+    assert caught.value.param == "session_id"
+    with pytest.raises(IdentityError):
+        identify({}, {"session_id": value, "messages": ASK})
+
+
+async def test_a_captured_openclaw_request_through_the_proxy(tmp_path, store):
+    """The request OpenClaw really sent, replayed byte for byte: the fitting skill is injected,
+    the turn is recorded under OpenClaw's session with its retrieval query and scores."""
+    skills = SkillLibrary(tmp_path / "skills", store)
+    for name, description in [("rename-files-safely", "Rename or move files in the workspace "
+                               "without overwriting existing files."),
+                              ("calendar-invites", "Create calendar invites with a time zone."),
+                              ("git-commit-messages", "Write conventional commit messages.")]:
+        skills.add(Skill(name=name, description=description, category="ops", body="..."))
+    request = captured("openclaw", "001")
+    with DoubleServer([Reply("OK")]) as upstream:
+        proxy = Proxy(ProxyConfig(upstream_url=upstream.url, retrieval="lexical", top_k=1),
+                      store, skills).start()
+        try:
+            async with aiohttp.ClientSession() as http:
+                async with http.post(proxy.url + "/chat/completions",
+                                     data=json.dumps(request["body"]).encode(),
+                                     headers={"Content-Type": "application/json",
+                                              "User-Agent": request["headers"]["User-Agent"]}) as r:
+                    assert r.status == 200
+                    assert r.headers["X-MetaClaw-Injected-Skills"] == "rename-files-safely"
+                    await r.read()
+            proxy.flush()
+        finally:
+            proxy.stop()
+    turn = store.turns()[-1]
+    assert turn["session_id"] == "f97f23cd-b4ef-4851-aaa7-85ec94740015"
+    assert turn["retrieval_query"] == "Rename notes.txt to notes-2026.txt in my workspace"
+    assert [s["name"] for s in turn["retrieval_scores"]] == ["rename-files-safely"]
+    system = upstream.requests[-1]["body"]["messages"][0]["content"]
+    assert system.startswith("<!-- openclaw:attempt:STABLE -->")  # the client's prefix intact
+    assert "rename-files-safely" in system
