@@ -266,6 +266,30 @@ def cmd_events(args: argparse.Namespace) -> int:
     return 0
 
 
+@command("wire")
+def cmd_wire(args: argparse.Namespace) -> int:
+    from metaclaw import wire
+
+    path = wire.openclaw_config_path(args.config)
+    try:
+        if args.undo:
+            print(wire.undo(path))
+            return 0
+        plan = wire.plan_openclaw(path, f"http://{args.host}:{args.port}/v1", token=args.token,
+                                  model=args.model)
+        if args.dry_run:
+            print(plan.diff or f"{path}: nothing would change", end="")
+            print(f"\n(dry run: nothing written; then run: {plan.serve_command(args.port)})")
+            return 0
+        wire.apply(plan)
+    except wire.WireError as exc:
+        raise CliError(str(exc)) from None
+    print(f"wired OpenClaw ({path}) to the proxy at http://{args.host}:{args.port}/v1 "
+          f"(model {plan.model}; the original is kept, `metaclaw wire openclaw --undo` restores "
+          f"it).\nNow run: {plan.serve_command(args.port)}")
+    return 0
+
+
 @command("buffers")
 def cmd_buffers(args: argparse.Namespace) -> int:
     from metaclaw import buffers
@@ -537,6 +561,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--level", choices=["info", "warning", "error"])
     p.add_argument("--last", type=int, default=50, help="the last N events (default 50)")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
+
+    p = sub.add_parser("wire", help="point a real agent at the proxy (patch its provider config)")
+    p.add_argument("agent", choices=["openclaw"])
+    p.add_argument("--config", help="the agent's config file (default: $OPENCLAW_CONFIG_PATH, "
+                                    "$OPENCLAW_STATE_DIR/openclaw.json or ~/.openclaw/openclaw.json)")
+    p.add_argument("--host", default="127.0.0.1", help="where the proxy listens")
+    p.add_argument("--port", type=int, default=30000, help="the proxy's port (default 30000)")
+    p.add_argument("--token", default=os.environ.get("METACLAW_PROXY_TOKEN"),
+                   help="the proxy token, used as the agent's API key (env METACLAW_PROXY_TOKEN)")
+    p.add_argument("--model", help="the model to serve (default: the agent's primary model)")
+    p.add_argument("--dry-run", action="store_true", help="show the diff, write nothing")
+    p.add_argument("--undo", action="store_true", help="restore the configuration")
 
     p = sub.add_parser("buffers", help="support / query buffers by generation")
     p.add_argument("--db", default=str(DEFAULT_DB))

@@ -1,0 +1,182 @@
+"""Put a real agent behind the proxy: patch its provider configuration, show the diff, undo it.
+
+OpenClaw (``metaclaw wire openclaw``). OpenClaw reads a JSON5 file: ``$OPENCLAW_CONFIG_PATH``,
+else ``$OPENCLAW_STATE_DIR/openclaw.json``, else ``~/.openclaw/openclaw.json``. Models come from
+``models.providers.<name>`` (``baseUrl``, ``apiKey``, ``api``, optional static ``headers``,
+``models``), and the agent's model is ``agents.defaults.model.primary = "<provider>/<model>"``.
+Wiring adds a provider ``metaclaw`` pointing at the proxy (``api: openai-completions``, the
+proxy token as its key, the models of the provider the agent used) and makes it the primary;
+the original provider is left as it was, and ``metaclaw serve --upstream`` gets its URL (the
+command to run is printed). OpenClaw's static headers cannot carry a per-session id; none is
+needed: OpenClaw writes ``sessionId=<uuid>`` into each session's first message, which
+:mod:`metaclaw.sessions` reads, and its side calls are recognised by their content.
+
+The first wiring keeps the file's exact bytes in ``<config>.metaclaw-backup`` (JSON5 comments
+included; the patched file itself is written as plain JSON, which JSON5 accepts); ``--undo``
+restores them when the file is still as wired, and otherwise removes only what wiring added.
+
+Any other OpenAI-compatible agent: point its base URL at ``http://127.0.0.1:<port>/v1`` and
+its API key at the proxy token (README, "Point a real agent at the proxy").
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+PROVIDER = "metaclaw"
+BACKUP_SUFFIX = ".metaclaw-backup"
+STATE_SUFFIX = ".metaclaw-wire.json"
+
+
+class WireError(RuntimeError):
+    """The agent's configuration cannot be wired; the message says what to change."""
+
+
+@dataclass
+class WirePlan:
+    """What wiring would do: ``before`` / ``after`` file texts, where the agent's model was
+    served (``upstream``, ``model``), and the ``serve`` command to run."""
+
+    path: Path
+    before: str
+    after: str
+    upstream: str | None
+    model: str
+    primary_before: str | None
+
+    @property
+    def diff(self) -> str:
+        return "".join(difflib.unified_diff(
+            self.before.splitlines(keepends=True), self.after.splitlines(keepends=True),
+            fromfile=f"{self.path} (now)", tofile=f"{self.path} (wired)"))
+
+    def serve_command(self, port: int) -> str:
+        upstream = self.upstream or "<your provider's OpenAI-compatible base URL>"
+        return (f"METACLAW_UPSTREAM_API_KEY=<the provider's key> metaclaw serve --upstream "
+                f"{upstream} --model {self.model} --port {port}")
+
+
+def openclaw_config_path(explicit: str | os.PathLike[str] | None = None) -> Path:
+    """Where OpenClaw reads its configuration (see the module docstring)."""
+    if explicit:
+        return Path(explicit).expanduser()
+    if os.environ.get("OPENCLAW_CONFIG_PATH"):
+        return Path(os.environ["OPENCLAW_CONFIG_PATH"]).expanduser()
+    state = os.environ.get("OPENCLAW_STATE_DIR")
+    return (Path(state).expanduser() if state else Path.home() / ".openclaw") / "openclaw.json"
+
+
+def _read(path: Path) -> tuple[str, dict[str, Any]]:
+    import json5
+
+    if not path.exists():
+        return "", {}
+    text = path.read_text(encoding="utf-8")
+    try:
+        config = json5.loads(text) if text.strip() else {}
+    except ValueError as exc:
+        raise WireError(f"cannot read {path} as JSON5 ({exc}); fix the file or pass --config") \
+            from None
+    if not isinstance(config, dict):
+        raise WireError(f"{path} does not hold a JSON object; fix the file or pass --config")
+    return text, config
+
+
+def _dig(config: dict[str, Any], *keys: str) -> Any:
+    for key in keys:
+        config = config.get(key) if isinstance(config, dict) else None
+    return config
+
+
+def plan_openclaw(config_path: Path, proxy_url: str, *, token: str | None = None,
+                  model: str | None = None) -> WirePlan:
+    """The wiring of the OpenClaw configuration at ``config_path`` to the proxy at
+    ``proxy_url`` (``http://host:port/v1``); nothing is written."""
+    before, config = _read(config_path)
+    primary = _dig(config, "agents", "defaults", "model", "primary")
+    if isinstance(primary, dict):  # older layouts keep {"primary": {...}}
+        primary = None
+    source_name, _, source_model = (primary or "").partition("/")
+    if source_name == PROVIDER:
+        raise WireError(f"{config_path} is already wired to MetaClaw (primary model {primary}); "
+                        "run `metaclaw wire openclaw --undo` first to re-wire")
+    providers = _dig(config, "models", "providers") or {}
+    source = providers.get(source_name) if isinstance(providers, dict) else None
+    model = model or source_model
+    if not model:
+        raise WireError(f"{config_path} names no primary model (agents.defaults.model.primary); "
+                        "pass --model NAME (the model the proxy should serve)")
+    models = [dict(m) for m in (source or {}).get("models") or [] if isinstance(m, dict)]
+    if not any(m.get("id") == model for m in models):
+        models.append({"id": model, "name": model, "input": ["text"], "contextWindow": 128000,
+                       "maxTokens": 8192})
+    wired = json.loads(json.dumps(config))
+    wired.setdefault("models", {}).setdefault("providers", {})[PROVIDER] = {
+        "baseUrl": proxy_url, "apiKey": token or "metaclaw", "api": "openai-completions",
+        "headers": {"X-MetaClaw-Client": "openclaw"}, "models": models}
+    if "mode" not in wired["models"]:
+        wired["models"]["mode"] = "merge"  # keep OpenClaw's built-in providers
+    defaults = wired.setdefault("agents", {}).setdefault("defaults", {})
+    if not isinstance(defaults.get("model"), dict):
+        defaults["model"] = {}
+    defaults["model"]["primary"] = f"{PROVIDER}/{model}"
+    upstream = (source or {}).get("baseUrl")
+    return WirePlan(config_path, before, json.dumps(wired, indent=2, ensure_ascii=False) + "\n",
+                    upstream if isinstance(upstream, str) else None, model, primary)
+
+
+def _sha(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def apply(plan: WirePlan) -> None:
+    """Write the wired configuration, keeping the original bytes for :func:`undo`."""
+    path = plan.path
+    backup, state = Path(f"{path}{BACKUP_SUFFIX}"), Path(f"{path}{STATE_SUFFIX}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not backup.exists():
+        backup.write_text(plan.before, encoding="utf-8")
+    state.write_text(json.dumps({"written_sha256": _sha(plan.after), "existed": bool(plan.before),
+                                 "primary_before": plan.primary_before}), encoding="utf-8")
+    tmp = path.with_name(f".{path.name}.metaclaw-tmp")
+    tmp.write_text(plan.after, encoding="utf-8")
+    os.replace(tmp, path)  # OpenClaw replaces its config atomically too: never a half file
+
+
+def undo(config_path: Path) -> str:
+    """Restore the configuration as it was before wiring; returns what was done."""
+    backup, state = Path(f"{config_path}{BACKUP_SUFFIX}"), Path(f"{config_path}{STATE_SUFFIX}")
+    if not state.exists():
+        raise WireError(f"{config_path} was not wired by metaclaw (no {state.name}); nothing to "
+                        "undo")
+    info = json.loads(state.read_text(encoding="utf-8"))
+    current, config = _read(config_path)
+    if _sha(current) == info["written_sha256"]:
+        original = backup.read_text(encoding="utf-8") if backup.exists() else ""
+        if info.get("existed"):
+            config_path.write_text(original, encoding="utf-8")
+        else:
+            config_path.unlink(missing_ok=True)
+        done = f"restored {config_path} exactly as it was before wiring"
+    else:  # edited since: take back only what wiring added
+        (_dig(config, "models", "providers") or {}).pop(PROVIDER, None)
+        model = _dig(config, "agents", "defaults", "model")
+        if isinstance(model, dict) and str(model.get("primary", "")).startswith(f"{PROVIDER}/"):
+            if info.get("primary_before"):
+                model["primary"] = info["primary_before"]
+            else:
+                model.pop("primary")
+        config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n",
+                               encoding="utf-8")
+        done = (f"{config_path} changed since wiring: removed the '{PROVIDER}' provider and "
+                f"restored the primary model ({info.get('primary_before') or 'unset'}); other "
+                "edits kept")
+    backup.unlink(missing_ok=True)
+    state.unlink(missing_ok=True)
+    return done

@@ -1,0 +1,126 @@
+"""`metaclaw wire openclaw`: dry run, apply, undo; and a real OpenClaw turn through `metaclaw
+serve` (runs when the `openclaw` CLI from npm and Node >= 22 are installed)."""
+
+import json
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from metaclaw.double import DoubleServer, Reply
+from metaclaw.store import Store
+from test_cli import CLI, free_port, run_cli, wait_for_port, write_skill
+
+ORIGINAL = """// my OpenClaw config (JSON5: comments and trailing commas)
+{
+  models: {
+    providers: {
+      acme: {baseUrl: "https://llm.acme.test/v1", apiKey: "sk-acme", api: "openai-completions",
+             models: [{id: "acme-large", name: "Acme large", contextWindow: 64000}],},
+    },
+  },
+  agents: {defaults: {model: {primary: "acme/acme-large"}, workspace: "~/ws"}},
+}
+"""
+
+
+def test_wire_dry_run_apply_and_undo(tmp_path):
+    config = tmp_path / "openclaw.json"
+    config.write_text(ORIGINAL)
+    dry = run_cli("wire", "openclaw", "--config", config, "--port", 31000, "--dry-run").stdout
+    assert '"primary": "metaclaw/acme-large"' in dry and "dry run: nothing written" in dry
+    assert "--upstream https://llm.acme.test/v1 --model acme-large --port 31000" in dry
+    assert config.read_text() == ORIGINAL
+
+    out = run_cli("wire", "openclaw", "--config", config, "--port", 31000, "--token", "tok").stdout
+    wired = json.loads(config.read_text())
+    provider = wired["models"]["providers"]["metaclaw"]
+    assert provider["baseUrl"] == "http://127.0.0.1:31000/v1" and provider["apiKey"] == "tok"
+    assert provider["models"][0]["id"] == "acme-large" and provider["api"] == "openai-completions"
+    assert wired["agents"]["defaults"]["model"]["primary"] == "metaclaw/acme-large"
+    assert wired["models"]["providers"]["acme"]["apiKey"] == "sk-acme"  # untouched
+    assert "Now run:" in out
+    again = run_cli("wire", "openclaw", "--config", config, check=False)
+    assert again.returncode == 2 and "already wired" in again.stderr
+
+    run_cli("wire", "openclaw", "--config", config, "--undo")
+    assert config.read_text() == ORIGINAL  # byte for byte, comments included
+
+    # edited after wiring: undo takes back only what wiring added
+    run_cli("wire", "openclaw", "--config", config)
+    edited = json.loads(config.read_text())
+    edited["agents"]["defaults"]["workspace"] = "~/elsewhere"
+    config.write_text(json.dumps(edited))
+    assert "other edits kept" in run_cli("wire", "openclaw", "--config", config, "--undo").stdout
+    final = json.loads(config.read_text())
+    assert "metaclaw" not in final["models"]["providers"]
+    assert final["agents"]["defaults"] == {"model": {"primary": "acme/acme-large"},
+                                           "workspace": "~/elsewhere"}
+    missing = run_cli("wire", "openclaw", "--config", config, "--undo", check=False)
+    assert missing.returncode == 2 and "not wired" in missing.stderr
+
+
+def _openclaw() -> str | None:
+    binary = shutil.which("openclaw")
+    node = shutil.which("node")
+    if not binary or not node:
+        return None
+    version = subprocess.run([node, "--version"], capture_output=True, text=True).stdout
+    return binary if version.startswith("v") and int(version[1:].split(".")[0]) >= 22 else None
+
+
+@pytest.mark.skipif(_openclaw() is None, reason="the OpenClaw CLI (npm `openclaw`) with Node >= 22 "
+                                                "is not installed; .ci/run installs both")
+def test_a_real_openclaw_turn_through_metaclaw_serve(tmp_path):
+    home, workspace = tmp_path / "home", tmp_path / "workspace"
+    home.mkdir()
+    workspace.mkdir()
+    (workspace / "notes.txt").write_text("buy milk\n")
+    skills = tmp_path / "skills"
+    write_skill(skills, "rename-files-safely", "Rename or move files in the workspace without "
+                "overwriting existing ones.", "Check the target name is free before renaming.")
+    write_skill(skills, "calendar-invites", "Create calendar invites with a time zone.", "...")
+    write_skill(skills, "git-commit-messages", "Write conventional commit messages.", "...")
+    db, port = tmp_path / "ws.db", free_port()
+    config = home / "openclaw.json"
+    env = {**os.environ, "HOME": str(home), "OPENCLAW_HOME": str(home),
+           "OPENCLAW_STATE_DIR": str(home / "state"), "OPENCLAW_CONFIG_PATH": str(config)}
+    with DoubleServer(lambda body: Reply("Renamed it.")) as upstream:
+        config.write_text(json.dumps({
+            "models": {"providers": {"local": {
+                "baseUrl": upstream.url, "apiKey": "sk-local", "api": "openai-completions",
+                "models": [{"id": "double-model", "name": "double", "input": ["text"],
+                            "contextWindow": 32000, "maxTokens": 1024}]}}},
+            "agents": {"defaults": {"model": {"primary": "local/double-model"},
+                                    "workspace": str(workspace), "timeoutSeconds": 120}}}))
+        run_cli("wire", "openclaw", "--port", port, env=env)
+        serve = subprocess.Popen([str(a) for a in [
+            *CLI, "serve", "--upstream", upstream.url, "--model", "double-model", "--port", port,
+            "--skills", skills, "--db", db, "--retrieval", "lexical", "--top-k", "1"]],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            wait_for_port(serve, port)
+            agent = subprocess.run(
+                [_openclaw(), "agent", "--local", "--json", "--message",
+                 "Rename notes.txt to notes-2026.txt in my workspace"],
+                capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+            assert agent.returncode == 0, agent.stderr[-2000:]
+            store = Store(db)
+            deadline = __import__("time").time() + 20
+            while not store.turns() and __import__("time").time() < deadline:
+                __import__("time").sleep(0.1)
+        finally:
+            serve.terminate()
+            serve.wait(timeout=20)
+    turns = store.turns("turn_type = 'main'")
+    assert turns, "OpenClaw's turn did not reach the proxy"
+    turn = turns[0]
+    assert turn["identified_by"]["session"] == "message:sessionId"  # OpenClaw's own session
+    assert len(turn["session_id"]) >= 32 and turn["session_id"] != "default"
+    assert turn["retrieval_query"] == "Rename notes.txt to notes-2026.txt in my workspace"
+    assert turn["injected_skills"] == ["rename-files-safely"]
+    system = upstream.requests[-1]["body"]["messages"][0]["content"]
+    assert "rename-files-safely" in system and "OpenClaw" in system
+    listed = [json.loads(line) for line in run_cli("turns", "--db", db, "--json").stdout.splitlines()]
+    assert any(t["session_id"] == turn["session_id"] for t in listed)  # the notebook/CLI views
