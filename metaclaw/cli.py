@@ -129,7 +129,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 TURN_FIELDS = ("id", "session_id", "turn_index", "turn_type", "created_at", "model", "stream",
                "skill_generation", "injected_skills", "policy_version", "response", "tool_calls",
                "finish_reason", "prompt_tokens", "completion_tokens", "latency_ms", "status",
-               "http_status", "error", "reward", "buffer_set", "buffer_state")
+               "http_status", "error", "reward", "buffer_set", "buffer_state", "retrieval_query",
+               "retrieval_scores", "identified_by")
 
 
 @command("turns")
@@ -145,9 +146,16 @@ def cmd_turns(args: argparse.Namespace) -> int:
         return 0
     for row in rows:
         reply = (row["response"] or row["error"] or "").replace("\n", " ")
-        print(f"#{row['id']:<5} {row['session_id'][:16]:<16} {row['turn_type']:<4} "
-              f"gen {row['skill_generation']:<3} {row['status']:<5} "
-              f"skills={','.join(row['injected_skills']) or '-'}  {reply[:60]}")
+        print(_printable(f"#{row['id']:<5} {row['session_id'][:16]:<16} {row['turn_type']:<4} "
+                         f"gen {row['skill_generation']:<3} {row['status']:<5} "
+                         f"skills={','.join(row['injected_skills']) or '-'}  {reply[:60]}"))
+        if args.why:  # why these skills: the query retrieval used and the scores it got
+            scores = ", ".join(f"{s['name']} {s['score']:.3f}"
+                               for s in row.get("retrieval_scores") or []) or "none"
+            how = row.get("identified_by") or {}
+            print(_printable(f"       query: {(row.get('retrieval_query') or '-')[:100]}"))
+            print(_printable(f"       scores: {scores}; session by {how.get('session', '?')}, "
+                             f"turn type by {how.get('turn_type', '?')}"))
     return 0
 
 
@@ -525,6 +533,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("turns", help="list recorded turns")
     p.add_argument("--db", default=str(DEFAULT_DB))
     p.add_argument("--session", help="only this session")
+    p.add_argument("--why", action="store_true", help="also the retrieval query, the skills' "
+                                                     "scores and how the session was found")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
 
     p = sub.add_parser("skills", help="list, diff, roll back or import skill generations")

@@ -632,3 +632,29 @@ def inject(messages: list[dict], block: str) -> list[dict]:
             out[i] = {**message, "content": new_content}
             return out
     return [{"role": "system", "content": block}, *out]
+
+
+def explain_frame(store: Any, *, session: str | None = None, last: int | None = None):
+    """Why each turn got its skills, as a ``polars.DataFrame`` (newest last): ``id``,
+    ``session_id``, ``turn_type``, ``retrieval_query`` (the ask found in the request),
+    ``injected_skills`` and ``scores`` (``name score`` pairs as text), ``session_by`` and
+    ``turn_type_by`` (the rules that identified the session and the turn type)."""
+    import polars as pl
+
+    where, params = ("session_id = ?", [session]) if session else ("1=1", [])
+    rows = store.query(f"SELECT id, session_id, turn_type, retrieval_query, injected_skills, "
+                       f"retrieval_scores, identified_by FROM turns WHERE {where} "
+                       f"ORDER BY id DESC" + (f" LIMIT {int(last)}" if last else ""), params)
+    rows.reverse()
+    return pl.DataFrame({
+        "id": [r["id"] for r in rows], "session_id": [r["session_id"] for r in rows],
+        "turn_type": [r["turn_type"] for r in rows],
+        "retrieval_query": [r["retrieval_query"] for r in rows],
+        "injected_skills": [", ".join(r["injected_skills"] or []) for r in rows],
+        "scores": [", ".join(f"{s['name']} {s['score']:.3f}" for s in r["retrieval_scores"] or [])
+                   for r in rows],
+        "session_by": [(r["identified_by"] or {}).get("session") for r in rows],
+        "turn_type_by": [(r["identified_by"] or {}).get("turn_type") for r in rows],
+    }, schema={"id": pl.Int64, "session_id": pl.Utf8, "turn_type": pl.Utf8,
+               "retrieval_query": pl.Utf8, "injected_skills": pl.Utf8, "scores": pl.Utf8,
+               "session_by": pl.Utf8, "turn_type_by": pl.Utf8})

@@ -9,6 +9,7 @@ import pytest
 
 from metaclaw.double import DoubleServer, Reply
 from metaclaw.proxy import Proxy, ProxyConfig
+from metaclaw.retrieval import explain_frame
 from metaclaw.sessions import IdentityError, identify
 from metaclaw.skills import Skill, SkillLibrary
 from test_asks import captured
@@ -125,3 +126,6 @@ async def test_a_captured_openclaw_request_through_the_proxy(tmp_path, store):
     system = upstream.requests[-1]["body"]["messages"][0]["content"]
     assert system.startswith("<!-- openclaw:attempt:STABLE -->")  # the client's prefix intact
     assert "rename-files-safely" in system
+    why = explain_frame(store).row(-1, named=True)
+    assert why["retrieval_query"] == turn["retrieval_query"] and why["session_by"] == \
+        "message:sessionId" and why["scores"].startswith("rename-files-safely ")

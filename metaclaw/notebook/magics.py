@@ -150,6 +150,19 @@ class MetaClawMagics(Magics):
         """Show the running proxy: URL, upstream, skill generation, counts."""
         return self._require_runtime()
 
+    def _do_why(self, argv: list[str], cell: str | None):
+        """%metaclaw why [--session S] [--last N]: why each turn got its skills (the ask found
+        in the request, the skills' scores, how the session was identified), polars."""
+        from metaclaw.retrieval import explain_frame
+
+        parser = _parser("why", self._do_why.__doc__)
+        parser.add_argument("--session")
+        parser.add_argument("--last", type=int, default=20)
+        args = parser.parse_args(argv)
+        runtime = self._require_runtime()
+        runtime.proxy.flush()
+        return explain_frame(runtime.store, session=args.session, last=args.last)
+
     def _do_events(self, argv: list[str], cell: str | None):
         """%metaclaw events [--kind K] [--last N]: what the loops reported (failed judge and
         evolver calls, broken skill files), newest first, as a polars DataFrame."""
