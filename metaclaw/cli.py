@@ -114,8 +114,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
               f"{args.host}:{args.port} can use your upstream key", file=sys.stderr)
     runtime = Runtime.build(runtime_config(args))
     generation, skills = runtime.library.current()
-    upstream = args.upstream or ("the SIMULATED model (rule-based, not a language model)"
-                                 if args.sim else "the offline double (scripted, not a model)")
+    from metaclaw.proxy import safe_url
+
+    upstream = safe_url(args.upstream) or ("the SIMULATED model (rule-based, not a language "
+                                           "model)" if args.sim else
+                                           "the offline double (scripted, not a model)")
     print(f"MetaClaw proxy on http://{args.host}:{args.port}/v1 -> {upstream}; "
           f"skill generation {generation}, {len(skills)} skills in {args.skills}", flush=True)
     try:

@@ -36,6 +36,18 @@ def offline_reply(body: dict[str, Any]):
                  f"message. Skills injected into my system prompt: {listed}.")
 
 
+def same_origin(a: str, b: str) -> bool:
+    """Whether two URLs share scheme, host and port (where a secret for one may go)."""
+    from urllib.parse import urlsplit
+
+    def origin(url: str) -> tuple[str, str, int | None]:
+        parts = urlsplit(url)
+        port = parts.port or {"http": 80, "https": 443}.get(parts.scheme)
+        return parts.scheme.lower(), (parts.hostname or "").lower(), port
+
+    return origin(a) == origin(b)
+
+
 def failure_summary(store: Store) -> dict[str, Any]:
     """What ``status`` views show of failed loop calls and broken skill files: counts per kind
     (every process of the workspace) and the latest message."""
@@ -148,6 +160,15 @@ class Runtime:
                              f"--{role}-url and --{role}-model)")
         return url, model
 
+    def _upstream_key_for(self, url: str) -> str | None:
+        """The upstream key, for the upstream's own origin (scheme, host, port) only: a judge
+        or evolver elsewhere gets its own key ($METACLAW_JUDGE_API_KEY /
+        $METACLAW_EVOLVER_API_KEY, read by the client when this returns None)."""
+        upstream = self.proxy.config.upstream_url
+        if upstream and same_origin(url, upstream):
+            return os.environ.get(self.config.api_key_env)
+        return None
+
     @property
     def judge(self):
         """The PRM judge (``metaclaw.judge.Judge``) for this runtime's turns."""
@@ -156,8 +177,7 @@ class Runtime:
 
             url, model = self._endpoint("judge", self.config.judge_url, self.config.judge_model)
             votes = self.config.votes or (1 if self.config.simulated else 3)
-            self.extras["judge"] = Judge(url, model, votes=votes,
-                                         api_key=os.environ.get(self.config.api_key_env))
+            self.extras["judge"] = Judge(url, model, votes=votes, api_key=self._upstream_key_for(url))
         return self.extras["judge"]
 
     @property
@@ -170,7 +190,7 @@ class Runtime:
                                         self.config.evolver_model)
             self.extras["evolver"] = Evolver(
                 url, model, self.library, self.store, judge=self.judge,
-                api_key=os.environ.get(self.config.api_key_env),
+                api_key=self._upstream_key_for(url),
                 dedupe_threshold=None if self.config.simulated else 0.85)
         return self.extras["evolver"]
 
@@ -242,6 +262,8 @@ class Runtime:
         return openai.OpenAI(base_url=self.url, api_key=self.token or "metaclaw", **kwargs)
 
     def status(self) -> dict[str, Any]:
+        from metaclaw.proxy import safe_url
+
         generation, skills = self.library.current()
         counts = self.store.query(
             "SELECT COUNT(*) AS turns, COUNT(DISTINCT session_id) AS sessions FROM turns")[0]
@@ -249,7 +271,7 @@ class Runtime:
             "url": self.url,
             "upstream": ("SIMULATED model (rule-based, not a language model)"
                          if self.config.simulated else "offline double (scripted, not a model)")
-            if self.offline else self.proxy.config.upstream_url,
+            if self.offline else safe_url(self.proxy.config.upstream_url),
             "model": self.proxy.config.model,
             "skills_dir": str(Path(self.config.skills_dir).resolve()),
             "db": str(Path(self.config.db_path).resolve()),
@@ -265,8 +287,10 @@ class Runtime:
         }
 
     def __repr__(self) -> str:
+        from metaclaw.proxy import safe_url
+
         upstream = ("simulated model" if self.config.simulated else "offline double"
-                    if self.offline else self.proxy.config.upstream_url)
+                    if self.offline else safe_url(self.proxy.config.upstream_url))
         return f"<MetaClaw runtime at {self.url} -> {upstream}>"
 
     def _repr_html_(self) -> str:

@@ -1,0 +1,61 @@
+"""The upstream key goes to the upstream's origin only, and never shows in start-up output."""
+
+import json
+import os
+import subprocess
+
+from metaclaw.double import DoubleServer, Reply
+from metaclaw.runtime import Runtime, same_origin
+from test_cli import CLI, free_port, wait_for_port
+
+CANARY = "sk-canary-0f9e8d7c6b5a"
+
+
+def test_same_origin():
+    assert same_origin("http://127.0.0.1:8000/v1", "http://127.0.0.1:8000/other")
+    assert same_origin("https://api.example.com/v1", "https://API.example.com:443/x")
+    assert not same_origin("http://127.0.0.1:8000/v1", "http://localhost:8000/v1")
+    assert not same_origin("http://127.0.0.1:8000/v1", "http://127.0.0.1:8001/v1")
+    assert not same_origin("http://api.example.com/v1", "https://api.example.com/v1")
+
+
+def _verdict(body):
+    return Reply(json.dumps({"score": 1, "rationale": "fine"}))
+
+
+def test_the_upstream_key_is_not_sent_to_a_judge_on_another_host(tmp_path, monkeypatch):
+    monkeypatch.setenv("METACLAW_UPSTREAM_API_KEY", CANARY)
+    monkeypatch.delenv("METACLAW_JUDGE_API_KEY", raising=False)
+    with DoubleServer([Reply("done")]) as agent, DoubleServer(_verdict) as judge:
+        elsewhere = judge.url.replace("127.0.0.1", "localhost")  # another origin, same server
+        for judge_url, key_expected in ((elsewhere, False), (agent.url, True)):
+            runtime = Runtime.build(upstream_url=agent.url, model="m", judge_url=judge_url,
+                                    judge_model="j", db_path=str(tmp_path / f"{key_expected}.db"),
+                                    skills_dir=str(tmp_path / "skills"), retrieval="lexical")
+            try:
+                turn = runtime.store.record_turn(
+                    session_id="s", status="ok", response="done",
+                    request_messages=[{"role": "user", "content": "hi"}])
+                runtime.judge.judge_turns(runtime.store, [turn])
+            finally:
+                runtime.stop()
+            called = agent if key_expected else judge
+            sent = called.requests[-1]["headers"].get("Authorization", "")
+            assert (CANARY in sent) is key_expected, sent
+
+
+def test_serve_prints_the_upstream_without_its_password(tmp_path):
+    port = free_port()
+    with DoubleServer([Reply("ok")]) as agent:
+        upstream = agent.url.replace("http://", f"http://user:{CANARY}@")
+        proc = subprocess.Popen([str(a) for a in [
+            *CLI, "serve", "--upstream", upstream, "--port", port, "--db", tmp_path / "ws.db",
+            "--skills", tmp_path / "skills", "--retrieval", "lexical"]],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env={**os.environ, "METACLAW_UPSTREAM_API_KEY": CANARY})
+        try:
+            wait_for_port(proc, port)
+        finally:
+            proc.terminate()
+            out, err = proc.communicate(timeout=20)
+    assert agent.url in out and CANARY not in out + err
