@@ -663,10 +663,6 @@ class SkillLibrary:
         self._notify(new_generation)
         return new_generation
 
-    def refresh(self) -> int:
-        """Adopt a generation committed by another process; same as :meth:`sync`."""
-        return self.sync()
-
     def reload(self) -> int:
         """Re-read the folder; records a ``disk`` generation if files changed. Returns the generation."""
         with self._exclusive(adopt=False):

@@ -301,8 +301,8 @@ def test_refresh_picks_up_changes_made_by_another_process(lib, store):
     other.add(skill("from-elsewhere"))
     other.rollback(0)
     assert lib.generation == 0 and "from-elsewhere" not in lib
-    assert lib.refresh() == 2 and seen == [2]
-    assert lib.snapshot(2) == lib.snapshot(0) and lib.refresh() == 2 and seen == [2]
+    assert lib.sync() == 2 and seen == [2]
+    assert lib.snapshot(2) == lib.snapshot(0) and lib.sync() == 2 and seen == [2]
     path = lib.directory / "backup-before-modify" / "SKILL.md"
     path.write_text(path.read_text().replace("safety", "care"))
     assert lib.reload() == 3 and lib.get("backup-before-modify").category == "care"
