@@ -63,7 +63,8 @@ def _remove_blocks(tags: tuple[str, ...]) -> Callable[[str], str]:
 CONTEXT_TAGS = ("system-reminder", "environment_details", "environment", "env", "context",
                 "workspace", "workspace_files", "files", "file", "tools", "available_tools",
                 "skills", "available_skills", "memory", "memories", "user-prompt-submit-hook",
-                "local-command-stdout", "command-name", "command-message", "reminder",
+                "local-command-stdout", "local-command-caveat", "local-command-stderr",
+                "command-name", "command-message", "reminder", "tools-used-before-summary",
                 "runtime", "metadata")
 
 _CHANNELS = (r"WhatsApp|Telegram|Discord|Slack|Signal|iMessage|BlueBubbles|Google ?Chat|"

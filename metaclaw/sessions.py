@@ -6,8 +6,9 @@ request carries (the precedence, documented and tested):
 
 1. the ``X-Session-Id`` header, then the body field ``session_id`` (MetaClaw's own, compatible
    with upstream MetaClaw), then other frameworks' session headers (:data:`SESSION_HEADERS`);
-2. a session id in the body's ``metadata`` (``metadata.session_id``, or the ``session_<id>``
-   part of ``metadata.user_id`` that Claude-Code-style clients send);
+2. a session id in the body's ``metadata`` (``metadata.session_id``, or the session in
+   ``metadata.user_id``: Claude Code sends a JSON string with ``session_id``, older clients
+   ``..._session_<id>``), then OpenClaw's ``prompt_cache_key`` (``<sessionId>:<n>``);
 3. a session id the framework embeds in the conversation (:data:`EMBEDDED_SESSION`: OpenClaw
    writes ``sessionId=<uuid>`` into a session's first user message);
 4. a fingerprint of the conversation: a hash of the body's ``user`` field and the first user
@@ -28,6 +29,7 @@ call): they get no skills and never reach the support or query set. Everything e
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import re
 from dataclasses import dataclass
@@ -45,6 +47,20 @@ SESSION_HEADERS = ("X-Claude-Code-Session-Id", "X-Conversation-Id", "X-Thread-Id
 #: A session id embedded in message text (OpenClaw's runtime line: ``sessionId=<uuid>``).
 EMBEDDED_SESSION = re.compile(r"\bsessionId=([A-Za-z0-9][A-Za-z0-9._:-]{5,127})")
 _METADATA_SESSION = re.compile(r"session_([A-Za-z0-9-]{6,128})")
+_ID_TOKEN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{5,127}")
+
+
+def _metadata_user_session(user_id: str) -> str | None:
+    """The session in ``metadata.user_id``: Claude Code sends a JSON string with ``session_id``;
+    older clients ``user_<hash>_account_<uuid>_session_<uuid>``."""
+    if user_id.lstrip().startswith("{"):
+        try:
+            value = json.loads(user_id).get("session_id")
+        except (ValueError, AttributeError):
+            value = None
+        return value if isinstance(value, str) and value.strip() else None
+    found = _METADATA_SESSION.search(user_id)
+    return found.group(1) if found else None
 # printable characters only: a session id is shown in tables and terminals
 _SESSION_OK = re.compile(r"[^\x00-\x1f\x7f-\x9f]+")
 
@@ -82,6 +98,19 @@ def _says(*patterns: str) -> Callable[[dict[str, Any], str, str], bool]:
                                                  or pattern.search(last[:2000]))
 
 
+def _title_schema(body: dict[str, Any], instructions: str, last: str) -> bool:
+    """A structured reply whose only field is a title (Claude Code names its sessions so)."""
+    formats = [(body.get("output_config") or {}).get("format") if isinstance(
+        body.get("output_config"), dict) else None,
+        ((body.get("response_format") or {}).get("json_schema") or {}) if isinstance(
+        body.get("response_format"), dict) else None]
+    for fmt in formats:
+        schema = (fmt or {}).get("schema") if isinstance(fmt, dict) else None
+        if isinstance(schema, dict) and list((schema.get("properties") or {})) == ["title"]:
+            return True
+    return False
+
+
 def _tiny_probe(body: dict[str, Any], instructions: str, last: str) -> bool:
     limit = body.get("max_tokens", body.get("max_completion_tokens"))
     return (isinstance(limit, int) and not isinstance(limit, bool) and limit <= 4
@@ -97,10 +126,13 @@ SIDE_CALL_RULES: list[SideCallRule] = [
     SideCallRule("title", _says(
         r"\b(?:generate|write|create|suggest|give)\b[^.\n]{0,40}\btitle\b[^.\n]{0,60}"
         r"\b(?:conversation|chat|session|thread)\b",
-        r"\btitle\b[^.\n]{0,20}\b(?:of|for)\b[^.\n]{0,20}\b(?:this|the) (?:conversation|chat)\b")),
+        r"\btitle\b[^.\n]{0,20}\b(?:of|for)\b[^.\n]{0,20}\b(?:this|the) (?:conversation|chat)\b",
+        r"\bnaming (?:a|this|the) (?:\w+ )?(?:session|conversation|chat|thread)\b")),
+    SideCallRule("title-schema", _title_schema),
     SideCallRule("summary", _says(
         r"\b(?:summari[sz]e|create a (?:detailed )?summary of|compact)\b[^.\n]{0,40}"
-        r"\b(?:conversation|chat history|session|transcript)\b")),
+        r"\b(?:conversation|chat history|session|transcript|prefix)\b",
+        r"\b(?:context )?summari[sz]ation assistant\b")),
     SideCallRule("quota-probe", _tiny_probe),
     SideCallRule("sub-agent", _sub_agent),
 ]
@@ -143,15 +175,20 @@ def session_of(headers: Mapping[str, str], body: dict[str, Any]) -> tuple[str, s
     if isinstance(metadata.get("session_id"), str) and metadata["session_id"].strip():
         return _check_session(metadata["session_id"], "metadata.session_id"), "metadata:session_id"
     if isinstance(metadata.get("user_id"), str):
-        found = _METADATA_SESSION.search(metadata["user_id"])
+        found = _metadata_user_session(metadata["user_id"])
         if found:
-            return found.group(1), "metadata:user_id"
+            return _check_session(found, "metadata.user_id"), "metadata:user_id"
+    cache_key = body.get("prompt_cache_key")  # OpenClaw with compat.supportsPromptCacheKey
+    if isinstance(cache_key, str) and _ID_TOKEN.fullmatch(cache_key.rsplit(":", 1)[0]):
+        return cache_key.rsplit(":", 1)[0], "body:prompt_cache_key"
     messages = body.get("messages") if isinstance(body.get("messages"), list) else []
-    for message in messages:
-        if isinstance(message, dict) and message.get("role") in ("user", *INSTRUCTION_ROLES):
-            found = EMBEDDED_SESSION.search(content_text(message.get("content")))
-            if found:
-                return found.group(1), "message:sessionId"
+    texts = [content_text(body.get("system"))] + [  # Anthropic's system is top-level
+        content_text(m.get("content")) for m in messages
+        if isinstance(m, dict) and m.get("role") in ("user", *INSTRUCTION_ROLES)]
+    for text in texts:
+        found = EMBEDDED_SESSION.search(text)
+        if found:
+            return found.group(1), "message:sessionId"
     first = _first_user_text(messages)
     if first is not None:
         user = body.get("user") if isinstance(body.get("user"), str) else ""
@@ -171,8 +208,9 @@ def turn_type_of(headers: Mapping[str, str], body: dict[str, Any]) -> tuple[str,
         how = "header:X-Turn-Type" if _header(headers, "X-Turn-Type") else "body:turn_type"
         return given.strip().lower(), how
     messages = body.get("messages") if isinstance(body.get("messages"), list) else []
-    instructions = "\n".join(content_text(m.get("content")) for m in messages
-                             if isinstance(m, dict) and m.get("role") in INSTRUCTION_ROLES)
+    instructions = "\n".join([content_text(body.get("system")), *(
+        content_text(m.get("content")) for m in messages
+        if isinstance(m, dict) and m.get("role") in INSTRUCTION_ROLES)])
     last = next((content_text(m.get("content")) for m in reversed(messages)
                  if isinstance(m, dict) and m.get("role") == "user"), "")
     for rule in SIDE_CALL_RULES:

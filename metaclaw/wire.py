@@ -7,9 +7,10 @@ else ``$OPENCLAW_STATE_DIR/openclaw.json``, else ``~/.openclaw/openclaw.json``. 
 Wiring adds a provider ``metaclaw`` pointing at the proxy (``api: openai-completions``, the
 proxy token as its key, the models of the provider the agent used) and makes it the primary;
 the original provider is left as it was, and ``metaclaw serve --upstream`` gets its URL (the
-command to run is printed). OpenClaw's static headers cannot carry a per-session id; none is
-needed: OpenClaw writes ``sessionId=<uuid>`` into each session's first message, which
-:mod:`metaclaw.sessions` reads, and its side calls are recognised by their content.
+command to run is printed). OpenClaw's static headers cannot carry a per-session id; the wired models set
+``compat.supportsPromptCacheKey`` so that OpenClaw sends ``prompt_cache_key: "<sessionId>:<n>"``
+on every turn (without it, OpenClaw still writes ``sessionId=<uuid>`` into each session's first
+message); :mod:`metaclaw.sessions` reads either, and side calls are recognised by their content.
 
 The first wiring keeps the file's exact bytes in ``<config>.metaclaw-backup`` (JSON5 comments
 included; the patched file itself is written as plain JSON, which JSON5 accepts); ``--undo``
@@ -116,6 +117,8 @@ def plan_openclaw(config_path: Path, proxy_url: str, *, token: str | None = None
     if not any(m.get("id") == model for m in models):
         models.append({"id": model, "name": model, "input": ["text"], "contextWindow": 128000,
                        "maxTokens": 8192})
+    for entry in models:  # OpenClaw then sends its session id as prompt_cache_key on every turn
+        entry["compat"] = {**(entry.get("compat") or {}), "supportsPromptCacheKey": True}
     wired = json.loads(json.dumps(config))
     wired.setdefault("models", {}).setdefault("providers", {})[PROVIDER] = {
         "baseUrl": proxy_url, "apiKey": token or "metaclaw", "api": "openai-completions",

@@ -119,3 +119,25 @@ def test_the_extractor_never_fails_on_any_message_list(messages):
     found = extract_ask(messages)
     assert isinstance(found.text, str) and len(found.text) <= asks.MAX_QUERY_CHARS
     assert found.message_index is None or messages[found.message_index]["role"] == "user"
+
+
+@pytest.mark.parametrize("client, name, ask", [
+    ("claude-code", "002", "Rename notes.txt to notes-2026.txt in my workspace"),
+    ("claude-code", "004", "Thanks. Did it work?"),
+    ("claude-code", "007", "What is in notes.txt?"),        # behind the Read tool's result
+    ("claude-code-tui", "009", "And now list my workspace files."),   # after /compact
+    ("openclaw-anthropic", "001", "Rename notes.txt to notes-2026.txt in my workspace"),
+    ("openclaw-anthropic", "004", "What is in notes.txt?"),
+    ("openai-python", "005", None),
+    ("anthropic-python", "004", None),
+])
+def test_captured_requests_of_other_clients_yield_the_ask(client, name, ask):
+    """Claude Code (Anthropic Messages, system-reminder parts, system messages inside
+    `messages`, local-command blocks after /compact), OpenClaw over Anthropic Messages, and
+    plain SDK calls, as the real clients sent them."""
+    body = captured(client, name)["body"]
+    found = extract_ask(body["messages"])
+    if ask is None:  # plain SDK calls: exactly what the caller wrote, the last user text
+        ask = next(asks.content_text(m["content"]) for m in reversed(body["messages"])
+                   if m["role"] == "user" and isinstance(m["content"], str))
+    assert found.ask == ask

@@ -129,3 +129,42 @@ async def test_a_captured_openclaw_request_through_the_proxy(tmp_path, store):
     why = explain_frame(store).row(-1, named=True)
     assert why["retrieval_query"] == turn["retrieval_query"] and why["session_by"] == \
         "message:sessionId" and why["scores"].startswith("rename-files-safely ")
+
+
+@pytest.mark.parametrize("client, name, session, how, turn_type", [
+    # Claude Code: its session header; Anthropic-shaped bodies
+    ("claude-code", "002", "a8b34cd9-5822-4fb7-9851-d23356cc4825",
+     "header:X-Claude-Code-Session-Id", "main"),
+    ("claude-code", "007", "a8b34cd9-5822-4fb7-9851-d23356cc4825",
+     "header:X-Claude-Code-Session-Id", "main"),
+    ("claude-code-tui", "002", "48beb998-99ab-446b-8fdb-fb3ca8751def",
+     "header:X-Claude-Code-Session-Id", "side"),                      # session title
+    ("claude-code-tui", "006", "48beb998-99ab-446b-8fdb-fb3ca8751def",
+     "header:X-Claude-Code-Session-Id", "side"),                      # /compact summary
+    ("claude-code-tui", "009", "48beb998-99ab-446b-8fdb-fb3ca8751def",
+     "header:X-Claude-Code-Session-Id", "main"),
+    ("openclaw-anthropic", "001", None, "message:sessionId", "main"),  # runtime line in system
+    ("openclaw-gateway", "005", None, None, "side"),                  # compaction
+    ("openclaw-cachekey", "001", None, "body:prompt_cache_key", "main"),
+    ("openai-python", "002", None, "fingerprint:first-user-message", "main"),
+    ("anthropic-python", "004", None, "fingerprint:first-user-message", "main"),
+])
+def test_captured_requests_of_real_clients(client, name, session, how, turn_type):
+    request = captured(client, name)
+    identity = identify(request["headers"], request["body"])
+    assert identity.turn_type == turn_type, identity.how
+    if session is not None:
+        assert identity.session_id == session
+    if how is not None:
+        assert identity.how["session"] == how
+
+
+def test_claude_codes_metadata_and_openclaws_cache_key_carry_the_session():
+    body = captured("claude-code", "002")["body"]
+    assert identify({}, body).session_id == "a8b34cd9-5822-4fb7-9851-d23356cc4825"
+    assert identify({}, body).how["session"] == "metadata:user_id"
+    cache = captured("openclaw-cachekey", "001")["body"]
+    identity = identify({}, cache)
+    assert identity.session_id == cache["prompt_cache_key"].rsplit(":", 1)[0]
+    # the same session as the id OpenClaw writes into the first message
+    assert identity.session_id in json.dumps(cache["messages"])

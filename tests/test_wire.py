@@ -38,6 +38,7 @@ def test_wire_dry_run_apply_and_undo(tmp_path):
     provider = wired["models"]["providers"]["metaclaw"]
     assert provider["baseUrl"] == "http://127.0.0.1:31000/v1" and provider["apiKey"] == "tok"
     assert provider["models"][0]["id"] == "acme-large" and provider["api"] == "openai-completions"
+    assert provider["models"][0]["compat"] == {"supportsPromptCacheKey": True}
     assert wired["agents"]["defaults"]["model"]["primary"] == "metaclaw/acme-large"
     assert wired["models"]["providers"]["acme"]["apiKey"] == "sk-acme"  # untouched
     assert "Now run:" in out
@@ -67,10 +68,10 @@ def _openclaw() -> str | None:
     if not binary or not node:
         return None
     version = subprocess.run([node, "--version"], capture_output=True, text=True).stdout
-    return binary if version.startswith("v") and int(version[1:].split(".")[0]) >= 22 else None
+    return binary if version.startswith("v") and int(version[1:].split(".")[0]) >= 24 else None
 
 
-@pytest.mark.skipif(_openclaw() is None, reason="the OpenClaw CLI (npm `openclaw`) with Node >= 22 "
+@pytest.mark.skipif(_openclaw() is None, reason="the OpenClaw CLI (npm `openclaw`) with Node >= 24 "
                                                 "is not installed; .ci/run installs both")
 def test_a_real_openclaw_turn_through_metaclaw_serve(tmp_path):
     home, workspace = tmp_path / "home", tmp_path / "workspace"
@@ -116,7 +117,7 @@ def test_a_real_openclaw_turn_through_metaclaw_serve(tmp_path):
     turns = store.turns("turn_type = 'main'")
     assert turns, "OpenClaw's turn did not reach the proxy"
     turn = turns[0]
-    assert turn["identified_by"]["session"] == "message:sessionId"  # OpenClaw's own session
+    assert turn["identified_by"]["session"] == "body:prompt_cache_key"  # OpenClaw's own session
     assert len(turn["session_id"]) >= 32 and turn["session_id"] != "default"
     assert turn["retrieval_query"] == "Rename notes.txt to notes-2026.txt in my workspace"
     assert turn["injected_skills"] == ["rename-files-safely"]
