@@ -34,7 +34,7 @@ DEFAULT_DB = Path(".metaclaw") / "metaclaw.db"
 JSON_COLUMNS = {
     "request_messages", "request_params", "tool_calls", "usage", "injected_skills",
     "judge_votes", "prompt_tokens_ids", "completion_tokens_ids", "completion_logprobs",
-    "meta", "snapshot", "evidence", "metrics", "signals",
+    "meta", "snapshot", "evidence", "metrics", "signals", "context_budget",
 }
 
 MIGRATIONS: list[str] = [
@@ -134,6 +134,11 @@ MIGRATIONS: list[str] = [
         reason      TEXT NOT NULL DEFAULT '',
         signals     TEXT NOT NULL DEFAULT '{}'
     );
+    """,
+    # the wire protocol a turn arrived in, and what the context budget decided for it
+    """
+    ALTER TABLE turns ADD COLUMN protocol TEXT NOT NULL DEFAULT 'openai';
+    ALTER TABLE turns ADD COLUMN context_budget TEXT;
     """,
 ]
 
