@@ -208,7 +208,8 @@ class AnthropicUpstream(HTTPUpstream):
 
     def _headers(self, key: str | None, headers: dict[str, str]) -> dict[str, str]:
         out = dict(headers)
-        if key:
+        if key:  # both ways Anthropic endpoints take a key, replacing the server key
+            out["Authorization"] = f"Bearer {key}"
             out["x-api-key"] = key
         return out
 
