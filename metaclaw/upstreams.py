@@ -28,17 +28,17 @@ log = logging.getLogger("metaclaw.proxy")
 NO_KEY = "sk-no-key"
 
 
-def response_type() -> type:
-    """The HTTP response class of the SDKs' transport (``httpx2``; ``httpx`` before).
+def response_type(sdk: str = "openai") -> type:
+    """The HTTP response class of an SDK's transport (``httpx2``; ``httpx`` in older SDKs).
 
     Passed as ``cast_to`` to the SDK's documented ``client.post``/``client.get`` for raw
     responses: the body is relayed as it is, without the SDK's typed request transform (which
     costs milliseconds per request) and with the client's retries, timeouts and error classes.
     """
-    try:
-        import httpx2 as http
-    except ImportError:  # pragma: no cover - openai < 3
-        import httpx as http
+    import importlib
+
+    base = importlib.import_module(f"{sdk}._base_client")
+    http = getattr(base, "httpx2", None) or getattr(base, "httpx")
     return http.Response
 
 
@@ -93,7 +93,8 @@ class HTTPUpstream(Upstream):
         return headers
 
     async def complete(self, body, key, headers):
-        upstream = await self._client.post(self.path, body=body, cast_to=response_type(),
+        upstream = await self._client.post(self.path, body=body,
+                                           cast_to=response_type(self.sdk_name),
                                            options={"headers": self._headers(key, headers)})
         payload = upstream.content
         try:
@@ -105,7 +106,7 @@ class HTTPUpstream(Upstream):
 
     async def stream(self, body, key, headers, stack, captured):
         upstream = await self._stream_client.post(
-            self.path, body=body, cast_to=response_type(), stream=True,
+            self.path, body=body, cast_to=response_type(self.sdk_name), stream=True,
             options={"headers": self._headers(key, headers)})
         stack.push_async_callback(upstream.aclose)
         return sse_events(upstream.aiter_lines())
@@ -216,7 +217,7 @@ class AnthropicUpstream(HTTPUpstream):
     async def count_tokens(self, body: dict[str, Any], key: str | None,
                            headers: dict[str, str]) -> bytes:
         upstream = await self._client.post("/v1/messages/count_tokens", body=body,
-                                           cast_to=response_type(),
+                                           cast_to=response_type(self.sdk_name),
                                            options={"headers": self._headers(key, headers)})
         return upstream.content
 
