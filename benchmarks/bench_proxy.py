@@ -28,7 +28,7 @@ its ratio proxied/direct; then CPU time per request spent in the proxy process a
 turns the proxy recorded. Exits 1 when any request fails.
 
     python benchmarks/bench_proxy.py [--requests 300] [--concurrency 16] [--embedding]
-                                     [--protocols openai,anthropic]
+                                     [--protocols openai,anthropic] [--durable-acks]
 """
 
 from __future__ import annotations
@@ -192,7 +192,7 @@ class ProxyProcess:
 
 
 def start_proxy(retrieval: str, upstream: str, workdir: Path, upstream_protocol: str = "openai",
-                name: str | None = None) -> ProxyProcess:
+                name: str | None = None, extra: tuple[str, ...] = ()) -> ProxyProcess:
     """``metaclaw serve`` in its own process; returns once ``/healthz`` answers."""
     workdir.mkdir(parents=True)
     skills = workdir / "skills"
@@ -203,6 +203,7 @@ def start_proxy(retrieval: str, upstream: str, workdir: Path, upstream_protocol:
                "--port", str(port)]
     if upstream_protocol != "openai":
         command += ["--upstream-protocol", upstream_protocol]
+    command += list(extra)
     with open(log, "wb") as out:
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, env=child_env())
@@ -483,6 +484,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="unmeasured warm-up requests per target (default requests/10, >= 5)")
     parser.add_argument("--rounds", type=int, default=4,
                         help="alternating batches per target in the concurrent phase (default 4)")
+    parser.add_argument("--durable-acks", action="store_true",
+                        help="also measure a lexical proxy that ends each reply only once its "
+                             "turn is committed (serve --durable-acks)")
     parser.add_argument("--protocols", default="openai,anthropic",
                         help="client protocols to measure, comma-separated (default "
                              "openai,anthropic)")
@@ -511,6 +515,10 @@ def main(argv: list[str] | None = None) -> int:
             targets[direct] = double_url
             for retrieval in ["lexical"] + (["embedding"] if args.embedding else []):
                 proxies.append(start_proxy(retrieval, double_url, tmp / retrieval))
+                targets[proxies[-1].name] = proxies[-1].url
+            if args.durable_acks:
+                proxies.append(start_proxy("lexical", double_url, tmp / "durable", "openai",
+                                           "proxy[lexical,durable-acks]", ("--durable-acks",)))
                 targets[proxies[-1].name] = proxies[-1].url
             groups[direct] = list(targets)
         if "anthropic" in protocols:

@@ -75,6 +75,8 @@ def _add_proxy_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context-window", type=int,
                    help="context window in tokens for models the proxy does not know "
                         "(skills are cut to fit)")
+    p.add_argument("--durable-acks", action="store_true",
+                   help="end each reply only once its turn is committed to the store")
     p.add_argument("--starter-skills", action="store_true",
                    help="import the bundled starter skills into an empty library")
     p.add_argument("--sim", action="store_true", help="use the offline SIMULATED model "
@@ -101,7 +103,8 @@ def runtime_config(args: argparse.Namespace) -> RuntimeConfig:
         simulated=args.sim, judge_url=args.judge_url, judge_model=args.judge_model,
         evolver_url=args.evolver_url, evolver_model=args.evolver_model, votes=args.votes,
         auto_evolve=args.auto_evolve, upstream_protocol=args.upstream_protocol,
-        caller_auth=args.caller_auth, context_window=args.context_window)
+        caller_auth=args.caller_auth, context_window=args.context_window,
+        durable_acks=args.durable_acks)
 
 
 @command("serve")

@@ -11,11 +11,14 @@ A :class:`Turn` carries the request through the steps; its ``messages`` are the 
 (OpenAI chat messages) that retrieval reads and the store records, whatever the protocol.
 
 Ordering contract of the relay and record steps: the event that ends a reply for the client
-(OpenAI's ``data: [DONE]``, Anthropic's ``message_stop``) and the end of a non-streaming reply are
-sent only after :meth:`Recorder.submit` has taken the turn and :meth:`TurnPipeline.acknowledge`
-has returned, so a client that read the whole reply finds the turn after :meth:`Proxy.flush
-<metaclaw.proxy.Proxy.flush>`; ``acknowledge`` is the one place that decides how durable the
-record must be before the client hears the end.
+(OpenAI's ``data: [DONE]``, Anthropic's ``message_stop``) and the whole of a non-streaming reply
+are sent only after :meth:`Recorder.submit` has taken the turn and
+:meth:`TurnPipeline.acknowledge` has returned. With ``ProxyConfig.durable_acks`` that means the
+turn is committed to SQLite: a reply the client received in full is never lost, even to
+``kill -9``. The recorder commits in groups, so this costs a request about one commit (one fsync)
+of latency however many are in flight, and no throughput. Without it, the turn is queued and
+committed right after. A stream whose client leaves early is recorded too, with status ``error`` and
+what was relayed so far.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ import contextlib
 import hmac
 import json
 import logging
+import queue
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping
@@ -146,32 +151,89 @@ def record_row(turn: Turn, policy_version: int) -> dict[str, Any]:
 # recording
 # ---------------------------------------------------------------------------------------------
 class Recorder:
-    """Writes finished turns to the store in one worker thread and notifies the listeners.
+    """Writes finished turns to the store with group commit, and notifies the turn listeners.
 
-    :meth:`submit` returns at once with the write's task; :meth:`drain` waits for all of them.
+    One writer thread takes every turn submitted since its last commit and writes them in one
+    transaction (one durable commit, ``synchronous=FULL``, for the whole group), so waiting for
+    durability costs a request about one commit however many requests are in flight.
+    :meth:`submit` returns at once with a future that resolves to the turn id once its group is
+    committed (``None`` if it could not be written); :meth:`drain` waits for every submitted turn.
     """
+
+    #: Most turns written in one transaction.
+    MAX_GROUP = 256
 
     def __init__(self, proxy: "Proxy"):
         self.proxy = proxy
-        self.pending: set[asyncio.Task[Any]] = set()
+        self.pending: set[asyncio.Future[Any]] = set()
+        self._queue: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self.commits = 0  # transactions written (fewer than turns when groups form)
 
-    def submit(self, row: dict[str, Any], done: bool) -> asyncio.Task[Any]:
-        task = asyncio.get_running_loop().create_task(self._record(row, done))
-        self.pending.add(task)
-        task.add_done_callback(self.pending.discard)
-        return task
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="metaclaw-record", daemon=True)
+            self._thread.start()
 
-    async def _record(self, row: dict[str, Any], done: bool) -> int | None:
-        proxy = self.proxy
+    def stop(self) -> None:
+        """Write what is queued, then end the writer thread."""
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+
+    def submit(self, row: dict[str, Any], done: bool) -> asyncio.Future[Any]:
         loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self.pending.add(future)
+        future.add_done_callback(self.pending.discard)
+        self.start()
+        self._queue.put((row, done, future, loop))
+        return future
+
+    async def drain(self) -> None:
+        while self.pending:
+            await asyncio.gather(*list(self.pending), return_exceptions=True)
+
+    # -- the writer thread ----------------------------------------------------------------
+    def _run(self) -> None:
+        stopping = False
+        while not stopping:
+            group = [self._queue.get()]
+            while len(group) < self.MAX_GROUP:
+                try:
+                    group.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            if None in group:
+                stopping = True
+                group = [item for item in group if item is not None]
+            if group:
+                self._commit(group)
+
+    def _commit(self, group: list[tuple[Any, ...]]) -> None:
+        store = self.proxy.store
+        ids: list[int | None]
         try:
-            turn_id = await loop.run_in_executor(proxy._record_pool, self._write, row, done)
-        except Exception:
-            log.exception("could not record a turn of session %r", row.get("session_id"))
-            return None
-        if proxy._listeners:
-            loop.run_in_executor(proxy._listener_pool, self._notify, turn_id)
-        return turn_id
+            with store.transaction():
+                ids = [self._write(row, done) for row, done, _, _ in group]
+            self.commits += 1
+        except Exception:  # one bad row must not lose the others: write them one by one
+            ids = []
+            for row, done, _, _ in group:
+                try:
+                    with store.transaction():
+                        ids.append(self._write(row, done))
+                except Exception:
+                    log.exception("could not record a turn of session %r", row.get("session_id"))
+                    ids.append(None)
+        listeners = self.proxy._listeners
+        for (_, _, future, loop), turn_id in zip(group, ids):
+            with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits any more
+                loop.call_soon_threadsafe(_resolve, future, turn_id)
+            if turn_id is not None and listeners and self.proxy._listener_pool is not None:
+                with contextlib.suppress(RuntimeError):
+                    self.proxy._listener_pool.submit(self._notify, turn_id)
 
     def _write(self, row: dict[str, Any], done: bool) -> int:
         store = self.proxy.store
@@ -187,9 +249,10 @@ class Recorder:
             except Exception:
                 log.exception("turn listener %r failed for turn %d", fn, turn_id)
 
-    async def drain(self) -> None:
-        while self.pending:
-            await asyncio.gather(*list(self.pending), return_exceptions=True)
+
+def _resolve(future: asyncio.Future[Any], value: Any) -> None:
+    if not future.done():
+        future.set_result(value)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -255,15 +318,12 @@ class TurnPipeline:
         return raw, body
 
     # -- retrieve, fit the budget, inject (in a worker thread) ----------------------------
-    def select_and_inject(self, turn: Turn) -> None:
+    def select_and_inject(self, turn: Turn, skills: list[Any]) -> None:
         """Steps 3-6 for a main turn: query, retrieve, fit the context budget, inject."""
         from metaclaw import retrieval
         from metaclaw.context_budget import context_window, fit_skills
 
         proxy, config = self.proxy, self.config
-        turn.generation, skills = proxy.library.current()
-        if not skills or turn.turn_type != "main":
-            return
         try:
             turn.query = retrieval_query(turn)
             selected = retrieval.select(proxy.retriever, turn.query, skills, top_k=config.top_k,
@@ -294,11 +354,10 @@ class TurnPipeline:
         raw, body = await self.read_body(request)
         turn = parse_turn(protocol, body, raw, self.config.model, **parse)
         turn.session_id, turn.turn_type, turn.done = identify_session(turn, request.headers, body)
-        if turn.turn_type == "main" and self.proxy.library.current()[1]:
+        turn.generation, skills = self.proxy.library.current()
+        if turn.turn_type == "main" and skills:
             await asyncio.get_running_loop().run_in_executor(
-                self.proxy._retrieval_pool, self.select_and_inject, turn)
-        else:
-            turn.generation = self.proxy.library.current()[0]
+                self.proxy._retrieval_pool, self.select_and_inject, turn, skills)
         return turn, caller_key
 
     # -- forwarding -----------------------------------------------------------------------
@@ -342,17 +401,19 @@ class TurnPipeline:
         try:
             upstream = self.upstream()
         except ProxyError as exc:
-            return relay.fail(exc, None)
+            return await relay.fail(exc, None)
         if turn.stream:
             return await relay.stream(request, upstream)
         return await relay.complete(request, upstream)
 
-    async def acknowledge(self, recorded: asyncio.Task[Any]) -> None:
+    async def acknowledge(self, recorded: asyncio.Future[Any]) -> None:
         """Called between recording a turn and sending the client the end of its reply.
 
-        The record is taken (so :meth:`Proxy.flush` finds it); a durable-commit policy waits on
-        ``recorded`` here."""
-        return None
+        With ``ProxyConfig.durable_acks`` this waits until the turn's group is
+        committed to the store, so every reply a client received in full is on disk; without it,
+        the record is only queued (still found by :meth:`Proxy.flush`)."""
+        if self.config.durable_acks:
+            await asyncio.shield(recorded)
 
     # -- count_tokens ---------------------------------------------------------------------
     async def count_tokens(self, protocol: WireProtocol, request: web.Request) -> web.Response:
@@ -387,7 +448,7 @@ class _Relay:
         self.caller_key = caller_key
         self.started = started
 
-    def finish(self, **fields: Any) -> asyncio.Task[Any]:
+    def finish(self, **fields: Any) -> asyncio.Future[Any]:
         """The record step: the row goes to the recorder (off the event loop)."""
         row = {**self.record, **fields,
                "latency_ms": (time.perf_counter() - self.started) * 1000.0}
@@ -399,10 +460,11 @@ class _Relay:
             exc, midstream)
         return self.proxy._scrubbed(error, self.caller_key)
 
-    def fail(self, exc: BaseException, upstream: Upstream | None) -> web.Response:
+    async def fail(self, exc: BaseException, upstream: Upstream | None) -> web.Response:
         """Record the turn as failed and answer with the client protocol's error for ``exc``."""
         error = self.error(exc, upstream)
-        self.finish(status="error", http_status=error.status, error=error.message)
+        await self.pipeline.acknowledge(self.finish(status="error", http_status=error.status,
+                                                    error=error.message))
         return self.turn.protocol.error_response(error, self.headers)
 
     async def complete(self, request: web.Request, upstream: Upstream) -> web.Response:
@@ -417,7 +479,7 @@ class _Relay:
                 payload = dumps(client.reply_from_chat(
                     upstream.protocol.reply_to_chat(data))).encode()
         except Exception as exc:
-            return self.fail(exc, upstream)
+            return await self.fail(exc, upstream)
         recorded = self.finish(status="ok", http_status=200,
                                **{**upstream.protocol.reply_columns(data), **policy})
         await self.pipeline.acknowledge(recorded)
@@ -436,7 +498,7 @@ class _Relay:
                     body, self.caller_key, self.pipeline.upstream_headers(turn, upstream, request),
                     stack, captured)
             except Exception as exc:
-                return self.fail(exc, upstream)
+                return await self.fail(exc, upstream)
             to_chat = None if same else source.stream_to_chat()
             from_chat = None if same else client.stream_from_chat()
 

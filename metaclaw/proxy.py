@@ -92,7 +92,9 @@ class ProxyConfig:
     ``X-MetaClaw-Token``. ``context_window``/``context_windows``/``tokenizer``: the context
     budget (see :mod:`metaclaw.context_budget`): the window for models not otherwise known, the
     windows per model name, and a ``tokenizer.json`` path (or ``str -> int`` callable) to count
-    with instead of the estimate.
+    with instead of the estimate. ``durable_acks``: send the end of each reply only once its turn
+    is committed to the store (group commit; see :mod:`metaclaw.pipeline`); off, the turn is
+    committed right after the reply is sent (:meth:`Proxy.flush` waits for it).
     """
 
     upstream_url: str | None = None
@@ -111,6 +113,7 @@ class ProxyConfig:
     max_retries: int = 2
     stream_usage: bool = True
     upstream_protocol: str = "openai"
+    durable_acks: bool = False
     caller_auth: bool = False
     context_window: int | None = None
     context_windows: dict[str, int] | None = None
@@ -158,7 +161,6 @@ class Proxy(ServedApp):
         self._recorder = Recorder(self)
         self._pipeline = TurnPipeline(self)
         self._retrieval_pool: ThreadPoolExecutor | None = None
-        self._record_pool: ThreadPoolExecutor | None = None
         self._listener_pool: ThreadPoolExecutor | None = None
         self._server = BackgroundServer(self._make_app, config.host, config.port, "metaclaw-proxy")
 
@@ -237,7 +239,7 @@ class Proxy(ServedApp):
         return _base_url(self._server.host, self._server.port)
 
     @property
-    def _pending(self) -> set[asyncio.Task[Any]]:
+    def _pending(self) -> set[asyncio.Future[Any]]:
         return self._recorder.pending
 
     def _make_app(self) -> web.Application:
@@ -264,7 +266,7 @@ class Proxy(ServedApp):
 
     async def _on_startup(self, app: web.Application) -> None:
         self._retrieval_pool = ThreadPoolExecutor(8, thread_name_prefix="metaclaw-retrieval")  # embedding queries batch
-        self._record_pool = ThreadPoolExecutor(1, thread_name_prefix="metaclaw-record")
+        self._recorder.start()
         self._listener_pool = ThreadPoolExecutor(1, thread_name_prefix="metaclaw-listeners")
         if self.config.upstream_url:
             self._upstream = make_upstream(self.config.upstream_protocol, self.config.upstream_url,
@@ -303,8 +305,7 @@ class Proxy(ServedApp):
         if self._upstream is not None:
             await self._upstream.close()
             self._upstream = None
-        if self._record_pool is not None:
-            self._record_pool.shutdown(wait=True)  # every answered turn reaches the store
+        self._recorder.stop()  # every answered turn reaches the store
         for pool in (self._retrieval_pool, self._listener_pool):
             if pool is not None:  # a model still loading or a slow listener never blocks stop()
                 pool.shutdown(wait=False)
