@@ -465,3 +465,42 @@ def test_request_already_over_the_window_passes_untouched(workspace, anthropic_d
     assert turn["context_budget"]["method"] == "tokenizer"
     assert "git-commit-messages" in turn["context_budget"]["cut"]
     assert any("already over" in r.getMessage() for r in caplog.records)
+
+
+# ---------------------------------------------------------------------------------------------
+# a real agent client (optional: runs where the Claude Code CLI is installed)
+# ---------------------------------------------------------------------------------------------
+def _claude_code() -> str | None:
+    import os
+    import shutil
+
+    return os.environ.get("METACLAW_CLAUDE_CODE") or shutil.which("claude")
+
+
+@pytest.mark.skipif(_claude_code() is None, reason="the Claude Code CLI is not installed (npm "
+                    "install @anthropic-ai/claude-code, or set METACLAW_CLAUDE_CODE to its binary)")
+def test_claude_code_agent_through_the_proxy(workspace, anthropic_double, tmp_path):
+    """Claude Code in print mode, offline: its real request (system blocks, a dozen tools,
+    thinking, streaming) goes through the proxy to the Anthropic double and back."""
+    import os
+    import subprocess
+
+    store, _ = workspace
+    (tmp_path / "home").mkdir()
+    (tmp_path / "work").mkdir()
+    with _proxy(workspace, anthropic_double, "anthropic") as proxy:
+        env = {**os.environ, "HOME": str(tmp_path / "home"), "ANTHROPIC_BASE_URL": proxy.base_url,
+               "ANTHROPIC_API_KEY": "sk-ant-offline", "DISABLE_AUTOUPDATER": "1",
+               "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"}
+        done = subprocess.run([_claude_code(), "-p", QUESTION, "--model", "claude-sonnet-4-5"],
+                              cwd=tmp_path / "work", env=env, capture_output=True, text=True,
+                              timeout=120)
+        turns = _turns(proxy, store)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("echo: ")  # the double's echo, relayed to the agent
+    main = [t for t in turns if t["injected_skills"]]
+    assert main and main[0]["protocol"] == "anthropic" and main[0]["status"] == "ok"
+    assert "git-commit-messages" in main[0]["injected_skills"]
+    sent = next(r["body"] for r in anthropic_double.requests if r["path"] == "/v1/messages"
+                and r["body"].get("tools"))
+    assert isinstance(sent["system"], list) and sent["system"][-1]["text"].startswith(BLOCK_HEADER)
