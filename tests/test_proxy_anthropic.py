@@ -504,3 +504,67 @@ def test_claude_code_agent_through_the_proxy(workspace, anthropic_double, tmp_pa
     sent = next(r["body"] for r in anthropic_double.requests if r["path"] == "/v1/messages"
                 and r["body"].get("tools"))
     assert isinstance(sent["system"], list) and sent["system"][-1]["text"].startswith(BLOCK_HEADER)
+
+
+# ---------------------------------------------------------------------------------------------
+# a local policy (the slow loop's responder) serving Anthropic clients
+# ---------------------------------------------------------------------------------------------
+class LocalPolicy:
+    """A trivial responder answering in the chat shape, with the ``metaclaw`` object a trained
+    policy attaches (kept from the client, recorded with the turn)."""
+
+    policy_version = 5
+    info = {"policy_version": 5, "prompt_token_ids": [1, 2], "completion_token_ids": [3, 4],
+            "completion_logprobs": [-0.1, -0.2]}
+
+    async def complete(self, body):
+        return {"id": "p-1", "object": "chat.completion", "created": 0, "model": "local",
+                "choices": [{"index": 0, "finish_reason": "stop", "message": {
+                    "role": "assistant", "content": "from the policy"}}],
+                "usage": {"prompt_tokens": 3, "completion_tokens": 2}, "metaclaw": self.info}
+
+    async def stream(self, body):
+        base = {"id": "p-2", "object": "chat.completion.chunk", "created": 0, "model": "local"}
+        for piece in ("from", " the", " policy"):
+            yield {**base, "choices": [{"index": 0, "delta": {"content": piece},
+                                        "finish_reason": None}]}
+        yield {**base, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
+               "metaclaw": self.info}
+
+
+def test_responder_serves_anthropic_clients(workspace, anthropic_double):
+    store, _ = workspace
+    with _proxy(workspace, anthropic_double, "anthropic") as proxy:
+        proxy.set_responder(LocalPolicy())
+        client = _client(proxy)
+        message = client.messages.create(model=MODEL, max_tokens=20,
+                                          messages=[{"role": "user", "content": QUESTION}])
+        raw = client.messages.with_raw_response.create(
+            model=MODEL, max_tokens=20, messages=[{"role": "user", "content": QUESTION}])
+        with client.messages.stream(model=MODEL, max_tokens=20,
+                                    messages=[{"role": "user", "content": QUESTION}]) as stream:
+            streamed = stream.get_final_message()
+    assert message.content[0].text == "from the policy" and message.stop_reason == "end_turn"
+    assert "metaclaw" not in raw.http_response.text
+    assert raw.http_response.headers["x-metaclaw-policy-version"] == "5"
+    assert streamed.content[0].text == "from the policy"
+    assert anthropic_double.requests == []  # the upstream was not used
+    turns = _turns(proxy, store)
+    assert [t["policy_version"] for t in turns] == [5, 5, 5]
+    assert turns[2]["completion_tokens_ids"] == [3, 4] and turns[2]["protocol"] == "anthropic"
+
+
+def test_context_budget_with_a_real_tokenizer(workspace, openai_double, tmp_path):
+    pytest.importorskip("transformers", reason="the tokenizer test needs transformers "
+                                               "(the training extra)")
+    from metaclaw.tinymodel import build_tokenizer
+
+    build_tokenizer().backend_tokenizer.save(str(tmp_path / "tokenizer.json"))
+    store, _ = workspace
+    with _proxy(workspace, openai_double, "openai", context_windows={MODEL: 100_000},
+                tokenizer=str(tmp_path / "tokenizer.json")) as proxy:
+        _client(proxy).messages.create(model=MODEL, max_tokens=10,
+                                       messages=[{"role": "user", "content": QUESTION}])
+    budget = _turns(proxy, store)[0]["context_budget"]
+    assert budget["method"] == f"tokenizer:{tmp_path / 'tokenizer.json'}"
+    assert budget["cut"] == [] and 0 < budget["request_tokens"] < 200
