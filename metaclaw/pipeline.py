@@ -523,7 +523,7 @@ class _Relay:
                             held.append(data)
                         elif not client.is_private(out, client_asked):
                             await response.write(data)
-                if not same:  # the end of the translated stream (stop reason, usage, terminal)
+                if not same and assembler.error is None:  # the end of the translated stream
                     tail = [out for chunk in to_chat.close() for out in from_chat.feed(chunk)]
                     for out in [*tail, *from_chat.close()]:
                         data = client.encode_event(out)

@@ -25,9 +25,9 @@ Anthropic client -> OpenAI-compatible upstream
   - documents and search-result blocks become text; images keep their data (as data URLs or URLs);
   - a tool_result's images are dropped (a chat ``tool`` message holds text only); ``is_error``
     becomes an ``"[error] "`` prefix on the result text;
-  - ``stop_reason`` comes from ``finish_reason``: stop -> end_turn (or stop_sequence when the
-    request had stop sequences, though the sequence matched is unknown: ``stop_sequence`` is null),
-    length -> max_tokens, tool_calls -> tool_use, content_filter -> refusal;
+  - ``stop_reason`` comes from ``finish_reason``: stop -> end_turn (also when a stop sequence
+    matched: a chat upstream does not say so, and ``stop_sequence`` is null), length ->
+    max_tokens, tool_calls -> tool_use, content_filter -> refusal;
   - usage: ``input_tokens`` / ``output_tokens`` from prompt / completion tokens; in a stream the
     input count is only known at the end, so ``message_start`` says 0 and ``message_delta`` carries
     the real ``input_tokens`` and ``output_tokens``.
@@ -155,13 +155,12 @@ def _new_id() -> str:
 class ChatToAnthropicStream(StreamTranslator):
     """``chat.completion.chunk`` dicts (``None`` for ``[DONE]``) -> Anthropic stream events."""
 
-    def __init__(self, stop_sequences: bool = False) -> None:
+    def __init__(self) -> None:
         self.started = False
         self.block: tuple[str, int] | None = None  # (kind, OpenAI tool index) of the open block
         self.index = -1
         self.finish: str | None = None
         self.usage: dict[str, Any] | None = None
-        self.stop_sequences = stop_sequences
         self.closed = False
 
     def _start(self, chunk: dict[str, Any]) -> list[dict[str, Any]]:
@@ -234,9 +233,8 @@ class ChatToAnthropicStream(StreamTranslator):
         self.closed = True
         out: list[dict[str, Any] | None] = [] if self.started else self._start({})
         out += self._close_block()
+        # a chat upstream does not say which stop sequence matched: "stop" is end_turn
         stop = _FINISH_TO_STOP.get(self.finish or "stop", "end_turn")
-        if stop == "end_turn" and self.stop_sequences and self.finish == "stop":
-            stop = "end_turn"  # which sequence matched (if any) is unknown: see the docstring
         out.append({"type": "message_delta", "delta": {"stop_reason": stop, "stop_sequence": None},
                     "usage": _anthropic_usage(self.usage)})
         out.append({"type": "message_stop"})
