@@ -110,7 +110,8 @@ class WireProtocol:
     def max_output_tokens(self, body: dict[str, Any]) -> int | None:
         return None
 
-    def prepare_forward(self, body: dict[str, Any], stream_usage: bool) -> tuple[dict[str, Any], bool]:
+    def prepare_forward(self, body: dict[str, Any],
+                        stream_usage: bool) -> tuple[dict[str, Any], bool]:
         """The body to forward to an upstream of this protocol and whether the client itself asked
         for what the proxy adds (OpenAI's usage chunk)."""
         return body, True

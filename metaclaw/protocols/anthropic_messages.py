@@ -190,7 +190,8 @@ class ChatToAnthropicStream(StreamTranslator):
         if chunk is None:
             return []
         if chunk.get("error"):
-            error = chunk["error"] if isinstance(chunk["error"], dict) else {"message": str(chunk["error"])}
+            error = chunk["error"]
+            error = error if isinstance(error, dict) else {"message": str(error)}
             return [{"type": "error", "error": {"type": "api_error",
                                                 "message": str(error.get("message", error))}}]
         out: list[dict[str, Any]] = [] if self.started else self._start(chunk)
@@ -217,7 +218,8 @@ class ChatToAnthropicStream(StreamTranslator):
                 function = call.get("function") or {}
                 if self.block != ("tool", key):
                     out += self._open("tool", key, {
-                        "type": "tool_use", "id": call.get("id") or f"toolu_{uuid.uuid4().hex[:20]}",
+                        "type": "tool_use",
+                        "id": call.get("id") or f"toolu_{uuid.uuid4().hex[:20]}",
                         "name": function.get("name") or "", "input": {}})
                 if function.get("arguments"):
                     out.append({"type": "content_block_delta", "index": self.index,
@@ -290,7 +292,8 @@ class AnthropicToChatStream(StreamTranslator):
                 return [self._chunk({"reasoning_content": delta.get("thinking", "")})]
             return []
         if kind == "message_delta":
-            self.usage.update({k: v for k, v in (event.get("usage") or {}).items() if v is not None})
+            usage = event.get("usage") or {}
+            self.usage.update({k: v for k, v in usage.items() if v is not None})
             stop = (event.get("delta") or {}).get("stop_reason")
             return [self._chunk({}, _STOP_TO_FINISH.get(stop or "end_turn", "stop"))]
         if kind == "message_stop":
@@ -379,7 +382,8 @@ class AnthropicMessages(WireProtocol):
             raise bad("tool_choice", "'tool_choice' must be an object such as {'type': 'auto'}")
         for name in ("temperature", "top_p"):
             value = body.get(name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            if value is not None and (isinstance(value, bool)
+                                      or not isinstance(value, (int, float))):
                 raise bad(name, f"'{name}' must be a number")
         return model, stream
 
@@ -421,12 +425,14 @@ class AnthropicMessages(WireProtocol):
         tools = [{"type": "function", "function": {
             "name": tool.get("name"), "description": tool.get("description", ""),
             "parameters": tool.get("input_schema") or {"type": "object", "properties": {}}}}
-            for tool in body.get("tools") or () if isinstance(tool, dict) and "input_schema" in tool]
+            for tool in body.get("tools") or ()
+            if isinstance(tool, dict) and "input_schema" in tool]
         if tools:
             chat["tools"] = tools
         choice = body.get("tool_choice") or {}
         if choice.get("type") in ("auto", "any", "none"):
-            chat["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[choice["type"]]
+            chat["tool_choice"] = {"auto": "auto", "any": "required",
+                                   "none": "none"}[choice["type"]]
         elif choice.get("type") == "tool":
             chat["tool_choice"] = {"type": "function", "function": {"name": choice.get("name")}}
         if choice.get("disable_parallel_tool_use") and tools:
