@@ -289,12 +289,13 @@ def validate_operations(data: Any, library: dict[str, Skill],
             if skill == old:
                 problems.append(f"{where}: the edit changes nothing; give the new body")
                 continue
-            ops.append(SkillOp("edit", skill, name, reason, evidence))
+            ops.append(SkillOp("edit", skill, name, reason, evidence, old.content_hash))
         else:
             if name not in library:
                 problems.append(f"{where}: there is no skill named {name!r} to remove")
                 continue
-            ops.append(SkillOp("remove", None, name, reason, evidence))
+            ops.append(SkillOp("remove", None, name, reason, evidence,
+                               library[name].content_hash))
     if problems:
         raise EvolveValidationError("; ".join(problems))
     return ops
@@ -686,7 +687,8 @@ class Evolver:
                            extra=target.extra)
             reason = (f"{op.reason} (merged from a near-duplicate add {op.name!r}, "
                       f"similarity {score:.2f})").strip()
-            out.append(SkillOp("edit", merged, target.name, reason, list(op.evidence)))
+            out.append(SkillOp("edit", merged, target.name, reason, list(op.evidence),
+                               target.content_hash))
             claimed.add(target.name)
             pool = [merged if s.name == target.name else s for s in pool]
             proposal.merged.append({"add": op.name, "into": target.name, "similarity": score})

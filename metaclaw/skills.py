@@ -79,6 +79,10 @@ class SkillFormatError(ValueError):
         super().__init__(f"{self.path}: {reason}" if self.path else reason)
 
 
+class SkillConflict(SkillFormatError):
+    """An edit or remove made from a version of a skill that another process has changed."""
+
+
 class SkillNotFound(KeyError):
     """A skill name or a generation number that the library does not have."""
 
@@ -242,13 +246,17 @@ class Skill:
 
 @dataclass
 class SkillOp:
-    """One operation of a change to the library. ``evidence`` holds turn ids."""
+    """One operation of a change to the library. ``evidence`` holds turn ids. ``base``: the
+    content hash of the skill an edit or remove was made from; when the skill has changed
+    since (another process edited it), the operation fails with :class:`SkillConflict`
+    instead of silently overwriting that change."""
 
     op: Literal["add", "edit", "remove"]
     skill: Skill | None = None
     name: str = ""
     reason: str = ""
     evidence: list[int] = field(default_factory=list)
+    base: str | None = None
 
     def __post_init__(self) -> None:
         if not self.name and self.skill is not None:
@@ -527,6 +535,7 @@ class SkillLibrary:
 
     def get(self, name: str) -> Skill:
         """The current skill called ``name`` (:class:`SkillNotFound`, a ``KeyError``, if absent)."""
+        self.sync()
         with self._lock:
             try:
                 return self._skills[name]
@@ -603,14 +612,17 @@ class SkillLibrary:
         return self.apply([SkillOp("add", skill, getattr(skill, "name", ""), reason,
                                    list(evidence))], kind="add", reason=reason)
 
-    def edit(self, skill: Skill, *, reason: str = "", evidence: Iterable[int] = ()) -> int:
-        """Replace the skill of the same name; returns the new generation."""
+    def edit(self, skill: Skill, *, reason: str = "", evidence: Iterable[int] = (),
+             base: str | None = None) -> int:
+        """Replace the skill of the same name; returns the new generation. ``base``: the
+        content hash of the version the edit was made from (see :class:`SkillOp`)."""
         return self.apply([SkillOp("edit", skill, getattr(skill, "name", ""), reason,
-                                   list(evidence))], kind="edit", reason=reason)
+                                   list(evidence), base)], kind="edit", reason=reason)
 
-    def remove(self, name: str, *, reason: str = "", evidence: Iterable[int] = ()) -> int:
-        """Remove a skill; returns the new generation."""
-        return self.apply([SkillOp("remove", None, name, reason, list(evidence))],
+    def remove(self, name: str, *, reason: str = "", evidence: Iterable[int] = (),
+               base: str | None = None) -> int:
+        """Remove a skill; returns the new generation (``base`` as in :meth:`edit`)."""
+        return self.apply([SkillOp("remove", None, name, reason, list(evidence), base)],
                           kind="remove", reason=reason)
 
     def apply(self, ops: list[SkillOp], *, kind: str = "edit", reason: str = "") -> int:
@@ -801,6 +813,10 @@ class SkillLibrary:
             if op.op in ("edit", "remove") and op.name not in new:
                 raise SkillFormatError(f"{where}: there is no skill named {op.name!r}; "
                                        "use add to create it")
+            if op.base is not None and op.name in new and new[op.name].content_hash != op.base:
+                raise SkillConflict(f"{where}: the skill changed since this operation was "
+                                    f"made from it (now generation {self._generation}); read "
+                                    "it again and redo the change")
             if op.op == "remove":
                 del new[op.name]
             else:

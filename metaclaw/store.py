@@ -38,7 +38,7 @@ JSON_COLUMNS = {
     "request_messages", "request_params", "tool_calls", "usage", "injected_skills",
     "judge_votes", "prompt_tokens_ids", "completion_tokens_ids", "completion_logprobs",
     "meta", "snapshot", "evidence", "metrics", "signals", "retrieval_scores", "identified_by",
-    "detail",
+    "detail", "context_budget",
 }
 
 MIGRATIONS: list[str] = [
@@ -154,6 +154,11 @@ MIGRATIONS: list[str] = [
         detail   TEXT NOT NULL DEFAULT '{}'
     );
     CREATE INDEX events_kind ON events(kind, at);
+    """,
+    # 3: the wire protocol a turn arrived in, and what the context budget decided for it
+    """
+    ALTER TABLE turns ADD COLUMN protocol TEXT NOT NULL DEFAULT 'openai';
+    ALTER TABLE turns ADD COLUMN context_budget TEXT;
     """,
 ]
 

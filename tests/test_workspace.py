@@ -60,15 +60,21 @@ def test_two_processes_changing_the_library_at_once_keep_one_linear_history(tmp_
     SkillLibrary(skills, Store(db))
     writer = """
         import sys
-        from metaclaw.skills import Skill, SkillLibrary
+        from metaclaw.skills import Skill, SkillConflict, SkillLibrary
         from metaclaw.store import Store
         library = SkillLibrary(sys.argv[1], Store(sys.argv[2]))
         tag = sys.argv[3]
         for i in range(12):
             library.add(Skill(name=f"{tag}-{i}", description="d", category="c", body="b"))
-            common = library.get("common")
-            library.edit(Skill(name="common", description=common.description,
-                               category="c", body=common.body + f"\\n{tag}{i}"))
+            while True:  # read, modify, write: a change made meanwhile elsewhere is a conflict
+                common = library.get("common")
+                try:
+                    library.edit(Skill(name="common", description=common.description,
+                                       category="c", body=common.body + f"\\n{tag}{i}"),
+                                 base=common.content_hash)
+                    break
+                except SkillConflict:
+                    pass
     """
     procs = [_in_another_process(writer, skills, db, tag) for tag in ("a", "b")]
     for proc in procs:
@@ -245,3 +251,19 @@ def test_a_failing_judge_is_logged_recorded_counted_and_shown(tmp_path, caplog):
     assert events[0]["detail"]["endpoint"] == judge.url and "judge_failed: 1" in status["failures"]
     out = run_cli("events", "--db", tmp_path / "ws.db").stdout
     assert "judge_failed" in out and "does not exist" in out and "judge_failed: 1" in out
+
+
+def test_an_edit_made_from_a_stale_version_is_a_conflict_not_an_overwrite(tmp_path):
+    from metaclaw.skills import SkillConflict
+
+    skills, db = tmp_path / "skills", tmp_path / "ws.db"
+    write_skill(skills, "shared", "Shared.", "v1")
+    mine = SkillLibrary(skills, Store(db))
+    read = mine.get("shared")
+    other = SkillLibrary(skills, Store(db))
+    other.edit(Skill(name="shared", description="Shared.", category="ops", body="v2 (other)"),
+               base=other.get("shared").content_hash)
+    with pytest.raises(SkillConflict, match="changed since"):
+        mine.edit(Skill(name="shared", description="Shared.", category="ops", body="v2 (mine)"),
+                  base=read.content_hash)
+    assert mine.get("shared").body == "v2 (other)" and mine.current()[0] == 1

@@ -1,0 +1,557 @@
+"""The turn pipeline: one protocol-neutral path for every request the proxy serves.
+
+    parse -> identify session and turn type -> extract the retrieval query -> retrieve
+          -> fit the context budget -> inject -> forward -> relay (streaming or not) -> record
+
+Each step is a small function or method below, named for what it does. Protocol specifics stay
+in the adapters (:mod:`metaclaw.protocols`): the client's protocol parses and validates the wire
+body and injects the skill block into it; when the upstream (:mod:`metaclaw.upstreams`) speaks
+another protocol, request, reply and stream events are translated through the OpenAI chat shape.
+A :class:`Turn` carries the request through the steps; its ``messages`` are the neutral view
+(OpenAI chat messages) that retrieval reads and the store records, whatever the protocol.
+
+Ordering contract of the relay and record steps: the event that ends a reply for the client
+(OpenAI's ``data: [DONE]``, Anthropic's ``message_stop``) and the whole of a non-streaming reply
+are sent only after :meth:`Recorder.submit` has taken the turn and
+:meth:`TurnPipeline.acknowledge` has returned. With ``ProxyConfig.durable_acks`` that means the
+turn is committed to SQLite: a reply the client received in full is never lost, even to
+``kill -9``. The recorder commits in groups, so this costs a request about one commit (one fsync)
+of latency however many are in flight, and no throughput. Without it, the turn is queued and
+committed right after. A stream whose client leaves early is recorded too, with status ``error`` and
+what was relayed so far.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Mapping
+
+from aiohttp import web
+
+from metaclaw.protocols import ProxyError, WireProtocol, dumps
+from metaclaw.sessions import TURN_TYPES, Identity, IdentityError, identify  # noqa: F401
+from metaclaw.upstreams import ResponderUpstream, Upstream, policy_columns
+
+if TYPE_CHECKING:  # pragma: no cover
+    from metaclaw.proxy import Proxy
+
+log = logging.getLogger("metaclaw.proxy")
+
+#: Body fields understood by the proxy itself; removed before forwarding.
+PROXY_FIELDS = ("session_id", "turn_type", "session_done")
+#: Chat fields recorded in their own columns rather than in ``request_params``.
+_OWN_COLUMNS = ("messages", "model", "stream")
+#: Client headers an Anthropic upstream receives as they came (pass-through only).
+_ANTHROPIC_HEADERS = ("anthropic-version", "anthropic-beta")
+
+
+@dataclass
+class Turn:
+    """One request on its way through the pipeline.
+
+    ``body``: the client's wire body (proxy fields removed, model set), later with skills
+    injected. ``chat``: the same request in the OpenAI chat shape (the neutral view; ``body``
+    itself for OpenAI clients). ``messages``: the neutral messages as recorded (skills injected).
+    """
+
+    protocol: WireProtocol
+    body: dict[str, Any]
+    chat: dict[str, Any]
+    raw: bytes
+    model: str
+    stream: bool
+    session_id: str = ""
+    turn_type: str = "main"
+    done: bool = False
+    identified_by: dict[str, str] = field(default_factory=dict)
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    query: str = ""
+    generation: int = 0
+    injected: list[str] = field(default_factory=list)
+    scores: list[float] = field(default_factory=list)
+    budget: dict[str, Any] | None = None
+    retrieval_error: str | None = None
+
+
+# ---------------------------------------------------------------------------------------------
+# the steps (pure functions of the turn, each separately testable)
+# ---------------------------------------------------------------------------------------------
+def parse_turn(protocol: WireProtocol, body: dict[str, Any], raw: bytes,
+               model: str | None = None, **parse: Any) -> Turn:
+    """Step 1: validate the wire body (raises :class:`ProxyError`) and build the turn."""
+    model, stream = protocol.parse_request(body, model, **parse)
+    forward = {k: v for k, v in body.items() if k not in PROXY_FIELDS}
+    forward["model"] = model
+    chat = protocol.to_chat(forward)
+    return Turn(protocol, forward, chat, raw, model, stream, messages=chat["messages"])
+
+
+def identify_session(headers: Mapping[str, str], body: Mapping[str, Any]) -> Identity:
+    """Step 2: the session, turn type and done flag, with the rule that decided each
+    (:func:`metaclaw.sessions.identify`: headers, body fields, ids the framework embeds, a
+    conversation fingerprint; side calls recognised by their content). A session id or turn
+    type the client gave that cannot be accepted is a 400 naming the field."""
+    try:
+        return identify(headers, dict(body))
+    except IdentityError as exc:
+        raise ProxyError(400, str(exc), param=exc.param) from None
+
+
+def retrieval_query(turn: Turn) -> str:
+    """Step 3: the text to retrieve skills for: the user's real ask in the neutral view
+    (:func:`metaclaw.asks.extract_ask`, via :func:`metaclaw.retrieval.query_text`)."""
+    from metaclaw.retrieval import query_text
+
+    return query_text(turn.messages)
+
+
+def record_row(turn: Turn, policy_version: int) -> dict[str, Any]:
+    """The turn's store columns known before forwarding (one schema for every protocol)."""
+    row = {
+        "session_id": turn.session_id,
+        "turn_type": turn.turn_type,
+        "model": turn.model,
+        "stream": int(turn.stream),
+        "request_messages": turn.messages,
+        "request_params": {k: v for k, v in turn.chat.items()
+                           if k not in _OWN_COLUMNS and k not in PROXY_FIELDS},
+        "skill_generation": turn.generation,
+        "injected_skills": turn.injected,
+        "policy_version": policy_version,
+        "error": turn.retrieval_error,
+        "identified_by": turn.identified_by,
+        # why the turn got its skills: the query retrieval used, the selected skills' scores
+        "retrieval_query": turn.query or None,
+        "retrieval_scores": [{"name": name, "score": round(float(score), 4)}
+                             for name, score in zip(turn.injected, turn.scores)],
+    }
+    if turn.protocol.name != "openai":
+        row["protocol"] = turn.protocol.name
+    if turn.budget is not None:
+        row["context_budget"] = turn.budget
+    return row
+
+
+# ---------------------------------------------------------------------------------------------
+# recording
+# ---------------------------------------------------------------------------------------------
+class Recorder:
+    """Writes finished turns to the store with group commit, and notifies the turn listeners.
+
+    One writer thread takes every turn submitted since its last commit and writes them in one
+    transaction (one durable commit, ``synchronous=FULL``, for the whole group), so waiting for
+    durability costs a request about one commit however many requests are in flight.
+    :meth:`submit` returns at once with a future that resolves to the turn id once its group is
+    committed (``None`` if it could not be written); :meth:`drain` waits for every submitted turn.
+    """
+
+    #: Most turns written in one transaction.
+    MAX_GROUP = 256
+
+    def __init__(self, proxy: "Proxy"):
+        self.proxy = proxy
+        self.pending: set[asyncio.Future[Any]] = set()
+        self._queue: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self.commits = 0  # transactions written (fewer than turns when groups form)
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="metaclaw-record", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        """Write what is queued, then end the writer thread."""
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+
+    def submit(self, row: dict[str, Any], done: bool) -> asyncio.Future[Any]:
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self.pending.add(future)
+        future.add_done_callback(self.pending.discard)
+        self.start()
+        self._queue.put((row, done, future, loop))
+        return future
+
+    async def drain(self) -> None:
+        while self.pending:
+            await asyncio.gather(*list(self.pending), return_exceptions=True)
+
+    # -- the writer thread ----------------------------------------------------------------
+    def _run(self) -> None:
+        stopping = False
+        while not stopping:
+            group = [self._queue.get()]
+            while len(group) < self.MAX_GROUP:
+                try:
+                    group.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            if None in group:
+                stopping = True
+                group = [item for item in group if item is not None]
+            if group:
+                self._commit(group)
+
+    def _commit(self, group: list[tuple[Any, ...]]) -> None:
+        store = self.proxy.store
+        ids: list[int | None]
+        try:
+            with store.transaction():
+                ids = [self._write(row, done) for row, done, _, _ in group]
+            self.commits += 1
+        except Exception:  # one bad row must not lose the others: write them one by one
+            ids = []
+            for row, done, _, _ in group:
+                try:
+                    with store.transaction():
+                        ids.append(self._write(row, done))
+                except Exception:
+                    log.exception("could not record a turn of session %r", row.get("session_id"))
+                    ids.append(None)
+        listeners = self.proxy._listeners
+        for (_, _, future, loop), turn_id in zip(group, ids):
+            with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits any more
+                loop.call_soon_threadsafe(_resolve, future, turn_id)
+            if turn_id is not None and listeners and self.proxy._listener_pool is not None:
+                with contextlib.suppress(RuntimeError):
+                    self.proxy._listener_pool.submit(self._notify, turn_id)
+
+    def _write(self, row: dict[str, Any], done: bool) -> int:
+        store = self.proxy.store
+        turn_id = store.record_turn(**row)
+        if done:
+            store.mark_session_done(row["session_id"])
+        return turn_id
+
+    def _notify(self, turn_id: int) -> None:
+        for fn in list(self.proxy._listeners):
+            try:
+                fn(turn_id)
+            except Exception:
+                log.exception("turn listener %r failed for turn %d", fn, turn_id)
+
+
+def _resolve(future: asyncio.Future[Any], value: Any) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+# ---------------------------------------------------------------------------------------------
+# the pipeline
+# ---------------------------------------------------------------------------------------------
+class TurnPipeline:
+    """Runs the steps for one request of any protocol (built and owned by the proxy)."""
+
+    def __init__(self, proxy: "Proxy"):
+        self.proxy = proxy
+        self.config = proxy.config
+
+    # -- checks and parsing ---------------------------------------------------------------
+    def authenticate(self, request: web.Request) -> str | None:
+        """Check the proxy token; return the caller's own upstream key under caller-auth."""
+        config = self.config
+        headers = request.headers
+        scheme, _, bearer = headers.get("Authorization", "").partition(" ")
+        bearer = bearer.strip() if scheme.lower() == "bearer" else ""
+        api_key = headers.get("x-api-key", "").strip()
+        caller_key = None
+        if config.caller_auth:
+            caller_key = api_key or bearer
+            if not caller_key:
+                raise ProxyError(401, "this proxy forwards each caller's own upstream key: send "
+                                      "your API key (x-api-key or 'Authorization: Bearer <key>')",
+                                 type="authentication_error", code="missing_caller_key")
+            given = headers.get("X-MetaClaw-Token", "").strip()
+            where = "the header 'X-MetaClaw-Token: <token>'"
+        else:
+            given = bearer or api_key
+            where = "the header 'Authorization: Bearer <token>' (the OpenAI client's api_key)"
+        token = config.token
+        if not token:
+            return caller_key
+        if not given:
+            raise ProxyError(401, f"missing bearer token: this proxy requires {where}",
+                             type="authentication_error", code="missing_token")
+        if not hmac.compare_digest(given.encode(), token.encode()):
+            raise ProxyError(401, "invalid bearer token: set the client's api_key to the proxy's "
+                                  "token", type="authentication_error", code="invalid_token")
+        return caller_key
+
+    def too_large(self) -> ProxyError:
+        limit = self.config.max_body_bytes
+        return ProxyError(413, f"request body is larger than the proxy's limit of {limit} bytes; "
+                               "send a smaller request or raise max_body_bytes",
+                          code="request_too_large")
+
+    async def read_body(self, request: web.Request) -> tuple[bytes, dict[str, Any]]:
+        if (request.content_length is not None
+                and request.content_length > self.config.max_body_bytes):
+            raise self.too_large()
+        raw = await request.read()
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ProxyError(400, f"request body is not valid JSON ({exc}); send a JSON object "
+                                  "with 'model' and 'messages'") from None
+        if not isinstance(body, dict):
+            raise ProxyError(400, "request body must be a JSON object with 'model' and 'messages', "
+                                  f"not {type(body).__name__}")
+        return raw, body
+
+    # -- retrieve, fit the budget, inject (in a worker thread) ----------------------------
+    def select_and_inject(self, turn: Turn, skills: list[Any]) -> None:
+        """Steps 3-6 for a main turn: query, retrieve, fit the context budget, inject."""
+        from metaclaw import retrieval
+        from metaclaw.context_budget import context_window, fit_skills
+
+        proxy, config = self.proxy, self.config
+        try:
+            turn.query = retrieval_query(turn)
+            selected = retrieval.select(proxy.retriever, turn.query, skills, top_k=config.top_k,
+                                        min_score=config.min_score,
+                                        budget_chars=config.budget_chars) if turn.query else []
+            window = context_window(turn.model, config.context_windows, config.context_window)
+            if selected and window is not None:
+                budget = fit_skills([s.skill.name for s in selected],
+                                    lambda n: retrieval.render_block(selected[:n]), turn.raw,
+                                    window, turn.protocol.max_output_tokens(turn.body),
+                                    proxy.token_counter)
+                selected, turn.budget = selected[:budget.keep], budget.record
+            block = retrieval.render_block(selected)
+            turn.injected = [s.skill.name for s in selected]
+            turn.scores = [s.score for s in selected]
+            if block:
+                turn.body = turn.protocol.inject(turn.body, block)
+                turn.messages = retrieval.inject(turn.messages, block)
+        except Exception as exc:  # serve the turn without skills rather than fail the agent
+            log.exception("skill retrieval failed; serving this turn without skills")
+            turn.injected, turn.scores = [], []
+            turn.retrieval_error = f"skill retrieval failed (served without skills): {exc}"
+
+    async def prepare(self, protocol: WireProtocol, request: web.Request,
+                      **parse: Any) -> tuple[Turn, str | None]:
+        """Authenticate, read, parse, identify, then retrieve and inject off the event loop."""
+        caller_key = self.authenticate(request)
+        raw, body = await self.read_body(request)
+        turn = parse_turn(protocol, body, raw, self.config.model, **parse)
+        identity = identify_session(request.headers, body)
+        turn.session_id, turn.turn_type, turn.done = (identity.session_id, identity.turn_type,
+                                                      identity.done)
+        turn.identified_by = identity.how
+        turn.generation, skills = self.proxy.library.current()
+        if turn.turn_type == "main" and skills:
+            await asyncio.get_running_loop().run_in_executor(
+                self.proxy._retrieval_pool, self.select_and_inject, turn, skills)
+        return turn, caller_key
+
+    # -- forwarding -----------------------------------------------------------------------
+    def upstream(self) -> Upstream:
+        responder = self.proxy.responder
+        if responder is not None:
+            return ResponderUpstream(responder)
+        if self.proxy._upstream is None:
+            raise ProxyError(503, "no upstream is configured: start the proxy with an upstream "
+                                  "URL (ProxyConfig.upstream_url or metaclaw serve --upstream URL) "
+                                  "or set a responder", type="server_error", code="no_upstream")
+        return self.proxy._upstream
+
+    def forward_body(self, turn: Turn, upstream: Upstream) -> tuple[dict[str, Any], bool]:
+        """The body in the upstream's protocol (translated when the client's differs)."""
+        target = upstream.protocol
+        body = turn.body if target is turn.protocol else target.from_chat(
+            turn.protocol.to_chat(turn.body))
+        forward, client_asked = target.prepare_forward(body, self.config.stream_usage)
+        if target is not turn.protocol:
+            client_asked = False  # what the proxy adds is consumed by the translation
+        return forward, client_asked
+
+    @staticmethod
+    def upstream_headers(turn: Turn, upstream: Upstream, request: web.Request) -> dict[str, str]:
+        if upstream.protocol is turn.protocol and turn.protocol.name == "anthropic":
+            return {k: request.headers[k] for k in _ANTHROPIC_HEADERS if k in request.headers}
+        return {}
+
+    async def serve(self, protocol: WireProtocol, request: web.Request) -> web.StreamResponse:
+        """The whole pipeline for one request of ``protocol``."""
+        started = time.perf_counter()
+        turn, caller_key = await self.prepare(protocol, request)
+        responder = self.proxy.responder
+        policy_version = int(getattr(responder, "policy_version", 0)) if responder else 0
+        record = record_row(turn, policy_version)
+        headers = {"X-MetaClaw-Skill-Generation": str(turn.generation),
+                   "X-MetaClaw-Injected-Skills": ",".join(turn.injected),
+                   "X-MetaClaw-Policy-Version": str(policy_version)}
+        relay = _Relay(self, turn, record, headers, caller_key, started)
+        try:
+            upstream = self.upstream()
+        except ProxyError as exc:
+            return await relay.fail(exc, None)
+        if turn.stream:
+            return await relay.stream(request, upstream)
+        return await relay.complete(request, upstream)
+
+    async def acknowledge(self, recorded: asyncio.Future[Any]) -> None:
+        """Called between recording a turn and sending the client the end of its reply.
+
+        With ``ProxyConfig.durable_acks`` this waits until the turn's group is
+        committed to the store, so every reply a client received in full is on disk; without it,
+        the record is only queued (still found by :meth:`Proxy.flush`)."""
+        if self.config.durable_acks:
+            await asyncio.shield(recorded)
+
+    # -- count_tokens ---------------------------------------------------------------------
+    async def count_tokens(self, protocol: WireProtocol, request: web.Request) -> web.Response:
+        """Tokens of the request as the proxy would forward it (skills injected): the Anthropic
+        upstream's own count when it is one, else the proxy's count (module context_budget)."""
+        turn, caller_key = await self.prepare(protocol, request, count_only=True)
+        upstream = self.proxy._upstream
+        if (self.proxy.responder is None and upstream is not None
+                and upstream.protocol is protocol and hasattr(upstream, "count_tokens")):
+            try:
+                payload = await upstream.count_tokens(
+                    turn.body, caller_key, self.upstream_headers(turn, upstream, request))
+            except Exception as exc:
+                error = self.proxy._scrubbed(upstream.map_error(exc), caller_key)
+                return protocol.error_response(error)
+            return web.Response(body=payload, content_type="application/json")
+        count = self.proxy.token_counter.count(dumps(
+            {k: turn.body.get(k) for k in ("system", "messages", "tools") if k in turn.body}))
+        return web.json_response({"input_tokens": count})
+
+
+class _Relay:
+    """Forward and relay steps for one turn, and its record at the end."""
+
+    def __init__(self, pipeline: TurnPipeline, turn: Turn, record: dict[str, Any],
+                 headers: dict[str, str], caller_key: str | None, started: float):
+        self.pipeline = pipeline
+        self.proxy = pipeline.proxy
+        self.turn = turn
+        self.record = record
+        self.headers = headers
+        self.caller_key = caller_key
+        self.started = started
+
+    def finish(self, **fields: Any) -> asyncio.Future[Any]:
+        """The record step: the row goes to the recorder (off the event loop)."""
+        row = {**self.record, **fields,
+               "latency_ms": (time.perf_counter() - self.started) * 1000.0}
+        return self.proxy._recorder.submit(row, self.turn.done)
+
+    def error(self, exc: BaseException, upstream: Upstream | None,
+              midstream: bool = False) -> ProxyError:
+        error = exc if isinstance(exc, ProxyError) or upstream is None else upstream.map_error(
+            exc, midstream)
+        return self.proxy._scrubbed(error, self.caller_key)
+
+    async def fail(self, exc: BaseException, upstream: Upstream | None) -> web.Response:
+        """Record the turn as failed and answer with the client protocol's error for ``exc``."""
+        error = self.error(exc, upstream)
+        await self.pipeline.acknowledge(self.finish(status="error", http_status=error.status,
+                                                    error=error.message))
+        return self.turn.protocol.error_response(error, self.headers)
+
+    async def complete(self, request: web.Request, upstream: Upstream) -> web.Response:
+        turn, client = self.turn, self.turn.protocol
+        try:
+            body, _ = self.pipeline.forward_body(turn, upstream)
+            payload, data, policy = await upstream.complete(
+                body, self.caller_key, self.pipeline.upstream_headers(turn, upstream, request))
+            if "policy_version" in policy:
+                self.headers["X-MetaClaw-Policy-Version"] = str(policy["policy_version"])
+            if upstream.protocol is not client:
+                payload = dumps(client.reply_from_chat(
+                    upstream.protocol.reply_to_chat(data))).encode()
+        except Exception as exc:
+            return await self.fail(exc, upstream)
+        recorded = self.finish(status="ok", http_status=200,
+                               **{**upstream.protocol.reply_columns(data), **policy})
+        await self.pipeline.acknowledge(recorded)
+        return web.Response(body=payload, status=200, content_type="application/json",
+                            headers=self.headers)
+
+    async def stream(self, request: web.Request, upstream: Upstream) -> web.StreamResponse:
+        turn, client, source = self.turn, self.turn.protocol, upstream.protocol
+        same = source is client
+        assembler = source.assembler()
+        captured: dict[str, Any] = {}  # the responder's ``metaclaw`` object, kept from the client
+        async with contextlib.AsyncExitStack() as stack:
+            try:
+                body, client_asked = self.pipeline.forward_body(turn, upstream)
+                events = await upstream.stream(
+                    body, self.caller_key, self.pipeline.upstream_headers(turn, upstream, request),
+                    stack, captured)
+            except Exception as exc:
+                return await self.fail(exc, upstream)
+            to_chat = None if same else source.stream_to_chat()
+            from_chat = None if same else client.stream_from_chat()
+
+            def translate(event: dict[str, Any] | None) -> list[dict[str, Any] | None]:
+                return [out for chunk in to_chat.feed(event) for out in from_chat.feed(chunk)]
+
+            response = web.StreamResponse(status=200, headers={
+                **self.headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                "X-Accel-Buffering": "no"})
+            await response.prepare(request)
+            failure: str | None = None
+            held: list[bytes] = []  # the terminal event goes out after the record is taken
+            try:
+                async for raw, event in events:
+                    assembler.add(event)
+                    if same:
+                        outs = [(raw, event)]
+                    else:
+                        outs = [(client.encode_event(e), e) for e in translate(event)]
+                    for data, out in outs:
+                        if client.is_terminal(data, out):
+                            held.append(data)
+                        elif not client.is_private(out, client_asked):
+                            await response.write(data)
+                if not same and assembler.error is None:  # the end of the translated stream
+                    tail = [out for chunk in to_chat.close() for out in from_chat.feed(chunk)]
+                    for out in [*tail, *from_chat.close()]:
+                        data = client.encode_event(out)
+                        if client.is_terminal(data, out):
+                            held.append(data)
+                        elif not client.is_private(out, client_asked):
+                            await response.write(data)
+            except (ConnectionResetError, asyncio.CancelledError) as exc:
+                self.finish(status="error", http_status=200,
+                            error="the client disconnected mid-stream", **assembler.columns(),
+                            **policy_columns(captured.get("metaclaw")))
+                if isinstance(exc, asyncio.CancelledError):
+                    raise
+                return response
+            except Exception as exc:
+                error = self.error(exc, upstream, midstream=True)
+                failure = error.message
+                held = []
+                with contextlib.suppress(ConnectionResetError):
+                    await response.write(client.stream_error_event(error))
+            if failure is None and assembler.error is not None:
+                failure = ("upstream stream error: "
+                           f"{assembler.error.get('message', assembler.error)}")
+                if not same:
+                    held = []
+            recorded = self.finish(status="error" if failure else "ok", http_status=200,
+                                   error=failure or self.record.get("error"),
+                                   **assembler.columns(),
+                                   **policy_columns(captured.get("metaclaw")))
+            await self.pipeline.acknowledge(recorded)
+            with contextlib.suppress(ConnectionResetError):
+                for data in held:
+                    await response.write(data)
+                await response.write_eof()
+            return response

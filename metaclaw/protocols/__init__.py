@@ -1,0 +1,217 @@
+"""Wire protocols the proxy speaks, to its clients and to its upstreams.
+
+A :class:`WireProtocol` is everything the proxy knows about one API's wire format. The turn
+pipeline (:mod:`metaclaw.pipeline`) never looks inside a wire body: it asks the client's protocol
+to validate the request and to inject the skill block, and it translates between the client's and
+the upstream's protocol through one *pivot* form, the OpenAI chat-completions shape (which is also
+the neutral form recorded in the store: ``request_messages`` are OpenAI chat messages whatever the
+protocol). When client and upstream speak the same protocol nothing is translated: bodies, replies
+and stream events pass through byte for byte.
+
+Protocols shipped: :mod:`metaclaw.protocols.openai_chat` (``POST /v1/chat/completions``, also the
+pivot) and :mod:`metaclaw.protocols.anthropic_messages` (``POST /v1/messages``).
+
+Adding a protocol
+-----------------
+Write one module ``metaclaw/protocols/<name>.py`` with a subclass of :class:`WireProtocol` and
+register an instance in :data:`PROTOCOLS` (an import and a name at the bottom of this file). The
+proxy then serves its routes, answers its errors in its shape, records its turns in the neutral
+form, and reaches both upstream kinds through the pivot. It implements:
+
+- ``routes``: the POST paths it serves (the proxy adds them under ``/v1`` and at the root);
+- ``parse_request(body)``: validate a wire body (raise :class:`ProxyError`) and return the model,
+  the stream flag and the body to forward;
+- ``to_chat(body)`` / ``from_chat(chat_body)``: the request to and from the OpenAI chat shape;
+- ``inject(body, block)``: the body with the skill block added to its system prompt;
+- ``reply_to_chat`` / ``reply_from_chat``: a non-streaming reply to and from ``chat.completion``;
+- ``stream_to_chat()`` / ``stream_from_chat()``: stateful translators of stream events
+  (``feed(event) -> [out events]``, ``close() -> [out events]``);
+- ``assembler()``: accumulates the protocol's stream events into the recorded reply columns;
+- ``encode_event(event)``, ``is_terminal(event)``, ``error_payload(error)``,
+  ``stream_error_event(error)``: the wire encoding of events and errors.
+
+The tests for a new protocol are its own round trips (``from_chat(to_chat(x))``, as in
+``tests/test_protocols.py``) and an SDK of that protocol against a running proxy (as in
+``tests/test_proxy_anthropic.py``); nothing else in the proxy changes. To let the proxy *forward*
+in the new protocol as well, add an :class:`~metaclaw.upstreams.HTTPUpstream` subclass for it in
+:mod:`metaclaw.upstreams` (its path, how it sends the key, its SDK's error classes).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, AsyncIterator, Iterable
+
+Event = tuple[bytes, "dict[str, Any] | None"]
+"""One stream event: the bytes to relay as they are, and its parsed JSON data (``None`` for
+markers such as OpenAI's ``[DONE]``)."""
+
+
+def dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def error_json(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    """The OpenAI error shape: ``{"error": {"message", "type", "param", "code"}}``."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+class ProxyError(Exception):
+    """A request the proxy answers with an error in the client's protocol and an HTTP status.
+
+    ``payload`` is the OpenAI error JSON; ``upstream`` is ``(protocol name, error JSON)`` when the
+    error is an upstream's own answer, relayed unchanged to a client of the same protocol.
+    """
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None,
+                 payload: dict[str, Any] | None = None, headers: dict[str, str] | None = None,
+                 upstream: tuple[str, dict[str, Any]] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.payload = payload or error_json(message, type, param, code)
+        self.headers = headers or {}
+        self.upstream = upstream
+
+    def response(self, extra_headers: dict[str, str] | None = None):
+        """The OpenAI-shaped response (kept for callers that predate the protocol adapters)."""
+        from metaclaw.protocols.openai_chat import OPENAI
+
+        return OPENAI.error_response(self, extra_headers)
+
+
+class WireProtocol:
+    """Base of the protocol adapters; see the module docstring for what a protocol implements."""
+
+    name = "base"
+    routes: tuple[str, ...] = ()
+    #: Header that carries the caller's upstream key in this protocol (besides Authorization).
+    key_header: str | None = None
+
+    # -- requests -------------------------------------------------------------------------
+    def parse_request(self, body: dict[str, Any], model: str | None) -> tuple[str, bool]:
+        """Validate ``body`` (raise :class:`ProxyError`); return ``(model, stream)``."""
+        raise NotImplementedError
+
+    def to_chat(self, body: dict[str, Any]) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def from_chat(self, chat: dict[str, Any]) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def inject(self, body: dict[str, Any], block: str) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def max_output_tokens(self, body: dict[str, Any]) -> int | None:
+        return None
+
+    def prepare_forward(self, body: dict[str, Any],
+                        stream_usage: bool) -> tuple[dict[str, Any], bool]:
+        """The body to forward to an upstream of this protocol and whether the client itself asked
+        for what the proxy adds (OpenAI's usage chunk)."""
+        return body, True
+
+    # -- replies --------------------------------------------------------------------------
+    def reply_to_chat(self, data: dict[str, Any]) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def reply_from_chat(self, completion: dict[str, Any]) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def stream_to_chat(self) -> "StreamTranslator":
+        raise NotImplementedError
+
+    def stream_from_chat(self) -> "StreamTranslator":
+        raise NotImplementedError
+
+    def assembler(self) -> Any:
+        raise NotImplementedError
+
+    def reply_columns(self, data: dict[str, Any]) -> dict[str, Any]:
+        """Recorded columns (response, tool_calls, finish_reason, usage...) of a reply."""
+        from metaclaw.protocols.openai_chat import summarize_completion
+
+        return summarize_completion(self.reply_to_chat(data))
+
+    # -- wire encoding --------------------------------------------------------------------
+    def encode_event(self, event: dict[str, Any] | None) -> bytes:
+        raise NotImplementedError
+
+    def is_terminal(self, raw: bytes, event: dict[str, Any] | None) -> bool:
+        raise NotImplementedError
+
+    def is_private(self, event: dict[str, Any] | None, client_asked: bool) -> bool:
+        """Whether an upstream event was asked for by the proxy only (never relayed)."""
+        return False
+
+    def error_payload(self, error: ProxyError) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def error_response(self, error: ProxyError, extra_headers: dict[str, str] | None = None):
+        from aiohttp import web
+
+        return web.json_response(self.error_payload(error), status=error.status,
+                                 headers={**error.headers, **(extra_headers or {})}, dumps=dumps)
+
+    def stream_error_event(self, error: ProxyError) -> bytes:
+        raise NotImplementedError
+
+
+class StreamTranslator:
+    """Translates one stream, event by event: ``feed`` returns the events to emit now,
+    ``close`` the ones that end the stream (called once, after the last ``feed``)."""
+
+    def feed(self, event: dict[str, Any] | None) -> list[dict[str, Any] | None]:
+        raise NotImplementedError
+
+    def close(self) -> list[dict[str, Any] | None]:
+        return []
+
+
+async def sse_events(lines: AsyncIterator[str]) -> AsyncIterator[Event]:
+    """Group SSE lines into events: yields (the event's bytes to relay, its JSON data or None)."""
+    buffer: list[str] = []
+    async for line in lines:
+        if line:
+            buffer.append(line)
+            continue
+        if buffer:
+            yield sse_event(buffer)
+            buffer = []
+    if buffer:
+        yield sse_event(buffer)
+
+
+def sse_event(lines: Iterable[str]) -> Event:
+    lines = list(lines)
+    data = "\n".join(line[5:].lstrip(" ") for line in lines if line.startswith("data:"))
+    chunk = None
+    if data and data != "[DONE]":
+        try:
+            parsed = json.loads(data)
+            chunk = parsed if isinstance(parsed, dict) else None
+        except ValueError:
+            chunk = None
+    return ("\n".join(lines) + "\n\n").encode(), chunk
+
+
+def get_protocol(name: str) -> WireProtocol:
+    """The registered protocol called ``name`` (``ValueError`` naming the choices otherwise)."""
+    try:
+        return PROTOCOLS[name]
+    except KeyError:
+        raise ValueError(f"unknown wire protocol {name!r}; choose one of "
+                         f"{', '.join(sorted(PROTOCOLS))}") from None
+
+
+# the adapters import the base above, so they load after it
+from metaclaw.protocols.anthropic_messages import ANTHROPIC  # noqa: E402
+from metaclaw.protocols.openai_chat import OPENAI  # noqa: E402
+
+#: The protocols by name. A new protocol: import its instance above and add it here.
+PROTOCOLS: dict[str, WireProtocol] = {p.name: p for p in (OPENAI, ANTHROPIC)}

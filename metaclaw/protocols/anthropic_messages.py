@@ -1,0 +1,622 @@
+"""Anthropic Messages (``POST /v1/messages``, ``POST /v1/messages/count_tokens``).
+
+Requests, replies and stream events translate to and from the OpenAI chat shape (the pivot, see
+:mod:`metaclaw.protocols`). Between an Anthropic client and an Anthropic upstream nothing is
+translated: the body (system blocks, ``cache_control``, thinking blocks with their signatures,
+tool_use / tool_result, every parameter) goes upstream as sent, with only the skill block added,
+and the reply and its stream events come back byte for byte.
+
+Skill injection and prompt caching: the skill block is appended as a *new last* text block of
+``system`` (a string system becomes one text block first). The client's own system blocks, and
+their ``cache_control`` breakpoints, stay byte-identical in front of it, so the client's cached
+prefix (tools, then system up to its breakpoint) is still a prefix of what is sent and still hits
+the cache. The skill block itself carries no breakpoint: it changes when the library evolves.
+
+Lossy corners of the translation (only when client and upstream speak different protocols):
+
+Anthropic client -> OpenAI-compatible upstream
+  - ``cache_control`` is dropped (OpenAI-compatible servers cache on their own, or not at all);
+  - system blocks are joined into one system message (blank line between blocks);
+  - thinking / redacted_thinking blocks in the history are dropped (no chat equivalent); thinking
+    the upstream streams as ``reasoning_content`` comes back as a thinking block with an empty
+    signature, which an Anthropic model would reject if the client sent it back to one;
+  - ``top_k``, ``thinking``, ``service_tier``, ``container``, ``mcp_servers`` and server tools
+    (tools without ``input_schema``) are dropped; ``metadata.user_id`` becomes ``user``;
+  - documents and search-result blocks become text; images keep their data (as data URLs or URLs);
+  - a tool_result's images are dropped (a chat ``tool`` message holds text only); ``is_error``
+    becomes an ``"[error] "`` prefix on the result text;
+  - ``stop_reason`` comes from ``finish_reason``: stop -> end_turn (also when a stop sequence
+    matched: a chat upstream does not say so, and ``stop_sequence`` is null), length ->
+    max_tokens, tool_calls -> tool_use, content_filter -> refusal;
+  - usage: ``input_tokens`` / ``output_tokens`` from prompt / completion tokens; in a stream the
+    input count is only known at the end, so ``message_start`` says 0 and ``message_delta`` carries
+    the real ``input_tokens`` and ``output_tokens``.
+
+OpenAI client -> Anthropic upstream
+  - system and developer messages are joined into ``system``; ``max_tokens`` is required by
+    Anthropic, so a request without one gets :data:`DEFAULT_MAX_TOKENS`;
+  - ``n`` > 1, ``logprobs``, ``response_format``, ``seed``, ``presence_penalty``,
+    ``frequency_penalty`` and ``logit_bias`` have no Anthropic equivalent and are dropped;
+  - thinking in the reply comes back as a non-standard ``reasoning_content`` field (as several
+    OpenAI-compatible servers do); signatures are lost;
+  - refusal -> content_filter, pause_turn -> stop, max_tokens -> length, tool_use -> tool_calls.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+from metaclaw.protocols import ProxyError, StreamTranslator, WireProtocol, dumps
+from metaclaw.protocols.openai_chat import StreamAssembler
+
+#: ``max_tokens`` sent to an Anthropic upstream when an OpenAI client gave none.
+DEFAULT_MAX_TOKENS = 4096
+
+_STOP_TO_FINISH = {"end_turn": "stop", "stop_sequence": "stop", "max_tokens": "length",
+                   "tool_use": "tool_calls", "refusal": "content_filter", "pause_turn": "stop",
+                   "model_context_window_exceeded": "length"}
+_FINISH_TO_STOP = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use",
+                   "function_call": "tool_use", "content_filter": "refusal"}
+#: Error types of Anthropic's error shape, by HTTP status.
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+                429: "rate_limit_error", 529: "overloaded_error"}
+_CHAT_DROPPED = ("n", "logprobs", "top_logprobs", "response_format", "seed", "presence_penalty",
+                 "frequency_penalty", "logit_bias", "stream_options", "parallel_tool_calls")
+
+
+def _text(value: Any) -> str:
+    """Text of an OpenAI content (string or parts) or an Anthropic block list."""
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        return "\n\n".join(_text(part) for part in value if _text(part))
+    if isinstance(value, dict):
+        if value.get("type") in ("text", None) and isinstance(value.get("text"), str):
+            return value["text"]
+        if value.get("type") == "document":
+            source = value.get("source") or {}
+            return source.get("data", "") if source.get("type") == "text" else _text(
+                source.get("content"))
+        if value.get("type") == "search_result":
+            return _text(value.get("content"))
+    return ""
+
+
+def _image_to_chat(block: dict[str, Any]) -> dict[str, Any] | None:
+    source = block.get("source") or {}
+    if source.get("type") == "base64":
+        url = f"data:{source.get('media_type', 'image/png')};base64,{source.get('data', '')}"
+    elif source.get("type") == "url":
+        url = source.get("url", "")
+    else:
+        return None
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def _image_from_chat(part: dict[str, Any]) -> dict[str, Any]:
+    url = (part.get("image_url") or {}).get("url", "")
+    if url.startswith("data:") and ";base64," in url:
+        media, data = url[5:].split(";base64,", 1)
+        return {"type": "image", "source": {"type": "base64", "media_type": media, "data": data}}
+    return {"type": "image", "source": {"type": "url", "url": url}}
+
+
+def _tool_result_text(block: dict[str, Any]) -> str:
+    text = _text(block.get("content"))
+    return f"[error] {text}" if block.get("is_error") else text
+
+
+def _arguments(value: Any) -> dict[str, Any]:
+    if isinstance(value, dict):
+        return value
+    try:
+        parsed = json.loads(value or "{}")
+    except ValueError:
+        return {"_raw": value}
+    return parsed if isinstance(parsed, dict) else {"_value": parsed}
+
+
+def _chat_usage(usage: dict[str, Any] | None) -> dict[str, Any] | None:
+    """OpenAI usage of an Anthropic usage; Anthropic's own fields are kept alongside."""
+    if not usage:
+        return None
+    prompt = sum(int(usage.get(k) or 0) for k in (
+        "input_tokens", "cache_creation_input_tokens", "cache_read_input_tokens"))
+    completion = int(usage.get("output_tokens") or 0)
+    out = {"prompt_tokens": prompt, "completion_tokens": completion,
+           "total_tokens": prompt + completion}
+    for key in ("input_tokens", "output_tokens", "cache_creation_input_tokens",
+                "cache_read_input_tokens"):
+        if usage.get(key) is not None:
+            out[key] = usage[key]
+    return out
+
+
+def _anthropic_usage(usage: dict[str, Any] | None) -> dict[str, Any]:
+    usage = usage or {}
+    if "input_tokens" in usage or "output_tokens" in usage:
+        return {k: usage[k] for k in ("input_tokens", "output_tokens",
+                                      "cache_creation_input_tokens", "cache_read_input_tokens")
+                if k in usage}
+    return {"input_tokens": int(usage.get("prompt_tokens") or 0),
+            "output_tokens": int(usage.get("completion_tokens") or 0)}
+
+
+def _new_id() -> str:
+    return f"msg_{uuid.uuid4().hex[:24]}"
+
+
+class ChatToAnthropicStream(StreamTranslator):
+    """``chat.completion.chunk`` dicts (``None`` for ``[DONE]``) -> Anthropic stream events."""
+
+    def __init__(self) -> None:
+        self.started = False
+        self.block: tuple[str, int] | None = None  # (kind, OpenAI tool index) of the open block
+        self.index = -1
+        self.finish: str | None = None
+        self.usage: dict[str, Any] | None = None
+        self.closed = False
+
+    def _start(self, chunk: dict[str, Any]) -> list[dict[str, Any]]:
+        self.started = True
+        message = {"id": _new_id(), "type": "message", "role": "assistant", "content": [],
+                   "model": chunk.get("model") or "", "stop_reason": None,
+                   "stop_sequence": None, "usage": {"input_tokens": 0, "output_tokens": 0}}
+        return [{"type": "message_start", "message": message}, {"type": "ping"}]
+
+    def _open(self, kind: str, key: int, start: dict[str, Any]) -> list[dict[str, Any]]:
+        out = self._close_block()
+        self.index += 1
+        self.block = (kind, key)
+        return [*out, {"type": "content_block_start", "index": self.index, "content_block": start}]
+
+    def _close_block(self) -> list[dict[str, Any]]:
+        if self.block is None:
+            return []
+        out: list[dict[str, Any]] = []
+        if self.block[0] == "thinking":  # no signature from a chat upstream
+            out.append({"type": "content_block_delta", "index": self.index,
+                        "delta": {"type": "signature_delta", "signature": ""}})
+        self.block = None
+        return [*out, {"type": "content_block_stop", "index": self.index}]
+
+    def feed(self, chunk: dict[str, Any] | None) -> list[dict[str, Any] | None]:
+        if chunk is None:
+            return []
+        if chunk.get("error"):
+            error = chunk["error"]
+            error = error if isinstance(error, dict) else {"message": str(error)}
+            return [{"type": "error", "error": {"type": "api_error",
+                                                "message": str(error.get("message", error))}}]
+        out: list[dict[str, Any]] = [] if self.started else self._start(chunk)
+        if chunk.get("usage"):
+            self.usage = chunk["usage"]
+        for choice in chunk.get("choices") or ():
+            if choice.get("index", 0) != 0:
+                continue
+            delta = choice.get("delta") or {}
+            reasoning = delta.get("reasoning_content") or delta.get("reasoning")
+            if reasoning:
+                if self.block is None or self.block[0] != "thinking":
+                    out += self._open("thinking", -1, {"type": "thinking", "thinking": "",
+                                                       "signature": ""})
+                out.append({"type": "content_block_delta", "index": self.index,
+                            "delta": {"type": "thinking_delta", "thinking": reasoning}})
+            if delta.get("content"):
+                if self.block is None or self.block[0] != "text":
+                    out += self._open("text", -1, {"type": "text", "text": ""})
+                out.append({"type": "content_block_delta", "index": self.index,
+                            "delta": {"type": "text_delta", "text": delta["content"]}})
+            for call in delta.get("tool_calls") or ():
+                key = call.get("index", 0)
+                function = call.get("function") or {}
+                if self.block != ("tool", key):
+                    out += self._open("tool", key, {
+                        "type": "tool_use",
+                        "id": call.get("id") or f"toolu_{uuid.uuid4().hex[:20]}",
+                        "name": function.get("name") or "", "input": {}})
+                if function.get("arguments"):
+                    out.append({"type": "content_block_delta", "index": self.index,
+                                "delta": {"type": "input_json_delta",
+                                          "partial_json": function["arguments"]}})
+            if choice.get("finish_reason"):
+                self.finish = choice["finish_reason"]
+        return out
+
+    def close(self) -> list[dict[str, Any] | None]:
+        if self.closed:
+            return []
+        self.closed = True
+        out: list[dict[str, Any] | None] = [] if self.started else self._start({})
+        out += self._close_block()
+        # a chat upstream does not say which stop sequence matched: "stop" is end_turn
+        stop = _FINISH_TO_STOP.get(self.finish or "stop", "end_turn")
+        out.append({"type": "message_delta", "delta": {"stop_reason": stop, "stop_sequence": None},
+                    "usage": _anthropic_usage(self.usage)})
+        out.append({"type": "message_stop"})
+        return out
+
+
+class AnthropicToChatStream(StreamTranslator):
+    """Anthropic stream events -> ``chat.completion.chunk`` dicts (``None`` is ``[DONE]``)."""
+
+    def __init__(self) -> None:
+        self.base: dict[str, Any] = {"id": "chatcmpl-" + uuid.uuid4().hex[:24],
+                                     "object": "chat.completion.chunk",
+                                     "created": int(time.time()), "model": ""}
+        self.tools: dict[int, int] = {}  # Anthropic block index -> OpenAI tool index
+        self.usage: dict[str, Any] = {}
+        self.done = False
+
+    def _chunk(self, delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+        return {**self.base, "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                                          "finish_reason": finish}]}
+
+    def feed(self, event: dict[str, Any] | None) -> list[dict[str, Any] | None]:
+        if event is None:
+            return []
+        kind = event.get("type")
+        if kind == "message_start":
+            message = event.get("message") or {}
+            self.base["id"] = message.get("id") or self.base["id"]
+            self.base["model"] = message.get("model") or ""
+            self.usage.update(message.get("usage") or {})
+            return [self._chunk({"role": "assistant", "content": ""})]
+        if kind == "content_block_start":
+            block = event.get("content_block") or {}
+            if block.get("type") == "tool_use":
+                index = self.tools.setdefault(event.get("index", 0), len(self.tools))
+                return [self._chunk({"tool_calls": [{
+                    "index": index, "id": block.get("id"), "type": "function",
+                    "function": {"name": block.get("name", ""), "arguments": ""}}]})]
+            if block.get("type") == "text" and block.get("text"):
+                return [self._chunk({"content": block["text"]})]
+            return []
+        if kind == "content_block_delta":
+            delta = event.get("delta") or {}
+            if delta.get("type") == "text_delta":
+                return [self._chunk({"content": delta.get("text", "")})]
+            if delta.get("type") == "input_json_delta":
+                index = self.tools.get(event.get("index", 0))
+                if index is None or not delta.get("partial_json"):
+                    return []
+                return [self._chunk({"tool_calls": [{
+                    "index": index, "function": {"arguments": delta["partial_json"]}}]})]
+            if delta.get("type") == "thinking_delta":
+                return [self._chunk({"reasoning_content": delta.get("thinking", "")})]
+            return []
+        if kind == "message_delta":
+            usage = event.get("usage") or {}
+            self.usage.update({k: v for k, v in usage.items() if v is not None})
+            stop = (event.get("delta") or {}).get("stop_reason")
+            return [self._chunk({}, _STOP_TO_FINISH.get(stop or "end_turn", "stop"))]
+        if kind == "message_stop":
+            return self.close()
+        if kind == "error":
+            return [{"error": event.get("error") or {"message": "upstream stream error"}}]
+        return []  # ping, content_block_stop
+
+    def close(self) -> list[dict[str, Any] | None]:
+        if self.done:
+            return []
+        self.done = True
+        out: list[dict[str, Any] | None] = []
+        if self.usage:
+            out.append({**self.base, "choices": [], "usage": _chat_usage(self.usage)})
+        return [*out, None]
+
+
+class AnthropicAssembler:
+    """Accumulates Anthropic stream events into the recorded reply columns (neutral form)."""
+
+    def __init__(self) -> None:
+        self._chat = AnthropicToChatStream()
+        self._inner = StreamAssembler()
+        self.error: dict[str, Any] | None = None
+
+    def add(self, event: dict[str, Any] | None) -> None:
+        for chunk in self._chat.feed(event):
+            self._inner.add(chunk)
+        self.error = self._inner.error
+
+    def columns(self) -> dict[str, Any]:
+        for chunk in self._chat.close():
+            self._inner.add(chunk)
+        return self._inner.columns()
+
+
+class AnthropicMessages(WireProtocol):
+    name = "anthropic"
+    routes = ("/messages",)
+    key_header = "x-api-key"
+
+    # -- requests -------------------------------------------------------------------------
+    def parse_request(self, body: dict[str, Any], model: str | None,
+                      *, count_only: bool = False) -> tuple[str, bool]:
+        def bad(param: str, message: str) -> ProxyError:
+            return ProxyError(400, message, param=param)
+
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise bad("messages", "'messages' is required: a non-empty list of "
+                                  "{'role': 'user' | 'assistant', 'content': ...} objects")
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
+                raise bad(f"messages.{i}", f"messages.{i}: each message needs 'role' 'user' or "
+                                           "'assistant' (put the system prompt in the top-level "
+                                           "'system' field)")
+            content = message.get("content")
+            if not isinstance(content, (str, list)):
+                raise bad(f"messages.{i}.content", f"messages.{i}.content must be a string or "
+                                                   "a list of content blocks")
+            if isinstance(content, list):
+                for j, block in enumerate(content):
+                    if not isinstance(block, dict) or not isinstance(block.get("type"), str):
+                        raise bad(f"messages.{i}.content.{j}", f"messages.{i}.content.{j} must be "
+                                                               "an object with a string 'type'")
+        system = body.get("system")
+        if system is not None and not isinstance(system, (str, list)):
+            raise bad("system", "'system' must be a string or a list of text blocks")
+        if isinstance(system, list) and not all(
+                isinstance(b, dict) and b.get("type") == "text" for b in system):
+            raise bad("system", "'system' blocks must be objects with type 'text'")
+        model = model or body.get("model")
+        if not isinstance(model, str) or not model:
+            raise bad("model", "'model' is required (a string), or start the proxy with a model")
+        if not count_only:
+            max_tokens = body.get("max_tokens")
+            if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+                raise bad("max_tokens", "'max_tokens' is required: a positive integer")
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise bad("stream", "'stream' must be true or false")
+        if body.get("tools") is not None and not isinstance(body["tools"], list):
+            raise bad("tools", "'tools' must be a list of tool definitions")
+        if body.get("tool_choice") is not None and not isinstance(body["tool_choice"], dict):
+            raise bad("tool_choice", "'tool_choice' must be an object such as {'type': 'auto'}")
+        for name in ("temperature", "top_p"):
+            value = body.get(name)
+            if value is not None and (isinstance(value, bool)
+                                      or not isinstance(value, (int, float))):
+                raise bad(name, f"'{name}' must be a number")
+        return model, stream
+
+    def inject(self, body: dict[str, Any], block: str) -> dict[str, Any]:
+        """``body`` with the skill block as a new last system text block (the client's own blocks,
+        and their cache_control breakpoints, unchanged in front of it)."""
+        if not block:
+            return body
+        system = body.get("system")
+        if isinstance(system, list):
+            blocks = [*system, {"type": "text", "text": block}]
+        elif isinstance(system, str) and system:
+            blocks = [{"type": "text", "text": system}, {"type": "text", "text": block}]
+        else:
+            blocks = [{"type": "text", "text": block}]
+        return {**body, "system": blocks}
+
+    def max_output_tokens(self, body: dict[str, Any]) -> int | None:
+        value = body.get("max_tokens")
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+    def to_chat(self, body: dict[str, Any]) -> dict[str, Any]:
+        """The request in the OpenAI chat shape (lossy corners in the module docstring)."""
+        messages: list[dict[str, Any]] = []
+        system = _text(body.get("system"))
+        if system:
+            messages.append({"role": "system", "content": system})
+        for message in body.get("messages") or ():
+            messages.extend(self._message_to_chat(message))
+        chat: dict[str, Any] = {"model": body.get("model"), "messages": messages}
+        for key in ("max_tokens", "temperature", "top_p", "stream"):
+            if body.get(key) is not None:
+                chat[key] = body[key]
+        if body.get("stop_sequences"):
+            chat["stop"] = body["stop_sequences"]
+        user = (body.get("metadata") or {}).get("user_id")
+        if user:
+            chat["user"] = user
+        tools = [{"type": "function", "function": {
+            "name": tool.get("name"), "description": tool.get("description", ""),
+            "parameters": tool.get("input_schema") or {"type": "object", "properties": {}}}}
+            for tool in body.get("tools") or ()
+            if isinstance(tool, dict) and "input_schema" in tool]
+        if tools:
+            chat["tools"] = tools
+        choice = body.get("tool_choice") or {}
+        if choice.get("type") in ("auto", "any", "none"):
+            chat["tool_choice"] = {"auto": "auto", "any": "required",
+                                   "none": "none"}[choice["type"]]
+        elif choice.get("type") == "tool":
+            chat["tool_choice"] = {"type": "function", "function": {"name": choice.get("name")}}
+        if choice.get("disable_parallel_tool_use") and tools:
+            chat["parallel_tool_calls"] = False
+        return chat
+
+    @staticmethod
+    def _message_to_chat(message: dict[str, Any]) -> list[dict[str, Any]]:
+        role, content = message.get("role"), message.get("content")
+        if isinstance(content, str):
+            return [{"role": role, "content": content}]
+        if role == "assistant":
+            texts = [b.get("text", "") for b in content if b.get("type") == "text"]
+            calls = [{"id": b.get("id"), "type": "function",
+                      "function": {"name": b.get("name"), "arguments": dumps(b.get("input") or {})}}
+                     for b in content if b.get("type") in ("tool_use", "server_tool_use")]
+            out: dict[str, Any] = {"role": "assistant", "content": "".join(texts) or None}
+            if calls:
+                out["tool_calls"] = calls
+            return [out]
+        results = [{"role": "tool", "tool_call_id": b.get("tool_use_id"),
+                    "content": _tool_result_text(b)}
+                   for b in content if b.get("type") == "tool_result"]
+        parts: list[dict[str, Any]] = []
+        for block in content:
+            kind = block.get("type")
+            if kind == "image":
+                image = _image_to_chat(block)
+                if image:
+                    parts.append(image)
+            elif kind != "tool_result":
+                text = _text(block)
+                if text:
+                    parts.append({"type": "text", "text": text})
+        if not parts:
+            return results
+        if all(p["type"] == "text" for p in parts) and len(parts) == 1:
+            return [*results, {"role": "user", "content": parts[0]["text"]}]
+        return [*results, {"role": "user", "content": parts}]
+
+    def from_chat(self, chat: dict[str, Any]) -> dict[str, Any]:
+        """An OpenAI chat request as an Anthropic Messages request (lossy corners above)."""
+        system: list[str] = []
+        messages: list[dict[str, Any]] = []
+
+        def add(role: str, blocks: list[dict[str, Any]]) -> None:
+            if not blocks:
+                return
+            if messages and messages[-1]["role"] == role:  # tool results then user text: one turn
+                messages[-1]["content"].extend(blocks)
+            else:
+                messages.append({"role": role, "content": blocks})
+
+        for message in chat.get("messages") or ():
+            role, content = message.get("role"), message.get("content")
+            if role in ("system", "developer"):
+                if _text(content):
+                    system.append(_text(content))
+            elif role == "tool":
+                add("user", [{"type": "tool_result", "tool_use_id": message.get("tool_call_id"),
+                              "content": _text(content)}])
+            elif role == "assistant":
+                blocks = [{"type": "text", "text": _text(content)}] if _text(content) else []
+                for call in message.get("tool_calls") or ():
+                    function = call.get("function") or {}
+                    blocks.append({"type": "tool_use", "id": call.get("id"),
+                                   "name": function.get("name"),
+                                   "input": _arguments(function.get("arguments"))})
+                add("assistant", blocks)
+            else:
+                if isinstance(content, list):
+                    blocks = [_image_from_chat(p) if p.get("type") == "image_url"
+                              else {"type": "text", "text": _text(p)} for p in content
+                              if isinstance(p, dict)]
+                else:
+                    blocks = [{"type": "text", "text": _text(content)}]
+                add("user", blocks)
+        body: dict[str, Any] = {"model": chat.get("model"), "messages": messages,
+                                "max_tokens": chat.get("max_completion_tokens")
+                                or chat.get("max_tokens") or DEFAULT_MAX_TOKENS}
+        if system:
+            body["system"] = "\n\n".join(system)
+        for key in ("temperature", "top_p", "stream"):
+            if chat.get(key) is not None:
+                body[key] = chat[key]
+        stop = chat.get("stop")
+        if stop:
+            body["stop_sequences"] = [stop] if isinstance(stop, str) else list(stop)
+        if chat.get("user"):
+            body["metadata"] = {"user_id": chat["user"]}
+        tools = [{"name": (t.get("function") or {}).get("name"),
+                  "description": (t.get("function") or {}).get("description", ""),
+                  "input_schema": (t.get("function") or {}).get("parameters")
+                  or {"type": "object", "properties": {}}}
+                 for t in chat.get("tools") or () if isinstance(t, dict)]
+        if tools:
+            body["tools"] = tools
+        choice = chat.get("tool_choice")
+        mapped: dict[str, Any] | None = None
+        if choice in ("auto", "none"):
+            mapped = {"type": choice}
+        elif choice == "required":
+            mapped = {"type": "any"}
+        elif isinstance(choice, dict) and (choice.get("function") or {}).get("name"):
+            mapped = {"type": "tool", "name": choice["function"]["name"]}
+        if chat.get("parallel_tool_calls") is False and tools:
+            mapped = {**(mapped or {"type": "auto"}), "disable_parallel_tool_use": True}
+        if mapped and tools:
+            body["tool_choice"] = mapped
+        return body
+
+    # -- replies --------------------------------------------------------------------------
+    def reply_to_chat(self, data: dict[str, Any]) -> dict[str, Any]:
+        content = data.get("content") or []
+        texts = [b.get("text", "") for b in content if b.get("type") == "text"]
+        thinking = [b.get("thinking", "") for b in content if b.get("type") == "thinking"]
+        calls = [{"id": b.get("id"), "type": "function",
+                  "function": {"name": b.get("name"), "arguments": dumps(b.get("input") or {})}}
+                 for b in content if b.get("type") == "tool_use"]
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(texts) or None}
+        if calls:
+            message["tool_calls"] = calls
+        if thinking:
+            message["reasoning_content"] = "".join(thinking)
+        return {"id": data.get("id"), "object": "chat.completion", "created": int(time.time()),
+                "model": data.get("model"),
+                "choices": [{"index": 0, "message": message, "logprobs": None,
+                             "finish_reason": _STOP_TO_FINISH.get(data.get("stop_reason") or
+                                                                  "end_turn", "stop")}],
+                "usage": _chat_usage(data.get("usage"))}
+
+    def reply_from_chat(self, completion: dict[str, Any]) -> dict[str, Any]:
+        choices = completion.get("choices") or [{}]
+        choice = choices[0] if isinstance(choices[0], dict) else {}
+        message = choice.get("message") or {}
+        content: list[dict[str, Any]] = []
+        reasoning = message.get("reasoning_content") or message.get("reasoning")
+        if reasoning:
+            content.append({"type": "thinking", "thinking": reasoning, "signature": ""})
+        if message.get("content"):
+            content.append({"type": "text", "text": _text(message["content"])})
+        for call in message.get("tool_calls") or ():
+            function = call.get("function") or {}
+            content.append({"type": "tool_use", "id": call.get("id"),
+                            "name": function.get("name"),
+                            "input": _arguments(function.get("arguments"))})
+        return {"id": _new_id(), "type": "message", "role": "assistant",
+                "model": completion.get("model") or "", "content": content,
+                "stop_reason": _FINISH_TO_STOP.get(choice.get("finish_reason") or "stop",
+                                                   "end_turn"),
+                "stop_sequence": None, "usage": _anthropic_usage(completion.get("usage"))}
+
+    def stream_to_chat(self) -> StreamTranslator:
+        return AnthropicToChatStream()
+
+    def stream_from_chat(self) -> StreamTranslator:
+        return ChatToAnthropicStream()
+
+    def assembler(self) -> AnthropicAssembler:
+        return AnthropicAssembler()
+
+    # -- wire encoding --------------------------------------------------------------------
+    def encode_event(self, event: dict[str, Any] | None) -> bytes:
+        if event is None:
+            return b""
+        return f"event: {event.get('type')}\ndata: {dumps(event)}\n\n".encode()
+
+    def is_terminal(self, raw: bytes, event: dict[str, Any] | None) -> bool:
+        return event is not None and event.get("type") == "message_stop"
+
+    def error_payload(self, error: ProxyError) -> dict[str, Any]:
+        if error.upstream is not None and error.upstream[0] == self.name:
+            return error.upstream[1]
+        kind = _ERROR_TYPES.get(error.status)
+        if kind is None:
+            kind = ("invalid_request_error" if 400 <= error.status < 500
+                    and error.type == "invalid_request_error" else "api_error")
+        if error.type == "authentication_error":
+            kind = "authentication_error"
+        return {"type": "error", "error": {"type": kind, "message": error.message}}
+
+    def stream_error_event(self, error: ProxyError) -> bytes:
+        payload = self.error_payload(error)
+        return f"event: error\ndata: {dumps(payload)}\n\n".encode()
+
+
+ANTHROPIC = AnthropicMessages()

@@ -1,0 +1,208 @@
+"""OpenAI chat completions (``POST /v1/chat/completions``): the first protocol, and the pivot.
+
+Its chat shape is the pivot every other protocol translates to and from, and the neutral form the
+store records, so ``to_chat`` / ``from_chat`` and the reply translations are identities here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from metaclaw.protocols import ProxyError, StreamTranslator, WireProtocol, dumps
+
+
+class StreamAssembler:
+    """Accumulates ``chat.completion.chunk`` dicts into the turn's reply (choice 0).
+
+    After the stream: ``content`` (str or None), ``tool_calls`` (list of OpenAI tool-call dicts,
+    by index, or None), ``finish_reason``, ``usage`` (dict or None), ``error`` (the error dict
+    of an SSE error event, or None), ``logprobs`` (list of floats or None), ``chunks`` (count).
+    """
+
+    def __init__(self) -> None:
+        self._parts: list[str] = []
+        self._tools: dict[int, dict[str, Any]] = {}
+        self._logprobs: list[float] = []
+        self.finish_reason: str | None = None
+        self.usage: dict[str, Any] | None = None
+        self.error: dict[str, Any] | None = None
+        self.chunks = 0
+
+    def add(self, chunk: dict[str, Any] | None) -> None:
+        if chunk is None:
+            return
+        self.chunks += 1
+        if chunk.get("error"):
+            error = chunk["error"]
+            self.error = error if isinstance(error, dict) else {"message": str(error)}
+            return
+        if chunk.get("usage"):
+            self.usage = chunk["usage"]
+        for choice in chunk.get("choices") or ():
+            if choice.get("index", 0) != 0:
+                continue
+            delta = choice.get("delta") or {}
+            if delta.get("content"):
+                self._parts.append(delta["content"])
+            for call in delta.get("tool_calls") or ():
+                slot = self._tools.setdefault(call.get("index", 0), {
+                    "id": None, "type": "function", "function": {"name": "", "arguments": ""}})
+                if call.get("id"):
+                    slot["id"] = call["id"]
+                if call.get("type"):
+                    slot["type"] = call["type"]
+                function = call.get("function") or {}
+                if function.get("name"):
+                    slot["function"]["name"] += function["name"]
+                if function.get("arguments"):
+                    slot["function"]["arguments"] += function["arguments"]
+            if choice.get("finish_reason"):
+                self.finish_reason = choice["finish_reason"]
+            logprobs = choice.get("logprobs") or {}
+            for item in logprobs.get("content") or ():
+                self._logprobs.append(item.get("logprob"))
+
+    @property
+    def content(self) -> str | None:
+        return "".join(self._parts) if self._parts else None
+
+    @property
+    def tool_calls(self) -> list[dict[str, Any]] | None:
+        return [self._tools[i] for i in sorted(self._tools)] or None
+
+    @property
+    def logprobs(self) -> list[float] | None:
+        return self._logprobs or None
+
+    def columns(self) -> dict[str, Any]:
+        """The recorded reply columns of what was assembled."""
+        columns = {"response": self.content, "tool_calls": self.tool_calls,
+                   "finish_reason": self.finish_reason, **usage_columns(self.usage)}
+        if self.logprobs:
+            columns["completion_logprobs"] = self.logprobs
+        return columns
+
+
+def summarize_completion(data: dict[str, Any]) -> dict[str, Any]:
+    """Turn columns (response, tool_calls, finish_reason, usage, tokens) of a chat.completion."""
+    choices = data.get("choices") or [{}]
+    choice = choices[0] if isinstance(choices[0], dict) else {}
+    message = choice.get("message") or {}
+    usage = data.get("usage") or None
+    logprobs = [item.get("logprob") for item in ((choice.get("logprobs") or {}).get("content") or ())]
+    return {
+        "response": message.get("content"),
+        "tool_calls": message.get("tool_calls") or None,
+        "finish_reason": choice.get("finish_reason"),
+        **usage_columns(usage),
+        **({"completion_logprobs": logprobs} if logprobs else {}),
+    }
+
+
+def usage_columns(usage: dict[str, Any] | None) -> dict[str, Any]:
+    if not usage:
+        return {"usage": None}
+    return {"usage": usage, "prompt_tokens": usage.get("prompt_tokens"),
+            "completion_tokens": usage.get("completion_tokens")}
+
+
+class _Identity(StreamTranslator):
+    def feed(self, event: dict[str, Any] | None) -> list[dict[str, Any] | None]:
+        return [event]
+
+
+class OpenAIChat(WireProtocol):
+    name = "openai"
+    routes = ("/chat/completions",)
+    key_header = None
+
+    def parse_request(self, body: dict[str, Any], model: str | None) -> tuple[str, bool]:
+        def bad(param: str, message: str) -> ProxyError:
+            return ProxyError(400, message, param=param)
+
+        messages = body.get("messages")
+        if messages is None:
+            raise bad("messages", "'messages' is required: a non-empty list of "
+                                  "{'role': ..., 'content': ...} objects")
+        if not isinstance(messages, list) or not messages:
+            raise bad("messages", "'messages' must be a non-empty list of "
+                                  "{'role': ..., 'content': ...} objects")
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+                raise bad(f"messages[{i}]", f"messages[{i}] must be an object with a string "
+                                            "'role'")
+        model = model or body.get("model")
+        if not isinstance(model, str) or not model:
+            raise bad("model", "'model' is required (a string), or start the proxy with a model")
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise bad("stream", "'stream' must be true or false")
+        for name, kind in (("tools", list), ("stream_options", dict)):
+            if body.get(name) is not None and not isinstance(body[name], kind):
+                raise bad(name, f"'{name}' must be a JSON {'array' if kind is list else 'object'}")
+        for name in ("temperature", "top_p"):
+            value = body.get(name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise bad(name, f"'{name}' must be a number")
+        return model, stream
+
+    def to_chat(self, body: dict[str, Any]) -> dict[str, Any]:
+        return body
+
+    def from_chat(self, chat: dict[str, Any]) -> dict[str, Any]:
+        return chat
+
+    def inject(self, body: dict[str, Any], block: str) -> dict[str, Any]:
+        from metaclaw.retrieval import inject
+
+        return {**body, "messages": inject(body["messages"], block)} if block else body
+
+    def max_output_tokens(self, body: dict[str, Any]) -> int | None:
+        value = body.get("max_completion_tokens") or body.get("max_tokens")
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+    def prepare_forward(self, body: dict[str, Any],
+                        stream_usage: bool) -> tuple[dict[str, Any], bool]:
+        client_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        if body.get("stream") and stream_usage and not client_usage:
+            body = {**body, "stream_options": {**(body.get("stream_options") or {}),
+                                               "include_usage": True}}
+        return body, client_usage
+
+    def reply_to_chat(self, data: dict[str, Any]) -> dict[str, Any]:
+        return data
+
+    def reply_from_chat(self, completion: dict[str, Any]) -> dict[str, Any]:
+        return completion
+
+    def reply_columns(self, data: dict[str, Any]) -> dict[str, Any]:
+        return summarize_completion(data)
+
+    def stream_to_chat(self) -> StreamTranslator:
+        return _Identity()
+
+    def stream_from_chat(self) -> StreamTranslator:
+        return _Identity()
+
+    def assembler(self) -> StreamAssembler:
+        return StreamAssembler()
+
+    def encode_event(self, event: dict[str, Any] | None) -> bytes:
+        return b"data: [DONE]\n\n" if event is None else f"data: {dumps(event)}\n\n".encode()
+
+    def is_terminal(self, raw: bytes, event: dict[str, Any] | None) -> bool:
+        return event is None and raw.startswith(b"data: [DONE]")
+
+    def is_private(self, event: dict[str, Any] | None, client_asked: bool) -> bool:
+        # the usage chunk the proxy asked for on its own behalf (to record token counts)
+        return (not client_asked and event is not None and bool(event.get("usage"))
+                and not event.get("choices") and "error" not in event)
+
+    def error_payload(self, error: ProxyError) -> dict[str, Any]:
+        return error.payload  # an upstream's own error is already in this shape
+
+    def stream_error_event(self, error: ProxyError) -> bytes:
+        return f"data: {dumps(self.error_payload(error))}\n\n".encode()
+
+
+OPENAI = OpenAIChat()

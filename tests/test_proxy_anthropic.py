@@ -1,0 +1,570 @@
+"""The proxy's Anthropic Messages endpoint, driven by the official ``anthropic`` SDK, in front of
+both upstream kinds: the OpenAI-compatible double (translation) and the Anthropic double built on
+the SDK's own types (pass-through). Also: OpenAI clients reaching an Anthropic upstream, errors in
+Anthropic's shape, caller-auth and the context budget, for both protocols.
+
+Everything is real: servers on 127.0.0.1 ephemeral ports, SQLite store, BM25 retrieval.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import httpx
+import openai
+import pytest
+
+anthropic = pytest.importorskip("anthropic", reason="the Anthropic tests need the anthropic SDK "
+                                                    "(pip install 'metaclaw-jupyter[anthropic]')")
+
+from metaclaw.double import DoubleServer, Reply  # noqa: E402
+from metaclaw.double_anthropic import AnthropicDoubleServer, AnthropicReply  # noqa: E402
+from metaclaw.proxy import Proxy, ProxyConfig  # noqa: E402
+from metaclaw.retrieval import BLOCK_HEADER  # noqa: E402
+from metaclaw.skills import Skill, SkillLibrary  # noqa: E402
+from metaclaw.store import Store  # noqa: E402
+
+MODEL = "claude-test"
+COMMIT_BODY = "Write the subject line in the imperative mood, at most 50 characters."
+SKILLS = [
+    Skill("git-commit-messages", "How to write clear git commit messages for a change.",
+          "coding", f"# Commit messages\n\n{COMMIT_BODY}"),
+    Skill("git-branch-names", "Name git branches after the change they hold.",
+          "coding", "# Branches\n\nUse kebab-case: fix/short-description. " * 20),
+    Skill("sql-query-tuning", "Speed up slow SQL queries with indexes and query plans.",
+          "data", "# SQL tuning\n\nRead the EXPLAIN plan before adding an index."),
+]
+QUESTION = "How should I word the git commit message for this fix?"
+SYSTEM = [{"type": "text", "text": "You are a careful coding agent.",
+           "cache_control": {"type": "ephemeral"}}]
+READ_TOOL = {"name": "read_file", "description": "Read a file of the repository.",
+             "input_schema": {"type": "object", "properties": {"path": {"type": "string"}},
+                              "required": ["path"]}}
+CALL = {"function": {"name": "read_file", "arguments": '{"path": "src/app.py"}'}}
+
+
+@pytest.fixture()
+def workspace(tmp_path):
+    directory = tmp_path / "skills"
+    for skill in SKILLS:
+        (directory / skill.name).mkdir(parents=True)
+        (directory / skill.name / "SKILL.md").write_text(skill.to_markdown())
+    store = Store(tmp_path / "metaclaw.db")
+    yield store, SkillLibrary(str(directory), store)
+    store.close()
+
+
+@pytest.fixture()
+def openai_double():
+    with DoubleServer(models=(MODEL,)) as server:
+        yield server
+
+
+@pytest.fixture()
+def anthropic_double():
+    with AnthropicDoubleServer() as server:
+        yield server
+
+
+def _proxy(workspace, upstream, protocol, **overrides) -> Proxy:
+    store, library = workspace
+    url = upstream.url if protocol == "openai" else upstream.base_url
+    config = ProxyConfig(upstream_url=url, upstream_protocol=protocol, retrieval="lexical",
+                         max_retries=0, **overrides)
+    return Proxy(config, store, library)
+
+
+def _client(proxy, **kw) -> "anthropic.Anthropic":
+    return anthropic.Anthropic(base_url=proxy.base_url, api_key=kw.pop("api_key", "unused"),
+                               max_retries=0, **kw)
+
+
+def _turns(proxy, store):
+    proxy.flush()
+    return store.turns()
+
+
+# ---------------------------------------------------------------------------------------------
+# Anthropic client -> OpenAI-compatible upstream (translation)
+# ---------------------------------------------------------------------------------------------
+def test_anthropic_sdk_through_openai_upstream(workspace, openai_double):
+    store, _ = workspace
+    with _proxy(workspace, openai_double, "openai") as proxy:
+        message = _client(proxy).messages.create(
+            model=MODEL, max_tokens=200, system=SYSTEM,
+            messages=[{"role": "user", "content": QUESTION}])
+    assert message.type == "message" and message.role == "assistant"
+    assert message.content[0].text == f"echo: {QUESTION}"
+    assert message.stop_reason == "end_turn" and message.usage.input_tokens > 0
+    sent = openai_double.requests[-1]["body"]
+    assert sent["max_tokens"] == 200 and sent["messages"][0]["role"] == "system"
+    assert sent["messages"][0]["content"].startswith("You are a careful coding agent.\n\n")
+    assert BLOCK_HEADER in sent["messages"][0]["content"] and COMMIT_BODY in sent["messages"][0]["content"]
+    assert "cache_control" not in json.dumps(sent)  # a lossy corner, documented
+    (turn,) = _turns(proxy, store)
+    assert turn["protocol"] == "anthropic" and turn["status"] == "ok"
+    assert turn["request_messages"][0]["role"] == "system"  # the neutral (OpenAI chat) form
+    assert COMMIT_BODY in turn["request_messages"][0]["content"]
+    assert turn["request_messages"][1] == {"role": "user", "content": QUESTION}
+    assert "git-commit-messages" in turn["injected_skills"]
+    assert turn["response"] == f"echo: {QUESTION}" and turn["finish_reason"] == "stop"
+    assert turn["request_params"]["max_tokens"] == 200
+
+
+def test_anthropic_sdk_tools_through_openai_upstream(workspace, openai_double):
+    store, _ = workspace
+    openai_double.add(Reply(None, tool_calls=[CALL]), Reply(None, tool_calls=[CALL]),
+                      Reply("The app starts the server."))
+    with _proxy(workspace, openai_double, "openai") as proxy:
+        client = _client(proxy)
+        first = client.messages.create(model=MODEL, max_tokens=100, tools=[READ_TOOL],
+                                       tool_choice={"type": "auto"},
+                                       messages=[{"role": "user", "content": "What does app.py do?"}])
+        (use,) = first.content
+        assert use.type == "tool_use" and use.name == "read_file"
+        assert use.input == {"path": "src/app.py"} and first.stop_reason == "tool_use"
+        with client.messages.stream(model=MODEL, max_tokens=100, tools=[READ_TOOL],
+                                    messages=[{"role": "user", "content": "What does app.py do?"}]
+                                    ) as stream:
+            kinds = [event.type for event in stream]
+            streamed = stream.get_final_message()
+        assert streamed.content[0].type == "tool_use"
+        assert streamed.content[0].input == {"path": "src/app.py"}
+        assert streamed.stop_reason == "tool_use" and "input_json" in kinds
+        final = client.messages.create(model=MODEL, max_tokens=100, tools=[READ_TOOL], messages=[
+            {"role": "user", "content": "What does app.py do?"},
+            {"role": "assistant", "content": [use.model_dump(exclude_none=True)]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                          "content": "app.run()"}]}])
+    assert final.content[0].text == "The app starts the server."
+    sent = openai_double.requests[-1]["body"]
+    assert sent["tools"][0]["function"]["name"] == "read_file"
+    assert sent["messages"][-2]["tool_calls"][0]["id"] == use.id
+    assert sent["messages"][-1] == {"role": "tool", "tool_call_id": use.id, "content": "app.run()"}
+    assert openai_double.requests[0]["body"]["tool_choice"] == "auto"
+    turns = _turns(proxy, store)
+    assert [t["finish_reason"] for t in turns] == ["tool_calls", "tool_calls", "stop"]
+    assert turns[1]["tool_calls"][0]["function"]["name"] == "read_file"
+    assert json.loads(turns[1]["tool_calls"][0]["function"]["arguments"]) == {"path": "src/app.py"}
+
+
+def test_translated_stream_has_the_full_event_sequence(workspace, openai_double):
+    openai_double.add(Reply("Checking now.", tool_calls=[CALL]))
+    with _proxy(workspace, openai_double, "openai") as proxy:
+        body = {"model": MODEL, "max_tokens": 50, "stream": True, "tools": [READ_TOOL],
+                "messages": [{"role": "user", "content": "look at app.py"}]}
+        with httpx.stream("POST", proxy.base_url + "/v1/messages", json=body) as response:
+            assert response.status_code == 200
+            assert response.headers["content-type"].startswith("text/event-stream")
+            events = []
+            for line in response.iter_lines():
+                if line.startswith("event: "):
+                    events.append(line[7:])
+    assert events[:2] == ["message_start", "ping"]
+    assert events[-2:] == ["message_delta", "message_stop"]
+    blocks = [e for e in events if e.startswith("content_block")]
+    assert blocks[0] == "content_block_start" and blocks.count("content_block_start") == 2
+    assert blocks.count("content_block_stop") == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# Anthropic client -> Anthropic upstream (pass-through, nothing lost)
+# ---------------------------------------------------------------------------------------------
+THINKING_REPLY = [{"type": "thinking", "thinking": "The user wants a commit message.",
+                   "signature": "sig-abc123"},
+                  {"type": "text", "text": "Use: Fix crash on empty input"},
+                  {"type": "tool_use", "name": "read_file", "input": {"path": "CHANGELOG.md"}}]
+
+
+def test_pass_through_keeps_everything(workspace, anthropic_double):
+    store, _ = workspace
+    anthropic_double.replies.append(AnthropicReply(THINKING_REPLY, usage={
+        "input_tokens": 12, "output_tokens": 30, "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": 100}))
+    history = [
+        {"role": "user", "content": [{"type": "text", "text": "Earlier question",
+                                      "cache_control": {"type": "ephemeral"}}]},
+        {"role": "assistant", "content": [
+            {"type": "thinking", "thinking": "old thought", "signature": "sig-old"},
+            {"type": "tool_use", "id": "toolu_01", "name": "read_file", "input": {"path": "a"}}]},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_01", "content": "file a",
+             "is_error": False},
+            {"type": "text", "text": QUESTION}]}]
+    request = {"model": MODEL, "max_tokens": 300, "system": SYSTEM, "messages": history,
+               "tools": [READ_TOOL], "tool_choice": {"type": "any"},
+               "thinking": {"type": "enabled", "budget_tokens": 1024}, "top_k": 5,
+               "metadata": {"user_id": "u-1"}}
+    with _proxy(workspace, anthropic_double, "anthropic") as proxy:
+        raw = httpx.post(proxy.base_url + "/v1/messages", json=request,
+                         headers={"anthropic-version": "2023-06-01",
+                                  "anthropic-beta": "prompt-caching-2024-07-31"})
+        message = _client(proxy).messages.create(
+            **{k: v for k, v in request.items() if k != "top_k"}, extra_body={"top_k": 5},
+            extra_headers={"anthropic-beta": "interleaved-thinking-2025-05-14"})
+    assert raw.status_code == 200
+    body = raw.json()
+    assert body["content"][0] == THINKING_REPLY[0]  # the signature survives
+    assert body["usage"]["cache_read_input_tokens"] == 100
+    assert message.content[0].text.startswith("echo:")
+    sent = anthropic_double.requests[0]
+    forwarded = sent["body"]
+    # the client's body is forwarded as sent, with one system block appended
+    assert forwarded["system"][:1] == SYSTEM and forwarded["system"][1]["text"].startswith(
+        BLOCK_HEADER)
+    assert "cache_control" not in forwarded["system"][1]
+    assert {k: v for k, v in forwarded.items() if k != "system"} == {
+        k: v for k, v in request.items() if k != "system"}
+    assert sent["headers"]["anthropic-version"] == "2023-06-01"
+    assert sent["headers"]["anthropic-beta"] == "prompt-caching-2024-07-31"
+    assert anthropic_double.requests[1]["headers"]["anthropic-beta"] == \
+        "interleaved-thinking-2025-05-14"
+    turn = _turns(proxy, store)[0]
+    assert turn["protocol"] == "anthropic" and turn["finish_reason"] == "tool_calls"
+    assert turn["response"] == "Use: Fix crash on empty input"
+    assert turn["usage"]["cache_read_input_tokens"] == 100
+    assert turn["prompt_tokens"] == 112 and turn["completion_tokens"] == 30
+    neutral = turn["request_messages"]
+    assert [m["role"] for m in neutral] == ["system", "user", "assistant", "tool", "user"]
+    assert neutral[2]["tool_calls"][0]["id"] == "toolu_01"
+
+
+def test_pass_through_stream_is_byte_identical(workspace, anthropic_double):
+    store, _ = workspace
+    reply = AnthropicReply(THINKING_REPLY)
+    anthropic_double.replies.extend([reply, reply, reply])
+    request = {"model": MODEL, "max_tokens": 100, "stream": True,
+               "messages": [{"role": "user", "content": "hello there"}]}
+    with _proxy(workspace, anthropic_double, "anthropic") as proxy:
+        via_proxy = httpx.post(proxy.base_url + "/v1/messages", json=request).content
+        direct = httpx.post(anthropic_double.base_url + "/v1/messages", json=request).content
+        with _client(proxy).messages.stream(**{k: v for k, v in request.items()
+                                               if k != "stream"}) as stream:
+            final = stream.get_final_message()
+    strip = [line for line in via_proxy.decode().splitlines() if '"id"' not in line]
+    assert strip == [line for line in direct.decode().splitlines() if '"id"' not in line]
+    assert final.content[0].type == "thinking" and final.content[0].signature == "sig-abc123"
+    assert final.content[2].input == {"path": "CHANGELOG.md"}
+    turn = _turns(proxy, store)[0]
+    assert turn["stream"] == 1 and turn["status"] == "ok"
+    assert turn["response"] == "Use: Fix crash on empty input"
+    assert turn["tool_calls"][0]["function"]["name"] == "read_file"
+
+
+def test_upstream_errors_relay_in_anthropic_shape(workspace, anthropic_double, openai_double):
+    anthropic_double.replies.append(AnthropicReply(status=429, message="slow down",
+                                                   headers={"retry-after": "3"}))
+    openai_double.add(Reply("boom", status=500))
+    with _proxy(workspace, anthropic_double, "anthropic") as proxy:
+        with pytest.raises(anthropic.RateLimitError) as caught:
+            _client(proxy).messages.create(model=MODEL, max_tokens=10,
+                                           messages=[{"role": "user", "content": "hi"}])
+    assert caught.value.body == {"type": "error", "error": {"type": "rate_limit_error",
+                                                            "message": "slow down"}}
+    assert caught.value.response.headers["retry-after"] == "3"
+    with _proxy(workspace, openai_double, "openai") as proxy:
+        with pytest.raises(anthropic.InternalServerError) as caught:
+            _client(proxy).messages.create(model=MODEL, max_tokens=10,
+                                           messages=[{"role": "user", "content": "hi"}])
+    assert caught.value.body["type"] == "error"
+    assert caught.value.body["error"] == {"type": "api_error", "message": "boom"}
+
+
+def test_client_errors_in_anthropic_shape(workspace, openai_double):
+    with _proxy(workspace, openai_double, "openai", token="tok-123456",
+                max_body_bytes=4096) as proxy:
+        url = proxy.base_url + "/v1/messages"
+        ok = {"x-api-key": "tok-123456"}
+        cases = [
+            (httpx.post(url, content=b"{not json", headers=ok), 400, "invalid_request_error"),
+            (httpx.post(url, json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]},
+                        headers=ok), 400, "invalid_request_error"),
+            (httpx.post(url, json={"model": MODEL, "max_tokens": 5, "messages": [
+                {"role": "system", "content": "x"}]}, headers=ok), 400, "invalid_request_error"),
+            (httpx.post(url, json={"model": MODEL, "max_tokens": 5, "messages": []}),
+             401, "authentication_error"),
+            (httpx.post(url, json={"x": "y" * 5000}, headers=ok), 413, "request_too_large"),
+            (httpx.get(url, headers=ok), 405, "invalid_request_error"),
+        ]
+        with pytest.raises(anthropic.AuthenticationError):
+            _client(proxy, api_key="wrong-token").messages.create(
+                model=MODEL, max_tokens=5, messages=[{"role": "user", "content": "x"}])
+        message = _client(proxy, api_key="tok-123456").messages.create(
+            model=MODEL, max_tokens=5, messages=[{"role": "user", "content": "x"}])
+    assert message.content[0].text == "echo: x"
+    for response, status, kind in cases:
+        assert response.status_code == status, response.text
+        body = response.json()
+        assert body["type"] == "error" and body["error"]["type"] == kind, body
+        assert body["error"]["message"]
+    assert "max_tokens" in cases[1][0].json()["error"]["message"]
+    assert "'system' field" in cases[2][0].json()["error"]["message"]
+
+
+def test_count_tokens(workspace, anthropic_double, openai_double):
+    request = {"model": MODEL, "messages": [{"role": "user", "content": QUESTION}]}
+    with _proxy(workspace, anthropic_double, "anthropic") as proxy:
+        counted = _client(proxy).messages.count_tokens(**request)
+    # the upstream counted the request as the proxy would send it: with the skill block
+    forwarded = anthropic_double.requests[-1]
+    assert forwarded["path"] == "/v1/messages/count_tokens"
+    assert BLOCK_HEADER in forwarded["body"]["system"][0]["text"]
+    assert counted.input_tokens > len(QUESTION.split())
+    with _proxy(workspace, openai_double, "openai") as proxy:
+        estimated = _client(proxy).messages.count_tokens(**request)
+        store = proxy.store
+        proxy.flush()
+    assert estimated.input_tokens > 50  # the estimate includes the injected skill block
+    assert store.turns() == []  # counting is not a turn
+
+
+# ---------------------------------------------------------------------------------------------
+# OpenAI client -> Anthropic upstream (translation the other way)
+# ---------------------------------------------------------------------------------------------
+def test_openai_sdk_through_anthropic_upstream(workspace, anthropic_double):
+    store, _ = workspace
+    anthropic_double.replies.extend([AnthropicReply(THINKING_REPLY), AnthropicReply(THINKING_REPLY)])
+    tools = [{"type": "function", "function": {"name": "read_file", "description": "Read",
+                                               "parameters": READ_TOOL["input_schema"]}}]
+    messages = [{"role": "system", "content": "You are a careful coding agent."},
+                {"role": "user", "content": QUESTION}]
+    with _proxy(workspace, anthropic_double, "anthropic") as proxy:
+        client = openai.OpenAI(base_url=proxy.url, api_key="unused", max_retries=0)
+        reply = client.chat.completions.create(model=MODEL, messages=messages, tools=tools,
+                                               tool_choice="required", stop="END")
+        chunks = list(client.chat.completions.create(model=MODEL, messages=messages, tools=tools,
+                                                     stream=True))
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == "Use: Fix crash on empty input"
+    assert json.loads(choice.message.tool_calls[0].function.arguments) == {"path": "CHANGELOG.md"}
+    assert reply.usage.prompt_tokens > 0
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == "Use: Fix crash on empty input"
+    args = "".join(tc.function.arguments or "" for c in chunks if c.choices
+                   for tc in c.choices[0].delta.tool_calls or ())
+    assert json.loads(args) == {"path": "CHANGELOG.md"}
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+    assert all(c.usage is None for c in chunks)  # the client did not ask for usage
+    sent = anthropic_double.requests[0]["body"]
+    assert sent["system"].startswith("You are a careful coding agent.")
+    assert BLOCK_HEADER in sent["system"] and sent["max_tokens"] == 4096
+    assert sent["tool_choice"] == {"type": "any"} and sent["stop_sequences"] == ["END"]
+    assert sent["tools"][0]["input_schema"] == READ_TOOL["input_schema"]
+    turns = _turns(proxy, store)
+    assert [t["protocol"] for t in turns] == ["openai", "openai"]
+    assert all(t["finish_reason"] == "tool_calls" and t["status"] == "ok" for t in turns)
+    assert turns[1]["completion_tokens"] and turns[1]["prompt_tokens"]
+
+
+def test_anthropic_upstream_dropping_mid_stream(workspace, anthropic_double):
+    store, _ = workspace
+    anthropic_double.replies.extend([AnthropicReply("one two three four five",
+                                                    disconnect_after=4)] * 2)
+    with _proxy(workspace, anthropic_double, "anthropic") as proxy:
+        with pytest.raises(anthropic.APIStatusError):
+            with _client(proxy).messages.stream(model=MODEL, max_tokens=10,
+                                                messages=[{"role": "user", "content": "hi"}]) as s:
+                s.get_final_message()
+        client = openai.OpenAI(base_url=proxy.url, api_key="unused", max_retries=0)
+        with pytest.raises(openai.APIError):
+            list(client.chat.completions.create(model=MODEL, stream=True,
+                                                messages=[{"role": "user", "content": "hi"}]))
+    turns = _turns(proxy, store)
+    assert [t["status"] for t in turns] == ["error", "error"]
+    assert all("mid-stream" in t["error"] for t in turns)
+
+
+# ---------------------------------------------------------------------------------------------
+# caller-auth
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("protocol", ["openai", "anthropic"])
+def test_caller_auth_forwards_the_callers_key(workspace, openai_double, anthropic_double,
+                                              protocol, monkeypatch, tmp_path):
+    monkeypatch.setenv("METACLAW_UPSTREAM_API_KEY", "sk-server-key-should-not-be-used")
+    store, _ = workspace
+    double = openai_double if protocol == "openai" else anthropic_double
+    caller_key = "sk-caller-own-key-5e9d1c"
+    with _proxy(workspace, double, protocol, caller_auth=True, token="team-token") as proxy:
+        message = _client(proxy, api_key=caller_key,
+                          default_headers={"X-MetaClaw-Token": "team-token"}).messages.create(
+            model=MODEL, max_tokens=10, messages=[{"role": "user", "content": "hi"}])
+        reply = openai.OpenAI(base_url=proxy.url, api_key=caller_key, max_retries=0,
+                              default_headers={"X-MetaClaw-Token": "team-token"}
+                              ).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}])
+        missing = httpx.post(proxy.base_url + "/v1/messages", headers={
+            "X-MetaClaw-Token": "team-token"}, json={"model": MODEL, "max_tokens": 5, "messages": [
+                {"role": "user", "content": "x"}]})
+        no_token = httpx.post(proxy.url + "/chat/completions", headers={
+            "Authorization": f"Bearer {caller_key}"}, json={"model": MODEL, "messages": [
+                {"role": "user", "content": "x"}]})
+        proxy.flush()
+    assert message.content[0].text == "echo: hi" and reply.choices[0].message.content == "echo: hi"
+    for sent in double.requests:
+        headers = {k.lower(): v for k, v in sent["headers"].items()}
+        seen = headers.get("x-api-key") if protocol == "anthropic" else headers["authorization"]
+        assert caller_key in seen and "server-key" not in json.dumps(headers)
+        assert "team-token" not in json.dumps(headers)
+    assert missing.status_code == 401 and missing.json()["error"]["type"] == "authentication_error"
+    assert no_token.status_code == 401 and no_token.json()["error"]["code"] == "missing_token"
+    store.close()
+    data = (tmp_path / "metaclaw.db").read_bytes() + b"".join(
+        p.read_bytes() for p in tmp_path.glob("metaclaw.db-*"))
+    assert caller_key.encode() not in data and b"team-token" not in data
+
+
+def test_caller_key_is_scrubbed_from_upstream_errors(workspace, openai_double):
+    caller_key = "sk-caller-echoed-77aa"
+    openai_double.add(Reply(f"invalid key {caller_key}", status=401))
+    with _proxy(workspace, openai_double, "openai", caller_auth=True) as proxy:
+        with pytest.raises(anthropic.AuthenticationError) as caught:
+            _client(proxy, api_key=caller_key).messages.create(
+                model=MODEL, max_tokens=5, messages=[{"role": "user", "content": "x"}])
+        proxy.flush()
+        (turn,) = proxy.store.turns()
+    assert caller_key not in json.dumps(caught.value.body)
+    assert caller_key not in (turn["error"] or "") and "***" in turn["error"]
+
+
+# ---------------------------------------------------------------------------------------------
+# context budget
+# ---------------------------------------------------------------------------------------------
+def test_context_budget_cuts_skills_first(workspace, openai_double):
+    store, _ = workspace
+    question = "git commit message and git branch names for this fix?"
+    with _proxy(workspace, openai_double, "openai", top_k=3,
+                context_windows={MODEL: 400}) as proxy:
+        _client(proxy).messages.create(model=MODEL, max_tokens=100,
+                                       messages=[{"role": "user", "content": question}])
+        openai.OpenAI(base_url=proxy.url, api_key="unused").chat.completions.create(
+            model=MODEL, max_tokens=100, messages=[{"role": "user", "content": question}])
+    turns = _turns(proxy, store)
+    for turn in turns:
+        budget = turn["context_budget"]
+        assert budget["window"] == 400 and budget["reserved_output"] == 100
+        assert budget["method"] == "estimate" and not budget["over_window"]
+        assert "git-branch-names" in budget["cut"]  # the long skill did not fit
+        assert turn["injected_skills"] == ["git-commit-messages"]
+        assert budget["request_tokens"] + budget["reserved_output"] + budget["block_tokens"] <= 400
+    assert COMMIT_BODY in openai_double.requests[0]["body"]["messages"][0]["content"]
+
+
+def test_request_already_over_the_window_passes_untouched(workspace, anthropic_double, caplog):
+    store, _ = workspace
+    request = {"model": MODEL, "max_tokens": 50, "system": "Be brief.",
+               "messages": [{"role": "user", "content": QUESTION + " " + "context " * 300}]}
+    with _proxy(workspace, anthropic_double, "anthropic", context_windows={MODEL: 200},
+                tokenizer=lambda text: len(text.split())) as proxy:
+        with caplog.at_level(logging.WARNING, logger="metaclaw.proxy"):
+            _client(proxy).messages.create(**request)
+    assert anthropic_double.requests[0]["body"] == request  # not a byte added
+    (turn,) = _turns(proxy, store)
+    assert turn["injected_skills"] == [] and turn["context_budget"]["over_window"]
+    assert turn["context_budget"]["method"] == "tokenizer"
+    assert "git-commit-messages" in turn["context_budget"]["cut"]
+    assert any("already over" in r.getMessage() for r in caplog.records)
+
+
+# ---------------------------------------------------------------------------------------------
+# a real agent client (optional: runs where the Claude Code CLI is installed)
+# ---------------------------------------------------------------------------------------------
+def _claude_code() -> str | None:
+    import os
+    import shutil
+
+    return os.environ.get("METACLAW_CLAUDE_CODE") or shutil.which("claude")
+
+
+@pytest.mark.skipif(_claude_code() is None, reason="the Claude Code CLI is not installed (npm "
+                    "install @anthropic-ai/claude-code, or set METACLAW_CLAUDE_CODE to its binary)")
+def test_claude_code_agent_through_the_proxy(workspace, anthropic_double, tmp_path):
+    """Claude Code in print mode, offline: its real request (system blocks, a dozen tools,
+    thinking, streaming) goes through the proxy to the Anthropic double and back."""
+    import os
+    import subprocess
+
+    store, _ = workspace
+    (tmp_path / "home").mkdir()
+    (tmp_path / "work").mkdir()
+    with _proxy(workspace, anthropic_double, "anthropic") as proxy:
+        env = {**os.environ, "HOME": str(tmp_path / "home"), "ANTHROPIC_BASE_URL": proxy.base_url,
+               "ANTHROPIC_API_KEY": "sk-ant-offline", "DISABLE_AUTOUPDATER": "1",
+               "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"}
+        done = subprocess.run([_claude_code(), "-p", QUESTION, "--model", "claude-sonnet-4-5"],
+                              cwd=tmp_path / "work", env=env, capture_output=True, text=True,
+                              timeout=120)
+        turns = _turns(proxy, store)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("echo: ")  # the double's echo, relayed to the agent
+    main = [t for t in turns if t["injected_skills"]]
+    assert main and main[0]["protocol"] == "anthropic" and main[0]["status"] == "ok"
+    assert "git-commit-messages" in main[0]["injected_skills"]
+    sent = next(r["body"] for r in anthropic_double.requests if r["path"] == "/v1/messages"
+                and r["body"].get("tools"))
+    assert isinstance(sent["system"], list) and sent["system"][-1]["text"].startswith(BLOCK_HEADER)
+
+
+# ---------------------------------------------------------------------------------------------
+# a local policy (the slow loop's responder) serving Anthropic clients
+# ---------------------------------------------------------------------------------------------
+class LocalPolicy:
+    """A trivial responder answering in the chat shape, with the ``metaclaw`` object a trained
+    policy attaches (kept from the client, recorded with the turn)."""
+
+    policy_version = 5
+    info = {"policy_version": 5, "prompt_token_ids": [1, 2], "completion_token_ids": [3, 4],
+            "completion_logprobs": [-0.1, -0.2]}
+
+    async def complete(self, body):
+        return {"id": "p-1", "object": "chat.completion", "created": 0, "model": "local",
+                "choices": [{"index": 0, "finish_reason": "stop", "message": {
+                    "role": "assistant", "content": "from the policy"}}],
+                "usage": {"prompt_tokens": 3, "completion_tokens": 2}, "metaclaw": self.info}
+
+    async def stream(self, body):
+        base = {"id": "p-2", "object": "chat.completion.chunk", "created": 0, "model": "local"}
+        for piece in ("from", " the", " policy"):
+            yield {**base, "choices": [{"index": 0, "delta": {"content": piece},
+                                        "finish_reason": None}]}
+        yield {**base, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
+               "metaclaw": self.info}
+
+
+def test_responder_serves_anthropic_clients(workspace, anthropic_double):
+    store, _ = workspace
+    with _proxy(workspace, anthropic_double, "anthropic") as proxy:
+        proxy.set_responder(LocalPolicy())
+        client = _client(proxy)
+        message = client.messages.create(model=MODEL, max_tokens=20,
+                                          messages=[{"role": "user", "content": QUESTION}])
+        raw = client.messages.with_raw_response.create(
+            model=MODEL, max_tokens=20, messages=[{"role": "user", "content": QUESTION}])
+        with client.messages.stream(model=MODEL, max_tokens=20,
+                                    messages=[{"role": "user", "content": QUESTION}]) as stream:
+            streamed = stream.get_final_message()
+    assert message.content[0].text == "from the policy" and message.stop_reason == "end_turn"
+    assert "metaclaw" not in raw.http_response.text
+    assert raw.http_response.headers["x-metaclaw-policy-version"] == "5"
+    assert streamed.content[0].text == "from the policy"
+    assert anthropic_double.requests == []  # the upstream was not used
+    turns = _turns(proxy, store)
+    assert [t["policy_version"] for t in turns] == [5, 5, 5]
+    assert turns[2]["completion_tokens_ids"] == [3, 4] and turns[2]["protocol"] == "anthropic"
+
+
+def test_context_budget_with_a_real_tokenizer(workspace, openai_double, tmp_path):
+    pytest.importorskip("transformers", reason="the tokenizer test needs transformers "
+                                               "(the training extra)")
+    from metaclaw.tinymodel import build_tokenizer
+
+    build_tokenizer().backend_tokenizer.save(str(tmp_path / "tokenizer.json"))
+    store, _ = workspace
+    with _proxy(workspace, openai_double, "openai", context_windows={MODEL: 100_000},
+                tokenizer=str(tmp_path / "tokenizer.json")) as proxy:
+        _client(proxy).messages.create(model=MODEL, max_tokens=10,
+                                       messages=[{"role": "user", "content": QUESTION}])
+    budget = _turns(proxy, store)[0]["context_budget"]
+    assert budget["method"] == f"tokenizer:{tmp_path / 'tokenizer.json'}"
+    assert budget["cut"] == [] and 0 < budget["request_tokens"] < 200
