@@ -423,8 +423,10 @@ class EvolveResult:
     """What :meth:`Evolver.evolve` did.
 
     ``status``: ``"applied"`` (new ``generation``), ``"dry_run"``, ``"no_support"``,
-    ``"no_change"`` or ``"rejected"`` (verified promotion kept the library). ``parent``: the
-    generation the proposal was made on. ``consumed`` / ``purged``: buffer changes.
+    ``"no_change"``, ``"rejected"`` (verified promotion kept the library) or ``"held"`` (the
+    fast loop's verification gate kept it as proposal ``proposal_id`` for review). ``parent``:
+    the generation the proposal was made on. ``consumed`` / ``purged``: buffer changes.
+    ``gate``: the :class:`metaclaw.gate.GateReport` when the gate decided.
     """
 
     status: str
@@ -435,6 +437,8 @@ class EvolveResult:
     consumed: list[int] = field(default_factory=list)
     purged: int = 0
     reason: str = ""
+    gate: Any = None
+    proposal_id: int | None = None
 
     @property
     def applied(self) -> bool:
@@ -444,7 +448,9 @@ class EvolveResult:
         return {"status": self.status, "parent": self.parent, "generation": self.generation,
                 "proposal": self.proposal.to_dict() if self.proposal else None,
                 "verification": self.verification.to_dict() if self.verification else None,
-                "consumed": self.consumed, "purged": self.purged, "reason": self.reason}
+                "consumed": self.consumed, "purged": self.purged, "reason": self.reason,
+                "gate": self.gate.to_dict() if self.gate is not None else None,
+                "proposal_id": self.proposal_id}
 
     def __str__(self) -> str:
         head = (f"generation {self.parent} -> {self.generation}" if self.applied
@@ -454,6 +460,8 @@ class EvolveResult:
             text += f" ({self.reason})"
         if self.applied:
             text += f"; {len(self.consumed)} support turns consumed, {self.purged} turns purged"
+        if self.gate is not None:
+            text += f"\n{self.gate}"
         if self.proposal is not None:
             text += "\n" + str(self.proposal)
         return text
@@ -465,6 +473,8 @@ class EvolveResult:
             v = self.verification
             ver = (f"<p>verification: {'accepted' if v.accepted else 'rejected'} — "
                    f"{html.escape(v.reason)}</p>")
+        if self.gate is not None:
+            ver += self.gate._repr_html_()
         return (f"<div><p><b>{html.escape(str(self).splitlines()[0])}</b></p>{ver}{body}</div>")
 
 

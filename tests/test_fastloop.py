@@ -18,6 +18,7 @@ from metaclaw import buffers
 from metaclaw.double import DoubleServer, Reply
 from metaclaw.evolver import Evolver, parse_evolver_prompt
 from metaclaw.fastloop import FastLoop
+from metaclaw.gate import Gate
 from metaclaw.judge import SECTION_FEEDBACK, SECTION_REPLY, Judge, parse_judge_prompt
 from metaclaw.proxy import Proxy, ProxyConfig
 from metaclaw.retrieval import LexicalRetriever
@@ -108,6 +109,7 @@ def rig(tmp_path):
         return content
 
     def make_loop(**options) -> FastLoop:
+        options.setdefault("gate", Gate(judge, double.url, "agent", retriever=LexicalRetriever()))
         loop = FastLoop(store, library, judge, evolver, **options)
         rig.loops.append(loop)
         return loop.attach(proxy)
