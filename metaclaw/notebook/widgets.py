@@ -219,12 +219,20 @@ class SkillDiffWidget(_StaticHTML, anywidget.AnyWidget):
     mode = traitlets.Enum(("unified", "side-by-side"), default_value="unified").tag(sync=True)
     diff = traitlets.Dict().tag(sync=True)
     error = traitlets.Unicode("").tag(sync=True)
+    proposals = traitlets.List(traitlets.Dict()).tag(sync=True)
+    proposal_action = traitlets.Dict().tag(sync=True)
+    author = traitlets.Unicode("").tag(sync=True)
+    message = traitlets.Unicode("").tag(sync=True)
 
     def __init__(self, library: Any, old: int | None = None, new: int | None = None, *,
-                 mode: str = "unified", follow: bool = True, **kwargs: Any):
+                 mode: str = "unified", follow: bool = True, author: str | None = None,
+                 **kwargs: Any):
+        from metaclaw.labels import default_author
+
         self._library = library
         self._ready = False
         self.follow = follow
+        kwargs.setdefault("author", author or default_author())
         rows = self._generation_rows()
         numbers = [r["generation"] for r in rows]
         if new is None:
@@ -235,6 +243,7 @@ class SkillDiffWidget(_StaticHTML, anywidget.AnyWidget):
         super().__init__(generations=rows, old=int(old), new=int(new), mode=mode, **kwargs)
         self._ready = True
         self._recompute()
+        self.refresh_proposals()
         library.subscribe(self._on_generation)
 
     def _generation_rows(self) -> list[dict[str, Any]]:
@@ -272,11 +281,88 @@ class SkillDiffWidget(_StaticHTML, anywidget.AnyWidget):
         self.diff = payload
 
     def _on_generation(self, generation: int) -> None:
+        self.refresh_proposals()
         previous = [r["generation"] for r in self.generations]
         was_latest = not previous or self.new == previous[-1]
         self.generations = self._generation_rows()
         if self.follow and was_latest and generation != self.new:
             self.new = int(generation)
+
+    # -- proposals ------------------------------------------------------------------------------
+    def refresh_proposals(self, limit: int = 20) -> list[dict[str, Any]]:
+        """Re-read the proposals (held ones first, then the latest decided) with each one's diff
+        against the current library and the gate's per-case evidence; returns them."""
+        from metaclaw import proposals as store_proposals
+
+        try:
+            rows = store_proposals.all(self._library.store)
+        except Exception as exc:  # e.g. a store from before proposals existed
+            self.error = f"cannot read the proposals: {exc}"
+            return []
+        held = [p for p in rows if p.status == store_proposals.HELD]
+        decided = [p for p in reversed(rows) if p.status != store_proposals.HELD]
+        payload = []
+        for p in (held + decided)[:limit]:
+            payload.append({
+                "id": p.id, "origin": p.origin, "status": p.status, "reason": p.reason,
+                "judge_calls": p.judge_calls, "base_generation": p.base_generation,
+                "generation": p.generation, "decided_by": p.decided_by,
+                "decided_at": p.decided_at, "created_at": p.created_at,
+                "decision": p.evidence.get("decision"), "cases": p.evidence.get("cases", []),
+                "safety": p.safety, "support_ids": p.support_ids, "history": p.history,
+                "diffs": p.diffs(self._library)})
+        self.proposals = _json_safe(payload)
+        return self.proposals
+
+    def promote(self, proposal_id: int, note: str = "") -> int:
+        """Promote a held proposal as the widget's ``author``; returns the new generation."""
+        from metaclaw import proposals as store_proposals
+
+        generation = store_proposals.promote(self._library.store, self._library,
+                                             int(proposal_id), by=self.author or None,
+                                             note=note)
+        self.message = f"proposal #{proposal_id} promoted by {self.author}: generation {generation}"
+        self.refresh_proposals()
+        return generation
+
+    def discard(self, proposal_id: int, reason: str = "") -> None:
+        """Discard a held proposal as the widget's ``author``."""
+        from metaclaw import proposals as store_proposals
+
+        store_proposals.discard(self._library.store, int(proposal_id), by=self.author or None,
+                                reason=reason)
+        self.message = f"proposal #{proposal_id} discarded by {self.author}"
+        self.refresh_proposals()
+
+    def edit_proposal(self, proposal_id: int, name: str, *, body: str | None = None,
+                      description: str | None = None) -> None:
+        """Change the text a held proposal would write for skill ``name``."""
+        from metaclaw import proposals as store_proposals
+
+        store_proposals.edit(self._library.store, int(proposal_id), name, body=body,
+                             description=description, by=self.author or None)
+        self.message = f"proposal #{proposal_id}: {name} edited by {self.author}"
+        self.refresh_proposals()
+
+    @traitlets.observe("proposal_action")
+    def _on_proposal_action(self, change: Any) -> None:
+        request = change["new"] or {}
+        if not self._ready or not request.get("action"):
+            return
+        try:
+            action, pid = request["action"], int(request["id"])
+            if action == "promote":
+                self.promote(pid, note=str(request.get("note") or ""))
+            elif action == "discard":
+                self.discard(pid, reason=str(request.get("note") or ""))
+            elif action == "edit":
+                self.edit_proposal(pid, str(request["name"]), body=request.get("body"),
+                                   description=request.get("description"))
+            else:
+                raise ValueError(f"unknown action {action!r}; use promote, discard or edit")
+            self.error = ""
+        except Exception as exc:  # shown in the widget; the library is left as it was
+            self.error = f"proposal #{request.get('id')}: {exc}"
 
     def compare(self, old: int, new: int) -> "SkillDiffWidget":
         """Show the change from ``old`` to ``new`` (one recomputation); returns the widget."""
@@ -289,9 +375,20 @@ class SkillDiffWidget(_StaticHTML, anywidget.AnyWidget):
         return self
 
     def _repr_html_(self) -> str:
+        from metaclaw.gate import cases_html
+
         if self.error:
             return f"<div><b>Skill diff</b>: {_esc(self.error)}</div>"
-        return diff_html(self.diff)
+        parts = [diff_html(self.diff)]
+        for p in self.proposals:
+            diffs = "".join(_diff_lines_html(d["unified_diff"]) for d in p["diffs"])
+            parts.append(f"<details {'open' if p['status'] == 'held' else ''}><summary><b>Proposal "
+                         f"#{p['id']}</b> ({_esc(p['origin'])}, {_esc(p['status'])}"
+                         f"{' by ' + _esc(p['decided_by']) if p['decided_by'] else ''}) &mdash; "
+                         f"{_esc(p['reason'])} &middot; {p['judge_calls']} judge calls</summary>"
+                         f"{diffs}{cases_html({'decision': p['decision'], 'reason': p['reason'], 'cases': p['cases'], 'safety': p['safety'], 'judge_calls': p['judge_calls']})}"
+                         "</details>")
+        return "".join(parts)
 
     def __repr__(self) -> str:
         s = self.diff.get("summary", {})
