@@ -105,6 +105,9 @@ class Proposal:
                         "markdown": after, "unified_diff": text})
         return out
 
+    def __repr__(self) -> str:
+        return f"<{self}>"
+
     def __str__(self) -> str:
         ops = "; ".join(f"{op.op} {op.name}" for op in self.ops)
         by = f" by {self.decided_by}" if self.decided_by else ""
