@@ -7,7 +7,7 @@ import pytest
 
 from metaclaw.double import DoubleServer
 from metaclaw.evolver import Evolver
-from metaclaw.pipeline import (STAGES, SimulatedResearchModel, check, review, run_pipeline,
+from metaclaw.research_pipeline import (STAGES, SimulatedResearchModel, check, review, run_pipeline,
                                run_table, runtime_hooks, stage_table)
 from metaclaw.runtime import Runtime
 
