@@ -10,7 +10,8 @@ The rules (one obvious place: :func:`refresh` and :func:`advance`):
 
 1. A successful (``status = 'ok'``) main turn of the *current* generation is ``query / live``
    until judged. Once judged with ``reward < threshold`` it is ``support / live`` (a failure the
-   evolver should learn from); judged at or above the threshold it stays ``query / live``. A live
+   evolver should learn from); judged at or above the threshold it stays ``query / live``. A
+   human label (``human_label`` pass / fail) overrides the judge's verdict. A live
    turn that is re-judged moves between the two sets accordingly.
 2. When a new generation ``G`` is created, :func:`advance` marks the support turns that produced it
    ``consumed`` (kept for inspection, never trained on), and every live turn served under a
@@ -51,6 +52,15 @@ def _is_failure(reward: Any, threshold: float) -> bool:
     return reward is not None and float(reward) < threshold
 
 
+def is_failure(turn: dict[str, Any], threshold: float = 0.0) -> bool:
+    """Whether a turn counts as a failure: a human label (``turns.human_label``, see
+    :mod:`metaclaw.labels`) takes precedence over the judge's reward."""
+    label = turn.get("human_label")
+    if label in ("pass", "fail"):
+        return label == "fail"
+    return _is_failure(turn.get("reward"), threshold)
+
+
 def classify(turn: dict[str, Any], *, generation: int,
              threshold: float = 0.0) -> tuple[str | None, str | None]:
     """The ``(buffer_set, buffer_state)`` a turn row should have under the rules above.
@@ -64,7 +74,7 @@ def classify(turn: dict[str, Any], *, generation: int,
         return present
     if present[1] in FINAL_STATES:
         return present
-    wanted_set = SUPPORT if _is_failure(turn.get("reward"), threshold) else QUERY
+    wanted_set = SUPPORT if is_failure(turn, threshold) else QUERY
     if int(turn.get("skill_generation") or 0) < generation:
         return wanted_set, PURGED
     return wanted_set, LIVE

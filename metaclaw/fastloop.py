@@ -21,7 +21,13 @@ never on the proxy's. For each recorded turn:
    turns exceeds ``failure_rate`` (once at least ``min_judged`` turns are judged). An automatic
    trigger runs only when the support set holds failures the previous attempt did not see, so
    a "no change" answer is not asked for again and again;
-5. a new generation marks the support turns that produced it ``consumed`` and purges older query
+5. on this automatic path the evolver's candidate goes live only through the verification gate
+   (:mod:`metaclaw.gate`): a safety check, then a replay of its failures and of recent successes
+   with and without it, judged. Promoted, it becomes a generation marked ``automatic`` (its
+   evidence on file in ``proposals``, undone by :func:`metaclaw.proposals.revert`); held back, it
+   is stored as a proposal for review (:mod:`metaclaw.proposals`). Without a ``gate`` every
+   automatic candidate is held back. A manual :meth:`FastLoop.evolve_now` applies directly;
+6. a new generation marks the support turns that produced it ``consumed`` and purges older query
    turns, on this automatic path exactly as on the manual one. Any other change of the library
    (a manual edit, a rollback) purges the older live turns as well.
 
@@ -44,6 +50,7 @@ from typing import Any, Callable
 
 from metaclaw import buffers
 from metaclaw.evolver import EvolveError, EvolveResult, Evolver
+from metaclaw.gate import Gate, GateReport, safety_check
 from metaclaw.judge import Judge
 from metaclaw.skills import SkillLibrary
 from metaclaw.store import Store
@@ -52,7 +59,8 @@ log = logging.getLogger("metaclaw.fastloop")
 
 #: Kinds of :class:`FastLoopEvent`.
 EVENT_KINDS = ("turn", "judged", "judge_failed", "evolve_started", "evolved", "evolve_skipped",
-               "evolve_no_change", "evolve_rejected", "evolve_failed", "generation", "error")
+               "evolve_no_change", "evolve_rejected", "evolve_held", "evolve_failed",
+               "generation", "error")
 
 
 #: Kinds that mean a judge or evolver call failed (logged and recorded in the store).
@@ -97,14 +105,15 @@ class FastLoop:
     (at least ``min_judged``) failed (``None`` turns it off); ``on_session_end``: evolve when a
     session is marked done. ``feedback_wait``: seconds to wait for a session's next turn before
     judging a turn without feedback (0 judges at once). ``concurrency``: votes in flight at most.
-    ``on_event``: a callback for every :class:`FastLoopEvent`.
+    ``on_event``: a callback for every :class:`FastLoopEvent`. ``gate``: the
+    :class:`metaclaw.gate.Gate` automatic candidates must pass (``None``: all are held back).
     """
 
     def __init__(self, store: Store, library: SkillLibrary, judge: Judge, evolver: Evolver,
                  every_n: int = 5, failure_rate: float | None = 0.5, min_judged: int = 3,
                  on_session_end: bool = True, *, feedback_wait: float = 30.0,
                  concurrency: int = 64, on_event: Callable[[FastLoopEvent], None] | None = None,
-                 max_events: int = 10_000):
+                 max_events: int = 10_000, gate: Gate | None = None):
         if every_n < 0:
             raise ValueError(f"every_n must be 0 (off) or more, got {every_n}")
         if failure_rate is not None and not 0.0 <= failure_rate <= 1.0:
@@ -113,6 +122,7 @@ class FastLoop:
         self.library = library
         self.judge = judge
         self.evolver = evolver
+        self.gate = gate
         self.every_n = int(every_n)
         self.failure_rate = failure_rate
         self.min_judged = int(min_judged)
@@ -211,6 +221,8 @@ class FastLoop:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
         await self.judge.aclose()
         await self.evolver.aclose()
+        if self.gate is not None:
+            await self.gate.aclose()
 
     def __enter__(self) -> "FastLoop":
         return self.start()
@@ -430,7 +442,10 @@ class FastLoop:
             self._emit("evolve_started", generation=generation, trigger=trigger,
                        support=sorted(ids))
             try:
-                result = await self.evolver.aevolve(dry_run=dry_run, support_turns=support)
+                if manual:
+                    result = await self.evolver.aevolve(dry_run=dry_run, support_turns=support)
+                else:
+                    result = await self._gated_evolve(support)
             except EvolveError as exc:
                 self._emit("evolve_failed", generation=generation, trigger=trigger,
                            error=exc.reason, attempts=exc.attempts)
@@ -445,14 +460,58 @@ class FastLoop:
                     raise
                 return None
             self.last_result = result
-            kind = {"applied": "evolved", "rejected": "evolve_rejected",
+            kind = {"applied": "evolved", "rejected": "evolve_rejected", "held": "evolve_held",
                     "no_change": "evolve_no_change"}.get(result.status, "evolve_skipped")
+            gated = {} if result.gate is None else {
+                "gate": result.gate.decision, "judge_calls": result.gate.judge_calls,
+                "proposal_id": result.proposal_id}
             self._emit(kind, generation=result.generation if result.applied else generation,
                        trigger=trigger, status=result.status, parent=result.parent,
                        ops=[f"{op.op} {op.name}" for op in (result.proposal.ops
                                                            if result.proposal else [])],
-                       consumed=result.consumed, purged=result.purged, reason=result.reason)
+                       consumed=result.consumed, purged=result.purged, reason=result.reason,
+                       **gated)
             return result
+
+    async def _gated_evolve(self, support: list[dict[str, Any]]) -> EvolveResult:
+        """The automatic path: propose, check with the gate, then promote or hold back."""
+        from metaclaw import proposals
+
+        proposal = await self.evolver.apropose(support)
+        parent = proposal.base_generation
+        if not proposal.ops:
+            return EvolveResult("no_change", parent, proposal=proposal,
+                                reason="the evolver proposed no change")
+        if self.gate is not None:
+            report = await self.gate.areview(proposal.ops, self.library, self.store,
+                                             proposal.support_ids, parent)
+        else:
+            findings = safety_check(proposal.ops)
+            report = GateReport("hold", "no verification gate is configured, so automatic "
+                                "changes wait for review", parent,
+                                safety=[vars(f) for f in findings])
+        summary = "; ".join(f"{op.op} {op.name}" for op in proposal.ops)
+        if report.promoted and self.library.generation != parent:
+            report.decision = "hold"
+            report.reason = (f"the library changed (generation {parent} -> "
+                             f"{self.library.generation}) during verification")
+        if report.promoted:
+            generation, moved = await asyncio.to_thread(
+                proposals.apply_ops, self.store, self.library, proposal.ops, proposal.support_ids,
+                reason=f"{proposals.AUTO_PREFIX} (verification gate): {summary}; {report.reason}")
+            proposal_id = proposals.record(
+                self.store, proposal.ops, origin="auto", status=proposals.PROMOTED,
+                base_generation=parent, support_ids=proposal.support_ids, report=report,
+                decided_by="gate", generation=generation)
+            return EvolveResult("applied", parent, generation, proposal,
+                                consumed=list(proposal.support_ids), purged=moved["purged"],
+                                reason=summary, gate=report, proposal_id=proposal_id)
+        proposal_id = proposals.record(
+            self.store, proposal.ops, origin="auto", status=proposals.HELD,
+            base_generation=parent, support_ids=proposal.support_ids, report=report)
+        return EvolveResult("held", parent, proposal=proposal, gate=report,
+                            proposal_id=proposal_id,
+                            reason=f"held back as proposal #{proposal_id}: {report.reason}")
 
     def evolve_now(self, dry_run: bool = False, timeout: float | None = 600.0) -> EvolveResult:
         """Run the evolver now on the current support set (manual trigger) and return its

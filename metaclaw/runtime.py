@@ -205,8 +205,16 @@ class Runtime:
         if "fast_loop" not in self.extras:
             from metaclaw.fastloop import FastLoop
 
+            from metaclaw.gate import Gate
+
+            # automatic candidates are replayed through the agent's own upstream and judged
+            gate = Gate(self.judge, self.proxy.config.upstream_url, self.proxy.config.model,
+                        api_key=os.environ.get(self.config.api_key_env),
+                        retriever=self.proxy.retriever, top_k=self.proxy.config.top_k,
+                        min_score=self.proxy.config.min_score,
+                        budget_chars=self.proxy.config.budget_chars)
             self.extras["fast_loop"] = FastLoop(self.store, self.library, self.judge,
-                                                self.evolver).attach(self.proxy)
+                                                self.evolver, gate=gate).attach(self.proxy)
         return self.extras["fast_loop"]
 
     @classmethod

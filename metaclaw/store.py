@@ -15,6 +15,10 @@ Tables (schema version in ``PRAGMA user_version``; migrations are explicit, in `
 - ``events``                 one row per notable event of a loop (a judge or evolver call that
                              failed, a broken skill file, a generation adopted from another
                              process), with its source, level, message and details
+- ``labels``                 one row per human label of a turn (pass / fail, note, corrected
+                             answer, author, time); the latest verdict is also ``turns.human_label``
+- ``proposals``              one row per skill change reviewed by the verification gate: held
+                             back or promoted, with its per-case evidence and who decided
 
 Every write is committed before the call returns (``synchronous=FULL``), so an acknowledged write
 survives ``kill -9`` of the process. One connection is shared behind a lock; every table is
@@ -38,7 +42,7 @@ JSON_COLUMNS = {
     "request_messages", "request_params", "tool_calls", "usage", "injected_skills",
     "judge_votes", "prompt_tokens_ids", "completion_tokens_ids", "completion_logprobs",
     "meta", "snapshot", "evidence", "metrics", "signals", "retrieval_scores", "identified_by",
-    "detail", "context_budget",
+    "detail", "context_budget", "ops", "support_ids", "safety", "history",
 }
 
 MIGRATIONS: list[str] = [
@@ -160,12 +164,45 @@ MIGRATIONS: list[str] = [
     ALTER TABLE turns ADD COLUMN protocol TEXT NOT NULL DEFAULT 'openai';
     ALTER TABLE turns ADD COLUMN context_budget TEXT;
     """,
+    # 4: human labels (history in ``labels``, the latest verdict denormalised on the turn so the
+    # buffer rules read it) and skill proposals held back or promoted by the verification gate
+    """
+    ALTER TABLE turns ADD COLUMN human_label TEXT;
+    CREATE TABLE labels (
+        id          INTEGER PRIMARY KEY AUTOINCREMENT,
+        turn_id     INTEGER NOT NULL REFERENCES turns(id),
+        verdict     TEXT NOT NULL CHECK (verdict IN ('pass', 'fail')),
+        note        TEXT NOT NULL DEFAULT '',
+        corrected   TEXT,
+        author      TEXT NOT NULL,
+        created_at  REAL NOT NULL
+    );
+    CREATE INDEX labels_turn ON labels(turn_id, id);
+    CREATE TABLE proposals (
+        id               INTEGER PRIMARY KEY AUTOINCREMENT,
+        created_at       REAL NOT NULL,
+        origin           TEXT NOT NULL,
+        status           TEXT NOT NULL,
+        base_generation  INTEGER NOT NULL,
+        ops              TEXT NOT NULL,
+        support_ids      TEXT NOT NULL DEFAULT '[]',
+        evidence         TEXT NOT NULL DEFAULT '{}',
+        safety           TEXT NOT NULL DEFAULT '[]',
+        judge_calls      INTEGER NOT NULL DEFAULT 0,
+        reason           TEXT NOT NULL DEFAULT '',
+        history          TEXT NOT NULL DEFAULT '[]',
+        decided_by       TEXT,
+        decided_at       REAL,
+        generation       INTEGER
+    );
+    CREATE INDEX proposals_status ON proposals(status, id);
+    """,
 ]
 
 SCHEMA_VERSION = len(MIGRATIONS)
 
 TABLES = ("sessions", "turns", "skill_generations", "skill_events", "policy_versions",
-          "training_steps", "scheduler_transitions", "events")
+          "training_steps", "scheduler_transitions", "events", "labels", "proposals")
 EVENT_LEVELS = ("info", "warning", "error")
 
 

@@ -48,5 +48,5 @@ def test_core_never_imports_the_notebook_layer():
 def test_shipped_files_exist():
     assert (ROOT / "bench" / "data" / "metaclaw-bench-small" / "all_tests.json").is_file()
     assert len(list((ROOT / "starter_skills").glob("*/SKILL.md"))) >= 6
-    for name in ("skill_diff.js", "buffers.js", "scheduler.js", "metaclaw.css"):
+    for name in ("skill_diff.js", "buffers.js", "scheduler.js", "trace.js", "metaclaw.css"):
         assert (ROOT / "_widgets" / name).is_file()

@@ -441,3 +441,144 @@ def test_scheduler_view_renders_and_refreshes(browser, site, store, tmp_path):
     assert page.locator("tbody").first.locator("td.mc-good").all_inner_texts() == ["idle", "idle"]
 
     _finish(r, tmp_path / "scheduler.png")
+
+
+# -- trace -------------------------------------------------------------------------------------
+def test_trace_renders_steps_labels_and_jumps(browser, site, store, tmp_path):
+    from metaclaw import labels
+    from metaclaw.notebook.widgets import TraceWidget
+    from metaclaw.retrieval import BLOCK_HEADER
+
+    library = SkillLibrary(tmp_path / "skills", store)
+    call = {"id": "c1", "type": "function", "function": {"name": "read_file",
+                                                         "arguments": '{"path": "a.txt"}'}}
+    first = store.record_turn(
+        session_id="s1", status="ok", response="The file says hi.", reward=1.0,
+        request_messages=[
+            {"role": "system", "content": f"You are helpful.\n\n{BLOCK_HEADER}\n\n### greet\nHi."},
+            {"role": "user", "content": "What does a.txt say?"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "hi"}],
+        injected_skills=["greet"],
+        judge_votes=[{"score": 1, "rationale": "answered from the file", "error": None}])
+    failed = store.record_turn(
+        session_id="s1", status="ok", response="5 km", reward=-1.0,
+        request_messages=[{"role": "user", "content": "Convert 5 miles to km"}],
+        judge_votes=[{"score": -1, "rationale": "wrong factor", "error": None}])
+    generation = library.apply([SkillOp("add", Skill("miles-to-km", "Convert miles.", "math",
+                                                     "Multiply by 1.609."),
+                                        reason="factor", evidence=[failed])],
+                               kind="evolve", reason="evolved")
+    later = store.record_turn(session_id="s1", status="ok", response="8.045 km", reward=1.0,
+                              skill_generation=generation,
+                              request_messages=[{"role": "user", "content": "Convert 5 miles"}])
+    widget = TraceWidget(store, "s1", author="alice")
+    r = _render(browser, site, widget, "trace.js", "trace")
+    page = r.page
+
+    assert page.locator(".mc-trace-row").count() == 3
+    assert page.locator(".mc-trace-row.mc-failed").count() == 1
+    block = page.locator(".mc-skill-block")
+    assert BLOCK_HEADER.split("\n")[0] in block.inner_text()
+    assert "injected skill block" in block.inner_text()
+    assert block.evaluate("n => getComputedStyle(n).backgroundColor") == "rgba(212, 167, 44, 0.18)"
+    folded = page.locator("details.mc-tool-call").first
+    assert folded.get_attribute("open") is None and "read_file(" in folded.inner_text()
+    assert "answered from the file" in page.locator(".mc-vote").inner_text()
+    assert "greet" in page.locator(".mc-scores").inner_text()
+
+    # next failure: Python steps, the page shows the failed turn and its judge's reason
+    page.click("button[aria-label='next failure']")
+    assert r.round_trip()[0]["step_request"]["failures"] is True
+    assert widget.selected == failed
+    page.wait_for_function(f"() => document.querySelector('.mc-trace-detail b').textContent"
+                           f" === 'Turn #{failed}'")
+    assert "wrong factor" in page.locator(".mc-vote").inner_text()
+    assert "generation 1 (evolve): add miles-to-km" in page.locator(".mc-written").inner_text()
+
+    # label it from the form: stored with the widget's author, shown beside the judge
+    page.fill("input[aria-label='label note']", "judge was right")
+    page.fill("textarea[aria-label='corrected answer']", "8.045 km")
+    page.click("button.mc-fail")
+    r.round_trip()
+    [row] = labels.history(store, failed)
+    assert (row["verdict"], row["note"], row["corrected"], row["author"]) == \
+        ("fail", "judge was right", "8.045 km", "alice")
+    page.wait_for_function("() => document.querySelectorAll('.mc-label').length === 1")
+    assert "human fail" in page.locator(".mc-trace-detail .mc-summary").inner_text()
+
+    # jump to the turns served after the generation written for it
+    page.click("button.mc-jump")
+    r.round_trip()
+    assert widget.selected == later
+    page.wait_for_function(f"() => document.querySelector('.mc-trace-detail b').textContent"
+                           f" === 'Turn #{later}'")
+    assert "skill generation 1" in page.locator(".mc-trace-detail .mc-summary").inner_text()
+    # click a row in the list
+    page.locator(f".mc-trace-row[data-turn='{first}']").click()
+    assert r.round_trip() == [{"selected": first}]
+    _finish(r, tmp_path / "trace.png")
+
+
+# -- proposals beside the skill diff -------------------------------------------------------------
+def test_held_proposal_is_reviewed_edited_and_promoted_from_the_widget(browser, site, store,
+                                                                       tmp_path):
+    from metaclaw import proposals
+    from metaclaw.gate import GateReport
+
+    library = SkillLibrary(tmp_path / "skills", store)
+    library.add(Skill("greet", "Greet the user.", body="Say hello."))
+    failure = store.record_turn(session_id="s", status="ok", request_messages=[], reward=-1.0)
+    success = store.record_turn(session_id="s", status="ok", request_messages=[], reward=1.0)
+    candidate = Skill("miles-to-km", "Convert miles to kilometers.", "math",
+                      "Multiply by 1.609. SHOUT the answer.")
+    report = GateReport("hold", "the candidate regresses 1 recent success", library.generation,
+                        cases=[{"turn_id": failure, "kind": "failure", "before": -1, "after": 1,
+                                "before_reply": "5 km", "after_reply": "8.045 km",
+                                "error": None, "outcome": "fixed"},
+                               {"turn_id": success, "kind": "success", "before": 1, "after": -1,
+                                "before_reply": "Hello!", "after_reply": "HELLO!!",
+                                "error": None, "outcome": "regressed"}], judge_calls=12,
+                        replays=4)
+    pid = proposals.record(store, [SkillOp("add", candidate, candidate.name, "factor",
+                                           [failure])], origin="auto", status="held",
+                           base_generation=library.generation, support_ids=[failure],
+                           report=report)
+    widget = SkillDiffWidget(library, author="alice")
+    r = _render(browser, site, widget, "skill_diff.js", "proposals")
+    page = r.page
+
+    card = page.locator(f"details.mc-proposal[data-proposal='{pid}']")
+    assert card.get_attribute("open") is not None
+    assert "12 judge calls" in card.locator(":scope > summary").inner_text()
+    assert "+Multiply by 1.609. SHOUT the answer." in card.locator(".mc-diff-unified").inner_text()
+    rows = card.locator("tr.mc-case")
+    assert rows.count() == 2
+    assert rows.nth(1).locator("td.mc-case-regressed").inner_text() == "regressed"
+    assert "HELLO!!" in rows.nth(1).inner_text()
+
+    # edit the text, save: Python stores the edit, the diff shows the new text
+    card.locator("details.mc-edit summary").click()
+    card.locator("textarea.mc-edit-body").fill("Multiply by 1.609.")
+    card.locator("button.mc-save-edit").click()
+    [message] = r.round_trip()
+    assert message["proposal_action"]["action"] == "edit"
+    assert proposals.get(store, pid).ops[0].skill.body == "Multiply by 1.609."
+    page.wait_for_function("() => !document.querySelector('.mc-proposal .mc-diff-unified')"
+                           ".textContent.includes('SHOUT')")
+
+    # promote it: a new generation, recorded with who promoted it; the evidence stays
+    page.fill(f"input[aria-label='note for proposal {pid}']", "edited out the shouting")
+    card.locator("button.mc-promote").click()
+    r.round_trip()
+    assert library.get("miles-to-km").body == "Multiply by 1.609."
+    done = proposals.get(store, pid)
+    assert (done.status, done.decided_by, done.generation) == ("promoted", "alice",
+                                                                library.generation)
+    assert done.evidence["cases"] == report.cases and done.judge_calls == 12
+    assert "edited out the shouting" in store.generation(library.generation)["reason"]
+    page.wait_for_function("() => document.querySelector('.mc-proposal summary').textContent"
+                           ".includes('promoted by alice')")
+    assert page.locator("button.mc-promote").count() == 0
+    assert widget.new == library.generation  # the diff followed the new generation
+    _finish(r, tmp_path / "proposals.png")

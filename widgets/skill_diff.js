@@ -175,6 +175,82 @@ function skillCard(diff, kind, item, mode) {
   return card;
 }
 
+let nonce = 0;
+function act(model, request) {
+  model.set("proposal_action", { ...request, nonce: ++nonce });
+  model.save_changes();
+}
+
+function score(value) {
+  if (value === null || value === undefined) return "—";
+  return (value > 0 ? "+" : "") + Number(value).toFixed(0);
+}
+
+// The gate's evidence: one row per replayed turn, its score without and with the candidate.
+function casesView(p) {
+  const cases = p.cases || [];
+  const box = h("div", { class: "mc-evidence" });
+  if ((p.safety || []).length) {
+    box.append(h("div", { class: "mc-error" }, "Safety findings: ",
+      p.safety.map((f) => `${f.skill}: ${f.category} (“${f.excerpt}”)`).join("; ")));
+  }
+  if (!cases.length) {
+    box.append(h("div", { class: "mc-muted" }, "no replay evidence"));
+    return box;
+  }
+  const table = h("table", { class: "mc-cases" },
+    h("tr", {}, ["turn", "case", "before", "after", "outcome", "reply before", "reply after"].map((t) => h("th", {}, t))));
+  for (const c of cases) {
+    table.append(h("tr", { class: "mc-case" },
+      h("td", {}, `#${c.turn_id}`), h("td", {}, c.kind),
+      h("td", {}, score(c.before)), h("td", {}, score(c.after)),
+      h("td", { class: `mc-case-${(c.outcome || "").replace(/ /g, "-")}` }, c.outcome || ""),
+      h("td", { class: "mc-muted" }, (c.before_reply || c.error || "").slice(0, 120)),
+      h("td", {}, (c.after_reply || "").slice(0, 120))));
+  }
+  box.append(table);
+  return box;
+}
+
+function proposalCard(model, p, mode) {
+  const held = p.status === "held";
+  const by = p.decided_by ? ` by ${p.decided_by}` : "";
+  const gen = p.generation !== null && p.generation !== undefined ? ` → generation ${p.generation}` : "";
+  const card = h("details", { class: `mc-card mc-proposal mc-proposal-${p.status}`, open: held, "data-proposal": p.id },
+    h("summary", {}, h("span", { class: "mc-badge" }, `${p.origin} · ${p.status}${by}${gen}`), " ",
+      h("b", {}, `Proposal #${p.id}`), h("span", { class: "mc-muted" }, ` — ${p.reason}`), " ",
+      h("span", { class: "mc-badge mc-judge-calls" }, `${p.judge_calls} judge calls`)));
+  const side = h("div", { class: "mc-proposal-body" });
+  const edits = {};
+  for (const d of p.diffs || []) {
+    const column = h("div", { class: "mc-proposal-op" },
+      h("div", {}, h("span", { class: `mc-badge mc-op-${d.op}` }, d.op), " ", h("b", {}, d.name),
+        d.reason ? h("span", { class: "mc-muted" }, ` — ${d.reason}`) : null));
+    column.append(mode === "side-by-side" ? sideBySideView(d.unified_diff) : unifiedView(d.unified_diff));
+    if (held && d.op !== "remove") {
+      const body = (d.markdown || "").replace(/^---[\s\S]*?---\n+/, "");
+      const area = h("textarea", { class: "mc-input mc-edit-body", rows: 5, "aria-label": `edit ${d.name}` });
+      area.value = body;
+      edits[d.name] = area;
+      column.append(h("details", { class: "mc-edit" }, h("summary", {}, "edit the text"), area,
+        h("button", { class: "mc-button mc-save-edit", onclick: () => act(model, { action: "edit", id: p.id, name: d.name, body: area.value }) }, "save edit")));
+    }
+    side.append(column);
+  }
+  card.append(h("div", { class: "mc-subtitle" }, "Diff"), side,
+    h("div", { class: "mc-subtitle" }, `Evidence (gate: ${p.decision || "none"})`), casesView(p));
+  if (held) {
+    const note = h("input", { class: "mc-input", placeholder: "note (why)", "aria-label": `note for proposal ${p.id}` });
+    card.append(h("div", { class: "mc-toolbar" },
+      h("button", { class: "mc-button mc-promote", onclick: () => act(model, { action: "promote", id: p.id, note: note.value }) }, "promote"),
+      h("button", { class: "mc-button mc-discard", onclick: () => act(model, { action: "discard", id: p.id, note: note.value }) }, "discard"),
+      note, h("span", { class: "mc-muted" }, `as ${model.get("author")}`)));
+  } else if ((p.history || []).length) {
+    card.append(h("div", { class: "mc-muted" }, (p.history || []).map((e) => `${e.action} by ${e.by}`).join(" · ")));
+  }
+  return card;
+}
+
 function render({ model, el }) {
   el.classList.add("metaclaw-w", "metaclaw-skill-diff");
 
@@ -225,10 +301,18 @@ function render({ model, el }) {
       for (const item of edited) body.append(skillCard(diff, "edit", item, mode));
       for (const item of removed) body.append(skillCard(diff, "remove", item, mode));
     }
-    el.replaceChildren(header, body);
+    const proposals = model.get("proposals") || [];
+    const section = h("div", { class: "mc-proposals" });
+    if (proposals.length) {
+      const held = proposals.filter((p) => p.status === "held").length;
+      section.append(h("div", { class: "mc-subtitle" }, `Proposals (${held} held for review)`));
+      if (model.get("message")) section.append(h("div", { class: "mc-muted mc-message" }, model.get("message")));
+      for (const p of proposals) section.append(proposalCard(model, p, mode));
+    }
+    el.replaceChildren(header, body, section);
   };
 
-  const events = ["change:generations", "change:old", "change:new", "change:mode", "change:diff", "change:error"];
+  const events = ["change:generations", "change:old", "change:new", "change:mode", "change:diff", "change:error", "change:proposals", "change:message"];
   for (const name of events) model.on(name, draw);
   draw();
   return () => {

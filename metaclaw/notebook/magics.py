@@ -5,6 +5,8 @@
     %%metaclaw chat
     Please back up config.yaml before editing it.
     %metaclaw skills
+    %metaclaw trace                           # step through a session, label turns
+    %metaclaw proposals                       # review what the verification gate held back
     %metaclaw stop
 
 The magics only parse arguments, call the core library and return objects that render
@@ -325,14 +327,181 @@ class MetaClawMagics(Magics):
         return result
 
     def _do_promote(self, argv: list[str], cell: str | None):
-        """%metaclaw promote: apply the proposal of the last %metaclaw evolve --dry-run."""
-        _parser("promote", self._do_promote.__doc__).parse_args(argv)
+        """%metaclaw promote [ID] [--by NAME] [--note TEXT] [--allow-unsafe]: promote held
+        proposal ID (see %metaclaw proposals); without ID, apply the proposal of the last
+        %metaclaw evolve --dry-run."""
+        from metaclaw import proposals
+
+        parser = _parser("promote", self._do_promote.__doc__)
+        parser.add_argument("id", nargs="?", type=int)
+        parser.add_argument("--by")
+        parser.add_argument("--note", default="")
+        parser.add_argument("--allow-unsafe", action="store_true")
+        args = parser.parse_args(argv)
         runtime = self._require_runtime()
+        if args.id is not None:
+            proposals.promote(runtime.store, runtime.library, args.id, by=args.by,
+                              note=args.note, allow_unsafe=args.allow_unsafe)
+            return proposals.get(runtime.store, args.id)
         if self.proposal is None:
-            raise MagicUsageError("nothing to promote: run %metaclaw evolve --dry-run first")
+            raise MagicUsageError("nothing to promote: give a held proposal's id (%metaclaw "
+                                  "proposals) or run %metaclaw evolve --dry-run first")
         result = runtime.evolver.apply(self.proposal)
         self.proposal = None
         return result
+
+    def _do_proposals(self, argv: list[str], cell: str | None):
+        """%metaclaw proposals [--all]: held skill proposals with their gate evidence, beside
+        the skill diff (SkillDiffWidget: review, edit, promote or discard); --all gives every
+        proposal as a polars DataFrame."""
+        from metaclaw import proposals
+        from metaclaw.notebook.widgets import SkillDiffWidget
+
+        parser = _parser("proposals", self._do_proposals.__doc__)
+        parser.add_argument("--all", action="store_true")
+        args = parser.parse_args(argv)
+        runtime = self._require_runtime()
+        if args.all:
+            return proposals.frame(runtime.store)
+        return SkillDiffWidget(runtime.library)
+
+    def _do_edit_proposal(self, argv: list[str], cell: str | None):
+        """%%metaclaw edit-proposal ID SKILL [--by NAME]: the cell is the skill's new body."""
+        from metaclaw import proposals
+
+        parser = _parser("edit-proposal", self._do_edit_proposal.__doc__)
+        parser.add_argument("id", type=int)
+        parser.add_argument("skill")
+        parser.add_argument("--by")
+        args = parser.parse_args(argv)
+        if not cell or not cell.strip():
+            raise MagicUsageError("%%metaclaw edit-proposal needs the skill's new body in the "
+                                  "cell")
+        return proposals.edit(self._require_runtime().store, args.id, args.skill,
+                              body=cell.strip(), by=args.by)
+
+    def _do_discard(self, argv: list[str], cell: str | None):
+        """%metaclaw discard ID [--by NAME] [--reason TEXT]: discard a held proposal."""
+        from metaclaw import proposals
+
+        parser = _parser("discard", self._do_discard.__doc__)
+        parser.add_argument("id", type=int)
+        parser.add_argument("--by")
+        parser.add_argument("--reason", default="")
+        args = parser.parse_args(argv)
+        return proposals.discard(self._require_runtime().store, args.id, by=args.by,
+                                 reason=args.reason)
+
+    def _do_revert(self, argv: list[str], cell: str | None):
+        """%metaclaw revert [G] [--by NAME]: undo generation G's changes (default: the latest
+        automatic generation) as a new generation."""
+        from metaclaw import proposals
+
+        parser = _parser("revert", self._do_revert.__doc__)
+        parser.add_argument("generation", nargs="?", type=int)
+        parser.add_argument("--by")
+        args = parser.parse_args(argv)
+        runtime = self._require_runtime()
+        generation = args.generation
+        if generation is None:
+            automatic = proposals.automatic_generations(runtime.store)
+            if not automatic:
+                raise MagicUsageError("no automatic generation to revert; give one: "
+                                      "%metaclaw revert G")
+            generation = automatic[-1]
+        new = proposals.revert(runtime.library, generation, by=args.by)
+        print(f"generation {generation} reverted: the library is now generation {new}")
+        return runtime.library
+
+    def _do_trace(self, argv: list[str], cell: str | None):
+        """%metaclaw trace [SESSION] [--failures]: the TraceWidget for a session (default: the
+        most recent): turns as the upstream saw them, judge votes, labels; .trace.index() is
+        polars."""
+        from metaclaw.notebook.widgets import TraceWidget
+
+        parser = _parser("trace", self._do_trace.__doc__)
+        parser.add_argument("session", nargs="?")
+        parser.add_argument("--failures", action="store_true", help="only failed turns")
+        args = parser.parse_args(argv)
+        runtime = self._require_runtime()
+        runtime.proxy.flush()
+        return TraceWidget(runtime.store, args.session, failures_only=args.failures,
+                           threshold=self._threshold(runtime))
+
+    @staticmethod
+    def _threshold(runtime: Any) -> float:
+        judge = runtime.extras.get("judge")
+        return float(judge.threshold) if judge is not None else 0.0
+
+    def _do_label(self, argv: list[str], cell: str | None):
+        """%metaclaw label TURN pass|fail [--note TEXT] [--by NAME]; as a cell magic the cell
+        is the corrected answer. The human label takes precedence over the judge."""
+        from metaclaw import labels
+
+        parser = _parser("label", self._do_label.__doc__)
+        parser.add_argument("turn", type=int)
+        parser.add_argument("verdict", choices=["pass", "fail"])
+        parser.add_argument("--note", default="")
+        parser.add_argument("--by")
+        args = parser.parse_args(argv)
+        runtime = self._require_runtime()
+        runtime.proxy.flush()
+        row = labels.label(runtime.store, args.turn, args.verdict, note=args.note,
+                           corrected=cell.strip() if cell and cell.strip() else None,
+                           author=args.by, threshold=self._threshold(runtime))
+        print(f"turn #{row['turn_id']} labelled {row['verdict']} by {row['author']}")
+        return None
+
+    def _do_labels(self, argv: list[str], cell: str | None):
+        """%metaclaw labels [--session S]: labelled turns beside the judge's verdict (polars)."""
+        from metaclaw import labels
+
+        parser = _parser("labels", self._do_labels.__doc__)
+        parser.add_argument("--session")
+        args = parser.parse_args(argv)
+        runtime = self._require_runtime()
+        return labels.frame(runtime.store, session=args.session,
+                            threshold=self._threshold(runtime))
+
+    def _do_agreement(self, argv: list[str], cell: str | None):
+        """%metaclaw agreement: judge-human agreement per session and overall (table + chart;
+        .table is polars, .chart() altair)."""
+        from metaclaw import labels
+
+        _parser("agreement", self._do_agreement.__doc__).parse_args(argv)
+        runtime = self._require_runtime()
+        return labels.agreement(runtime.store, threshold=self._threshold(runtime))
+
+    def _do_export(self, argv: list[str], cell: str | None):
+        """%metaclaw export PATH [--session S] [--turns 1,2,3] [--labelled] [--shape chat|eval]:
+        turns with their labels as JSONL (.jsonl: OpenAI fine-tuning "chat" or "eval" shape) or
+        Parquet (.parquet)."""
+        from metaclaw import labels
+
+        parser = _parser("export", self._do_export.__doc__)
+        parser.add_argument("path")
+        parser.add_argument("--session")
+        parser.add_argument("--turns", help="comma-separated turn ids")
+        parser.add_argument("--labelled", action="store_true", help="only labelled turns")
+        parser.add_argument("--shape", choices=["chat", "eval"], default="chat")
+        args = parser.parse_args(argv)
+        runtime = self._require_runtime()
+        runtime.proxy.flush()
+        try:
+            turn_ids = ([int(t) for t in args.turns.split(",") if t.strip()]
+                        if args.turns else None)
+        except ValueError:
+            raise MagicUsageError("--turns takes turn ids separated by commas: --turns 3,4,9")
+        selection = {"turn_ids": turn_ids, "session": args.session,
+                     "labelled_only": args.labelled, "threshold": self._threshold(runtime)}
+        if args.path.endswith(".parquet"):
+            n = labels.export_parquet(runtime.store, args.path, **selection)
+        elif args.path.endswith(".jsonl"):
+            n = labels.export_jsonl(runtime.store, args.path, shape=args.shape, **selection)
+        else:
+            raise MagicUsageError("export to a .jsonl or a .parquet file")
+        print(f"{n} turns written to {args.path}")
+        return None
 
     def _do_train(self, argv: list[str], cell: str | None):
         """%metaclaw train --base-model PATH [--backend local|tinker] [--now] [--steps N]: GRPO on

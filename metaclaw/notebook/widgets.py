@@ -219,12 +219,20 @@ class SkillDiffWidget(_StaticHTML, anywidget.AnyWidget):
     mode = traitlets.Enum(("unified", "side-by-side"), default_value="unified").tag(sync=True)
     diff = traitlets.Dict().tag(sync=True)
     error = traitlets.Unicode("").tag(sync=True)
+    proposals = traitlets.List(traitlets.Dict()).tag(sync=True)
+    proposal_action = traitlets.Dict().tag(sync=True)
+    author = traitlets.Unicode("").tag(sync=True)
+    message = traitlets.Unicode("").tag(sync=True)
 
     def __init__(self, library: Any, old: int | None = None, new: int | None = None, *,
-                 mode: str = "unified", follow: bool = True, **kwargs: Any):
+                 mode: str = "unified", follow: bool = True, author: str | None = None,
+                 **kwargs: Any):
+        from metaclaw.labels import default_author
+
         self._library = library
         self._ready = False
         self.follow = follow
+        kwargs.setdefault("author", author or default_author())
         rows = self._generation_rows()
         numbers = [r["generation"] for r in rows]
         if new is None:
@@ -235,6 +243,7 @@ class SkillDiffWidget(_StaticHTML, anywidget.AnyWidget):
         super().__init__(generations=rows, old=int(old), new=int(new), mode=mode, **kwargs)
         self._ready = True
         self._recompute()
+        self.refresh_proposals()
         library.subscribe(self._on_generation)
 
     def _generation_rows(self) -> list[dict[str, Any]]:
@@ -272,11 +281,88 @@ class SkillDiffWidget(_StaticHTML, anywidget.AnyWidget):
         self.diff = payload
 
     def _on_generation(self, generation: int) -> None:
+        self.refresh_proposals()
         previous = [r["generation"] for r in self.generations]
         was_latest = not previous or self.new == previous[-1]
         self.generations = self._generation_rows()
         if self.follow and was_latest and generation != self.new:
             self.new = int(generation)
+
+    # -- proposals ------------------------------------------------------------------------------
+    def refresh_proposals(self, limit: int = 20) -> list[dict[str, Any]]:
+        """Re-read the proposals (held ones first, then the latest decided) with each one's diff
+        against the current library and the gate's per-case evidence; returns them."""
+        from metaclaw import proposals as store_proposals
+
+        try:
+            rows = store_proposals.all(self._library.store)
+        except Exception as exc:  # e.g. a store from before proposals existed
+            self.error = f"cannot read the proposals: {exc}"
+            return []
+        held = [p for p in rows if p.status == store_proposals.HELD]
+        decided = [p for p in reversed(rows) if p.status != store_proposals.HELD]
+        payload = []
+        for p in (held + decided)[:limit]:
+            payload.append({
+                "id": p.id, "origin": p.origin, "status": p.status, "reason": p.reason,
+                "judge_calls": p.judge_calls, "base_generation": p.base_generation,
+                "generation": p.generation, "decided_by": p.decided_by,
+                "decided_at": p.decided_at, "created_at": p.created_at,
+                "decision": p.evidence.get("decision"), "cases": p.evidence.get("cases", []),
+                "safety": p.safety, "support_ids": p.support_ids, "history": p.history,
+                "diffs": p.diffs(self._library)})
+        self.proposals = _json_safe(payload)
+        return self.proposals
+
+    def promote(self, proposal_id: int, note: str = "") -> int:
+        """Promote a held proposal as the widget's ``author``; returns the new generation."""
+        from metaclaw import proposals as store_proposals
+
+        generation = store_proposals.promote(self._library.store, self._library,
+                                             int(proposal_id), by=self.author or None,
+                                             note=note)
+        self.message = f"proposal #{proposal_id} promoted by {self.author}: generation {generation}"
+        self.refresh_proposals()
+        return generation
+
+    def discard(self, proposal_id: int, reason: str = "") -> None:
+        """Discard a held proposal as the widget's ``author``."""
+        from metaclaw import proposals as store_proposals
+
+        store_proposals.discard(self._library.store, int(proposal_id), by=self.author or None,
+                                reason=reason)
+        self.message = f"proposal #{proposal_id} discarded by {self.author}"
+        self.refresh_proposals()
+
+    def edit_proposal(self, proposal_id: int, name: str, *, body: str | None = None,
+                      description: str | None = None) -> None:
+        """Change the text a held proposal would write for skill ``name``."""
+        from metaclaw import proposals as store_proposals
+
+        store_proposals.edit(self._library.store, int(proposal_id), name, body=body,
+                             description=description, by=self.author or None)
+        self.message = f"proposal #{proposal_id}: {name} edited by {self.author}"
+        self.refresh_proposals()
+
+    @traitlets.observe("proposal_action")
+    def _on_proposal_action(self, change: Any) -> None:
+        request = change["new"] or {}
+        if not self._ready or not request.get("action"):
+            return
+        try:
+            action, pid = request["action"], int(request["id"])
+            if action == "promote":
+                self.promote(pid, note=str(request.get("note") or ""))
+            elif action == "discard":
+                self.discard(pid, reason=str(request.get("note") or ""))
+            elif action == "edit":
+                self.edit_proposal(pid, str(request["name"]), body=request.get("body"),
+                                   description=request.get("description"))
+            else:
+                raise ValueError(f"unknown action {action!r}; use promote, discard or edit")
+            self.error = ""
+        except Exception as exc:  # shown in the widget; the library is left as it was
+            self.error = f"proposal #{request.get('id')}: {exc}"
 
     def compare(self, old: int, new: int) -> "SkillDiffWidget":
         """Show the change from ``old`` to ``new`` (one recomputation); returns the widget."""
@@ -289,9 +375,20 @@ class SkillDiffWidget(_StaticHTML, anywidget.AnyWidget):
         return self
 
     def _repr_html_(self) -> str:
+        from metaclaw.gate import cases_html
+
         if self.error:
             return f"<div><b>Skill diff</b>: {_esc(self.error)}</div>"
-        return diff_html(self.diff)
+        parts = [diff_html(self.diff)]
+        for p in self.proposals:
+            diffs = "".join(_diff_lines_html(d["unified_diff"]) for d in p["diffs"])
+            parts.append(f"<details {'open' if p['status'] == 'held' else ''}><summary><b>Proposal "
+                         f"#{p['id']}</b> ({_esc(p['origin'])}, {_esc(p['status'])}"
+                         f"{' by ' + _esc(p['decided_by']) if p['decided_by'] else ''}) &mdash; "
+                         f"{_esc(p['reason'])} &middot; {p['judge_calls']} judge calls</summary>"
+                         f"{diffs}{cases_html({'decision': p['decision'], 'reason': p['reason'], 'cases': p['cases'], 'safety': p['safety'], 'judge_calls': p['judge_calls']})}"
+                         "</details>")
+        return "".join(parts)
 
     def __repr__(self) -> str:
         s = self.diff.get("summary", {})
@@ -506,6 +603,291 @@ def _turn_html(detail: dict[str, Any]) -> str:
     if detail.get("tool_calls"):
         parts.append(f"<div><b>tool calls</b><pre style='white-space:pre-wrap'>"
                      f"{_esc(json.dumps(detail['tool_calls'], indent=2))}</pre></div>")
+    parts.append("</details>")
+    return "".join(parts)
+
+
+# -- trace ------------------------------------------------------------------------------------------
+class TraceWidget(_StaticHTML, anywidget.AnyWidget):
+    """One session turn by turn: each turn as the upstream saw it (the injected skill block
+    highlighted), the retrieval query and scores, tool calls and results folded, the reply, the
+    judge's votes with reasons beside the human labels, the skill generation and policy version.
+
+    ``store``: a :class:`metaclaw.store.Store`; ``session``: a session id (default: the most
+    recent). Lazy: ``rows`` holds one page (``page_size``) of short previews, ``detail`` only
+    the selected turn (:class:`metaclaw.trace.Trace`). Step with :meth:`step` (or the front-end's
+    buttons), ``failures_only`` filters the list and the stepping to failures; ``detail
+    ["written_for"]`` names the generation written for a failure and ``detail["after"]`` the
+    turns served after it (:meth:`jump`). Label the selected turn with :meth:`label` or the
+    front-end's form (``label_request``). :attr:`trace` gives the polars frames.
+    """
+
+    _esm = WIDGETS_DIR / "trace.js"
+    _css = CSS
+
+    sessions = traitlets.List(traitlets.Dict()).tag(sync=True)
+    session_id = traitlets.Unicode("").tag(sync=True)
+    total = traitlets.Int(0).tag(sync=True)
+    failure_count = traitlets.Int(0).tag(sync=True)
+    failures_only = traitlets.Bool(False).tag(sync=True)
+    page_size = traitlets.Int(100).tag(sync=True)
+    offset = traitlets.Int(0).tag(sync=True)
+    matched = traitlets.Int(0).tag(sync=True)
+    rows = traitlets.List(traitlets.Dict()).tag(sync=True)
+    selected = traitlets.Int(None, allow_none=True).tag(sync=True)
+    position = traitlets.Int(0).tag(sync=True)
+    detail = traitlets.Dict().tag(sync=True)
+    step_request = traitlets.Dict().tag(sync=True)
+    label_request = traitlets.Dict().tag(sync=True)
+    author = traitlets.Unicode("").tag(sync=True)
+    message = traitlets.Unicode("").tag(sync=True)
+    error = traitlets.Unicode("").tag(sync=True)
+
+    def __init__(self, store: Any, session: str | None = None, *, page_size: int = 100,
+                 failures_only: bool = False, author: str | None = None,
+                 threshold: float = 0.0, **kwargs: Any):
+        from metaclaw.labels import default_author
+        from metaclaw.trace import Trace, sessions
+
+        self._store = store
+        self._threshold = float(threshold)
+        self._ready = False
+        self.trace = Trace(store, session, threshold=threshold)
+        super().__init__(session_id=self.trace.session_id, page_size=int(page_size),
+                         failures_only=failures_only, author=author or default_author(),
+                         sessions=_json_safe(sessions(store, 200)), **kwargs)
+        self._ready = True
+        self._reload(select_first=True)
+
+    # -- data ---------------------------------------------------------------------------------
+    def _visible(self) -> list[dict[str, Any]]:
+        rows = self.trace.rows()
+        return [r for r in rows if r["failed"]] if self.failures_only else rows
+
+    def _reload(self, select_first: bool = False) -> None:
+        rows = self.trace.rows(refresh=True)
+        self.total = len(rows)
+        self.failure_count = sum(1 for r in rows if r["failed"])
+        visible = self._visible()
+        self.matched = len(visible)
+        if select_first or self.selected not in {r["id"] for r in visible}:
+            target = visible[0]["id"] if visible else None
+            self._select(target)
+        else:
+            self._select(self.selected)
+
+    def _page(self) -> None:
+        visible = self._visible()
+        start = max(0, min(self.offset, max(len(visible) - 1, 0)))
+        self.rows = _json_safe([{k: r.get(k) for k in (
+            "id", "turn_index", "turn_type", "status", "skill_generation", "policy_version",
+            "reward", "judge", "human_label", "failed", "tool_calls", "last_role", "last_text")}
+            for r in visible[start:start + self.page_size]])
+
+    def _select(self, turn_id: int | None) -> None:
+        visible = self._visible()
+        ids = [r["id"] for r in visible]
+        self._ready = False
+        try:
+            if turn_id is None:
+                self.selected = None
+                self.position = 0
+            else:
+                self.selected = int(turn_id)
+                position = ids.index(int(turn_id)) if int(turn_id) in ids else 0
+                self.position = position
+                if not self.offset <= position < self.offset + self.page_size:
+                    self.offset = (position // self.page_size) * self.page_size
+        finally:
+            self._ready = True
+        self._page()
+        if turn_id is None:
+            self.detail = {}
+            return
+        try:
+            self.detail = _json_safe(self.trace.turn(int(turn_id)))
+            self.error = ""
+        except LookupError as exc:
+            self.detail = {}
+            self.error = str(exc)
+
+    # -- actions ------------------------------------------------------------------------------
+    def select(self, turn_id: int | None) -> dict[str, Any]:
+        """Show one turn (a turn of another session shows that session); returns ``detail``."""
+        if turn_id is not None:
+            row = self._store.turn(int(turn_id))
+            if row is not None and row["session_id"] != self.session_id:
+                self.session_id = row["session_id"]
+            if self.failures_only and int(turn_id) not in self.trace.failures():
+                self.failures_only = False
+        self._select(turn_id)
+        return self.detail
+
+    def step(self, delta: int = 1, failures: bool = False) -> dict[str, Any]:
+        """Move ``delta`` turns (negative: back), counting only failures when ``failures``;
+        stays at the ends. Returns ``detail``."""
+        rows = self._visible()
+        if not rows:
+            return self.detail
+        ids = [r["id"] for r in rows]
+        here = ids.index(self.selected) if self.selected in ids else -1
+        if failures:
+            marks = [i for i, r in enumerate(rows) if r["failed"]]
+            if delta > 0:
+                later = [i for i in marks if i > here]
+                at = later[min(delta, len(later)) - 1] if later else here
+            else:
+                earlier = [i for i in marks if i < here]
+                at = earlier[max(len(earlier) + delta, 0)] if earlier else here
+        else:
+            at = max(0, min(len(ids) - 1, here + delta))
+        target = ids[at] if at >= 0 else self.selected
+        self._select(target)
+        return self.detail
+
+    def jump(self, to: str = "after") -> dict[str, Any]:
+        """From a failure: ``to="after"`` shows the first turn served with the generation written
+        for it; ``to="generation"`` returns that generation's entry (its skill text)."""
+        written = self.detail.get("written_for") or []
+        if to == "generation":
+            return written[0] if written else {}
+        after = self.detail.get("after") or []
+        if not after:
+            self.message = "no skill generation was written for this turn yet"
+            return self.detail
+        if self.failures_only and not after[0]["failed"]:
+            self._ready = False
+            self.failures_only = False
+            self._ready = True
+        self._select(after[0]["id"])
+        return self.detail
+
+    def label(self, verdict: Any, note: str = "", corrected: str | None = None,
+              turn_id: int | None = None) -> dict[str, Any]:
+        """Label the selected turn (or ``turn_id``) as the widget's ``author``; returns the row."""
+        from metaclaw import labels
+
+        target = self.selected if turn_id is None else int(turn_id)
+        if target is None:
+            raise ValueError("no turn is selected; select one before labelling")
+        row = labels.label(self._store, target, verdict, note=note, corrected=corrected,
+                           author=self.author or None, threshold=self._threshold)
+        self.message = f"turn #{target} labelled {row['verdict']} by {row['author']}"
+        self._reload()
+        return row
+
+    @traitlets.observe("session_id")
+    def _on_session(self, change: Any) -> None:
+        if not self._ready or change["new"] == self.trace.session_id:
+            return
+        from metaclaw.trace import Trace
+
+        try:
+            self.trace = Trace(self._store, change["new"], threshold=self._threshold)
+        except LookupError as exc:
+            self.error = str(exc)
+            return
+        self._ready = False
+        self.offset = 0
+        self._ready = True
+        self._reload(select_first=True)
+
+    @traitlets.observe("failures_only")
+    def _on_failures_only(self, _change: Any) -> None:
+        if self._ready:
+            self._reload()
+
+    @traitlets.observe("offset", "page_size")
+    def _on_page(self, _change: Any) -> None:
+        if self._ready:
+            self._page()
+
+    @traitlets.observe("selected")
+    def _on_selected(self, change: Any) -> None:
+        if self._ready:
+            self._select(change["new"])
+
+    @traitlets.observe("step_request")
+    def _on_step_request(self, change: Any) -> None:
+        request = change["new"] or {}
+        if not self._ready or not request:
+            return
+        if request.get("jump"):
+            self.jump(str(request["jump"]))
+        else:
+            self.step(int(request.get("delta", 1)), bool(request.get("failures")))
+
+    @traitlets.observe("label_request")
+    def _on_label_request(self, change: Any) -> None:
+        request = change["new"] or {}
+        if not self._ready or not request.get("verdict"):
+            return
+        try:
+            self.label(request["verdict"], note=str(request.get("note") or ""),
+                       corrected=request.get("corrected") or None,
+                       turn_id=request.get("turn_id"))
+            self.error = ""
+        except Exception as exc:  # shown in the widget; nothing is stored
+            self.error = f"the label was not stored: {exc}"
+
+    def refresh(self) -> "TraceWidget":
+        """Re-read the session (new turns, verdicts, labels); returns the widget."""
+        from metaclaw.trace import sessions
+
+        self.sessions = _json_safe(sessions(self._store, 200))
+        self._reload()
+        return self
+
+    # -- display ------------------------------------------------------------------------------
+    def _repr_html_(self, limit: int = 30) -> str:
+        head = "".join(f"<th>{c}</th>" for c in ("turn", "gen", "policy", "judge", "human",
+                                                  "last message"))
+        body = "".join(
+            f"<tr{_FAILED_ROW if r['failed'] else ''}><td>#{r['id']}</td>"
+            f"<td>{r['skill_generation']}</td><td>v{r['policy_version']}</td>"
+            f"<td>{_fmt_reward(r['reward'])}</td><td>{_esc(r['human_label'] or '')}</td>"
+            f"<td>{_esc(_short(r['last_text'] or '', 90))}</td></tr>" for r in self.rows[:limit])
+        parts = [f"<div class='metaclaw-trace-static'><b>Trace of session "
+                 f"{_esc(self.session_id)}</b>: {self.total} turns, {self.failure_count} failed"
+                 + (" (failures only)" if self.failures_only else ""),
+                 f"<table><tr>{head}</tr>{body}</table>"]
+        if self.detail:
+            parts.append(_trace_turn_html(self.detail))
+        parts.append("</div>")
+        return "".join(parts)
+
+    def __repr__(self) -> str:
+        return (f"TraceWidget(session {self.session_id!r}: {self.total} turns, "
+                f"{self.failure_count} failed, selected #{self.selected})")
+
+
+_FAILED_ROW = " style='background:#ffebe9'"
+
+
+def _trace_turn_html(d: dict[str, Any]) -> str:
+    parts = [f"<details open><summary><b>Turn #{d['id']}</b> &middot; generation "
+             f"{d.get('skill_generation')} &middot; policy v{d.get('policy_version')} &middot; "
+             f"judge {_fmt_reward(d.get('reward'))} &middot; human "
+             f"{_esc(str(d.get('human_label') or '—'))}</summary>"]
+    retrieval = d.get("retrieval") or {}
+    if retrieval.get("query") or retrieval.get("scores"):
+        scores = ", ".join(f"{_esc(s['name'])}"
+                           + (f" ({s['score']:.2f})" if s.get("score") is not None else "")
+                           for s in retrieval.get("scores") or [])
+        parts.append(f"<p><i>Retrieval</i>: {_esc(retrieval.get('query') or '')} &rarr; "
+                     f"{scores or 'no skill'}</p>")
+    for m in d.get("messages") or []:
+        parts.append(f"<div><b>{_esc(str(m.get('role')))}</b><pre style='white-space:pre-wrap'>"
+                     f"{_esc(m.get('text') or '')}</pre>")
+        if m.get("skill_block"):
+            parts.append("<pre style='white-space:pre-wrap;background:#fff8c5'>"
+                         f"{_esc(m['skill_block'])}</pre>")
+        parts.append("</div>")
+    parts.append(f"<div><b>reply</b><pre style='white-space:pre-wrap'>"
+                 f"{_esc(d.get('response') or '')}</pre></div>")
+    for vote in d.get("judge_votes") or []:
+        parts.append(f"<div>vote {_fmt_reward(vote.get('score'))}: "
+                     f"{_esc(vote.get('rationale') or vote.get('error') or '')}</div>")
     parts.append("</details>")
     return "".join(parts)
 
@@ -900,5 +1282,5 @@ def _duration(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
-__all__ = ["SkillDiffWidget", "BufferWidget", "TrainingMonitor", "SchedulerView", "diff_payload",
+__all__ = ["SkillDiffWidget", "BufferWidget", "TraceWidget", "TrainingMonitor", "SchedulerView", "diff_payload",
            "diff_html", "turn_previews", "state_segments", "WIDGETS_DIR", "MONITOR_METRICS"]

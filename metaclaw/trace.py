@@ -1,0 +1,282 @@
+"""The trace of one session: every turn as the upstream saw it, for debugging failures.
+
+    trace = Trace(store, "session-7")
+    trace.index()            # one small row per turn (polars), cheap even for long sessions
+    trace.turn(1234)         # one turn in full: messages with the injected skill block split out,
+                             # retrieval query and scores, tool calls and results, the reply,
+                             # judge votes with reasons, human labels, the generation written
+                             # for it and the turns served after that generation
+    trace.votes_frame()      # every judge vote of the session (polars)
+    trace.failures()         # ids of the failed turns
+
+Lazy by design: :meth:`Trace.index` reads only scalar columns plus short previews computed inside
+SQLite (``json_extract`` / ``substr``), never the recorded conversations, whose total size grows
+with the square of a session's length; :meth:`Trace.turn` decodes one turn when it is looked at.
+
+A turn *failed* when a person labelled it ``fail``, or, without a label, when the judge scored it
+below the threshold, or when the request itself did not succeed (``status != 'ok'``).
+
+Retrieval columns: ``retrieval_query`` (text) and ``retrieval_scores`` (JSON list of ``{"name",
+"score"}``) are read when the store has them; otherwise the scores fall back to the injected skill
+names without scores.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from metaclaw.buffers import message_text
+from metaclaw.store import Store
+
+#: Length of the previews in :meth:`Trace.index`.
+PREVIEW_CHARS = 160
+
+
+def _maybe_json(value: Any) -> Any:
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except ValueError:
+            return value
+    return value
+
+
+def split_skill_block(text: str) -> tuple[str, str | None]:
+    """``(prompt, skill_block)``: a system prompt cut where the injected skill block begins."""
+    from metaclaw.retrieval import BLOCK_HEADER
+
+    if not isinstance(text, str) or BLOCK_HEADER not in text:
+        return text, None
+    at = text.index(BLOCK_HEADER)
+    return text[:at].rstrip(), text[at:]
+
+
+def sessions(store: Store, limit: int = 500) -> list[dict[str, Any]]:
+    """The most recent sessions: ``[{id, turns, failures, updated_at}]``, newest first."""
+    return store.query(
+        "SELECT s.id, s.updated_at, COUNT(t.id) AS turns, "
+        "COALESCE(SUM(CASE WHEN t.human_label = 'fail' OR (t.human_label IS NULL AND "
+        "t.reward < 0) OR t.status != 'ok' THEN 1 ELSE 0 END), 0) AS failures "
+        "FROM sessions s LEFT JOIN turns t ON t.session_id = s.id GROUP BY s.id "
+        "ORDER BY s.updated_at DESC LIMIT ?", (int(limit),))
+
+
+class Trace:
+    """One session's turns, loaded lazily. ``session_id`` default: the most recent session.
+    ``threshold``: the judge's failure threshold."""
+
+    def __init__(self, store: Store, session_id: str | None = None, *, threshold: float = 0.0):
+        self.store = store
+        self.threshold = float(threshold)
+        if session_id is None:
+            recent = sessions(store, 1)
+            if not recent:
+                raise LookupError("no session recorded yet; send a turn through the proxy first")
+            session_id = recent[0]["id"]
+        if store.session(session_id) is None:
+            raise LookupError(f"no session {session_id!r} in the store; list them with "
+                              "metaclaw.trace.sessions(store)")
+        self.session_id = session_id
+        columns = {r["name"] for r in store.query("PRAGMA table_info(turns)")}
+        self._has_retrieval = {"retrieval_query", "retrieval_scores"} <= columns
+        self._index: list[dict[str, Any]] | None = None
+
+    # -- the index -----------------------------------------------------------------------
+    def rows(self, refresh: bool = False) -> list[dict[str, Any]]:
+        """One small dict per turn, oldest first (cached; ``refresh`` re-reads)."""
+        if self._index is None or refresh:
+            n = PREVIEW_CHARS
+            rows = self.store.query(
+                "SELECT id, turn_index, turn_type, status, created_at, model, skill_generation, "
+                "policy_version, reward, human_label, latency_ms, finish_reason, "
+                "json_array_length(request_messages) AS messages, "
+                "COALESCE(json_array_length(tool_calls), 0) AS tool_calls, "
+                "json_extract(request_messages, '$[#-1].role') AS last_role, "
+                f"substr(json_extract(request_messages, '$[#-1].content'), 1, {n}) AS last_text, "
+                f"substr(response, 1, {n}) AS reply "
+                "FROM turns WHERE session_id = ? ORDER BY turn_index", (self.session_id,))
+            for row in rows:
+                row["failed"] = self.is_failure(row)
+                row["judge"] = self._judge_verdict(row.get("reward"))
+            self._index = rows
+        return self._index
+
+    def _judge_verdict(self, reward: Any) -> str | None:
+        return None if reward is None else ("fail" if float(reward) < self.threshold else "pass")
+
+    def is_failure(self, row: dict[str, Any]) -> bool:
+        if row.get("status") != "ok":
+            return True
+        if row.get("human_label") in ("pass", "fail"):
+            return row["human_label"] == "fail"
+        return row.get("reward") is not None and float(row["reward"]) < self.threshold
+
+    def index(self):
+        """The turns as a ``polars.DataFrame`` (one row per turn, previews only)."""
+        import polars as pl
+
+        schema = {"id": pl.Int64, "turn_index": pl.Int64, "turn_type": pl.Utf8,
+                  "status": pl.Utf8, "created_at": pl.Float64, "model": pl.Utf8,
+                  "skill_generation": pl.Int64, "policy_version": pl.Int64,
+                  "reward": pl.Float64, "judge": pl.Utf8, "human_label": pl.Utf8,
+                  "failed": pl.Boolean, "messages": pl.Int64, "tool_calls": pl.Int64,
+                  "latency_ms": pl.Float64, "finish_reason": pl.Utf8, "last_role": pl.Utf8,
+                  "last_text": pl.Utf8, "reply": pl.Utf8}
+        rows = self.rows()
+        return pl.DataFrame({k: [r.get(k) for r in rows] for k in schema}, schema=schema)
+
+    frame = index
+
+    def ids(self) -> list[int]:
+        return [int(r["id"]) for r in self.rows()]
+
+    def failures(self) -> list[int]:
+        return [int(r["id"]) for r in self.rows() if r["failed"]]
+
+    def __len__(self) -> int:
+        return len(self.rows())
+
+    # -- one turn in full -------------------------------------------------------------------
+    def turn(self, turn_id: int) -> dict[str, Any]:
+        """One turn of this session in full (see the module docstring); raises ``LookupError``
+        for a turn of another session or none."""
+        turn = self.store.turn(int(turn_id))
+        if turn is None or turn["session_id"] != self.session_id:
+            raise LookupError(f"turn #{turn_id} is not in session {self.session_id!r}")
+        from metaclaw import labels
+
+        messages = []
+        results: dict[str, str] = {}
+        for message in turn.get("request_messages") or []:
+            if not isinstance(message, dict):
+                continue
+            text = message_text(message.get("content"))
+            entry: dict[str, Any] = {"role": message.get("role"), "text": text}
+            if message.get("role") == "system":
+                entry["text"], entry["skill_block"] = split_skill_block(text)
+            if message.get("tool_calls"):
+                entry["tool_calls"] = [_call(c) for c in message["tool_calls"]]
+            if message.get("role") == "tool":
+                entry["tool_call_id"] = message.get("tool_call_id")
+                results[str(message.get("tool_call_id"))] = text
+            if message.get("name"):
+                entry["name"] = message["name"]
+            messages.append(entry)
+        for entry in messages:  # each call beside its result, when the result came back
+            for call in entry.get("tool_calls", []):
+                call["result"] = results.get(str(call.get("id")))
+        votes = [{"score": v.get("score"), "rationale": v.get("rationale") or "",
+                  "error": v.get("error")} for v in (turn.get("judge_votes") or [])
+                 if isinstance(v, dict)]
+        injected = list(turn.get("injected_skills") or [])
+        scores = _maybe_json(turn.get("retrieval_scores")) if self._has_retrieval else None
+        if not isinstance(scores, list):
+            scores = [{"name": name, "score": None} for name in injected]
+        written = self.written_for(int(turn["id"]))
+        return {
+            "id": turn["id"], "session_id": turn["session_id"],
+            "turn_index": turn["turn_index"], "turn_type": turn.get("turn_type"),
+            "status": turn.get("status"), "error": turn.get("error"),
+            "http_status": turn.get("http_status"), "created_at": turn.get("created_at"),
+            "model": turn.get("model"), "latency_ms": turn.get("latency_ms"),
+            "skill_generation": turn.get("skill_generation"),
+            "policy_version": turn.get("policy_version"),
+            "messages": messages, "response": turn.get("response") or "",
+            "tool_calls": [_call(c) for c in (turn.get("tool_calls") or [])],
+            "finish_reason": turn.get("finish_reason"), "usage": turn.get("usage"),
+            "injected_skills": injected,
+            "retrieval": {"query": turn.get("retrieval_query") if self._has_retrieval else None,
+                          "scores": scores},
+            "reward": turn.get("reward"), "judge": self._judge_verdict(turn.get("reward")),
+            "judge_model": turn.get("judge_model"), "judge_votes": votes,
+            "judge_rationale": turn.get("judge_rationale") or "",
+            "human_label": turn.get("human_label"),
+            "labels": labels.history(self.store, int(turn["id"])),
+            "failed": self.is_failure(turn),
+            "buffer": [turn.get("buffer_set"), turn.get("buffer_state")],
+            "written_for": written,
+            "after": self.after(written[0]["generation"]) if written else [],
+        }
+
+    def written_for(self, turn_id: int) -> list[dict[str, Any]]:
+        """The skill generations whose changes cite this turn as evidence, with the skill each
+        wrote (``[{generation, kind, reason, op, skill_name, skill_markdown}]``), plus held
+        proposals citing it (``generation`` None, ``proposal_id`` set)."""
+        rows = self.store.query(
+            "SELECT e.generation, e.op, e.skill_name, e.reason, g.kind, g.snapshot "
+            "FROM skill_events e JOIN skill_generations g ON g.generation = e.generation, "
+            "json_each(e.evidence) j WHERE j.value = ? ORDER BY e.generation, e.id",
+            (int(turn_id),))
+        out = []
+        for row in rows:
+            skill = (row.get("snapshot") or {}).get(row["skill_name"])
+            markdown = ""
+            if skill:
+                from metaclaw.skills import Skill
+
+                markdown = Skill.from_dict(skill).to_markdown()
+            out.append({"generation": row["generation"], "kind": row["kind"], "op": row["op"],
+                        "skill_name": row["skill_name"], "reason": row["reason"],
+                        "skill_markdown": markdown, "proposal_id": None})
+        for row in self.store.query(
+                "SELECT p.id, p.status, p.reason FROM proposals p, json_each(p.support_ids) j "
+                "WHERE j.value = ? AND p.status != 'promoted' ORDER BY p.id", (int(turn_id),)):
+            out.append({"generation": None, "kind": f"proposal ({row['status']})", "op": "",
+                        "skill_name": "", "reason": row["reason"], "skill_markdown": "",
+                        "proposal_id": row["id"]})
+        return [o for o in out if o["generation"] is not None] + \
+            [o for o in out if o["generation"] is None]
+
+    def after(self, generation: int | None, limit: int = 50) -> list[dict[str, Any]]:
+        """The first turns of this session served with ``generation`` or later
+        (``[{id, turn_index, skill_generation, failed}]``)."""
+        if generation is None:
+            return []
+        return [{"id": r["id"], "turn_index": r["turn_index"],
+                 "skill_generation": r["skill_generation"], "failed": r["failed"]}
+                for r in self.rows() if (r.get("skill_generation") or 0) >= generation][:limit]
+
+    # -- frames -----------------------------------------------------------------------------
+    def votes_frame(self):
+        """Every judge vote of the session: turn_id, vote, score, rationale, error (polars)."""
+        import polars as pl
+
+        rows = self.store.query("SELECT id, judge_votes FROM turns WHERE session_id = ? AND "
+                                "judge_votes IS NOT NULL ORDER BY turn_index", (self.session_id,))
+        data: dict[str, list[Any]] = {"turn_id": [], "vote": [], "score": [], "rationale": [],
+                                      "error": []}
+        for row in rows:
+            for i, vote in enumerate(row["judge_votes"] or []):
+                data["turn_id"].append(row["id"])
+                data["vote"].append(i)
+                data["score"].append(vote.get("score"))
+                data["rationale"].append(vote.get("rationale"))
+                data["error"].append(vote.get("error"))
+        return pl.DataFrame(data, schema={"turn_id": pl.Int64, "vote": pl.Int64,
+                                          "score": pl.Int64, "rationale": pl.Utf8,
+                                          "error": pl.Utf8})
+
+    def messages_frame(self, turn_id: int):
+        """One turn's messages as the upstream saw them: index, role, text, skill_block."""
+        import polars as pl
+
+        detail = self.turn(turn_id)
+        return pl.DataFrame(
+            [{"index": i, "role": m["role"], "text": m["text"],
+              "skill_block": m.get("skill_block")} for i, m in enumerate(detail["messages"])],
+            schema={"index": pl.Int64, "role": pl.Utf8, "text": pl.Utf8,
+                    "skill_block": pl.Utf8})
+
+    def __repr__(self) -> str:
+        rows = self.rows()
+        return (f"Trace(session {self.session_id!r}: {len(rows)} turns, "
+                f"{sum(1 for r in rows if r['failed'])} failed)")
+
+
+def _call(call: Any) -> dict[str, Any]:
+    if not isinstance(call, dict):
+        return {"id": None, "name": "?", "arguments": str(call)}
+    function = call.get("function") or {}
+    return {"id": call.get("id"), "name": function.get("name") or "?",
+            "arguments": function.get("arguments") or ""}

@@ -1,0 +1,106 @@
+"""Human labels: stored with who / when, beside the judge's verdict, ahead of the judge in the
+support set; judge-human agreement; JSONL and Parquet exports."""
+
+from __future__ import annotations
+
+import json
+
+import polars as pl
+import pytest
+
+from metaclaw import buffers, labels
+from metaclaw.retrieval import BLOCK_HEADER
+
+
+def judged(add_buffer_turn, store, session, text, reward, response="ok"):
+    turn_id = add_buffer_turn(session, text, reward=reward, response=response)
+    buffers.refresh(store, [turn_id])
+    return turn_id
+
+
+def test_labels_round_trip_with_author_and_history(store, add_buffer_turn):
+    turn = judged(add_buffer_turn, store, "s1", "Convert 5 miles", 1.0, "5 km")
+    first = labels.label(store, turn, "fail", note="wrong factor", corrected="8.05 km",
+                         author="alice")
+    assert (first["verdict"], first["note"], first["corrected"], first["author"]) == \
+        ("fail", "wrong factor", "8.05 km", "alice")
+    assert first["created_at"] > 0
+    labels.label(store, turn, True, author="bob")
+    assert [r["author"] for r in labels.history(store, turn)] == ["alice", "bob"]
+    assert labels.latest(store)[turn]["verdict"] == "pass"
+    assert store.turn(turn)["human_label"] == "pass"
+    table = labels.frame(store)
+    assert table.row(0, named=True)["judge_verdict"] == "pass"
+    assert table.row(0, named=True)["agree"] is True
+
+
+def test_bad_labels_get_a_clear_error_and_store_nothing(store, add_buffer_turn):
+    turn = judged(add_buffer_turn, store, "s1", "x", 1.0)
+    with pytest.raises(labels.LabelError, match="'pass' or 'fail'"):
+        labels.label(store, turn, "maybe")
+    with pytest.raises(labels.LabelError, match="not in the store"):
+        labels.label(store, 999, "pass")
+    assert store.counts()["labels"] == 0
+
+
+def test_a_human_label_takes_precedence_over_the_judge_in_the_support_set(store, add_buffer_turn):
+    missed = judged(add_buffer_turn, store, "s1", "judge passed it", 1.0)
+    false_alarm = judged(add_buffer_turn, store, "s1", "judge failed it", -1.0)
+    assert [t["id"] for t in buffers.support_set(store)] == [false_alarm]
+    labels.label(store, missed, "fail", author="alice")
+    labels.label(store, false_alarm, "pass", author="alice")
+    assert [t["id"] for t in buffers.support_set(store)] == [missed]
+    assert [t["id"] for t in buffers.query_set(store)] == [false_alarm]
+
+
+def test_agreement_per_session_and_overall(store, add_buffer_turn):
+    for session, rewards, verdicts in (("a", [1, 1, -1], ["pass", "pass", "fail"]),
+                                       ("b", [1, -1], ["fail", "fail"])):
+        for reward, verdict in zip(rewards, verdicts):
+            labels.label(store, judged(add_buffer_turn, store, session, "t", reward), verdict,
+                         author="x")
+    labels.label(store, add_buffer_turn("c", "unjudged"), "pass", author="x")
+    result = labels.agreement(store)
+    rows = {r["session_id"]: r for r in result.table.to_dicts()}
+    assert set(rows) == {"a", "b"}  # an unjudged turn has nothing to agree with
+    assert (rows["a"]["agree"], rows["a"]["rate"]) == (3, 1.0)
+    assert (rows["b"]["agree"], rows["b"]["labelled"]) == (1, 2)
+    assert result.overall["agree"] == 4 and result.overall["labelled"] == 5
+    assert result.overall["rate"] == pytest.approx(0.8)
+    assert -1 <= result.overall["kappa"] <= 1
+    chart = result.chart().to_dict()
+    assert "layer" in chart and "80%" in chart["title"]
+    assert "4/5" in repr(result) and "<table>" in result._repr_html_()
+
+
+def test_exports_jsonl_in_openai_shapes_and_parquet(store, add_buffer_turn, tmp_path):
+    good = judged(add_buffer_turn, store, "s1", "Say hi", 1.0, "Hi!")
+    bad = judged(add_buffer_turn, store, "s1", "Convert 5 miles", -1.0, "5 km")
+    store.update_turn(bad, request_messages=[
+        {"role": "system", "content": "You are helpful.\n\n" + BLOCK_HEADER + "\n\n### x"},
+        {"role": "user", "content": "Convert 5 miles"}])
+    unlabelled = judged(add_buffer_turn, store, "s1", "other", 1.0)
+    labels.label(store, good, "pass", author="alice")
+    labels.label(store, bad, "fail", note="factor", corrected="8.05 km", author="alice")
+
+    n = labels.export_jsonl(store, tmp_path / "ft.jsonl", session="s1", shape="chat")
+    records = [json.loads(line) for line in (tmp_path / "ft.jsonl").read_text().splitlines()]
+    assert n == len(records) == 2  # the unlabelled turn is not fit to train on
+    assert records[0]["messages"][-1] == {"role": "assistant", "content": "Hi!"}
+    assert records[1]["messages"][-1] == {"role": "assistant", "content": "8.05 km"}
+    assert records[1]["messages"][0] == {"role": "system", "content": "You are helpful."}
+
+    labels.export_jsonl(store, tmp_path / "eval.jsonl", turn_ids=[bad, unlabelled], shape="eval")
+    evals = [json.loads(line) for line in (tmp_path / "eval.jsonl").read_text().splitlines()]
+    assert [e["metadata"]["turn_id"] for e in evals] == [bad, unlabelled]
+    assert evals[0]["ideal"] == "8.05 km" and evals[0]["metadata"]["human_verdict"] == "fail"
+    assert evals[0]["metadata"]["judge_verdict"] == "fail" and evals[1]["ideal"] == "ok"
+    assert evals[1]["metadata"]["human_verdict"] is None
+
+    rows = labels.export_parquet(store, tmp_path / "turns.parquet", labelled_only=True)
+    table = pl.read_parquet(tmp_path / "turns.parquet")
+    assert rows == table.height == 2
+    assert table["human_verdict"].to_list() == ["pass", "fail"]
+    assert table["corrected"].to_list() == [None, "8.05 km"]
+    with pytest.raises(ValueError, match="shape"):
+        labels.export_records(store, shape="sft")

@@ -1,0 +1,107 @@
+"""The trace of a session: lazy index, one turn in full, failures, the generation written for a
+failure and the turns after it, labels from the widget."""
+
+from __future__ import annotations
+
+import pytest
+
+from metaclaw import buffers, labels
+from metaclaw.notebook.widgets import TraceWidget
+from metaclaw.retrieval import BLOCK_HEADER
+from metaclaw.skills import Skill, SkillLibrary, SkillOp
+from metaclaw.trace import Trace, sessions, split_skill_block
+
+SKILL = Skill("miles-to-km", "Convert miles to kilometers.", "math", "Multiply by 1.609.")
+
+
+@pytest.fixture
+def session(tmp_path, store):
+    """Session s1: a tool-calling success, a failure, the generation written for it, a success
+    served with it. Returns (library, ids)."""
+    library = SkillLibrary(tmp_path / "skills", store)
+    system = "You are helpful.\n\n" + BLOCK_HEADER + "\n\n### greet\nSay hello."
+    call = {"id": "c1", "type": "function", "function": {"name": "read", "arguments": '{"p": 1}'}}
+    ids = [store.record_turn(
+        session_id="s1", status="ok", response="Here it is.", model="agent",
+        request_messages=[{"role": "system", "content": system},
+                          {"role": "user", "content": "read the file"},
+                          {"role": "assistant", "content": None, "tool_calls": [call]},
+                          {"role": "tool", "tool_call_id": "c1", "content": "file text"}],
+        injected_skills=["greet"], reward=1.0,
+        judge_votes=[{"score": 1, "rationale": "read it", "error": None}])]
+    ids.append(store.record_turn(
+        session_id="s1", status="ok", response="5 km", model="agent", reward=-1.0,
+        request_messages=[{"role": "user", "content": "Convert 5 miles to km"}],
+        judge_votes=[{"score": -1, "rationale": "wrong factor", "error": None}] * 2))
+    buffers.refresh(store)
+    generation = library.apply([SkillOp("add", SKILL, SKILL.name, "factor", [ids[1]])],
+                               kind="evolve", reason="evolved")
+    ids.append(store.record_turn(
+        session_id="s1", status="ok", response="8.045 km", reward=1.0,
+        skill_generation=generation, policy_version=2,
+        request_messages=[{"role": "user", "content": "Convert 5 miles"}]))
+    store.record_turn(session_id="other", status="ok", request_messages=[])
+    return library, ids
+
+
+def test_index_is_small_and_marks_failures(store, session):
+    _library, ids = session
+    trace = Trace(store, "s1")
+    frame = trace.index()
+    assert frame["id"].to_list() == ids and frame["failed"].to_list() == [False, True, False]
+    assert frame["last_text"][1] == "Convert 5 miles to km"
+    assert frame["tool_calls"].to_list() == [0, 0, 0] and frame["messages"][0] == 4
+    assert trace.failures() == [ids[1]] and len(trace) == 3
+    assert {s["id"] for s in sessions(store)} == {"s1", "other"}
+    assert trace.votes_frame().height == 3
+    with pytest.raises(LookupError, match="no session"):
+        Trace(store, "nope")
+
+
+def test_one_turn_in_full(store, session):
+    _library, ids = session
+    trace = Trace(store, "s1")
+    first = trace.turn(ids[0])
+    system = first["messages"][0]
+    assert system["text"] == "You are helpful."
+    assert system["skill_block"].startswith(BLOCK_HEADER)
+    assert first["messages"][2]["tool_calls"][0] == {"id": "c1", "name": "read",
+                                                     "arguments": '{"p": 1}',
+                                                     "result": "file text"}
+    assert first["retrieval"]["scores"] == [{"name": "greet", "score": None}]
+    assert first["judge_votes"][0]["rationale"] == "read it"
+    failure = trace.turn(ids[1])
+    [written] = failure["written_for"]
+    assert (written["generation"], written["skill_name"]) == (1, "miles-to-km")
+    assert "Multiply by 1.609." in written["skill_markdown"]
+    assert [a["id"] for a in failure["after"]] == [ids[2]]
+    with pytest.raises(LookupError):
+        trace.turn(ids[-1] + 1)
+    assert split_skill_block("plain") == ("plain", None)
+
+
+def test_widget_steps_filters_jumps_and_labels(store, session):
+    _library, ids = session
+    widget = TraceWidget(store, "s1", page_size=2, author="alice")
+    assert widget.selected == ids[0] and len(widget.rows) == 2 and widget.total == 3
+    widget.step(1)
+    assert widget.selected == ids[1] and widget.detail["judge"] == "fail"
+    widget.step(1)
+    assert widget.selected == ids[2] and widget.offset == 2 and len(widget.rows) == 1
+    widget.step(-1, failures=True)
+    assert widget.selected == ids[1]
+    widget.jump("after")
+    assert widget.selected == ids[2] and widget.detail["policy_version"] == 2
+    widget.failures_only = True
+    assert widget.matched == 1 and widget.selected == ids[1]
+    # the front-end's label form
+    widget.set_state({"label_request": {"turn_id": ids[1], "verdict": "pass", "note": "fine",
+                                        "corrected": "", "nonce": 1}})
+    assert labels.latest(store)[ids[1]]["author"] == "alice"
+    assert widget.failure_count == 0 and widget.detail == {}  # no failure is left to show
+    widget.failures_only = False
+    widget.set_state({"step_request": {"delta": 1, "nonce": 2}})
+    assert widget.selected == ids[1] and widget.detail["human_label"] == "pass"
+    assert "Trace of session s1" in widget._repr_html_()
+    widget.session_id = "other"
+    assert widget.total == 1
