@@ -57,7 +57,8 @@ class GRPOConfig:
     groups_per_step: int = 4          # P
     group_size: int = 8               # G
     max_tokens: int = 16
-    temperature: float = 1.0          # 1.0 keeps sampling logprobs = policy logprobs
+    temperature: float = 1.0          # must be 1.0: sampling logprobs = policy logprobs
+    overlong_penalty: float = 0.0     # subtracted from a completion cut at max_tokens (DAPO)
     learning_rate: float = 1e-2
     loss_fn: str = "importance_sampling"
     advantage_norm: str = "group"     # group | batch | none
@@ -79,6 +80,15 @@ class GRPOConfig:
         if self.group_size < 2:
             raise ValueError("GRPOConfig.group_size must be at least 2: GRPO compares samples "
                              "within a group")
+        if self.temperature != 1.0:
+            # The sampler reports logprobs of softmax(logits / T); the learner computes
+            # softmax(logits). Their ratio would not be the policy's importance ratio.
+            raise ValueError(f"GRPOConfig.temperature must be 1.0 (got {self.temperature:g}): "
+                             "the importance-sampling ratio compares the learner's logprobs "
+                             "with the sampling logprobs, which are those of the policy only "
+                             "at temperature 1")
+        if self.overlong_penalty < 0:
+            raise ValueError("GRPOConfig.overlong_penalty must be >= 0")
         return self
 
 
@@ -88,7 +98,8 @@ class Prompt:
 
     ``reward`` (programmatic) takes the completion text and returns a float; when it is None
     the run's ``judge(prompt, completion_text)`` is used. ``turn_id`` / ``skill_generation``
-    link a query-set prompt back to its turn.
+    link a query-set prompt back to its turn; ``turn`` is that recorded turn (the judge reads
+    its consequence: tool results, the next user message, a label).
     """
 
     tokens: list[int]
@@ -96,6 +107,7 @@ class Prompt:
     reward: Callable[[str], float] | None = None
     turn_id: int | None = None
     skill_generation: int = 0
+    turn: dict[str, Any] | None = field(default=None, repr=False)  # the recorded turn, if any
 
 
 @dataclass
@@ -150,14 +162,25 @@ def select_query_turns(store, generation: int | None = None) -> list[dict[str, A
                        (gen,))
 
 
-def prompts_from_query_set(store, backend, generation: int | None = None) -> list[Prompt]:
-    """Prompts for the live query-set turns of the current generation, rendered with the
-    backend's chat template from the messages as they were sent (skills injected)."""
+def prompts_from_query_set(store, backend, generation: int | None = None, *,
+                           reward_for: Callable[[dict[str, Any]], Callable[[str], float] | None]
+                           | None = None) -> list[Prompt]:
+    """Prompts for the live query-set turns of the current generation, rendered exactly as they
+    were served: :func:`metaclaw.backends.render_request` on the recorded request (the messages
+    as sent, skills injected, and the offered tools in the chat template).
+
+    ``reward_for(turn)``: a programmatic reward for a turn's completions (e.g. the benchmark's
+    graders), or None to leave the turn to the judge.
+    """
+    from metaclaw.backends import render_request
+
     prompts = []
     for turn in select_query_turns(store, generation):
-        messages = turn["request_messages"]
-        prompts.append(Prompt(tokens=backend.render_chat(messages), messages=messages,
-                              turn_id=turn["id"], skill_generation=turn["skill_generation"]))
+        prompts.append(Prompt(tokens=render_request(backend, turn),
+                              messages=turn["request_messages"],
+                              reward=reward_for(turn) if reward_for is not None else None,
+                              turn_id=turn["id"], skill_generation=turn["skill_generation"],
+                              turn=turn))
     return prompts
 
 
@@ -389,6 +412,11 @@ class GRPOTrainer:
         texts_P_G = [[backend.decode(s.tokens) for s in samples_G] for samples_G in samples_P_G]
         rewarded_P_G = compute_rewards(batch, texts_P_G, self.judge)
         reward_failures = sum(1 for rewards_G in rewarded_P_G if rewards_G is None)
+        if config.overlong_penalty:  # a completion cut at max_tokens never finished its answer
+            rewarded_P_G = [None if rewards_G is None else
+                            [r - (config.overlong_penalty if s.stop_reason != "stop" else 0.0)
+                             for r, s in zip(rewards_G, samples_G)]
+                            for rewards_G, samples_G in zip(rewarded_P_G, samples_P_G)]
         groups = [(prompt, samples_G, rewards_G) for prompt, samples_G, rewards_G
                   in zip(batch, samples_P_G, rewarded_P_G) if rewards_G is not None]
 
@@ -402,17 +430,31 @@ class GRPOTrainer:
         rewards_P_G = [rewards_G for _, _, rewards_G in groups]
         advantages_P_G, skipped = compute_advantages(rewards_P_G, config.advantage_norm,
                                                      config.zero_variance_eps)
+        zero_variance = [{"turn_id": prompt.turn_id, "reward": rewards_G[0],
+                          "reason": f"all {len(rewards_G)} samples rewarded {rewards_G[0]:g}: "
+                                    "no completion did better or worse than another"}
+                         for (prompt, _, rewards_G), advantages_G in zip(groups, advantages_P_G)
+                         if advantages_G is None]
 
         # 5. One datum per sampled completion: exact sampled tokens and sampling logprobs.
         datums = [Datum.from_sample(prompt.tokens, s.tokens, s.logprobs, a)
                   for (prompt, samples_G, _), advantages_G in zip(groups, advantages_P_G)
                   if advantages_G is not None
                   for s, a in zip(samples_G, advantages_G) if s.tokens]
-        loss, metrics = None, {"reward_failures": reward_failures, "stale_groups": len(stale)}
+        loss, metrics = None, {"reward_failures": reward_failures, "stale_groups": len(stale),
+                               "zero_variance_groups": len(zero_variance),
+                               "zero_variance": zero_variance}
         if datums:
             trained = backend.train_step(datums, config.loss_fn, config.learning_rate)
             loss = trained.get("loss")
             metrics.update({k: v for k, v in trained.items() if k != "loss"})
+            trained_turns = sorted({prompt.turn_id for (prompt, _, _), adv in
+                                    zip(groups, advantages_P_G)
+                                    if adv is not None and prompt.turn_id is not None})
+            if store is not None and trained_turns:
+                from metaclaw.buffers import mark_trained
+
+                mark_trained(store, trained_turns)
 
         # 6. Publish the new weights (a new policy version) and hand them to the server.
         published = None

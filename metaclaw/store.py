@@ -135,6 +135,10 @@ MIGRATIONS: list[str] = [
         signals     TEXT NOT NULL DEFAULT '{}'
     );
     """,
+    # the slow loop: how many GRPO steps trained on a turn (a trained turn keeps its buffer set)
+    """
+    ALTER TABLE turns ADD COLUMN trained_steps INTEGER NOT NULL DEFAULT 0;
+    """,
 ]
 
 SCHEMA_VERSION = len(MIGRATIONS)

@@ -341,3 +341,59 @@ def test_hot_swap_through_the_proxy_under_50_concurrent_requests(world):
     assert versions[-50:] == [4] * 50 and headers[-25:] == [4] * 25
     assert all(len(t["completion_tokens_ids"]) == t["completion_tokens"] for t in turns)
     loop.close()
+
+
+# -- train on exactly what was served -------------------------------------------------------
+TOOLS = [{"type": "function", "function": {
+    "name": "weather", "description": "the weather", "parameters": {"type": "object"}}}]
+
+
+def test_a_training_datum_holds_exactly_the_served_token_ids(world):
+    """A turn served with tools through the proxy: its recorded prompt token ids (what the
+    policy read), the query-set prompt rendered for training, and the prompt part of its
+    training datum are the same ids; the tools are in them."""
+    from metaclaw.backends import Datum, render_request
+    from metaclaw.grpo import prompts_from_query_set
+
+    SlowLoop(world.store, world.backend, config=CONFIG, judge=world.reward, proxy=world.proxy)
+    world.ask("what is the weather", tools=TOOLS)
+    world.proxy.flush()
+    buffers.refresh(world.store)
+    [turn] = world.store.turns()
+    served = turn["prompt_tokens_ids"]
+    assert turn["request_params"]["tools"] == TOOLS
+    without_tools = world.backend.render_chat(turn["request_messages"])
+    assert served != without_tools and len(served) > len(without_tools)  # tools are rendered
+    [prompt] = prompts_from_query_set(world.store, world.backend)
+    assert prompt.tokens == served == render_request(world.backend, turn)
+    datum = Datum.from_sample(prompt.tokens, turn["completion_tokens_ids"],
+                              turn["completion_logprobs"], 1.0)
+    full = datum.model_input + datum.target_tokens[-1:]
+    assert full == served + turn["completion_tokens_ids"]
+
+
+def test_the_judge_sees_the_served_turns_consequence(world):
+    """The PRM reward of a sampled completion carries the served turn's consequence: the tool
+    result and the user's next message, read from the session's next turns."""
+    from metaclaw.slowloop import turn_evidence
+
+    SlowLoop(world.store, world.backend, config=CONFIG, judge=world.reward, proxy=world.proxy)
+    first = [{"role": "user", "content": "weather please"}]
+    world.client.chat.completions.create(model="tiny", messages=first, max_tokens=3,
+                                         tools=TOOLS, extra_headers={"X-Session-Id": "e"})
+    second = first + [{"role": "assistant", "content": None, "tool_calls": [{
+        "id": "c1", "type": "function", "function": {"name": "weather", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny, 21 C"},
+        {"role": "user", "content": "wrong city, I meant Berlin"}]
+    world.client.chat.completions.create(model="tiny", messages=second, max_tokens=3,
+                                         extra_headers={"X-Session-Id": "e"})
+    world.proxy.flush()
+    head, tail = world.store.turns()
+    evidence = turn_evidence(world.store, head)
+    assert "sunny, 21 C" in evidence and "wrong city, I meant Berlin" in evidence
+    assert turn_evidence(world.store, tail) is None
+
+
+def test_sampling_temperature_other_than_one_is_rejected():
+    with pytest.raises(ValueError, match="temperature must be 1.0"):
+        GRPOConfig(temperature=0.7).check()

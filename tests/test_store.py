@@ -99,4 +99,4 @@ def test_store_shows_itself(tmp_path):
     store = Store(tmp_path / "m.db")
     store.record_turn(session_id="s", request_messages=[], status="ok")
     assert store.counts()["turns"] == 1 and store.counts()["sessions"] == 1
-    assert "<td>turns</td><td>1</td>" in store._repr_html_() and "schema v1" in repr(store)
+    assert "<td>turns</td><td>1</td>" in store._repr_html_() and f"schema v{SCHEMA_VERSION}" in repr(store)
