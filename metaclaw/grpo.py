@@ -64,7 +64,8 @@ class GRPOConfig:
     advantage_norm: str = "group"     # group | batch | none
     zero_variance_eps: float = 1e-8   # a group with reward std below this is skipped
     publish_every: int = 1
-    save_every: int = 10              # 0 = only when stopping / finishing
+    save_every: int = 10              # 0 = only when stopping / finishing / publishing
+    keep_checkpoints: int = 3         # saved states kept besides the published versions' ones
     state_dir: str | None = None      # where training state is saved; enables resume
     resume: bool = True
     seed: int = 0
@@ -344,11 +345,46 @@ class GRPOTrainer:
             backend.policy_version = int(saved.get("policy_version", backend.policy_version))
             backend.sampler().policy_version = backend.policy_version
             self.start_step, self.run_id = int(saved["step"]) + 1, saved["run_id"]
-        if store is not None:
-            latest = store.query("SELECT COALESCE(MAX(version), 0) AS v FROM policy_versions")
-            backend.policy_version = max(int(latest[0]["v"]), backend.policy_version)
+        if store is not None:  # the store is the truth: serve its latest published version
+            self.sync_with_store()
         self.next_step = self.start_step          # the number of the next step to run
         self._saved_step: int | None = self.start_step - 1 if self.start_step else None
+
+    def sync_with_store(self) -> int:
+        """Make the backend's policy the store's latest published version (the store is shared
+        by every process of a workspace, so it is the truth): when that version is newer than
+        the backend's and its checkpoint is a saved state here, load it. Returns the version."""
+        backend = self.backend
+        rows = self.store.query("SELECT version, checkpoint FROM policy_versions "
+                                "ORDER BY version DESC LIMIT 1")
+        if not rows or int(rows[0]["version"]) <= backend.policy_version:
+            return backend.policy_version
+        version, checkpoint = int(rows[0]["version"]), rows[0]["checkpoint"]
+        if checkpoint and (Path(checkpoint) / "metaclaw_state.json").is_file():
+            backend.load_state(checkpoint)
+        backend.policy_version = version
+        backend.sampler().policy_version = version
+        return version
+
+    def _prune_checkpoints(self) -> list[str]:
+        """Retention: keep the last ``keep_checkpoints`` saved states and every state a
+        published policy version points to (the store's ``policy_versions.checkpoint``);
+        delete the others. Returns the deleted paths."""
+        import shutil
+
+        if self.state_dir is None or self.config.keep_checkpoints < 1:
+            return []
+        saved = sorted(p for p in self.state_dir.glob("step-*") if p.is_dir())
+        keep = {str(p.resolve()) for p in saved[-self.config.keep_checkpoints:]}
+        if self.store is not None:
+            keep |= {str(Path(r["checkpoint"]).resolve()) for r in self.store.query(
+                "SELECT checkpoint FROM policy_versions WHERE checkpoint IS NOT NULL")}
+        deleted = []
+        for path in saved:
+            if str(path.resolve()) not in keep:
+                shutil.rmtree(path, ignore_errors=True)
+                deleted.append(str(path))
+        return deleted
 
     @property
     def steps_done(self) -> int:
@@ -374,6 +410,7 @@ class GRPOTrainer:
                                    "policy_version": self.backend.policy_version}))
         tmp.replace(self.state_dir / "latest.json")
         self._saved_step = step
+        self._prune_checkpoints()
         return checkpoint
 
     def step(self) -> dict[str, Any] | None:
@@ -469,6 +506,14 @@ class GRPOTrainer:
                     backend.policy_version = recorded
                     backend.sampler().policy_version = recorded
                     published = recorded
+                if self.state_dir is not None:  # the published weights, restorable by version
+                    self.next_step = step + 1
+                    saved = self.save()
+                    if saved is not None and not getattr(backend, "last_sampler_path", None):
+                        store.execute("UPDATE policy_versions SET checkpoint = ? "
+                                      "WHERE version = ? AND checkpoint IS NULL",
+                                      (saved, published))
+                        self._prune_checkpoints()
             if self.on_publish is not None:
                 self.on_publish(backend.sampler(), published)
 

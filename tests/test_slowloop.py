@@ -397,3 +397,35 @@ def test_the_judge_sees_the_served_turns_consequence(world):
 def test_sampling_temperature_other_than_one_is_rejected():
     with pytest.raises(ValueError, match="temperature must be 1.0"):
         GRPOConfig(temperature=0.7).check()
+
+
+def test_checkpoint_retention_and_the_store_is_the_truth_across_restarts(world, tiny_model):
+    """Saved states: the last ``keep_checkpoints`` and every published version's are kept. A
+    restarted process, and another process sharing the workspace (its own state folder),
+    serve the store's latest published version with exactly its weights."""
+    import dataclasses
+
+    from metaclaw.backends import make_backend
+
+    config = dataclasses.replace(CONFIG, publish_every=2, save_every=1, keep_checkpoints=1)
+    loop = SlowLoop(world.store, world.backend, config=config, judge=world.reward,
+                    proxy=world.proxy, state_dir=world.root / "state")
+    world.serve_query_turns()
+    assert loop.train_now(steps=4).steps_done == 4
+    versions = world.store.query("SELECT version, checkpoint FROM policy_versions")
+    assert [v["version"] for v in versions] == [1, 2]
+    kept = sorted(p.name for p in (world.root / "state").glob("step-*"))
+    assert kept == ["step-000001", "step-000003"]  # step 1 published v1; step 3 is v2 and last
+    assert [v["checkpoint"].rsplit("/", 1)[-1] for v in versions] == kept
+    prompt = world.backend.render_chat([{"role": "user", "content": "say yes"}])
+    expected = world.backend.sampler().sample(prompt, 2, 6, 1.0, seed=5)
+    loop.close()
+
+    for state_dir in ("state", "other-process-state"):
+        backend = make_backend("local", tiny_model, lora_rank=8, seed=1)
+        again = SlowLoop(world.store, backend, config=config, judge=world.reward,
+                         state_dir=world.root / state_dir)
+        assert backend.policy_version == 2 == again.status()["policy_version"]
+        got = backend.sampler().sample(prompt, 2, 6, 1.0, seed=5)
+        assert [s.tokens for s in got] == [s.tokens for s in expected]
+        again.close()

@@ -202,7 +202,11 @@ class LocalBackend(TokenizerMixin):
         self.dtype = next(model.parameters()).dtype
         targets = sorted({name.rsplit(".", 1)[-1] for name, mod in model.named_modules()
                           if isinstance(mod, torch.nn.Linear)})
-        if not train_unembed:
+        tied = bool(getattr(model.config, "tie_word_embeddings", False))
+        if not train_unembed or tied:
+            # A tied output layer shares its weight with the input embeddings: merging an
+            # adapter into it (the published sampler) would change the embeddings too, so the
+            # sampler would no longer be the trained policy. Tied models keep it frozen.
             out = model.get_output_embeddings()
             out_names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if m is out}
             targets = [t for t in targets if t not in out_names]
@@ -211,7 +215,6 @@ class LocalBackend(TokenizerMixin):
             torch.manual_seed(seed)
             with warnings.catch_warnings():  # a transformers deprecation notice raised by peft
                 warnings.simplefilter("ignore", FutureWarning)
-                warnings.simplefilter("ignore", UserWarning)  # tied-embedding notice (SmolLM2)
                 self.model = get_peft_model(model, LoraConfig(
                     r=lora_rank, lora_alpha=lora_alpha or 2 * lora_rank, lora_dropout=0.0,
                     target_modules=targets, bias="none"))
