@@ -20,15 +20,12 @@ the run, per day, with the policy versions and training figures).
 
 from __future__ import annotations
 
-import logging
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
 from metaclaw.bench.data import Day, Round, load_benchmark, select_days
-
-log = logging.getLogger(__name__)
 
 OVERLONG_PENALTY = 0.1
 
