@@ -1,31 +1,37 @@
 """Support and query buffers: which recorded turns feed the evolver and which may train weights.
 
-Every main turn carries the skill generation that served it (``turns.skill_generation``). Its place
-in the buffers lives in two columns of ``turns``:
+As in the MetaClaw paper: the **query set** of skill generation ``G`` is the trajectories collected
+after the adaptation that produced ``G``, served under ``G``, whatever their judged outcome (a
+judged failure is not removed from it: it is exactly the signal RL needs); the **support set** is
+the failures that drove an evolution; it never trains weights. Every main turn carries the skill
+generation that served it (``turns.skill_generation``); its place in the buffers lives in two
+columns of ``turns``:
 
 - ``buffer_set``   ``'support'`` | ``'query'`` | ``NULL`` (side turns, failed requests)
 - ``buffer_state`` ``'live'`` | ``'consumed'`` | ``'purged'`` | ``NULL``
 
-The rules (one obvious place: :func:`refresh` and :func:`advance`):
+and ``turns.trained_steps`` counts the GRPO steps that trained on it.
 
-1. A successful (``status = 'ok'``) main turn of the *current* generation is ``query / live``
-   until judged. Once judged with ``reward < threshold`` it is ``support / live`` (a failure the
-   evolver should learn from); judged at or above the threshold it stays ``query / live``. A
-   human label (``human_label`` pass / fail) overrides the judge's verdict. A live
-   turn that is re-judged moves between the two sets accordingly.
-2. When a new generation ``G`` is created, :func:`advance` marks the support turns that produced it
-   ``consumed`` (kept for inspection, never trained on), and every live turn served under a
-   generation older than ``G`` becomes ``purged`` (kept in the store, flagged, never trained on):
-   query turns because they were served with skills that no longer exist, unconsumed support turns
-   because the library they failed under is gone.
-3. A turn of an older generation that is classified late (judged after the generation moved on)
-   goes straight to ``purged``. ``consumed`` and ``purged`` are final.
+The rules (one obvious place: :func:`classify`, :func:`refresh` and :func:`advance`):
 
-So at any moment the support set is the live failures of the current generation, and the query set
-(the slow loop's training buffer) is the live, judged or not yet judged, non-failing turns served
-under the current generation. :class:`metaclaw.fastloop.FastLoop` applies these rules on the
-automatic path; :meth:`metaclaw.judge.Judge.judge_turns` and :meth:`metaclaw.evolver.Evolver.evolve`
-apply them on the manual path.
+1. A successful (``status = 'ok'``) main turn enters the query set when it is first classified
+   (right after it is recorded): ``query / live``. Judging it changes nothing: its set was
+   decided once.
+2. The evolver's evidence is the judged failures (``reward < threshold``) among the live turns
+   of the current generation (:func:`support_set`). When they produce a new generation ``G``,
+   :func:`advance` marks them ``support / consumed``, unless a GRPO step already trained on one
+   (``trained_steps > 0``): a trained turn is never reclassified; it stays ``query`` and is
+   purged like the rest. Every other live turn served under a generation older than ``G``
+   becomes ``purged`` (kept in the store, flagged, never trained on): it was served with skills
+   that no longer exist.
+3. A turn of an older generation that is classified late goes straight to ``purged``.
+   ``consumed`` and ``purged`` are final.
+
+So at any moment the query set (the slow loop's training buffer) is every live turn of the
+current generation, and the support set of the next evolution is its judged failures.
+:class:`metaclaw.fastloop.FastLoop` applies these rules on the automatic path;
+:meth:`metaclaw.judge.Judge.judge_turns` and :meth:`metaclaw.evolver.Evolver.evolve` apply them
+on the manual path.
 """
 
 from __future__ import annotations
@@ -48,8 +54,9 @@ def current_generation(store: Store) -> int:
     return 0 if latest is None else latest
 
 
-def _is_failure(reward: Any, threshold: float) -> bool:
-    return reward is not None and float(reward) < threshold
+#: A failure in SQL (one parameter: the judge threshold), the same rule as :func:`is_failure`.
+FAILURE_SQL = ("(human_label = 'fail' OR (COALESCE(human_label, '') != 'pass' "
+               "AND reward IS NOT NULL AND reward < ?))")
 
 
 def is_failure(turn: dict[str, Any], threshold: float = 0.0) -> bool:
@@ -58,7 +65,8 @@ def is_failure(turn: dict[str, Any], threshold: float = 0.0) -> bool:
     label = turn.get("human_label")
     if label in ("pass", "fail"):
         return label == "fail"
-    return _is_failure(turn.get("reward"), threshold)
+    reward = turn.get("reward")
+    return reward is not None and float(reward) < threshold
 
 
 def classify(turn: dict[str, Any], *, generation: int,
@@ -66,15 +74,17 @@ def classify(turn: dict[str, Any], *, generation: int,
     """The ``(buffer_set, buffer_state)`` a turn row should have under the rules above.
 
     ``turn`` is a row of ``turns`` (as returned by ``Store.turn``); ``generation`` the current one.
-    Returns the turn's present values unchanged for final states and for turns that never enter
-    the buffers (side turns, failed requests).
+    The set is decided once: a turn that already has one keeps it. Returns the turn's present
+    values unchanged for final states and for turns that never enter the buffers (side turns,
+    failed requests). ``threshold`` is accepted for callers that pass it; judging a turn does
+    not move it between sets.
     """
     present = (turn.get("buffer_set"), turn.get("buffer_state"))
     if turn.get("turn_type", "main") != "main" or turn.get("status") != "ok":
         return present
     if present[1] in FINAL_STATES:
         return present
-    wanted_set = SUPPORT if is_failure(turn, threshold) else QUERY
+    wanted_set = present[0] or QUERY
     if int(turn.get("skill_generation") or 0) < generation:
         return wanted_set, PURGED
     return wanted_set, LIVE
@@ -111,9 +121,10 @@ def refresh(store: Store, turn_ids: Iterable[int] | None = None, *, threshold: f
 def advance(store: Store, generation: int, consumed: Iterable[int] = ()) -> dict[str, int]:
     """Move the buffers to a new generation ``generation``.
 
-    ``consumed``: ids of the support turns that produced the generation (marked ``consumed``
-    whatever their state was). Every other live turn of an older generation is marked ``purged``.
-    Idempotent. Returns ``{"consumed": n, "purged": n}``.
+    ``consumed``: ids of the support turns (judged failures) that produced the generation: they
+    become ``support / consumed``, except those a GRPO step trained on, which keep their
+    ``query`` set and are purged. Every other live turn of an older generation is marked
+    ``purged``. Idempotent. Returns ``{"consumed": n, "purged": n}``.
     """
     ids = sorted({int(i) for i in consumed})
     with store.transaction():
@@ -122,8 +133,9 @@ def advance(store: Store, generation: int, consumed: Iterable[int] = ()) -> dict
             chunk = ids[start:start + 500]
             cur = store.execute(
                 f"UPDATE turns SET buffer_set = 'support', buffer_state = 'consumed' "
-                f"WHERE id IN ({', '.join('?' * len(chunk))}) AND buffer_set = 'support' "
-                f"AND (buffer_state IS NULL OR buffer_state != 'consumed')", chunk)
+                f"WHERE id IN ({', '.join('?' * len(chunk))}) AND buffer_set IS NOT NULL "
+                f"AND trained_steps = 0 "
+                f"AND (buffer_state IS NULL OR buffer_state = 'live')", chunk)
             n_consumed += cur.rowcount
         cur = store.execute(
             "UPDATE turns SET buffer_state = 'purged' "
@@ -132,30 +144,49 @@ def advance(store: Store, generation: int, consumed: Iterable[int] = ()) -> dict
     return {"consumed": n_consumed, "purged": n_purged}
 
 
-def support_set(store: Store, generation: int | None = None,
-                state: str | None = LIVE) -> list[dict[str, Any]]:
-    """Support turns (judged failures) of ``generation`` (default: the current one).
+def mark_trained(store: Store, turn_ids: Iterable[int]) -> None:
+    """Count one GRPO step that trained on each of ``turn_ids`` (``turns.trained_steps``).
+    A trained turn's buffer set is final: it stays in the query set."""
+    ids = sorted({int(i) for i in turn_ids})
+    with store.transaction():
+        for start in range(0, len(ids), 500):
+            chunk = ids[start:start + 500]
+            store.execute(f"UPDATE turns SET trained_steps = trained_steps + 1 "
+                          f"WHERE id IN ({', '.join('?' * len(chunk))})", chunk)
 
-    ``state``: ``'live'`` (default: what the evolver should learn from next), ``'consumed'``,
-    ``'purged'`` or ``None`` for all. Returns decoded turn rows, oldest first.
+
+def support_set(store: Store, generation: int | None = None,
+                state: str | None = LIVE, threshold: float = 0.0) -> list[dict[str, Any]]:
+    """Support turns of ``generation`` (default: the current one), oldest first.
+
+    ``state='live'`` (default): the evolver's next evidence: the failures among the live turns
+    of the generation (they are still in its query set): turns a person labelled ``fail``, and
+    turns the judge scored below ``threshold`` that no person labelled ``pass`` (a human label
+    takes precedence over the judge, :func:`is_failure`). ``'consumed'``: the failures that drove an evolution. ``None``: both.
     """
-    return _set_rows(store, SUPPORT, generation, state)
+    gen = current_generation(store) if generation is None else int(generation)
+    pending = (f"buffer_state = 'live' AND {FAILURE_SQL}", [float(threshold)])
+    done = ("buffer_set = 'support' AND buffer_state = 'consumed'", [])
+    if state == LIVE:
+        where, params = pending
+    elif state == CONSUMED:
+        where, params = done
+    elif state is None:
+        where, params = f"(({pending[0]}) OR ({done[0]}))", pending[1]
+    else:
+        where, params = "buffer_set = 'support' AND buffer_state = ?", [state]
+    return store.turns(f"skill_generation = ? AND {where}", [gen, *params])
 
 
 def query_set(store: Store, generation: int | None = None,
               state: str | None = LIVE) -> list[dict[str, Any]]:
-    """Query turns of ``generation`` (default: the current one); ``state`` as in
-    :func:`support_set`.
+    """Query turns of ``generation`` (default: the current one), whatever their judged outcome;
+    ``state``: ``'live'`` (default), ``'purged'`` or ``None`` for all.
 
     The live query set of the current generation is the slow loop's training buffer.
     """
-    return _set_rows(store, QUERY, generation, state)
-
-
-def _set_rows(store: Store, which: str, generation: int | None,
-              state: str | None) -> list[dict[str, Any]]:
     gen = current_generation(store) if generation is None else int(generation)
-    where, params = "buffer_set = ? AND skill_generation = ?", [which, gen]
+    where, params = "buffer_set = ? AND skill_generation = ?", [QUERY, gen]
     if state is not None:
         where += " AND buffer_state = ?"
         params.append(state)

@@ -377,16 +377,18 @@ def cmd_train(args: argparse.Namespace) -> int:
     from metaclaw.slowloop import SlowLoop
 
     store = _store(args.db)
-    if args.backend == "local" and not Path(args.base_model).is_dir():
+    if args.backend == "local" and args.base_model != "smollm2" \
+            and not Path(args.base_model).is_dir() and not args.base_model.endswith(".gguf"):
         raise CliError(f"--base-model {args.base_model} is not a local model folder; the local "
-                       f"backend needs a Hugging Face model path (`metaclaw tiny-model DIR` writes "
-                       f"a tiny one)")
+                       f"backend needs a Hugging Face model path, a .gguf file, or smollm2 "
+                       f"(`metaclaw tiny-model DIR` writes a tiny one)")
     judge = _judge(args)
     state_dir = args.state_dir or str(Path(args.db).resolve().parent / "train")
     config = GRPOConfig(steps=args.steps, group_size=args.group_size,
                         groups_per_step=args.groups_per_step, max_tokens=args.max_tokens,
                         learning_rate=args.lr, loss_fn=args.loss, state_dir=state_dir)
-    backend = make_backend(args.backend, args.base_model)
+    backend = make_backend(args.backend, args.base_model,
+                           **({"device": args.device} if args.backend == "local" else {}))
     loop = SlowLoop(store, backend, config=config, judge=judge, serve=False,
                     scheduler_config=load_config(args.scheduler_config), state_dir=state_dir)
 
@@ -487,7 +489,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def _summary_keys(summary: dict[str, Any]) -> dict[str, Any]:
     keys = ("rounds", "file_check_rounds", "multi_choice_rounds", "accuracy",
-            "file_check_completion", "multi_choice_score", "per_day", "skill_generation", "skills")
+            "file_check_completion", "multi_choice_score", "per_day", "skill_generation", "skills",
+            "model", "served_by", "nights", "policy_version")
     return {k: summary[k] for k in keys if k in summary}
 
 
@@ -515,7 +518,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                                "local|tinker --base-model M (a local model path or Tinker id)")
             from metaclaw.backends import make_backend
 
-            backend = make_backend(args.backend, args.base_model)
+            backend = make_backend(args.backend, args.base_model,
+                                   **({"device": args.device} if args.backend == "local" else {}))
         summary = run_mode(
             args.mode, Path(args.data) if args.data else small_bench_dir(), args.days,
             Path(args.out), upstream, model, api_key_env="METACLAW_UPSTREAM_API_KEY",
@@ -615,6 +619,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--base-model", required=True,
                    help="local Hugging Face model path, or a Tinker model id")
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--device", choices=["auto", "cpu", "cuda", "mps"], default="auto",
+                   help="local backend: where the model trains (auto: a GPU when there is one)")
     p.add_argument("--now", action="store_true", help="train now, ignoring the idle signals")
     _add_fast_loop_options(p)
     p.add_argument("--threshold", type=float, default=0.0)
@@ -676,6 +682,8 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--base-model", help="mode full: local model path or Tinker model id")
             p.add_argument("--train-steps", type=int, default=4,
                            help="mode full: GRPO steps after each day")
+            p.add_argument("--device", choices=["auto", "cpu", "cuda", "mps"], default="auto",
+                           help="mode full, local backend: where the policy runs")
     return parser
 
 

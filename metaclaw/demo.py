@@ -130,7 +130,7 @@ def run_mode(mode: str, data: Path, days: Any, out: Path, upstream: str, model: 
 
             def evolve_if_new() -> None:
                 buffers.refresh(store, threshold=judge.threshold)
-                ids = {int(t["id"]) for t in buffers.support_set(store)}
+                ids = {int(t["id"]) for t in buffers.support_set(store, threshold=judge.threshold)}
                 if ids - attempted:
                     attempted.update(ids)
                     loop.evolve_now()
@@ -145,33 +145,38 @@ def run_mode(mode: str, data: Path, days: Any, out: Path, upstream: str, model: 
                     sync.wait()
                     evolve_if_new()
 
-            if mode == "full":
-                from metaclaw.slowloop import SlowLoop
+            if mode == "full":  # the policy serves the agent; the day's graders reward it
+                from metaclaw.bench.fullmode import FullMode
 
-                slow = SlowLoop(store, backend, judge=judge, proxy=proxy, serve=True)
+                slow = FullMode(store, backend, proxy, judge, data, days,
+                                train_steps=train_steps, work_dir=out)
+                hooks_round = on_round_skills
+
+                def on_round_skills(record: dict) -> None:
+                    slow.on_round(record)
+                    hooks_round(record)
 
             def between_days(day_summary: dict) -> None:
                 sync.expect(1)          # the day's closing call (last feedback, session done)
                 sync.wait()
                 if slow is not None:    # the night: the day's query set trains the policy,
-                    buffers.refresh(store, threshold=judge.threshold)  # before the next
-                    slow.train_now(train_steps)                        # adaptation purges it
-                evolve_if_new()
+                    slow.night(day_summary, judge.threshold)  # before the next adaptation
+                evolve_if_new()                               # purges it
 
             hooks = {"on_round": on_round_skills, "between_rounds": between_rounds,
                      "between_days": between_days}
         summary = run_bench(data, days, mode, base_url=proxy.url, model=model, out_dir=out / "run",
-                            parallel=parallel if mode == "baseline" else 1, **hooks)
+                            parallel=parallel if mode == "baseline" else 1,
+                            keep_workspaces=slow is not None, **hooks)
         if loop is not None:
             events = [e.to_dict() for e in loop.events if e.kind in ("evolved", "evolve_failed")]
         summary["skill_generation"] = library.generation
         summary["skills"] = [{"name": s.name, "description": s.description} for s in library.skills()]
         summary["evolve_events"] = events
         if slow is not None:
-            summary["training"] = store.query(
-                "SELECT step, policy_version, skill_generation, loss, reward_mean, skipped_groups "
-                "FROM training_steps ORDER BY id")
-            summary["policy_version"] = slow.status()["policy_version"]
+            slow.label(summary)
+            (out / "run" / "summary.json").write_text(
+                json.dumps(summary, indent=2, ensure_ascii=False, default=str), encoding="utf-8")
         return summary
     finally:
         if slow is not None:

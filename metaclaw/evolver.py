@@ -602,7 +602,7 @@ class Evolver:
         not applied. Raises :class:`EvolveError` when no valid answer came after one retry."""
         if support_turns is None:
             buffers.refresh(self.store, threshold=self.threshold)
-            support_turns = buffers.support_set(self.store)
+            support_turns = buffers.support_set(self.store, threshold=self.threshold)
         turns = sorted(support_turns, key=lambda t: t["id"])[-self.max_support:]
         if not turns:
             raise EvolveError("there are no support turns to learn from; judge some turns first "
@@ -803,7 +803,7 @@ class Evolver:
         async with self._lock():
             if support_turns is None:
                 buffers.refresh(self.store, threshold=self.threshold)
-                support_turns = buffers.support_set(self.store)
+                support_turns = buffers.support_set(self.store, threshold=self.threshold)
             parent = self.library.generation
             if not support_turns:
                 return EvolveResult("no_support", parent, reason=(

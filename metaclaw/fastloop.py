@@ -424,7 +424,7 @@ class FastLoop:
             self._evolve_lock = asyncio.Lock()
         async with self._evolve_lock:
             buffers.refresh(self.store, threshold=self.judge.threshold)
-            support = buffers.support_set(self.store)
+            support = buffers.support_set(self.store, threshold=self.judge.threshold)
             ids = frozenset(int(t["id"]) for t in support)
             generation = self.library.generation
             if not ids:

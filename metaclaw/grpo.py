@@ -57,13 +57,15 @@ class GRPOConfig:
     groups_per_step: int = 4          # P
     group_size: int = 8               # G
     max_tokens: int = 16
-    temperature: float = 1.0          # 1.0 keeps sampling logprobs = policy logprobs
+    temperature: float = 1.0          # must be 1.0: sampling logprobs = policy logprobs
+    overlong_penalty: float = 0.0     # subtracted from a completion cut at max_tokens (DAPO)
     learning_rate: float = 1e-2
     loss_fn: str = "importance_sampling"
     advantage_norm: str = "group"     # group | batch | none
     zero_variance_eps: float = 1e-8   # a group with reward std below this is skipped
     publish_every: int = 1
-    save_every: int = 10              # 0 = only when stopping / finishing
+    save_every: int = 10              # 0 = only when stopping / finishing / publishing
+    keep_checkpoints: int = 3         # saved states kept besides the published versions' ones
     state_dir: str | None = None      # where training state is saved; enables resume
     resume: bool = True
     seed: int = 0
@@ -79,6 +81,15 @@ class GRPOConfig:
         if self.group_size < 2:
             raise ValueError("GRPOConfig.group_size must be at least 2: GRPO compares samples "
                              "within a group")
+        if self.temperature != 1.0:
+            # The sampler reports logprobs of softmax(logits / T); the learner computes
+            # softmax(logits). Their ratio would not be the policy's importance ratio.
+            raise ValueError(f"GRPOConfig.temperature must be 1.0 (got {self.temperature:g}): "
+                             "the importance-sampling ratio compares the learner's logprobs "
+                             "with the sampling logprobs, which are those of the policy only "
+                             "at temperature 1")
+        if self.overlong_penalty < 0:
+            raise ValueError("GRPOConfig.overlong_penalty must be >= 0")
         return self
 
 
@@ -88,7 +99,8 @@ class Prompt:
 
     ``reward`` (programmatic) takes the completion text and returns a float; when it is None
     the run's ``judge(prompt, completion_text)`` is used. ``turn_id`` / ``skill_generation``
-    link a query-set prompt back to its turn.
+    link a query-set prompt back to its turn; ``turn`` is that recorded turn (the judge reads
+    its consequence: tool results, the next user message, a label).
     """
 
     tokens: list[int]
@@ -96,6 +108,7 @@ class Prompt:
     reward: Callable[[str], float] | None = None
     turn_id: int | None = None
     skill_generation: int = 0
+    turn: dict[str, Any] | None = field(default=None, repr=False)  # the recorded turn, if any
 
 
 @dataclass
@@ -150,14 +163,25 @@ def select_query_turns(store, generation: int | None = None) -> list[dict[str, A
                        (gen,))
 
 
-def prompts_from_query_set(store, backend, generation: int | None = None) -> list[Prompt]:
-    """Prompts for the live query-set turns of the current generation, rendered with the
-    backend's chat template from the messages as they were sent (skills injected)."""
+def prompts_from_query_set(store, backend, generation: int | None = None, *,
+                           reward_for: Callable[[dict[str, Any]], Callable[[str], float] | None]
+                           | None = None) -> list[Prompt]:
+    """Prompts for the live query-set turns of the current generation, rendered exactly as they
+    were served: :func:`metaclaw.backends.render_request` on the recorded request (the messages
+    as sent, skills injected, and the offered tools in the chat template).
+
+    ``reward_for(turn)``: a programmatic reward for a turn's completions (e.g. the benchmark's
+    graders), or None to leave the turn to the judge.
+    """
+    from metaclaw.backends import render_request
+
     prompts = []
     for turn in select_query_turns(store, generation):
-        messages = turn["request_messages"]
-        prompts.append(Prompt(tokens=backend.render_chat(messages), messages=messages,
-                              turn_id=turn["id"], skill_generation=turn["skill_generation"]))
+        prompts.append(Prompt(tokens=render_request(backend, turn),
+                              messages=turn["request_messages"],
+                              reward=reward_for(turn) if reward_for is not None else None,
+                              turn_id=turn["id"], skill_generation=turn["skill_generation"],
+                              turn=turn))
     return prompts
 
 
@@ -321,11 +345,46 @@ class GRPOTrainer:
             backend.policy_version = int(saved.get("policy_version", backend.policy_version))
             backend.sampler().policy_version = backend.policy_version
             self.start_step, self.run_id = int(saved["step"]) + 1, saved["run_id"]
-        if store is not None:
-            latest = store.query("SELECT COALESCE(MAX(version), 0) AS v FROM policy_versions")
-            backend.policy_version = max(int(latest[0]["v"]), backend.policy_version)
+        if store is not None:  # the store is the truth: serve its latest published version
+            self.sync_with_store()
         self.next_step = self.start_step          # the number of the next step to run
         self._saved_step: int | None = self.start_step - 1 if self.start_step else None
+
+    def sync_with_store(self) -> int:
+        """Make the backend's policy the store's latest published version (the store is shared
+        by every process of a workspace, so it is the truth): when that version is newer than
+        the backend's and its checkpoint is a saved state here, load it. Returns the version."""
+        backend = self.backend
+        rows = self.store.query("SELECT version, checkpoint FROM policy_versions "
+                                "ORDER BY version DESC LIMIT 1")
+        if not rows or int(rows[0]["version"]) <= backend.policy_version:
+            return backend.policy_version
+        version, checkpoint = int(rows[0]["version"]), rows[0]["checkpoint"]
+        if checkpoint and (Path(checkpoint) / "metaclaw_state.json").is_file():
+            backend.load_state(checkpoint)
+        backend.policy_version = version
+        backend.sampler().policy_version = version
+        return version
+
+    def _prune_checkpoints(self) -> list[str]:
+        """Retention: keep the last ``keep_checkpoints`` saved states and every state a
+        published policy version points to (the store's ``policy_versions.checkpoint``);
+        delete the others. Returns the deleted paths."""
+        import shutil
+
+        if self.state_dir is None or self.config.keep_checkpoints < 1:
+            return []
+        saved = sorted(p for p in self.state_dir.glob("step-*") if p.is_dir())
+        keep = {str(p.resolve()) for p in saved[-self.config.keep_checkpoints:]}
+        if self.store is not None:
+            keep |= {str(Path(r["checkpoint"]).resolve()) for r in self.store.query(
+                "SELECT checkpoint FROM policy_versions WHERE checkpoint IS NOT NULL")}
+        deleted = []
+        for path in saved:
+            if str(path.resolve()) not in keep:
+                shutil.rmtree(path, ignore_errors=True)
+                deleted.append(str(path))
+        return deleted
 
     @property
     def steps_done(self) -> int:
@@ -351,6 +410,7 @@ class GRPOTrainer:
                                    "policy_version": self.backend.policy_version}))
         tmp.replace(self.state_dir / "latest.json")
         self._saved_step = step
+        self._prune_checkpoints()
         return checkpoint
 
     def step(self) -> dict[str, Any] | None:
@@ -389,6 +449,11 @@ class GRPOTrainer:
         texts_P_G = [[backend.decode(s.tokens) for s in samples_G] for samples_G in samples_P_G]
         rewarded_P_G = compute_rewards(batch, texts_P_G, self.judge)
         reward_failures = sum(1 for rewards_G in rewarded_P_G if rewards_G is None)
+        if config.overlong_penalty:  # a completion cut at max_tokens never finished its answer
+            rewarded_P_G = [None if rewards_G is None else
+                            [r - (config.overlong_penalty if s.stop_reason != "stop" else 0.0)
+                             for r, s in zip(rewards_G, samples_G)]
+                            for rewards_G, samples_G in zip(rewarded_P_G, samples_P_G)]
         groups = [(prompt, samples_G, rewards_G) for prompt, samples_G, rewards_G
                   in zip(batch, samples_P_G, rewarded_P_G) if rewards_G is not None]
 
@@ -402,17 +467,31 @@ class GRPOTrainer:
         rewards_P_G = [rewards_G for _, _, rewards_G in groups]
         advantages_P_G, skipped = compute_advantages(rewards_P_G, config.advantage_norm,
                                                      config.zero_variance_eps)
+        zero_variance = [{"turn_id": prompt.turn_id, "reward": rewards_G[0],
+                          "reason": f"all {len(rewards_G)} samples rewarded {rewards_G[0]:g}: "
+                                    "no completion did better or worse than another"}
+                         for (prompt, _, rewards_G), advantages_G in zip(groups, advantages_P_G)
+                         if advantages_G is None]
 
         # 5. One datum per sampled completion: exact sampled tokens and sampling logprobs.
         datums = [Datum.from_sample(prompt.tokens, s.tokens, s.logprobs, a)
                   for (prompt, samples_G, _), advantages_G in zip(groups, advantages_P_G)
                   if advantages_G is not None
                   for s, a in zip(samples_G, advantages_G) if s.tokens]
-        loss, metrics = None, {"reward_failures": reward_failures, "stale_groups": len(stale)}
+        loss, metrics = None, {"reward_failures": reward_failures, "stale_groups": len(stale),
+                               "zero_variance_groups": len(zero_variance),
+                               "zero_variance": zero_variance}
         if datums:
             trained = backend.train_step(datums, config.loss_fn, config.learning_rate)
             loss = trained.get("loss")
             metrics.update({k: v for k, v in trained.items() if k != "loss"})
+            trained_turns = sorted({prompt.turn_id for (prompt, _, _), adv in
+                                    zip(groups, advantages_P_G)
+                                    if adv is not None and prompt.turn_id is not None})
+            if store is not None and trained_turns:
+                from metaclaw.buffers import mark_trained
+
+                mark_trained(store, trained_turns)
 
         # 6. Publish the new weights (a new policy version) and hand them to the server.
         published = None
@@ -427,6 +506,14 @@ class GRPOTrainer:
                     backend.policy_version = recorded
                     backend.sampler().policy_version = recorded
                     published = recorded
+                if self.state_dir is not None:  # the published weights, restorable by version
+                    self.next_step = step + 1
+                    saved = self.save()
+                    if saved is not None and not getattr(backend, "last_sampler_path", None):
+                        store.execute("UPDATE policy_versions SET checkpoint = ? "
+                                      "WHERE version = ? AND checkpoint IS NULL",
+                                      (saved, published))
+                        self._prune_checkpoints()
             if self.on_publish is not None:
                 self.on_publish(backend.sampler(), published)
 

@@ -38,6 +38,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
+from metaclaw.backends import render_request
+
 TOOL_CALL_RE = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
 TOOL_CALL_OPEN = "<tool_call>"
 
@@ -152,7 +154,7 @@ class PolicyResponder:
         if not isinstance(temperature, (int, float)) or temperature < 0:
             raise PolicyRequestError("'temperature' must be a number >= 0")
         try:
-            prompt = self.backend.render_chat(messages, tools=body.get("tools"))
+            prompt = render_request(self.backend, body)  # the rendering training uses too
         except ValueError as exc:
             raise PolicyRequestError(f"cannot render these messages: {exc}") from None
         seed = body.get("seed")

@@ -113,7 +113,7 @@ def _title_schema(body: dict[str, Any], instructions: str, last: str) -> bool:
 
 def _tiny_probe(body: dict[str, Any], instructions: str, last: str) -> bool:
     limit = body.get("max_tokens", body.get("max_completion_tokens"))
-    return (isinstance(limit, int) and not isinstance(limit, bool) and limit <= 4
+    return (isinstance(limit, int) and not isinstance(limit, bool) and limit <= 1
             and not body.get("tools"))
 
 

@@ -44,17 +44,60 @@ log = logging.getLogger("metaclaw.slowloop")
 Reward = Callable[[Prompt, str], Any]
 
 
+def turn_evidence(store, turn: dict[str, Any] | None) -> str | None:
+    """The recorded consequence of a served turn, as the judge's evidence: the results of its
+    tool calls and the user's next message (both read from the session's next turns), and an
+    explicit label when the turn has one. None when nothing is known yet."""
+    from metaclaw.buffers import message_text
+    from metaclaw.judge import next_user_message
+
+    if store is None or not turn or turn.get("id") is None:
+        return None
+    later = store.turns("session_id = ? AND id > ? AND turn_type = 'main'",
+                        (turn.get("session_id"), turn["id"]))
+    parts = []
+    n_sent = len(turn.get("request_messages") or [])
+    if later:  # tool results of this turn's calls: the tool messages right after its context
+        for message in (later[0].get("request_messages") or [])[n_sent:]:
+            if isinstance(message, dict) and message.get("role") == "tool":
+                parts.append("Tool result of the served reply: "
+                             + message_text(message.get("content"))[:1500])
+    feedback = next_user_message(turn, later)
+    if feedback:
+        parts.append("The user's next message after the served reply: " + feedback)
+    label = turn.get("human_label")  # a person's verdict (metaclaw.labels), with their note
+    if label in ("pass", "fail"):
+        note = (store.query("SELECT note, corrected FROM labels WHERE turn_id = ? ORDER BY id "
+                            "DESC LIMIT 1", (turn["id"],)) or [{}])[0]
+        parts.append(f"A person labelled the served reply: {label}"
+                     + (f" ({note['note']})" if note.get("note") else "")
+                     + (f"; the corrected answer: {note['corrected'][:1500]}"
+                        if note.get("corrected") else ""))
+    return "\n".join(parts) or None
+
+
 class JudgeReward:
     """Adapter: a :class:`metaclaw.judge.Judge` as a GRPO reward ``(prompt, text) -> score``.
 
     The completion is judged as a turn with the prompt's messages and the completion as the
-    reply (``<tool_call>`` blocks become the reply's tool calls). Calls return coroutines, so
-    the GRPO step judges all samples of all groups concurrently; a completion the judge cannot
-    score (every vote failed) raises, which costs its group, never the step.
+    reply (``<tool_call>`` blocks become the reply's tool calls), with the evidence the PRM
+    uses: the served turn's recorded consequence (:func:`turn_evidence`: tool results, the
+    user's next message, an explicit label) in the judge's feedback section. Calls return
+    coroutines, so the GRPO step judges all samples of all groups concurrently; a completion
+    the judge cannot score (every vote failed) raises, which costs its group, never the step.
     """
 
-    def __init__(self, judge: Any):
+    def __init__(self, judge: Any, store: Any = None):
         self.judge = judge
+        self.store = store
+        self._evidence: dict[int, str | None] = {}
+
+    def evidence(self, prompt: Prompt) -> str | None:
+        if prompt.turn_id is None:
+            return None
+        if prompt.turn_id not in self._evidence:
+            self._evidence[prompt.turn_id] = turn_evidence(self.store, prompt.turn)
+        return self._evidence[prompt.turn_id]
 
     async def __call__(self, prompt: Prompt, text: str) -> float:
         from metaclaw.policy import parse_tool_calls
@@ -62,7 +105,7 @@ class JudgeReward:
         content, calls = parse_tool_calls(text)
         turn = {"request_messages": prompt.messages or [], "response": content,
                 "tool_calls": calls or None}
-        result = await self.judge.ajudge(turn)
+        result = await self.judge.ajudge(turn, next_user=self.evidence(prompt))
         if result.score is None:
             raise RuntimeError(result.error or "the judge gave no score")
         return float(result.score)
@@ -75,14 +118,14 @@ class JudgeReward:
         return f"JudgeReward({self.judge!r})"
 
 
-def as_reward(judge: Any) -> Reward | None:
+def as_reward(judge: Any, store: Any = None) -> Reward | None:
     """The GRPO reward for ``judge``: a :class:`~metaclaw.judge.Judge` (anything with
     ``ajudge``) is wrapped in :class:`JudgeReward`, a callable ``(prompt, text) -> float`` is
     used as it is, None stays None. Anything else raises TypeError."""
     if judge is None:
         return None
     if callable(getattr(judge, "ajudge", None)):
-        return JudgeReward(judge)
+        return JudgeReward(judge, store)
     if callable(judge):
         return judge
     raise TypeError(f"judge must be a metaclaw.judge.Judge or a callable (prompt, "
@@ -108,7 +151,9 @@ class SlowLoop:
       :meth:`start` (default: :func:`metaclaw.scheduler.load_config` ``(None)``);
     - ``state_dir``: where training state is saved and resumed from (overrides
       ``config.state_dir``);
-    - ``clock``: the scheduler's clock (epoch seconds; injectable for tests).
+    - ``clock``: the scheduler's clock (epoch seconds; injectable for tests);
+    - ``reward_for``: ``turn -> reward(text)`` or None: a programmatic reward for a query
+      turn's completions (the benchmark's graders); turns without one go to the judge.
 
     Creating a SlowLoop restores the latest state saved in ``state_dir``. Attributes:
     ``trainer`` (the :class:`~metaclaw.grpo.GRPOTrainer`), ``responder`` (or None),
@@ -118,13 +163,15 @@ class SlowLoop:
     def __init__(self, store, backend, *, config: GRPOConfig | None = None, judge: Any = None,
                  proxy: Any = None, serve: bool = True,
                  scheduler_config: dict[str, Any] | None = None, state_dir: Any = None,
-                 clock: Callable[[], Any] = time.time):
+                 clock: Callable[[], Any] = time.time,
+                 reward_for: Callable[[dict[str, Any]], Any] | None = None):
         config = dataclasses.replace(config or GRPOConfig())
         if state_dir is not None:
             config.state_dir = str(state_dir)
         self.store, self.backend, self.config = store, backend, config.check()
         self.judge = judge
-        self.reward = as_reward(judge)
+        self.reward = as_reward(judge, store)
+        self.reward_for = reward_for
         self.proxy = proxy
         self.scheduler_config = scheduler_config
         self.clock = clock
@@ -144,7 +191,7 @@ class SlowLoop:
     # -- data ---------------------------------------------------------------------------------
     def prompts(self) -> list[Prompt]:
         """This step's prompt pool: the live query-set turns of the current skill generation."""
-        return prompts_from_query_set(self.store, self.backend)
+        return prompts_from_query_set(self.store, self.backend, reward_for=self.reward_for)
 
     # -- hooks --------------------------------------------------------------------------------
     def add_step_listener(self, fn: Callable[[dict[str, Any]], None]) -> None:

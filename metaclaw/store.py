@@ -197,6 +197,10 @@ MIGRATIONS: list[str] = [
     );
     CREATE INDEX proposals_status ON proposals(status, id);
     """,
+    # 5: the slow loop: how many GRPO steps trained on a turn (a trained turn keeps its buffer set)
+    """
+    ALTER TABLE turns ADD COLUMN trained_steps INTEGER NOT NULL DEFAULT 0;
+    """,
 ]
 
 SCHEMA_VERSION = len(MIGRATIONS)

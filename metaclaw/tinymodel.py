@@ -33,8 +33,12 @@ WORDS = [
     "{", "}", ":", ",", '"', ".", "?", "!", "name", "arguments", "<tool_call>", "</tool_call>",
 ]
 
-#: A simple chat template: ``<|role|> content <|end|>`` per message, then ``<|assistant|>``.
+#: A simple chat template: the offered tools' names (if any) as a first system line, then
+#: ``<|role|> content <|end|>`` per message, then ``<|assistant|>``.
 CHAT_TEMPLATE = (
+    "{% if tools %}{{ '<|system|> tool' }}{% for tool in tools %}"
+    "{{ ' ' + (tool['function']['name'] if tool['function'] is defined else tool['name']) }}"
+    "{% endfor %}{{ ' <|end|> ' }}{% endif %}"
     "{% for message in messages %}"
     "{{ '<|' + message['role'] + '|> ' + (message['content'] or '') + ' <|end|> ' }}"
     "{% endfor %}"

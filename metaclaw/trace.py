@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from metaclaw import buffers
 from metaclaw.buffers import message_text
 from metaclaw.store import Store
 
@@ -108,9 +109,7 @@ class Trace:
     def is_failure(self, row: dict[str, Any]) -> bool:
         if row.get("status") != "ok":
             return True
-        if row.get("human_label") in ("pass", "fail"):
-            return row["human_label"] == "fail"
-        return row.get("reward") is not None and float(row["reward"]) < self.threshold
+        return buffers.is_failure(row, self.threshold)
 
     def index(self):
         """The turns as a ``polars.DataFrame`` (one row per turn, previews only)."""

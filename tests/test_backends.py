@@ -135,6 +135,52 @@ def test_local_backend_state_round_trip_and_errors(tiny_model, tmp_path):
         make_backend("cloud", "x")
 
 
+def test_micro_batches_and_chunked_logprobs_give_the_whole_batch_gradient(tiny_model):
+    """Micro-batches of 1 with 3-token logprob chunks accumulate exactly the gradient of one
+    full-vocabulary pass over the whole batch (the sum loss makes accumulation exact)."""
+    import torch
+
+    def grads(**cfg):
+        backend = make_backend("local", tiny_model, lora_rank=4, seed=0, device="cpu", **cfg)
+        prompt = backend.render_chat([{"role": "user", "content": "say yes"}])
+        samples = backend.sample(prompt, n=4, max_tokens=7, seed=2)
+        datums = [Datum.from_sample(prompt[: len(prompt) - i], s.tokens, s.logprobs, a)
+                  for i, (s, a) in enumerate(zip(samples, [1.0, -1.0, 0.5, -0.25]))]
+        metrics = backend.forward_backward(datums, "ppo")
+        return metrics, [p.grad.clone() for p in backend.params]
+
+    whole, g_whole = grads(micro_batch_size=8, logprob_chunk=10_000)
+    split, g_split = grads(micro_batch_size=1, logprob_chunk=3)
+    assert whole["micro_batches"] == 1 and split["micro_batches"] == 4
+    assert split["loss"] == pytest.approx(whole["loss"], abs=1e-4)
+    assert split["tokens"] == whole["tokens"]
+    for a, b in zip(g_whole, g_split):
+        assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_device_choice_and_cuda_safe_generator(tiny_model):
+    """Devices resolve with one clear error when unavailable; the sampler's random generator
+    lives on the model's device (a CPU generator cannot drive sampling on CUDA)."""
+    import torch
+
+    from metaclaw.backends.local import _generator
+    from metaclaw.causal_lm import resolve_device, resolve_dtype
+
+    backend = make_backend("local", tiny_model, device="auto")
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert backend.device.type in (expected, "mps")
+    assert backend.sampler().device == backend.device
+    assert _generator(1, backend.device).device.type == backend.device.type
+    assert resolve_dtype("auto", "cpu") is torch.float32
+    with pytest.raises(ValueError, match="unknown device"):
+        resolve_device("tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="pass --device cpu"):
+            resolve_device("cuda")
+        with pytest.raises(BackendError, match="no CUDA GPU"):
+            make_backend("local", tiny_model, device="cuda")
+
+
 # -- Tinker: a recording double of the SDK clients ------------------------------------------
 def _done(value):
     """A real SDK future (``AwaitableConcurrentFuture``) already holding ``value``."""

@@ -31,6 +31,8 @@ def state(store: Store, turn_id: int) -> tuple:
 
 
 def test_classification_of_the_current_generation(store, library):
+    """Every successful main turn enters the query set once, whatever its judged outcome; the
+    judged failures among them are the evolver's pending support evidence."""
     assert library.generation == 0
     fail = turn(store, 0, reward=-1)
     unclear = turn(store, 0, reward=0)
@@ -39,20 +41,17 @@ def test_classification_of_the_current_generation(store, library):
     side = turn(store, 0, turn_type="side", reward=-1)
     error = turn(store, 0, status="error")
     changes = buffers.refresh(store, threshold=0.0)
-    assert changes == {"support": 1, "query": 3, "purged": 0}
-    assert state(store, fail) == ("support", "live")
-    assert state(store, unclear) == ("query", "live")
-    assert state(store, good) == ("query", "live")
-    assert state(store, unjudged) == ("query", "live")
+    assert changes == {"support": 0, "query": 4, "purged": 0}
+    for t in (fail, unclear, good, unjudged):
+        assert state(store, t) == ("query", "live")
     assert state(store, side) == (None, None)
     assert state(store, error) == (None, None)
     assert [t["id"] for t in buffers.support_set(store)] == [fail]
-    assert [t["id"] for t in buffers.query_set(store)] == [unclear, good, unjudged]
-    # a higher threshold makes "unclear" a failure too; a re-judged turn moves between sets
-    buffers.refresh(store, threshold=0.5)
-    assert state(store, unclear) == ("support", "live")
+    assert [t["id"] for t in buffers.query_set(store)] == [fail, unclear, good, unjudged]
+    # a higher threshold makes "unclear" a failure too, for the evolver; no turn changes set
+    assert [t["id"] for t in buffers.support_set(store, threshold=0.5)] == [fail, unclear]
     store.update_turn(fail, reward=1.0)
-    buffers.refresh(store, [fail], threshold=0.5)
+    assert buffers.refresh(store, threshold=0.5) == {"support": 0, "query": 0, "purged": 0}
     assert state(store, fail) == ("query", "live")
 
 
@@ -66,7 +65,7 @@ def test_new_generation_consumes_support_and_purges_older_turns(store, library):
     moved = buffers.advance(store, generation, consumed=[fail_a])
     assert moved == {"consumed": 1, "purged": 2}
     assert state(store, fail_a) == ("support", "consumed")
-    assert state(store, fail_b) == ("support", "purged")  # failed under a library that is gone
+    assert state(store, fail_b) == ("query", "purged")  # served under a library that is gone
     assert state(store, good) == ("query", "purged")
     # everything is still in the store
     assert len(store.turns()) == 3
@@ -74,21 +73,38 @@ def test_new_generation_consumes_support_and_purges_older_turns(store, library):
     fresh = turn(store, generation, reward=-1)
     store.update_turn(good, reward=-1.0)
     buffers.refresh(store)
-    assert state(store, fresh) == ("support", "live")
+    assert state(store, fresh) == ("query", "live")
     assert state(store, good) == ("query", "purged")
     assert buffers.support_set(store) == buffers.support_set(store, generation)
-    assert [t["id"] for t in buffers.support_set(store, 0, state=None)] == [fail_a, fail_b]
+    assert [t["id"] for t in buffers.support_set(store, generation)] == [fresh]
     assert [t["id"] for t in buffers.support_set(store, 0, state="consumed")] == [fail_a]
+    assert [t["id"] for t in buffers.support_set(store, 0, state=None)] == [fail_a]
     assert buffers.query_set(store, 0) == []
     # idempotent
     assert buffers.advance(store, generation, consumed=[fail_a]) == {"consumed": 0, "purged": 0}
+
+
+def test_a_trained_turn_is_never_reclassified(store, library):
+    """A failure a GRPO step already trained on keeps its query set when it drives an
+    evolution (it is purged with its generation, never turned into support)."""
+    trained = turn(store, 0, reward=-1)
+    untrained = turn(store, 0, reward=-1)
+    buffers.refresh(store)
+    buffers.mark_trained(store, [trained])
+    buffers.mark_trained(store, [trained])
+    assert store.turn(trained)["trained_steps"] == 2
+    generation = library.add(Skill("s", "d", body="b"), evidence=[trained, untrained])
+    assert buffers.advance(store, generation, consumed=[trained, untrained]) == {
+        "consumed": 1, "purged": 1}
+    assert state(store, trained) == ("query", "purged")
+    assert state(store, untrained) == ("support", "consumed")
 
 
 def test_late_classified_turn_of_an_old_generation_is_purged(store, library):
     library.add(Skill("a-skill", "x", body="y"))
     late = turn(store, 0, reward=-1)
     buffers.refresh(store)
-    assert state(store, late) == ("support", "purged")
+    assert state(store, late) == ("query", "purged")
 
 
 def test_buffers_frame(store, library):
@@ -102,9 +118,9 @@ def test_buffers_frame(store, library):
     frame = buffers.buffers_frame(store)
     assert frame.height == 1
     row = frame.row(0, named=True)
-    assert row["id"] == a and row["set"] == "support" and row["state"] == "live"
+    assert row["id"] == a and row["set"] == "query" and row["state"] == "live"
     assert row["reward"] == -1.0 and row["skill_generation"] == 0
     assert row["task"].startswith("Please convert 5 miles very") and len(row["task"]) <= 80
     assert buffers.buffers_frame(store, all_turns=True).height == 2
     assert isinstance(frame, pl.DataFrame)
-    assert buffers.buffer_counts(store) == {"support": {"live": 1}}
+    assert buffers.buffer_counts(store) == {"query": {"live": 1}}

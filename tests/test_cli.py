@@ -212,7 +212,7 @@ def test_score_buffers_evolve_commands(tmp_path):
         assert all(len(s["votes"]) == 3 and s["failed"] == 0 for s in scored)
         rows = [json.loads(l) for l in run_cli("buffers", "--db", db, "--json").stdout.splitlines()]
         assert [(r["set"], r["state"], r["skill_generation"], r["reward"]) for r in rows] == [
-            ("support", "live", 0, -1.0), ("query", "live", 0, 0.0)]
+            ("query", "live", 0, -1.0), ("query", "live", 0, 0.0)]
 
         dry = json.loads(run_cli("evolve", "--db", db, "--skills", skills, "--evolver-url", url,
                                  "--evolver-model", "sim-evolver", "--dry-run", "--json").stdout)
@@ -269,22 +269,42 @@ def test_train_now_then_runs_json(tmp_path):
 
 def test_bench_full_mode_trains_and_serves_the_policy_between_days(tmp_path):
     """Mode full on two days with the tiny local model as the agent (it cannot do the tasks: the
-    point is the wiring): the skills loop runs, the policy trains after each day from the query
-    set, and later turns are served by a newer policy version."""
+    point is the wiring): the skills loop runs, every night with query data publishes at least
+    one policy version trained on the day's graders' reward, the next day's turns are served by
+    it, and the run is labelled with the policy that served it. A run that trains nothing
+    fails this test."""
     from metaclaw.store import Store
     from metaclaw.tinymodel import write_tiny_model
 
     model = write_tiny_model(tmp_path / "tiny")
-    out = run_cli("bench", "--mode", "full", "--days", "day01,day02", "--backend", "local",
-                  "--base-model", model, "--train-steps", 1, "--out", tmp_path / "f", "--json")
-    summary = json.loads(out.stdout)
+    run_cli("bench", "--mode", "full", "--days", "day01,day02", "--backend", "local",
+            "--base-model", model, "--train-steps", 2, "--device", "cpu",
+            "--out", tmp_path / "f", "--json")
+    summary = json.loads((tmp_path / "f" / "run" / "summary.json").read_text())
     assert summary["rounds"] == 10
+    assert summary["model"] == f"local:{model}" and summary["agent_model"] == "sim-agent"
+    nights = summary["nights"]
+    assert [n["day"] for n in nights] == ["day01", "day02"]
+    for night in nights:
+        assert night["query_turns"] >= 1 and night["graded_turns"] >= 1  # graders reward them
+        assert night["steps"] >= 1 and night["published"] >= 1            # it trained
     store = Store(tmp_path / "f" / "metaclaw.db")
     steps = store.query("SELECT * FROM training_steps ORDER BY id")
-    assert len(steps) == 2 and all(s["groups"] >= 1 for s in steps)  # one step after each day
+    assert len(steps) == sum(n["steps"] for n in nights)
+    assert all("zero_variance_groups" in s["metrics"] for s in steps)
+    versions = store.query("SELECT version FROM policy_versions ORDER BY version")
+    assert [v["version"] for v in versions] == list(range(1, summary["policy_version"] + 1))
+    # day 2 was served by the policy published on night 1, and the label says so
+    day2 = store.turns("session_id LIKE '%day02' AND turn_type = 'main'")
+    assert day2 and {t["policy_version"] for t in day2} == {nights[0]["policy_version_after"]}
+    served = summary["served_by"]["policy_versions_by_day"]
+    assert served["day01"]["max"] == 0 and served["day02"]["min"] == nights[0]["policy_version_after"] >= 1
     # every agent turn was answered by the local policy: token ids and logprobs recorded
     agent = store.turns("turn_type = 'main' AND status = 'ok'")
     assert agent and all(t["completion_tokens_ids"] and t["completion_logprobs"] for t in agent)
+    # trained turns are marked; the support set never trains
+    trained = store.turns("trained_steps > 0")
+    assert trained and all(t["buffer_set"] == "query" for t in trained)
 
 
 def test_serve_sim_auto_evolve_holds_an_unverified_skill_for_review(tmp_path):

@@ -341,3 +341,91 @@ def test_hot_swap_through_the_proxy_under_50_concurrent_requests(world):
     assert versions[-50:] == [4] * 50 and headers[-25:] == [4] * 25
     assert all(len(t["completion_tokens_ids"]) == t["completion_tokens"] for t in turns)
     loop.close()
+
+
+# -- train on exactly what was served -------------------------------------------------------
+TOOLS = [{"type": "function", "function": {
+    "name": "weather", "description": "the weather", "parameters": {"type": "object"}}}]
+
+
+def test_a_training_datum_holds_exactly_the_served_token_ids(world):
+    """A turn served with tools through the proxy: its recorded prompt token ids (what the
+    policy read), the query-set prompt rendered for training, and the prompt part of its
+    training datum are the same ids; the tools are in them."""
+    from metaclaw.backends import Datum, render_request
+    from metaclaw.grpo import prompts_from_query_set
+
+    SlowLoop(world.store, world.backend, config=CONFIG, judge=world.reward, proxy=world.proxy)
+    world.ask("what is the weather", tools=TOOLS)
+    world.proxy.flush()
+    buffers.refresh(world.store)
+    [turn] = world.store.turns()
+    served = turn["prompt_tokens_ids"]
+    assert turn["request_params"]["tools"] == TOOLS
+    without_tools = world.backend.render_chat(turn["request_messages"])
+    assert served != without_tools and len(served) > len(without_tools)  # tools are rendered
+    [prompt] = prompts_from_query_set(world.store, world.backend)
+    assert prompt.tokens == served == render_request(world.backend, turn)
+    datum = Datum.from_sample(prompt.tokens, turn["completion_tokens_ids"],
+                              turn["completion_logprobs"], 1.0)
+    full = datum.model_input + datum.target_tokens[-1:]
+    assert full == served + turn["completion_tokens_ids"]
+
+
+def test_the_judge_sees_the_served_turns_consequence(world):
+    """The PRM reward of a sampled completion carries the served turn's consequence: the tool
+    result and the user's next message, read from the session's next turns."""
+    from metaclaw.slowloop import turn_evidence
+
+    SlowLoop(world.store, world.backend, config=CONFIG, judge=world.reward, proxy=world.proxy)
+    first = [{"role": "user", "content": "weather please"}]
+    world.client.chat.completions.create(model="tiny", messages=first, max_tokens=3,
+                                         tools=TOOLS, extra_headers={"X-Session-Id": "e"})
+    second = first + [{"role": "assistant", "content": None, "tool_calls": [{
+        "id": "c1", "type": "function", "function": {"name": "weather", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny, 21 C"},
+        {"role": "user", "content": "wrong city, I meant Berlin"}]
+    world.client.chat.completions.create(model="tiny", messages=second, max_tokens=3,
+                                         extra_headers={"X-Session-Id": "e"})
+    world.proxy.flush()
+    head, tail = world.store.turns()
+    evidence = turn_evidence(world.store, head)
+    assert "sunny, 21 C" in evidence and "wrong city, I meant Berlin" in evidence
+    assert turn_evidence(world.store, tail) is None
+
+
+def test_sampling_temperature_other_than_one_is_rejected():
+    with pytest.raises(ValueError, match="temperature must be 1.0"):
+        GRPOConfig(temperature=0.7).check()
+
+
+def test_checkpoint_retention_and_the_store_is_the_truth_across_restarts(world, tiny_model):
+    """Saved states: the last ``keep_checkpoints`` and every published version's are kept. A
+    restarted process, and another process sharing the workspace (its own state folder),
+    serve the store's latest published version with exactly its weights."""
+    import dataclasses
+
+    from metaclaw.backends import make_backend
+
+    config = dataclasses.replace(CONFIG, publish_every=2, save_every=1, keep_checkpoints=1)
+    loop = SlowLoop(world.store, world.backend, config=config, judge=world.reward,
+                    proxy=world.proxy, state_dir=world.root / "state")
+    world.serve_query_turns()
+    assert loop.train_now(steps=4).steps_done == 4
+    versions = world.store.query("SELECT version, checkpoint FROM policy_versions")
+    assert [v["version"] for v in versions] == [1, 2]
+    kept = sorted(p.name for p in (world.root / "state").glob("step-*"))
+    assert kept == ["step-000001", "step-000003"]  # step 1 published v1; step 3 is v2 and last
+    assert [v["checkpoint"].rsplit("/", 1)[-1] for v in versions] == kept
+    prompt = world.backend.render_chat([{"role": "user", "content": "say yes"}])
+    expected = world.backend.sampler().sample(prompt, 2, 6, 1.0, seed=5)
+    loop.close()
+
+    for state_dir in ("state", "other-process-state"):
+        backend = make_backend("local", tiny_model, lora_rank=8, seed=1)
+        again = SlowLoop(world.store, backend, config=config, judge=world.reward,
+                         state_dir=world.root / state_dir)
+        assert backend.policy_version == 2 == again.status()["policy_version"]
+        got = backend.sampler().sample(prompt, 2, 6, 1.0, seed=5)
+        assert [s.tokens for s in got] == [s.tokens for s in expected]
+        again.close()

@@ -183,6 +183,22 @@ def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def render_request(backend: Any, request: dict[str, Any]) -> list[int]:
+    """The prompt tokens of a chat request: the one rendering used to serve it and to train on it.
+
+    In: a backend (its tokenizer's chat template) and a request: an OpenAI chat body
+    (``messages``, optional ``tools``) or a recorded turn (``request_messages`` and
+    ``request_params.tools``, as the proxy records what it sent). Out: the token ids the
+    serving policy reads, tools rendered into the chat template, generation prompt appended.
+    """
+    if "request_messages" in request:
+        messages = request["request_messages"]
+        tools = (request.get("request_params") or {}).get("tools")
+    else:
+        messages, tools = request.get("messages"), request.get("tools")
+    return backend.render_chat(messages, tools=tools or None)
+
+
 def check_loss_fn(loss_fn: str) -> str:
     if loss_fn not in LOSS_FNS:
         raise ValueError(f"unknown loss {loss_fn!r}; choose one of {', '.join(LOSS_FNS)}")
@@ -234,5 +250,5 @@ def make_backend(kind: str, base_model: str, **cfg: Any) -> TrainingBackend:
 
 
 __all__ = ["BackendError", "Datum", "LOSS_FNS", "Sample", "Sampler", "TokenizerMixin", "TrainingBackend",
-           "check_loss_fn", "make_backend", "normalize_messages", "DEFAULT_CLIP_LOW",
+           "check_loss_fn", "make_backend", "normalize_messages", "render_request", "DEFAULT_CLIP_LOW",
            "DEFAULT_CLIP_HIGH"]

@@ -6,6 +6,14 @@ frozen, merged copy of the current LoRA weights (a :class:`LocalSampler`) and ev
 comes from it, while training keeps mutating the LoRA copy. A responder holding an older sampler
 keeps serving from it until it swaps, so sampling never waits for training.
 
+Hardware: ``device`` is ``auto`` | ``cpu`` | ``cuda`` | ``mps`` (auto picks a GPU when there is one)
+and ``dtype`` ``auto`` (bfloat16 on a GPU that supports it, float32 elsewhere). Every tensor, and
+the sampling random generator, lives on the model's device. Training runs in micro-batches of
+``micro_batch_size`` sequences with gradient accumulation (the loss is a sum over tokens, so the
+accumulated gradient equals the whole batch's), and the learner's log-probabilities are computed
+in chunks of ``logprob_chunk`` completion tokens through the output layer, recomputed in the
+backward pass: the full-vocabulary fp32 logits of a whole batch never exist at once.
+
 Memory: each published sampler is a full copy of the model (merged LoRA). That is nothing for the
 tiny offline model and fine for small models; for large models prefer the Tinker backend.
 """
@@ -93,10 +101,11 @@ def _iter_tokens(model, prompt_tokens: Sequence[int], n: int, max_tokens: int,
                         use_cache=True)
 
 
-def _generator(seed: int | None):
+def _generator(seed: int | None, device="cpu"):
+    """A random generator on ``device`` (torch.multinomial needs it on the probabilities' device)."""
     import torch
 
-    gen = torch.Generator()
+    gen = torch.Generator(device=device)
     gen.manual_seed(int.from_bytes(os.urandom(8), "little") >> 1 if seed is None else seed)
     return gen
 
@@ -108,6 +117,7 @@ class LocalSampler:
         self.model = model
         self.eos_token_id = eos_token_id
         self.policy_version = policy_version
+        self.device = next(model.parameters()).device
 
     def sample(self, prompt_tokens: list[int], n: int = 1, max_tokens: int = 64,
                temperature: float = 1.0, seed: int | None = None) -> list[Sample]:
@@ -118,7 +128,7 @@ class LocalSampler:
         samples = [Sample([], []) for _ in range(n)]
         finished = [False] * n
         for toks, lps in _iter_tokens(self.model, prompt_tokens, n, max_tokens, temperature,
-                                      self.eos_token_id, _generator(seed)):
+                                      self.eos_token_id, _generator(seed, self.device)):
             for i in range(n):
                 if finished[i]:
                     continue
@@ -133,48 +143,70 @@ class LocalSampler:
                seed: int | None = None) -> Iterator[tuple[int, float]]:
         """One completion, yielded token by token as ``(token, logprob)`` (ends after EOS)."""
         for toks, lps in _iter_tokens(self.model, prompt_tokens, 1, max_tokens, temperature,
-                                      self.eos_token_id, _generator(seed)):
+                                      self.eos_token_id, _generator(seed, self.device)):
             yield toks[0], lps[0]
 
 
 class LocalBackend(TokenizerMixin):
     """LoRA training of a local Hugging Face causal LM with torch.
 
-    In: ``base_model`` (a directory loadable by ``AutoModelForCausalLM``), ``lora_rank``,
-    ``lora_alpha`` (default 2 x rank), ``seed`` (LoRA init), ``train_unembed`` (also adapt the
-    output layer, like Tinker), ``clip_low`` / ``clip_high`` (ppo / cispo ratio clip),
-    ``grad_clip_norm`` (0 = off), ``weight_decay``, ``num_threads`` (sets torch's intra-op
-    threads for the process; 1 is fastest for tiny models on a busy machine).
+    In: ``base_model`` (a directory loadable by ``AutoModelForCausalLM``, a ``.gguf`` file, or
+    ``"smollm2"`` / None for the packaged SmolLM2-135M-Instruct, see :mod:`metaclaw.causal_lm`),
+    ``lora_rank``, ``lora_alpha`` (default 2 x rank), ``seed`` (LoRA init), ``train_unembed``
+    (also adapt the output layer, like Tinker), ``clip_low`` / ``clip_high`` (ppo / cispo ratio
+    clip), ``grad_clip_norm`` (0 = off), ``weight_decay``, ``device`` (auto | cpu | cuda | mps),
+    ``dtype`` (auto | float32 | bfloat16 | float16), ``micro_batch_size`` (sequences per
+    forward/backward pass; gradients accumulate across micro-batches), ``logprob_chunk``
+    (completion tokens whose full-vocabulary logits are materialised at once), ``num_threads``
+    (sets torch's intra-op threads for the process; 1 is fastest for tiny models on a busy
+    machine).
     """
 
     kind = "local"
 
-    def __init__(self, base_model: str, *, lora_rank: int = 8, lora_alpha: float | None = None,
-                 seed: int = 0, train_unembed: bool = True, clip_low: float = DEFAULT_CLIP_LOW,
-                 clip_high: float = DEFAULT_CLIP_HIGH, grad_clip_norm: float = 1.0,
-                 weight_decay: float = 0.0, device: str = "cpu", num_threads: int | None = None):
+    def __init__(self, base_model: str | None, *, lora_rank: int = 8,
+                 lora_alpha: float | None = None, seed: int = 0, train_unembed: bool = True,
+                 clip_low: float = DEFAULT_CLIP_LOW, clip_high: float = DEFAULT_CLIP_HIGH,
+                 grad_clip_norm: float = 1.0, weight_decay: float = 0.0, device: str = "auto",
+                 dtype: str = "auto", micro_batch_size: int = 8, logprob_chunk: int = 1024,
+                 num_threads: int | None = None):
         import torch
         from peft import LoraConfig, get_peft_model
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from metaclaw.causal_lm import load_causal_lm
 
         if num_threads:
             torch.set_num_threads(int(num_threads))
-        path = Path(str(base_model)).expanduser()
-        if not (path / "config.json").is_file():
-            raise BackendError(
-                f"no Hugging Face model at {base_model!r}; pass a local model directory with a "
-                "config.json (`metaclaw tiny-model DIR` writes a tiny one for offline use)")
         if lora_rank < 1:
             raise BackendError(f"lora_rank must be a positive integer, got {lora_rank}")
-        self.base_model = str(base_model)
+        if micro_batch_size < 1 or logprob_chunk < 1:
+            raise BackendError("micro_batch_size and logprob_chunk must be positive integers")
+        packaged = base_model in (None, "", "smollm2")
+        path = None if packaged else Path(str(base_model)).expanduser()
+        if path is not None and not (path / "config.json").is_file() \
+                and not (path.is_file() and path.suffix == ".gguf"):
+            raise BackendError(
+                f"no Hugging Face model at {base_model!r}; pass a local model directory with a "
+                "config.json, a .gguf file, or 'smollm2' for the packaged SmolLM2 (`metaclaw "
+                "tiny-model DIR` writes a tiny model for offline use)")
+        try:
+            model, self.tokenizer = load_causal_lm(path, device=device, dtype=dtype)
+        except (FileNotFoundError, ValueError, ImportError) as exc:
+            raise BackendError(str(exc)) from None
+        self.base_model = "smollm2" if packaged else str(base_model)
         self.lora_rank = lora_rank
         self.clip_low, self.clip_high = clip_low, clip_high
         self.grad_clip_norm = grad_clip_norm
-        self.tokenizer = AutoTokenizer.from_pretrained(str(path))
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).to(device)
+        self.micro_batch_size, self.logprob_chunk = int(micro_batch_size), int(logprob_chunk)
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
         targets = sorted({name.rsplit(".", 1)[-1] for name, mod in model.named_modules()
                           if isinstance(mod, torch.nn.Linear)})
-        if not train_unembed:
+        tied = bool(getattr(model.config, "tie_word_embeddings", False))
+        if not train_unembed or tied:
+            # A tied output layer shares its weight with the input embeddings: merging an
+            # adapter into it (the published sampler) would change the embeddings too, so the
+            # sampler would no longer be the trained policy. Tied models keep it frozen.
             out = model.get_output_embeddings()
             out_names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if m is out}
             targets = [t for t in targets if t not in out_names]
@@ -190,6 +222,8 @@ class LocalBackend(TokenizerMixin):
             torch.random.set_rng_state(cpu_state)
         self.model.eval()  # no dropout: training logprobs must match sampling logprobs
         self.params = [p for p in self.model.parameters() if p.requires_grad]
+        for p in self.params:  # adapters train in fp32 even on a bf16 base (optimizer precision)
+            p.data = p.data.float()
         self.optimizer = torch.optim.AdamW(self.params, lr=1e-4, betas=(0.9, 0.95), eps=1e-8,
                                            weight_decay=weight_decay)
         self.policy_version = 0
@@ -217,17 +251,39 @@ class LocalBackend(TokenizerMixin):
     # -- training -------------------------------------------------------------------------
     def forward_backward(self, datums: list[Datum],
                          loss_fn: str = "importance_sampling") -> dict[str, float]:
-        """Accumulate gradients of ``loss_fn`` over ``datums``; returns metrics incl. ``loss``."""
-        import torch
+        """Accumulate gradients of ``loss_fn`` over ``datums``; returns metrics incl. ``loss``.
 
+        The datums run in micro-batches of ``micro_batch_size`` (similar lengths together, so
+        little padding); each micro-batch's summed loss is backpropagated at once, so the
+        accumulated gradient is that of the whole batch.
+        """
         check_loss_fn(loss_fn)
         if not datums:
             raise ValueError("forward_backward needs at least one Datum")
+        order = sorted(range(len(datums)), key=lambda i: len(datums[i].model_input))
+        mb = self.micro_batch_size
+        total, tokens, weighted = 0.0, 0, {}
+        for start in range(0, len(order), mb):
+            part = [datums[i] for i in order[start:start + mb]]
+            loss_value, stats, n = self._forward_backward_micro(part, loss_fn)
+            total += loss_value
+            tokens += n
+            for key, value in stats.items():
+                weighted[key] = weighted.get(key, 0.0) + value * n
+        stats = {k: v / max(tokens, 1) for k, v in weighted.items()}
+        return {"loss": total, "loss:sum": total, "tokens": tokens, "datums": len(datums),
+                "micro_batches": -(-len(datums) // mb), **stats}
+
+    def _forward_backward_micro(self, datums: list[Datum], loss_fn: str):
+        import torch
+
         width = max(len(d.model_input) for d in datums)
         pad = self.tokenizer.pad_token_id or 0
+        device = self.device
 
         def padded(rows, value, dtype):
-            return torch.tensor([list(r) + [value] * (width - len(r)) for r in rows], dtype=dtype)
+            return torch.tensor([list(r) + [value] * (width - len(r)) for r in rows],
+                                dtype=dtype, device=device)
 
         input_ids = padded([d.model_input for d in datums], pad, torch.long)
         attention = padded([[1] * len(d.model_input) for d in datums], 0, torch.long)
@@ -235,20 +291,49 @@ class LocalBackend(TokenizerMixin):
         sampling_lp = padded([d.logprobs for d in datums], 0.0, torch.float32)
         advantages = padded([d.advantages for d in datums], 0.0, torch.float32)
         mask = padded([d.mask for d in datums], 0.0, torch.float32)
-        device = next(self.model.parameters()).device
         with self._lock:
-            logits = self.model(input_ids=input_ids.to(device),
-                                attention_mask=attention.to(device)).logits.float()
-            logprobs = torch.log_softmax(logits, dim=-1).gather(
-                2, targets.to(device)[..., None]).squeeze(-1)
-            loss, stats = policy_loss(loss_fn, logprobs, sampling_lp.to(device),
-                                      advantages.to(device), mask.to(device),
+            logprobs = self._target_logprobs(input_ids, attention, targets, mask)
+            loss, stats = policy_loss(loss_fn, logprobs, sampling_lp, advantages, mask,
                                       self.clip_low, self.clip_high)
             loss.backward()
-        tokens = int(mask.sum())
-        loss_value = float(loss.detach())
-        return {"loss": loss_value, "loss:sum": loss_value, "tokens": tokens,
-                "datums": len(datums), **stats}
+        return float(loss.detach()), stats, int(mask.sum())
+
+    def _target_logprobs(self, input_ids, attention, targets, mask):
+        """Log-probabilities (B, T) of the target tokens, in fp32, 0 where ``mask`` is 0.
+
+        Only masked-in (completion) positions go through the output layer, ``logprob_chunk``
+        tokens at a time, each chunk under activation checkpointing: its logits are recomputed
+        in the backward pass instead of being kept, so at most one chunk's full-vocabulary
+        logits exist at any moment.
+        """
+        import torch
+        from torch.utils.checkpoint import checkpoint
+
+        base = self.model.get_base_model()
+        decoder = base.get_decoder() if hasattr(base, "get_decoder") else None
+        head = base.get_output_embeddings()
+        if decoder is None or head is None:  # an architecture without the usual split
+            logits = self.model(input_ids=input_ids, attention_mask=attention).logits.float()
+            return torch.log_softmax(logits, -1).gather(2, targets[..., None]).squeeze(-1) * mask
+        hidden = decoder(input_ids=input_ids, attention_mask=attention).last_hidden_state
+        picked = mask.bool()
+        hidden_N = hidden[picked]                    # (N, H): completion positions only
+        targets_N = targets[picked]
+
+        def chunk_logprobs(h, t):
+            logits = head(h).float()
+            return torch.log_softmax(logits, -1).gather(1, t[:, None]).squeeze(1)
+
+        pieces = []
+        for start in range(0, hidden_N.shape[0], self.logprob_chunk):
+            h = hidden_N[start:start + self.logprob_chunk]
+            t = targets_N[start:start + self.logprob_chunk]
+            pieces.append(checkpoint(chunk_logprobs, h, t, use_reentrant=False)
+                          if h.requires_grad else chunk_logprobs(h, t))
+        out = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+        if pieces:
+            out = out.masked_scatter(picked, torch.cat(pieces))
+        return out
 
     def optim_step(self, learning_rate: float) -> dict[str, float]:
         """Apply the accumulated gradients with AdamW at ``learning_rate``, then clear them."""
