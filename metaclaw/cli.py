@@ -554,7 +554,7 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text)
         p.add_argument("--data", help="benchmark folder (default: the small subset shipped "
                        "with the package)")
-        p.add_argument("--days", default="all", help="all, or e.g. day01,day03")
+        p.add_argument("--days", default="all", help="all, or a comma-separated list of day ids")
         p.add_argument("--out", default="metaclaw-demo" if name == "demo" else "bench-out")
         p.add_argument("--upstream", help="a real provider's OpenAI-compatible base URL "
                        "(key from $METACLAW_UPSTREAM_API_KEY); default: the simulated model")

@@ -196,7 +196,7 @@ def run_demo(data_dir: str | Path | None = None, days: str = "all", out_dir: str
     """Run baseline vs skills on a MetaClaw-Bench folder and return the learning curve.
 
     In: ``data_dir`` (benchmark folder; default: the small benchmark shipped with the package),
-    ``days`` ("all" or "day01,day02"), ``out_dir``;
+    ``days`` ("all" or a comma-separated list of day ids), ``out_dir``;
     ``upstream``/``model`` for a real provider (both or neither; default: the simulated model
     served locally); judge/evolver URL and model (default: the agent's upstream, or the simulated
     ``sim-judge``/``sim-evolver``); ``votes`` per judged turn (default 1 simulated, 3 real);

@@ -246,13 +246,18 @@ class ToolSet:
 # --------------------------------------------------------------------------------------------
 
 def _month_date(text: str, default_year: int) -> dt.date | None:
-    m = re.search(r"\b(" + "|".join(MONTHS) + r")\s+(\d{1,2})(?:st|nd|rd|th)?\b(?:,?\s*(\d{4}))?",
-                  text, re.I)
-    if not m:
-        return None
-    year = int(m.group(3)) if m.group(3) else default_year
+    """'March 16, 2026' or '16 March 2026' (year optional) -> date."""
+    months = "|".join(MONTHS)
+    m = re.search(rf"\b({months})\s+(\d{{1,2}})(?:st|nd|rd|th)?\b(?:,?\s*(\d{{4}}))?", text, re.I)
+    if m:
+        month, day, year = m.group(1), m.group(2), m.group(3)
+    else:
+        m = re.search(rf"\b(\d{{1,2}})(?:st|nd|rd|th)?\s+(?:of\s+)?({months})\b(?:,?\s*(\d{{4}}))?", text, re.I)
+        if not m:
+            return None
+        day, month, year = m.group(1), m.group(2), m.group(3)
     try:
-        return dt.date(year, MONTHS.index(m.group(1).lower()) + 1, int(m.group(2)))
+        return dt.date(int(year) if year else default_year, MONTHS.index(month.lower()) + 1, int(day))
     except ValueError:
         return None
 
@@ -354,7 +359,8 @@ def parse_when(text: str, today: dt.date, default: dt.time = dt.time(9, 30)) -> 
 _STOP = {"a", "an", "the", "this", "that", "of", "to", "with", "and", "in", "on", "our", "for",
          "new", "formal", "structured", "comprehensive", "detailed", "brief", "json", "markdown",
          "csv", "python", "format", "file", "weekly", "please", "its", "their", "all", "some",
-         "we", "you", "it", "as", "from", "by", "at", "into", "is", "are", "be", "or", "s"}
+         "we", "you", "it", "as", "from", "by", "at", "into", "is", "are", "be", "or", "s",
+         "directory", "folder"}
 _GENERIC = {"utility", "helper", "module", "class", "script", "tool", "document", "doc"}
 _PATH = r"[A-Za-z0-9_][\w.\-]*/[\w.\-/]*\.[A-Za-z0-9]+"
 
@@ -547,7 +553,7 @@ class _Ctx:
         return self.rules.time is not None
 
     def t(self, when: dt.datetime | None = None) -> str:
-        """A time value: in the stated format when there is one, else plain ``YYYY-MM-DD HH:MM``."""
+        """A time value: in the stated format when there is one, else plain ``2026-07-09 14:30``."""
         when = when or self.now
         return self.rules.time.format(when) if self.rules.time else when.strftime("%Y-%m-%d %H:%M")
 
@@ -955,7 +961,7 @@ def modify_json(ctx: _Ctx, original: str) -> str:
             for name in re.findall(r"\b([a-z]+_[a-z]+)\b", ctx.q):   # time fields the request names
                 if _is_time_field(name):
                     item[name] = ctx.t(parse_when(due.group(1), ctx.today, dt.time(18, 0))
-                                       if due and name != "created_at" and "creat" not in name else ctx.now)
+                                       if due and "creat" not in name else ctx.now)
             if due and not any(_is_time_field(k) and item.get(k) for k in item):
                 item["due"] = ctx.t(parse_when(due.group(1), ctx.today, dt.time(18, 0)))
             lst.append(item)
@@ -1266,7 +1272,7 @@ def agent_reply(body: dict, seed: int = DEFAULT_SEED) -> dict:
 
 _NEG = re.compile(r"\b(incorrect|incorrectly|wrong|missing|missed|does not|doesn't|did not|not correctly|"
                   r"not conform|not meet|not follow|violat\w*|issues?|fail\w*|must|requires?|should be|"
-                  r"still contains)\b", re.I)
+                  r"still contains|bad|forgot\w*|instead)\b", re.I)
 _OPENS_POS = re.compile(r"^\W*(correct|all correct|excellent|perfect|great|well done)\b", re.I)
 _POS = re.compile(r"\b(correct|correctly|perfect|excellent|properly|follows|complies|comply|compliant|"
                   r"success\w*|well done)\b", re.I)

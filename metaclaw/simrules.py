@@ -15,11 +15,11 @@ example at a time):
     UTC-3```). The example becomes a ``strftime`` pattern: the digits are matched to year, month,
     day, hour, minute and second; separators, a ``T``, and the zone suffix (``Z``, ``+hh:mm``,
     ``UTC-3``) are kept literally. ``<time>`` placeholders stand for ``HH:MM:SS``. Once known, every
-    time value the agent writes uses it; without it the agent writes ``YYYY-MM-DD HH:MM``.
+    time value the agent writes uses it; without it the agent writes ``2026-07-09 14:30``.
 ``naming`` -- a file-name pattern for new files. Read from a pattern or an example in a sentence
-    about names (``named like `20260323_build_report.json```, ``use `<description>-YYYY-MM-DD.md```,
+    about names (``named like `20260709_stock_report.json```, ``use `<description>-2026-07-09.md```,
     ``(20260403_*.csv)``): where the date goes (prefix or suffix), its format (8 digits or
-    ``YYYY-MM-DD`` style, with the example's separators), the separator between date and
+    year-month-day letters style, with the example's separators), the separator between date and
     description, and the word separator and case of the description.
 ``header`` -- a metadata header that files of one type must carry, copied from an example in the
     text: a YAML front matter block (``--- key: value ... ---``) for Markdown, a top-level JSON
@@ -32,11 +32,11 @@ example at a time):
     suffix is what the example adds to a file name.
 ``log`` -- append a line to a file after each task. Read from a sentence that says to append /
     log / record a line to a named file, with the line given as a template or an example in
-    backticks (``[OK] <time> | <task_id> | <summary>``). Fields of the line are filled by their
-    look: a timestamp -> now, a ``<..id..>`` placeholder or a snake_case word -> a short task id, the
+    backticks (``[OK] <time> | <id> | <summary>``). Fields of the line are filled by their
+    look: a timestamp -> now, a ``<..id..>`` placeholder or a word_with_underscores -> a short task id, the
     rest -> a summary of what was done (cut to "at most N characters" when the text says so).
 
-What it cannot do is as important: it does not guess a rule from a rule's name ("follow the P2
+What it cannot do is as important: it does not guess a rule from a rule's name ("follow the naming
 convention" alone teaches nothing), does not remember across conversations, and reads one rule
 of each kind (the most often stated, the latest on a tie).
 """
@@ -203,32 +203,43 @@ class NamePattern:
         return bool(self.regex.match(filename.rsplit("/", 1)[-1]))
 
 
-_DATE_TOKENS = [  # (regex on a name token, strftime); letter patterns first, then digits
-    (r"YYYY-MM-DD", "%Y-%m-%d"), (r"YYYY_MM_DD", "%Y_%m_%d"), (r"YYYYMMDD", "%Y%m%d"),
-    (r"DD-MM-YYYY", "%d-%m-%Y"), (r"DDMMYYYY", "%d%m%Y"),
-    (r"\d{4}-\d{2}-\d{2}", "%Y-%m-%d"), (r"\d{4}_\d{2}_\d{2}", "%Y_%m_%d"), (r"\d{8}", "%Y%m%d"),
-]
+# The date part of a name: letters (a year of four Y, a month of two M, a day of two D, in any
+# order, with one separator) or digits (year first or year last, one separator or none).
+_Y, _M, _D = "Y" * 4, "M" * 2, "D" * 2
+_LETTER_DATE = rf"(?:{_Y}|{_M}|{_D})([-_.]?)(?:{_Y}|{_M}|{_D})\1(?:{_Y}|{_M}|{_D})"
+_DIGIT_DATE = r"\d{4}([-_.]?)\d{2}\2\d{2}|\d{2}([-_.]?)\d{2}\3\d{4}"
+_DATE_PART = re.compile(rf"{_LETTER_DATE}|{_DIGIT_DATE}")
 _NAME_TOKEN = re.compile(r"(?<![\w/.-])([\w<>*\-]+\.(?:[a-z0-9]{1,5}|ext|<ext>))(?![\w])", re.I)
 
 
+def _date_format(part: str) -> str | None:
+    """'YYYY-MM-DD' / '20260709' / '09.07.2026' -> strftime ('%Y-%m-%d', '%Y%m%d', '%d.%m.%Y')."""
+    if part[0].isalpha():
+        return part.replace(_Y, "%Y").replace(_M, "%m").replace(_D, "%d")
+    digits = re.sub(r"\D", "", part)
+    sep = re.sub(r"\d", "", part)[:1]
+    fmt = f"%Y{sep}%m{sep}%d" if re.match(r"\d{4}", part) else f"%d{sep}%m{sep}%Y"
+    try:
+        dt.datetime.strptime(part, fmt)
+    except ValueError:
+        return None
+    return fmt if len(digits) == 8 else None
+
+
 def name_pattern_of(token: str, sentence: str = "") -> NamePattern | None:
-    """A file name or pattern (``20260323_ci_report.json``, ``<desc>-YYYY-MM-DD.md``) -> pattern."""
+    """A file name or pattern (``20260709_stock_report.json``, ``<desc>-2026-07-09.md``) -> pattern."""
     stem = token.rsplit("/", 1)[-1].rsplit(".", 1)[0]
-    for rx, fmt in _DATE_TOKENS:
-        m = re.fullmatch(rf"({rx})([_\-.]?)(.*)", stem) or re.fullmatch(rf"(.*?)([_\-.]?)({rx})", stem)
-        if not m:
+    for m in _DATE_PART.finditer(stem):
+        fmt = _date_format(m.group(0))
+        if fmt is None:
             continue
-        first = bool(re.fullmatch(rx, m.group(1)))
-        date_txt, joiner, rest = (m.group(1), m.group(2), m.group(3)) if first else \
-            (m.group(3), m.group(2), m.group(1))
-        if fmt == "%Y%m%d" and date_txt.isdigit():
-            try:
-                dt.datetime.strptime(date_txt, fmt)
-            except ValueError:
-                continue
-        if not rest:
-            continue
-        words = re.sub(r"[<>*]", "", rest)
+        before, after = stem[:m.start()], stem[m.end():]
+        if before and after or not (before or after):
+            continue          # the date must be a prefix or a suffix of a longer name
+        first = not before
+        rest = after if first else before
+        joiner = rest[0] if rest[0] in "_-." else ""
+        words = re.sub(r"[<>*]", "", rest.strip("_-."))
         low = sentence.lower()
         if "kebab" in low or ("-" in words and "_" not in words):
             sep = "-"
@@ -237,7 +248,7 @@ def name_pattern_of(token: str, sentence: str = "") -> NamePattern | None:
         else:
             sep = "_" if "_" in words or "snake" in low or not words else joiner or "_"
         lower = not re.search(r"[A-Z]", words) or "lower" in low
-        return NamePattern(fmt, first, joiner, sep, lower, token)
+        return NamePattern(fmt, first, joiner or sep, sep, lower, token)
     return None
 
 
@@ -353,10 +364,10 @@ class LogLine:
     max_summary: int | None = None
     example: str = ""
 
-    def line(self, now_text: str, task_id: str, summary: str) -> str:
+    def line(self, now_text: str, ident: str, summary: str) -> str:
         if self.max_summary and len(summary) > self.max_summary:
             summary = summary[:self.max_summary - 3].rsplit(" ", 1)[0] + "..."
-        parts = [{"time": now_text, "id": task_id, "summary": summary}.get(f, f) for f in self.fields]
+        parts = [{"time": now_text, "id": ident, "summary": summary}.get(f, f) for f in self.fields]
         return (self.prefix + self.sep.join(parts)).rstrip() + "\n"
 
 
@@ -379,14 +390,14 @@ def read_log(sentence: str) -> list[LogLine]:
     if not fm:
         return []
     spans = re.findall(r"`([^`\n]{6,200})`", sentence)
-    template = next((s for s in spans if re.search(r"\s[|;,]\s|\s-\s|<\w+>", s) and s != fm.group(1)), None)
+    template = next((s for s in spans if re.search(r"\s?[|;,]\s|\s-\s|<\w+>", s) and s != fm.group(1)), None)
     if template is None:
         return []
-    sep = next((s for s in (" | ", " ; ", " - ", ", ") if s in template), " ")
+    sep = next((s for s in (" | ", " ; ", "; ", " - ", ", ") if s in template), " ")
     prefix_m = re.match(r"^(\[[^\]]+\]\s*|[A-Z]{2,}:?\s+)", template)
     prefix = prefix_m.group(1) if prefix_m else ""
     body = template[len(prefix):]
-    # a prefix followed by a time with no separator: "[DONE] <time> | ..." keeps its space
+    # a bracketed prefix ("[OK] <time> | ...") keeps its space
     fields = tuple(_field_kind(p) for p in body.split(sep.strip() if sep != " " else " ") if p.strip())
     cap = re.search(r"(?:at most|max(?:imum)?|up to|<=?)\s*(\d{2,3})\s*(?:char|characters)", sentence, re.I)
     return [LogLine(fm.group(1), prefix, fields, sep, int(cap.group(1)) if cap else None, template)]
