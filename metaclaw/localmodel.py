@@ -49,11 +49,18 @@ class LocalModelError(RuntimeError):
     """The local model cannot run here (missing extra or weights); the message says what to do."""
 
 
+def _installed(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def check_available(path: str | None = None) -> None:
     """Raise :class:`LocalModelError` (one sentence) unless the model at ``path`` (None: the
     packaged SmolLM2) can be loaded: torch, transformers, gguf where needed, and the weights."""
     needed = ["torch", "transformers"] + (["gguf"] if path is None or str(path).endswith(".gguf") else [])
-    missing = [name for name in needed if importlib.util.find_spec(name) is None]
+    missing = [name for name in needed if not _installed(name)]
     if missing:
         raise LocalModelError(f"{', '.join(missing)} not installed: {EXTRA}")
     if path is None:
