@@ -170,8 +170,10 @@ def run_mode(mode: str, data: Path, days: Any, out: Path, upstream: str, model: 
 
             hooks = {"on_round": on_round_skills, "between_rounds": between_rounds,
                      "between_days": between_days}
+        # a local model on a CPU answers in minutes, not seconds: wait for it, and bound the tool loop
+        local = {"request_timeout": 1800, "max_iterations": 8} if responder is not None else {}
         summary = run_bench(data, days, mode, base_url=proxy.url, model=model, out_dir=out / "run",
-                            parallel=parallel if mode == "baseline" else 1, **hooks)
+                            parallel=parallel if mode == "baseline" else 1, **hooks, **local)
         if loop is not None:
             events = [e.to_dict() for e in loop.events if e.kind in ("evolved", "evolve_failed")]
         summary["skill_generation"] = library.generation
