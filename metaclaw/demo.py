@@ -14,7 +14,9 @@ Without ``upstream`` the model is the SIMULATED model of :mod:`metaclaw.simmodel
 stand-in started on a local port; the agent, judge and evolver are ``sim-agent``, ``sim-judge``,
 ``sim-evolver``), and every result says so (``simulated: True``, the table's title). With
 ``upstream``/``model`` (and the key in ``$METACLAW_UPSTREAM_API_KEY``) the same code runs against
-a real provider; the judge and evolver then default to the same provider and model.
+a real provider; the judge and evolver then default to the same provider and model. With
+``local_model`` a real small language model running locally (:mod:`metaclaw.localmodel`) is the
+agent, served inside the proxy, while the judge and the evolver stay simulated.
 
 Everything is written under ``out_dir``: ``baseline/`` and ``skills/`` (each with its store,
 skill library and the runner's ``rounds.jsonl`` / ``summary.json``) and ``demo.json`` (the
