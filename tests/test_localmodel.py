@@ -8,6 +8,7 @@ are missing.
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -93,7 +94,13 @@ def test_as_the_proxys_responder_turns_record_token_ids_and_logprobs(served, tmp
         client = openai.OpenAI(base_url=proxy.url, api_key="unused")
         out = client.chat.completions.create(model="m", messages=QUESTION, max_tokens=6)
         assert out.choices[0].message.content
-        row = store.query("SELECT * FROM turns ORDER BY id DESC LIMIT 1")[0]
+        rows = []
+        for _ in range(200):   # the turn is recorded just after the reply is sent
+            rows = store.query("SELECT * FROM turns ORDER BY id DESC LIMIT 1")
+            if rows:
+                break
+            time.sleep(0.05)
+        row = rows[0]
         tokens, logprobs = _list(row["completion_tokens_ids"]), _list(row["completion_logprobs"])
         assert len(tokens) == len(logprobs) == out.usage.completion_tokens
         assert _list(row["prompt_tokens_ids"]) and all(lp <= 0 for lp in logprobs)
