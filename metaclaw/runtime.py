@@ -89,6 +89,8 @@ class RuntimeConfig:
     evolver_model: str | None = None
     votes: int | None = None         # judge votes per turn (default 3; 1 for the simulated model)
     auto_evolve: bool = False        # judge every turn and evolve automatically (the fast loop)
+    local_model: str | None = None   # a real local LM answers ("packaged" or a path); judge and
+                                     # evolver are then the simulated model
 
     @classmethod
     def from_mapping(cls, values: dict[str, Any]) -> "RuntimeConfig":
@@ -123,9 +125,9 @@ class Runtime:
             library.import_dir(starter_skills_dir())
         double = None
         upstream = config.upstream_url
-        if config.simulated and upstream:
-            raise ValueError("choose either an upstream URL or the simulated model, not both")
-        if config.simulated:
+        if (config.simulated or config.local_model) and upstream:
+            raise ValueError("choose either an upstream URL or an offline model, not both")
+        if config.simulated or config.local_model:
             from metaclaw.simmodel import sim_model_server
 
             double = sim_model_server()
@@ -138,6 +140,11 @@ class Runtime:
         proxy_config = ProxyConfig(**{name: getattr(config, name) for name in shared})
         retriever = make_retriever(config.retrieval, config.embedding_model)
         proxy = Proxy(proxy_config, store, library, retriever)
+        if config.local_model:
+            from metaclaw.localmodel import load_responder
+
+            proxy.set_responder(load_responder(None if config.local_model == "packaged"
+                                               else config.local_model))
         runtime = cls(config=config, store=store, library=library, proxy=proxy, double=double)
         library.subscribe(runtime._on_generation)
         return runtime
@@ -155,7 +162,7 @@ class Runtime:
     def _endpoint(self, role: str, url: str | None, model: str | None) -> tuple[str, str]:
         """Where the judge / evolver (``role``) is: its own URL and model, else the upstream's;
         with the simulated model, ``sim-<role>``."""
-        if self.config.simulated:
+        if self.config.simulated or self.config.local_model:
             return url or self.double.url, model or f"sim-{role}"
         url, model = url or self.proxy.config.upstream_url, model or self.proxy.config.model
         if not url or not model or (self.double is not None and url == self.double.url):

@@ -5,34 +5,28 @@ through a local OpenAI-compatible server (:class:`metaclaw.double.DoubleServer`)
 it serves starts with ``sim-`` and every reply says it is simulated. Requests are routed by the
 ``model`` field of the request body:
 
-- ``sim-agent`` (any name not matching the two below): a capable worker that does not know the
-  workplace's conventions. Given the bench agent's conversation it completes file tasks with real
-  OpenAI tool calls (list and read the inputs, then write outputs) and answers multiple-choice
-  questions with ``\\bbox{...}``. It follows one of the five conventions (ISO 8601 ``+08:00``
-  timestamps, ``YYYYMMDD_snake_case.ext`` file names, ``created_at``/``author``/``status``
-  metadata, ``.bak`` backups before modifying, ``done.log`` entries) only when the system prompt
-  (context files and injected skills) or a ``[Previous Feedback]`` block states it. It only ever
-  sees the request body.
-- ``sim-judge``: answers the judge wire format ``{"score": -1|0|1, "rationale": "..."}``, scoring
-  from the feedback in the next user message when the prompt carries one (incorrect -> -1,
-  correct -> +1) and 0 otherwise.
-- ``sim-evolver``: answers the evolver wire format ``{"operations": [...]}``: one skill per
-  convention that the failures' feedback talks about, stated as a rule plus the feedback quotes
-  that support it; an existing skill on the same convention is edited instead of duplicated.
+- ``sim-agent`` (any name not matching the two below): a capable but uninformed worker. It has
+  generic skills only: list and read files with the tools the request offers, then write JSON,
+  Markdown, CSV or Python built from the request and the files it read, change an existing file
+  as asked, copy a file, append a line, format a date; multiple-choice questions are answered with
+  ``\\bbox{...}``. It knows no workplace convention: it applies one only when its context states
+  it (the system prompt with any injected skills, or what the user said earlier in the
+  conversation), and it takes every parameter of the convention from that text. The rule kinds it
+  can read, and how, are documented in one place: :mod:`metaclaw.simrules`.
+- ``sim-judge``: answers the judge wire format ``{"score": -1|0|1, "rationale": "..."}`` from the
+  evidence in the turn: the user's reaction in the next user message (a complaint -> -1, a
+  confirmation -> +1), 0 when there is none.
+- ``sim-evolver``: answers the evolver wire format ``{"operations": [...]}`` from the failures
+  alone: the sentences of their feedback that state a rule it can read become a skill that quotes
+  them (one skill per rule kind, named after that kind), with the files the failed turn wrote as
+  its trajectory note; an existing skill of the same kind is edited instead of duplicated.
 
-Everything is deterministic: the same request body gives the same reply.
-
-How good it is (measured on the small benchmark with the project's graders, see
-``tests/test_simmodel.py``): with no convention in context it passes about 14% of the file checks
-(only where the same day's earlier feedback taught it); with all five skills injected about 86%
-(timestamps 88%, file names 100%, metadata 62%, backups 100%, done log 77%). Its misses are real
-limits of its heuristics (e.g. a task id or date the question does not state). Multiple-choice
-answers (mean score about 0.77 without skills, 0.83 with them) come from format checks of each
-option against the known conventions, a lexical match with the known text, or a seeded guess.
+Everything is deterministic: the same request body gives the same reply. The module holds no
+knowledge of any benchmark; ``tests/test_simmodel_honest.py`` checks that no benchmark-specific
+string appears in it, and that the fast loop helps on a task family with conventions of its own.
 
 Public API: :func:`sim_reply` (request body -> ``{"content", "tool_calls"}``), :func:`agent_reply`,
-:func:`judge_reply`, :func:`evolver_reply`, :func:`detect_conventions`, :func:`sim_model_server`,
-:func:`serve_sim_model`; :data:`SKILL_TEMPLATES` and :func:`skill_body` (the evolver's skills).
+:func:`judge_reply`, :func:`evolver_reply`, :func:`sim_model_server`, :func:`serve_sim_model`.
 """
 
 from __future__ import annotations
@@ -45,6 +39,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from metaclaw.simrules import KINDS, DATETIME_RE, Rules, read_rules, rule_sentences
+
 #: Model ids served by the simulated model server (the ``sim-`` prefix marks them as simulated).
 SIM_MODELS = ("sim-agent", "sim-judge", "sim-evolver")
 #: Prefix of every free-text reply.
@@ -52,38 +48,9 @@ LABEL = "[simulated model]"
 #: Seed mixed into every random choice; change it to get another (still deterministic) run.
 DEFAULT_SEED = 7
 
-CONVENTIONS = ("timestamps", "filenames", "metadata", "backup", "done_log")
-
-ISO_RE = re.compile(r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(\.\d+)?\+08:00$")
-FILENAME_RE = re.compile(r"^\d{8}_[a-z][a-z0-9_]*\.[a-z0-9]+$")
-TEAM = ("Alex", "Bai", "Chen", "Dana")
 WEEKDAYS = ("monday", "tuesday", "wednesday", "thursday", "friday", "saturday", "sunday")
 MONTHS = ("january", "february", "march", "april", "may", "june", "july", "august",
           "september", "october", "november", "december")
-FEEDBACK_MARK = "[Previous Feedback]"
-
-
-# --------------------------------------------------------------------------------------------
-# Convention detection (what a text states)
-# --------------------------------------------------------------------------------------------
-
-def detect_conventions(text: str) -> set[str]:
-    """Which of the five conventions ``text`` states. In: any text. Out: subset of CONVENTIONS."""
-    found: set[str] = set()
-    low = text.lower()
-    if "+08:00" in text:
-        found.add("timestamps")
-    if "yyyymmdd_" in low or re.search(r"\b\d{8}_[a-z][a-z0-9_]*(\.[a-z0-9]+|\*)", text) \
-            or ("date prefix" in low and "snake" in low):
-        found.add("filenames")
-    if all(k in low for k in ("created_at", "author", "status")) and \
-            any(k in low for k in ("meta", "frontmatter", "front matter")):
-        found.add("metadata")
-    if ".bak" in low and ("backup" in low or "back it up" in low or "back up" in low):
-        found.add("backup")
-    if "done.log" in low and "[done]" in low:
-        found.add("done_log")
-    return found
 
 
 # --------------------------------------------------------------------------------------------
@@ -101,27 +68,23 @@ def _text(content: Any) -> str:
     return str(content)
 
 
-def split_feedback(text: str) -> tuple[str, str]:
-    """A user message -> (feedback, question). Feedback is the ``[Previous Feedback]`` block.
+_LABEL_BLOCK = re.compile(r"^\s*\[[^\]\n]{2,40}\]")
 
-    The block ends at the first blank line outside a code fence, or at an explicit task marker.
-    """
-    if FEEDBACK_MARK not in text:
-        return "", text.strip()
-    head, _, rest = text.partition(FEEDBACK_MARK)
-    for marker in ("[Current Task]", "[Task]", "[Question]", "[Current Question]", "[New Task]"):
-        if marker in rest:
-            fb, _, q = rest.partition(marker)
-            return fb.strip(), (head + q).strip()
-    lines = rest.split("\n")
+
+def split_feedback(text: str) -> tuple[str, str]:
+    """A user message -> (remark, question). A message that opens with a bracketed label
+    (``[Note] ...``, ``[Feedback] ...``) carries a remark on the earlier work first: it ends at the
+    first blank line outside a code fence; the rest is the new request."""
+    if not _LABEL_BLOCK.match(text or ""):
+        return "", (text or "").strip()
+    lines = text.split("\n")
     fence = False
     for i, line in enumerate(lines):
         if line.strip().startswith("```"):
             fence = not fence
         if not fence and not line.strip() and i > 0:
-            fb = "\n".join(lines[:i]).strip()
-            return fb, (head + "\n".join(lines[i + 1:])).strip()
-    return rest.strip(), head.strip()
+            return "\n".join(lines[:i]).strip(), "\n".join(lines[i + 1:]).strip()
+    return text.strip(), ""
 
 
 @dataclass
@@ -129,27 +92,31 @@ class Conversation:
     """What the simulated agent knows from one request body."""
 
     system: str = ""
-    feedback: list[str] = field(default_factory=list)
-    earlier_user: list[str] = field(default_factory=list)   # earlier user messages (questions)
+    feedback: list[str] = field(default_factory=list)      # remarks on earlier work
+    earlier_user: list[str] = field(default_factory=list)  # earlier user requests
     question: str = ""
     steps: list[tuple[dict, str]] = field(default_factory=list)  # this round: (tool_call, result)
     history_steps: list[tuple[dict, str]] = field(default_factory=list)  # earlier rounds
-    past_rounds: list[tuple[str, list[tuple[dict, str]]]] = field(default_factory=list)  # (question, steps)
+    _rules: Rules | None = None
 
     @property
     def knowledge(self) -> str:
-        return self.system + "\n" + "\n".join(self.feedback)
+        """Every text that may state a rule: system prompt (skills included), earlier remarks and
+        requests, and the current request."""
+        return "\n\n".join([self.system] + self.feedback + self.earlier_user + [self.question])
 
     @property
-    def conventions(self) -> set[str]:
-        return detect_conventions(self.knowledge)
+    def rules(self) -> Rules:
+        if self._rules is None:
+            self._rules = read_rules(self.knowledge)
+        return self._rules
 
     def all_steps(self) -> list[tuple[dict, str]]:
         return self.history_steps + self.steps
 
 
 def parse_conversation(messages: list[dict]) -> Conversation:
-    """Chat messages -> :class:`Conversation` (system text, feedback, question, tool steps)."""
+    """Chat messages -> :class:`Conversation` (system text, remarks, question, tool steps)."""
     conv = Conversation()
     last_user = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=-1)
     results: dict[str, str] = {}
@@ -166,18 +133,12 @@ def parse_conversation(messages: list[dict]) -> Conversation:
                 conv.feedback.append(fb)
             if i == last_user:
                 conv.question = q
-            else:
+            elif q:
                 conv.earlier_user.append(q)
-                conv.past_rounds.append((q, []))
         elif role == "assistant":
             for call in m.get("tool_calls") or []:
                 step = (call, results.get(str(call.get("id")), ""))
-                if i > last_user:
-                    conv.steps.append(step)
-                else:
-                    conv.history_steps.append(step)
-                    if conv.past_rounds:
-                        conv.past_rounds[-1][1].append(step)
+                (conv.steps if i > last_user else conv.history_steps).append(step)
     return conv
 
 
@@ -285,21 +246,26 @@ class ToolSet:
 # --------------------------------------------------------------------------------------------
 
 def _month_date(text: str, default_year: int) -> dt.date | None:
-    m = re.search(r"\b(" + "|".join(MONTHS) + r")\s+(\d{1,2})(?:st|nd|rd|th)?\b(?:,?\s*(\d{4}))?",
-                  text, re.I)
-    if not m:
-        return None
-    year = int(m.group(3)) if m.group(3) else default_year
+    """'March 16, 2026' or '16 March 2026' (year optional) -> date."""
+    months = "|".join(MONTHS)
+    m = re.search(rf"\b({months})\s+(\d{{1,2}})(?:st|nd|rd|th)?\b(?:,?\s*(\d{{4}}))?", text, re.I)
+    if m:
+        month, day, year = m.group(1), m.group(2), m.group(3)
+    else:
+        m = re.search(rf"\b(\d{{1,2}})(?:st|nd|rd|th)?\s+(?:of\s+)?({months})\b(?:,?\s*(\d{{4}}))?", text, re.I)
+        if not m:
+            return None
+        day, month, year = m.group(1), m.group(2), m.group(3)
     try:
-        return dt.date(year, MONTHS.index(m.group(1).lower()) + 1, int(m.group(2)))
+        return dt.date(int(year) if year else default_year, MONTHS.index(month.lower()) + 1, int(day))
     except ValueError:
         return None
 
 
 def find_today(texts: list[str]) -> dt.date:
     """The conversation's 'today': 'Today is ...' first, then 'Date:' lines, then any date."""
-    years = [int(y) for t in texts for y in re.findall(r"\b(20\d{2})\b", t)]
-    year = years[0] if years else 2026
+    years = [int(y) for t in texts for y in re.findall(r"\b((?:19|20)\d{2})\b", t)]
+    year = years[0] if years else dt.date.today().year
     for t in texts:
         for m in re.finditer(r"today is([^\n]{0,60})", t, re.I):
             d = _month_date(m.group(1), year)
@@ -318,13 +284,13 @@ def find_today(texts: list[str]) -> dt.date:
         if d:
             return d
     for t in texts:
-        iso = re.search(r"\b(20\d{2})-(\d{2})-(\d{2})\b", t)
+        iso = re.search(r"\b((?:19|20)\d{2})-(\d{2})-(\d{2})\b", t)
         if iso:
             try:
                 return dt.date(*map(int, iso.groups()))
             except ValueError:
                 pass
-    return dt.date(year, 1, 5)
+    return dt.date(year, 1, 1)
 
 
 _WORD_HOURS = {"nine": 9, "ten": 10, "eleven": 11, "twelve": 12, "one": 13, "two": 14,
@@ -386,11 +352,6 @@ def parse_when(text: str, today: dt.date, default: dt.time = dt.time(9, 30)) -> 
     return dt.datetime.combine(day or today, clock or default)
 
 
-def fmt_time(when: dt.datetime, iso: bool) -> str:
-    """The agent's timestamp format: ISO 8601 +08:00 when the convention is known, else naive."""
-    return when.strftime("%Y-%m-%dT%H:%M:%S+08:00") if iso else when.strftime("%Y-%m-%d %H:%M")
-
-
 # --------------------------------------------------------------------------------------------
 # Reading the task
 # --------------------------------------------------------------------------------------------
@@ -398,8 +359,10 @@ def fmt_time(when: dt.datetime, iso: bool) -> str:
 _STOP = {"a", "an", "the", "this", "that", "of", "to", "with", "and", "in", "on", "our", "for",
          "new", "formal", "structured", "comprehensive", "detailed", "brief", "json", "markdown",
          "csv", "python", "format", "file", "weekly", "please", "its", "their", "all", "some",
-         "we", "you", "it", "as", "from", "by", "at", "into", "is", "are", "be", "or", "s"}
+         "we", "you", "it", "as", "from", "by", "at", "into", "is", "are", "be", "or", "s",
+         "directory", "folder"}
 _GENERIC = {"utility", "helper", "module", "class", "script", "tool", "document", "doc"}
+_PATH = r"[A-Za-z0-9_][\w.\-]*/[\w.\-/]*\.[A-Za-z0-9]+"
 
 
 def _words(text: str) -> list[str]:
@@ -420,9 +383,9 @@ def _snake(words: list[str], limit: int = 5) -> str:
     return "_".join(out[:limit]) or "output"
 
 
-def describe(question: str) -> str:
-    """A short snake_case description of the requested output ('ci_build_report')."""
-    q = re.sub(r"\bday\d{2}/\S*", " ", question)
+def describe(question: str) -> list[str]:
+    """A few words describing the requested output (['build', 'report'])."""
+    q = re.sub(r"\S+/\S*", " ", question)
     m = re.search(r"\b(?:create|generate|write|draft|compile|prepare|produce)\s+(?:me\s+)?"
                   r"(?:(?:a|an|the)\s+)?(.+?)(?=\s+(?:in|as)\s+(?:json|markdown|csv|python)\b|,|\.\s|\.$|\(|"
                   r"\s+(?:saved?|and save|under|based on|to record|to officially|that|which|for \w+ing)\b|$)",
@@ -434,8 +397,8 @@ def describe(question: str) -> str:
         src = mentioned_paths(question)
         if src:
             stem = [w for w in _words(src[0].rsplit("/", 1)[-1].rsplit(".", 1)[0])
-                    if w not in ("raw", "stub", "notes", "data", "day01")]
-            return _snake(stem[:3] + [noun.group(1).lower() if noun else "summary"])
+                    if w not in ("raw", "notes", "data", "draft", "input")]
+            return _snake(stem[:3] + [noun.group(1).lower() if noun else "summary"]).split("_")
         m = re.search(r"\b(?:organize|format|process|parse)\s+(?:the\s+)?(.+?)(?=\s+(?:into|as|from)\b|,|\.)",
                       q, re.I)
         phrase = m.group(1) if m else "output"
@@ -445,9 +408,8 @@ def describe(question: str) -> str:
                        question, re.I)
         if fm:
             obj = _words(fm.group(2))
-            verb = fm.group(1).lower()
-            return _snake([obj[-1] if obj else "data", verb] + words[:1])
-    return _snake(words or ["output"])
+            return _snake([obj[-1] if obj else "data", fm.group(1).lower()] + words[:1]).split("_")
+    return _snake(words or ["output"]).split("_")
 
 
 def output_format(question: str, default: str = "json") -> str:
@@ -465,16 +427,22 @@ def output_format(question: str, default: str = "json") -> str:
     return default
 
 
-def day_dir(conv: Conversation) -> str:
-    for t in [conv.question] + conv.earlier_user[::-1] + [conv.system]:
-        m = re.search(r"\b(day\d{2,3})/", t)
+def mentioned_paths(question: str) -> list[str]:
+    """File paths (with a folder and an extension) the text names, in order."""
+    return list(dict.fromkeys(p.rstrip(".") for p in re.findall(rf"(?<![\w/])({_PATH})", question)))
+
+
+def work_dir(conv: Conversation) -> str:
+    """The folder the request is about: the folder of a path it names, or a 'name/' it mentions
+    (this request first, then earlier ones); '.' when there is none."""
+    for t in [conv.question] + conv.earlier_user[::-1]:
+        paths = mentioned_paths(t)
+        if paths:
+            return paths[0].rsplit("/", 1)[0]
+        m = re.search(r"(?<![\w/.])([A-Za-z0-9_][\w.\-]*)/(?=[\s,.;)]|$)", t)
         if m:
             return m.group(1)
     return "."
-
-
-def mentioned_paths(question: str) -> list[str]:
-    return list(dict.fromkeys(re.findall(r"\b(day\d{2,3}/[\w.\-/]+\.[A-Za-z0-9]+)", question)))
 
 
 def _top_split(text: str) -> list[str]:
@@ -534,26 +502,22 @@ def parse_fields(question: str) -> list[FieldSpec]:
 
 def _is_time_field(name: str, hint: str = "") -> bool:
     n = name.lower()
-    return (n.endswith(("_at", "_time", "_date", "_start", "_end", "_days")) or
-            n in ("deadline", "start", "end", "date", "timestamp", "time", "week_ending") or
-            bool(re.search(r"\b(time|datetime|date array|iso 8601)\b", hint.lower())))
+    return (n.endswith(("_at", "_time", "_date", "_start", "_end", "_on")) or
+            n in ("deadline", "start", "end", "date", "timestamp", "time", "when") or
+            bool(re.search(r"\b(time|datetime|date array|timestamp)\b", hint.lower())))
 
 
 def _is_number_field(name: str, hint: str = "") -> bool:
     n = name.lower()
-    return ("(number)" in hint or n.endswith(("_ms", "_pct", "_rate", "_count", "_seconds", "_hours",
-                                                "_percent", "_rps", "_score", "_total")) or
-            n.startswith(("total_", "num_", "avg_", "p9", "p5")) or
-            n in ("velocity", "p50", "p95", "p99", "completed", "in_progress", "blocked",
-                  "tasks_completed", "code_commits", "docs_written", "incidents", "week",
-                  "sprint_id", "total_requests", "duration_seconds", "throughput_rps"))
+    return ("(number)" in hint or bool(re.search(r"\b(number|count|integer|amount)\b", hint.lower())) or
+            n.endswith(("_ms", "_pct", "_rate", "_count", "_seconds", "_hours", "_percent", "_rps",
+                        "_score", "_total", "_size", "_num")) or
+            n.startswith(("total_", "num_", "avg_", "mean_", "max_", "min_", "count_")) or
+            bool(re.fullmatch(r"p\d{2}", n)))
 
 
 def _is_list_field(name: str, hint: str) -> bool:
-    h = hint.lower()
-    return bool(re.search(r"\b(array|list)\b", h)) or name in (
-        "attendees", "steps", "changes", "tasks", "risks", "key_achievements", "blockers",
-        "file_list", "test_conditions", "sampled_at", "endpoints", "items", "action_items")
+    return bool(re.search(r"\b(array|list|items|entries)\b", hint.lower()))
 
 
 # --------------------------------------------------------------------------------------------
@@ -575,17 +539,23 @@ class _Ctx:
         self.q = conv.question
         self.files = files
         self.round_reads = list(round_reads)
-        self.known = conv.conventions
-        texts = [t for t in conv.earlier_user] + [files[p] for p in sorted(files) if
-                                                   p.lower().endswith("readme.md")] + [conv.question]
+        self.rules = conv.rules
+        texts = list(conv.earlier_user) + [files[p] for p in sorted(files) if
+                                           p.lower().endswith("readme.md")] + [conv.question]
         self.today = find_today(texts + [files[p] for p in sorted(files)])
         self.now = parse_when(_current_time_hint(conv.question), self.today) or \
             dt.datetime.combine(self.today, dt.time(9, 30))
         self.rng = random.Random(_seed_of(seed, conv.question))
-        self.iso = "timestamps" in self.known
+
+    @property
+    def iso(self) -> bool:
+        """Whether a time format was stated (then every time value follows it)."""
+        return self.rules.time is not None
 
     def t(self, when: dt.datetime | None = None) -> str:
-        return fmt_time(when or self.now, self.iso)
+        """A time value: in the stated format when there is one, else plain ``2026-07-09 14:30``."""
+        when = when or self.now
+        return self.rules.time.format(when) if self.rules.time else when.strftime("%Y-%m-%d %H:%M")
 
     def inputs(self) -> dict[str, str]:
         """The task's input files: those the question names or this round read (else all read)."""
@@ -595,6 +565,19 @@ class _Ctx:
 
     def inputs_text(self) -> str:
         return "\n".join(v for _, v in sorted(self.inputs().items()))
+
+    def people(self) -> list[str]:
+        """People named in the files read and the request: names that lead a list item, or follow
+        'assign(ed) to' / 'by'; a generic placeholder when there are none."""
+        text = "\n".join(self.files.values()) + "\n" + self.q
+        found = re.findall(r"^\s*(?:[-*]|\d+[.)])\s+\**([A-Z][a-z]+)\b(?:\s+[A-Z][a-z]+)?\**\s*(?:[:—–-]|to\b)",
+                           text, re.M)
+        found += re.findall(r"\b(?:assign(?:ed)?(?: it)? to|owner:?|by)\s+([A-Z][a-z]+)\b", text)
+        return list(dict.fromkeys(found)) or ["Owner"]
+
+
+def _header_now(ctx: _Ctx) -> str:
+    return ctx.t()
 
 
 def _current_time_hint(q: str) -> str:
@@ -631,10 +614,6 @@ def _time_for(ctx: _Ctx, name: str, hint: str) -> str:
     return ctx.t(when)
 
 
-def _names_in(text: str) -> list[str]:
-    return [n for n in TEAM if re.search(rf"\b{n}\b", text)] or list(TEAM)
-
-
 def _content_lines(text: str, limit: int = 6) -> list[str]:
     out = []
     for line in text.splitlines():
@@ -646,12 +625,17 @@ def _content_lines(text: str, limit: int = 6) -> list[str]:
     return out
 
 
+def _is_person_field(name: str) -> bool:
+    n = name.lower()
+    return n in ("assignee", "owner", "author", "name", "reviewer") or n.endswith(("_by", "_name", "_owner"))
+
+
 def _value(ctx: _Ctx, spec: FieldSpec, depth: int = 0) -> Any:
     name, hint = spec.name, spec.hint
     quoted = re.search(r"\(\s*\"([^\"]+)\"\s*\)", hint)
     if quoted:
         return quoted.group(1)
-    if name == "sampled_at" or ("interval" in hint and "time" in hint):
+    if "interval" in hint and "time" in hint:
         count = re.search(r"\b(\d+)\b(?!-minute)(?![:\d])", hint)
         minutes = re.search(r"(\d+)-minute", hint)
         n = min(int(count.group(1)), 48) if count else 4
@@ -662,8 +646,8 @@ def _value(ctx: _Ctx, spec: FieldSpec, depth: int = 0) -> Any:
     if _is_list_field(name, hint):
         if spec.children:
             return [_object(ctx, [FieldSpec(c) for c in spec.children], i) for i in range(3)]
-        if name == "attendees" or "people" in hint:
-            return _names_in(ctx.inputs_text() or ctx.q)
+        if "people" in hint or "who" in hint or "attend" in name:
+            return ctx.people()
         if _is_time_field(name, hint):
             base = parse_when(_field_segment(ctx.q, name), ctx.today) or ctx.now
             return [ctx.t(base + dt.timedelta(days=i)) for i in range(3)]
@@ -680,18 +664,17 @@ def _value(ctx: _Ctx, spec: FieldSpec, depth: int = 0) -> Any:
         m = re.search(rf"{re.escape(name)}\s*\((\d+)\)", ctx.q)
         if m:
             return int(m.group(1))
-        if name.endswith("_ms") or "response" in name:
-            base = ctx.rng.uniform(60, 180)
-            return round(base * (3 if re.search(r"p9\d", name) else 1), 1)
+        if name.endswith("_ms"):
+            return round(ctx.rng.uniform(60, 180) * (3 if re.search(r"p9\d", name) else 1), 1)
         if any(k in name for k in ("pct", "rate", "percent")):
             return round(ctx.rng.uniform(0.1, 2.5) if "error" in name else ctx.rng.uniform(95, 99.9), 2)
         return ctx.rng.randint(1, 20)
     if "object" in hint or name.endswith(("_counts", "_summary", "_metrics")):
         return {"total": ctx.rng.randint(10, 200)}
-    if name in ("assignee", "owner", "name", "member_name", "closed_by", "deployed_by", "author"):
-        return ctx.rng.choice(_names_in(ctx.inputs_text() or ctx.q))
+    if _is_person_field(name):
+        return ctx.rng.choice(ctx.people())
     if name == "status":
-        return "success"
+        return "done"
     lines = _content_lines(ctx.inputs_text())
     return ctx.rng.choice(lines) if lines else f"{name.replace('_', ' ')}"
 
@@ -716,10 +699,11 @@ def _count_from_inputs(ctx: _Ctx, name: str) -> Any:
 
 def _object(ctx: _Ctx, specs: list[FieldSpec], index: int) -> dict:
     obj: dict[str, Any] = {}
+    people = ctx.people()
     for s in specs:
-        if s.name in ("assignee", "owner") :
-            obj[s.name] = TEAM[index % len(TEAM)]
-        elif s.name in ("task", "issue", "description", "title"):
+        if _is_person_field(s.name):
+            obj[s.name] = people[index % len(people)]
+        elif s.name in ("task", "issue", "description", "title", "item"):
             lines = _action_lines(ctx.inputs_text())
             obj[s.name] = lines[index % len(lines)] if lines else f"{s.name} {index + 1}"
         elif s.name in ("id",):
@@ -740,34 +724,33 @@ def _action_lines(text: str, limit: int = 6) -> list[str]:
 def _json_from_specs(ctx: _Ctx, specs: list[FieldSpec]) -> dict:
     data: dict[str, Any] = {}
     for s in specs:
-        if s.name == "action_items":
-            data[s.name] = _action_items(ctx, s)
-        else:
-            data[s.name] = _value(ctx, s)
+        items = _assigned_items(ctx, s) if s.children and _is_list_field(s.name, s.hint) else None
+        data[s.name] = items if items else _value(ctx, s)
     return data
 
 
-def _action_items(ctx: _Ctx, spec: FieldSpec) -> list[dict]:
+def _assigned_items(ctx: _Ctx, spec: FieldSpec) -> list[dict] | None:
+    """List items of the inputs of the form '<Person> to <task> [by <when>]' as objects with the
+    requested children (a person field, a task field, a time field)."""
     out = []
     for line in _action_lines(ctx.inputs_text(), 50):
-        m = re.match(r"(\w+) to (.+?)(?: by (.+))?$", line)
-        if not m or m.group(1) not in TEAM:
+        m = re.match(r"([A-Z][a-z]+) (?:to|will) (.+?)(?: by (.+))?$", line)
+        if not m:
             continue
-        item = {"task": m.group(2), "assignee": m.group(1)}
-        for c in spec.children or ["due_date"]:
-            if c not in item:
-                item[c] = ctx.t(parse_when(m.group(3) or "", ctx.today, dt.time(18, 0)) or ctx.now) \
-                    if _is_time_field(c) else c
+        item: dict[str, Any] = {}
+        for c in spec.children:
+            if _is_person_field(c):
+                item[c] = m.group(1)
+            elif _is_time_field(c):
+                item[c] = ctx.t(parse_when(m.group(3) or "", ctx.today, dt.time(18, 0)) or ctx.now)
+            else:
+                item[c] = m.group(2)
         out.append(item)
-    return out or [_object(ctx, [FieldSpec(c) for c in (spec.children or ["task", "assignee", "due_date"])], 0)]
+    return out or None
 
 
-def _meta(ctx: _Ctx) -> dict:
-    return {"created_at": fmt_time(ctx.now, True), "author": "metaclaw_agent", "status": "done"}
-
-
-def _title(ctx: _Ctx, desc: str) -> str:
-    return " ".join(w.capitalize() for w in desc.split("_"))
+def _title(ctx: _Ctx, words: list[str]) -> str:
+    return " ".join(w.capitalize() for w in words)
 
 
 def _sections(q: str) -> list[str]:
@@ -778,17 +761,28 @@ def _sections(q: str) -> list[str]:
     return [p[:60].strip().capitalize() for p in parts if p.strip()][:8] or ["Overview"]
 
 
-def make_markdown(ctx: _Ctx, desc: str) -> str:
-    lines = []
-    if "metadata" in ctx.known:
-        m = _meta(ctx)
-        lines += ["---", f"created_at: {m['created_at']}", f"author: {m['author']}", f"status: {m['status']}",
-                  "---", ""]
-    lines += [f"# {_title(ctx, desc)}", "", f"Date: {ctx.t()}", ""]
+def _header_lines(ctx: _Ctx, ext: str) -> list[str]:
+    """The stated header for a new file of this type, as lines ([] when none is stated)."""
+    h = ctx.rules.headers.get(ext)
+    if not h:
+        return []
+    pairs = h.values(_header_now(ctx))
+    if ext == "md":
+        return ["---"] + [f"{k}: {v}" for k, v in pairs] + ["---", ""]
+    if ext == "py":
+        return ["", f"{h.container}:"] + [f"  {k}: {v}" for k, v in pairs]
+    if ext == "csv":
+        return [f"# {h.container}: " + " ".join(f"{k}={v}" for k, v in pairs)]
+    return []
+
+
+def make_markdown(ctx: _Ctx, words: list[str]) -> str:
+    lines = _header_lines(ctx, "md")
+    lines += [f"# {_title(ctx, words)}", "", f"Date: {ctx.t()}", ""]
     source = _content_lines(ctx.inputs_text(), 12)
     for i, sec in enumerate(_sections(ctx.q)):
         lines += [f"## {sec}", ""]
-        picked = source[i * 2:i * 2 + 2] or [f"{sec} for this sprint, prepared by the team."]
+        picked = source[i * 2:i * 2 + 2] or [f"{sec}: to be completed with the team."]
         lines += [f"- {p}" for p in picked] + [""]
     return "\n".join(lines)
 
@@ -797,17 +791,14 @@ def _py_functions(q: str) -> list[tuple[str, str]]:
     return list(dict.fromkeys(re.findall(r"\b([a-z_][a-z0-9_]*)\(([^)]*)\)", q)))
 
 
-def make_python(ctx: _Ctx, desc: str) -> str:
-    doc = [f"{_title(ctx, desc)}.", "", (ctx.q.split(".")[0] + ".")[:200]]
-    if "metadata" in ctx.known:
-        m = _meta(ctx)
-        doc += ["", "Meta:", f"  created_at: {m['created_at']}", f"  author: {m['author']}",
-                f"  status: {m['status']}"]
+def make_python(ctx: _Ctx, words: list[str]) -> str:
+    doc = [f"{_title(ctx, words)}.", "", (ctx.q.split(".")[0] + ".")[:200]]
+    doc += _header_lines(ctx, "py")
     body = ['"""' + "\n".join(doc) + '\n"""', "", "import json", "import os", ""]
     cls = re.search(r"\b(?i:implement|class)\s+([A-Z][A-Za-z0-9]+)", ctx.q)
     funcs = _py_functions(ctx.q)
     if cls:
-        body += ["", f"class {cls.group(1)}:", f'    """{_title(ctx, desc)}."""', "",
+        body += ["", f"class {cls.group(1)}:", f'    """{_title(ctx, words)}."""', "",
                  "    def __init__(self, base_url=\"http://localhost\"):", "        self.base_url = base_url", ""]
         for name, args in funcs:
             params = ", ".join(a.strip() for a in args.split(",") if a.strip())
@@ -866,12 +857,9 @@ def make_csv(ctx: _Ctx) -> str:
     m = re.search(r"columns?\s*:?\s+(.+?)(?:\.\s|\.$|$)", ctx.q, re.I)
     cols = [c.strip(" .") for c in re.split(r",|\band\b", m.group(1))] if m else ["name", "value"]
     cols = [c for c in cols if _IDENT.match(c)] or ["name", "value"]
-    lines = []
-    if "metadata" in ctx.known:
-        mt = _meta(ctx)
-        lines.append(f"# meta: created_at={mt['created_at']} author={mt['author']} status={mt['status']}")
+    lines = _header_lines(ctx, "csv")
     lines.append(",".join(cols))
-    for who in _names_in(ctx.inputs_text() + "\n" + ctx.conv.system):
+    for who in ctx.people():
         row = [who if i == 0 else str(ctx.rng.randint(0, 12)) for i in range(len(cols))]
         lines.append(",".join(row))
     return "\n".join(lines) + "\n"
@@ -898,6 +886,16 @@ def _summarize_json(source: Any) -> dict:
     return out
 
 
+def _with_json_header(ctx: _Ctx, data: Any) -> Any:
+    h = ctx.rules.headers.get("json")
+    if not h or not isinstance(data, dict):
+        return data
+    block = dict(h.values(_header_now(ctx)))
+    old = data.get(h.container)
+    return {h.container: {**block, **old} if isinstance(old, dict) else block,
+            **{k: v for k, v in data.items() if k != h.container}}
+
+
 def make_json(ctx: _Ctx) -> str:
     specs = parse_fields(ctx.q)
     sources = [v for k, v in sorted(ctx.inputs().items()) if k.endswith(".json")]
@@ -909,10 +907,8 @@ def make_json(ctx: _Ctx) -> str:
     else:
         data = _json_from_specs(ctx, specs)
     if not data:
-        data = {"summary": _content_lines(ctx.inputs_text(), 4), "generated_at": ctx.t()}
-    if "metadata" in ctx.known:
-        data = {"meta": _meta(ctx), **data}
-    return json.dumps(data, indent=2, ensure_ascii=False) + "\n"
+        data = {"summary": _content_lines(ctx.inputs_text(), 4), "generated": ctx.t()}
+    return json.dumps(_with_json_header(ctx, data), indent=2, ensure_ascii=False) + "\n"
 
 
 def _walk_times(ctx: _Ctx, obj: Any, mapping: dict[str, str], normalize: bool) -> Any:
@@ -956,26 +952,21 @@ def modify_json(ctx: _Ctx, original: str) -> str:
             item["id"] = add.group(1)
             what = re.search(r":\s*([^.:]+?)\.(?:\s|$)", ctx.q)
             if "title" in item or not item:
-                title = (what.group(1) if what else "New task").strip()
+                title = (what.group(1) if what else "New item").strip()
                 item["title"] = title[:1].upper() + title[1:]
             who = re.search(r"\bassign(?:ed)? it to (\w+)", ctx.q, re.I)
-            item["assignee"] = who.group(1) if who else TEAM[0]
-            if "status" in item:
-                item["status"] = "pending"
+            owner = next((k for k in item if _is_person_field(k)), "assignee")
+            item[owner] = who.group(1) if who else "unassigned"
             due = re.search(r"deadline of ([^,.]+)", ctx.q)
-            item["created_at"] = ctx.t()
-            item["due_date"] = ctx.t(parse_when(due.group(1), ctx.today, dt.time(18, 0)) if due else ctx.now)
+            for name in re.findall(r"\b([a-z]+_[a-z]+)\b", ctx.q):   # time fields the request names
+                if _is_time_field(name):
+                    item[name] = ctx.t(parse_when(due.group(1), ctx.today, dt.time(18, 0))
+                                       if due and "creat" not in name else ctx.now)
+            if due and not any(_is_time_field(k) and item.get(k) for k in item):
+                item["due"] = ctx.t(parse_when(due.group(1), ctx.today, dt.time(18, 0)))
             lst.append(item)
-            for other in lst:   # keep the list's items consistent: same keys everywhere
-                if isinstance(other, dict):
-                    for k in item:
-                        if k not in other and _is_time_field(k):
-                            other[k] = ctx.t()
     _walk_times(ctx, data, mapping, normalize=ctx.iso)
-    if "metadata" in ctx.known and isinstance(data, dict):
-        data["meta"] = {**_meta(ctx), **(data.get("meta") or {})} if isinstance(data.get("meta"), dict) \
-            else _meta(ctx)
-    return json.dumps(data, indent=2, ensure_ascii=False) + "\n"
+    return json.dumps(_with_json_header(ctx, data), indent=2, ensure_ascii=False) + "\n"
 
 
 def modify_text(ctx: _Ctx, path: str, original: str) -> str:
@@ -987,75 +978,23 @@ def modify_text(ctx: _Ctx, path: str, original: str) -> str:
     for name, old, new in changes:
         text = re.sub(rf"^(\s*{re.escape(name)}\s*=\s*){re.escape(old)}", lambda m: m.group(1) + new, text,
                       flags=re.M)
-    if ext == "py" and not changes:
-        if re.search(r"\b(refactor|async|queue)\b", ctx.q, re.I):
-            text = _queue_refactor(original)
-        else:
-            text = original.rstrip() + f"\n\n# Updated {ctx.t()}: {ctx.q.split('.')[0][:90]}\n"
-    elif ext in ("md", "txt") and text == original:
-        title = re.sub(r"^please\s+", "", ctx.q.split(".")[0], flags=re.I)[:80]
-        add = ["", f"## Update ({ctx.t()})", "", f"{title}.", ""]
+    if text != original:
+        return text
+    note = re.sub(r"^please\s+", "", ctx.q.split(".")[0], flags=re.I)[:90]
+    if ext == "py":
+        return original.rstrip() + f"\n\n# Updated {ctx.t()}: {note}\n"
+    if ext in ("md", "txt", "rst"):
+        add = ["", f"## Update ({ctx.t()})", "", f"{note}.", ""]
         for sec in _sections(ctx.q):
-            add += [f"### {sec}", "", f"- {sec} documented for this release.", ""]
-        text = original.rstrip() + "\n" + "\n".join(add)
-        if ext == "md" and "metadata" in ctx.known and not original.startswith("---"):
-            m = _meta(ctx)
-            text = "\n".join(["---", f"created_at: {m['created_at']}", f"author: {m['author']}",
-                              f"status: {m['status']}", "---", ""]) + text
-    elif text == original:
-        text = original.rstrip() + "\n# updated " + ctx.t() + "\n"
-    return text
+            add += [f"### {sec}", "", f"- {sec}: documented in this update.", ""]
+        return original.rstrip() + "\n" + "\n".join(add)
+    return original.rstrip() + "\n# updated " + ctx.t() + "\n"
 
 
-def _queue_refactor(original: str) -> str:
-    doc = re.match(r'\s*("""[\s\S]*?""")', original)
-    header = doc.group(1) if doc else '"""Log handler."""'
-    return header.replace("Synchronous", "Asynchronous (queue-based)") + '''
-
-import os
-import queue
-import threading
-from datetime import datetime
-
-
-class QueueLogHandler:
-    """Log handler that enqueues entries; a background thread writes them to disk."""
-
-    def __init__(self, log_file_path):
-        self.log_file_path = log_file_path
-        self._queue = queue.Queue()
-        log_dir = os.path.dirname(log_file_path)
-        if log_dir:
-            os.makedirs(log_dir, exist_ok=True)
-        self._worker = threading.Thread(target=self._drain, daemon=True)
-        self._worker.start()
-
-    def write_log(self, level, message):
-        """Enqueue one log entry; returns immediately."""
-        self._queue.put(f"{datetime.now().isoformat()} [{level}] {message}\\n")
-
-    def _drain(self):
-        while True:
-            line = self._queue.get()
-            if line is None:
-                break
-            with open(self.log_file_path, "a", encoding="utf-8") as fh:
-                fh.write(line)
-            self._queue.task_done()
-
-    def close(self):
-        """Flush pending entries and stop the writer thread."""
-        self._queue.put(None)
-        self._worker.join(timeout=5)
-'''
-
-
-def _modify_target(conv: Conversation, listing: set[str]) -> str | None:
+def _modify_target(conv: Conversation) -> str | None:
     """The existing file the question asks to change in place, if any."""
     q = conv.question
-    if re.search(r"\bsave (?:it )?as\b", q, re.I):
-        return None
-    if re.search(r"do not modify", q, re.I):
+    if re.search(r"\bsave (?:it )?as\b|do not modify", q, re.I):
         return None
     for p in mentioned_paths(q):
         verb = re.search(r"\b(update|modify|refactor|change|fix|correct|edit|add\b[^.]*\bto)\s+[^.]*?"
@@ -1067,33 +1006,31 @@ def _modify_target(conv: Conversation, listing: set[str]) -> str | None:
 
 def _new_target(ctx: _Ctx, conv: Conversation) -> str:
     q = conv.question
-    m = re.search(r"\b(?:save[ds]?|saved|create|store)\s+(?:it\s+|them\s+|the results\s+)?(?:as|to|in)?\s*"
-                  r"(day\d{2,3}/[\w.\-]+\.[A-Za-z0-9]+)", q, re.I) or \
-        re.search(r"\bcreate\s+(day\d{2,3}/[\w.\-]+\.[A-Za-z0-9]+)", q, re.I)
+    m = re.search(rf"\b(?:save[ds]?|saved|create|store|write)\s+(?:it\s+|them\s+|the results\s+)?(?:as|to|in)?\s*"
+                  rf"({_PATH})", q, re.I)
     if m:
-        return m.group(1)
-    folder = day_dir(conv)
+        return m.group(1).rstrip(".")
+    folder = work_dir(conv)
     ext = output_format(q)
-    desc = describe(q)
-    name = f"{desc}.{ext}"
-    if "filenames" in ctx.known:
-        name = f"{ctx.today:%Y%m%d}_{desc}.{ext}"
+    words = describe(q)
+    name = ctx.rules.naming.name(words, ext, ctx.today) if ctx.rules.naming else f"{'_'.join(words)}.{ext}"
     return f"{folder}/{name}" if folder != "." else name
 
 
-def plan_outputs(conv: Conversation, files: dict[str, str], listing: set[str], seed: int,
+def plan_outputs(conv: Conversation, files: dict[str, str], seed: int,
                  has_copy: bool = True) -> tuple[list[Action], str, _Ctx]:
     """The write actions for a file task (after reading), and a one-line summary."""
     reads = [p for c, r in conv.steps for p in [ToolSet.path_hint(c)] if p]
     ctx = _Ctx(conv, files, seed, reads)
     actions: list[Action] = []
-    target = _modify_target(conv, listing)
+    target = _modify_target(conv)
     if target is not None:
         original = files.get(target, "")
         new = modify_text(ctx, target, original)
-        if "backup" in ctx.known:
-            actions.append(Action("copy", target, target + ".bak") if has_copy
-                           else Action("write", target + ".bak", original))
+        backup = ctx.rules.backup
+        if backup is not None:
+            copy = target + backup.suffix
+            actions.append(Action("copy", target, copy) if has_copy else Action("write", copy, original))
         actions.append(Action("write", target, new))
         summary = f"Updated {target}"
     else:
@@ -1116,28 +1053,9 @@ def plan_outputs(conv: Conversation, files: dict[str, str], listing: set[str], s
     return actions, summary, ctx
 
 
-def done_line(ctx: _Ctx, summary: str) -> str:
-    """One done.log line: ``[DONE] <iso> | <task_id> | <summary (<= 80 chars)>``."""
-    task_id = describe(ctx.q)
-    if len(summary) > 80:
-        summary = summary[:77].rsplit(" ", 1)[0] + "..."
-    return f"[DONE] {fmt_time(ctx.now, True)} | {task_id} | {summary}\n"
-
-
-def _missing_done_lines(conv: Conversation, tools: ToolSet, ctx: _Ctx) -> list[str]:
-    """done.log lines for earlier tasks of this conversation that wrote files but logged nothing
-    (a worker who just learned the rule catches up on the tasks it already finished)."""
-    out = []
-    for question, steps in conv.past_rounds:
-        kinds = [(tools.kind_of(c), tools.path_of(c)[0]) for c, _ in steps]
-        written = [p for k, p in kinds if k in ("write", "copy") and p and not p.endswith(".bak")]
-        if not written or any(p == "done.log" for k, p in kinds if k in ("append", "write")):
-            continue
-        sub = _Ctx(Conversation(system=conv.system, feedback=conv.feedback, question=question,
-                                earlier_user=conv.earlier_user), {}, 0)
-        sub.now, sub.today = ctx.now, ctx.today
-        out.append(done_line(sub, f"Wrote {written[-1]}"))
-    return out
+def log_line(ctx: _Ctx, summary: str) -> str:
+    """The stated log line for a finished task (the log rule must be known)."""
+    return ctx.rules.log.line(ctx.t(), "_".join(describe(ctx.q)[:4]), summary)
 
 
 # ---- multiple choice -----------------------------------------------------------------------
@@ -1158,13 +1076,15 @@ def parse_options(question: str) -> dict[str, str]:
     return {k: v.strip() for k, v in options.items()}
 
 
+_ANSWER_MACRO = re.compile(r"\\([A-Za-z]+)\{")
+
+
 def is_multi_choice(question: str) -> bool:
-    return ("\\bbox" in question or "\\boxed" in question) and len(parse_options(question)) >= 2
+    """Lettered options plus an answer format like ``\\name{X}`` stated in the question."""
+    return bool(_ANSWER_MACRO.search(question)) and len(parse_options(question)) >= 2
 
 
-_TS_RE = re.compile(r"(\d{4}[-/]\d{2}[-/]\d{2}(?:[T ]\d{2}:\d{2}(?::\d{2})?(?:\.\d+)?)?(?:Z|[+-]\d{2}:?\d{2})?"
-                    r"|\d{8}T\d{6}[+-]\d{4}|\d{4}-W\d{2}-\d)")
-_FILE_RE = re.compile(r"\b([\w\-]+\.(?:json|md|py|csv|txt|yaml|yml|log))\b")
+_FILE_RE = re.compile(r"(?<![\w/])([\w\-]+\.[a-z]{2,4})\b")
 
 
 def _stem_words(text: str) -> set[str]:
@@ -1175,14 +1095,6 @@ _NEGATION = re.compile(r"\b(no|not|never|cannot|can't|need no|exempt|incorrect|w
                        r"non-compliant|only when|only if)\b", re.I)
 
 
-def _polarity(sentence: str) -> tuple[str, bool]:
-    """(text, positive?) of a knowledge sentence; feedback lines on options carry their own sign."""
-    m = re.match(r"\s*You (missed|incorrectly selected) option [A-H]:\s*(.*)", sentence, re.S)
-    if m:
-        return m.group(2), m.group(1) == "missed"
-    return sentence, not _NEGATION.search(sentence)
-
-
 def _lexical_verdict(opt: str, knowledge: str) -> bool | None:
     """Judge a statement by the most similar sentence of the known text, if similar enough: the
     option is taken as true when it agrees in sign (negated or not) with that sentence."""
@@ -1190,78 +1102,32 @@ def _lexical_verdict(opt: str, knowledge: str) -> bool | None:
     if len(words) < 2 or not knowledge.strip():
         return None
     best, best_score = "", 0.0
-    for sent in re.split(r"(?<=[.!?;])\s+|\n+|\s+[-—]\s+(?=[a-z])", knowledge):
-        text, _ = _polarity(sent)
-        sw = _stem_words(text)
+    for sent in re.split(r"(?<=[.!?;])\s+|\n+", knowledge):
+        sw = _stem_words(sent)
         if len(sw) < 2:
             continue
         score = len(words & sw) / min(len(words), len(sw))
         if score > best_score:
             best, best_score = sent, score
-    if best_score < 0.5:
+    if best_score < 0.6:
         return None
-    text, positive = _polarity(best)
-    if best.lstrip().startswith("You "):
-        return positive
-    option_positive = not _NEGATION.search(opt)
-    return positive == option_positive
+    return (not _NEGATION.search(best)) == (not _NEGATION.search(opt))
 
 
-def _option_verdict(opt: str, topics: set[str], known: set[str], knowledge: str) -> bool | None:
-    """True/False when the option can be judged (by the formats the known conventions require, or
-    by the known text), None when it cannot. ``topics``: what the question asks about."""
-    def about(conv: str) -> bool:
-        return not topics or conv in topics
-
+def _option_verdict(opt: str, rules: Rules, knowledge: str) -> bool | None:
+    """True/False when a stated rule (or the known text) decides the option, None otherwise."""
     verdicts: list[bool] = []
     target = opt.split("→")[-1] if "→" in opt else opt
-    stamps = [s for s in _TS_RE.findall(target) if not re.fullmatch(r"\d{8}", s)]
-    if about("timestamps") or "timestamps" in known:
-        if stamps:
-            if "timestamps" in known:
-                verdicts.append(all(ISO_RE.match(s) for s in stamps))
-            else:
-                verdicts.append(all(re.search(r"\d{2}:\d{2}", s) or re.fullmatch(r"\d{4}-\d{2}-\d{2}", s)
-                                    for s in stamps))
-        elif re.search(r"\b(EOD|today|tomorrow|next \w+day|this \w+day|natural language|"
-                       r"(" + "|".join(MONTHS) + r") \d{1,2}\b)", target, re.I):
-            verdicts.append("timestamps" not in known)
-        if "timestamps" in known and "→" not in opt and \
-                re.search(r"plain date|pure date|date-only|missing time|P1 violation", opt, re.I):
-            verdicts.append(False)
-    files = [f for f in _FILE_RE.findall(opt) if not f.endswith((".log", ".bak"))]
-    if about("filenames") or "filenames" in known and "backup" not in topics:
-        if files and (about("filenames") or re.search(r"\b(file ?name|named|new)\b", opt, re.I)):
-            if "filenames" in known:
-                verdicts.append(all(FILENAME_RE.match(f) for f in files))
-            else:
-                verdicts.append(all(f == f.lower() or "_" in f for f in files))
-        elif "filenames" in known and re.search(r"no date prefix|date (is )?not at|naming violation|"
-                                                r"P2 violation", opt, re.I):
-            verdicts.append(False)
-    if "metadata" in known and (about("metadata") or re.search(r"\bmeta\b|frontmatter", opt, re.I)):
-        if re.search(r"^---\s*$", opt, re.M):
-            block = opt.strip().split("---")
-            ok = opt.strip().startswith("---") and len(block) >= 3 and \
-                all(k in block[1] for k in ("created_at", "author", "status"))
-            verdicts.append(ok)
-        elif re.search(r"\{\s*\"meta", opt) or re.search(r"\"meta\"\s*:", opt):
-            meta = opt[opt.find('"meta"'):]
-            meta = meta[:meta.find("}") + 1]
-            verdicts.append(all(k in meta for k in ("created_at", "author", "status")))
-        if re.search(r"\bno meta|missing|without|\"metadata\"|nested|not at the (beginning|top)|"
-                     r"## metadata|last line|P3 violation", opt, re.I):
-            verdicts.append(False)
-        st = re.search(r"status:\s*\"?(\w+)", opt)
-        if st:
-            verdicts.append(st.group(1) in ("pending", "in_progress", "done"))
-    if "backup" in known and "backup" in topics:
-        low = opt.lower()
-        if re.search(r"\b(read-only|viewing|reading)\b|creat\w* (a )?new|new (utility |python |\w+ )?files?\b", low):
-            verdicts.append(bool(re.search(r"\b(not|no)\b", low)))
-        elif re.search(r"\b(modif\w*|chang\w*|updat\w*|fix\w*|refactor\w*|append\w*|remov\w*|"
-                       r"typo|edit\w*)\b", low) and not re.search(r"\b(no|not|only)\b", low):
-            verdicts.append(True)
+    stamps = [m.group(0) for m in DATETIME_RE.finditer(target)]
+    bare = re.findall(r"(?<![\w-])(\d{4}-\d{2}-\d{2}|\d{4}-W\d{2}-\d|\d{8}T\d{6}[+-]\d{4})(?![\w:-])", target)
+    if rules.time is not None:
+        if stamps or bare:
+            verdicts.append(all(rules.time.matches(s) for s in stamps) and not bare)
+    if rules.naming is not None:
+        files = [f for f in _FILE_RE.findall(opt) if not (rules.backup and f.endswith(rules.backup.suffix))]
+        if files and re.search(r"\b(name|named|file|new|create)", opt, re.I) or files == _FILE_RE.findall(opt.strip()):
+            if files:
+                verdicts.append(all(rules.naming.matches(f) for f in files))
     if verdicts:
         return all(verdicts)
     return _lexical_verdict(opt, knowledge)
@@ -1270,13 +1136,12 @@ def _option_verdict(opt: str, topics: set[str], known: set[str], knowledge: str)
 def answer_multi_choice(conv: Conversation, seed: int) -> str:
     """The reply to a multiple-choice round: reasoning lines and one ``\\bbox{...}``."""
     options = parse_options(conv.question)
-    known = conv.conventions
-    stem = conv.question.split("\nA.")[0]
-    topics = conventions_about(stem)
+    rules = conv.rules
     rng = random.Random(_seed_of(seed, conv.question))
     picks, notes = [], []
+    knowledge = "\n".join([conv.system] + conv.feedback)
     for letter, text in options.items():
-        verdict = _option_verdict(text, topics, known, conv.knowledge)
+        verdict = _option_verdict(text, rules, knowledge)
         if verdict is None:
             verdict = rng.random() < 0.5
             notes.append(f"{letter}: no stated rule applies; guessed {'yes' if verdict else 'no'}")
@@ -1284,9 +1149,9 @@ def answer_multi_choice(conv: Conversation, seed: int) -> str:
             picks.append(letter)
     if not picks:
         picks = [sorted(options)[0]]
-    known_txt = ", ".join(sorted(known)) or "none"
-    return (f"{LABEL} Conventions known from context: {known_txt}.\n" + "\n".join(notes) +
-            f"\n\\bbox{{{','.join(picks)}}}")
+    macro = _ANSWER_MACRO.search(conv.question).group(1)   # answer in the format the question asks
+    return (f"{LABEL} Rules known from context: {rules.describe()}.\n" + "\n".join(notes) +
+            f"\n\\{macro}{{{','.join(picks)}}}")
 
 
 # ---- the agent's step function ---------------------------------------------------------------
@@ -1332,7 +1197,7 @@ def agent_reply(body: dict, seed: int = DEFAULT_SEED) -> dict:
     conv = parse_conversation(body.get("messages") or [])
     tools = ToolSet(body.get("tools"))
     if not conv.question:
-        text = "Thanks, I will keep that feedback in mind." if conv.feedback else "Hello. Give me a task."
+        text = "Thanks, I will keep that in mind." if conv.feedback else "Hello. Give me a task."
         return {"content": f"{LABEL} {text}", "tool_calls": None}
     if is_multi_choice(conv.question):
         return {"content": answer_multi_choice(conv, seed), "tool_calls": None}
@@ -1355,42 +1220,40 @@ def agent_reply(body: dict, seed: int = DEFAULT_SEED) -> dict:
         path, _ = tools.path_of(call)
         done_kinds.append((kind or "", path))
     salt = conv.question
-    n_done = len(conv.steps)
-    folder = day_dir(conv)
-    # step 1: look around (list the day's folder, read the README and the files the task names)
-    if n_done == 0:
+    folder = work_dir(conv)
+    # step 1: look around (list the folder, read its README and the files the task names)
+    if not conv.steps:
         actions = []
-        if tools.has("list") and folder != "." and not any(p.startswith(folder) for p in listing):
+        if tools.has("list") and folder != "." and not any(p.startswith(folder + "/") for p in listing):
             actions.append(Action("list", folder))
         readme = f"{folder}/README.md"
-        if folder != "." and readme not in files:
+        if folder != "." and readme not in files and (readme in listing or not listing):
             actions.append(Action("read", readme))
         actions += [Action("read", p) for p in mentioned_paths(conv.question) if p not in files]
         if actions:
             return {"content": None, "tool_calls": [_tool_call(tools, a, i, salt) for i, a in enumerate(actions)]}
-    # step 2: read the input files that look relevant to the task
+    # step 2: read the input files whose names share a word with the task
     qwords = {w for w in _words(conv.question) if len(w) > 3 and w not in _STOP}
     wanted = []
     for p in sorted(listing):
-        if p in files or not p.startswith(folder + "/") or p.endswith((".bak", "README.md")):
+        if p in files or not p.startswith(folder + "/") or p.lower().endswith("readme.md"):
             continue
-        stem = set(_words(p.rsplit("/", 1)[-1].rsplit(".", 1)[0]))
-        if stem & qwords:
+        if set(_words(p.rsplit("/", 1)[-1].rsplit(".", 1)[0])) & qwords:
             wanted.append(p)
-    mpaths = [p for p in mentioned_paths(conv.question) if p not in files and
-              ("read", p) not in done_kinds]
+    mpaths = [p for p in mentioned_paths(conv.question) if p not in files and ("read", p) not in done_kinds]
     reads = [p for p in wanted + mpaths if ("read", p) not in done_kinds][:4]
     if reads and not any(k in ("write", "copy", "append") for k, _ in done_kinds):
         return {"content": None,
                 "tool_calls": [_tool_call(tools, Action("read", p), 100 + i, salt) for i, p in enumerate(reads)]}
     # step 3..: back up, write, log
-    actions, summary, ctx = plan_outputs(conv, files, listing, seed, has_copy=tools.has("copy"))
-    if "done_log" in ctx.known:
-        lines = _missing_done_lines(conv, tools, ctx) + [done_line(ctx, summary)]
+    actions, summary, ctx = plan_outputs(conv, files, seed, has_copy=tools.has("copy"))
+    log = ctx.rules.log
+    if log is not None:
+        line = log_line(ctx, summary)
         if tools.has("append"):
-            actions.append(Action("append", "done.log", "".join(lines)))
+            actions.append(Action("append", log.path, line))
         else:
-            actions.append(Action("write", "done.log", files.get("done.log", "") + "".join(lines)))
+            actions.append(Action("write", log.path, files.get(log.path, "") + line))
     pending = [a for a in actions if (a.kind, a.path) not in done_kinds]
     if pending:
         first = pending[0]
@@ -1399,7 +1262,8 @@ def agent_reply(body: dict, seed: int = DEFAULT_SEED) -> dict:
         return {"content": None,
                 "tool_calls": [_tool_call(tools, a, 200 + actions.index(a), salt) for a in batch]}
     wrote = ", ".join(a.path for a in actions if a.kind in ("write", "append"))
-    return {"content": f"{LABEL} Done. {summary}. Files written: {wrote}.", "tool_calls": None}
+    return {"content": f"{LABEL} Done. {summary}. Files written: {wrote}. Rules followed: "
+                       f"{ctx.rules.describe()}.", "tool_calls": None}
 
 
 # --------------------------------------------------------------------------------------------
@@ -1408,7 +1272,7 @@ def agent_reply(body: dict, seed: int = DEFAULT_SEED) -> dict:
 
 _NEG = re.compile(r"\b(incorrect|incorrectly|wrong|missing|missed|does not|doesn't|did not|not correctly|"
                   r"not conform|not meet|not follow|violat\w*|issues?|fail\w*|must|requires?|should be|"
-                  r"still contains|keep this in mind)\b", re.I)
+                  r"still contains|bad|forgot\w*|instead)\b", re.I)
 _OPENS_POS = re.compile(r"^\W*(correct|all correct|excellent|perfect|great|well done)\b", re.I)
 _POS = re.compile(r"\b(correct|correctly|perfect|excellent|properly|follows|complies|comply|compliant|"
                   r"success\w*|well done)\b", re.I)
@@ -1422,8 +1286,12 @@ def prompt_sections(text: str) -> dict[str, str]:
 
 
 def feedback_of(next_user: str) -> str:
-    """The ``[Previous Feedback]`` part of a user message ("" when it carries none)."""
-    return split_feedback(next_user or "")[0]
+    """The user's reaction in a next user message: its opening remark when it has one, else the
+    whole message when it is short."""
+    remark, rest = split_feedback(next_user or "")
+    if remark:
+        return _LABEL_BLOCK.sub("", remark).strip()
+    return rest if len(rest) <= 200 else ""   # a long unlabelled message is a new request
 
 
 def feedback_score(text: str) -> int:
@@ -1439,37 +1307,22 @@ def feedback_score(text: str) -> int:
     return 0
 
 
-def extract_feedback(prompt: str) -> list[str]:
-    """Feedback passages in a prompt: the ``Next user message (feedback)`` section when the prompt
-    has ``=== ... ===`` sections, else every ``[Previous Feedback]`` block."""
-    sections = prompt_sections(prompt)
-    if sections:
-        fb = feedback_of(sections.get("Next user message (feedback)", ""))
-        return [fb] if fb else []
-    out = []
-    for m in re.finditer(re.escape(FEEDBACK_MARK), prompt):
-        fb = feedback_of(prompt[m.start():])
-        if fb:
-            out.append(fb)
-    return out
-
-
 def judge_reply(body: dict) -> dict:
     """The simulated judge: ``{"score": -1|0|1, "rationale": "simulated judge: ..."}`` as JSON text.
 
-    Scores from the feedback in the next user message (the prompt's ``Next user message
-    (feedback)`` section); 0 when there is none.
+    Scores from the evidence in the turn: the user's reaction in the prompt's ``Next user message
+    (feedback)`` section; 0 when there is none.
     """
     messages = body.get("messages") or []
     prompt = _text(next((m.get("content") for m in reversed(messages) if m.get("role") == "user"), ""))
-    fb = extract_feedback(prompt)
+    fb = feedback_of(prompt_sections(prompt).get("Next user message (feedback)", ""))
     if not fb:
-        out = {"score": 0, "rationale": "simulated judge: no feedback from the user follows this turn, "
+        out = {"score": 0, "rationale": "simulated judge: no reaction from the user follows this turn, "
                                         "so its outcome is unclear."}
     else:
-        score = feedback_score(fb[-1])
+        score = feedback_score(fb)
         word = {1: "confirms success", -1: "reports a problem", 0: "is neutral"}[score]
-        out = {"score": score, "rationale": f"simulated judge: the user's feedback {word}: {fb[-1][:200]}"}
+        out = {"score": score, "rationale": f"simulated judge: the user's reaction {word}: {fb[:200]}"}
     return {"content": json.dumps(out, ensure_ascii=False), "tool_calls": None}
 
 
@@ -1477,108 +1330,67 @@ def judge_reply(body: dict) -> dict:
 # The simulated evolver
 # --------------------------------------------------------------------------------------------
 
-SKILL_TEMPLATES: dict[str, dict[str, str]] = {
-    "timestamps": {
-        "name": "timestamp-format-iso8601", "category": "output_format",
-        "description": "Write every time value (JSON fields, metadata, documents, logs) as ISO 8601 with "
-                       "the +08:00 offset, e.g. 2026-03-16T09:30:00+08:00.",
-        "rule": "All time fields use the full ISO 8601 extended format with a T separator and the explicit "
-                "+08:00 offset: `YYYY-MM-DDTHH:MM:SS+08:00` (e.g. `2026-03-16T09:30:00+08:00`). Never use "
-                "plain dates, a space separator, `Z`, slashes or natural language ('EOD Friday'). This holds "
-                "for nested fields and arrays too.",
-    },
-    "filenames": {
-        "name": "output-file-naming", "category": "file_naming",
-        "description": "Name every new output file YYYYMMDD_snake_case.ext: the creation date prefix first, "
-                       "then a lower-case snake_case description (e.g. 20260323_ci_build_report.json).",
-        "rule": "New output files are named `YYYYMMDD_<description>.<ext>`: today's date (the creation date) "
-                "as the prefix, then a lower-case snake_case description and a lower-case extension, e.g. "
-                "`20260323_ci_build_report.json`. No hyphens, no CamelCase, no date at the end.",
-    },
-    "metadata": {
-        "name": "output-file-metadata", "category": "field_completeness",
-        "description": "Every output file carries metadata created_at (ISO 8601 +08:00), author and status "
-                       "(pending, in_progress or done), in the place its file type uses.",
-        "rule": "Every output file carries `created_at` (ISO 8601 +08:00), `author` (metaclaw_agent) and "
-                "`status` (pending | in_progress | done): JSON -> a top-level `meta` object; Markdown -> "
-                "YAML front matter (`---` block) at the very start; Python -> a `Meta:` section in the "
-                "module docstring; CSV -> a first-line comment `# meta: created_at=... author=... "
-                "status=...`.",
-    },
-    "backup": {
-        "name": "backup-before-modify", "category": "workflow",
-        "description": "Before modifying any existing file, copy it to <file>.bak in the same directory; new "
-                       "files need no backup.",
-        "rule": "Before changing an existing file (any type, any size of change) copy it to "
-                "`<original_name>.bak` in the same directory, so the .bak holds the original content. New "
-                "files and read-only work need no backup; overwriting an older .bak is fine.",
-    },
-    "done_log": {
-        "name": "done-log-entries", "category": "workflow",
-        "description": "After completing each task, append one line to done.log in the workspace root: "
-                       "[DONE] <ISO 8601 +08:00> | <task_id> | <summary of at most 80 chars>.",
-        "rule": "After each completed task append (never overwrite) one line to `done.log` in the workspace "
-                "root: `[DONE] 2026-04-13T10:00:00+08:00 | <task_id> | <summary>`; the task_id is a short "
-                "snake_case name of the task, the summary at most 80 characters. Create the file if it "
-                "does not exist.",
-    },
+#: Skill names and categories per rule kind (the evolver's own vocabulary, not the task's).
+SKILL_KINDS: dict[str, tuple[str, str, str]] = {
+    "time": ("stated-time-format", "output_format", "Time values"),
+    "naming": ("stated-file-naming", "file_naming", "Names of new files"),
+    "header": ("stated-file-header", "field_completeness", "Header fields in output files"),
+    "backup": ("stated-backup-rule", "workflow", "Backups before changing a file"),
+    "log": ("stated-task-log", "workflow", "A log line after each task"),
 }
-_QUOTES_HEADER = "## What the user said when this was missed"
-_MAX_QUOTES = 3
-_QUOTE_CHARS = 300
-_EDIT_UNTIL_QUOTES = _MAX_QUOTES   # a skill already quoting this many feedbacks is not edited again
+_QUOTES_HEADER = "## What the user said"
+_MAX_QUOTES = 4
+_QUOTE_CHARS = 400
 
 
-def skill_body(convention: str, quotes: list[str]) -> str:
-    """The Markdown body of the simulated evolver's skill for one convention."""
-    t = SKILL_TEMPLATES[convention]
-    lines = [f"# {t['name'].replace('-', ' ').capitalize()}", "", "## Rule", "", t["rule"], "",
+def skill_body(kind: str, quotes: list[str], trail: list[str] = ()) -> str:
+    """The Markdown body of the simulated evolver's skill for one rule kind: the user's own
+    sentences (verbatim, as block quotes, so every parameter comes from them) and what the failed
+    turns did."""
+    title = SKILL_KINDS[kind][2]
+    lines = [f"# {title}: as the user stated them", "",
+             "Follow the rule exactly as stated below, with the same formats and values.", "",
              _QUOTES_HEADER, ""]
-    lines += [f"- {json.dumps(q.strip(), ensure_ascii=False)}" for q in quotes[:_MAX_QUOTES]]
-    lines += ["", "_Written by the simulated offline evolver from judged feedback (not a language model)._"]
+    for q in quotes[:_MAX_QUOTES]:
+        lines += [f"> {line}".rstrip() for line in q.strip().splitlines()] + [""]
+    if trail:
+        lines += ["## The failed turns", ""] + [f"- {t}" for t in list(trail)[:3]] + [""]
+    lines += ["_Written by the simulated offline evolver from judged feedback (not a language model)._"]
     return "\n".join(lines)
 
 
 def _quotes_in(body: str) -> list[str]:
-    out = []
-    for line in body.splitlines():
-        if line.startswith('- "'):
-            try:
-                out.append(json.loads(line[2:]))
-            except ValueError:
-                pass
+    """The block quotes of a skill body written by :func:`skill_body`."""
+    out, cur = [], []
+    for line in body.splitlines() + [""]:
+        if line.startswith(">"):
+            cur.append(line[2:] if line.startswith("> ") else line[1:])
+        elif cur:
+            out.append("\n".join(cur))
+            cur = []
     return out
 
 
-def conventions_about(text: str) -> set[str]:
-    """Conventions a text talks about, also when it names one without stating the whole rule."""
-    found = detect_conventions(text)
-    low = text.lower()
-    if re.search(r"naming|file name|filename|\bp2\b|date prefix", low):
-        found.add("filenames")
-    if ".bak" in low or re.search(r"\bbackup\b", low):
-        found.add("backup")
-    if "done.log" in low:
-        found.add("done_log")
-    if re.search(r"\bmeta\b|frontmatter|front matter|meta section|metadata", low):
-        found.add("metadata")
-    if re.search(r"time (field|format)|timezone|iso 8601|timestamp", low):
-        found.add("timestamps")
-    return found
-
-
-def _sentences(text: str) -> list[str]:
-    parts = re.split(r"(?<=[.!?])\s+(?=[A-Z(`'\"])|\n+", text)
-    return [p.strip() for p in parts if len(p.strip()) > 12 and "Keep this in mind" not in p]
+def _trail(item: dict) -> str:
+    """What a failed turn did, from its trajectory: the files its write-like calls touched."""
+    written = []
+    for line in str(item.get("tools") or "").splitlines():
+        if line.startswith("call") and re.search(r"write|copy|append|move|edit", line.split("{")[0], re.I):
+            written += re.findall(r"\"(?:path|dst|destination|target|file)\"\s*:\s*\"([^\"]+)\"", line)
+    task = str(item.get("task") or "").strip().splitlines()
+    head = (task[-1] if task else "")[:100]
+    return f"turn {item.get('id')}: {head!r} -> wrote {', '.join(dict.fromkeys(written)) or 'nothing'}"
 
 
 def evolver_reply(body: dict) -> dict:
     """The simulated evolver: ``{"operations": [...]}`` as JSON text.
 
     Reads the ``Support turns`` (failed turns with the user's feedback) and the ``Current skill
-    library`` sections; for each convention the failures' feedback talks about, adds a skill that
-    states it (rule + the feedback sentences on it), or edits the library's skill on that
-    convention when there is one and the feedback adds something new.
+    library`` sections. Every feedback sentence that states a rule the simulated agent can read
+    (:func:`metaclaw.simrules.rule_sentences`) is quoted, verbatim, in the skill of its rule kind:
+    a new skill, or an edit of the library's skill of that kind when the feedback adds something.
+    Feedback that names a rule without stating it ("follow the naming rule") teaches nothing and
+    writes nothing.
     """
     messages = body.get("messages") or []
     prompt = _text(next((m.get("content") for m in reversed(messages)
@@ -1594,56 +1406,50 @@ def evolver_reply(body: dict) -> dict:
         support = []
     quotes: dict[str, list[str]] = {}
     evidence: dict[str, list[int]] = {}
+    trails: dict[str, list[str]] = {}
     for item in support:
         if not isinstance(item, dict):
             continue
         fb = feedback_of(str(item.get("feedback") or ""))
         if feedback_score(fb) >= 0:
             continue
-        about: dict[str, list[str]] = {}
-        for sent in _sentences(fb) or [fb]:
-            for conv in conventions_about(sent):
-                about.setdefault(conv, []).append(sent)
-        for conv, sents in about.items():   # one quote per feedback: its sentences on this convention
-            quote = " ".join(sents)
-            if len(quote) > _QUOTE_CHARS:
-                quote = quote[:_QUOTE_CHARS - 3].rsplit(" ", 1)[0] + "..."
-            bucket = quotes.setdefault(conv, [])
-            if quote not in bucket:
-                bucket.append(quote)
-            if isinstance(item.get("id"), int) and item["id"] not in evidence.setdefault(conv, []):
-                evidence[conv].append(item["id"])
-    existing: dict[str, dict] = {}
-    for sk in library if isinstance(library, list) else []:
-        if not isinstance(sk, dict):
-            continue
-        about = conventions_about(" ".join(str(sk.get(k, "")) for k in ("name", "description")))
-        for conv in CONVENTIONS:
-            if sk.get("name") == SKILL_TEMPLATES[conv]["name"] or (conv in about and len(about) == 1):
-                existing.setdefault(conv, sk)
+        fb = _LABEL_BLOCK.sub("", fb).strip()
+        for kind, sent in rule_sentences(fb):
+            if len(sent) > _QUOTE_CHARS:
+                sent = sent[:_QUOTE_CHARS - 3].rsplit(" ", 1)[0] + "..."
+            bucket = quotes.setdefault(kind, [])
+            if sent not in bucket:
+                bucket.append(sent)
+            if isinstance(item.get("id"), int) and item["id"] not in evidence.setdefault(kind, []):
+                evidence[kind].append(item["id"])
+                trails.setdefault(kind, []).append(_trail(item))
+    existing = {sk.get("name"): sk for sk in library if isinstance(sk, dict)} if isinstance(library, list) else {}
     ops = []
-    for conv in CONVENTIONS:
-        if conv not in quotes:
+    for kind in KINDS:
+        if kind not in quotes:
             continue
-        t = SKILL_TEMPLATES[conv]
-        old = existing.get(conv)
+        name, category, title = SKILL_KINDS[kind]
+        old = existing.get(name)
         if old is None:
-            ops.append({"op": "add", "name": t["name"], "description": t["description"],
-                        "category": t["category"], "body": skill_body(conv, quotes[conv]),
-                        "reason": f"simulated evolver: the user's feedback on {len(evidence.get(conv, []))} "
-                                  f"failed turn(s) states this convention",
-                        "evidence": evidence.get(conv, [])})
+            first = quotes[kind][0]
+            ops.append({"op": "add", "name": name, "category": category,
+                        "description": f"{title}, as the user stated: {first[:160]}",
+                        "body": skill_body(kind, quotes[kind], trails.get(kind, [])),
+                        "reason": f"simulated evolver: the feedback on {len(evidence.get(kind, []))} failed "
+                                  f"turn(s) states this rule",
+                        "evidence": evidence.get(kind, [])})
             continue
         known = _quotes_in(str(old.get("body", "")))
-        new_quotes = [q for q in quotes[conv] if q not in known]
-        if not new_quotes or len(known) >= _EDIT_UNTIL_QUOTES:
+        new_quotes = [q for q in quotes[kind] if q not in known]
+        if not new_quotes:
             continue
         merged = (new_quotes + known)[:_MAX_QUOTES]
-        ops.append({"op": "edit", "name": old.get("name"), "description": str(old.get("description") or ""),
-                    "category": str(old.get("category") or t["category"]), "body": skill_body(conv, merged),
-                    "reason": "simulated evolver: the convention was missed again; the skill now quotes the "
-                              "new feedback",
-                    "evidence": evidence.get(conv, [])})
+        ops.append({"op": "edit", "name": name, "description": str(old.get("description") or title),
+                    "category": str(old.get("category") or category),
+                    "body": skill_body(kind, merged, trails.get(kind, [])),
+                    "reason": "simulated evolver: the rule was missed again; the skill now quotes the new "
+                              "feedback",
+                    "evidence": evidence.get(kind, [])})
     return {"content": json.dumps({"operations": ops}, ensure_ascii=False), "tool_calls": None}
 
 
