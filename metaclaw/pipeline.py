@@ -25,6 +25,7 @@ import contextlib
 import hmac
 import json
 import logging
+import re
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping
@@ -47,6 +48,7 @@ _OWN_COLUMNS = ("messages", "model", "stream")
 _TRUE = {"1", "true", "yes", "on"}
 #: Client headers an Anthropic upstream receives as they came (pass-through only).
 _ANTHROPIC_HEADERS = ("anthropic-version", "anthropic-beta")
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 @dataclass
@@ -146,35 +148,79 @@ def record_row(turn: Turn, policy_version: int) -> dict[str, Any]:
 # recording
 # ---------------------------------------------------------------------------------------------
 class Recorder:
-    """Writes finished turns to the store in one worker thread and notifies the listeners.
+    """Writes turns to the store with group commit, in one writer thread, then notifies listeners.
 
-    :meth:`submit` returns at once with the write's task; :meth:`drain` waits for all of them.
+    :meth:`submit` queues a row and returns a future for its turn id (``None`` when it could not
+    be written). One writer task drains the queue: every row queued while the previous commit was
+    on disk goes into the next transaction, so N concurrent turns cost one ``fsync``, not N
+    (``synchronous=FULL``: a committed turn survives ``kill -9`` and power loss). A batch that fails
+    is retried row by row, strings cleaned of what SQLite cannot encode (lone surrogates), so one
+    bad row never costs the others their record. :meth:`drain` waits for everything queued.
     """
+
+    #: Rows per transaction at most (bounds the time a reader waits on the write lock).
+    max_batch = 256
 
     def __init__(self, proxy: "Proxy"):
         self.proxy = proxy
-        self.pending: set[asyncio.Task[Any]] = set()
+        self.pending: set[asyncio.Future[Any]] = set()
+        self._queue: list[tuple[dict[str, Any], bool, asyncio.Future[Any]]] = []
+        self._writer: asyncio.Task[Any] | None = None
+        self.batches = 0  # transactions committed (group-commit figure for the benchmarks)
 
-    def submit(self, row: dict[str, Any], done: bool) -> asyncio.Task[Any]:
-        task = asyncio.get_running_loop().create_task(self._record(row, done))
-        self.pending.add(task)
-        task.add_done_callback(self.pending.discard)
-        return task
+    def submit(self, row: dict[str, Any], done: bool) -> asyncio.Future[Any]:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+        self.pending.add(future)
+        future.add_done_callback(self.pending.discard)
+        self._queue.append((row, done, future))
+        if self._writer is None or self._writer.done():
+            self._writer = loop.create_task(self._write_queue())
+        return future
 
-    async def _record(self, row: dict[str, Any], done: bool) -> int | None:
+    async def _write_queue(self) -> None:
         proxy = self.proxy
         loop = asyncio.get_running_loop()
-        try:
-            turn_id = await loop.run_in_executor(proxy._record_pool, self._write, row, done)
-        except Exception:
-            log.exception("could not record a turn of session %r", row.get("session_id"))
-            return None
-        if proxy._listeners:
-            loop.run_in_executor(proxy._listener_pool, self._notify, turn_id)
-        return turn_id
+        while self._queue:
+            batch, self._queue = self._queue[:self.max_batch], self._queue[self.max_batch:]
+            try:
+                ids = await loop.run_in_executor(proxy._record_pool, self._write_batch,
+                                                 [(row, done) for row, done, _ in batch])
+            except BaseException as exc:  # the pool is gone (shutdown): nothing was written
+                ids = [None] * len(batch)
+                if isinstance(exc, asyncio.CancelledError):
+                    for _, _, future in batch + self._queue:
+                        if not future.done():
+                            future.set_result(None)
+                    raise
+            for (_, _, future), turn_id in zip(batch, ids):
+                if not future.done():
+                    future.set_result(turn_id)
+                if turn_id is not None and proxy._listeners:
+                    loop.run_in_executor(proxy._listener_pool, self._notify, turn_id)
 
-    def _write(self, row: dict[str, Any], done: bool) -> int:
+    def _write_batch(self, batch: list[tuple[dict[str, Any], bool]]) -> list[int | None]:
         store = self.proxy.store
+        try:
+            with store.transaction():
+                ids = [self._write(store, row, done) for row, done in batch]
+            self.batches += 1
+            return ids
+        except Exception:
+            pass
+        out: list[int | None] = []  # one transaction per row, so one bad row loses only itself
+        for row, done in batch:
+            try:
+                with store.transaction():
+                    out.append(self._write(store, _encodable(row), done))
+                self.batches += 1
+            except Exception:
+                log.exception("could not record a turn of session %r", row.get("session_id"))
+                out.append(None)
+        return out
+
+    @staticmethod
+    def _write(store: Any, row: dict[str, Any], done: bool) -> int:
         turn_id = store.record_turn(**row)
         if done:
             store.mark_session_done(row["session_id"])
@@ -190,6 +236,17 @@ class Recorder:
     async def drain(self) -> None:
         while self.pending:
             await asyncio.gather(*list(self.pending), return_exceptions=True)
+
+
+def _encodable(value: Any) -> Any:
+    """``value`` with every string made UTF-8 encodable (lone surrogates become U+FFFD)."""
+    if isinstance(value, str):
+        return _SURROGATE.sub("\ufffd", value)
+    if isinstance(value, dict):
+        return {_encodable(k): _encodable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_encodable(v) for v in value]
+    return value
 
 
 # ---------------------------------------------------------------------------------------------
@@ -342,17 +399,24 @@ class TurnPipeline:
         try:
             upstream = self.upstream()
         except ProxyError as exc:
-            return relay.fail(exc, None)
+            return await relay.fail(exc, None)
         if turn.stream:
             return await relay.stream(request, upstream)
         return await relay.complete(request, upstream)
 
-    async def acknowledge(self, recorded: asyncio.Task[Any]) -> None:
-        """Called between recording a turn and sending the client the end of its reply.
+    async def acknowledge(self, recorded: asyncio.Future[Any]) -> int:
+        """Wait until the turn is committed to the store; called before the client hears the end
+        of its reply (``[DONE]``, ``message_stop``, a non-streaming body), so an acknowledged turn
+        survives ``kill -9``. The group-commit writer makes the wait one shared ``fsync``.
 
-        The record is taken (so :meth:`Proxy.flush` finds it); a durable-commit policy waits on
-        ``recorded`` here."""
-        return None
+        Raises a 500 :class:`ProxyError` when the turn could not be recorded: the reply's end is
+        then withheld rather than acknowledging a turn the store does not hold."""
+        turn_id = await asyncio.shield(recorded)
+        if turn_id is None:
+            raise ProxyError(500, "the proxy could not record this turn in its store (see the "
+                                  "proxy log), so it does not acknowledge the reply; retry the "
+                                  "request", type="server_error", code="record_failed")
+        return turn_id
 
     # -- count_tokens ---------------------------------------------------------------------
     async def count_tokens(self, protocol: WireProtocol, request: web.Request) -> web.Response:
@@ -374,8 +438,23 @@ class TurnPipeline:
         return web.json_response({"input_tokens": count})
 
 
+class _ClientGone(Exception):
+    """The client closed its connection while the proxy was writing to it."""
+
+
+def _is_error_event(event: dict[str, Any] | None) -> bool:
+    return event is not None and ("error" in event or event.get("type") == "error")
+
+
 class _Relay:
-    """Forward and relay steps for one turn, and its record at the end."""
+    """Forward and relay steps for one turn, and its record at the end.
+
+    Every way a turn can end is recorded with a status: ``ok``; ``error`` (the upstream failed,
+    answered garbage or cut its stream short; the client got an error in its protocol);
+    ``client_disconnected`` (the client left before the headers or mid-stream; the record holds
+    what the upstream sent until then); ``cancelled`` (the proxy stopped while the turn was in
+    flight).
+    """
 
     def __init__(self, pipeline: TurnPipeline, turn: Turn, record: dict[str, Any],
                  headers: dict[str, str], caller_key: str | None, started: float):
@@ -386,11 +465,17 @@ class _Relay:
         self.headers = headers
         self.caller_key = caller_key
         self.started = started
+        self.secrets = self.proxy._secrets(caller_key)
+        self.sent = 0  # body bytes written to the client
 
-    def finish(self, **fields: Any) -> asyncio.Task[Any]:
-        """The record step: the row goes to the recorder (off the event loop)."""
+    def finish(self, **fields: Any) -> asyncio.Future[Any]:
+        """The record step: the row goes to the group-commit recorder (off the event loop)."""
         row = {**self.record, **fields,
                "latency_ms": (time.perf_counter() - self.started) * 1000.0}
+        if self.secrets:
+            for key in ("response", "error"):
+                if isinstance(row.get(key), str):
+                    row[key] = self.proxy._scrub(row[key], self.caller_key)
         return self.proxy._recorder.submit(row, self.turn.done)
 
     def error(self, exc: BaseException, upstream: Upstream | None,
@@ -399,11 +484,17 @@ class _Relay:
             exc, midstream)
         return self.proxy._scrubbed(error, self.caller_key)
 
-    def fail(self, exc: BaseException, upstream: Upstream | None) -> web.Response:
+    async def fail(self, exc: BaseException, upstream: Upstream | None) -> web.Response:
         """Record the turn as failed and answer with the client protocol's error for ``exc``."""
         error = self.error(exc, upstream)
-        self.finish(status="error", http_status=error.status, error=error.message)
+        recorded = self.finish(status="error", http_status=error.status, error=error.message)
+        with contextlib.suppress(ProxyError):
+            await self.pipeline.acknowledge(recorded)
         return self.turn.protocol.error_response(error, self.headers)
+
+    def cancelled(self, **fields: Any) -> None:
+        self.finish(status="cancelled", error="the proxy stopped while this turn was in flight",
+                    **fields)
 
     async def complete(self, request: web.Request, upstream: Upstream) -> web.Response:
         turn, client = self.turn, self.turn.protocol
@@ -416,27 +507,48 @@ class _Relay:
             if upstream.protocol is not client:
                 payload = dumps(client.reply_from_chat(
                     upstream.protocol.reply_to_chat(data))).encode()
+        except asyncio.CancelledError:
+            self.cancelled()
+            raise
         except Exception as exc:
-            return self.fail(exc, upstream)
+            return await self.fail(exc, upstream)
+        payload = self.proxy._scrub_bytes(payload, self.secrets)
         recorded = self.finish(status="ok", http_status=200,
                                **{**upstream.protocol.reply_columns(data), **policy})
-        await self.pipeline.acknowledge(recorded)
+        try:
+            await self.pipeline.acknowledge(recorded)
+        except ProxyError as exc:
+            return client.error_response(exc, self.headers)
         return web.Response(body=payload, status=200, content_type="application/json",
                             headers=self.headers)
+
+    async def write(self, response: web.StreamResponse, data: bytes) -> None:
+        try:
+            await response.write(data)
+        except ConnectionError:  # aiohttp's ClientConnectionResetError among them
+            raise _ClientGone() from None
+        self.sent += len(data)
 
     async def stream(self, request: web.Request, upstream: Upstream) -> web.StreamResponse:
         turn, client, source = self.turn, self.turn.protocol, upstream.protocol
         same = source is client
         assembler = source.assembler()
         captured: dict[str, Any] = {}  # the responder's ``metaclaw`` object, kept from the client
+
+        def columns() -> dict[str, Any]:
+            return {**assembler.columns(), **policy_columns(captured.get("metaclaw"))}
+
         async with contextlib.AsyncExitStack() as stack:
             try:
                 body, client_asked = self.pipeline.forward_body(turn, upstream)
                 events = await upstream.stream(
                     body, self.caller_key, self.pipeline.upstream_headers(turn, upstream, request),
                     stack, captured)
+            except asyncio.CancelledError:
+                self.cancelled()
+                raise
             except Exception as exc:
-                return self.fail(exc, upstream)
+                return await self.fail(exc, upstream)
             to_chat = None if same else source.stream_to_chat()
             from_chat = None if same else client.stream_from_chat()
 
@@ -446,54 +558,77 @@ class _Relay:
             response = web.StreamResponse(status=200, headers={
                 **self.headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                 "X-Accel-Buffering": "no"})
-            await response.prepare(request)
-            failure: str | None = None
-            held: list[bytes] = []  # the terminal event goes out after the record is taken
+            status, failure = "ok", None
+            held: list[bytes] = []  # the terminal event goes out after the record is committed
             try:
+                if request.transport is None or request.transport.is_closing():
+                    raise _ClientGone()
+                try:
+                    await response.prepare(request)
+                except ConnectionError:
+                    raise _ClientGone() from None
+                ended = False
                 async for raw, event in events:
+                    ended = ended or source.is_terminal(raw, event)
+                    if _is_error_event(event):  # an upstream error may quote the key
+                        event = self.proxy._scrub_json(event, self.secrets)
+                        raw = self.proxy._scrub_bytes(raw, self.secrets)
                     assembler.add(event)
                     if same:
-                        outs = [(raw, event)]
+                        outs = [(self.proxy._scrub_bytes(raw, self.secrets), event)]
                     else:
                         outs = [(client.encode_event(e), e) for e in translate(event)]
                     for data, out in outs:
                         if client.is_terminal(data, out):
                             held.append(data)
                         elif not client.is_private(out, client_asked):
-                            await response.write(data)
-                if not same:  # the end of the translated stream (stop reason, usage, terminal)
+                            await self.write(response, data)
+                if not ended and assembler.error is None:
+                    raise ProxyError(502, f"the upstream {_where(upstream)} ended its stream "
+                                          "before the final event (truncated reply); retry the "
+                                          "request", type="upstream_error",
+                                     code="upstream_truncated")
+                if not same and assembler.error is None:  # the end of the translated stream
                     tail = [out for chunk in to_chat.close() for out in from_chat.feed(chunk)]
                     for out in [*tail, *from_chat.close()]:
                         data = client.encode_event(out)
                         if client.is_terminal(data, out):
                             held.append(data)
                         elif not client.is_private(out, client_asked):
-                            await response.write(data)
-            except (ConnectionResetError, asyncio.CancelledError) as exc:
-                self.finish(status="error", http_status=200,
-                            error="the client disconnected mid-stream", **assembler.columns(),
-                            **policy_columns(captured.get("metaclaw")))
-                if isinstance(exc, asyncio.CancelledError):
-                    raise
+                            await self.write(response, data)
+            except _ClientGone:
+                where = "mid-stream" if self.sent else "before the reply's first byte"
+                self.finish(status="client_disconnected", http_status=200,
+                            error=f"the client disconnected {where}", **columns())
                 return response
+            except asyncio.CancelledError:
+                self.cancelled(http_status=200, **columns())
+                raise
             except Exception as exc:
                 error = self.error(exc, upstream, midstream=True)
-                failure = error.message
-                held = []
-                with contextlib.suppress(ConnectionResetError):
-                    await response.write(client.stream_error_event(error))
+                status, failure, held = "error", error.message, []
+                with contextlib.suppress(_ClientGone):
+                    await self.write(response, client.stream_error_event(error))
             if failure is None and assembler.error is not None:
+                status = "error"
                 failure = ("upstream stream error: "
                            f"{assembler.error.get('message', assembler.error)}")
                 if not same:
                     held = []
-            recorded = self.finish(status="error" if failure else "ok", http_status=200,
-                                   error=failure or self.record.get("error"),
-                                   **assembler.columns(),
-                                   **policy_columns(captured.get("metaclaw")))
-            await self.pipeline.acknowledge(recorded)
-            with contextlib.suppress(ConnectionResetError):
+            recorded = self.finish(status=status, http_status=200,
+                                   error=failure or self.record.get("error"), **columns())
+            try:
+                await self.pipeline.acknowledge(recorded)
+            except ProxyError as exc:
+                held = [client.stream_error_event(exc)]
+            with contextlib.suppress(_ClientGone, ConnectionError):
                 for data in held:
-                    await response.write(data)
+                    await self.write(response, data)
                 await response.write_eof()
             return response
+
+
+def _where(upstream: Upstream) -> str:
+    from metaclaw.upstreams import safe_url
+
+    return safe_url(getattr(upstream, "url", None)) or upstream.kind

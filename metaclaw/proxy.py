@@ -134,6 +134,27 @@ class Responder(Protocol):
 
 
 
+class _SecretFilter(logging.Filter):
+    """Masks the proxy's secrets in its log records (message, arguments and traceback): an
+    upstream exception's text can quote the key it was sent."""
+
+    def __init__(self, proxy: "Proxy"):
+        super().__init__()
+        self.proxy = proxy
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not self.proxy._secrets():
+            return True
+        message = record.getMessage()
+        if record.exc_info:
+            record.exc_text = logging.Formatter().formatException(record.exc_info)
+            record.exc_info = None
+        record.msg, record.args = self.proxy._scrub(message), None
+        if record.exc_text:
+            record.exc_text = self.proxy._scrub(record.exc_text)
+        return True
+
+
 class Proxy(ServedApp):
     """The proxy in front of an upstream (OpenAI and Anthropic clients), with skills and recording.
 
@@ -160,6 +181,7 @@ class Proxy(ServedApp):
         self._retrieval_pool: ThreadPoolExecutor | None = None
         self._record_pool: ThreadPoolExecutor | None = None
         self._listener_pool: ThreadPoolExecutor | None = None
+        self._log_filter = _SecretFilter(self)
         self._server = BackgroundServer(self._make_app, config.host, config.port, "metaclaw-proxy")
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -266,6 +288,7 @@ class Proxy(ServedApp):
         self._retrieval_pool = ThreadPoolExecutor(8, thread_name_prefix="metaclaw-retrieval")  # embedding queries batch
         self._record_pool = ThreadPoolExecutor(1, thread_name_prefix="metaclaw-record")
         self._listener_pool = ThreadPoolExecutor(1, thread_name_prefix="metaclaw-listeners")
+        log.addFilter(self._log_filter)
         if self.config.upstream_url:
             self._upstream = make_upstream(self.config.upstream_protocol, self.config.upstream_url,
                                            self.config.api_key_env, self.config.timeout,
@@ -280,25 +303,61 @@ class Proxy(ServedApp):
         except Exception:
             log.exception("could not prepare the skill retriever; retrieval will retry per turn")
 
+    def _secrets(self, *extra: str | None) -> tuple[str, ...]:
+        """The secrets the proxy must never relay, store or log: the upstream key, the proxy
+        token and ``extra`` (a caller's own key), each at least 4 characters long."""
+        found = (os.environ.get(self.config.api_key_env), self.config.token, *extra)
+        return tuple(s for s in found if s and len(s) >= 4 and s != NO_KEY)
+
     def _scrub(self, text: str | None, *secrets: str | None) -> str | None:
         """``text`` with the upstream key, the proxy token and ``secrets`` masked."""
         if not text:
             return text
-        for secret in (os.environ.get(self.config.api_key_env), self.config.token, *secrets):
-            if secret and len(secret) >= 4 and secret in text:
+        for secret in self._secrets(*secrets):
+            if secret in text:
                 text = text.replace(secret, "***")
         return text
 
+    @staticmethod
+    def _scrub_bytes(data: bytes, secrets: tuple[str, ...]) -> bytes:
+        """``data`` (a reply or stream event as relayed) with ``secrets`` masked."""
+        for secret in secrets:
+            raw = secret.encode()
+            if raw in data:
+                data = data.replace(raw, b"***")
+        return data
+
+    @classmethod
+    def _scrub_json(cls, value: Any, secrets: tuple[str, ...]) -> Any:
+        """A JSON value with ``secrets`` masked in every string (keys included)."""
+        if not secrets:
+            return value
+        if isinstance(value, str):
+            for secret in secrets:
+                if secret in value:
+                    value = value.replace(secret, "***")
+            return value
+        if isinstance(value, dict):
+            return {cls._scrub_json(k, secrets): cls._scrub_json(v, secrets)
+                    for k, v in value.items()}
+        if isinstance(value, list):
+            return [cls._scrub_json(v, secrets) for v in value]
+        return value
+
     def _scrubbed(self, error: ProxyError, caller_key: str | None = None) -> ProxyError:
-        """``error`` with every secret masked in its message and payloads."""
+        """``error`` with every secret masked in its message, payloads and headers."""
+        secrets = self._secrets(caller_key)
+        if not secrets:
+            return error
         error.message = self._scrub(error.message, caller_key)
-        for payload in (error.payload, error.upstream[1] if error.upstream else None):
-            inner = payload.get("error") if isinstance(payload, dict) else None
-            if isinstance(inner, dict) and isinstance(inner.get("message"), str):
-                inner["message"] = self._scrub(inner["message"], caller_key)
+        error.payload = self._scrub_json(error.payload, secrets)
+        if error.upstream is not None:
+            error.upstream = (error.upstream[0], self._scrub_json(error.upstream[1], secrets))
+        error.headers = self._scrub_json(error.headers, secrets)
         return error
 
     async def _on_cleanup(self, app: web.Application) -> None:
+        log.removeFilter(self._log_filter)
         await self._drain()
         if self._upstream is not None:
             await self._upstream.close()
