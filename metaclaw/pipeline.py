@@ -613,8 +613,7 @@ class _Relay:
                 status = "error"
                 failure = ("upstream stream error: "
                            f"{assembler.error.get('message', assembler.error)}")
-                if not same:
-                    held = []
+                held = []  # an errored stream does not also end as if complete
             recorded = self.finish(status=status, http_status=200,
                                    error=failure or self.record.get("error"), **columns())
             try:
