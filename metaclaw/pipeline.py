@@ -83,7 +83,13 @@ class Turn:
 # ---------------------------------------------------------------------------------------------
 def parse_turn(protocol: WireProtocol, body: dict[str, Any], raw: bytes,
                model: str | None = None, **parse: Any) -> Turn:
-    """Step 1: validate the wire body (raises :class:`ProxyError`) and build the turn."""
+    """Step 1: validate the wire body (raises :class:`ProxyError`) and build the turn.
+
+    Field types are checked first (:func:`metaclaw.edge.check_fields`); ``null`` fields mean
+    "not given" and are not forwarded."""
+    from metaclaw.edge import check_fields
+
+    body = check_fields(protocol.name, body)
     model, stream = protocol.parse_request(body, model, **parse)
     forward = {k: v for k, v in body.items() if k not in PROXY_FIELDS}
     forward["model"] = model
@@ -297,19 +303,32 @@ class TurnPipeline:
                           code="request_too_large")
 
     async def read_body(self, request: web.Request) -> tuple[bytes, dict[str, Any]]:
+        """The body, within ``body_timeout`` (408) and ``max_body_bytes`` (413), decoded and
+        checked by :func:`metaclaw.edge.decode_body` (400 naming what is wrong)."""
+        from metaclaw.edge import check_encoding, decode_body
+
         if (request.content_length is not None
                 and request.content_length > self.config.max_body_bytes):
             raise self.too_large()
-        raw = await request.read()
+        check_encoding(request)
         try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise ProxyError(400, f"request body is not valid JSON ({exc}); send a JSON object "
-                                  "with 'model' and 'messages'") from None
-        if not isinstance(body, dict):
-            raise ProxyError(400, "request body must be a JSON object with 'model' and 'messages', "
-                                  f"not {type(body).__name__}")
-        return raw, body
+            async with asyncio.timeout(self.config.body_timeout):
+                raw = await request.read()
+        except TimeoutError:
+            raise ProxyError(408, f"the request body did not arrive within "
+                                  f"{self.config.body_timeout:g} s; send it at once",
+                             code="body_timeout") from None
+        except web.HTTPRequestEntityTooLarge:
+            raise self.too_large() from None
+        except (web.HTTPException, ConnectionError):
+            raise
+        except Exception as exc:  # a body that does not decode as its Content-Encoding says
+            encoding = request.headers.get("Content-Encoding", "identity")
+            raise ProxyError(400, f"cannot read the request body as Content-Encoding "
+                                  f"{encoding[:40]!r} ({type(exc).__name__}); send it encoded as "
+                                  "declared", param="Content-Encoding",
+                             code="bad_content_encoding") from None
+        return raw, decode_body(raw)
 
     # -- retrieve, fit the budget, inject (in a worker thread) ----------------------------
     def select_and_inject(self, turn: Turn) -> None:

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -52,6 +53,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Protocol
 from aiohttp import web
 
 from metaclaw.context_budget import TokenCounter
+from metaclaw.edge import EdgeRunner
 from metaclaw.pipeline import PROXY_FIELDS, TURN_TYPES, Recorder, TurnPipeline  # noqa: F401
 from metaclaw.protocols import PROTOCOLS, ProxyError, error_json, get_protocol  # noqa: F401
 from metaclaw.protocols.anthropic_messages import ANTHROPIC
@@ -82,7 +84,8 @@ class ProxyConfig:
     :func:`metaclaw.retrieval.make_retriever`. ``top_k``/``min_score``/``budget_chars``: passed
     to :func:`metaclaw.retrieval.select`. ``timeout``: seconds to wait for the upstream (per read
     while streaming). ``max_body_bytes``: larger request bodies get 413. ``max_retries``: retries
-    of non-streaming upstream calls on connection errors, 408/409/429/5xx (streams never retry).
+    of upstream calls on connection errors and 408/409/429/5xx, only before any byte reached the
+    client, waiting as the upstream's Retry-After says (a longer wait than 20 s is relayed instead).
     ``stream_usage``: ask the upstream for the usage chunk on every stream so the turn's token
     counts are recorded (the chunk is relayed only to clients that asked for it).
     ``upstream_protocol``: the wire protocol of the upstream, ``"openai"`` (any OpenAI-compatible
@@ -92,7 +95,10 @@ class ProxyConfig:
     ``X-MetaClaw-Token``. ``context_window``/``context_windows``/``tokenizer``: the context
     budget (see :mod:`metaclaw.context_budget`): the window for models not otherwise known, the
     windows per model name, and a ``tokenizer.json`` path (or ``str -> int`` callable) to count
-    with instead of the estimate.
+    with instead of the estimate. ``header_timeout``: seconds a client connection may take to
+    send a whole request line and headers (and stay idle between requests); ``body_timeout``:
+    seconds to receive the request body (408 after); ``max_connections``: open client
+    connections beyond it get a 503 and are closed (slow or stuck clients cannot hold the proxy).
     """
 
     upstream_url: str | None = None
@@ -115,6 +121,9 @@ class ProxyConfig:
     context_window: int | None = None
     context_windows: dict[str, int] | None = None
     tokenizer: Any = None
+    header_timeout: float = 10.0
+    body_timeout: float = 30.0
+    max_connections: int = 1024
 
 
 
@@ -182,7 +191,10 @@ class Proxy(ServedApp):
         self._record_pool: ThreadPoolExecutor | None = None
         self._listener_pool: ThreadPoolExecutor | None = None
         self._log_filter = _SecretFilter(self)
-        self._server = BackgroundServer(self._make_app, config.host, config.port, "metaclaw-proxy")
+        runner = functools.partial(EdgeRunner, header_timeout=config.header_timeout,
+                                   max_connections=config.max_connections)
+        self._server = BackgroundServer(self._make_app, config.host, config.port, "metaclaw-proxy",
+                                        runner=runner)
 
     # -- lifecycle ------------------------------------------------------------------------
     def start(self) -> "Proxy":
