@@ -116,8 +116,9 @@ def _walk(body: Any, surrogates: bool) -> None:
     while stack:
         value, path, depth = stack.pop()
         if depth > MAX_DEPTH:
-            raise _bad(path or None, f"{path or 'the body'} is nested deeper than {MAX_DEPTH} "
-                                       "levels; flatten it", code="too_deep")
+            field = _printable(re.split(r"[.\[]", path, maxsplit=1)[0])
+            raise _bad(field, f"'{field}' is nested deeper than {MAX_DEPTH} levels; flatten it",
+                       code="too_deep")
         if isinstance(value, dict):
             for key, item in value.items():
                 where = f"{path}.{key}" if path else str(key)
@@ -268,7 +269,10 @@ class EdgeRunner(web.AppRunner):
 
     def __init__(self, app: web.Application, *, header_timeout: float = 10.0,
                  max_connections: int = 1024, **kwargs: Any):
-        super().__init__(app, keepalive_timeout=header_timeout, **kwargs)
+        # lingering: after an early answer (408, 413) the rest of a body is read for at most
+        # this long, so that a slow sender cannot keep the connection through it either
+        super().__init__(app, keepalive_timeout=header_timeout,
+                         lingering_time=min(header_timeout, 2.0), **kwargs)
         self.max_connections = max_connections
 
     async def _make_server(self) -> web_server.Server:
