@@ -11,6 +11,13 @@ Three processes, so none shares an interpreter lock with another:
 - client: this script, using ``httpx`` (not the ``openai`` SDK, whose typed request/response
   handling would add its own milliseconds to both sides).
 
+With ``--protocols openai,anthropic`` (the default) the Anthropic Messages side is measured in the
+same run, side by side: an offline Anthropic double (:mod:`metaclaw.double_anthropic`, scripted
+echo built on the SDK's types) is the direct baseline, against ``proxy[lexical] anthropic->anthropic``
+(pass-through to that double, ``--upstream-protocol anthropic``) and ``proxy[lexical]
+anthropic->openai`` (Anthropic requests translated to the OpenAI double and back). Every proxy is
+its own process and gets the same requests.
+
 Every target gets the same requests (unique user messages, so no query cache helps). Sequential
 requests are interleaved one by one with the target order rotating each time, so drift in the
 machine's load falls on all targets alike; concurrent batches alternate in rounds. Warm-up
@@ -21,6 +28,7 @@ its ratio proxied/direct; then CPU time per request spent in the proxy process a
 turns the proxy recorded. Exits 1 when any request fails.
 
     python benchmarks/bench_proxy.py [--requests 300] [--concurrency 16] [--embedding]
+                                     [--protocols openai,anthropic] [--durable-acks]
 """
 
 from __future__ import annotations
@@ -50,6 +58,17 @@ print(double.port, flush=True)
 sys.stdin.read()  # serve until the benchmark closes our stdin
 double.stop()
 """
+
+ANTHROPIC_DOUBLE_PROCESS = """
+import sys
+from metaclaw.double_anthropic import AnthropicDoubleServer
+double = AnthropicDoubleServer().start()  # no script: echoes at once, no delay
+print(double.port, flush=True)
+sys.stdin.read()
+double.stop()
+"""
+#: Target name -> wire protocol of its requests (targets not listed speak OpenAI chat).
+PROTOCOL_OF: dict[str, str] = {}
 
 EXTRA_SKILLS = [
     ("run-tests-after-change", "testing", "After changing code, run the relevant tests and report "
@@ -102,7 +121,10 @@ def user_message(i: int) -> str:
     return f"Task {i}: {TASKS[i % len(TASKS)]}, {extra}."
 
 
-def request_body(i: int, stream: bool) -> dict:
+def request_body(i: int, stream: bool, protocol: str = "openai") -> dict:
+    if protocol == "anthropic":
+        return {"model": MODEL, "stream": stream, "max_tokens": 256, "system": SYSTEM,
+                "messages": [{"role": "user", "content": user_message(i)}]}
     return {"model": MODEL, "stream": stream,
             "messages": [{"role": "system", "content": SYSTEM},
                          {"role": "user", "content": user_message(i)}]}
@@ -131,8 +153,9 @@ def cpu_seconds(pid: int) -> float:
         return 0.0
 
 
-def start_double() -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-c", DOUBLE_PROCESS.format(model=MODEL)],
+def start_double(source: str | None = None) -> tuple[subprocess.Popen, str]:
+    source = source or DOUBLE_PROCESS.format(model=MODEL)
+    proc = subprocess.Popen([sys.executable, "-c", source],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                             env=child_env())
     line = proc.stdout.readline().strip()
@@ -168,7 +191,8 @@ class ProxyProcess:
     log: Path
 
 
-def start_proxy(retrieval: str, upstream: str, workdir: Path) -> ProxyProcess:
+def start_proxy(retrieval: str, upstream: str, workdir: Path, upstream_protocol: str = "openai",
+                name: str | None = None, extra: tuple[str, ...] = ()) -> ProxyProcess:
     """``metaclaw serve`` in its own process; returns once ``/healthz`` answers."""
     workdir.mkdir(parents=True)
     skills = workdir / "skills"
@@ -177,6 +201,9 @@ def start_proxy(retrieval: str, upstream: str, workdir: Path) -> ProxyProcess:
     command = [sys.executable, "-m", "metaclaw", "serve", "--upstream", upstream,
                "--retrieval", retrieval, "--skills", str(skills), "--db", str(db),
                "--port", str(port)]
+    if upstream_protocol != "openai":
+        command += ["--upstream-protocol", upstream_protocol]
+    command += list(extra)
     with open(log, "wb") as out:
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, env=child_env())
@@ -187,7 +214,7 @@ def start_proxy(retrieval: str, upstream: str, workdir: Path) -> ProxyProcess:
                                + log.read_text(errors="replace")[-2000:])
         try:
             if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
-                return ProxyProcess(f"proxy[{retrieval}]", proc, f"http://127.0.0.1:{port}/v1",
+                return ProxyProcess(name or f"proxy[{retrieval}]", proc, f"http://127.0.0.1:{port}/v1",
                                     db, log)
         except httpx.HTTPError:
             pass
@@ -236,11 +263,25 @@ def _injected(response: httpx.Response) -> int | None:
     return None if names is None else len([n for n in names.split(",") if n])
 
 
+def _path(target: str) -> str:
+    return "/messages" if PROTOCOL_OF.get(target) == "anthropic" else "/chat/completions"
+
+
+def _is_end(target: str, line: str) -> bool:
+    if PROTOCOL_OF.get(target) == "anthropic":
+        return line.strip() == "event: message_stop"
+    return line.strip() == "data: [DONE]"
+
+
 def call_plain(client: httpx.Client, target: str, url: str, i: int) -> tuple[float, int | None]:
     started = time.perf_counter()
-    response = client.post(url + "/chat/completions", json=request_body(i, False))
+    protocol = PROTOCOL_OF.get(target, "openai")
+    response = client.post(url + _path(target), json=request_body(i, False, protocol))
     _check(response, target)
-    if not response.json()["choices"][0]["message"]["content"]:
+    data = response.json()
+    text = (data["content"][0]["text"] if protocol == "anthropic"
+            else data["choices"][0]["message"]["content"])
+    if not text:
         raise RequestFailed(f"{target} returned an empty reply")
     return (time.perf_counter() - started) * 1000, _injected(response)
 
@@ -248,16 +289,17 @@ def call_plain(client: httpx.Client, target: str, url: str, i: int) -> tuple[flo
 def call_stream(client: httpx.Client, target: str, url: str, i: int) -> tuple[float, float]:
     started = time.perf_counter()
     first, chunks, done = None, 0, False
-    with client.stream("POST", url + "/chat/completions", json=request_body(i, True)) as response:
+    body = request_body(i, True, PROTOCOL_OF.get(target, "openai"))
+    with client.stream("POST", url + _path(target), json=body) as response:
         _check(response, target)
         for line in response.iter_lines():
+            if _is_end(target, line):
+                done = True
             if not line.startswith("data:"):
                 continue
             if first is None:
                 first = time.perf_counter()
-            if line[5:].strip() == "[DONE]":
-                done = True
-            else:
+            if line[5:].strip() != "[DONE]":
                 chunks += 1
     if first is None or not done or chunks < 2:
         raise RequestFailed(f"{target} sent an incomplete stream ({chunks} chunks, done={done})")
@@ -307,19 +349,19 @@ async def _batch(client: httpx.AsyncClient, target: str, url: str, first: int, c
 
     async def one(i: int) -> None:
         started = time.perf_counter()
-        body = request_body(i, stream)
+        body = request_body(i, stream, PROTOCOL_OF.get(target, "openai"))
         if stream:
             done = False
-            async with client.stream("POST", url + "/chat/completions", json=body) as response:
+            async with client.stream("POST", url + _path(target), json=body) as response:
                 if response.status_code != 200:
                     await response.aread()
                     _check(response, target)
                 async for line in response.aiter_lines():
-                    done = done or line.strip() == "data: [DONE]"
+                    done = done or _is_end(target, line)
             if not done:
                 raise RequestFailed(f"{target} sent an incomplete stream")
         else:
-            response = await client.post(url + "/chat/completions", json=body)
+            response = await client.post(url + _path(target), json=body)
             _check(response, target)
             response.json()
         latencies.append((time.perf_counter() - started) * 1000)
@@ -410,7 +452,7 @@ def report_sequential(samples: dict[str, Samples], direct: str) -> list[str]:
 
 def report_concurrent(results: dict[tuple[str, bool], Throughput], direct: str,
                       concurrency: int) -> list[str]:
-    lines = []
+    lines: list[str] = []
     for stream in (False, True):
         kind = "streaming" if stream else "non-streaming"
         base = results[(direct, stream)]
@@ -442,7 +484,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="unmeasured warm-up requests per target (default requests/10, >= 5)")
     parser.add_argument("--rounds", type=int, default=4,
                         help="alternating batches per target in the concurrent phase (default 4)")
+    parser.add_argument("--durable-acks", action="store_true",
+                        help="also measure a lexical proxy that ends each reply before its turn "
+                             "is committed (serve --no-durable-acks), beside the default durable "
+                             "one: the cost of durability")
+    parser.add_argument("--protocols", default="openai,anthropic",
+                        help="client protocols to measure, comma-separated (default "
+                             "openai,anthropic)")
     args = parser.parse_args(argv)
+    protocols = [p.strip() for p in args.protocols.split(",") if p.strip()]
+    if not protocols or set(protocols) - {"openai", "anthropic"}:
+        parser.error("--protocols takes openai and/or anthropic")
     for flag in ("requests", "concurrency", "rounds"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag} must be at least 1")
@@ -453,16 +505,43 @@ def main(argv: list[str] | None = None) -> int:
     warmup = args.warmup if args.warmup is not None else max(5, args.requests // 10)
 
     double_proc, double_url = start_double()
+    doubles = [double_proc]
     proxies: list[ProxyProcess] = []
     tmp = Path(tempfile.mkdtemp(prefix="metaclaw-bench-proxy-"))
+    direct = "direct (upstream double)"
+    groups: dict[str, list[str]] = {}  # the direct target of a group -> its targets
     try:
-        for retrieval in ["lexical"] + (["embedding"] if args.embedding else []):
-            proxies.append(start_proxy(retrieval, double_url, tmp / retrieval))
-        direct = "direct (upstream double)"
-        targets = {direct: double_url, **{p.name: p.url for p in proxies}}
+        targets: dict[str, str] = {}
+        if "openai" in protocols:
+            targets[direct] = double_url
+            for retrieval in ["lexical"] + (["embedding"] if args.embedding else []):
+                proxies.append(start_proxy(retrieval, double_url, tmp / retrieval))
+                targets[proxies[-1].name] = proxies[-1].url
+            if args.durable_acks:
+                proxies.append(start_proxy("lexical", double_url, tmp / "not-durable", "openai",
+                                           "proxy[lexical,no-durable-acks]",
+                                           ("--no-durable-acks",)))
+                targets[proxies[-1].name] = proxies[-1].url
+            groups[direct] = list(targets)
+        if "anthropic" in protocols:
+            anthropic_proc, anthropic_url = start_double(ANTHROPIC_DOUBLE_PROCESS)
+            doubles.append(anthropic_proc)
+            direct_a = "direct anthropic (upstream double)"
+            group = [direct_a]
+            targets[direct_a] = anthropic_url
+            for upstream, kind in ((anthropic_url[:-3], "anthropic"), (double_url, "openai")):
+                name = f"proxy[lexical] anthropic->{kind}"
+                proxies.append(start_proxy("lexical", upstream, tmp / f"anthropic-{kind}", kind,
+                                           name))
+                targets[name] = proxies[-1].url
+                group.append(name)
+            for name in group:
+                PROTOCOL_OF[name] = "anthropic"
+            groups[direct_a] = group
         load_before = os.getloadavg()
         print(f"MetaClaw proxy overhead: client httpx {httpx.__version__} in process {os.getpid()}, "
-              f"upstream = offline double (scripted echo, no delay) in process {double_proc.pid}, "
+              f"upstream = offline doubles (scripted echo, no delay) in processes "
+              f"{', '.join(str(d.pid) for d in doubles)}, "
               + ", ".join(f"{p.name} in process {p.proc.pid}" for p in proxies)
               + f"; 20 skills per proxy, top-k 3; {os.cpu_count()} CPUs; load average "
               + " ".join(f"{x:.2f}" for x in load_before), flush=True)
@@ -489,8 +568,12 @@ def main(argv: list[str] | None = None) -> int:
                  f"concurrent phase {total_s - sequential_s:.1f} s"]
         lines.append("(added = proxied percentile minus direct percentile; "
                      "ratio = proxied / direct)")
-        lines += report_sequential(samples, direct)
-        lines += report_concurrent(results, direct, args.concurrency)
+        for base, group in groups.items():
+            if len(groups) > 1:
+                lines += ["", f"== {PROTOCOL_OF.get(base, 'openai')} clients (baseline: {base})"]
+            lines += report_sequential({n: samples[n] for n in group}, base)
+            lines += report_concurrent({k: v for k, v in results.items() if k[0] in group}, base,
+                                       args.concurrency)
         per_proxy = 4 * args.requests + 4 * args.concurrency  # measured + concurrent warm-up
         lines += ["", "proxy process cost"]
         for p in proxies:
@@ -524,11 +607,12 @@ def main(argv: list[str] | None = None) -> int:
                 p.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 p.proc.kill()
-        double_proc.stdin.close()
-        try:
-            double_proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            double_proc.kill()
+        for proc in doubles:
+            proc.stdin.close()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
         shutil.rmtree(tmp, ignore_errors=True)
 
 

@@ -67,6 +67,17 @@ def _add_proxy_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-score", type=float, help="minimum relevance to inject a skill")
     p.add_argument("--budget-chars", type=int, default=6000, help="size budget of the skill block")
     p.add_argument("--timeout", type=float, default=120.0, help="upstream timeout in seconds")
+    p.add_argument("--upstream-protocol", choices=["openai", "anthropic"], default="openai",
+                   help="wire protocol of the upstream (default openai; anthropic: a Messages API)")
+    p.add_argument("--caller-auth", action="store_true",
+                   help="forward each caller's own API key upstream instead of the server key "
+                        "(the proxy token then comes in X-MetaClaw-Token)")
+    p.add_argument("--context-window", type=int,
+                   help="context window in tokens for models the proxy does not know "
+                        "(skills are cut to fit)")
+    p.add_argument("--durable-acks", action=argparse.BooleanOptionalAction, default=True,
+                   help="end each reply only once its turn is committed to the store (default; "
+                        "--no-durable-acks commits right after the reply instead)")
     p.add_argument("--starter-skills", action="store_true",
                    help="import the bundled starter skills into an empty library")
     p.add_argument("--sim", action="store_true", help="use the offline SIMULATED model "
@@ -92,7 +103,9 @@ def runtime_config(args: argparse.Namespace) -> RuntimeConfig:
         budget_chars=args.budget_chars, timeout=args.timeout, starter_skills=args.starter_skills,
         simulated=args.sim, judge_url=args.judge_url, judge_model=args.judge_model,
         evolver_url=args.evolver_url, evolver_model=args.evolver_model, votes=args.votes,
-        auto_evolve=args.auto_evolve)
+        auto_evolve=args.auto_evolve, upstream_protocol=args.upstream_protocol,
+        caller_auth=args.caller_auth, context_window=args.context_window,
+        durable_acks=args.durable_acks)
 
 
 @command("serve")

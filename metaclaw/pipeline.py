@@ -11,11 +11,15 @@ A :class:`Turn` carries the request through the steps; its ``messages`` are the 
 (OpenAI chat messages) that retrieval reads and the store records, whatever the protocol.
 
 Ordering contract of the relay and record steps: the event that ends a reply for the client
-(OpenAI's ``data: [DONE]``, Anthropic's ``message_stop``) and the end of a non-streaming reply are
-sent only after :meth:`Recorder.submit` has taken the turn and :meth:`TurnPipeline.acknowledge`
-has returned, so a client that read the whole reply finds the turn after :meth:`Proxy.flush
-<metaclaw.proxy.Proxy.flush>`; ``acknowledge`` is the one place that decides how durable the
-record must be before the client hears the end.
+(OpenAI's ``data: [DONE]``, Anthropic's ``message_stop``) and the whole of a non-streaming reply
+are sent only after :meth:`Recorder.submit` has taken the turn and
+:meth:`TurnPipeline.acknowledge` has returned. With ``ProxyConfig.durable_acks`` (the default)
+that means the turn is committed to SQLite: a reply the client received in full is never lost, even to
+``kill -9``. The recorder commits in groups, so this costs a request about one commit (one fsync)
+of latency however many are in flight, and no throughput. Without it, the turn is queued and
+committed right after. Every turn that reached the upstream is recorded with a status saying how
+it ended (see :class:`_Relay`): a client that leaves before the headers or mid-stream leaves a
+``client_disconnected`` turn with what was relayed so far.
 """
 
 from __future__ import annotations
@@ -25,7 +29,9 @@ import contextlib
 import hmac
 import json
 import logging
+import queue
 import re
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping
@@ -154,79 +160,92 @@ def record_row(turn: Turn, policy_version: int) -> dict[str, Any]:
 # recording
 # ---------------------------------------------------------------------------------------------
 class Recorder:
-    """Writes turns to the store with group commit, in one writer thread, then notifies listeners.
+    """Writes finished turns to the store with group commit, and notifies the turn listeners.
 
-    :meth:`submit` queues a row and returns a future for its turn id (``None`` when it could not
-    be written). One writer task drains the queue: every row queued while the previous commit was
-    on disk goes into the next transaction, so N concurrent turns cost one ``fsync``, not N
-    (``synchronous=FULL``: a committed turn survives ``kill -9`` and power loss). A batch that fails
-    is retried row by row, strings cleaned of what SQLite cannot encode (lone surrogates), so one
-    bad row never costs the others their record. :meth:`drain` waits for everything queued.
+    One writer thread takes every turn submitted since its last commit and writes them in one
+    transaction (one durable commit, ``synchronous=FULL``, for the whole group), so waiting for
+    durability costs a request about one commit however many requests are in flight.
+    :meth:`submit` returns at once with a future that resolves to the turn id once its group is
+    committed (``None`` if it could not be written); :meth:`drain` waits for every submitted turn.
     """
 
-    #: Rows per transaction at most (bounds the time a reader waits on the write lock).
-    max_batch = 256
+    #: Most turns written in one transaction.
+    MAX_GROUP = 256
 
     def __init__(self, proxy: "Proxy"):
         self.proxy = proxy
         self.pending: set[asyncio.Future[Any]] = set()
-        self._queue: list[tuple[dict[str, Any], bool, asyncio.Future[Any]]] = []
-        self._writer: asyncio.Task[Any] | None = None
-        self.batches = 0  # transactions committed (group-commit figure for the benchmarks)
+        self._queue: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self.commits = 0  # transactions written (fewer than turns when groups form)
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="metaclaw-record", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        """Write what is queued, then end the writer thread."""
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
 
     def submit(self, row: dict[str, Any], done: bool) -> asyncio.Future[Any]:
         loop = asyncio.get_running_loop()
-        future: asyncio.Future[Any] = loop.create_future()
+        future = loop.create_future()
         self.pending.add(future)
         future.add_done_callback(self.pending.discard)
-        self._queue.append((row, done, future))
-        if self._writer is None or self._writer.done():
-            self._writer = loop.create_task(self._write_queue())
+        self.start()
+        self._queue.put((row, done, future, loop))
         return future
 
-    async def _write_queue(self) -> None:
-        proxy = self.proxy
-        loop = asyncio.get_running_loop()
-        while self._queue:
-            batch, self._queue = self._queue[:self.max_batch], self._queue[self.max_batch:]
-            try:
-                ids = await loop.run_in_executor(proxy._record_pool, self._write_batch,
-                                                 [(row, done) for row, done, _ in batch])
-            except BaseException as exc:  # the pool is gone (shutdown): nothing was written
-                ids = [None] * len(batch)
-                if isinstance(exc, asyncio.CancelledError):
-                    for _, _, future in batch + self._queue:
-                        if not future.done():
-                            future.set_result(None)
-                    raise
-            for (_, _, future), turn_id in zip(batch, ids):
-                if not future.done():
-                    future.set_result(turn_id)
-                if turn_id is not None and proxy._listeners:
-                    loop.run_in_executor(proxy._listener_pool, self._notify, turn_id)
+    async def drain(self) -> None:
+        while self.pending:
+            await asyncio.gather(*list(self.pending), return_exceptions=True)
 
-    def _write_batch(self, batch: list[tuple[dict[str, Any], bool]]) -> list[int | None]:
+    # -- the writer thread ----------------------------------------------------------------
+    def _run(self) -> None:
+        stopping = False
+        while not stopping:
+            group = [self._queue.get()]
+            while len(group) < self.MAX_GROUP:
+                try:
+                    group.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            if None in group:
+                stopping = True
+                group = [item for item in group if item is not None]
+            if group:
+                self._commit(group)
+
+    def _commit(self, group: list[tuple[Any, ...]]) -> None:
         store = self.proxy.store
+        ids: list[int | None]
         try:
             with store.transaction():
-                ids = [self._write(store, row, done) for row, done in batch]
-            self.batches += 1
-            return ids
-        except Exception:
-            pass
-        out: list[int | None] = []  # one transaction per row, so one bad row loses only itself
-        for row, done in batch:
-            try:
-                with store.transaction():
-                    out.append(self._write(store, _encodable(row), done))
-                self.batches += 1
-            except Exception:
-                log.exception("could not record a turn of session %r", row.get("session_id"))
-                out.append(None)
-        return out
+                ids = [self._write(row, done) for row, done, _, _ in group]
+            self.commits += 1
+        except Exception:  # one bad row must not lose the others: write them one by one
+            ids = []
+            for row, done, _, _ in group:
+                try:  # strings cleaned of what SQLite cannot encode (lone surrogates)
+                    with store.transaction():
+                        ids.append(self._write(_encodable(row), done))
+                except Exception:
+                    log.exception("could not record a turn of session %r", row.get("session_id"))
+                    ids.append(None)
+        listeners = self.proxy._listeners
+        for (_, _, future, loop), turn_id in zip(group, ids):
+            with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits any more
+                loop.call_soon_threadsafe(_resolve, future, turn_id)
+            if turn_id is not None and listeners and self.proxy._listener_pool is not None:
+                with contextlib.suppress(RuntimeError):
+                    self.proxy._listener_pool.submit(self._notify, turn_id)
 
-    @staticmethod
-    def _write(store: Any, row: dict[str, Any], done: bool) -> int:
+    def _write(self, row: dict[str, Any], done: bool) -> int:
+        store = self.proxy.store
         turn_id = store.record_turn(**row)
         if done:
             store.mark_session_done(row["session_id"])
@@ -239,9 +258,10 @@ class Recorder:
             except Exception:
                 log.exception("turn listener %r failed for turn %d", fn, turn_id)
 
-    async def drain(self) -> None:
-        while self.pending:
-            await asyncio.gather(*list(self.pending), return_exceptions=True)
+
+def _resolve(future: asyncio.Future[Any], value: Any) -> None:
+    if not future.done():
+        future.set_result(value)
 
 
 def _encodable(value: Any) -> Any:
@@ -331,15 +351,12 @@ class TurnPipeline:
         return raw, decode_body(raw)
 
     # -- retrieve, fit the budget, inject (in a worker thread) ----------------------------
-    def select_and_inject(self, turn: Turn) -> None:
+    def select_and_inject(self, turn: Turn, skills: list[Any]) -> None:
         """Steps 3-6 for a main turn: query, retrieve, fit the context budget, inject."""
         from metaclaw import retrieval
         from metaclaw.context_budget import context_window, fit_skills
 
         proxy, config = self.proxy, self.config
-        turn.generation, skills = proxy.library.current()
-        if not skills or turn.turn_type != "main":
-            return
         try:
             turn.query = retrieval_query(turn)
             selected = retrieval.select(proxy.retriever, turn.query, skills, top_k=config.top_k,
@@ -370,11 +387,10 @@ class TurnPipeline:
         raw, body = await self.read_body(request)
         turn = parse_turn(protocol, body, raw, self.config.model, **parse)
         turn.session_id, turn.turn_type, turn.done = identify_session(turn, request.headers, body)
-        if turn.turn_type == "main" and self.proxy.library.current()[1]:
+        turn.generation, skills = self.proxy.library.current()
+        if turn.turn_type == "main" and skills:
             await asyncio.get_running_loop().run_in_executor(
-                self.proxy._retrieval_pool, self.select_and_inject, turn)
-        else:
-            turn.generation = self.proxy.library.current()[0]
+                self.proxy._retrieval_pool, self.select_and_inject, turn, skills)
         return turn, caller_key
 
     # -- forwarding -----------------------------------------------------------------------
@@ -423,13 +439,18 @@ class TurnPipeline:
             return await relay.stream(request, upstream)
         return await relay.complete(request, upstream)
 
-    async def acknowledge(self, recorded: asyncio.Future[Any]) -> int:
-        """Wait until the turn is committed to the store; called before the client hears the end
-        of its reply (``[DONE]``, ``message_stop``, a non-streaming body), so an acknowledged turn
-        survives ``kill -9``. The group-commit writer makes the wait one shared ``fsync``.
+    async def acknowledge(self, recorded: asyncio.Future[Any]) -> int | None:
+        """Called between recording a turn and sending the client the end of its reply
+        (``[DONE]``, ``message_stop``, a non-streaming body).
 
-        Raises a 500 :class:`ProxyError` when the turn could not be recorded: the reply's end is
-        then withheld rather than acknowledging a turn the store does not hold."""
+        With ``ProxyConfig.durable_acks`` (the default) this waits until the turn's group is
+        committed to the store, so a turn a client received in full survives ``kill -9``; the
+        group-commit writer makes the wait one shared commit. A turn the store could not take
+        raises a 500 :class:`ProxyError`: the reply's end is withheld rather than acknowledging
+        a turn the store does not hold. Without durable acks the record is only queued (still
+        found by :meth:`Proxy.flush`)."""
+        if not self.config.durable_acks:
+            return None
         turn_id = await asyncio.shield(recorded)
         if turn_id is None:
             raise ProxyError(500, "the proxy could not record this turn in its store (see the "

@@ -95,10 +95,14 @@ class ProxyConfig:
     ``X-MetaClaw-Token``. ``context_window``/``context_windows``/``tokenizer``: the context
     budget (see :mod:`metaclaw.context_budget`): the window for models not otherwise known, the
     windows per model name, and a ``tokenizer.json`` path (or ``str -> int`` callable) to count
-    with instead of the estimate. ``header_timeout``: seconds a client connection may take to
-    send a whole request line and headers (and stay idle between requests); ``body_timeout``:
-    seconds to receive the request body (408 after); ``max_connections``: open client
-    connections beyond it get a 503 and are closed (slow or stuck clients cannot hold the proxy).
+    with instead of the estimate. ``durable_acks`` (default on): send the end of each reply only
+    once its turn is committed to the store (group commit, see :mod:`metaclaw.pipeline`), so an
+    acknowledged turn survives ``kill -9``; off, the turn is committed right after the reply is
+    sent (:meth:`Proxy.flush` waits for it). ``header_timeout``: seconds a client connection may
+    take to send a whole request line and headers (and stay idle between requests);
+    ``body_timeout``: seconds to receive the request body (408 after); ``max_connections``: open
+    client connections beyond it get a 503 and are closed (slow or stuck clients cannot hold the
+    proxy).
     """
 
     upstream_url: str | None = None
@@ -117,6 +121,7 @@ class ProxyConfig:
     max_retries: int = 2
     stream_usage: bool = True
     upstream_protocol: str = "openai"
+    durable_acks: bool = True
     caller_auth: bool = False
     context_window: int | None = None
     context_windows: dict[str, int] | None = None
@@ -188,7 +193,6 @@ class Proxy(ServedApp):
         self._recorder = Recorder(self)
         self._pipeline = TurnPipeline(self)
         self._retrieval_pool: ThreadPoolExecutor | None = None
-        self._record_pool: ThreadPoolExecutor | None = None
         self._listener_pool: ThreadPoolExecutor | None = None
         self._log_filter = _SecretFilter(self)
         runner = functools.partial(EdgeRunner, header_timeout=config.header_timeout,
@@ -271,7 +275,7 @@ class Proxy(ServedApp):
         return _base_url(self._server.host, self._server.port)
 
     @property
-    def _pending(self) -> set[asyncio.Task[Any]]:
+    def _pending(self) -> set[asyncio.Future[Any]]:
         return self._recorder.pending
 
     def _make_app(self) -> web.Application:
@@ -298,7 +302,7 @@ class Proxy(ServedApp):
 
     async def _on_startup(self, app: web.Application) -> None:
         self._retrieval_pool = ThreadPoolExecutor(8, thread_name_prefix="metaclaw-retrieval")  # embedding queries batch
-        self._record_pool = ThreadPoolExecutor(1, thread_name_prefix="metaclaw-record")
+        self._recorder.start()
         self._listener_pool = ThreadPoolExecutor(1, thread_name_prefix="metaclaw-listeners")
         log.addFilter(self._log_filter)
         if self.config.upstream_url:
@@ -374,8 +378,7 @@ class Proxy(ServedApp):
         if self._upstream is not None:
             await self._upstream.close()
             self._upstream = None
-        if self._record_pool is not None:
-            self._record_pool.shutdown(wait=True)  # every answered turn reaches the store
+        self._recorder.stop()  # every answered turn reaches the store
         for pool in (self._retrieval_pool, self._listener_pool):
             if pool is not None:  # a model still loading or a slow listener never blocks stop()
                 pool.shutdown(wait=False)

@@ -29,17 +29,17 @@ log = logging.getLogger("metaclaw.proxy")
 NO_KEY = "sk-no-key"
 
 
-def response_type() -> type:
-    """The HTTP response class of the SDKs' transport (``httpx2``; ``httpx`` before).
+def response_type(sdk: str = "openai") -> type:
+    """The HTTP response class of an SDK's transport (``httpx2``; ``httpx`` in older SDKs).
 
     Passed as ``cast_to`` to the SDK's documented ``client.post``/``client.get`` for raw
     responses: the body is relayed as it is, without the SDK's typed request transform (which
     costs milliseconds per request) and with the client's retries, timeouts and error classes.
     """
-    try:
-        import httpx2 as http
-    except ImportError:  # pragma: no cover - openai < 3
-        import httpx as http
+    import importlib
+
+    base = importlib.import_module(f"{sdk}._base_client")
+    http = getattr(base, "httpx2", None) or getattr(base, "httpx")
     return http.Response
 
 
@@ -115,7 +115,7 @@ class HTTPUpstream(Upstream):
                 # its body never trips the per-read timeout); a stream's events are timed apart
                 async with asyncio.timeout(None if stream else self.timeout):
                     return await self._client.post(self.path, body=body,
-                                                   cast_to=response_type(), stream=stream,
+                                                   cast_to=response_type(self.sdk_name), stream=stream,
                                                    options=options)
             except sdk.APITimeoutError:
                 raise
@@ -226,7 +226,7 @@ class OpenAIUpstream(HTTPUpstream):
         return {"Authorization": f"Bearer {key}"} if key else {}
 
     async def models(self, key: str | None = None) -> Any:
-        return await self._client.get("/models", cast_to=response_type(),
+        return await self._client.get("/models", cast_to=response_type(self.sdk_name),
                                       options={"headers": self._headers(key, {})})
 
 
@@ -261,7 +261,7 @@ class AnthropicUpstream(HTTPUpstream):
     async def count_tokens(self, body: dict[str, Any], key: str | None,
                            headers: dict[str, str]) -> bytes:
         upstream = await self._client.post("/v1/messages/count_tokens", body=body,
-                                           cast_to=response_type(),
+                                           cast_to=response_type(self.sdk_name),
                                            options={"headers": self._headers(key, headers)})
         return upstream.content
 

@@ -110,14 +110,14 @@ def test_turn_is_committed_before_the_client_hears_the_end(env, protocol, stream
 
 def test_group_commit_shares_transactions(env):
     proxy, _, db = env
-    before = proxy._recorder.batches
+    before = proxy._recorder.commits
     threads = [threading.Thread(target=_send, args=(proxy, "openai", i % 2 == 0, f"group-{i}"))
                for i in range(24)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    batches = proxy._recorder.batches - before
+    batches = proxy._recorder.commits - before
     assert all(_committed(db, f"group-{i}") for i in range(24))
     assert batches < 24, f"{batches} transactions for 24 concurrent turns"
 

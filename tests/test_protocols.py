@@ -1,0 +1,263 @@
+"""The protocol adapters on their own: request / reply / stream translation both ways between
+OpenAI chat and Anthropic Messages, skill injection that keeps the client's cached prefix, the
+pipeline's small steps and the context budget's arithmetic. No sockets here."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from metaclaw.context_budget import KNOWN_WINDOWS, TokenCounter, context_window, fit_skills
+from metaclaw.pipeline import identify_session, parse_turn, record_row, retrieval_query
+from metaclaw.protocols import PROTOCOLS, ProxyError, get_protocol
+from metaclaw.protocols.anthropic_messages import ANTHROPIC, DEFAULT_MAX_TOKENS
+from metaclaw.protocols.openai_chat import OPENAI, StreamAssembler
+
+TOOL_SCHEMA = {"type": "object", "properties": {"path": {"type": "string"}}}
+
+ANTHROPIC_REQUEST = {
+    "model": "claude-test", "max_tokens": 256, "temperature": 0.2, "stop_sequences": ["END"],
+    "system": [{"type": "text", "text": "You are terse.", "cache_control": {"type": "ephemeral"}},
+               {"type": "text", "text": "Repository: demo."}],
+    "metadata": {"user_id": "u-7"},
+    "tools": [{"name": "read_file", "description": "Read a file", "input_schema": TOOL_SCHEMA}],
+    "tool_choice": {"type": "tool", "name": "read_file", "disable_parallel_tool_use": True},
+    "messages": [
+        {"role": "user", "content": [
+            {"type": "text", "text": "Look at this"},
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": "iVBORw0KGgo="}}]},
+        {"role": "assistant", "content": [
+            {"type": "thinking", "thinking": "need the file", "signature": "s1"},
+            {"type": "text", "text": "Reading it."},
+            {"type": "tool_use", "id": "toolu_1", "name": "read_file", "input": {"path": "a.py"}}]},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_1",
+             "content": [{"type": "text", "text": "print(1)"}]},
+            {"type": "text", "text": "What does it print?"}]},
+    ],
+}
+
+
+def test_registry_names_the_protocols():
+    assert set(PROTOCOLS) == {"openai", "anthropic"}
+    assert get_protocol("anthropic") is ANTHROPIC
+    with pytest.raises(ValueError, match="choose one of anthropic, openai"):
+        get_protocol("gemini")
+
+
+def test_anthropic_request_to_chat():
+    chat = ANTHROPIC.to_chat(ANTHROPIC_REQUEST)
+    assert chat["messages"][0] == {"role": "system", "content": "You are terse.\n\nRepository: demo."}
+    user = chat["messages"][1]
+    assert user["content"][0] == {"type": "text", "text": "Look at this"}
+    assert user["content"][1]["image_url"]["url"] == "data:image/png;base64,iVBORw0KGgo="
+    assistant = chat["messages"][2]
+    assert assistant["content"] == "Reading it."  # thinking dropped (documented)
+    assert assistant["tool_calls"] == [{"id": "toolu_1", "type": "function", "function": {
+        "name": "read_file", "arguments": '{"path":"a.py"}'}}]
+    assert chat["messages"][3] == {"role": "tool", "tool_call_id": "toolu_1", "content": "print(1)"}
+    assert chat["messages"][4] == {"role": "user", "content": "What does it print?"}
+    assert chat["tools"] == [{"type": "function", "function": {
+        "name": "read_file", "description": "Read a file", "parameters": TOOL_SCHEMA}}]
+    assert chat["tool_choice"] == {"type": "function", "function": {"name": "read_file"}}
+    assert chat["parallel_tool_calls"] is False and chat["stop"] == ["END"]
+    assert chat["user"] == "u-7" and chat["max_tokens"] == 256 and chat["temperature"] == 0.2
+
+
+def test_chat_request_to_anthropic_and_back():
+    chat = {"model": "m", "temperature": 0.5, "stop": "END", "tool_choice": "required",
+            "tools": [{"type": "function", "function": {"name": "read_file",
+                                                        "description": "Read",
+                                                        "parameters": TOOL_SCHEMA}}],
+            "messages": [
+                {"role": "system", "content": "Be terse."},
+                {"role": "developer", "content": "Use tools."},
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "c1", "type": "function",
+                     "function": {"name": "read_file", "arguments": '{"path": "a"}'}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "data"},
+                {"role": "user", "content": [{"type": "text", "text": "and?"}]}]}
+    body = ANTHROPIC.from_chat(chat)
+    assert body["system"] == "Be terse.\n\nUse tools."
+    assert body["max_tokens"] == DEFAULT_MAX_TOKENS and body["stop_sequences"] == ["END"]
+    assert body["tool_choice"] == {"type": "any"}
+    assert body["tools"][0] == {"name": "read_file", "description": "Read",
+                                "input_schema": TOOL_SCHEMA}
+    assert body["messages"][1] == {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "c1", "name": "read_file", "input": {"path": "a"}}]}
+    # the tool result and the next user text become one user turn
+    assert body["messages"][2] == {"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "c1", "content": "data"},
+        {"type": "text", "text": "and?"}]}
+    ANTHROPIC.parse_request(body, None)  # a valid Anthropic request
+    back = ANTHROPIC.to_chat(body)
+    assert back["messages"][0] == {"role": "system", "content": "Be terse.\n\nUse tools."}
+    assert back["messages"][2]["tool_calls"][0]["function"]["name"] == "read_file"
+    assert json.loads(back["messages"][2]["tool_calls"][0]["function"]["arguments"]) == {"path": "a"}
+    assert back["messages"][3] == {"role": "tool", "tool_call_id": "c1", "content": "data"}
+    assert back["tool_choice"] == "required"
+
+
+def test_replies_translate_both_ways():
+    message = {"id": "msg_1", "type": "message", "role": "assistant", "model": "claude-test",
+               "content": [{"type": "thinking", "thinking": "hmm", "signature": "s"},
+                           {"type": "text", "text": "Reading."},
+                           {"type": "tool_use", "id": "toolu_9", "name": "read_file",
+                            "input": {"path": "b"}}],
+               "stop_reason": "tool_use", "stop_sequence": None,
+               "usage": {"input_tokens": 10, "output_tokens": 5, "cache_read_input_tokens": 90}}
+    completion = ANTHROPIC.reply_to_chat(message)
+    choice = completion["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["content"] == "Reading."
+    assert choice["message"]["reasoning_content"] == "hmm"
+    assert json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"]) == {"path": "b"}
+    assert completion["usage"]["prompt_tokens"] == 100 and completion["usage"]["completion_tokens"] == 5
+    again = ANTHROPIC.reply_from_chat(completion)
+    assert again["content"][1:] == message["content"][1:]
+    assert again["content"][0]["thinking"] == "hmm" and again["stop_reason"] == "tool_use"
+    assert again["usage"]["input_tokens"] == 10 and again["usage"]["cache_read_input_tokens"] == 90
+    for finish, stop in (("stop", "end_turn"), ("length", "max_tokens"),
+                         ("content_filter", "refusal")):
+        reply = {"model": "m", "choices": [{"message": {"content": "x"}, "finish_reason": finish}],
+                 "usage": {"prompt_tokens": 3, "completion_tokens": 1}}
+        out = ANTHROPIC.reply_from_chat(reply)
+        assert out["stop_reason"] == stop
+        assert out["usage"] == {"input_tokens": 3, "output_tokens": 1}
+
+
+def _chat_chunks(text: str, call: bool) -> list:
+    base = {"id": "c", "object": "chat.completion.chunk", "created": 0, "model": "m"}
+
+    def chunk(delta, finish=None):
+        return {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+    chunks = [chunk({"role": "assistant", "content": ""})]
+    chunks += [chunk({"content": w}) for w in text.split(" ")]
+    if call:
+        chunks.append(chunk({"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
+                                             "function": {"name": "read_file", "arguments": ""}}]}))
+        chunks += [chunk({"tool_calls": [{"index": 0, "function": {"arguments": part}}]})
+                   for part in ('{"pa', 'th": "a"}')]
+    chunks.append(chunk({}, "tool_calls" if call else "stop"))
+    chunks.append({**base, "choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 4}})
+    return [*chunks, None]
+
+
+def test_streams_translate_both_ways():
+    chunks = _chat_chunks("Reading the file", call=True)
+    to_anthropic = ANTHROPIC.stream_from_chat()
+    events = [e for c in chunks for e in to_anthropic.feed(c)] + to_anthropic.close()
+    kinds = [e["type"] for e in events]
+    assert kinds[:2] == ["message_start", "ping"] and kinds[-2:] == ["message_delta", "message_stop"]
+    assert events[-2]["delta"]["stop_reason"] == "tool_use"
+    assert events[-2]["usage"] == {"input_tokens": 7, "output_tokens": 4}
+    starts = [e["content_block"] for e in events if e["type"] == "content_block_start"]
+    assert [b["type"] for b in starts] == ["text", "tool_use"] and starts[1]["id"] == "call_1"
+    partial = "".join(e["delta"].get("partial_json", "") for e in events
+                      if e["type"] == "content_block_delta")
+    assert json.loads(partial) == {"path": "a"}
+    # and back: the Anthropic events assemble to the same recorded columns as the chat chunks
+    to_chat = ANTHROPIC.stream_to_chat()
+    back = [c for e in events for c in to_chat.feed(e)] + to_chat.close()
+    assert back[-1] is None  # [DONE]
+    direct, round_trip = StreamAssembler(), StreamAssembler()
+    for c in chunks:
+        direct.add(c)
+    for c in back:
+        round_trip.add(c)
+    assert round_trip.content == direct.content == "Readingthefile"
+    assert round_trip.finish_reason == "tool_calls"
+    assert round_trip.tool_calls[0]["function"] == direct.tool_calls[0]["function"]
+    assert round_trip.usage["prompt_tokens"] == 7 and round_trip.usage["completion_tokens"] == 4
+    assembler = ANTHROPIC.assembler()
+    for e in events:
+        assembler.add(e)
+    assert assembler.columns()["tool_calls"][0]["function"]["name"] == "read_file"
+
+
+def test_encoding_and_terminal_events():
+    event = {"type": "message_stop"}
+    assert ANTHROPIC.encode_event(event) == b'event: message_stop\ndata: {"type":"message_stop"}\n\n'
+    assert ANTHROPIC.is_terminal(b"", event) and not ANTHROPIC.is_terminal(b"", {"type": "ping"})
+    assert OPENAI.is_terminal(OPENAI.encode_event(None), None)
+    error = ProxyError(429, "slow down", type="rate_limit_error")
+    assert ANTHROPIC.error_payload(error) == {"type": "error", "error": {
+        "type": "rate_limit_error", "message": "slow down"}}
+    assert ANTHROPIC.error_payload(ProxyError(502, "gone", type="upstream_error"))["error"][
+        "type"] == "api_error"
+    assert OPENAI.error_payload(error)["error"]["message"] == "slow down"
+    assert ANTHROPIC.stream_error_event(error).startswith(b"event: error\ndata: ")
+
+
+def test_injection_keeps_the_cached_system_prefix():
+    block = "## Skills\n\nskill text"
+    injected = ANTHROPIC.inject(ANTHROPIC_REQUEST, block)
+    assert injected["system"][:2] == ANTHROPIC_REQUEST["system"]  # byte-identical prefix
+    assert injected["system"][2] == {"type": "text", "text": block}  # no breakpoint of its own
+    assert injected["messages"] is ANTHROPIC_REQUEST["messages"]
+    as_string = ANTHROPIC.inject({**ANTHROPIC_REQUEST, "system": "Be terse."}, block)
+    assert as_string["system"] == [{"type": "text", "text": "Be terse."},
+                                   {"type": "text", "text": block}]
+    assert ANTHROPIC.inject({"messages": []}, block)["system"] == [{"type": "text", "text": block}]
+    assert ANTHROPIC.inject(ANTHROPIC_REQUEST, "") is ANTHROPIC_REQUEST
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"model": "m", "max_tokens": 5}, "messages"),
+    ({"model": "m", "max_tokens": 5, "messages": [{"role": "system", "content": "x"}]}, "messages.0"),
+    ({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": 3}]},
+     "messages.0.content"),
+    ({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": [{"text": "x"}]}]},
+     "messages.0.content.0"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}]}, "max_tokens"),
+    ({"model": "m", "max_tokens": 5, "system": 3, "messages": [{"role": "user", "content": "x"}]},
+     "system"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}]}, "model"),
+    ({"model": "m", "max_tokens": 5, "stream": "yes", "messages": [{"role": "user", "content": "x"}]},
+     "stream"),
+])
+def test_anthropic_validation_names_the_field(body, param):
+    with pytest.raises(ProxyError) as caught:
+        ANTHROPIC.parse_request(body, None)
+    assert caught.value.status == 400 and caught.value.param == param
+
+
+def test_pipeline_steps_on_a_neutral_turn():
+    raw = json.dumps(ANTHROPIC_REQUEST).encode()
+    turn = parse_turn(ANTHROPIC, {**ANTHROPIC_REQUEST, "session_id": "s-body"}, raw)
+    assert "session_id" not in turn.body and turn.model == "claude-test" and not turn.stream
+    assert retrieval_query(turn) == "What does it print?"
+    assert identify_session(turn, {"X-Session-Id": "s-1", "X-Turn-Type": "Side",
+                                   "X-Session-Done": "true"}, {}) == ("s-1", "side", True)
+    assert identify_session(turn, {}, {"session_id": "s-body"}) == ("s-body", "main", False)
+    with pytest.raises(ProxyError, match="X-Turn-Type"):
+        identify_session(turn, {"X-Turn-Type": "other"}, {})
+    row = record_row(turn, policy_version=3)
+    assert row["protocol"] == "anthropic" and row["policy_version"] == 3
+    assert row["request_messages"][0]["role"] == "system"
+    assert row["request_params"]["tools"][0]["type"] == "function"  # neutral (OpenAI) params
+    assert "messages" not in row["request_params"] and "model" not in row["request_params"]
+    openai_turn = parse_turn(OPENAI, {"model": "m", "messages": [{"role": "user", "content": "q"}]},
+                             b"{}")
+    assert "protocol" not in record_row(openai_turn, 0)  # the column's default
+
+
+def test_context_budget_arithmetic():
+    assert context_window("claude-sonnet-4", None, None) == KNOWN_WINDOWS["claude-"]
+    assert context_window("my-model", {"my-model": 1000}, 5) == 1000
+    assert context_window("unknown", None, None) is None
+    counter = TokenCounter()
+    assert counter.method == "estimate" and counter.count("abcdef") == 2 and counter.count(b"abcd") == 2
+    blocks = {1: "a" * 30, 2: "a" * 300, 3: "a" * 3000}
+    budget = fit_skills(["s1", "s2", "s3"], blocks.__getitem__, b"x" * 300, window=400,
+                        reserve=100, counter=counter)
+    # 400 - 100 request - 100 reserved = 200 tokens for the block: s1 and s2 fit (108), s3 not
+    assert budget.keep == 2 and budget.record["cut"] == ["s3"]
+    assert budget.record["block_tokens"] == 100 + 8 and not budget.record["over_window"]
+    over = fit_skills(["s1"], blocks.__getitem__, b"x" * 1500, 400, 0, counter)
+    assert over.keep == 0 and over.record["over_window"] and over.record["cut"] == ["s1"]
+    words = TokenCounter(lambda text: len(text.split()))
+    assert words.method == "tokenizer" and words.count("a b c") == 3
