@@ -18,6 +18,7 @@ as ``fault=<name>`` (anything else is answered normally, with an echo). Faults:
 ``slow_body``        headers at once, then the body (or each event) a byte every 0.4 s
 ``hang``             nothing, ever (until the client gives up)
 ``reflect_key``      a 401 error whose message, param and code quote the request's key
+``surrogate_reply``  a normal OpenAI reply whose text holds a lone surrogate (escaped in JSON)
 
 :attr:`FaultUpstream.requests` lists ``{"path", "headers", "fault", "at"}`` per request received.
 """
@@ -90,8 +91,10 @@ class FaultUpstream(ServedApp):
         """The faults shared by both protocols that happen before any reply; None otherwise."""
         if fault in ("reset", "flaky_reset"):
             return self._abort(request)
-        if fault == "hang":
-            await asyncio.sleep(3600)
+        if fault == "hang":  # until the client gives up and closes the connection
+            while request.transport is not None and not request.transport.is_closing():
+                await asyncio.sleep(0.05)
+            return web.Response(status=500)
         status = {"status_429": 429, "status_500": 500, "status_503": 503, "flaky_503": 503,
                   "reflect_key": 401}.get(fault)
         if status:
@@ -107,6 +110,8 @@ class FaultUpstream(ServedApp):
     async def _trickle(self, request: web.Request, response: web.StreamResponse,
                        data: bytes) -> None:
         for i in range(len(data)):
+            if request.transport is None or request.transport.is_closing():
+                return
             await response.write(data[i:i + 1])
             await asyncio.sleep(0.4)
 
@@ -143,6 +148,8 @@ class FaultUpstream(ServedApp):
         if special is not None:
             return special
         text = "echo: " + _last_user_text(body)
+        if fault == "surrogate_reply":  # valid JSON, but not valid Unicode text
+            text += " \ud800"
         if not body.get("stream"):
             completion = {"id": "chatcmpl-f", "object": "chat.completion", "created": 0,
                           "model": body.get("model"), "choices": [{

@@ -167,6 +167,17 @@ def test_failures_before_any_byte_are_retried_honouring_retry_after(env, client,
         assert elapsed >= 0.95, f"Retry-After: 1 was not honoured ({elapsed:.2f} s)"
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_reply_with_a_lone_surrogate_is_still_recorded(env, stream):
+    """SQLite cannot store a lone surrogate: the turn is recorded with U+FFFD in its place."""
+    _, proxies, store, _ = env
+    session = f"surrogate-{int(stream)}"
+    reply = _request(proxies["openai"], "openai", "hi fault=surrogate_reply", stream, session)
+    assert reply.status_code == 200 and "[DONE]" in reply.text if stream else reply.status_code == 200
+    turn = _turn(store, session)
+    assert turn["status"] == "ok" and "\ufffd" in turn["response"]
+
+
 def test_long_retry_after_is_relayed_not_waited_for(env):
     """A 429 asking for an hour is not retried: the client gets it at once, Retry-After kept."""
     upstream, proxies, store, _ = env
