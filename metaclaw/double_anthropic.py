@@ -74,7 +74,8 @@ class AnthropicDoubleServer(ServedApp):
     fills with ``{"path", "headers", "body"}`` dicts.
     """
 
-    def __init__(self, replies: list[AnthropicReply] | Callable[[dict], AnthropicReply] | None = None,
+    def __init__(self,
+                 replies: list[AnthropicReply] | Callable[[dict], AnthropicReply] | None = None,
                  *, host: str = "127.0.0.1", port: int = 0):
         self.replies = replies if callable(replies) else list(replies or [])
         self.requests: list[dict[str, Any]] = []
@@ -95,7 +96,8 @@ class AnthropicDoubleServer(ServedApp):
             return self.replies(body)
         if self.replies:
             return self.replies.pop(0)
-        last = next((m for m in reversed(body.get("messages") or []) if m.get("role") == "user"), {})
+        users = [m for m in body.get("messages") or [] if m.get("role") == "user"]
+        last = users[-1] if users else {}
         return AnthropicReply(f"echo: {_text_of(last.get('content'))}")
 
     @staticmethod
@@ -125,7 +127,8 @@ class AnthropicDoubleServer(ServedApp):
         from anthropic.types import Message
 
         content = reply.content
-        blocks = [{"type": "text", "text": content}] if isinstance(content, str) else list(content or [])
+        blocks = ([{"type": "text", "text": content}] if isinstance(content, str)
+                  else [dict(b) for b in content or []])
         for block in blocks:
             if block.get("type") == "tool_use":
                 block.setdefault("id", f"toolu_{uuid.uuid4().hex[:20]}")
@@ -148,8 +151,8 @@ class AnthropicDoubleServer(ServedApp):
         if reply.delay:
             await asyncio.sleep(reply.delay)
         if reply.status != 200:
-            return self._error(reply.status, reply.message or f"injected upstream error "
-                                                              f"(HTTP {reply.status})", reply.headers)
+            message = reply.message or f"injected upstream error (HTTP {reply.status})"
+            return self._error(reply.status, message, reply.headers)
         message = self._message(body, reply)
         if not body.get("stream"):
             return web.json_response(message.model_dump(mode="json", exclude_none=True),
@@ -164,7 +167,8 @@ class AnthropicDoubleServer(ServedApp):
                         request.transport.abort()
                     return response
                 data = event.model_dump(mode="json", exclude_none=True)
-                await response.write(f"event: {data['type']}\ndata: {json.dumps(data)}\n\n".encode())
+                line = f"event: {data['type']}\ndata: {json.dumps(data)}\n\n"
+                await response.write(line.encode())
             await response.write_eof()
         except ConnectionResetError:
             pass

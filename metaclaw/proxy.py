@@ -388,7 +388,8 @@ class Proxy(ServedApp):
 
     @web.middleware
     async def _errors_middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        protocol = ANTHROPIC if "/messages" in request.path else OPENAI
+        protocol = next((p for p in PROTOCOLS.values() if any(r in request.path for r in p.routes)),
+                        OPENAI)  # errors in the shape of the protocol the path belongs to
         try:
             return await handler(request)
         except ProxyError as exc:

@@ -10,7 +10,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_proxy.py"
 
 def test_bench_proxy_tiny_run_prints_ratios():
     proc = subprocess.run([sys.executable, str(SCRIPT), "--requests", "20", "--concurrency", "4",
-                           "--rounds", "2"], capture_output=True, text=True, timeout=60)
+                           "--rounds", "2"], capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr + proc.stdout
     out = proc.stdout
     latency_ratios = re.findall(r"ratio proxied/direct proxy\[lexical\]((?:\s+[\d.]+){4})\s+x", out)
@@ -22,6 +22,12 @@ def test_bench_proxy_tiny_run_prints_ratios():
     sent = re.search(r"recorded (\d+) turns in its store \(sent (\d+)\)", out)
     assert sent and sent.group(1) == sent.group(2), out
     assert "n=20 per target" in out
+    # the Anthropic side, measured in the same run: pass-through and translated
+    for kind in ("anthropic", "openai"):
+        name = re.escape(f"proxy[lexical] anthropic->{kind}")
+        assert len(re.findall(rf"ratio proxied/direct {name}((?:\s+[\d.]+){{4}})\s+x", out)) == 3
+        assert len(re.findall(rf"ratio proxied/direct throughput {name}: [\d.]+x", out)) == 2
+        assert re.search(rf"{name} recorded (\d+) turns in its store \(sent \1\)", out), out
 
 
 def test_bench_proxy_rejects_bad_flags():

@@ -465,3 +465,106 @@ def test_request_already_over_the_window_passes_untouched(workspace, anthropic_d
     assert turn["context_budget"]["method"] == "tokenizer"
     assert "git-commit-messages" in turn["context_budget"]["cut"]
     assert any("already over" in r.getMessage() for r in caplog.records)
+
+
+# ---------------------------------------------------------------------------------------------
+# a real agent client (optional: runs where the Claude Code CLI is installed)
+# ---------------------------------------------------------------------------------------------
+def _claude_code() -> str | None:
+    import os
+    import shutil
+
+    return os.environ.get("METACLAW_CLAUDE_CODE") or shutil.which("claude")
+
+
+@pytest.mark.skipif(_claude_code() is None, reason="the Claude Code CLI is not installed (npm "
+                    "install @anthropic-ai/claude-code, or set METACLAW_CLAUDE_CODE to its binary)")
+def test_claude_code_agent_through_the_proxy(workspace, anthropic_double, tmp_path):
+    """Claude Code in print mode, offline: its real request (system blocks, a dozen tools,
+    thinking, streaming) goes through the proxy to the Anthropic double and back."""
+    import os
+    import subprocess
+
+    store, _ = workspace
+    (tmp_path / "home").mkdir()
+    (tmp_path / "work").mkdir()
+    with _proxy(workspace, anthropic_double, "anthropic") as proxy:
+        env = {**os.environ, "HOME": str(tmp_path / "home"), "ANTHROPIC_BASE_URL": proxy.base_url,
+               "ANTHROPIC_API_KEY": "sk-ant-offline", "DISABLE_AUTOUPDATER": "1",
+               "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"}
+        done = subprocess.run([_claude_code(), "-p", QUESTION, "--model", "claude-sonnet-4-5"],
+                              cwd=tmp_path / "work", env=env, capture_output=True, text=True,
+                              timeout=120)
+        turns = _turns(proxy, store)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("echo: ")  # the double's echo, relayed to the agent
+    main = [t for t in turns if t["injected_skills"]]
+    assert main and main[0]["protocol"] == "anthropic" and main[0]["status"] == "ok"
+    assert "git-commit-messages" in main[0]["injected_skills"]
+    sent = next(r["body"] for r in anthropic_double.requests if r["path"] == "/v1/messages"
+                and r["body"].get("tools"))
+    assert isinstance(sent["system"], list) and sent["system"][-1]["text"].startswith(BLOCK_HEADER)
+
+
+# ---------------------------------------------------------------------------------------------
+# a local policy (the slow loop's responder) serving Anthropic clients
+# ---------------------------------------------------------------------------------------------
+class LocalPolicy:
+    """A trivial responder answering in the chat shape, with the ``metaclaw`` object a trained
+    policy attaches (kept from the client, recorded with the turn)."""
+
+    policy_version = 5
+    info = {"policy_version": 5, "prompt_token_ids": [1, 2], "completion_token_ids": [3, 4],
+            "completion_logprobs": [-0.1, -0.2]}
+
+    async def complete(self, body):
+        return {"id": "p-1", "object": "chat.completion", "created": 0, "model": "local",
+                "choices": [{"index": 0, "finish_reason": "stop", "message": {
+                    "role": "assistant", "content": "from the policy"}}],
+                "usage": {"prompt_tokens": 3, "completion_tokens": 2}, "metaclaw": self.info}
+
+    async def stream(self, body):
+        base = {"id": "p-2", "object": "chat.completion.chunk", "created": 0, "model": "local"}
+        for piece in ("from", " the", " policy"):
+            yield {**base, "choices": [{"index": 0, "delta": {"content": piece},
+                                        "finish_reason": None}]}
+        yield {**base, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
+               "metaclaw": self.info}
+
+
+def test_responder_serves_anthropic_clients(workspace, anthropic_double):
+    store, _ = workspace
+    with _proxy(workspace, anthropic_double, "anthropic") as proxy:
+        proxy.set_responder(LocalPolicy())
+        client = _client(proxy)
+        message = client.messages.create(model=MODEL, max_tokens=20,
+                                          messages=[{"role": "user", "content": QUESTION}])
+        raw = client.messages.with_raw_response.create(
+            model=MODEL, max_tokens=20, messages=[{"role": "user", "content": QUESTION}])
+        with client.messages.stream(model=MODEL, max_tokens=20,
+                                    messages=[{"role": "user", "content": QUESTION}]) as stream:
+            streamed = stream.get_final_message()
+    assert message.content[0].text == "from the policy" and message.stop_reason == "end_turn"
+    assert "metaclaw" not in raw.http_response.text
+    assert raw.http_response.headers["x-metaclaw-policy-version"] == "5"
+    assert streamed.content[0].text == "from the policy"
+    assert anthropic_double.requests == []  # the upstream was not used
+    turns = _turns(proxy, store)
+    assert [t["policy_version"] for t in turns] == [5, 5, 5]
+    assert turns[2]["completion_tokens_ids"] == [3, 4] and turns[2]["protocol"] == "anthropic"
+
+
+def test_context_budget_with_a_real_tokenizer(workspace, openai_double, tmp_path):
+    pytest.importorskip("transformers", reason="the tokenizer test needs transformers "
+                                               "(the training extra)")
+    from metaclaw.tinymodel import build_tokenizer
+
+    build_tokenizer().backend_tokenizer.save(str(tmp_path / "tokenizer.json"))
+    store, _ = workspace
+    with _proxy(workspace, openai_double, "openai", context_windows={MODEL: 100_000},
+                tokenizer=str(tmp_path / "tokenizer.json")) as proxy:
+        _client(proxy).messages.create(model=MODEL, max_tokens=10,
+                                       messages=[{"role": "user", "content": QUESTION}])
+    budget = _turns(proxy, store)[0]["context_budget"]
+    assert budget["method"] == f"tokenizer:{tmp_path / 'tokenizer.json'}"
+    assert budget["cut"] == [] and 0 < budget["request_tokens"] < 200

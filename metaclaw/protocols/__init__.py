@@ -14,7 +14,9 @@ pivot) and :mod:`metaclaw.protocols.anthropic_messages` (``POST /v1/messages``).
 Adding a protocol
 -----------------
 Write one module ``metaclaw/protocols/<name>.py`` with a subclass of :class:`WireProtocol` and
-register an instance in :data:`PROTOCOLS` (one line below). It implements:
+register an instance in :data:`PROTOCOLS` (an import and a name at the bottom of this file). The
+proxy then serves its routes, answers its errors in its shape, records its turns in the neutral
+form, and reaches both upstream kinds through the pivot. It implements:
 
 - ``routes``: the POST paths it serves (the proxy adds them under ``/v1`` and at the root);
 - ``parse_request(body)``: validate a wire body (raise :class:`ProxyError`) and return the model,
@@ -28,8 +30,11 @@ register an instance in :data:`PROTOCOLS` (one line below). It implements:
 - ``encode_event(event)``, ``is_terminal(event)``, ``error_payload(error)``,
   ``stream_error_event(error)``: the wire encoding of events and errors.
 
-The tests for a new protocol are its own round trips (``from_chat(to_chat(x))``) and an SDK of that
-protocol against a running proxy; nothing else in the proxy changes.
+The tests for a new protocol are its own round trips (``from_chat(to_chat(x))``, as in
+``tests/test_protocols.py``) and an SDK of that protocol against a running proxy (as in
+``tests/test_proxy_anthropic.py``); nothing else in the proxy changes. To let the proxy *forward*
+in the new protocol as well, add an :class:`~metaclaw.upstreams.HTTPUpstream` subclass for it in
+:mod:`metaclaw.upstreams` (its path, how it sends the key, its SDK's error classes).
 """
 
 from __future__ import annotations
@@ -105,7 +110,8 @@ class WireProtocol:
     def max_output_tokens(self, body: dict[str, Any]) -> int | None:
         return None
 
-    def prepare_forward(self, body: dict[str, Any], stream_usage: bool) -> tuple[dict[str, Any], bool]:
+    def prepare_forward(self, body: dict[str, Any],
+                        stream_usage: bool) -> tuple[dict[str, Any], bool]:
         """The body to forward to an upstream of this protocol and whether the client itself asked
         for what the proxy adds (OpenAI's usage chunk)."""
         return body, True

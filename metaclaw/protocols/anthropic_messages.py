@@ -25,9 +25,9 @@ Anthropic client -> OpenAI-compatible upstream
   - documents and search-result blocks become text; images keep their data (as data URLs or URLs);
   - a tool_result's images are dropped (a chat ``tool`` message holds text only); ``is_error``
     becomes an ``"[error] "`` prefix on the result text;
-  - ``stop_reason`` comes from ``finish_reason``: stop -> end_turn (or stop_sequence when the
-    request had stop sequences, though the sequence matched is unknown: ``stop_sequence`` is null),
-    length -> max_tokens, tool_calls -> tool_use, content_filter -> refusal;
+  - ``stop_reason`` comes from ``finish_reason``: stop -> end_turn (also when a stop sequence
+    matched: a chat upstream does not say so, and ``stop_sequence`` is null), length ->
+    max_tokens, tool_calls -> tool_use, content_filter -> refusal;
   - usage: ``input_tokens`` / ``output_tokens`` from prompt / completion tokens; in a stream the
     input count is only known at the end, so ``message_start`` says 0 and ``message_delta`` carries
     the real ``input_tokens`` and ``output_tokens``.
@@ -155,13 +155,12 @@ def _new_id() -> str:
 class ChatToAnthropicStream(StreamTranslator):
     """``chat.completion.chunk`` dicts (``None`` for ``[DONE]``) -> Anthropic stream events."""
 
-    def __init__(self, stop_sequences: bool = False) -> None:
+    def __init__(self) -> None:
         self.started = False
         self.block: tuple[str, int] | None = None  # (kind, OpenAI tool index) of the open block
         self.index = -1
         self.finish: str | None = None
         self.usage: dict[str, Any] | None = None
-        self.stop_sequences = stop_sequences
         self.closed = False
 
     def _start(self, chunk: dict[str, Any]) -> list[dict[str, Any]]:
@@ -191,7 +190,8 @@ class ChatToAnthropicStream(StreamTranslator):
         if chunk is None:
             return []
         if chunk.get("error"):
-            error = chunk["error"] if isinstance(chunk["error"], dict) else {"message": str(chunk["error"])}
+            error = chunk["error"]
+            error = error if isinstance(error, dict) else {"message": str(error)}
             return [{"type": "error", "error": {"type": "api_error",
                                                 "message": str(error.get("message", error))}}]
         out: list[dict[str, Any]] = [] if self.started else self._start(chunk)
@@ -218,7 +218,8 @@ class ChatToAnthropicStream(StreamTranslator):
                 function = call.get("function") or {}
                 if self.block != ("tool", key):
                     out += self._open("tool", key, {
-                        "type": "tool_use", "id": call.get("id") or f"toolu_{uuid.uuid4().hex[:20]}",
+                        "type": "tool_use",
+                        "id": call.get("id") or f"toolu_{uuid.uuid4().hex[:20]}",
                         "name": function.get("name") or "", "input": {}})
                 if function.get("arguments"):
                     out.append({"type": "content_block_delta", "index": self.index,
@@ -234,9 +235,8 @@ class ChatToAnthropicStream(StreamTranslator):
         self.closed = True
         out: list[dict[str, Any] | None] = [] if self.started else self._start({})
         out += self._close_block()
+        # a chat upstream does not say which stop sequence matched: "stop" is end_turn
         stop = _FINISH_TO_STOP.get(self.finish or "stop", "end_turn")
-        if stop == "end_turn" and self.stop_sequences and self.finish == "stop":
-            stop = "end_turn"  # which sequence matched (if any) is unknown: see the docstring
         out.append({"type": "message_delta", "delta": {"stop_reason": stop, "stop_sequence": None},
                     "usage": _anthropic_usage(self.usage)})
         out.append({"type": "message_stop"})
@@ -292,7 +292,8 @@ class AnthropicToChatStream(StreamTranslator):
                 return [self._chunk({"reasoning_content": delta.get("thinking", "")})]
             return []
         if kind == "message_delta":
-            self.usage.update({k: v for k, v in (event.get("usage") or {}).items() if v is not None})
+            usage = event.get("usage") or {}
+            self.usage.update({k: v for k, v in usage.items() if v is not None})
             stop = (event.get("delta") or {}).get("stop_reason")
             return [self._chunk({}, _STOP_TO_FINISH.get(stop or "end_turn", "stop"))]
         if kind == "message_stop":
@@ -381,7 +382,8 @@ class AnthropicMessages(WireProtocol):
             raise bad("tool_choice", "'tool_choice' must be an object such as {'type': 'auto'}")
         for name in ("temperature", "top_p"):
             value = body.get(name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            if value is not None and (isinstance(value, bool)
+                                      or not isinstance(value, (int, float))):
                 raise bad(name, f"'{name}' must be a number")
         return model, stream
 
@@ -423,12 +425,14 @@ class AnthropicMessages(WireProtocol):
         tools = [{"type": "function", "function": {
             "name": tool.get("name"), "description": tool.get("description", ""),
             "parameters": tool.get("input_schema") or {"type": "object", "properties": {}}}}
-            for tool in body.get("tools") or () if isinstance(tool, dict) and "input_schema" in tool]
+            for tool in body.get("tools") or ()
+            if isinstance(tool, dict) and "input_schema" in tool]
         if tools:
             chat["tools"] = tools
         choice = body.get("tool_choice") or {}
         if choice.get("type") in ("auto", "any", "none"):
-            chat["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[choice["type"]]
+            chat["tool_choice"] = {"auto": "auto", "any": "required",
+                                   "none": "none"}[choice["type"]]
         elif choice.get("type") == "tool":
             chat["tool_choice"] = {"type": "function", "function": {"name": choice.get("name")}}
         if choice.get("disable_parallel_tool_use") and tools:

@@ -161,7 +161,8 @@ class OpenAIChat(WireProtocol):
         value = body.get("max_completion_tokens") or body.get("max_tokens")
         return value if isinstance(value, int) and not isinstance(value, bool) else None
 
-    def prepare_forward(self, body: dict[str, Any], stream_usage: bool) -> tuple[dict[str, Any], bool]:
+    def prepare_forward(self, body: dict[str, Any],
+                        stream_usage: bool) -> tuple[dict[str, Any], bool]:
         client_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         if body.get("stream") and stream_usage and not client_usage:
             body = {**body, "stream_options": {**(body.get("stream_options") or {}),
