@@ -485,8 +485,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=4,
                         help="alternating batches per target in the concurrent phase (default 4)")
     parser.add_argument("--durable-acks", action="store_true",
-                        help="also measure a lexical proxy that ends each reply only once its "
-                             "turn is committed (serve --durable-acks)")
+                        help="also measure a lexical proxy that ends each reply before its turn "
+                             "is committed (serve --no-durable-acks), beside the default durable "
+                             "one: the cost of durability")
     parser.add_argument("--protocols", default="openai,anthropic",
                         help="client protocols to measure, comma-separated (default "
                              "openai,anthropic)")
@@ -517,8 +518,9 @@ def main(argv: list[str] | None = None) -> int:
                 proxies.append(start_proxy(retrieval, double_url, tmp / retrieval))
                 targets[proxies[-1].name] = proxies[-1].url
             if args.durable_acks:
-                proxies.append(start_proxy("lexical", double_url, tmp / "durable", "openai",
-                                           "proxy[lexical,durable-acks]", ("--durable-acks",)))
+                proxies.append(start_proxy("lexical", double_url, tmp / "not-durable", "openai",
+                                           "proxy[lexical,no-durable-acks]",
+                                           ("--no-durable-acks",)))
                 targets[proxies[-1].name] = proxies[-1].url
             groups[direct] = list(targets)
         if "anthropic" in protocols:

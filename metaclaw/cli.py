@@ -85,8 +85,9 @@ def _add_proxy_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context-window", type=int,
                    help="context window in tokens for models the proxy does not know "
                         "(skills are cut to fit)")
-    p.add_argument("--durable-acks", action="store_true",
-                   help="end each reply only once its turn is committed to the store")
+    p.add_argument("--durable-acks", action=argparse.BooleanOptionalAction, default=True,
+                   help="end each reply only once its turn is committed to the store (default; "
+                        "--no-durable-acks commits right after the reply instead)")
     p.add_argument("--starter-skills", action="store_true",
                    help="import the bundled starter skills into an empty library")
     p.add_argument("--sim", action="store_true", help="use the offline SIMULATED model "

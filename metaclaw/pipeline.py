@@ -13,12 +13,13 @@ A :class:`Turn` carries the request through the steps; its ``messages`` are the 
 Ordering contract of the relay and record steps: the event that ends a reply for the client
 (OpenAI's ``data: [DONE]``, Anthropic's ``message_stop``) and the whole of a non-streaming reply
 are sent only after :meth:`Recorder.submit` has taken the turn and
-:meth:`TurnPipeline.acknowledge` has returned. With ``ProxyConfig.durable_acks`` that means the
-turn is committed to SQLite: a reply the client received in full is never lost, even to
+:meth:`TurnPipeline.acknowledge` has returned. With ``ProxyConfig.durable_acks`` (the default)
+that means the turn is committed to SQLite: a reply the client received in full is never lost, even to
 ``kill -9``. The recorder commits in groups, so this costs a request about one commit (one fsync)
 of latency however many are in flight, and no throughput. Without it, the turn is queued and
-committed right after. A stream whose client leaves early is recorded too, with status ``error`` and
-what was relayed so far.
+committed right after. Every turn that reached the upstream is recorded with a status saying how
+it ended (see :class:`_Relay`): a client that leaves before the headers or mid-stream leaves a
+``client_disconnected`` turn with what was relayed so far.
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 import queue
+import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -51,6 +52,7 @@ PROXY_FIELDS = ("session_id", "turn_type", "session_done")
 _OWN_COLUMNS = ("messages", "model", "stream")
 #: Client headers an Anthropic upstream receives as they came (pass-through only).
 _ANTHROPIC_HEADERS = ("anthropic-version", "anthropic-beta")
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 @dataclass
@@ -86,7 +88,13 @@ class Turn:
 # ---------------------------------------------------------------------------------------------
 def parse_turn(protocol: WireProtocol, body: dict[str, Any], raw: bytes,
                model: str | None = None, **parse: Any) -> Turn:
-    """Step 1: validate the wire body (raises :class:`ProxyError`) and build the turn."""
+    """Step 1: validate the wire body (raises :class:`ProxyError`) and build the turn.
+
+    Field types are checked first (:func:`metaclaw.edge.check_fields`); ``null`` fields mean
+    "not given" and are not forwarded."""
+    from metaclaw.edge import check_fields
+
+    body = check_fields(protocol.name, body)
     model, stream = protocol.parse_request(body, model, **parse)
     forward = {k: v for k, v in body.items() if k not in PROXY_FIELDS}
     forward["model"] = model
@@ -214,9 +222,9 @@ class Recorder:
         except Exception:  # one bad row must not lose the others: write them one by one
             ids = []
             for row, done, _, _ in group:
-                try:
+                try:  # strings cleaned of what SQLite cannot encode (lone surrogates)
                     with store.transaction():
-                        ids.append(self._write(row, done))
+                        ids.append(self._write(_encodable(row), done))
                 except Exception:
                     log.exception("could not record a turn of session %r", row.get("session_id"))
                     ids.append(None)
@@ -246,6 +254,17 @@ class Recorder:
 def _resolve(future: asyncio.Future[Any], value: Any) -> None:
     if not future.done():
         future.set_result(value)
+
+
+def _encodable(value: Any) -> Any:
+    """``value`` with every string made UTF-8 encodable (lone surrogates become U+FFFD)."""
+    if isinstance(value, str):
+        return _SURROGATE.sub("\ufffd", value)
+    if isinstance(value, dict):
+        return {_encodable(k): _encodable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_encodable(v) for v in value]
+    return value
 
 
 # ---------------------------------------------------------------------------------------------
@@ -296,19 +315,32 @@ class TurnPipeline:
                           code="request_too_large")
 
     async def read_body(self, request: web.Request) -> tuple[bytes, dict[str, Any]]:
+        """The body, within ``body_timeout`` (408) and ``max_body_bytes`` (413), decoded and
+        checked by :func:`metaclaw.edge.decode_body` (400 naming what is wrong)."""
+        from metaclaw.edge import check_encoding, decode_body
+
         if (request.content_length is not None
                 and request.content_length > self.config.max_body_bytes):
             raise self.too_large()
-        raw = await request.read()
+        check_encoding(request)
         try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise ProxyError(400, f"request body is not valid JSON ({exc}); send a JSON object "
-                                  "with 'model' and 'messages'") from None
-        if not isinstance(body, dict):
-            raise ProxyError(400, "request body must be a JSON object with 'model' and 'messages', "
-                                  f"not {type(body).__name__}")
-        return raw, body
+            async with asyncio.timeout(self.config.body_timeout):
+                raw = await request.read()
+        except TimeoutError:
+            raise ProxyError(408, f"the request body did not arrive within "
+                                  f"{self.config.body_timeout:g} s; send it at once",
+                             code="body_timeout") from None
+        except web.HTTPRequestEntityTooLarge:
+            raise self.too_large() from None
+        except (web.HTTPException, ConnectionError):
+            raise
+        except Exception as exc:  # a body that does not decode as its Content-Encoding says
+            encoding = request.headers.get("Content-Encoding", "identity")
+            raise ProxyError(400, f"cannot read the request body as Content-Encoding "
+                                  f"{encoding[:40]!r} ({type(exc).__name__}); send it encoded as "
+                                  "declared", param="Content-Encoding",
+                             code="bad_content_encoding") from None
+        return raw, decode_body(raw)
 
     # -- retrieve, fit the budget, inject (in a worker thread) ----------------------------
     def select_and_inject(self, turn: Turn, skills: list[Any]) -> None:
@@ -402,14 +434,24 @@ class TurnPipeline:
             return await relay.stream(request, upstream)
         return await relay.complete(request, upstream)
 
-    async def acknowledge(self, recorded: asyncio.Future[Any]) -> None:
-        """Called between recording a turn and sending the client the end of its reply.
+    async def acknowledge(self, recorded: asyncio.Future[Any]) -> int | None:
+        """Called between recording a turn and sending the client the end of its reply
+        (``[DONE]``, ``message_stop``, a non-streaming body).
 
-        With ``ProxyConfig.durable_acks`` this waits until the turn's group is
-        committed to the store, so every reply a client received in full is on disk; without it,
-        the record is only queued (still found by :meth:`Proxy.flush`)."""
-        if self.config.durable_acks:
-            await asyncio.shield(recorded)
+        With ``ProxyConfig.durable_acks`` (the default) this waits until the turn's group is
+        committed to the store, so a turn a client received in full survives ``kill -9``; the
+        group-commit writer makes the wait one shared commit. A turn the store could not take
+        raises a 500 :class:`ProxyError`: the reply's end is withheld rather than acknowledging
+        a turn the store does not hold. Without durable acks the record is only queued (still
+        found by :meth:`Proxy.flush`)."""
+        if not self.config.durable_acks:
+            return None
+        turn_id = await asyncio.shield(recorded)
+        if turn_id is None:
+            raise ProxyError(500, "the proxy could not record this turn in its store (see the "
+                                  "proxy log), so it does not acknowledge the reply; retry the "
+                                  "request", type="server_error", code="record_failed")
+        return turn_id
 
     # -- count_tokens ---------------------------------------------------------------------
     async def count_tokens(self, protocol: WireProtocol, request: web.Request) -> web.Response:
@@ -431,8 +473,23 @@ class TurnPipeline:
         return web.json_response({"input_tokens": count})
 
 
+class _ClientGone(Exception):
+    """The client closed its connection while the proxy was writing to it."""
+
+
+def _is_error_event(event: dict[str, Any] | None) -> bool:
+    return event is not None and ("error" in event or event.get("type") == "error")
+
+
 class _Relay:
-    """Forward and relay steps for one turn, and its record at the end."""
+    """Forward and relay steps for one turn, and its record at the end.
+
+    Every way a turn can end is recorded with a status: ``ok``; ``error`` (the upstream failed,
+    answered garbage or cut its stream short; the client got an error in its protocol);
+    ``client_disconnected`` (the client left before the headers or mid-stream; the record holds
+    what the upstream sent until then); ``cancelled`` (the proxy stopped while the turn was in
+    flight).
+    """
 
     def __init__(self, pipeline: TurnPipeline, turn: Turn, record: dict[str, Any],
                  headers: dict[str, str], caller_key: str | None, started: float):
@@ -443,11 +500,17 @@ class _Relay:
         self.headers = headers
         self.caller_key = caller_key
         self.started = started
+        self.secrets = self.proxy._secrets(caller_key)
+        self.sent = 0  # body bytes written to the client
 
     def finish(self, **fields: Any) -> asyncio.Future[Any]:
-        """The record step: the row goes to the recorder (off the event loop)."""
+        """The record step: the row goes to the group-commit recorder (off the event loop)."""
         row = {**self.record, **fields,
                "latency_ms": (time.perf_counter() - self.started) * 1000.0}
+        if self.secrets:
+            for key in ("response", "error"):
+                if isinstance(row.get(key), str):
+                    row[key] = self.proxy._scrub(row[key], self.caller_key)
         return self.proxy._recorder.submit(row, self.turn.done)
 
     def error(self, exc: BaseException, upstream: Upstream | None,
@@ -459,9 +522,14 @@ class _Relay:
     async def fail(self, exc: BaseException, upstream: Upstream | None) -> web.Response:
         """Record the turn as failed and answer with the client protocol's error for ``exc``."""
         error = self.error(exc, upstream)
-        await self.pipeline.acknowledge(self.finish(status="error", http_status=error.status,
-                                                    error=error.message))
+        recorded = self.finish(status="error", http_status=error.status, error=error.message)
+        with contextlib.suppress(ProxyError):
+            await self.pipeline.acknowledge(recorded)
         return self.turn.protocol.error_response(error, self.headers)
+
+    def cancelled(self, **fields: Any) -> None:
+        self.finish(status="cancelled", error="the proxy stopped while this turn was in flight",
+                    **fields)
 
     async def complete(self, request: web.Request, upstream: Upstream) -> web.Response:
         turn, client = self.turn, self.turn.protocol
@@ -474,25 +542,46 @@ class _Relay:
             if upstream.protocol is not client:
                 payload = dumps(client.reply_from_chat(
                     upstream.protocol.reply_to_chat(data))).encode()
+        except asyncio.CancelledError:
+            self.cancelled()
+            raise
         except Exception as exc:
             return await self.fail(exc, upstream)
+        payload = self.proxy._scrub_bytes(payload, self.secrets)
         recorded = self.finish(status="ok", http_status=200,
                                **{**upstream.protocol.reply_columns(data), **policy})
-        await self.pipeline.acknowledge(recorded)
+        try:
+            await self.pipeline.acknowledge(recorded)
+        except ProxyError as exc:
+            return client.error_response(exc, self.headers)
         return web.Response(body=payload, status=200, content_type="application/json",
                             headers=self.headers)
+
+    async def write(self, response: web.StreamResponse, data: bytes) -> None:
+        try:
+            await response.write(data)
+        except ConnectionError:  # aiohttp's ClientConnectionResetError among them
+            raise _ClientGone() from None
+        self.sent += len(data)
 
     async def stream(self, request: web.Request, upstream: Upstream) -> web.StreamResponse:
         turn, client, source = self.turn, self.turn.protocol, upstream.protocol
         same = source is client
         assembler = source.assembler()
         captured: dict[str, Any] = {}  # the responder's ``metaclaw`` object, kept from the client
+
+        def columns() -> dict[str, Any]:
+            return {**assembler.columns(), **policy_columns(captured.get("metaclaw"))}
+
         async with contextlib.AsyncExitStack() as stack:
             try:
                 body, client_asked = self.pipeline.forward_body(turn, upstream)
                 events = await upstream.stream(
                     body, self.caller_key, self.pipeline.upstream_headers(turn, upstream, request),
                     stack, captured)
+            except asyncio.CancelledError:
+                self.cancelled()
+                raise
             except Exception as exc:
                 return await self.fail(exc, upstream)
             to_chat = None if same else source.stream_to_chat()
@@ -504,21 +593,36 @@ class _Relay:
             response = web.StreamResponse(status=200, headers={
                 **self.headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                 "X-Accel-Buffering": "no"})
-            await response.prepare(request)
-            failure: str | None = None
-            held: list[bytes] = []  # the terminal event goes out after the record is taken
+            status, failure = "ok", None
+            held: list[bytes] = []  # the terminal event goes out after the record is committed
             try:
+                if request.transport is None or request.transport.is_closing():
+                    raise _ClientGone()
+                try:
+                    await response.prepare(request)
+                except ConnectionError:
+                    raise _ClientGone() from None
+                ended = False
                 async for raw, event in events:
+                    ended = ended or source.is_terminal(raw, event)
+                    if _is_error_event(event):  # an upstream error may quote the key
+                        event = self.proxy._scrub_json(event, self.secrets)
+                        raw = self.proxy._scrub_bytes(raw, self.secrets)
                     assembler.add(event)
                     if same:
-                        outs = [(raw, event)]
+                        outs = [(self.proxy._scrub_bytes(raw, self.secrets), event)]
                     else:
                         outs = [(client.encode_event(e), e) for e in translate(event)]
                     for data, out in outs:
                         if client.is_terminal(data, out):
                             held.append(data)
                         elif not client.is_private(out, client_asked):
-                            await response.write(data)
+                            await self.write(response, data)
+                if not ended and assembler.error is None:
+                    raise ProxyError(502, f"the upstream {_where(upstream)} ended its stream "
+                                          "before the final event (truncated reply); retry the "
+                                          "request", type="upstream_error",
+                                     code="upstream_truncated")
                 if not same and assembler.error is None:  # the end of the translated stream
                     tail = [out for chunk in to_chat.close() for out in from_chat.feed(chunk)]
                     for out in [*tail, *from_chat.close()]:
@@ -526,32 +630,39 @@ class _Relay:
                         if client.is_terminal(data, out):
                             held.append(data)
                         elif not client.is_private(out, client_asked):
-                            await response.write(data)
-            except (ConnectionResetError, asyncio.CancelledError) as exc:
-                self.finish(status="error", http_status=200,
-                            error="the client disconnected mid-stream", **assembler.columns(),
-                            **policy_columns(captured.get("metaclaw")))
-                if isinstance(exc, asyncio.CancelledError):
-                    raise
+                            await self.write(response, data)
+            except _ClientGone:
+                where = "mid-stream" if self.sent else "before the reply's first byte"
+                self.finish(status="client_disconnected", http_status=200,
+                            error=f"the client disconnected {where}", **columns())
                 return response
+            except asyncio.CancelledError:
+                self.cancelled(http_status=200, **columns())
+                raise
             except Exception as exc:
                 error = self.error(exc, upstream, midstream=True)
-                failure = error.message
-                held = []
-                with contextlib.suppress(ConnectionResetError):
-                    await response.write(client.stream_error_event(error))
+                status, failure, held = "error", error.message, []
+                with contextlib.suppress(_ClientGone):
+                    await self.write(response, client.stream_error_event(error))
             if failure is None and assembler.error is not None:
+                status = "error"
                 failure = ("upstream stream error: "
                            f"{assembler.error.get('message', assembler.error)}")
-                if not same:
-                    held = []
-            recorded = self.finish(status="error" if failure else "ok", http_status=200,
-                                   error=failure or self.record.get("error"),
-                                   **assembler.columns(),
-                                   **policy_columns(captured.get("metaclaw")))
-            await self.pipeline.acknowledge(recorded)
-            with contextlib.suppress(ConnectionResetError):
+                held = []  # an errored stream does not also end as if complete
+            recorded = self.finish(status=status, http_status=200,
+                                   error=failure or self.record.get("error"), **columns())
+            try:
+                await self.pipeline.acknowledge(recorded)
+            except ProxyError as exc:
+                held = [client.stream_error_event(exc)]
+            with contextlib.suppress(_ClientGone, ConnectionError):
                 for data in held:
-                    await response.write(data)
+                    await self.write(response, data)
                 await response.write_eof()
             return response
+
+
+def _where(upstream: Upstream) -> str:
+    from metaclaw.upstreams import safe_url
+
+    return safe_url(getattr(upstream, "url", None)) or upstream.kind

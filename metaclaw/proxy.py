@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -53,6 +54,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Protocol
 from aiohttp import web
 
 from metaclaw.context_budget import TokenCounter
+from metaclaw.edge import EdgeRunner
 from metaclaw.pipeline import PROXY_FIELDS, TURN_TYPES, Recorder, TurnPipeline  # noqa: F401
 from metaclaw.protocols import PROTOCOLS, ProxyError, error_json, get_protocol  # noqa: F401
 from metaclaw.protocols.anthropic_messages import ANTHROPIC
@@ -83,7 +85,8 @@ class ProxyConfig:
     :func:`metaclaw.retrieval.make_retriever`. ``top_k``/``min_score``/``budget_chars``: passed
     to :func:`metaclaw.retrieval.select`. ``timeout``: seconds to wait for the upstream (per read
     while streaming). ``max_body_bytes``: larger request bodies get 413. ``max_retries``: retries
-    of non-streaming upstream calls on connection errors, 408/409/429/5xx (streams never retry).
+    of upstream calls on connection errors and 408/409/429/5xx, only before any byte reached the
+    client, waiting as the upstream's Retry-After says (a longer wait than 20 s is relayed instead).
     ``stream_usage``: ask the upstream for the usage chunk on every stream so the turn's token
     counts are recorded (the chunk is relayed only to clients that asked for it).
     ``upstream_protocol``: the wire protocol of the upstream, ``"openai"`` (any OpenAI-compatible
@@ -93,9 +96,14 @@ class ProxyConfig:
     ``X-MetaClaw-Token``. ``context_window``/``context_windows``/``tokenizer``: the context
     budget (see :mod:`metaclaw.context_budget`): the window for models not otherwise known, the
     windows per model name, and a ``tokenizer.json`` path (or ``str -> int`` callable) to count
-    with instead of the estimate. ``durable_acks``: send the end of each reply only once its turn
-    is committed to the store (group commit; see :mod:`metaclaw.pipeline`); off, the turn is
-    committed right after the reply is sent (:meth:`Proxy.flush` waits for it).
+    with instead of the estimate. ``durable_acks`` (default on): send the end of each reply only
+    once its turn is committed to the store (group commit, see :mod:`metaclaw.pipeline`), so an
+    acknowledged turn survives ``kill -9``; off, the turn is committed right after the reply is
+    sent (:meth:`Proxy.flush` waits for it). ``header_timeout``: seconds a client connection may
+    take to send a whole request line and headers (and stay idle between requests);
+    ``body_timeout``: seconds to receive the request body (408 after); ``max_connections``: open
+    client connections beyond it get a 503 and are closed (slow or stuck clients cannot hold the
+    proxy).
     """
 
     upstream_url: str | None = None
@@ -114,11 +122,14 @@ class ProxyConfig:
     max_retries: int = 2
     stream_usage: bool = True
     upstream_protocol: str = "openai"
-    durable_acks: bool = False
+    durable_acks: bool = True
     caller_auth: bool = False
     context_window: int | None = None
     context_windows: dict[str, int] | None = None
     tokenizer: Any = None
+    header_timeout: float = 10.0
+    body_timeout: float = 30.0
+    max_connections: int = 1024
 
 
 
@@ -136,6 +147,27 @@ class Responder(Protocol):
 
     def stream(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]: ...
 
+
+
+class _SecretFilter(logging.Filter):
+    """Masks the proxy's secrets in its log records (message, arguments and traceback): an
+    upstream exception's text can quote the key it was sent."""
+
+    def __init__(self, proxy: "Proxy"):
+        super().__init__()
+        self.proxy = proxy
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not self.proxy._secrets():
+            return True
+        message = record.getMessage()
+        if record.exc_info:
+            record.exc_text = logging.Formatter().formatException(record.exc_info)
+            record.exc_info = None
+        record.msg, record.args = self.proxy._scrub(message), None
+        if record.exc_text:
+            record.exc_text = self.proxy._scrub(record.exc_text)
+        return True
 
 
 class Proxy(ServedApp):
@@ -163,7 +195,11 @@ class Proxy(ServedApp):
         self._pipeline = TurnPipeline(self)
         self._retrieval_pool: ThreadPoolExecutor | None = None
         self._listener_pool: ThreadPoolExecutor | None = None
-        self._server = BackgroundServer(self._make_app, config.host, config.port, "metaclaw-proxy")
+        self._log_filter = _SecretFilter(self)
+        runner = functools.partial(EdgeRunner, header_timeout=config.header_timeout,
+                                   max_connections=config.max_connections)
+        self._server = BackgroundServer(self._make_app, config.host, config.port, "metaclaw-proxy",
+                                        runner=runner)
 
     # -- lifecycle ------------------------------------------------------------------------
     def start(self) -> "Proxy":
@@ -269,6 +305,7 @@ class Proxy(ServedApp):
         self._retrieval_pool = ThreadPoolExecutor(8, thread_name_prefix="metaclaw-retrieval")  # embedding queries batch
         self._recorder.start()
         self._listener_pool = ThreadPoolExecutor(1, thread_name_prefix="metaclaw-listeners")
+        log.addFilter(self._log_filter)
         if self.config.upstream_url:
             self._upstream = make_upstream(self.config.upstream_protocol, self.config.upstream_url,
                                            self.config.api_key_env, self.config.timeout,
@@ -283,25 +320,61 @@ class Proxy(ServedApp):
         except Exception:
             log.exception("could not prepare the skill retriever; retrieval will retry per turn")
 
+    def _secrets(self, *extra: str | None) -> tuple[str, ...]:
+        """The secrets the proxy must never relay, store or log: the upstream key, the proxy
+        token and ``extra`` (a caller's own key), each at least 4 characters long."""
+        found = (os.environ.get(self.config.api_key_env), self.config.token, *extra)
+        return tuple(s for s in found if s and len(s) >= 4 and s != NO_KEY)
+
     def _scrub(self, text: str | None, *secrets: str | None) -> str | None:
         """``text`` with the upstream key, the proxy token and ``secrets`` masked."""
         if not text:
             return text
-        for secret in (os.environ.get(self.config.api_key_env), self.config.token, *secrets):
-            if secret and len(secret) >= 4 and secret in text:
+        for secret in self._secrets(*secrets):
+            if secret in text:
                 text = text.replace(secret, "***")
         return text
 
+    @staticmethod
+    def _scrub_bytes(data: bytes, secrets: tuple[str, ...]) -> bytes:
+        """``data`` (a reply or stream event as relayed) with ``secrets`` masked."""
+        for secret in secrets:
+            raw = secret.encode()
+            if raw in data:
+                data = data.replace(raw, b"***")
+        return data
+
+    @classmethod
+    def _scrub_json(cls, value: Any, secrets: tuple[str, ...]) -> Any:
+        """A JSON value with ``secrets`` masked in every string (keys included)."""
+        if not secrets:
+            return value
+        if isinstance(value, str):
+            for secret in secrets:
+                if secret in value:
+                    value = value.replace(secret, "***")
+            return value
+        if isinstance(value, dict):
+            return {cls._scrub_json(k, secrets): cls._scrub_json(v, secrets)
+                    for k, v in value.items()}
+        if isinstance(value, list):
+            return [cls._scrub_json(v, secrets) for v in value]
+        return value
+
     def _scrubbed(self, error: ProxyError, caller_key: str | None = None) -> ProxyError:
-        """``error`` with every secret masked in its message and payloads."""
+        """``error`` with every secret masked in its message, payloads and headers."""
+        secrets = self._secrets(caller_key)
+        if not secrets:
+            return error
         error.message = self._scrub(error.message, caller_key)
-        for payload in (error.payload, error.upstream[1] if error.upstream else None):
-            inner = payload.get("error") if isinstance(payload, dict) else None
-            if isinstance(inner, dict) and isinstance(inner.get("message"), str):
-                inner["message"] = self._scrub(inner["message"], caller_key)
+        error.payload = self._scrub_json(error.payload, secrets)
+        if error.upstream is not None:
+            error.upstream = (error.upstream[0], self._scrub_json(error.upstream[1], secrets))
+        error.headers = self._scrub_json(error.headers, secrets)
         return error
 
     async def _on_cleanup(self, app: web.Application) -> None:
+        log.removeFilter(self._log_filter)
         await self._drain()
         if self._upstream is not None:
             await self._upstream.close()

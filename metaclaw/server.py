@@ -24,8 +24,10 @@ class BackgroundServer:
     """
 
     def __init__(self, make_app: Callable[[], web.Application], host: str = "127.0.0.1",
-                 port: int = 0, name: str = "metaclaw-server", shutdown_timeout: float = 2.0):
+                 port: int = 0, name: str = "metaclaw-server", shutdown_timeout: float = 2.0,
+                 runner: Callable[..., web.AppRunner] = web.AppRunner):
         self.make_app = make_app
+        self.runner = runner  # e.g. metaclaw.edge.EdgeRunner: limits for untrusted clients
         self.host = host
         self.port = port
         self.name = name
@@ -39,7 +41,7 @@ class BackgroundServer:
         return self.loop is not None and self.loop.is_running()
 
     async def _open(self) -> None:
-        self._runner = web.AppRunner(self.make_app(), access_log=None,
+        self._runner = self.runner(self.make_app(), access_log=None,
                                      shutdown_timeout=self.shutdown_timeout)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from contextlib import AsyncExitStack
 from typing import Any, AsyncIterator
 
@@ -87,34 +88,79 @@ class HTTPUpstream(Upstream):
         self.timeout = timeout
         self.max_retries = max_retries
         self._client: Any = None
-        self._stream_client: Any = None
 
     def _headers(self, key: str | None, headers: dict[str, str]) -> dict[str, str]:
         return headers
 
+    #: Upstream statuses worth another attempt (the SDKs' own choice).
+    retry_statuses = frozenset({408, 409, 429, 500, 502, 503, 504})
+    #: A Retry-After longer than this (seconds) is not waited for: the error goes to the client,
+    #: Retry-After included, so that it can decide.
+    max_retry_wait = 20.0
+
+    async def _post(self, body: dict[str, Any], key: str | None, headers: dict[str, str],
+                    stream: bool = False) -> Any:
+        """POST with retries, only where safe: each attempt ends before any byte reaches the
+        client (a stream is retried only while the upstream has not answered 200). Waits as the
+        upstream's ``Retry-After`` / ``retry-after-ms`` says, else backs off exponentially;
+        timeouts are not retried (the upstream already had its full time)."""
+        import asyncio
+        import random
+
+        sdk = __import__(self.sdk_name)
+        options = {"headers": self._headers(key, headers)}
+        for attempt in range(self.max_retries + 1):
+            try:
+                # a non-streaming reply must be whole within the timeout (an upstream trickling
+                # its body never trips the per-read timeout); a stream's events are timed apart
+                async with asyncio.timeout(None if stream else self.timeout):
+                    return await self._client.post(self.path, body=body,
+                                                   cast_to=response_type(self.sdk_name), stream=stream,
+                                                   options=options)
+            except sdk.APITimeoutError:
+                raise
+            except (sdk.APIStatusError, sdk.APIConnectionError) as exc:
+                status = getattr(exc, "status_code", None)
+                if attempt == self.max_retries or (status is not None
+                                                   and status not in self.retry_statuses):
+                    raise
+                wait = retry_after(exc.response.headers) if status is not None else None
+                if wait is None:
+                    wait = min(0.25 * 2 ** attempt, 4.0) * (0.75 + random.random() / 2)
+                elif wait > self.max_retry_wait:
+                    raise
+                log.info("upstream %s answered %s; retrying in %.2f s (attempt %d of %d)",
+                         safe_url(self.url), status or type(exc).__name__, wait, attempt + 2,
+                         self.max_retries + 1)
+                await asyncio.sleep(wait)
+        raise AssertionError("unreachable")  # pragma: no cover
+
     async def complete(self, body, key, headers):
-        upstream = await self._client.post(self.path, body=body,
-                                           cast_to=response_type(self.sdk_name),
-                                           options={"headers": self._headers(key, headers)})
+        upstream = await self._post(body, key, headers)
         payload = upstream.content
         try:
             data = json.loads(payload)
         except ValueError:
-            raise ProxyError(502, "the upstream answered with invalid JSON",
-                             type="upstream_error", code="bad_upstream_response") from None
-        return payload, data if isinstance(data, dict) else {}, {}
+            raise ProxyError(502, f"the upstream {safe_url(self.url)} answered with invalid JSON "
+                                  f"({len(payload)} bytes); check that the URL is the model "
+                                  "server's API", type="upstream_error",
+                             code="bad_upstream_response") from None
+        problem = self.protocol.reply_problem(data)
+        if problem:
+            raise ProxyError(502, f"the upstream {safe_url(self.url)} answered with a reply that "
+                                  f"is not a {self.protocol.name} reply: {problem}",
+                             type="upstream_error", code="bad_upstream_response")
+        return payload, data, {}
 
     async def stream(self, body, key, headers, stack, captured):
-        upstream = await self._stream_client.post(
-            self.path, body=body, cast_to=response_type(self.sdk_name), stream=True,
-            options={"headers": self._headers(key, headers)})
+        upstream = await self._post(body, key, headers, stream=True)
         stack.push_async_callback(upstream.aclose)
-        return sse_events(upstream.aiter_lines())
+        return timed_events(sse_events(upstream.aiter_lines()), self.timeout)
 
     async def close(self) -> None:
         if self._client is not None:
             await self._client.close()
-            self._client = self._stream_client = None
+            self._client = None
 
     def map_error(self, exc: BaseException, midstream: bool = False) -> ProxyError:
         sdk = __import__(self.sdk_name)
@@ -174,14 +220,13 @@ class OpenAIUpstream(HTTPUpstream):
 
         key = os.environ.get(self.key_env) or NO_KEY
         self._client = AsyncOpenAI(base_url=self.url, api_key=key, timeout=self.timeout,
-                                   max_retries=self.max_retries)
-        self._stream_client = self._client.with_options(max_retries=0)
+                                   max_retries=0)  # retries: HTTPUpstream._post
 
     def _headers(self, key: str | None, headers: dict[str, str]) -> dict[str, str]:
         return {"Authorization": f"Bearer {key}"} if key else {}
 
     async def models(self, key: str | None = None) -> Any:
-        return await self._client.get("/models", cast_to=response_type(),
+        return await self._client.get("/models", cast_to=response_type(self.sdk_name),
                                       options={"headers": self._headers(key, {})})
 
 
@@ -204,8 +249,7 @@ class AnthropicUpstream(HTTPUpstream):
         key = os.environ.get(self.key_env) or NO_KEY
         url = self.url[:-3] if self.url.rstrip("/").endswith("/v1") else self.url
         self._client = AsyncAnthropic(base_url=url.rstrip("/"), api_key=key,
-                                      timeout=self.timeout, max_retries=self.max_retries)
-        self._stream_client = self._client.with_options(max_retries=0)
+                                      timeout=self.timeout, max_retries=0)
 
     def _headers(self, key: str | None, headers: dict[str, str]) -> dict[str, str]:
         out = dict(headers)
@@ -290,6 +334,41 @@ def policy_columns(info: Any) -> dict[str, Any]:
         if isinstance(info.get(key), list):
             columns[column] = info[key]
     return columns
+
+
+async def timed_events(events: AsyncIterator[Event], timeout: float) -> AsyncIterator[Event]:
+    """``events``, each within ``timeout`` seconds of the previous one (``TimeoutError``
+    otherwise): an upstream trickling an event byte by byte never trips a per-read timeout."""
+    import asyncio
+
+    iterator = events.__aiter__()
+    while True:
+        try:
+            async with asyncio.timeout(timeout):
+                event = await iterator.__anext__()
+        except StopAsyncIteration:
+            return
+        yield event
+
+
+def retry_after(headers: Any) -> float | None:
+    """Seconds an upstream asks to wait (``retry-after-ms``, ``Retry-After`` in seconds or as an
+    HTTP date); ``None`` when it says nothing usable."""
+    import email.utils
+
+    try:
+        if headers.get("retry-after-ms"):
+            return max(0.0, float(headers["retry-after-ms"]) / 1000.0)
+        value = headers.get("retry-after")
+        if not value:
+            return None
+        try:
+            return max(0.0, float(value))
+        except ValueError:
+            when = email.utils.parsedate_to_datetime(value)
+            return max(0.0, when.timestamp() - time.time())
+    except (TypeError, ValueError, OverflowError):
+        return None
 
 
 def make_upstream(protocol: str, url: str, key_env: str, timeout: float,

@@ -447,7 +447,7 @@ def test_client_disconnect_mid_stream_is_recorded(strict, double):
         if rows:
             break
         time.sleep(0.05)
-    assert rows[0]["status"] == "error" and "client disconnected" in rows[0]["error"]
+    assert rows[0]["status"] == "client_disconnected" and "client disconnected" in rows[0]["error"]
 
 
 # -- recording hygiene, listeners, seams --------------------------------------------------------

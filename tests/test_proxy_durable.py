@@ -71,7 +71,7 @@ def test_client_leaving_early_is_recorded(served):
     while not _committed(db, "s-left") and time.monotonic() < deadline:
         time.sleep(0.05)
     ((status, protocol, text),) = _committed(db, "s-left")
-    assert status == "error" and protocol == "anthropic" and text.startswith("word0")
+    assert status == "client_disconnected" and protocol == "anthropic" and text.startswith("word0")
     assert "disconnected" in proxy.store.turns("session_id = 's-left'")[0]["error"]
 
 

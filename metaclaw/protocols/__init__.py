@@ -120,6 +120,10 @@ class WireProtocol:
     def reply_to_chat(self, data: dict[str, Any]) -> dict[str, Any]:
         raise NotImplementedError
 
+    def reply_problem(self, data: Any) -> str | None:
+        """What makes ``data`` not a reply of this protocol (``None`` when it is one)."""
+        return None if isinstance(data, dict) else f"a JSON {type(data).__name__}, not an object"
+
     def reply_from_chat(self, completion: dict[str, Any]) -> dict[str, Any]:
         raise NotImplementedError
 
@@ -187,17 +191,37 @@ async def sse_events(lines: AsyncIterator[str]) -> AsyncIterator[Event]:
         yield sse_event(buffer)
 
 
+_SSE_FIELDS = ("data", "event", "id", "retry")
+
+
 def sse_event(lines: Iterable[str]) -> Event:
+    """One SSE event from its lines. An upstream event that is not SSE (a line that is neither a
+    comment nor one of the fields ``data``, ``event``, ``id``, ``retry``) or whose data is neither
+    ``[DONE]`` nor a JSON object raises a 502 :class:`ProxyError`: garbage is never relayed."""
     lines = list(lines)
+    for line in lines:
+        if not line.startswith(":") and line.partition(":")[0] not in _SSE_FIELDS:
+            raise _bad_stream(f"a line that is not server-sent events ({line[:60]!r})")
     data = "\n".join(line[5:].lstrip(" ") for line in lines if line.startswith("data:"))
     chunk = None
     if data and data != "[DONE]":
         try:
-            parsed = json.loads(data)
-            chunk = parsed if isinstance(parsed, dict) else None
+            chunk = json.loads(data, parse_constant=_no_constant)
         except ValueError:
-            chunk = None
+            raise _bad_stream(f"an event whose data is not JSON ({data[:60]!r})") from None
+        if not isinstance(chunk, dict):
+            raise _bad_stream(f"an event whose data is not a JSON object ({data[:60]!r})")
     return ("\n".join(lines) + "\n\n").encode(), chunk
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _bad_stream(what: str) -> ProxyError:
+    return ProxyError(502, f"the upstream's stream broke off with {what}; the reply is "
+                           "incomplete, retry the request", type="upstream_error",
+                      code="bad_upstream_stream")
 
 
 def get_protocol(name: str) -> WireProtocol:

@@ -564,6 +564,14 @@ class AnthropicMessages(WireProtocol):
                                                                   "end_turn", "stop")}],
                 "usage": _chat_usage(data.get("usage"))}
 
+    def reply_problem(self, data: Any) -> str | None:
+        if not isinstance(data, dict):
+            return f"a JSON {type(data).__name__}, not an object"
+        if not isinstance(data.get("content"), list) or not all(
+                isinstance(b, dict) for b in data["content"]):
+            return "no 'content' list of blocks"
+        return None
+
     def reply_from_chat(self, completion: dict[str, Any]) -> dict[str, Any]:
         choices = completion.get("choices") or [{}]
         choice = choices[0] if isinstance(choices[0], dict) else {}

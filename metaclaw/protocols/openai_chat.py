@@ -172,6 +172,15 @@ class OpenAIChat(WireProtocol):
     def reply_to_chat(self, data: dict[str, Any]) -> dict[str, Any]:
         return data
 
+    def reply_problem(self, data: Any) -> str | None:
+        if not isinstance(data, dict):
+            return f"a JSON {type(data).__name__}, not an object"
+        choices = data.get("choices")
+        if not isinstance(choices, list) or not choices or not all(
+                isinstance(c, dict) and isinstance(c.get("message"), dict) for c in choices):
+            return "no 'choices' list of objects with a 'message'"
+        return None
+
     def reply_from_chat(self, completion: dict[str, Any]) -> dict[str, Any]:
         return completion
 

@@ -1,0 +1,282 @@
+"""The proxy's edge: what a request must be before the turn pipeline sees it.
+
+Everything a client controls is checked here, and every refusal is a 4xx in the client's
+protocol naming the field and the reason (a client error is never a 5xx):
+
+- the HTTP layer (:class:`EdgeRunner`): malformed request lines and headers, oversize or
+  control-character headers get a JSON error instead of aiohttp's plain text (the route is not
+  known yet, so the body is shaped to satisfy both protocols' SDKs); a header read timeout (a
+  connection that has not sent a whole request within ``header_timeout`` seconds is closed) and a
+  cap on open connections hold off slowloris clients; the body read timeout is in the pipeline;
+- the body (:func:`decode_body`): JSON only, an object, nested at most :data:`MAX_DEPTH` deep,
+  no NaN / Infinity / numbers too large for a double, no lone surrogate code points (SQLite and
+  every upstream refuse them);
+- the fields (:func:`check_fields`): the type of each optional field the protocol defines;
+  ``null`` means "not given" (as the OpenAI API reads it) and is dropped before forwarding.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from http import HTTPStatus
+from typing import Any
+
+from aiohttp import web, web_protocol, web_server
+
+from metaclaw.protocols import ProxyError, dumps
+
+#: Deepest JSON nesting accepted in a request body (tool schemas stay far below it).
+MAX_DEPTH = 100
+#: Content-Encodings the proxy decodes (aiohttp's own set).
+ENCODINGS = ("identity", "gzip", "deflate", "br", "zstd")
+
+_NUMBER, _INT, _BOOL, _STR, _LIST, _OBJ = ("number",), ("integer",), ("boolean",), ("string",), \
+    ("array",), ("object",)
+#: The type of each optional top-level field, per protocol (``null`` is always accepted).
+FIELD_TYPES: dict[str, dict[str, tuple[str, ...]]] = {
+    "openai": {
+        "model": _STR, "messages": _LIST, "stream": _BOOL, "stream_options": _OBJ,
+        "tools": _LIST, "tool_choice": _STR + _OBJ, "temperature": _NUMBER, "top_p": _NUMBER,
+        "n": _INT, "max_tokens": _INT, "max_completion_tokens": _INT, "stop": _STR + _LIST,
+        "presence_penalty": _NUMBER, "frequency_penalty": _NUMBER, "logprobs": _BOOL,
+        "top_logprobs": _INT, "user": _STR, "seed": _INT, "response_format": _OBJ,
+        "parallel_tool_calls": _BOOL, "logit_bias": _OBJ, "metadata": _OBJ, "store": _BOOL,
+        "modalities": _LIST, "reasoning_effort": _STR, "functions": _LIST,
+        "function_call": _STR + _OBJ, "prediction": _OBJ, "audio": _OBJ, "service_tier": _STR,
+    },
+    "anthropic": {
+        "model": _STR, "messages": _LIST, "max_tokens": _INT, "system": _STR + _LIST,
+        "stream": _BOOL, "stop_sequences": _LIST, "temperature": _NUMBER, "top_p": _NUMBER,
+        "top_k": _INT, "metadata": _OBJ, "tools": _LIST, "tool_choice": _OBJ, "thinking": _OBJ,
+        "service_tier": _STR,
+    },
+}
+#: Fields the proxy itself reads, whatever the protocol.
+PROXY_FIELD_TYPES = {"session_id": _STR, "turn_type": _STR, "session_done": _BOOL + _STR}
+#: Per-message fields of the OpenAI chat shape.
+OPENAI_MESSAGE_TYPES = {"role": _STR, "content": _STR + _LIST, "name": _STR,
+                        "tool_calls": _LIST, "tool_call_id": _STR}
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+class _NonFinite:
+    """Placeholder the decoder leaves for a number JSON cannot carry (found later, with its path)."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+
+def _parse_float(text: str) -> Any:
+    value = float(text)
+    return value if math.isfinite(value) else _NonFinite(text)
+
+
+def _bad(param: str | None, message: str, code: str = "invalid_request_body") -> ProxyError:
+    return ProxyError(400, message, param=param, code=code)
+
+
+def decode_body(raw: bytes) -> dict[str, Any]:
+    """The request body as a JSON object, or a 400 :class:`ProxyError` naming where and why."""
+    flagged: list[bool] = []
+
+    def constant(name: str) -> Any:
+        flagged.append(True)
+        return _NonFinite(name)
+
+    def parse_float(text: str) -> Any:
+        value = _parse_float(text)
+        if isinstance(value, _NonFinite):
+            flagged.append(True)
+        return value
+
+    try:
+        body = json.loads(raw, parse_constant=constant, parse_float=parse_float)
+    except RecursionError:
+        raise _bad(None, f"the request body is nested deeper than {MAX_DEPTH} levels; "
+                           "flatten it", code="too_deep") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise _bad(None, f"the request body is not valid JSON ({_printable(str(exc))}); send "
+                           "a JSON object in UTF-8", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise _bad(None, "the request body must be a JSON object, not "
+                           f"{type(body).__name__ if body is not None else 'null'}")
+    surrogates = _SURROGATE_ESCAPE.search(raw) is not None
+    if flagged or surrogates or raw.count(b"[") + raw.count(b"{") > MAX_DEPTH:
+        _walk(body, surrogates)
+    return body
+
+
+def _walk(body: Any, surrogates: bool) -> None:
+    """Depth, non-finite numbers and lone surrogates, each reported with its JSON path."""
+    stack: list[tuple[Any, str, int]] = [(body, "", 0)]
+    while stack:
+        value, path, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            field = _printable(re.split(r"[.\[]", path, maxsplit=1)[0])
+            raise _bad(field, f"'{field}' is nested deeper than {MAX_DEPTH} levels; flatten it",
+                       code="too_deep")
+        if isinstance(value, dict):
+            for key, item in value.items():
+                where = f"{path}.{key}" if path else str(key)
+                if surrogates and _SURROGATE.search(key):
+                    raise _surrogate(_printable(where))
+                stack.append((item, where, depth + 1))
+        elif isinstance(value, list):
+            stack.extend((item, f"{path}[{i}]", depth + 1) for i, item in enumerate(value))
+        elif isinstance(value, _NonFinite):
+            raise _bad(_printable(path), f"{_printable(path)}: {value.text[:40]} is not a finite "
+                                         "number (JSON has no NaN or Infinity, and this value "
+                                         "does not fit a double)", code="invalid_number")
+        elif surrogates and isinstance(value, str) and _SURROGATE.search(value):
+            raise _surrogate(_printable(path))
+
+
+def _surrogate(path: str) -> ProxyError:
+    return _bad(path, f"{path} contains a lone surrogate code point (\\ud800-\\udfff without "
+                      "its pair), which is not valid Unicode text; send well-formed UTF-8",
+                code="invalid_unicode")
+
+
+def _printable(text: str, limit: int = 120) -> str:
+    """``text`` for an error message: control characters and surrogates escaped, cut short."""
+    text = text[:limit]
+    return "".join(c if c.isprintable() and not _SURROGATE.match(c) else repr(c)[1:-1]
+                   for c in text)
+
+
+def _type_name(value: Any) -> str:
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    if isinstance(value, float):
+        return "number"
+    return {str: "string", list: "array", dict: "object"}.get(type(value), type(value).__name__)
+
+
+def _matches(value: Any, kinds: tuple[str, ...]) -> bool:
+    name = _type_name(value)
+    return name in kinds or (name == "integer" and "number" in kinds)
+
+
+def check_fields(protocol: str, body: dict[str, Any]) -> dict[str, Any]:
+    """``body`` without its ``null`` fields, after checking the type of each field the
+    protocol defines (400 naming the field, its type and the expected ones otherwise)."""
+    types = {**FIELD_TYPES.get(protocol, {}), **PROXY_FIELD_TYPES}
+    for name, value in body.items():
+        kinds = types.get(name)
+        if value is None or kinds is None or _matches(value, kinds):
+            continue
+        raise _bad(name, f"'{name}' must be {' or '.join(_a(k) for k in kinds)} (or null), not "
+                         f"{_a(_type_name(value))}", code="invalid_type")
+    if protocol == "openai" and isinstance(body.get("messages"), list):
+        for i, message in enumerate(body["messages"]):
+            if not isinstance(message, dict):
+                continue
+            for name, kinds in OPENAI_MESSAGE_TYPES.items():
+                value = message.get(name)
+                if value is not None and not _matches(value, kinds):
+                    raise _bad(f"messages[{i}].{name}",
+                               f"messages[{i}].{name} must be "
+                               f"{' or '.join(_a(k) for k in kinds)}, not "
+                               f"{_a(_type_name(value))}", code="invalid_type")
+    if any(value is None for value in body.values()):
+        body = {k: v for k, v in body.items() if v is not None}
+    return body
+
+
+def _a(kind: str) -> str:
+    return ("an " if kind[0] in "aeiou" else "a ") + kind
+
+
+def check_encoding(request: web.Request) -> None:
+    """Refuse a Content-Encoding the proxy cannot decode (415, naming it)."""
+    encoding = request.headers.get("Content-Encoding", "").strip().lower()
+    if encoding and encoding not in ENCODINGS:
+        raise ProxyError(415, f"Content-Encoding {_printable(encoding, 40)!r} is not supported; "
+                              f"send the body as {', '.join(ENCODINGS)}", param="Content-Encoding",
+                         code="unsupported_encoding")
+
+
+# ---------------------------------------------------------------------------------------------
+# the HTTP layer
+# ---------------------------------------------------------------------------------------------
+def neutral_error(status: int, message: str, code: str) -> bytes:
+    """An error body both SDKs read: OpenAI's ``error.message`` and Anthropic's
+    ``type: "error"`` with ``error.type`` / ``error.message`` (used before the route is known)."""
+    kind = "invalid_request_error" if status < 500 else "api_error"
+    return dumps({"type": "error", "error": {"type": kind, "message": message,
+                                             "param": None, "code": code}}).encode()
+
+
+class EdgeHandler(web_protocol.RequestHandler):
+    """aiohttp's connection handler with JSON errors for malformed HTTP and a connection cap."""
+
+    def connection_made(self, transport: Any) -> None:
+        super().connection_made(transport)
+        manager = self._manager
+        if manager is not None and len(manager.connections) > manager.max_connections:
+            body = neutral_error(503, f"the proxy has {manager.max_connections} open connections, "
+                                      "its limit; retry shortly", "too_many_connections")
+            transport.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json"
+                            b"\r\nRetry-After: 1\r\nConnection: close\r\nContent-Length: "
+                            + str(len(body)).encode() + b"\r\n\r\n" + body)
+            self.force_close()
+            transport.close()
+
+    def handle_error(self, request: Any, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        if request.writer.output_size > 0:
+            raise ConnectionError("response already started; cannot send an error")
+        if status == 500:
+            self.log_exception("Error handling request", exc_info=exc)
+            text, code = "internal proxy error while reading the request", "internal_error"
+        else:
+            reason = _printable(str(getattr(exc, "message", None) or exc or message or ""), 200)
+            too_long = "too long" in reason.lower() or "got more than" in reason.lower()
+            if too_long:
+                status = 431 if "header" in reason.lower() or "field" in reason.lower() else status
+            text = (f"malformed HTTP request ({reason}); send a well-formed request with "
+                    f"printable header values of at most {self.max_field_size} bytes")
+            code = "request_header_fields_too_large" if status == 431 else "bad_http_request"
+        response = web.Response(status=status, body=neutral_error(status, text, code),
+                                content_type="application/json",
+                                reason=HTTPStatus(status).phrase)
+        response.force_close()
+        return response
+
+
+class EdgeServer(web_server.Server):
+    def __init__(self, *args: Any, max_connections: int = 1024, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.max_connections = max_connections
+
+    def __call__(self) -> EdgeHandler:
+        return EdgeHandler(self, loop=self._loop, **self._kwargs)
+
+
+class EdgeRunner(web.AppRunner):
+    """An :class:`aiohttp.web.AppRunner` serving through :class:`EdgeHandler`.
+
+    ``header_timeout``: seconds a connection may take to send a whole request (and stay idle
+    between requests) before it is closed; ``max_connections``: connections beyond it get a 503
+    JSON answer and are closed.
+    """
+
+    def __init__(self, app: web.Application, *, header_timeout: float = 10.0,
+                 max_connections: int = 1024, **kwargs: Any):
+        # lingering: after an early answer (408, 413) the rest of a body is read for at most
+        # this long, so that a slow sender cannot keep the connection through it either
+        super().__init__(app, keepalive_timeout=header_timeout,
+                         lingering_time=min(header_timeout, 2.0), **kwargs)
+        self.max_connections = max_connections
+
+    async def _make_server(self) -> web_server.Server:
+        server = await super()._make_server()
+        return EdgeServer(server.request_handler, request_factory=server.request_factory,
+                          handler_cancellation=server.handler_cancellation, loop=server._loop,
+                          max_connections=self.max_connections, **server._kwargs)

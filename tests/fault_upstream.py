@@ -1,0 +1,225 @@
+"""A fault-injecting upstream for tests: a real HTTP server (real sockets, real SSE) speaking the
+OpenAI chat-completions and the Anthropic Messages wire protocols, scripted, not a model.
+
+The fault a request gets follows only from the request itself: the last user message names it
+as ``fault=<name>`` (anything else is answered normally, with an echo). Faults:
+
+``reset``            the connection is aborted before any answer
+``reset_midstream``  a stream is aborted after two events
+``truncate``         a stream ends cleanly (end of HTTP body) after two events, with no final event
+``invalid_sse``      a stream carries a line that is not server-sent events
+``invalid_json``     a non-streaming body / a stream event that is not JSON
+``wrong_shape``      a non-streaming 200 body that is JSON but not a reply of the protocol
+``error_event``      a stream carries the protocol's error event (quoting the request's key)
+``status_429`` / ``status_500`` / ``status_503``  that status, ``Retry-After: 3600``, an error JSON
+                     quoting the request's key
+``flaky_503``        503 with ``Retry-After: 1`` on the first attempt of a request, then normal
+``flaky_reset``      connection reset on the first attempt of a request, then normal
+``slow_body``        headers at once, then the body (or each event) a byte every 0.4 s
+``hang``             nothing, ever (until the client gives up)
+``reflect_key``      a 401 error whose message, param and code quote the request's key
+``surrogate_reply``  a normal OpenAI reply whose text holds a lone surrogate (escaped in JSON)
+
+:attr:`FaultUpstream.requests` lists ``{"path", "headers", "fault", "at"}`` per request received.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from typing import Any
+
+from aiohttp import web
+
+from metaclaw.server import BackgroundServer, ServedApp
+
+FAULT = re.compile(r"fault=([a-z0-9_]+)")
+FAULTS = ("reset", "reset_midstream", "truncate", "invalid_sse", "invalid_json", "wrong_shape",
+          "error_event", "status_429", "status_500", "status_503", "flaky_503", "flaky_reset",
+          "slow_body", "hang", "reflect_key")
+
+
+def _last_user_text(body: dict[str, Any]) -> str:
+    for message in reversed(body.get("messages") or []):
+        if isinstance(message, dict) and message.get("role") == "user":
+            content = message.get("content")
+            if isinstance(content, str):
+                return content
+            return " ".join(p.get("text", "") for p in content or () if isinstance(p, dict))
+    return ""
+
+
+class FaultUpstream(ServedApp):
+    def __init__(self) -> None:
+        self.requests: list[dict[str, Any]] = []
+        self._attempts: dict[str, int] = {}
+        self._server = BackgroundServer(self._make_app, "127.0.0.1", 0, "fault-upstream",
+                                        shutdown_timeout=0.2)
+
+    def _make_app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 2**20)
+        app.router.add_post("/v1/chat/completions", self._openai)
+        app.router.add_post("/v1/messages", self._anthropic)
+        return app
+
+    # -- shared ---------------------------------------------------------------------------
+    async def _begin(self, request: web.Request) -> tuple[dict[str, Any], str, str]:
+        body = await request.json()
+        text = _last_user_text(body)
+        match = FAULT.search(text)
+        fault = match.group(1) if match else ""
+        if fault.startswith("flaky_"):
+            attempt = self._attempts.get(text, 0)
+            self._attempts[text] = attempt + 1
+            fault = fault if attempt == 0 else ""
+        self.requests.append({"path": request.path, "headers": dict(request.headers),
+                              "fault": fault, "at": time.monotonic()})
+        key = request.headers.get("x-api-key") or request.headers.get(
+            "Authorization", "").removeprefix("Bearer ")
+        return body, fault, key
+
+    @staticmethod
+    def _abort(request: web.Request) -> web.Response:
+        if request.transport is not None:
+            request.transport.abort()
+        return web.Response(status=500)  # never sent: the connection is gone
+
+    async def _special(self, request: web.Request, fault: str, key: str,
+                       error: dict[str, Any]) -> web.StreamResponse | None:
+        """The faults shared by both protocols that happen before any reply; None otherwise."""
+        if fault in ("reset", "flaky_reset"):
+            return self._abort(request)
+        if fault == "hang":  # until the client gives up and closes the connection
+            while request.transport is not None and not request.transport.is_closing():
+                await asyncio.sleep(0.05)
+            return web.Response(status=500)
+        status = {"status_429": 429, "status_500": 500, "status_503": 503, "flaky_503": 503,
+                  "reflect_key": 401}.get(fault)
+        if status:
+            wait = "1" if fault == "flaky_503" else "3600"
+            return web.json_response(error, status=status, headers={"Retry-After": wait})
+        if fault == "invalid_json":
+            return web.Response(body=b'{"choices": [{"message": ', status=200,
+                                content_type="application/json")
+        if fault == "wrong_shape":
+            return web.json_response({"unexpected": True, "echo": key[:0]})
+        return None
+
+    async def _trickle(self, request: web.Request, response: web.StreamResponse,
+                       data: bytes) -> None:
+        for i in range(len(data)):
+            if request.transport is None or request.transport.is_closing():
+                return
+            await response.write(data[i:i + 1])
+            await asyncio.sleep(0.4)
+
+    async def _stream(self, request: web.Request, events: list[bytes], fault: str,
+                      bad: bytes) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        try:
+            for i, event in enumerate(events):
+                if fault == "slow_body":
+                    await self._trickle(request, response, event)
+                    continue
+                if i == 2 and fault == "reset_midstream":
+                    return self._abort(request)
+                if i == 2 and fault == "truncate":
+                    break
+                if i == 2 and fault in ("invalid_sse", "invalid_json", "error_event"):
+                    await response.write(bad)
+                    if fault == "error_event":
+                        continue
+                    break
+                await response.write(event)
+            await response.write_eof()
+        except ConnectionResetError:
+            pass
+        return response
+
+    # -- OpenAI ---------------------------------------------------------------------------
+    async def _openai(self, request: web.Request) -> web.StreamResponse:
+        body, fault, key = await self._begin(request)
+        error = {"error": {"message": f"Incorrect API key provided: {key}", "type": "invalid_key",
+                           "param": key, "code": f"bad_key:{key}"}}
+        special = await self._special(request, fault, key, error)
+        if special is not None:
+            return special
+        text = "echo: " + _last_user_text(body)
+        if fault == "surrogate_reply":  # valid JSON, but not valid Unicode text
+            text += " \ud800"
+        if not body.get("stream"):
+            completion = {"id": "chatcmpl-f", "object": "chat.completion", "created": 0,
+                          "model": body.get("model"), "choices": [{
+                              "index": 0, "message": {"role": "assistant", "content": text},
+                              "finish_reason": "stop"}],
+                          "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}
+            if fault == "slow_body":
+                response = web.StreamResponse(headers={"Content-Type": "application/json"})
+                await response.prepare(request)
+                await self._trickle(request, response, json.dumps(completion).encode())
+                return response
+            return web.json_response(completion)
+
+        def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
+            data = {"id": "chatcmpl-f", "object": "chat.completion.chunk", "created": 0,
+                    "model": body.get("model"),
+                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+            return f"data: {json.dumps(data)}\n\n".encode()
+
+        events = [chunk({"role": "assistant", "content": ""}),
+                  *(chunk({"content": w + " "}) for w in text.split()),
+                  chunk({}, "stop"), b"data: [DONE]\n\n"]
+        bad = {"invalid_sse": b"this is not server-sent events\n\n",
+               "invalid_json": b"data: {\"choices\": [\n\n",
+               "error_event": f"data: {json.dumps(error)}\n\n".encode()}.get(fault, b"")
+        if fault == "error_event":
+            events = events[:3] + [b"data: [DONE]\n\n"]
+        return await self._stream(request, events, fault, bad)
+
+    # -- Anthropic ------------------------------------------------------------------------
+    async def _anthropic(self, request: web.Request) -> web.StreamResponse:
+        body, fault, key = await self._begin(request)
+        error = {"type": "error", "error": {"type": "authentication_error",
+                                            "message": f"invalid x-api-key: {key}",
+                                            "detail": key}}
+        special = await self._special(request, fault, key, error)
+        if special is not None:
+            return special
+        text = "echo: " + _last_user_text(body)
+        message = {"id": "msg_f", "type": "message", "role": "assistant",
+                   "model": body.get("model"), "content": [{"type": "text", "text": text}],
+                   "stop_reason": "end_turn", "stop_sequence": None,
+                   "usage": {"input_tokens": 3, "output_tokens": 2}}
+        if not body.get("stream"):
+            if fault == "slow_body":
+                response = web.StreamResponse(headers={"Content-Type": "application/json"})
+                await response.prepare(request)
+                await self._trickle(request, response, json.dumps(message).encode())
+                return response
+            return web.json_response(message)
+
+        def event(data: dict[str, Any]) -> bytes:
+            return f"event: {data['type']}\ndata: {json.dumps(data)}\n\n".encode()
+
+        start = {**message, "content": [], "stop_reason": None,
+                 "usage": {"input_tokens": 3, "output_tokens": 0}}
+        events = [event({"type": "message_start", "message": start}),
+                  event({"type": "content_block_start", "index": 0,
+                         "content_block": {"type": "text", "text": ""}}),
+                  *(event({"type": "content_block_delta", "index": 0,
+                           "delta": {"type": "text_delta", "text": w + " "}})
+                    for w in text.split()),
+                  event({"type": "content_block_stop", "index": 0}),
+                  event({"type": "message_delta", "delta": {"stop_reason": "end_turn",
+                                                            "stop_sequence": None},
+                         "usage": {"output_tokens": 2}}),
+                  event({"type": "message_stop"})]
+        bad = {"invalid_sse": b"this is not server-sent events\n\n",
+               "invalid_json": b"event: content_block_delta\ndata: {\"type\": \n\n",
+               "error_event": event(error)}.get(fault, b"")
+        if fault == "error_event":
+            events = events[:3]
+        return await self._stream(request, events, fault, bad)
