@@ -247,7 +247,29 @@ class EdgeHandler(web_protocol.RequestHandler):
                                 content_type="application/json",
                                 reason=HTTPStatus(status).phrase)
         response.force_close()
+        self._linger_on_close()
         return response
+
+    def _linger_on_close(self, seconds: float = 2.0) -> None:
+        """Close gracefully after an early answer: closing a socket that still holds unread
+        request bytes makes the kernel send a reset, which can destroy the answer before the
+        client reads it. So: half-close (no more bytes from us), keep reading and discarding what
+        the client still sends, and close once it is done or after ``seconds``."""
+        transport = self.transport
+        if transport is None or getattr(transport, "_metaclaw_lingering", False):
+            return
+        close = transport.close
+
+        def linger() -> None:
+            try:
+                transport.write_eof()
+            except (OSError, RuntimeError, NotImplementedError):
+                close()
+                return
+            self._loop.call_later(seconds, close)
+
+        transport._metaclaw_lingering = True
+        transport.close = linger
 
 
 class EdgeServer(web_server.Server):
