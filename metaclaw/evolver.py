@@ -59,7 +59,7 @@ from metaclaw import buffers
 from metaclaw.buffers import message_text
 from metaclaw.judge import (SECTION_TASK, SECTION_TOOLS, Judge, LLMClient, check_url,
                             error_text, json_objects, next_user_message, render_sections,
-                            reply_message, reply_text, run_sync, trim)
+                            replay_params, reply_message, reply_text, run_sync, trim)
 from metaclaw.skills import OPS, Skill, SkillFormatError, SkillLibrary, SkillOp, validate_name
 from metaclaw.store import Store
 
@@ -728,12 +728,7 @@ class Evolver:
     async def _replay(self, turn: dict[str, Any], skills: list[Skill]) -> dict[str, Any]:
         """One replay: ``{"score": int|None, "reply": str, "error": str|None}``."""
         messages = await asyncio.to_thread(self._replay_messages, turn, skills)
-        params: dict[str, Any] = {"model": self.verify_model or turn.get("model") or "default",
-                                  "messages": messages}
-        recorded = turn.get("request_params") or {}
-        for key in ("tools", "tool_choice", "temperature", "max_tokens"):
-            if recorded.get(key) is not None:
-                params[key] = recorded[key]
+        params = replay_params(turn, messages, self.verify_model)
         try:
             message = reply_message(
                 await asyncio.wait_for(self._upstream.chat(params), self.timeout))

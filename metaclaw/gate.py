@@ -31,7 +31,8 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable
 
-from metaclaw.judge import Judge, LLMClient, check_url, error_text, reply_message
+from metaclaw.judge import (Judge, LLMClient, check_url, error_text, reply_message,
+                            replay_params)
 from metaclaw.skills import Skill, SkillOp
 
 # -- safety ---------------------------------------------------------------------------------------
@@ -252,12 +253,7 @@ class Gate:
         from metaclaw.buffers import message_text
 
         messages = await asyncio.to_thread(self._messages, turn, skills)
-        params: dict[str, Any] = {"model": self.model or turn.get("model") or "default",
-                                  "messages": messages}
-        recorded = turn.get("request_params") or {}
-        for key in ("tools", "tool_choice", "temperature", "max_tokens"):
-            if recorded.get(key) is not None:
-                params[key] = recorded[key]
+        params = replay_params(turn, messages, self.model)
         try:
             message = reply_message(
                 await asyncio.wait_for(self._upstream.chat(params), self.timeout))

@@ -444,6 +444,19 @@ def check_url(name: str, url: Any) -> str:
     return url
 
 
+def replay_params(turn: dict[str, Any], messages: list[dict[str, Any]],
+                  model: str | None) -> dict[str, Any]:
+    """The request that replays a recorded turn with other ``messages`` (other skills): the
+    turn's model unless ``model`` is given, and the sampling and tool settings it was sent with."""
+    params: dict[str, Any] = {"model": model or turn.get("model") or "default",
+                              "messages": messages}
+    recorded = turn.get("request_params") or {}
+    for key in ("tools", "tool_choice", "temperature", "max_tokens"):
+        if recorded.get(key) is not None:
+            params[key] = recorded[key]
+    return params
+
+
 def error_text(exc: BaseException) -> str:
     """One line saying why a model request failed (status and server message, timeout, ...)."""
     import openai
