@@ -335,6 +335,9 @@ class TurnPipeline:
         except (web.HTTPException, ConnectionError):
             raise
         except Exception as exc:  # a body that does not decode as its Content-Encoding says
+            linger = getattr(request.protocol, "_linger_on_close", None)
+            if linger is not None:  # the rest of the body stays unread: close without a reset
+                linger()
             encoding = request.headers.get("Content-Encoding", "identity")
             raise ProxyError(400, f"cannot read the request body as Content-Encoding "
                                   f"{encoding[:40]!r} ({type(exc).__name__}); send it encoded as "

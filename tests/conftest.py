@@ -2,6 +2,11 @@
 
 import pytest
 
+try:  # import numpy fully before any test starts a server: hypothesis looks at
+    import numpy  # noqa: F401  sys.modules["numpy"], which a server thread may be importing
+except ImportError:  # pragma: no cover
+    pass
+
 from metaclaw.store import Store
 
 
