@@ -397,10 +397,11 @@ class GRPOTrainer:
             return int(self.skill_generation)
         return current_generation(self.store) if self.store is not None else 0
 
-    def save(self) -> str | None:
-        """Save the training state (after the last completed step) in ``state_dir``; returns
-        the checkpoint path, or None without a ``state_dir`` or when nothing new was trained."""
-        step = self.next_step - 1
+    def save(self, step: int | None = None) -> str | None:
+        """Save the training state after ``step`` (default: the last completed step) in
+        ``state_dir``; returns the checkpoint path, or None without a ``state_dir`` or when
+        nothing new was trained."""
+        step = self.next_step - 1 if step is None else step
         if self.state_dir is None or step < 0 or step == self._saved_step:
             return None
         checkpoint = self.backend.save_state(str(self.state_dir / f"step-{step:06d}"))
@@ -507,8 +508,7 @@ class GRPOTrainer:
                     backend.sampler().policy_version = recorded
                     published = recorded
                 if self.state_dir is not None:  # the published weights, restorable by version
-                    self.next_step = step + 1
-                    saved = self.save()
+                    saved = self.save(step)
                     if saved is not None and not getattr(backend, "last_sampler_path", None):
                         store.execute("UPDATE policy_versions SET checkpoint = ? "
                                       "WHERE version = ? AND checkpoint IS NULL",
@@ -534,9 +534,11 @@ class GRPOTrainer:
         if store is not None:
             store.record_training_step(**record)
         self.history.append(record)
-        self.next_step = step + 1
-        if self.on_step is not None:
-            self.on_step(record)
+        try:
+            if self.on_step is not None:
+                self.on_step(record)
+        finally:  # counted as done only now: whoever polls steps_done sees the new policy
+            self.next_step = step + 1  # already served and the step's listeners called
         if config.save_every and (step + 1) % config.save_every == 0:
             self.save()
         return record
