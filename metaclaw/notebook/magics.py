@@ -204,6 +204,13 @@ class MetaClawMagics(Magics):
         if args.done and args.workspace:
             raise MagicUsageError("end a session with a message of its own: %%metaclaw chat "
                                   "--done without --workspace (e.g. the user's final feedback)")
+        turn_type = args.type or ("side" if args.side else "main")
+        try:  # a one-line usage error here rather than the proxy's 400 as a traceback
+            from metaclaw.sessions import check_turn_type
+
+            turn_type = check_turn_type(turn_type, "--type")
+        except ValueError as exc:
+            raise MagicUsageError(str(exc)) from None
         runtime = self._require_runtime()
         workspace = tools = None
         if args.workspace:
@@ -221,8 +228,7 @@ class MetaClawMagics(Magics):
         history.append({"role": "user", "content": cell.strip()})
         runtime.proxy.flush()  # earlier turns are in the store, so only this exchange's are new
         before = runtime.store.query("SELECT COALESCE(MAX(id), 0) AS id FROM turns")[0]["id"]
-        headers = {"X-Session-Id": args.session,
-                   "X-Turn-Type": args.type or ("side" if args.side else "main")}
+        headers = {"X-Session-Id": args.session, "X-Turn-Type": turn_type}
         client = runtime.client()
         calls: list[dict[str, Any]] = []
         try:
