@@ -5,8 +5,8 @@ after the adaptation that produced ``G``, served under ``G``, whatever their jud
 judged failure is not removed from it: it is exactly the signal RL needs); the **support set** is
 the failures that drove an evolution; it never trains weights. Every task turn (``main`` or a
 ``stage:<name>`` of a pipeline, :func:`metaclaw.sessions.is_task_turn`; side calls never enter
-the buffers) carries the skill generation that served it (``turns.skill_generation``); its place in the buffers lives in two
-columns of ``turns``:
+the buffers) carries the skill generation that served it (``turns.skill_generation``); its
+place in the buffers lives in two columns of ``turns``:
 
 - ``buffer_set``   ``'support'`` | ``'query'`` | ``NULL`` (side turns, failed requests)
 - ``buffer_state`` ``'live'`` | ``'consumed'`` | ``'purged'`` | ``NULL``
@@ -238,8 +238,9 @@ def buffers_frame(store: Store, *, all_turns: bool = False):
     """The buffers as a ``polars.DataFrame``, one row per turn, oldest first.
 
     Columns: ``id``, ``session_id``, ``turn_type``, ``set``, ``state``, ``skill_generation``,
-    ``reward``, ``created_at``, ``task`` (the last user message, shortened). By default only turns that are
-    in a buffer; ``all_turns=True`` lists every turn (``set`` / ``state`` null for the others).
+    ``reward``, ``created_at``, ``task`` (the last user message, shortened). By default only
+    turns that are in a buffer; ``all_turns=True`` lists every turn (``set`` / ``state`` null
+    for the others).
     """
     import polars as pl
 

@@ -31,9 +31,10 @@ Stage scope (:func:`scope_to_stages`): the stage a failure happened at is its tu
 whose evidence turns are all turns of one stage is scoped to that stage (front matter
 ``metadata.stage``), any other ``add`` is general; an ``edit`` keeps the skill's scope.
 
-Dedupe: each ``add`` is compared with the library (and the proposal's earlier adds) by embedding
-similarity (``retrieval.make_retriever("embedding")``, cosine between the skills' texts). At or
-above ``dedupe_threshold`` a near-duplicate ``add`` of a library skill of the same scope becomes an ``edit`` of that
+Dedupe: each ``add`` is compared with the library (and the proposal's earlier adds) of the same
+scope (never with another stage's skills) by embedding similarity
+(``retrieval.make_retriever("embedding")``, cosine between the skills' texts). At or above
+``dedupe_threshold`` a near-duplicate ``add`` of a library skill becomes an ``edit`` of that
 skill: its name, description and category are kept and the new body is appended to its body
 (the add is dropped instead when that skill's body already contains it, when the proposal
 already edits or removes that skill, or when the near-duplicate is another add of the same
@@ -383,6 +384,11 @@ def _op_dict(op: SkillOp) -> dict[str, Any]:
             "skill": op.skill.to_dict() if op.skill is not None else None}
 
 
+def _scope(op: SkillOp) -> str:
+    stage = op.skill.stage if op.skill is not None else None
+    return f" [stage {stage}]" if stage else ""
+
+
 @dataclass
 class EvolveProposal:
     """Validated operations, not yet applied.
@@ -412,7 +418,8 @@ class EvolveProposal:
     def __str__(self) -> str:
         lines = [f"proposal on generation {self.base_generation} from {len(self.support_ids)} "
                  f"support turns ({self.attempts} model call(s)):"]
-        lines += [f"  {op.op} {op.name}: {op.reason} (evidence {op.evidence})" for op in self.ops]
+        lines += [f"  {op.op} {op.name}{_scope(op)}: {op.reason} (evidence {op.evidence})"
+                  for op in self.ops]
         if not self.ops:
             lines.append("  no change")
         lines += [f"  merged add {m['add']} into {m['into']} (similarity {m['similarity']:.2f})"
@@ -424,7 +431,7 @@ class EvolveProposal:
     def _repr_html_(self) -> str:
         esc = html.escape
         rows = "".join(
-            f"<tr><td>{esc(op.op)}</td><td><b>{esc(op.name)}</b></td>"
+            f"<tr><td>{esc(op.op)}</td><td><b>{esc(op.name)}</b>{esc(_scope(op))}</td>"
             f"<td>{esc(op.skill.description if op.skill else '')}</td><td>{esc(op.reason)}</td>"
             f"<td>{esc(', '.join(map(str, op.evidence)))}</td></tr>" for op in self.ops)
         extra = "".join(f"<li>{esc(line.strip())}</li>" for line in str(self).splitlines()[1:]

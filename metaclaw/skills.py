@@ -273,8 +273,9 @@ class Skill:
                    extra=extra)
 
     def _repr_html_(self) -> str:
-        scope = f" · stage {html.escape(self.stage)}" if self.stage else ""
-        return (f"<div><b>{html.escape(self.name)}</b> <i>({html.escape(self.category)}{scope})</i>"
+        scope = f" · stage {self.stage}" if self.stage else ""
+        return (f"<div><b>{html.escape(self.name)}</b> "
+                f"<i>({html.escape(self.category + scope)})</i>"
                 f"<br>{html.escape(self.description)}"
                 f"<pre style='white-space:pre-wrap'>{html.escape(self.body)}</pre></div>")
 

@@ -14,7 +14,7 @@ from metaclaw import buffers
 from metaclaw.double import DoubleServer, Reply
 from metaclaw.evolver import Evolver, parse_evolver_prompt, scope_to_stages
 from metaclaw.proxy import Proxy, ProxyConfig
-from metaclaw.retrieval import LexicalRetriever, select
+from metaclaw.retrieval import LexicalRetriever, ScoredSkill, select
 from metaclaw.skills import Skill, SkillFormatError, SkillLibrary, SkillOp, offered_to
 
 GENERAL = Skill("cite-sources", "Cite the sources of every claim in a research report.",
@@ -195,3 +195,32 @@ def test_scope_to_stages_leaves_general_and_unknown_evidence_general():
     [mixed] = scope_to_stages([add], {1: "stage:plan", 2: "main"})
     [unknown] = scope_to_stages([add], {})
     assert (same.skill.stage, mixed.skill.stage, unknown.skill.stage) == ("plan", None, None)
+
+
+class SameWords:
+    """A similarity double for dedupe: 1.0 for a skill with the same description and body."""
+
+    kind, default_min_score = "embedding", 0.0
+
+    def rank(self, query, skills):
+        return sorted((ScoredSkill(s, 1.0 if query.endswith(f"{s.description}\n{s.body}")
+                                   else 0.0) for s in skills), key=lambda x: -x.score)
+
+
+def test_dedupe_never_merges_a_skill_into_another_stages(library, store):
+    plan = _turn(store, "run-2", "stage:plan", ["Stage: plan"])
+    search = _turn(store, "run-2", "stage:search", ["Stage: search"])
+    buffers.refresh(store)
+    copy = {"description": SEARCH.description, "category": "pipeline", "body": SEARCH.body,
+            "reason": "r"}
+    reply = json.dumps({"operations": [{"op": "add", "name": "copy-at-plan", **copy,
+                                        "evidence": [plan]},
+                                       {"op": "add", "name": "copy-at-search", **copy,
+                                        "evidence": [search]}]})
+    with DoubleServer([Reply(reply)], models=("evolver",)) as double:
+        proposal = Evolver(double.url, "evolver", library, store, dedupe_threshold=0.9,
+                           dedupe_retriever=SameWords()).propose()
+    assert [(op.op, op.name, op.skill.stage) for op in proposal.ops] == [
+        ("add", "copy-at-plan", "plan")]  # the same words, but for another stage: kept
+    assert proposal.dropped[0]["name"] == "copy-at-search"
+    assert "search-conventions" in proposal.dropped[0]["reason"]
