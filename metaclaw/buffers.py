@@ -3,9 +3,10 @@
 As in the MetaClaw paper: the **query set** of skill generation ``G`` is the trajectories collected
 after the adaptation that produced ``G``, served under ``G``, whatever their judged outcome (a
 judged failure is not removed from it: it is exactly the signal RL needs); the **support set** is
-the failures that drove an evolution; it never trains weights. Every main turn carries the skill
-generation that served it (``turns.skill_generation``); its place in the buffers lives in two
-columns of ``turns``:
+the failures that drove an evolution; it never trains weights. Every task turn (``main`` or a
+``stage:<name>`` of a pipeline, :func:`metaclaw.sessions.is_task_turn`; side calls never enter
+the buffers) carries the skill generation that served it (``turns.skill_generation``); its
+place in the buffers lives in two columns of ``turns``:
 
 - ``buffer_set``   ``'support'`` | ``'query'`` | ``NULL`` (side turns, failed requests)
 - ``buffer_state`` ``'live'`` | ``'consumed'`` | ``'purged'`` | ``NULL``
@@ -14,7 +15,7 @@ and ``turns.trained_steps`` counts the GRPO steps that trained on it.
 
 The rules (one obvious place: :func:`classify`, :func:`refresh` and :func:`advance`):
 
-1. A successful (``status = 'ok'``) main turn enters the query set when it is first classified
+1. A successful (``status = 'ok'``) task turn enters the query set when it is first classified
    (right after it is recorded): ``query / live``. Judging it changes nothing: its set was
    decided once.
 2. The evolver's evidence is the judged failures (``reward < threshold``) among the live turns
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
+from metaclaw.sessions import TASK_TURNS_SQL, is_task_turn
 from metaclaw.store import Store
 
 SUPPORT = "support"
@@ -80,7 +82,7 @@ def classify(turn: dict[str, Any], *, generation: int,
     not move it between sets.
     """
     present = (turn.get("buffer_set"), turn.get("buffer_state"))
-    if turn.get("turn_type", "main") != "main" or turn.get("status") != "ok":
+    if not is_task_turn(turn.get("turn_type", "main")) or turn.get("status") != "ok":
         return present
     if present[1] in FINAL_STATES:
         return present
@@ -92,14 +94,14 @@ def classify(turn: dict[str, Any], *, generation: int,
 
 def refresh(store: Store, turn_ids: Iterable[int] | None = None, *, threshold: float = 0.0,
             generation: int | None = None) -> dict[str, int]:
-    """Apply the buffer rules to some turns (default: every successful main turn not in a final
+    """Apply the buffer rules to some turns (default: every successful task turn not in a final
     state).
 
     Returns counts of the changes made: ``{"support": n, "query": n, "purged": n}``.
     """
     gen = current_generation(store) if generation is None else generation
     if turn_ids is None:
-        rows = store.turns("turn_type = 'main' AND status = 'ok' "
+        rows = store.turns(f"{TASK_TURNS_SQL} AND status = 'ok' "
                            "AND (buffer_state IS NULL OR buffer_state = 'live')")
     else:
         ids = sorted({int(i) for i in turn_ids})
@@ -227,7 +229,7 @@ def _short(text: str, limit: int = 80) -> str:
 
 
 FRAME_COLUMNS = {
-    "id": "Int64", "session_id": "Utf8", "set": "Utf8", "state": "Utf8",
+    "id": "Int64", "session_id": "Utf8", "turn_type": "Utf8", "set": "Utf8", "state": "Utf8",
     "skill_generation": "Int64", "reward": "Float64", "created_at": "Float64", "task": "Utf8",
 }
 
@@ -235,19 +237,21 @@ FRAME_COLUMNS = {
 def buffers_frame(store: Store, *, all_turns: bool = False):
     """The buffers as a ``polars.DataFrame``, one row per turn, oldest first.
 
-    Columns: ``id``, ``session_id``, ``set``, ``state``, ``skill_generation``, ``reward``,
-    ``created_at``, ``task`` (the last user message, shortened). By default only turns that are
-    in a buffer; ``all_turns=True`` lists every turn (``set`` / ``state`` null for the others).
+    Columns: ``id``, ``session_id``, ``turn_type``, ``set``, ``state``, ``skill_generation``,
+    ``reward``, ``created_at``, ``task`` (the last user message, shortened). By default only
+    turns that are in a buffer; ``all_turns=True`` lists every turn (``set`` / ``state`` null
+    for the others).
     """
     import polars as pl
 
     where = "1=1" if all_turns else "buffer_set IS NOT NULL"
     rows = store.query(
-        "SELECT id, session_id, buffer_set, buffer_state, skill_generation, reward, created_at, "
-        f"request_messages FROM turns WHERE {where} ORDER BY id")
+        "SELECT id, session_id, turn_type, buffer_set, buffer_state, skill_generation, reward, "
+        f"created_at, request_messages FROM turns WHERE {where} ORDER BY id")
     data = {
         "id": [r["id"] for r in rows],
         "session_id": [r["session_id"] for r in rows],
+        "turn_type": [r["turn_type"] for r in rows],
         "set": [r["buffer_set"] for r in rows],
         "state": [r["buffer_state"] for r in rows],
         "skill_generation": [r["skill_generation"] for r in rows],

@@ -155,18 +155,28 @@ TURN_FIELDS = ("id", "session_id", "turn_index", "turn_type", "created_at", "mod
 
 @command("turns")
 def cmd_turns(args: argparse.Namespace) -> int:
+    from metaclaw.sessions import IdentityError, turn_type_condition
+
     store = _store(args.db)
-    where, params = "1=1", []
+    where, params = ["1=1"], []
     if args.session:
-        where, params = "session_id = ?", [args.session]
-    rows = store.turns(where, params)
+        where.append("session_id = ?")
+        params.append(args.session)
+    if args.type:
+        try:
+            condition, values = turn_type_condition(args.type)
+        except IdentityError as exc:
+            raise CliError(f"--type: {exc}") from None
+        where.append(condition)
+        params += values
+    rows = store.turns(" AND ".join(where), params)
     if args.json:
         for row in rows:
             _print_json({k: row[k] for k in TURN_FIELDS})
         return 0
     for row in rows:
         reply = (row["response"] or row["error"] or "").replace("\n", " ")
-        print(_printable(f"#{row['id']:<5} {row['session_id'][:16]:<16} {row['turn_type']:<4} "
+        print(_printable(f"#{row['id']:<5} {row['session_id'][:16]:<16} {row['turn_type']:<5} "
                          f"gen {row['skill_generation']:<3} {row['status']:<5} "
                          f"skills={','.join(row['injected_skills']) or '-'}  {reply[:60]}"))
         if args.why:  # why these skills: the query retrieval used and the scores it got
@@ -191,7 +201,8 @@ def cmd_skills(args: argparse.Namespace) -> int:
         else:
             print(f"skill generation {generation}: {len(skills)} skills in {library.directory}")
             for skill in skills:
-                print(f"  {skill.name:<32} [{skill.category}] {skill.description}")
+                scope = f" stage:{skill.stage}" if skill.stage else ""
+                print(f"  {skill.name:<32} [{skill.category}{scope}] {skill.description}")
         return 0
     if args.action == "diff":
         if len(args.generations) != 2:
@@ -603,6 +614,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("turns", help="list recorded turns")
     p.add_argument("--db", default=str(DEFAULT_DB))
     p.add_argument("--session", help="only this session")
+    p.add_argument("--type", help="only turns of this type: main, side, stage:<name>, or stage "
+                                  "(every stage turn)")
     p.add_argument("--why", action="store_true", help="also the retrieval query, the skills' "
                                                      "scores and how the session was found")
     p.add_argument("--json", action="store_true", help="one JSON object per line")

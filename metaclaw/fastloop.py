@@ -10,9 +10,11 @@ How it works. :meth:`FastLoop.attach` registers :meth:`FastLoop.submit` as a tur
 :class:`~metaclaw.proxy.Proxy`; the work runs on the loop's own event loop in a background thread,
 never on the proxy's. For each recorded turn:
 
-1. a successful main turn enters the buffers as ``query / live`` (see :mod:`metaclaw.buffers`);
-2. it is judged once its feedback is known: when the session's next main turn arrives (its new
-   user message is the feedback), when the session is marked done (``X-Session-Done``), or after
+1. a successful task turn (``main`` or ``stage:<name>``) enters the buffers as ``query / live``
+   (see :mod:`metaclaw.buffers`);
+2. it is judged once its feedback is known: when the next turn of its thread (same session, same
+   turn type: a stage's retry follows that stage, not the next stage) arrives (its new user
+   message is the feedback), when the session is marked done (``X-Session-Done``), or after
    ``feedback_wait`` seconds without a next turn. All votes run concurrently;
 3. the verdict moves a failure (``reward < judge.threshold``) of the current generation to
    ``support / live``;
@@ -52,6 +54,7 @@ from metaclaw import buffers
 from metaclaw.evolver import EvolveError, EvolveResult, Evolver
 from metaclaw.gate import Gate, GateReport, safety_check
 from metaclaw.judge import Judge
+from metaclaw.sessions import TASK_TURNS_SQL, is_task_turn
 from metaclaw.skills import SkillLibrary
 from metaclaw.store import Store
 
@@ -136,8 +139,9 @@ class FastLoop:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
-        # session -> (turn ids waiting for the user's next message, timer, user messages seen)
-        self._waiting: dict[str, tuple[list[int], asyncio.TimerHandle, int]] = {}
+        # (session, turn type) -> (turn ids waiting for the thread's next user message, timer,
+        # user messages seen)
+        self._waiting: dict[tuple[str, str], tuple[list[int], asyncio.TimerHandle, int]] = {}
         self._judged: dict[str, int] = {}
         self._ended: set[str] = set()
         self._last_attempt: frozenset[int] = frozenset()
@@ -322,57 +326,65 @@ class FastLoop:
             self._emit("error", turn_id=turn_id, error=f"turn {turn_id} is not in the store")
             return
         session = turn["session_id"]
-        main_ok = turn.get("turn_type") == "main" and turn.get("status") == "ok"
+        task_ok = is_task_turn(turn.get("turn_type")) and turn.get("status") == "ok"
         self._emit("turn", session_id=session, turn_id=turn_id,
                    generation=turn.get("skill_generation"), turn_type=turn.get("turn_type"),
                    status=turn.get("status"))
-        if main_ok:
+        if task_ok:
             buffers.refresh(self.store, [turn_id], threshold=self.judge.threshold)
-        if turn.get("turn_type") != "main":
+        if not is_task_turn(turn.get("turn_type")):
             return
         row = self.store.session(session) or {}
         done = bool(row.get("done"))
-        # A turn's feedback is the user's next message. A call that adds no user message (the
-        # next step of a tool loop) continues the same task: its turns wait together.
+        # A turn's feedback is the user's next message in its thread (its session's turns of
+        # its type). A call that adds no user message (the next step of a tool loop) continues
+        # the same task: its turns wait together.
         users = _user_messages(turn)
+        thread = (session, turn["turn_type"])
         ready: list[int] = []
         pending: list[int] = []
-        previous = self._waiting.pop(session, None)
+        previous = self._waiting.pop(thread, None)
         if previous is not None:
             previous[1].cancel()
             if users > previous[2] or done:
                 ready.extend(previous[0])  # this turn carries the feedback on them
             else:
                 pending.extend(previous[0])
-        if main_ok:
+        if done:  # the session ended: its other threads get no further feedback either
+            for other in [key for key in self._waiting if key[0] == session]:
+                ids, handle, _users = self._waiting.pop(other)
+                handle.cancel()
+                ready.extend(ids)
+        if task_ok:
             pending.append(turn_id)
         if pending and (done or self.feedback_wait <= 0):
             ready.extend(pending)
             pending = []
         if pending:
             handle = asyncio.get_running_loop().call_later(
-                self.feedback_wait, self._feedback_timeout, session, pending)
-            self._waiting[session] = (pending, handle, users)
+                self.feedback_wait, self._feedback_timeout, thread, pending)
+            self._waiting[thread] = (pending, handle, users)
         if ready:
             await self._judge(session, ready)
         if done and self.on_session_end and session not in self._ended:
             self._ended.add(session)
             await self._evolve(f"session {session} ended")
 
-    def _feedback_timeout(self, session: str, turn_ids: list[int]) -> None:
-        waiting = self._waiting.get(session)
+    def _feedback_timeout(self, thread: tuple[str, str], turn_ids: list[int]) -> None:
+        waiting = self._waiting.get(thread)
         if waiting is not None and waiting[0] is turn_ids:
-            del self._waiting[session]
-            self._spawn(self._judge(session, list(turn_ids)))
+            del self._waiting[thread]
+            self._spawn(self._judge(thread[0], list(turn_ids)))
 
     def judge_pending(self, timeout: float = 60.0) -> None:
         """Judge now the turns still waiting for their session's next message; blocks until done."""
         async def run() -> None:
             waiting = list(self._waiting.items())
             self._waiting.clear()
-            for _session, (_ids, handle, _users) in waiting:
+            for _thread, (_ids, handle, _users) in waiting:
                 handle.cancel()
-            await asyncio.gather(*(self._judge(s, list(ids)) for s, (ids, _h, _u) in waiting))
+            await asyncio.gather(*(self._judge(session, list(ids))
+                                   for (session, _type), (ids, _h, _u) in waiting))
 
         self._call(run(), timeout)
 
@@ -396,11 +408,11 @@ class FastLoop:
             await self._check_triggers(session, judged)
 
     def failure_stats(self, generation: int | None = None) -> tuple[int, int]:
-        """``(judged, failed)`` main turns of ``generation`` (default: the current one)."""
+        """``(judged, failed)`` task turns of ``generation`` (default: the current one)."""
         gen = buffers.current_generation(self.store) if generation is None else generation
         row = self.store.query(
             "SELECT COUNT(*) AS n, COALESCE(SUM(CASE WHEN reward < ? THEN 1 ELSE 0 END), 0) AS f "
-            "FROM turns WHERE turn_type = 'main' AND status = 'ok' AND skill_generation = ? "
+            f"FROM turns WHERE {TASK_TURNS_SQL} AND status = 'ok' AND skill_generation = ? "
             "AND reward IS NOT NULL", (self.judge.threshold, gen))[0]
         return int(row["n"]), int(row["f"])
 

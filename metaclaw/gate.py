@@ -33,7 +33,8 @@ from typing import Any, Iterable
 
 from metaclaw.judge import (Judge, LLMClient, check_url, error_text, reply_message,
                             replay_params)
-from metaclaw.skills import Skill, SkillOp
+from metaclaw.sessions import TASK_TURNS_SQL
+from metaclaw.skills import Skill, SkillOp, offered_to
 
 # -- safety ---------------------------------------------------------------------------------------
 #: (category, pattern): instructions a skill must never carry. Case-insensitive, on the skill's
@@ -244,8 +245,9 @@ class Gate:
         base = strip_skill_block(turn.get("request_messages") or [])
         query = retrieval.query_text(base)
         selected = retrieval.select(self._retriever(), query, skills, top_k=self.top_k,
-                                    min_score=self.min_score,
-                                    budget_chars=self.budget_chars) if query and skills else []
+                                    min_score=self.min_score, budget_chars=self.budget_chars,
+                                    keep=offered_to(turn.get("turn_type"))
+                                    ) if query and skills else []
         return retrieval.inject(base, retrieval.render_block(selected)) if selected else base
 
     async def _replay(self, turn: dict[str, Any], skills: list[Skill]) -> dict[str, Any]:
@@ -271,11 +273,11 @@ class Gate:
                 "votes": len(verdict.votes)}
 
     def recent_successes(self, store: Any, exclude: Iterable[int] = ()) -> list[dict[str, Any]]:
-        """The most recent successful main turns (labelled pass, or judged at or above the
+        """The most recent successful task turns (labelled pass, or judged at or above the
         threshold without a fail label), newest first, at most ``successes``."""
         skip = {int(i) for i in exclude}
         rows = store.query(
-            "SELECT id FROM turns WHERE turn_type = 'main' AND status = 'ok' AND ("
+            f"SELECT id FROM turns WHERE {TASK_TURNS_SQL} AND status = 'ok' AND ("
             "human_label = 'pass' OR (human_label IS NULL AND reward IS NOT NULL AND reward >= ?))"
             " ORDER BY id DESC LIMIT ?", (self.judge.threshold, self.successes + len(skip)))
         ids = [int(r["id"]) for r in rows if int(r["id"]) not in skip][:self.successes]

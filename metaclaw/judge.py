@@ -40,6 +40,7 @@ from typing import Any, Awaitable, Callable, Iterable, TypeVar
 
 from metaclaw import buffers
 from metaclaw.buffers import message_text
+from metaclaw.sessions import TASK_TURNS_SQL
 from metaclaw.store import Store
 
 T = TypeVar("T")
@@ -184,7 +185,8 @@ def parse_judge_prompt(text: str) -> dict[str, str]:
 def next_user_message(turn: dict[str, Any], later_turns: Iterable[dict[str, Any]]) -> str | None:
     """The first user message the session sent after ``turn`` (the feedback on its reply).
 
-    ``later_turns``: the session's later main turns, in order. A later turn's conversation holds
+    ``later_turns``: the later turns of its thread (its session's turns of the same turn type:
+    a stage's retry follows that stage), in order. A later turn's conversation holds
     the new user message after this turn's ones; when the client trimmed its history, the last
     user message of the later turn is used if it is new. ``None`` when there is none yet.
     """
@@ -483,9 +485,10 @@ def error_text(exc: BaseException) -> str:
 # -- the judge --------------------------------------------------------------------------------
 def turns_to_score(store: Store, *, session: str | None = None, last: int | None = None,
                    rescore: bool = False) -> list[int]:
-    """Ids of the successful main turns to judge, oldest first: the unjudged ones (all with
-    ``rescore``), of one ``session`` if given, only the ``last`` N if given."""
-    where, params = "status = 'ok' AND turn_type = 'main'", []
+    """Ids of the successful task turns (main and stage turns) to judge, oldest first: the
+    unjudged ones (all with ``rescore``), of one ``session`` if given, only the ``last`` N if
+    given."""
+    where, params = f"status = 'ok' AND {TASK_TURNS_SQL}", []
     if not rescore:
         where += " AND reward IS NULL"
     if session:
@@ -607,7 +610,7 @@ class Judge:
         """Judge many stored turns concurrently and store the verdicts on them.
 
         Select turns by ``turn_ids`` or an SQL condition ``where`` on ``turns`` (with
-        ``params``); with neither, every unjudged successful main turn. All votes of all turns
+        ``params``); with neither, every unjudged successful task turn. All votes of all turns
         run concurrently, at most ``concurrency`` requests at a time. Judged turns get
         ``reward``, ``judge_model``, ``judge_votes``, ``judge_rationale`` and ``judged_at``; a turn
         whose votes all failed is left unjudged (its result carries the error). With
@@ -629,16 +632,16 @@ class Judge:
         elif where is not None:
             rows = store.turns(where, params)
         else:
-            rows = store.turns("turn_type = 'main' AND status = 'ok' AND reward IS NULL")
+            rows = store.turns(f"{TASK_TURNS_SQL} AND status = 'ok' AND reward IS NULL")
         next_users: dict[int, str | None] = {}
-        if feedback:
-            for session_id in sorted({r["session_id"] for r in rows}):
-                session_turns = store.turns("session_id = ? AND turn_type = 'main'", (session_id,),
-                                            order="turn_index")
+        if feedback:  # the feedback on a turn is in the later turns of its thread
+            for thread in sorted({(r["session_id"], r["turn_type"]) for r in rows}):
+                thread_turns = store.turns("session_id = ? AND turn_type = ?", thread,
+                                           order="turn_index")
                 for row in rows:
-                    if row["session_id"] != session_id:
+                    if (row["session_id"], row["turn_type"]) != thread:
                         continue
-                    later = [t for t in session_turns if t["turn_index"] > row["turn_index"]]
+                    later = [t for t in thread_turns if t["turn_index"] > row["turn_index"]]
                     next_users[row["id"]] = next_user_message(row, later)
         semaphore = asyncio.Semaphore(concurrency)
         results = await asyncio.gather(*(

@@ -39,6 +39,7 @@ from aiohttp import web
 
 from metaclaw.protocols import ProxyError, WireProtocol, dumps
 from metaclaw.sessions import TURN_TYPES, Identity, IdentityError, identify  # noqa: F401
+from metaclaw.sessions import is_task_turn
 from metaclaw.upstreams import ResponderUpstream, Upstream, policy_columns
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -347,16 +348,19 @@ class TurnPipeline:
 
     # -- retrieve, fit the budget, inject (in a worker thread) ----------------------------
     def select_and_inject(self, turn: Turn, skills: list[Any]) -> None:
-        """Steps 3-6 for a main turn: query, retrieve, fit the context budget, inject."""
+        """Steps 3-6 for a main or stage turn: query, retrieve (a stage turn: its stage's and
+        general skills), fit the context budget, inject."""
         from metaclaw import retrieval
         from metaclaw.context_budget import context_window, fit_skills
+        from metaclaw.skills import offered_to
 
         proxy, config = self.proxy, self.config
         try:
             turn.query = retrieval_query(turn)
             selected = retrieval.select(proxy.retriever, turn.query, skills, top_k=config.top_k,
                                         min_score=config.min_score,
-                                        budget_chars=config.budget_chars) if turn.query else []
+                                        budget_chars=config.budget_chars,
+                                        keep=offered_to(turn.turn_type)) if turn.query else []
             window = context_window(turn.model, config.context_windows, config.context_window)
             if selected and window is not None:
                 budget = fit_skills([s.skill.name for s in selected],
@@ -386,7 +390,7 @@ class TurnPipeline:
                                                       identity.done)
         turn.identified_by = identity.how
         turn.generation, skills = self.proxy.library.current()
-        if turn.turn_type == "main" and skills:
+        if is_task_turn(turn.turn_type) and skills:
             await asyncio.get_running_loop().run_in_executor(
                 self.proxy._retrieval_pool, self.select_and_inject, turn, skills)
         return turn, caller_key

@@ -2,28 +2,34 @@
 proxy, to measure what stage-specific skills do to retries, refine cycles and robustness.
 
 Stages (:data:`STAGES`): ``plan`` -> ``search`` -> ``experiment`` -> ``analyze`` -> ``write``.
-Each stage is one proxied chat call (session ``<run>/<stage>``, so every stage's turns are
-tracked apart; the system prompt carries the earlier stages' outputs, the user message the
-stage's task) followed by the stage's own
-check (:data:`CHECKS`: required ``Key:`` lines and a content test). A failed check is recorded
-on the turn as its verdict (reward -1, the check's message as the rationale) and the stage is
-retried with that message as feedback, up to ``max_attempts``. After ``write``, a review checks
-that the write-up restates the planned metric; when it does not, ``analyze`` and ``write`` run
-again: a *refine cycle* (at most ``max_refines``).
+A run of the pipeline is one session (named after the run); each stage is a proxied chat call
+of turn type ``stage:<stage>`` (:mod:`metaclaw.sessions`), so the proxy offers it only general
+skills and the skills of its own stage, and the skills learnt from its failures are scoped to
+it. The system prompt carries the earlier stages' outputs, the user message the stage's task.
+Each call is followed by the stage's own :func:`check` (the ``Key:`` lines of :data:`REQUIRED`
+and a content test). The check's verdict is recorded on the turn (reward +1 / -1, the check's
+message as the rationale, ``judge_model`` :data:`CHECK`); a failed stage is retried with that
+message as feedback, up to ``max_attempts``. After ``write``, a review checks that the
+write-up restates the planned metric; when it does not, the write turn is marked failed
+(``judge_model`` :data:`REVIEW`) and ``analyze`` and ``write`` run again: a *refine cycle*
+(at most ``max_refines``).
 
 Robustness of a stage in a run: ``passed / attempts`` (1: passed first time, 0.5: after one
 retry, 0: never). Robustness of a run: mean stage robustness x share of stages completed x
-``1 / (1 + refine cycles)``.
+``1 / (1 + refine cycles)``. :func:`stage_table` and :func:`run_table` compute every figure from
+the recorded turns (grouped by session and turn type), not from the runner's own bookkeeping.
 
 :class:`SimulatedResearchModel` is a SIMULATED model, not a language model: an honest double
 whose output follows only from the request it receives. It writes a default draft for the stage
 named in the request; it adds a ``Key: value`` line for every rule of the form ``Include a line
 starting with `Key:``` found in its system prompt (where the proxy injects skills) and for every
 missing ```Key:``` named in a later user message (a retry's feedback), taking values from the
-earlier stages' outputs in the request when they hold that key; and it slips (drops one such line) with probability ``slip``
-decided by a hash of the request, so runs are reproducible. It knows nothing of the checks. Its
-``sim-evolver`` role turns the support turns' rationales (the checks' messages) into one skill
-per stage restating the missing lines as rules. Every figure it produces is simulated.
+earlier stages' outputs in the request when they hold that key; and it slips (drops one such
+line) with probability ``slip`` decided by a hash of the request, so runs are reproducible. It
+knows nothing of the checks. Its ``sim-evolver`` role reads the support turns of the evolver's
+prompt and writes one skill per stage (the stage read from each turn's ``turn_type``)
+restating the missing lines the checks' messages name as rules. Every figure it produces is
+simulated.
 """
 
 from __future__ import annotations
@@ -32,9 +38,14 @@ import hashlib
 import json
 import re
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 STAGES = ("plan", "search", "experiment", "analyze", "write")
+#: The stages a refine cycle runs again.
+REFINED = ("analyze", "write")
+#: ``judge_model`` of a stage check's verdict, and of the review's (which fails a write turn
+#: that passed its check).
+CHECK, REVIEW = "stage-check", "stage-review"
 
 #: Per stage: the ``Key:`` lines its output must hold, and what each stage is asked to do.
 REQUIRED: dict[str, tuple[str, ...]] = {
@@ -170,17 +181,19 @@ class SimulatedResearchModel:
 
     @staticmethod
     def evolve(prompt: str) -> dict[str, Any]:
-        """The ``sim-evolver`` role: one skill per stage from the support turns' rationales."""
+        """The ``sim-evolver`` role: one skill per stage (the support turns' ``turn_type``) from
+        their rationales."""
         from metaclaw.evolver import parse_evolver_prompt
+        from metaclaw.sessions import stage_of
 
         parsed = parse_evolver_prompt(prompt)
         existing = {s["name"]: s for s in parsed["library"]}
         by_stage: dict[str, dict[str, Any]] = {}
         for item in parsed["support"]:
-            stage_match = re.search(r"Stage: (\w+)", item.get("task") or "")
-            if not stage_match:
+            stage = stage_of(item.get("turn_type"))
+            if stage is None:
                 continue
-            entry = by_stage.setdefault(stage_match[1], {"keys": [], "ids": []})
+            entry = by_stage.setdefault(stage, {"keys": [], "ids": []})
             for key in _MISSING.findall(item.get("rationale") or ""):
                 if key not in entry["keys"]:
                     entry["keys"].append(key)
@@ -245,14 +258,17 @@ def _messages(stage: str, topic: str, outputs: dict[str, str]) -> list[dict[str,
             {"role": "user", "content": f"Stage: {stage}\nTopic: {topic}\n{TASKS[stage]}"}]
 
 
-def run_pipeline(chat: Callable[[str, list[dict[str, str]]], tuple[str, int | None]],
-                 record_verdict: Callable[[int, bool, str], None], run: str, topic: str, *,
+def run_pipeline(chat: Callable[[str, str, list[dict[str, str]]], tuple[str, int | None]],
+                 record_verdict: Callable[[int, bool, str, str], None], run: str, topic: str, *,
                  max_attempts: int = 3, max_refines: int = 2) -> RunRecord:
-    """One run of the pipeline on ``topic``.
+    """One run of the pipeline on ``topic``, as session ``run``.
 
-    ``chat(session, messages) -> (reply, turn_id)``: one proxied call; ``record_verdict(turn_id,
-    passed, message)``: store the check's verdict on the turn.
+    ``chat(session, turn_type, messages) -> (reply, turn_id)``: one proxied call (turn type
+    ``stage:<stage>``); ``record_verdict(turn_id, passed, message, by)``: store a verdict on the
+    turn (``by``: :data:`CHECK` or :data:`REVIEW`).
     """
+    from metaclaw.sessions import stage_turn_type
+
     outputs: dict[str, str] = {}
     stages: list[StageRecord] = []
     refines = 0
@@ -265,11 +281,11 @@ def run_pipeline(chat: Callable[[str, list[dict[str, str]]], tuple[str, int | No
         stages.append(record)
         for _ in range(max_attempts):
             record.attempts += 1
-            reply, turn_id = chat(f"{run}/{stage}", messages)
+            reply, turn_id = chat(run, stage_turn_type(stage), messages)
             ok, message = check(stage, reply)
             if turn_id is not None:
                 record.turn_ids.append(turn_id)
-                record_verdict(turn_id, ok, message)
+                record_verdict(turn_id, ok, message, CHECK)
             if ok:
                 record.passed = True
                 outputs[stage] = reply
@@ -287,41 +303,94 @@ def run_pipeline(chat: Callable[[str, list[dict[str, str]]], tuple[str, int | No
             return RunRecord(run, topic, stages, refines, True)
         last = stages[-1]
         if last.turn_ids:  # the write-up failed the review: its turn is a failure
-            record_verdict(last.turn_ids[-1], False, message)
+            record_verdict(last.turn_ids[-1], False, message, REVIEW)
         if refines >= max_refines:
             return RunRecord(run, topic, stages, refines, False)
         refines += 1
-        for stage in ("analyze", "write"):
+        for stage in REFINED:
             if not do(stage, message if stage == "write" else None):
                 return RunRecord(run, topic, stages, refines, False)
 
 
-def stage_table(runs: list[RunRecord], label: str):
-    """Per stage: runs, mean retries, first-attempt pass rate, robustness (polars), tagged
-    ``label`` (e.g. "baseline" / "with skills")."""
+def stage_executions(store: Any, runs: Iterable[RunRecord | str]) -> list[dict[str, Any]]:
+    """Every execution of a stage in ``runs`` (run records or session names), read from the
+    recorded turns: ``{"run", "stage", "attempts", "passed", "turn_ids"}``.
+
+    A run's turns of type ``stage:<stage>``, in order, are split into executions after each turn
+    that passed its check (reward > 0, or a write turn the review failed after its check
+    passed); attempts left open at the end are an execution that never passed."""
+    from metaclaw.sessions import stage_of
+
+    sessions = [r.run if isinstance(r, RunRecord) else str(r) for r in runs]
+    if not sessions:
+        return []
+    rows = store.query(
+        "SELECT id, session_id, turn_type, reward, judge_model FROM turns WHERE session_id IN "
+        f"({', '.join('?' * len(sessions))}) AND turn_type GLOB 'stage:*' ORDER BY id", sessions)
+    done: list[dict[str, Any]] = []
+    open_: dict[tuple[str, str], dict[str, Any]] = {}
+    for row in rows:
+        key = (row["session_id"], stage_of(row["turn_type"]))
+        execution = open_.setdefault(key, {"run": key[0], "stage": key[1], "attempts": 0,
+                                           "passed": False, "turn_ids": []})
+        execution["attempts"] += 1
+        execution["turn_ids"].append(row["id"])
+        if (row["reward"] or 0) > 0 or row["judge_model"] == REVIEW:
+            execution["passed"] = True
+            done.append(open_.pop(key))
+    return sorted(done + list(open_.values()), key=lambda e: e["turn_ids"][0])
+
+
+def stage_table(store: Any, runs: Iterable[RunRecord | str], label: str):
+    """Per stage (turn type ``stage:<stage>``), from the recorded turns of ``runs``: calls,
+    retries per run, first-attempt pass rate, robustness (polars), tagged ``label`` (e.g.
+    "baseline" / "with skills")."""
     import polars as pl
 
+    runs = list(runs)
+    executions = stage_executions(store, runs)
     rows = []
     for stage in STAGES:
-        records = [s for r in runs for s in r.stages if s.stage == stage]
+        records = [e for e in executions if e["stage"] == stage]
         if not records:
             continue
-        rows.append({"condition": label, "stage": stage, "calls": sum(s.attempts for s in records),
-                     "retries": sum(s.attempts - 1 for s in records) / len(runs),
-                     "first_try": sum(1 for s in records if s.attempts == 1 and s.passed)
+        rows.append({"condition": label, "stage": stage, "turn_type": f"stage:{stage}",
+                     "calls": sum(e["attempts"] for e in records),
+                     "retries": sum(e["attempts"] - 1 for e in records) / len(runs),
+                     "first_try": sum(1 for e in records if e["attempts"] == 1 and e["passed"])
                      / len(records),
-                     "robustness": sum(s.robustness for s in records) / len(records)})
+                     "robustness": sum(_robustness(e) for e in records) / len(records)})
     return pl.DataFrame(rows)
 
 
-def run_table(runs: list[RunRecord], label: str):
-    """Per run: refine cycles, completed, robustness (polars), tagged ``label``."""
+def run_table(store: Any, runs: Iterable[RunRecord | str], label: str):
+    """Per run (session), from its recorded turns: retries, refine cycles (executions of
+    ``analyze`` after the first), completed (the last turn passed), robustness (polars), tagged
+    ``label``."""
     import polars as pl
 
-    return pl.DataFrame([{"condition": label, "run": r.run, "topic": r.topic,
-                          "refine_cycles": r.refine_cycles, "completed": r.completed,
-                          "retries": sum(s.attempts - 1 for s in r.stages),
-                          "robustness": r.robustness} for r in runs])
+    runs = list(runs)
+    executions = stage_executions(store, runs)
+    rows = []
+    for run in runs:
+        name = run.run if isinstance(run, RunRecord) else str(run)
+        mine = [e for e in executions if e["run"] == name]
+        refines = max(0, sum(1 for e in mine if e["stage"] == REFINED[0]) - 1)
+        last = store.query("SELECT reward FROM turns WHERE session_id = ? AND turn_type GLOB "
+                           "'stage:*' ORDER BY id DESC LIMIT 1", (name,))
+        scores = [_robustness(e) for e in mine] or [0.0]
+        done = len({e["stage"] for e in mine if e["passed"]}) / len(STAGES)
+        rows.append({"condition": label, "run": name,
+                     "topic": run.topic if isinstance(run, RunRecord) else None,
+                     "refine_cycles": refines,
+                     "completed": bool(last and (last[0]["reward"] or 0) > 0),
+                     "retries": sum(e["attempts"] - 1 for e in mine),
+                     "robustness": (sum(scores) / len(scores)) * done / (1 + refines)})
+    return pl.DataFrame(rows)
+
+
+def _robustness(execution: dict[str, Any]) -> float:
+    return (1.0 / execution["attempts"]) if execution["passed"] else 0.0
 
 
 def as_dicts(runs: list[RunRecord]) -> list[dict[str, Any]]:
@@ -330,26 +399,29 @@ def as_dicts(runs: list[RunRecord]) -> list[dict[str, Any]]:
 
 def runtime_hooks(runtime: Any, model: str = "sim-research"):
     """``(chat, record_verdict)`` for :func:`run_pipeline` through a running
-    :class:`metaclaw.runtime.Runtime`: each call goes through its proxy (skills injected,
-    turn recorded); a verdict is stored on the turn (reward +1 / -1, the check's message as the
-    rationale, ``judge_model = "stage-check"``) and the turn re-classified in the buffers."""
+    :class:`metaclaw.runtime.Runtime`: each call goes through its proxy with its session and
+    turn type (skills of its stage injected, turn recorded); a verdict is stored on the turn
+    (reward +1 / -1, the check's message as the rationale, ``judge_model`` :data:`CHECK` or
+    :data:`REVIEW`) and the turn re-classified in the buffers."""
     from metaclaw import buffers
 
     client = runtime.client(max_retries=0)
 
-    def chat(session: str, messages: list[dict[str, str]]) -> tuple[str, int | None]:
-        reply = client.chat.completions.create(model=model, messages=messages,
-                                               extra_headers={"X-Session-Id": session})
+    def chat(session: str, turn_type: str,
+             messages: list[dict[str, str]]) -> tuple[str, int | None]:
+        reply = client.chat.completions.create(
+            model=model, messages=messages,
+            extra_headers={"X-Session-Id": session, "X-Turn-Type": turn_type})
         runtime.proxy.flush()
-        rows = runtime.store.query("SELECT MAX(id) AS id FROM turns WHERE session_id = ?",
-                                   (session,))
+        rows = runtime.store.query("SELECT MAX(id) AS id FROM turns WHERE session_id = ? AND "
+                                   "turn_type = ?", (session, turn_type))
         return reply.choices[0].message.content or "", rows[0]["id"]
 
-    def record_verdict(turn_id: int, passed: bool, message: str) -> None:
+    def record_verdict(turn_id: int, passed: bool, message: str, by: str = CHECK) -> None:
         import time
 
         runtime.store.update_turn(turn_id, reward=1.0 if passed else -1.0,
-                                  judge_rationale=message, judge_model="stage-check",
+                                  judge_rationale=message, judge_model=by,
                                   judged_at=time.time())
         buffers.refresh(runtime.store, [turn_id])
 

@@ -36,7 +36,7 @@ import zipfile
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 from metaclaw.asks import INSTRUCTION_ROLES, content_text, extract_ask
 from metaclaw.skills import Skill
@@ -596,11 +596,16 @@ def _rank(retriever: Retriever, query: str, skills: list[Skill], limit: int) -> 
 
 
 def select(retriever: Retriever, query: str, skills: list[Skill], *, top_k: int = 3,
-           min_score: float | None = None, budget_chars: int = 6000) -> list[ScoredSkill]:
+           min_score: float | None = None, budget_chars: int = 6000,
+           keep: Callable[[Skill], bool] | None = None) -> list[ScoredSkill]:
     """The skills to inject: at most ``top_k``, each scoring at least ``min_score`` (``None``:
     the retriever's ``default_min_score``), best first (ties by name), such that
     ``render_block`` of the result is at most ``budget_chars`` long. A skill that does not fit
     the budget is skipped and the next one is tried.
+
+    ``keep``: when given, only skills it accepts are selected (e.g. a stage turn's scope,
+    :func:`metaclaw.skills.offered_to`). It filters the ranking, not the list that is ranked,
+    so the retriever's index of the whole library stays cached across turn types.
     """
     skills = list(skills)
     if top_k <= 0 or not skills or not (query or "").strip() or budget_chars <= 0:
@@ -616,6 +621,8 @@ def select(retriever: Retriever, query: str, skills: list[Skill], *, top_k: int 
         for item in ranked:
             if item.score < threshold:
                 break
+            if keep is not None and not keep(item.skill):
+                continue
             size = 2 + len(_section(item.skill))
             if used + size <= budget_chars:
                 chosen.append(item)

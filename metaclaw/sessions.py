@@ -1,5 +1,5 @@
-"""Which session a request belongs to, and whether it is a main turn or a side call, without
-cooperation from the client.
+"""Which session a request belongs to, and whether it is a main turn, a stage of a task or a side
+call, without cooperation from the client.
 
 Many agents send no session header. The session id is taken from the first of these that the
 request carries (the precedence, documented and tested):
@@ -24,6 +24,20 @@ Turn type: ``X-Turn-Type`` / body ``turn_type`` decide when given. Otherwise
 :data:`SIDE_CALL_RULES` recognise the side calls frameworks make beside the user's task (a title
 for the conversation, a summary or compaction of it, a quota or health probe, a sub-agent's
 call): they get no skills and never reach the support or query set. Everything else is ``main``.
+
+The turn types:
+
+- ``main``: a turn of the user's task (the default);
+- ``stage:<name>``: a turn of one named stage of a multi-stage task (a pipeline's ``plan``,
+  ``search``, ...), given by the client only; ``<name>`` is 1-64 lowercase letters, digits,
+  ``-`` or ``_``. A stage turn is a main turn with a scope: it gets skills, is judged and
+  enters the support and query sets like ``main``, but it is offered only general skills and
+  the skills of its own stage, and the skills learnt from its failures are scoped to its stage
+  (see :attr:`metaclaw.skills.Skill.stage`);
+- ``side``: a call beside the task; no skills, never in the support or query set.
+
+:func:`is_task_turn` (and :data:`TASK_TURNS_SQL`, the same rule in SQL) is the one test of
+"main or a stage", used wherever a turn is served skills, judged or buffered.
 """
 
 from __future__ import annotations
@@ -40,6 +54,11 @@ from metaclaw.asks import INSTRUCTION_ROLES, content_text
 log = logging.getLogger(__name__)
 
 TURN_TYPES = ("main", "side")
+#: ``stage:<name>``: the turn type of one stage of a multi-stage task (see the module docstring).
+STAGE_PREFIX = "stage:"
+STAGE_NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}")
+#: :func:`is_task_turn` in SQL, over the ``turns.turn_type`` column (stored lowercase).
+TASK_TURNS_SQL = "(turn_type = 'main' OR turn_type GLOB 'stage:*')"
 MAX_SESSION_CHARS = 256
 #: Session headers of other frameworks, after ``X-Session-Id`` (first match wins).
 SESSION_HEADERS = ("X-Claude-Code-Session-Id", "X-Conversation-Id", "X-Thread-Id",
@@ -199,14 +218,58 @@ def session_of(headers: Mapping[str, str], body: dict[str, Any]) -> tuple[str, s
     return "unidentified", "none"
 
 
+def is_task_turn(turn_type: str | None) -> bool:
+    """Whether a turn of this type does the user's task (``main`` or ``stage:<name>``): it is
+    offered skills, judged, and enters the support and query sets. ``side`` calls do not."""
+    return turn_type == "main" or (isinstance(turn_type, str)
+                                   and turn_type.startswith(STAGE_PREFIX))
+
+
+def stage_of(turn_type: str | None) -> str | None:
+    """The stage name of a ``stage:<name>`` turn type; ``None`` for ``main`` and ``side``."""
+    if isinstance(turn_type, str) and turn_type.startswith(STAGE_PREFIX):
+        return turn_type[len(STAGE_PREFIX):]
+    return None
+
+
+def stage_turn_type(stage: str) -> str:
+    """``stage:<stage>``, checked (raises :class:`IdentityError` for an invalid name)."""
+    return check_turn_type(f"{STAGE_PREFIX}{stage}", "stage")
+
+
+def check_turn_type(given: Any, where: str = "header X-Turn-Type") -> str:
+    """A client's turn type, normalised (stripped, lowercase); raises :class:`IdentityError`
+    (``param='turn_type'``) with what to send instead. ``where`` names the field in the error."""
+    value = given.strip().lower() if isinstance(given, str) else None
+    if value in TURN_TYPES or (value is not None and value.startswith(STAGE_PREFIX)
+                               and STAGE_NAME.fullmatch(value[len(STAGE_PREFIX):])):
+        return value
+    shown = repr(given[:80] + "..." if isinstance(given, str) and len(given) > 80 else given)
+    raise IdentityError("turn_type", f"the turn type ({where}) must be 'main', 'side' or "
+                                     f"'stage:<name>' with a name of 1-64 lowercase letters, "
+                                     f"digits, '-' or '_' (e.g. 'stage:plan'), not {shown}")
+
+
+def turn_type_condition(value: str) -> tuple[str, list[str]]:
+    """An SQL condition on ``turns`` for a turn-type filter (``metaclaw turns --type``):
+    ``main``, ``side``, ``stage:<name>``, or ``stage`` for every stage turn. Raises
+    :class:`IdentityError` (a ``ValueError``) for anything else."""
+    if isinstance(value, str) and value.strip().lower() == "stage":
+        return "turn_type GLOB 'stage:*'", []
+    try:
+        return "turn_type = ?", [check_turn_type(value, "filter")]
+    except IdentityError as exc:
+        raise IdentityError("turn_type", f"{exc}; or 'stage' for every stage") from None
+
+
 def turn_type_of(headers: Mapping[str, str], body: dict[str, Any]) -> tuple[str, str]:
-    """(``main`` | ``side``, which rule decided)."""
-    given = _header(headers, "X-Turn-Type") or body.get("turn_type")
+    """(``main`` | ``side`` | ``stage:<name>``, which rule decided)."""
+    header = _header(headers, "X-Turn-Type")
+    given = header if header is not None else body.get("turn_type")
     if given is not None:
-        if not isinstance(given, str) or given.strip().lower() not in TURN_TYPES:
-            raise IdentityError("turn_type", f"X-Turn-Type must be 'main' or 'side', not {given!r}")
-        how = "header:X-Turn-Type" if _header(headers, "X-Turn-Type") else "body:turn_type"
-        return given.strip().lower(), how
+        where = "header X-Turn-Type" if header is not None else "body 'turn_type'"
+        how = "header:X-Turn-Type" if header is not None else "body:turn_type"
+        return check_turn_type(given, where), how
     messages = body.get("messages") if isinstance(body.get("messages"), list) else []
     instructions = "\n".join([content_text(body.get("system")), *(
         content_text(m.get("content")) for m in messages

@@ -13,6 +13,12 @@ Markdown body::
     # Backup before modify
     ...
 
+A skill may be scoped to one stage of a multi-stage task with ``metadata: {stage: <name>}`` in its
+front matter (``metadata`` is the free key-value map of the Agent Skills ``SKILL.md`` format, so
+such a file stays valid for other readers): it is then offered only to turns of type
+``stage:<name>`` (:func:`offered_to`). A skill without a stage is general: offered to every main
+and stage turn. The evolver scopes what it learns from one stage's failures to that stage.
+
 Every change (add, edit, remove, import, rollback, or files edited by hand) creates a new
 *generation*: a full snapshot stored in the ``skill_generations`` table with one
 ``skill_events`` row per operation (reason and evidence turn ids). Any two generations can be
@@ -57,6 +63,7 @@ from typing import Any, Callable, Iterable, Literal
 
 import yaml
 
+from metaclaw.sessions import STAGE_NAME, stage_of
 from metaclaw.store import Store
 
 log = logging.getLogger(__name__)
@@ -144,9 +151,36 @@ class Skill:
         object.__setattr__(self, "category", self.category.strip())
         object.__setattr__(self, "body", _clean_body(self.body))
         object.__setattr__(self, "extra", _json_safe(self.extra))
+        self.stage  # noqa: B018 - a bad 'metadata.stage' is refused here, not at retrieval
 
     def __hash__(self) -> int:
         return hash(self.content_hash)
+
+    @functools.cached_property
+    def stage(self) -> str | None:
+        """The stage this skill is scoped to (front matter ``metadata.stage``), or ``None``
+        for a general skill."""
+        metadata = self.extra.get("metadata")
+        stage = metadata.get("stage") if isinstance(metadata, dict) else None
+        if stage is None:
+            return None
+        if not isinstance(stage, str) or not STAGE_NAME.fullmatch(stage):
+            raise SkillFormatError(
+                f"skill {self.name!r}: 'metadata.stage' must be a stage name of 1-64 lowercase "
+                f"letters, digits, '-' or '_' (e.g. 'plan'), not {stage!r}")
+        return stage
+
+    def with_stage(self, stage: str | None) -> "Skill":
+        """This skill scoped to ``stage`` (``None``: general), other metadata kept."""
+        metadata = dict(self.extra.get("metadata") or {}) \
+            if isinstance(self.extra.get("metadata"), dict) else {}
+        metadata.pop("stage", None)
+        if stage is not None:
+            metadata["stage"] = stage
+        extra = {k: v for k, v in self.extra.items() if k != "metadata"}
+        if metadata:
+            extra["metadata"] = metadata
+        return Skill(self.name, self.description, self.category, self.body, extra)
 
     # -- SKILL.md ---------------------------------------------------------------------------
     @classmethod
@@ -239,9 +273,19 @@ class Skill:
                    extra=extra)
 
     def _repr_html_(self) -> str:
-        return (f"<div><b>{html.escape(self.name)}</b> <i>({html.escape(self.category)})</i>"
+        scope = f" · stage {self.stage}" if self.stage else ""
+        return (f"<div><b>{html.escape(self.name)}</b> "
+                f"<i>({html.escape(self.category + scope)})</i>"
                 f"<br>{html.escape(self.description)}"
                 f"<pre style='white-space:pre-wrap'>{html.escape(self.body)}</pre></div>")
+
+
+def offered_to(turn_type: str | None) -> Callable[[Skill], bool]:
+    """Which skills a turn of ``turn_type`` may be offered (a ``keep`` for
+    :func:`metaclaw.retrieval.select`): general skills, and for a ``stage:<name>`` turn also the
+    skills scoped to that stage; never another stage's."""
+    stage = stage_of(turn_type)
+    return lambda skill: skill.stage is None or skill.stage == stage
 
 
 @dataclass
@@ -569,17 +613,19 @@ class SkillLibrary:
         return rows
 
     def frame(self):
-        """The current skills as a ``polars.DataFrame``: name, category, description, chars, hash."""
+        """The current skills as a ``polars.DataFrame``: name, category, stage (``None``: general),
+        description, chars, hash."""
         import polars as pl
 
         skills = self.skills()
         return pl.DataFrame(
             {"name": [s.name for s in skills], "category": [s.category for s in skills],
+             "stage": [s.stage for s in skills],
              "description": [s.description for s in skills],
              "chars": [len(s.to_markdown()) for s in skills],
              "hash": [s.content_hash[:12] for s in skills]},
-            schema={"name": pl.Utf8, "category": pl.Utf8, "description": pl.Utf8,
-                    "chars": pl.Int64, "hash": pl.Utf8})
+            schema={"name": pl.Utf8, "category": pl.Utf8, "stage": pl.Utf8,
+                    "description": pl.Utf8, "chars": pl.Int64, "hash": pl.Utf8})
 
     def diff(self, g1: int, g2: int) -> SkillDiff:
         """What changed from generation ``g1`` to ``g2`` (either order), with the events between."""

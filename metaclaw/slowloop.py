@@ -53,8 +53,8 @@ def turn_evidence(store, turn: dict[str, Any] | None) -> str | None:
 
     if store is None or not turn or turn.get("id") is None:
         return None
-    later = store.turns("session_id = ? AND id > ? AND turn_type = 'main'",
-                        (turn.get("session_id"), turn["id"]))
+    later = store.turns("session_id = ? AND id > ? AND turn_type = ?",  # its thread's next turns
+                        (turn.get("session_id"), turn["id"], turn.get("turn_type") or "main"))
     parts = []
     n_sent = len(turn.get("request_messages") or [])
     if later:  # tool results of this turn's calls: the tool messages right after its context

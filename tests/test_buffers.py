@@ -109,8 +109,8 @@ def test_late_classified_turn_of_an_old_generation_is_purged(store, library):
 
 def test_buffers_frame(store, library):
     empty = buffers.buffers_frame(store)
-    assert empty.columns == ["id", "session_id", "set", "state", "skill_generation", "reward",
-                             "created_at", "task"]
+    assert empty.columns == ["id", "session_id", "turn_type", "set", "state", "skill_generation",
+                             "reward", "created_at", "task"]
     assert empty.height == 0
     a = turn(store, 0, reward=-1, text="Please   convert\n5 miles " + "very " * 40)
     turn(store, 0, turn_type="side")
@@ -124,3 +124,26 @@ def test_buffers_frame(store, library):
     assert buffers.buffers_frame(store, all_turns=True).height == 2
     assert isinstance(frame, pl.DataFrame)
     assert buffers.buffer_counts(store) == {"query": {"live": 1}}
+
+
+def test_stage_turns_enter_the_buffers_like_main_turns(store, library):
+    """A pipeline's stage turns (``stage:<name>``) are task turns: in the query set once served,
+    in the support set when judged failed, consumed by the evolution they drive; a side call
+    of the same session never enters."""
+    plan_fail = turn(store, 0, reward=-1, turn_type="stage:plan", session="run1")
+    write_ok = turn(store, 0, reward=1, turn_type="stage:write", session="run1")
+    main_fail = turn(store, 0, reward=-1, session="run1")
+    side = turn(store, 0, reward=-1, turn_type="side", session="run1")
+    assert buffers.refresh(store) == {"support": 0, "query": 3, "purged": 0}
+    assert [t["id"] for t in buffers.query_set(store)] == [plan_fail, write_ok, main_fail]
+    assert [t["id"] for t in buffers.support_set(store)] == [plan_fail, main_fail]
+    assert state(store, side) == (None, None)
+    assert buffers.classify(store.turn(side), generation=0) == (None, None)
+    generation = library.add(Skill("plan-rules", "What a plan holds", body="b").with_stage("plan"),
+                             evidence=[plan_fail])
+    assert buffers.advance(store, generation, consumed=[plan_fail]) == {"consumed": 1,
+                                                                        "purged": 2}
+    assert state(store, plan_fail) == ("support", "consumed")
+    assert state(store, write_ok) == ("query", "purged")
+    frame = buffers.buffers_frame(store, all_turns=True)
+    assert frame["turn_type"].to_list() == ["stage:plan", "stage:write", "main", "side"]

@@ -102,6 +102,10 @@ def test_serve_then_turns_and_skills(served):
     assert row["injected_skills"] == ["backup-before-modify"]
     assert row["skill_generation"] == 0 and row["status"] == "ok"
     assert row["response"] == "done, with a backup"
+    assert run_cli("turns", "--db", served["db"], "--type", "stage:plan").stdout == ""
+    assert run_cli("turns", "--db", served["db"], "--type", "main").stdout.startswith("#")
+    bad = run_cli("turns", "--db", served["db"], "--type", "stage:Plan!", check=False)
+    assert bad.returncode != 0 and "'stage:<name>'" in bad.stderr
     assert b"sk-secret-upstream-key" not in served["db"].read_bytes()
     assert b"t0ken" not in served["db"].read_bytes()
 

@@ -108,7 +108,9 @@ def test_evolve_applies_with_lineage_and_moves_the_buffers(store, library):
     assert item["feedback"] == "That's wrong, a mile is longer than a km!"
     assert prompt["generation"] == 0
     assert {s["name"] for s in prompt["library"]} == {"backup-before-modify", "cite-sources"}
-    assert all(set(s) == {"name", "description", "category", "body"} for s in prompt["library"])
+    assert all(set(s) == {"name", "description", "category", "stage", "body"}
+               for s in prompt["library"])
+    assert item["turn_type"] == "main" and all(s["stage"] is None for s in prompt["library"])
 
 
 def test_edit_and_remove_keep_unspecified_fields(store, library):

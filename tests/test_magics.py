@@ -42,6 +42,22 @@ def test_quickstart_flow(ip, capsys):
     assert "stopped" in capsys.readouterr().out
 
 
+def test_stage_turns_from_chat_and_turns_filtered_by_type(ip, capsys):
+    line(ip, "start --db {ws}/m.db --skills {ws}/skills --starter-skills --retrieval lexical")
+    plan = cell(ip, "chat --session run1 --type stage:plan", "Keep a backup copy of config.yaml")
+    assert plan.turn["turn_type"] == "stage:plan" and plan.injected_skills  # general skills
+    cell(ip, "chat --session run1 --type Stage:Write", "Write the summary")
+    cell(ip, "chat --session run1", "Anything else?")
+    assert line(ip, "turns --type stage:plan")["id"].to_list() == [plan.turn["id"]]
+    assert line(ip, "turns --type stage --session run1")["turn_type"].to_list() == [
+        "stage:plan", "stage:write"]
+    assert line(ip, "turns --type main").height == 1
+    assert cell(ip, "chat --type stage:Bad!", "hi") is None
+    assert "'stage:<name>'" in capsys.readouterr().out
+    assert line(ip, "turns --type planning") is None
+    assert "'stage' for every stage" in capsys.readouterr().out
+
+
 def test_usage_errors_are_one_line_not_tracebacks(ip, capsys):
     assert line(ip, "status") is None
     assert "run %metaclaw start first" in capsys.readouterr().out

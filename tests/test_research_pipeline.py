@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from metaclaw.double import DoubleServer
-from metaclaw.evolver import Evolver
-from metaclaw.research_pipeline import (STAGES, SimulatedResearchModel, check, review, run_pipeline,
-                               run_table, runtime_hooks, stage_table)
+from metaclaw.evolver import Evolver, build_evolver_messages
+from metaclaw.research_pipeline import (STAGES, SimulatedResearchModel, check, review,
+                                        run_pipeline, run_table, runtime_hooks, stage_table)
 from metaclaw.runtime import Runtime
 
 RULE = "- Include a line starting with `{}:` in the plan stage output."
@@ -37,32 +37,68 @@ def test_the_simulated_model_follows_only_its_request():
 
 
 def test_stage_skills_cut_retries_and_refine_cycles(tmp_path):
+    """One session per run, one ``stage:<stage>`` turn per call; the evolver scopes each skill
+    to the stage whose failures it cites, retrieval offers a stage only its own skill (top-k 3,
+    five skills in the library), and the per-stage figures come from the recorded turns."""
     topics = ["sparse attention", "tool-use agents", "code repair", "table QA", "log triage",
               "schema matching"]
     with DoubleServer(SimulatedResearchModel(slip=0.1),
                       models=("sim-research", "sim-evolver")) as double:
         runtime = Runtime.start(upstream_url=double.url, model="sim-research",
                                 db_path=str(tmp_path / "m.db"),
-                                skills_dir=str(tmp_path / "skills"), retrieval="lexical", top_k=1)
+                                skills_dir=str(tmp_path / "skills"), retrieval="lexical", top_k=3)
         try:
             chat, verdict = runtime_hooks(runtime)
             base = [run_pipeline(chat, verdict, f"b{i}", t) for i, t in enumerate(topics[:3])]
-            result = Evolver(double.url, "sim-evolver", runtime.library, runtime.store,
+            store = runtime.store
+            turns = store.turns()
+            assert {t["session_id"] for t in turns} == {"b0", "b1", "b2"}
+            assert {t["turn_type"] for t in turns} == {f"stage:{s}" for s in STAGES}
+            assert all(t["buffer_set"] == "query" for t in turns)  # stage turns are buffered
+            result = Evolver(double.url, "sim-evolver", runtime.library, store,
                              dedupe_threshold=None, max_support=500).evolve()
             assert result.applied
-            assert {op.name for op in result.proposal.ops} == {f"{s}-stage-conventions"
-                                                               for s in STAGES}
+            assert {op.name: op.skill.stage for op in result.proposal.ops} == {
+                f"{s}-stage-conventions": s for s in STAGES}
+            skill_md = (tmp_path / "skills" / "plan-stage-conventions" / "SKILL.md").read_text()
+            assert "metadata:\n  stage: plan\n" in skill_md
             after = [run_pipeline(chat, verdict, f"s{i}", t) for i, t in enumerate(topics[3:])]
-            injected = runtime.store.turns("session_id = 's0/search'")[0]["injected_skills"]
-            assert injected == ["search-stage-conventions"]  # stage-specific
+            for stage in STAGES:  # each stage sees its own skill only, though top-k is 3
+                for turn in store.turns("session_id = 's0' AND turn_type = ?",
+                                        (f"stage:{stage}",)):
+                    assert turn["injected_skills"] == [f"{stage}-stage-conventions"]
+            before = stage_table(store, base, "baseline")
+            with_skills = stage_table(store, after, "skills")
+            runs_before, runs_after = run_table(store, base, "b"), run_table(store, after, "s")
         finally:
             runtime.stop()
             runtime.store.close()
-    before, with_skills = stage_table(base, "baseline"), stage_table(after, "skills")
+    assert list(before["turn_type"]) == [f"stage:{s}" for s in STAGES]
     assert before["first_try"].sum() == 0  # the default drafts miss every stage's conventions
     assert with_skills["retries"].sum() < before["retries"].sum()
     assert with_skills["first_try"].mean() > 0.5
-    runs_before, runs_after = run_table(base, "b"), run_table(after, "s")
     assert runs_after["refine_cycles"].sum() < runs_before["refine_cycles"].sum()
     assert runs_after["robustness"].mean() > runs_before["robustness"].mean()
     assert 0 <= runs_after["robustness"].min() <= runs_after["robustness"].max() <= 1
+    # the figures read from the turns agree with what the runner saw
+    for records, frame in ((base, runs_before), (after, runs_after)):
+        for record, row in zip(records, frame.iter_rows(named=True)):
+            assert row["run"] == record.run
+            assert row["refine_cycles"] == record.refine_cycles
+            assert row["completed"] == record.completed
+            assert row["retries"] == sum(s.attempts - 1 for s in record.stages)
+            assert row["robustness"] == pytest.approx(record.robustness)
+
+
+def test_the_sim_evolver_reads_the_stage_from_the_turn_type():
+    """The simulated evolver's stage comes from the support turns' ``turn_type`` in its prompt
+    (not from the task text); main turns give it nothing to scope."""
+    support = [{"id": 7, "turn_type": "stage:analyze", "task": "anything", "tools": "",
+                "reply": "r", "rationale": "missing the line(s) `Interval:`", "feedback": "",
+                "reward": -1},
+               {"id": 8, "turn_type": "main", "task": "Stage: plan", "tools": "", "reply": "r",
+                "rationale": "missing the line(s) `Metric:`", "feedback": "", "reward": -1}]
+    prompt = build_evolver_messages(support, [], 0)[-1]["content"]
+    [op] = SimulatedResearchModel().evolve(prompt)["operations"]
+    assert op["name"] == "analyze-stage-conventions" and op["evidence"] == [7]
+    assert "`Interval:`" in op["body"]

@@ -10,7 +10,8 @@ import pytest
 from metaclaw.double import DoubleServer, Reply
 from metaclaw.proxy import Proxy, ProxyConfig
 from metaclaw.retrieval import explain_frame
-from metaclaw.sessions import IdentityError, identify
+from metaclaw.sessions import (TASK_TURNS_SQL, IdentityError, identify, is_task_turn, stage_of,
+                               turn_type_condition)
 from metaclaw.skills import Skill, SkillLibrary
 from test_asks import captured
 
@@ -83,6 +84,57 @@ def test_a_user_asking_about_titles_is_still_a_main_turn():
     body = {"tools": [{"type": "function", "function": {"name": "write"}}],
             "messages": [{"role": "user", "content": "Change the title of README.md to 'Intro'"}]}
     assert identify({}, body).turn_type == "main"
+
+
+@pytest.mark.parametrize("given, expected", [
+    ("stage:plan", "stage:plan"), (" Stage:Plan ", "stage:plan"),
+    ("stage:write-up_2", "stage:write-up_2"), ("stage:" + "x" * 64, "stage:" + "x" * 64),
+    ("MAIN", "main"), ("side", "side"),
+])
+def test_stage_turn_types_are_accepted_from_header_and_body(given, expected):
+    identity = identify({"X-Turn-Type": given}, {"messages": ASK})
+    assert (identity.turn_type, identity.how["turn_type"]) == (expected, "header:X-Turn-Type")
+    identity = identify({}, {"turn_type": given, "messages": ASK})
+    assert (identity.turn_type, identity.how["turn_type"]) == (expected, "body:turn_type")
+    # the header wins over the body
+    assert identify({"X-Turn-Type": given}, {"turn_type": "side", "messages": ASK}).turn_type \
+        == expected
+
+
+@pytest.mark.parametrize("given", [
+    "sidecar", "stage", "stage:", "stage:plan!", "stage:a/b", "stage:a b", "stage:-x",
+    "stage:_x", "stage:" + "x" * 65, "stage:pl\u00e4n", "stage:\x1b[31mred", "stage::plan",
+    "main:plan", "x" * 5000,
+])
+def test_malformed_turn_types_are_refused_naming_the_field(given):
+    with pytest.raises(IdentityError) as caught:
+        identify({"X-Turn-Type": given}, {"messages": ASK})
+    message = str(caught.value)
+    assert caught.value.param == "turn_type"
+    assert "header X-Turn-Type" in message and "'stage:<name>'" in message
+    assert "\x1b" not in message and len(message) < 400  # no raw control bytes, no echo flood
+    with pytest.raises(IdentityError) as caught:
+        identify({}, {"turn_type": given, "messages": ASK})
+    assert "body 'turn_type'" in str(caught.value)
+
+
+def test_one_predicate_says_which_turns_do_the_task(store):
+    assert is_task_turn("main") and is_task_turn("stage:plan")
+    assert not is_task_turn("side") and not is_task_turn(None) and not is_task_turn("")
+    assert (stage_of("stage:plan"), stage_of("main"), stage_of("side"), stage_of(None)) == \
+        ("plan", None, None, None)
+    ids = {t: store.record_turn(session_id="s", turn_type=t, request_messages=ASK, status="ok")
+           for t in ("main", "side", "stage:plan", "stage:write")}
+    rows = store.query(f"SELECT turn_type FROM turns WHERE {TASK_TURNS_SQL} ORDER BY id")
+    assert [r["turn_type"] for r in rows] == ["main", "stage:plan", "stage:write"]
+    assert {t for t in ids if is_task_turn(t)} == {r["turn_type"] for r in rows}
+    for value, expected in [("stage", ["stage:plan", "stage:write"]),
+                            ("STAGE:Plan", ["stage:plan"]), ("side", ["side"])]:
+        where, params = turn_type_condition(value)
+        assert [r["turn_type"] for r in store.query(
+            f"SELECT turn_type FROM turns WHERE {where} ORDER BY id", params)] == expected
+    with pytest.raises(ValueError, match="'stage' for every stage"):
+        turn_type_condition("stage:Bad!")
 
 
 @pytest.mark.parametrize("value", ["a\x1b[31mred", "x" * 300, "   ", "tab\tin"])

@@ -334,7 +334,7 @@ def test_lookups_and_frames(lib):
     with pytest.raises(KeyError, match="generation 42 does not exist"):
         lib.snapshot(42)
     frame = lib.frame()
-    assert frame.columns == ["name", "category", "description", "chars", "hash"]
+    assert frame.columns == ["name", "category", "stage", "description", "chars", "hash"]
     assert frame["name"].to_list() == ["backup-before-modify"]
     assert "backup-before-modify" in lib._repr_html_()
 

@@ -166,8 +166,8 @@ def test_buffer_filters_change_frame_and_rows(store, buffered, add_buffer_turn):
     w = BufferWidget(store)
     assert w.total == 5 and w.matched == 5
     assert isinstance(w.frame, pl.DataFrame)
-    assert w.frame.columns == ["id", "session_id", "set", "state", "skill_generation", "reward",
-                               "created_at", "task"]
+    assert w.frame.columns == ["id", "session_id", "turn_type", "set", "state",
+                               "skill_generation", "reward", "created_at", "task"]
     assert [r["id"] for r in w.rows] == sorted(buffered.values(), reverse=True)  # newest first
     assert w.counts == {"support": {"live": 1, "consumed": 1}, "query": {"live": 1, "purged": 1}}
     assert w.generations == [0, 1]

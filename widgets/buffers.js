@@ -178,7 +178,8 @@ function render({ model, el }) {
         },
       },
         h("td", {}, `#${row.id}`),
-        h("td", { class: "mc-muted" }, row.session_id),
+        h("td", { class: "mc-muted" }, row.turn_type && row.turn_type !== "main"
+          ? `${row.session_id} · ${row.turn_type}` : row.session_id),
         h("td", {}, row.set ? h("span", { class: `mc-badge mc-set-${row.set}` }, row.set) : "—"),
         h("td", {}, row.state ? h("span", { class: `mc-badge mc-state-${row.state}` }, row.state) : "—"),
         h("td", {}, row.skill_generation),

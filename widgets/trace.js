@@ -173,6 +173,7 @@ function render({ model, el }) {
         h("span", { class: "mc-badge" }, `g${row.skill_generation}`), " ",
         h("span", { class: row.failed ? "mc-bad" : "mc-good" }, row.human_label ? `human ${row.human_label}` : formatScore(row.reward)), " ",
         row.tool_calls ? h("span", { class: "mc-muted" }, `${row.tool_calls} calls `) : null,
+        row.turn_type && row.turn_type !== "main" ? h("span", { class: "mc-muted" }, `${row.turn_type} `) : null,
         h("span", { class: "mc-task" }, (row.last_text || "").slice(0, 70))));
     }
     const offset = model.get("offset");

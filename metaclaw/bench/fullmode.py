@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from metaclaw.bench.data import Day, Round, load_benchmark, select_days
+from metaclaw.sessions import TASK_TURNS_SQL
 
 OVERLONG_PENALTY = 0.1
 
@@ -186,7 +187,7 @@ class FullMode:
         versions that answered each day's turns, plus the nights' training figures."""
         rows = self.store.query(
             "SELECT session_id, MIN(policy_version) AS lo, MAX(policy_version) AS hi, "
-            "COUNT(*) AS n FROM turns WHERE turn_type = 'main' GROUP BY session_id")
+            f"COUNT(*) AS n FROM turns WHERE {TASK_TURNS_SQL} GROUP BY session_id")
         per_day = {str(r["session_id"]).rsplit("-", 1)[-1]: [r["lo"], r["hi"], r["n"]]
                    for r in rows}
         summary["agent_model"] = summary.get("model")

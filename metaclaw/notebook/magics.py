@@ -185,12 +185,14 @@ class MetaClawMagics(Magics):
         print("MetaClaw proxy stopped.")
 
     def _do_chat(self, argv: list[str], cell: str | None) -> ChatTurn:
-        """%%metaclaw chat [--session S] [--side] [--new] [--done] [--workspace DIR]: the cell is
-        a user message. With --workspace the model gets file tools confined to DIR (read, write,
-        list, copy, append) and the tool calls run until it answers."""
+        """%%metaclaw chat [--session S] [--side | --type T] [--new] [--done] [--workspace DIR]:
+        the cell is a user message. With --workspace the model gets file tools confined to DIR
+        (read, write, list, copy, append) and the tool calls run until it answers."""
         parser = _parser("chat", self._do_chat.__doc__)
         parser.add_argument("--session", default="notebook")
         parser.add_argument("--side", action="store_true", help="a side turn (no skills)")
+        parser.add_argument("--type", help="the turn type to send: main, side or stage:<name> "
+                                           "(a pipeline stage: its own and general skills)")
         parser.add_argument("--new", action="store_true", help="forget this session's history")
         parser.add_argument("--done", action="store_true", help="mark the session done")
         parser.add_argument("--workspace", help="offer file tools confined to this folder")
@@ -202,6 +204,13 @@ class MetaClawMagics(Magics):
         if args.done and args.workspace:
             raise MagicUsageError("end a session with a message of its own: %%metaclaw chat "
                                   "--done without --workspace (e.g. the user's final feedback)")
+        turn_type = args.type or ("side" if args.side else "main")
+        try:  # a one-line usage error here rather than the proxy's 400 as a traceback
+            from metaclaw.sessions import check_turn_type
+
+            turn_type = check_turn_type(turn_type, "--type")
+        except ValueError as exc:
+            raise MagicUsageError(str(exc)) from None
         runtime = self._require_runtime()
         workspace = tools = None
         if args.workspace:
@@ -219,7 +228,7 @@ class MetaClawMagics(Magics):
         history.append({"role": "user", "content": cell.strip()})
         runtime.proxy.flush()  # earlier turns are in the store, so only this exchange's are new
         before = runtime.store.query("SELECT COALESCE(MAX(id), 0) AS id FROM turns")[0]["id"]
-        headers = {"X-Session-Id": args.session, "X-Turn-Type": "side" if args.side else "main"}
+        headers = {"X-Session-Id": args.session, "X-Turn-Type": turn_type}
         client = runtime.client()
         calls: list[dict[str, Any]] = []
         try:
@@ -580,16 +589,28 @@ class MetaClawMagics(Magics):
         return self._require_runtime()
 
     def _do_turns(self, argv: list[str], cell: str | None):
-        """%metaclaw turns [--session S]: recorded turns as a polars DataFrame."""
+        """%metaclaw turns [--session S] [--type T]: recorded turns as a polars DataFrame (``--type
+        stage:plan``: one stage's turns; ``--type stage``: every stage turn)."""
+        from metaclaw.sessions import turn_type_condition
+
         parser = _parser("turns", self._do_turns.__doc__)
         parser.add_argument("--session")
+        parser.add_argument("--type", help="main, side, stage:<name>, or stage (every stage)")
         args = parser.parse_args(argv)
         runtime = self._require_runtime()
         runtime.proxy.flush()
-        store = runtime.store
+        where, params = ["1=1"], []
         if args.session:
-            return store.frame("turns", "session_id = ?", (args.session,))
-        return store.frame("turns")
+            where.append("session_id = ?")
+            params.append(args.session)
+        if args.type:
+            try:
+                condition, values = turn_type_condition(args.type)
+            except ValueError as exc:
+                raise MagicUsageError(str(exc)) from None
+            where.append(condition)
+            params += values
+        return runtime.store.frame("turns", " AND ".join(where), params)
 
 
 def _notebook_scheduler_config(path: str | None) -> dict[str, Any]:

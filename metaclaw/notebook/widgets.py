@@ -480,7 +480,7 @@ class BufferWidget(_StaticHTML, anywidget.AnyWidget):
     def frame(self):
         """The turns matching the current filters as a ``polars.DataFrame``, oldest first.
 
-        Columns: id, session_id, set, state, skill_generation, reward, created_at, task.
+        Columns: id, session_id, turn_type, set, state, skill_generation, reward, created_at, task.
         """
         import polars as pl
 
