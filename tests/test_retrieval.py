@@ -4,6 +4,7 @@ rendering, injection."""
 from __future__ import annotations
 
 import copy
+import json
 import math
 import subprocess
 import sys
@@ -91,19 +92,10 @@ def test_paraphrased_request_retrieves_the_backup_skill_over_distractors(embedde
     assert "polite-email-tone" not in [c.skill.name for c in chosen]
 
 
-PARAPHRASES = [
-    ("please save the old version of settings.ini somewhere before you overwrite it",
-     "backup-before-modify"),
-    ("give me the result as JSON only, nothing else", "structured-output-json"),
-    ("what time is the call with the Tokyo office tomorrow?", "timestamps-with-timezone"),
-    ("the command failed with permission denied, what should happen next", "recover-from-tool-errors"),
-    ("summarize what you did so far", "concise-status-report"),
-    ("open main.py and see what is there before you modify the function", "read-before-edit"),
-    ("make sure the tests pass before you tell me it is finished", "verify-before-done"),
-    ("the API returned 503, try again", "recover-from-tool-errors"),
-    ("schedule the meeting for next Friday 3pm", "timestamps-with-timezone"),
-    ("not sure what I mean? just ask me first", "ask-when-ambiguous"),
-]
+#: Starter-skill asks with few words in common with their skill (written to check MiniLM).
+PARAPHRASES = [tuple(pair) for pair in json.loads(
+    (Path(__file__).parent / "fixtures" / "retrieval" / "labelled_asks.json").read_text())[
+        "paraphrases"]]
 
 
 @pytest.mark.parametrize("query, expected", PARAPHRASES)
