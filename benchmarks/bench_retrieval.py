@@ -47,7 +47,6 @@ class Hybrid:
     """Static cosine plus a saturated BM25 bonus (measured, not shipped)."""
 
     kind = "hybrid"
-    default_min_score = 0.55
 
     def __init__(self, static, lexical, weight: float = 0.2, saturation: float = 3.0):
         self.static, self.lexical = static, lexical

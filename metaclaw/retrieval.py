@@ -120,6 +120,7 @@ class _IndexCache:
         # list equality compares identities first, in C (30 us for 10,000 skills; an unchanged
         # library passes the same objects); equal but distinct skills index the same anyway
         if self.index is not None and self.skills == skills:
+            self.skills = skills  # equal but new objects: compare by identity from now on
             return self.index
         return None
 
@@ -360,6 +361,8 @@ def load_model(model: str | None = None) -> Any:
     environment already says otherwise.
     """
     model_id = model or default_model_path()
+    if model_id == MINILM_MODEL:
+        model_id = minilm_model_path()  # one copy, however it is named
     with _MODELS_LOCK:
         if model_id in _MODELS:
             return _MODELS[model_id]
@@ -381,12 +384,11 @@ def load_model(model: str | None = None) -> Any:
                     f"({type(exc).__name__}: {exc}); use model='minilm' or retrieval='lexical'"
                 ) from exc
         else:
-            path = minilm_model_path() if model_id == MINILM_MODEL else model_id
             try:
                 from sentence_transformers import SentenceTransformer
 
                 with _quiet_progress():
-                    loaded = SentenceTransformer(path, device="cpu")
+                    loaded = SentenceTransformer(model_id, device="cpu")
             except Exception as exc:  # bad path, id not in the local cache, corrupt files
                 raise RetrievalError(
                     f"cannot load embedding model {model_id!r} ({type(exc).__name__}: {exc}); "
