@@ -72,7 +72,9 @@ def _add_proxy_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token", default=os.environ.get("METACLAW_PROXY_TOKEN"),
                    help="require this bearer token from clients (default $METACLAW_PROXY_TOKEN)")
     p.add_argument("--retrieval", choices=["auto", "embedding", "lexical"], default="auto")
-    p.add_argument("--embedding-model", help="sentence-transformers model path or id")
+    p.add_argument("--embedding-model",
+                   help="'static' (default: token embeddings distilled from all-MiniLM-L6-v2), "
+                        "'minilm' (the transformer), or a sentence-transformers model path or id")
     p.add_argument("--top-k", type=int, default=3, help="skills injected per turn")
     p.add_argument("--min-score", type=float, help="minimum relevance to inject a skill")
     p.add_argument("--budget-chars", type=int, default=6000, help="size budget of the skill block")

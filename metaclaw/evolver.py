@@ -32,9 +32,11 @@ whose evidence turns are all turns of one stage is scoped to that stage (front m
 ``metadata.stage``), any other ``add`` is general; an ``edit`` keeps the skill's scope.
 
 Dedupe: each ``add`` is compared with the library (and the proposal's earlier adds) of the same
-scope (never with another stage's skills) by embedding similarity
-(``retrieval.make_retriever("embedding")``, cosine between the skills' texts). At or above
-``dedupe_threshold`` a near-duplicate ``add`` of a library skill becomes an ``edit`` of that
+scope (never with another stage's skills) by embedding similarity (all-MiniLM-L6-v2,
+``retrieval.make_retriever("embedding", model="minilm")``, cosine between the skills' texts; the
+static model that serves requests is not used here, as its cosines run high: distinct starter
+skills reach 0.88). At or above ``dedupe_threshold`` a near-duplicate ``add`` of a library
+skill becomes an ``edit`` of that
 skill: its name, description and category are kept and the new body is appended to its body
 (the add is dropped instead when that skill's body already contains it, when the proposal
 already edits or removes that skill, or when the near-duplicate is another add of the same
@@ -531,7 +533,7 @@ class Evolver:
     which an add is a near-duplicate (``None`` turns dedupe off). ``verify_url`` /
     ``verify_model``: the upstream the agent's requests go to (needed for ``verify=True``).
     ``retriever``: used to pick the injected skills in replays (default ``"auto"``), and for
-    dedupe when it is an embedding retriever.
+    dedupe when it is an embedding retriever with a transformer model.
     """
 
     def __init__(self, base_url: str, model: str, library: SkillLibrary, store: Store,
@@ -681,14 +683,16 @@ class Evolver:
 
     # dedupe -----------------------------------------------------------------------------
     def dedupe_retriever(self) -> Any:
-        """The embedding retriever used for dedupe (created on first use)."""
+        """The embedding retriever used for dedupe (created on first use): the evolver's own
+        retriever when it runs a transformer model, else all-MiniLM-L6-v2."""
         if self._dedupe_retriever is None:
-            if self.retriever is not None and getattr(self.retriever, "kind", "") == "embedding":
+            if (self.retriever is not None and getattr(self.retriever, "kind", "") == "embedding"
+                    and not getattr(self.retriever, "static", False)):
                 self._dedupe_retriever = self.retriever
             else:
-                from metaclaw.retrieval import make_retriever
+                from metaclaw.retrieval import MINILM_MODEL, make_retriever
 
-                self._dedupe_retriever = make_retriever("embedding")
+                self._dedupe_retriever = make_retriever("embedding", model=MINILM_MODEL)
         return self._dedupe_retriever
 
     def _dedupe(self, proposal: EvolveProposal, library: dict[str, Skill]) -> None:

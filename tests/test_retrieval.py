@@ -1,8 +1,10 @@
-"""Skill retrieval (real all-MiniLM-L6-v2 embeddings and BM25), selection, rendering, injection."""
+"""Skill retrieval (the default static embeddings, real all-MiniLM-L6-v2 and BM25), selection,
+rendering, injection."""
 
 from __future__ import annotations
 
 import copy
+import json
 import math
 import subprocess
 import sys
@@ -12,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from metaclaw.retrieval import (
-    BLOCK_HEADER, EmbeddingRetriever, augment, LexicalRetriever, RetrievalError, Retriever, ScoredSkill,
-    default_model_path, inject, make_retriever, query_text, render_block, select, tokenize,
+    BLOCK_HEADER, STATIC_MIN_SCORE, EmbeddingRetriever, augment, LexicalRetriever, RetrievalError,
+    Retriever, ScoredSkill, default_model_path, inject, make_retriever, query_text, render_block,
+    select, tokenize,
 )
 from metaclaw.skills import Skill, load_skills_dir, starter_skills_dir
 
@@ -47,8 +50,18 @@ QUERY = "before you change config.yaml keep a copy of the original"
 
 @pytest.fixture(scope="module")
 def embedder() -> EmbeddingRetriever:
-    retriever = make_retriever("embedding")
+    """all-MiniLM-L6-v2 run as a transformer."""
+    retriever = make_retriever("embedding", model="minilm")
     assert isinstance(retriever, EmbeddingRetriever) and retriever.kind == "embedding"
+    retriever.warm(SKILLS)
+    return retriever
+
+
+@pytest.fixture(scope="module")
+def static() -> EmbeddingRetriever:
+    """The default embedding model: static token vectors distilled from all-MiniLM-L6-v2."""
+    retriever = make_retriever("embedding")
+    assert isinstance(retriever, EmbeddingRetriever) and retriever.static
     retriever.warm(SKILLS)
     return retriever
 
@@ -79,19 +92,13 @@ def test_paraphrased_request_retrieves_the_backup_skill_over_distractors(embedde
     assert "polite-email-tone" not in [c.skill.name for c in chosen]
 
 
-@pytest.mark.parametrize("query, expected", [
-    ("please save the old version of settings.ini somewhere before you overwrite it",
-     "backup-before-modify"),
-    ("give me the result as JSON only, nothing else", "structured-output-json"),
-    ("what time is the call with the Tokyo office tomorrow?", "timestamps-with-timezone"),
-    ("the command failed with permission denied, what should happen next", "recover-from-tool-errors"),
-    ("summarize what you did so far", "concise-status-report"),
-    ("open main.py and see what is there before you modify the function", "read-before-edit"),
-    ("make sure the tests pass before you tell me it is finished", "verify-before-done"),
-    ("the API returned 503, try again", "recover-from-tool-errors"),
-    ("schedule the meeting for next Friday 3pm", "timestamps-with-timezone"),
-    ("not sure what I mean? just ask me first", "ask-when-ambiguous"),
-])
+#: Starter-skill asks with few words in common with their skill (written to check MiniLM).
+PARAPHRASES = [tuple(pair) for pair in json.loads(
+    (Path(__file__).parent / "fixtures" / "retrieval" / "labelled_asks.json").read_text())[
+        "paraphrases"]]
+
+
+@pytest.mark.parametrize("query, expected", PARAPHRASES)
 def test_paraphrases_find_the_right_starter_skill(embedder, starters, query, expected):
     assert embedder.rank(query, starters)[0].skill.name == expected
 
@@ -101,7 +108,9 @@ def test_unrelated_request_selects_nothing_with_the_default_threshold(embedder, 
     assert select(embedder, "write a haiku about autumn leaves", starters, min_score=-1.0)
 
 
-def test_embeddings_are_cached_by_content_and_query(embedder):
+@pytest.mark.parametrize("model", ["embedder", "static"])
+def test_embeddings_are_cached_by_content_and_query(request, model):
+    embedder = request.getfixturevalue(model)
     embedder.rank(QUERY, SKILLS)
     vectors, queries = len(embedder._skill_vectors), len(embedder._query_vectors)
     embedder.rank(QUERY, list(SKILLS))  # new list, same skills: nothing re-embedded
@@ -137,6 +146,51 @@ def test_local_model_path_is_accepted(embedder):
     local = make_retriever("embedding", model=default_model_path())
     assert isinstance(local, Retriever)
     assert local.rank(QUERY, SKILLS)[0].skill.name == "backup-before-modify"
+
+
+# -- the default static embedding model ----------------------------------------------------------
+
+def test_the_default_embedding_model_is_the_static_table(static):
+    assert static.model_id == "static" and static.default_min_score == STATIC_MIN_SCORE
+    vector = static.embed_query("keep a copy of the config")
+    assert vector.shape == (256,) and abs(float(vector @ vector) - 1.0) < 1e-5
+    assert make_retriever("auto").static  # what the proxy uses unless told otherwise
+
+
+def test_static_model_ranks_the_paraphrase_over_distractors(static):
+    ranked = static.rank(QUERY, list(reversed(SKILLS)))
+    assert ranked[0].skill.name == "backup-before-modify"
+    assert ranked[0].score > ranked[1].score + 0.1
+    chosen = select(static, QUERY, SKILLS)
+    assert [c.skill.name for c in chosen] == ["backup-before-modify"]
+
+
+@pytest.mark.parametrize("query, expected", PARAPHRASES)
+def test_static_model_ranks_each_paraphrase_skill_in_its_top_three(static, starters, query,
+                                                                    expected):
+    """Weaker than MiniLM's top-1 above: a bag of token vectors misses "Tokyo office" -> time
+    zones and ties "summarize what you did" between two skills (top 1 in 8 of these 10)."""
+    assert expected in [r.skill.name for r in static.rank(query, starters, limit=3)]
+
+
+def test_static_model_selects_nothing_for_unrelated_requests(static, starters):
+    for ask in ("write a haiku about autumn leaves", "capital of Peru?"):
+        assert select(static, ask, starters) == []
+        assert select(static, ask, SKILLS) == []
+    assert select(static, "write a haiku about autumn leaves", starters, min_score=-1.0)
+
+
+def test_static_query_path_needs_neither_torch_nor_sentence_transformers(static):
+    """Once the table is cached, a process that retrieves with it never imports torch."""
+    code = ("import sys; from metaclaw.retrieval import make_retriever; "
+            "from metaclaw.skills import Skill; r = make_retriever('embedding'); "
+            "s = [Skill(name='a', description='keep a backup copy'), Skill(name='b', "
+            "description='answer in JSON')]; assert r.rank('copy the file first', s)[0]"
+            ".skill.name == 'a'; heavy = [m for m in ('torch', 'sentence_transformers', "
+            "'transformers') if m in sys.modules]; print(heavy); sys.exit(1 if heavy else 0)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
 
 
 # -- lexical retrieval ---------------------------------------------------------------------------
@@ -269,7 +323,9 @@ def test_augment_retrieves_for_the_last_user_message_and_injects(embedder):
     assert selected == [] and out == [{"role": "user", "content": "capital of Peru?"}]
 
 
-def test_rank_is_safe_from_several_threads(embedder, starters):
+@pytest.mark.parametrize("model", ["embedder", "static"])
+def test_rank_is_safe_from_several_threads(request, model, starters):
+    embedder = request.getfixturevalue(model)
     queries = ["keep a copy first", "json only", "what time in Tokyo", "the tool failed"] * 3
     expected = {q: [r.skill.name for r in embedder.rank(q, starters)] for q in set(queries)}
     lexical = LexicalRetriever()
@@ -312,7 +368,7 @@ def test_concurrent_queries_are_embedded_in_batches_with_the_same_vectors():
 
     import numpy as np
 
-    retriever = make_retriever("embedding")
+    retriever = make_retriever("embedding", model="minilm")
     retriever.warm()
     texts = [f"please back up report number {i} before editing it" for i in range(24)]
     alone = {t: retriever._encode([t])[0] for t in texts}

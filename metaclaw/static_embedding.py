@@ -1,0 +1,215 @@
+"""Static token embeddings distilled from a sentence-transformers model: text vectors without
+running the model.
+
+The recipe is Model2Vec's (Tulkens and van Dongen, 2024), without its training step:
+
+1. every token of the model's vocabulary is run through the model once, alone between
+   ``[CLS]`` and ``[SEP]``, and its output vector is kept (``vocab x hidden``);
+2. the table is centred and reduced to :data:`DIMS` dimensions by PCA;
+3. each row is scaled by ``log(1 + token id)``: WordPiece ids are roughly in order of frequency,
+   so frequent tokens ("the", "to") weigh less than rare ones (Zipf weighting).
+
+A text's vector is the mean of its tokens' rows, normalized to unit length. Encoding a query is
+one tokenizer call and a gather over a few dozen rows (tens of microseconds; no torch), and its
+cost does not grow with model depth, which is why retrieval uses it by default.
+
+The table is derived once per model and cached on disk, keyed by the model's files (30,522 x 256
+float16: 16 MB for all-MiniLM-L6-v2, under ``~/.cache/metaclaw/static-embeddings``). Deriving it
+runs the model over its vocabulary: about 30 s on two CPU cores, once per machine; concurrent
+processes wait for one another instead of deriving it twice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+#: Dimensions kept by PCA.
+DIMS = 256
+#: Bumped when the recipe changes, so that older cached tables are not reused.
+RECIPE = "model2vec-token-output-pca-zipf-v1"
+
+
+class StaticEmbedding:
+    """A token -> vector table and the tokenizer that produced the token ids.
+
+    ``table``: float32 array ``vocab x dims`` (already Zipf-weighted); ``tokenizer``: a
+    ``tokenizers.Tokenizer`` (padding and truncation are turned off here).
+    """
+
+    def __init__(self, table: Any, tokenizer: Any, *, source: str = ""):
+        import numpy as np
+
+        self.table = np.ascontiguousarray(table, dtype=np.float32)
+        tokenizer.no_padding()
+        tokenizer.no_truncation()
+        self.tokenizer = tokenizer
+        self.source = source
+
+    @property
+    def dim(self) -> int:
+        return int(self.table.shape[1])
+
+    def __repr__(self) -> str:
+        return f"StaticEmbedding({self.source or 'table'}, {self.table.shape[0]} x {self.dim})"
+
+    def encode_one(self, text: str):
+        """The unit-length vector of ``text`` (zeros when it has no tokens)."""
+        import numpy as np
+
+        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        if not ids:
+            return np.zeros(self.dim, dtype=np.float32)
+        vector = self.table[ids].sum(axis=0)
+        norm = float(np.linalg.norm(vector))
+        return vector / norm if norm > 0 else vector
+
+    def encode(self, texts: Sequence[str]):
+        """Unit-length vectors of ``texts``, as a float32 array ``len(texts) x dims``."""
+        import numpy as np
+
+        out = np.zeros((len(texts), self.dim), dtype=np.float32)
+        for row, encoding in enumerate(self.tokenizer.encode_batch(list(texts),
+                                                                   add_special_tokens=False)):
+            if encoding.ids:
+                vector = self.table[encoding.ids].sum(axis=0)
+                norm = float(np.linalg.norm(vector))
+                out[row] = vector / norm if norm > 0 else vector
+        return out
+
+
+def _tokenizer(model_path: Path) -> Any:
+    from tokenizers import Tokenizer
+
+    path = model_path / "tokenizer.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{model_path} has no tokenizer.json: a static table needs the "
+                                "model's fast tokenizer")
+    return Tokenizer.from_file(str(path))
+
+
+def distill(model_path: str | os.PathLike, *, dims: int = DIMS, batch_size: int = 1024):
+    """The Zipf-weighted PCA table (float32, ``vocab x dims``) of the transformer in
+    ``model_path`` (a sentence-transformers or Hugging Face BERT-style folder). Needs torch and
+    transformers; runs the model over the whole vocabulary once."""
+    import numpy as np
+    import torch
+    from transformers import AutoModel
+
+    model_path = Path(model_path)
+    tokenizer = _tokenizer(model_path)
+    cls_id, sep_id = tokenizer.token_to_id("[CLS]"), tokenizer.token_to_id("[SEP]")
+    if cls_id is None or sep_id is None:
+        raise ValueError(f"{model_path}: the tokenizer has no [CLS]/[SEP] tokens (BERT-style "
+                         "models only)")
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # no weight-loading bar on stderr
+    try:
+        model = AutoModel.from_pretrained(str(model_path)).eval()
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+    vocab = tokenizer.get_vocab_size()
+    hidden = np.zeros((vocab, model.config.hidden_size), dtype=np.float32)
+    ids = torch.arange(vocab)
+    with torch.inference_mode():
+        for start in range(0, vocab, batch_size):
+            token = ids[start:start + batch_size]
+            batch = torch.stack([torch.full_like(token, cls_id), token,
+                                 torch.full_like(token, sep_id)], dim=1)
+            out = model(input_ids=batch, attention_mask=torch.ones_like(batch)).last_hidden_state
+            hidden[start:start + len(token)] = out[:, 1].float().numpy()
+    centred = hidden - hidden.mean(axis=0)
+    dims = min(dims, centred.shape[1])
+    _, eigenvectors = np.linalg.eigh(centred.T.astype(np.float64) @ centred)
+    components = eigenvectors[:, ::-1][:, :dims]  # largest variance first
+    table = centred @ components.astype(np.float32)
+    table *= np.log1p(np.arange(vocab, dtype=np.float32))[:, None]
+    return table.astype(np.float32)
+
+
+def cache_key(model_path: str | os.PathLike, dims: int = DIMS) -> str:
+    """Identifies a table: the recipe, ``dims``, the model's config and tokenizer contents, and
+    the size and modification time of its weights."""
+    model_path = Path(model_path)
+    digest = hashlib.sha256(f"{RECIPE}\0{dims}".encode())
+    for name in ("config.json", "tokenizer.json"):
+        path = model_path / name
+        digest.update(path.read_bytes() if path.is_file() else b"-")
+    for weights in sorted(model_path.glob("*.safetensors")) + sorted(model_path.glob("*.bin")):
+        stat = weights.stat()
+        digest.update(f"{weights.name}\0{stat.st_size}\0{stat.st_mtime_ns}".encode())
+    return digest.hexdigest()[:24]
+
+
+def cache_dir() -> Path:
+    """Where tables are kept: ``$METACLAW_CACHE_DIR/static-embeddings``, else
+    ``~/.cache/metaclaw/static-embeddings`` (the temp folder when home is not writable)."""
+    root = os.environ.get("METACLAW_CACHE_DIR")
+    base = Path(root) if root else Path(os.environ.get("XDG_CACHE_HOME") or
+                                        Path.home() / ".cache") / "metaclaw"
+    target = base / "static-embeddings"
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+        if os.access(target, os.W_OK):
+            return target
+    except OSError:
+        pass
+    target = Path(tempfile.gettempdir()) / "metaclaw-cache" / "static-embeddings"
+    target.mkdir(parents=True, exist_ok=True)
+    return target
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: Path) -> Iterator[None]:
+    """Holds an exclusive lock on ``lock_path`` (no-op where ``fcntl`` does not exist)."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows: at worst two processes derive the table
+        yield
+        return
+    with open(lock_path, "a+b") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def load(model_path: str | os.PathLike, *, dims: int = DIMS,
+         directory: str | os.PathLike | None = None) -> StaticEmbedding:
+    """The static embedding of the model in ``model_path``: read from the cache, or distilled
+    (:func:`distill`) and cached first. ``directory``: the cache folder (default
+    :func:`cache_dir`)."""
+    import numpy as np
+
+    model_path = Path(model_path)
+    tokenizer = _tokenizer(model_path)
+    folder = Path(directory) if directory is not None else cache_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    key = cache_key(model_path, dims)
+    path = folder / f"{key}.npy"
+    if not path.is_file():
+        with _exclusive(folder / f"{key}.lock"):
+            if not path.is_file():  # another process may have finished it while we waited
+                table = distill(model_path, dims=dims)
+                fd, staging = tempfile.mkstemp(prefix=f".{key}-", suffix=".npy", dir=folder)
+                try:
+                    with os.fdopen(fd, "wb") as handle:
+                        np.save(handle, table.astype(np.float16))
+                        handle.flush()
+                        os.fsync(handle.fileno())
+                    os.replace(staging, path)
+                finally:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(staging)
+                (folder / f"{key}.json").write_text(json.dumps(
+                    {"source": str(model_path), "recipe": RECIPE, "dims": dims}))
+    return StaticEmbedding(np.load(path), tokenizer, source=str(model_path))

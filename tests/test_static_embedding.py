@@ -1,0 +1,74 @@
+"""Static token embeddings: distillation from a (tiny, random) BERT, the disk cache, encoding."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
+
+from metaclaw import static_embedding  # noqa: E402
+from metaclaw.retrieval import minilm_model_path  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny_bert(tmp_path_factory):
+    """A 1-layer, 32-wide BERT with random weights and all-MiniLM-L6-v2's tokenizer."""
+    import torch
+    from transformers import BertConfig, BertModel
+
+    folder = tmp_path_factory.mktemp("tiny-bert")
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=1,
+                        num_attention_heads=2, intermediate_size=64)
+    BertModel(config).save_pretrained(folder)
+    shutil.copy(f"{minilm_model_path()}/tokenizer.json", folder / "tokenizer.json")
+    return folder
+
+
+def test_distill_is_cached_on_disk_and_reused(tiny_bert, tmp_path, monkeypatch):
+    first = static_embedding.load(tiny_bert, dims=16, directory=tmp_path)
+    assert first.table.shape == (30522, 16) and first.table.dtype == np.float32
+    assert len(list(tmp_path.glob("*.npy"))) == 1
+
+    def no_distill(*args, **kwargs):
+        raise AssertionError("the cached table should have been used")
+
+    monkeypatch.setattr(static_embedding, "distill", no_distill)
+    again = static_embedding.load(tiny_bert, dims=16, directory=tmp_path)
+    assert np.array_equal(again.table, first.table)
+    with pytest.raises(AssertionError, match="cached table"):  # other dims: another table
+        static_embedding.load(tiny_bert, dims=8, directory=tmp_path)
+
+
+def test_the_cache_key_follows_the_model_files(tiny_bert, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_bert, copy)
+    key = static_embedding.cache_key(copy)
+    assert static_embedding.cache_key(copy) == key
+    (copy / "config.json").write_text((copy / "config.json").read_text().replace("32", "33", 1))
+    assert static_embedding.cache_key(copy) != key
+
+
+def test_encode_is_the_normalized_mean_of_token_rows(tiny_bert, tmp_path):
+    model = static_embedding.load(tiny_bert, dims=16, directory=tmp_path)
+    ids = model.tokenizer.encode("keep a copy", add_special_tokens=False).ids
+    expected = model.table[ids].mean(axis=0)
+    expected /= np.linalg.norm(expected)
+    vectors = model.encode(["keep a copy", "", "keep a copy " * 300])
+    assert vectors.shape == (3, 16)
+    assert np.allclose(vectors[0], expected, atol=1e-6)
+    assert np.allclose(model.encode_one("keep a copy"), expected, atol=1e-6)
+    assert not vectors[1].any()  # no tokens: a zero vector, cosine 0 with everything
+    assert np.isclose(np.linalg.norm(vectors[2]), 1.0)  # long texts are not truncated or padded
+    # frequent tokens weigh less: row norms grow with the token id (Zipf weighting)
+    norms = np.linalg.norm(model.table, axis=1)
+    assert norms[0] == 0 and np.median(norms[20000:]) > np.median(norms[2000:3000])
+
+
+def test_a_model_without_a_fast_tokenizer_is_refused(tmp_path):
+    with pytest.raises(FileNotFoundError, match="tokenizer.json"):
+        static_embedding.load(tmp_path, directory=tmp_path / "cache")
