@@ -106,6 +106,7 @@ def test_a_running_server_adopts_the_version_another_process_trains(tmp_path, ti
                                    stderr=subprocess.PIPE, text=True)
         try:
             wait_for_port(server, port)
+            assert "(policy version 0, following the versions" in server.stdout.readline()
             client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x")
             assert _ask(client, "a")[0] == "0"
             assert _ask(client, "b", "answer yes or no")[0] == "0"
@@ -120,7 +121,7 @@ def test_a_running_server_adopts_the_version_another_process_trains(tmp_path, ti
             published = store.query("SELECT version, checkpoint FROM policy_versions")
             assert [p["version"] for p in published] == [1] and published[0]["checkpoint"]
 
-            _wait_for(lambda: _adopted(store, 1))
+            _wait_for(lambda: _adopted(store, 1), timeout=60)  # loads peft on first use
             assert _ask(client, "c")[0] == "1"
             assert _ask(client, "d", stream=True)[0] == "1"
             _wait_for(lambda: len(store.turns("session_id IN ('c', 'd')")) == 2)
