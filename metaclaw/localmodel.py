@@ -85,18 +85,43 @@ def _tool_note(tools: list[dict[str, Any]]) -> str:
 
 class ServedModel(TokenizerMixin):
     """A loaded causal LM as the serving side of a backend: chat template, tokenizer and a
-    sampler (the local backend's, with a KV cache and the sampled tokens' logprobs)."""
+    sampler (the local backend's, with a KV cache and the sampled tokens' logprobs).
 
-    def __init__(self, model: Any, tokenizer: Any, name: str):
+    ``source`` is where the weights came from (None: the packaged SmolLM2); it decides which
+    published policy versions this model can serve (:meth:`published_sampler`). ``model``
+    stays the untouched base: policies trained on it are merged into copies."""
+
+    def __init__(self, model: Any, tokenizer: Any, name: str, source: str | None = None):
         from metaclaw.backends.local import LocalSampler
+        from metaclaw.causal_lm import model_identity
 
         self.model = model
         self.tokenizer = tokenizer
         self.base_model = name
+        self.identity = model_identity(source)
         self._sampler = LocalSampler(model, tokenizer.eos_token_id, 0)
 
     def sampler(self):
         return self._sampler
+
+    def published_sampler(self, version: int, backend: str, base_model: str,
+                          checkpoint: str):
+        """A sampler of the policy version ``version`` published by a local backend training
+        this same base model, its LoRA state saved in ``checkpoint`` (the store's
+        ``policy_versions`` row). Raises :class:`metaclaw.policy.PolicyMismatch` for a version
+        of another backend or base model, BackendError for a missing or broken checkpoint.
+        Slow (copies and merges the weights): call it off the event loop."""
+        from metaclaw.backends.local import LocalSampler, merged_policy
+        from metaclaw.causal_lm import model_identity
+        from metaclaw.policy import PolicyMismatch
+
+        if backend != "local":
+            raise PolicyMismatch(f"policy version {version} was trained with the {backend} "
+                                 f"backend; this server runs the local model {self.identity}")
+        if model_identity(base_model) != self.identity:
+            raise PolicyMismatch(f"policy version {version} was trained on the base model "
+                                 f"{base_model}, not on {self.identity}, which this server runs")
+        return LocalSampler(merged_policy(self.model, checkpoint), self.eos_token_id, version)
 
     def render_chat(self, messages: list[dict[str, Any]],
                     tools: list[dict[str, Any]] | None = None) -> list[int]:
@@ -166,16 +191,20 @@ def load_responder(path: str | None = None, *, device: str = "auto", dtype: str 
     In: a ``.gguf`` file or Hugging Face folder, ``device``/``dtype`` (see
     :func:`metaclaw.causal_lm.load_causal_lm`), the model name to report, default sampling.
     Out: a :class:`LocalModelResponder` (``.complete(body)``, ``.stream(body)``, ``.model_name``).
-    Raises :class:`LocalModelError` when the extra or the weights are missing.
+    Raises :class:`LocalModelError` when the extra or the weights are missing, or the device
+    or dtype cannot be used here (e.g. ``cuda`` without a CUDA GPU).
     """
     check_available(path)
     from metaclaw.causal_lm import load_causal_lm
 
-    model, tokenizer = load_causal_lm(path, device=device, dtype=dtype)
+    try:
+        model, tokenizer = load_causal_lm(path, device=device, dtype=dtype)
+    except (ValueError, FileNotFoundError) as exc:
+        raise LocalModelError(str(exc)) from None
     if name is None:
         name = DEFAULT_NAME if path is None else str(path).rstrip("/").rsplit("/", 1)[-1].rsplit(".gguf", 1)[0]
-    return LocalModelResponder(ServedModel(model, tokenizer, name), max_tokens=max_tokens,
-                               temperature=temperature)
+    served = ServedModel(model, tokenizer, name, source=None if path is None else str(path))
+    return LocalModelResponder(served, max_tokens=max_tokens, temperature=temperature)
 
 
 class LocalModelServer(ServedApp):

@@ -21,6 +21,14 @@ Tool calls: the model writes ``<tool_call>{"name": ..., "arguments": {...}}</too
 block becomes an OpenAI ``tool_calls`` entry and the reply's ``finish_reason`` is
 ``tool_calls``. An unparsable block stays in the text.
 
+Following the workspace: a serving process is not the only one that publishes policies (``metaclaw
+train`` or a notebook's slow loop publishes into the shared store's ``policy_versions``).
+:class:`PolicyFollower` watches the store from a background thread, and when a newer version is
+published loads its checkpoint there (never on the event loop) and hot-swaps it in with
+:meth:`PolicyResponder.swap`; a version it cannot serve is reported once and skipped::
+
+    follower = PolicyFollower(store, responder, served_model.published_sampler).start()
+
 Every reply carries a ``metaclaw`` object (the final chunk, when streaming) with the
 ``policy_version`` that produced it and the prompt / completion token ids and completion
 logprobs, so the proxy can record the turn exactly; strip it before answering a client if wanted.
@@ -30,7 +38,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
+import sqlite3
 import threading
 import time
 import uuid
@@ -40,6 +50,8 @@ from typing import Any, AsyncIterator
 
 from metaclaw.backends import render_request
 
+log = logging.getLogger("metaclaw.policy")
+
 TOOL_CALL_RE = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
 TOOL_CALL_OPEN = "<tool_call>"
 
@@ -48,6 +60,10 @@ class PolicyRequestError(ValueError):
     """A chat request the policy cannot serve; ``status`` is the HTTP status to answer with."""
 
     status = 400
+
+
+class PolicyMismatch(ValueError):
+    """A published policy version this server cannot serve (another base model or backend)."""
 
 
 @dataclass(frozen=True)
@@ -276,3 +292,109 @@ class PolicyResponder:
         finally:
             cancelled.set()
             await asyncio.shield(future)
+
+
+class PolicyFollower:
+    """Keeps a responder serving the workspace's latest published policy version.
+
+    In: the workspace ``store``, the ``responder`` to hot-swap, ``load(version, backend,
+    base_model, checkpoint) -> sampler`` (raises :class:`PolicyMismatch` for a version this
+    server cannot serve, any other exception for a checkpoint it cannot load), optionally the
+    ``proxy`` (nothing is adopted while another responder answers its requests, e.g. a slow loop
+    training in this process, which swaps its own) and ``poll_s``.
+
+    :meth:`check` looks once: a ``PRAGMA data_version`` on a private connection (microseconds;
+    it changes only when some connection committed), and only then one primary-key range query
+    for versions newer than the one served. The newest version that loads is swapped in; the
+    others newer than it are reported once each in the store's events (``policy_not_adopted``:
+    another base model or backend, warning; ``policy_load_failed``: a missing or broken
+    checkpoint, error) and the server keeps serving what it served. ``policy_adopted`` (info)
+    records each swap. A version published without its checkpoint yet is looked at again on
+    the next commit (its trainer records the checkpoint right after publishing).
+    :meth:`start` checks every ``poll_s`` seconds in a daemon thread; :meth:`stop` ends it.
+    """
+
+    def __init__(self, store, responder: PolicyResponder, load, *, proxy=None,
+                 poll_s: float = 0.5):
+        if store.path is None or str(store.path) == ":memory:":
+            raise ValueError("following published policies needs a workspace store on disk")
+        self.store, self.responder, self.load = store, responder, load
+        self.proxy, self.poll_s = proxy, poll_s
+        self._probe = sqlite3.connect(str(store.path), check_same_thread=False,
+                                      isolation_level=None, timeout=30.0)
+        self._data_version: int | None = None
+        self._settled: set[int] = set()   # versions reported as not servable: never retried
+        self._lock = threading.Lock()     # one check at a time (thread and direct callers)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def check(self) -> int | None:
+        """Adopt the newest servable version newer than the served one, if one was published
+        since the last look. Returns the adopted version, or None."""
+        with self._lock:
+            if self.proxy is not None and self.proxy.responder is not self.responder:
+                return None
+            data_version = self._probe.execute("PRAGMA data_version").fetchone()[0]
+            if data_version == self._data_version:
+                return None
+            self._data_version = data_version
+            rows = self._probe.execute(
+                "SELECT version, backend, base_model, checkpoint FROM policy_versions "
+                "WHERE version > ? ORDER BY version DESC",
+                (self.responder.policy_version,)).fetchall()
+            for version, backend, base_model, checkpoint in rows:
+                if version in self._settled or checkpoint is None:
+                    continue
+                try:
+                    sampler = self.load(version, backend, base_model, checkpoint)
+                except PolicyMismatch as exc:
+                    self._report(version, "policy_not_adopted", "warning", str(exc))
+                    continue
+                except Exception as exc:
+                    self._report(version, "policy_load_failed", "error",
+                                 f"cannot load policy version {version}: {exc}")
+                    continue
+                previous = self.responder.policy_version
+                self.responder.swap(sampler, version)
+                log.info("serving policy version %d (was %d), loaded from %s", version,
+                         previous, checkpoint)
+                self.store.record_event(source="policy", kind="policy_adopted",
+                                        message=f"now serving policy version {version} "
+                                                f"(was {previous})",
+                                        version=version, previous=previous,
+                                        checkpoint=checkpoint)
+                return version
+            return None
+
+    def _report(self, version: int, kind: str, level: str, reason: str) -> None:
+        self._settled.add(version)
+        message = f"{reason}; still serving policy version {self.responder.policy_version}"
+        getattr(log, level)("%s", message)
+        self.store.record_event(source="policy", kind=kind, level=level, message=message,
+                                version=version, serving=self.responder.policy_version)
+
+    def start(self) -> "PolicyFollower":
+        """Check every ``poll_s`` seconds in a background thread (returns self)."""
+        if self._thread is None:
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._run, name="metaclaw-policy-follower",
+                                            daemon=True)
+            self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            try:
+                self.check()
+            except Exception:  # a locked or vanished database: try again at the next poll
+                log.exception("checking for published policy versions failed")
+
+    def stop(self) -> None:
+        self._stop.set()
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join(timeout=30)
+        with self._lock:
+            self._probe.close()
+
+    close = stop

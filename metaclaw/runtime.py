@@ -140,12 +140,24 @@ class Runtime:
         proxy_config = ProxyConfig(**{name: getattr(config, name) for name in shared})
         retriever = make_retriever(config.retrieval, config.embedding_model)
         proxy = Proxy(proxy_config, store, library, retriever)
+        extras: dict[str, Any] = {}
         if config.local_model:
             from metaclaw.localmodel import load_responder
+            from metaclaw.policy import PolicyFollower
 
-            proxy.set_responder(load_responder(None if config.local_model == "packaged"
-                                               else config.local_model))
-        runtime = cls(config=config, store=store, library=library, proxy=proxy, double=double)
+            responder = load_responder(None if config.local_model == "packaged"
+                                       else config.local_model)
+            proxy.set_responder(responder)
+            if str(store.path) != ":memory:":
+                # policies trained on this model by any process of the workspace are served:
+                # the latest one from the first request on (a restart serves what was
+                # published), later ones as they are published (once started)
+                follower = PolicyFollower(store, responder,
+                                          responder.backend.published_sampler, proxy=proxy)
+                follower.check()
+                extras["policy_follower"] = follower
+        runtime = cls(config=config, store=store, library=library, proxy=proxy, double=double,
+                      extras=extras)
         library.subscribe(runtime._on_generation)
         return runtime
 
@@ -230,10 +242,16 @@ class Runtime:
         runtime = cls.build(config, **options)
         runtime._start_double()
         runtime.library.watch()  # hand edits of the skills folder become generations
+        runtime._follow_policies()
         runtime.proxy.start()
         if runtime.config.auto_evolve:
             runtime.fast_loop  # noqa: B018 - builds and attaches it
         return runtime
+
+    def _follow_policies(self) -> None:
+        follower = self.extras.get("policy_follower")
+        if follower is not None:
+            follower.start()
 
     def _start_double(self) -> None:
         if self.double is not None:
@@ -245,6 +263,7 @@ class Runtime:
         """Run the proxy in the foreground (``metaclaw serve``) until interrupted."""
         self._start_double()
         self.library.watch()
+        self._follow_policies()
         if self.config.auto_evolve:
             self.fast_loop  # noqa: B018 - builds and attaches it (the double has its URL now)
         try:
@@ -254,7 +273,7 @@ class Runtime:
 
     def stop(self) -> None:
         for part in (self.extras.pop("fast_loop", None), self.extras.pop("slow_loop", None),
-                     self.proxy, self.double):
+                     self.extras.pop("policy_follower", None), self.proxy, self.double):
             if part is not None:
                 try:
                     getattr(part, "close", part.stop)()

@@ -181,6 +181,104 @@ def test_device_choice_and_cuda_safe_generator(tiny_model):
             make_backend("local", tiny_model, device="cuda")
 
 
+def test_device_names_resolve_to_this_machine_or_fail_in_one_sentence(tiny_model):
+    """``auto`` picks what this machine has (CPU here unless torch sees a GPU); an explicit
+    accelerator this torch cannot use fails before any model is loaded, in one sentence naming
+    the flag to change, from the backend, the served model and the CLI alike."""
+    import torch
+
+    from metaclaw.causal_lm import resolve_device
+    from metaclaw.localmodel import LocalModelError, load_responder
+
+    cuda = torch.cuda.is_available()
+    mps = bool(getattr(torch.backends, "mps", None) and torch.backends.mps.is_available())
+    assert resolve_device("auto") == ("cuda" if cuda else "mps" if mps else "cpu")
+    assert resolve_device("cpu") == "cpu"
+    if not mps:
+        with pytest.raises(ValueError, match="'mps' requested.*pass --device cpu"):
+            resolve_device("mps")
+    if cuda:
+        return  # the errors below are about a machine without a CUDA GPU
+    for device in ("cuda", "cuda:1"):
+        with pytest.raises(ValueError, match="no CUDA GPU; pass --device cpu"):
+            resolve_device(device)
+    with pytest.raises(LocalModelError, match="no CUDA GPU; pass --device cpu"):
+        load_responder(tiny_model, device="cuda")
+    with pytest.raises(BackendError, match="no CUDA GPU"):
+        make_backend("local", tiny_model, device="cuda:0")
+
+
+def test_local_model_cli_names_the_device_flag_without_cuda(tiny_model, capsys):
+    import torch
+
+    from metaclaw.cli import main
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA GPU")
+    assert main(["local-model", tiny_model, "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == ("metaclaw local-model: device 'cuda' requested but torch sees no "
+                           "CUDA GPU; pass --device cpu (or auto)")
+
+
+def test_generators_live_on_the_model_device_and_reproduce(tiny_model):
+    """The trainer's published snapshot and the served model each draw from a generator on
+    their model's device (a CPU generator cannot drive sampling on a GPU); a seed reproduces
+    the draw."""
+    import torch
+
+    from metaclaw.backends.local import _generator
+    from metaclaw.localmodel import load_responder
+
+    backend = make_backend("local", tiny_model, lora_rank=4, device="cpu")
+    served = load_responder(tiny_model, device="cpu").backend
+    for sampler in (backend.sampler(), served.sampler()):
+        model_device = next(sampler.model.parameters()).device
+        assert sampler.device == model_device
+        assert _generator(3, sampler.device).device.type == model_device.type
+    a = torch.rand(4, generator=_generator(3, "cpu"))
+    assert torch.equal(a, torch.rand(4, generator=_generator(3, "cpu")))
+
+
+def test_bfloat16_weights_train_with_fp32_adapters_and_are_served(tiny_model, tmp_path):
+    """The GPU precision path, run on CPU: bfloat16 base weights, fp32 LoRA adapters and
+    optimizer, fp32 logprobs through micro-batches and chunked logprobs; the published snapshot
+    keeps the base dtype, and a bfloat16 served model adopting the saved state samples exactly
+    what the trainer's published snapshot samples."""
+    import torch
+
+    from metaclaw.localmodel import load_responder
+
+    backend = make_backend("local", tiny_model, lora_rank=4, seed=0, device="cpu",
+                           dtype="bfloat16", micro_batch_size=2, logprob_chunk=3)
+    assert backend.dtype is torch.bfloat16
+    assert {p.dtype for p in backend.params} == {torch.float32}
+    prompt = backend.render_chat([{"role": "user", "content": "say yes"}])
+    samples = backend.sample(prompt, n=4, max_tokens=6, seed=1)
+    assert all(isinstance(lp, float) and lp <= 0 for s in samples for lp in s.logprobs)
+    metrics = backend.train_step([Datum.from_sample(prompt, s.tokens, s.logprobs, a) for s, a
+                                  in zip(samples, [1.0, -1.0, 1.0, -1.0])], "ppo", 0.05)
+    assert metrics["micro_batches"] == 2 and math.isfinite(metrics["loss"])
+    assert math.isfinite(metrics["grad_norm"]) and metrics["grad_norm"] > 0
+    backend.publish()
+    assert next(backend.sampler().model.parameters()).dtype is torch.bfloat16
+    checkpoint = backend.save_state(str(tmp_path / "state"))
+
+    served = load_responder(tiny_model, device="cpu", dtype="bfloat16").backend
+    adopted = served.published_sampler(1, "local", backend.base_model, checkpoint)
+    assert next(adopted.model.parameters()).dtype is torch.bfloat16
+    assert adopted.device == next(served.model.parameters()).device
+    ref = backend.sampler().sample(prompt, 2, 6, 1.0, seed=5)
+    assert [s.tokens for s in adopted.sample(prompt, 2, 6, 1.0, seed=5)] == \
+        [s.tokens for s in ref]
+
+
+def test_batching_options_are_checked(tiny_model):
+    for bad in ({"micro_batch_size": 0}, {"logprob_chunk": 0}):
+        with pytest.raises(BackendError, match="must be positive integers"):
+            make_backend("local", tiny_model, **bad)
+
+
 # -- Tinker: a recording double of the SDK clients ------------------------------------------
 def _done(value):
     """A real SDK future (``AwaitableConcurrentFuture``) already holding ``value``."""

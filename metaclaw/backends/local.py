@@ -147,6 +147,41 @@ class LocalSampler:
             yield toks[0], lps[0]
 
 
+def read_state(path: str | os.PathLike[str]) -> dict:
+    """The metadata of a :meth:`LocalBackend.save_state` directory (``backend``, ``base_model``,
+    ``lora_rank``, ``policy_version``, ``steps``); BackendError when it is not one."""
+    meta_file = Path(path) / "metaclaw_state.json"
+    if not meta_file.is_file():
+        raise BackendError(f"{str(path)!r} is not a saved training state (no metaclaw_state.json)")
+    try:
+        return json.loads(meta_file.read_text())
+    except (OSError, ValueError) as exc:
+        raise BackendError(f"cannot read {str(meta_file)!r}: {exc}") from None
+
+
+def merged_policy(base_model, state_dir: str | os.PathLike[str]):
+    """The policy a saved state publishes: a frozen copy of ``base_model`` (an untouched base
+    causal LM, as :func:`metaclaw.causal_lm.load_causal_lm` returns it) with the state's LoRA
+    adapter merged in, on the base model's device and dtype. ``base_model`` is not modified.
+    Raises BackendError (one sentence naming the path) when the state is missing or broken."""
+    from peft import PeftModel
+
+    read_state(state_dir)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            adapted = PeftModel.from_pretrained(copy.deepcopy(base_model), str(state_dir),
+                                                is_trainable=False)
+            frozen = adapted.merge_and_unload()
+    except Exception as exc:  # a truncated or foreign adapter file: the caller keeps serving
+        raise BackendError(f"cannot load the LoRA adapter saved in {str(state_dir)!r} "
+                           f"({type(exc).__name__}: {exc})") from None
+    frozen.eval()
+    for p in frozen.parameters():
+        p.requires_grad_(False)
+    return frozen
+
+
 class LocalBackend(TokenizerMixin):
     """LoRA training of a local Hugging Face causal LM with torch.
 
@@ -173,7 +208,7 @@ class LocalBackend(TokenizerMixin):
         import torch
         from peft import LoraConfig, get_peft_model
 
-        from metaclaw.causal_lm import load_causal_lm
+        from metaclaw.causal_lm import load_causal_lm, model_identity
 
         if num_threads:
             torch.set_num_threads(int(num_threads))
@@ -193,7 +228,8 @@ class LocalBackend(TokenizerMixin):
             model, self.tokenizer = load_causal_lm(path, device=device, dtype=dtype)
         except (FileNotFoundError, ValueError, ImportError) as exc:
             raise BackendError(str(exc)) from None
-        self.base_model = "smollm2" if packaged else str(base_model)
+        # recorded with every published version: one name for these weights in every process
+        self.base_model = model_identity(None if packaged else path)
         self.lora_rank = lora_rank
         self.clip_low, self.clip_high = clip_low, clip_high
         self.grad_clip_norm = grad_clip_norm
@@ -388,10 +424,7 @@ class LocalBackend(TokenizerMixin):
         from safetensors.torch import load_file
 
         src = Path(path)
-        meta_file = src / "metaclaw_state.json"
-        if not meta_file.is_file():
-            raise BackendError(f"{path!r} is not a saved training state (no metaclaw_state.json)")
-        meta = json.loads(meta_file.read_text())
+        meta = read_state(src)
         if meta.get("lora_rank") != self.lora_rank:
             raise BackendError(
                 f"the state in {path!r} has LoRA rank {meta.get('lora_rank')}, this backend "
