@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import tempfile
 from pathlib import Path
@@ -33,6 +34,8 @@ from typing import Any, Iterator, Sequence
 DIMS = 256
 #: Bumped when the recipe changes, so that older cached tables are not reused.
 RECIPE = "model2vec-token-output-pca-zipf-v1"
+
+log = logging.getLogger(__name__)
 
 
 class StaticEmbedding:
@@ -183,6 +186,28 @@ def _exclusive(lock_path: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def _read(path: Path, vocab: int, dims: int, *, warn: bool = True) -> Any:
+    """The cached table at ``path``, or ``None`` when it is missing or unusable (cut short,
+    not an array, not ``vocab`` rows of at most ``dims``): such a table is derived again rather
+    than failing every query."""
+    import numpy as np
+
+    try:
+        table = np.load(path)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, EOFError) as exc:
+        reason = f"{type(exc).__name__}: {exc}"
+    else:
+        if table.ndim == 2 and table.shape[0] == vocab and 0 < table.shape[1] <= dims:
+            return table  # fewer columns than dims: the model is narrower than dims
+        reason = f"shape {table.shape}, expected {vocab} rows of at most {dims}"
+    if warn:
+        log.warning("the cached static embedding table %s is unusable (%s); deriving it again",
+                    path, reason)
+    return None
+
+
 def load(model_path: str | os.PathLike, *, dims: int = DIMS,
          directory: str | os.PathLike | None = None) -> StaticEmbedding:
     """The static embedding of the model in ``model_path``: read from the cache, or distilled
@@ -196,14 +221,18 @@ def load(model_path: str | os.PathLike, *, dims: int = DIMS,
     folder.mkdir(parents=True, exist_ok=True)
     key = cache_key(model_path, dims)
     path = folder / f"{key}.npy"
-    if not path.is_file():
+    vocab = tokenizer.get_vocab_size()
+    table = _read(path, vocab, dims)
+    if table is None:
         with _exclusive(folder / f"{key}.lock"):
-            if not path.is_file():  # another process may have finished it while we waited
-                table = distill(model_path, dims=dims)
+            # another process may have finished it while we waited
+            table = _read(path, vocab, dims, warn=False)
+            if table is None:
+                table = distill(model_path, dims=dims).astype(np.float16)
                 fd, staging = tempfile.mkstemp(prefix=f".{key}-", suffix=".npy", dir=folder)
                 try:
                     with os.fdopen(fd, "wb") as handle:
-                        np.save(handle, table.astype(np.float16))
+                        np.save(handle, table)
                         handle.flush()
                         os.fsync(handle.fileno())
                     os.replace(staging, path)
@@ -212,4 +241,4 @@ def load(model_path: str | os.PathLike, *, dims: int = DIMS,
                         os.unlink(staging)
                 (folder / f"{key}.json").write_text(json.dumps(
                     {"source": str(model_path), "recipe": RECIPE, "dims": dims}))
-    return StaticEmbedding(np.load(path), tokenizer, source=str(model_path))
+    return StaticEmbedding(table, tokenizer, source=str(model_path))

@@ -72,3 +72,19 @@ def test_encode_is_the_normalized_mean_of_token_rows(tiny_bert, tmp_path):
 def test_a_model_without_a_fast_tokenizer_is_refused(tmp_path):
     with pytest.raises(FileNotFoundError, match="tokenizer.json"):
         static_embedding.load(tmp_path, directory=tmp_path / "cache")
+
+
+def test_a_corrupt_cached_table_is_derived_again(tiny_bert, tmp_path):
+    """A table cut short (a copy from a full disk, a file truncated by hand) or of another shape
+    is derived again instead of failing every later query."""
+    first = static_embedding.load(tiny_bert, dims=16, directory=tmp_path)
+    (cached,) = tmp_path.glob("*.npy")
+    data = cached.read_bytes()
+    cached.write_bytes(data[:len(data) // 3])
+    again = static_embedding.load(tiny_bert, dims=16, directory=tmp_path)
+    assert np.array_equal(again.table, first.table)
+    np.save(cached, np.zeros((5, 16), dtype=np.float16))  # a valid array, not this model's
+    again = static_embedding.load(tiny_bert, dims=16, directory=tmp_path)
+    assert np.array_equal(again.table, first.table)
+    assert np.load(cached).shape == (30522, 16)
+
