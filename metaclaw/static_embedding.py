@@ -152,33 +152,39 @@ def cache_key(model_path: str | os.PathLike, dims: int = DIMS) -> str:
     return digest.hexdigest()[:24]
 
 
-def cache_dir() -> Path:
+def cache_dir() -> Path | None:
     """Where tables are kept: ``$METACLAW_CACHE_DIR/static-embeddings``, else
-    ``~/.cache/metaclaw/static-embeddings`` (the temp folder when home is not writable)."""
+    ``~/.cache/metaclaw/static-embeddings`` (``$XDG_CACHE_HOME`` when set), else the temp folder's
+    ``metaclaw-cache/static-embeddings``; ``None`` when none of them is writable."""
     root = os.environ.get("METACLAW_CACHE_DIR")
     base = Path(root) if root else Path(os.environ.get("XDG_CACHE_HOME") or
                                         Path.home() / ".cache") / "metaclaw"
-    target = base / "static-embeddings"
-    try:
-        target.mkdir(parents=True, exist_ok=True)
+    for target in (base / "static-embeddings",
+                   Path(tempfile.gettempdir()) / "metaclaw-cache" / "static-embeddings"):
+        try:
+            target.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            continue
         if os.access(target, os.W_OK):
             return target
-    except OSError:
-        pass
-    target = Path(tempfile.gettempdir()) / "metaclaw-cache" / "static-embeddings"
-    target.mkdir(parents=True, exist_ok=True)
-    return target
+    return None
 
 
 @contextlib.contextmanager
 def _exclusive(lock_path: Path) -> Iterator[None]:
-    """Holds an exclusive lock on ``lock_path`` (no-op where ``fcntl`` does not exist)."""
+    """Holds an exclusive lock on ``lock_path`` (no-op where ``fcntl`` does not exist, or where
+    the lock file cannot be created: then nothing can be cached there either)."""
     try:
         import fcntl
     except ImportError:  # pragma: no cover - Windows: at worst two processes derive the table
         yield
         return
-    with open(lock_path, "a+b") as handle:
+    try:
+        handle = open(lock_path, "a+b")
+    except OSError:
+        yield
+        return
+    with handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield
@@ -194,7 +200,7 @@ def _read(path: Path, vocab: int, dims: int, *, warn: bool = True) -> Any:
 
     try:
         table = np.load(path)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # not cached (or cannot be)
         return None
     except (OSError, ValueError, EOFError) as exc:
         reason = f"{type(exc).__name__}: {exc}"
@@ -208,17 +214,44 @@ def _read(path: Path, vocab: int, dims: int, *, warn: bool = True) -> Any:
     return None
 
 
+def _save(table: Any, folder: Path, key: str, info: dict[str, Any]) -> None:
+    """Writes ``table`` as ``<key>.npy`` in ``folder`` atomically (a reader never sees a partial
+    file); where it cannot, says so and what to set instead."""
+    import numpy as np
+
+    try:
+        fd, staging = tempfile.mkstemp(prefix=f".{key}-", suffix=".npy", dir=folder)
+        try:
+            with os.fdopen(fd, "wb") as handle:
+                np.save(handle, table)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(staging, folder / f"{key}.npy")
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(staging)
+        (folder / f"{key}.json").write_text(json.dumps(info))
+    except OSError as exc:
+        log.warning("cannot cache the static embedding table in %s (%s: %s); it is derived "
+                    "again at every start: set METACLAW_CACHE_DIR to a writable folder",
+                    folder, type(exc).__name__, exc)
+
+
 def load(model_path: str | os.PathLike, *, dims: int = DIMS,
          directory: str | os.PathLike | None = None) -> StaticEmbedding:
     """The static embedding of the model in ``model_path``: read from the cache, or distilled
     (:func:`distill`) and cached first. ``directory``: the cache folder (default
-    :func:`cache_dir`)."""
+    :func:`cache_dir`). Where no folder is writable the table is distilled in memory only, with
+    a warning."""
     import numpy as np
 
     model_path = Path(model_path)
     tokenizer = _tokenizer(model_path)
     folder = Path(directory) if directory is not None else cache_dir()
-    folder.mkdir(parents=True, exist_ok=True)
+    if folder is None:
+        folder = Path(tempfile.gettempdir()) / "metaclaw-cache" / "static-embeddings"
+    with contextlib.suppress(OSError):  # unwritable: _save says what to do
+        folder.mkdir(parents=True, exist_ok=True)
     key = cache_key(model_path, dims)
     path = folder / f"{key}.npy"
     vocab = tokenizer.get_vocab_size()
@@ -229,16 +262,6 @@ def load(model_path: str | os.PathLike, *, dims: int = DIMS,
             table = _read(path, vocab, dims, warn=False)
             if table is None:
                 table = distill(model_path, dims=dims).astype(np.float16)
-                fd, staging = tempfile.mkstemp(prefix=f".{key}-", suffix=".npy", dir=folder)
-                try:
-                    with os.fdopen(fd, "wb") as handle:
-                        np.save(handle, table)
-                        handle.flush()
-                        os.fsync(handle.fileno())
-                    os.replace(staging, path)
-                finally:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(staging)
-                (folder / f"{key}.json").write_text(json.dumps(
-                    {"source": str(model_path), "recipe": RECIPE, "dims": dims}))
+                _save(table, folder, key,
+                      {"source": str(model_path), "recipe": RECIPE, "dims": dims})
     return StaticEmbedding(table, tokenizer, source=str(model_path))

@@ -88,3 +88,24 @@ def test_a_corrupt_cached_table_is_derived_again(tiny_bert, tmp_path):
     assert np.array_equal(again.table, first.table)
     assert np.load(cached).shape == (30522, 16)
 
+
+def test_an_unwritable_cache_folder_still_gives_a_table(tiny_bert, tmp_path, caplog):
+    """Where the cache cannot be written the table is derived in memory, with a warning that
+    says which folder to set."""
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("a file where the cache folder should be")
+    with caplog.at_level("WARNING"):
+        model = static_embedding.load(tiny_bert, dims=16, directory=blocker / "cache")
+    assert model.table.shape == (30522, 16)
+    assert "METACLAW_CACHE_DIR" in caplog.text
+
+
+def test_cache_dir_falls_back_when_neither_home_nor_temp_is_writable(tmp_path, monkeypatch):
+    import tempfile
+
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("x")
+    monkeypatch.delenv("METACLAW_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker / "xdg"))
+    monkeypatch.setattr(tempfile, "tempdir", str(blocker / "tmp"))
+    assert static_embedding.cache_dir() is None
