@@ -151,6 +151,10 @@ class Skill:
         object.__setattr__(self, "category", self.category.strip())
         object.__setattr__(self, "body", _clean_body(self.body))
         object.__setattr__(self, "extra", _json_safe(self.extra))
+        metadata = self.extra.get("metadata")
+        if isinstance(metadata, dict) and isinstance(metadata.get("stage"), str):
+            # spelled as turn types are (``stage:Plan`` is recorded as ``stage:plan``)
+            self.extra["metadata"] = {**metadata, "stage": metadata["stage"].strip().lower()}
         self.stage  # noqa: B018 - a bad 'metadata.stage' is refused here, not at retrieval
 
     def __hash__(self) -> int:

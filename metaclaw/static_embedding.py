@@ -15,8 +15,11 @@ cost does not grow with model depth, which is why retrieval uses it by default.
 
 The table is derived once per model and cached on disk, keyed by the model's files (30,522 x 256
 float16: 16 MB for all-MiniLM-L6-v2, under ``~/.cache/metaclaw/static-embeddings``). Deriving it
-runs the model over its vocabulary: about 30 s on two CPU cores, once per machine; concurrent
-processes wait for one another instead of deriving it twice.
+runs the model over its vocabulary once per machine: about 70 CPU-seconds and 0.9 GB of peak
+memory for all-MiniLM-L6-v2 (30-60 s on two idle cores, minutes on a loaded machine); concurrent
+processes wait for one another instead of deriving it twice. A cached table that cannot be read
+is derived again; where no cache folder is writable the table is derived in memory at every
+start (set ``METACLAW_CACHE_DIR``).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import tempfile
 from pathlib import Path
@@ -33,6 +37,8 @@ from typing import Any, Iterator, Sequence
 DIMS = 256
 #: Bumped when the recipe changes, so that older cached tables are not reused.
 RECIPE = "model2vec-token-output-pca-zipf-v1"
+
+log = logging.getLogger(__name__)
 
 
 class StaticEmbedding:
@@ -149,33 +155,39 @@ def cache_key(model_path: str | os.PathLike, dims: int = DIMS) -> str:
     return digest.hexdigest()[:24]
 
 
-def cache_dir() -> Path:
+def cache_dir() -> Path | None:
     """Where tables are kept: ``$METACLAW_CACHE_DIR/static-embeddings``, else
-    ``~/.cache/metaclaw/static-embeddings`` (the temp folder when home is not writable)."""
+    ``~/.cache/metaclaw/static-embeddings`` (``$XDG_CACHE_HOME`` when set), else the temp folder's
+    ``metaclaw-cache/static-embeddings``; ``None`` when none of them is writable."""
     root = os.environ.get("METACLAW_CACHE_DIR")
     base = Path(root) if root else Path(os.environ.get("XDG_CACHE_HOME") or
                                         Path.home() / ".cache") / "metaclaw"
-    target = base / "static-embeddings"
-    try:
-        target.mkdir(parents=True, exist_ok=True)
+    for target in (base / "static-embeddings",
+                   Path(tempfile.gettempdir()) / "metaclaw-cache" / "static-embeddings"):
+        try:
+            target.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            continue
         if os.access(target, os.W_OK):
             return target
-    except OSError:
-        pass
-    target = Path(tempfile.gettempdir()) / "metaclaw-cache" / "static-embeddings"
-    target.mkdir(parents=True, exist_ok=True)
-    return target
+    return None
 
 
 @contextlib.contextmanager
 def _exclusive(lock_path: Path) -> Iterator[None]:
-    """Holds an exclusive lock on ``lock_path`` (no-op where ``fcntl`` does not exist)."""
+    """Holds an exclusive lock on ``lock_path`` (no-op where ``fcntl`` does not exist, or where
+    the lock file cannot be created: then nothing can be cached there either)."""
     try:
         import fcntl
     except ImportError:  # pragma: no cover - Windows: at worst two processes derive the table
         yield
         return
-    with open(lock_path, "a+b") as handle:
+    try:
+        handle = open(lock_path, "a+b")
+    except OSError:
+        yield
+        return
+    with handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield
@@ -183,33 +195,76 @@ def _exclusive(lock_path: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def _read(path: Path, vocab: int, dims: int, *, warn: bool = True) -> Any:
+    """The cached table at ``path``, or ``None`` when it is missing or unusable (cut short,
+    not an array, not ``vocab`` rows of at most ``dims``): such a table is derived again rather
+    than failing every query."""
+    import numpy as np
+
+    try:
+        table = np.load(path)
+    except (FileNotFoundError, NotADirectoryError):  # not cached (or cannot be)
+        return None
+    except (OSError, ValueError, EOFError) as exc:
+        reason = f"{type(exc).__name__}: {exc}"
+    else:
+        if table.ndim == 2 and table.shape[0] == vocab and 0 < table.shape[1] <= dims:
+            return table  # fewer columns than dims: the model is narrower than dims
+        reason = f"shape {table.shape}, expected {vocab} rows of at most {dims}"
+    if warn:
+        log.warning("the cached static embedding table %s is unusable (%s); deriving it again",
+                    path, reason)
+    return None
+
+
+def _save(table: Any, folder: Path, key: str, info: dict[str, Any]) -> None:
+    """Writes ``table`` as ``<key>.npy`` in ``folder`` atomically (a reader never sees a partial
+    file); where it cannot, says so and what to set instead."""
+    import numpy as np
+
+    try:
+        fd, staging = tempfile.mkstemp(prefix=f".{key}-", suffix=".npy", dir=folder)
+        try:
+            with os.fdopen(fd, "wb") as handle:
+                np.save(handle, table)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(staging, folder / f"{key}.npy")
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(staging)
+        (folder / f"{key}.json").write_text(json.dumps(info))
+    except OSError as exc:
+        log.warning("cannot cache the static embedding table in %s (%s: %s); it is derived "
+                    "again at every start: set METACLAW_CACHE_DIR to a writable folder",
+                    folder, type(exc).__name__, exc)
+
+
 def load(model_path: str | os.PathLike, *, dims: int = DIMS,
          directory: str | os.PathLike | None = None) -> StaticEmbedding:
     """The static embedding of the model in ``model_path``: read from the cache, or distilled
     (:func:`distill`) and cached first. ``directory``: the cache folder (default
-    :func:`cache_dir`)."""
+    :func:`cache_dir`). Where no folder is writable the table is distilled in memory only, with
+    a warning."""
     import numpy as np
 
     model_path = Path(model_path)
     tokenizer = _tokenizer(model_path)
     folder = Path(directory) if directory is not None else cache_dir()
-    folder.mkdir(parents=True, exist_ok=True)
+    if folder is None:
+        folder = Path(tempfile.gettempdir()) / "metaclaw-cache" / "static-embeddings"
+    with contextlib.suppress(OSError):  # unwritable: _save says what to do
+        folder.mkdir(parents=True, exist_ok=True)
     key = cache_key(model_path, dims)
     path = folder / f"{key}.npy"
-    if not path.is_file():
+    vocab = tokenizer.get_vocab_size()
+    table = _read(path, vocab, dims)
+    if table is None:
         with _exclusive(folder / f"{key}.lock"):
-            if not path.is_file():  # another process may have finished it while we waited
-                table = distill(model_path, dims=dims)
-                fd, staging = tempfile.mkstemp(prefix=f".{key}-", suffix=".npy", dir=folder)
-                try:
-                    with os.fdopen(fd, "wb") as handle:
-                        np.save(handle, table.astype(np.float16))
-                        handle.flush()
-                        os.fsync(handle.fileno())
-                    os.replace(staging, path)
-                finally:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(staging)
-                (folder / f"{key}.json").write_text(json.dumps(
-                    {"source": str(model_path), "recipe": RECIPE, "dims": dims}))
-    return StaticEmbedding(np.load(path), tokenizer, source=str(model_path))
+            # another process may have finished it while we waited
+            table = _read(path, vocab, dims, warn=False)
+            if table is None:
+                table = distill(model_path, dims=dims).astype(np.float16)
+                _save(table, folder, key,
+                      {"source": str(model_path), "recipe": RECIPE, "dims": dims})
+    return StaticEmbedding(table, tokenizer, source=str(model_path))

@@ -16,6 +16,7 @@ from metaclaw.evolver import Evolver, parse_evolver_prompt, scope_to_stages
 from metaclaw.proxy import Proxy, ProxyConfig
 from metaclaw.retrieval import LexicalRetriever, ScoredSkill, select
 from metaclaw.skills import Skill, SkillFormatError, SkillLibrary, SkillOp, offered_to
+from metaclaw.sessions import check_turn_type
 
 GENERAL = Skill("cite-sources", "Cite the sources of every claim in a research report.",
                 "research", "Name the paper and year for each claim.")
@@ -224,3 +225,15 @@ def test_dedupe_never_merges_a_skill_into_another_stages(library, store):
         ("add", "copy-at-plan", "plan")]  # the same words, but for another stage: kept
     assert proposal.dropped[0]["name"] == "copy-at-search"
     assert "search-conventions" in proposal.dropped[0]["reason"]
+
+
+def test_a_skills_stage_is_spelled_as_turn_types_are(tmp_path, store):
+    """``X-Turn-Type: stage:Plan`` is recorded as ``stage:plan``; a SKILL.md scoped to ``Plan``
+    is the same stage, not a skipped file."""
+    folder = tmp_path / "lib" / "plan-notes"
+    folder.mkdir(parents=True)
+    (folder / "SKILL.md").write_text("---\nname: plan-notes\ndescription: d\nmetadata:\n"
+                                     "  stage: ' Plan '\n---\nbody\n")
+    lib = SkillLibrary(tmp_path / "lib", store)
+    assert lib.problems == [] and [s.stage for s in lib.skills()] == ["plan"]
+    assert offered_to(check_turn_type("stage:Plan"))(lib.skills()[0])

@@ -72,3 +72,40 @@ def test_encode_is_the_normalized_mean_of_token_rows(tiny_bert, tmp_path):
 def test_a_model_without_a_fast_tokenizer_is_refused(tmp_path):
     with pytest.raises(FileNotFoundError, match="tokenizer.json"):
         static_embedding.load(tmp_path, directory=tmp_path / "cache")
+
+
+def test_a_corrupt_cached_table_is_derived_again(tiny_bert, tmp_path):
+    """A table cut short (a copy from a full disk, a file truncated by hand) or of another shape
+    is derived again instead of failing every later query."""
+    first = static_embedding.load(tiny_bert, dims=16, directory=tmp_path)
+    (cached,) = tmp_path.glob("*.npy")
+    data = cached.read_bytes()
+    cached.write_bytes(data[:len(data) // 3])
+    again = static_embedding.load(tiny_bert, dims=16, directory=tmp_path)
+    assert np.array_equal(again.table, first.table)
+    np.save(cached, np.zeros((5, 16), dtype=np.float16))  # a valid array, not this model's
+    again = static_embedding.load(tiny_bert, dims=16, directory=tmp_path)
+    assert np.array_equal(again.table, first.table)
+    assert np.load(cached).shape == (30522, 16)
+
+
+def test_an_unwritable_cache_folder_still_gives_a_table(tiny_bert, tmp_path, caplog):
+    """Where the cache cannot be written the table is derived in memory, with a warning that
+    says which folder to set."""
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("a file where the cache folder should be")
+    with caplog.at_level("WARNING"):
+        model = static_embedding.load(tiny_bert, dims=16, directory=blocker / "cache")
+    assert model.table.shape == (30522, 16)
+    assert "METACLAW_CACHE_DIR" in caplog.text
+
+
+def test_cache_dir_falls_back_when_neither_home_nor_temp_is_writable(tmp_path, monkeypatch):
+    import tempfile
+
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("x")
+    monkeypatch.delenv("METACLAW_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker / "xdg"))
+    monkeypatch.setattr(tempfile, "tempdir", str(blocker / "tmp"))
+    assert static_embedding.cache_dir() is None
