@@ -155,15 +155,25 @@ def cache_key(model_path: str | os.PathLike, dims: int = DIMS) -> str:
     return digest.hexdigest()[:24]
 
 
-def cache_dir() -> Path | None:
-    """Where tables are kept: ``$METACLAW_CACHE_DIR/static-embeddings``, else
-    ``~/.cache/metaclaw/static-embeddings`` (``$XDG_CACHE_HOME`` when set), else the temp folder's
-    ``metaclaw-cache/static-embeddings``; ``None`` when none of them is writable."""
+def _configured_dir() -> Path:
     root = os.environ.get("METACLAW_CACHE_DIR")
     base = Path(root) if root else Path(os.environ.get("XDG_CACHE_HOME") or
                                         Path.home() / ".cache") / "metaclaw"
-    for target in (base / "static-embeddings",
-                   Path(tempfile.gettempdir()) / "metaclaw-cache" / "static-embeddings"):
+    return base / "static-embeddings"
+
+
+def _temp_dir() -> Path:
+    # one folder per user: a shared name could be created (or filled) first by someone else
+    user = os.getuid() if hasattr(os, "getuid") else os.environ.get("USERNAME", "user")
+    return Path(tempfile.gettempdir()) / f"metaclaw-cache-{user}" / "static-embeddings"
+
+
+def cache_dir() -> Path | None:
+    """Where tables are kept: ``$METACLAW_CACHE_DIR/static-embeddings``, else
+    ``~/.cache/metaclaw/static-embeddings`` (``$XDG_CACHE_HOME`` when set), else the temp folder's
+    ``metaclaw-cache-<uid>/static-embeddings``; ``None`` when none of them is writable. (A table
+    already in the first, even read-only as in a prepared image, is used by :func:`load`.)"""
+    for target in (_configured_dir(), _temp_dir()):
         try:
             target.mkdir(parents=True, exist_ok=True)
         except OSError:
@@ -250,14 +260,17 @@ def load(model_path: str | os.PathLike, *, dims: int = DIMS,
 
     model_path = Path(model_path)
     tokenizer = _tokenizer(model_path)
-    folder = Path(directory) if directory is not None else cache_dir()
-    if folder is None:
-        folder = Path(tempfile.gettempdir()) / "metaclaw-cache" / "static-embeddings"
+    key = cache_key(model_path, dims)
+    vocab = tokenizer.get_vocab_size()
+    if directory is None:  # a table prepared in the configured folder serves even read-only
+        prepared = _configured_dir() / f"{key}.npy"
+        table = _read(prepared, vocab, dims, warn=False) if prepared.is_file() else None
+        if table is not None:
+            return StaticEmbedding(table, tokenizer, source=str(model_path))
+    folder = Path(directory) if directory is not None else (cache_dir() or _temp_dir())
     with contextlib.suppress(OSError):  # unwritable: _save says what to do
         folder.mkdir(parents=True, exist_ok=True)
-    key = cache_key(model_path, dims)
     path = folder / f"{key}.npy"
-    vocab = tokenizer.get_vocab_size()
     table = _read(path, vocab, dims)
     if table is None:
         with _exclusive(folder / f"{key}.lock"):

@@ -109,3 +109,33 @@ def test_cache_dir_falls_back_when_neither_home_nor_temp_is_writable(tmp_path, m
     monkeypatch.setenv("XDG_CACHE_HOME", str(blocker / "xdg"))
     monkeypatch.setattr(tempfile, "tempdir", str(blocker / "tmp"))
     assert static_embedding.cache_dir() is None
+
+
+def test_a_prepared_table_is_used_even_where_the_cache_is_read_only(tiny_bert, tmp_path,
+                                                                     monkeypatch):
+    """An image may ship the table in a read-only METACLAW_CACHE_DIR: it is read, not derived
+    again elsewhere."""
+    prepared = tmp_path / "prepared"
+    first = static_embedding.load(tiny_bert, dims=16, directory=prepared / "static-embeddings")
+    monkeypatch.setenv("METACLAW_CACHE_DIR", str(prepared))
+    monkeypatch.setattr(static_embedding, "cache_dir", lambda: None)  # nothing writable
+
+    def no_distill(*args, **kwargs):
+        raise AssertionError("the prepared table should have been used")
+
+    monkeypatch.setattr(static_embedding, "distill", no_distill)
+    again = static_embedding.load(tiny_bert, dims=16)
+    assert np.array_equal(again.table, first.table)
+
+
+def test_the_temp_fallback_is_per_user(tmp_path, monkeypatch):
+    import os
+    import tempfile
+
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("x")
+    monkeypatch.delenv("METACLAW_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker / "xdg"))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    assert static_embedding.cache_dir() == (
+        tmp_path / "tmp" / f"metaclaw-cache-{os.getuid()}" / "static-embeddings")
