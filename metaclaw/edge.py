@@ -24,6 +24,7 @@ from http import HTTPStatus
 from typing import Any
 
 from aiohttp import web, web_protocol, web_server
+from orjson import loads as loads_fast
 
 from metaclaw.protocols import ProxyError, dumps
 
@@ -60,6 +61,7 @@ OPENAI_MESSAGE_TYPES = {"role": _STR, "content": _STR + _LIST, "name": _STR,
                         "tool_calls": _LIST, "tool_call_id": _STR}
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+_LONG_NUMBER = re.compile(rb"[0-9]{19}")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
@@ -80,7 +82,20 @@ def _bad(param: str | None, message: str, code: str = "invalid_request_body") ->
 
 
 def decode_body(raw: bytes) -> dict[str, Any]:
-    """The request body as a JSON object, or a 400 :class:`ProxyError` naming where and why."""
+    """The request body as a JSON object, or a 400 :class:`ProxyError` naming where and why.
+
+    orjson reads it when it can: it refuses NaN, Infinity, numbers beyond a double, lone
+    surrogates and deep nesting, the body is then read again by the standard library below, whose
+    hooks find what is wrong and where. A number of 19 digits or more also goes that way (orjson
+    would read an integer beyond 64 bits as a rounded float)."""
+    if _LONG_NUMBER.search(raw) is None:
+        try:
+            body = loads_fast(raw)
+        except ValueError:
+            pass
+        else:
+            if isinstance(body, dict) and raw.count(b"[") + raw.count(b"{") <= MAX_DEPTH:
+                return body
     flagged: list[bool] = []
 
     def constant(name: str) -> Any:

@@ -10,8 +10,8 @@ An agent points its OpenAI client (``base_url=proxy.url``) or its Anthropic clie
    current library generation (in a worker thread, never on the event loop), keep those that fit
    the model's context window (:mod:`metaclaw.context_budget`) and add them to the system prompt;
 3. forward the request to the upstream (:mod:`metaclaw.upstreams`: any OpenAI-compatible base URL
-   through the ``openai`` SDK, or an Anthropic endpoint through the ``anthropic`` SDK, translating
-   when the client speaks the other protocol, see :mod:`metaclaw.protocols`) or, when a local
+   or an Anthropic Messages endpoint, through one pooled aiohttp session, translating when the
+   client speaks the other protocol, see :mod:`metaclaw.protocols`) or, when a local
    policy is set with :meth:`Proxy.set_responder`, answer from it. Streams are relayed event by
    event as they arrive;
 4. record the turn in the :class:`~metaclaw.store.Store` in one schema whatever the protocol (what
@@ -189,7 +189,7 @@ class Proxy(ServedApp):
             config.retrieval, config.embedding_model)
         self._responder: Any = None
         self._listeners: list[Callable[[int], None]] = []
-        self._upstream: HTTPUpstream | None = None  # its SDK client is created on the server's loop
+        self._upstream: HTTPUpstream | None = None  # its session is created on the server's loop
         self.token_counter = TokenCounter(config.tokenizer)
         self._recorder = Recorder(self)
         self._pipeline = TurnPipeline(self)
@@ -443,10 +443,9 @@ class Proxy(ServedApp):
         upstream = self._upstream
         if name is None and upstream is not None and hasattr(upstream, "models"):
             try:
-                reply = await upstream.models(caller_key)
+                status, payload = await upstream.models(caller_key)
             except Exception as exc:
                 raise self._scrubbed(upstream.map_error(exc), caller_key) from None
-            return web.Response(body=reply.content, status=reply.status_code,
-                                content_type="application/json")
+            return web.Response(body=payload, status=status, content_type="application/json")
         data = [{"id": name, "object": "model", "created": 0, "owned_by": "metaclaw"}] if name else []
         return web.json_response({"object": "list", "data": data})

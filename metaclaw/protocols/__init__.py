@@ -39,16 +39,13 @@ in the new protocol as well, add an :class:`~metaclaw.upstreams.HTTPUpstream` su
 
 from __future__ import annotations
 
-import json
 from typing import Any, AsyncIterator, Iterable
+
+from metaclaw.jsonlib import dumpb, dumps, loads  # noqa: F401  (the request path's JSON)
 
 Event = tuple[bytes, "dict[str, Any] | None"]
 """One stream event: the bytes to relay as they are, and its parsed JSON data (``None`` for
 markers such as OpenAI's ``[DONE]``)."""
-
-
-def dumps(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 
 def error_json(message: str, type: str = "invalid_request_error", param: str | None = None,
@@ -159,8 +156,9 @@ class WireProtocol:
     def error_response(self, error: ProxyError, extra_headers: dict[str, str] | None = None):
         from aiohttp import web
 
-        return web.json_response(self.error_payload(error), status=error.status,
-                                 headers={**error.headers, **(extra_headers or {})}, dumps=dumps)
+        return web.Response(body=dumpb(self.error_payload(error)), status=error.status,
+                            headers={**error.headers, **(extra_headers or {})},
+                            content_type="application/json")
 
     def stream_error_event(self, error: ProxyError) -> bytes:
         raise NotImplementedError
@@ -206,16 +204,12 @@ def sse_event(lines: Iterable[str]) -> Event:
     chunk = None
     if data and data != "[DONE]":
         try:
-            chunk = json.loads(data, parse_constant=_no_constant)
+            chunk = loads(data)
         except ValueError:
             raise _bad_stream(f"an event whose data is not JSON ({data[:60]!r})") from None
         if not isinstance(chunk, dict):
             raise _bad_stream(f"an event whose data is not a JSON object ({data[:60]!r})")
     return ("\n".join(lines) + "\n\n").encode(), chunk
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
 
 
 def _bad_stream(what: str) -> ProxyError:
