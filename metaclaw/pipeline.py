@@ -48,6 +48,11 @@ log = logging.getLogger("metaclaw.proxy")
 
 #: Body fields understood by the proxy itself; removed before forwarding.
 PROXY_FIELDS = ("session_id", "turn_type", "session_done")
+#: Retrievers that run on the event loop: pure Python over an in-memory index (BM25 over 20
+#: skills takes about 0.1 ms), so a worker thread would only add two thread switches to every
+#: turn without taking the work off the interpreter lock. Others (a model encoding the query)
+#: run in the retrieval pool.
+INLINE_RETRIEVERS = ("lexical",)
 #: Chat fields recorded in their own columns rather than in ``request_params``.
 _OWN_COLUMNS = ("messages", "model", "stream")
 #: Client headers an Anthropic upstream receives as they came (pass-through only).
@@ -155,8 +160,10 @@ class Recorder:
     """Writes finished turns to the store with group commit, and notifies the turn listeners.
 
     One writer thread takes every turn submitted since its last commit and writes them in one
-    transaction (one durable commit, ``synchronous=FULL``, for the whole group), so waiting for
-    durability costs a request about one commit however many requests are in flight.
+    transaction (one commit for the whole group), so waiting for durability costs a request about
+    one commit however many requests are in flight. The commit survives ``kill -9`` of the proxy;
+    with ``fsync`` (``ProxyConfig.fsync_acks``) it is also fsynced (``synchronous=FULL``: it survives an OS
+    crash or power loss too, for about one fsync per group).
     :meth:`submit` returns at once with a future that resolves to the turn id once its group is
     committed (``None`` if it could not be written); :meth:`drain` waits for every submitted turn.
     """
@@ -164,8 +171,9 @@ class Recorder:
     #: Most turns written in one transaction.
     MAX_GROUP = 256
 
-    def __init__(self, proxy: "Proxy"):
+    def __init__(self, proxy: "Proxy", fsync: bool = False):
         self.proxy = proxy
+        self.fsync = fsync
         self.pending: set[asyncio.Future[Any]] = set()
         self._queue: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
@@ -213,28 +221,33 @@ class Recorder:
                 self._commit(group)
 
     def _commit(self, group: list[tuple[Any, ...]]) -> None:
-        store = self.proxy.store
+        store, fsync = self.proxy.store, self.fsync
         ids: list[int | None]
         try:
-            with store.transaction():
+            with store.transaction(fsync):
                 ids = [self._write(row, done) for row, done, _, _ in group]
             self.commits += 1
         except Exception:  # one bad row must not lose the others: write them one by one
             ids = []
             for row, done, _, _ in group:
                 try:  # strings cleaned of what SQLite cannot encode (lone surrogates)
-                    with store.transaction():
+                    with store.transaction(fsync):
                         ids.append(self._write(_encodable(row), done))
                 except Exception:
                     log.exception("could not record a turn of session %r", row.get("session_id"))
                     ids.append(None)
-        listeners = self.proxy._listeners
+        by_loop: dict[Any, list[tuple[asyncio.Future[Any], int | None]]] = {}
         for (_, _, future, loop), turn_id in zip(group, ids):
+            by_loop.setdefault(loop, []).append((future, turn_id))
+        for loop, results in by_loop.items():  # one wake-up of each loop for the whole group
             with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits any more
-                loop.call_soon_threadsafe(_resolve, future, turn_id)
-            if turn_id is not None and listeners and self.proxy._listener_pool is not None:
-                with contextlib.suppress(RuntimeError):
-                    self.proxy._listener_pool.submit(self._notify, turn_id)
+                loop.call_soon_threadsafe(_resolve, results)
+        listeners = self.proxy._listeners
+        if listeners and self.proxy._listener_pool is not None:
+            for turn_id in ids:
+                if turn_id is not None:
+                    with contextlib.suppress(RuntimeError):
+                        self.proxy._listener_pool.submit(self._notify, turn_id)
 
     def _write(self, row: dict[str, Any], done: bool) -> int:
         store = self.proxy.store
@@ -251,9 +264,10 @@ class Recorder:
                 log.exception("turn listener %r failed for turn %d", fn, turn_id)
 
 
-def _resolve(future: asyncio.Future[Any], value: Any) -> None:
-    if not future.done():
-        future.set_result(value)
+def _resolve(results: list[tuple[asyncio.Future[Any], Any]]) -> None:
+    for future, value in results:
+        if not future.done():
+            future.set_result(value)
 
 
 def _encodable(value: Any) -> Any:
@@ -345,7 +359,7 @@ class TurnPipeline:
                              code="bad_content_encoding") from None
         return raw, decode_body(raw)
 
-    # -- retrieve, fit the budget, inject (in a worker thread) ----------------------------
+    # -- retrieve, fit the budget, inject -------------------------------------------------
     def select_and_inject(self, turn: Turn, skills: list[Any]) -> None:
         """Steps 3-6 for a main turn: query, retrieve, fit the context budget, inject."""
         from metaclaw import retrieval
@@ -377,7 +391,8 @@ class TurnPipeline:
 
     async def prepare(self, protocol: WireProtocol, request: web.Request,
                       **parse: Any) -> tuple[Turn, str | None]:
-        """Authenticate, read, parse, identify, then retrieve and inject off the event loop."""
+        """Authenticate, read, parse, identify, then retrieve and inject (off the event loop unless
+        the retriever is one of :data:`INLINE_RETRIEVERS`)."""
         caller_key = self.authenticate(request)
         raw, body = await self.read_body(request)
         turn = parse_turn(protocol, body, raw, self.config.model, **parse)
@@ -387,8 +402,11 @@ class TurnPipeline:
         turn.identified_by = identity.how
         turn.generation, skills = self.proxy.library.current()
         if turn.turn_type == "main" and skills:
-            await asyncio.get_running_loop().run_in_executor(
-                self.proxy._retrieval_pool, self.select_and_inject, turn, skills)
+            if getattr(self.proxy.retriever, "kind", None) in INLINE_RETRIEVERS:
+                self.select_and_inject(turn, skills)
+            else:
+                await asyncio.get_running_loop().run_in_executor(
+                    self.proxy._retrieval_pool, self.select_and_inject, turn, skills)
         return turn, caller_key
 
     # -- forwarding -----------------------------------------------------------------------

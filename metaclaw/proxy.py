@@ -7,7 +7,8 @@ An agent points its OpenAI client (``base_url=proxy.url``) or its Anthropic clie
 1. check the optional token (or take the caller's own upstream key under caller-auth) and the
    request body (errors in the client protocol's shape: 400 malformed, 401 token, 413 too large);
 2. identify the session and turn type; on *main* turns retrieve the most relevant skills of the
-   current library generation (in a worker thread, never on the event loop), keep those that fit
+   current library generation (a model-based retriever in a worker thread, never on the event
+   loop; the lexical one inline, see :data:`metaclaw.pipeline.INLINE_RETRIEVERS`), keep those that fit
    the model's context window (:mod:`metaclaw.context_budget`) and add them to the system prompt;
 3. forward the request to the upstream (:mod:`metaclaw.upstreams`: any OpenAI-compatible base URL
    or an Anthropic Messages endpoint, through one pooled aiohttp session, translating when the
@@ -99,7 +100,12 @@ class ProxyConfig:
     with instead of the estimate. ``durable_acks`` (default on): send the end of each reply only
     once its turn is committed to the store (group commit, see :mod:`metaclaw.pipeline`), so an
     acknowledged turn survives ``kill -9``; off, the turn is committed right after the reply is
-    sent (:meth:`Proxy.flush` waits for it). ``header_timeout``: seconds a client connection may
+    sent (:meth:`Proxy.flush` waits for it). ``fsync_acks`` (default off): fsync each group commit
+    too (SQLite ``synchronous=FULL``), so that an acknowledged turn also survives an OS crash or
+    a power loss, for about one fsync of latency per group (milliseconds on many disks);
+    off, a commit is written to the operating system without the fsync (``synchronous=NORMAL``):
+    it survives ``kill -9`` of the proxy, and an OS crash or power loss may lose the last turns
+    (never the database). ``header_timeout``: seconds a client connection may
     take to send a whole request line and headers (and stay idle between requests);
     ``body_timeout``: seconds to receive the request body (408 after); ``max_connections``: open
     client connections beyond it get a 503 and are closed (slow or stuck clients cannot hold the
@@ -123,6 +129,7 @@ class ProxyConfig:
     stream_usage: bool = True
     upstream_protocol: str = "openai"
     durable_acks: bool = True
+    fsync_acks: bool = False
     caller_auth: bool = False
     context_window: int | None = None
     context_windows: dict[str, int] | None = None
@@ -191,7 +198,7 @@ class Proxy(ServedApp):
         self._listeners: list[Callable[[int], None]] = []
         self._upstream: HTTPUpstream | None = None  # its session is created on the server's loop
         self.token_counter = TokenCounter(config.tokenizer)
-        self._recorder = Recorder(self)
+        self._recorder = Recorder(self, fsync=config.fsync_acks)
         self._pipeline = TurnPipeline(self)
         self._retrieval_pool: ThreadPoolExecutor | None = None
         self._listener_pool: ThreadPoolExecutor | None = None
