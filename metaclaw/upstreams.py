@@ -222,7 +222,7 @@ class HTTPUpstream(Upstream):
     async def stream(self, body, key, headers, stack, captured):
         response = await self._post(body, key, headers, stream=True)
         stack.callback(response.release)  # reused only when read to the end
-        return timed_events(sse_events(lines(response.content.iter_any())), self.timeout)
+        return sse_events(response.content.iter_any(), self.timeout)
 
     def map_error(self, exc: BaseException, midstream: bool = False) -> ProxyError:
         import aiohttp
@@ -318,22 +318,6 @@ class AnthropicUpstream(HTTPUpstream):
                                        self._headers(key, headers))
 
 
-async def lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[str]:
-    """The text lines of a byte stream, without their ends (``\\n``, ``\\r\\n`` or ``\\r``, as
-    server-sent events allow), however the bytes were cut into chunks."""
-    pending = b""
-    async for chunk in chunks:
-        pending += chunk
-        if b"\n" not in chunk and b"\r" not in chunk:
-            continue
-        parts = pending.splitlines(keepends=True)
-        pending = b"" if parts[-1].endswith(b"\n") else parts.pop()  # "\r" may precede a "\n"
-        for part in parts:
-            yield part.rstrip(b"\r\n").decode("utf-8", "replace")
-    for part in pending.splitlines():
-        yield part.decode("utf-8", "replace")
-
-
 class ResponderUpstream(Upstream):
     """A local policy answering in the OpenAI chat shape (see :class:`metaclaw.proxy.Responder`).
 
@@ -402,19 +386,6 @@ def policy_columns(info: Any) -> dict[str, Any]:
         if isinstance(info.get(key), list):
             columns[column] = info[key]
     return columns
-
-
-async def timed_events(events: AsyncIterator[Event], timeout: float) -> AsyncIterator[Event]:
-    """``events``, each within ``timeout`` seconds of the previous one (``TimeoutError``
-    otherwise): an upstream trickling an event byte by byte never trips a per-read timeout."""
-    iterator = events.__aiter__()
-    while True:
-        try:
-            async with asyncio.timeout(timeout):
-                event = await iterator.__anext__()
-        except StopAsyncIteration:
-            return
-        yield event
 
 
 def retry_after(headers: Any) -> float | None:
