@@ -271,20 +271,35 @@ class EdgeHandler(web_protocol.RequestHandler):
         client reads it. So: half-close (no more bytes from us), keep reading and discarding what
         the client still sends, and close once it is done or after ``seconds``."""
         transport = self.transport
-        if transport is None or getattr(transport, "_metaclaw_lingering", False):
+        if transport is None or isinstance(transport, _Lingering):
             return
-        close = transport.close
+        self.transport = _Lingering(transport, self._loop, seconds)  # type: ignore[assignment]
 
-        def linger() -> None:
-            try:
-                transport.write_eof()
-            except (OSError, RuntimeError, NotImplementedError):
-                close()
-                return
-            self._loop.call_later(seconds, close)
 
-        transport._metaclaw_lingering = True
-        transport.close = linger
+class _Lingering:
+    """A connection's transport whose ``close()`` half-closes it, then closes it for good once
+    the client is done or after ``seconds`` (see :meth:`EdgeHandler._linger_on_close`). A
+    wrapper rather than a patched transport: uvloop's transports take no new attributes."""
+
+    def __init__(self, transport: Any, loop: Any, seconds: float):
+        self._transport = transport
+        self._loop = loop
+        self._seconds = seconds
+        self._closing = False
+
+    def close(self) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        try:
+            self._transport.write_eof()
+        except (OSError, RuntimeError, NotImplementedError):
+            self._transport.close()
+            return
+        self._loop.call_later(self._seconds, self._transport.close)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
 
 
 class EdgeServer(web_server.Server):

@@ -338,8 +338,11 @@ class TurnPipeline:
             raise self.too_large()
         check_encoding(request)
         try:
-            async with asyncio.timeout(self.config.body_timeout):
+            if request.content.is_eof():  # the whole body is here already: no timer to set
                 raw = await request.read()
+            else:
+                async with asyncio.timeout(self.config.body_timeout):
+                    raw = await request.read()
         except TimeoutError:
             raise ProxyError(408, f"the request body did not arrive within "
                                   f"{self.config.body_timeout:g} s; send it at once",
@@ -624,21 +627,25 @@ class _Relay:
                 except ConnectionError:
                     raise _ClientGone() from None
                 ended = False
-                async for raw, event in events:
-                    ended = ended or source.is_terminal(raw, event)
-                    if _is_error_event(event):  # an upstream error may quote the key
-                        event = self.proxy._scrub_json(event, self.secrets)
-                        raw = self.proxy._scrub_bytes(raw, self.secrets)
-                    assembler.add(event)
-                    if same:
-                        outs = [(self.proxy._scrub_bytes(raw, self.secrets), event)]
-                    else:
-                        outs = [(client.encode_event(e), e) for e in translate(event)]
-                    for data, out in outs:
-                        if client.is_terminal(data, out):
-                            held.append(data)
-                        elif not client.is_private(out, client_asked):
-                            await self.write(response, data)
+                async for batch in events:  # the events that arrived together go out together
+                    relayed: list[bytes] = []
+                    for raw, event in batch:
+                        ended = ended or source.is_terminal(raw, event)
+                        if _is_error_event(event):  # an upstream error may quote the key
+                            event = self.proxy._scrub_json(event, self.secrets)
+                            raw = self.proxy._scrub_bytes(raw, self.secrets)
+                        assembler.add(event)
+                        if same:
+                            outs = [(self.proxy._scrub_bytes(raw, self.secrets), event)]
+                        else:
+                            outs = [(client.encode_event(e), e) for e in translate(event)]
+                        for data, out in outs:
+                            if client.is_terminal(data, out):
+                                held.append(data)
+                            elif not client.is_private(out, client_asked):
+                                relayed.append(data)
+                    if relayed:
+                        await self.write(response, b"".join(relayed))
                 if not ended and assembler.error is None:
                     raise ProxyError(502, f"the upstream {_where(upstream)} ended its stream "
                                           "before the final event (truncated reply); retry the "
@@ -677,9 +684,7 @@ class _Relay:
             except ProxyError as exc:
                 held = [client.stream_error_event(exc)]
             with contextlib.suppress(_ClientGone, ConnectionError):
-                for data in held:
-                    await self.write(response, data)
-                await response.write_eof()
+                await response.write_eof(b"".join(held))  # one write: the end and the last chunk
             return response
 
 

@@ -156,6 +156,12 @@ class Responder(Protocol):
 
 
 
+def _protocol_of(request: web.Request) -> Any:
+    """The protocol whose shape errors on ``request`` take: the one its path belongs to."""
+    return next((p for p in PROTOCOLS.values() if any(r in request.path for r in p.routes)),
+                OPENAI)
+
+
 class _SecretFilter(logging.Filter):
     """Masks the proxy's secrets in its log records (message, arguments and traceback): an
     upstream exception's text can quote the key it was sent."""
@@ -396,14 +402,12 @@ class Proxy(ServedApp):
 
     @web.middleware
     async def _errors_middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        protocol = next((p for p in PROTOCOLS.values() if any(r in request.path for r in p.routes)),
-                        OPENAI)  # errors in the shape of the protocol the path belongs to
         try:
             return await handler(request)
         except ProxyError as exc:
-            return protocol.error_response(exc)
+            return _protocol_of(request).error_response(exc)
         except web.HTTPRequestEntityTooLarge:
-            return protocol.error_response(self._pipeline.too_large())
+            return _protocol_of(request).error_response(self._pipeline.too_large())
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
@@ -412,12 +416,13 @@ class Proxy(ServedApp):
                             "and GET /healthz",
                        405: f"method {request.method} is not allowed on {request.path}"}.get(
                 exc.status, exc.reason)
-            return protocol.error_response(ProxyError(exc.status, message, code=str(exc.status)))
+            return _protocol_of(request).error_response(
+                ProxyError(exc.status, message, code=str(exc.status)))
         except (ConnectionResetError, asyncio.CancelledError):
             raise
         except Exception as exc:  # a bug: answer in the protocol's shape, keep serving
             log.exception("internal error while serving %s", request.path)
-            return protocol.error_response(ProxyError(
+            return _protocol_of(request).error_response(ProxyError(
                 500, f"internal proxy error: {type(exc).__name__}: {exc}", type="server_error",
                 code="internal_error"))
 

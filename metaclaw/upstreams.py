@@ -25,8 +25,10 @@ import time
 from contextlib import AsyncExitStack
 from typing import Any, AsyncIterator, Mapping
 
+from yarl import URL
+
 from metaclaw.jsonlib import dumpb, loads
-from metaclaw.protocols import (Event, ProxyError, WireProtocol, dumps, error_json, get_protocol,
+from metaclaw.protocols import (Event, ProxyError, WireProtocol, error_json, get_protocol,
                                 sse_events)
 
 log = logging.getLogger("metaclaw.proxy")
@@ -48,8 +50,8 @@ def safe_url(url: str | None) -> str | None:
 
 class Upstream:
     """A model endpoint in one wire protocol. ``complete`` returns ``(payload bytes, reply dict,
-    policy columns)``; ``stream`` returns an async iterator of :data:`Event` and registers its
-    cleanup on ``stack``."""
+    policy columns)``; ``stream`` returns an async iterator of lists of :data:`Event` (the events
+    that arrived together) and registers its cleanup on ``stack``."""
 
     protocol: WireProtocol
     kind = "upstream"
@@ -59,7 +61,8 @@ class Upstream:
         raise NotImplementedError
 
     async def stream(self, body: dict[str, Any], key: str | None, headers: dict[str, str],
-                     stack: AsyncExitStack, captured: dict[str, Any]) -> AsyncIterator[Event]:
+                     stack: AsyncExitStack, captured: dict[str, Any]
+                     ) -> AsyncIterator[list[Event]]:
         raise NotImplementedError
 
     def map_error(self, exc: BaseException, midstream: bool = False) -> ProxyError:
@@ -104,6 +107,7 @@ class HTTPUpstream(Upstream):
                        if parts.username or parts.password else None)
         self._session: Any = None
         self._proxy: str | None = None
+        self._urls: dict[str, Any] = {}
 
     @staticmethod
     def base_url(url: str) -> str:
@@ -153,9 +157,11 @@ class HTTPUpstream(Upstream):
                        stream: bool = False) -> Any:
         """One request, without retries: the reply's bytes, or the open response of a stream.
         An error status raises :class:`UpstreamStatusError`."""
-        response = await self._session.request(method, self._base + path, data=data,
-                                               headers=headers, proxy=self._proxy,
-                                               allow_redirects=False)
+        url = self._urls.get(path)
+        if url is None:  # parsed once per path, not per request
+            url = self._urls[path] = URL(self._base + path)
+        response = await self._session.request(method, url, data=data, headers=headers,
+                                               proxy=self._proxy, allow_redirects=False)
         if response.status >= 400:
             try:
                 raise UpstreamStatusError(response.status, response.headers,
@@ -355,21 +361,22 @@ class ResponderUpstream(Upstream):
 
 
 async def _responder_events(responder: Any, body: dict[str, Any],
-                            captured: dict[str, Any]) -> AsyncIterator[Event]:
-    """SSE events of a responder's chunks; a chunk's ``metaclaw`` object is moved to
-    ``captured["metaclaw"]`` and never sent to the client."""
+                            captured: dict[str, Any]) -> AsyncIterator[list[Event]]:
+    """SSE events of a responder's chunks, one at a time as they are produced; a chunk's
+    ``metaclaw`` object is moved to ``captured["metaclaw"]`` and never sent to the client."""
     async for chunk in responder.stream(body):
         if isinstance(chunk, dict) and "metaclaw" in chunk:
             chunk = dict(chunk)
             captured["metaclaw"] = chunk.pop("metaclaw")
-        yield f"data: {dumps(chunk)}\n\n".encode(), chunk
-    yield b"data: [DONE]\n\n", None
+        yield [(b"data: " + dumpb(chunk) + b"\n\n", chunk)]
+    yield [(b"data: [DONE]\n\n", None)]
 
 
-async def _prepend(first: Event, rest: AsyncIterator[Event]) -> AsyncIterator[Event]:
+async def _prepend(first: list[Event],
+                   rest: AsyncIterator[list[Event]]) -> AsyncIterator[list[Event]]:
     yield first
-    async for event in rest:
-        yield event
+    async for batch in rest:
+        yield batch
 
 
 def policy_columns(info: Any) -> dict[str, Any]:

@@ -176,10 +176,12 @@ class StreamTranslator:
 
 
 async def sse_events(chunks: AsyncIterator[bytes],
-                     timeout: float | None = None) -> AsyncIterator[Event]:
-    """Server-sent events from a stream of bytes however it is cut into chunks: yields (the
-    event's bytes to relay, its JSON data or None). Lines may end in ``\\n``, ``\\r\\n`` or
-    ``\\r``; events are relayed with ``\\n``.
+                     timeout: float | None = None) -> AsyncIterator[list[Event]]:
+    """Server-sent events from a stream of bytes however it is cut into chunks: yields, for each
+    chunk that completes events, the list of those events (each: the bytes to relay, its JSON
+    data or None), so that what arrived together can be relayed together. Lines may end in
+    ``\\n``, ``\\r\\n`` or ``\\r``; events are relayed with ``\\n``. An event that is not SSE
+    raises (see :func:`sse_event`) after the good events before it are yielded.
 
     ``timeout``: seconds each event may take after the previous one. It is checked as bytes
     arrive, without a timer per event (the transport's own read timeout covers a silent
@@ -202,13 +204,21 @@ async def sse_events(chunks: AsyncIterator[bytes],
         if b"\n\n" not in buffer:
             continue
         *blocks, buffer = buffer.split(b"\n\n")
-        for block in blocks:
-            if block.strip(b"\n"):
-                yield sse_event(block.strip(b"\n"))
+        batch: list[Event] = []
+        try:
+            for block in blocks:
+                if block.strip(b"\n"):
+                    batch.append(sse_event(block.strip(b"\n")))
+        except ProxyError:
+            if batch:
+                yield batch
+            raise
+        if batch:
+            yield batch
         if deadline is not None:
             deadline = loop.time() + timeout
     if buffer.strip(b"\r\n"):
-        yield sse_event(buffer.replace(b"\r", b"\n").strip(b"\n"))
+        yield [sse_event(buffer.replace(b"\r", b"\n").strip(b"\n"))]
 
 
 _SSE_FIELDS = (b"data", b"event", b"id", b"retry")
