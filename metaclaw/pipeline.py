@@ -525,6 +525,7 @@ class _Relay:
         self.caller_key = caller_key
         self.started = started
         self.secrets = self.proxy._secrets(caller_key)
+        self.secret_bytes = tuple(secret.encode() for secret in self.secrets)
         self.sent = 0  # body bytes written to the client
 
     def finish(self, **fields: Any) -> asyncio.Future[Any]:
@@ -571,7 +572,7 @@ class _Relay:
             raise
         except Exception as exc:
             return await self.fail(exc, upstream)
-        payload = self.proxy._scrub_bytes(payload, self.secrets)
+        payload = self.proxy._scrub_bytes(payload, self.secret_bytes)
         recorded = self.finish(status="ok", http_status=200,
                                **{**upstream.protocol.reply_columns(data), **policy})
         try:
@@ -633,10 +634,9 @@ class _Relay:
                         ended = ended or source.is_terminal(raw, event)
                         if _is_error_event(event):  # an upstream error may quote the key
                             event = self.proxy._scrub_json(event, self.secrets)
-                            raw = self.proxy._scrub_bytes(raw, self.secrets)
                         assembler.add(event)
                         if same:
-                            outs = [(self.proxy._scrub_bytes(raw, self.secrets), event)]
+                            outs = [(raw, event)]
                         else:
                             outs = [(client.encode_event(e), e) for e in translate(event)]
                         for data, out in outs:
@@ -644,8 +644,9 @@ class _Relay:
                                 held.append(data)
                             elif not client.is_private(out, client_asked):
                                 relayed.append(data)
-                    if relayed:
-                        await self.write(response, b"".join(relayed))
+                    if relayed:  # masked as a whole: an upstream may quote the key anywhere
+                        await self.write(response, self.proxy._scrub_bytes(b"".join(relayed),
+                                                                           self.secret_bytes))
                 if not ended and assembler.error is None:
                     raise ProxyError(502, f"the upstream {_where(upstream)} ended its stream "
                                           "before the final event (truncated reply); retry the "
@@ -683,8 +684,9 @@ class _Relay:
                 await self.pipeline.acknowledge(recorded)
             except ProxyError as exc:
                 held = [client.stream_error_event(exc)]
-            with contextlib.suppress(_ClientGone, ConnectionError):
-                await response.write_eof(b"".join(held))  # one write: the end and the last chunk
+            with contextlib.suppress(_ClientGone, ConnectionError):  # the end and the last chunk
+                await response.write_eof(self.proxy._scrub_bytes(b"".join(held),
+                                                                  self.secret_bytes))
             return response
 
 

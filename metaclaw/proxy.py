@@ -349,12 +349,11 @@ class Proxy(ServedApp):
         return text
 
     @staticmethod
-    def _scrub_bytes(data: bytes, secrets: tuple[str, ...]) -> bytes:
-        """``data`` (a reply or stream event as relayed) with ``secrets`` masked."""
+    def _scrub_bytes(data: bytes, secrets: tuple[bytes, ...]) -> bytes:
+        """``data`` (a reply or stream events as relayed) with ``secrets`` (encoded) masked."""
         for secret in secrets:
-            raw = secret.encode()
-            if raw in data:
-                data = data.replace(raw, b"***")
+            if secret in data:
+                data = data.replace(secret, b"***")
         return data
 
     @classmethod
