@@ -1,6 +1,6 @@
 """What the MetaClaw proxy adds to each request, measured against calling the upstream directly.
 
-Three processes, so none shares an interpreter lock with another:
+Separate processes, so none shares an interpreter lock with another:
 
 - upstream: the offline double (:class:`metaclaw.double.DoubleServer`, a scripted server, not a
   model) answering every request at once with an echo of the user message (streams: one chunk
@@ -29,8 +29,9 @@ requests are not measured. Printed: p50/p95/p99/mean latency of non-streaming re
 time to first stream chunk and of whole streams, direct vs proxied, the added milliseconds and the
 ratio proxied/direct; then throughput at ``--concurrency`` parallel requests (asyncio client) and
 its ratio proxied/direct; then CPU time per request spent in the proxy process and the number of
-turns the proxy recorded. Last, the targets: ``proxy[lexical]`` (durable acknowledgements, every
-turn recorded) against the floor, as ratios from this run, each with PASS or FAIL:
+turns the proxy recorded. Last, the targets: ``proxy[lexical]`` (each reply's end sent only once
+its turn is committed, so that it survives ``kill -9``; every turn recorded) against the floor,
+as ratios from this run, each with PASS or FAIL:
 
 - added p50 latency (proxy p50 - direct p50) / (floor p50 - direct p50), non-streaming and time
   to first chunk: at most 3x;
@@ -43,7 +44,7 @@ fails).
 
     python benchmarks/bench_proxy.py [--requests 500] [--concurrency 16] [--embedding]
                                      [--protocols openai,anthropic] [--durable-acks]
-                                     [--check-targets]
+                                     [--fsync-acks] [--check-targets]
 """
 
 from __future__ import annotations
@@ -512,8 +513,8 @@ def report_targets(samples: dict[str, Samples], results: dict[tuple[str, bool], 
                    failed: list[str]) -> list[str]:
     """The targets of CHECKED against the floor, as ratios with PASS / FAIL (failures are
     appended to ``failed``)."""
-    lines = ["", f"targets: {CHECKED} (durable acknowledgements, every turn recorded) against "
-                 f"the {FLOOR}, side by side in this run"]
+    lines = ["", f"targets: {CHECKED} (turn committed before the reply ends, every turn "
+                 f"recorded) against the {FLOOR}, side by side in this run"]
 
     def verdict(name: str, ok: bool) -> str:
         if not ok:
@@ -562,6 +563,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="also measure a lexical proxy that ends each reply before its turn "
                              "is committed (serve --no-durable-acks), beside the default durable "
                              "one: the cost of durability")
+    parser.add_argument("--fsync-acks", action="store_true",
+                        help="also measure a lexical proxy that fsyncs each commit before "
+                             "acknowledging (serve --fsync-acks: turns survive power loss, not "
+                             "only kill -9)")
     parser.add_argument("--protocols", default="openai,anthropic",
                         help="client protocols to measure, comma-separated (default "
                              "openai,anthropic)")
@@ -600,6 +605,10 @@ def main(argv: list[str] | None = None) -> int:
                 proxies.append(start_proxy("lexical", double_url, tmp / "not-durable", "openai",
                                            "proxy[lexical,no-durable-acks]",
                                            ("--no-durable-acks",)))
+                targets[proxies[-1].name] = proxies[-1].url
+            if args.fsync_acks:
+                proxies.append(start_proxy("lexical", double_url, tmp / "fsync", "openai",
+                                           "proxy[lexical,fsync-acks]", ("--fsync-acks",)))
                 targets[proxies[-1].name] = proxies[-1].url
             groups[direct] = list(targets)
         if "anthropic" in protocols:
