@@ -56,6 +56,7 @@ FIELD_TYPES: dict[str, dict[str, tuple[str, ...]]] = {
 }
 #: Fields the proxy itself reads, whatever the protocol.
 PROXY_FIELD_TYPES = {"session_id": _STR, "turn_type": _STR, "session_done": _BOOL + _STR}
+_TYPES = {name: {**types, **PROXY_FIELD_TYPES} for name, types in FIELD_TYPES.items()}
 #: Per-message fields of the OpenAI chat shape.
 OPENAI_MESSAGE_TYPES = {"role": _STR, "content": _STR + _LIST, "name": _STR,
                         "tool_calls": _LIST, "tool_call_id": _STR}
@@ -181,7 +182,7 @@ def _matches(value: Any, kinds: tuple[str, ...]) -> bool:
 def check_fields(protocol: str, body: dict[str, Any]) -> dict[str, Any]:
     """``body`` without its ``null`` fields, after checking the type of each field the
     protocol defines (400 naming the field, its type and the expected ones otherwise)."""
-    types = {**FIELD_TYPES.get(protocol, {}), **PROXY_FIELD_TYPES}
+    types = _TYPES.get(protocol, PROXY_FIELD_TYPES)
     for name, value in body.items():
         kinds = types.get(name)
         if value is None or kinds is None or _matches(value, kinds):

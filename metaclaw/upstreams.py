@@ -136,11 +136,14 @@ class HTTPUpstream(Upstream):
         parts = urlsplit(self._base)
         if not proxy_bypass(parts.hostname or ""):
             self._proxy = getproxies().get(parts.scheme)
+        # a whole reply is timed by the caller (asyncio.timeout); a stream's reads are timed
+        # here, its events by sse_events
+        self._whole_timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.timeout)
+        self._stream_timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.timeout,
+                                                     sock_read=self.timeout)
         self._session = aiohttp.ClientSession(
             headers=headers, cookie_jar=aiohttp.DummyCookieJar(),  # no state between callers
-            connector=aiohttp.TCPConnector(limit=1000),
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.timeout,
-                                          sock_read=self.timeout))
+            connector=aiohttp.TCPConnector(limit=1000), timeout=self._stream_timeout)
 
     async def close(self) -> None:
         if self._session is not None:
@@ -160,8 +163,9 @@ class HTTPUpstream(Upstream):
         url = self._urls.get(path)
         if url is None:  # parsed once per path, not per request
             url = self._urls[path] = URL(self._base + path)
-        response = await self._session.request(method, url, data=data, headers=headers,
-                                               proxy=self._proxy, allow_redirects=False)
+        response = await self._session.request(
+            method, url, data=data, headers=headers, proxy=self._proxy, allow_redirects=False,
+            timeout=self._stream_timeout if stream else self._whole_timeout)
         if response.status >= 400:
             try:
                 raise UpstreamStatusError(response.status, response.headers,
