@@ -1,5 +1,5 @@
-"""The one JSON library of the request path: orjson (several times faster than the standard
-library at both ends), with the standard library as the fallback for the rare values orjson
+"""The one JSON library of the request path: orjson (faster than the standard library at both
+ends), with the standard library as the fallback for the rare values orjson
 refuses (integers beyond 64 bits and dictionary keys that are not strings to write, escaped lone
 surrogates to read).
 

@@ -15,8 +15,9 @@ Ordering contract of the relay and record steps: the event that ends a reply for
 are sent only after :meth:`Recorder.submit` has taken the turn and
 :meth:`TurnPipeline.acknowledge` has returned. With ``ProxyConfig.durable_acks`` (the default)
 that means the turn is committed to SQLite: a reply the client received in full is never lost, even to
-``kill -9``. The recorder commits in groups, so this costs a request about one commit (one fsync)
-of latency however many are in flight, and no throughput. Without it, the turn is queued and
+``kill -9`` (and, with ``ProxyConfig.fsync_acks``, a power loss: the commit is then fsynced).
+The recorder commits in groups, so this costs a request about one commit of latency however many
+are in flight, and no throughput. Without it, the turn is queued and
 committed right after. Every turn that reached the upstream is recorded with a status saying how
 it ended (see :class:`_Relay`): a client that leaves before the headers or mid-stream leaves a
 ``client_disconnected`` turn with what was relayed so far.
@@ -48,10 +49,10 @@ log = logging.getLogger("metaclaw.proxy")
 
 #: Body fields understood by the proxy itself; removed before forwarding.
 PROXY_FIELDS = ("session_id", "turn_type", "session_done")
-#: Retrievers that run on the event loop: pure Python over an in-memory index (BM25 over 20
-#: skills takes about 0.1 ms), so a worker thread would only add two thread switches to every
-#: turn without taking the work off the interpreter lock. Others (a model encoding the query)
-#: run in the retrieval pool.
+#: Retrievers that run on the event loop: pure Python over an in-memory index (a fraction of a
+#: millisecond for 20 skills), which a worker thread would not take off the interpreter lock,
+#: only add two thread switches to every turn. Others (a model encoding the query) run in the
+#: retrieval pool.
 INLINE_RETRIEVERS = ("lexical",)
 #: Chat fields recorded in their own columns rather than in ``request_params``.
 _OWN_COLUMNS = ("messages", "model", "stream")
@@ -162,8 +163,8 @@ class Recorder:
     One writer thread takes every turn submitted since its last commit and writes them in one
     transaction (one commit for the whole group), so waiting for durability costs a request about
     one commit however many requests are in flight. The commit survives ``kill -9`` of the proxy;
-    with ``fsync`` (``ProxyConfig.fsync_acks``) it is also fsynced (``synchronous=FULL``: it survives an OS
-    crash or power loss too, for about one fsync per group).
+    with ``fsync`` (``ProxyConfig.fsync_acks``) it is also fsynced (``synchronous=FULL``: it
+    survives an OS crash or power loss too, for about one fsync per group).
     :meth:`submit` returns at once with a future that resolves to the turn id once its group is
     committed (``None`` if it could not be written); :meth:`drain` waits for every submitted turn.
     """
