@@ -1,6 +1,6 @@
 """What the MetaClaw proxy adds to each request, measured against calling the upstream directly.
 
-Three processes, so none shares an interpreter lock with another:
+Separate processes, so none shares an interpreter lock with another:
 
 - upstream: the offline double (:class:`metaclaw.double.DoubleServer`, a scripted server, not a
   model) answering every request at once with an echo of the user message (streams: one chunk
@@ -8,6 +8,10 @@ Three processes, so none shares an interpreter lock with another:
 - proxy: ``python -m metaclaw serve --upstream <double> --retrieval lexical`` over a library of
   20 skills and a fresh workspace database (with ``--embedding``, a second proxy with
   ``--retrieval embedding`` runs beside it);
+- floor: ``benchmarks/passthrough.py``, a bare aiohttp pass-through in its own process (receives
+  the body, forwards it unchanged with one pooled client session, relays the reply; no parsing,
+  retrieval or recording), on the same event loop as the proxy: the least any proxy in this
+  framework adds;
 - client: this script, using ``httpx`` (not the ``openai`` SDK, whose typed request/response
   handling would add its own milliseconds to both sides).
 
@@ -25,10 +29,22 @@ requests are not measured. Printed: p50/p95/p99/mean latency of non-streaming re
 time to first stream chunk and of whole streams, direct vs proxied, the added milliseconds and the
 ratio proxied/direct; then throughput at ``--concurrency`` parallel requests (asyncio client) and
 its ratio proxied/direct; then CPU time per request spent in the proxy process and the number of
-turns the proxy recorded. Exits 1 when any request fails.
+turns the proxy recorded. Last, the targets: ``proxy[lexical]`` (each reply's end sent only once
+its turn is committed, so that it survives ``kill -9``; every turn recorded) against the floor,
+as ratios from this run, each with PASS or FAIL:
 
-    python benchmarks/bench_proxy.py [--requests 300] [--concurrency 16] [--embedding]
+- added p50 latency (proxy p50 - direct p50) / (floor p50 - direct p50), non-streaming and time
+  to first chunk: at most 3x;
+- throughput at ``--concurrency`` (non-streaming and streaming), proxy / floor: at least 0.8x;
+- CPU per request (user + system, over every measured request, at least 2,000 with the
+  defaults), proxy / floor: at most 1.5x.
+
+Exits 1 when any request fails or a turn is lost (and, with ``--check-targets``, when a target
+fails).
+
+    python benchmarks/bench_proxy.py [--requests 500] [--concurrency 16] [--embedding]
                                      [--protocols openai,anthropic] [--durable-acks]
+                                     [--fsync-acks] [--check-targets]
 """
 
 from __future__ import annotations
@@ -69,6 +85,13 @@ double.stop()
 """
 #: Target name -> wire protocol of its requests (targets not listed speak OpenAI chat).
 PROTOCOL_OF: dict[str, str] = {}
+#: The floor's target name, and the proxy the targets are checked for.
+FLOOR = "floor[pass-through]"
+CHECKED = "proxy[lexical]"
+#: Targets: added p50 <= 3x the floor's, throughput >= 0.8x, CPU per request <= 1.5x.
+MAX_ADDED_RATIO, MIN_THROUGHPUT_RATIO, MAX_CPU_RATIO = 3.0, 0.8, 1.5
+#: Requests the CPU ratio should be measured over.
+CPU_REQUESTS = 2000
 
 EXTRA_SKILLS = [
     ("run-tests-after-change", "testing", "After changing code, run the relevant tests and report "
@@ -221,6 +244,19 @@ def start_proxy(retrieval: str, upstream: str, workdir: Path, upstream_protocol:
         time.sleep(0.1)
     proc.kill()
     raise RuntimeError(f"the {retrieval} proxy did not answer /healthz within 180 s")
+
+
+def start_passthrough(upstream: str) -> ProxyProcess:
+    """The floor (``benchmarks/passthrough.py``) in its own process, forwarding to ``upstream``."""
+    root = upstream[:-3] if upstream.endswith("/v1") else upstream
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("passthrough.py")),
+                             "--upstream", root], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True, env=child_env())
+    line = proc.stdout.readline().strip()
+    if not line.isdigit():
+        proc.kill()
+        raise RuntimeError(f"the pass-through did not start (it printed {line!r})")
+    return ProxyProcess(FLOOR, proc, f"http://127.0.0.1:{int(line)}/v1", Path(), Path())
 
 
 def stop_proxy(proxy: ProxyProcess) -> int:
@@ -472,10 +508,49 @@ def report_concurrent(results: dict[tuple[str, bool], Throughput], direct: str,
     return lines
 
 
+def report_targets(samples: dict[str, Samples], results: dict[tuple[str, bool], Throughput],
+                   cpu_used: dict[str, float], direct: str, requests: int, concurrency: int,
+                   failed: list[str]) -> list[str]:
+    """The targets of CHECKED against the floor, as ratios with PASS / FAIL (failures are
+    appended to ``failed``)."""
+    lines = ["", f"targets: {CHECKED} (turn committed before the reply ends, every turn "
+                 f"recorded) against the {FLOOR}, side by side in this run"]
+
+    def verdict(name: str, ok: bool) -> str:
+        if not ok:
+            failed.append(name)
+        return "PASS" if ok else "FAIL"
+
+    for title, attr in (("added p50, non-streaming", "plain"),
+                        ("added p50, time to first chunk", "ttfc")):
+        base = percentile(getattr(samples[direct], attr), 50)
+        mine = percentile(getattr(samples[CHECKED], attr), 50) - base
+        floor = percentile(getattr(samples[FLOOR], attr), 50) - base
+        ratio = mine / floor if floor > 0 else float("inf")
+        lines.append(f"  {title:<36} proxy {mine:6.2f} ms / floor {floor:6.2f} ms = "
+                     f"{ratio:6.2f}x  (target <= {MAX_ADDED_RATIO:g}x)  "
+                     f"{verdict(title, ratio <= MAX_ADDED_RATIO)}")
+    for stream in (False, True):
+        title = f"throughput c={concurrency}, {'streaming' if stream else 'non-streaming'}"
+        mine, floor = results[(CHECKED, stream)].rate, results[(FLOOR, stream)].rate
+        ratio = mine / floor if floor else 0.0
+        lines.append(f"  {title:<36} proxy {mine:6.1f}/s / floor {floor:6.1f}/s = {ratio:6.2f}x  "
+                     f"(target >= {MIN_THROUGHPUT_RATIO:g}x)  "
+                     f"{verdict(title, ratio >= MIN_THROUGHPUT_RATIO)}")
+    title = f"CPU per request ({requests} requests)"
+    mine, floor = (1000 * cpu_used[name] / requests for name in (CHECKED, FLOOR))
+    ratio = mine / floor if floor else float("inf")
+    note = "" if requests >= CPU_REQUESTS else f"; fewer than {CPU_REQUESTS} requests: indicative"
+    lines.append(f"  {title:<36} proxy {mine:6.2f} ms / floor {floor:6.2f} ms = {ratio:6.2f}x  "
+                 f"(target <= {MAX_CPU_RATIO:g}x{note})  {verdict(title, ratio <= MAX_CPU_RATIO)}")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=300,
-                        help="measured requests per target and mode (default 300)")
+    parser.add_argument("--requests", type=int, default=500,
+                        help="measured requests per target and mode (default 500: the CPU "
+                             "ratio then covers over 2,000 requests per process)")
     parser.add_argument("--concurrency", type=int, default=16,
                         help="requests in flight in the throughput phase (default 16)")
     parser.add_argument("--embedding", action="store_true",
@@ -488,9 +563,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="also measure a lexical proxy that ends each reply before its turn "
                              "is committed (serve --no-durable-acks), beside the default durable "
                              "one: the cost of durability")
+    parser.add_argument("--fsync-acks", action="store_true",
+                        help="also measure a lexical proxy that fsyncs each commit before "
+                             "acknowledging (serve --fsync-acks: turns survive power loss, not "
+                             "only kill -9)")
     parser.add_argument("--protocols", default="openai,anthropic",
                         help="client protocols to measure, comma-separated (default "
                              "openai,anthropic)")
+    parser.add_argument("--check-targets", action="store_true",
+                        help="exit 1 when a target against the floor fails")
     args = parser.parse_args(argv)
     protocols = [p.strip() for p in args.protocols.split(",") if p.strip()]
     if not protocols or set(protocols) - {"openai", "anthropic"}:
@@ -507,6 +588,7 @@ def main(argv: list[str] | None = None) -> int:
     double_proc, double_url = start_double()
     doubles = [double_proc]
     proxies: list[ProxyProcess] = []
+    floor: ProxyProcess | None = None
     tmp = Path(tempfile.mkdtemp(prefix="metaclaw-bench-proxy-"))
     direct = "direct (upstream double)"
     groups: dict[str, list[str]] = {}  # the direct target of a group -> its targets
@@ -514,6 +596,8 @@ def main(argv: list[str] | None = None) -> int:
         targets: dict[str, str] = {}
         if "openai" in protocols:
             targets[direct] = double_url
+            floor = start_passthrough(double_url)
+            targets[FLOOR] = floor.url
             for retrieval in ["lexical"] + (["embedding"] if args.embedding else []):
                 proxies.append(start_proxy(retrieval, double_url, tmp / retrieval))
                 targets[proxies[-1].name] = proxies[-1].url
@@ -521,6 +605,10 @@ def main(argv: list[str] | None = None) -> int:
                 proxies.append(start_proxy("lexical", double_url, tmp / "not-durable", "openai",
                                            "proxy[lexical,no-durable-acks]",
                                            ("--no-durable-acks",)))
+                targets[proxies[-1].name] = proxies[-1].url
+            if args.fsync_acks:
+                proxies.append(start_proxy("lexical", double_url, tmp / "fsync", "openai",
+                                           "proxy[lexical,fsync-acks]", ("--fsync-acks",)))
                 targets[proxies[-1].name] = proxies[-1].url
             groups[direct] = list(targets)
         if "anthropic" in protocols:
@@ -542,7 +630,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"MetaClaw proxy overhead: client httpx {httpx.__version__} in process {os.getpid()}, "
               f"upstream = offline doubles (scripted echo, no delay) in processes "
               f"{', '.join(str(d.pid) for d in doubles)}, "
-              + ", ".join(f"{p.name} in process {p.proc.pid}" for p in proxies)
+              + ", ".join(f"{p.name} in process {p.proc.pid}"
+                          for p in proxies + ([floor] if floor else []))
               + f"; 20 skills per proxy, top-k 3; {os.cpu_count()} CPUs; load average "
               + " ".join(f"{x:.2f}" for x in load_before), flush=True)
 
@@ -550,7 +639,8 @@ def main(argv: list[str] | None = None) -> int:
         clients = {name: httpx.Client(timeout=httpx.Timeout(180.0)) for name in targets}
         try:
             run_sequential(clients, targets, warmup, seq)  # not measured
-            cpu_start = {p.name: cpu_seconds(p.proc.pid) for p in proxies}
+            measured = proxies + ([floor] if floor else [])
+            cpu_start = {p.name: cpu_seconds(p.proc.pid) for p in measured}
             client_cpu = time.process_time()
             started = time.perf_counter()
             samples = run_sequential(clients, targets, args.requests, seq)
@@ -562,7 +652,7 @@ def main(argv: list[str] | None = None) -> int:
                                              args.rounds, seq))
         total_s = time.perf_counter() - started
         client_cpu = time.process_time() - client_cpu
-        cpu_used = {p.name: cpu_seconds(p.proc.pid) - cpu_start[p.name] for p in proxies}
+        cpu_used = {p.name: cpu_seconds(p.proc.pid) - cpu_start[p.name] for p in measured}
 
         lines = [f"sequential phase {sequential_s:.1f} s (warm-up {warmup} per target), "
                  f"concurrent phase {total_s - sequential_s:.1f} s"]
@@ -581,8 +671,15 @@ def main(argv: list[str] | None = None) -> int:
             lines.append(f"  {p.name}: {1000 * cpu_used[p.name] / per_proxy:.2f} ms CPU per "
                          f"request (all phases, incl. recording), "
                          f"{sum(injected) / max(1, len(injected)):.2f} skills injected per request")
+        if floor is not None:
+            lines.append(f"  {FLOOR}: {1000 * cpu_used[FLOOR] / per_proxy:.2f} ms CPU per "
+                         "request (all phases)")
         lines.append(f"  client: {1000 * client_cpu / (per_proxy * len(targets)):.2f} ms CPU "
                      "per request")
+        failed: list[str] = []
+        if floor is not None and CHECKED in targets:
+            lines += report_targets(samples, results, cpu_used, direct, per_proxy,
+                                    args.concurrency, failed)
         print("\n".join(lines), flush=True)
 
         sent = per_proxy + 2 * warmup
@@ -596,11 +693,16 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
         load_after = os.getloadavg()
         print("load average at the end: " + " ".join(f"{x:.2f}" for x in load_after))
+        if failed and args.check_targets:
+            print(f"error: targets failed: {', '.join(failed)}", file=sys.stderr)
+            return 1
         return 0
     except (RequestFailed, RuntimeError, httpx.HTTPError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     finally:
+        if floor is not None:
+            proxies.append(floor)
         for p in proxies:
             p.proc.terminate()
             try:

@@ -90,6 +90,10 @@ def _add_proxy_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--durable-acks", action=argparse.BooleanOptionalAction, default=True,
                    help="end each reply only once its turn is committed to the store (default; "
                         "--no-durable-acks commits right after the reply instead)")
+    p.add_argument("--fsync-acks", action="store_true",
+                   help="fsync each commit before acknowledging, so acknowledged turns survive "
+                        "an OS crash or power loss too (default: they survive kill -9 of the "
+                        "proxy; costs about one fsync per group of turns)")
     p.add_argument("--starter-skills", action="store_true",
                    help="import the bundled starter skills into an empty library")
     p.add_argument("--sim", action="store_true", help="use the offline SIMULATED model "
@@ -120,7 +124,8 @@ def runtime_config(args: argparse.Namespace) -> RuntimeConfig:
         evolver_url=args.evolver_url, evolver_model=args.evolver_model, votes=args.votes,
         auto_evolve=args.auto_evolve, upstream_protocol=args.upstream_protocol,
         caller_auth=args.caller_auth, context_window=args.context_window,
-        durable_acks=args.durable_acks, local_model=getattr(args, "local_model", None))
+        durable_acks=args.durable_acks, fsync_acks=getattr(args, "fsync_acks", False),
+        local_model=getattr(args, "local_model", None))
 
 
 @command("serve")

@@ -24,6 +24,7 @@ from http import HTTPStatus
 from typing import Any
 
 from aiohttp import web, web_protocol, web_server
+from orjson import loads as loads_fast
 
 from metaclaw.protocols import ProxyError, dumps
 
@@ -55,11 +56,13 @@ FIELD_TYPES: dict[str, dict[str, tuple[str, ...]]] = {
 }
 #: Fields the proxy itself reads, whatever the protocol.
 PROXY_FIELD_TYPES = {"session_id": _STR, "turn_type": _STR, "session_done": _BOOL + _STR}
+_TYPES = {name: {**types, **PROXY_FIELD_TYPES} for name, types in FIELD_TYPES.items()}
 #: Per-message fields of the OpenAI chat shape.
 OPENAI_MESSAGE_TYPES = {"role": _STR, "content": _STR + _LIST, "name": _STR,
                         "tool_calls": _LIST, "tool_call_id": _STR}
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+_LONG_NUMBER = re.compile(rb"[0-9]{19}")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
@@ -80,7 +83,20 @@ def _bad(param: str | None, message: str, code: str = "invalid_request_body") ->
 
 
 def decode_body(raw: bytes) -> dict[str, Any]:
-    """The request body as a JSON object, or a 400 :class:`ProxyError` naming where and why."""
+    """The request body as a JSON object, or a 400 :class:`ProxyError` naming where and why.
+
+    orjson reads it when it can: it refuses NaN, Infinity, numbers beyond a double, lone
+    surrogates and deep nesting, the body is then read again by the standard library below, whose
+    hooks find what is wrong and where. A number of 19 digits or more also goes that way (orjson
+    would read an integer beyond 64 bits as a rounded float)."""
+    if _LONG_NUMBER.search(raw) is None:
+        try:
+            body = loads_fast(raw)
+        except ValueError:
+            pass
+        else:
+            if isinstance(body, dict) and raw.count(b"[") + raw.count(b"{") <= MAX_DEPTH:
+                return body
     flagged: list[bool] = []
 
     def constant(name: str) -> Any:
@@ -166,7 +182,7 @@ def _matches(value: Any, kinds: tuple[str, ...]) -> bool:
 def check_fields(protocol: str, body: dict[str, Any]) -> dict[str, Any]:
     """``body`` without its ``null`` fields, after checking the type of each field the
     protocol defines (400 naming the field, its type and the expected ones otherwise)."""
-    types = {**FIELD_TYPES.get(protocol, {}), **PROXY_FIELD_TYPES}
+    types = _TYPES.get(protocol, PROXY_FIELD_TYPES)
     for name, value in body.items():
         kinds = types.get(name)
         if value is None or kinds is None or _matches(value, kinds):
@@ -256,20 +272,35 @@ class EdgeHandler(web_protocol.RequestHandler):
         client reads it. So: half-close (no more bytes from us), keep reading and discarding what
         the client still sends, and close once it is done or after ``seconds``."""
         transport = self.transport
-        if transport is None or getattr(transport, "_metaclaw_lingering", False):
+        if transport is None or isinstance(transport, _Lingering):
             return
-        close = transport.close
+        self.transport = _Lingering(transport, self._loop, seconds)  # type: ignore[assignment]
 
-        def linger() -> None:
-            try:
-                transport.write_eof()
-            except (OSError, RuntimeError, NotImplementedError):
-                close()
-                return
-            self._loop.call_later(seconds, close)
 
-        transport._metaclaw_lingering = True
-        transport.close = linger
+class _Lingering:
+    """A connection's transport whose ``close()`` half-closes it, then closes it for good once
+    the client is done or after ``seconds`` (see :meth:`EdgeHandler._linger_on_close`). A
+    wrapper rather than a patched transport: uvloop's transports take no new attributes."""
+
+    def __init__(self, transport: Any, loop: Any, seconds: float):
+        self._transport = transport
+        self._loop = loop
+        self._seconds = seconds
+        self._closing = False
+
+    def close(self) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        try:
+            self._transport.write_eof()
+        except (OSError, RuntimeError, NotImplementedError):
+            self._transport.close()
+            return
+        self._loop.call_later(self._seconds, self._transport.close)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
 
 
 class EdgeServer(web_server.Server):

@@ -15,8 +15,9 @@ Ordering contract of the relay and record steps: the event that ends a reply for
 are sent only after :meth:`Recorder.submit` has taken the turn and
 :meth:`TurnPipeline.acknowledge` has returned. With ``ProxyConfig.durable_acks`` (the default)
 that means the turn is committed to SQLite: a reply the client received in full is never lost, even to
-``kill -9``. The recorder commits in groups, so this costs a request about one commit (one fsync)
-of latency however many are in flight, and no throughput. Without it, the turn is queued and
+``kill -9`` (and, with ``ProxyConfig.fsync_acks``, a power loss: the commit is then fsynced).
+The recorder commits in groups, so this costs a request about one commit of latency however many
+are in flight, and no throughput. Without it, the turn is queued and
 committed right after. Every turn that reached the upstream is recorded with a status saying how
 it ended (see :class:`_Relay`): a client that leaves before the headers or mid-stream leaves a
 ``client_disconnected`` turn with what was relayed so far.
@@ -49,6 +50,11 @@ log = logging.getLogger("metaclaw.proxy")
 
 #: Body fields understood by the proxy itself; removed before forwarding.
 PROXY_FIELDS = ("session_id", "turn_type", "session_done")
+#: Retrievers that run on the event loop: pure Python over an in-memory index (a fraction of a
+#: millisecond for 20 skills), which a worker thread would not take off the interpreter lock,
+#: only add two thread switches to every turn. Others (a model encoding the query) run in the
+#: retrieval pool.
+INLINE_RETRIEVERS = ("lexical",)
 #: Chat fields recorded in their own columns rather than in ``request_params``.
 _OWN_COLUMNS = ("messages", "model", "stream")
 #: Client headers an Anthropic upstream receives as they came (pass-through only).
@@ -156,8 +162,10 @@ class Recorder:
     """Writes finished turns to the store with group commit, and notifies the turn listeners.
 
     One writer thread takes every turn submitted since its last commit and writes them in one
-    transaction (one durable commit, ``synchronous=FULL``, for the whole group), so waiting for
-    durability costs a request about one commit however many requests are in flight.
+    transaction (one commit for the whole group), so waiting for durability costs a request about
+    one commit however many requests are in flight. The commit survives ``kill -9`` of the proxy;
+    with ``fsync`` (``ProxyConfig.fsync_acks``) it is also fsynced (``synchronous=FULL``: it
+    survives an OS crash or power loss too, for about one fsync per group).
     :meth:`submit` returns at once with a future that resolves to the turn id once its group is
     committed (``None`` if it could not be written); :meth:`drain` waits for every submitted turn.
     """
@@ -165,8 +173,9 @@ class Recorder:
     #: Most turns written in one transaction.
     MAX_GROUP = 256
 
-    def __init__(self, proxy: "Proxy"):
+    def __init__(self, proxy: "Proxy", fsync: bool = False):
         self.proxy = proxy
+        self.fsync = fsync
         self.pending: set[asyncio.Future[Any]] = set()
         self._queue: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
@@ -214,28 +223,33 @@ class Recorder:
                 self._commit(group)
 
     def _commit(self, group: list[tuple[Any, ...]]) -> None:
-        store = self.proxy.store
+        store, fsync = self.proxy.store, self.fsync
         ids: list[int | None]
         try:
-            with store.transaction():
+            with store.transaction(fsync):
                 ids = [self._write(row, done) for row, done, _, _ in group]
             self.commits += 1
         except Exception:  # one bad row must not lose the others: write them one by one
             ids = []
             for row, done, _, _ in group:
                 try:  # strings cleaned of what SQLite cannot encode (lone surrogates)
-                    with store.transaction():
+                    with store.transaction(fsync):
                         ids.append(self._write(_encodable(row), done))
                 except Exception:
                     log.exception("could not record a turn of session %r", row.get("session_id"))
                     ids.append(None)
-        listeners = self.proxy._listeners
+        by_loop: dict[Any, list[tuple[asyncio.Future[Any], int | None]]] = {}
         for (_, _, future, loop), turn_id in zip(group, ids):
+            by_loop.setdefault(loop, []).append((future, turn_id))
+        for loop, results in by_loop.items():  # one wake-up of each loop for the whole group
             with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits any more
-                loop.call_soon_threadsafe(_resolve, future, turn_id)
-            if turn_id is not None and listeners and self.proxy._listener_pool is not None:
-                with contextlib.suppress(RuntimeError):
-                    self.proxy._listener_pool.submit(self._notify, turn_id)
+                loop.call_soon_threadsafe(_resolve, results)
+        listeners = self.proxy._listeners
+        if listeners and self.proxy._listener_pool is not None:
+            for turn_id in ids:
+                if turn_id is not None:
+                    with contextlib.suppress(RuntimeError):
+                        self.proxy._listener_pool.submit(self._notify, turn_id)
 
     def _write(self, row: dict[str, Any], done: bool) -> int:
         store = self.proxy.store
@@ -252,9 +266,10 @@ class Recorder:
                 log.exception("turn listener %r failed for turn %d", fn, turn_id)
 
 
-def _resolve(future: asyncio.Future[Any], value: Any) -> None:
-    if not future.done():
-        future.set_result(value)
+def _resolve(results: list[tuple[asyncio.Future[Any], Any]]) -> None:
+    for future, value in results:
+        if not future.done():
+            future.set_result(value)
 
 
 def _encodable(value: Any) -> Any:
@@ -325,8 +340,11 @@ class TurnPipeline:
             raise self.too_large()
         check_encoding(request)
         try:
-            async with asyncio.timeout(self.config.body_timeout):
+            if request.content.is_eof():  # the whole body is here already: no timer to set
                 raw = await request.read()
+            else:
+                async with asyncio.timeout(self.config.body_timeout):
+                    raw = await request.read()
         except TimeoutError:
             raise ProxyError(408, f"the request body did not arrive within "
                                   f"{self.config.body_timeout:g} s; send it at once",
@@ -346,7 +364,7 @@ class TurnPipeline:
                              code="bad_content_encoding") from None
         return raw, decode_body(raw)
 
-    # -- retrieve, fit the budget, inject (in a worker thread) ----------------------------
+    # -- retrieve, fit the budget, inject -------------------------------------------------
     def select_and_inject(self, turn: Turn, skills: list[Any]) -> None:
         """Steps 3-6 for a main or stage turn: query, retrieve (a stage turn: its stage's and
         general skills), fit the context budget, inject."""
@@ -381,7 +399,8 @@ class TurnPipeline:
 
     async def prepare(self, protocol: WireProtocol, request: web.Request,
                       **parse: Any) -> tuple[Turn, str | None]:
-        """Authenticate, read, parse, identify, then retrieve and inject off the event loop."""
+        """Authenticate, read, parse, identify, then retrieve and inject (off the event loop unless
+        the retriever is one of :data:`INLINE_RETRIEVERS`)."""
         caller_key = self.authenticate(request)
         raw, body = await self.read_body(request)
         turn = parse_turn(protocol, body, raw, self.config.model, **parse)
@@ -391,8 +410,11 @@ class TurnPipeline:
         turn.identified_by = identity.how
         turn.generation, skills = self.proxy.library.current()
         if is_task_turn(turn.turn_type) and skills:
-            await asyncio.get_running_loop().run_in_executor(
-                self.proxy._retrieval_pool, self.select_and_inject, turn, skills)
+            if getattr(self.proxy.retriever, "kind", None) in INLINE_RETRIEVERS:
+                self.select_and_inject(turn, skills)
+            else:
+                await asyncio.get_running_loop().run_in_executor(
+                    self.proxy._retrieval_pool, self.select_and_inject, turn, skills)
         return turn, caller_key
 
     # -- forwarding -----------------------------------------------------------------------
@@ -508,6 +530,7 @@ class _Relay:
         self.caller_key = caller_key
         self.started = started
         self.secrets = self.proxy._secrets(caller_key)
+        self.secret_bytes = tuple(secret.encode() for secret in self.secrets)
         self.sent = 0  # body bytes written to the client
 
     def finish(self, **fields: Any) -> asyncio.Future[Any]:
@@ -554,7 +577,7 @@ class _Relay:
             raise
         except Exception as exc:
             return await self.fail(exc, upstream)
-        payload = self.proxy._scrub_bytes(payload, self.secrets)
+        payload = self.proxy._scrub_bytes(payload, self.secret_bytes)
         recorded = self.finish(status="ok", http_status=200,
                                **{**upstream.protocol.reply_columns(data), **policy})
         try:
@@ -610,21 +633,25 @@ class _Relay:
                 except ConnectionError:
                     raise _ClientGone() from None
                 ended = False
-                async for raw, event in events:
-                    ended = ended or source.is_terminal(raw, event)
-                    if _is_error_event(event):  # an upstream error may quote the key
-                        event = self.proxy._scrub_json(event, self.secrets)
-                        raw = self.proxy._scrub_bytes(raw, self.secrets)
-                    assembler.add(event)
-                    if same:
-                        outs = [(self.proxy._scrub_bytes(raw, self.secrets), event)]
-                    else:
-                        outs = [(client.encode_event(e), e) for e in translate(event)]
-                    for data, out in outs:
-                        if client.is_terminal(data, out):
-                            held.append(data)
-                        elif not client.is_private(out, client_asked):
-                            await self.write(response, data)
+                async for batch in events:  # the events that arrived together go out together
+                    relayed: list[bytes] = []
+                    for raw, event in batch:
+                        ended = ended or source.is_terminal(raw, event)
+                        if _is_error_event(event):  # an upstream error may quote the key
+                            event = self.proxy._scrub_json(event, self.secrets)
+                        assembler.add(event)
+                        if same:
+                            outs = [(raw, event)]
+                        else:
+                            outs = [(client.encode_event(e), e) for e in translate(event)]
+                        for data, out in outs:
+                            if client.is_terminal(data, out):
+                                held.append(data)
+                            elif not client.is_private(out, client_asked):
+                                relayed.append(data)
+                    if relayed:  # masked as a whole: an upstream may quote the key anywhere
+                        await self.write(response, self.proxy._scrub_bytes(b"".join(relayed),
+                                                                           self.secret_bytes))
                 if not ended and assembler.error is None:
                     raise ProxyError(502, f"the upstream {_where(upstream)} ended its stream "
                                           "before the final event (truncated reply); retry the "
@@ -662,10 +689,9 @@ class _Relay:
                 await self.pipeline.acknowledge(recorded)
             except ProxyError as exc:
                 held = [client.stream_error_event(exc)]
-            with contextlib.suppress(_ClientGone, ConnectionError):
-                for data in held:
-                    await self.write(response, data)
-                await response.write_eof()
+            with contextlib.suppress(_ClientGone, ConnectionError):  # the end and the last chunk
+                await response.write_eof(self.proxy._scrub_bytes(b"".join(held),
+                                                                  self.secret_bytes))
             return response
 
 

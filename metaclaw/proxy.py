@@ -7,11 +7,12 @@ An agent points its OpenAI client (``base_url=proxy.url``) or its Anthropic clie
 1. check the optional token (or take the caller's own upstream key under caller-auth) and the
    request body (errors in the client protocol's shape: 400 malformed, 401 token, 413 too large);
 2. identify the session and turn type; on *main* turns retrieve the most relevant skills of the
-   current library generation (in a worker thread, never on the event loop), keep those that fit
+   current library generation (a model-based retriever in a worker thread, never on the event
+   loop; the lexical one inline, see :data:`metaclaw.pipeline.INLINE_RETRIEVERS`), keep those that fit
    the model's context window (:mod:`metaclaw.context_budget`) and add them to the system prompt;
 3. forward the request to the upstream (:mod:`metaclaw.upstreams`: any OpenAI-compatible base URL
-   through the ``openai`` SDK, or an Anthropic endpoint through the ``anthropic`` SDK, translating
-   when the client speaks the other protocol, see :mod:`metaclaw.protocols`) or, when a local
+   or an Anthropic Messages endpoint, through one pooled aiohttp session, translating when the
+   client speaks the other protocol, see :mod:`metaclaw.protocols`) or, when a local
    policy is set with :meth:`Proxy.set_responder`, answer from it. Streams are relayed event by
    event as they arrive;
 4. record the turn in the :class:`~metaclaw.store.Store` in one schema whatever the protocol (what
@@ -99,7 +100,12 @@ class ProxyConfig:
     with instead of the estimate. ``durable_acks`` (default on): send the end of each reply only
     once its turn is committed to the store (group commit, see :mod:`metaclaw.pipeline`), so an
     acknowledged turn survives ``kill -9``; off, the turn is committed right after the reply is
-    sent (:meth:`Proxy.flush` waits for it). ``header_timeout``: seconds a client connection may
+    sent (:meth:`Proxy.flush` waits for it). ``fsync_acks`` (default off): fsync each group commit
+    too (SQLite ``synchronous=FULL``), so that an acknowledged turn also survives an OS crash or
+    a power loss, for about one fsync of latency per group (milliseconds on many disks);
+    off, a commit is written to the operating system without the fsync (``synchronous=NORMAL``):
+    it survives ``kill -9`` of the proxy, and an OS crash or power loss may lose the last turns
+    (never the database). ``header_timeout``: seconds a client connection may
     take to send a whole request line and headers (and stay idle between requests);
     ``body_timeout``: seconds to receive the request body (408 after); ``max_connections``: open
     client connections beyond it get a 503 and are closed (slow or stuck clients cannot hold the
@@ -123,6 +129,7 @@ class ProxyConfig:
     stream_usage: bool = True
     upstream_protocol: str = "openai"
     durable_acks: bool = True
+    fsync_acks: bool = False
     caller_auth: bool = False
     context_window: int | None = None
     context_windows: dict[str, int] | None = None
@@ -147,6 +154,12 @@ class Responder(Protocol):
 
     def stream(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]: ...
 
+
+
+def _protocol_of(request: web.Request) -> Any:
+    """The protocol whose shape errors on ``request`` take: the one its path belongs to."""
+    return next((p for p in PROTOCOLS.values() if any(r in request.path for r in p.routes)),
+                OPENAI)
 
 
 class _SecretFilter(logging.Filter):
@@ -189,9 +202,9 @@ class Proxy(ServedApp):
             config.retrieval, config.embedding_model)
         self._responder: Any = None
         self._listeners: list[Callable[[int], None]] = []
-        self._upstream: HTTPUpstream | None = None  # its SDK client is created on the server's loop
+        self._upstream: HTTPUpstream | None = None  # its session is created on the server's loop
         self.token_counter = TokenCounter(config.tokenizer)
-        self._recorder = Recorder(self)
+        self._recorder = Recorder(self, fsync=config.fsync_acks)
         self._pipeline = TurnPipeline(self)
         self._retrieval_pool: ThreadPoolExecutor | None = None
         self._listener_pool: ThreadPoolExecutor | None = None
@@ -336,12 +349,11 @@ class Proxy(ServedApp):
         return text
 
     @staticmethod
-    def _scrub_bytes(data: bytes, secrets: tuple[str, ...]) -> bytes:
-        """``data`` (a reply or stream event as relayed) with ``secrets`` masked."""
+    def _scrub_bytes(data: bytes, secrets: tuple[bytes, ...]) -> bytes:
+        """``data`` (a reply or stream events as relayed) with ``secrets`` (encoded) masked."""
         for secret in secrets:
-            raw = secret.encode()
-            if raw in data:
-                data = data.replace(raw, b"***")
+            if secret in data:
+                data = data.replace(secret, b"***")
         return data
 
     @classmethod
@@ -389,14 +401,12 @@ class Proxy(ServedApp):
 
     @web.middleware
     async def _errors_middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        protocol = next((p for p in PROTOCOLS.values() if any(r in request.path for r in p.routes)),
-                        OPENAI)  # errors in the shape of the protocol the path belongs to
         try:
             return await handler(request)
         except ProxyError as exc:
-            return protocol.error_response(exc)
+            return _protocol_of(request).error_response(exc)
         except web.HTTPRequestEntityTooLarge:
-            return protocol.error_response(self._pipeline.too_large())
+            return _protocol_of(request).error_response(self._pipeline.too_large())
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
@@ -405,12 +415,13 @@ class Proxy(ServedApp):
                             "and GET /healthz",
                        405: f"method {request.method} is not allowed on {request.path}"}.get(
                 exc.status, exc.reason)
-            return protocol.error_response(ProxyError(exc.status, message, code=str(exc.status)))
+            return _protocol_of(request).error_response(
+                ProxyError(exc.status, message, code=str(exc.status)))
         except (ConnectionResetError, asyncio.CancelledError):
             raise
         except Exception as exc:  # a bug: answer in the protocol's shape, keep serving
             log.exception("internal error while serving %s", request.path)
-            return protocol.error_response(ProxyError(
+            return _protocol_of(request).error_response(ProxyError(
                 500, f"internal proxy error: {type(exc).__name__}: {exc}", type="server_error",
                 code="internal_error"))
 
@@ -443,10 +454,9 @@ class Proxy(ServedApp):
         upstream = self._upstream
         if name is None and upstream is not None and hasattr(upstream, "models"):
             try:
-                reply = await upstream.models(caller_key)
+                status, payload = await upstream.models(caller_key)
             except Exception as exc:
                 raise self._scrubbed(upstream.map_error(exc), caller_key) from None
-            return web.Response(body=reply.content, status=reply.status_code,
-                                content_type="application/json")
+            return web.Response(body=payload, status=status, content_type="application/json")
         data = [{"id": name, "object": "model", "created": 0, "owned_by": "metaclaw"}] if name else []
         return web.json_response({"object": "list", "data": data})

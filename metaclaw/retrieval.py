@@ -27,6 +27,7 @@ static table the first time).
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import heapq
 import importlib.util
@@ -646,9 +647,14 @@ def escape_skill_text(text: str, *, one_line: bool = False) -> str:
 
 
 def _section(skill: Skill) -> str:
-    text = (f"### {escape_skill_text(skill.name, one_line=True)}\n"
-            f"{escape_skill_text(skill.description, one_line=True)}")
-    return f"{text}\n\n{escape_skill_text(skill.body)}" if skill.body else text
+    return _section_text(skill.name, skill.description, skill.body)
+
+
+@functools.lru_cache(maxsize=4096)  # the same skills are rendered turn after turn
+def _section_text(name: str, description: str, body: str) -> str:
+    text = (f"### {escape_skill_text(name, one_line=True)}\n"
+            f"{escape_skill_text(description, one_line=True)}")
+    return f"{text}\n\n{escape_skill_text(body)}" if body else text
 
 
 def render_block(selected: list[ScoredSkill]) -> str:

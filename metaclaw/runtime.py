@@ -82,6 +82,7 @@ class RuntimeConfig:
     caller_auth: bool = False        # forward each caller's own key instead of the server key
     context_window: int | None = None  # tokens, for models the proxy does not know
     durable_acks: bool = True        # end each reply only once its turn is committed
+    fsync_acks: bool = False         # and fsynced (survives power loss, not only kill -9)
     simulated: bool = False          # the offline SIMULATED model (agent, judge, evolver)
     judge_url: str | None = None     # default: the upstream
     judge_model: str | None = None   # default: the upstream model

@@ -20,9 +20,14 @@ Tables (schema version in ``PRAGMA user_version``; migrations are explicit, in `
 - ``proposals``              one row per skill change reviewed by the verification gate: held
                              back or promoted, with its per-case evidence and who decided
 
-Every write is committed before the call returns (``synchronous=FULL``), so an acknowledged write
-survives ``kill -9`` of the process. One connection is shared behind a lock; every table is
-readable as a ``polars.DataFrame`` with :meth:`Store.frame`.
+Every write is committed before the call returns (``synchronous=FULL``: fsynced, so it survives
+``kill -9`` of the process, an OS crash and a power loss). ``transaction(fsync=False)`` commits
+without the fsync (``synchronous=NORMAL``, SQLite's recommendation for WAL): the commit is
+atomic and in the operating system's hands when it returns, so it survives ``kill -9`` of the
+process, but an OS crash or power loss may roll back the last such commits (never corrupting the
+file); the proxy records turns this way unless told otherwise. One connection is shared behind a
+lock; every table is readable as a ``polars.DataFrame`` with :meth:`Store.frame`. JSON columns are
+written with orjson (:mod:`metaclaw.jsonlib`).
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ import threading
 import time
 from pathlib import Path
 from typing import Any, Iterable
+
+from metaclaw.jsonlib import dumps
 
 DEFAULT_DB = Path(".metaclaw") / "metaclaw.db"
 
@@ -215,7 +222,7 @@ class StoreError(RuntimeError):
 
 
 def _dumps(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    return dumps(value)
 
 
 def _decode(row: sqlite3.Row) -> dict[str, Any]:
@@ -317,9 +324,12 @@ class Store:
         with self._lock:
             return [_decode(r) for r in self._db.execute(sql, tuple(params)).fetchall()]
 
-    def transaction(self) -> "_Transaction":
-        """``with store.transaction(): ...`` groups writes into one durable commit."""
-        return _Transaction(self)
+    def transaction(self, fsync: bool = True) -> "_Transaction":
+        """``with store.transaction(): ...`` groups writes into one durable commit.
+
+        ``fsync=False``: the commit survives ``kill -9`` of this process but not necessarily an
+        OS crash or power loss (``synchronous=NORMAL`` for this commit; see the module doc)."""
+        return _Transaction(self, fsync)
 
     def _insert(self, table: str, fields: dict[str, Any]) -> int:
         cols = list(fields)
@@ -503,22 +513,33 @@ class Store:
 
 
 class _Transaction:
-    def __init__(self, store: Store):
+    def __init__(self, store: Store, fsync: bool = True):
         self.store = store
+        self.fsync = fsync
         self.outer = False
 
     def __enter__(self) -> Store:
         self.store._lock.acquire()
-        self.outer = not self.store._db.in_transaction
+        db = self.store._db
+        self.outer = not db.in_transaction
         if self.outer:
-            self.store._db.execute("BEGIN IMMEDIATE")
+            try:
+                if not self.fsync:
+                    db.execute("PRAGMA synchronous=NORMAL")
+                db.execute("BEGIN IMMEDIATE")
+            except BaseException:  # e.g. another process holds the write lock past the timeout
+                self.__exit__(None)
+                raise
         return self.store
 
     def __exit__(self, exc_type: object, *rest: object) -> None:
+        db = self.store._db
         try:
-            if self.outer:
-                self.store._db.execute("ROLLBACK" if exc_type else "COMMIT")
+            if self.outer and db.in_transaction:
+                db.execute("ROLLBACK" if exc_type else "COMMIT")
         finally:
+            if self.outer and not self.fsync:
+                db.execute("PRAGMA synchronous=FULL")
             self.store._lock.release()
 
 

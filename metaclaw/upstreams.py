@@ -2,10 +2,13 @@
 local policy (the slow loop's responder).
 
 Each upstream speaks one wire protocol (:attr:`Upstream.protocol`); the pipeline translates the
-client's request into it when they differ. Both HTTP upstreams use their official SDK (pooled
-connections, retries on non-streaming calls, timeouts, typed errors) through its documented raw
-``post``: the body goes out as given and the reply comes back as bytes, without the SDK's typed
-transforms on the hot path.
+client's request into it when they differ. Both HTTP upstreams post the body with one pooled
+``aiohttp.ClientSession`` (the framework the proxy serves with) and take the reply as bytes: a
+proxy relays bytes, so the official SDKs' typed request and response models would only add work
+to every turn (through them a turn cost about three times the CPU). What the SDKs gave is kept:
+the key in each protocol's header, ``anthropic-version``, timeouts, retries of what is safe to
+retry (honouring Retry-After), the upstream's own error status and body relayed to the client,
+and ``HTTPS_PROXY`` / ``NO_PROXY`` from the environment.
 
 Keys: the upstream key comes from the environment variable ``ProxyConfig.api_key_env``; with
 caller-auth, ``key`` is the caller's own key, sent instead (as ``Authorization: Bearer`` to an
@@ -14,33 +17,25 @@ OpenAI upstream, ``x-api-key`` to an Anthropic one). Keys never reach logs, erro
 
 from __future__ import annotations
 
-import json
+import asyncio
 import logging
 import os
+import random
 import time
 from contextlib import AsyncExitStack
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Mapping
 
-from metaclaw.protocols import (Event, ProxyError, WireProtocol, dumps, error_json, get_protocol,
+from yarl import URL
+
+from metaclaw.jsonlib import dumpb, loads
+from metaclaw.protocols import (Event, ProxyError, WireProtocol, error_json, get_protocol,
                                 sse_events)
 
 log = logging.getLogger("metaclaw.proxy")
 
 NO_KEY = "sk-no-key"
-
-
-def response_type(sdk: str = "openai") -> type:
-    """The HTTP response class of an SDK's transport (``httpx2``; ``httpx`` in older SDKs).
-
-    Passed as ``cast_to`` to the SDK's documented ``client.post``/``client.get`` for raw
-    responses: the body is relayed as it is, without the SDK's typed request transform (which
-    costs milliseconds per request) and with the client's retries, timeouts and error classes.
-    """
-    import importlib
-
-    base = importlib.import_module(f"{sdk}._base_client")
-    http = getattr(base, "httpx2", None) or getattr(base, "httpx")
-    return http.Response
+#: The Anthropic API version sent when the client names none (the anthropic SDK's own default).
+ANTHROPIC_VERSION = "2023-06-01"
 
 
 def safe_url(url: str | None) -> str | None:
@@ -55,8 +50,8 @@ def safe_url(url: str | None) -> str | None:
 
 class Upstream:
     """A model endpoint in one wire protocol. ``complete`` returns ``(payload bytes, reply dict,
-    policy columns)``; ``stream`` returns an async iterator of :data:`Event` and registers its
-    cleanup on ``stack``."""
+    policy columns)``; ``stream`` returns an async iterator of lists of :data:`Event` (the events
+    that arrived together) and registers its cleanup on ``stack``."""
 
     protocol: WireProtocol
     kind = "upstream"
@@ -66,7 +61,8 @@ class Upstream:
         raise NotImplementedError
 
     async def stream(self, body: dict[str, Any], key: str | None, headers: dict[str, str],
-                     stack: AsyncExitStack, captured: dict[str, Any]) -> AsyncIterator[Event]:
+                     stack: AsyncExitStack, captured: dict[str, Any]
+                     ) -> AsyncIterator[list[Event]]:
         raise NotImplementedError
 
     def map_error(self, exc: BaseException, midstream: bool = False) -> ProxyError:
@@ -76,21 +72,83 @@ class Upstream:
         return None
 
 
+class UpstreamStatusError(Exception):
+    """The upstream answered with an HTTP error status; its headers and body are kept so that
+    the client gets the upstream's own error."""
+
+    def __init__(self, status: int, headers: Mapping[str, str], body: bytes):
+        super().__init__(f"the upstream answered HTTP {status}")
+        self.status = status
+        self.headers = headers
+        self.body = body
+
+
 class HTTPUpstream(Upstream):
-    """Shared by the two SDK-backed upstreams: raw posts, error mapping."""
+    """Shared by the two HTTP upstreams: one pooled session, raw posts, retries, error mapping.
+
+    ``url``: the base URL (``user:password@`` in it becomes Basic authentication, as HTTP
+    clients read it); ``key_env``: the environment variable with the server's key; ``timeout``:
+    seconds for a whole non-streaming reply, for connecting, and between a stream's events;
+    ``max_retries``: further attempts after a connection error or a 408/409/429/5xx.
+    """
 
     path = "/chat/completions"
-    sdk_name = "openai"
 
     def __init__(self, url: str, key_env: str, timeout: float, max_retries: int):
+        from urllib.parse import unquote, urlsplit
+
         self.url = url
         self.key_env = key_env
         self.timeout = timeout
         self.max_retries = max_retries
-        self._client: Any = None
+        parts = urlsplit(url)
+        self._base = safe_url(self.base_url(url)) or ""
+        self._basic = ((unquote(parts.username or ""), unquote(parts.password or ""))
+                       if parts.username or parts.password else None)
+        self._session: Any = None
+        self._proxy: str | None = None
+        self._urls: dict[str, Any] = {}
+
+    @staticmethod
+    def base_url(url: str) -> str:
+        return url.rstrip("/")
+
+    def _server_headers(self, key: str) -> dict[str, str]:
+        """Headers every request carries (the server's key)."""
+        return {"Authorization": f"Bearer {key}"}
 
     def _headers(self, key: str | None, headers: dict[str, str]) -> dict[str, str]:
+        """Per-request headers: ``headers`` and, under caller-auth, the caller's ``key``."""
         return headers
+
+    async def open(self) -> None:
+        """Create the pooled session (on the loop that will use it)."""
+        from urllib.parse import urlsplit
+        from urllib.request import getproxies, proxy_bypass
+
+        import aiohttp
+
+        headers = {"Content-Type": "application/json", "Accept": "application/json",
+                   **self._server_headers(os.environ.get(self.key_env) or NO_KEY)}
+        if self._basic is not None:  # credentials in the URL win, as in other HTTP clients
+            headers["Authorization"] = aiohttp.BasicAuth(*self._basic).encode()
+        # the environment's proxy, looked up once (aiohttp's trust_env would look per request)
+        parts = urlsplit(self._base)
+        if not proxy_bypass(parts.hostname or ""):
+            self._proxy = getproxies().get(parts.scheme)
+        # a whole reply is timed by the caller (asyncio.timeout); a stream's reads are timed
+        # here, its events by sse_events
+        self._whole_timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.timeout)
+        self._stream_timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.timeout,
+                                                     sock_read=self.timeout)
+        self._session = aiohttp.ClientSession(
+            headers=headers, cookie_jar=aiohttp.DummyCookieJar(),  # no state between callers
+            connector=aiohttp.TCPConnector(limit=1000), timeout=self._stream_timeout)
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
 
     #: Upstream statuses worth another attempt (the SDKs' own choice).
     retry_statuses = frozenset({408, 409, 429, 500, 502, 503, 504})
@@ -98,33 +156,53 @@ class HTTPUpstream(Upstream):
     #: Retry-After included, so that it can decide.
     max_retry_wait = 20.0
 
+    async def _request(self, method: str, path: str, data: bytes | None, headers: dict[str, str],
+                       stream: bool = False) -> Any:
+        """One request, without retries: the reply's bytes, or the open response of a stream.
+        An error status raises :class:`UpstreamStatusError`."""
+        url = self._urls.get(path)
+        if url is None:  # parsed once per path, not per request
+            url = self._urls[path] = URL(self._base + path)
+        response = await self._session.request(
+            method, url, data=data, headers=headers, proxy=self._proxy, allow_redirects=False,
+            timeout=self._stream_timeout if stream else self._whole_timeout)
+        if response.status >= 400:
+            try:
+                raise UpstreamStatusError(response.status, response.headers,
+                                          await response.read())
+            finally:
+                response.release()
+        if stream:
+            return response
+        try:
+            return await response.read()
+        finally:
+            response.release()
+
     async def _post(self, body: dict[str, Any], key: str | None, headers: dict[str, str],
                     stream: bool = False) -> Any:
         """POST with retries, only where safe: each attempt ends before any byte reaches the
         client (a stream is retried only while the upstream has not answered 200). Waits as the
         upstream's ``Retry-After`` / ``retry-after-ms`` says, else backs off exponentially;
         timeouts are not retried (the upstream already had its full time)."""
-        import asyncio
-        import random
+        import aiohttp
 
-        sdk = __import__(self.sdk_name)
-        options = {"headers": self._headers(key, headers)}
+        data, request_headers = dumpb(body), self._headers(key, headers)
         for attempt in range(self.max_retries + 1):
             try:
                 # a non-streaming reply must be whole within the timeout (an upstream trickling
                 # its body never trips the per-read timeout); a stream's events are timed apart
                 async with asyncio.timeout(None if stream else self.timeout):
-                    return await self._client.post(self.path, body=body,
-                                                   cast_to=response_type(self.sdk_name), stream=stream,
-                                                   options=options)
-            except sdk.APITimeoutError:
+                    return await self._request("POST", self.path, data, request_headers, stream)
+            except TimeoutError:
                 raise
-            except (sdk.APIStatusError, sdk.APIConnectionError) as exc:
-                status = getattr(exc, "status_code", None)
+            except (UpstreamStatusError, aiohttp.ClientError, OSError) as exc:
+                status = getattr(exc, "status", None) if isinstance(
+                    exc, UpstreamStatusError) else None
                 if attempt == self.max_retries or (status is not None
                                                    and status not in self.retry_statuses):
                     raise
-                wait = retry_after(exc.response.headers) if status is not None else None
+                wait = retry_after(exc.headers) if status is not None else None
                 if wait is None:
                     wait = min(0.25 * 2 ** attempt, 4.0) * (0.75 + random.random() / 2)
                 elif wait > self.max_retry_wait:
@@ -136,10 +214,9 @@ class HTTPUpstream(Upstream):
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def complete(self, body, key, headers):
-        upstream = await self._post(body, key, headers)
-        payload = upstream.content
+        payload = await self._post(body, key, headers)
         try:
-            data = json.loads(payload)
+            data = loads(payload)
         except ValueError:
             raise ProxyError(502, f"the upstream {safe_url(self.url)} answered with invalid JSON "
                                   f"({len(payload)} bytes); check that the URL is the model "
@@ -153,23 +230,19 @@ class HTTPUpstream(Upstream):
         return payload, data, {}
 
     async def stream(self, body, key, headers, stack, captured):
-        upstream = await self._post(body, key, headers, stream=True)
-        stack.push_async_callback(upstream.aclose)
-        return timed_events(sse_events(upstream.aiter_lines()), self.timeout)
-
-    async def close(self) -> None:
-        if self._client is not None:
-            await self._client.close()
-            self._client = None
+        response = await self._post(body, key, headers, stream=True)
+        stack.callback(response.release)  # reused only when read to the end
+        return sse_events(response.content.iter_any(), self.timeout)
 
     def map_error(self, exc: BaseException, midstream: bool = False) -> ProxyError:
-        sdk = __import__(self.sdk_name)
+        import aiohttp
+
         upstream = safe_url(self.url)
         if isinstance(exc, ProxyError):
             return exc
-        if isinstance(exc, sdk.APIStatusError):
+        if isinstance(exc, UpstreamStatusError):
             return self._relayed_status_error(exc)
-        if isinstance(exc, sdk.APITimeoutError) or "timeout" in type(exc).__name__.lower():
+        if isinstance(exc, TimeoutError):
             return ProxyError(504, f"the upstream {upstream} did not answer within "
                                    f"{self.timeout:g} s{' mid-stream' if midstream else ''}; "
                                    "raise the proxy timeout or check the upstream",
@@ -178,8 +251,8 @@ class HTTPUpstream(Upstream):
             return ProxyError(502, f"the upstream {upstream} dropped the connection mid-stream "
                                    f"({type(exc).__name__}: {exc}); retry the request",
                               type="upstream_error", code="upstream_disconnected")
-        if isinstance(exc, sdk.APIConnectionError):
-            cause = exc.__cause__ or exc
+        if isinstance(exc, (aiohttp.ClientError, OSError)):
+            cause = getattr(exc, "os_error", None) or exc.__cause__ or exc
             return ProxyError(502, f"cannot reach the upstream {upstream} ({type(cause).__name__}: "
                                    f"{cause}); check that it is running and the URL is right",
                               type="upstream_error", code="upstream_unreachable")
@@ -187,14 +260,14 @@ class HTTPUpstream(Upstream):
         return ProxyError(502, f"upstream request failed: {type(exc).__name__}: {exc}",
                           type="upstream_error", code="upstream_error")
 
-    def _relayed_status_error(self, exc: Any) -> ProxyError:
+    def _relayed_status_error(self, exc: UpstreamStatusError) -> ProxyError:
         """The upstream's own error (status, JSON, Retry-After) as the client's error."""
-        status = exc.status_code
+        status = exc.status
         try:
-            body = exc.response.json()
-        except Exception:
+            body = loads(exc.body)
+        except ValueError:
             body = None
-        headers = {k: v for k, v in exc.response.headers.items()
+        headers = {k: v for k, v in exc.headers.items()
                    if k.lower() in ("retry-after", "retry-after-ms")}
         if isinstance(body, dict) and isinstance(body.get("error"), dict):
             error = body["error"]
@@ -203,53 +276,43 @@ class HTTPUpstream(Upstream):
                                  error.get("param"), error.get("code"))
             return ProxyError(status, message, type=payload["error"]["type"], payload=payload,
                               headers=headers, upstream=(self.protocol.name, body))
-        text = (exc.response.text or "").strip()[:500] if exc.response is not None else ""
+        text = exc.body.decode("utf-8", "replace").strip()[:500]
         message = f"the upstream answered HTTP {status}" + (f": {text}" if text else "")
         return ProxyError(status, message, type="upstream_error", code=str(status),
                           headers=headers)
 
 
 class OpenAIUpstream(HTTPUpstream):
-    """Any OpenAI-compatible base URL, through the official ``openai`` SDK."""
+    """Any OpenAI-compatible base URL (``.../v1``)."""
 
     protocol = get_protocol("openai")
     kind = "openai"
 
-    async def open(self) -> None:
-        from openai import AsyncOpenAI
-
-        key = os.environ.get(self.key_env) or NO_KEY
-        self._client = AsyncOpenAI(base_url=self.url, api_key=key, timeout=self.timeout,
-                                   max_retries=0)  # retries: HTTPUpstream._post
-
     def _headers(self, key: str | None, headers: dict[str, str]) -> dict[str, str]:
         return {"Authorization": f"Bearer {key}"} if key else {}
 
-    async def models(self, key: str | None = None) -> Any:
-        return await self._client.get("/models", cast_to=response_type(self.sdk_name),
-                                      options={"headers": self._headers(key, {})})
+    async def models(self, key: str | None = None) -> tuple[int, bytes]:
+        """``GET /models`` of the upstream: its status and body."""
+        async with asyncio.timeout(self.timeout):
+            return 200, await self._request("GET", "/models", None, self._headers(key, {}))
 
 
 class AnthropicUpstream(HTTPUpstream):
-    """An Anthropic Messages endpoint (``base_url`` without ``/v1``, as the ``anthropic`` SDK
-    takes it), through the official ``anthropic`` SDK. ``anthropic-version`` and
-    ``anthropic-beta`` headers of an Anthropic client are forwarded as they came."""
+    """An Anthropic Messages endpoint (its base URL with or without ``/v1``).
+    ``anthropic-version`` and ``anthropic-beta`` headers of an Anthropic client are forwarded as
+    they came; ``anthropic-version`` defaults to :data:`ANTHROPIC_VERSION`."""
 
     protocol = get_protocol("anthropic")
     kind = "anthropic"
     path = "/v1/messages"
-    sdk_name = "anthropic"
 
-    async def open(self) -> None:
-        try:
-            from anthropic import AsyncAnthropic
-        except ImportError:
-            raise RuntimeError("an Anthropic upstream needs the anthropic SDK: "
-                               "pip install 'metaclaw-jupyter[anthropic]'") from None
-        key = os.environ.get(self.key_env) or NO_KEY
-        url = self.url[:-3] if self.url.rstrip("/").endswith("/v1") else self.url
-        self._client = AsyncAnthropic(base_url=url.rstrip("/"), api_key=key,
-                                      timeout=self.timeout, max_retries=0)
+    @staticmethod
+    def base_url(url: str) -> str:
+        url = url.rstrip("/")
+        return url[:-3] if url.endswith("/v1") else url
+
+    def _server_headers(self, key: str) -> dict[str, str]:
+        return {"x-api-key": key, "anthropic-version": ANTHROPIC_VERSION}
 
     def _headers(self, key: str | None, headers: dict[str, str]) -> dict[str, str]:
         out = dict(headers)
@@ -260,10 +323,9 @@ class AnthropicUpstream(HTTPUpstream):
 
     async def count_tokens(self, body: dict[str, Any], key: str | None,
                            headers: dict[str, str]) -> bytes:
-        upstream = await self._client.post("/v1/messages/count_tokens", body=body,
-                                           cast_to=response_type(self.sdk_name),
-                                           options={"headers": self._headers(key, headers)})
-        return upstream.content
+        async with asyncio.timeout(self.timeout):
+            return await self._request("POST", "/v1/messages/count_tokens", dumpb(body),
+                                       self._headers(key, headers))
 
 
 class ResponderUpstream(Upstream):
@@ -282,7 +344,7 @@ class ResponderUpstream(Upstream):
     async def complete(self, body, key, headers):
         data = await self.responder.complete(body)
         policy = policy_columns(data.pop("metaclaw", None) if isinstance(data, dict) else None)
-        return dumps(data).encode(), data if isinstance(data, dict) else {}, policy
+        return dumpb(data), data if isinstance(data, dict) else {}, policy
 
     async def stream(self, body, key, headers, stack, captured):
         # the first event is taken before answering 200, so that a request the policy refuses
@@ -303,21 +365,22 @@ class ResponderUpstream(Upstream):
 
 
 async def _responder_events(responder: Any, body: dict[str, Any],
-                            captured: dict[str, Any]) -> AsyncIterator[Event]:
-    """SSE events of a responder's chunks; a chunk's ``metaclaw`` object is moved to
-    ``captured["metaclaw"]`` and never sent to the client."""
+                            captured: dict[str, Any]) -> AsyncIterator[list[Event]]:
+    """SSE events of a responder's chunks, one at a time as they are produced; a chunk's
+    ``metaclaw`` object is moved to ``captured["metaclaw"]`` and never sent to the client."""
     async for chunk in responder.stream(body):
         if isinstance(chunk, dict) and "metaclaw" in chunk:
             chunk = dict(chunk)
             captured["metaclaw"] = chunk.pop("metaclaw")
-        yield f"data: {dumps(chunk)}\n\n".encode(), chunk
-    yield b"data: [DONE]\n\n", None
+        yield [(b"data: " + dumpb(chunk) + b"\n\n", chunk)]
+    yield [(b"data: [DONE]\n\n", None)]
 
 
-async def _prepend(first: Event, rest: AsyncIterator[Event]) -> AsyncIterator[Event]:
+async def _prepend(first: list[Event],
+                   rest: AsyncIterator[list[Event]]) -> AsyncIterator[list[Event]]:
     yield first
-    async for event in rest:
-        yield event
+    async for batch in rest:
+        yield batch
 
 
 def policy_columns(info: Any) -> dict[str, Any]:
@@ -334,21 +397,6 @@ def policy_columns(info: Any) -> dict[str, Any]:
         if isinstance(info.get(key), list):
             columns[column] = info[key]
     return columns
-
-
-async def timed_events(events: AsyncIterator[Event], timeout: float) -> AsyncIterator[Event]:
-    """``events``, each within ``timeout`` seconds of the previous one (``TimeoutError``
-    otherwise): an upstream trickling an event byte by byte never trips a per-read timeout."""
-    import asyncio
-
-    iterator = events.__aiter__()
-    while True:
-        try:
-            async with asyncio.timeout(timeout):
-                event = await iterator.__anext__()
-        except StopAsyncIteration:
-            return
-        yield event
 
 
 def retry_after(headers: Any) -> float | None:

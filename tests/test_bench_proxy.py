@@ -22,6 +22,11 @@ def test_bench_proxy_tiny_run_prints_ratios():
     sent = re.search(r"recorded (\d+) turns in its store \(sent (\d+)\)", out)
     assert sent and sent.group(1) == sent.group(2), out
     assert "n=20 per target" in out
+    # the floor (a bare aiohttp pass-through) in the same run, and the targets against it
+    assert len(re.findall(r"added by floor\[pass-through\]((?:\s+-?[\d.]+){4})\s+ms", out)) == 3
+    targets = re.findall(r"^  (added p50|throughput c=4|CPU per request).*= +([\d.]+|inf)x .*"
+                         r"(PASS|FAIL)$", out, re.MULTILINE)
+    assert len(targets) == 5, out
     # the Anthropic side, measured in the same run: pass-through and translated
     for kind in ("anthropic", "openai"):
         name = re.escape(f"proxy[lexical] anthropic->{kind}")

@@ -39,16 +39,13 @@ in the new protocol as well, add an :class:`~metaclaw.upstreams.HTTPUpstream` su
 
 from __future__ import annotations
 
-import json
-from typing import Any, AsyncIterator, Iterable
+from typing import Any, AsyncIterator
+
+from metaclaw.jsonlib import dumpb, dumps, loads  # noqa: F401  (the request path's JSON)
 
 Event = tuple[bytes, "dict[str, Any] | None"]
 """One stream event: the bytes to relay as they are, and its parsed JSON data (``None`` for
 markers such as OpenAI's ``[DONE]``)."""
-
-
-def dumps(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 
 def error_json(message: str, type: str = "invalid_request_error", param: str | None = None,
@@ -159,8 +156,9 @@ class WireProtocol:
     def error_response(self, error: ProxyError, extra_headers: dict[str, str] | None = None):
         from aiohttp import web
 
-        return web.json_response(self.error_payload(error), status=error.status,
-                                 headers={**error.headers, **(extra_headers or {})}, dumps=dumps)
+        return web.Response(body=dumpb(self.error_payload(error)), status=error.status,
+                            headers={**error.headers, **(extra_headers or {})},
+                            content_type="application/json")
 
     def stream_error_event(self, error: ProxyError) -> bytes:
         raise NotImplementedError
@@ -177,45 +175,78 @@ class StreamTranslator:
         return []
 
 
-async def sse_events(lines: AsyncIterator[str]) -> AsyncIterator[Event]:
-    """Group SSE lines into events: yields (the event's bytes to relay, its JSON data or None)."""
-    buffer: list[str] = []
-    async for line in lines:
-        if line:
-            buffer.append(line)
+async def sse_events(chunks: AsyncIterator[bytes],
+                     timeout: float | None = None) -> AsyncIterator[list[Event]]:
+    """Server-sent events from a stream of bytes however it is cut into chunks: yields, for each
+    chunk that completes events, the list of those events (each: the bytes to relay, its JSON
+    data or None), so that what arrived together can be relayed together. Lines may end in
+    ``\\n``, ``\\r\\n`` or ``\\r``; events are relayed with ``\\n``. An event that is not SSE
+    raises (see :func:`sse_event`) after the good events before it are yielded.
+
+    ``timeout``: seconds each event may take after the previous one. It is checked as bytes
+    arrive, without a timer per event (the transport's own read timeout covers a silent
+    upstream), so an upstream trickling an event byte by byte is cut off one byte after its
+    deadline with ``TimeoutError``."""
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    deadline = None if timeout is None else loop.time() + timeout
+    buffer = b""
+    async for chunk in chunks:
+        if deadline is not None and loop.time() > deadline:
+            raise TimeoutError(f"no complete event within {timeout:g} s")
+        buffer += chunk
+        if b"\r" in buffer:  # a "\r" at the end may be half of a "\r\n": keep it for later
+            tail = buffer.endswith(b"\r")
+            buffer = buffer.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+            if tail:
+                buffer = buffer[:-1] + b"\r"
+        if b"\n\n" not in buffer:
             continue
-        if buffer:
-            yield sse_event(buffer)
-            buffer = []
-    if buffer:
-        yield sse_event(buffer)
-
-
-_SSE_FIELDS = ("data", "event", "id", "retry")
-
-
-def sse_event(lines: Iterable[str]) -> Event:
-    """One SSE event from its lines. An upstream event that is not SSE (a line that is neither a
-    comment nor one of the fields ``data``, ``event``, ``id``, ``retry``) or whose data is neither
-    ``[DONE]`` nor a JSON object raises a 502 :class:`ProxyError`: garbage is never relayed."""
-    lines = list(lines)
-    for line in lines:
-        if not line.startswith(":") and line.partition(":")[0] not in _SSE_FIELDS:
-            raise _bad_stream(f"a line that is not server-sent events ({line[:60]!r})")
-    data = "\n".join(line[5:].lstrip(" ") for line in lines if line.startswith("data:"))
-    chunk = None
-    if data and data != "[DONE]":
+        *blocks, buffer = buffer.split(b"\n\n")
+        batch: list[Event] = []
         try:
-            chunk = json.loads(data, parse_constant=_no_constant)
+            for block in blocks:
+                if block.strip(b"\n"):
+                    batch.append(sse_event(block.strip(b"\n")))
+        except ProxyError:
+            if batch:
+                yield batch
+            raise
+        if batch:
+            yield batch
+        if deadline is not None:
+            deadline = loop.time() + timeout
+    if buffer.strip(b"\r\n"):
+        yield [sse_event(buffer.replace(b"\r", b"\n").strip(b"\n"))]
+
+
+_SSE_FIELDS = (b"data", b"event", b"id", b"retry")
+
+
+def sse_event(block: bytes) -> Event:
+    """One SSE event from its lines (``\\n``-separated). An upstream event that is not SSE (a line
+    that is neither a comment nor one of the fields ``data``, ``event``, ``id``, ``retry``) or whose
+    data is neither ``[DONE]`` nor a JSON object raises a 502 :class:`ProxyError`: garbage is
+    never relayed."""
+    lines = block.split(b"\n")
+    for line in lines:
+        if line and not line.startswith(b":") and line.partition(b":")[0] not in _SSE_FIELDS:
+            raise _bad_stream(f"a line that is not server-sent events ({_text(line)!r})")
+    data = b"\n".join(line[5:].lstrip(b" ") for line in lines if line.startswith(b"data:"))
+    chunk = None
+    if data and data != b"[DONE]":
+        try:
+            chunk = loads(data)
         except ValueError:
-            raise _bad_stream(f"an event whose data is not JSON ({data[:60]!r})") from None
+            raise _bad_stream(f"an event whose data is not JSON ({_text(data)!r})") from None
         if not isinstance(chunk, dict):
-            raise _bad_stream(f"an event whose data is not a JSON object ({data[:60]!r})")
-    return ("\n".join(lines) + "\n\n").encode(), chunk
+            raise _bad_stream(f"an event whose data is not a JSON object ({_text(data)!r})")
+    return block + b"\n\n", chunk
 
 
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
+def _text(data: bytes) -> str:
+    return data[:60].decode("utf-8", "replace")
 
 
 def _bad_stream(what: str) -> ProxyError:

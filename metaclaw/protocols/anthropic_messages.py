@@ -44,12 +44,11 @@ OpenAI client -> Anthropic upstream
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from typing import Any
 
-from metaclaw.protocols import ProxyError, StreamTranslator, WireProtocol, dumps
+from metaclaw.protocols import ProxyError, StreamTranslator, WireProtocol, dumpb, dumps, loads
 from metaclaw.protocols.openai_chat import StreamAssembler
 
 #: ``max_tokens`` sent to an Anthropic upstream when an OpenAI client gave none.
@@ -116,7 +115,7 @@ def _arguments(value: Any) -> dict[str, Any]:
     if isinstance(value, dict):
         return value
     try:
-        parsed = json.loads(value or "{}")
+        parsed = loads(value or "{}")
     except ValueError:
         return {"_raw": value}
     return parsed if isinstance(parsed, dict) else {"_value": parsed}
@@ -606,7 +605,7 @@ class AnthropicMessages(WireProtocol):
     def encode_event(self, event: dict[str, Any] | None) -> bytes:
         if event is None:
             return b""
-        return f"event: {event.get('type')}\ndata: {dumps(event)}\n\n".encode()
+        return f"event: {event.get('type')}\ndata: ".encode() + dumpb(event) + b"\n\n"
 
     def is_terminal(self, raw: bytes, event: dict[str, Any] | None) -> bool:
         return event is not None and event.get("type") == "message_stop"
@@ -624,7 +623,7 @@ class AnthropicMessages(WireProtocol):
 
     def stream_error_event(self, error: ProxyError) -> bytes:
         payload = self.error_payload(error)
-        return f"event: error\ndata: {dumps(payload)}\n\n".encode()
+        return b"event: error\ndata: " + dumpb(payload) + b"\n\n"
 
 
 ANTHROPIC = AnthropicMessages()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from metaclaw.protocols import ProxyError, StreamTranslator, WireProtocol, dumps
+from metaclaw.protocols import ProxyError, StreamTranslator, WireProtocol, dumpb
 
 
 class StreamAssembler:
@@ -197,7 +197,7 @@ class OpenAIChat(WireProtocol):
         return StreamAssembler()
 
     def encode_event(self, event: dict[str, Any] | None) -> bytes:
-        return b"data: [DONE]\n\n" if event is None else f"data: {dumps(event)}\n\n".encode()
+        return b"data: [DONE]\n\n" if event is None else b"data: " + dumpb(event) + b"\n\n"
 
     def is_terminal(self, raw: bytes, event: dict[str, Any] | None) -> bool:
         return event is None and raw.startswith(b"data: [DONE]")
@@ -211,7 +211,7 @@ class OpenAIChat(WireProtocol):
         return error.payload  # an upstream's own error is already in this shape
 
     def stream_error_event(self, error: ProxyError) -> bytes:
-        return f"data: {dumps(self.error_payload(error))}\n\n".encode()
+        return b"data: " + dumpb(self.error_payload(error)) + b"\n\n"
 
 
 OPENAI = OpenAIChat()
