@@ -5,10 +5,11 @@
 The task: a system prompt sets a convention SmolLM2 follows only sometimes: "answer with one
 lowercase word, nothing else". Prompts ask for a color, an animal, a fruit, ... The reward is
 programmatic: 1.0 for a reply that is exactly one lowercase word (an optional final period
-allowed), 0.5 for two or three words, 0 otherwise, minus 0.1 when the reply was cut at
-``max_tokens``. GRPO (importance sampling, group advantages) with LoRA r=8 runs on the local
-backend; the script prints the per-step mean reward of the sampled groups (the curve), a
-greedy evaluation on held-out prompts before and after training, wall time and peak memory,
+allowed), 0.5 for two or three words, 0 otherwise, -0.5 for an empty reply (ending the turn
+at once answers nothing), minus 0.1 when the reply was cut at ``max_tokens``. GRPO (importance sampling, group advantages) with LoRA r=8 runs on the local
+backend; the script prints the per-step mean reward of the sampled groups (the curve), an
+evaluation on held-out prompts before and after training (greedy, and the mean of 8 samples
+per prompt at temperature 1, the distribution GRPO trains), wall time and peak memory,
 and writes them as JSON (``--out``; the notebook ``notebooks/03_slow_loop.ipynb`` charts the
 committed copy ``benchmarks/results/grpo_smollm2.json``).
 
@@ -40,8 +41,10 @@ ONE_WORD = re.compile(r"^[a-z]+\.?$")
 
 
 def reward(text: str) -> float:
-    """1 for one lowercase word, 0.5 for two or three words, else 0."""
-    reply = text.replace("<|im_end|>", "").strip()
+    """1 for one lowercase word, 0.5 for two or three words, -0.5 for nothing, else 0."""
+    reply = text.strip()
+    if not reply:
+        return -0.5
     if ONE_WORD.match(reply):
         return 1.0
     return 0.5 if 1 <= len(reply.split()) <= 3 else 0.0
@@ -55,8 +58,17 @@ def greedy_eval(backend, asks: list[str], max_tokens: int) -> tuple[float, list[
     replies = []
     for ask in asks:
         sample = backend.sampler().sample(backend.render_chat(messages(ask)), 1, max_tokens, 0.0)[0]
-        replies.append(backend.decode(sample.tokens))
+        replies.append(backend.reward_text(sample.tokens))
     return sum(reward(r) for r in replies) / len(replies), replies
+
+
+def sampled_eval(backend, asks: list[str], max_tokens: int, n: int = 8) -> float:
+    rewards = []
+    for i, ask in enumerate(asks):
+        samples = backend.sampler().sample(backend.render_chat(messages(ask)), n, max_tokens, 1.0,
+                                           seed=10_000 + i)
+        rewards += [reward(backend.reward_text(s.tokens)) for s in samples]
+    return sum(rewards) / len(rewards)
 
 
 def peak_rss_gb() -> float:
@@ -87,7 +99,9 @@ def main() -> None:
     print(f"SmolLM2-135M-Instruct loaded on {backend.device} ({backend.dtype}) in {load_s:.1f} s; "
           f"peak RSS {peak_rss_gb():.2f} GB")
     before, replies_before = greedy_eval(backend, EVAL_ASKS, args.max_tokens)
-    print(f"greedy eval before: reward {before:.3f}  e.g. {replies_before[:3]}")
+    sampled_before = sampled_eval(backend, EVAL_ASKS, args.max_tokens)
+    print(f"greedy eval before: reward {before:.3f}  e.g. {replies_before[:3]}; "
+          f"sampled eval {sampled_before:.3f}")
 
     tasks = [Task(messages(a), reward) for a in TRAIN_ASKS]
     config = GRPOConfig(steps=args.steps, groups_per_step=args.groups,
@@ -108,7 +122,9 @@ def main() -> None:
     train_grpo(backend, prompts_from_tasks(backend, tasks), config=config, on_step=on_step)
     train_s = time.perf_counter() - t1
     after, replies_after = greedy_eval(backend, EVAL_ASKS, args.max_tokens)
-    print(f"greedy eval after:  reward {after:.3f}  e.g. {replies_after[:3]}")
+    sampled_after = sampled_eval(backend, EVAL_ASKS, args.max_tokens)
+    print(f"greedy eval after:  reward {after:.3f}  e.g. {replies_after[:3]}; "
+          f"sampled eval {sampled_after:.3f}")
     first = sum(c["reward_mean"] for c in curve[:2]) / min(2, len(curve))
     last = sum(c["reward_mean"] for c in curve[-2:]) / min(2, len(curve))
     print(f"sampled reward: first two steps {first:.3f} -> last two steps {last:.3f}; "
@@ -120,6 +136,7 @@ def main() -> None:
             "max_tokens": args.max_tokens, "learning_rate": args.lr, "lora_rank": 8,
             "loss": config.loss_fn},
         "curve": curve, "eval_before": before, "eval_after": after,
+        "sampled_eval_before": sampled_before, "sampled_eval_after": sampled_after,
         "eval_replies_before": replies_before, "eval_replies_after": replies_after,
         "train_reward_first2": first, "train_reward_last2": last,
         "load_s": round(load_s, 1), "train_s": round(train_s, 1),

@@ -447,7 +447,8 @@ class GRPOTrainer:
                            for p, seed in zip(batch, seeds_P)]
 
         # 3. Reward each sample (a failing reward call costs its group, never the run).
-        texts_P_G = [[backend.decode(s.tokens) for s in samples_G] for samples_G in samples_P_G]
+        as_text = getattr(backend, "reward_text", backend.decode)  # special tokens visible
+        texts_P_G = [[as_text(s.tokens) for s in samples_G] for samples_G in samples_P_G]
         rewarded_P_G = compute_rewards(batch, texts_P_G, self.judge)
         reward_failures = sum(1 for rewards_G in rewarded_P_G if rewards_G is None)
         if config.overlong_penalty:  # a completion cut at max_tokens never finished its answer

@@ -231,3 +231,14 @@ def test_pause_at_step_boundary_then_resume(tiny_model, tmp_path):
         sum((s.logprobs for s in reference), []), abs=1e-5)
     steps = store.frame("training_steps")["step"].to_list()
     assert steps == [0, 1, 2, 3]
+
+
+def test_the_reward_sees_special_tokens_the_policy_emits(backend):
+    """A role header sampled before the answer must not read as a clean answer to the reward
+    (the display decode hides it), and the final end-of-sequence token is not part of it."""
+    tok = backend.tokenizer
+    header, end = tok.convert_tokens_to_ids("<|user|>"), backend.eos_token_id
+    word = backend.encode("yes")
+    assert backend.decode([header, *word, end]) == backend.decode([*word, end])
+    assert backend.reward_text([*word, end]) == backend.decode(word)
+    assert "<|user|>" in backend.reward_text([header, *word, end])

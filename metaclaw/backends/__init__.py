@@ -221,6 +221,16 @@ class TokenizerMixin:
     def decode(self, tokens: Sequence[int]) -> str:
         return self.tokenizer.decode(list(tokens), skip_special_tokens=True)
 
+    def reward_text(self, tokens: Sequence[int]) -> str:
+        """A sampled completion as its reward sees it: every token, special ones included, less
+        the final end-of-sequence token. Hiding special tokens (as :meth:`decode` does for
+        display) would let the policy be rewarded for emitting, say, a new role header before
+        the answer: the text would read the same while the tokens trained on do not."""
+        tokens = list(tokens)
+        if tokens and tokens[-1] == self.eos_token_id:
+            tokens.pop()
+        return self.tokenizer.decode(tokens, skip_special_tokens=False)
+
     def render_chat(self, messages: list[dict[str, Any]],
                     tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Prompt tokens for a chat (the model's chat template, generation prompt appended)."""
