@@ -164,21 +164,14 @@ TURN_FIELDS = ("id", "session_id", "turn_index", "turn_type", "created_at", "mod
 
 @command("turns")
 def cmd_turns(args: argparse.Namespace) -> int:
-    from metaclaw.sessions import IdentityError, turn_type_condition
+    from metaclaw.sessions import IdentityError, turns_filter
 
     store = _store(args.db)
-    where, params = ["1=1"], []
-    if args.session:
-        where.append("session_id = ?")
-        params.append(args.session)
-    if args.type:
-        try:
-            condition, values = turn_type_condition(args.type)
-        except IdentityError as exc:
-            raise CliError(f"--type: {exc}") from None
-        where.append(condition)
-        params += values
-    rows = store.turns(" AND ".join(where), params)
+    try:
+        where, params = turns_filter(args.session, args.type)
+    except IdentityError as exc:
+        raise CliError(f"--type: {exc}") from None
+    rows = store.turns(where, params)
     if args.json:
         for row in rows:
             _print_json({k: row[k] for k in TURN_FIELDS})

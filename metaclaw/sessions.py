@@ -262,6 +262,21 @@ def turn_type_condition(value: str) -> tuple[str, list[str]]:
         raise IdentityError("turn_type", f"{exc}; or 'stage' for every stage") from None
 
 
+def turns_filter(session: str | None = None,
+                 turn_type: str | None = None) -> tuple[str, list[str]]:
+    """The SQL condition and parameters selecting turns of ``session`` and of ``turn_type``
+    (as :func:`turn_type_condition` reads it); either may be left out."""
+    where, params = ["1=1"], []
+    if session:
+        where.append("session_id = ?")
+        params.append(session)
+    if turn_type:
+        condition, values = turn_type_condition(turn_type)
+        where.append(condition)
+        params += values
+    return " AND ".join(where), params
+
+
 def turn_type_of(headers: Mapping[str, str], body: dict[str, Any]) -> tuple[str, str]:
     """(``main`` | ``side`` | ``stage:<name>``, which rule decided)."""
     header = _header(headers, "X-Turn-Type")

@@ -591,7 +591,7 @@ class MetaClawMagics(Magics):
     def _do_turns(self, argv: list[str], cell: str | None):
         """%metaclaw turns [--session S] [--type T]: recorded turns as a polars DataFrame (``--type
         stage:plan``: one stage's turns; ``--type stage``: every stage turn)."""
-        from metaclaw.sessions import turn_type_condition
+        from metaclaw.sessions import turns_filter
 
         parser = _parser("turns", self._do_turns.__doc__)
         parser.add_argument("--session")
@@ -599,18 +599,11 @@ class MetaClawMagics(Magics):
         args = parser.parse_args(argv)
         runtime = self._require_runtime()
         runtime.proxy.flush()
-        where, params = ["1=1"], []
-        if args.session:
-            where.append("session_id = ?")
-            params.append(args.session)
-        if args.type:
-            try:
-                condition, values = turn_type_condition(args.type)
-            except ValueError as exc:
-                raise MagicUsageError(str(exc)) from None
-            where.append(condition)
-            params += values
-        return runtime.store.frame("turns", " AND ".join(where), params)
+        try:
+            where, params = turns_filter(args.session, args.type)
+        except ValueError as exc:
+            raise MagicUsageError(str(exc)) from None
+        return runtime.store.frame("turns", where, params)
 
 
 def _notebook_scheduler_config(path: str | None) -> dict[str, Any]:
