@@ -17,6 +17,7 @@ protocol naming the field and the reason (a client error is never a 5xx):
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -174,7 +175,18 @@ def _type_name(value: Any) -> str:
     return {str: "string", list: "array", dict: "object"}.get(type(value), type(value).__name__)
 
 
+_PYTHON_TYPES = {"string": (str,), "integer": (int,), "number": (int, float),
+                 "boolean": (bool,), "array": (list,), "object": (dict,)}
+
+
+@functools.lru_cache(maxsize=None)
+def _accepted(kinds: tuple[str, ...]) -> frozenset[type]:
+    return frozenset(t for kind in kinds for t in _PYTHON_TYPES.get(kind, ()))
+
+
 def _matches(value: Any, kinds: tuple[str, ...]) -> bool:
+    if type(value) in _accepted(kinds):  # what a JSON decoder returns: checked in one lookup
+        return True
     name = _type_name(value)
     return name in kinds or (name == "integer" and "number" in kinds)
 

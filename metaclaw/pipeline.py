@@ -45,6 +45,7 @@ from metaclaw.upstreams import ResponderUpstream, Upstream, policy_columns
 
 if TYPE_CHECKING:  # pragma: no cover
     from metaclaw.proxy import Proxy
+    from metaclaw.store import Store
 
 log = logging.getLogger("metaclaw.proxy")
 
@@ -161,25 +162,54 @@ def record_row(turn: Turn, policy_version: int) -> dict[str, Any]:
 class Recorder:
     """Writes finished turns to the store with group commit, and notifies the turn listeners.
 
-    One writer thread takes every turn submitted since its last commit and writes them in one
-    transaction (one commit for the whole group), so waiting for durability costs a request about
-    one commit however many requests are in flight. The commit survives ``kill -9`` of the proxy;
-    with ``fsync`` (``ProxyConfig.fsync_acks``) it is also fsynced (``synchronous=FULL``: it
-    survives an OS crash or power loss too, for about one fsync per group).
+    The turns submitted while the event loop runs one round of callbacks form a group, written in
+    one transaction (one commit for the whole group), so waiting for durability costs a request
+    about one commit however many requests are in flight. The commit survives ``kill -9`` of the
+    proxy; with ``fsync`` (``ProxyConfig.fsync_acks``) it is also fsynced (``synchronous=FULL``:
+    it survives an OS crash or power loss too, for about one fsync per group).
+
+    Where a group is written: a commit without fsync takes a fraction of a millisecond, less than
+    handing it to a thread costs (the interpreter lock passed back and forth, two wake-ups), so
+    it is written on the event loop when the store is free at once. Otherwise the group goes to
+    the writer thread, and the loop never waits for the store: when another thread or process
+    holds the write lock, when an earlier group is still waiting for the thread (turns stay in
+    order), with ``fsync``, and for a while after a commit on the loop was slow (a slow disk).
+    Checkpoints of the write-ahead log, which fsync, are taken by the writer thread too, every
+    :attr:`CHECKPOINT_EVERY` commits, instead of by whichever commit fills the log.
+
     :meth:`submit` returns at once with a future that resolves to the turn id once its group is
     committed (``None`` if it could not be written); :meth:`drain` waits for every submitted turn.
     """
 
     #: Most turns written in one transaction.
     MAX_GROUP = 256
+    #: A commit on the loop that took longer sends the next groups to the writer thread for
+    #: :attr:`THREAD_AFTER_SLOW_S` seconds.
+    SLOW_COMMIT_S = 0.02
+    THREAD_AFTER_SLOW_S = 1.0
+    #: Commits between two checkpoints of the write-ahead log (SQLite's own is every 1,000 pages,
+    #: which is about 200 turns).
+    CHECKPOINT_EVERY = 64
 
     def __init__(self, proxy: "Proxy", fsync: bool = False):
         self.proxy = proxy
         self.fsync = fsync
         self.pending: set[asyncio.Future[Any]] = set()
+        self._group: list[tuple[Any, ...]] = []  # submitted, not yet flushed
         self._queue: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
-        self.commits = 0  # transactions written (fewer than turns when groups form)
+        self._loop_store: "Store | None" = None  # the store's connection for the loop's writes
+        self._handed = 0  # groups handed to the writer thread (counted on the loop)
+        self._written = 0  # groups the writer thread has finished (counted by the thread)
+        self._thread_until = 0.0  # monotonic time before which groups go to the thread
+        self._loop_commits = 0
+        self._thread_commits = 0
+        self._since_checkpoint = 0
+
+    @property
+    def commits(self) -> int:
+        """Transactions written (fewer than turns when groups form)."""
+        return self._loop_commits + self._thread_commits
 
     def start(self) -> None:
         if self._thread is None:
@@ -189,6 +219,9 @@ class Recorder:
     def stop(self) -> None:
         """Write what is queued, then end the writer thread."""
         if self._thread is not None:
+            if self._group:  # submitted on a loop that is gone: written all the same
+                self._queue.put(self._group)
+                self._group = []
             self._queue.put(None)
             self._thread.join()
             self._thread = None
@@ -198,43 +231,85 @@ class Recorder:
         future = loop.create_future()
         self.pending.add(future)
         future.add_done_callback(self.pending.discard)
-        self.start()
-        self._queue.put((row, done, future, loop))
+        self._group.append((row, done, future, loop))
+        if len(self._group) == 1:  # the first of a group: written after this round of callbacks
+            loop.call_soon(self._flush)
         return future
 
     async def drain(self) -> None:
         while self.pending:
             await asyncio.gather(*list(self.pending), return_exceptions=True)
 
+    def _flush(self) -> None:
+        group, self._group = self._group, []
+        for first in range(0, len(group), self.MAX_GROUP):
+            part = group[first:first + self.MAX_GROUP]
+            if not self._commit_on_loop(part):
+                self.start()
+                self._handed += 1
+                self._queue.put(part)
+
+    def _commit_on_loop(self, group: list[tuple[Any, ...]]) -> bool:
+        """Write ``group`` now if the store is free; ``False`` (nothing written) hands it over."""
+        if (self.fsync or self._handed != self._written
+                or time.monotonic() < self._thread_until):
+            return False
+        if self._loop_store is None:
+            self._loop_store = self.proxy.store.loop_writer() or self.proxy.store
+        store = self._loop_store
+        started = time.perf_counter()
+        try:
+            with store.transaction(False, wait=False):
+                ids = [self._write(store, row, done) for row, done, _, _ in group]
+        except Exception:  # busy, or a row the store refuses: the writer thread sorts it out
+            return False
+        if time.perf_counter() - started > self.SLOW_COMMIT_S:
+            self._thread_until = time.monotonic() + self.THREAD_AFTER_SLOW_S
+        self._loop_commits += 1
+        _resolve([(future, turn_id) for (_, _, future, _), turn_id in zip(group, ids)])
+        self._notify_listeners(ids)
+        self._since_checkpoint += 1
+        if self._since_checkpoint >= self.CHECKPOINT_EVERY:
+            self._since_checkpoint = 0
+            self.start()
+            self._queue.put(_CHECKPOINT)
+        return True
+
     # -- the writer thread ----------------------------------------------------------------
     def _run(self) -> None:
         stopping = False
         while not stopping:
-            group = [self._queue.get()]
-            while len(group) < self.MAX_GROUP:
+            items = [self._queue.get()]
+            while True:
                 try:
-                    group.append(self._queue.get_nowait())
+                    items.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
-            if None in group:
-                stopping = True
-                group = [item for item in group if item is not None]
-            if group:
-                self._commit(group)
+            stopping = None in items
+            groups = [item for item in items if isinstance(item, list)]
+            rows = [row for group in groups for row in group]
+            for first in range(0, len(rows), self.MAX_GROUP):
+                self._commit(rows[first:first + self.MAX_GROUP])
+            self._written += len(groups)
+            if _CHECKPOINT in items or stopping and self._loop_commits:
+                try:
+                    self.proxy.store.checkpoint()
+                except Exception:  # the next one copies these pages as well
+                    log.warning("could not checkpoint the store's write-ahead log", exc_info=True)
 
     def _commit(self, group: list[tuple[Any, ...]]) -> None:
         store, fsync = self.proxy.store, self.fsync
         ids: list[int | None]
         try:
             with store.transaction(fsync):
-                ids = [self._write(row, done) for row, done, _, _ in group]
-            self.commits += 1
+                ids = [self._write(store, row, done) for row, done, _, _ in group]
+            self._thread_commits += 1
         except Exception:  # one bad row must not lose the others: write them one by one
             ids = []
             for row, done, _, _ in group:
                 try:  # strings cleaned of what SQLite cannot encode (lone surrogates)
                     with store.transaction(fsync):
-                        ids.append(self._write(_encodable(row), done))
+                        ids.append(self._write(store, _encodable(row), done))
                 except Exception:
                     log.exception("could not record a turn of session %r", row.get("session_id"))
                     ids.append(None)
@@ -244,19 +319,22 @@ class Recorder:
         for loop, results in by_loop.items():  # one wake-up of each loop for the whole group
             with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits any more
                 loop.call_soon_threadsafe(_resolve, results)
-        listeners = self.proxy._listeners
-        if listeners and self.proxy._listener_pool is not None:
-            for turn_id in ids:
-                if turn_id is not None:
-                    with contextlib.suppress(RuntimeError):
-                        self.proxy._listener_pool.submit(self._notify, turn_id)
+        self._notify_listeners(ids)
 
-    def _write(self, row: dict[str, Any], done: bool) -> int:
-        store = self.proxy.store
+    @staticmethod
+    def _write(store: "Store", row: dict[str, Any], done: bool) -> int:
         turn_id = store.record_turn(**row)
         if done:
             store.mark_session_done(row["session_id"])
         return turn_id
+
+    def _notify_listeners(self, ids: list[int | None]) -> None:
+        pool = self.proxy._listener_pool
+        if self.proxy._listeners and pool is not None:
+            for turn_id in ids:
+                if turn_id is not None:
+                    with contextlib.suppress(RuntimeError):  # the pool has shut down
+                        pool.submit(self._notify, turn_id)
 
     def _notify(self, turn_id: int) -> None:
         for fn in list(self.proxy._listeners):
@@ -264,6 +342,10 @@ class Recorder:
                 fn(turn_id)
             except Exception:
                 log.exception("turn listener %r failed for turn %d", fn, turn_id)
+
+
+#: Queued for the writer thread: checkpoint the write-ahead log.
+_CHECKPOINT = "checkpoint"
 
 
 def _resolve(results: list[tuple[asyncio.Future[Any], Any]]) -> None:

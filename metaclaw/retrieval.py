@@ -31,6 +31,7 @@ import functools
 import hashlib
 import heapq
 import importlib.util
+import itertools
 import logging
 import math
 import os
@@ -42,7 +43,7 @@ import zipfile
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, NamedTuple, Protocol, Sequence, runtime_checkable
 
 from metaclaw.asks import INSTRUCTION_ROLES, content_text, extract_ask
 from metaclaw.skills import Skill
@@ -62,8 +63,7 @@ class RetrievalError(RuntimeError):
     """Retrieval cannot be set up (missing extra, unknown model, unknown kind)."""
 
 
-@dataclass(frozen=True)
-class ScoredSkill:
+class ScoredSkill(NamedTuple):
     """A skill and its relevance score for one query (higher is more relevant)."""
 
     skill: Skill
@@ -86,8 +86,8 @@ def _order(pairs: Sequence[tuple[float, int]], names: Sequence[str],
            limit: int | None) -> list[tuple[float, int]]:
     """(score, index) pairs sorted by score desc then name, cut to ``limit``."""
     key = lambda p: (-p[0], names[p[1]])  # noqa: E731
-    if limit is None or limit >= len(pairs):
-        return sorted(pairs, key=key)
+    if limit is None or limit >= len(pairs) or len(pairs) <= 512:  # a heap pays off on many
+        return sorted(pairs, key=key)[:limit]
     return heapq.nsmallest(max(limit, 0), pairs, key=key)
 
 
@@ -139,6 +139,7 @@ up us was we were what when where which while who why will with would you your y
 """.split())
 
 
+@functools.lru_cache(maxsize=65536)  # a vocabulary is small; every request's words repeat
 def _stem(word: str) -> str:
     """A tiny suffix stripper so 'copies', 'copied' and 'copying' meet 'copy'."""
     if len(word) > 5 and word.endswith("ing"):
@@ -175,6 +176,9 @@ class LexicalRetriever:
 
     kind = "lexical"
     default_min_score = 1e-9  # any matching word
+    #: Libraries up to this size are scored in plain Python: numpy's per-call overhead costs
+    #: more than it saves on a few dozen skills (it wins on thousands).
+    PYTHON_UP_TO = 256
 
     def __init__(self, k1: float = 1.5, b: float = 0.75):
         self.k1, self.b = k1, b
@@ -182,9 +186,10 @@ class LexicalRetriever:
         self._cache = _IndexCache()
         self._tokens: dict[str, Counter] = {}
 
-    def _build(self, skills: Sequence[Skill]) -> tuple[dict[str, Any], list[str], bool]:
+    def _build(self, skills: Sequence[Skill]) -> tuple[dict[str, Any], list[str], list[int], bool]:
         """Inverted index: term -> (skill indices, BM25 weights of the term in those skills),
-        as numpy arrays when numpy is installed, else as a list of pairs; plus the names."""
+        as numpy arrays for a library of more than :attr:`PYTHON_UP_TO` skills when numpy is
+        installed, else as a list of pairs; plus the names and the indices in name order."""
         docs = []
         for skill in skills:
             counts = self._tokens.get(skill.content_hash)
@@ -201,7 +206,7 @@ class LexicalRetriever:
             for term, tf in counts.items():
                 postings.setdefault(term, []).append((i, tf * (self.k1 + 1) / (tf + norm)))
         index: dict[str, Any] = {}
-        use_numpy = _numpy_available()
+        use_numpy = n > self.PYTHON_UP_TO and _numpy_available()
         if use_numpy:
             import numpy as np
         for term, plist in postings.items():
@@ -210,7 +215,8 @@ class LexicalRetriever:
             if use_numpy:
                 index[term] = (np.fromiter((i for i, _ in index[term]), np.intp, len(plist)),
                                np.fromiter((w for _, w in index[term]), np.float64, len(plist)))
-        return index, [s.name for s in skills], use_numpy
+        names = [s.name for s in skills]
+        return index, names, sorted(range(n), key=names.__getitem__), use_numpy
 
     def rank(self, query: str, skills: list[Skill], *, limit: int | None = None) -> list[ScoredSkill]:
         """Skills best first (ties by name); ``limit`` keeps only the best ``limit``."""
@@ -222,7 +228,7 @@ class LexicalRetriever:
                     self._tokens.clear()
                 built = self._build(skills)
                 self._cache.put(skills, built)
-        index, names, use_numpy = built
+        index, names, by_name, use_numpy = built
         terms = set(tokenize(query or ""))
         if use_numpy:  # vectorized: fast on large libraries
             import numpy as np
@@ -238,10 +244,10 @@ class LexicalRetriever:
             for term in terms:
                 for i, w in index.get(term, ()):
                     by_skill[i] = by_skill.get(i, 0.0) + w
-            pairs = [(s, i) for i, s in by_skill.items()]
-            if limit is None or len(pairs) < limit:
-                pairs += [(0.0, i) for i in range(len(skills)) if i not in by_skill]
-            order = _order(pairs, names, limit)
+            order = _order([(s, i) for i, s in by_skill.items()], names, limit)
+            if limit is None or len(order) < limit:  # the others score 0: in name order
+                zeros = ((0.0, i) for i in by_name if i not in by_skill)
+                order += itertools.islice(zeros, None if limit is None else limit - len(order))
         return [ScoredSkill(skills[i], float(s)) for s, i in order]
 
     def warm(self, skills: Sequence[Skill] = ()) -> None:
@@ -688,7 +694,7 @@ def select(retriever: Retriever, query: str, skills: list[Skill], *, top_k: int 
     if top_k <= 0 or not skills or not (query or "").strip() or budget_chars <= 0:
         return []
     threshold = retriever.default_min_score if min_score is None else float(min_score)
-    limit = min(len(skills), max(4 * top_k, 16))
+    limit = min(len(skills), max(2 * top_k, 8))  # grows below when too few are kept
     while True:
         ranked = sorted(_rank(retriever, query, skills, limit),
                         key=lambda s: (-s.score, s.skill.name))

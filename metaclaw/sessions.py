@@ -42,6 +42,7 @@ The turn types:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -111,10 +112,21 @@ class SideCallRule:
     matches: Callable[[dict[str, Any], str, str], bool]
 
 
-def _says(*patterns: str) -> Callable[[dict[str, Any], str, str], bool]:
+def _says(*patterns: str, needles: tuple[str, ...]) -> Callable[[dict[str, Any], str, str], bool]:
+    """A rule: one of ``patterns`` (case-insensitive) in the instructions or the last user
+    message. ``needles``: lowercase words every match contains; a text without any of them is
+    not searched (instructions run to tens of kilobytes, and most requests are not side calls)."""
     pattern = re.compile("|".join(patterns), re.I)
-    return lambda body, instructions, last: bool(pattern.search(instructions)
-                                                 or pattern.search(last[:2000]))
+
+    def says(body: dict[str, Any], instructions: str, last: str) -> bool:
+        return any(pattern.search(text) for text in (instructions, last[:2000])
+                   if any(needle in _folded(text) for needle in needles))
+    return says
+
+
+@functools.lru_cache(maxsize=8)  # the rules of one request fold the same texts
+def _folded(text: str) -> str:
+    return text.casefold()
 
 
 def _title_schema(body: dict[str, Any], instructions: str, last: str) -> bool:
@@ -136,8 +148,12 @@ def _tiny_probe(body: dict[str, Any], instructions: str, last: str) -> bool:
             and not body.get("tools"))
 
 
+_SUB_AGENT = re.compile(r"\bsession=agent:[^|\s]*:subagent:")
+
+
 def _sub_agent(body: dict[str, Any], instructions: str, last: str) -> bool:
-    return bool(re.search(r"\bsession=agent:[^|\s]*:subagent:", instructions + "\n" + last))
+    return any(_SUB_AGENT.search(text) for text in (instructions, last)
+               if "session=agent:" in text)
 
 
 #: How side calls are recognised (first match wins); extend for a new framework.
@@ -146,12 +162,13 @@ SIDE_CALL_RULES: list[SideCallRule] = [
         r"\b(?:generate|write|create|suggest|give)\b[^.\n]{0,40}\btitle\b[^.\n]{0,60}"
         r"\b(?:conversation|chat|session|thread)\b",
         r"\btitle\b[^.\n]{0,20}\b(?:of|for)\b[^.\n]{0,20}\b(?:this|the) (?:conversation|chat)\b",
-        r"\bnaming (?:a|this|the) (?:\w+ )?(?:session|conversation|chat|thread)\b")),
+        r"\bnaming (?:a|this|the) (?:\w+ )?(?:session|conversation|chat|thread)\b",
+        needles=("title", "naming"))),
     SideCallRule("title-schema", _title_schema),
     SideCallRule("summary", _says(
         r"\b(?:summari[sz]e|create a (?:detailed )?summary of|compact)\b[^.\n]{0,40}"
         r"\b(?:conversation|chat history|session|transcript|prefix)\b",
-        r"\b(?:context )?summari[sz]ation assistant\b")),
+        r"\b(?:context )?summari[sz]ation assistant\b", needles=("summar", "compact"))),
     SideCallRule("quota-probe", _tiny_probe),
     SideCallRule("sub-agent", _sub_agent),
 ]
@@ -205,7 +222,7 @@ def session_of(headers: Mapping[str, str], body: dict[str, Any]) -> tuple[str, s
         content_text(m.get("content")) for m in messages
         if isinstance(m, dict) and m.get("role") in ("user", *INSTRUCTION_ROLES)]
     for text in texts:
-        found = EMBEDDED_SESSION.search(text)
+        found = EMBEDDED_SESSION.search(text) if "sessionId=" in text else None
         if found:
             return found.group(1), "message:sessionId"
     first = _first_user_text(messages)

@@ -32,6 +32,7 @@ written with orjson (:mod:`metaclaw.jsonlib`).
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import sqlite3
@@ -215,10 +216,16 @@ SCHEMA_VERSION = len(MIGRATIONS)
 TABLES = ("sessions", "turns", "skill_generations", "skill_events", "policy_versions",
           "training_steps", "scheduler_transitions", "events", "labels", "proposals")
 EVENT_LEVELS = ("info", "warning", "error")
+#: Seconds a write waits for another connection's write lock before it fails.
+BUSY_TIMEOUT_S = 30.0
 
 
 class StoreError(RuntimeError):
     """The store file cannot be opened or is from a newer version of MetaClaw."""
+
+
+class StoreBusy(RuntimeError):
+    """``transaction(wait=False)``: another thread or process holds the write lock right now."""
 
 
 def _dumps(value: Any) -> str:
@@ -243,7 +250,7 @@ class Store:
         self._lock = threading.RLock()
         try:
             self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None,
-                                       timeout=30.0)
+                                       timeout=BUSY_TIMEOUT_S)
             self._db.row_factory = sqlite3.Row
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=FULL")
@@ -251,16 +258,18 @@ class Store:
             self._migrate()
         except sqlite3.DatabaseError as exc:
             raise StoreError(f"cannot open the MetaClaw store at {self.path}: {exc}") from exc
-        # A second, read-only connection answers "did anything commit since I last looked?"
-        # (``PRAGMA data_version`` changes only for commits made by *other* connections, this
-        # process's writer included), without waiting behind the writer's lock.
-        self._probe_lock = threading.Lock()
+        self._fsync_by_default = True  # the connection's standing ``synchronous`` (FULL)
+        # A second connection answers "did anything commit since I last looked?" (``PRAGMA
+        # data_version`` changes only for commits made by *other* connections, this process's
+        # writer included), without waiting behind the writer's lock. The proxy's event loop
+        # writes its turns through it too (:meth:`loop_writer`).
+        self._probe_lock = threading.RLock()
         self._probe: sqlite3.Connection | None = None
         self._probe_version: int | None = None
         self._probe_latest: int | None = None
         if str(path) != ":memory:":
             self._probe = sqlite3.connect(str(path), check_same_thread=False,
-                                          isolation_level=None, timeout=30.0)
+                                          isolation_level=None, timeout=BUSY_TIMEOUT_S)
 
     # -- schema ---------------------------------------------------------------------------
     def _migrate(self) -> None:
@@ -324,12 +333,40 @@ class Store:
         with self._lock:
             return [_decode(r) for r in self._db.execute(sql, tuple(params)).fetchall()]
 
-    def transaction(self, fsync: bool = True) -> "_Transaction":
+    def transaction(self, fsync: bool = True, wait: bool = True) -> "_Transaction":
         """``with store.transaction(): ...`` groups writes into one durable commit.
 
         ``fsync=False``: the commit survives ``kill -9`` of this process but not necessarily an
-        OS crash or power loss (``synchronous=NORMAL`` for this commit; see the module doc)."""
-        return _Transaction(self, fsync)
+        OS crash or power loss (``synchronous=NORMAL`` for this commit; see the module doc).
+        ``wait=False``: raise :class:`StoreBusy` at once, having written nothing, when another
+        thread of this process or another connection holds the write lock (a caller on an
+        event loop hands its writes to a thread instead of blocking the loop)."""
+        return _Transaction(self, fsync, wait)
+
+    def loop_writer(self) -> "Store | None":
+        """This store through its second connection, for the writes of an event loop (the
+        proxy's turns): its transactions commit without fsync unless asked, and no commit on it
+        checkpoints the write-ahead log (``wal_autocheckpoint=0``; the caller runs
+        :meth:`checkpoint` elsewhere), so that no fsync happens on the loop. Its commits are the
+        probe's own, so they do not count as changes for :meth:`current_generation`: a request
+        after a turn was recorded still finds the generation check a few microseconds long,
+        without re-reading the tables. Use ``transaction(wait=False)`` on it from a loop.
+        ``None`` for an in-memory store (it has no second connection)."""
+        if self._probe is None:
+            return None
+        with self._probe_lock:
+            for pragma in ("synchronous=NORMAL", "wal_autocheckpoint=0", "foreign_keys=ON"):
+                self._probe.execute(f"PRAGMA {pragma}")
+        writer = copy.copy(self)  # the same class: a test double's overrides still apply
+        writer._db, writer._lock, writer._fsync_by_default = self._probe, self._probe_lock, False
+        return writer
+
+    def checkpoint(self) -> None:
+        """Copy committed pages from the write-ahead log into the database file now (a passive
+        checkpoint: it waits for no reader). SQLite does this itself every 1,000 pages unless
+        ``PRAGMA wal_autocheckpoint`` turned it off, as the proxy does to keep it off its loop."""
+        with self._lock:
+            self._db.execute("PRAGMA wal_checkpoint(PASSIVE)")
 
     def _insert(self, table: str, fields: dict[str, Any]) -> int:
         cols = list(fields)
@@ -513,24 +550,41 @@ class Store:
 
 
 class _Transaction:
-    def __init__(self, store: Store, fsync: bool = True):
+    def __init__(self, store: Store, fsync: bool = True, wait: bool = True):
         self.store = store
         self.fsync = fsync
+        self.wait = wait
         self.outer = False
 
     def __enter__(self) -> Store:
-        self.store._lock.acquire()
+        if not self.store._lock.acquire(blocking=self.wait):
+            raise StoreBusy("another thread of this process is writing to the store")
         db = self.store._db
         self.outer = not db.in_transaction
         if self.outer:
             try:
-                if not self.fsync:
-                    db.execute("PRAGMA synchronous=NORMAL")
-                db.execute("BEGIN IMMEDIATE")
+                if self.fsync != self.store._fsync_by_default:
+                    db.execute(f"PRAGMA synchronous={'FULL' if self.fsync else 'NORMAL'}")
+                if self.wait:
+                    db.execute("BEGIN IMMEDIATE")
+                else:
+                    self._begin_without_waiting(db)
             except BaseException:  # e.g. another process holds the write lock past the timeout
                 self.__exit__(None)
                 raise
         return self.store
+
+    @staticmethod
+    def _begin_without_waiting(db: sqlite3.Connection) -> None:
+        db.execute("PRAGMA busy_timeout=0")
+        try:
+            db.execute("BEGIN IMMEDIATE")
+        except sqlite3.OperationalError as exc:
+            if exc.sqlite_errorcode & 0xFF != sqlite3.SQLITE_BUSY:
+                raise
+            raise StoreBusy(f"another connection holds the store's write lock ({exc})") from None
+        finally:
+            db.execute(f"PRAGMA busy_timeout={int(BUSY_TIMEOUT_S * 1000)}")
 
     def __exit__(self, exc_type: object, *rest: object) -> None:
         db = self.store._db
@@ -538,8 +592,8 @@ class _Transaction:
             if self.outer and db.in_transaction:
                 db.execute("ROLLBACK" if exc_type else "COMMIT")
         finally:
-            if self.outer and not self.fsync:
-                db.execute("PRAGMA synchronous=FULL")
+            if self.outer and self.fsync != self.store._fsync_by_default:
+                db.execute(f"PRAGMA synchronous={'NORMAL' if self.fsync else 'FULL'}")
             self.store._lock.release()
 
 

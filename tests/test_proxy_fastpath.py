@@ -137,33 +137,6 @@ def test_commit_without_fsync_is_synchronous_normal_for_that_commit_only(tmp_pat
     store.close()
 
 
-@pytest.mark.parametrize("fsync", [False, True])
-def test_recorder_commits_with_the_configured_durability(tmp_path, fsync):
-    store = Store(tmp_path / "m.db")
-    seen = []
-    transaction = store.transaction
-    store.transaction = lambda fsync=True: seen.append(fsync) or transaction(fsync)
-
-    class Owner:
-        _listeners: list = []
-        _listener_pool = None
-
-    owner = Owner()
-    owner.store = store
-    recorder = Recorder(owner, fsync=fsync)
-
-    async def one() -> int:
-        return await recorder.submit({"session_id": "s", "request_messages": [], "status": "ok"},
-                                     False)
-
-    try:
-        assert asyncio.run(one()) is not None
-    finally:
-        recorder.stop()
-    assert seen[0] is fsync  # the group's transaction (the turn's own nests inside it)
-    store.close()
-
-
 def test_proxy_config_reaches_the_recorder(tmp_path):
     store = Store(tmp_path / "m.db")
     library = SkillLibrary(tmp_path / "skills", store)

@@ -1,0 +1,219 @@
+"""Where the proxy's turns are committed: on the event loop when the store is free at once (a
+commit without fsync is cheaper than a thread hand-off), else by the writer thread, so that the
+loop never waits for the store: another connection or thread writing, fsync asked for, a slow
+commit. Nothing is lost or reordered on either path, and checkpoints stay off the loop."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import threading
+import time
+
+import pytest
+
+from metaclaw.pipeline import Recorder
+from metaclaw.store import Store, StoreBusy
+
+ROW = {"request_messages": [{"role": "user", "content": "hi"}], "status": "ok"}
+
+
+class SpyStore(Store):
+    """Notes each transaction (fsync, wait, thread) and checkpoint (thread); shared by the
+    store's loop writer, which is a copy of it."""
+
+    def __init__(self, path, delay: float = 0.0):
+        super().__init__(path)
+        self.seen: list[tuple] = []
+        self.checkpoints: list[str] = []
+        self.delay = delay
+
+    def transaction(self, fsync=True, wait=True):  # a turn's own nests in its group's
+        self.seen.append((fsync, wait, threading.current_thread().name))
+        return super().transaction(fsync, wait)
+
+    def checkpoint(self):
+        self.checkpoints.append(threading.current_thread().name)
+        super().checkpoint()
+
+    def record_turn(self, **fields):
+        time.sleep(self.delay)
+        return super().record_turn(**fields)
+
+
+class Owner:  # what the recorder needs from a proxy: a store and the listener seams
+    _listeners: list = []
+    _listener_pool = None
+
+    def __init__(self, store):
+        self.store = store
+
+
+def _turns(path) -> list[tuple]:
+    conn = sqlite3.connect(str(path))
+    try:
+        return conn.execute("SELECT id, session_id FROM turns ORDER BY id").fetchall()
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("fsync", [False, True])
+def test_a_free_store_commits_on_the_loop_unless_fsync_is_asked(tmp_path, fsync):
+    store = SpyStore(tmp_path / "m.db")
+    recorder = Recorder(Owner(store), fsync=fsync)
+
+    async def one():
+        return await recorder.submit({**ROW, "session_id": "s"}, False), \
+            threading.current_thread().name
+
+    try:
+        turn_id, loop_thread = asyncio.run(one())
+    finally:
+        recorder.stop()
+    fsync_seen, wait, thread = store.seen[0]
+    assert turn_id is not None and _turns(tmp_path / "m.db") == [(turn_id, "s")]
+    assert fsync_seen is fsync
+    if fsync:  # an fsync never runs on the loop
+        assert (wait, thread) == (True, "metaclaw-record") and recorder._loop_commits == 0
+    else:
+        assert (wait, thread) == (False, loop_thread) and recorder._loop_commits == 1
+    store.close()
+
+
+def test_loop_commits_leave_the_generation_check_cheap_and_still_see_other_writers(tmp_path):
+    store = Store(tmp_path / "m.db")
+    writer = store.loop_writer()
+    assert writer.execute("PRAGMA synchronous").fetchone()[0] == 1  # NORMAL
+    assert writer.execute("PRAGMA wal_autocheckpoint").fetchone()[0] == 0
+    assert store.execute("PRAGMA synchronous").fetchone()[0] == 2  # the store's own: FULL
+    assert store.current_generation() is None
+    version = store._probe.execute("PRAGMA data_version").fetchone()[0]
+    with writer.transaction(False, wait=False):
+        writer.record_turn(session_id="s", **ROW)
+    # the probe's own commit: not a change to re-read the tables for
+    assert store._probe.execute("PRAGMA data_version").fetchone()[0] == version
+    assert _turns(tmp_path / "m.db")[0][1] == "s"  # committed for every other connection
+    other = Store(tmp_path / "m.db")  # another process publishes a generation
+    other.add_generation(snapshot={}, kind="test")
+    assert store.current_generation() == 0
+    other.close()
+    store.close()
+    assert Store(":memory:").loop_writer() is None
+
+
+def test_transaction_without_waiting_refuses_a_busy_store_and_writes_nothing(tmp_path):
+    store = Store(tmp_path / "m.db")
+    writer = store.loop_writer()
+    other = sqlite3.connect(str(tmp_path / "m.db"), isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")  # another process is writing
+    started = time.monotonic()
+    with pytest.raises(StoreBusy, match="write lock"):
+        with writer.transaction(False, wait=False):
+            writer.record_turn(session_id="never", **ROW)
+    assert time.monotonic() - started < 1.0  # not the 30 s busy timeout
+    other.execute("COMMIT")
+    holder = threading.Thread(target=lambda: (store._lock.acquire(), time.sleep(0.3),
+                                              store._lock.release()))
+    holder.start()  # another thread of this process is writing
+    time.sleep(0.05)
+    with pytest.raises(StoreBusy, match="another thread"):
+        with store.transaction(False, wait=False):
+            pass
+    holder.join()
+    with writer.transaction(False, wait=False):  # free again: written, and waiting resumed
+        writer.record_turn(session_id="later", **ROW)
+    assert [s for _, s in _turns(tmp_path / "m.db")] == ["later"]
+    assert writer.execute("PRAGMA busy_timeout").fetchone()[0] == 30000
+    store.close()
+
+
+def test_turns_that_find_the_store_busy_go_to_the_writer_thread_in_order(tmp_path):
+    store = SpyStore(tmp_path / "m.db")
+    recorder = Recorder(Owner(store))
+    other = sqlite3.connect(str(tmp_path / "m.db"), isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")
+
+    async def scenario():
+        first = recorder.submit({**ROW, "session_id": "a"}, False)
+        started = time.monotonic()
+        await asyncio.sleep(0.2)  # the loop runs on while another connection holds the lock
+        loop_free = time.monotonic() - started < 1.0
+        assert not first.done()
+        second = recorder.submit({**ROW, "session_id": "b"}, False)
+        await asyncio.sleep(0.05)
+        other.execute("COMMIT")
+        return loop_free, await first, await second
+
+    try:
+        loop_free, first, second = asyncio.run(scenario())
+    finally:
+        recorder.stop()
+    assert loop_free and first < second
+    assert _turns(tmp_path / "m.db") == [(first, "a"), (second, "b")]
+    assert recorder._thread_commits >= 1
+    store.close()
+
+
+def test_a_slow_commit_sends_the_next_groups_to_the_writer_thread(tmp_path):
+    store = SpyStore(tmp_path / "m.db", delay=Recorder.SLOW_COMMIT_S * 1.5)
+    recorder = Recorder(Owner(store))
+
+    async def scenario():
+        ids = [await recorder.submit({**ROW, "session_id": f"s{i}"}, False) for i in range(3)]
+        return ids, threading.current_thread().name
+
+    try:
+        ids, loop_thread = asyncio.run(scenario())
+    finally:
+        recorder.stop()
+    threads = [thread for fsync, _, thread in store.seen if not fsync]  # the groups' own
+    assert threads[0] == loop_thread and set(threads[1:3]) == {"metaclaw-record"}
+    assert [i for i, _ in _turns(tmp_path / "m.db")] == ids == sorted(ids)
+    store.close()
+
+
+def test_a_row_the_store_refuses_on_the_loop_loses_nothing_of_its_group(tmp_path):
+    store = Store(tmp_path / "m.db")
+    recorder = Recorder(Owner(store))
+    bad = {**ROW, "session_id": "bad", "response": "lone \ud800 surrogate"}
+
+    async def scenario():
+        futures = [recorder.submit({**ROW, "session_id": "ok1"}, False),
+                   recorder.submit(bad, False),
+                   recorder.submit({**ROW, "session_id": "ok2"}, True)]
+        return await asyncio.gather(*futures)
+
+    try:
+        ids = asyncio.run(scenario())
+    finally:
+        recorder.stop()
+    assert None not in ids
+    assert [s for _, s in _turns(tmp_path / "m.db")] == ["ok1", "bad", "ok2"]
+    assert store.turn(ids[1])["response"] == "lone \ufffd surrogate"
+    assert store.session("ok2")["done"] == 1
+    store.close()
+
+
+def test_checkpoints_run_in_the_writer_thread_not_on_the_loop(tmp_path):
+    store = SpyStore(tmp_path / "m.db")
+    recorder = Recorder(Owner(store))
+    recorder.CHECKPOINT_EVERY = 3
+
+    async def scenario():
+        for i in range(7):
+            await recorder.submit({**ROW, "session_id": f"s{i}"}, False)
+
+    try:
+        asyncio.run(scenario())
+        deadline = time.monotonic() + 5
+        while len(store.checkpoints) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        recorder.stop()
+    assert recorder._loop_commits == 7
+    assert len(store.checkpoints) >= 3  # two on the way, one at stop
+    assert set(store.checkpoints) == {"metaclaw-record"}
+    busy, log_pages, copied = sqlite3.connect(str(tmp_path / "m.db")).execute(
+        "PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+    assert busy == 0 and log_pages == copied  # nothing was left behind uncopied
+    store.close()
