@@ -47,10 +47,16 @@ FEEDBACK_MARK = "[Previous Feedback]"
 
 @dataclass(frozen=True)
 class Rule:
-    """One way frameworks wrap the ask: ``apply(text) -> text`` removes the wrapping."""
+    """One way frameworks wrap the ask: ``apply(text) -> text`` removes the wrapping.
+    ``needle``: text every wrapping it removes contains (a text without it is left alone
+    without running the rule's expressions)."""
 
     name: str
     apply: Callable[[str], str]
+    needle: str = ""
+
+    def run(self, text: str) -> str:
+        return self.apply(text) if self.needle in text else text
 
 
 def _remove_blocks(tags: tuple[str, ...]) -> Callable[[str], str]:
@@ -99,13 +105,13 @@ def _command_args(text: str) -> str:
 
 #: The rules, applied in order to every candidate user text.
 RULES: list[Rule] = [
-    Rule("command-args", _command_args),
-    Rule("context-blocks", _remove_blocks(CONTEXT_TAGS)),
-    Rule("fenced-context", lambda text: _FENCED_CONTEXT.sub("", text)),
-    Rule("runtime-line", lambda text: _RUNTIME_LINE.sub("", text)),
-    Rule("metadata-sections", lambda text: _METADATA.sub("", text)),
-    Rule("envelope", lambda text: _ENVELOPE.sub("", text)),
-    Rule("header-lines", lambda text: _HEADER_LINES.sub("", text)),
+    Rule("command-args", _command_args, "<command-args>"),
+    Rule("context-blocks", _remove_blocks(CONTEXT_TAGS), "</"),
+    Rule("fenced-context", lambda text: _FENCED_CONTEXT.sub("", text), "<<<BEGIN_"),
+    Rule("runtime-line", lambda text: _RUNTIME_LINE.sub("", text), "Runtime:"),
+    Rule("metadata-sections", lambda text: _METADATA.sub("", text), "```"),
+    Rule("envelope", lambda text: _ENVELOPE.sub("", text), "["),
+    Rule("header-lines", lambda text: _HEADER_LINES.sub("", text), ":"),
 ]
 
 
@@ -170,7 +176,7 @@ def clean(text: str) -> tuple[str, str, list[str]]:
     """Apply :data:`RULES` and split off feedback: (ask, feedback, names of rules that fired)."""
     fired = []
     for rule in RULES:
-        new = rule.apply(text)
+        new = rule.run(text)
         if new != text:
             fired.append(rule.name)
             text = new

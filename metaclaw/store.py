@@ -258,7 +258,9 @@ class Store:
             self._migrate()
         except sqlite3.DatabaseError as exc:
             raise StoreError(f"cannot open the MetaClaw store at {self.path}: {exc}") from exc
-        self._fsync_by_default = True  # the connection's standing ``synchronous`` (FULL)
+        # the connection's standing settings, which a transaction changes only for itself
+        self._fsync_by_default = True  # synchronous=FULL
+        self._waits_by_default = True  # a busy timeout of BUSY_TIMEOUT_S
         # A second connection answers "did anything commit since I last looked?" (``PRAGMA
         # data_version`` changes only for commits made by *other* connections, this process's
         # writer included), without waiting behind the writer's lock. The proxy's event loop
@@ -345,7 +347,8 @@ class Store:
 
     def loop_writer(self) -> "Store | None":
         """This store through its second connection, for the writes of an event loop (the
-        proxy's turns): its transactions commit without fsync unless asked, and no commit on it
+        proxy's turns): its transactions commit without fsync and without waiting for the write
+        lock unless asked (``transaction(fsync=True, wait=True)``), and no commit on it
         checkpoints the write-ahead log (``wal_autocheckpoint=0``; the caller runs
         :meth:`checkpoint` elsewhere), so that no fsync happens on the loop. Its commits are the
         probe's own, so they do not count as changes for :meth:`current_generation`: a request
@@ -355,10 +358,12 @@ class Store:
         if self._probe is None:
             return None
         with self._probe_lock:
-            for pragma in ("synchronous=NORMAL", "wal_autocheckpoint=0", "foreign_keys=ON"):
+            for pragma in ("synchronous=NORMAL", "wal_autocheckpoint=0", "busy_timeout=0",
+                           "foreign_keys=ON"):
                 self._probe.execute(f"PRAGMA {pragma}")
         writer = copy.copy(self)  # the same class: a test double's overrides still apply
-        writer._db, writer._lock, writer._fsync_by_default = self._probe, self._probe_lock, False
+        writer._db, writer._lock = self._probe, self._probe_lock
+        writer._fsync_by_default = writer._waits_by_default = False
         return writer
 
     def checkpoint(self) -> None:
@@ -465,12 +470,18 @@ class Store:
         if self._probe is None:  # an in-memory store has no other connection to hear from
             return self.latest_generation()
         with self._probe_lock:
-            version = self._probe.execute("PRAGMA data_version").fetchone()[0]
-            if version != self._probe_version:
-                value = self._probe.execute(
-                    "SELECT MAX(generation) FROM skill_generations").fetchone()[0]
-                self._probe_version = version
-                self._probe_latest = None if value is None else int(value)
+            try:
+                version = self._probe.execute("PRAGMA data_version").fetchone()[0]
+                if version != self._probe_version:
+                    value = self._probe.execute(
+                        "SELECT MAX(generation) FROM skill_generations").fetchone()[0]
+                    self._probe_version = version
+                    self._probe_latest = None if value is None else int(value)
+            except sqlite3.OperationalError as exc:
+                # the probe waits for no lock once it writes for an event loop (loop_writer):
+                # a read refused during another connection's recovery is retried next call
+                if exc.sqlite_errorcode & 0xFF != sqlite3.SQLITE_BUSY:
+                    raise
             return self._probe_latest
 
     def generation(self, number: int) -> dict[str, Any] | None:
@@ -565,26 +576,26 @@ class _Transaction:
             try:
                 if self.fsync != self.store._fsync_by_default:
                     db.execute(f"PRAGMA synchronous={'FULL' if self.fsync else 'NORMAL'}")
-                if self.wait:
-                    db.execute("BEGIN IMMEDIATE")
-                else:
-                    self._begin_without_waiting(db)
+                self._begin(db)
             except BaseException:  # e.g. another process holds the write lock past the timeout
                 self.__exit__(None)
                 raise
         return self.store
 
-    @staticmethod
-    def _begin_without_waiting(db: sqlite3.Connection) -> None:
-        db.execute("PRAGMA busy_timeout=0")
+    def _begin(self, db: sqlite3.Connection) -> None:
+        switch = self.wait != self.store._waits_by_default  # the connection's busy timeout
+        if switch:
+            db.execute(f"PRAGMA busy_timeout={int(BUSY_TIMEOUT_S * 1000) if self.wait else 0}")
         try:
             db.execute("BEGIN IMMEDIATE")
         except sqlite3.OperationalError as exc:
-            if exc.sqlite_errorcode & 0xFF != sqlite3.SQLITE_BUSY:
+            if self.wait or exc.sqlite_errorcode & 0xFF != sqlite3.SQLITE_BUSY:
                 raise
             raise StoreBusy(f"another connection holds the store's write lock ({exc})") from None
         finally:
-            db.execute(f"PRAGMA busy_timeout={int(BUSY_TIMEOUT_S * 1000)}")
+            if switch:
+                db.execute(f"PRAGMA busy_timeout="
+                           f"{0 if self.wait else int(BUSY_TIMEOUT_S * 1000)}")
 
     def __exit__(self, exc_type: object, *rest: object) -> None:
         db = self.store._db

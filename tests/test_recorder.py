@@ -123,7 +123,7 @@ def test_transaction_without_waiting_refuses_a_busy_store_and_writes_nothing(tmp
     with writer.transaction(False, wait=False):  # free again: written, and waiting resumed
         writer.record_turn(session_id="later", **ROW)
     assert [s for _, s in _turns(tmp_path / "m.db")] == ["later"]
-    assert writer.execute("PRAGMA busy_timeout").fetchone()[0] == 30000
+    assert writer.execute("PRAGMA busy_timeout").fetchone()[0] == 0  # it never waits
     store.close()
 
 
@@ -216,4 +216,24 @@ def test_checkpoints_run_in_the_writer_thread_not_on_the_loop(tmp_path):
     busy, log_pages, copied = sqlite3.connect(str(tmp_path / "m.db")).execute(
         "PRAGMA wal_checkpoint(PASSIVE)").fetchone()
     assert busy == 0 and log_pages == copied  # nothing was left behind uncopied
+    store.close()
+
+
+def test_the_loop_writer_still_waits_and_fsyncs_when_asked_then_goes_back(tmp_path):
+    store = Store(tmp_path / "m.db")
+    writer = store.loop_writer()
+    other = sqlite3.connect(str(tmp_path / "m.db"), isolation_level=None,
+                            check_same_thread=False)
+    other.execute("BEGIN IMMEDIATE")
+    release = threading.Timer(0.3, lambda: other.execute("COMMIT"))
+    release.start()
+    started = time.monotonic()
+    with writer.transaction(True, wait=True):  # waits for the lock, then commits with fsync
+        assert writer.execute("PRAGMA synchronous").fetchone()[0] == 2
+        writer.record_turn(session_id="waited", **ROW)
+    assert time.monotonic() - started >= 0.25
+    release.join()
+    assert writer.execute("PRAGMA synchronous").fetchone()[0] == 1
+    assert writer.execute("PRAGMA busy_timeout").fetchone()[0] == 0
+    assert [s for _, s in _turns(tmp_path / "m.db")] == ["waited"]
     store.close()

@@ -229,6 +229,11 @@ def sse_event(block: bytes) -> Event:
     that is neither a comment nor one of the fields ``data``, ``event``, ``id``, ``retry``) or whose
     data is neither ``[DONE]`` nor a JSON object raises a 502 :class:`ProxyError`: garbage is
     never relayed."""
+    if block.startswith(b"data: {") and b"\n" not in block:  # the usual event: one JSON line
+        try:  # JSON that starts with "{" is an object or nothing
+            return block + b"\n\n", loads(block[6:])
+        except ValueError:
+            raise _bad_stream(f"an event whose data is not JSON ({_text(block[6:])!r})") from None
     lines = block.split(b"\n")
     for line in lines:
         if line and not line.startswith(b":") and line.partition(b":")[0] not in _SSE_FIELDS:
