@@ -718,15 +718,19 @@ class _Relay:
                 async for batch in events:  # the events that arrived together go out together
                     relayed: list[bytes] = []
                     for raw, event in batch:
-                        ended = ended or source.is_terminal(raw, event)
+                        terminal = source.is_terminal(raw, event)
+                        ended = ended or terminal
                         if _is_error_event(event):  # an upstream error may quote the key
                             event = self.proxy._scrub_json(event, self.secrets)
                         assembler.add(event)
-                        if same:
-                            outs = [(raw, event)]
-                        else:
-                            outs = [(client.encode_event(e), e) for e in translate(event)]
-                        for data, out in outs:
+                        if same:  # relayed as it came (one event: no list to build)
+                            if terminal:
+                                held.append(raw)
+                            elif not client.is_private(event, client_asked):
+                                relayed.append(raw)
+                            continue
+                        for out in translate(event):
+                            data = client.encode_event(out)
                             if client.is_terminal(data, out):
                                 held.append(data)
                             elif not client.is_private(out, client_asked):

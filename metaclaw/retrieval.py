@@ -186,10 +186,11 @@ class LexicalRetriever:
         self._cache = _IndexCache()
         self._tokens: dict[str, Counter] = {}
 
-    def _build(self, skills: Sequence[Skill]) -> tuple[dict[str, Any], list[str], list[int], bool]:
+    def _build(self, skills: Sequence[Skill]) -> tuple[Any, ...]:
         """Inverted index: term -> (skill indices, BM25 weights of the term in those skills),
         as numpy arrays for a library of more than :attr:`PYTHON_UP_TO` skills when numpy is
-        installed, else as a list of pairs; plus the names and the indices in name order."""
+        installed, else as a list of pairs; plus the names, the indices in name order and each
+        index's place in that order."""
         docs = []
         for skill in skills:
             counts = self._tokens.get(skill.content_hash)
@@ -216,7 +217,11 @@ class LexicalRetriever:
                 index[term] = (np.fromiter((i for i, _ in index[term]), np.intp, len(plist)),
                                np.fromiter((w for _, w in index[term]), np.float64, len(plist)))
         names = [s.name for s in skills]
-        return index, names, sorted(range(n), key=names.__getitem__), use_numpy
+        by_name = sorted(range(n), key=names.__getitem__)
+        name_rank = [0] * n
+        for place, i in enumerate(by_name):
+            name_rank[i] = place
+        return index, names, by_name, name_rank, use_numpy
 
     def rank(self, query: str, skills: list[Skill], *, limit: int | None = None) -> list[ScoredSkill]:
         """Skills best first (ties by name); ``limit`` keeps only the best ``limit``."""
@@ -228,7 +233,7 @@ class LexicalRetriever:
                     self._tokens.clear()
                 built = self._build(skills)
                 self._cache.put(skills, built)
-        index, names, by_name, use_numpy = built
+        index, names, by_name, name_rank, use_numpy = built
         terms = set(tokenize(query or ""))
         if use_numpy:  # vectorized: fast on large libraries
             import numpy as np
@@ -240,13 +245,15 @@ class LexicalRetriever:
                     scores[rows] += weights
             order = _order_array(scores, names, limit)
         else:
-            by_skill: dict[int, float] = {}
+            scores = [0.0] * len(names)
             for term in terms:
                 for i, w in index.get(term, ()):
-                    by_skill[i] = by_skill.get(i, 0.0) + w
-            order = _order([(s, i) for i, s in by_skill.items()], names, limit)
+                    scores[i] += w
+            # (-score, place in name order, index) sorts as wanted without a key function
+            matched = sorted([(-score, name_rank[i], i) for i, score in enumerate(scores) if score])
+            order = [(-negative, i) for negative, _, i in matched[:limit]]
             if limit is None or len(order) < limit:  # the others score 0: in name order
-                zeros = ((0.0, i) for i in by_name if i not in by_skill)
+                zeros = ((0.0, i) for i in by_name if not scores[i])
                 order += itertools.islice(zeros, None if limit is None else limit - len(order))
         return [ScoredSkill(skills[i], float(s)) for s, i in order]
 

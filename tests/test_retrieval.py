@@ -12,6 +12,8 @@ import threading
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from metaclaw.retrieval import (
     BLOCK_HEADER, STATIC_MIN_SCORE, EmbeddingRetriever, augment, LexicalRetriever, RetrievalError,
@@ -395,3 +397,25 @@ def test_concurrent_queries_are_embedded_in_batches_with_the_same_vectors():
     assert sum(calls) == len(texts) and len(calls) < len(texts) and max(calls) > 1
     for text in texts:
         assert np.allclose(results[text], alone[text], atol=1e-5)
+
+
+_WORDS = ["copy", "copies", "file", "files", "test", "tests", "deploy", "email", "draft",
+          "schema", "migration", "plan", "steps", "csv", "rows", "secret", "keys"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(docs=st.lists(st.lists(st.sampled_from(_WORDS), min_size=1, max_size=12), min_size=1,
+                     max_size=30),
+       query=st.lists(st.sampled_from(_WORDS + ["unrelated"]), max_size=6),
+       limit=st.one_of(st.none(), st.integers(0, 35)))
+def test_lexical_ranking_is_the_same_in_plain_python_and_numpy(docs, query, limit):
+    skills = [Skill(name=f"skill-{i:02d}{'x' * (i % 3)}", description=" ".join(words),
+                    body="") for i, words in enumerate(docs)]
+    small, large = LexicalRetriever(), LexicalRetriever()
+    small.PYTHON_UP_TO, large.PYTHON_UP_TO = 10**6, -1  # each forced down one path
+    text = " ".join(query)
+    a, b = small.rank(text, skills, limit=limit), large.rank(text, skills, limit=limit)
+    assert [s.skill.name for s in a] == [s.skill.name for s in b]
+    assert [s.score for s in a] == pytest.approx([s.score for s in b])
+    assert [s.skill.name for s in a] == [s.skill.name for s in sorted(
+        small.rank(text, skills), key=lambda s: (-s.score, s.skill.name))][:limit]
