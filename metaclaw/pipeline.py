@@ -218,10 +218,11 @@ class Recorder:
 
     def stop(self) -> None:
         """Write what is queued, then end the writer thread."""
+        if self._group:  # submitted on a loop that stopped before flushing: written all the same
+            self.start()
+            self._queue.put(self._group)
+            self._group = []
         if self._thread is not None:
-            if self._group:  # submitted on a loop that is gone: written all the same
-                self._queue.put(self._group)
-                self._group = []
             self._queue.put(None)
             self._thread.join()
             self._thread = None

@@ -237,3 +237,21 @@ def test_the_loop_writer_still_waits_and_fsyncs_when_asked_then_goes_back(tmp_pa
     assert writer.execute("PRAGMA busy_timeout").fetchone()[0] == 0
     assert [s for _, s in _turns(tmp_path / "m.db")] == ["waited"]
     store.close()
+
+
+def test_turns_submitted_on_a_loop_that_stopped_are_written_at_stop(tmp_path):
+    store = Store(tmp_path / "m.db")
+    recorder = Recorder(Owner(store))
+    loop = asyncio.new_event_loop()
+
+    def submit_then_stop():
+        recorder.submit({**ROW, "session_id": "late"}, False)
+        loop.stop()  # the loop ends before the round that would write the group
+
+    loop.call_soon(submit_then_stop)
+    loop.run_forever()
+    loop.close()
+    assert recorder._loop_commits == 0 and not _turns(tmp_path / "m.db")
+    recorder.stop()
+    assert [s for _, s in _turns(tmp_path / "m.db")] == ["late"]
+    store.close()
