@@ -28,8 +28,9 @@ machine's load falls on all targets alike; concurrent batches alternate in round
 requests are not measured. Printed: p50/p95/p99/mean latency of non-streaming requests, of the
 time to first stream chunk and of whole streams, direct vs proxied, the added milliseconds and the
 ratio proxied/direct; then throughput at ``--concurrency`` parallel requests (asyncio client) and
-its ratio proxied/direct; then CPU time per request spent in the proxy process and the number of
-turns the proxy recorded. Last, the targets: ``proxy[lexical]`` (each reply's end sent only once
+its ratio proxied/direct; then CPU time per request spent in the proxy process (and, from the proxy's
+``/healthz``, the share of it spent writing turns to the store) and the number of turns the proxy
+recorded. Last, the targets: ``proxy[lexical]`` (each reply's end sent only once
 its turn is committed, so that it survives ``kill -9``; every turn recorded) against the floor,
 as ratios from this run, each with PASS or FAIL:
 
@@ -666,11 +667,17 @@ def main(argv: list[str] | None = None) -> int:
                                        args.concurrency)
         per_proxy = 4 * args.requests + 4 * args.concurrency  # measured + concurrent warm-up
         lines += ["", "proxy process cost"]
+        sent = per_proxy + 2 * warmup
         for p in proxies:
             injected = samples[p.name].injected
             lines.append(f"  {p.name}: {1000 * cpu_used[p.name] / per_proxy:.2f} ms CPU per "
                          f"request (all phases, incl. recording), "
                          f"{sum(injected) / max(1, len(injected)):.2f} skills injected per request")
+            health = httpx.get(p.url.removesuffix("/v1") + "/healthz", timeout=10).json()
+            lines.append(f"    of which writing the turns to the store: "
+                         f"{1000 * health['record_cpu_s'] / sent:.2f} ms CPU per turn "
+                         f"({health['record_commits']} transactions for {sent} turns; the "
+                         "proxy's own measure, thread CPU time)")
         if floor is not None:
             lines.append(f"  {FLOOR}: {1000 * cpu_used[FLOOR] / per_proxy:.2f} ms CPU per "
                          "request (all phases)")
@@ -682,7 +689,6 @@ def main(argv: list[str] | None = None) -> int:
                                     args.concurrency, failed)
         print("\n".join(lines), flush=True)
 
-        sent = per_proxy + 2 * warmup
         for p in list(proxies):
             proxies.remove(p)
             recorded = stop_proxy(p)

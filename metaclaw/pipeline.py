@@ -204,12 +204,20 @@ class Recorder:
         self._thread_until = 0.0  # monotonic time before which groups go to the thread
         self._loop_commits = 0
         self._thread_commits = 0
+        self._loop_cpu_s = 0.0  # CPU time the commits took, on the loop and in the thread
+        self._thread_cpu_s = 0.0
         self._since_checkpoint = 0
 
     @property
     def commits(self) -> int:
         """Transactions written (fewer than turns when groups form)."""
         return self._loop_commits + self._thread_commits
+
+    @property
+    def commit_cpu_s(self) -> float:
+        """CPU seconds spent writing turns (transactions on the loop and in the writer thread,
+        checkpoints excluded): what recording costs the proxy, reported by ``/healthz``."""
+        return self._loop_cpu_s + self._thread_cpu_s
 
     def start(self) -> None:
         if self._thread is None:
@@ -258,12 +266,14 @@ class Recorder:
         if self._loop_store is None:
             self._loop_store = self.proxy.store.loop_writer() or self.proxy.store
         store = self._loop_store
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.thread_time()
         try:
             with store.transaction(False, wait=False):
                 ids = [self._write(store, row, done) for row, done, _, _ in group]
         except Exception:  # busy, or a row the store refuses: the writer thread sorts it out
             return False
+        finally:
+            self._loop_cpu_s += time.thread_time() - cpu
         if time.perf_counter() - started > self.SLOW_COMMIT_S:
             self._thread_until = time.monotonic() + self.THREAD_AFTER_SLOW_S
         self._loop_commits += 1
@@ -299,7 +309,7 @@ class Recorder:
                     log.warning("could not checkpoint the store's write-ahead log", exc_info=True)
 
     def _commit(self, group: list[tuple[Any, ...]]) -> None:
-        store, fsync = self.proxy.store, self.fsync
+        store, fsync, cpu = self.proxy.store, self.fsync, time.thread_time()
         ids: list[int | None]
         try:
             with store.transaction(fsync):
@@ -314,6 +324,7 @@ class Recorder:
                 except Exception:
                     log.exception("could not record a turn of session %r", row.get("session_id"))
                     ids.append(None)
+        self._thread_cpu_s += time.thread_time() - cpu
         by_loop: dict[Any, list[tuple[asyncio.Future[Any], int | None]]] = {}
         for (_, _, future, loop), turn_id in zip(group, ids):
             by_loop.setdefault(loop, []).append((future, turn_id))

@@ -443,6 +443,8 @@ class Proxy(ServedApp):
             "auth": bool(self.config.token),
             "caller_auth": self.config.caller_auth,
             "pending_records": len(self._pending),
+            "record_commits": self._recorder.commits,
+            "record_cpu_s": round(self._recorder.commit_cpu_s, 4),
         })
 
     async def _models(self, request: web.Request) -> web.Response:

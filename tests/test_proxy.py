@@ -279,6 +279,9 @@ def test_models_health_and_configured_model(proxy, double, workspace):
         client.chat.completions.create(model="whatever", messages=COMMIT_QUESTION)
         assert upstream_body(double)["model"] == "pinned-model"
         assert last_turn(pinned)["model"] == "pinned-model"
+        # what recording has cost so far: its transactions and their CPU time
+        health = httpx.get(pinned.url.removesuffix("/v1") + "/healthz", timeout=5).json()
+        assert health["record_commits"] == 1 and health["record_cpu_s"] > 0
     finally:
         pinned.stop()
 
