@@ -228,6 +228,7 @@ class Recorder:
         """Write what is queued, then end the writer thread."""
         if self._group:  # submitted on a loop that stopped before flushing: written all the same
             self.start()
+            self._handed += 1
             self._queue.put(self._group)
             self._group = []
         if self._thread is not None:
@@ -263,22 +264,21 @@ class Recorder:
         if (self.fsync or self._handed != self._written
                 or time.monotonic() < self._thread_until):
             return False
-        if self._loop_store is None:
-            self._loop_store = self.proxy.store.loop_writer() or self.proxy.store
-        store = self._loop_store
         started, cpu = time.perf_counter(), time.thread_time()
         try:
+            if self._loop_store is None:
+                self._loop_store = self.proxy.store.loop_writer() or self.proxy.store
+            store = self._loop_store
             with store.transaction(False, wait=False):
                 ids = [self._write(store, row, done) for row, done, _, _ in group]
-        except Exception:  # busy, or a row the store refuses: the writer thread sorts it out
-            return False
+        except Exception:  # busy, closed, or a row the store refuses: rolled back, nothing
+            return False   # written; the writer thread sorts it out (or answers None)
         finally:
             self._loop_cpu_s += time.thread_time() - cpu
         if time.perf_counter() - started > self.SLOW_COMMIT_S:
             self._thread_until = time.monotonic() + self.THREAD_AFTER_SLOW_S
         self._loop_commits += 1
-        _resolve([(future, turn_id) for (_, _, future, _), turn_id in zip(group, ids)])
-        self._notify_listeners(ids)
+        self._deliver(group, ids)
         self._since_checkpoint += 1
         if self._since_checkpoint >= self.CHECKPOINT_EVERY:
             self._since_checkpoint = 0
@@ -325,10 +325,22 @@ class Recorder:
                     log.exception("could not record a turn of session %r", row.get("session_id"))
                     ids.append(None)
         self._thread_cpu_s += time.thread_time() - cpu
+        self._deliver(group, ids)
+
+    def _deliver(self, group: list[tuple[Any, ...]], ids: list[int | None]) -> None:
+        """Resolve each turn's future on its own loop (at once on the running one), then tell
+        the listeners."""
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:  # the writer thread
+            running = None
         by_loop: dict[Any, list[tuple[asyncio.Future[Any], int | None]]] = {}
         for (_, _, future, loop), turn_id in zip(group, ids):
             by_loop.setdefault(loop, []).append((future, turn_id))
         for loop, results in by_loop.items():  # one wake-up of each loop for the whole group
+            if loop is running:
+                _resolve(results)
+                continue
             with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits any more
                 loop.call_soon_threadsafe(_resolve, results)
         self._notify_listeners(ids)

@@ -32,6 +32,7 @@ written with orjson (:mod:`metaclaw.jsonlib`).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -570,16 +571,19 @@ class _Transaction:
     def __enter__(self) -> Store:
         if not self.store._lock.acquire(blocking=self.wait):
             raise StoreBusy("another thread of this process is writing to the store")
-        db = self.store._db
-        self.outer = not db.in_transaction
-        if self.outer:
-            try:
+        try:
+            db = self.store._db
+            self.outer = not db.in_transaction
+            if not self.outer and not self.wait:  # not waiting means a transaction of its own
+                raise StoreBusy("the store's connection is inside another transaction")
+            if self.outer:
                 if self.fsync != self.store._fsync_by_default:
                     db.execute(f"PRAGMA synchronous={'FULL' if self.fsync else 'NORMAL'}")
                 self._begin(db)
-            except BaseException:  # e.g. another process holds the write lock past the timeout
+        except BaseException:  # e.g. another process holds the write lock past the timeout
+            with contextlib.suppress(Exception):  # the lock is released whatever happens
                 self.__exit__(None)
-                raise
+            raise
         return self.store
 
     def _begin(self, db: sqlite3.Connection) -> None:
@@ -601,11 +605,19 @@ class _Transaction:
         db = self.store._db
         try:
             if self.outer and db.in_transaction:
-                db.execute("ROLLBACK" if exc_type else "COMMIT")
+                try:
+                    db.execute("ROLLBACK" if exc_type else "COMMIT")
+                except BaseException:
+                    if db.in_transaction:  # a failed COMMIT leaves it open: nothing may linger
+                        with contextlib.suppress(sqlite3.Error):
+                            db.execute("ROLLBACK")
+                    raise
         finally:
-            if self.outer and self.fsync != self.store._fsync_by_default:
-                db.execute(f"PRAGMA synchronous={'NORMAL' if self.fsync else 'FULL'}")
-            self.store._lock.release()
+            try:
+                if self.outer and self.fsync != self.store._fsync_by_default:
+                    db.execute(f"PRAGMA synchronous={'NORMAL' if self.fsync else 'FULL'}")
+            finally:
+                self.store._lock.release()
 
 
 def _split_sql(script: str) -> list[str]:

@@ -255,3 +255,116 @@ def test_turns_submitted_on_a_loop_that_stopped_are_written_at_stop(tmp_path):
     recorder.stop()
     assert [s for _, s in _turns(tmp_path / "m.db")] == ["late"]
     store.close()
+
+
+def test_a_closed_store_answers_the_turn_instead_of_leaving_it_waiting(tmp_path):
+    store = Store(tmp_path / "m.db")
+    recorder = Recorder(Owner(store))
+    store.close()
+
+    async def one():
+        return await asyncio.wait_for(recorder.submit({**ROW, "session_id": "s"}, False), 5)
+
+    try:
+        assert asyncio.run(one()) is None  # not written, and said so: the proxy answers 500
+    finally:
+        recorder.stop()
+
+
+def test_a_failed_loop_transaction_releases_the_probe_lock(tmp_path):
+    store = Store(tmp_path / "m.db")
+    recorder = Recorder(Owner(store))
+
+    async def one(session):
+        return await recorder.submit({**ROW, "session_id": session}, False)
+
+    asyncio.run(one("a"))  # the loop writer exists now
+    store.close()
+    assert asyncio.run(one("b")) is None
+    recorder.stop()
+    outcome: list = []
+
+    def generation():
+        try:
+            store.current_generation()
+        except Exception as exc:  # the closed store says so rather than blocking
+            outcome.append(type(exc).__name__)
+
+    other = threading.Thread(target=generation, daemon=True)
+    other.start()
+    other.join(5)
+    assert not other.is_alive() and outcome == ["ProgrammingError"]
+
+
+def test_a_recorder_started_again_after_a_leftover_group_commits_on_the_loop(tmp_path):
+    store = Store(tmp_path / "m.db")
+    recorder = Recorder(Owner(store))
+    loop = asyncio.new_event_loop()
+
+    def submit_then_stop():
+        recorder.submit({**ROW, "session_id": "late"}, False)
+        loop.stop()
+
+    loop.call_soon(submit_then_stop)
+    loop.run_forever()
+    loop.close()
+    recorder.stop()  # writes the leftover group
+    recorder.start()  # the same proxy started again
+
+    async def one():
+        return await recorder.submit({**ROW, "session_id": "next"}, False)
+
+    try:
+        assert asyncio.run(one()) is not None and recorder._loop_commits == 1
+    finally:
+        recorder.stop()
+        store.close()
+
+
+class _CommitFailsOnce:
+    """A connection whose first COMMIT fails (a disk I/O error, a full disk)."""
+
+    def __init__(self, db):
+        self.db, self.failures = db, 1
+
+    def __getattr__(self, name):
+        return getattr(self.db, name)
+
+    def execute(self, sql, *args):
+        if sql == "COMMIT" and self.failures:
+            self.failures -= 1
+            raise sqlite3.OperationalError("disk I/O error")
+        return self.db.execute(sql, *args)
+
+
+def test_a_failed_commit_on_the_loop_leaves_nothing_open_and_loses_nothing(tmp_path):
+    store = Store(tmp_path / "m.db")
+    store._db.execute("PRAGMA busy_timeout=2000")  # a writer thread blocked by a leak gives up
+    recorder = Recorder(Owner(store))
+    writer = store.loop_writer()
+    writer._db = _CommitFailsOnce(writer._db)
+    recorder._loop_store = writer
+
+    async def one(session):
+        return await asyncio.wait_for(recorder.submit({**ROW, "session_id": session}, False), 10)
+
+    try:
+        first = asyncio.run(one("first"))  # the loop's COMMIT fails: written by the thread
+        second = asyncio.run(one("second"))
+        assert first is not None and second is not None
+        assert [s for _, s in _turns(tmp_path / "m.db")] == ["first", "second"]
+        assert not store._probe.in_transaction
+    finally:
+        recorder.stop()
+        store.close()
+
+
+def test_without_waiting_a_connection_inside_a_transaction_is_busy(tmp_path):
+    store = Store(tmp_path / "m.db")
+    with store.transaction():
+        with pytest.raises(StoreBusy, match="inside another transaction"):
+            with store.transaction(False, wait=False):
+                pass
+        store.record_turn(session_id="kept", **ROW)  # the outer transaction is untouched
+    assert [s for _, s in _turns(tmp_path / "m.db")] == ["kept"]
+    store.close()
