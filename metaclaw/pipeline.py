@@ -640,7 +640,7 @@ class _Relay:
         self.sent = 0  # body bytes written to the client
 
     def finish(self, **fields: Any) -> asyncio.Future[Any]:
-        """The record step: the row goes to the group-commit recorder (off the event loop)."""
+        """The record step: the row joins the recorder's next group commit (:class:`Recorder`)."""
         row = {**self.record, **fields,
                "latency_ms": (time.perf_counter() - self.started) * 1000.0}
         if self.secrets:

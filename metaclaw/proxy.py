@@ -35,8 +35,9 @@ client's ``Authorization`` / ``x-api-key`` headers are never forwarded; the upst
 from the environment variable named by ``ProxyConfig.api_key_env`` (or, with
 ``ProxyConfig.caller_auth``, is the caller's own key) and is never logged or stored.
 
-Turns are written to the store right after the reply is sent, off the request path; call
-:meth:`Proxy.flush` to wait until every turn answered so far is recorded. Each reply carries
+Each turn is committed to the store before the end of its reply is sent (with
+``ProxyConfig.durable_acks``, the default; see :class:`metaclaw.pipeline.Recorder` for where the
+commit runs); call :meth:`Proxy.flush` to wait until every turn answered so far is recorded. Each reply carries
 ``X-MetaClaw-Skill-Generation``, ``X-MetaClaw-Injected-Skills`` and ``X-MetaClaw-Policy-Version``
 headers.
 """
