@@ -41,7 +41,6 @@ import tempfile
 import threading
 import zipfile
 from collections import Counter, OrderedDict
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, NamedTuple, Protocol, Sequence, runtime_checkable
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import re
 import threading
-import time
 
 import openai
 import pytest
@@ -24,6 +23,7 @@ from metaclaw.proxy import Proxy, ProxyConfig
 from metaclaw.retrieval import LexicalRetriever
 from metaclaw.skills import Skill, SkillLibrary
 from metaclaw.store import Store
+from waiting import wait_until
 
 SKILL_BODY = "Multiply miles by 1.609 to get kilometers."
 CONVERT = re.compile(r"convert (\d+) miles", re.I)
@@ -70,16 +70,6 @@ class Models:
         miles = int(match[1])
         km = round(miles * 1.609, 3) if "1.609" in system else miles
         return Reply(content=f"{miles} miles is {km} km.")
-
-
-def wait_until(condition, timeout: float = 15.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture

@@ -5,16 +5,17 @@ another base model or its checkpoint is missing or broken."""
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import threading
-import time
 
 import openai
 import pytest
 
 from metaclaw.double import DoubleServer, Reply
 from metaclaw.store import Store
+import waiting
 from test_cli import CLI, free_port, wait_for_port
 
 ASK = [{"role": "user", "content": "say yes"}]
@@ -30,14 +31,7 @@ def tiny_model(tmp_path_factory):
     return str(write_tiny_model(tmp_path_factory.mktemp("tiny"), seed=0))
 
 
-def _wait_for(predicate, timeout=20.0):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError("condition not reached in time")
+wait_until = functools.partial(waiting.wait_until, timeout=20.0, interval=0.05)
 
 
 def _ask(client, session, text="say yes", stream=False):
@@ -111,7 +105,7 @@ def test_a_running_server_adopts_the_version_another_process_trains(tmp_path, ti
             assert _ask(client, "a")[0] == "0"
             assert _ask(client, "b", "answer yes or no")[0] == "0"
             store = Store(db)
-            _wait_for(lambda: len(store.turns()) == 2)
+            wait_until(lambda: len(store.turns()) == 2)
             buffers.refresh(store)  # what `metaclaw buffers` / the judge do: both are query turns
             assert len(store.turns("buffer_set = 'query' AND buffer_state = 'live'")) == 2
 
@@ -121,10 +115,10 @@ def test_a_running_server_adopts_the_version_another_process_trains(tmp_path, ti
             published = store.query("SELECT version, checkpoint FROM policy_versions")
             assert [p["version"] for p in published] == [1] and published[0]["checkpoint"]
 
-            _wait_for(lambda: _adopted(store, 1), timeout=60)  # loads peft on first use
+            wait_until(lambda: _adopted(store, 1), timeout=60)  # loads peft on first use
             assert _ask(client, "c")[0] == "1"
             assert _ask(client, "d", stream=True)[0] == "1"
-            _wait_for(lambda: len(store.turns("session_id IN ('c', 'd')")) == 2)
+            wait_until(lambda: len(store.turns("session_id IN ('c', 'd')")) == 2)
             turns = store.turns("session_id IN ('a', 'b', 'c', 'd')")
             assert [t["policy_version"] for t in turns] == [0, 0, 1, 1]
             assert server.poll() is None
@@ -187,7 +181,7 @@ def test_versions_it_cannot_serve_are_reported_once_and_it_keeps_serving(tmp_pat
         bad[store.add_policy_version(backend="local", base_model=tiny_model,
                                      checkpoint=str(broken))] = "cannot load the LoRA adapter"
 
-        events = _wait_for(lambda: len(store.events(level="warning") + store.events(
+        events = wait_until(lambda: len(store.events(level="warning") + store.events(
             level="error")) == 4 and store.events(level="warning") + store.events(level="error"))
         for version, reason in bad.items():
             event = next(e for e in events if e["detail"]["version"] == version)
@@ -203,7 +197,7 @@ def test_versions_it_cannot_serve_are_reported_once_and_it_keeps_serving(tmp_pat
         assert _ask(client, "t")[0] == "0"  # committed turns wake the follower; still pending
         store.execute("UPDATE policy_versions SET checkpoint = ? WHERE version = ?",
                       (good, pending))
-        _wait_for(lambda: _adopted(store, pending))
+        wait_until(lambda: _adopted(store, pending))
         assert _ask(client, "u")[0] == str(pending)
         assert len(store.events(level="warning") + store.events(level="error")) == 4  # once each
         expected = backend.sampler().sample(backend.render_chat(ASK), 2, 6, 1.0, seed=5)
@@ -254,7 +248,7 @@ def test_loading_a_version_never_blocks_requests(tmp_path, tiny_model):
         for i in range(3):
             assert _ask(client, f"during-{i}", stream=bool(i % 2))[0] == "0"
         release.set()
-        _wait_for(lambda: responder.policy_version == version)
+        wait_until(lambda: responder.policy_version == version)
         assert _ask(client, "after")[0] == str(version)
     finally:
         release.set()

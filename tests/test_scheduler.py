@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import http.server
 import os
 import shutil
@@ -18,6 +19,7 @@ from metaclaw.scheduler import (
     busy_events, from_config, parse_calendar,
 )
 from metaclaw.store import Store
+import waiting
 
 BERLIN = ZoneInfo("Europe/Berlin")
 
@@ -46,12 +48,7 @@ def utc(*args: int) -> datetime:
     return datetime(*args, tzinfo=timezone.utc)
 
 
-def wait_until(predicate, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.005)
+wait_until = functools.partial(waiting.wait_until, timeout=10.0, interval=0.005)
 
 
 # -- sleep window ---------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ pause at a step boundary and resume; 50 concurrent proxied requests during publi
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import threading
 import time
@@ -21,6 +22,7 @@ from metaclaw.proxy import Proxy, ProxyConfig
 from metaclaw.skills import Skill, SkillLibrary
 from metaclaw.slowloop import JudgeReward, SlowLoop, as_reward
 from metaclaw.store import Store
+import waiting
 
 CONFIG = GRPOConfig(groups_per_step=2, group_size=4, max_tokens=6, learning_rate=1e-2,
                     save_every=0)
@@ -87,13 +89,7 @@ def world(tmp_path, tiny_model):
     w.close()
 
 
-def wait_until(predicate, timeout=30.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
+wait_until = functools.partial(waiting.wait_until, timeout=30.0, interval=0.01)
 
 
 # -- serve -> train -> serve the new version ------------------------------------------------

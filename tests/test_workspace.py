@@ -6,7 +6,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 
 import openai
 import pytest
@@ -15,6 +14,7 @@ from metaclaw.double import DoubleServer, Reply
 from metaclaw.skills import Skill, SkillLibrary
 from metaclaw.store import Store
 from test_cli import CLI, free_port, run_cli, wait_for_port, write_skill
+from waiting import wait_until
 
 
 def _in_another_process(code: str, *args) -> subprocess.Popen:
@@ -92,14 +92,6 @@ def test_two_processes_changing_the_library_at_once_keep_one_linear_history(tmp_
     assert sorted(common[1:]) == sorted(f"{t}{i}" for t in "ab" for i in range(12))  # no edit lost
 
 
-def _wait_for(predicate, timeout=15.0):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError("condition not reached in time")
 
 
 def test_hand_edits_become_generations_and_broken_files_are_reported(tmp_path):
@@ -109,11 +101,11 @@ def test_hand_edits_become_generations_and_broken_files_are_reported(tmp_path):
     library = SkillLibrary(skills, store).watch()
     try:
         write_skill(skills, "by-hand", "Written in an editor.", "Hand-made body.")
-        _wait_for(lambda: library.current()[0] == 1)
+        wait_until(lambda: library.current()[0] == 1)
         assert store.generation(1)["kind"] == "disk" and "by-hand" in library
 
         (skills / "first" / "SKILL.md").write_text("---\nname: [unclosed\n---\nbody\n")
-        event = _wait_for(lambda: store.events(kind="skill_file_problem"))
+        event = wait_until(lambda: store.events(kind="skill_file_problem"))
         assert "first" in event[0]["message"] and event[0]["level"] == "warning"
         assert library.get("first").body == "Body."  # the stored version is kept
         assert library.current()[0] == 1  # a broken file is not a removal
@@ -188,7 +180,7 @@ def test_serve_then_cli_evolve_then_the_next_turn_trains(tmp_path):
                 messages=[*ask, {"role": "assistant", "content": "I edited the config directly."},
                           {"role": "user", "content": "You broke it and there is no backup."}])
             store = Store(db)
-            _wait_for(lambda: len(store.turns()) == 2)
+            wait_until(lambda: len(store.turns()) == 2)
             judge_args = ["--judge-url", judge.url, "--judge-model", "judge", "--votes", 1]
             run_cli("score", "--db", db, *judge_args)
             out = run_cli("evolve", "--db", db, "--skills", skills, "--evolver-url", judge.url,
@@ -202,7 +194,7 @@ def test_serve_then_cli_evolve_then_the_next_turn_trains(tmp_path):
             assert raw.headers["x-metaclaw-skill-generation"] == "1"
             assert "backup-before-editing" in raw.headers["x-metaclaw-injected-skills"]
             assert "backup-before-editing" in json.dumps(agent.requests[-1]["body"]["messages"])
-            turn = _wait_for(lambda: store.turns("session_id = 's2'"))[0]
+            turn = wait_until(lambda: store.turns("session_id = 's2'"))[0]
             assert turn["skill_generation"] == 1
             rows = [json.loads(line) for line in
                     run_cli("buffers", "--db", db, "--json").stdout.splitlines()]
