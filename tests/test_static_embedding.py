@@ -100,14 +100,21 @@ def test_an_unwritable_cache_folder_still_gives_a_table(tiny_bert, tmp_path, cap
     assert "METACLAW_CACHE_DIR" in caplog.text
 
 
-def test_cache_dir_falls_back_when_neither_home_nor_temp_is_writable(tmp_path, monkeypatch):
-    import tempfile
-
+@pytest.fixture
+def no_home_cache(tmp_path, monkeypatch):
+    """No METACLAW_CACHE_DIR, and a home cache folder that cannot be created (a file is in the
+    way); returns that file, under which nothing can be created either."""
     blocker = tmp_path / "not-a-folder"
     blocker.write_text("x")
     monkeypatch.delenv("METACLAW_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(blocker / "xdg"))
-    monkeypatch.setattr(tempfile, "tempdir", str(blocker / "tmp"))
+    return blocker
+
+
+def test_cache_dir_falls_back_when_neither_home_nor_temp_is_writable(no_home_cache, monkeypatch):
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(no_home_cache / "tmp"))
     assert static_embedding.cache_dir() is None
 
 
@@ -128,14 +135,10 @@ def test_a_prepared_table_is_used_even_where_the_cache_is_read_only(tiny_bert, t
     assert np.array_equal(again.table, first.table)
 
 
-def test_the_temp_fallback_is_per_user(tmp_path, monkeypatch):
+def test_the_temp_fallback_is_per_user(no_home_cache, tmp_path, monkeypatch):
     import os
     import tempfile
 
-    blocker = tmp_path / "not-a-folder"
-    blocker.write_text("x")
-    monkeypatch.delenv("METACLAW_CACHE_DIR", raising=False)
-    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker / "xdg"))
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     assert static_embedding.cache_dir() == (
         tmp_path / "tmp" / f"metaclaw-cache-{os.getuid()}" / "static-embeddings")
