@@ -239,18 +239,23 @@ def test_the_loop_writer_still_waits_and_fsyncs_when_asked_then_goes_back(tmp_pa
     store.close()
 
 
-def test_turns_submitted_on_a_loop_that_stopped_are_written_at_stop(tmp_path):
-    store = Store(tmp_path / "m.db")
-    recorder = Recorder(Owner(store))
+def _submit_on_a_loop_that_stops(recorder: Recorder, session: str) -> None:
+    """Submit a turn on a loop that ends before the round that would write its group."""
     loop = asyncio.new_event_loop()
 
     def submit_then_stop():
-        recorder.submit({**ROW, "session_id": "late"}, False)
-        loop.stop()  # the loop ends before the round that would write the group
+        recorder.submit({**ROW, "session_id": session}, False)
+        loop.stop()
 
     loop.call_soon(submit_then_stop)
     loop.run_forever()
     loop.close()
+
+
+def test_turns_submitted_on_a_loop_that_stopped_are_written_at_stop(tmp_path):
+    store = Store(tmp_path / "m.db")
+    recorder = Recorder(Owner(store))
+    _submit_on_a_loop_that_stops(recorder, "late")
     assert recorder._loop_commits == 0 and not _turns(tmp_path / "m.db")
     recorder.stop()
     assert [s for _, s in _turns(tmp_path / "m.db")] == ["late"]
@@ -299,15 +304,7 @@ def test_a_failed_loop_transaction_releases_the_probe_lock(tmp_path):
 def test_a_recorder_started_again_after_a_leftover_group_commits_on_the_loop(tmp_path):
     store = Store(tmp_path / "m.db")
     recorder = Recorder(Owner(store))
-    loop = asyncio.new_event_loop()
-
-    def submit_then_stop():
-        recorder.submit({**ROW, "session_id": "late"}, False)
-        loop.stop()
-
-    loop.call_soon(submit_then_stop)
-    loop.run_forever()
-    loop.close()
+    _submit_on_a_loop_that_stops(recorder, "late")
     recorder.stop()  # writes the leftover group
     recorder.start()  # the same proxy started again
 
