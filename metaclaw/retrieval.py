@@ -85,8 +85,8 @@ def _order(pairs: Sequence[tuple[float, int]], names: Sequence[str],
            limit: int | None) -> list[tuple[float, int]]:
     """(score, index) pairs sorted by score desc then name, cut to ``limit``."""
     key = lambda p: (-p[0], names[p[1]])  # noqa: E731
-    if limit is None or limit >= len(pairs) or len(pairs) <= 512:  # a heap pays off on many
-        return sorted(pairs, key=key)[:limit]
+    if limit is None or limit >= len(pairs):
+        return sorted(pairs, key=key)
     return heapq.nsmallest(max(limit, 0), pairs, key=key)
 
 
