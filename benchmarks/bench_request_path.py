@@ -7,6 +7,13 @@
 - Query extraction: :func:`metaclaw.asks.extract_ask` against taking the last user message's
   text (what retrieval used before), on plain SDK requests and on requests captured from the
   real OpenClaw CLI (tests/fixtures/requests/openclaw, ~60 KB each).
+- One turn's own steps, cumulatively, on ``benchmarks/bench_proxy.py``'s workload (its 20 skills
+  and request bodies, a new session per request): parse and identify; then retrieve, inject and
+  serialise the forwarded body and build the turn's row; then commit the turn to SQLite the way
+  the proxy's event loop does (:meth:`Store.loop_writer`, one turn per transaction). In a hot
+  loop without sockets: what the proxy computes per turn beyond relaying bytes, which the
+  pass-through floor of ``bench_proxy.py`` does not (in the running proxy the same steps cost
+  more, as its caches are shared with the other processes).
 
 Runs are interleaved in rounds so machine noise falls on both sides alike; printed are the
 median microseconds per call and the added cost.
@@ -23,7 +30,13 @@ import tempfile
 import time
 from pathlib import Path
 
+import orjson
+from bench_proxy import request_body, write_skills
+
 from metaclaw.asks import content_text, extract_ask
+from metaclaw.pipeline import identify_session, parse_turn, record_row
+from metaclaw.protocols.openai_chat import OPENAI
+from metaclaw.proxy import Proxy, ProxyConfig
 from metaclaw.skills import Skill, SkillLibrary, load_skills_dir
 from metaclaw.store import Store
 
@@ -37,17 +50,21 @@ def per_call_us(fn, calls: int) -> float:
     return (time.perf_counter() - start) / calls * 1e6
 
 
-def compare(label: str, pairs: dict, calls: int, rounds: int = 7) -> None:
+def compare(label: str, pairs: dict, calls: int, rounds: int = 7,
+            timer=per_call_us, cumulative: bool = False) -> None:
+    """Median time per call of each of ``pairs`` (interleaved rounds) and what each adds: to the
+    first, or with ``cumulative`` (each step includes the one before) to the one before."""
     times = {name: [] for name in pairs}
     for _ in range(rounds):
         for name, fn in pairs.items():
-            times[name].append(per_call_us(fn, calls))
+            times[name].append(timer(fn, calls))
     medians = {name: statistics.median(v) for name, v in times.items()}
-    base = next(iter(medians.values()))
+    base = previous = next(iter(medians.values()))
     print(f"\n{label}")
     for name, value in medians.items():
-        extra = "" if value is base else f"   (+{value - base:.1f} us)"
+        extra = "" if value is base else f"   (+{value - previous:.1f} us)"
         print(f"  {name:<48} {value:9.2f} us/call{extra}")
+        previous = value if cumulative else base
 
 
 def last_user_text(messages):
@@ -57,11 +74,70 @@ def last_user_text(messages):
     return ""
 
 
+def cpu_per_turn_us(step, calls: int) -> float:
+    """CPU microseconds per call of ``step(i)``, each call with a new request number ``i``."""
+    first = cpu_per_turn_us.next
+    cpu_per_turn_us.next += calls
+    start = time.thread_time()
+    for i in range(first, first + calls):
+        step(i)
+    return (time.thread_time() - start) / calls * 1e6
+
+
+cpu_per_turn_us.next = 0
+
+
+def turn_steps(folder: Path) -> dict:
+    """The proxy's own steps for one turn of ``bench_proxy.py``'s workload, cumulatively."""
+    write_skills(folder / "skills")
+    store = Store(folder / "turns.db")
+    proxy = Proxy(ProxyConfig(retrieval="lexical"), store,
+                  SkillLibrary(folder / "skills", store))
+    pipeline, writer = proxy._pipeline, store.loop_writer()
+    headers = {"Content-Type": "application/json"}
+
+    def parse(i: int):
+        raw = orjson.dumps(request_body(i, stream=i % 2 == 1))
+        body = orjson.loads(raw)
+        turn = parse_turn(OPENAI, body, raw)
+        identity = identify_session(headers, body)
+        turn.session_id, turn.turn_type, turn.identified_by = (
+            identity.session_id, identity.turn_type, identity.how)
+        turn.generation, skills = proxy.library.current()
+        return turn, skills
+
+    def inject(i: int):
+        turn, skills = parse(i)
+        pipeline.select_and_inject(turn, skills)
+        body, _ = OPENAI.prepare_forward(turn.body, stream_usage=True)
+        orjson.dumps(body)
+        return {**record_row(turn, 0), "status": "ok", "http_status": 200,
+                "response": f"echo: {turn.query}", "finish_reason": "stop",
+                "usage": {"prompt_tokens": 480, "completion_tokens": 17, "total_tokens": 497},
+                "latency_ms": 2.5}
+
+    def commit(i: int) -> None:
+        row = inject(i)
+        with writer.transaction(False, wait=False):
+            writer.record_turn(**row)
+        if i % 64 == 0:  # as the proxy's writer thread does, so the log stays short
+            store.checkpoint()
+
+    return {"parse the body, identify the session": parse,
+            "+ retrieve, inject, serialise, build the row": inject,
+            "+ commit the turn (one transaction)": commit}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--skills", type=int, default=20)
     parser.add_argument("--calls", type=int, default=2000)
     args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        compare("one turn's own steps, cumulative (bench_proxy.py's workload, CPU per turn)",
+                turn_steps(Path(tmp)), max(args.calls // 4, 50), timer=cpu_per_turn_us,
+                cumulative=True)
 
     with tempfile.TemporaryDirectory() as tmp:
         library = SkillLibrary(Path(tmp) / "skills", Store(Path(tmp) / "ws.db"))
