@@ -24,6 +24,7 @@ median microseconds per call and the added cost.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import tempfile
@@ -74,17 +75,17 @@ def last_user_text(messages):
     return ""
 
 
+#: Request numbers, never repeated: each turn is a new request (no cache helps) of a new session.
+_REQUEST_NUMBERS = itertools.count()
+
+
 def cpu_per_turn_us(step, calls: int) -> float:
     """CPU microseconds per call of ``step(i)``, each call with a new request number ``i``."""
-    first = cpu_per_turn_us.next
-    cpu_per_turn_us.next += calls
+    numbers = list(itertools.islice(_REQUEST_NUMBERS, calls))
     start = time.thread_time()
-    for i in range(first, first + calls):
+    for i in numbers:
         step(i)
     return (time.thread_time() - start) / calls * 1e6
-
-
-cpu_per_turn_us.next = 0
 
 
 def turn_steps(folder: Path) -> dict:
