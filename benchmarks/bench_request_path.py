@@ -12,13 +12,14 @@
   serialise the forwarded body and build the turn's row; then commit the turn to SQLite the way
   the proxy's event loop does (:meth:`Store.loop_writer`, one turn per transaction). In a hot
   loop without sockets: what the proxy computes per turn beyond relaying bytes, which the
-  pass-through floor of ``bench_proxy.py`` does not (in the running proxy the same steps cost
-  more, as its caches are shared with the other processes).
+  pass-through floor of ``bench_proxy.py`` does not. Then the same with ``--evict-mb`` of memory
+  written before each turn (not counted): in the running proxy the client and the upstream run
+  between two requests, so each turn starts with cold caches.
 
 Runs are interleaved in rounds so machine noise falls on both sides alike; printed are the
 median microseconds per call and the added cost.
 
-    python benchmarks/bench_request_path.py [--skills 20] [--calls 2000]
+    python benchmarks/bench_request_path.py [--skills 20] [--calls 2000] [--evict-mb 32]
 """
 
 from __future__ import annotations
@@ -88,6 +89,25 @@ def cpu_per_turn_us(step, calls: int) -> float:
     return (time.thread_time() - start) / calls * 1e6
 
 
+def cold_timer(evict_mb: int):
+    """A timer as :func:`cpu_per_turn_us` that first writes one byte in every 64 (a cache line)
+    of ``evict_mb`` MB before each call, not counted: the caches then hold none of the proxy's
+    code and objects, as after the client and the upstream ran between two requests."""
+    memory = bytearray(evict_mb * 2**20)
+    lines = len(memory[::64])
+
+    def cold_cpu_per_turn_us(step, calls: int) -> float:
+        spent = 0.0
+        for i in itertools.islice(_REQUEST_NUMBERS, calls):
+            memory[::64] = bytes(lines)
+            start = time.thread_time()
+            step(i)
+            spent += time.thread_time() - start
+        return spent / calls * 1e6
+
+    return cold_cpu_per_turn_us
+
+
 def turn_steps(folder: Path) -> dict:
     """The proxy's own steps for one turn of ``bench_proxy.py``'s workload, cumulatively."""
     write_skills(folder / "skills")
@@ -133,12 +153,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--skills", type=int, default=20)
     parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--evict-mb", type=int, default=32,
+                        help="memory written before each turn of the cold-cache run (default 32: "
+                             "this machine's last-level cache)")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
+        steps, calls = turn_steps(Path(tmp)), max(args.calls // 4, 50)
         compare("one turn's own steps, cumulative (bench_proxy.py's workload, CPU per turn)",
-                turn_steps(Path(tmp)), max(args.calls // 4, 50), timer=cpu_per_turn_us,
-                cumulative=True)
+                steps, calls, timer=cpu_per_turn_us, cumulative=True)
+        compare(f"the same, {args.evict_mb} MB written before each turn (cold caches, as in the "
+                "running proxy)", steps, calls, timer=cold_timer(args.evict_mb), cumulative=True)
 
     with tempfile.TemporaryDirectory() as tmp:
         library = SkillLibrary(Path(tmp) / "skills", Store(Path(tmp) / "ws.db"))
