@@ -1,16 +1,22 @@
-"""Smoke test of benchmarks/bench_proxy.py: a tiny run end to end (real processes and sockets)."""
+"""Smoke tests of the benchmark scripts: tiny runs end to end (bench_proxy.py with real processes
+and sockets) print every figure they promise."""
 
 import re
 import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_proxy.py"
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def run_benchmark(script: str, *args: str, timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(BENCHMARKS / script), *args],
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def test_bench_proxy_tiny_run_prints_ratios():
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--requests", "20", "--concurrency", "4",
-                           "--rounds", "2"], capture_output=True, text=True, timeout=240)
+    proc = run_benchmark("bench_proxy.py", "--requests", "20", "--concurrency", "4",
+                         "--rounds", "2", timeout=240)
     assert proc.returncode == 0, proc.stderr + proc.stdout
     out = proc.stdout
     latency_ratios = re.findall(r"ratio proxied/direct proxy\[lexical\]((?:\s+[\d.]+){4})\s+x", out)
@@ -36,7 +42,21 @@ def test_bench_proxy_tiny_run_prints_ratios():
 
 
 def test_bench_proxy_rejects_bad_flags():
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--requests", "0"],
-                          capture_output=True, text=True, timeout=30)
+    proc = run_benchmark("bench_proxy.py", "--requests", "0", timeout=30)
     assert proc.returncode == 2
     assert "--requests must be at least 1" in proc.stderr
+
+
+def test_bench_request_path_tiny_run_prints_each_step():
+    proc = run_benchmark("bench_request_path.py", "--calls", "40", "--skills", "5",
+                         "--evict-mb", "2", timeout=120)
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    out = proc.stdout
+    steps = re.findall(r"^  (parse the body|\+ retrieve|\+ commit the turn).* ([\d.]+) us/call",
+                       out, re.MULTILINE)
+    # hot, then with 2 MB written before each turn
+    assert [name for name, _ in steps] == ["parse the body", "+ retrieve", "+ commit the turn"] * 2
+    assert "2 MB written before each turn" in out
+    assert all(float(us) > 0 for _, us in steps)
+    for section in ("generation check (5 skills)", "query extraction, plain SDK request"):
+        assert section in out
