@@ -28,11 +28,11 @@ machine's load falls on all targets alike; concurrent batches alternate in round
 requests are not measured. Printed: p50/p95/p99/mean latency of non-streaming requests, of the
 time to first stream chunk and of whole streams, direct vs proxied, the added milliseconds and the
 ratio proxied/direct; then throughput at ``--concurrency`` parallel requests (asyncio client) and
-its ratio proxied/direct; then CPU time per request spent in the proxy process (and, from the proxy's
-``/healthz``, the share of it spent writing turns to the store) and the number of turns the proxy
-recorded. Last, the targets: ``proxy[lexical]`` (each reply's end sent only once
-its turn is committed, so that it survives ``kill -9``; every turn recorded) against the floor,
-as ratios from this run, each with PASS or FAIL:
+its ratio proxied/direct; then CPU time per request spent in the proxy process (and, from the
+proxy's ``/healthz``, the share of it spent writing turns to the store) and the number of turns
+the proxy recorded. Last, the targets: ``proxy[lexical]`` (each reply's end sent only once its
+turn is committed, so that it survives ``kill -9``; every turn recorded) against the floor, as
+ratios from this run, each with PASS or FAIL:
 
 - added p50 latency (proxy p50 - direct p50) / (floor p50 - direct p50), non-streaming and time
   to first chunk: at most 3x;

@@ -227,9 +227,7 @@ class Recorder:
     def stop(self) -> None:
         """Write what is queued, then end the writer thread."""
         if self._group:  # submitted on a loop that stopped before flushing: written all the same
-            self.start()
-            self._handed += 1
-            self._queue.put(self._group)
+            self._hand_over(self._group)
             self._group = []
         if self._thread is not None:
             self._queue.put(None)
@@ -255,9 +253,13 @@ class Recorder:
         for first in range(0, len(group), self.MAX_GROUP):
             part = group[first:first + self.MAX_GROUP]
             if not self._commit_on_loop(part):
-                self.start()
-                self._handed += 1
-                self._queue.put(part)
+                self._hand_over(part)
+
+    def _hand_over(self, group: list[tuple[Any, ...]]) -> None:
+        """Queue ``group`` for the writer thread (later groups follow it there, in order)."""
+        self.start()
+        self._handed += 1
+        self._queue.put(group)
 
     def _commit_on_loop(self, group: list[tuple[Any, ...]]) -> bool:
         """Write ``group`` now if the store is free; ``False`` (nothing written) hands it over."""

@@ -37,8 +37,8 @@ from the environment variable named by ``ProxyConfig.api_key_env`` (or, with
 
 Each turn is committed to the store before the end of its reply is sent (with
 ``ProxyConfig.durable_acks``, the default; see :class:`metaclaw.pipeline.Recorder` for where the
-commit runs); call :meth:`Proxy.flush` to wait until every turn answered so far is recorded. Each reply carries
-``X-MetaClaw-Skill-Generation``, ``X-MetaClaw-Injected-Skills`` and ``X-MetaClaw-Policy-Version``
+commit runs); call :meth:`Proxy.flush` to wait until every turn answered so far is recorded.
+Each reply carries ``X-MetaClaw-Skill-Generation``, ``X-MetaClaw-Injected-Skills`` and ``X-MetaClaw-Policy-Version``
 headers.
 """
 

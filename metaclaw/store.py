@@ -225,6 +225,14 @@ class StoreError(RuntimeError):
     """The store file cannot be opened or is from a newer version of MetaClaw."""
 
 
+def _synchronous(fsync: bool) -> str:
+    return f"PRAGMA synchronous={'FULL' if fsync else 'NORMAL'}"
+
+
+def _busy_timeout(wait: bool) -> str:
+    return f"PRAGMA busy_timeout={int(BUSY_TIMEOUT_S * 1000) if wait else 0}"
+
+
 class StoreBusy(RuntimeError):
     """``transaction(wait=False)``: another thread or process holds the write lock right now."""
 
@@ -254,7 +262,7 @@ class Store:
                                        timeout=BUSY_TIMEOUT_S)
             self._db.row_factory = sqlite3.Row
             self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=FULL")
+            self._db.execute(_synchronous(True))
             self._db.execute("PRAGMA foreign_keys=ON")
             self._migrate()
         except sqlite3.DatabaseError as exc:
@@ -359,9 +367,9 @@ class Store:
         if self._probe is None:
             return None
         with self._probe_lock:
-            for pragma in ("synchronous=NORMAL", "wal_autocheckpoint=0", "busy_timeout=0",
-                           "foreign_keys=ON"):
-                self._probe.execute(f"PRAGMA {pragma}")
+            for pragma in (_synchronous(False), _busy_timeout(False),
+                           "PRAGMA wal_autocheckpoint=0", "PRAGMA foreign_keys=ON"):
+                self._probe.execute(pragma)
         writer = copy.copy(self)  # the same class: a test double's overrides still apply
         writer._db, writer._lock = self._probe, self._probe_lock
         writer._fsync_by_default = writer._waits_by_default = False
@@ -578,7 +586,7 @@ class _Transaction:
                 raise StoreBusy("the store's connection is inside another transaction")
             if self.outer:
                 if self.fsync != self.store._fsync_by_default:
-                    db.execute(f"PRAGMA synchronous={'FULL' if self.fsync else 'NORMAL'}")
+                    db.execute(_synchronous(self.fsync))
                 self._begin(db)
         except BaseException:  # e.g. another process holds the write lock past the timeout
             with contextlib.suppress(Exception):  # the lock is released whatever happens
@@ -589,7 +597,7 @@ class _Transaction:
     def _begin(self, db: sqlite3.Connection) -> None:
         switch = self.wait != self.store._waits_by_default  # the connection's busy timeout
         if switch:
-            db.execute(f"PRAGMA busy_timeout={int(BUSY_TIMEOUT_S * 1000) if self.wait else 0}")
+            db.execute(_busy_timeout(self.wait))
         try:
             db.execute("BEGIN IMMEDIATE")
         except sqlite3.OperationalError as exc:
@@ -598,8 +606,7 @@ class _Transaction:
             raise StoreBusy(f"another connection holds the store's write lock ({exc})") from None
         finally:
             if switch:
-                db.execute(f"PRAGMA busy_timeout="
-                           f"{0 if self.wait else int(BUSY_TIMEOUT_S * 1000)}")
+                db.execute(_busy_timeout(not self.wait))
 
     def __exit__(self, exc_type: object, *rest: object) -> None:
         db = self.store._db
@@ -615,7 +622,7 @@ class _Transaction:
         finally:
             try:
                 if self.outer and self.fsync != self.store._fsync_by_default:
-                    db.execute(f"PRAGMA synchronous={'NORMAL' if self.fsync else 'FULL'}")
+                    db.execute(_synchronous(not self.fsync))
             finally:
                 self.store._lock.release()
 
