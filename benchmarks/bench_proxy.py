@@ -11,7 +11,9 @@ Separate processes, so none shares an interpreter lock with another:
 - floor: ``benchmarks/passthrough.py``, a bare aiohttp pass-through in its own process (receives
   the body, forwards it unchanged with one pooled client session, relays the reply; no parsing,
   retrieval or recording), on the same event loop as the proxy: the least any proxy in this
-  framework adds;
+  framework adds; with ``--recording-floor``, a second one beside it that also commits each
+  exchange (request and reply bytes) to SQLite before the reply ends, the least a recording
+  proxy adds, printed for reference (no target);
 - client: this script, using ``httpx`` (not the ``openai`` SDK, whose typed request/response
   handling would add its own milliseconds to both sides).
 
@@ -45,16 +47,18 @@ fails).
 
     python benchmarks/bench_proxy.py [--requests 500] [--concurrency 16] [--embedding]
                                      [--protocols openai,anthropic] [--durable-acks]
-                                     [--fsync-acks] [--check-targets]
+                                     [--fsync-acks] [--recording-floor] [--check-targets]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import shutil
 import socket
+import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -88,6 +92,8 @@ double.stop()
 PROTOCOL_OF: dict[str, str] = {}
 #: The floor's target name, and the proxy the targets are checked for.
 FLOOR = "floor[pass-through]"
+#: The pass-through that also commits each exchange to SQLite (``--recording-floor``).
+RECORDING_FLOOR = "floor[pass-through+sqlite]"
 CHECKED = "proxy[lexical]"
 #: Targets: added p50 <= 3x the floor's, throughput >= 0.8x, CPU per request <= 1.5x.
 MAX_ADDED_RATIO, MIN_THROUGHPUT_RATIO, MAX_CPU_RATIO = 3.0, 0.8, 1.5
@@ -247,17 +253,21 @@ def start_proxy(retrieval: str, upstream: str, workdir: Path, upstream_protocol:
     raise RuntimeError(f"the {retrieval} proxy did not answer /healthz within 180 s")
 
 
-def start_passthrough(upstream: str) -> ProxyProcess:
-    """The floor (``benchmarks/passthrough.py``) in its own process, forwarding to ``upstream``."""
+def start_passthrough(upstream: str, record: Path | None = None) -> ProxyProcess:
+    """The floor (``benchmarks/passthrough.py``) in its own process, forwarding to ``upstream``;
+    with ``record``, the recording floor committing each exchange to that database."""
     root = upstream[:-3] if upstream.endswith("/v1") else upstream
-    proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("passthrough.py")),
-                             "--upstream", root], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            text=True, env=child_env())
+    command = [sys.executable, str(Path(__file__).with_name("passthrough.py")), "--upstream", root]
+    if record is not None:
+        command += ["--record", str(record)]
+    proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            env=child_env())
     line = proc.stdout.readline().strip()
     if not line.isdigit():
         proc.kill()
         raise RuntimeError(f"the pass-through did not start (it printed {line!r})")
-    return ProxyProcess(FLOOR, proc, f"http://127.0.0.1:{int(line)}/v1", Path(), Path())
+    return ProxyProcess(FLOOR if record is None else RECORDING_FLOOR, proc,
+                        f"http://127.0.0.1:{int(line)}/v1", record or Path(), Path())
 
 
 def stop_proxy(proxy: ProxyProcess) -> int:
@@ -544,6 +554,17 @@ def report_targets(samples: dict[str, Samples], results: dict[tuple[str, bool], 
     note = "" if requests >= CPU_REQUESTS else f"; fewer than {CPU_REQUESTS} requests: indicative"
     lines.append(f"  {title:<36} proxy {mine:6.2f} ms / floor {floor:6.2f} ms = {ratio:6.2f}x  "
                  f"(target <= {MAX_CPU_RATIO:g}x{note})  {verdict(title, ratio <= MAX_CPU_RATIO)}")
+    if RECORDING_FLOOR in cpu_used:
+        lines += ["", f"for reference (no target): {CHECKED} against the {RECORDING_FLOOR} "
+                      "(the floor, committing each exchange's bytes before the reply ends)"]
+        base = percentile(samples[direct].plain, 50)
+        mine, floor = (percentile(samples[name].plain, 50) - base
+                       for name in (CHECKED, RECORDING_FLOOR))
+        lines.append(f"  {'added p50, non-streaming':<36} proxy {mine:6.2f} ms / floor "
+                     f"{floor:6.2f} ms = {mine / floor if floor > 0 else float('inf'):6.2f}x")
+        mine, floor = (1000 * cpu_used[name] / requests for name in (CHECKED, RECORDING_FLOOR))
+        lines.append(f"  {title:<36} proxy {mine:6.2f} ms / floor {floor:6.2f} ms = "
+                     f"{mine / floor if floor else float('inf'):6.2f}x")
     return lines
 
 
@@ -568,6 +589,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="also measure a lexical proxy that fsyncs each commit before "
                              "acknowledging (serve --fsync-acks: turns survive power loss, not "
                              "only kill -9)")
+    parser.add_argument("--recording-floor", action="store_true",
+                        help="also measure the floor committing each exchange to SQLite before "
+                             "the reply ends (passthrough.py --record), for reference")
     parser.add_argument("--protocols", default="openai,anthropic",
                         help="client protocols to measure, comma-separated (default "
                              "openai,anthropic)")
@@ -590,6 +614,7 @@ def main(argv: list[str] | None = None) -> int:
     doubles = [double_proc]
     proxies: list[ProxyProcess] = []
     floor: ProxyProcess | None = None
+    floors: list[ProxyProcess] = []  # the floor, and the recording floor with --recording-floor
     tmp = Path(tempfile.mkdtemp(prefix="metaclaw-bench-proxy-"))
     direct = "direct (upstream double)"
     groups: dict[str, list[str]] = {}  # the direct target of a group -> its targets
@@ -598,7 +623,11 @@ def main(argv: list[str] | None = None) -> int:
         if "openai" in protocols:
             targets[direct] = double_url
             floor = start_passthrough(double_url)
-            targets[FLOOR] = floor.url
+            floors.append(floor)
+            if args.recording_floor:
+                floors.append(start_passthrough(double_url, tmp / "recording-floor.db"))
+            for p in floors:
+                targets[p.name] = p.url
             for retrieval in ["lexical"] + (["embedding"] if args.embedding else []):
                 proxies.append(start_proxy(retrieval, double_url, tmp / retrieval))
                 targets[proxies[-1].name] = proxies[-1].url
@@ -632,7 +661,7 @@ def main(argv: list[str] | None = None) -> int:
               f"upstream = offline doubles (scripted echo, no delay) in processes "
               f"{', '.join(str(d.pid) for d in doubles)}, "
               + ", ".join(f"{p.name} in process {p.proc.pid}"
-                          for p in proxies + ([floor] if floor else []))
+                          for p in proxies + floors)
               + f"; 20 skills per proxy, top-k 3; {os.cpu_count()} CPUs; load average "
               + " ".join(f"{x:.2f}" for x in load_before), flush=True)
 
@@ -640,7 +669,7 @@ def main(argv: list[str] | None = None) -> int:
         clients = {name: httpx.Client(timeout=httpx.Timeout(180.0)) for name in targets}
         try:
             run_sequential(clients, targets, warmup, seq)  # not measured
-            measured = proxies + ([floor] if floor else [])
+            measured = proxies + floors
             cpu_start = {p.name: cpu_seconds(p.proc.pid) for p in measured}
             client_cpu = time.process_time()
             started = time.perf_counter()
@@ -678,8 +707,8 @@ def main(argv: list[str] | None = None) -> int:
                          f"{1000 * health['record_cpu_s'] / sent:.2f} ms CPU per turn "
                          f"({health['record_commits']} transactions for {sent} turns; the "
                          "proxy's own measure, thread CPU time)")
-        if floor is not None:
-            lines.append(f"  {FLOOR}: {1000 * cpu_used[FLOOR] / per_proxy:.2f} ms CPU per "
+        for p in floors:
+            lines.append(f"  {p.name}: {1000 * cpu_used[p.name] / per_proxy:.2f} ms CPU per "
                          "request (all phases)")
         lines.append(f"  client: {1000 * client_cpu / (per_proxy * len(targets)):.2f} ms CPU "
                      "per request")
@@ -697,6 +726,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"error: {p.name} lost turns: {sent - recorded} of {sent} are not in "
                       f"{p.db}", file=sys.stderr)
                 return 1
+        for p in floors[1:]:  # the recording floor: what it committed (seen by a new connection)
+            with contextlib.closing(sqlite3.connect(p.db)) as db:
+                recorded = db.execute("SELECT COUNT(*) FROM exchanges").fetchone()[0]
+            print(f"  {p.name} recorded {recorded} exchanges in its database (sent {sent})")
         load_after = os.getloadavg()
         print("load average at the end: " + " ".join(f"{x:.2f}" for x in load_after))
         if failed and args.check_targets:
@@ -707,9 +740,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     finally:
-        if floor is not None:
-            proxies.append(floor)
-        for p in proxies:
+        for p in proxies + floors:
             p.proc.terminate()
             try:
                 p.proc.wait(timeout=30)

@@ -6,7 +6,12 @@ recording. ``benchmarks/bench_proxy.py`` runs it beside ``metaclaw serve``, in t
 and on the same event loop (:func:`metaclaw.server.new_event_loop`: uvloop where installed), and
 prints the proxy's figures as ratios to this one's: what the proxy adds beyond forwarding bytes.
 
-    python benchmarks/passthrough.py --upstream http://127.0.0.1:PORT [--port 0]
+With ``--record DB`` it is the least a recording proxy does: each exchange, the request's bytes
+and the reply's, is one row committed to a SQLite database (write-ahead log, no fsync per commit,
+as ``metaclaw serve`` commits its turns) before the reply's end is sent, so that it survives
+``kill -9``. Still no parsing and no retrieval.
+
+    python benchmarks/passthrough.py --upstream http://127.0.0.1:PORT [--port 0] [--record DB]
 
 Prints the port once listening; serves until its standard input closes or SIGTERM.
 """
@@ -17,7 +22,9 @@ import argparse
 import asyncio
 import os
 import signal
+import sqlite3
 import sys
+import time
 
 import aiohttp
 from aiohttp import web
@@ -28,10 +35,26 @@ from metaclaw.server import new_event_loop
 FORWARDED = ("Content-Type", "Authorization", "x-api-key", "anthropic-version")
 
 
-def make_app(upstream: str) -> web.Application:
-    """``POST <path>`` is forwarded to ``upstream + <path>`` (``upstream``: scheme://host:port)."""
+def open_record(path: str) -> sqlite3.Connection:
+    """The recording pass-through's database: one table of exchanges, write-ahead log."""
+    db = sqlite3.connect(path, isolation_level=None)  # each INSERT commits on its own
+    db.execute("PRAGMA journal_mode=WAL")
+    db.execute("PRAGMA synchronous=NORMAL")  # in WAL mode: no fsync per commit
+    db.execute("CREATE TABLE IF NOT EXISTS exchanges (id INTEGER PRIMARY KEY, at REAL NOT NULL, "
+               "path TEXT NOT NULL, request BLOB NOT NULL, reply BLOB NOT NULL)")
+    return db
+
+
+def make_app(upstream: str, record: sqlite3.Connection | None = None) -> web.Application:
+    """``POST <path>`` is forwarded to ``upstream + <path>`` (``upstream``: scheme://host:port);
+    with ``record``, each exchange is committed to it before the reply ends."""
     root = upstream.rstrip("/")
     app = web.Application(client_max_size=8 * 2**20)
+
+    def commit(path: str, request: bytes, reply: bytes) -> None:
+        if record is not None:
+            record.execute("INSERT INTO exchanges (at, path, request, reply) VALUES (?, ?, ?, ?)",
+                           (time.time(), path, request, reply))
 
     async def open_session(app: web.Application) -> None:
         app["session"] = aiohttp.ClientSession(
@@ -47,14 +70,19 @@ def make_app(upstream: str) -> web.Application:
                                        headers=headers) as upstream_reply:
             content_type = upstream_reply.headers.get("Content-Type", "application/json")
             if not content_type.startswith("text/event-stream"):
-                return web.Response(body=await upstream_reply.read(),
-                                    status=upstream_reply.status,
+                reply = await upstream_reply.read()
+                commit(request.path, body, reply)
+                return web.Response(body=reply, status=upstream_reply.status,
                                     headers={"Content-Type": content_type})
             response = web.StreamResponse(status=upstream_reply.status,
                                           headers={"Content-Type": content_type})
             await response.prepare(request)
+            chunks = []
             async for chunk in upstream_reply.content.iter_any():
                 await response.write(chunk)
+                if record is not None:
+                    chunks.append(chunk)
+            commit(request.path, body, b"".join(chunks))
             await response.write_eof()
             return response
 
@@ -64,8 +92,9 @@ def make_app(upstream: str) -> web.Application:
     return app
 
 
-async def serve(upstream: str, host: str, port: int) -> None:
-    runner = web.AppRunner(make_app(upstream), access_log=None)
+async def serve(upstream: str, host: str, port: int, record: str | None = None) -> None:
+    db = open_record(record) if record else None
+    runner = web.AppRunner(make_app(upstream, db), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
@@ -76,6 +105,8 @@ async def serve(upstream: str, host: str, port: int) -> None:
     loop.add_reader(sys.stdin.fileno(), lambda: os.read(sys.stdin.fileno(), 4096) or stop.set())
     await stop.wait()
     await runner.cleanup()
+    if db is not None:
+        db.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,10 +114,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--upstream", required=True, help="scheme://host:port of the upstream")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--record", metavar="DB", default=None,
+                        help="commit each exchange to this SQLite database before its reply ends")
     args = parser.parse_args(argv)
     loop = new_event_loop()
     try:
-        loop.run_until_complete(serve(args.upstream, args.host, args.port))
+        loop.run_until_complete(serve(args.upstream, args.host, args.port, args.record))
     finally:
         loop.close()
     return 0

@@ -16,7 +16,7 @@ def run_benchmark(script: str, *args: str, timeout: float) -> subprocess.Complet
 
 def test_bench_proxy_tiny_run_prints_ratios():
     proc = run_benchmark("bench_proxy.py", "--requests", "20", "--concurrency", "4",
-                         "--rounds", "2", timeout=240)
+                         "--rounds", "2", "--recording-floor", timeout=240)
     assert proc.returncode == 0, proc.stderr + proc.stdout
     out = proc.stdout
     latency_ratios = re.findall(r"ratio proxied/direct proxy\[lexical\]((?:\s+[\d.]+){4})\s+x", out)
@@ -33,6 +33,12 @@ def test_bench_proxy_tiny_run_prints_ratios():
     targets = re.findall(r"^  (added p50|throughput c=4|CPU per request).*= +([\d.]+|inf)x .*"
                          r"(PASS|FAIL)$", out, re.MULTILINE)
     assert len(targets) == 5, out
+    # the recording floor: every exchange committed, and the proxy's ratios to it (no target)
+    assert re.search(r"floor\[pass-through\+sqlite\] recorded (\d+) exchanges in its database "
+                     r"\(sent \1\)", out), out
+    reference = out.split("for reference (no target)")[1]
+    assert len(re.findall(r"^  (added p50|CPU per request).*= +[\d.]+x$", reference,
+                          re.MULTILINE)) == 2, out
     # the Anthropic side, measured in the same run: pass-through and translated
     for kind in ("anthropic", "openai"):
         name = re.escape(f"proxy[lexical] anthropic->{kind}")
