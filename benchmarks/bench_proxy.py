@@ -222,13 +222,15 @@ class ProxyProcess:
 
 
 def start_proxy(retrieval: str, upstream: str, workdir: Path, upstream_protocol: str = "openai",
-                name: str | None = None, extra: tuple[str, ...] = ()) -> ProxyProcess:
-    """``metaclaw serve`` in its own process; returns once ``/healthz`` answers."""
+                name: str | None = None, extra: tuple[str, ...] = (),
+                launcher: tuple[str, ...] = ("-m", "metaclaw")) -> ProxyProcess:
+    """``metaclaw serve`` in its own process; returns once ``/healthz`` answers. ``launcher``:
+    what runs the CLI (the interpreter's arguments before ``serve``)."""
     workdir.mkdir(parents=True)
     skills = workdir / "skills"
     write_skills(skills)
     db, log, port = workdir / "bench.db", workdir / "proxy.log", free_port()
-    command = [sys.executable, "-m", "metaclaw", "serve", "--upstream", upstream,
+    command = [sys.executable, *launcher, "serve", "--upstream", upstream,
                "--retrieval", retrieval, "--skills", str(skills), "--db", str(db),
                "--port", str(port)]
     if upstream_protocol != "openai":

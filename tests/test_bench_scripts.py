@@ -66,3 +66,14 @@ def test_bench_request_path_tiny_run_prints_each_step():
     assert all(float(us) > 0 for _, us in steps)
     for section in ("generation check (5 skills)", "query extraction, plain SDK request"):
         assert section in out
+
+
+def test_bench_proxy_steps_tiny_run_splits_the_difference():
+    proc = run_benchmark("bench_proxy_steps.py", "--requests", "20", "--warmup", "5", timeout=180)
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    out = proc.stdout
+    for label in ("difference", "identify the session", "retrieve and inject skills",
+                  "commit the turns on the loop", "sum of the steps", "the rest"):
+        row = re.search(rf"^ +{re.escape(label)}.*?((?:\s+-?\d+){{2}})$", out, re.MULTILINE)
+        assert row, (label, out)
+    assert re.search(r"recorded 50 turns in its store \(sent 50\)", out), out
