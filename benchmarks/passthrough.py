@@ -8,8 +8,8 @@ prints the proxy's figures as ratios to this one's: what the proxy adds beyond f
 
 With ``--record DB`` it is the least a recording proxy does: each exchange, the request's bytes
 and the reply's, is one row committed to a SQLite database (write-ahead log, no fsync per commit,
-as ``metaclaw serve`` commits its turns) before the reply's end is sent, so that it survives
-``kill -9``. Still no parsing and no retrieval.
+as ``metaclaw serve`` commits its turns) before the reply's end is sent (a stream's last chunk
+waits for it), so that it survives ``kill -9``. Still no parsing and no retrieval.
 
     python benchmarks/passthrough.py --upstream http://127.0.0.1:PORT [--port 0] [--record DB]
 
@@ -77,13 +77,16 @@ def make_app(upstream: str, record: sqlite3.Connection | None = None) -> web.App
             response = web.StreamResponse(status=upstream_reply.status,
                                           headers={"Content-Type": content_type})
             await response.prepare(request)
-            chunks = []
+            chunks: list[bytes] = []  # recording: the last one waits for the commit
             async for chunk in upstream_reply.content.iter_any():
-                await response.write(chunk)
-                if record is not None:
-                    chunks.append(chunk)
+                if record is None:
+                    await response.write(chunk)
+                    continue
+                if chunks:
+                    await response.write(chunks[-1])
+                chunks.append(chunk)
             commit(request.path, body, b"".join(chunks))
-            await response.write_eof()
+            await response.write_eof(chunks[-1] if chunks else b"")
             return response
 
     app.router.add_post("/{path:.*}", forward)
