@@ -38,9 +38,11 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 from aiohttp import web
 
+from metaclaw import context_budget, edge, retrieval
 from metaclaw.protocols import ProxyError, WireProtocol, dumps
 from metaclaw.sessions import TURN_TYPES, Identity, IdentityError, identify  # noqa: F401
 from metaclaw.sessions import is_task_turn
+from metaclaw.skills import offered_to
 from metaclaw.upstreams import ResponderUpstream, Upstream, policy_columns
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -100,9 +102,7 @@ def parse_turn(protocol: WireProtocol, body: dict[str, Any], raw: bytes,
 
     Field types are checked first (:func:`metaclaw.edge.check_fields`); ``null`` fields mean
     "not given" and are not forwarded."""
-    from metaclaw.edge import check_fields
-
-    body = check_fields(protocol.name, body)
+    body = edge.check_fields(protocol.name, body)
     model, stream = protocol.parse_request(body, model, **parse)
     forward = {k: v for k, v in body.items() if k not in PROXY_FIELDS}
     forward["model"] = model
@@ -124,9 +124,7 @@ def identify_session(headers: Mapping[str, str], body: Mapping[str, Any]) -> Ide
 def retrieval_query(turn: Turn) -> str:
     """Step 3: the text to retrieve skills for: the user's real ask in the neutral view
     (:func:`metaclaw.asks.extract_ask`, via :func:`metaclaw.retrieval.query_text`)."""
-    from metaclaw.retrieval import query_text
-
-    return query_text(turn.messages)
+    return retrieval.query_text(turn.messages)
 
 
 def record_row(turn: Turn, policy_version: int) -> dict[str, Any]:
@@ -441,12 +439,10 @@ class TurnPipeline:
     async def read_body(self, request: web.Request) -> tuple[bytes, dict[str, Any]]:
         """The body, within ``body_timeout`` (408) and ``max_body_bytes`` (413), decoded and
         checked by :func:`metaclaw.edge.decode_body` (400 naming what is wrong)."""
-        from metaclaw.edge import check_encoding, decode_body
-
         if (request.content_length is not None
                 and request.content_length > self.config.max_body_bytes):
             raise self.too_large()
-        check_encoding(request)
+        edge.check_encoding(request)
         try:
             if request.content.is_eof():  # the whole body is here already: no timer to set
                 raw = await request.read()
@@ -470,16 +466,12 @@ class TurnPipeline:
                                   f"{encoding[:40]!r} ({type(exc).__name__}); send it encoded as "
                                   "declared", param="Content-Encoding",
                              code="bad_content_encoding") from None
-        return raw, decode_body(raw)
+        return raw, edge.decode_body(raw)
 
     # -- retrieve, fit the budget, inject -------------------------------------------------
     def select_and_inject(self, turn: Turn, skills: list[Any]) -> None:
         """Steps 3-6 for a main or stage turn: query, retrieve (a stage turn: its stage's and
         general skills), fit the context budget, inject."""
-        from metaclaw import retrieval
-        from metaclaw.context_budget import context_window, fit_skills
-        from metaclaw.skills import offered_to
-
         proxy, config = self.proxy, self.config
         try:
             turn.query = retrieval_query(turn)
@@ -487,9 +479,10 @@ class TurnPipeline:
                                         min_score=config.min_score,
                                         budget_chars=config.budget_chars,
                                         keep=offered_to(turn.turn_type)) if turn.query else []
-            window = context_window(turn.model, config.context_windows, config.context_window)
+            window = context_budget.context_window(turn.model, config.context_windows,
+                                                   config.context_window)
             if selected and window is not None:
-                budget = fit_skills([s.skill.name for s in selected],
+                budget = context_budget.fit_skills([s.skill.name for s in selected],
                                     lambda n: retrieval.render_block(selected[:n]), turn.raw,
                                     window, turn.protocol.max_output_tokens(turn.body),
                                     proxy.token_counter)
