@@ -615,7 +615,6 @@ def main(argv: list[str] | None = None) -> int:
     double_proc, double_url = start_double()
     doubles = [double_proc]
     proxies: list[ProxyProcess] = []
-    floor: ProxyProcess | None = None
     floors: list[ProxyProcess] = []  # the floor, and the recording floor with --recording-floor
     tmp = Path(tempfile.mkdtemp(prefix="metaclaw-bench-proxy-"))
     direct = "direct (upstream double)"
@@ -624,8 +623,7 @@ def main(argv: list[str] | None = None) -> int:
         targets: dict[str, str] = {}
         if "openai" in protocols:
             targets[direct] = double_url
-            floor = start_passthrough(double_url)
-            floors.append(floor)
+            floors.append(start_passthrough(double_url))
             if args.recording_floor:
                 floors.append(start_passthrough(double_url, tmp / "recording-floor.db"))
             for p in floors:
@@ -715,7 +713,7 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"  client: {1000 * client_cpu / (per_proxy * len(targets)):.2f} ms CPU "
                      "per request")
         failed: list[str] = []
-        if floor is not None and CHECKED in targets:
+        if floors and CHECKED in targets:
             lines += report_targets(samples, results, cpu_used, direct, per_proxy,
                                     args.concurrency, failed)
         print("\n".join(lines), flush=True)

@@ -606,7 +606,7 @@ class _Transaction:
             raise StoreBusy(f"another connection holds the store's write lock ({exc})") from None
         finally:
             if switch:
-                db.execute(_busy_timeout(not self.wait))
+                db.execute(_busy_timeout(self.store._waits_by_default))
 
     def __exit__(self, exc_type: object, *rest: object) -> None:
         db = self.store._db
@@ -622,7 +622,7 @@ class _Transaction:
         finally:
             try:
                 if self.outer and self.fsync != self.store._fsync_by_default:
-                    db.execute(_synchronous(not self.fsync))
+                    db.execute(_synchronous(self.store._fsync_by_default))
             finally:
                 self.store._lock.release()
 
