@@ -265,3 +265,93 @@ def test_context_budget_arithmetic():
     assert over.keep == 0 and over.record["over_window"] and over.record["cut"] == ["s1"]
     words = TokenCounter(lambda text: len(text.split()))
     assert words.method == "tokenizer" and words.count("a b c") == 3
+
+
+# ---------------------------------------------------------------------------------------------
+# malformed messages through every request step (property-based)
+# ---------------------------------------------------------------------------------------------
+from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+
+_ANY = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(), st.floats(),
+                              st.text(max_size=8)),
+                    lambda inner: st.one_of(st.lists(inner, max_size=3),
+                                            st.dictionaries(st.text(max_size=6), inner,
+                                                            max_size=3)),
+                    max_leaves=6)
+#: The fields the adapters read, by the type of the block or part that holds them.
+_FIELDS = {"text": ["text"], "image": ["source"], "document": ["source"],
+           "tool_use": ["id", "name", "input"], "server_tool_use": ["input"],
+           "tool_result": ["tool_use_id", "content", "is_error"], "search_result": ["content"],
+           "image_url": ["image_url"], "thinking": ["thinking"]}
+_SOURCE = st.fixed_dictionaries({}, optional={
+    "type": st.sampled_from(["base64", "url", "text", "content"]), "data": _ANY,
+    "media_type": _ANY, "url": _ANY, "content": _ANY})
+
+
+def _field(name: str, depth: int):
+    nested = [_SOURCE] if name == "source" else []
+    if depth and name in ("content", "image_url", "source"):
+        nested += [st.lists(_block(depth - 1), max_size=2),
+                   st.fixed_dictionaries({}, optional={"url": _ANY, "detail": _ANY})]
+    return st.one_of(_ANY, *nested)
+
+
+def _block(depth: int = 1):
+    """A block or part of a type the adapters know, with any of its fields, holding anything."""
+    return st.sampled_from(sorted(_FIELDS)).flatmap(lambda kind: st.fixed_dictionaries(
+        {"type": st.just(kind)}, optional={name: _field(name, depth) for name in _FIELDS[kind]}))
+
+
+_CALL = st.one_of(_ANY, st.fixed_dictionaries({"id": _ANY, "type": st.just("function")}, optional={
+    "function": st.one_of(_ANY, st.fixed_dictionaries({}, optional={"name": _ANY,
+                                                                    "arguments": _ANY}))}))
+_TOOL = st.one_of(_ANY, st.fixed_dictionaries({"type": st.just("function")}, optional={
+    "function": st.one_of(_ANY, st.fixed_dictionaries({"name": _ANY}, optional={
+        "parameters": _ANY}))}), st.fixed_dictionaries({"name": _ANY, "input_schema": _ANY}))
+
+
+@st.composite
+def _request(draw):
+    protocol = draw(st.sampled_from([OPENAI, ANTHROPIC]))
+    roles = ["user", "assistant"] + (["system", "tool", "developer"] if protocol is OPENAI else [])
+    messages = draw(st.lists(st.fixed_dictionaries(
+        {"role": st.sampled_from(roles),
+         "content": st.one_of(st.text(max_size=10), st.lists(_block(), min_size=1, max_size=3),
+                              _ANY)},
+        optional={"tool_calls": st.one_of(st.lists(_CALL, max_size=2), _ANY),
+                  "tool_call_id": _ANY}), min_size=1, max_size=3))
+    body = {"model": "m", "max_tokens": 16, "messages": messages}
+    if draw(st.booleans()):
+        body["tools"] = draw(st.one_of(st.lists(_TOOL, max_size=2), _ANY))
+    if draw(st.booleans()):
+        body["tool_choice"] = draw(st.one_of(st.sampled_from(["auto", "required", "none"]), _ANY,
+                                             st.fixed_dictionaries({"type": _ANY}, optional={
+                                                 "function": _ANY, "name": _ANY})))
+    if draw(st.booleans()):
+        body["system"] = draw(st.one_of(st.text(max_size=8), st.lists(_block(0), max_size=2)))
+    return protocol, body
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(request=_request())
+def test_malformed_messages_are_refused_with_a_400_or_served(request):
+    """Whatever a client sends, every step before forwarding (parse, identify, query, row, the
+    translation to the other protocol) either works or refuses it with a 400 naming the field:
+    a body the steps cannot read is never a 500 (nor a 502 blamed on an upstream)."""
+    protocol, body = request
+    raw = json.dumps(body).encode()
+    try:
+        from metaclaw import edge
+
+        turn = parse_turn(protocol, edge.decode_body(raw), raw)
+    except ProxyError as exc:
+        assert exc.status == 400 and exc.message
+        return
+    identify_session({}, body)
+    retrieval_query(turn)
+    json.dumps(record_row(turn, 0), default=str)
+    for target in (OPENAI, ANTHROPIC):
+        forward = turn.body if target is protocol else target.from_chat(
+            protocol.to_chat(turn.body))
+        target.prepare_forward(forward, True)
+        json.dumps(forward)

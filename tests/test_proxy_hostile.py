@@ -177,6 +177,32 @@ def test_malformed_body_gets_a_4xx_naming_the_field(env, protocol, name, body, s
             assert param.split("[")[0] in error["message"], (name, error)
 
 
+@pytest.mark.parametrize("protocol, messages, param", [
+    ("anthropic", [{"role": "user", "content": "q"},
+                   {"role": "assistant", "content": [{"type": "text", "text": None}]}],
+     "messages.1.content.0"),
+    ("anthropic", [{"role": "user", "content": [{"type": "image", "source": "http://x/y.png"}]}],
+     "messages.0.content.0"),
+    ("anthropic", [{"role": "user", "content": [{"type": "document", "source": "text"}]}],
+     "messages.0.content.0"),
+    ("openai", [{"role": "user", "content": [{"type": "image_url", "image_url": "http://x"}]}],
+     "messages[0].content[0].image_url"),
+    ("openai", [{"role": "user", "content": "q"},
+                {"role": "assistant", "content": None, "tool_calls": ["call"]}],
+     "messages[1].tool_calls[0]"),
+    ("openai", [{"role": "user", "content": "q"},
+                {"role": "assistant", "tool_calls": [{"id": "a", "type": "function", "function": {
+                    "name": "f", "arguments": 5}}]}],
+     "messages[1].tool_calls[0].function.arguments"),
+])
+def test_malformed_blocks_and_parts_get_a_400_naming_them(env, protocol, messages, param):
+    """Shapes the adapters read (content blocks, image parts, tool calls): refused as the
+    provider's API refuses them, never a 500 from a translation that could not read them."""
+    proxy, store = env
+    status, _, payload = judge(proxy, store, protocol, _with(protocol, messages=messages))
+    assert status == 400 and param in json.loads(payload)["error"]["message"], payload
+
+
 @pytest.mark.parametrize("protocol", ["openai", "anthropic"])
 def test_content_encodings(env, protocol):
     proxy, store = env

@@ -78,13 +78,43 @@ def _text(value: Any) -> str:
     if isinstance(value, dict):
         if value.get("type") in ("text", None) and isinstance(value.get("text"), str):
             return value["text"]
-        if value.get("type") == "document":
-            source = value.get("source") or {}
-            return source.get("data", "") if source.get("type") == "text" else _text(
-                source.get("content"))
+        if value.get("type") == "document" and isinstance(value.get("source"), dict):
+            source = value["source"]
+            if source.get("type") == "text":
+                return source["data"] if isinstance(source.get("data"), str) else ""
+            return _text(source.get("content"))
         if value.get("type") == "search_result":
             return _text(value.get("content"))
     return ""
+
+
+#: The fields of a content block that the proxy reads, by block type: (name, JSON types it may
+#: have, whether the block needs it). Anthropic refuses the same shapes; checking them here makes
+#: a malformed block a 400 naming it rather than a failure of the translation.
+_BLOCK_FIELDS: dict[str, tuple[tuple[str, tuple[type, ...], bool], ...]] = {
+    "text": (("text", (str,), True),),
+    "image": (("source", (dict,), True),),
+    "document": (("source", (dict,), True),),
+    "tool_use": (("input", (dict,), False),),
+    "server_tool_use": (("input", (dict,), False),),
+    "tool_result": (("content", (str, list), False),),
+    "search_result": (("content", (list,), False),),
+}
+_JSON_NAMES = {str: "a string", dict: "an object", list: "a list"}
+
+
+def _block_problem(block: dict[str, Any]) -> str | None:
+    """What is wrong with a content block's fields the proxy reads, or None."""
+    for name, types, required in _BLOCK_FIELDS.get(block["type"], ()):
+        value = block.get(name)
+        if value is None and not required:
+            continue
+        if not isinstance(value, types):
+            return f"'{name}' must be {' or '.join(_JSON_NAMES[t] for t in types)}"
+    if block["type"] == "document" and block["source"].get("type") == "text" and not isinstance(
+            block["source"].get("data"), str):
+        return "a text 'source' needs its 'data' as a string"
+    return None
 
 
 def _image_to_chat(block: dict[str, Any]) -> dict[str, Any] | None:
@@ -116,7 +146,7 @@ def _arguments(value: Any) -> dict[str, Any]:
         return value
     try:
         parsed = loads(value or "{}")
-    except ValueError:
+    except (ValueError, TypeError):
         return {"_raw": value}
     return parsed if isinstance(parsed, dict) else {"_value": parsed}
 
@@ -359,12 +389,18 @@ class AnthropicMessages(WireProtocol):
                     if not isinstance(block, dict) or not isinstance(block.get("type"), str):
                         raise bad(f"messages.{i}.content.{j}", f"messages.{i}.content.{j} must be "
                                                                "an object with a string 'type'")
+                    problem = _block_problem(block)
+                    if problem:
+                        where = f"messages.{i}.content.{j}"
+                        raise bad(where, f"{where} ({block['type'][:40]!r} block): {problem}")
         system = body.get("system")
         if system is not None and not isinstance(system, (str, list)):
             raise bad("system", "'system' must be a string or a list of text blocks")
         if isinstance(system, list) and not all(
-                isinstance(b, dict) and b.get("type") == "text" for b in system):
-            raise bad("system", "'system' blocks must be objects with type 'text'")
+                isinstance(b, dict) and b.get("type") == "text" and isinstance(b.get("text"), str)
+                for b in system):
+            raise bad("system", "'system' blocks must be objects with type 'text' and a string "
+                                "'text'")
         model = model or body.get("model")
         if not isinstance(model, str) or not model:
             raise bad("model", "'model' is required (a string), or start the proxy with a model")

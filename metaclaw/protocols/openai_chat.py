@@ -111,6 +111,30 @@ class _Identity(StreamTranslator):
         return [event]
 
 
+def _message_problem(message: dict[str, Any]) -> tuple[str, str] | None:
+    """(where, what) is wrong with the parts of a message the proxy reads (image parts, tool
+    calls), or None. The OpenAI API refuses the same shapes; checking them here makes them a 400
+    naming the field whatever the upstream, rather than a failure of a translation."""
+    content = message.get("content")
+    for j, part in enumerate(content if isinstance(content, list) else ()):
+        if isinstance(part, dict) and part.get("type") == "image_url" and not (
+                isinstance(part.get("image_url"), dict)
+                and isinstance(part["image_url"].get("url"), str)):
+            return f".content[{j}].image_url", "must be an object with a string 'url'"
+    calls = message.get("tool_calls")
+    if calls is None:
+        return None
+    if not isinstance(calls, list):
+        return ".tool_calls", "must be a list of tool calls"
+    for k, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict):
+            return f".tool_calls[{k}]", "must be an object with a 'function' object"
+        if not isinstance(function.get("arguments", ""), (str, dict)):
+            return f".tool_calls[{k}].function.arguments", "must be a string of JSON"
+    return None
+
+
 class OpenAIChat(WireProtocol):
     name = "openai"
     routes = ("/chat/completions",)
@@ -131,6 +155,10 @@ class OpenAIChat(WireProtocol):
             if not isinstance(message, dict) or not isinstance(message.get("role"), str):
                 raise bad(f"messages[{i}]", f"messages[{i}] must be an object with a string "
                                             "'role'")
+            problem = _message_problem(message)
+            if problem:
+                param, what = problem
+                raise bad(f"messages[{i}]{param}", f"messages[{i}]{param} {what}")
         model = model or body.get("model")
         if not isinstance(model, str) or not model:
             raise bad("model", "'model' is required (a string), or start the proxy with a model")
@@ -144,6 +172,14 @@ class OpenAIChat(WireProtocol):
             value = body.get(name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
                 raise bad(name, f"'{name}' must be a number")
+        for k, tool in enumerate(body.get("tools") or ()):
+            if not isinstance(tool, dict) or not isinstance(tool.get("function", {}), dict):
+                raise bad(f"tools[{k}]", f"tools[{k}] must be an object whose 'function' is an "
+                                         "object")
+        choice = body.get("tool_choice")
+        if isinstance(choice, dict) and not isinstance(choice.get("function", {}), dict):
+            raise bad("tool_choice", "'tool_choice.function' must be an object such as "
+                                     "{'name': 'get_weather'}")
         return model, stream
 
     def to_chat(self, body: dict[str, Any]) -> dict[str, Any]:
