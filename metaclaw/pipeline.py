@@ -414,6 +414,11 @@ class TurnPipeline:
                 raise ProxyError(401, "this proxy forwards each caller's own upstream key: send "
                                       "your API key (x-api-key or 'Authorization: Bearer <key>')",
                                  type="authentication_error", code="missing_caller_key")
+            if not (caller_key.isascii() and caller_key.isprintable()):
+                raise ProxyError(401, "the API key holds bytes that are not printable ASCII, so "
+                                      "it cannot be forwarded to the upstream; send the key as "
+                                      "it was issued", type="authentication_error",
+                                 code="invalid_caller_key")
             given = headers.get("X-MetaClaw-Token", "").strip()
             where = "the header 'X-MetaClaw-Token: <token>'"
         else:
@@ -425,7 +430,8 @@ class TurnPipeline:
         if not given:
             raise ProxyError(401, f"missing bearer token: this proxy requires {where}",
                              type="authentication_error", code="missing_token")
-        if not hmac.compare_digest(given.encode(), token.encode()):
+        # a header's bytes that are not UTF-8 arrive as lone surrogates: compared as sent
+        if not hmac.compare_digest(given.encode("utf-8", "surrogateescape"), token.encode()):
             raise ProxyError(401, "invalid bearer token: set the client's api_key to the proxy's "
                                   "token", type="authentication_error", code="invalid_token")
         return caller_key

@@ -365,3 +365,27 @@ def test_hostile_suite_figures():
     """Printed figure: generated and named requests run, and badly answered (run with -s)."""
     print(f"\nhostile requests run: {FIGURES['run']}, badly answered: {FIGURES['bad']}")
     assert FIGURES["bad"] == 0
+
+
+@pytest.mark.parametrize("auth, header", [
+    ({"token": "team-token"}, (b"Authorization", b"Bearer team-token\xff")),
+    ({"token": "team-token"}, (b"x-api-key", b"\xe9t\xe9")),
+    ({"caller_auth": True}, (b"x-api-key", b"sk-\xff\xfe-1234")),
+    ({"caller_auth": True}, (b"Authorization", "Bearer sk-caf\u00e9".encode())),
+])
+def test_keys_that_are_not_ascii_get_a_401(tmp_path, auth, header):
+    """A key or token with bytes that are not UTF-8 (or not printable ASCII) is refused as any
+    wrong key is, on every route: never a 500 from encoding it."""
+    store = Store(tmp_path / "metaclaw.db")
+    library = SkillLibrary(tmp_path / "skills", store)
+    with DoubleServer() as double, Proxy(ProxyConfig(upstream_url=double.url, retrieval="lexical",
+                                                     **auth), store, library) as proxy:
+        for protocol, path in ROUTES.items():
+            status, headers, payload = raw_http(proxy.port, path, _with(protocol), [
+                (b"Content-Type", b"application/json"), header])
+            assert status == 401 and headers["content-type"].startswith("application/json"), \
+                payload
+        status, _, payload = raw_http(proxy.port, "/v1/models", b"", [header], method=b"GET")
+        assert status == 401, payload
+        assert _turns(store) == 0
+    store.close()
