@@ -541,8 +541,8 @@ class TurnPipeline:
         body = turn.body if target is turn.protocol else target.from_chat(
             turn.protocol.to_chat(turn.body))
         forward, client_asked = target.prepare_forward(body, self.config.stream_usage)
-        if target is not turn.protocol:
-            client_asked = False  # what the proxy adds is consumed by the translation
+        if target is not turn.protocol:  # what the client asked for, in its own protocol
+            client_asked = turn.protocol.asks_for_usage(turn.body)
         return forward, client_asked
 
     @staticmethod

@@ -335,6 +335,12 @@ def test_openai_sdk_through_anthropic_upstream(workspace, anthropic_double):
                                                tool_choice="required", stop="END")
         chunks = list(client.chat.completions.create(model=MODEL, messages=messages, tools=tools,
                                                      stream=True))
+        anthropic_double.replies.append(AnthropicReply(THINKING_REPLY))
+        with_usage = list(client.chat.completions.create(
+            model=MODEL, messages=messages, tools=tools, stream=True,
+            stream_options={"include_usage": True}))
+    usage = [c.usage for c in with_usage if c.usage]  # asked for: relayed, as OpenAI sends it
+    assert len(usage) == 1 and usage[0].prompt_tokens > 0 and not with_usage[-1].choices
     choice = reply.choices[0]
     assert choice.finish_reason == "tool_calls"
     assert choice.message.content == "Use: Fix crash on empty input"
@@ -353,7 +359,7 @@ def test_openai_sdk_through_anthropic_upstream(workspace, anthropic_double):
     assert sent["tool_choice"] == {"type": "any"} and sent["stop_sequences"] == ["END"]
     assert sent["tools"][0]["input_schema"] == READ_TOOL["input_schema"]
     turns = _turns(proxy, store)
-    assert [t["protocol"] for t in turns] == ["openai", "openai"]
+    assert [t["protocol"] for t in turns] == ["openai", "openai", "openai"]
     assert all(t["finish_reason"] == "tool_calls" and t["status"] == "ok" for t in turns)
     assert turns[1]["completion_tokens"] and turns[1]["prompt_tokens"]
 

@@ -111,7 +111,12 @@ class WireProtocol:
                         stream_usage: bool) -> tuple[dict[str, Any], bool]:
         """The body to forward to an upstream of this protocol and whether the client itself asked
         for what the proxy adds (OpenAI's usage chunk)."""
-        return body, True
+        return body, self.asks_for_usage(body)
+
+    def asks_for_usage(self, body: dict[str, Any]) -> bool:
+        """Whether a client's request asks for the token usage of a streamed reply (an event
+        :meth:`is_private` withholds otherwise)."""
+        return True
 
     # -- replies --------------------------------------------------------------------------
     def reply_to_chat(self, data: dict[str, Any]) -> dict[str, Any]:

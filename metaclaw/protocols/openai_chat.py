@@ -199,11 +199,14 @@ class OpenAIChat(WireProtocol):
 
     def prepare_forward(self, body: dict[str, Any],
                         stream_usage: bool) -> tuple[dict[str, Any], bool]:
-        client_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        client_usage = self.asks_for_usage(body)
         if body.get("stream") and stream_usage and not client_usage:
             body = {**body, "stream_options": {**(body.get("stream_options") or {}),
                                                "include_usage": True}}
         return body, client_usage
+
+    def asks_for_usage(self, body: dict[str, Any]) -> bool:
+        return bool((body.get("stream_options") or {}).get("include_usage"))
 
     def reply_to_chat(self, data: dict[str, Any]) -> dict[str, Any]:
         return data
