@@ -24,15 +24,17 @@ import re
 from http import HTTPStatus
 from typing import Any
 
-from aiohttp import web, web_protocol, web_server
+from aiohttp import compression_utils, web, web_protocol, web_server
 from orjson import loads as loads_fast
 
 from metaclaw.protocols import ProxyError, dumps
 
 #: Deepest JSON nesting accepted in a request body (tool schemas stay far below it).
 MAX_DEPTH = 100
-#: Content-Encodings the proxy decodes (aiohttp's own set).
-ENCODINGS = ("identity", "gzip", "deflate", "br", "zstd")
+#: Content-Encodings the proxy decodes: aiohttp's own set, where its decoder is installed
+#: (brotli and zstd need packages of their own, which are not dependencies).
+ENCODINGS = ("identity", "gzip", "deflate") + ("br",) * compression_utils.HAS_BROTLI \
+    + ("zstd",) * compression_utils.HAS_ZSTD
 
 _NUMBER, _INT, _BOOL, _STR, _LIST, _OBJ = ("number",), ("integer",), ("boolean",), ("string",), \
     ("array",), ("object",)

@@ -211,6 +211,11 @@ def test_content_encodings(env, protocol):
     assert judge(proxy, store, protocol, zlib.compress(body), [(b"Content-Encoding", b"deflate")])[0] == 200
     status, _, payload = judge(proxy, store, protocol, body, [(b"Content-Encoding", b"bogus")])
     assert status == 415 and b"Content-Encoding" in payload
+    offered = json.loads(payload)["error"]["message"].rpartition("send the body as ")[2]
+    from aiohttp import compression_utils
+
+    assert ("br" in offered) == compression_utils.HAS_BROTLI  # only what can be decoded here
+    assert ("zstd" in offered) == compression_utils.HAS_ZSTD
     status, _, payload = judge(proxy, store, protocol, body, [(b"Content-Encoding", b"gzip")])
     assert status == 400 and b"Content-Encoding" in payload
 
