@@ -731,7 +731,11 @@ class SkillLibrary:
         return new_generation
 
     def reload(self) -> int:
-        """Re-read the folder; records a ``disk`` generation if files changed. Returns the generation."""
+        """Re-read the folder; records a ``disk`` generation if files changed. Returns the generation.
+
+        A folder with no skill at all, for a workspace whose latest generation has some, is
+        filled from that generation instead (a new checkout, or a wrong folder, must not empty
+        the library for every process; remove skills through the library or a rollback)."""
         with self._exclusive(adopt=False):
             previous = self._generation
             disk, problems = load_skills_dir(self.directory)
@@ -744,6 +748,13 @@ class SkillLibrary:
                     reason=f"initial library from {self.directory}", parent=None,
                     events=[self._event(op) for op in ops])
                 self._set(number, disk)
+            elif not disk and not problems and (stored := self.snapshot(latest)):
+                # a folder without a single skill for a workspace that has some (a new checkout, a
+                # wrong --skills): filled from the store, never read as "every skill removed"
+                self._write(sorted(stored), stored)
+                self._set(latest, stored)
+                log.info("skill library: wrote generation %d's %d skills into the empty folder "
+                         "%s", latest, len(stored), self.directory)
             else:
                 stored = self.snapshot(latest)
                 # a broken file keeps its stored version instead of counting as removed

@@ -286,3 +286,25 @@ def test_an_edit_made_from_a_stale_version_is_a_conflict_not_an_overwrite(tmp_pa
         mine.edit(Skill(name="shared", description="Shared.", category="ops", body="v2 (mine)"),
                   base=read.content_hash)
     assert mine.get("shared").body == "v2 (other)" and mine.current()[0] == 1
+
+
+def test_an_empty_skills_folder_never_empties_the_workspace(tmp_path):
+    """A second folder for an existing workspace (a new checkout, a wrong --skills) holds no
+    skill: it is filled from the workspace's latest generation, never recorded as every skill
+    removed (which every proxy on the workspace would adopt on its next request)."""
+    skills, db = tmp_path / "skills", tmp_path / "ws.db"
+    write_skill(skills, "alpha", "The alpha skill.", "Alpha body.")
+    write_skill(skills, "beta", "The beta skill.", "Beta body.")
+    assert SkillLibrary(skills, Store(db)).current()[0] == 0
+
+    elsewhere = tmp_path / "elsewhere" / "skills"
+    listed = run_cli("skills", "list", "--skills", elsewhere, "--db", db, "--json")
+    assert [json.loads(line)["name"] for line in listed.stdout.splitlines()] == ["alpha", "beta"]
+    store = Store(db)
+    assert store.latest_generation() == 0  # no generation recorded
+    assert "Beta body." in (elsewhere / "beta" / "SKILL.md").read_text()
+
+    (elsewhere / "beta" / "SKILL.md").unlink()  # a hand edit in the filled folder still counts
+    (elsewhere / "beta").rmdir()
+    library = SkillLibrary(elsewhere, store)
+    assert library.current()[0] == 1 and "beta" not in library
