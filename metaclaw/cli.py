@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import re
+import sqlite3
 import sys
 import time
 from pathlib import Path
@@ -776,9 +777,14 @@ def main(argv: list[str] | None = None) -> int:
     except CliError as exc:
         print(f"metaclaw {args.command}: {exc}", file=sys.stderr)
         return 2
-    except (ValueError, KeyError, FileNotFoundError, RuntimeError) as exc:
+    except (ValueError, KeyError, OSError, RuntimeError) as exc:  # OSError: a read-only folder
         message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
         print(f"metaclaw {args.command}: {message}", file=sys.stderr)
+        return 1
+    except sqlite3.Error as exc:  # e.g. another process held the write lock past the timeout
+        where = getattr(args, "db", None)
+        print(f"metaclaw {args.command}: the workspace database"
+              f"{f' {where}' if where else ''}: {exc}", file=sys.stderr)
         return 1
 
 

@@ -351,3 +351,31 @@ def test_serve_sim_auto_evolve_holds_an_unverified_skill_for_review(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=20)
+
+
+def test_a_locked_workspace_or_an_unwritable_folder_is_a_one_line_error(tmp_path, monkeypatch,
+                                                                         capsys):
+    import sqlite3
+
+    from metaclaw import cli, store as store_module
+
+    skills, db = tmp_path / "skills", tmp_path / "ws.db"
+    write_skill(skills, "alpha", "First skill.", "body")
+    assert cli.main(["skills", "list", "--skills", str(skills), "--db", str(db)]) == 0
+    monkeypatch.setattr(store_module, "BUSY_TIMEOUT_S", 0.2)  # not the default 30 s of waiting
+    holder = sqlite3.connect(db, isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")  # another process writing
+    try:
+        capsys.readouterr()
+        assert cli.main(["skills", "rollback", "0", "--skills", str(skills), "--db", str(db)]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("metaclaw skills: the workspace database") and "locked" in err
+        assert err.count("\n") == 1
+    finally:
+        holder.rollback()
+        holder.close()
+    (tmp_path / "a-file").write_text("")
+    assert cli.main(["skills", "list", "--skills", str(tmp_path / "a-file" / "skills"),
+                     "--db", str(db)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("metaclaw skills:") and "a-file" in err and err.count("\n") == 1
