@@ -71,6 +71,9 @@ log = logging.getLogger(__name__)
 SKILL_FILE = "SKILL.md"
 NAME_PATTERN = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}")
 OPS = ("add", "edit", "remove")
+#: Largest SKILL.md read (bytes): every generation stores every skill again, and a skill is
+#: injected into prompts whose budget is a few thousand characters.
+MAX_SKILL_BYTES = 256 * 1024
 #: How often the folder watcher's thread wakes (ms): watchfiles sleeps this long between checks
 #: for its stop event, each check taking the interpreter lock. At its default of 50 ms an idle
 #: library spent about 2.7 ms of CPU a second on it; at 250, about 0.5, and a hand edit is still
@@ -322,6 +325,8 @@ class LoadProblem:
 
     path: str
     reason: str
+    #: The skill the file is for, where known: its stored version keeps serving.
+    name: str | None = None
 
     def __str__(self) -> str:
         return f"{self.path}: {self.reason}"
@@ -434,7 +439,13 @@ def load_skills_dir(directory: str | os.PathLike[str]) -> tuple[dict[str, Skill]
         return skills, problems
     for folder in sorted(root.iterdir(), key=lambda p: p.name):
         path = folder / SKILL_FILE
-        if folder.name.startswith(".") or not folder.is_dir() or not path.is_file():
+        if folder.name.startswith(".") or folder.is_file():
+            continue
+        problem = _unreadable(folder, path)
+        if problem is not None:
+            problems.append(LoadProblem(str(path), problem, folder.name))
+            continue
+        if not path.is_file():  # a folder without a skill file
             continue
         skill, problem = _read_skill_file(path, folder.name)
         if problem is not None:
@@ -444,11 +455,33 @@ def load_skills_dir(directory: str | os.PathLike[str]) -> tuple[dict[str, Skill]
     return skills, problems
 
 
+def _unreadable(folder: Path, path: Path) -> str | None:
+    """Why a skill folder's file cannot be read (a link loop, a link to nothing, a directory
+    named SKILL.md), or None: such a skill is a problem to report, never a removal."""
+    try:
+        if not folder.is_dir() and folder.is_symlink():
+            folder.stat()  # raises why: a loop, or nothing there
+        if not path.exists():
+            if path.is_symlink():
+                path.stat()
+            return None
+        if not path.is_file():
+            return "is not a regular file"
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror or exc})"
+    return None
+
+
 def _read_skill_file(path: Path, folder_name: str | None) -> tuple[Skill | None, LoadProblem | None]:
     try:
+        size = path.stat().st_size
+        if size > MAX_SKILL_BYTES:
+            return None, LoadProblem(str(path), f"is {size:,} bytes, more than a skill may be "
+                                                f"({MAX_SKILL_BYTES:,}): a skill is injected into "
+                                                "prompts, keep it short", folder_name)
         raw = path.read_bytes()
     except OSError as exc:
-        return None, LoadProblem(str(path), f"cannot be read ({exc.strerror or exc})")
+        return None, LoadProblem(str(path), f"cannot be read ({exc.strerror or exc})", folder_name)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -460,7 +493,7 @@ def _read_skill_file(path: Path, folder_name: str | None) -> tuple[Skill | None,
         return None, LoadProblem(str(path), exc.reason)
     if folder_name is not None and skill.name != folder_name:
         return None, LoadProblem(str(path), f"name {skill.name!r} does not match its folder "
-                                            f"{folder_name!r}; rename one of them")
+                                            f"{folder_name!r}; rename one of them", skill.name)
     return skill, None
 
 
@@ -757,11 +790,15 @@ class SkillLibrary:
                          "%s", latest, len(stored), self.directory)
             else:
                 stored = self.snapshot(latest)
-                # a broken file keeps its stored version instead of counting as removed
+                # a broken file keeps the stored version of its folder's skill, and of the skill
+                # it names (a folder renamed by hand), instead of counting as their removal
                 for problem in problems:
-                    folder = Path(problem.path).parent.name
-                    if folder in stored and folder not in disk:
-                        disk[folder] = stored[folder]
+                    kept = [name for name in dict.fromkeys((Path(problem.path).parent.name,
+                                                            problem.name))
+                            if name in stored and name not in disk]
+                    for name in kept:
+                        disk[name] = stored[name]
+                    if kept:
                         problem.reason += f" (keeping its version from generation {latest})"
                 ops = _changes(stored, disk, "files changed on disk")
                 if ops:

@@ -164,6 +164,45 @@ def test_a_broken_file_keeps_its_stored_version(lib, store):
     assert len(reopened.problems) == 1 and "keeping its version" in reopened.problems[0].reason
 
 
+def _link_loop(folder: Path) -> None:
+    path = folder / "SKILL.md"
+    path.unlink()
+    path.symlink_to(path)
+
+
+def _folder_loop(folder: Path) -> None:
+    import shutil
+
+    shutil.rmtree(folder)
+    folder.symlink_to(folder)
+
+
+def _directory_named_skill_md(folder: Path) -> None:
+    (folder / "SKILL.md").unlink()
+    (folder / "SKILL.md").mkdir()
+
+
+def _huge(folder: Path) -> None:
+    path = folder / "SKILL.md"
+    path.write_text(path.read_text() + "x" * 300_000)
+
+
+def _renamed_folder(folder: Path) -> None:
+    folder.rename(folder.with_name(folder.name + "-old"))
+
+
+@pytest.mark.parametrize("break_it", [_link_loop, _folder_loop, _directory_named_skill_md, _huge,
+                                      _renamed_folder])
+def test_an_unreadable_skill_is_a_problem_never_a_removal(lib, store, break_it):
+    """A link loop, a directory named SKILL.md, a file too large to be a skill, a folder renamed
+    by hand: reported, and the stored version keeps serving."""
+    break_it(lib.directory / "backup-before-modify")
+    reopened = SkillLibrary(lib.directory, store)
+    assert reopened.generation == 0 and store.latest_generation() == 0
+    assert reopened.get("backup-before-modify").category == "safety"
+    assert len(reopened.problems) == 1 and "keeping its version" in reopened.problems[0].reason
+
+
 def test_starter_skills_are_well_formed():
     skills, problems = load_skills_dir(starter_skills_dir())
     assert problems == []
