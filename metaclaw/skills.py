@@ -937,6 +937,11 @@ class SkillLibrary:
         """Write the files, then store the generation; on failure restore the files."""
         old = dict(self._skills)
         touched = sorted(n for n in set(old) | set(new) if old.get(n) != new.get(n))
+        edited = [name for name in touched if self._on_disk(name) != old.get(name)]
+        if edited:  # writing over them would lose a hand edit no generation holds yet
+            raise SkillConflict(f"{', '.join(edited)}: changed in {self.directory} since "
+                                f"generation {self._generation} (an edit not yet recorded, "
+                                "which the folder watcher or a reload records); retry then")
         try:
             self._write(touched, new)
             number = self.store.add_generation(
@@ -950,6 +955,14 @@ class SkillLibrary:
             raise
         self._set(number, new)
         return number
+
+    def _on_disk(self, name: str) -> Skill | LoadProblem | None:
+        """The skill's file as it is in the folder now (None: there is none)."""
+        path = self.directory / validate_name(name) / SKILL_FILE
+        if not path.exists() and not path.is_symlink():
+            return None
+        skill, problem = _read_skill_file(path, name)
+        return skill if skill is not None else problem
 
     def _write(self, names: list[str], skills: dict[str, Skill]) -> None:
         for name in names:

@@ -203,6 +203,30 @@ def test_an_unreadable_skill_is_a_problem_never_a_removal(lib, store, break_it):
     assert len(reopened.problems) == 1 and "keeping its version" in reopened.problems[0].reason
 
 
+def test_a_change_never_writes_over_a_hand_edit_not_yet_recorded(lib, store):
+    """The user saved the file; before the watcher records it, a process edits or removes the
+    same skill: refused as a conflict, the file untouched; once recorded, a change made from the
+    recorded version goes through."""
+    import dataclasses
+
+    from metaclaw.skills import SkillConflict
+
+    path = lib.directory / "backup-before-modify" / "SKILL.md"
+    stored = lib.get("backup-before-modify")
+    hand = path.read_text().replace(stored.body, "Edited by hand.")
+    path.write_text(hand)
+    evolved = dataclasses.replace(stored, body=stored.body + "\nAn evolved line.")
+    with pytest.raises(SkillConflict, match="backup-before-modify: changed in"):
+        lib.edit(evolved, base=stored.content_hash)
+    with pytest.raises(SkillConflict):
+        lib.remove("backup-before-modify")
+    assert path.read_text() == hand and store.latest_generation() == 0
+    assert lib.reload() == 1 and lib.get("backup-before-modify").body == "Edited by hand."
+    recorded = lib.get("backup-before-modify")
+    assert lib.edit(dataclasses.replace(recorded, body="Edited by hand, then evolved."),
+                    base=recorded.content_hash) == 2
+
+
 def test_starter_skills_are_well_formed():
     skills, problems = load_skills_dir(starter_skills_dir())
     assert problems == []
