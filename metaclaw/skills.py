@@ -50,6 +50,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import functools
+import hashlib
 import html
 import json
 import logging
@@ -71,6 +72,11 @@ log = logging.getLogger(__name__)
 SKILL_FILE = "SKILL.md"
 NAME_PATTERN = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}")
 OPS = ("add", "edit", "remove")
+#: The journal a change writes in the folder before its files (hidden, so never read as a
+#: skill): the generation it will commit and the touched files' text before it. A process that
+#: dies before committing leaves it, and the next to take the write lock puts the files back.
+JOURNAL_PREFIX = ".metaclaw-change-"
+JOURNAL_GLOB = f"{JOURNAL_PREFIX}*.json"
 #: Largest SKILL.md read (bytes): every generation stores every skill again, and a skill is
 #: injected into prompts whose budget is a few thousand characters.
 MAX_SKILL_BYTES = 256 * 1024
@@ -262,8 +268,6 @@ class Skill:
     @functools.cached_property
     def content_hash(self) -> str:
         """sha256 hex digest of :meth:`to_markdown`."""
-        import hashlib
-
         return hashlib.sha256(self.to_markdown().encode("utf-8")).hexdigest()
 
     # -- dict form (what the store keeps) ----------------------------------------------------
@@ -514,6 +518,11 @@ def _atomic_write(path: Path, text: str) -> None:
         raise
 
 
+def _snapshot_digest(snapshot: dict[str, Any]) -> str:
+    """A generation's snapshot, as stored, in a few bytes (to tell a committed change)."""
+    return hashlib.sha256(json.dumps(snapshot, sort_keys=True).encode()).hexdigest()
+
+
 def _remove_skill_folder(folder: Path) -> None:
     """Remove ``SKILL.md``, and the folder when nothing else (scripts, resources) is left in it."""
     try:
@@ -562,6 +571,7 @@ class SkillLibrary:
         self._snapshots: dict[int, dict[str, Skill]] = {}
         self._watcher: threading.Thread | None = None
         self._stop_watching = threading.Event()
+        self._journal: Path | None = None  # written by the change in progress, not committed
         if self.directory.exists() and not self.directory.is_dir():
             raise SkillFormatError(f"the skills folder {self.directory} is a file; pass a folder "
                                    "(it is created when missing)")
@@ -886,12 +896,44 @@ class SkillLibrary:
     # -- internals --------------------------------------------------------------------------
     @contextlib.contextmanager
     def _exclusive(self, adopt: bool = True):
-        """Hold the library lock and the store's write lock (every process), having adopted
-        the latest stored generation, so a change is validated against the true latest."""
-        with self._lock, self.store.transaction():
-            if adopt:
-                self._adopt_latest()
-            yield
+        """Hold the library lock and the store's write lock (every process), having finished
+        what a process that died mid-change left (:meth:`_recover`) and adopted the latest
+        stored generation, so a change is validated against the true latest."""
+        with self._lock:
+            journal = None
+            with self.store.transaction():
+                self._recover()
+                if adopt:
+                    self._adopt_latest()
+                yield
+                journal, self._journal = self._journal, None
+            if journal is not None:  # committed: the files it guarded hold the generation now
+                journal.unlink(missing_ok=True)
+
+    def _recover(self) -> None:
+        """Put back the files of a change whose process died before committing it (its
+        journal is left and its generation is not in the store); a committed change's journal
+        is only removed (its files were all written before the commit). Caller holds the
+        store's write lock, so no live process is between writing and committing."""
+        for path in sorted(self.directory.glob(JOURNAL_GLOB)):
+            try:
+                journal = json.loads(path.read_text(encoding="utf-8"))
+                row = self.store.generation(int(journal["generation"]))
+                if row is None or _snapshot_digest(row["snapshot"]) != journal["snapshot"]:
+                    for name, text in journal["old"].items():
+                        folder = self.directory / validate_name(name)
+                        if text is None:
+                            _remove_skill_folder(folder)
+                        else:
+                            _atomic_write(folder / SKILL_FILE, text)
+                    log.warning("skill library: put back %d skill files in %s that a change "
+                                "left unfinished (its process stopped before committing "
+                                "generation %s)", len(journal["old"]), self.directory,
+                                journal["generation"])
+                path.unlink()
+            except (OSError, ValueError, KeyError, TypeError):
+                log.exception("skill library: cannot finish the journal %s; remove it once the "
+                              "folder is as it should be", path)
 
     def _validate(self, ops: list[SkillOp]) -> dict[str, Skill]:
         new = dict(self._skills)
@@ -942,17 +984,26 @@ class SkillLibrary:
             raise SkillConflict(f"{', '.join(edited)}: changed in {self.directory} since "
                                 f"generation {self._generation} (an edit not yet recorded, "
                                 "which the folder watcher or a reload records); retry then")
+        snapshot = {n: s.to_dict() for n, s in sorted(new.items())}
+        latest = self.store.latest_generation()
+        number = 0 if latest is None else latest + 1  # what add_generation gives, under the lock
+        journal = self.directory / f"{JOURNAL_PREFIX}{number}.json"
+        _atomic_write(journal, json.dumps({
+            "generation": number, "snapshot": _snapshot_digest(snapshot),
+            "old": {n: old[n].to_markdown() if n in old else None for n in touched}}))
         try:
             self._write(touched, new)
             number = self.store.add_generation(
-                snapshot={n: s.to_dict() for n, s in sorted(new.items())}, kind=kind,
-                reason=reason, parent=self._generation, events=[self._event(op) for op in ops])
+                snapshot=snapshot, kind=kind, reason=reason, parent=self._generation,
+                events=[self._event(op) for op in ops])
         except BaseException:
             try:
                 self._write(touched, old)
-            except OSError:
+                journal.unlink()
+            except OSError:  # the journal stays: the next change or reload puts them back
                 log.exception("could not restore skill files in %s", self.directory)
             raise
+        self._journal = journal  # removed once the transaction commits (see _exclusive)
         self._set(number, new)
         return number
 

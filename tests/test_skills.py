@@ -427,3 +427,58 @@ def test_readers_see_consistent_generations_while_writers_change_the_library(lib
             t.join()
     assert errors == []
     assert lib.generation == 20
+
+
+_CRASHING_IMPORT = """
+import os, sys
+from pathlib import Path
+import metaclaw.skills as skills
+from metaclaw.store import Store
+
+folder, db, source, crash = sys.argv[1:5]
+if crash == "mid-write":  # the process dies (kill -9 alike) after two files of the change
+    write, written = skills._atomic_write, []
+    def dying(path, text):
+        if path.name == "SKILL.md":
+            written.append(path)
+            if len(written) > 2:
+                os._exit(9)
+        write(path, text)
+    skills._atomic_write = dying
+else:  # the process dies right after the commit, its journal still in the folder
+    unlink = Path.unlink
+    def dying(self, *args, **kwargs):
+        if self.name.startswith(skills.JOURNAL_PREFIX):
+            os._exit(9)
+        unlink(self, *args, **kwargs)
+    Path.unlink = dying
+skills.SkillLibrary(folder, Store(db)).import_dir(source)
+"""
+
+
+@pytest.mark.parametrize("crash", ["mid-write", "after-commit"])
+def test_a_change_whose_process_dies_leaves_no_half_written_skills(lib, store, tmp_path, crash):
+    """A process killed while writing a change's files (before it commits): the next library to
+    take the write lock puts the files back, so no half-done change is ever read from the
+    folder as a generation. Killed after committing: the files are the generation's, kept."""
+    import subprocess
+    import sys
+
+    source = tmp_path / "incoming"
+    for n in range(5):
+        write_skill(source, f"imported-{n}", f"---\nname: imported-{n}\ndescription: Skill {n}."
+                                             f"\n---\n\nBody {n}.\n")
+    before = sorted(p.parent.name for p in lib.directory.glob("*/SKILL.md"))
+    proc = subprocess.run([sys.executable, "-c", _CRASHING_IMPORT, str(lib.directory),
+                           str(store.path), str(source), crash], capture_output=True, text=True)
+    assert proc.returncode == 9, proc.stderr
+    assert list(lib.directory.glob(".metaclaw-change-*"))  # the journal was left behind
+    reopened = SkillLibrary(lib.directory, store)
+    assert not list(lib.directory.glob(".metaclaw-change-*"))
+    on_disk = sorted(p.parent.name for p in lib.directory.glob("*/SKILL.md"))
+    if crash == "mid-write":
+        assert store.latest_generation() == 0 and reopened.generation == 0
+        assert on_disk == before and [s.name for s in reopened.skills()] == before
+    else:
+        assert store.latest_generation() == 1 and reopened.generation == 1
+        assert on_disk == sorted(before + [f"imported-{n}" for n in range(5)])
