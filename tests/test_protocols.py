@@ -355,3 +355,17 @@ def test_malformed_messages_are_refused_with_a_400_or_served(request):
             protocol.to_chat(turn.body))
         target.prepare_forward(forward, True)
         json.dumps(forward)
+
+
+def test_custom_tool_calls_are_not_refused():
+    """The OpenAI SDK's custom tools have calls without a 'function' object: served as sent."""
+    body = {"model": "m", "messages": [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "custom", "custom": {"name": "grammar", "input": "x"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"}],
+        "tools": [{"type": "custom", "custom": {"name": "grammar"}}]}
+    assert OPENAI.parse_request(body, None) == ("m", False)
+    with pytest.raises(ProxyError, match=r"tool_calls\[0\] must be an object"):
+        OPENAI.parse_request({**body, "messages": [body["messages"][0], {
+            "role": "assistant", "tool_calls": [{"id": "c1", "type": "function"}]}]}, None)

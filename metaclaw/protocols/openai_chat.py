@@ -127,7 +127,11 @@ def _message_problem(message: dict[str, Any]) -> tuple[str, str] | None:
     if not isinstance(calls, list):
         return ".tool_calls", "must be a list of tool calls"
     for k, call in enumerate(calls):
-        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(call, dict):
+            return f".tool_calls[{k}]", "must be an object"
+        if call.get("type", "function") != "function":  # a custom tool's call: forwarded as is
+            continue
+        function = call.get("function")
         if not isinstance(function, dict):
             return f".tool_calls[{k}]", "must be an object with a 'function' object"
         if not isinstance(function.get("arguments", ""), (str, dict)):
