@@ -523,6 +523,18 @@ def _snapshot_digest(snapshot: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(snapshot, sort_keys=True).encode()).hexdigest()
 
 
+def _text_digest(text: str | None) -> str | None:
+    return None if text is None else hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def _file_text(path: Path) -> str | None:
+    """A skill file's text (``None``: there is none; undecodable bytes kept as escapes)."""
+    try:
+        return path.read_text(encoding="utf-8", errors="surrogateescape")
+    except FileNotFoundError:
+        return None
+
+
 def _remove_skill_folder(folder: Path) -> None:
     """Remove ``SKILL.md``, and the folder when nothing else (scripts, resources) is left in it."""
     try:
@@ -791,15 +803,15 @@ class SkillLibrary:
                     reason=f"initial library from {self.directory}", parent=None,
                     events=[self._event(op) for op in ops])
                 self._set(number, disk)
-            elif not disk and not problems and (stored := self.snapshot(latest)):
-                # a folder without a single skill for a workspace that has some (a new checkout, a
-                # wrong --skills): filled from the store, never read as "every skill removed"
-                self._write(sorted(stored), stored)
-                self._set(latest, stored)
-                log.info("skill library: wrote generation %d's %d skills into the empty folder "
-                         "%s", latest, len(stored), self.directory)
             else:
                 stored = self.snapshot(latest)
+                if stored and not disk:
+                    # not a single readable skill in the folder of a workspace that has some (a
+                    # new checkout, a wrong --skills): filled from the store, never read as
+                    # "every skill removed" (a broken file in it is left as it is, below)
+                    self._fill(latest)
+                    disk, problems = load_skills_dir(self.directory)
+                    self.problems = problems
                 # a broken file keeps the stored version of its folder's skill, and of the skill
                 # it names (a folder renamed by hand), instead of counting as their removal
                 for problem in problems:
@@ -911,29 +923,64 @@ class SkillLibrary:
                 journal.unlink(missing_ok=True)
 
     def _recover(self) -> None:
-        """Put back the files of a change whose process died before committing it (its
-        journal is left and its generation is not in the store); a committed change's journal
-        is only removed (its files were all written before the commit). Caller holds the
-        store's write lock, so no live process is between writing and committing."""
+        """Finish what a process that died mid-change left in the folder (caller holds the
+        store's write lock, so no live process is between writing and committing):
+
+        - a change whose generation is not in the store: its files are put back, except those
+          edited since (kept, and logged); a committed change's files were all written before
+          its commit, so its journal is only removed;
+        - an interrupted fill from the store (:meth:`_fill`): completed."""
         for path in sorted(self.directory.glob(JOURNAL_GLOB)):
             try:
                 journal = json.loads(path.read_text(encoding="utf-8"))
-                row = self.store.generation(int(journal["generation"]))
-                if row is None or _snapshot_digest(row["snapshot"]) != journal["snapshot"]:
-                    for name, text in journal["old"].items():
-                        folder = self.directory / validate_name(name)
-                        if text is None:
-                            _remove_skill_folder(folder)
-                        else:
-                            _atomic_write(folder / SKILL_FILE, text)
-                    log.warning("skill library: put back %d skill files in %s that a change "
-                                "left unfinished (its process stopped before committing "
-                                "generation %s)", len(journal["old"]), self.directory,
-                                journal["generation"])
+                if "fill" in journal:
+                    self._write_missing(self.snapshot(int(journal["fill"])))
+                else:
+                    row = self.store.generation(int(journal["generation"]))
+                    if row is None or _snapshot_digest(row["snapshot"]) != journal["snapshot"]:
+                        self._put_back(journal)
                 path.unlink()
             except (OSError, ValueError, KeyError, TypeError):
                 log.exception("skill library: cannot finish the journal %s; remove it once the "
                               "folder is as it should be", path)
+
+    def _put_back(self, journal: dict[str, Any]) -> None:
+        """The files of an uncommitted change as they were before it, where they still hold
+        what it wrote (or it had not written them yet)."""
+        kept = []
+        for name, text in journal["old"].items():
+            folder = self.directory / validate_name(name)
+            current = _file_text(folder / SKILL_FILE)
+            if current == text:
+                continue  # not written yet
+            if _text_digest(current) != journal["new"][name]:
+                kept.append(name)  # edited since the change died: the user's, not the change's
+            elif text is None:
+                _remove_skill_folder(folder)
+            else:
+                _atomic_write(folder / SKILL_FILE, text)
+        log.warning("skill library: put back the skill files in %s that a change left "
+                    "unfinished (its process stopped before committing generation %s)%s",
+                    self.directory, journal["generation"],
+                    f"; kept {', '.join(kept)}, edited since" if kept else "")
+
+    def _fill(self, generation: int) -> None:
+        """Write the stored generation's skills that the folder lacks, under a journal, so that a
+        fill cut short is completed rather than read as skills removed."""
+        journal = self.directory / f"{JOURNAL_PREFIX}fill-{generation}.json"
+        _atomic_write(journal, json.dumps({"fill": generation}))
+        written = self._write_missing(self.snapshot(generation))
+        journal.unlink()
+        log.info("skill library: wrote generation %d's %d skills into the folder %s, which had "
+                 "none", generation, written, self.directory)
+
+    def _write_missing(self, skills: dict[str, Skill]) -> int:
+        """Write the skills that have neither a folder nor a file (links, even broken, count)."""
+        missing = [name for name in sorted(skills)
+                   if not os.path.lexists(folder := self.directory / name)
+                   or folder.is_dir() and not os.path.lexists(folder / SKILL_FILE)]
+        self._write(missing, skills)
+        return len(missing)
 
     def _validate(self, ops: list[SkillOp]) -> dict[str, Skill]:
         new = dict(self._skills)
@@ -950,6 +997,10 @@ class SkillLibrary:
                 if op.name != op.skill.name:
                     raise SkillFormatError(f"{where}: name {op.name!r} differs from the "
                                            f"skill's name {op.skill.name!r}")
+                size = len(op.skill.to_markdown().encode("utf-8"))
+                if size > MAX_SKILL_BYTES:
+                    raise SkillFormatError(f"{where}: the skill is {size:,} bytes as SKILL.md, "
+                                           f"more than a skill may be ({MAX_SKILL_BYTES:,})")
             validate_name(op.name)
             if not all(isinstance(e, int) and not isinstance(e, bool) for e in op.evidence):
                 raise SkillFormatError(f"{where}: evidence must be a list of turn ids (ints)")
@@ -979,7 +1030,7 @@ class SkillLibrary:
         """Write the files, then store the generation; on failure restore the files."""
         old = dict(self._skills)
         touched = sorted(n for n in set(old) | set(new) if old.get(n) != new.get(n))
-        edited = [name for name in touched if self._on_disk(name) != old.get(name)]
+        edited = [name for name in touched if self._edited_by_hand(name, old.get(name))]
         if edited:  # writing over them would lose a hand edit no generation holds yet
             raise SkillConflict(f"{', '.join(edited)}: changed in {self.directory} since "
                                 f"generation {self._generation} (an edit not yet recorded, "
@@ -990,7 +1041,9 @@ class SkillLibrary:
         journal = self.directory / f"{JOURNAL_PREFIX}{number}.json"
         _atomic_write(journal, json.dumps({
             "generation": number, "snapshot": _snapshot_digest(snapshot),
-            "old": {n: old[n].to_markdown() if n in old else None for n in touched}}))
+            "old": {n: old[n].to_markdown() if n in old else None for n in touched},
+            "new": {n: _text_digest(new[n].to_markdown() if n in new else None)
+                    for n in touched}}))
         try:
             self._write(touched, new)
             number = self.store.add_generation(
@@ -1007,13 +1060,20 @@ class SkillLibrary:
         self._set(number, new)
         return number
 
-    def _on_disk(self, name: str) -> Skill | LoadProblem | None:
-        """The skill's file as it is in the folder now (None: there is none)."""
+    def _edited_by_hand(self, name: str, stored: Skill | None) -> bool:
+        """Whether the skill's file in the folder differs from its stored version (``None``: no
+        file), so that a change would write over an edit no generation holds."""
         path = self.directory / validate_name(name) / SKILL_FILE
         if not path.exists() and not path.is_symlink():
-            return None
-        skill, problem = _read_skill_file(path, name)
-        return skill if skill is not None else problem
+            return stored is not None
+        if stored is None:
+            return True
+        try:
+            if path.read_text(encoding="utf-8") == stored.to_markdown():
+                return False
+        except (OSError, UnicodeError):
+            return True
+        return _read_skill_file(path, name)[0] != stored  # the same skill, written otherwise
 
     def _write(self, names: list[str], skills: dict[str, Skill]) -> None:
         for name in names:

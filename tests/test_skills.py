@@ -196,9 +196,10 @@ def _renamed_folder(folder: Path) -> None:
 def test_an_unreadable_skill_is_a_problem_never_a_removal(lib, store, break_it):
     """A link loop, a directory named SKILL.md, a file too large to be a skill, a folder renamed
     by hand: reported, and the stored version keeps serving."""
+    lib.add(Skill(name="small-commits", description="Commit small.", body="One change each."))
     break_it(lib.directory / "backup-before-modify")
     reopened = SkillLibrary(lib.directory, store)
-    assert reopened.generation == 0 and store.latest_generation() == 0
+    assert reopened.generation == 1 and store.latest_generation() == 1
     assert reopened.get("backup-before-modify").category == "safety"
     assert len(reopened.problems) == 1 and "keeping its version" in reopened.problems[0].reason
 
@@ -436,7 +437,7 @@ import metaclaw.skills as skills
 from metaclaw.store import Store
 
 folder, db, source, crash = sys.argv[1:5]
-if crash == "mid-write":  # the process dies (kill -9 alike) after two files of the change
+if crash in ("mid-write", "mid-fill"):  # the process dies (kill -9 alike) after two files
     write, written = skills._atomic_write, []
     def dying(path, text):
         if path.name == "SKILL.md":
@@ -452,15 +453,17 @@ else:  # the process dies right after the commit, its journal still in the folde
             os._exit(9)
         unlink(self, *args, **kwargs)
     Path.unlink = dying
-skills.SkillLibrary(folder, Store(db)).import_dir(source)
+library = skills.SkillLibrary(folder, Store(db))  # a new, empty folder fills from the store
+library.import_dir(source)
 """
 
 
-@pytest.mark.parametrize("crash", ["mid-write", "after-commit"])
+@pytest.mark.parametrize("crash", ["mid-write", "mid-write, then a hand edit", "after-commit"])
 def test_a_change_whose_process_dies_leaves_no_half_written_skills(lib, store, tmp_path, crash):
     """A process killed while writing a change's files (before it commits): the next library to
-    take the write lock puts the files back, so no half-done change is ever read from the
-    folder as a generation. Killed after committing: the files are the generation's, kept."""
+    take the write lock puts the files back (except one edited since: the user's), so no
+    half-done change is ever read from the folder as a generation. Killed after committing: the
+    files are the generation's, kept."""
     import subprocess
     import sys
 
@@ -470,8 +473,12 @@ def test_a_change_whose_process_dies_leaves_no_half_written_skills(lib, store, t
                                              f"\n---\n\nBody {n}.\n")
     before = sorted(p.parent.name for p in lib.directory.glob("*/SKILL.md"))
     proc = subprocess.run([sys.executable, "-c", _CRASHING_IMPORT, str(lib.directory),
-                           str(store.path), str(source), crash], capture_output=True, text=True)
+                           str(store.path), str(source), crash.split(",")[0]],
+                          capture_output=True, text=True)
     assert proc.returncode == 9, proc.stderr
+    if crash.endswith("a hand edit"):  # the user edits a file the dead change had written
+        write_skill(lib.directory, "imported-0", "---\nname: imported-0\ndescription: Skill 0."
+                                                 "\n---\n\nWritten by hand after the crash.\n")
     assert list(lib.directory.glob(".metaclaw-change-*"))  # the journal was left behind
     reopened = SkillLibrary(lib.directory, store)
     assert not list(lib.directory.glob(".metaclaw-change-*"))
@@ -479,6 +486,29 @@ def test_a_change_whose_process_dies_leaves_no_half_written_skills(lib, store, t
     if crash == "mid-write":
         assert store.latest_generation() == 0 and reopened.generation == 0
         assert on_disk == before and [s.name for s in reopened.skills()] == before
+    elif crash == "mid-write, then a hand edit":
+        assert store.latest_generation() == 1 and reopened.generation == 1  # the edit, recorded
+        assert on_disk == sorted(before + ["imported-0"])
+        assert reopened.get("imported-0").body == "Written by hand after the crash."
     else:
         assert store.latest_generation() == 1 and reopened.generation == 1
         assert on_disk == sorted(before + [f"imported-{n}" for n in range(5)])
+
+
+def test_a_fill_from_the_store_cut_short_is_completed(lib, store, tmp_path):
+    """A new, empty folder for the workspace is being filled when its process is killed: the
+    next library completes the fill; the folder is never read as skills removed."""
+    import subprocess
+    import sys
+
+    for n in range(4):
+        lib.add(Skill(name=f"extra-{n}", description=f"Extra {n}.", body=f"Body {n}."))
+    checkout = tmp_path / "checkout"
+    proc = subprocess.run([sys.executable, "-c", _CRASHING_IMPORT, str(checkout),
+                           str(store.path), str(tmp_path / "none"), "mid-fill"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 9, proc.stderr
+    assert 1 <= len(list(checkout.glob("*/SKILL.md"))) < 5  # cut short
+    reopened = SkillLibrary(checkout, store)
+    assert reopened.generation == store.latest_generation() == 4
+    assert len(list(checkout.glob("*/SKILL.md"))) == 5 and not list(checkout.glob(".metaclaw-*"))
