@@ -788,9 +788,10 @@ class SkillLibrary:
     def reload(self) -> int:
         """Re-read the folder; records a ``disk`` generation if files changed. Returns the generation.
 
-        A folder with no skill at all, for a workspace whose latest generation has some, is
-        filled from that generation instead (a new checkout, or a wrong folder, must not empty
-        the library for every process; remove skills through the library or a rollback)."""
+        A folder without a single readable skill, for a workspace whose latest generation has
+        some, is filled from that generation instead (a new checkout, or a wrong folder, must
+        not empty the library for every process; remove skills through the library or a
+        rollback)."""
         with self._exclusive(adopt=False):
             previous = self._generation
             disk, problems = load_skills_dir(self.directory)
@@ -912,7 +913,7 @@ class SkillLibrary:
         what a process that died mid-change left (:meth:`_recover`) and adopted the latest
         stored generation, so a change is validated against the true latest."""
         with self._lock:
-            journal = None
+            self._journal = journal = None
             with self.store.transaction():
                 self._recover()
                 if adopt:
