@@ -24,7 +24,7 @@ import re
 from http import HTTPStatus
 from typing import Any
 
-from aiohttp import compression_utils, web, web_protocol, web_server
+from aiohttp import compression_utils, http_exceptions, web, web_protocol, web_server
 from orjson import loads as loads_fast
 
 from metaclaw.protocols import ProxyError, dumps
@@ -265,6 +265,10 @@ class EdgeHandler(web_protocol.RequestHandler):
         if status == 500:
             self.log_exception("Error handling request", exc_info=exc)
             text, code = "internal proxy error while reading the request", "internal_error"
+        elif isinstance(exc, http_exceptions.ContentEncodingError):  # no decoder installed here
+            status, code = 415, "unsupported_encoding"
+            text = (f"the body's Content-Encoding is not one this proxy decodes; send the body "
+                    f"as {', '.join(ENCODINGS)}")
         else:
             reason = _printable(str(getattr(exc, "message", None) or exc or message or ""), 200)
             too_long = "too long" in reason.lower() or "got more than" in reason.lower()

@@ -216,6 +216,12 @@ def test_content_encodings(env, protocol):
 
     assert ("br" in offered) == compression_utils.HAS_BROTLI  # only what can be decoded here
     assert ("zstd" in offered) == compression_utils.HAS_ZSTD
+    for name, missing in ((b"br", not compression_utils.HAS_BROTLI),
+                          (b"zstd", not compression_utils.HAS_ZSTD)):
+        if missing:  # refused while the headers are read, before any route: still a JSON 415
+            status, _, payload = judge(proxy, store, protocol, b"\x0b\x02\x80",
+                                       [(b"Content-Encoding", name)])
+            assert status == 415 and b"identity, gzip, deflate" in payload, payload
     status, _, payload = judge(proxy, store, protocol, body, [(b"Content-Encoding", b"gzip")])
     assert status == 400 and b"Content-Encoding" in payload
 
@@ -337,7 +343,8 @@ def hostile_requests(draw):
         raw = draw(st.binary(max_size=200)) if draw(st.booleans()) else _dump(body)[
             :draw(st.integers(0, 60))]
     headers = []
-    encoding = draw(st.sampled_from([None, "gzip", "deflate", "bogus", "gzip-lie", "identity"]))
+    encoding = draw(st.sampled_from([None, "gzip", "deflate", "bogus", "gzip-lie", "identity",
+                                     "br", "zstd"]))
     if encoding == "gzip":
         raw, headers = gzip.compress(raw), [(b"Content-Encoding", b"gzip")]
     elif encoding == "deflate":
