@@ -512,3 +512,14 @@ def test_a_fill_from_the_store_cut_short_is_completed(lib, store, tmp_path):
     reopened = SkillLibrary(checkout, store)
     assert reopened.generation == store.latest_generation() == 4
     assert len(list(checkout.glob("*/SKILL.md"))) == 5 and not list(checkout.glob(".metaclaw-*"))
+
+
+def test_a_skill_too_large_to_load_is_refused_when_added(lib):
+    """The loader refuses a SKILL.md over MAX_SKILL_BYTES, so the library refuses to write one:
+    a skill it could not read back could never be changed again."""
+    from metaclaw.skills import MAX_SKILL_BYTES
+
+    big = Skill(name="big", description="Too big.", body="x" * (MAX_SKILL_BYTES + 1))
+    with pytest.raises(SkillFormatError, match="more than a skill may be"):
+        lib.add(big)
+    assert "big" not in lib and not (lib.directory / "big").exists()
