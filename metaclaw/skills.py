@@ -676,12 +676,13 @@ class SkillLibrary:
             "FROM skill_generations g ORDER BY g.generation")
         return rows
 
-    def frame(self):
-        """The current skills as a ``polars.DataFrame``: name, category, stage (``None``: general),
-        description, chars, hash."""
+    def frame(self, generation: int | None = None):
+        """The skills (of ``generation``; default: the current one) as a ``polars.DataFrame``:
+        name, category, stage (``None``: general), description, chars, hash."""
         import polars as pl
 
-        skills = self.skills()
+        skills = self.skills() if generation is None else [
+            skill for _, skill in sorted(self.snapshot(generation).items())]
         return pl.DataFrame(
             {"name": [s.name for s in skills], "category": [s.category for s in skills],
              "stage": [s.stage for s in skills],

@@ -74,6 +74,35 @@ def test_usage_errors_are_one_line_not_tracebacks(ip, capsys):
     assert "evolve --dry-run first" in capsys.readouterr().out
 
 
+def test_odd_arguments_interrupts_and_failed_starts_leave_a_usable_session(ip, tmp_path,
+                                                                          capsys, monkeypatch):
+    assert line(ip, 'chat "unclosed') is None
+    assert "close the quote" in capsys.readouterr().out
+    runtime = line(ip, "start --db {ws}/m.db --skills {ws}/skills --starter-skills "
+                       "--retrieval lexical")
+    assert line(ip, "events --last -1") is None and "0 or more" in capsys.readouterr().out
+    current = line(ip, f"skills --generation {runtime.library.generation}")
+    assert current.equals(line(ip, "skills")) and current.height > 0
+    assert line(ip, "skills --generation 0").schema == current.schema  # even with no skills
+
+    import openai.resources.chat.completions as completions
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    magics = ip.magics_manager.registry["MetaClawMagics"]
+    with monkeypatch.context() as patched:
+        patched.setattr(completions.Completions, "create", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            magics.metaclaw("chat --session s", "first question")
+    assert magics.histories.get("s", []) == []  # the interrupted exchange is rolled back
+
+    (tmp_path / "broken.db").write_bytes(b"not a database" * 100)
+    assert line(ip, "start --db {ws}/broken.db --skills {ws}/skills --retrieval lexical") is None
+    assert "broken.db" in capsys.readouterr().out
+    assert magics.runtime is None and runtime.proxy.base_url  # the stopped one is not kept
+    assert line(ip, "status") is None and "run %metaclaw start first" in capsys.readouterr().out
+
+
 def test_fast_loop_magics_with_the_simulated_model(ip):
     line(ip, "start --sim --db {ws}/m.db --skills {ws}/skills --retrieval lexical")
     cell(ip, "chat --session s1", "Write the meeting time 9:30 tomorrow into day01/standup.json "

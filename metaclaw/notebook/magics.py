@@ -39,6 +39,17 @@ class _Parser(argparse.ArgumentParser):
         raise MagicUsageError(message or self.format_help())
 
 
+def _count(text: str) -> int:
+    """A ``--last N`` value: a whole number, 0 or more."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a count: give a whole number, 0 or more")
+    return value
+
+
 def _parser(name: str, doc: str) -> _Parser:
     return _Parser(prog=f"%metaclaw {name}", description=doc, add_help=True)
 
@@ -104,7 +115,11 @@ class MetaClawMagics(Magics):
     # The dispatcher -------------------------------------------------------------------------
     @line_cell_magic
     def metaclaw(self, line: str, cell: str | None = None) -> Any:
-        words = shlex.split(line)
+        try:
+            words = shlex.split(line)
+        except ValueError as exc:  # an unclosed quote
+            print(f"%metaclaw: cannot read the arguments ({exc}); close the quote")
+            return None
         if not words:
             return self._help()
         action, rest = words[0], words[1:]
@@ -144,6 +159,7 @@ class MetaClawMagics(Magics):
         args = parser.parse_args(argv)
         if self.runtime is not None:
             self.runtime.stop()
+            self.runtime = None  # stopped: a failed start below must not leave it in use
         self.runtime = Runtime.start(cli.runtime_config(args))
         self.histories.clear()
         return self.runtime
@@ -159,7 +175,7 @@ class MetaClawMagics(Magics):
 
         parser = _parser("why", self._do_why.__doc__)
         parser.add_argument("--session")
-        parser.add_argument("--last", type=int, default=20)
+        parser.add_argument("--last", type=_count, default=20)
         args = parser.parse_args(argv)
         runtime = self._require_runtime()
         runtime.proxy.flush()
@@ -170,7 +186,7 @@ class MetaClawMagics(Magics):
         evolver calls, broken skill files), newest first, as a polars DataFrame."""
         parser = _parser("events", self._do_events.__doc__)
         parser.add_argument("--kind")
-        parser.add_argument("--last", type=int, default=50)
+        parser.add_argument("--last", type=_count, default=50)
         args = parser.parse_args(argv)
         store = self._require_runtime().store
         where, params = ("kind = ?", [args.kind]) if args.kind else ("1=1", [])
@@ -256,7 +272,7 @@ class MetaClawMagics(Magics):
             else:
                 raise MagicUsageError(f"the model was still calling tools after {args.max_steps} "
                                       f"steps; raise --max-steps")
-        except Exception:
+        except BaseException:  # an interrupted one too (KeyboardInterrupt)
             del history[start:]  # a failed exchange leaves the conversation as it was
             raise
         runtime.proxy.flush()  # turns are recorded off the request path; wait for these
@@ -268,15 +284,7 @@ class MetaClawMagics(Magics):
         parser = _parser("skills", self._do_skills.__doc__)
         parser.add_argument("--generation", type=int)
         args = parser.parse_args(argv)
-        library = self._require_runtime().library
-        if args.generation is None:
-            return library.frame()
-        import polars as pl
-
-        snapshot = library.snapshot(args.generation)
-        return pl.DataFrame([{"name": s.name, "category": s.category,
-                              "description": s.description, "chars": len(s.to_markdown())}
-                             for s in snapshot.values()])
+        return self._require_runtime().library.frame(args.generation)
 
     def _do_diff(self, argv: list[str], cell: str | None):
         """%metaclaw diff [G1 G2]: the SkillDiffWidget (default: previous vs current generation)."""
@@ -306,7 +314,7 @@ class MetaClawMagics(Magics):
 
         parser = _parser("score", self._do_score.__doc__)
         parser.add_argument("--session")
-        parser.add_argument("--last", type=int)
+        parser.add_argument("--last", type=_count)
         parser.add_argument("--rescore", action="store_true")
         args = parser.parse_args(argv)
         runtime = self._require_runtime()
