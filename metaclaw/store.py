@@ -562,11 +562,26 @@ class Store:
         if table not in TABLES:
             raise ValueError(f"unknown table {table!r}; choose one of {', '.join(TABLES)}")
         with self._lock:
+            declared = {row["name"]: row["type"].upper()
+                        for row in self._db.execute(f"PRAGMA table_info({table})")}
             cur = self._db.execute(f"SELECT * FROM {table} WHERE {where}", tuple(params))
             names = [d[0] for d in cur.description]
             rows = cur.fetchall()
         columns = {name: [row[i] for row in rows] for i, name in enumerate(names)}
-        return pl.DataFrame(columns, strict=False, infer_schema_length=None)
+        # the declared types, so that an empty table or an all-null column has the dtype of a
+        # full one (frames from two moments concatenate and filter alike)
+        schema = {name: _polars_type(declared.get(name, ""), pl) for name in names}
+        return pl.DataFrame(columns, schema=schema, strict=False)
+
+
+def _polars_type(declared: str, pl: Any) -> Any:
+    """The polars dtype of a column declared ``declared`` (the schema declares INTEGER, REAL
+    and TEXT only; SQLite's affinity rules read the name)."""
+    if "INT" in declared:
+        return pl.Int64
+    if any(word in declared for word in ("REAL", "FLOA", "DOUB")):
+        return pl.Float64
+    return pl.Utf8
 
 
 class _Transaction:

@@ -100,3 +100,22 @@ def test_store_shows_itself(tmp_path):
     store.record_turn(session_id="s", request_messages=[], status="ok")
     assert store.counts()["turns"] == 1 and store.counts()["sessions"] == 1
     assert "<td>turns</td><td>1</td>" in store._repr_html_() and f"schema v{store.schema_version}" in repr(store)
+
+
+def test_frames_have_the_declared_dtypes_even_when_empty(tmp_path):
+    """An empty table, or a column that is null in every row, has the dtype of a full one, so
+    frames taken at two moments filter and concatenate alike."""
+    import polars as pl
+
+    store = Store(tmp_path / "ws.db")
+    empty = store.frame("turns")
+    assert empty.height == 0 and pl.Null not in empty.schema.values()
+    assert empty.schema["session_id"] == pl.Utf8 and empty.schema["reward"] == pl.Float64
+    assert empty.schema["turn_index"] == pl.Int64
+    assert empty.filter(pl.col("session_id").str.starts_with("nb")).height == 0
+    store.record_turn(session_id="nb-1", request_messages=[{"role": "user", "content": "q"}],
+                      status="ok")
+    full = store.frame("turns")
+    assert full.schema == empty.schema and full["reward"].to_list() == [None]
+    assert pl.concat([empty, full]).height == 1
+    assert pl.Null not in store.frame("events").schema.values()
