@@ -68,11 +68,12 @@ from typing import Any, Iterable
 from metaclaw import buffers
 from metaclaw.buffers import message_text
 from metaclaw.judge import (SECTION_TASK, SECTION_TOOLS, Judge, LLMClient, check_url,
-                            error_text, json_objects, next_user_message, render_sections,
+                            json_objects, next_user_message, render_sections,
                             replay_params, reply_message, reply_text, run_sync, trim)
 from metaclaw.skills import (OPS, Skill, SkillFormatError, SkillLibrary, SkillOp, offered_to,
                              validate_name)
 from metaclaw.store import Store
+from metaclaw.upstreams import safe_url
 
 SECTION_SUPPORT = "Support turns"
 SECTION_LIBRARY = "Current skill library"
@@ -590,7 +591,7 @@ class Evolver:
         self._locks: "weakref.WeakKeyDictionary[Any, asyncio.Lock]" = weakref.WeakKeyDictionary()
 
     def __repr__(self) -> str:
-        return (f"Evolver(base_url={self.base_url!r}, model={self.model!r}, "
+        return (f"Evolver(base_url={safe_url(self.base_url)!r}, model={self.model!r}, "
                 f"dedupe_threshold={self.dedupe_threshold}, verify={self.verify})")
 
     # model call -------------------------------------------------------------------------
@@ -608,14 +609,14 @@ class Evolver:
             try:
                 response = await asyncio.wait_for(self._client.chat(params), self.timeout)
             except asyncio.TimeoutError:
-                raise EvolveError(f"the evolver model {self.model!r} at {self.base_url} did not "
-                                  f"answer within {self.timeout:g} s; raise timeout or check "
-                                  "the server") from None
+                raise EvolveError(f"the evolver model {self.model!r} at {safe_url(self.base_url)} "
+                                  f"did not answer within {self.timeout:g} s; raise timeout or "
+                                  "check the server") from None
             except Exception as exc:
                 if structured and getattr(exc, "status_code", None) in (400, 422):
                     continue  # maybe no JSON-schema support: ask for plain JSON
-                raise EvolveError(f"the evolver model {self.model!r} at {self.base_url} failed "
-                                  f"({error_text(exc)}); check evolver_url and "
+                raise EvolveError(f"the evolver model {self.model!r} at {safe_url(self.base_url)} "
+                                  f"failed ({self._client.explain(exc)}); check evolver_url and "
                                   "evolver_model") from exc
             if self.structured and not structured:
                 self.structured = False  # text worked where the schema was refused: keep text
@@ -779,7 +780,8 @@ class Evolver:
         except asyncio.TimeoutError:
             return {"score": None, "reply": "", "error": f"upstream timed out ({self.timeout:g} s)"}
         except Exception as exc:
-            return {"score": None, "reply": "", "error": f"upstream failed: {error_text(exc)}"}
+            return {"score": None, "reply": "",
+                    "error": f"upstream failed: {self._upstream.explain(exc)}"}
         content = message_text(message.get("content"))
         tool_calls = message.get("tool_calls") or None
         replayed = {"request_messages": messages, "response": content,

@@ -31,7 +31,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable
 
-from metaclaw.judge import (Judge, LLMClient, check_url, error_text, reply_message,
+from metaclaw.judge import (Judge, LLMClient, check_url, reply_message,
                             replay_params)
 from metaclaw.sessions import TASK_TURNS_SQL
 from metaclaw.skills import Skill, SkillOp, offered_to
@@ -264,7 +264,7 @@ class Gate:
                     "error": f"upstream timed out ({self.timeout:g} s)"}
         except Exception as exc:
             return {"score": None, "reply": "", "votes": 0,
-                    "error": f"upstream failed: {error_text(exc)}"}
+                    "error": f"upstream failed: {self._upstream.explain(exc)}"}
         content = message_text(message.get("content"))
         replayed = {"request_messages": messages, "response": content,
                     "tool_calls": message.get("tool_calls") or None, "status": "ok"}

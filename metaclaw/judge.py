@@ -42,6 +42,7 @@ from metaclaw import buffers
 from metaclaw.buffers import message_text
 from metaclaw.sessions import TASK_TURNS_SQL
 from metaclaw.store import Store
+from metaclaw.upstreams import safe_url
 
 T = TypeVar("T")
 
@@ -209,14 +210,18 @@ def next_user_message(turn: dict[str, Any], later_turns: Iterable[dict[str, Any]
 def _as_score(value: Any) -> int:
     if isinstance(value, bool):
         raise ValueError(f"score must be -1, 0 or 1, got {value!r}")
+    shown = repr(value)[:40]  # a 400-digit number is not worth quoting whole
     if isinstance(value, str):
         value = value.strip()
         if not re.fullmatch(r"[+-]?\d+(\.0+)?", value):
-            raise ValueError(f"score must be -1, 0 or 1, got {value!r}")
-        value = float(value)
-    if isinstance(value, (int, float)) and float(value) in (-1.0, 0.0, 1.0):
-        return int(value)
-    raise ValueError(f"score must be -1, 0 or 1, got {value!r}")
+            raise ValueError(f"score must be -1, 0 or 1, got {shown}")
+    try:
+        number = float(value) if isinstance(value, (int, float, str)) else None
+    except OverflowError:  # an integer too large for a float
+        number = None
+    if number in (-1.0, 0.0, 1.0):
+        return int(number)
+    raise ValueError(f"score must be -1, 0 or 1, got {shown}")
 
 
 def json_objects(text: str):
@@ -384,6 +389,18 @@ class LLMClient:
                 self._clients[loop] = client
             return client
 
+    def explain(self, exc: BaseException) -> str:
+        """:func:`error_text` of a failed call, with this client's key and the credentials in
+        its URL masked (a server's error may quote the key it was sent)."""
+        from urllib.parse import unquote, urlsplit
+
+        text = error_text(exc)
+        parts = urlsplit(self.base_url)
+        for secret in (self.api_key, unquote(parts.password or ""), unquote(parts.username or "")):
+            if secret and len(secret) >= 4:
+                text = text.replace(secret, "***")
+        return text
+
     async def chat(self, params: dict[str, Any]) -> dict[str, Any]:
         """``POST /chat/completions`` with ``params`` (the request body); returns the reply JSON.
 
@@ -394,7 +411,7 @@ class LLMClient:
         """
         reply = await self.get().post("/chat/completions", body=params, cast_to=object)
         if not isinstance(reply, dict):
-            raise ValueError(f"the server at {self.base_url} did not answer with "
+            raise ValueError(f"the server at {safe_url(self.base_url)} did not answer with "
                              "chat.completion JSON")
         return reply
 
@@ -537,7 +554,7 @@ class Judge:
         self._client = LLMClient(base_url, api_key or os.environ.get(api_key_env), self.timeout)
 
     def __repr__(self) -> str:
-        return (f"Judge(base_url={self.base_url!r}, model={self.model!r}, votes={self.votes}, "
+        return (f"Judge(base_url={safe_url(self.base_url)!r}, model={self.model!r}, votes={self.votes}, "
                 f"timeout={self.timeout:g}, retries={self.retries}, threshold={self.threshold:g}, "
                 f"structured={self.structured})")
 
@@ -567,7 +584,7 @@ class Judge:
                 error = f"timed out after {self.timeout:g} s"
                 continue
             except Exception as exc:  # transport or status error: counted, retried
-                error = error_text(exc)
+                error = self._client.explain(exc)
                 if structured and getattr(exc, "status_code", None) in (400, 422):
                     structured = False  # maybe no JSON-schema support: one extra try as text
                     attempts += 1

@@ -287,7 +287,8 @@ def test_parse_verdict_accepts_json_and_score_lines(text, score):
 
 
 @pytest.mark.parametrize("text", ["", "helpful!", '{"score": 2, "rationale": "x"}',
-                                  '{"score": true}', "Score: 5"])
+                                  '{"score": true}', "Score: 5", '{"score": 1' + "0" * 400 + "}",
+                                  "Score: 1" + "0" * 400])
 def test_parse_verdict_rejects_what_it_cannot_read(text):
     with pytest.raises(ValueError):
         parse_verdict(text)
@@ -310,3 +311,20 @@ def test_prompt_builder_round_trips():
     sections = parse_judge_prompt(messages[1]["content"])
     assert sections == {SECTION_TASK: "[1] hello", SECTION_TOOLS: "(no tool calls)",
                         SECTION_REPLY: "hi", SECTION_FEEDBACK: "thanks"}
+
+
+def test_a_failed_call_is_explained_without_the_key_or_url_credentials():
+    """A server's error may quote the key it was sent, and a URL may carry user:password."""
+    import httpx
+    import openai
+
+    from metaclaw.judge import LLMClient
+
+    client = LLMClient("http://team:pw-hunter2@127.0.0.1:9/v1", "sk-live-0123456789", 5.0)
+    response = httpx.Response(401, json={"error": {"message": "Incorrect API key provided: "
+                                                              "sk-live-0123456789 (pw-hunter2)"}},
+                              request=httpx.Request("POST", "http://127.0.0.1:9/v1"))
+    error = openai.AuthenticationError("denied", response=response, body=None)
+    text = client.explain(error)
+    assert text.startswith("HTTP 401") and "sk-live" not in text and "hunter2" not in text
+    assert "hunter2" not in repr(Judge("http://team:pw-hunter2@127.0.0.1:9/v1", "m"))
