@@ -865,7 +865,7 @@ class Evolver:
 
     async def _apply(self, proposal: EvolveProposal,
                      support_turns: list[dict[str, Any]]) -> EvolveResult:
-        parent = self.library.generation
+        parent = self.library.sync()  # another process may have evolved since the proposal
         if parent != proposal.base_generation:
             raise EvolveError(
                 f"the library changed (generation {proposal.base_generation} -> {parent}) since "
@@ -887,7 +887,7 @@ class Evolver:
         summary = "; ".join(f"{op.op} {op.name}" for op in proposal.ops)
         try:
             generation = self.library.apply(
-                proposal.ops, kind="evolve",
+                proposal.ops, kind="evolve", base_generation=proposal.base_generation,
                 reason=f"evolved from {len(proposal.support_ids)} support turns: {summary}")
         except SkillFormatError as exc:
             raise EvolveError(f"the proposal could not be applied ({exc}); the library is "

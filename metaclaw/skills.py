@@ -736,17 +736,24 @@ class SkillLibrary:
         return self.apply([SkillOp("remove", None, name, reason, list(evidence), base)],
                           kind="remove", reason=reason)
 
-    def apply(self, ops: list[SkillOp], *, kind: str = "edit", reason: str = "") -> int:
+    def apply(self, ops: list[SkillOp], *, kind: str = "edit", reason: str = "",
+              base_generation: int | None = None) -> int:
         """Apply several operations as one new generation; returns its number.
 
         All operations are checked first: an unknown op, an ``add`` of an existing name, an
         ``edit`` or ``remove`` of a missing one raise :class:`SkillFormatError` and leave the
-        library (and its files) unchanged.
+        library (and its files) unchanged. ``base_generation``: the generation the operations
+        were made from (an evolver's proposal); a :class:`SkillConflict` if any process has
+        committed another since.
         """
         ops = list(ops)
         if not ops:
             raise SkillFormatError("no operations given; pass at least one SkillOp")
         with self._exclusive():
+            if base_generation is not None and self._generation != base_generation:
+                raise SkillConflict(f"the library moved from generation {base_generation} to "
+                                    f"{self._generation} since these operations were made "
+                                    "from it; make them again")
             new = self._validate(ops)
             generation = self._commit(new, ops, kind=kind, reason=reason)
         self._notify(generation)

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from metaclaw.skills import (
-    LoadProblem, Skill, SkillDiff, SkillFormatError, SkillLibrary, SkillNotFound, SkillOp,
-    load_skills_dir, starter_skills_dir, validate_name,
+    LoadProblem, Skill, SkillConflict, SkillDiff, SkillFormatError, SkillLibrary, SkillNotFound,
+    SkillOp, load_skills_dir, starter_skills_dir, validate_name,
 )
 from metaclaw.store import Store
 
@@ -209,8 +209,6 @@ def test_a_change_never_writes_over_a_hand_edit_not_yet_recorded(lib, store):
     same skill: refused as a conflict, the file untouched; once recorded, a change made from the
     recorded version goes through."""
     import dataclasses
-
-    from metaclaw.skills import SkillConflict
 
     path = lib.directory / "backup-before-modify" / "SKILL.md"
     stored = lib.get("backup-before-modify")
@@ -523,3 +521,16 @@ def test_a_skill_too_large_to_load_is_refused_when_added(lib):
     with pytest.raises(SkillFormatError, match="more than a skill may be"):
         lib.add(big)
     assert "big" not in lib and not (lib.directory / "big").exists()
+
+
+def test_operations_made_from_an_older_generation_are_refused(lib, store):
+    """Two processes evolve from generation 0; the second's proposal is refused, not applied on
+    top of the first's without having seen it."""
+    other = SkillLibrary(lib.directory, store)  # another process, still at generation 0
+    lib.add(Skill(name="first-evolve", description="From process one.", body="One."))
+    op = SkillOp("add", Skill(name="second-evolve", description="Two.", body="Two."),
+                 "second-evolve")
+    with pytest.raises(SkillConflict, match="moved from generation 0 to 1"):
+        other.apply([op], kind="evolve", base_generation=0)
+    assert store.latest_generation() == 1 and "second-evolve" not in other
+    assert other.apply([op], kind="evolve", base_generation=1) == 2
