@@ -246,6 +246,20 @@ def _judge(args: argparse.Namespace):
                  threshold=args.threshold)
 
 
+def _record_failure(store: Any, role: str, client: Any, error: str,
+                    turn_id: int | None = None) -> None:
+    """A failed judge or evolver call made from the CLI, in the events table (as the fast loop
+    records its own), so that `metaclaw events` and the notebook views count it."""
+    from metaclaw.upstreams import safe_url
+
+    endpoint, model = safe_url(client.base_url), client.model
+    where = f" for turn {turn_id}" if turn_id is not None else ""
+    kind = "judge_failed" if role == "judge" else "evolve_failed"  # the fast loop's kinds
+    store.record_event(source="cli", kind=kind, level="error",
+                       message=f"{role} call failed{where}: model {model!r} at {endpoint}: {error}",
+                       endpoint=endpoint, model=model, error=error, turn_id=turn_id)
+
+
 @command("score")
 def cmd_score(args: argparse.Namespace) -> int:
     from metaclaw.judge import turns_to_score
@@ -260,6 +274,10 @@ def cmd_score(args: argparse.Namespace) -> int:
         else:
             print(r)
     failed = sum(1 for r in results if not r.ok)
+    for r in results:
+        if not r.ok:
+            _record_failure(store, "judge", judge, r.error or r.rationale or "no usable vote",
+                            turn_id=r.turn_id)
     if not args.json:
         print(f"judged {len(results) - failed} of {len(ids)} turns with {judge.model} "
               f"({judge.votes} votes each)" + (f"; {failed} could not be judged" if failed else ""))
@@ -280,6 +298,7 @@ def cmd_evolve(args: argparse.Namespace) -> int:
     try:
         result = evolver.evolve(dry_run=args.dry_run)
     except EvolveError as exc:
+        _record_failure(library.store, "evolver", evolver, str(exc))
         print(f"metaclaw evolve: the evolver's answer was not usable, library unchanged: {exc}",
               file=sys.stderr)
         return 1

@@ -379,3 +379,28 @@ def test_a_locked_workspace_or_an_unwritable_folder_is_a_one_line_error(tmp_path
                      "--db", str(db)]) == 1
     err = capsys.readouterr().err
     assert err.startswith("metaclaw skills:") and "a-file" in err and err.count("\n") == 1
+
+
+def test_failed_judge_and_evolver_calls_from_the_cli_are_recorded(tmp_path, capsys):
+    from metaclaw import cli
+    from metaclaw.store import Store
+
+    db, skills = tmp_path / "ws.db", tmp_path / "skills"
+    write_skill(skills, "alpha", "First skill.", "body")
+    store = Store(db)
+    store.record_turn(session_id="s", request_messages=[{"role": "user", "content": "q"}],
+                      status="ok", response="a", buffer_set="support", buffer_state="live",
+                      reward=-1.0)
+    store.record_turn(session_id="s", request_messages=[{"role": "user", "content": "q2"}],
+                      status="ok", response="a2")
+    with DoubleServer(lambda body: Reply("I will not grade or write anything.")) as double:
+        assert cli.main(["score", "--db", str(db), "--judge-url", double.url,
+                         "--judge-model", "j", "--votes", "1"]) == 1
+        assert cli.main(["evolve", "--db", str(db), "--skills", str(skills),
+                         "--evolver-url", double.url, "--evolver-model", "e"]) == 1
+    kinds = {row["kind"]: row for row in Store(db).events()}
+    assert kinds["judge_failed"]["source"] == "cli" and "turn 2" in kinds["judge_failed"]["message"]
+    assert "model 'e'" in kinds["evolve_failed"]["message"]
+    capsys.readouterr()
+    assert cli.main(["events", "--db", str(db)]) == 0
+    assert "judge_failed: 1" in capsys.readouterr().out
