@@ -267,7 +267,7 @@ def cmd_score(args: argparse.Namespace) -> int:
     store = _store(args.db)
     judge = _judge(args)
     ids = turns_to_score(store, session=args.session, last=args.last, rescore=args.rescore)
-    results = judge.judge_turns(store, ids) if ids else []
+    results = judge.judge_turns(store, ids, rescore=args.rescore) if ids else []
     for r in results:
         if args.json:
             _print_json(r.to_dict())

@@ -623,14 +623,15 @@ class Judge:
     async def ajudge_turns(self, store: Store, turn_ids: Iterable[int] | None = None, *,
                            where: str | None = None, params: Iterable[Any] = (),
                            concurrency: int = 64, update_buffers: bool = True,
-                           feedback: bool = True) -> list[JudgeResult]:
+                           feedback: bool = True, rescore: bool = False) -> list[JudgeResult]:
         """Judge many stored turns concurrently and store the verdicts on them.
 
         Select turns by ``turn_ids`` or an SQL condition ``where`` on ``turns`` (with
         ``params``); with neither, every unjudged successful task turn. All votes of all turns
         run concurrently, at most ``concurrency`` requests at a time. Judged turns get
         ``reward``, ``judge_model``, ``judge_votes``, ``judge_rationale`` and ``judged_at``; a turn
-        whose votes all failed is left unjudged (its result carries the error). With
+        whose votes all failed is left unjudged (its result carries the error), and a turn
+        another process judged meanwhile keeps that verdict unless ``rescore``. With
         ``update_buffers`` the support / query buffers are refreshed for the judged turns.
         Returns one :class:`JudgeResult` per selected turn, in id order.
         """
@@ -664,24 +665,32 @@ class Judge:
         results = await asyncio.gather(*(
             self.ajudge(row, next_user=next_users.get(row["id"]), semaphore=semaphore)
             for row in rows))
-        self.store_results(store, results, update_buffers=update_buffers)
+        self.store_results(store, results, update_buffers=update_buffers, rescore=rescore)
         return list(results)
 
     def judge_turns(self, store: Store, turn_ids: Iterable[int] | None = None, *,
                     where: str | None = None, params: Iterable[Any] = (), concurrency: int = 64,
-                    update_buffers: bool = True, feedback: bool = True) -> list[JudgeResult]:
+                    update_buffers: bool = True, feedback: bool = True,
+                    rescore: bool = False) -> list[JudgeResult]:
         """Synchronous :meth:`ajudge_turns` (usable in a notebook cell)."""
         ids = None if turn_ids is None else list(turn_ids)
         return run_sync(lambda: self.ajudge_turns(
             store, ids, where=where, params=tuple(params), concurrency=concurrency,
-            update_buffers=update_buffers, feedback=feedback), self._client)
+            update_buffers=update_buffers, feedback=feedback, rescore=rescore), self._client)
 
     def store_results(self, store: Store, results: Iterable[JudgeResult], *,
-                      update_buffers: bool = True) -> int:
-        """Write the successful verdicts onto their turns in one commit; returns how many."""
-        judged = [r for r in results if r.ok and r.turn_id is not None]
+                      update_buffers: bool = True, rescore: bool = False) -> int:
+        """Write the successful verdicts onto their turns in one commit; returns how many. A
+        turn that has a verdict already (another process judged it meanwhile) keeps it unless
+        ``rescore``: a turn counts once however many processes judge."""
         now = time.time()
         with store.transaction():
+            ids = json.dumps([r.turn_id for r in results if r.ok and r.turn_id is not None])
+            unjudged = None if rescore else {row["id"] for row in store.query(
+                "SELECT id FROM turns WHERE reward IS NULL AND id IN "
+                "(SELECT value FROM json_each(?))", (ids,))}
+            judged = [r for r in results if r.ok and r.turn_id is not None
+                      and (unjudged is None or r.turn_id in unjudged)]
             for result in judged:
                 store.update_turn(result.turn_id, reward=float(result.score),
                                   judge_model=result.model, judge_votes=result.votes,

@@ -51,6 +51,20 @@ def test_majority_of_three_votes_is_stored_on_the_turn(store):
     assert row["buffer_set"] == "query" and row["buffer_state"] == "live"
 
 
+def test_a_verdict_stored_meanwhile_is_kept_unless_rescoring(store):
+    """Two processes judging the same turn: the first verdict stored stands (the turn counts
+    once); a rescore replaces it."""
+    turn_id = add_turn(store)
+    with DoubleServer([verdict(-1, "late"), verdict(-1, "rescored")]) as double:
+        judge = Judge(double.url, "judge-model", votes=1)
+        store.update_turn(turn_id, reward=1.0, judge_rationale="first")  # the other process
+        [late] = judge.judge_turns(store, [turn_id])
+        assert late.ok and store.turn(turn_id)["judge_rationale"] == "first"
+        judge.judge_turns(store, [turn_id], rescore=True)
+    assert store.turn(turn_id)["judge_rationale"] == "rescored"
+    assert store.turn(turn_id)["reward"] == -1.0
+
+
 def test_tie_gives_zero_and_unparsable_vote_is_counted(store):
     replies = [verdict(1), verdict(-1), Reply(content="I would rather not say.")]
     with DoubleServer(replies) as double:

@@ -322,7 +322,7 @@ class MetaClawMagics(Magics):
         runtime.proxy.flush()
         ids = turns_to_score(runtime.store, session=args.session, last=args.last,
                              rescore=args.rescore)
-        results = judge.judge_turns(runtime.store, ids) if ids else []
+        results = judge.judge_turns(runtime.store, ids, rescore=args.rescore) if ids else []
         return pl.DataFrame([{
             "turn_id": r.turn_id, "score": r.score, "votes": len(r.votes), "failed": r.failed,
             "unparsable": r.unparsable, "rationale": r.rationale or r.error or "",
