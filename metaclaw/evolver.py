@@ -68,8 +68,8 @@ from typing import Any, Iterable
 from metaclaw import buffers
 from metaclaw.buffers import message_text
 from metaclaw.judge import (SECTION_TASK, SECTION_TOOLS, Judge, LLMClient, check_url,
-                            json_objects, next_user_message, render_sections,
-                            replay_params, reply_message, reply_text, run_sync, trim)
+                            json_objects, next_user_message, render_sections, replay_params,
+                            reply_message, reply_text, retry_delay, run_sync, trim)
 from metaclaw.skills import (OPS, Skill, SkillFormatError, SkillLibrary, SkillOp, offered_to,
                              validate_name)
 from metaclaw.store import Store
@@ -541,6 +541,7 @@ class Evolver:
                  judge: Judge | None = None, dedupe_threshold: float | None = 0.85,
                  verify: bool = False, *, api_key: str | None = None,
                  api_key_env: str = "METACLAW_EVOLVER_API_KEY", timeout: float = 120.0,
+                 retries: int = 2,
                  structured: bool = True, temperature: float | None = 0.2,
                  max_tokens: int | None = 4000, max_support: int = 20,
                  retriever: Any = None, dedupe_retriever: Any = None,
@@ -571,6 +572,9 @@ class Evolver:
         self.dedupe_threshold = None if dedupe_threshold is None else float(dedupe_threshold)
         self.verify = bool(verify)
         self.timeout = float(timeout)
+        if retries < 0:
+            raise ValueError(f"retries must be 0 or more, got {retries}")
+        self.retries = int(retries)  # further attempts after a timeout, 408/409/429 or 5xx
         self.structured = bool(structured)
         self.temperature = temperature
         self.max_tokens = max_tokens
@@ -601,7 +605,9 @@ class Evolver:
             params["temperature"] = self.temperature
         if self.max_tokens is not None:
             params["max_tokens"] = self.max_tokens
-        for structured in ((True, False) if self.structured else (False,)):
+        where = f"the evolver model {self.model!r} at {safe_url(self.base_url)}"
+        structured, attempt = self.structured, 0
+        while True:
             if structured:
                 params["response_format"] = EVOLVER_RESPONSE_FORMAT
             else:
@@ -609,19 +615,25 @@ class Evolver:
             try:
                 response = await asyncio.wait_for(self._client.chat(params), self.timeout)
             except asyncio.TimeoutError:
-                raise EvolveError(f"the evolver model {self.model!r} at {safe_url(self.base_url)} "
-                                  f"did not answer within {self.timeout:g} s; raise timeout or "
-                                  "check the server") from None
+                delay = retry_delay(None, attempt)
+                failure = (f"{where} did not answer within {self.timeout:g} s (tried "
+                           f"{attempt + 1} times); raise timeout or check the server")
             except Exception as exc:
                 if structured and getattr(exc, "status_code", None) in (400, 422):
-                    continue  # maybe no JSON-schema support: ask for plain JSON
-                raise EvolveError(f"the evolver model {self.model!r} at {safe_url(self.base_url)} "
-                                  f"failed ({self._client.explain(exc)}); check evolver_url and "
-                                  "evolver_model") from exc
-            if self.structured and not structured:
-                self.structured = False  # text worked where the schema was refused: keep text
-            return reply_text(response)
-        return ""  # pragma: no cover - the loop always returns or raises
+                    structured = False  # maybe no JSON-schema support: ask for plain JSON
+                    continue
+                delay = retry_delay(exc, attempt)
+                failure = (f"{where} failed ({self._client.explain(exc)}"
+                           + (f", tried {attempt + 1} times" if delay is not None else "")
+                           + "); check evolver_url and evolver_model")
+            else:
+                if self.structured and not structured:
+                    self.structured = False  # text worked where the schema was refused
+                return reply_text(response)
+            if delay is None or attempt >= self.retries:
+                raise EvolveError(failure)
+            attempt += 1
+            await asyncio.sleep(delay)
 
     # support ----------------------------------------------------------------------------
     def _support_items(self, turns: list[dict[str, Any]]) -> list[dict[str, Any]]:

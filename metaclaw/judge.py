@@ -476,6 +476,29 @@ def replay_params(turn: dict[str, Any], messages: list[dict[str, Any]],
     return params
 
 
+#: Longest wait before a retry (seconds), whatever a server's Retry-After asks.
+MAX_RETRY_WAIT_S = 20.0
+
+
+def retry_delay(exc: BaseException | None, attempt: int) -> float | None:
+    """Seconds to wait before retrying a failed model call (``exc``; None: it timed out), or
+    None when retrying cannot help (a client error other than 408, 409 or 429). A server's
+    ``Retry-After`` (or ``retry-after-ms``) is honoured up to :data:`MAX_RETRY_WAIT_S`;
+    otherwise the wait doubles from 0.5 s, with jitter."""
+    import random
+
+    status = getattr(exc, "status_code", None)
+    if status is not None and 400 <= status < 500 and status not in (408, 409, 429):
+        return None
+    headers = getattr(getattr(exc, "response", None), "headers", None) or {}
+    for name, scale in (("retry-after-ms", 0.001), ("retry-after", 1.0)):
+        try:
+            return min(max(float(headers[name]) * scale, 0.0), MAX_RETRY_WAIT_S)
+        except (KeyError, TypeError, ValueError):
+            continue
+    return min(0.5 * 2 ** attempt, MAX_RETRY_WAIT_S) * random.uniform(0.75, 1.25)
+
+
 def error_text(exc: BaseException) -> str:
     """One line saying why a model request failed (status and server message, timeout, ...)."""
     import openai
@@ -582,21 +605,27 @@ class Judge:
                         response = await asyncio.wait_for(self._client.chat(params), self.timeout)
             except asyncio.TimeoutError:
                 error = f"timed out after {self.timeout:g} s"
-                continue
+                delay = retry_delay(None, self.retries - attempts)
             except Exception as exc:  # transport or status error: counted, retried
                 error = self._client.explain(exc)
                 if structured and getattr(exc, "status_code", None) in (400, 422):
                     structured = False  # maybe no JSON-schema support: one extra try as text
                     attempts += 1
-                continue
-            if self.structured and not structured:
-                self.structured = False  # text worked where the schema was refused: keep text
-            text = reply_text(response)
-            try:
-                score, rationale = parse_verdict(text)
-            except ValueError as exc:
-                return {"score": None, "rationale": text[:500], "error": f"unparsable: {exc}"}
-            return {"score": score, "rationale": rationale, "error": None}
+                    continue
+                delay = retry_delay(exc, self.retries - attempts)
+            else:
+                if self.structured and not structured:
+                    self.structured = False  # text worked where the schema was refused
+                text = reply_text(response)
+                try:
+                    score, rationale = parse_verdict(text)
+                except ValueError as exc:
+                    return {"score": None, "rationale": text[:500],
+                            "error": f"unparsable: {exc}"}
+                return {"score": score, "rationale": rationale, "error": None}
+            if delay is None or attempts == 0:  # a client error: another try would fail alike
+                break
+            await asyncio.sleep(delay)
         return {"score": None, "rationale": "", "error": error}
 
     # one turn ---------------------------------------------------------------------------

@@ -215,12 +215,24 @@ def test_evolver_falls_back_to_plain_json_when_the_schema_is_refused(store, libr
     assert result.applied and "plain-json" in library and evolver.structured is False
 
 
-def test_evolver_failure_is_reported(store, library):
+def test_evolver_failure_is_retried_then_reported(store, library, monkeypatch):
+    from metaclaw import judge
+
+    monkeypatch.setattr(judge, "MAX_RETRY_WAIT_S", 0.05)  # the backoff, not its length
     record(store, library, "q", "bad", reward=-1)
-    with DoubleServer([Reply(status=500, content="boom")]) as double:
-        with pytest.raises(EvolveError, match="HTTP 500"):
+    with DoubleServer([Reply(status=500, content="boom")] * 3) as double:
+        with pytest.raises(EvolveError, match="HTTP 500.*tried 3 times"):
             Evolver(double.url, "evolver", library, store, dedupe_threshold=None).evolve()
     assert library.generation == 0
+    good = ops_reply(op("add", "check-units", "Check the units.", "Convert first."))
+    with DoubleServer([Reply(status=429, content="slow down"), good]) as double:
+        result = Evolver(double.url, "evolver", library, store, dedupe_threshold=None).evolve()
+    assert result.applied and library.generation == 1
+    record(store, library, "another q", "bad again", reward=-1)
+    with DoubleServer([Reply(status=401, content="bad key")] * 3) as double:
+        with pytest.raises(EvolveError, match="HTTP 401"):
+            Evolver(double.url, "evolver", library, store, dedupe_threshold=None).evolve()
+        assert len(double.requests) == 1  # a client error is not retried
 
 
 @pytest.mark.parametrize("answer, message", [

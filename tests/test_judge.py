@@ -118,6 +118,22 @@ def test_failed_vote_is_retried(store):
     assert requests == 4
 
 
+def test_a_retry_waits_as_the_server_asks_and_a_client_error_is_not_retried(store):
+    import time
+
+    with DoubleServer([Reply(status=429, content="slow down", headers={"retry-after": "0.6"}),
+                       verdict(1)]) as double:
+        started = time.monotonic()
+        result = Judge(double.url, "judge", votes=1, retries=1).judge_turns(
+            store, [add_turn(store)])[0]
+        waited = time.monotonic() - started
+    assert result.score == 1 and waited >= 0.6
+    with DoubleServer([Reply(status=401, content="bad key")] * 2) as double:
+        result = Judge(double.url, "judge", votes=1, retries=1).judge_turns(
+            store, [add_turn(store, session="s2")])[0]
+        assert len(double.requests) == 1 and "HTTP 401" in result.error
+
+
 def test_each_vote_has_its_own_timeout(store):
     with DoubleServer(first_request_fails(delay=1.5)) as double:
         judge = Judge(double.url, "judge", votes=3, timeout=0.5, retries=0)
