@@ -667,6 +667,10 @@ def test_from_config_builds_signals(tmp_path):
 
     with pytest.raises(ValueError, match="unknown scheduler setting 'sleep_start'"):
         from_config({"sleep_start": "23:00"})
+    with pytest.raises(ValueError, match="'force' must be true or false, got 'false'"):
+        from_config({"force": "false"})  # a string is truthy: it would train while in use
+    with pytest.raises(ValueError, match="sleep signal's 'enabled' must be true or false"):
+        from_config({"signals": {"sleep": {"enabled": "false"}}})
     with pytest.raises(ValueError, match="unknown scheduler signal 'mouse'"):
         from_config({"signals": {"mouse": {}}})
     with pytest.raises(ValueError, match="needs a 'source'"):

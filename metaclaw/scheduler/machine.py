@@ -352,6 +352,13 @@ def load_config(path: str | None) -> dict[str, Any]:
     return data
 
 
+
+def _flag(value: Any, what: str) -> bool:
+    """A yes/no option: YAML's true or false, never a string (``"false"`` is truthy)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{what} must be true or false, got {value!r}")
+    return value
+
 def from_config(config: dict[str, Any] | None, *, train_step: Callable[[], Any] | None = None,
                 store: Any = None, clock: Clock = time.time,
                 last_request: Callable[[], float | None] | None = None,
@@ -392,7 +399,7 @@ def from_config(config: dict[str, Any] | None, *, train_step: Callable[[], Any] 
             raise ValueError(f"the {kind} signal's options must be a mapping, true or false, "
                              f"got {options!r}")
         options = {} if options is True else dict(options)
-        if not options.pop("enabled", True):
+        if not _flag(options.pop("enabled", True), f"the {kind} signal's 'enabled'"):
             continue
         if kind == "calendar" and "source" not in options:
             raise ValueError("the calendar signal needs a 'source': a path to an .ics file or an "
@@ -411,5 +418,6 @@ def from_config(config: dict[str, Any] | None, *, train_step: Callable[[], Any] 
     return Scheduler(signals, train_step=train_step, store=store, clock=clock,
                      mode=config.get("mode", "any"),
                      min_window_s=config.get("min_window_s", 0.0),
-                     max_steps=config.get("max_steps"), force=bool(config.get("force", False)),
+                     max_steps=config.get("max_steps"),
+                     force=_flag(config.get("force", False), "'force'"),
                      poll_s=config.get("poll_s", 5.0))
