@@ -340,8 +340,15 @@ class GRPOTrainer:
         # Resume: load the latest saved state of this state_dir (weights, optimizer, counters).
         if self.state_dir is not None and self.config.resume \
                 and (self.state_dir / "latest.json").is_file():
-            saved = json.loads((self.state_dir / "latest.json").read_text())
-            backend.load_state(saved["checkpoint"])
+            latest = self.state_dir / "latest.json"
+            try:
+                saved = json.loads(latest.read_text())
+                checkpoint = saved["checkpoint"]
+            except (ValueError, KeyError, TypeError) as exc:
+                raise ValueError(f"cannot resume from {latest}: it is not a training state "
+                                 f"record ({type(exc).__name__}: {exc}); remove it to start "
+                                 "afresh") from None
+            backend.load_state(checkpoint)
             backend.policy_version = int(saved.get("policy_version", backend.policy_version))
             backend.sampler().policy_version = backend.policy_version
             self.start_step, self.run_id = int(saved["step"]) + 1, saved["run_id"]

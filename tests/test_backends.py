@@ -14,6 +14,7 @@ import socket
 import threading
 import time
 from concurrent.futures import Future
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -129,6 +130,10 @@ def test_local_backend_state_round_trip_and_errors(tiny_model, tmp_path):
     assert [x.tokens for x in got] == [x.tokens for x in ref]
     with pytest.raises(BackendError, match="lora_rank=4"):
         make_backend("local", tiny_model, lora_rank=8).load_state(path)
+    (Path(path) / "adapter_model.safetensors").write_bytes(b"garbage")  # a corrupt checkpoint
+    with pytest.raises(BackendError, match="cannot load the training state saved in"):
+        b.load_state(path)
+    assert b.policy_version == 1  # nothing half-restored
     with pytest.raises(BackendError, match="tiny-model"):
         make_backend("local", str(tmp_path / "nowhere"))
     with pytest.raises(BackendError, match="--backend local or --backend tinker"):

@@ -229,6 +229,10 @@ def test_pause_at_step_boundary_then_resume(tiny_model, tmp_path):
     assert [s.tokens for s in again] == [s.tokens for s in reference]
     assert sum((s.logprobs for s in again), []) == pytest.approx(
         sum((s.logprobs for s in reference), []), abs=1e-5)
+    # a truncated record of the latest state: an error naming it, not a bare JSON error
+    (state_dir / "latest.json").write_text(json.dumps(saved)[:40])
+    with pytest.raises(ValueError, match="cannot resume from .*latest.json"):
+        train_grpo(restored, prompts, config=config, store=store)
     steps = store.frame("training_steps")["step"].to_list()
     assert steps == [0, 1, 2, 3]
 

@@ -430,8 +430,15 @@ class LocalBackend(TokenizerMixin):
                 f"the state in {path!r} has LoRA rank {meta.get('lora_rank')}, this backend "
                 f"{self.lora_rank}; create the backend with lora_rank={meta.get('lora_rank')}")
         with self._lock:
-            set_peft_model_state_dict(self.model, load_file(str(src / "adapter_model.safetensors")))
-            self.optimizer.load_state_dict(torch.load(src / "optimizer.pt", weights_only=True))
+            try:
+                weights = load_file(str(src / "adapter_model.safetensors"))
+                optimizer = torch.load(src / "optimizer.pt", weights_only=True)
+            except Exception as exc:  # truncated or foreign files: nothing is half-restored
+                raise BackendError(f"cannot load the training state saved in {str(src)!r} "
+                                   f"({type(exc).__name__}: {exc}); restore it, or start "
+                                   "afresh without it") from exc
+            set_peft_model_state_dict(self.model, weights)
+            self.optimizer.load_state_dict(optimizer)
         self.steps = int(meta.get("steps", 0))
         self.policy_version = int(meta.get("policy_version", 0))
         self._sampler = self._snapshot(self.policy_version)
