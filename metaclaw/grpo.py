@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import logging
 import math
 import time
 import uuid
@@ -45,6 +46,7 @@ from typing import Any, Awaitable, Callable, Sequence
 from metaclaw.aio import run_sync
 from metaclaw.backends import Datum, check_loss_fn
 
+log = logging.getLogger(__name__)
 ADVANTAGE_MODES = ("group", "batch", "none")
 
 
@@ -360,14 +362,19 @@ class GRPOTrainer:
     def sync_with_store(self) -> int:
         """Make the backend's policy the store's latest published version (the store is shared
         by every process of a workspace, so it is the truth): when that version is newer than
-        the backend's and its checkpoint is a saved state here, load it. Returns the version."""
+        the backend's and its checkpoint is a saved state here, load it; a version without a
+        checkpoint (no weights to serve under its number) is not adopted. Returns the version."""
         backend = self.backend
         rows = self.store.query("SELECT version, checkpoint FROM policy_versions "
                                 "ORDER BY version DESC LIMIT 1")
         if not rows or int(rows[0]["version"]) <= backend.policy_version:
             return backend.policy_version
         version, checkpoint = int(rows[0]["version"]), rows[0]["checkpoint"]
-        if checkpoint and (Path(checkpoint) / "metaclaw_state.json").is_file():
+        if not checkpoint:  # published, its weights never saved (the process died saving them)
+            log.warning("policy version %d has no saved weights; serving version %d", version,
+                        backend.policy_version)
+            return backend.policy_version
+        if (Path(checkpoint) / "metaclaw_state.json").is_file():
             backend.load_state(checkpoint)
         backend.policy_version = version
         backend.sampler().policy_version = version

@@ -246,3 +246,18 @@ def test_the_reward_sees_special_tokens_the_policy_emits(backend):
     assert backend.decode([header, *word, end]) == backend.decode([*word, end])
     assert backend.reward_text([*word, end]) == backend.decode(word)
     assert "<|user|>" in backend.reward_text([header, *word, end])
+
+
+def test_a_version_published_without_saved_weights_is_not_adopted(tiny_model, tmp_path):
+    """A process killed while saving the weights of the version it just published leaves the
+    version's row without a checkpoint: a restarted trainer keeps serving the weights it has,
+    under their own number, rather than the base weights labelled as that version."""
+    from metaclaw.backends import make_backend
+    from metaclaw.grpo import GRPOTrainer
+
+    store = Store(tmp_path / "db.sqlite")
+    store.add_policy_version(backend="local", base_model=str(tiny_model), checkpoint=None)
+    backend = make_backend("local", tiny_model, lora_rank=4, seed=0)
+    trainer = GRPOTrainer(backend, [], config=GRPOConfig(steps=1), store=store)
+    assert trainer.sync_with_store() == 0 and backend.policy_version == 0
+    assert backend.sampler().policy_version == 0
