@@ -671,6 +671,8 @@ def test_from_config_builds_signals(tmp_path):
         from_config({"force": "false"})  # a string is truthy: it would train while in use
     with pytest.raises(ValueError, match="sleep signal's 'enabled' must be true or false"):
         from_config({"signals": {"sleep": {"enabled": "false"}}})
+    with pytest.raises(ValueError, match="max_steps must be a non-negative integer"):
+        from_config({"max_steps": True})
     with pytest.raises(ValueError, match="unknown scheduler signal 'mouse'"):
         from_config({"signals": {"mouse": {}}})
     with pytest.raises(ValueError, match="needs a 'source'"):

@@ -55,7 +55,8 @@ class Scheduler:
                              f"signal a distinct name")
         if mode not in MODES:
             raise ValueError(f"unknown scheduler mode {mode!r}; choose 'any' or 'all'")
-        if max_steps is not None and (not isinstance(max_steps, int) or max_steps < 0):
+        if max_steps is not None and (not isinstance(max_steps, int) or isinstance(max_steps, bool)
+                                      or max_steps < 0):
             raise ValueError(f"max_steps must be a non-negative integer or None, got {max_steps!r}")
         self.train_step, self.mode, self.store, self.clock = train_step, mode, store, clock
         self.min_window_s = _seconds(min_window_s, "min_window_s")
