@@ -353,12 +353,12 @@ def load_config(path: str | None) -> dict[str, Any]:
     return data
 
 
-
 def _flag(value: Any, what: str) -> bool:
     """A yes/no option: YAML's true or false, never a string (``"false"`` is truthy)."""
     if not isinstance(value, bool):
         raise ValueError(f"{what} must be true or false, got {value!r}")
     return value
+
 
 def from_config(config: dict[str, Any] | None, *, train_step: Callable[[], Any] | None = None,
                 store: Any = None, clock: Clock = time.time,
