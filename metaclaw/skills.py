@@ -1073,15 +1073,14 @@ class SkillLibrary:
         """Whether the skill's file in the folder differs from its stored version (``None``: no
         file), so that a change would write over an edit no generation holds."""
         path = self.directory / validate_name(name) / SKILL_FILE
-        if not path.exists() and not path.is_symlink():
-            return stored is not None
-        if stored is None:
-            return True
         try:
-            if path.read_text(encoding="utf-8") == stored.to_markdown():
-                return False
-        except (OSError, UnicodeError):
+            current = _file_text(path)
+        except OSError:  # a link loop, a directory: not what the library wrote
             return True
+        if current is None or stored is None:
+            return (current is None) != (stored is None)
+        if current == stored.to_markdown():
+            return False
         return _read_skill_file(path, name)[0] != stored  # the same skill, written otherwise
 
     def _write(self, names: list[str], skills: dict[str, Skill]) -> None:
