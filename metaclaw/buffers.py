@@ -21,7 +21,8 @@ The rules (one obvious place: :func:`classify`, :func:`refresh` and :func:`advan
 2. The evolver's evidence is the judged failures (``reward < threshold``) among the live turns
    of the current generation (:func:`support_set`). When they produce a new generation ``G``,
    :func:`advance` marks them ``support / consumed``, unless a GRPO step already trained on one
-   (``trained_steps > 0``): a trained turn is never reclassified; it stays ``query`` and is
+   (``trained_steps > 0``, counted when the step claims its turns, before its gradient step:
+   :func:`claim_for_training`): a trained turn is never reclassified; it stays ``query`` and is
    purged like the rest. Every other live turn served under a generation older than ``G``
    becomes ``purged`` (kept in the store, flagged, never trained on): it was served with skills
    that no longer exist.
@@ -154,6 +155,39 @@ def mark_trained(store: Store, turn_ids: Iterable[int]) -> None:
         for start in range(0, len(ids), 500):
             chunk = ids[start:start + 500]
             store.execute(f"UPDATE turns SET trained_steps = trained_steps + 1 "
+                          f"WHERE id IN ({', '.join('?' * len(chunk))})", chunk)
+
+
+def claim_for_training(store: Store, turn_ids: Iterable[int]) -> set[int]:
+    """Claim query turns for one GRPO step: those of ``turn_ids`` that are still live query
+    turns of the latest skill generation get the step counted (``turns.trained_steps``), in one
+    transaction with that check. Returns the ids claimed; the others must not be trained.
+
+    The claim orders a training step against an evolution landing at the same moment: an
+    evolution committed first makes the turns stale here (a newer generation exists, or
+    :func:`advance` has already moved them); one committed after finds them trained and leaves
+    them in the query set. Either way no support turn trains weights."""
+    ids = sorted({int(i) for i in turn_ids})
+    claimed: set[int] = set()
+    with store.transaction():
+        generation = current_generation(store)
+        for start in range(0, len(ids), 500):
+            chunk = ids[start:start + 500]
+            marks = ", ".join("?" * len(chunk))
+            claimed.update(row["id"] for row in store.query(
+                f"SELECT id FROM turns WHERE id IN ({marks}) AND buffer_set = 'query' "
+                f"AND buffer_state = 'live' AND skill_generation = ?", [*chunk, generation]))
+        mark_trained(store, claimed)
+    return claimed
+
+
+def release_training_claim(store: Store, turn_ids: Iterable[int]) -> None:
+    """Undo :func:`claim_for_training` for a step that failed before training."""
+    ids = sorted({int(i) for i in turn_ids})
+    with store.transaction():
+        for start in range(0, len(ids), 500):
+            chunk = ids[start:start + 500]
+            store.execute(f"UPDATE turns SET trained_steps = MAX(trained_steps - 1, 0) "
                           f"WHERE id IN ({', '.join('?' * len(chunk))})", chunk)
 
 

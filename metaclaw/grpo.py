@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Sequence
 
+from metaclaw import buffers
 from metaclaw.aio import run_sync
 from metaclaw.backends import Datum, check_loss_fn
 
@@ -411,6 +412,22 @@ class GRPOTrainer:
             return int(self.skill_generation)
         return current_generation(self.store) if self.store is not None else 0
 
+    def _claim(self, groups: list[tuple[Any, ...]]) -> tuple[set[int], list[tuple[Any, ...]]]:
+        """(turn ids claimed for this step, the groups of turns that are stale): query-set
+        groups are claimed in the store (:func:`metaclaw.buffers.claim_for_training`); without
+        a store, a group is stale when its turn's generation is not the one recorded now."""
+        turn_ids = {prompt.turn_id for prompt, _, _ in groups if prompt.turn_id is not None}
+        if not turn_ids:
+            return set(), []
+        if self.store is not None:
+            claimed = buffers.claim_for_training(self.store, turn_ids)
+        else:
+            generation = self.generation_now()
+            claimed = {prompt.turn_id for prompt, _, _ in groups
+                       if prompt.turn_id is not None and prompt.skill_generation == generation}
+        stale = [g for g in groups if g[0].turn_id is not None and g[0].turn_id not in claimed]
+        return (claimed if self.store is not None else set()), stale
+
     def save(self, step: int | None = None) -> str | None:
         """Save the training state after ``step`` (default: the last completed step) in
         ``state_dir``; returns the checkpoint path, or None without a ``state_dir`` or when
@@ -473,16 +490,22 @@ class GRPOTrainer:
         groups = [(prompt, samples_G, rewards_G) for prompt, samples_G, rewards_G
                   in zip(batch, samples_P_G, rewarded_P_G) if rewards_G is not None]
 
-        # A new skill generation may have arrived while sampling: its query turns are stale now
-        # and must not be trained (they are dropped here and counted).
-        gen_now = self.generation_now()
-        stale = [g for g in groups if g[0].turn_id is not None and g[0].skill_generation != gen_now]
-        groups = [g for g in groups if g not in stale]
-
         # 4. Advantages within each group; zero-variance groups are skipped and counted.
         rewards_P_G = [rewards_G for _, _, rewards_G in groups]
         advantages_P_G, skipped = compute_advantages(rewards_P_G, config.advantage_norm,
                                                      config.zero_variance_eps)
+
+        # A new skill generation may have arrived while sampling and judging: the query turns
+        # it made stale (or turned into support) must not be trained. Claiming the turns checks
+        # that and counts the step on them in one transaction, so an evolution landing after
+        # this point keeps them in the query set (see buffers.claim_for_training).
+        claimed, stale = self._claim([g for g, advantages_G in zip(groups, advantages_P_G)
+                                      if advantages_G is not None])
+        if stale:
+            groups = [g for g in groups if all(g is not s for s in stale)]
+            rewards_P_G = [rewards_G for _, _, rewards_G in groups]
+            advantages_P_G, skipped = compute_advantages(rewards_P_G, config.advantage_norm,
+                                                         config.zero_variance_eps)
         zero_variance = [{"turn_id": prompt.turn_id, "reward": rewards_G[0],
                           "reason": f"all {len(rewards_G)} samples rewarded {rewards_G[0]:g}: "
                                     "no completion did better or worse than another"}
@@ -497,17 +520,18 @@ class GRPOTrainer:
         loss, metrics = None, {"reward_failures": reward_failures, "stale_groups": len(stale),
                                "zero_variance_groups": len(zero_variance),
                                "zero_variance": zero_variance}
-        if datums:
-            trained = backend.train_step(datums, config.loss_fn, config.learning_rate)
+        try:
+            trained = backend.train_step(datums, config.loss_fn, config.learning_rate) \
+                if datums else None
+        except BaseException:
+            if claimed:  # nothing was trained: the turns may still become support
+                buffers.release_training_claim(store, claimed)
+            raise
+        if trained is not None:
             loss = trained.get("loss")
             metrics.update({k: v for k, v in trained.items() if k != "loss"})
-            trained_turns = sorted({prompt.turn_id for (prompt, _, _), adv in
-                                    zip(groups, advantages_P_G)
-                                    if adv is not None and prompt.turn_id is not None})
-            if store is not None and trained_turns:
-                from metaclaw.buffers import mark_trained
-
-                mark_trained(store, trained_turns)
+        elif claimed:
+            buffers.release_training_claim(store, claimed)
 
         # 6. Publish the new weights (a new policy version) and hand them to the server.
         published = None

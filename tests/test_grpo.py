@@ -184,6 +184,58 @@ def test_generation_change_during_a_step_drops_its_groups(backend, tmp_path):
     assert store.frame("policy_versions").height == 0 and backend.policy_version == 0
 
 
+class _EvolvesDuringTraining:
+    """The backend, with an evolution landing while its gradient step runs: a new generation
+    whose support set is every live failure of the old one (what the evolver consumes)."""
+
+    def __init__(self, backend, store, fail: bool = False):
+        self.backend, self.store, self.fail = backend, store, fail
+
+    def __getattr__(self, name):
+        return getattr(self.backend, name)
+
+    def train_step(self, datums, loss_fn, learning_rate):
+        from metaclaw import buffers
+
+        generation = self.store.add_generation(snapshot={"b": 1}, kind="evolve", parent=0)
+        live = [t["id"] for t in self.store.turns("buffer_state = 'live'")]
+        self.moved = buffers.advance(self.store, generation, consumed=live)
+        if self.fail:
+            raise RuntimeError("the device went away")
+        return self.backend.train_step(datums, loss_fn, learning_rate)
+
+
+def test_an_evolution_landing_during_the_gradient_step_never_trains_support(backend, tmp_path):
+    """The turns a step trains on are claimed before its gradient step: an evolution that lands
+    meanwhile keeps them in the query set (purged with their generation), never support."""
+    store = Store(tmp_path / "db.sqlite")
+    store.add_generation(snapshot={}, kind="init")
+    turns = [_query_turn(store, 0), _query_turn(store, 0, text="hello")]
+    racing = _EvolvesDuringTraining(backend, store)
+    result = train_grpo(racing, lambda: prompts_from_query_set(store, backend), store=store,
+                        judge=lambda prompt, text: float(len(text) % 3),
+                        config=GRPOConfig(steps=1, groups_per_step=2, group_size=4, max_tokens=6))
+    trained = [t for t in turns if store.turn(t)["trained_steps"]]
+    assert result.history[0]["loss"] is not None and trained
+    assert racing.moved["consumed"] == 2 - len(trained)
+    for turn_id in trained:
+        assert (store.turn(turn_id)["buffer_set"], store.turn(turn_id)["buffer_state"]) == (
+            "query", "purged")
+    assert store.turns("buffer_set = 'support' AND trained_steps > 0") == []
+
+
+def test_a_failed_gradient_step_releases_its_claim(backend, tmp_path):
+    store = Store(tmp_path / "db.sqlite")
+    store.add_generation(snapshot={}, kind="init")
+    turn = _query_turn(store, 0)
+    racing = _EvolvesDuringTraining(backend, store, fail=True)
+    with pytest.raises(RuntimeError, match="went away"):
+        train_grpo(racing, lambda: prompts_from_query_set(store, backend), store=store,
+                   judge=lambda prompt, text: float(len(text) % 3),
+                   config=GRPOConfig(steps=1, groups_per_step=1, group_size=4, max_tokens=6))
+    assert store.turn(turn)["trained_steps"] == 0
+
+
 def test_query_prompts_without_reward_need_a_judge(backend, tmp_path):
     store = Store(tmp_path / "db.sqlite")
     _query_turn(store, 0)
