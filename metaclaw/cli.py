@@ -273,15 +273,18 @@ def cmd_score(args: argparse.Namespace) -> int:
             _print_json(r.to_dict())
         else:
             print(r)
-    failed = sum(1 for r in results if not r.ok)
+    failed = sum(1 for r in results if r.failed_call)
+    skipped = sum(1 for r in results if r.skipped)
     for r in results:
-        if not r.ok:
+        if r.failed_call:
             _record_failure(store, "judge", judge, r.error or r.rationale or "no usable vote",
                             turn_id=r.turn_id)
     if not args.json:
-        print(f"judged {len(results) - failed} of {len(ids)} turns with {judge.model} "
-              f"({judge.votes} votes each)" + (f"; {failed} could not be judged" if failed else ""))
-    return 1 if failed and failed == len(results) else 0
+        print(f"judged {len(results) - failed - skipped} of {len(ids)} turns with {judge.model} "
+              f"({judge.votes} votes each)" + (f"; {failed} could not be judged" if failed else "")
+              + (f"; {skipped} skipped (judged meanwhile or being judged by another process)"
+                 if skipped else ""))
+    return 1 if failed and failed == len(results) - skipped else 0
 
 
 @command("evolve")

@@ -400,7 +400,7 @@ class FastLoop:
                            score=result.score, votes=[v["score"] for v in result.votes],
                            failed=result.failed, unparsable=result.unparsable,
                            rationale=result.rationale)
-            else:
+            elif result.failed_call:  # a skipped turn is another process's to judge
                 self._emit("judge_failed", session_id=session, turn_id=result.turn_id,
                            error=result.error, failed=result.failed,
                            unparsable=result.unparsable)

@@ -288,16 +288,25 @@ class JudgeResult:
     model: str
     turn_id: int | None = None
     error: str | None = None
+    #: Not judged by this call: the turn has a verdict, or another process is judging it.
+    skipped: bool = False
 
     @property
     def ok(self) -> bool:
         return self.score is not None
+
+    @property
+    def failed_call(self) -> bool:
+        """The judge was called and gave no usable verdict (a skipped turn is not a failure)."""
+        return self.score is None and not self.skipped
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     def __str__(self) -> str:
         head = f"turn {self.turn_id}: " if self.turn_id is not None else ""
+        if self.skipped:
+            return f"{head}skipped ({self.error})"
         if self.score is None:
             return f"{head}unjudged ({self.error})"
         scores = ", ".join("x" if v["score"] is None else f"{v['score']:+d}" for v in self.votes)
@@ -539,6 +548,42 @@ def turns_to_score(store: Store, *, session: str | None = None, last: int | None
     return ids[-last:] if last else ids
 
 
+#: Seconds a judge's lease on the turns it is scoring lasts (it is released when it finishes;
+#: this bounds how long the turns of a killed process wait).
+JUDGE_LEASE_S = 600.0
+
+
+def lease_turns(store: Store, turn_ids: Iterable[int], seconds: float = JUDGE_LEASE_S) -> set[int]:
+    """Lease the unjudged turns among ``turn_ids`` to this caller for ``seconds``, in one
+    transaction: those without a verdict and without another judge's live lease. Returns the
+    leased ids; the others are left to whoever judged or is judging them."""
+    ids = sorted({int(i) for i in turn_ids})
+    now = time.time()
+    leased: set[int] = set()
+    with store.transaction(fsync=False):
+        for start in range(0, len(ids), 500):
+            chunk = ids[start:start + 500]
+            marks = ", ".join("?" * len(chunk))
+            free = [row["id"] for row in store.query(
+                f"SELECT id FROM turns WHERE id IN ({marks}) AND reward IS NULL "
+                f"AND (judge_lease_until IS NULL OR judge_lease_until < ?)", [*chunk, now])]
+            if free:
+                store.execute(f"UPDATE turns SET judge_lease_until = ? "
+                              f"WHERE id IN ({', '.join('?' * len(free))})", [now + seconds, *free])
+            leased.update(free)
+    return leased
+
+
+def release_turns(store: Store, turn_ids: Iterable[int]) -> None:
+    """End the leases of :func:`lease_turns` on ``turn_ids``."""
+    ids = sorted({int(i) for i in turn_ids})
+    with store.transaction(fsync=False):
+        for start in range(0, len(ids), 500):
+            chunk = ids[start:start + 500]
+            store.execute(f"UPDATE turns SET judge_lease_until = NULL "
+                          f"WHERE id IN ({', '.join('?' * len(chunk))})", chunk)
+
+
 class Judge:
     """Scores turns with an OpenAI-compatible judge model by majority of ``votes`` parallel votes.
 
@@ -549,6 +594,9 @@ class Judge:
     rewards below it are failures (support set). ``structured``: request the JSON schema; when
     the server rejects it (HTTP 400/422) the judge falls back to text parsing by itself.
     """
+
+    #: Seconds :meth:`ajudge_turns` leases the turns it scores for (:func:`lease_turns`).
+    lease_s = JUDGE_LEASE_S
 
     def __init__(self, base_url: str, model: str, api_key: str | None = None, votes: int = 3,
                  timeout: float = 30.0, retries: int = 1, threshold: float = 0.0,
@@ -659,9 +707,11 @@ class Judge:
         ``params``); with neither, every unjudged successful task turn. All votes of all turns
         run concurrently, at most ``concurrency`` requests at a time. Judged turns get
         ``reward``, ``judge_model``, ``judge_votes``, ``judge_rationale`` and ``judged_at``; a turn
-        whose votes all failed is left unjudged (its result carries the error), and a turn
-        another process judged meanwhile keeps that verdict unless ``rescore``. With
-        ``update_buffers`` the support / query buffers are refreshed for the judged turns.
+        whose votes all failed is left unjudged (its result carries the error). Unless
+        ``rescore``, a turn is judged once however many processes ask: the turns are leased
+        first (:func:`lease_turns`), and one that has a verdict already or that another
+        process is judging is skipped (``JudgeResult.skipped``) without calling the judge.
+        With ``update_buffers`` the support / query buffers are refreshed for the judged turns.
         Returns one :class:`JudgeResult` per selected turn, in id order.
         """
         if concurrency < 1:
@@ -680,6 +730,11 @@ class Judge:
             rows = store.turns(where, params)
         else:
             rows = store.turns(f"{TASK_TURNS_SQL} AND status = 'ok' AND reward IS NULL")
+        skipped: dict[int, JudgeResult] = {}
+        if not rescore:  # turns judged meanwhile, or being judged elsewhere, are left alone
+            leased = lease_turns(store, [r["id"] for r in rows], self.lease_s)
+            skipped = {r["id"]: self._skipped(r) for r in rows if r["id"] not in leased}
+            rows = [r for r in rows if r["id"] in leased]
         next_users: dict[int, str | None] = {}
         if feedback:  # the feedback on a turn is in the later turns of its thread
             for thread in sorted({(r["session_id"], r["turn_type"]) for r in rows}):
@@ -691,11 +746,23 @@ class Judge:
                     later = [t for t in thread_turns if t["turn_index"] > row["turn_index"]]
                     next_users[row["id"]] = next_user_message(row, later)
         semaphore = asyncio.Semaphore(concurrency)
-        results = await asyncio.gather(*(
-            self.ajudge(row, next_user=next_users.get(row["id"]), semaphore=semaphore)
-            for row in rows))
-        self.store_results(store, results, update_buffers=update_buffers, rescore=rescore)
-        return list(results)
+        try:
+            results = await asyncio.gather(*(
+                self.ajudge(row, next_user=next_users.get(row["id"]), semaphore=semaphore)
+                for row in rows))
+            self.store_results(store, results, update_buffers=update_buffers, rescore=rescore)
+        finally:  # a turn left unjudged is free for the next judge at once
+            if not rescore:
+                release_turns(store, [r["id"] for r in rows])
+        return sorted([*results, *skipped.values()], key=lambda r: r.turn_id)
+
+    def _skipped(self, row: dict[str, Any]) -> JudgeResult:
+        why = ("judged meanwhile (pass rescore=True to judge it again)"
+               if row["reward"] is not None else
+               "another process is judging it (its lease ends within "
+               f"{self.lease_s:g} s if that process stopped)")
+        return JudgeResult(score=None, votes=[], failed=0, unparsable=0, rationale="",
+                           model=self.model, turn_id=row["id"], error=why, skipped=True)
 
     def judge_turns(self, store: Store, turn_ids: Iterable[int] | None = None, *,
                     where: str | None = None, params: Iterable[Any] = (), concurrency: int = 64,

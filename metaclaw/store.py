@@ -210,6 +210,10 @@ MIGRATIONS: list[str] = [
     """
     ALTER TABLE turns ADD COLUMN trained_steps INTEGER NOT NULL DEFAULT 0;
     """,
+    # 6: a judge's lease on a turn it is scoring, so that another process does not score it too
+    """
+    ALTER TABLE turns ADD COLUMN judge_lease_until REAL;
+    """,
 ]
 
 SCHEMA_VERSION = len(MIGRATIONS)

@@ -234,6 +234,24 @@ def test_score_buffers_evolve_commands(tmp_path):
         runtime.stop()
 
 
+def test_score_skips_a_turn_another_process_is_judging(tmp_path):
+    from metaclaw.double import DoubleServer, Reply
+    from metaclaw.judge import lease_turns
+    from metaclaw.store import Store
+
+    db = tmp_path / "ws.db"
+    store = Store(db)
+    ids = [store.record_turn(session_id="s", request_messages=[{"role": "user", "content": q}],
+                             status="ok", response="4") for q in ("2+2?", "3+1?")]
+    lease_turns(store, ids[:1])  # the other process
+    with DoubleServer([Reply(json.dumps({"score": 1, "rationale": "right"}))]) as double:
+        proc = run_cli("score", "--db", db, "--judge-url", double.url, "--judge-model", "j",
+                       "--votes", "1")
+    assert "judged 1 of 2 turns" in proc.stdout and "1 skipped" in proc.stdout
+    assert f"turn {ids[0]}: skipped (another process is judging it" in proc.stdout
+    assert store.query("SELECT * FROM events WHERE kind = 'judge_failed'") == []
+
+
 def test_train_now_then_runs_json(tmp_path):
     """`metaclaw train --now` on the query set with the local backend on the tiny model, judged
     by an OpenAI-compatible judge double; `metaclaw runs --json` shows the recorded steps."""

@@ -10,8 +10,8 @@ import pytest
 
 from metaclaw.double import DoubleServer, Reply
 from metaclaw.judge import (JUDGE_RESPONSE_FORMAT, SECTION_FEEDBACK, SECTION_REPLY, SECTION_TASK,
-                            SECTION_TOOLS, Judge, aggregate, build_judge_messages,
-                            parse_judge_prompt, parse_verdict, trim)
+                            SECTION_TOOLS, Judge, aggregate, build_judge_messages, lease_turns,
+                            parse_judge_prompt, parse_verdict, release_turns, trim)
 from metaclaw.store import Store
 
 
@@ -52,17 +52,93 @@ def test_majority_of_three_votes_is_stored_on_the_turn(store):
 
 
 def test_a_verdict_stored_meanwhile_is_kept_unless_rescoring(store):
-    """Two processes judging the same turn: the first verdict stored stands (the turn counts
-    once); a rescore replaces it."""
+    """A verdict another process stored while this judge's votes were in flight stands (the
+    turn counts once); a rescore replaces it."""
     turn_id = add_turn(store)
+
+    class RacedJudge(Judge):
+        async def ajudge(self, turn, **kwargs):
+            store.update_turn(turn_id, reward=1.0, judge_rationale="first")  # the other process
+            return await super().ajudge(turn, **kwargs)
+
     with DoubleServer([verdict(-1, "late"), verdict(-1, "rescored")]) as double:
-        judge = Judge(double.url, "judge-model", votes=1)
-        store.update_turn(turn_id, reward=1.0, judge_rationale="first")  # the other process
+        judge = RacedJudge(double.url, "judge-model", votes=1)
         [late] = judge.judge_turns(store, [turn_id])
         assert late.ok and store.turn(turn_id)["judge_rationale"] == "first"
         judge.judge_turns(store, [turn_id], rescore=True)
     assert store.turn(turn_id)["judge_rationale"] == "rescored"
     assert store.turn(turn_id)["reward"] == -1.0
+    assert store.turn(turn_id)["judge_lease_until"] is None
+
+
+def test_a_judged_turn_or_one_being_judged_elsewhere_is_skipped_without_a_call(store, tmp_path):
+    judged, leased, free = add_turn(store), add_turn(store), add_turn(store)
+    store.update_turn(judged, reward=1.0)
+    other = Store(store.path)  # another process's connection
+    assert lease_turns(other, [judged, leased]) == {leased}
+    with DoubleServer([verdict(1)] * 3) as double:
+        results = Judge(double.url, "judge-model", votes=1).judge_turns(
+            store, [judged, leased, free])
+        assert len(double.requests) == 1  # only the free turn was judged
+    assert [r.turn_id for r in results] == [judged, leased, free]
+    assert [(r.ok, r.skipped, r.failed_call) for r in results] == [
+        (False, True, False), (False, True, False), (True, False, False)]
+    assert "judged meanwhile" in results[0].error and "rescore" in results[0].error
+    assert "another process is judging it" in str(results[1])
+    assert store.turn(leased)["reward"] is None and store.turn(free)["reward"] == 1.0
+    release_turns(other, [leased])
+    assert lease_turns(store, [leased]) == {leased}
+
+
+def test_a_lease_past_its_end_is_taken_over(store):
+    """The turns of a judge killed mid-run are judged by the next one once its lease ends."""
+    turn_id = add_turn(store)
+    assert lease_turns(store, [turn_id], seconds=-1) == {turn_id}  # ended at once
+    with DoubleServer([verdict(1)]) as double:
+        [result] = Judge(double.url, "judge-model", votes=1).judge_turns(store, [turn_id])
+    assert result.ok and store.turn(turn_id)["judge_lease_until"] is None
+
+
+def test_a_failed_judge_call_releases_its_lease(store):
+    turn_id = add_turn(store)
+    with DoubleServer([Reply(content="no", status=400)]) as double:
+        [result] = Judge(double.url, "judge-model", votes=1, retries=0).judge_turns(
+            store, [turn_id])
+    assert result.failed_call and not result.skipped
+    assert store.turn(turn_id)["judge_lease_until"] is None
+    assert lease_turns(Store(store.path), [turn_id]) == {turn_id}
+
+
+JUDGE_PROCESS = """
+import sys
+from metaclaw.judge import Judge
+from metaclaw.store import Store
+store = Store(sys.argv[1])
+sys.stdin.readline()  # both processes start judging together
+results = Judge(sys.argv[2], "judge-model", votes=2).judge_turns(store)
+print(sum(r.ok for r in results), sum(r.skipped for r in results), flush=True)
+"""
+
+
+def test_two_processes_judging_one_workspace_call_the_judge_once_per_turn(store):
+    import subprocess
+    import sys
+
+    turns = [add_turn(store, session=f"s{i}", user=f"question {i}") for i in range(12)]
+    with DoubleServer(lambda body: Reply(content=json.dumps({"score": 1, "rationale": "ok"}),
+                                         delay=0.05)) as double:
+        procs = [subprocess.Popen([sys.executable, "-c", JUDGE_PROCESS, str(store.path),
+                                   double.url], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  text=True) for _ in range(2)]
+        for proc in procs:
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+        outputs = [proc.communicate(timeout=120)[0].split() for proc in procs]
+        calls = len([r for r in double.requests if r["path"].endswith("/chat/completions")])
+    assert all(proc.returncode == 0 for proc in procs)
+    judged = sum(int(out[0]) for out in outputs)
+    assert judged == len(turns) and calls == 2 * len(turns)  # two votes per turn, once
+    assert all(store.turn(t)["reward"] == 1.0 for t in turns)
 
 
 def test_tie_gives_zero_and_unparsable_vote_is_counted(store):
