@@ -88,6 +88,20 @@ WATCH_STEP_MS = 250
 _CORE_KEYS = ("name", "description", "category")
 
 
+class _FrontMatterDumper(yaml.SafeDumper):
+    """YAML for front matter that reads back as written: PyYAML writes a string holding U+0085
+    (a YAML line break) in a plain or single-quoted style, where reading folds it into a space;
+    such strings are written double-quoted, where it is escaped."""
+
+
+def _represent_text(dumper: yaml.SafeDumper, text: str) -> yaml.Node:
+    return dumper.represent_scalar("tag:yaml.org,2002:str", text,
+                                   style='"' if "\x85" in text else None)
+
+
+_FrontMatterDumper.add_representer(str, _represent_text)
+
+
 class SkillFormatError(ValueError):
     """A skill, a skill file or a change to the library is invalid.
 
@@ -260,8 +274,8 @@ class Skill:
     def _markdown(self) -> str:
         meta = {"name": self.name, "description": self.description, "category": self.category,
                 **self.extra}
-        front = yaml.safe_dump(meta, sort_keys=False, allow_unicode=True,
-                               default_flow_style=False, width=10_000)
+        front = yaml.dump(meta, Dumper=_FrontMatterDumper, sort_keys=False, allow_unicode=True,
+                          default_flow_style=False, width=10_000)
         text = f"---\n{front}---\n"
         return f"{text}\n{self.body}\n" if self.body else text
 

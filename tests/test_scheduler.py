@@ -290,6 +290,8 @@ def test_calendar_bad_sources_are_unavailable_with_a_reason(tmp_path):
     assert not reading.available and "not a valid iCalendar document" in reading.detail
     with pytest.raises(ValueError, match="calendar source is empty"):
         CalendarBusy("  ")
+    with pytest.raises(ValueError, match="must be a path .* got int 5"):
+        from_config({"signals": {"calendar": {"source": 5}}})
 
 
 class _CalendarServer:

@@ -7,6 +7,8 @@ import threading
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from metaclaw.skills import (
     LoadProblem, Skill, SkillConflict, SkillDiff, SkillFormatError, SkillLibrary, SkillNotFound,
@@ -75,6 +77,29 @@ def test_round_trip_of_unicode_multiline_and_tricky_yaml_values():
     assert again == s
     assert Skill.from_markdown("---\nname: d\ndescription: x\ncreated: 2026-01-02\n---\n").extra \
         == {"created": "2026-01-02"}  # YAML dates become ISO strings (JSON-safe snapshots)
+
+
+_TEXT = st.text(st.characters(exclude_categories=("Cs",)), max_size=40)  # SKILL.md is UTF-8
+
+
+@settings(max_examples=300, deadline=None)
+@given(description=_TEXT.filter(lambda t: t.strip() and t.strip() != "~"),
+       extra=st.dictionaries(_TEXT.filter(lambda k: k not in ("name", "description", "category",
+                                                               "body")),
+                             _TEXT | st.lists(_TEXT, max_size=3), max_size=4))
+def test_front_matter_text_round_trips(description, extra):
+    """Whatever text a description or an extra key or value holds (YAML line breaks such as
+    U+0085 included) reads back as written."""
+    try:
+        skill = Skill(name="any", description=description, extra=extra)
+    except SkillFormatError:
+        return  # refused up front, with a reason: nothing to round-trip
+    assert Skill.from_markdown(skill.to_markdown()) == skill
+
+
+def test_a_next_line_character_in_front_matter_reads_back():
+    skill = Skill(name="nel", description="one\x85two", extra={"k\x85ey": "v\x85alue"})
+    assert Skill.from_markdown(skill.to_markdown()) == skill
 
 
 def test_category_defaults_to_general_and_body_may_be_empty():

@@ -138,6 +138,9 @@ class CalendarBusy(Signal):
     def __init__(self, source: str | os.PathLike[str], refresh_s: float = 900.0, *,
                  tz: str | None = None, clock: Clock = time.time, timeout_s: float = 10.0,
                  name: str = "calendar"):
+        if not isinstance(source, (str, os.PathLike)):
+            raise ValueError(f"the calendar source must be a path to an .ics file or an http(s) "
+                             f"iCal URL, got {type(source).__name__} {source!r}")
         if not str(source).strip():
             raise ValueError("the calendar source is empty; give a path to an .ics file or an "
                              "http(s) iCal URL")
