@@ -70,8 +70,9 @@ from metaclaw.buffers import message_text
 from metaclaw.judge import (SECTION_TASK, SECTION_TOOLS, Judge, LLMClient, check_url,
                             json_objects, next_user_message, render_sections, replay_params,
                             reply_message, reply_text, retry_delay, run_sync, trim)
+from metaclaw.proposals import ProposalError, apply_ops
 from metaclaw.skills import (OPS, Skill, SkillFormatError, SkillLibrary, SkillOp, offered_to,
-                             validate_name)
+                             oversize_reason, validate_name)
 from metaclaw.store import Store
 from metaclaw.upstreams import safe_url
 
@@ -290,6 +291,9 @@ def validate_operations(data: Any, library: dict[str, Skill],
             except SkillFormatError as exc:
                 problems.append(f"{where}: {exc.reason}")
                 continue
+            if too_big := oversize_reason(skill):
+                problems.append(f"{where}: {too_big}; keep a skill short")
+                continue
             ops.append(SkillOp("add", skill, name, reason, evidence))
         elif op == "edit":
             if name not in library:
@@ -307,6 +311,9 @@ def validate_operations(data: Any, library: dict[str, Skill],
                 continue
             if skill == old:
                 problems.append(f"{where}: the edit changes nothing; give the new body")
+                continue
+            if too_big := oversize_reason(skill):
+                problems.append(f"{where}: {too_big}; keep a skill short")
                 continue
             ops.append(SkillOp("edit", skill, name, reason, evidence, old.content_hash))
         else:
@@ -897,14 +904,14 @@ class Evolver:
                     f"{self.library.generation}) during verification; run evolve again",
                     proposal.replies, proposal.attempts)
         summary = "; ".join(f"{op.op} {op.name}" for op in proposal.ops)
-        try:
-            generation = self.library.apply(
-                proposal.ops, kind="evolve", base_generation=proposal.base_generation,
+        try:  # the generation and the buffers it moves commit together
+            generation, moved = apply_ops(
+                self.library, proposal.ops, proposal.support_ids,
+                base_generation=proposal.base_generation,
                 reason=f"evolved from {len(proposal.support_ids)} support turns: {summary}")
-        except SkillFormatError as exc:
+        except (SkillFormatError, ProposalError) as exc:
             raise EvolveError(f"the proposal could not be applied ({exc}); the library is "
                               "unchanged", proposal.replies, proposal.attempts) from exc
-        moved = buffers.advance(self.store, generation, consumed=proposal.support_ids)
         return EvolveResult("applied", parent, generation, proposal, verification,
                             consumed=list(proposal.support_ids), purged=moved["purged"],
                             reason=summary)

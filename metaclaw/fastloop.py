@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import html
+import json
 import logging
 import threading
 import time
@@ -55,7 +56,7 @@ from metaclaw.evolver import EvolveError, EvolveResult, Evolver
 from metaclaw.gate import Gate, GateReport, safety_check
 from metaclaw.judge import Judge
 from metaclaw.sessions import TASK_TURNS_SQL, is_task_turn
-from metaclaw.skills import SkillLibrary
+from metaclaw.skills import SkillConflict, SkillLibrary
 from metaclaw.store import Store
 
 log = logging.getLogger("metaclaw.fastloop")
@@ -408,12 +409,14 @@ class FastLoop:
             await self._check_triggers(session, judged)
 
     def failure_stats(self, generation: int | None = None) -> tuple[int, int]:
-        """``(judged, failed)`` task turns of ``generation`` (default: the current one)."""
+        """``(judged, failed)`` task turns of ``generation`` (default: the current one); a turn
+        a person labelled counts as judged, and its label decides whether it failed."""
         gen = buffers.current_generation(self.store) if generation is None else generation
-        row = self.store.query(
-            "SELECT COUNT(*) AS n, COALESCE(SUM(CASE WHEN reward < ? THEN 1 ELSE 0 END), 0) AS f "
-            f"FROM turns WHERE {TASK_TURNS_SQL} AND status = 'ok' AND skill_generation = ? "
-            "AND reward IS NOT NULL", (self.judge.threshold, gen))[0]
+        row = self.store.query(  # a person's label counts as a verdict, and outranks the judge
+            f"SELECT COUNT(*) AS n, COALESCE(SUM(CASE WHEN {buffers.FAILURE_SQL} THEN 1 ELSE 0 "
+            f"END), 0) AS f FROM turns WHERE {TASK_TURNS_SQL} AND status = 'ok' "
+            "AND skill_generation = ? AND (reward IS NOT NULL OR human_label IS NOT NULL)",
+            (self.judge.threshold, gen))[0]
         return int(row["n"]), int(row["f"])
 
     async def _check_triggers(self, session: str, newly_judged: int) -> None:
@@ -449,6 +452,7 @@ class FastLoop:
                 self._emit("evolve_skipped", generation=generation, trigger=trigger,
                            reason="no new failures since the last attempt")
                 return None
+            attempted_before = self._last_attempt
             if not dry_run:
                 self._last_attempt = ids
             self._emit("evolve_started", generation=generation, trigger=trigger,
@@ -458,16 +462,16 @@ class FastLoop:
                     result = await self.evolver.aevolve(dry_run=dry_run, support_turns=support)
                 else:
                     result = await self._gated_evolve(support)
-            except EvolveError as exc:
-                self._emit("evolve_failed", generation=generation, trigger=trigger,
-                           error=exc.reason, attempts=exc.attempts)
-                if manual:
-                    raise
-                return None
             except Exception as exc:  # noqa: BLE001 - reported, the loop keeps running
-                log.exception("evolver failed")
-                self._emit("evolve_failed", generation=generation, trigger=trigger,
-                           error=f"{type(exc).__name__}: {exc}")
+                # a failed call decided nothing about these failures: the next trigger retries
+                self._last_attempt = attempted_before
+                if isinstance(exc, EvolveError):
+                    self._emit("evolve_failed", generation=generation, trigger=trigger,
+                               error=exc.reason, attempts=exc.attempts)
+                else:
+                    log.exception("evolver failed")
+                    self._emit("evolve_failed", generation=generation, trigger=trigger,
+                               error=f"{type(exc).__name__}: {exc}")
                 if manual:
                     raise
                 return None
@@ -503,21 +507,33 @@ class FastLoop:
                                 "changes wait for review", parent,
                                 safety=[vars(f) for f in findings])
         summary = "; ".join(f"{op.op} {op.name}" for op in proposal.ops)
-        if report.promoted and self.library.generation != parent:
-            report.decision = "hold"
-            report.reason = (f"the library changed (generation {parent} -> "
-                             f"{self.library.generation}) during verification")
         if report.promoted:
-            generation, moved = await asyncio.to_thread(
-                proposals.apply_ops, self.store, self.library, proposal.ops, proposal.support_ids,
-                reason=f"{proposals.AUTO_PREFIX} (verification gate): {summary}; {report.reason}")
-            proposal_id = proposals.record(
-                self.store, proposal.ops, origin="auto", status=proposals.PROMOTED,
-                base_generation=parent, support_ids=proposal.support_ids, report=report,
-                decided_by="gate", generation=generation)
-            return EvolveResult("applied", parent, generation, proposal,
-                                consumed=list(proposal.support_ids), purged=moved["purged"],
-                                reason=summary, gate=report, proposal_id=proposal_id)
+            recorded: list[int] = []
+
+            def record_promotion(generation: int) -> None:  # in the generation's transaction
+                recorded.append(proposals.record(
+                    self.library.store, proposal.ops, origin="auto", status=proposals.PROMOTED,
+                    base_generation=parent, support_ids=proposal.support_ids, report=report,
+                    decided_by="gate", generation=generation))
+
+            try:  # verified against generation `parent`: applied to it or not at all
+                generation, moved = await asyncio.to_thread(
+                    proposals.apply_ops, self.library, proposal.ops, proposal.support_ids,
+                    reason=f"{proposals.AUTO_PREFIX} (verification gate): {summary}; "
+                           f"{report.reason}",
+                    base_generation=parent, then=record_promotion)
+            except SkillConflict as exc:
+                report.decision = "hold"
+                report.reason = f"the library changed during verification ({exc})"
+            else:
+                consumed = self.store.query(
+                    "SELECT id FROM turns WHERE buffer_set = 'support' AND "
+                    "buffer_state = 'consumed' AND id IN (SELECT value FROM json_each(?))",
+                    (json.dumps(list(proposal.support_ids)),))
+                return EvolveResult("applied", parent, generation, proposal,
+                                    consumed=[row["id"] for row in consumed],
+                                    purged=moved["purged"], reason=summary, gate=report,
+                                    proposal_id=recorded[0])
         proposal_id = proposals.record(
             self.store, proposal.ops, origin="auto", status=proposals.HELD,
             base_generation=parent, support_ids=proposal.support_ids, report=report)

@@ -25,11 +25,11 @@ import html
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from metaclaw import buffers
 from metaclaw.gate import GateReport, cases_html, safety_check
-from metaclaw.skills import Skill, SkillFormatError, SkillOp
+from metaclaw.skills import Skill, SkillConflict, SkillFormatError, SkillOp, oversize_reason
 from metaclaw.store import Store
 
 HELD, PROMOTED, DISCARDED = "held", "promoted", "discarded"
@@ -41,14 +41,16 @@ class ProposalError(RuntimeError):
 
 
 def op_to_dict(op: SkillOp) -> dict[str, Any]:
+    """An operation as stored, with the hash of the skill it was made from (``base``), so that
+    promoting it later refuses to overwrite a change made to that skill since."""
     return {"op": op.op, "name": op.name, "reason": op.reason, "evidence": list(op.evidence),
-            "skill": op.skill.to_dict() if op.skill is not None else None}
+            "skill": op.skill.to_dict() if op.skill is not None else None, "base": op.base}
 
 
 def op_from_dict(data: dict[str, Any]) -> SkillOp:
     skill = Skill.from_dict(data["skill"]) if data.get("skill") else None
     return SkillOp(data["op"], skill, data["name"], data.get("reason") or "",
-                   [int(i) for i in data.get("evidence") or []])
+                   [int(i) for i in data.get("evidence") or []], data.get("base"))
 
 
 @dataclass
@@ -203,7 +205,13 @@ def edit(store: Store, proposal_id: int, name: str, *, body: str | None = None,
     kept; the edit is added to the proposal's history). Returns the updated proposal."""
     from metaclaw.labels import default_author
 
-    proposal = _require_held(store, proposal_id)
+    with store.transaction():  # read and write at once: a concurrent decision or edit waits
+        return _edit(store, _require_held(store, proposal_id), name, body=body,
+                     description=description, category=category, by=by or default_author())
+
+
+def _edit(store: Store, proposal: Proposal, name: str, *, body: str | None,
+          description: str | None, category: str | None, by: str) -> Proposal:
     ops = list(proposal.ops)
     for i, op in enumerate(ops):
         if op.name != name:
@@ -219,12 +227,13 @@ def edit(store: Store, proposal_id: int, name: str, *, body: str | None = None,
                           extra=old.extra)
         except SkillFormatError as exc:
             raise ProposalError(f"the edited skill {name!r} is invalid: {exc}") from exc
-        ops[i] = SkillOp(op.op, skill, op.name, op.reason, list(op.evidence))
+        if too_big := oversize_reason(skill):
+            raise ProposalError(f"the edited skill {name!r} is invalid: {too_big}")
+        ops[i] = SkillOp(op.op, skill, op.name, op.reason, list(op.evidence), op.base)
         changed = [k for k, v in (("body", body), ("description", description),
                                   ("category", category)) if v is not None]
         history = [*proposal.history, {"action": "edit", "skill": name, "fields": changed,
-                                       "by": by or default_author(), "at": time.time(),
-                                       "before": old.to_dict()}]
+                                       "by": by, "at": time.time(), "before": old.to_dict()}]
         store._update("proposals", "id", proposal.id, {
             "ops": _dumps([op_to_dict(o) for o in ops]), "history": _dumps(history)})
         return get(store, proposal.id)
@@ -232,17 +241,31 @@ def edit(store: Store, proposal_id: int, name: str, *, body: str | None = None,
                         + ", ".join(repr(o.name) for o in ops))
 
 
-def apply_ops(store: Store, library: Any, ops: list[SkillOp], support_ids: Iterable[int], *,
-              reason: str) -> tuple[int, dict[str, int]]:
+def apply_ops(library: Any, ops: list[SkillOp], support_ids: Iterable[int], *, reason: str,
+              base_generation: int | None = None,
+              then: Callable[[int], None] | None = None) -> tuple[int, dict[str, int]]:
     """Apply ``ops`` as a new ``evolve`` generation and move the buffers (the support turns it
-    learned from are consumed, older live turns purged); returns the generation and the buffer
-    changes (``{"consumed": n, "purged": n}``)."""
+    learned from are consumed, older live turns purged), with ``then(generation)`` (the
+    proposal's record), all in one transaction: a process killed midway leaves all of it or
+    none. Returns the generation and the buffer changes (``{"consumed": n, "purged": n}``).
+    ``base_generation``: refuse (:class:`~metaclaw.skills.SkillConflict`) if the library has
+    moved past it."""
+    moved: dict[str, int] = {}
+
+    def with_the_generation(generation: int) -> None:
+        moved.update(buffers.advance(library.store, generation, consumed=support_ids))
+        if then is not None:
+            then(generation)
+
     try:
-        generation = library.apply(ops, kind="evolve", reason=reason)
+        generation = library.apply(ops, kind="evolve", reason=reason,
+                                   base_generation=base_generation, then=with_the_generation)
+    except SkillConflict:
+        raise
     except SkillFormatError as exc:
         raise ProposalError(f"the proposal no longer applies to generation "
                             f"{library.generation} ({exc}); edit or discard it") from exc
-    return generation, buffers.advance(store, generation, consumed=support_ids)
+    return generation, moved
 
 
 def promote(store: Store, library: Any, proposal_id: int, *, by: str | None = None,
@@ -268,13 +291,26 @@ def promote(store: Store, library: Any, proposal_id: int, *, by: str | None = No
                 else "no gate evidence")
     reason = (f"promoted proposal #{proposal.id} by {who} ({evidence})"
               + (f"; note: {note}" if note else ""))
-    generation, _moved = apply_ops(store, library, proposal.ops, proposal.support_ids, reason=reason)
-    history = [*proposal.history, {"action": "promote", "by": who, "at": time.time(),
-                                   "generation": generation, "note": note,
-                                   "unsafe_allowed": bool(findings)}]
-    store._update("proposals", "id", proposal.id, {
-        "status": PROMOTED, "decided_by": who, "decided_at": time.time(),
-        "generation": generation, "history": _dumps(history)})
+
+    def decide(generation: int) -> None:  # in the generation's transaction
+        now = _require_held(library.store, proposal.id)  # not decided by another process since
+        if [op_to_dict(o) for o in now.ops] != [op_to_dict(o) for o in proposal.ops]:
+            raise ProposalError(f"proposal #{proposal.id} was edited while being promoted; "
+                                "look at the edit, then promote it again")
+        history = [*now.history, {"action": "promote", "by": who, "at": time.time(),
+                                  "generation": generation, "note": note,
+                                  "unsafe_allowed": bool(findings)}]
+        library.store._update("proposals", "id", proposal.id, {
+            "status": PROMOTED, "decided_by": who, "decided_at": time.time(),
+            "generation": generation, "history": _dumps(history)})
+
+    try:
+        generation, _moved = apply_ops(library, proposal.ops, proposal.support_ids,
+                                       reason=reason, then=decide)
+    except SkillConflict as exc:
+        raise ProposalError(f"proposal #{proposal.id} was made from a skill that has changed "
+                            f"since ({exc}); edit it from the current skill or discard it"
+                            ) from exc
     return generation
 
 
@@ -283,14 +319,15 @@ def discard(store: Store, proposal_id: int, *, by: str | None = None,
     """Discard a held proposal (kept on file with who discarded it and why)."""
     from metaclaw.labels import default_author
 
-    proposal = _require_held(store, proposal_id)
     who = by or default_author()
-    history = [*proposal.history, {"action": "discard", "by": who, "at": time.time(),
-                                   "reason": reason}]
-    store._update("proposals", "id", proposal.id, {
-        "status": DISCARDED, "decided_by": who, "decided_at": time.time(),
-        "history": _dumps(history)})
-    return get(store, proposal.id)
+    with store.transaction():  # read and write at once: a concurrent decision or edit waits
+        proposal = _require_held(store, proposal_id)
+        history = [*proposal.history, {"action": "discard", "by": who, "at": time.time(),
+                                       "reason": reason}]
+        store._update("proposals", "id", proposal.id, {
+            "status": DISCARDED, "decided_by": who, "decided_at": time.time(),
+            "history": _dumps(history)})
+        return get(store, proposal.id)
 
 
 def automatic_generations(store: Store) -> list[int]:

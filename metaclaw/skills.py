@@ -318,6 +318,16 @@ def offered_to(turn_type: str | None) -> Callable[[Skill], bool]:
     return lambda skill: skill.stage is None or skill.stage == stage
 
 
+def oversize_reason(skill: Skill) -> str | None:
+    """Why ``skill`` is too large to be a skill (its ``SKILL.md`` over :data:`MAX_SKILL_BYTES`:
+    every request it is injected into would carry it), or ``None``."""
+    size = len(skill.to_markdown().encode("utf-8", "replace"))
+    if size <= MAX_SKILL_BYTES:
+        return None
+    return (f"the skill is {size:,} bytes as SKILL.md, more than a skill may be "
+            f"({MAX_SKILL_BYTES:,})")
+
+
 @dataclass
 class SkillOp:
     """One operation of a change to the library. ``evidence`` holds turn ids. ``base``: the
@@ -751,14 +761,18 @@ class SkillLibrary:
                           kind="remove", reason=reason)
 
     def apply(self, ops: list[SkillOp], *, kind: str = "edit", reason: str = "",
-              base_generation: int | None = None) -> int:
+              base_generation: int | None = None,
+              then: Callable[[int], None] | None = None) -> int:
         """Apply several operations as one new generation; returns its number.
 
         All operations are checked first: an unknown op, an ``add`` of an existing name, an
         ``edit`` or ``remove`` of a missing one raise :class:`SkillFormatError` and leave the
         library (and its files) unchanged. ``base_generation``: the generation the operations
         were made from (an evolver's proposal); a :class:`SkillConflict` if any process has
-        committed another since.
+        committed another since. ``then(generation)``: writes to :attr:`store` that belong to
+        the change (the buffers it moves, the record of who made it): they run in the
+        generation's transaction, so they commit with it or not at all, and an exception from
+        ``then`` undoes the change and propagates.
         """
         ops = list(ops)
         if not ops:
@@ -769,7 +783,7 @@ class SkillLibrary:
                                     f"{self._generation} since these operations were made "
                                     "from it; make them again")
             new = self._validate(ops)
-            generation = self._commit(new, ops, kind=kind, reason=reason)
+            generation = self._commit(new, ops, kind=kind, reason=reason, then=then)
         self._notify(generation)
         return generation
 
@@ -1020,10 +1034,9 @@ class SkillLibrary:
                 if op.name != op.skill.name:
                     raise SkillFormatError(f"{where}: name {op.name!r} differs from the "
                                            f"skill's name {op.skill.name!r}")
-                size = len(op.skill.to_markdown().encode("utf-8"))
-                if size > MAX_SKILL_BYTES:
-                    raise SkillFormatError(f"{where}: the skill is {size:,} bytes as SKILL.md, "
-                                           f"more than a skill may be ({MAX_SKILL_BYTES:,})")
+                too_big = oversize_reason(op.skill)
+                if too_big:
+                    raise SkillFormatError(f"{where}: {too_big}")
             validate_name(op.name)
             if not all(isinstance(e, int) and not isinstance(e, bool) for e in op.evidence):
                 raise SkillFormatError(f"{where}: evidence must be a list of turn ids (ints)")
@@ -1049,8 +1062,9 @@ class SkillLibrary:
                 "evidence": list(op.evidence)}
 
     def _commit(self, new: dict[str, Skill], ops: list[SkillOp], *, kind: str,
-                reason: str) -> int:
-        """Write the files, then store the generation; on failure restore the files."""
+                reason: str, then: Callable[[int], None] | None = None) -> int:
+        """Write the files, then store the generation (and ``then``'s writes, in the same
+        transaction); on failure restore the files."""
         old = dict(self._skills)
         touched = sorted(n for n in set(old) | set(new) if old.get(n) != new.get(n))
         edited = [name for name in touched if self._edited_by_hand(name, old.get(name))]
@@ -1072,6 +1086,8 @@ class SkillLibrary:
             number = self.store.add_generation(
                 snapshot=snapshot, kind=kind, reason=reason, parent=self._generation,
                 events=[self._event(op) for op in ops])
+            if then is not None:
+                then(number)
         except BaseException:
             try:
                 self._write(touched, old)

@@ -21,7 +21,7 @@ from metaclaw.gate import Gate
 from metaclaw.judge import SECTION_FEEDBACK, SECTION_REPLY, Judge, parse_judge_prompt
 from metaclaw.proxy import Proxy, ProxyConfig
 from metaclaw.retrieval import LexicalRetriever
-from metaclaw.skills import Skill, SkillLibrary
+from metaclaw.skills import Skill, SkillLibrary, SkillOp
 from metaclaw.store import Store
 from waiting import wait_until
 
@@ -37,6 +37,7 @@ class Models:
         self.evolver_ops = evolver_ops
         self.skill_body = SKILL_BODY
         self.judge_fails = False
+        self.evolver_failures = 0  # the next N evolver calls fail
         self.lock = threading.Lock()
 
     def __call__(self, body: dict) -> Reply:
@@ -50,6 +51,9 @@ class Models:
             return Reply(content=json.dumps({"score": 1 if good else -1,
                                              "rationale": "correct" if good else "wrong factor"}))
         if model == "evolver":
+            if self.evolver_failures:
+                self.evolver_failures -= 1
+                return Reply(status=401, content="invalid evolver key")
             prompt = parse_evolver_prompt(messages[-1]["content"])
             ids = [item["id"] for item in prompt["support"]]
             if self.evolver_ops == "none":
@@ -365,3 +369,147 @@ def test_without_a_gate_automatic_candidates_wait_for_review(rig):
     wait_until(lambda: "evolve_held" in kinds(loop), what="a held-back candidate")
     assert "miles-to-km" not in rig.library
     assert "no verification gate" in proposals.held(rig.store)[0].reason
+
+
+# -- races and crashes around a change --------------------------------------------------------
+def test_a_failed_evolver_call_is_retried_at_the_next_trigger(rig):
+    rig.models.evolver_failures = 1
+    loop = rig.make_loop(every_n=1, failure_rate=None, on_session_end=False, feedback_wait=0,
+                         gate=None)
+    rig.chat("s", [], "Convert 5 miles to kilometers")
+    wait_until(lambda: "evolve_failed" in kinds(loop), what="a failed evolver call")
+    rig.chat("s", [], "Hello")  # the next trigger, with no new failure
+    wait_until(lambda: "evolve_held" in kinds(loop), what="the retried evolution")
+    assert "no new failures" not in str([e.detail for e in loop.events])
+
+
+def test_the_failure_rate_counts_human_labels(rig):
+    from metaclaw import labels
+
+    loop = rig.make_loop(every_n=0, failure_rate=0.5, on_session_end=False, feedback_wait=0)
+    turns = [rig.store.record_turn(session_id="s", request_messages=[{"role": "user",
+                                                                      "content": f"q{i}"}],
+                                   status="ok", skill_generation=rig.library.generation,
+                                   reward=1.0) for i in range(4)]
+    for turn_id in turns[:3]:
+        labels.label(rig.store, turn_id, "fail", author="alice")
+    unjudged = rig.store.record_turn(session_id="s", request_messages=[], status="ok",
+                                     skill_generation=rig.library.generation)
+    labels.label(rig.store, unjudged, "pass", author="alice")
+    assert loop.failure_stats() == (5, 3)
+
+
+def test_a_candidate_verified_on_an_older_generation_is_held_not_applied(rig):
+    """Two processes evolving one workspace: the library moves while this one's gate checks
+    its candidate, so the candidate is held for review instead of being applied on top."""
+    other = SkillLibrary(rig.library.directory, Store(rig.store.path))  # the other process
+
+    class MovingGate(Gate):
+        async def areview(self, *args, **kwargs):
+            report = await super().areview(*args, **kwargs)
+            other.add(Skill("km-from-miles", "Kilometres from miles.", body="Times 1.609."))
+            return report
+
+    loop = rig.make_loop(every_n=2, failure_rate=None, on_session_end=False, feedback_wait=0,
+                         gate=MovingGate(rig.judge, rig.double.url, "agent",
+                                         retriever=LexicalRetriever()))
+    rig.chat("s2", [], "Convert 5 miles to kilometers")
+    rig.chat("s2", [], "Convert 10 miles to kilometers")
+    wait_until(lambda: "evolve_held" in kinds(loop), what="a held-back candidate")
+    [held] = proposals.held(rig.store)
+    assert "the library changed during verification" in held.reason
+    rig.library.sync()
+    assert "miles-to-km" not in rig.library and "km-from-miles" in rig.library
+    assert rig.store.turns("buffer_set = 'support'") == []  # nothing consumed by the held one
+
+
+def _held_edit(store, library, body="Say hi and wave."):
+    base = library.get("greet-warmly")
+    op = SkillOp("edit", Skill("greet-warmly", base.description, body=body), "greet-warmly",
+                 "friendlier", [], base.content_hash)
+    return proposals.record(store, [op], origin="auto", status=proposals.HELD,
+                            base_generation=library.generation, reason="held for review")
+
+
+def test_promoting_an_edit_of_a_skill_changed_since_is_refused(rig):
+    proposal_id = _held_edit(rig.store, rig.library)
+    edited = proposals.edit(rig.store, proposal_id, "greet-warmly", body="Wave.", by="bob")
+    assert edited.ops[0].base == rig.library.get("greet-warmly").content_hash  # kept by edits
+    rig.library.edit(Skill("greet-warmly", "Greet the user warmly.", body="Alice's version."))
+    before = rig.library.generation
+    with pytest.raises(proposals.ProposalError, match="changed since"):
+        proposals.promote(rig.store, rig.library, proposal_id, by="bob")
+    assert rig.library.generation == before
+    assert rig.library.get("greet-warmly").body == "Alice's version."
+    assert proposals.get(rig.store, proposal_id).status == proposals.HELD
+
+
+def test_a_proposal_decided_elsewhere_during_its_promotion_is_not_applied(rig, monkeypatch):
+    proposal_id = _held_edit(rig.store, rig.library)
+    before, apply = rig.library.generation, rig.library.apply
+
+    def discarded_meanwhile(*args, **kwargs):  # another process, before this one's change
+        proposals.discard(Store(rig.store.path), proposal_id, by="carol", reason="no")
+        return apply(*args, **kwargs)
+
+    monkeypatch.setattr(rig.library, "apply", discarded_meanwhile)
+    with pytest.raises(proposals.ProposalError, match="already discarded"):
+        proposals.promote(rig.store, rig.library, proposal_id, by="bob")
+    assert rig.library.generation == before == rig.store.latest_generation()
+    assert rig.library.get("greet-warmly").body == "Say hello."
+    assert (rig.library.directory / "greet-warmly" / "SKILL.md").read_text() == \
+        rig.library.get("greet-warmly").to_markdown()
+    assert proposals.get(rig.store, proposal_id).decided_by == "carol"
+
+
+KILLED_DURING_APPLY = """
+import os, sys
+from metaclaw import proposals
+from metaclaw.skills import Skill, SkillLibrary, SkillOp
+from metaclaw.store import Store
+
+library = SkillLibrary(sys.argv[2], Store(sys.argv[1]))
+op = SkillOp("add", Skill("miles-to-km", "Convert miles.", body="Times 1.609."))
+
+def record_then_die(generation):
+    proposals.record(library.store, [op], origin="auto", status=proposals.PROMOTED,
+                     base_generation=generation - 1, decided_by="gate", generation=generation)
+    os.kill(os.getpid(), 9)  # after the files, the generation, the buffers and the record
+
+proposals.apply_ops(library, [op], [int(sys.argv[3])], reason="automatic", then=record_then_die)
+"""
+
+
+def test_a_change_killed_before_it_commits_leaves_nothing_behind(rig):
+    """kill -9 between an automatic change's writes and its commit: the generation, the
+    buffers it moved, the proposal record and the files are all undone."""
+    import subprocess
+    import sys
+
+    failure = rig.store.record_turn(session_id="s", request_messages=[], status="ok",
+                                    skill_generation=rig.library.generation, reward=-1.0)
+    buffers.refresh(rig.store)
+    before = rig.library.generation
+    proc = subprocess.run([sys.executable, "-c", KILLED_DURING_APPLY, str(rig.store.path),
+                           str(rig.library.directory), str(failure)], timeout=60)
+    assert proc.returncode == -9
+    assert rig.store.latest_generation() == before and proposals.all(rig.store) == []
+    assert state(rig.store, failure) == ("query", "live")
+    restarted = SkillLibrary(rig.library.directory, Store(rig.store.path))
+    restarted.reload()
+    assert "miles-to-km" not in restarted and restarted.generation == before
+    assert not (rig.library.directory / "miles-to-km" / "SKILL.md").exists()
+
+
+def test_an_oversized_skill_is_refused_before_the_gate_and_in_an_edit(rig):
+    from metaclaw.evolver import EvolveValidationError, validate_operations
+    from metaclaw.skills import MAX_SKILL_BYTES
+
+    huge = "x" * (MAX_SKILL_BYTES + 1)
+    with pytest.raises(EvolveValidationError, match="more than a skill may be"):
+        validate_operations({"operations": [{"op": "add", "name": "big", "description": "d",
+                                             "body": huge}]},
+                            {s.name: s for s in rig.library.skills()}, [1])
+    proposal_id = _held_edit(rig.store, rig.library)
+    with pytest.raises(proposals.ProposalError, match="more than a skill may be"):
+        proposals.edit(rig.store, proposal_id, "greet-warmly", body=huge, by="bob")
