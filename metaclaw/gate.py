@@ -188,7 +188,12 @@ def _score(value: Any) -> str:
     return "—" if value is None else f"{float(value):+.0f}"
 
 
-def _outcome(kind: str, before: float | None, after: float | None, threshold: float) -> str:
+def _outcome(kind: str, before: float | None, after: float | None, threshold: float,
+             broken: bool = False) -> str:
+    """``broken``: the upstream failed the replay with the candidate, where it answered the one
+    with the current library (a skill that makes requests fail, e.g. past the context length)."""
+    if broken:
+        return "regressed" if kind == SUCCESS else "still failing"
     if before is None or after is None:
         return "unscored"
     if kind == FAILURE:
@@ -260,10 +265,10 @@ class Gate:
             message = reply_message(
                 await asyncio.wait_for(self._upstream.chat(params), self.timeout))
         except asyncio.TimeoutError:
-            return {"score": None, "reply": "", "votes": 0,
+            return {"score": None, "reply": "", "votes": 0, "upstream_failed": True,
                     "error": f"upstream timed out ({self.timeout:g} s)"}
         except Exception as exc:
-            return {"score": None, "reply": "", "votes": 0,
+            return {"score": None, "reply": "", "votes": 0, "upstream_failed": True,
                     "error": f"upstream failed: {self._upstream.explain(exc)}"}
         content = message_text(message.get("content"))
         replayed = {"request_messages": messages, "response": content,
@@ -317,10 +322,11 @@ class Gate:
             before, after = runs[2 * i], runs[2 * i + 1]
             errors = [e for e in (before["error"], after["error"]) if e and (
                 before["score"] is None or after["score"] is None)]
+            broken = after.get("upstream_failed", False) and not before.get("upstream_failed")
             out.append(GateCase(
                 int(turn["id"]), kind, before["score"], after["score"],
                 before["reply"][:600], after["reply"][:600], "; ".join(errors) or None,
-                _outcome(kind, before["score"], after["score"], threshold)))
+                _outcome(kind, before["score"], after["score"], threshold, broken)))
         judge_calls = sum(r["votes"] for r in runs)
         report = GateReport("hold", "", base, [asdict(c) for c in out], [], judge_calls, len(runs))
         fixed, regressed = report.count("fixed"), report.count("regressed")

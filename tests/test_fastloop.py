@@ -38,6 +38,7 @@ class Models:
         self.skill_body = SKILL_BODY
         self.judge_fails = False
         self.evolver_failures = 0  # the next N evolver calls fail
+        self.refuse_with_skill = ""  # other requests carrying this text get a 400
         self.lock = threading.Lock()
 
     def __call__(self, body: dict) -> Reply:
@@ -66,6 +67,8 @@ class Models:
         system = messages[0]["content"] if messages[0]["role"] == "system" else ""
         user = next(m["content"] for m in reversed(messages) if m["role"] == "user")
         match = CONVERT.search(user)
+        if not match and self.refuse_with_skill and self.refuse_with_skill in system:
+            return Reply(status=400, content="maximum context length exceeded")
         if not match:
             # a skill that says SHOUT breaks every other answer (a regression the gate must see)
             if "SHOUT" in system:
@@ -513,3 +516,19 @@ def test_an_oversized_skill_is_refused_before_the_gate_and_in_an_edit(rig):
     proposal_id = _held_edit(rig.store, rig.library)
     with pytest.raises(proposals.ProposalError, match="more than a skill may be"):
         proposals.edit(rig.store, proposal_id, "greet-warmly", body=huge, by="bob")
+
+
+def test_a_candidate_that_makes_the_upstream_refuse_recent_successes_is_held(rig):
+    """A skill that breaks other requests at the upstream (a 400, as past the context length)
+    is a regression, not an unscored case."""
+    rig.models.refuse_with_skill = "1.609"
+    loop = rig.make_loop(every_n=2, failure_rate=None, on_session_end=False, feedback_wait=0)
+    rig.chat("s1", [], "How many kilometers is a marathon?")
+    rig.chat("s2", [], "Convert 5 miles to kilometers")
+    rig.chat("s2", [], "Convert 10 miles to kilometers")
+    wait_until(lambda: "evolve_held" in kinds(loop), what="a held-back candidate")
+    [held] = proposals.held(rig.store)
+    assert "regresses 1 recent success" in held.reason
+    regressed = [c for c in held.evidence["cases"] if c["outcome"] == "regressed"]
+    assert len(regressed) == 1 and "context length" in regressed[0]["error"]
+    assert "miles-to-km" not in rig.library
