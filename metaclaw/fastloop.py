@@ -43,6 +43,7 @@ its endpoint, model and the upstream's message and recorded in the store's ``eve
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import html
 import json
 import logging
@@ -208,15 +209,26 @@ class FastLoop:
         loop, thread = self._loop, self._thread
         if loop is None or thread is None or not thread.is_alive():
             return
+        shutdown = asyncio.run_coroutine_threadsafe(self._shutdown(), loop)
         try:
-            asyncio.run_coroutine_threadsafe(self._shutdown(), loop).result(timeout)
+            shutdown.result(timeout)
+        except TimeoutError:  # the calls still in flight are abandoned, and said so
+            in_flight = len(self._tasks)
+            loop.call_soon_threadsafe(lambda: [task.cancel() for task in list(self._tasks)])
+            self._emit("error", message=f"stopped with {in_flight} judge or evolver call(s) "
+                       f"still running after {timeout:g} s: cancelled (their turns stay "
+                       "unjudged, their failures stay in the support set)")
+            with contextlib.suppress(Exception):
+                shutdown.result(10)  # closes the clients once the cancelled calls end
         except Exception:  # noqa: BLE001 - stopping must not raise
             log.exception("fast loop did not shut down cleanly")
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout)
         if not thread.is_alive():
             loop.close()
-        self._loop = self._thread = None
+        # a restart runs a new event loop: nothing of this one may be waited on there
+        self._loop = self._thread = self._evolve_lock = None
+        self._tasks, self._waiting = set(), {}
 
     async def _shutdown(self) -> None:
         for _ids, handle, _users in self._waiting.values():
@@ -462,6 +474,9 @@ class FastLoop:
                     result = await self.evolver.aevolve(dry_run=dry_run, support_turns=support)
                 else:
                     result = await self._gated_evolve(support)
+            except asyncio.CancelledError:  # stopped midway: nothing was decided either
+                self._last_attempt = attempted_before
+                raise
             except Exception as exc:  # noqa: BLE001 - reported, the loop keeps running
                 # a failed call decided nothing about these failures: the next trigger retries
                 self._last_attempt = attempted_before

@@ -39,6 +39,7 @@ class Models:
         self.judge_fails = False
         self.evolver_failures = 0  # the next N evolver calls fail
         self.refuse_with_skill = ""  # other requests carrying this text get a 400
+        self.evolver_delay = 0.0  # seconds the next evolver answer takes
         self.lock = threading.Lock()
 
     def __call__(self, body: dict) -> Reply:
@@ -55,6 +56,7 @@ class Models:
             if self.evolver_failures:
                 self.evolver_failures -= 1
                 return Reply(status=401, content="invalid evolver key")
+            delay, self.evolver_delay = self.evolver_delay, 0.0  # the next call only
             prompt = parse_evolver_prompt(messages[-1]["content"])
             ids = [item["id"] for item in prompt["support"]]
             if self.evolver_ops == "none":
@@ -62,7 +64,7 @@ class Models:
             return Reply(content=json.dumps({"operations": [{
                 "op": "add", "name": "miles-to-km", "description": "Convert miles to kilometers.",
                 "category": "math", "body": self.skill_body, "reason": "used 1 km per mile",
-                "evidence": ids}]}))
+                "evidence": ids}]}), delay=delay)
         # the agent's upstream: right only when the skill was injected
         system = messages[0]["content"] if messages[0]["role"] == "system" else ""
         user = next(m["content"] for m in reversed(messages) if m["role"] == "user")
@@ -532,3 +534,17 @@ def test_a_candidate_that_makes_the_upstream_refuse_recent_successes_is_held(rig
     regressed = [c for c in held.evidence["cases"] if c["outcome"] == "regressed"]
     assert len(regressed) == 1 and "context length" in regressed[0]["error"]
     assert "miles-to-km" not in rig.library
+
+
+def test_a_stop_that_abandons_an_evolution_says_so_and_a_restart_retries_it(rig):
+    rig.models.evolver_delay = 3.0
+    loop = rig.make_loop(every_n=1, failure_rate=None, on_session_end=False, feedback_wait=0,
+                         gate=None)
+    rig.chat("s", [], "Convert 5 miles to kilometers")
+    wait_until(lambda: "evolve_started" in kinds(loop), what="an evolution")
+    loop.stop(timeout=0.5)
+    assert "cancelled" in loop.events[-1].detail["message"] and not loop.running
+    loop.attach(rig.proxy)  # a restart, on a new event loop
+    rig.chat("s", [], "Hello")  # the next trigger
+    wait_until(lambda: "evolve_held" in kinds(loop), what="the evolution, retried")
+    assert loop.wait_idle(timeout=10)
