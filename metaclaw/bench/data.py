@@ -193,6 +193,14 @@ def load_benchmark(data_dir: str | Path) -> Benchmark:
         if not isinstance(q, dict) or not isinstance(q.get("rounds"), list) or not q["rounds"]:
             raise BenchDataError(f"{qpath} needs a non-empty \"rounds\" list")
         rounds = tuple(_parse_round(r, str(qpath)) for r in q["rounds"])
+        seen_rounds = [r.id for r in rounds]
+        repeated = next((rid for rid in seen_rounds if seen_rounds.count(rid) > 1), None)
+        if repeated is not None:  # it would be graded and counted twice
+            raise BenchDataError(f"{qpath}: round id {repeated!r} appears more than once; give each "
+                                 "round its own id")
+        if any(d.id == day_id for d in days):
+            raise BenchDataError(f"{root / 'all_tests.json'}: day id {day_id!r} appears more than "
+                                 "once; give each day its own id")
         seed = ()
         if entry.get("session"):
             agent = str(entry.get("agent", "metaclaw_agent"))

@@ -397,10 +397,23 @@ def check_done_log(path: str | os.PathLike, task_prefix: str | None = None,
 # --------------------------------------------------------------------------------------------
 
 class _Parser(argparse.ArgumentParser):
+    """argparse without ``-h``: a graded file name such as ``x -h .md``, word-split by the round's
+    shell command, would otherwise print help and exit 0, a pass. Any exit argparse asks for is a
+    usage error (exit 2), never a pass."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs["add_help"] = False
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str):  # argparse exits 2 on bad usage; keep that, with one sentence
         self.print_usage(sys.stderr)
         print(f"usage error: {message}", file=sys.stderr)
         raise SystemExit(2)
+
+    def exit(self, status: int = 0, message: str | None = None):
+        if message:
+            print(message, file=sys.stderr, end="")
+        raise SystemExit(status or 2)
 
 
 def _report(verdict: Verdict) -> int:

@@ -10,7 +10,8 @@ this package and this interpreter's ``site-packages``, so the same modules stay 
 ``PYTHONDONTWRITEBYTECODE`` is set, the checkers' bytecode is cached under the temporary folder
 (``PYTHONPYCACHEPREFIX``) rather than recompiled by every check, never next to the sources.
 
-Multiple choice: the first ``\\bbox{...}`` or ``\\boxed{...}`` in the reply is the answer; the
+Multiple choice: the first ``\\bbox{...}`` or ``\\boxed{...}`` in the reply is the answer, read
+as its standalone single letters (``\\text{A, C}`` selects A and C, not the letters of "text"); the
 score is ``1 - (false positives + false negatives) / number of options`` (at least 0); no box is a
 format error with score 0. A round passes when its score is 1.
 
@@ -41,7 +42,8 @@ FORMAT_ERROR = (r"Note: your previous response did not include a \bbox{X} answer
                 + CONTINUE_REMINDER)
 FEEDBACK_MARKER = "[Previous Feedback]"
 
-_BOX = re.compile(r"\\(?:bbox|boxed)\{([^}]*)\}")
+_BOX_OPEN = re.compile(r"\\(?:bbox|boxed)\{")
+_MACRO = re.compile(r"\\[A-Za-z]+\s*")     # \text, \mathrm, ... : unwrapped, only their argument counts
 _PYTHON = re.compile(r"(?<![\w./-])python3?(?:\s+(?:\./)?scripts/(?P<script>check_\w+)\.py)?(?=\s|$)")
 
 
@@ -111,6 +113,22 @@ def _import_paths() -> list[str]:
     return paths
 
 
+def unsafe_names(workspace: str | Path, initial_files: list[str] | None = None) -> list[str]:
+    """Files written during the day (not in ``initial_files``) whose name holds whitespace or
+    whose name (or a folder on its path) starts with ``-``, as workspace-relative paths."""
+    root = Path(workspace)
+    initial = set(initial_files or ())
+    out = []
+    for dirpath, _dirs, names in os.walk(root):
+        for name in names:
+            rel = Path(dirpath, name).relative_to(root).as_posix()
+            if rel in initial:
+                continue
+            if any(re.search(r"\s", part) or part.startswith("-") for part in rel.split("/")):
+                out.append(rel)
+    return sorted(out)
+
+
 def run_check(round_: Round | dict, workspace: str | Path, *, timeout: float = 60.0,
               initial_files: list[str] | None = None) -> CheckResult:
     """Run a ``file_check`` round's command in ``workspace``; passes when the exit code matches.
@@ -122,6 +140,11 @@ def run_check(round_: Round | dict, workspace: str | Path, *, timeout: float = 6
     command = rewrite_command(str(ev.get("command", "")))
     expect = int(ev.get("expect_exit", 0))
     timeout = float(ev.get("timeout", timeout))
+    unsafe = unsafe_names(workspace, initial_files)
+    if unsafe:  # the command word-splits globbed names: such a name could steer the checker
+        return CheckResult(False, -1, "", f"the check fails: the file name {unsafe[0]!r} holds "
+                           "whitespace or starts with '-', which a shell command would split or "
+                           "read as an option", command)
     env = dict(os.environ)
     # relative PYTHONPATH entries would name the workspace: keep only absolute ones
     inherited = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if os.path.isabs(p)]
@@ -160,12 +183,32 @@ def run_check(round_: Round | dict, workspace: str | Path, *, timeout: float = 6
             os.unlink(manifest)
 
 
-def extract_choice(reply: str | None) -> list[str] | None:
-    """Letters of the first ``\\bbox{..}``/``\\boxed{..}`` in ``reply`` (sorted), or None if none."""
-    m = _BOX.search(reply or "")
+def _box_content(reply: str) -> str | None:
+    """The text inside the first ``\\bbox{..}``/``\\boxed{..}``, nested braces included
+    (None when there is no box, or it is never closed)."""
+    m = _BOX_OPEN.search(reply)
     if not m:
         return None
-    letters = sorted({c for c in m.group(1).upper() if "A" <= c <= "Z"})
+    depth, start = 1, m.end()
+    for i in range(start, len(reply)):
+        depth += {"{": 1, "}": -1}.get(reply[i], 0)
+        if depth == 0:
+            return reply[start:i]
+    return None   # an unclosed box is no answer
+
+
+def extract_choice(reply: str | None) -> list[str] | None:
+    """Option letters of the first ``\\bbox{..}``/``\\boxed{..}`` in ``reply`` (sorted), or None.
+
+    Only standalone single letters count (``A, C``, ``A and C``, ``\\text{A,C}``); words such as
+    ``Answer:`` or ``both`` are ignored, so their letters are never read as selected options.
+    """
+    content = _box_content(reply or "")
+    if content is None:
+        return None
+    content = _MACRO.sub(" ", content).replace("{", " ").replace("}", " ")
+    tokens = (t.strip(".:()[]'\"*") for t in re.split(r"[\s,;/&+]+|\band\b", content))
+    letters = sorted({t.upper() for t in tokens if len(t) == 1 and t.isascii() and t.isalpha()})
     return letters or None
 
 
