@@ -422,6 +422,10 @@ class Proxy(ServedApp):
             raise
         except Exception as exc:  # a bug: answer in the protocol's shape, keep serving
             log.exception("internal error while serving %s", request.path)
+            if request.writer is not None and request.writer.output_size > 0:
+                # the reply has begun (a stream): a second response would corrupt it, so the
+                # connection is closed instead, which the client sees as a broken reply
+                raise ConnectionResetError("the reply had begun when the proxy failed") from exc
             return _protocol_of(request).error_response(ProxyError(
                 500, f"internal proxy error: {type(exc).__name__}: {exc}", type="server_error",
                 code="internal_error"))

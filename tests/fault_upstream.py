@@ -19,6 +19,8 @@ as ``fault=<name>`` (anything else is answered normally, with an echo). Faults:
 ``hang``             nothing, ever (until the client gives up)
 ``reflect_key``      a 401 error whose message, param and code quote the request's key
 ``surrogate_reply``  a normal OpenAI reply whose text holds a lone surrogate (escaped in JSON)
+``parts_reply``      a normal OpenAI reply whose content is a list of parts, a ``thinking`` part
+                     then ``text`` (as Mistral's Magistral models answer), streamed or not
 
 :attr:`FaultUpstream.requests` lists ``{"path", "headers", "fault", "at"}`` per request received.
 """
@@ -151,9 +153,13 @@ class FaultUpstream(ServedApp):
         if fault == "surrogate_reply":  # valid JSON, but not valid Unicode text
             text += " \ud800"
         if not body.get("stream"):
+            content: Any = text
+            if fault == "parts_reply":
+                content = [{"type": "thinking", "thinking": [{"type": "text", "text": "hmm"}]},
+                           {"type": "text", "text": text}]
             completion = {"id": "chatcmpl-f", "object": "chat.completion", "created": 0,
                           "model": body.get("model"), "choices": [{
-                              "index": 0, "message": {"role": "assistant", "content": text},
+                              "index": 0, "message": {"role": "assistant", "content": content},
                               "finish_reason": "stop"}],
                           "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}
             if fault == "slow_body":
@@ -169,8 +175,11 @@ class FaultUpstream(ServedApp):
                     "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
             return f"data: {json.dumps(data)}\n\n".encode()
 
+        def words(word: str) -> Any:
+            return [{"type": "text", "text": word}] if fault == "parts_reply" else word
+
         events = [chunk({"role": "assistant", "content": ""}),
-                  *(chunk({"content": w + " "}) for w in text.split()),
+                  *(chunk({"content": words(w + " ")}) for w in text.split()),
                   chunk({}, "stop"), b"data: [DONE]\n\n"]
         bad = {"invalid_sse": b"this is not server-sent events\n\n",
                "invalid_json": b"data: {\"choices\": [\n\n",

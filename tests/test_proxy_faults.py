@@ -178,6 +178,51 @@ def test_reply_with_a_lone_surrogate_is_still_recorded(env, stream):
     assert turn["status"] == "ok" and "\ufffd" in turn["response"]
 
 
+@pytest.mark.parametrize("client", ["openai", "anthropic"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_reply_whose_content_is_a_list_of_parts_is_relayed_and_recorded(env, client, stream):
+    """Some OpenAI-compatible servers (Mistral's Magistral) answer with content parts; the
+    recorded response is the text parts' text, and an Anthropic client gets it as text."""
+    _, proxies, store, _ = env
+    session = f"parts-{client}-{int(stream)}"
+    reply = _request(proxies["openai"], client, "hi there fault=parts_reply", stream, session)
+    assert reply.status_code == 200, reply.text
+    if client == "anthropic":
+        text = ("".join(e["delta"].get("text", "") for e in _events(client, reply.text)
+                        if isinstance(e, dict) and e.get("type") == "content_block_delta")
+                if stream else "".join(b.get("text", "") for b in reply.json()["content"]))
+        assert "echo: hi there" in text
+    turn = _turn(store, session)
+    assert turn["status"] == "ok" and turn["response"].strip() == "echo: hi there fault=parts_reply"
+
+
+def test_a_failure_after_the_stream_began_closes_it_instead_of_a_second_response(env,
+                                                                                  monkeypatch):
+    """A bug surfacing after a stream's first bytes cannot become a 500 response written into
+    the stream's body (which clients read as a corrupt chunk): the connection is closed."""
+    import socket
+    from urllib.parse import urlsplit
+
+    from metaclaw.protocols.openai_chat import StreamAssembler
+
+    def broken(self):
+        raise RuntimeError("a bug after the reply began")
+
+    monkeypatch.setattr(StreamAssembler, "columns", broken)
+    _, proxies, _, _ = env
+    url = urlsplit(proxies["openai"].url)
+    body = json.dumps({"model": "m", "stream": True,
+                       "messages": [{"role": "user", "content": "hi"}]}).encode()
+    with socket.create_connection((url.hostname, url.port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: "
+                     + str(len(body)).encode() + b"\r\n\r\n" + body)
+        received = b""
+        while chunk := sock.recv(65536):
+            received += chunk
+    assert received.startswith(b"HTTP/1.1 200") and received.count(b"HTTP/1.1 ") == 1
+
+
 def test_long_retry_after_is_relayed_not_waited_for(env):
     """A 429 asking for an hour is not retried: the client gets it at once, Retry-After kept."""
     upstream, proxies, store, _ = env

@@ -237,11 +237,12 @@ class ChatToAnthropicStream(StreamTranslator):
                                                        "signature": ""})
                 out.append({"type": "content_block_delta", "index": self.index,
                             "delta": {"type": "thinking_delta", "thinking": reasoning}})
-            if delta.get("content"):
+            text = _text(delta.get("content"))  # a string, or parts (Mistral's Magistral)
+            if text:
                 if self.block is None or self.block[0] != "text":
                     out += self._open("text", -1, {"type": "text", "text": ""})
                 out.append({"type": "content_block_delta", "index": self.index,
-                            "delta": {"type": "text_delta", "text": delta["content"]}})
+                            "delta": {"type": "text_delta", "text": text}})
             for call in delta.get("tool_calls") or ():
                 key = call.get("index", 0)
                 function = call.get("function") or {}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from metaclaw.asks import content_text
 from metaclaw.protocols import ProxyError, StreamTranslator, WireProtocol, dumpb
 
 
@@ -42,8 +43,8 @@ class StreamAssembler:
             if choice.get("index", 0) != 0:
                 continue
             delta = choice.get("delta") or {}
-            if delta.get("content"):
-                self._parts.append(delta["content"])
+            if delta.get("content"):  # a list of parts from some servers (Mistral's Magistral)
+                self._parts.append(content_text(delta["content"]))
             for call in delta.get("tool_calls") or ():
                 slot = self._tools.setdefault(call.get("index", 0), {
                     "id": None, "type": "function", "function": {"name": "", "arguments": ""}})
@@ -90,8 +91,9 @@ def summarize_completion(data: dict[str, Any]) -> dict[str, Any]:
     message = choice.get("message") or {}
     usage = data.get("usage") or None
     logprobs = [item.get("logprob") for item in ((choice.get("logprobs") or {}).get("content") or ())]
+    content = message.get("content")
     return {
-        "response": message.get("content"),
+        "response": content if content is None else content_text(content),
         "tool_calls": message.get("tool_calls") or None,
         "finish_reason": choice.get("finish_reason"),
         **usage_columns(usage),
