@@ -237,6 +237,21 @@ def _busy_timeout(wait: bool) -> str:
     return f"PRAGMA busy_timeout={int(BUSY_TIMEOUT_S * 1000) if wait else 0}"
 
 
+def _use_write_ahead_log(db: sqlite3.Connection) -> None:
+    """Switch ``db``'s file to WAL mode. Switching a new file takes an exclusive lock, and
+    SQLite answers "locked" at once (no busy wait) to a second process switching it at the
+    same moment: retried until the first has finished, within the busy timeout."""
+    deadline = time.monotonic() + BUSY_TIMEOUT_S
+    while True:
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if exc.sqlite_errorcode & 0xFF != sqlite3.SQLITE_BUSY or time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
+
+
 class StoreBusy(RuntimeError):
     """``transaction(wait=False)``: another thread or process holds the write lock right now."""
 
@@ -265,7 +280,7 @@ class Store:
             self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None,
                                        timeout=BUSY_TIMEOUT_S)
             self._db.row_factory = sqlite3.Row
-            self._db.execute("PRAGMA journal_mode=WAL")
+            _use_write_ahead_log(self._db)
             self._db.execute(_synchronous(True))
             self._db.execute("PRAGMA foreign_keys=ON")
             self._migrate()
@@ -289,17 +304,21 @@ class Store:
     # -- schema ---------------------------------------------------------------------------
     def _migrate(self) -> None:
         with self._lock:
-            version = self._db.execute("PRAGMA user_version").fetchone()[0]
-            if version > SCHEMA_VERSION:
-                raise StoreError(
-                    f"{self.path} has schema version {version}, newer than this MetaClaw "
-                    f"understands ({SCHEMA_VERSION}); upgrade the metaclaw package.")
-            for number in range(version, SCHEMA_VERSION):
+            while True:
+                version = self._db.execute("PRAGMA user_version").fetchone()[0]
+                if version > SCHEMA_VERSION:
+                    raise StoreError(
+                        f"{self.path} has schema version {version}, newer than this MetaClaw "
+                        f"understands ({SCHEMA_VERSION}); upgrade the metaclaw package.")
+                if version == SCHEMA_VERSION:
+                    return
                 self._db.execute("BEGIN IMMEDIATE")
-                try:
-                    for statement in _split_sql(MIGRATIONS[number]):
-                        self._db.execute(statement)
-                    self._db.execute(f"PRAGMA user_version={number + 1}")
+                try:  # read again under the write lock: another process may have migrated
+                    version = self._db.execute("PRAGMA user_version").fetchone()[0]
+                    if version < SCHEMA_VERSION:
+                        for statement in _split_sql(MIGRATIONS[version]):
+                            self._db.execute(statement)
+                        self._db.execute(f"PRAGMA user_version={version + 1}")
                     self._db.execute("COMMIT")
                 except BaseException:
                     self._db.execute("ROLLBACK")

@@ -119,3 +119,27 @@ def test_frames_have_the_declared_dtypes_even_when_empty(tmp_path):
     assert full.schema == empty.schema and full["reward"].to_list() == [None]
     assert pl.concat([empty, full]).height == 1
     assert pl.Null not in store.frame("events").schema.values()
+
+
+OPEN_AT = """
+import sys, time
+from metaclaw.store import SCHEMA_VERSION, Store
+time.sleep(max(0.0, float(sys.argv[2]) - time.time()))  # every process opens at this moment
+with Store(sys.argv[1]) as store:
+    assert store.schema_version == SCHEMA_VERSION
+"""
+
+
+@pytest.mark.parametrize("trial", range(3))
+def test_processes_opening_a_new_workspace_at_once_all_start(tmp_path, trial):
+    """Two proxies, or a proxy and a notebook, starting together on a new workspace (or on one
+    an upgrade migrates): each migration runs once and every process opens the store."""
+    import subprocess
+    import sys
+    import time
+
+    at = str(time.time() + 1.5)
+    procs = [subprocess.Popen([sys.executable, "-c", OPEN_AT, str(tmp_path / "ws.db"), at],
+                              stderr=subprocess.PIPE, text=True) for _ in range(4)]
+    errors = [proc.communicate(timeout=60)[1] for proc in procs]
+    assert [proc.returncode for proc in procs] == [0] * 4, errors
