@@ -685,8 +685,15 @@ class _Relay:
         except Exception as exc:
             return await self.fail(exc, upstream)
         payload = self.proxy._scrub_bytes(payload, self.secret_bytes)
-        recorded = self.finish(status="ok", http_status=200,
-                               **{**upstream.protocol.reply_columns(data), **policy})
+        columns = {**upstream.protocol.reply_columns(data), **policy}
+        if request.transport is None or request.transport.is_closing():
+            # the client gave up waiting (an SDK timeout): nobody saw this reply, so it is not
+            # a served turn to judge or train on
+            self.finish(status="client_disconnected", http_status=200,
+                        error="the client disconnected before the reply", **columns)
+            return web.Response(body=payload, status=200, content_type="application/json",
+                                headers=self.headers)
+        recorded = self.finish(status="ok", http_status=200, **columns)
         try:
             await self.pipeline.acknowledge(recorded)
         except ProxyError as exc:

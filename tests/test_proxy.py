@@ -453,6 +453,24 @@ def test_client_disconnect_mid_stream_is_recorded(strict, double):
     assert rows[0]["status"] == "client_disconnected" and "client disconnected" in rows[0]["error"]
 
 
+def test_a_client_that_gave_up_before_the_reply_is_not_recorded_as_served(proxy, double):
+    """An SDK timeout while the upstream thinks: the late reply reaches nobody, so the turn is
+    client_disconnected (never judged or trained on), not ok."""
+    double.add(Reply("a late answer", delay=1.0))
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(proxy.url + "/chat/completions", timeout=0.3,
+                   headers={"Authorization": f"Bearer {TOKEN}"},
+                   json={"model": "m", "messages": COMMIT_QUESTION, "session_id": "gave-up"})
+    for _ in range(100):  # the reply arrives after the client left
+        proxy.flush()
+        rows = proxy.store.turns("session_id = ?", ("gave-up",))
+        if rows:
+            break
+        time.sleep(0.05)
+    assert rows[0]["status"] == "client_disconnected" and rows[0]["response"] == "a late answer"
+    assert "before the reply" in rows[0]["error"]
+
+
 # -- recording hygiene, listeners, seams --------------------------------------------------------
 def test_no_secret_reaches_the_store_file(proxy, double, workspace):
     store, _ = workspace
