@@ -114,6 +114,9 @@ class FastLoop:
     :class:`metaclaw.gate.Gate` automatic candidates must pass (``None``: all are held back).
     """
 
+    #: Seconds between two looks at turns another process is judging (see :meth:`_judge`).
+    LEASE_RECHECK_S = 30.0
+
     def __init__(self, store: Store, library: SkillLibrary, judge: Judge, evolver: Evolver,
                  every_n: int = 5, failure_rate: float | None = 0.5, min_judged: int = 3,
                  on_session_end: bool = True, *, feedback_wait: float = 30.0,
@@ -405,18 +408,27 @@ class FastLoop:
     async def _judge(self, session: str, turn_ids: list[int]) -> None:
         results = await self.judge.ajudge_turns(self.store, turn_ids,
                                                 concurrency=self.concurrency)
-        judged = 0
+        judged, leased = 0, []
         for result in results:
-            if result.ok:
+            if result.skipped == "judged":  # another process's verdict counts here too
+                judged += 1
+            elif result.skipped == "leased":
+                leased.append(result.turn_id)
+            elif result.ok:
                 judged += 1
                 self._emit("judged", session_id=session, turn_id=result.turn_id,
                            score=result.score, votes=[v["score"] for v in result.votes],
                            failed=result.failed, unparsable=result.unparsable,
                            rationale=result.rationale)
-            elif result.failed_call:  # a skipped turn is another process's to judge
+            else:
                 self._emit("judge_failed", session_id=session, turn_id=result.turn_id,
                            error=result.error, failed=result.failed,
                            unparsable=result.unparsable)
+        if leased:  # another process is judging them: look again later, so that they count
+            # when its verdicts land, and are judged here if it stopped (its lease ended)
+            asyncio.get_running_loop().call_later(
+                min(self.LEASE_RECHECK_S, self.judge.lease_s),
+                lambda: self._spawn(self._judge(session, leased)))
         if judged:
             await self._check_triggers(session, judged)
 

@@ -288,8 +288,9 @@ class JudgeResult:
     model: str
     turn_id: int | None = None
     error: str | None = None
-    #: Not judged by this call: the turn has a verdict, or another process is judging it.
-    skipped: bool = False
+    #: Not judged by this call: ``"judged"`` (the turn has a verdict: see the store), or
+    #: ``"leased"`` (another process is judging it); empty when this call judged it.
+    skipped: str = ""
 
     @property
     def ok(self) -> bool:
@@ -757,12 +758,13 @@ class Judge:
         return sorted([*results, *skipped.values()], key=lambda r: r.turn_id)
 
     def _skipped(self, row: dict[str, Any]) -> JudgeResult:
-        why = ("judged meanwhile (pass rescore=True to judge it again)"
-               if row["reward"] is not None else
+        judged = row["reward"] is not None
+        why = ("judged meanwhile (pass rescore=True to judge it again)" if judged else
                "another process is judging it (its lease ends within "
                f"{self.lease_s:g} s if that process stopped)")
         return JudgeResult(score=None, votes=[], failed=0, unparsable=0, rationale="",
-                           model=self.model, turn_id=row["id"], error=why, skipped=True)
+                           model=self.model, turn_id=row["id"], error=why,
+                           skipped="judged" if judged else "leased")
 
     def judge_turns(self, store: Store, turn_ids: Iterable[int] | None = None, *,
                     where: str | None = None, params: Iterable[Any] = (), concurrency: int = 64,

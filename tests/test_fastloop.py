@@ -548,3 +548,26 @@ def test_a_stop_that_abandons_an_evolution_says_so_and_a_restart_retries_it(rig)
     rig.chat("s", [], "Hello")  # the next trigger
     wait_until(lambda: "evolve_held" in kinds(loop), what="the evolution, retried")
     assert loop.wait_idle(timeout=10)
+
+
+def test_turns_another_process_judged_count_towards_the_triggers(rig):
+    other = Store(rig.store.path)  # another process's judge, faster than this one
+    rig.proxy.add_turn_listener(lambda turn_id: other.update_turn(turn_id, reward=-1.0))
+    loop = rig.make_loop(every_n=0, failure_rate=0.5, min_judged=2, on_session_end=False,
+                         feedback_wait=0, gate=None)
+    rig.chat("a", [], "Convert 2 miles to kilometers")
+    rig.chat("b", [], "Convert 4 miles to kilometers")
+    wait_until(lambda: "evolve_started" in kinds(loop), what="a failure-rate trigger")
+    assert "judged" not in kinds(loop)  # no judge call of this process
+
+
+def test_turns_leased_by_a_judge_that_died_are_judged_once_its_lease_ends(rig, monkeypatch):
+    from metaclaw.judge import lease_turns
+
+    monkeypatch.setattr(FastLoop, "LEASE_RECHECK_S", 0.2)
+    other = Store(rig.store.path)  # a judge process, killed right after leasing
+    rig.proxy.add_turn_listener(lambda turn_id: lease_turns(other, [turn_id], seconds=0.5))
+    loop = rig.make_loop(every_n=0, failure_rate=None, on_session_end=False, feedback_wait=0)
+    rig.chat("a", [], "Convert 2 miles to kilometers")
+    wait_until(lambda: "judged" in kinds(loop), what="the turn judged after the lease ended")
+    assert rig.store.turns()[-1]["reward"] == -1.0
