@@ -501,32 +501,33 @@ class GRPOTrainer:
         # this point keeps them in the query set (see buffers.claim_for_training).
         claimed, stale = self._claim([g for g, advantages_G in zip(groups, advantages_P_G)
                                       if advantages_G is not None])
-        if stale:
-            groups = [g for g in groups if all(g is not s for s in stale)]
-            rewards_P_G = [rewards_G for _, _, rewards_G in groups]
-            advantages_P_G, skipped = compute_advantages(rewards_P_G, config.advantage_norm,
-                                                         config.zero_variance_eps)
-        zero_variance = [{"turn_id": prompt.turn_id, "reward": rewards_G[0],
-                          "reason": f"all {len(rewards_G)} samples rewarded {rewards_G[0]:g}: "
-                                    "no completion did better or worse than another"}
-                         for (prompt, _, rewards_G), advantages_G in zip(groups, advantages_P_G)
-                         if advantages_G is None]
+        try:  # until the gradient step has run, a failure gives the claimed turns back
+            if stale:
+                groups = [g for g in groups if all(g is not s for s in stale)]
+                rewards_P_G = [rewards_G for _, _, rewards_G in groups]
+                advantages_P_G, skipped = compute_advantages(rewards_P_G, config.advantage_norm,
+                                                             config.zero_variance_eps)
+            zero_variance = [{"turn_id": prompt.turn_id, "reward": rewards_G[0],
+                              "reason": f"all {len(rewards_G)} samples rewarded "
+                                        f"{rewards_G[0]:g}: no completion did better or worse "
+                                        "than another"}
+                             for (prompt, _, rewards_G), advantages_G
+                             in zip(groups, advantages_P_G) if advantages_G is None]
 
-        # 5. One datum per sampled completion: exact sampled tokens and sampling logprobs.
-        datums = [Datum.from_sample(prompt.tokens, s.tokens, s.logprobs, a)
-                  for (prompt, samples_G, _), advantages_G in zip(groups, advantages_P_G)
-                  if advantages_G is not None
-                  for s, a in zip(samples_G, advantages_G) if s.tokens]
-        loss, metrics = None, {"reward_failures": reward_failures, "stale_groups": len(stale),
-                               "zero_variance_groups": len(zero_variance),
-                               "zero_variance": zero_variance}
-        try:
+            # 5. One datum per sampled completion: exact sampled tokens and sampling logprobs.
+            datums = [Datum.from_sample(prompt.tokens, s.tokens, s.logprobs, a)
+                      for (prompt, samples_G, _), advantages_G in zip(groups, advantages_P_G)
+                      if advantages_G is not None
+                      for s, a in zip(samples_G, advantages_G) if s.tokens]
             trained = backend.train_step(datums, config.loss_fn, config.learning_rate) \
                 if datums else None
         except BaseException:
             if claimed:  # nothing was trained: the turns may still become support
                 buffers.release_training_claim(store, claimed)
             raise
+        loss, metrics = None, {"reward_failures": reward_failures, "stale_groups": len(stale),
+                               "zero_variance_groups": len(zero_variance),
+                               "zero_variance": zero_variance}
         if trained is not None:
             loss = trained.get("loss")
             metrics.update({k: v for k, v in trained.items() if k != "loss"})

@@ -236,6 +236,24 @@ def test_a_failed_gradient_step_releases_its_claim(backend, tmp_path):
     assert store.turn(turn)["trained_steps"] == 0
 
 
+def test_a_step_failing_before_its_gradient_step_releases_its_claim(backend, tmp_path,
+                                                                   monkeypatch):
+    import metaclaw.grpo
+
+    def bad_sample(*args, **kwargs):
+        raise ValueError("a sample with one logprob too few")
+
+    monkeypatch.setattr(metaclaw.grpo.Datum, "from_sample", bad_sample)
+    store = Store(tmp_path / "db.sqlite")
+    store.add_generation(snapshot={}, kind="init")
+    turn = _query_turn(store, 0)
+    with pytest.raises(ValueError, match="logprob"):
+        train_grpo(backend, lambda: prompts_from_query_set(store, backend), store=store,
+                   judge=lambda prompt, text: float(len(text) % 3),
+                   config=GRPOConfig(steps=1, groups_per_step=1, group_size=4, max_tokens=6))
+    assert store.turn(turn)["trained_steps"] == 0
+
+
 def test_query_prompts_without_reward_need_a_judge(backend, tmp_path):
     store = Store(tmp_path / "db.sqlite")
     _query_turn(store, 0)
