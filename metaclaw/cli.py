@@ -549,6 +549,7 @@ def _fast_loop_endpoints(args: argparse.Namespace) -> dict[str, Any]:
 
 @command("demo")
 def cmd_demo(args: argparse.Namespace) -> int:
+    from metaclaw.bench.runner import all_rounds_failed
     from metaclaw.demo import run_demo
     from metaclaw.localmodel import LocalModelError, check_available
 
@@ -566,6 +567,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
         _print_json({k: v for k, v in result.items() if k not in ("baseline", "skills")}
                     | {"baseline": _summary_keys(result["baseline"]),
                        "skills": _summary_keys(result["skills"])})
+    failed = all_rounds_failed(result["baseline"]) or all_rounds_failed(result["skills"])
+    if failed:
+        print(f"metaclaw demo: {failed}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -579,9 +584,14 @@ def _summary_keys(summary: dict[str, Any]) -> dict[str, Any]:
 @command("bench")
 def cmd_bench(args: argparse.Namespace) -> int:
     from metaclaw.bench.data import small_bench_dir
-    from metaclaw.bench.runner import format_table
+    from metaclaw.bench.runner import all_rounds_failed, format_table
     from metaclaw.demo import run_mode
 
+    from metaclaw.bench.options import check_min_score
+
+    problem = check_min_score(args.min_score, args.retrieval)
+    if problem:
+        raise CliError(problem)
     endpoints = _fast_loop_endpoints(args)
     sim = None
     upstream, model = args.upstream, args.model
@@ -625,6 +635,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         _print_json(_summary_keys(summary))
     else:
         print(format_table(summary))
+    failed = all_rounds_failed(summary)
+    if failed:
+        print(f"metaclaw bench: {failed}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -752,13 +766,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=256, help="default max_tokens per reply")
     p.add_argument("--temperature", type=float, default=0.0, help="default temperature (0: greedy)")
 
+    from metaclaw.bench import options as bench_opts
+
     for name, help_text in (("demo", "offline demo: baseline vs skills on the small benchmark"),
                             ("bench", "run MetaClaw-Bench through the proxy")):
         p = sub.add_parser(name, help=help_text)
         p.add_argument("--data", help="benchmark folder (default: the small subset shipped "
                        "with the package)")
-        p.add_argument("--days", default="all", help="all, or a comma-separated list of day ids")
-        p.add_argument("--out", default="metaclaw-demo" if name == "demo" else "bench-out")
+        p.add_argument("--days", default="all", type=bench_opts.day_list,
+                       help="all, or a comma-separated list of day ids")
+        p.add_argument("--out", default="metaclaw-demo" if name == "demo" else "bench-out",
+                       help="output folder: new, empty, or an earlier run's (whose output is "
+                       "replaced); a folder holding other files is refused")
         p.add_argument("--upstream", help="a real provider's OpenAI-compatible base URL "
                        "(key from $METACLAW_UPSTREAM_API_KEY); default: the simulated model")
         p.add_argument("--model", help="the provider's model name")
@@ -774,17 +793,19 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--json", action="store_true", help="print the summary JSON on stdout")
         if name == "bench":
             p.add_argument("--mode", choices=["baseline", "skills", "full"], default="baseline")
-            p.add_argument("--parallel", type=int, default=1, help="days run at once (baseline)")
-            p.add_argument("--votes", type=int, help="judge votes per turn")
+            p.add_argument("--parallel", type=bench_opts.positive_int, default=1,
+                           help="days run at once (baseline)")
+            p.add_argument("--votes", type=bench_opts.positive_int, help="judge votes per turn")
             p.add_argument("--retrieval", choices=["auto", "embedding", "lexical"],
                            default="lexical")
-            p.add_argument("--top-k", type=int, default=5)
-            p.add_argument("--min-score", type=float, default=0.0)
-            p.add_argument("--budget-chars", type=int, default=12000)
+            p.add_argument("--top-k", type=bench_opts.positive_int, default=5)
+            p.add_argument("--min-score", type=bench_opts.finite_float, default=0.0,
+                           help="0 or more for lexical (BM25) scores, -1..1 for embedding cosines")
+            p.add_argument("--budget-chars", type=bench_opts.positive_int, default=12000)
             p.add_argument("--backend", choices=["local", "tinker"], default="local",
                            help="mode full: the training backend that serves the agent")
             p.add_argument("--base-model", help="mode full: local model path or Tinker model id")
-            p.add_argument("--train-steps", type=int, default=4,
+            p.add_argument("--train-steps", type=bench_opts.non_negative_int, default=4,
                            help="mode full: GRPO steps after each day")
             p.add_argument("--device", choices=["auto", "cpu", "cuda", "mps"], default="auto",
                            help="mode full, local backend: where the policy runs")

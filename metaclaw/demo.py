@@ -20,17 +20,20 @@ agent, served inside the proxy, while the judge and the evolver stay simulated.
 
 Everything is written under ``out_dir``: ``baseline/`` and ``skills/`` (each with its store,
 skill library and the runner's ``rounds.jsonl`` / ``summary.json``) and ``demo.json`` (the
-returned dict).
+returned dict). The folder must be new, empty or an earlier run's (then that output is
+replaced, other files kept); a run holds it locked, so a second run on it fails at once
+(:mod:`metaclaw.bench.outdir`).
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
+
+from metaclaw.bench.outdir import DEMO_ENTRIES, claim_out_dir
 
 SIM_NOTE = ("SIMULATED model (offline, rule-based stand-in; not a language model): it follows a "
             "convention only when the injected skills or the user's feedback state it")
@@ -105,102 +108,101 @@ def run_mode(mode: str, data: Path, days: Any, out: Path, upstream: str, model: 
         raise ValueError("mode 'full' trains weights: give a training backend (e.g. --backend "
                          "local --base-model PATH, or --backend tinker --base-model MODEL)")
     from metaclaw import buffers
+    from metaclaw.bench.outdir import RUN_ENTRIES
     from metaclaw.bench.runner import run_bench
     from metaclaw.proxy import Proxy, ProxyConfig
     from metaclaw.skills import SkillLibrary
     from metaclaw.store import Store
 
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
-    store = Store(out / "metaclaw.db")
-    library = SkillLibrary(out / "skills", store)
-    proxy = Proxy(ProxyConfig(upstream_url=upstream, model=model, api_key_env=api_key_env,
-                              retrieval=retrieval, top_k=top_k, min_score=min_score,
-                              budget_chars=budget_chars), store,
-                  library)
-    if responder is not None:
-        proxy.set_responder(responder)
-    proxy.start()
-    loop = slow = None
-    events: list[dict] = []
-    try:
-        hooks: dict[str, Any] = {"on_round": on_round}
-        if mode in ("skills", "full"):
-            from metaclaw.evolver import Evolver
-            from metaclaw.fastloop import FastLoop
-            from metaclaw.judge import Judge
+    with claim_out_dir(out, RUN_ENTRIES):   # refuses a folder no run wrote; one run at a time
+        store = Store(out / "metaclaw.db")
+        library = SkillLibrary(out / "skills", store)
+        proxy = Proxy(ProxyConfig(upstream_url=upstream, model=model, api_key_env=api_key_env,
+                                  retrieval=retrieval, top_k=top_k, min_score=min_score,
+                                  budget_chars=budget_chars), store,
+                      library)
+        if responder is not None:
+            proxy.set_responder(responder)
+        proxy.start()
+        loop = slow = None
+        events: list[dict] = []
+        try:
+            hooks: dict[str, Any] = {"on_round": on_round}
+            if mode in ("skills", "full"):
+                from metaclaw.evolver import Evolver
+                from metaclaw.fastloop import FastLoop
+                from metaclaw.judge import Judge
 
-            judge = Judge(judge_url, judge_model, api_key_env=api_key_env, votes=votes)
-            evolver = Evolver(evolver_url, evolver_model, library, store, api_key_env=api_key_env,
-                              dedupe_threshold=None)
-            loop = FastLoop(store, library, judge, evolver, every_n=0, failure_rate=None,
-                            on_session_end=False, feedback_wait=600.0)
-            sync = _TurnSync(loop)
-            loop.attach(proxy)
-            attempted: set[int] = set()
+                judge = Judge(judge_url, judge_model, api_key_env=api_key_env, votes=votes)
+                evolver = Evolver(evolver_url, evolver_model, library, store, api_key_env=api_key_env,
+                                  dedupe_threshold=None)
+                loop = FastLoop(store, library, judge, evolver, every_n=0, failure_rate=None,
+                                on_session_end=False, feedback_wait=600.0)
+                sync = _TurnSync(loop)
+                loop.attach(proxy)
+                attempted: set[int] = set()
 
-            def evolve_if_new() -> None:
-                buffers.refresh(store, threshold=judge.threshold)
-                ids = {int(t["id"]) for t in buffers.support_set(store, threshold=judge.threshold)}
-                if ids - attempted:
-                    attempted.update(ids)
-                    loop.evolve_now()
-
-            def on_round_skills(record: dict) -> None:
-                sync.expect(record.get("model_calls") or 0)
-                if on_round is not None:
-                    on_round(record)
-
-            def between_rounds(record: dict) -> None:
-                if evolve_every == "round":
-                    sync.wait()
-                    evolve_if_new()
-
-            if mode == "full":  # the policy serves the agent; the day's graders reward it
-                from metaclaw.bench.fullmode import FullMode
-
-                slow = FullMode(store, backend, proxy, judge, data, days,
-                                train_steps=train_steps, work_dir=out)
-                hooks_round = on_round_skills
+                def evolve_if_new() -> None:
+                    buffers.refresh(store, threshold=judge.threshold)
+                    ids = {int(t["id"]) for t in buffers.support_set(store, threshold=judge.threshold)}
+                    if ids - attempted:
+                        attempted.update(ids)
+                        loop.evolve_now()
 
                 def on_round_skills(record: dict) -> None:
-                    slow.on_round(record)
-                    hooks_round(record)
+                    sync.expect(record.get("model_calls") or 0)
+                    if on_round is not None:
+                        on_round(record)
 
-            def between_days(day_summary: dict) -> None:
-                sync.expect(1)          # the day's closing call (last feedback, session done)
-                sync.wait()
-                if slow is not None:    # the night: the day's query set trains the policy,
-                    slow.night(day_summary, judge.threshold)  # before the next adaptation
-                evolve_if_new()                               # purges it
+                def between_rounds(record: dict) -> None:
+                    if evolve_every == "round":
+                        sync.wait()
+                        evolve_if_new()
 
-            hooks = {"on_round": on_round_skills, "between_rounds": between_rounds,
-                     "between_days": between_days}
-        # a local model on a CPU answers in minutes, not seconds: wait for it, and bound the tool loop
-        local = {"request_timeout": 1800, "max_iterations": 8} if responder is not None else {}
-        summary = run_bench(data, days, mode, base_url=proxy.url, model=model, out_dir=out / "run",
-                            parallel=parallel if mode == "baseline" else 1,
-                            keep_workspaces=slow is not None, **hooks, **local)
-        if loop is not None:
-            events = [e.to_dict() for e in loop.events if e.kind in ("evolved", "evolve_failed")]
-        summary["skill_generation"] = library.generation
-        summary["skills"] = [{"name": s.name, "description": s.description} for s in library.skills()]
-        summary["evolve_events"] = events
-        if slow is not None:
-            slow.label(summary)
-            (out / "run" / "summary.json").write_text(
-                json.dumps(summary, indent=2, ensure_ascii=False, default=str), encoding="utf-8")
-        return summary
-    finally:
-        if slow is not None:
-            slow.close()
-        if loop is not None:
-            loop.stop()
-        proxy.stop()
-        close = getattr(store, "close", None)
-        if close:
-            close()
+                if mode == "full":  # the policy serves the agent; the day's graders reward it
+                    from metaclaw.bench.fullmode import FullMode
+
+                    slow = FullMode(store, backend, proxy, judge, data, days,
+                                    train_steps=train_steps, work_dir=out)
+                    hooks_round = on_round_skills
+
+                    def on_round_skills(record: dict) -> None:
+                        slow.on_round(record)
+                        hooks_round(record)
+
+                def between_days(day_summary: dict) -> None:
+                    sync.expect(1)          # the day's closing call (last feedback, session done)
+                    sync.wait()
+                    if slow is not None:    # the night: the day's query set trains the policy,
+                        slow.night(day_summary, judge.threshold)  # before the next adaptation
+                    evolve_if_new()                               # purges it
+
+                hooks = {"on_round": on_round_skills, "between_rounds": between_rounds,
+                         "between_days": between_days}
+            # a local model on a CPU answers in minutes, not seconds: wait for it, and bound the tool loop
+            local = {"request_timeout": 1800, "max_iterations": 8} if responder is not None else {}
+            summary = run_bench(data, days, mode, base_url=proxy.url, model=model, out_dir=out / "run",
+                                parallel=parallel if mode == "baseline" else 1,
+                                keep_workspaces=slow is not None, **hooks, **local)
+            if loop is not None:
+                events = [e.to_dict() for e in loop.events if e.kind in ("evolved", "evolve_failed")]
+            summary["skill_generation"] = library.generation
+            summary["skills"] = [{"name": s.name, "description": s.description} for s in library.skills()]
+            summary["evolve_events"] = events
+            if slow is not None:
+                slow.label(summary)
+                (out / "run" / "summary.json").write_text(
+                    json.dumps(summary, indent=2, ensure_ascii=False, default=str), encoding="utf-8")
+            return summary
+        finally:
+            if slow is not None:
+                slow.close()
+            if loop is not None:
+                loop.stop()
+            proxy.stop()
+            close = getattr(store, "close", None)
+            if close:
+                close()
 
 
 def run_demo(data_dir: str | Path | None = None, days: str = "all", out_dir: str | Path = "metaclaw-demo",
@@ -247,64 +249,64 @@ def run_demo(data_dir: str | Path | None = None, days: str = "all", out_dir: str
     sim = responder = None
     simulated = upstream is None and local_model is None
     note = SIM_NOTE if simulated else ""
-    try:
-        if local_model is not None:
-            from metaclaw.localmodel import load_responder
+    with claim_out_dir(out, DEMO_ENTRIES):   # refuses a folder no run wrote; one run at a time
+        try:
+            if local_model is not None:
+                from metaclaw.localmodel import load_responder
 
+                if echo:
+                    echo("loading the local model ...")
+                responder = load_responder(None if local_model == "packaged" else local_model,
+                                           max_tokens=max_tokens)
+                model = responder.model_name
+                note = LOCAL_NOTE.format(model=model)
+            if upstream is None:
+                from metaclaw.simmodel import serve_sim_model
+
+                sim = serve_sim_model()
+                upstream, model = sim.url, model or "sim-agent"
+                judge_url, judge_model = judge_url or sim.url, judge_model or "sim-judge"
+                evolver_url, evolver_model = evolver_url or sim.url, evolver_model or "sim-evolver"
+            judge_url, judge_model = judge_url or upstream, judge_model or model
+            evolver_url, evolver_model = evolver_url or upstream, evolver_model or model
+            votes = votes or (1 if simulated else 3)
+            common = dict(api_key_env=api_key_env, retrieval=retrieval, top_k=top_k, min_score=min_score,
+                          budget_chars=budget_chars, parallel=parallel,
+                          judge_url=judge_url, judge_model=judge_model, evolver_url=evolver_url,
+                          evolver_model=evolver_model, votes=votes, evolve_every=evolve_every,
+                          on_round=on_round, responder=responder)
             if echo:
-                echo("loading the local model ...")
-            responder = load_responder(None if local_model == "packaged" else local_model,
-                                       max_tokens=max_tokens)
-            model = responder.model_name
-            note = LOCAL_NOTE.format(model=model)
-        if upstream is None:
-            from metaclaw.simmodel import serve_sim_model
-
-            sim = serve_sim_model()
-            upstream, model = sim.url, model or "sim-agent"
-            judge_url, judge_model = judge_url or sim.url, judge_model or "sim-judge"
-            evolver_url, evolver_model = evolver_url or sim.url, evolver_model or "sim-evolver"
-        judge_url, judge_model = judge_url or upstream, judge_model or model
-        evolver_url, evolver_model = evolver_url or upstream, evolver_model or model
-        votes = votes or (1 if simulated else 3)
-        common = dict(api_key_env=api_key_env, retrieval=retrieval, top_k=top_k, min_score=min_score,
-                      budget_chars=budget_chars, parallel=parallel,
-                      judge_url=judge_url, judge_model=judge_model, evolver_url=evolver_url,
-                      evolver_model=evolver_model, votes=votes, evolve_every=evolve_every,
-                      on_round=on_round, responder=responder)
-        if echo:
-            echo(f"MetaClaw demo: {note or 'model ' + str(model) + ' at ' + str(upstream)}")
-            echo("running baseline (no skills) ...")
-        baseline = run_mode("baseline", data, days, out / "baseline", upstream, model, **common)
-        if echo:
-            echo("running skills (judge + evolver between rounds, days in order) ...")
-        skills = run_mode("skills", data, days, out / "skills", upstream, model, **common)
-    finally:
-        if sim is not None:
-            sim.stop()
-        if responder is not None:
-            responder.close()
-    by_day = {d["day"]: d for d in skills["per_day"]}
-    curve = [{"day": d["day"], "baseline": d["accuracy"], "skills": by_day.get(d["day"], {}).get("accuracy"),
-              "baseline_file_check": d["file_check_completion"],
-              "skills_file_check": by_day.get(d["day"], {}).get("file_check_completion")}
-             for d in baseline["per_day"]]
-    result = {
-        "simulated": simulated,
-        "local_model": local_model is not None,
-        "note": note,
-        "model": model,
-        "days": baseline.get("days"),
-        "baseline": baseline,
-        "skills": skills,
-        "curve": curve,
-        "skills_learned": skills.get("skills", []),
-        "duration_s": round(time.perf_counter() - started, 2),
-        "out_dir": str(out),
-    }
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "demo.json").write_text(json.dumps(result, indent=2, ensure_ascii=False, default=str),
-                                   encoding="utf-8")
+                echo(f"MetaClaw demo: {note or 'model ' + str(model) + ' at ' + str(upstream)}")
+                echo("running baseline (no skills) ...")
+            baseline = run_mode("baseline", data, days, out / "baseline", upstream, model, **common)
+            if echo:
+                echo("running skills (judge + evolver between rounds, days in order) ...")
+            skills = run_mode("skills", data, days, out / "skills", upstream, model, **common)
+        finally:
+            if sim is not None:
+                sim.stop()
+            if responder is not None:
+                responder.close()
+        by_day = {d["day"]: d for d in skills["per_day"]}
+        curve = [{"day": d["day"], "baseline": d["accuracy"], "skills": by_day.get(d["day"], {}).get("accuracy"),
+                  "baseline_file_check": d["file_check_completion"],
+                  "skills_file_check": by_day.get(d["day"], {}).get("file_check_completion")}
+                 for d in baseline["per_day"]]
+        result = {
+            "simulated": simulated,
+            "local_model": local_model is not None,
+            "note": note,
+            "model": model,
+            "days": baseline.get("days"),
+            "baseline": baseline,
+            "skills": skills,
+            "curve": curve,
+            "skills_learned": skills.get("skills", []),
+            "duration_s": round(time.perf_counter() - started, 2),
+            "out_dir": str(out),
+        }
+        (out / "demo.json").write_text(json.dumps(result, indent=2, ensure_ascii=False, default=str),
+                                       encoding="utf-8")
     if echo:
         echo(format_curve(result))
     return result

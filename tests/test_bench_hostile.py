@@ -98,3 +98,116 @@ def test_a_round_id_used_twice_in_a_day_is_refused(tmp_path):
     qfile.write_text(json.dumps(q))
     with pytest.raises(BenchDataError, match=rf"round id '{q['rounds'][1]['id']}' appears more than once"):
         load_benchmark(root)
+
+
+# ---------------------------------------------------------------- the output folder
+def test_a_folder_no_run_wrote_is_refused_untouched(tmp_path, capsys):
+    out = tmp_path / "thesis"
+    out.mkdir()
+    (out / "thesis.txt").write_text("precious")
+    assert main(["bench", "--days", "day01", "--out", str(out)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == (f"metaclaw bench: {out} already holds files that no metaclaw run wrote; choose "
+                   "an empty or new --out folder (nothing in it was changed)")
+    assert sorted(p.name for p in out.iterdir()) == ["thesis.txt"]
+
+
+def test_an_earlier_runs_output_is_replaced_and_other_files_kept(tmp_path):
+    out = tmp_path / "out"
+    assert main(["bench", "--days", "day01", "--out", str(out)]) == 0
+    (out / "notes.txt").write_text("mine")
+    old = (out / "run" / "rounds.jsonl").read_text()
+    assert main(["bench", "--days", "day02", "--out", str(out)]) == 0
+    rounds = [json.loads(line) for line in (out / "run" / "rounds.jsonl").read_text().splitlines()]
+    assert {r["day"] for r in rounds} == {"day02"} and old
+    assert (out / "notes.txt").read_text() == "mine"
+
+
+def test_a_second_run_on_the_same_folder_fails_at_once(tmp_path):
+    from metaclaw.bench.outdir import RUN_ENTRIES, OutDirError, claim_out_dir
+
+    out = tmp_path / "out"
+    with claim_out_dir(out, RUN_ENTRIES):
+        with pytest.raises(OutDirError, match="another metaclaw run is writing to"):
+            with claim_out_dir(out, RUN_ENTRIES):
+                pass
+        # another thread of this process is refused too (flock locks are per open file)
+        errors = []
+        thread = threading.Thread(target=lambda: _try_claim(out, errors))
+        thread.start()
+        thread.join()
+        assert errors and "another metaclaw run" in errors[0]
+    with claim_out_dir(out, RUN_ENTRIES):   # released when the first run ends
+        pass
+
+
+def _try_claim(out: Path, errors: list) -> None:
+    from metaclaw.bench.outdir import RUN_ENTRIES, OutDirError, claim_out_dir
+
+    try:
+        with claim_out_dir(out, RUN_ENTRIES):
+            pass
+    except OutDirError as exc:
+        errors.append(str(exc))
+
+
+def test_two_bench_processes_on_one_folder(tmp_path):
+    """The second process fails at once with one sentence; the first run's records are intact."""
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "metaclaw.cli", "bench", "--mode", "skills", "--out", str(out)]
+    first = subprocess.Popen(cmd + ["--days", "day01,day02"], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(400):
+            if (out / "run").is_dir():
+                break
+            time.sleep(0.05)
+        second = subprocess.run(cmd + ["--days", "day03"], capture_output=True, text=True, timeout=120)
+        assert second.returncode == 1
+        assert second.stderr.strip().splitlines()[-1].startswith(
+            f"metaclaw bench: another metaclaw run is writing to {out}")
+    finally:
+        assert first.wait(timeout=300) == 0, first.stderr.read()
+    days = {json.loads(line)["day"] for line in (out / "run" / "rounds.jsonl").read_text().splitlines()}
+    assert days == {"day01", "day02"}
+
+
+# ---------------------------------------------------------------- command-line values
+@pytest.mark.parametrize("argv, words", [
+    (["bench", "--days", ",,"], "names no day"),
+    (["demo", "--days", " , "], "names no day"),
+    (["bench", "--top-k", "-1"], "--top-k: -1 is too small"),
+    (["bench", "--budget-chars", "-5"], "--budget-chars: -5 is too small"),
+    (["bench", "--votes", "0"], "--votes: 0 is too small"),
+    (["bench", "--parallel", "0"], "--parallel: 0 is too small"),
+    (["bench", "--min-score", "nan"], "not a finite number"),
+    (["bench", "--train-steps", "-1"], "--train-steps: -1 is negative"),
+])
+def test_nonsense_values_are_usage_errors(tmp_path, capsys, argv, words):
+    with pytest.raises(SystemExit) as exc:
+        main(argv + ["--out", str(tmp_path / "o")])
+    assert exc.value.code == 2
+    assert words in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--min-score", "-0.5"], "lexical (BM25) scores are never negative"),
+    (["--retrieval", "embedding", "--min-score", "5"], "outside -1..1"),
+])
+def test_a_min_score_the_retrieval_can_never_give_is_refused(tmp_path, capsys, argv, words):
+    assert main(["bench", *argv, "--out", str(tmp_path / "o")]) == 2
+    assert words in capsys.readouterr().err
+
+
+def test_an_unreachable_model_is_an_error_not_a_zero_score(tmp_path, capsys):
+    code = main(["bench", "--upstream", "http://127.0.0.1:9/v1", "--model", "m", "--days", "day01",
+                 "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 1
+    assert err.startswith("metaclaw bench: every one of the 5 rounds failed with an error")
+    assert "the first error was day01 r1: " in err

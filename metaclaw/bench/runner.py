@@ -96,6 +96,15 @@ def summarize(records: Iterable[dict], *, day_order: list[str] | None = None, **
     return {**meta, **_stats(records), "per_day": per_day}
 
 
+def all_rounds_failed(summary: dict) -> str | None:
+    """One sentence when every round of a run ended in an error (an unreachable or refusing
+    model, say): the table of zeros would say nothing about the model. None otherwise."""
+    if summary.get("rounds") and summary.get("errors") == summary["rounds"]:
+        return (f"every one of the {summary['rounds']} rounds failed with an error, so the scores "
+                f"measure nothing; the first error was {summary.get('first_error')}")
+    return None
+
+
 def _fmt(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:5.1f}%"
 
@@ -264,6 +273,8 @@ async def arun_bench(data_dir: str | Path, days: str | Iterable[str] | None = "a
                         parallel=int(parallel), run_id=run_id,
                         duration_s=round(time.perf_counter() - started, 3),
                         hook_errors=hook_errors, day_failures=failures,
+                        first_error=next((f"{r['day']} {r['round']}: {r['error']}"
+                                          for r in all_records if r.get("error")), None),
                         rounds_file=str(out / "rounds.jsonl"))
     (out / "summary.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False), encoding="utf-8")
     return summary
@@ -284,7 +295,8 @@ def run_bench(data_dir: str | Path, days: str | Iterable[str] | None = "all", mo
 
     Summary keys: ``rounds``, ``passed``, ``accuracy``, ``file_check_rounds``,
     ``file_check_completion``, ``multi_choice_rounds``, ``multi_choice_score``, ``errors``,
-    ``per_day`` (list of per-day dicts with ``day``, ``accuracy``, ...), plus run metadata.
+    ``per_day`` (list of per-day dicts with ``day``, ``accuracy``, ...), ``first_error`` (the
+    first round's error, "<day> <round>: <error>", or None), plus run metadata.
     Works from a plain script and from a notebook (where an event loop is already running).
     """
     from metaclaw.aio import run_sync

@@ -1,0 +1,68 @@
+"""argparse types for the ``bench`` and ``demo`` commands: a nonsense value is a usage error
+with one clear sentence, never silently replaced or run as zero rounds."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+
+def positive_int(text: str) -> int:
+    """An integer of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number; give 1 or more") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is too small; give 1 or more")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """An integer of at least 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number; give 0 or more") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative; give 0 or more")
+    return value
+
+
+def finite_float(text: str) -> float:
+    """A finite number (no nan, no inf)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
+
+
+def day_list(text: str) -> str:
+    """``all`` or a comma-separated list naming at least one day id."""
+    if text.strip().lower() == "all":
+        return "all"
+    ids = [part.strip() for part in text.split(",") if part.strip()]
+    if not ids:
+        raise argparse.ArgumentTypeError(f"{text!r} names no day; give 'all' or day ids separated "
+                                         "by commas, e.g. day01,day03")
+    return ",".join(ids)
+
+
+def check_min_score(min_score: float | None, retrieval: str) -> str | None:
+    """Why ``min_score`` cannot be a threshold for ``retrieval`` (None when it can).
+
+    Embedding retrieval scores are cosines (-1 to 1); lexical (BM25) scores are 0 or more with
+    no upper bound, so any threshold of 0 or more is a real, if strict, choice there.
+    """
+    if min_score is None:
+        return None
+    if retrieval == "lexical":
+        return None if min_score >= 0 else (f"--min-score {min_score:g} is below 0, and lexical "
+                                            "(BM25) scores are never negative; give 0 or more")
+    if not -1.0 <= min_score <= 1.0:
+        return (f"--min-score {min_score:g} is outside -1..1, the range of {retrieval} retrieval's "
+                "cosine scores; give a value in that range")
+    return None
