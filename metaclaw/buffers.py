@@ -129,22 +129,31 @@ def advance(store: Store, generation: int, consumed: Iterable[int] = ()) -> dict
     ``query`` set and are purged. Every other live turn of an older generation is marked
     ``purged``. Idempotent. Returns ``{"consumed": n, "purged": n}``.
     """
-    ids = sorted({int(i) for i in consumed})
     with store.transaction():
-        n_consumed = 0
+        ids = consumable(store, consumed)
         for start in range(0, len(ids), 500):
             chunk = ids[start:start + 500]
-            cur = store.execute(
-                f"UPDATE turns SET buffer_set = 'support', buffer_state = 'consumed' "
-                f"WHERE id IN ({', '.join('?' * len(chunk))}) AND buffer_set IS NOT NULL "
-                f"AND trained_steps = 0 "
-                f"AND (buffer_state IS NULL OR buffer_state = 'live')", chunk)
-            n_consumed += cur.rowcount
+            store.execute(f"UPDATE turns SET buffer_set = 'support', buffer_state = 'consumed' "
+                          f"WHERE id IN ({', '.join('?' * len(chunk))})", chunk)
         cur = store.execute(
             "UPDATE turns SET buffer_state = 'purged' "
             "WHERE buffer_state = 'live' AND skill_generation < ?", (int(generation),))
         n_purged = cur.rowcount
-    return {"consumed": n_consumed, "purged": n_purged}
+    return {"consumed": len(ids), "purged": n_purged}
+
+
+def consumable(store: Store, turn_ids: Iterable[int]) -> list[int]:
+    """Those of ``turn_ids`` that :func:`advance` would mark ``support / consumed`` now: task
+    turns still live (or not yet classified) that no GRPO step trained on."""
+    ids = sorted({int(i) for i in turn_ids})
+    found: list[int] = []
+    for start in range(0, len(ids), 500):
+        chunk = ids[start:start + 500]
+        found += [row["id"] for row in store.query(
+            f"SELECT id FROM turns WHERE id IN ({', '.join('?' * len(chunk))}) "
+            "AND buffer_set IS NOT NULL AND trained_steps = 0 "
+            "AND (buffer_state IS NULL OR buffer_state = 'live') ORDER BY id", chunk)]
+    return found
 
 
 def mark_trained(store: Store, turn_ids: Iterable[int]) -> None:

@@ -913,7 +913,7 @@ class Evolver:
             raise EvolveError(f"the proposal could not be applied ({exc}); the library is "
                               "unchanged", proposal.replies, proposal.attempts) from exc
         return EvolveResult("applied", parent, generation, proposal, verification,
-                            consumed=list(proposal.support_ids), purged=moved["purged"],
+                            consumed=moved["consumed_ids"], purged=moved["purged"],
                             reason=summary)
 
     def _closers(self) -> list[LLMClient]:

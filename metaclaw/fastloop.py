@@ -45,7 +45,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import html
-import json
 import logging
 import threading
 import time
@@ -553,14 +552,9 @@ class FastLoop:
                 report.decision = "hold"
                 report.reason = f"the library changed during verification ({exc})"
             else:
-                consumed = self.store.query(
-                    "SELECT id FROM turns WHERE buffer_set = 'support' AND "
-                    "buffer_state = 'consumed' AND id IN (SELECT value FROM json_each(?))",
-                    (json.dumps(list(proposal.support_ids)),))
                 return EvolveResult("applied", parent, generation, proposal,
-                                    consumed=[row["id"] for row in consumed],
-                                    purged=moved["purged"], reason=summary, gate=report,
-                                    proposal_id=recorded[0])
+                                    consumed=moved["consumed_ids"], purged=moved["purged"],
+                                    reason=summary, gate=report, proposal_id=recorded[0])
         proposal_id = proposals.record(
             self.store, proposal.ops, origin="auto", status=proposals.HELD,
             base_generation=parent, support_ids=proposal.support_ids, report=report)

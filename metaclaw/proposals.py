@@ -243,16 +243,18 @@ def _edit(store: Store, proposal: Proposal, name: str, *, body: str | None,
 
 def apply_ops(library: Any, ops: list[SkillOp], support_ids: Iterable[int], *, reason: str,
               base_generation: int | None = None,
-              then: Callable[[int], None] | None = None) -> tuple[int, dict[str, int]]:
+              then: Callable[[int], None] | None = None) -> tuple[int, dict[str, Any]]:
     """Apply ``ops`` as a new ``evolve`` generation and move the buffers (the support turns it
     learned from are consumed, older live turns purged), with ``then(generation)`` (the
     proposal's record), all in one transaction: a process killed midway leaves all of it or
-    none. Returns the generation and the buffer changes (``{"consumed": n, "purged": n}``).
-    ``base_generation``: refuse (:class:`~metaclaw.skills.SkillConflict`) if the library has
-    moved past it."""
-    moved: dict[str, int] = {}
+    none. Returns the generation and the buffer changes: ``{"consumed": n, "purged": n,
+    "consumed_ids": [...]}`` (support turns a GRPO step trained on meanwhile stay query
+    turns). ``base_generation``: refuse (:class:`~metaclaw.skills.SkillConflict`) if the
+    library has moved past it."""
+    moved: dict[str, Any] = {}
 
     def with_the_generation(generation: int) -> None:
+        moved["consumed_ids"] = buffers.consumable(library.store, support_ids)
         moved.update(buffers.advance(library.store, generation, consumed=support_ids))
         if then is not None:
             then(generation)

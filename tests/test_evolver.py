@@ -395,3 +395,18 @@ def test_strip_skill_block():
     assert strip_skill_block(inject(base[1:], block)) == base[1:]
     parts = [{"role": "system", "content": [{"type": "text", "text": "Be brief."}]}]
     assert strip_skill_block(inject(parts, block)) == parts
+
+
+def test_the_result_reports_only_the_support_turns_it_consumed(store, library):
+    """A support turn a GRPO step claimed before the evolution landed stays a query turn: the
+    result says which turns were consumed, as the store does."""
+    ids = [record(store, library, f"question {i}", "a wrong answer", reward=-1) for i in range(2)]
+    buffers.refresh(store, ids)
+    assert buffers.claim_for_training(store, [ids[0]]) == {ids[0]}
+    answer = {"operations": [{"op": "add", "name": "check-answers", "description": "Check.",
+                              "category": "general", "body": "Check the answer first.",
+                              "reason": "wrong answers", "evidence": ids}]}
+    with DoubleServer([Reply(content=json.dumps(answer))]) as double:
+        result = Evolver(double.url, "evolver", library, store, dedupe_threshold=None).evolve()
+    assert result.applied and result.consumed == [ids[1]]
+    assert [t["id"] for t in store.turns("buffer_state = 'consumed'")] == [ids[1]]
