@@ -49,7 +49,7 @@ import logging
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable, TypeVar
 
 from metaclaw import buffers
 from metaclaw.evolver import EvolveError, EvolveResult, Evolver
@@ -60,6 +60,7 @@ from metaclaw.skills import SkillConflict, SkillLibrary
 from metaclaw.store import Store
 
 log = logging.getLogger("metaclaw.fastloop")
+T = TypeVar("T")
 
 #: Kinds of :class:`FastLoopEvent`.
 EVENT_KINDS = ("turn", "judged", "judge_failed", "evolve_started", "evolved", "evolve_skipped",
@@ -219,7 +220,8 @@ class FastLoop:
             loop.call_soon_threadsafe(lambda: [task.cancel() for task in list(self._tasks)])
             self._emit("error", message=f"stopped with {in_flight} judge or evolver call(s) "
                        f"still running after {timeout:g} s: cancelled (their turns stay "
-                       "unjudged, their failures stay in the support set)")
+                       "unjudged, their failures stay in the support set; a skill change "
+                       "already being committed completes, and is reported)")
             with contextlib.suppress(Exception):
                 shutdown.result(10)  # closes the clients once the cancelled calls end
         except Exception:  # noqa: BLE001 - stopping must not raise
@@ -543,11 +545,11 @@ class FastLoop:
                     decided_by="gate", generation=generation))
 
             try:  # verified against generation `parent`: applied to it or not at all
-                generation, moved = await asyncio.to_thread(
+                generation, moved = await _to_the_end(asyncio.to_thread(
                     proposals.apply_ops, self.library, proposal.ops, proposal.support_ids,
                     reason=f"{proposals.AUTO_PREFIX} (verification gate): {summary}; "
                            f"{report.reason}",
-                    base_generation=parent, then=record_promotion)
+                    base_generation=parent, then=record_promotion))
             except SkillConflict as exc:
                 report.decision = "hold"
                 report.reason = f"the library changed during verification ({exc})"
@@ -640,3 +642,14 @@ class FastLoop:
         recent = "".join(f"<li>{html.escape(str(e))}</li>" for e in self.events[-10:])
         return (f"<div><b>Fast loop</b><table>{rows}</table>"
                 + (f"<p>Recent events:</p><ul>{recent}</ul>" if recent else "") + "</div>")
+
+
+async def _to_the_end(work: Awaitable[T]) -> T:
+    """Await ``work`` (a thread committing a change) to its end even when the waiting task is
+    cancelled: a thread cannot be stopped halfway, so the change lands anyway, and what it did
+    must still be reported."""
+    future = asyncio.ensure_future(work)
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+        return await future

@@ -571,3 +571,28 @@ def test_turns_leased_by_a_judge_that_died_are_judged_once_its_lease_ends(rig, m
     rig.chat("a", [], "Convert 2 miles to kilometers")
     wait_until(lambda: "judged" in kinds(loop), what="the turn judged after the lease ended")
     assert rig.store.turns()[-1]["reward"] == -1.0
+
+
+def test_a_change_committing_when_the_loop_stops_completes_and_is_reported(rig, monkeypatch):
+    """Its thread cannot be stopped halfway: the stop waits for it and the outcome is an event."""
+    other = Store(rig.store.path)  # another process, holding the write lock for a moment
+    apply_ops = proposals.apply_ops
+    locked = threading.Event()
+
+    def apply_behind_a_lock(*args, **kwargs):
+        other.execute("BEGIN IMMEDIATE")
+        threading.Timer(1.5, lambda: other.execute("COMMIT")).start()
+        locked.set()
+        return apply_ops(*args, **kwargs)
+
+    monkeypatch.setattr(proposals, "apply_ops", apply_behind_a_lock)
+    loop = rig.make_loop(every_n=2, failure_rate=None, on_session_end=False, feedback_wait=0)
+    rig.chat("s2", [], "Convert 5 miles to kilometers")
+    rig.chat("s2", [], "Convert 10 miles to kilometers")
+    assert locked.wait(30)
+    loop.stop(timeout=0.5)
+    assert "completes, and is reported" in next(
+        e for e in loop.events if e.kind == "error").detail["message"]
+    evolved = [e for e in loop.events if e.kind == "evolved"]
+    assert evolved and evolved[0].generation == rig.store.latest_generation()
+    assert proposals.all(rig.store)[0].status == "promoted"
