@@ -8,9 +8,11 @@ request carries (the precedence, documented and tested):
    with upstream MetaClaw), then other frameworks' session headers (:data:`SESSION_HEADERS`);
 2. a session id in the body's ``metadata`` (``metadata.session_id``, or the session in
    ``metadata.user_id``: Claude Code sends a JSON string with ``session_id``, older clients
-   ``..._session_<id>``), then OpenClaw's ``prompt_cache_key`` (``<sessionId>:<n>``);
+   ``..._session_<id>``), then OpenClaw's ``prompt_cache_key`` (``<sessionId>:<n>``; a key
+   without the numbered suffix is a cache key shared by conversations, not a session);
 3. a session id the framework embeds in the conversation (:data:`EMBEDDED_SESSION`: OpenClaw
-   writes ``sessionId=<uuid>`` into a session's first user message);
+   writes ``sessionId=<uuid>`` into a session's first user message, or into the system
+   prompt), searched for only there;
 4. a fingerprint of the conversation: a hash of the body's ``user`` field and the first user
    message as sent (frameworks resend the whole history each turn, so every turn of one
    conversation carries the same first message, and its envelope's timestamp keeps two
@@ -112,11 +114,18 @@ class SideCallRule:
     matches: Callable[[dict[str, Any], str, str], bool]
 
 
+#: Where a side call's instruction starts: at the start of a line (a system prompt's block, a
+#: paragraph), as the request's own purpose. The same words in the middle of a sentence of an
+#: agent's standing prompt ("If the user asks, summarize the conversation") are not one.
+_LEAD = r"^\W*(?:you are |your task is to |please |now )?"
+
+
 def _says(*patterns: str, needles: tuple[str, ...]) -> Callable[[dict[str, Any], str, str], bool]:
-    """A rule: one of ``patterns`` (case-insensitive) in the instructions or the last user
-    message. ``needles``: lowercase words every match contains; a text without any of them is
-    not searched (instructions run to tens of kilobytes, and most requests are not side calls)."""
-    pattern = re.compile("|".join(patterns), re.I)
+    """A rule: one of ``patterns`` (case-insensitive, each starting a line, see :data:`_LEAD`)
+    in the instructions or the last user message. ``needles``: lowercase words every match
+    contains; a text without any of them is not searched (instructions run to tens of
+    kilobytes, and most requests are not side calls)."""
+    pattern = re.compile("|".join(_LEAD + p for p in patterns), re.I | re.M)
 
     def says(body: dict[str, Any], instructions: str, last: str) -> bool:
         return any(pattern.search(text) for text in (instructions, last[:2000])
@@ -159,16 +168,16 @@ def _sub_agent(body: dict[str, Any], instructions: str, last: str) -> bool:
 #: How side calls are recognised (first match wins); extend for a new framework.
 SIDE_CALL_RULES: list[SideCallRule] = [
     SideCallRule("title", _says(
-        r"\b(?:generate|write|create|suggest|give)\b[^.\n]{0,40}\btitle\b[^.\n]{0,60}"
-        r"\b(?:conversation|chat|session|thread)\b",
-        r"\btitle\b[^.\n]{0,20}\b(?:of|for)\b[^.\n]{0,20}\b(?:this|the) (?:conversation|chat)\b",
-        r"\bnaming (?:a|this|the) (?:\w+ )?(?:session|conversation|chat|thread)\b",
+        r"(?:generate|write|create|suggest|give|provide|propose)\b[^.\n]{0,40}\btitle\b"
+        r"[^.\n]{0,20}\b(?:of|for)\b[^.\n]{0,20}"
+        r"\b(?:this|the) (?:conversation|chat|session|thread)\b",
+        r"naming (?:a|this|the) (?:\w+ )?(?:session|conversation|chat|thread)\b",
         needles=("title", "naming"))),
     SideCallRule("title-schema", _title_schema),
     SideCallRule("summary", _says(
-        r"\b(?:summari[sz]e|create a (?:detailed )?summary of|compact)\b[^.\n]{0,40}"
-        r"\b(?:conversation|chat history|session|transcript|prefix)\b",
-        r"\b(?:context )?summari[sz]ation assistant\b", needles=("summar", "compact"))),
+        r"(?:summari[sz]e|create a (?:detailed )?summary of|compact)\b[^.\n]{0,40}"
+        r"\b(?:(?:this|the) (?:conversation|chat)|(?:the )?chat history|the prefix)\b",
+        r"an? (?:context )?summari[sz]ation assistant\b", needles=("summar", "compact"))),
     SideCallRule("quota-probe", _tiny_probe),
     SideCallRule("sub-agent", _sub_agent),
 ]
@@ -214,13 +223,20 @@ def session_of(headers: Mapping[str, str], body: dict[str, Any]) -> tuple[str, s
         found = _metadata_user_session(metadata["user_id"])
         if found:
             return _check_session(found, "metadata.user_id"), "metadata:user_id"
-    cache_key = body.get("prompt_cache_key")  # OpenClaw with compat.supportsPromptCacheKey
-    if isinstance(cache_key, str) and _ID_TOKEN.fullmatch(cache_key.rsplit(":", 1)[0]):
-        return cache_key.rsplit(":", 1)[0], "body:prompt_cache_key"
+    # OpenClaw (compat.supportsPromptCacheKey) sends "<sessionId>:<n>"; other clients use one
+    # cache key for every conversation sharing a prompt prefix, which is not a session
+    cache_key = body.get("prompt_cache_key")
+    if isinstance(cache_key, str) and ":" in cache_key:
+        key, _, number = cache_key.rpartition(":")
+        if number.isdigit() and _ID_TOKEN.fullmatch(key):
+            return key, "body:prompt_cache_key"
     messages = body.get("messages") if isinstance(body.get("messages"), list) else []
+    # where frameworks write it: the instructions, or the session's first user message (a
+    # later message may quote code that happens to say "sessionId=")
     texts = [content_text(body.get("system"))] + [  # Anthropic's system is top-level
         content_text(m.get("content")) for m in messages
-        if isinstance(m, dict) and m.get("role") in ("user", *INSTRUCTION_ROLES)]
+        if isinstance(m, dict) and m.get("role") in INSTRUCTION_ROLES]
+    texts.append(_first_user_text(messages) or "")
     for text in texts:
         found = EMBEDDED_SESSION.search(text) if "sessionId=" in text else None
         if found:

@@ -220,3 +220,38 @@ def test_claude_codes_metadata_and_openclaws_cache_key_carry_the_session():
     assert identity.session_id == cache["prompt_cache_key"].rsplit(":", 1)[0]
     # the same session as the id OpenClaw writes into the first message
     assert identity.session_id in json.dumps(cache["messages"])
+
+
+@pytest.mark.parametrize("messages", [
+    [{"role": "user", "content": "Summarize the attached meeting transcript into action items"}],
+    [{"role": "user", "content": "compact the session logs in /var/log/app into one file"}],
+    [{"role": "system", "content": "You are a support agent. If the user asks, summarize the "
+                                   "conversation in the ticket."},
+     {"role": "user", "content": "My order #123 has not arrived"}],
+    [{"role": "system", "content": "You are a blogging assistant. Always suggest a title for "
+                                   "the conversation topic at the end of your post."},
+     {"role": "user", "content": "write a post about sourdough"}],
+])
+def test_tasks_that_mention_summaries_or_titles_are_main_turns(messages):
+    """A user's own task, or an agent's standing prompt mentioning a summary or a title in
+    passing, is not a side call (which would get no skills and never be learnt from)."""
+    assert identify({}, {"messages": messages}).turn_type == "main"
+
+
+def test_a_later_message_quoting_session_id_code_stays_in_its_session():
+    first = {"role": "user", "content": "help me with my express app"}
+    pasted = {"role": "user", "content": "here is my code: const sessionId=req.params.id;"}
+    before = identify({}, {"messages": [first]}).session_id
+    after = identify({}, {"messages": [first, {"role": "assistant", "content": "sure"}, pasted]})
+    assert after.session_id == before and after.how["session"].startswith("fingerprint")
+
+
+def test_a_shared_prompt_cache_key_is_not_a_session():
+    def session(key, text):
+        return identify({}, {"prompt_cache_key": key,
+                             "messages": [{"role": "user", "content": text}]})
+
+    assert session("helpbot-v1", "a").session_id != session("helpbot-v1", "b").session_id
+    openclaw = session("a6631154-9d92-4d17-a383-30f0923b9649:3", "a")
+    assert (openclaw.session_id, openclaw.how["session"]) == (
+        "a6631154-9d92-4d17-a383-30f0923b9649", "body:prompt_cache_key")
