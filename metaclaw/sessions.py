@@ -15,8 +15,11 @@ request carries (the precedence, documented and tested):
    prompt), searched for only there;
 4. a fingerprint of the conversation: a hash of the body's ``user`` field and the first user
    message as sent (frameworks resend the whole history each turn, so every turn of one
-   conversation carries the same first message, and its envelope's timestamp keeps two
-   conversations with the same opening apart): ``conv-<12 hex>``;
+   conversation carries the same first message): ``conv-<12 hex>``. It keeps conversations
+   apart only when their first messages differ (OpenClaw's envelope carries a timestamp; a
+   harness running one task many times without a session id does not): such runs share one
+   session, and the judge may read one run's next message as feedback on another's reply.
+   Clients that run conversations with identical openings must send ``X-Session-Id``;
 5. ``unidentified`` for a request without any of these (no user message at all), logged.
 
 Nothing is ever lumped into a ``default`` session silently: :attr:`Identity.how` says which
