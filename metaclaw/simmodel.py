@@ -9,7 +9,9 @@ it serves starts with ``sim-`` and every reply says it is simulated. Requests ar
   generic skills only: list and read files with the tools the request offers, then write JSON,
   Markdown, CSV or Python built from the request and the files it read, change an existing file
   as asked, copy a file, append a line, format a date; multiple-choice questions are answered with
-  ``\\bbox{...}``. It knows no workplace convention: it applies one only when its context states
+  ``\\bbox{...}``: an option is judged by the rules its context states (under a stated time
+  format, a date or time value written in any other shape, or in words, is wrong; a file name is
+  judged by the stated naming pattern), else by the closest sentence it was told, else guessed. It knows no workplace convention: it applies one only when its context states
   it (the system prompt with any injected skills, or what the user said earlier in the
   conversation), and it takes every parameter of the convention from that text. The rule kinds it
   can read, and how, are documented in one place: :mod:`metaclaw.simrules`.
@@ -581,7 +583,10 @@ def _header_now(ctx: _Ctx) -> str:
 
 
 def _current_time_hint(q: str) -> str:
-    m = re.search(r"current time[^)]*?(\d{1,2}:\d{2})", q, re.I) or re.search(r"around (\d{1,2}:\d{2})", q)
+    """The clock time the request gives for "now" (``current time 09:30``, ``now, about 09:30``,
+    ``around 15:30``), or ""."""
+    m = re.search(r"\b(?:current(?:ly)?|now|around|about|roughly|approximately|circa)\b[^)\d]{0,20}?"
+                  r"(\d{1,2}:\d{2})", q, re.I)
     return m.group(1) if m else ""
 
 
@@ -635,12 +640,12 @@ def _value(ctx: _Ctx, spec: FieldSpec, depth: int = 0) -> Any:
     quoted = re.search(r"\(\s*\"([^\"]+)\"\s*\)", hint)
     if quoted:
         return quoted.group(1)
-    if "interval" in hint and "time" in hint:
-        count = re.search(r"\b(\d+)\b(?!-minute)(?![:\d])", hint)
-        minutes = re.search(r"(\d+)-minute", hint)
+    minutes = re.search(r"(\d+)[- ]minutes?\b", hint)
+    if minutes and re.search(r"\b(intervals?|every|each)\b", hint) and re.search(r"\btimes?\b|\d:\d\d", hint):
+        count = re.search(r"\b(\d+)\b(?![- ]minute)(?![:\d])", hint)
         n = min(int(count.group(1)), 48) if count else 4
-        step = int(minutes.group(1)) if minutes else 15
-        start_at = re.search(r"from (\d{1,2}:\d{2})", hint)
+        step = int(minutes.group(1))
+        start_at = re.search(r"\b(?:from|between|starting(?: at)?)\s+(\d{1,2}:\d{2})", hint)
         start = parse_when(start_at.group(1), ctx.today) if start_at else ctx.now
         return [ctx.t(start + dt.timedelta(minutes=step * i)) for i in range(n)]
     if _is_list_field(name, hint):
@@ -812,15 +817,23 @@ def make_python(ctx: _Ctx, words: list[str]) -> str:
         for name, args in funcs or [("main", "path=\".\"")]:
             params = [a.strip() for a in args.split(",") if a.strip()]
             body += ["", f"def {name}({', '.join(params)}):", f'    """{name.replace("_", " ").capitalize()}."""']
-            body += [f"    {line}" for line in _py_function_body(name, [p.split("=")[0] for p in params])] + [""]
+            body += [f"    {line}" for line in _py_function_body(name, [p.split("=")[0] for p in params],
+                                                                  _json_header_key(ctx))] + [""]
         first = (funcs or [("main", "")])[0][0]
         call = "main()" if not funcs else f"print({first}.__doc__)"
         body += ["", 'if __name__ == "__main__":', f"    {call}", ""]
     return "\n".join(body)
 
 
-def _py_function_body(name: str, params: list[str]) -> list[str]:
-    """A small working body for a function, chosen from its name and parameters."""
+def _json_header_key(ctx: _Ctx) -> str | None:
+    """The key of the header object JSON files must carry, when a stated rule names one."""
+    h = ctx.rules.headers.get("json")
+    return h.container if h else None
+
+
+def _py_function_body(name: str, params: list[str], header_key: str | None = None) -> list[str]:
+    """A small working body for a function, chosen from its name and parameters; a folder scan
+    also counts the JSON files carrying ``header_key`` (the stated header object) when known."""
     data = params[0] if params else "{}"
     path = next((p for p in params if "path" in p or "file" in p or "dir" in p), None)
     rows = f"{data} if isinstance({data}, list) else [{data}]"
@@ -839,16 +852,19 @@ def _py_function_body(name: str, params: list[str]) -> list[str]:
                 f"with open({path}, \"w\", encoding=\"utf-8\") as fh:", "    fh.write(\"\\n\".join(lines) + \"\\n\")",
                 f"return {path}"]
     if path:
-        return [f"target = {path}",
+        scan = ["target = " + path,
                 "names = sorted(os.listdir(target)) if os.path.isdir(target) else [target]",
-                "summary = {\"files\": len(names), \"json_files\": 0, \"with_meta\": 0}",
+                "summary = {\"files\": len(names), \"json_files\": 0}",
                 "for name in names:",
                 "    full = os.path.join(target, name) if os.path.isdir(target) else name",
                 "    if full.endswith(\".json\"):",
-                "        summary[\"json_files\"] += 1",
-                "        with open(full, encoding=\"utf-8\") as fh:",
-                "            summary[\"with_meta\"] += \"meta\" in json.load(fh)",
-                "print(summary)", "return summary"]
+                "        summary[\"json_files\"] += 1"]
+        if header_key:
+            key = json.dumps(header_key)
+            scan[2] = "summary = {\"files\": len(names), \"json_files\": 0, \"with_header\": 0}"
+            scan += ["        with open(full, encoding=\"utf-8\") as fh:",
+                     f"            summary[\"with_header\"] += {key} in json.load(fh)"]
+        return scan + ["print(summary)", "return summary"]
     args = ", ".join(f"\"{p}\": {p}" for p in params)
     return [f"return {{\"action\": \"{name}\", {args}}}" if args else f"return {{\"action\": \"{name}\"}}"]
 
@@ -939,9 +955,9 @@ def modify_json(ctx: _Ctx, original: str) -> str:
         return original.rstrip() + "\n"
     mapping = {}
     for name in re.findall(r"\b([a-z][a-z0-9]*_[a-z0-9_]+)\b", ctx.q):
-        seg = _field_segment(ctx.q, name)
-        when = parse_when(re.sub(r"^\s*(corresponds to|=|:)", "", seg), ctx.today, ctx.now.time())
-        if when is not None and "corresponds" in seg or (when is not None and _is_time_field(name)):
+        # "<field> is / maps to / = <a time>": the time the request gives that field
+        when = parse_when(_field_segment(ctx.q, name), ctx.today, ctx.now.time())
+        if when is not None:
             mapping[name] = ctx.t(when)
     add = re.search(r"\bid\s+([A-Z]+-\d+)", ctx.q)
     if add:
@@ -957,7 +973,7 @@ def modify_json(ctx: _Ctx, original: str) -> str:
             who = re.search(r"\bassign(?:ed)? it to (\w+)", ctx.q, re.I)
             owner = next((k for k in item if _is_person_field(k)), "assignee")
             item[owner] = who.group(1) if who else "unassigned"
-            due = re.search(r"deadline of ([^,.]+)", ctx.q)
+            due = re.search(r"\b(?:deadline(?:\s+(?:of|is|at))?|due(?:\s+(?:by|on|at))?)\s+([^,.]+)", ctx.q)
             for name in re.findall(r"\b([a-z]+_[a-z]+)\b", ctx.q):   # time fields the request names
                 if _is_time_field(name):
                     item[name] = ctx.t(parse_when(due.group(1), ctx.today, dt.time(18, 0))
@@ -1114,15 +1130,58 @@ def _lexical_verdict(opt: str, knowledge: str) -> bool | None:
     return (not _NEGATION.search(best)) == (not _NEGATION.search(opt))
 
 
+_TIME_WORDS = re.compile(r"\b(?:" + "|".join(WEEKDAYS + MONTHS) + r"|today|tomorrow|yesterday|tonight|"
+                         r"noon|midnight|eod|am|pm)\b", re.I)
+_TOKEN = re.compile(r"[\w:+\-./]+")
+
+
+def _date_like(token: str) -> bool:
+    """A token that writes a date or a time in some shape: a clock (9:30), or a year with more
+    digits beside it (2026-03-17, 2026-W12-1, 2026-075, 20260316T0930)."""
+    if re.search(r"\d{1,2}:\d{2}", token):
+        return True
+    digits = re.findall(r"\d+", token)
+    year = any(re.match(r"(?:19|20)\d{2}(?:\d{4})?$", d) or re.match(r"(?:19|20)\d{6}", d) for d in digits)
+    return year and (len(digits) >= 2 or any(len(d) >= 8 for d in digits))
+
+
+def _value_spans(opt: str) -> list[str]:
+    """The parts of an option that are values rather than prose: quoted strings, what follows a
+    ``key:`` label, or the whole option when it is only a value (at most three words)."""
+    if len(opt.split()) <= 3:
+        return [opt]
+    spans = re.findall(r"\"([^\"]*)\"|'([^']*)'", opt)
+    out = [a or b for a, b in spans]
+    label = re.search(r"(?<!\d):\s+(.+)$", re.sub(r"\"[^\"]*\"|'[^']*'", " ", opt), re.S)
+    if label:
+        out.append(label.group(1))
+    return out
+
+
+def _time_verdict(opt: str, time_rule: Any) -> bool | None:
+    """Under a stated time format: False when a value of the option writes a date or time in any
+    other shape (or in words: 'Friday', 'March 20'), True when all its date-times follow the
+    format, None when it holds no date or time value. File names are left to the naming rule."""
+    seen = False
+    for span in _value_spans(opt):
+        for m in DATETIME_RE.finditer(span):
+            seen = True
+            if not time_rule.matches(m.group(0)):
+                return False
+        rest = DATETIME_RE.sub(" ", span)
+        tokens = [t for t in _TOKEN.findall(rest) if not _FILE_RE.fullmatch(t.strip(".,;:"))]
+        if any(_date_like(t) for t in tokens) or _TIME_WORDS.search(" ".join(tokens)):
+            return False
+    return True if seen else None
+
+
 def _option_verdict(opt: str, rules: Rules, knowledge: str) -> bool | None:
     """True/False when a stated rule (or the known text) decides the option, None otherwise."""
     verdicts: list[bool] = []
-    target = opt.split("→")[-1] if "→" in opt else opt
-    stamps = [m.group(0) for m in DATETIME_RE.finditer(target)]
-    bare = re.findall(r"(?<![\w-])(\d{4}-\d{2}-\d{2}|\d{4}-W\d{2}-\d|\d{8}T\d{6}[+-]\d{4})(?![\w:-])", target)
     if rules.time is not None:
-        if stamps or bare:
-            verdicts.append(all(rules.time.matches(s) for s in stamps) and not bare)
+        verdict = _time_verdict(opt, rules.time)
+        if verdict is not None:
+            verdicts.append(verdict)
     if rules.naming is not None:
         files = [f for f in _FILE_RE.findall(opt) if not (rules.backup and f.endswith(rules.backup.suffix))]
         if files and re.search(r"\b(name|named|file|new|create)", opt, re.I) or files == _FILE_RE.findall(opt.strip()):
@@ -1332,11 +1391,11 @@ def judge_reply(body: dict) -> dict:
 
 #: Skill names and categories per rule kind (the evolver's own vocabulary, not the task's).
 SKILL_KINDS: dict[str, tuple[str, str, str]] = {
-    "time": ("stated-time-format", "output_format", "Time values"),
-    "naming": ("stated-file-naming", "file_naming", "Names of new files"),
-    "header": ("stated-file-header", "field_completeness", "Header fields in output files"),
-    "backup": ("stated-backup-rule", "workflow", "Backups before changing a file"),
-    "log": ("stated-task-log", "workflow", "A log line after each task"),
+    "time": ("stated-time-format", "timestamps", "Time values"),
+    "naming": ("stated-file-naming", "file-names", "Names of new files"),
+    "header": ("stated-file-header", "file-headers", "Header fields in output files"),
+    "backup": ("stated-backup-rule", "backups", "Backups before changing a file"),
+    "log": ("stated-task-log", "task-log", "A log line after each task"),
 }
 _QUOTES_HEADER = "## What the user said"
 _MAX_QUOTES = 4

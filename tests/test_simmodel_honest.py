@@ -216,3 +216,157 @@ def test_feedback_in_the_conversation_teaches_the_next_task_too():
     system = "You are an assistant for a small shop."
     ok, _ = _run("time", f"[Feedback] {FEEDBACK['time']}\n\n{TASKS[0][1]}", system)
     assert ok
+
+
+# ---------------------------------------------------------------- no fitting to the wording
+def test_skill_categories_are_the_evolvers_own_words():
+    """The categories of the simulated evolver's skills are not the benchmark's preference tags."""
+    tests = json.loads((small_bench_dir() / "all_tests.json").read_text())
+    tags = {t for day in tests["test"] for t in day.get("preference_tags") or ()}
+    assert tags
+    assert not {category for _, category, _ in sm.SKILL_KINDS.values()} & tags
+
+
+def _ask(options: dict[str, str], remark: str) -> str:
+    question = ("Which of these values are written correctly? Select all that apply.\n\n" +
+                "\n".join(f"{k}. {v}" for k, v in options.items()) + "\n\nAnswer with \\pick{X,Y}.")
+    body = {"model": "sim-agent", "messages": [
+        {"role": "system", "content": "You are an assistant for a small shop."},
+        {"role": "user", "content": "Log the delivery."}, {"role": "assistant", "content": "Done."},
+        {"role": "user", "content": f"[Feedback] {remark}\n\n{question}"}]}
+    return sm.agent_reply(body)["content"]
+
+
+def test_any_date_or_time_off_the_stated_format_is_wrong_whatever_its_shape():
+    """Every wrong shape is judged wrong from the stated format, none is guessed."""
+    wrong = ["2026-07-09T14:30:00-03:00", "20260709T143000-0300", "2026-W28-4", "2026-190",
+             "2026-07", "09.07.2026", "20260709 1430-0300", "Thursday 14:30", '"due": "EOD Friday"',
+             'delivered_at: "9 July 2026"', "14:30"]
+    for shape in wrong:
+        reply = _ask({"A": "09.07.2026 14:30 -03:00", "B": shape, "C": "10.07.2026 08:05 -03:00"},
+                     FEEDBACK["time"])
+        assert reply.endswith("\\pick{A,C}") and "guessed" not in reply, (shape, reply)
+
+
+def test_a_time_given_to_a_field_is_used_whatever_the_verb():
+    """A request that gives fields their times is read the same in any phrasing."""
+    original = json.dumps({"params": [{"name": "opened_after", "example": "x"},
+                                      {"name": "closed_before", "example": "y"}]})
+    phrasings = ["opened_after corresponds to 2026-07-01 08:00, closed_before corresponds to "
+                 "this Friday 17:00", "opened_after maps to 2026-07-01 08:00, closed_before is "
+                 "this Friday 17:00", "opened_after = 2026-07-01 08:00; closed_before: this Friday 17:00"]
+    results = set()
+    for words in phrasings:
+        conv = sm.parse_conversation([
+            {"role": "system", "content": FEEDBACK["time"]},
+            {"role": "user", "content": f"Please correct the example times in stock/api.json. {words}."}])
+        ctx = sm._Ctx(conv, {"stock/README.md": _files()["stock/README.md"]}, 7)
+        results.add(sm.modify_json(ctx, original))
+    assert len(results) == 1, results
+    examples = [p["example"] for p in json.loads(results.pop())["params"]]
+    assert examples == ["01.07.2026 08:00 -03:00", "10.07.2026 17:00 -03:00"]
+
+
+def _bench_rounds(data: Path, days: str, out: Path) -> list[tuple]:
+    """(day position, round, passed, score) of a baseline run of the simulated agent on ``data``;
+    a multiple-choice round where it guessed some option (no stated rule decided it; the guess
+    is seeded by the question's text) counts as (day position, round, "guessed")."""
+    from metaclaw.bench.runner import run_bench
+    from metaclaw.simmodel import serve_sim_model
+
+    sim = serve_sim_model()
+    try:
+        run_bench(data, days, "baseline", base_url=sim.url, model="sim-agent", out_dir=out, parallel=3)
+    finally:
+        sim.stop()
+    order = {d: i for i, d in enumerate(days.split(","))}
+    records = [json.loads(line) for line in (out / "rounds.jsonl").read_text().splitlines()]
+    return sorted((order[r["day"]], r["round"], "guessed") if "guessed" in r["reply"] else
+                  (order[r["day"]], r["round"], r["passed"], r["score"]) for r in records)
+
+
+def _rewrite(root: Path, sub) -> None:
+    for f in root.rglob("*"):
+        if f.is_file() and f.suffix in (".json", ".md", ".txt", ".py", ".log", ".csv", ".jsonl"):
+            f.write_text(sub(f.read_text(encoding="utf-8")), encoding="utf-8")
+
+
+def test_scores_do_not_hinge_on_the_wording_of_the_requests(tmp_path):
+    """Paraphrased requests (same meaning, other words) score as the original ones."""
+    import shutil
+
+    src = small_bench_dir()
+    days = sorted(p.name for p in (src / "eval").iterdir())[:2]
+    copy = tmp_path / "para"
+    shutil.copytree(src, copy)
+    swaps = [("corresponds to", "maps to"), ("deadline of", "due"),
+             ("current time around", "now, roughly"), ("around", "about"),
+             (r"at (\d+)-minute intervals from (\S+) to (\S+)", r"every \1 minutes between \2 and \3")]
+    for qfile in (copy / "eval").glob("*/questions.json"):
+        data = json.loads(qfile.read_text())
+        for r in data["rounds"]:
+            for old, new in swaps:
+                r["question"] = re.sub(old, new, r["question"])
+        qfile.write_text(json.dumps(data, ensure_ascii=False))
+    changed = sum(a != b for a, b in zip(sorted((src / "eval").glob("*/questions.json")),
+                                         sorted((copy / "eval").glob("*/questions.json")))
+                  if a.read_text() != b.read_text())
+    assert changed, "the paraphrase changed nothing"
+    ids = ",".join(days)
+    assert _bench_rounds(copy, ids, tmp_path / "b") == _bench_rounds(src, ids, tmp_path / "a")
+
+
+def test_scores_do_not_hinge_on_names_dates_or_ids(tmp_path):
+    """Days renumbered, input files renamed, people renamed, the year moved: the same scores."""
+    import shutil
+
+    src = small_bench_dir()
+    all_days = sorted(p.name for p in (src / "eval").iterdir())
+    picked = [all_days[0], all_days[3], all_days[9]]
+    copy = tmp_path / "perturbed"
+    shutil.copytree(src, copy)
+    prefix = re.match(r"[a-z]+", all_days[0]).group(0)
+    renamed = {}
+    for f in (copy / "workspaces" / "shared").glob(f"{prefix}*/*"):
+        if f.name.lower() != "readme.md":
+            stem, ext = f.name.rsplit(".", 1)
+            renamed[f.name] = "_".join(reversed(stem.split("_"))) + "." + ext
+            if renamed[f.name] == f.name:
+                renamed[f.name] = "x_" + f.name
+    people = set()
+    for md in (copy / "workspaces" / "shared").glob("*.md"):
+        people |= set(re.findall(r"\*\*([A-Z][a-z]+)(?: [A-Z][a-z]+)?\*\* —", md.read_text()))
+    new_people = dict(zip(sorted(people), ["Quinn", "Rowan", "Sasha", "Tove", "Uma", "Vito", "Wren"]))
+
+    def sub(text: str) -> str:
+        text = re.sub(rf"\b{prefix}(\d\d)\b", lambda m: f"{prefix}{int(m.group(1)) + 40:02d}", text)
+        for old, new in sorted(renamed.items(), key=lambda kv: -len(kv[0])):
+            text = re.sub(rf"(?<![\w.]){re.escape(old)}(?!\w)", new, text)
+        for old, new in new_people.items():
+            text = re.sub(rf"\b{old}\b", new, text)
+        return text.replace("2026", "2027")
+
+    for f in sorted((copy / "workspaces" / "shared").glob(f"{prefix}*/*")):
+        if f.name in renamed:
+            f.rename(f.with_name(renamed[f.name]))
+    for base in (copy / "workspaces" / "shared", copy / "eval"):
+        for d in sorted(base.glob(f"{prefix}*"), reverse=True):
+            d.rename(base / sub(d.name))
+    _rewrite(copy, sub)
+    moved = ",".join(sub(d) for d in picked)
+    assert _bench_rounds(copy, moved, tmp_path / "b") == _bench_rounds(src, ",".join(picked), tmp_path / "a")
+
+
+def test_a_generated_script_names_only_keys_the_context_states():
+    """A folder-scan script counts a header object only when a stated rule names its key."""
+    conv = sm.parse_conversation([{"role": "user", "content": "Please write a Python script "
+                                   "stock/scan.py with a function scan_folder(dir_path)."}])
+    script = sm.make_python(sm._Ctx(conv, {}, 7), ["scan", "folder"])
+    assert "json_files" in script and "with_header" not in script
+    stated = ('Every JSON file must start with a header object like {"stamp": {"by": "shop_bot", '
+              '"state": "final"}}.')
+    conv = sm.parse_conversation([{"role": "system", "content": stated}] + [
+        {"role": "user", "content": "Please write a Python script stock/scan.py with a function "
+         "scan_folder(dir_path)."}])
+    script = sm.make_python(sm._Ctx(conv, {}, 7), ["scan", "folder"])
+    assert '"stamp" in json.load(fh)' in script
