@@ -734,7 +734,11 @@ class Judge:
         skipped: dict[int, JudgeResult] = {}
         if not rescore:  # turns judged meanwhile, or being judged elsewhere, are left alone
             leased = lease_turns(store, [r["id"] for r in rows], self.lease_s)
-            skipped = {r["id"]: self._skipped(r) for r in rows if r["id"] not in leased}
+            others = sorted(r["id"] for r in rows if r["id"] not in leased)
+            judged = {row["id"] for row in store.query(  # read again: judged since the rows
+                "SELECT id FROM turns WHERE reward IS NOT NULL AND id IN "
+                "(SELECT value FROM json_each(?))", (json.dumps(others),))} if others else set()
+            skipped = {i: self._skipped(i, i in judged) for i in others}
             rows = [r for r in rows if r["id"] in leased]
         next_users: dict[int, str | None] = {}
         if feedback:  # the feedback on a turn is in the later turns of its thread
@@ -757,13 +761,12 @@ class Judge:
                 release_turns(store, [r["id"] for r in rows])
         return sorted([*results, *skipped.values()], key=lambda r: r.turn_id)
 
-    def _skipped(self, row: dict[str, Any]) -> JudgeResult:
-        judged = row["reward"] is not None
+    def _skipped(self, turn_id: int, judged: bool) -> JudgeResult:
         why = ("judged meanwhile (pass rescore=True to judge it again)" if judged else
                "another process is judging it (its lease ends within "
                f"{self.lease_s:g} s if that process stopped)")
         return JudgeResult(score=None, votes=[], failed=0, unparsable=0, rationale="",
-                           model=self.model, turn_id=row["id"], error=why,
+                           model=self.model, turn_id=turn_id, error=why,
                            skipped="judged" if judged else "leased")
 
     def judge_turns(self, store: Store, turn_ids: Iterable[int] | None = None, *,
