@@ -358,36 +358,6 @@ def apply_in_memory(skills: dict[str, Skill], ops: Iterable[SkillOp]) -> dict[st
     return out
 
 
-def strip_skill_block(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Recorded request messages without the injected skill block (a new list).
-
-    The block (starting with ``retrieval.BLOCK_HEADER``) is cut from the first system message;
-    a system message left empty (it was created by the injection) is dropped.
-    """
-    from metaclaw.retrieval import BLOCK_HEADER
-
-    out = list(messages or [])
-    for i, message in enumerate(out):
-        if not (isinstance(message, dict) and message.get("role") == "system"):
-            continue
-        content = message.get("content")
-        if isinstance(content, str) and BLOCK_HEADER in content:
-            kept = content[:content.index(BLOCK_HEADER)].rstrip()
-            if kept:
-                out[i] = {**message, "content": kept}
-            else:
-                del out[i]
-        elif isinstance(content, list):
-            parts = [p for p in content if not (isinstance(p, dict) and isinstance(
-                p.get("text"), str) and p["text"].startswith(BLOCK_HEADER))]
-            if parts:
-                out[i] = {**message, "content": parts}
-            else:
-                del out[i]
-        break
-    return out
-
-
 # -- results ----------------------------------------------------------------------------------
 def _op_dict(op: SkillOp) -> dict[str, Any]:
     return {"op": op.op, "name": op.name, "reason": op.reason, "evidence": list(op.evidence),
@@ -775,7 +745,7 @@ class Evolver:
     def _replay_messages(self, turn: dict[str, Any], skills: list[Skill]) -> list[dict[str, Any]]:
         from metaclaw import retrieval
 
-        base = strip_skill_block(turn.get("request_messages") or [])
+        base = retrieval.strip_skill_block(turn.get("request_messages") or [])
         query = retrieval.query_text(base)
         selected = retrieval.select(self._replay_retriever(), query, skills, top_k=self.top_k,
                                     min_score=self.min_score, budget_chars=self.budget_chars,

@@ -245,9 +245,8 @@ class Gate:
 
     def _messages(self, turn: dict[str, Any], skills: list[Skill]) -> list[dict[str, Any]]:
         from metaclaw import retrieval
-        from metaclaw.evolver import strip_skill_block
 
-        base = strip_skill_block(turn.get("request_messages") or [])
+        base = retrieval.strip_skill_block(turn.get("request_messages") or [])
         query = retrieval.query_text(base)
         selected = retrieval.select(self._retriever(), query, skills, top_k=self.top_k,
                                     min_score=self.min_score, budget_chars=self.budget_chars,

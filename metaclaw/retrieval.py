@@ -753,14 +753,55 @@ def augment(retriever: Retriever, messages: list[dict], skills: list[Skill], *, 
     return inject(messages, render_block(selected)), selected
 
 
+def strip_skill_block(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` without any injected skill block (a new list; the input is not changed).
+
+    A block (from :data:`BLOCK_HEADER` to :data:`BLOCK_FOOTER`) is cut from every system or
+    ``developer`` message, keeping the text around it; a message left empty (the injection
+    created it) is dropped. Recorded requests, and clients resending their history, carry the
+    block of an earlier turn."""
+    out = list(messages or [])
+    for i in range(len(out) - 1, -1, -1):
+        message = out[i]
+        if not (isinstance(message, dict) and message.get("role") in INSTRUCTION_ROLES):
+            continue
+        content = message.get("content")
+        if isinstance(content, str) and BLOCK_HEADER in content:
+            kept: Any = _cut_blocks(content)
+        elif isinstance(content, list) and any(
+                isinstance(p, dict) and BLOCK_HEADER in str(p.get("text")) for p in content):
+            kept = [{**p, "text": _cut_blocks(p["text"])}
+                    if isinstance(p, dict) and isinstance(p.get("text"), str) else p
+                    for p in content]
+            kept = [p for p in kept if not (isinstance(p, dict) and p.get("text") == "")]
+        else:
+            continue
+        if kept:
+            out[i] = {**message, "content": kept}
+        else:
+            del out[i]
+    return out
+
+
+def _cut_blocks(text: str) -> str:
+    """``text`` without its skill blocks (an unclosed one runs to the end)."""
+    while (start := text.find(BLOCK_HEADER)) >= 0:
+        end = text.find(BLOCK_FOOTER, start)
+        end = len(text) if end < 0 else end + len(BLOCK_FOOTER)
+        before, after = text[:start].rstrip(), text[end:].lstrip("\n")
+        text = f"{before}\n\n{after}" if before and after else before or after
+    return text
+
+
 def inject(messages: list[dict], block: str) -> list[dict]:
-    """A new message list with ``block`` appended to the first system (or ``developer``) message.
+    """A new message list with ``block`` appended to the first system (or ``developer``) message,
+    in place of any skill block the messages already carry (:func:`strip_skill_block`).
 
     A system message is inserted at index 0 when there is none. String content gets the block
     after a blank line; list-of-parts content gets an extra text part. The input is not changed;
     an empty ``block`` returns a plain copy of the list.
     """
-    out = list(messages or [])
+    out = strip_skill_block(messages)
     if not block:
         return out
     for i, message in enumerate(out):

@@ -27,6 +27,7 @@ import json
 from typing import Any
 
 from metaclaw import buffers
+from metaclaw.asks import INSTRUCTION_ROLES
 from metaclaw.buffers import message_text
 from metaclaw.store import Store
 
@@ -152,7 +153,7 @@ class Trace:
                 continue
             text = message_text(message.get("content"))
             entry: dict[str, Any] = {"role": message.get("role"), "text": text}
-            if message.get("role") == "system":
+            if message.get("role") in INSTRUCTION_ROLES:
                 entry["text"], entry["skill_block"] = split_skill_block(text)
             if message.get("tool_calls"):
                 entry["tool_calls"] = [_call(c) for c in message["tool_calls"]]

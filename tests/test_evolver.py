@@ -13,9 +13,10 @@ from metaclaw import buffers
 from metaclaw.double import DoubleServer, Reply
 from metaclaw.evolver import (EVOLVER_RESPONSE_FORMAT, EVOLVER_RETRY_PREFIX, EvolveError,
                               EvolveValidationError, Evolver, parse_evolver_prompt,
-                              strip_skill_block, validate_operations)
+                              validate_operations)
 from metaclaw.judge import SECTION_REPLY, Judge, parse_judge_prompt
-from metaclaw.retrieval import LexicalRetriever, inject, render_block, ScoredSkill
+from metaclaw.retrieval import (LexicalRetriever, ScoredSkill, inject, render_block,
+                                strip_skill_block)
 from metaclaw.skills import Skill, SkillLibrary
 
 BACKUP = Skill("backup-before-modify", "Keep a copy of a file before changing it.", "safety",
