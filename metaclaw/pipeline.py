@@ -58,6 +58,8 @@ PROXY_FIELDS = ("session_id", "turn_type", "session_done")
 #: only add two thread switches to every turn. Others (a model encoding the query) run in the
 #: retrieval pool.
 INLINE_RETRIEVERS = ("lexical",)
+#: A body holding this may carry an earlier turn's skill block (checked on the raw bytes).
+BLOCK_TAG = retrieval.BLOCK_TAG.encode()
 #: Chat fields recorded in their own columns rather than in ``request_params``.
 _OWN_COLUMNS = ("messages", "model", "stream")
 #: Client headers an Anthropic upstream receives as they came (pass-through only).
@@ -496,7 +498,7 @@ class TurnPipeline:
             block = retrieval.render_block(selected)
             turn.injected = [s.skill.name for s in selected]
             turn.scores = [s.score for s in selected]
-            if block:
+            if block or BLOCK_TAG in turn.raw:  # or a resent earlier block, to take out
                 turn.body = turn.protocol.inject(turn.body, block)
                 turn.messages = retrieval.inject(turn.messages, block)
         except Exception as exc:  # serve the turn without skills rather than fail the agent

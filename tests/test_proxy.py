@@ -471,6 +471,23 @@ def test_a_client_that_gave_up_before_the_reply_is_not_recorded_as_served(proxy,
     assert "before the reply" in rows[0]["error"]
 
 
+def test_a_resent_skill_block_is_replaced_never_doubled(proxy, double):
+    """Agents resend their whole history, system prompt included: the block an earlier turn got
+    is replaced by this turn's, or taken out when this turn gets no skill."""
+    client = sync_client(proxy)
+    double.add(Reply("first"), Reply("second"), Reply("third"))
+    client.chat.completions.create(model="m", messages=COMMIT_QUESTION)
+    injected = double.requests[-1]["body"]["messages"][0]  # the system prompt with its block
+    again = [injected, *COMMIT_QUESTION[1:], {"role": "assistant", "content": "first"},
+             {"role": "user", "content": "And the commit message body?"}]
+    client.chat.completions.create(model="m", messages=again)
+    system = double.requests[-1]["body"]["messages"][0]["content"]
+    assert system.count(BLOCK_HEADER.strip()) == 1
+    small_talk = [injected, {"role": "user", "content": "zzz qqq"}]  # retrieves nothing
+    client.chat.completions.create(model="m", messages=small_talk)
+    assert double.requests[-1]["body"]["messages"][0]["content"] == COMMIT_QUESTION[0]["content"]
+
+
 # -- recording hygiene, listeners, seams --------------------------------------------------------
 def test_no_secret_reaches_the_store_file(proxy, double, workspace):
     store, _ = workspace

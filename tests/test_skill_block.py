@@ -83,3 +83,18 @@ def test_a_request_resent_with_its_block_gets_one_block():
     # text a client put after the block is kept
     around = [{"role": "system", "content": f"Be brief.\n\n{block}\n\nAnswer in French."}]
     assert strip_skill_block(around)[0]["content"] == "Be brief.\n\nAnswer in French."
+
+
+def test_an_anthropic_system_prompt_resent_with_its_block_gets_one_block():
+    from metaclaw.protocols import ANTHROPIC
+
+    block = render_block([ScoredSkill(Skill("a-skill", "d", body="Do A."), 1.0)])
+    newer = render_block([ScoredSkill(Skill("b-skill", "d", body="Do B."), 1.0)])
+    own = {"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}
+    body = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}],
+            "system": [own]}
+    first = ANTHROPIC.inject(body, block)
+    again = ANTHROPIC.inject(first, newer)
+    assert again["system"] == [own, {"type": "text", "text": newer}]
+    assert ANTHROPIC.inject(first, "")["system"] == [own]
+    assert "system" not in ANTHROPIC.inject({**body, "system": block}, "")

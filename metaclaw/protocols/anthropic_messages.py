@@ -425,16 +425,25 @@ class AnthropicMessages(WireProtocol):
 
     def inject(self, body: dict[str, Any], block: str) -> dict[str, Any]:
         """``body`` with the skill block as a new last system text block (the client's own blocks,
-        and their cache_control breakpoints, unchanged in front of it)."""
-        if not block:
-            return body
+        and their cache_control breakpoints, unchanged in front of it), in place of any block
+        an earlier turn left in the system prompt the client resends."""
+        from metaclaw.retrieval import BLOCK_TAG, strip_skill_block
+
         system = body.get("system")
+        if not block and BLOCK_TAG not in _text(system):
+            return body
+        if isinstance(system, (str, list)) and system:
+            [*kept] = strip_skill_block([{"role": "system", "content": system}])
+            system = kept[0]["content"] if kept else None
         if isinstance(system, list):
-            blocks = [*system, {"type": "text", "text": block}]
+            blocks = [*system, {"type": "text", "text": block}] if block else system
         elif isinstance(system, str) and system:
-            blocks = [{"type": "text", "text": system}, {"type": "text", "text": block}]
+            blocks = [{"type": "text", "text": system}] + (
+                [{"type": "text", "text": block}] if block else [])
         else:
-            blocks = [{"type": "text", "text": block}]
+            blocks = [{"type": "text", "text": block}] if block else []
+        if not blocks:
+            return {k: v for k, v in body.items() if k != "system"}
         return {**body, "system": blocks}
 
     def max_output_tokens(self, body: dict[str, Any]) -> int | None:

@@ -197,7 +197,8 @@ class OpenAIChat(WireProtocol):
     def inject(self, body: dict[str, Any], block: str) -> dict[str, Any]:
         from metaclaw.retrieval import inject
 
-        return {**body, "messages": inject(body["messages"], block)} if block else body
+        messages = inject(body["messages"], block)
+        return body if messages == body["messages"] else {**body, "messages": messages}
 
     def max_output_tokens(self, body: dict[str, Any]) -> int | None:
         value = body.get("max_completion_tokens") or body.get("max_tokens")
