@@ -406,7 +406,8 @@ def load_model(model: str | None = None) -> Any:
                     loaded = SentenceTransformer(model_id, device="cpu")
             except Exception as exc:  # bad path, id not in the local cache, corrupt files
                 raise RetrievalError(
-                    f"cannot load embedding model {model_id!r} ({type(exc).__name__}: {exc}); "
+                    f"cannot load embedding model {model_id!r} ({type(exc).__name__}: "
+                    f"{' '.join(str(exc).split())}); "
                     "pass a local model folder or a Hugging Face id that is already "
                     "downloaded") from exc
         _MODELS[model_id] = loaded
@@ -614,13 +615,13 @@ def make_retriever(kind: str = "auto", model: str | None = None) -> Retriever:
                 "embedding retrieval needs sentence-transformers: pip install "
                 "'metaclaw-jupyter[embeddings]', or use retrieval='lexical'")
         retriever = EmbeddingRetriever(model)
-        retriever.model_id  # noqa: B018 - fail now, clearly, when no model is installed
+        load_model(retriever.model_id)  # fail now, clearly, when the model cannot be loaded
         return retriever
     if kind == "auto":
         if embeddings_available():
             try:
                 retriever = EmbeddingRetriever(model)
-                retriever.model_id  # noqa: B018
+                load_model(retriever.model_id)  # not per request, later, with no skills served
                 return retriever
             except RetrievalError as exc:
                 log.warning("using lexical retrieval: %s", exc)

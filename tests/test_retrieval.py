@@ -419,3 +419,21 @@ def test_lexical_ranking_is_the_same_in_plain_python_and_numpy(docs, query, limi
     assert [s.score for s in a] == pytest.approx([s.score for s in b])
     assert [s.skill.name for s in a] == [s.skill.name for s in sorted(
         small.rank(text, skills), key=lambda s: (-s.score, s.skill.name))][:limit]
+
+
+def test_an_embedding_model_that_cannot_load_is_refused_at_once_or_replaced_by_lexical(caplog):
+    """Offline, a Hugging Face id that is not in the local cache cannot load: explicit embedding
+    retrieval refuses to start with the reason; auto falls back to lexical with one warning
+    (never a proxy serving every turn without skills, a traceback each)."""
+    import logging
+
+    from metaclaw.retrieval import (LexicalRetriever, RetrievalError, embeddings_available,
+                                    make_retriever)
+
+    if not embeddings_available():
+        pytest.skip("needs the embeddings extra")
+    with pytest.raises(RetrievalError, match="cannot load embedding model 'nobody/no-such-model'"):
+        make_retriever("embedding", model="nobody/no-such-model")
+    with caplog.at_level(logging.WARNING, logger="metaclaw.retrieval"):
+        assert isinstance(make_retriever("auto", model="nobody/no-such-model"), LexicalRetriever)
+    assert "using lexical retrieval" in caplog.text
