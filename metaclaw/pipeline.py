@@ -53,10 +53,11 @@ log = logging.getLogger("metaclaw.proxy")
 
 #: Body fields understood by the proxy itself; removed before forwarding.
 PROXY_FIELDS = ("session_id", "turn_type", "session_done")
-#: Retrievers that run on the event loop: pure Python over an in-memory index (a fraction of a
-#: millisecond for 20 skills), which a worker thread would not take off the interpreter lock,
-#: only add two thread switches to every turn. Others (a model encoding the query) run in the
-#: retrieval pool.
+#: Retrievers that run on the event loop once their index is built (``indexed(skills)``): pure
+#: Python over an in-memory index (a fraction of a millisecond for 20 skills), which a worker
+#: thread would not take off the interpreter lock, only add two thread switches to every turn.
+#: Building the index (seconds for 10,000 skills), and other retrievers (a model encoding the
+#: query), run in the retrieval pool, so that no request waits behind it.
 INLINE_RETRIEVERS = ("lexical",)
 #: A body holding this may carry an earlier turn's skill block (checked on the raw bytes).
 BLOCK_TAG = retrieval.BLOCK_TAG.encode()
@@ -509,7 +510,7 @@ class TurnPipeline:
     async def prepare(self, protocol: WireProtocol, request: web.Request,
                       **parse: Any) -> tuple[Turn, str | None]:
         """Authenticate, read, parse, identify, then retrieve and inject (off the event loop unless
-        the retriever is one of :data:`INLINE_RETRIEVERS`)."""
+        the retriever is one of :data:`INLINE_RETRIEVERS` with its index built)."""
         caller_key = self.authenticate(request)
         raw, body = await self.read_body(request)
         turn = parse_turn(protocol, body, raw, self.config.model, **parse)
@@ -519,7 +520,8 @@ class TurnPipeline:
         turn.identified_by = identity.how
         turn.generation, skills = self.proxy.library.current()
         if is_task_turn(turn.turn_type) and skills:
-            if getattr(self.proxy.retriever, "kind", None) in INLINE_RETRIEVERS:
+            retriever = self.proxy.retriever
+            if getattr(retriever, "kind", None) in INLINE_RETRIEVERS and retriever.indexed(skills):
                 self.select_and_inject(turn, skills)
             else:
                 await asyncio.get_running_loop().run_in_executor(

@@ -488,6 +488,35 @@ def test_a_resent_skill_block_is_replaced_never_doubled(proxy, double):
     assert double.requests[-1]["body"]["messages"][0]["content"] == COMMIT_QUESTION[0]["content"]
 
 
+def test_building_the_lexical_index_never_stalls_other_requests(double, workspace):
+    """The index of a large library takes seconds to build: that happens in the retrieval
+    pool, while the event loop keeps answering (here /healthz)."""
+    import threading
+
+    from metaclaw.retrieval import LexicalRetriever
+
+    class SlowToBuild(LexicalRetriever):
+        def _build(self, skills):
+            time.sleep(1.5)  # as 10,000 skills take
+            return super()._build(skills)
+
+    store, library = workspace
+    config = ProxyConfig(upstream_url=double.url, api_key_env=KEY_ENV, retrieval="lexical")
+    slow = Proxy(config, store, library, SlowToBuild()).start()
+    try:
+        double.add(Reply("ok"))
+        chat = threading.Thread(target=lambda: sync_client(slow).chat.completions.create(
+            model="m", messages=COMMIT_QUESTION))
+        chat.start()
+        time.sleep(0.3)  # the chat is building the index now
+        started = time.perf_counter()
+        assert httpx.get(slow.url.removesuffix("/v1") + "/healthz", timeout=5).status_code == 200
+        assert time.perf_counter() - started < 0.5
+        chat.join(10)
+    finally:
+        slow.stop()
+
+
 # -- recording hygiene, listeners, seams --------------------------------------------------------
 def test_no_secret_reaches_the_store_file(proxy, double, workspace):
     store, _ = workspace
