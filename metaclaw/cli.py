@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from metaclaw import argtypes
 from metaclaw.runtime import DEFAULT_SKILLS, RuntimeConfig
 from metaclaw.store import DEFAULT_DB
 
@@ -67,7 +68,8 @@ def _add_proxy_options(p: argparse.ArgumentParser) -> None:
                    "(key from $METACLAW_UPSTREAM_API_KEY); omitted: the offline double answers")
     p.add_argument("--model", help="model name sent upstream (overrides the request's model)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=30000, help="port (default 30000; 0 = any free)")
+    p.add_argument("--port", type=argtypes.port, default=30000,
+                   help="port (default 30000; 0 = any free)")
     p.add_argument("--skills", default=str(DEFAULT_SKILLS), help="skill library directory")
     p.add_argument("--db", default=str(DEFAULT_DB), help="workspace database file")
     p.add_argument("--token", default=os.environ.get("METACLAW_PROXY_TOKEN"),
@@ -76,16 +78,20 @@ def _add_proxy_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--embedding-model",
                    help="'static' (default: token embeddings distilled from all-MiniLM-L6-v2), "
                         "'minilm' (the transformer), or a sentence-transformers model path or id")
-    p.add_argument("--top-k", type=int, default=3, help="skills injected per turn")
-    p.add_argument("--min-score", type=float, help="minimum relevance to inject a skill")
-    p.add_argument("--budget-chars", type=int, default=6000, help="size budget of the skill block")
-    p.add_argument("--timeout", type=float, default=120.0, help="upstream timeout in seconds")
+    p.add_argument("--top-k", type=argtypes.positive_int, default=3,
+                   help="skills injected per turn")
+    p.add_argument("--min-score", type=argtypes.finite_float,
+                   help="minimum relevance to inject a skill")
+    p.add_argument("--budget-chars", type=argtypes.positive_int, default=6000,
+                   help="size budget of the skill block")
+    p.add_argument("--timeout", type=argtypes.positive_float, default=120.0,
+                   help="upstream timeout in seconds")
     p.add_argument("--upstream-protocol", choices=["openai", "anthropic"], default="openai",
                    help="wire protocol of the upstream (default openai; anthropic: a Messages API)")
     p.add_argument("--caller-auth", action="store_true",
                    help="forward each caller's own API key upstream instead of the server key "
                         "(the proxy token then comes in X-MetaClaw-Token)")
-    p.add_argument("--context-window", type=int,
+    p.add_argument("--context-window", type=argtypes.positive_int,
                    help="context window in tokens for models the proxy does not know "
                         "(skills are cut to fit)")
     p.add_argument("--durable-acks", action=argparse.BooleanOptionalAction, default=True,
@@ -112,7 +118,7 @@ def _add_fast_loop_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--judge-model", help="PRM judge model (default: the upstream model)")
     p.add_argument("--evolver-url", help="skill evolver base URL (default: the upstream)")
     p.add_argument("--evolver-model", help="skill evolver model (default: the upstream model)")
-    p.add_argument("--votes", type=int, help="judge votes per turn (default 3)")
+    p.add_argument("--votes", type=argtypes.positive_int, help="judge votes per turn (default 3)")
 
 
 def runtime_config(args: argparse.Namespace) -> RuntimeConfig:
@@ -146,10 +152,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if args.local_model
         else "the SIMULATED model (rule-based, not a language model)" if args.sim
         else "the offline double (scripted, not a model)")
-    print(f"MetaClaw proxy on http://{args.host}:{args.port}/v1 -> {upstream}; "
-          f"skill generation {generation}, {len(skills)} skills in {args.skills}", flush=True)
+
+    def ready(url: str) -> None:  # once listening: the real port, also with --port 0
+        print(f"MetaClaw proxy on {url} -> {upstream}; skill generation {generation}, "
+              f"{len(skills)} skills in {args.skills}", flush=True)
+
     try:
-        runtime.serve_forever()
+        runtime.serve_forever(on_ready=ready)
     except KeyboardInterrupt:
         pass
     return 0
@@ -587,9 +596,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from metaclaw.bench.runner import all_rounds_failed, format_table
     from metaclaw.demo import run_mode
 
-    from metaclaw.bench.options import check_min_score
-
-    problem = check_min_score(args.min_score, args.retrieval)
+    problem = argtypes.check_min_score(args.min_score, args.retrieval)
     if problem:
         raise CliError(problem)
     endpoints = _fast_loop_endpoints(args)
@@ -670,10 +677,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("score", help="judge recorded turns with the PRM judge")
     p.add_argument("--db", default=str(DEFAULT_DB))
     _add_fast_loop_options(p)
-    p.add_argument("--threshold", type=float, default=0.0,
+    p.add_argument("--threshold", type=argtypes.finite_float, default=0.0,
                    help="a turn scoring below this is a failure (support set)")
     p.add_argument("--session", help="only this session")
-    p.add_argument("--last", type=int, help="only the last N turns")
+    p.add_argument("--last", type=argtypes.positive_int, help="only the last N turns")
     p.add_argument("--rescore", action="store_true", help="judge already judged turns again")
     p.add_argument("--json", action="store_true")
 
@@ -682,7 +689,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skills", default=str(DEFAULT_SKILLS))
     _add_fast_loop_options(p)
     p.add_argument("--dry-run", action="store_true", help="show the operations, change nothing")
-    p.add_argument("--dedupe", type=float, default=0.85,
+    p.add_argument("--dedupe", type=argtypes.finite_float, default=0.85,
                    help="embedding similarity at which an added skill counts as a duplicate")
     p.add_argument("--json", action="store_true")
 
@@ -691,7 +698,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--db", default=str(DEFAULT_DB))
     p.add_argument("--kind", help="only this kind (e.g. judge_failed, evolve_failed)")
     p.add_argument("--level", choices=["info", "warning", "error"])
-    p.add_argument("--last", type=int, default=50, help="the last N events (default 50)")
+    p.add_argument("--last", type=argtypes.positive_int, default=50,
+                   help="the last N events (default 50)")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
 
     p = sub.add_parser("wire", help="point a real agent at the proxy (patch its provider config)")
@@ -699,7 +707,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="the agent's config file (default: $OPENCLAW_CONFIG_PATH, "
                                     "$OPENCLAW_STATE_DIR/openclaw.json or ~/.openclaw/openclaw.json)")
     p.add_argument("--host", default="127.0.0.1", help="where the proxy listens")
-    p.add_argument("--port", type=int, default=30000, help="the proxy's port (default 30000)")
+    p.add_argument("--port", type=argtypes.port, default=30000,
+                   help="the proxy's port (default 30000)")
     p.add_argument("--token", default=os.environ.get("METACLAW_PROXY_TOKEN"),
                    help="the proxy token, used as the agent's API key (env METACLAW_PROXY_TOKEN)")
     p.add_argument("--model", help="the model to serve (default: the agent's primary model)")
@@ -708,7 +717,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("buffers", help="support / query buffers by generation")
     p.add_argument("--db", default=str(DEFAULT_DB))
-    p.add_argument("--threshold", type=float, default=0.0)
+    p.add_argument("--threshold", type=argtypes.finite_float, default=0.0)
     p.add_argument("--all", action="store_true", help="also turns in no buffer")
     p.add_argument("--json", action="store_true", help="one JSON object per line per turn")
 
@@ -726,7 +735,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="local backend: where the model trains (auto: a GPU when there is one)")
     p.add_argument("--now", action="store_true", help="train now, ignoring the idle signals")
     _add_fast_loop_options(p)
-    p.add_argument("--threshold", type=float, default=0.0)
+    p.add_argument("--threshold", type=argtypes.finite_float, default=0.0)
     p.add_argument("--group-size", type=int, default=8, help="samples per prompt (G)")
     p.add_argument("--groups-per-step", type=int, default=4, help="prompts per step (P)")
     p.add_argument("--max-tokens", type=int, default=256)
@@ -735,7 +744,8 @@ def build_parser() -> argparse.ArgumentParser:
                    default="importance_sampling")
     p.add_argument("--state-dir", help="training state (resume) folder; default: next to --db")
     p.add_argument("--scheduler-config", help="scheduler settings file (YAML/JSON)")
-    p.add_argument("--poll", type=float, default=5.0, help="seconds between scheduler checks")
+    p.add_argument("--poll", type=argtypes.positive_float, default=5.0,
+                   help="seconds between scheduler checks")
 
     p = sub.add_parser("runs", help="recorded training steps")
     p.add_argument("--db", default=str(DEFAULT_DB))
@@ -752,7 +762,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("sim-model", help="serve the offline SIMULATED model (agent, judge, "
                        "evolver by model name)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30001)
+    p.add_argument("--port", type=argtypes.port, default=30001)
     p.add_argument("--seed", type=int, default=7)
 
     p = sub.add_parser("local-model", help="serve a real small language model offline "
@@ -760,20 +770,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path", nargs="?", help="a local Hugging Face folder or .gguf file "
                    "(default: the packaged SmolLM2-135M-Instruct)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30002)
+    p.add_argument("--port", type=argtypes.port, default=30002)
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | mps")
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     p.add_argument("--max-tokens", type=int, default=256, help="default max_tokens per reply")
     p.add_argument("--temperature", type=float, default=0.0, help="default temperature (0: greedy)")
 
-    from metaclaw.bench import options as bench_opts
 
     for name, help_text in (("demo", "offline demo: baseline vs skills on the small benchmark"),
                             ("bench", "run MetaClaw-Bench through the proxy")):
         p = sub.add_parser(name, help=help_text)
         p.add_argument("--data", help="benchmark folder (default: the small subset shipped "
                        "with the package)")
-        p.add_argument("--days", default="all", type=bench_opts.day_list,
+        p.add_argument("--days", default="all", type=argtypes.day_list,
                        help="all, or a comma-separated list of day ids")
         p.add_argument("--out", default="metaclaw-demo" if name == "demo" else "bench-out",
                        help="output folder: new, empty, or an earlier run's (whose output is "
@@ -793,19 +802,19 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--json", action="store_true", help="print the summary JSON on stdout")
         if name == "bench":
             p.add_argument("--mode", choices=["baseline", "skills", "full"], default="baseline")
-            p.add_argument("--parallel", type=bench_opts.positive_int, default=1,
+            p.add_argument("--parallel", type=argtypes.positive_int, default=1,
                            help="days run at once (baseline)")
-            p.add_argument("--votes", type=bench_opts.positive_int, help="judge votes per turn")
+            p.add_argument("--votes", type=argtypes.positive_int, help="judge votes per turn")
             p.add_argument("--retrieval", choices=["auto", "embedding", "lexical"],
                            default="lexical")
-            p.add_argument("--top-k", type=bench_opts.positive_int, default=5)
-            p.add_argument("--min-score", type=bench_opts.finite_float, default=0.0,
+            p.add_argument("--top-k", type=argtypes.positive_int, default=5)
+            p.add_argument("--min-score", type=argtypes.finite_float, default=0.0,
                            help="0 or more for lexical (BM25) scores, -1..1 for embedding cosines")
-            p.add_argument("--budget-chars", type=bench_opts.positive_int, default=12000)
+            p.add_argument("--budget-chars", type=argtypes.positive_int, default=12000)
             p.add_argument("--backend", choices=["local", "tinker"], default="local",
                            help="mode full: the training backend that serves the agent")
             p.add_argument("--base-model", help="mode full: local model path or Tinker model id")
-            p.add_argument("--train-steps", type=bench_opts.non_negative_int, default=4,
+            p.add_argument("--train-steps", type=argtypes.non_negative_int, default=4,
                            help="mode full: GRPO steps after each day")
             p.add_argument("--device", choices=["auto", "cpu", "cuda", "mps"], default="auto",
                            help="mode full, local backend: where the policy runs")

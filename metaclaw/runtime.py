@@ -13,7 +13,7 @@ import os
 import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from metaclaw.store import DEFAULT_DB, Store
 
@@ -260,15 +260,16 @@ class Runtime:
             self.proxy.config.upstream_url = self.double.url
             self.proxy.config.model = self.config.model or "offline-double"
 
-    def serve_forever(self) -> None:
-        """Run the proxy in the foreground (``metaclaw serve``) until interrupted."""
+    def serve_forever(self, on_ready: Callable[[str], None] | None = None) -> None:
+        """Run the proxy in the foreground (``metaclaw serve``) until interrupted;
+        ``on_ready(url)`` once it listens (the real port, with ``port=0``)."""
         self._start_double()
         self.library.watch()
         self._follow_policies()
         if self.config.auto_evolve:
             self.fast_loop  # noqa: B018 - builds and attaches it (the double has its URL now)
         try:
-            self.proxy.serve_forever()
+            self.proxy.serve_forever(on_ready)
         finally:
             self.stop()
 

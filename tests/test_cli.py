@@ -2,12 +2,14 @@
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
@@ -422,3 +424,35 @@ def test_failed_judge_and_evolver_calls_from_the_cli_are_recorded(tmp_path, caps
     capsys.readouterr()
     assert cli.main(["events", "--db", str(db)]) == 0
     assert "judge_failed: 1" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("option, value, says", [
+    ("--port", "99999", "not a port"), ("--timeout", "-1", "not above 0"),
+    ("--timeout", "nan", "not a finite number"), ("--top-k", "-1", "too small"),
+    ("--budget-chars", "-5", "too small"), ("--context-window", "-5", "too small"),
+    ("--min-score", "nan", "not a finite number"), ("--votes", "0", "too small"),
+])
+def test_serve_refuses_impossible_numbers(tmp_path, option, value, says):
+    """A value that would make every request fail, or inject nothing, is a usage error."""
+    proc = run_cli("serve", "--db", tmp_path / "ws.db", option, value, check=False)
+    assert proc.returncode == 2 and option in proc.stderr and says in proc.stderr
+    assert not (tmp_path / "ws.db").exists()
+
+
+def test_events_refuses_a_count_beyond_sqlite_integers(tmp_path):
+    proc = run_cli("events", "--db", tmp_path / "ws.db", "--last", str(2**70), check=False)
+    assert proc.returncode == 2 and "too large" in proc.stderr
+
+
+def test_serve_on_port_0_prints_the_port_it_listens_on(tmp_path):
+    proc = subprocess.Popen([*CLI, "serve", "--db", str(tmp_path / "ws.db"), "--skills",
+                             str(tmp_path / "skills"), "--port", "0", "--retrieval", "lexical"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        banner = proc.stdout.readline()
+        url = re.search(r"on (http://127\.0\.0\.1:(\d+)/v1)", banner)
+        assert url and url.group(2) != "0", banner
+        assert httpx.get(url.group(1).removesuffix("/v1") + "/healthz", timeout=10).is_success
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

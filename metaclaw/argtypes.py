@@ -1,5 +1,6 @@
-"""argparse types for the ``bench`` and ``demo`` commands: a nonsense value is a usage error
-with one clear sentence, never silently replaced or run as zero rounds."""
+"""argparse types for the command line: a nonsense value is a usage error with one clear
+sentence, never silently replaced, run as zero rounds or turned into a proxy that injects
+nothing."""
 
 from __future__ import annotations
 
@@ -7,12 +8,13 @@ import argparse
 import math
 
 
+#: The largest whole number a value may be (SQLite's integers are 64-bit).
+MAX_INT = 2**63 - 1
+
+
 def positive_int(text: str) -> int:
     """An integer of at least 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number; give 1 or more") from None
+    value = _whole(text, "1 or more")
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} is too small; give 1 or more")
     return value
@@ -20,12 +22,35 @@ def positive_int(text: str) -> int:
 
 def non_negative_int(text: str) -> int:
     """An integer of at least 0."""
+    value = _whole(text, "0 or more")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative; give 0 or more")
+    return value
+
+
+def _whole(text: str, wanted: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number; give 0 or more") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} is negative; give 0 or more")
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number; give {wanted}") from None
+    if value > MAX_INT:
+        raise argparse.ArgumentTypeError(f"{text} is too large; give at most {MAX_INT}")
+    return value
+
+
+def port(text: str) -> int:
+    """A TCP port: 0 (any free port) to 65535."""
+    value = non_negative_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a port; give 0 (any free port) to 65535")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A finite number above 0 (a timeout in seconds)."""
+    value = finite_float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not above 0")
     return value
 
 
