@@ -39,6 +39,7 @@ import re
 import shutil
 import tempfile
 import threading
+import unicodedata
 import zipfile
 from collections import Counter, OrderedDict
 from pathlib import Path
@@ -132,7 +133,11 @@ class _IndexCache:
 
 # -- lexical (BM25) ------------------------------------------------------------------------------
 
-_TOKEN = re.compile(r"[a-z0-9]+")
+#: Words of any script: letters and digits (``_`` splits words, as in ``file_name``).
+_TOKEN = re.compile(r"[^\W_]+")
+#: Scripts written without spaces between words (Chinese, Japanese kana and kanji): a run of
+#: them is matched by its overlapping character pairs, as search engines do.
+_UNSPACED = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]+")
 STOPWORDS = frozenset("""
 a an and are as at be been but by can could did do does for from had has have how i if in into is
 it its me my of on or our please so than that the their them then there these this those to too
@@ -159,8 +164,23 @@ def _stem(word: str) -> str:
 
 
 def tokenize(text: str) -> list[str]:
-    """Lowercase word tokens without stopwords, lightly stemmed."""
-    return [_stem(t) for t in _TOKEN.findall(text.lower()) if t not in STOPWORDS]
+    """Lowercase word tokens of any script without stopwords, lightly stemmed (accents kept:
+    ``café`` is one word; compatibility forms unified: full-width ``ＡＢＣ`` is ``abc``); runs of
+    an unspaced script become character pairs."""
+    if text.isascii():  # the common case, kept fast: no normalisation, no unspaced script
+        return [_stem(t) for t in _TOKEN.findall(text.lower()) if t not in STOPWORDS]
+    tokens = []
+    for token in _TOKEN.findall(unicodedata.normalize("NFKC", text).casefold()):
+        if token.isascii() or not _UNSPACED.search(token):
+            if token not in STOPWORDS:
+                tokens.append(_stem(token))
+            continue
+        for part in re.split(f"({_UNSPACED.pattern})", token):
+            if _UNSPACED.fullmatch(part):
+                tokens += [part] if len(part) == 1 else [part[i:i + 2] for i in range(len(part) - 1)]
+            elif part:
+                tokens.append(_stem(part))
+    return tokens
 
 
 def skill_text(skill: Skill, body_chars: int = 1000) -> str:

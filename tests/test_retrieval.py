@@ -437,3 +437,26 @@ def test_an_embedding_model_that_cannot_load_is_refused_at_once_or_replaced_by_l
     with caplog.at_level(logging.WARNING, logger="metaclaw.retrieval"):
         assert isinstance(make_retriever("auto", model="nobody/no-such-model"), LexicalRetriever)
     assert "using lexical retrieval" in caplog.text
+
+
+@pytest.mark.parametrize("query, expected", [
+    ("Сделай резервную копию файла перед изменением", "ru-backup"),
+    ("convertir les unités métriques", "fr-unites"),
+    ("日期格式应该是什么", "zh-dates"),
+    ("export the table to csv", "csv-export"),
+])
+def test_lexical_retrieval_reads_every_script(query, expected):
+    """Words in any script match (accents kept whole); Chinese and Japanese, written without
+    spaces, match by character pairs."""
+    skills = [
+        Skill("csv-export", "Export tables to CSV files", body="Use commas."),
+        Skill("ru-backup", "Резервная копия файла перед изменением",
+              body="Всегда делайте резервную копию файла перед редактированием."),
+        Skill("fr-unites", "Convertir les unités métriques en unités impériales",
+              body="Utilisez des kilomètres et des mètres."),
+        Skill("zh-dates", "日期格式使用ISO 8601", body="所有日期都用YYYY-MM-DD格式。"),
+    ]
+    ranked = LexicalRetriever().rank(query, skills)
+    assert ranked[0].skill.name == expected and ranked[0].score > 0
+    assert all(r.score == 0 for r in ranked[1:] if r.skill.name != expected) or \
+        ranked[1].score < ranked[0].score
