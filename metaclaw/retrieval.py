@@ -671,7 +671,7 @@ def query_text(messages: list[dict]) -> str:
 _DELIMITER = re.compile(r"<(?=\s*/?\s*metaclaw-skills)", re.IGNORECASE)
 _HEADING = re.compile(r"^( {0,3})#{1,3}(?=[ \t]|$)", re.MULTILINE)
 _UNDERLINE = re.compile(r"^( {0,3})(=+|-+)[ \t]*$", re.MULTILINE)
-_FENCE = re.compile(r"^ {0,3}(```|~~~)", re.MULTILINE)
+_FENCE = re.compile(r" {0,3}(`{3,}|~{3,})(.*)")
 _UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
 
 
@@ -687,9 +687,27 @@ def escape_skill_text(text: str, *, one_line: bool = False) -> str:
     text = _DELIMITER.sub("&lt;", text)
     text = _HEADING.sub(lambda m: m.group(1) + "####", text)
     text = _UNDERLINE.sub(lambda m: m.group(1) + "\\" + m.group(2), text)
-    if len(_FENCE.findall(text)) % 2:
-        text += "\n```"
+    if (fence := _open_fence(text)) is not None:
+        text += "\n" + fence
     return text
+
+
+def _open_fence(text: str) -> str | None:
+    """The fence that a code block left open at the end of ``text`` needs to close, as Markdown
+    (CommonMark) reads it: a block closes only with the character it opened with, at least as
+    many times, alone on its line."""
+    opened: str | None = None
+    for line in text.split("\n"):
+        match = _FENCE.match(line)
+        if match is None:
+            continue
+        fence, rest = match.groups()
+        if opened is None:
+            if not (fence[0] == "`" and "`" in rest):  # a backtick fence's info has no backtick
+                opened = fence
+        elif fence[0] == opened[0] and len(fence) >= len(opened) and not rest.strip():
+            opened = None
+    return opened
 
 
 def _section(skill: Skill) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+import pytest
 from hypothesis import given, settings, strategies as st
 
 from metaclaw.retrieval import (BLOCK_FOOTER, BLOCK_HEADER, ScoredSkill, escape_skill_text, inject,
@@ -98,3 +99,19 @@ def test_an_anthropic_system_prompt_resent_with_its_block_gets_one_block():
     assert again["system"] == [own, {"type": "text", "text": newer}]
     assert ANTHROPIC.inject(first, "")["system"] == [own]
     assert "system" not in ANTHROPIC.inject({**body, "system": block}, "")
+
+
+@pytest.mark.parametrize("body, closing", [
+    ("Example:\n```\nprint(1)\n~~~", "```"),        # a tilde line does not close backticks
+    ("Example:\n````\n```\nstill code", "````"),     # nor does a shorter fence
+    ("~~~python\nx = 1\n```", "~~~"),
+    ("```\ncode\n```", None), ("~~~~\nx\n~~~~~", None), ("``` not a fence ```", None),
+])
+def test_an_open_code_block_is_closed_with_its_own_fence(body, closing):
+    """Markdown closes a code block only with the fence it opened with, at least as long: a
+    skill must not leave one open over the skills after it and the block's end tag."""
+    escaped = escape_skill_text(body)
+    if closing is None:
+        assert escaped == body
+    else:
+        assert escaped == f"{body}\n{closing}"
