@@ -28,8 +28,10 @@ point fails with one sentence naming what to install (:class:`LocalModelError`).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
+import logging
 import time
 from typing import Any, AsyncIterator
 
@@ -38,6 +40,8 @@ from aiohttp import web
 from metaclaw.backends import TokenizerMixin, normalize_messages
 from metaclaw.policy import PolicyRequestError, PolicyResponder
 from metaclaw.proxy import BackgroundServer, ServedApp, error_json
+
+log = logging.getLogger(__name__)
 
 EXTRA = ("the local model needs torch, transformers and gguf: pip install "
          "'metaclaw-jupyter[local-model]' (CPU-only torch first: pip install torch --index-url "
@@ -246,6 +250,11 @@ class LocalModelServer(ServedApp):
             reply = await self.responder.complete(body)
         except PolicyRequestError as exc:
             return web.json_response(error_json(str(exc), param=None), status=exc.status)
+        except Exception as exc:  # a bug or a failing model: said in the API's shape
+            log.exception("the local model failed to answer")
+            return web.json_response(error_json(
+                f"the local model failed: {type(exc).__name__}: {exc}", type="server_error"),
+                status=500)
         reply.pop("metaclaw", None)
         return web.json_response(reply)
 
@@ -264,6 +273,13 @@ class LocalModelServer(ServedApp):
             await response.write_eof()
         except ConnectionResetError:
             pass   # the client went away
+        except Exception as exc:  # mid-stream: an error event, and no [DONE] (not complete)
+            log.exception("the local model failed mid-stream")
+            error = error_json(f"the local model failed: {type(exc).__name__}: {exc}",
+                               type="server_error")
+            with contextlib.suppress(ConnectionResetError):
+                await response.write(f"data: {json.dumps(error)}\n\n".encode())
+                await response.write_eof()
         return response
 
 

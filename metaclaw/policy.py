@@ -158,7 +158,7 @@ class PolicyResponder:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise PolicyRequestError("'messages' must be a non-empty list of chat messages")
-        if body.get("n", 1) != 1:
+        if body.get("n") not in (None, 1):  # null is the API's default, 1
             raise PolicyRequestError("only n=1 is supported when serving from the trained policy")
         max_tokens = body.get("max_completion_tokens")
         max_tokens = body.get("max_tokens") if max_tokens is None else max_tokens
@@ -174,7 +174,10 @@ class PolicyResponder:
         except ValueError as exc:
             raise PolicyRequestError(f"cannot render these messages: {exc}") from None
         seed = body.get("seed")
-        return prompt, max_tokens, float(temperature), seed if isinstance(seed, int) else None
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
+                                 or not -2**63 <= seed < 2**63):
+            raise PolicyRequestError("'seed' must be an integer from -2**63 to 2**63 - 1")
+        return prompt, max_tokens, float(temperature), seed
 
     def _envelope(self, kind: str, rid: str, created: int, body: dict[str, Any]) -> dict[str, Any]:
         return {"id": rid, "object": kind, "created": created,

@@ -70,6 +70,19 @@ def test_bad_requests_get_openai_errors(served):
         assert r.status_code == 400 and word in r.json()["error"]["message"]
     r = httpx.post(served.url + "/chat/completions", content=b"{oops", timeout=60)
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    for stream in (False, True):  # a seed the sampler cannot take: a 400, streaming or not
+        r = httpx.post(served.url + "/chat/completions", timeout=60,
+                       json={"messages": QUESTION, "seed": 2**70, "stream": stream})
+        assert r.status_code == 400 and "'seed'" in r.json()["error"]["message"]
+
+
+def test_a_failing_model_answers_in_the_error_shape(served, monkeypatch):
+    def broken(body):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(served.responder, "complete", broken)
+    r = httpx.post(served.url + "/chat/completions", json={"messages": QUESTION}, timeout=60)
+    assert r.status_code == 500 and "out of memory" in r.json()["error"]["message"]
 
 
 def test_tools_are_described_when_the_template_ignores_them(served):

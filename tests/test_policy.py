@@ -111,9 +111,13 @@ async def test_bad_requests_are_one_clear_error(backend):
     responder = PolicyResponder(backend)
     for body, fix in [({}, "messages"), ({"messages": []}, "messages"),
                       ({**CHAT, "max_tokens": 0}, "max_tokens"),
-                      ({**CHAT, "temperature": -1}, "temperature"), ({**CHAT, "n": 3}, "n=1")]:
+                      ({**CHAT, "temperature": -1}, "temperature"), ({**CHAT, "n": 3}, "n=1"),
+                      ({**CHAT, "seed": 2**70}, "'seed'"), ({**CHAT, "seed": "7"}, "'seed'")]:
         with pytest.raises(PolicyRequestError, match=fix):
             await responder.complete(body)
+    # null is the API's default for n
+    reply = await responder.complete({**CHAT, "n": None, "max_tokens": 2, "seed": -5})
+    assert reply["choices"][0]["message"]["role"] == "assistant"
     responder.close()
 
 
