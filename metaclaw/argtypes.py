@@ -72,7 +72,7 @@ def day_list(text: str) -> str:
     ids = [part.strip() for part in text.split(",") if part.strip()]
     if not ids:
         raise argparse.ArgumentTypeError(f"{text!r} names no day; give 'all' or day ids separated "
-                                         "by commas, e.g. day01,day03")
+                                         "by commas, as the data folder's eval/ names them")
     return ",".join(ids)
 
 

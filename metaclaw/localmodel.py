@@ -273,7 +273,7 @@ class LocalModelServer(ServedApp):
             await response.write_eof()
         except ConnectionResetError:
             pass   # the client went away
-        except Exception as exc:  # mid-stream: an error event, and no [DONE] (not complete)
+        except Exception as exc:  # mid-stream: an error event, without ``[DONE]`` (incomplete)
             log.exception("the local model failed mid-stream")
             error = error_json(f"the local model failed: {type(exc).__name__}: {exc}",
                                type="server_error")

@@ -64,7 +64,7 @@ def test_usage_errors_are_one_line_not_tracebacks(ip, capsys):
     assert line(ip, "frobnicate") is None
     assert "unknown action 'frobnicate'" in capsys.readouterr().out
     line(ip, "start --db {ws}/m.db --skills {ws}/skills --retrieval lexical --top-k nope")
-    assert "invalid int value" in capsys.readouterr().out
+    assert "--top-k: 'nope' is not a whole number" in capsys.readouterr().out
     line(ip, "start --db {ws}/m.db --skills {ws}/skills --retrieval lexical")
     assert cell(ip, "chat", "   ") is None
     assert "needs the message" in capsys.readouterr().out
