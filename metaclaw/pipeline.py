@@ -59,8 +59,9 @@ PROXY_FIELDS = ("session_id", "turn_type", "session_done")
 #: Building the index (seconds for 10,000 skills), and other retrievers (a model encoding the
 #: query), run in the retrieval pool, so that no request waits behind it.
 INLINE_RETRIEVERS = ("lexical",)
-#: A body holding this may carry an earlier turn's skill block (checked on the raw bytes).
-BLOCK_TAG = retrieval.BLOCK_TAG.encode()
+#: A body holding this may carry an earlier turn's skill block (checked on the raw bytes; the
+#: tag's name alone, as some JSON encoders escape "<" and ">").
+BLOCK_TAG = retrieval.BLOCK_TAG.strip("<>").encode()
 #: Chat fields recorded in their own columns rather than in ``request_params``.
 _OWN_COLUMNS = ("messages", "model", "stream")
 #: Client headers an Anthropic upstream receives as they came (pass-through only).
@@ -521,7 +522,9 @@ class TurnPipeline:
         turn.generation, skills = self.proxy.library.current()
         if is_task_turn(turn.turn_type) and skills:
             retriever = self.proxy.retriever
-            if getattr(retriever, "kind", None) in INLINE_RETRIEVERS and retriever.indexed(skills):
+            indexed = getattr(retriever, "indexed", None)  # not part of the Retriever protocol
+            if getattr(retriever, "kind", None) in INLINE_RETRIEVERS and indexed is not None \
+                    and indexed(skills):
                 self.select_and_inject(turn, skills)
             else:
                 await asyncio.get_running_loop().run_in_executor(

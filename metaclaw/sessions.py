@@ -120,7 +120,9 @@ class SideCallRule:
 #: Where a side call's instruction starts: at the start of a line (a system prompt's block, a
 #: paragraph), as the request's own purpose. The same words in the middle of a sentence of an
 #: agent's standing prompt ("If the user asks, summarize the conversation") are not one.
-_LEAD = r"^\W*(?:you are |your task is to |please |now )?"
+_LEAD = r"^\W*(?:you are |your task is to |please |now )?(?:[*_]*\w+ly[*_]* )?"
+#: "this conversation", "the partial conversation", "the lines of conversation", ...
+_THE_CONVERSATION = r"(?:this|the)(?: [\w-]+){0,3} (?:conversation|chat)\b|(?:the )?chat history"
 
 
 def _says(*patterns: str, needles: tuple[str, ...]) -> Callable[[dict[str, Any], str, str], bool]:
@@ -172,14 +174,13 @@ def _sub_agent(body: dict[str, Any], instructions: str, last: str) -> bool:
 SIDE_CALL_RULES: list[SideCallRule] = [
     SideCallRule("title", _says(
         r"(?:generate|write|create|suggest|give|provide|propose)\b[^.\n]{0,40}\btitle\b"
-        r"[^.\n]{0,20}\b(?:of|for)\b[^.\n]{0,20}"
-        r"\b(?:this|the) (?:conversation|chat|session|thread)\b",
+        rf"[^.\n]{{0,60}}\b(?:{_THE_CONVERSATION}|(?:this|the) (?:session|thread)\b)",
         r"naming (?:a|this|the) (?:\w+ )?(?:session|conversation|chat|thread)\b",
         needles=("title", "naming"))),
     SideCallRule("title-schema", _title_schema),
     SideCallRule("summary", _says(
         r"(?:summari[sz]e|create a (?:detailed )?summary of|compact)\b[^.\n]{0,40}"
-        r"\b(?:(?:this|the) (?:conversation|chat)|(?:the )?chat history|the prefix)\b",
+        rf"\b(?:{_THE_CONVERSATION}|the prefix\b)",
         r"an? (?:context )?summari[sz]ation assistant\b", needles=("summar", "compact"))),
     SideCallRule("quota-probe", _tiny_probe),
     SideCallRule("sub-agent", _sub_agent),

@@ -20,7 +20,7 @@ import pytest
 
 from metaclaw.double import DoubleServer, Reply
 from metaclaw.proxy import Proxy, ProxyConfig, StreamAssembler
-from metaclaw.retrieval import BLOCK_HEADER, ScoredSkill, make_retriever
+from metaclaw.retrieval import BLOCK_HEADER, ScoredSkill, make_retriever, render_block
 from metaclaw.skills import Skill, SkillLibrary
 from metaclaw.store import Store
 
@@ -515,6 +515,48 @@ def test_building_the_lexical_index_never_stalls_other_requests(double, workspac
         chat.join(10)
     finally:
         slow.stop()
+
+
+def test_a_resent_block_is_found_when_the_client_escapes_angle_brackets(proxy, double):
+    """Go's and .NET's JSON encoders write "<" as \\u003c: the block is taken out all the same."""
+    import json as jsonlib
+
+    double.add(Reply("ok"))
+    block = render_block([ScoredSkill(SKILLS[0], 1.0)])
+    body = jsonlib.dumps({"model": "m", "messages": [
+        {"role": "system", "content": f"Be brief.\n\n{block}"},
+        {"role": "user", "content": "zzz qqq"}]}).replace("<", "\\u003c").replace(">", "\\u003e")
+    reply = httpx.post(proxy.url + "/chat/completions", content=body, timeout=10,
+                       headers={"Authorization": f"Bearer {TOKEN}",
+                                "Content-Type": "application/json"})
+    assert reply.status_code == 200
+    assert double.requests[-1]["body"]["messages"][0]["content"] == "Be brief."
+
+
+def test_a_custom_lexical_retriever_without_an_index_check_still_serves(double, workspace):
+    """``indexed`` is not part of the Retriever protocol: a retriever without it runs in the
+    retrieval pool."""
+    from metaclaw.retrieval import LexicalRetriever
+
+    class Logged:
+        kind, default_min_score = "lexical", 1e-9
+
+        def __init__(self):
+            self.inner = LexicalRetriever()
+
+        def rank(self, query, skills, *, limit=None):
+            return self.inner.rank(query, skills, limit=limit)
+
+    store, library = workspace
+    config = ProxyConfig(upstream_url=double.url, api_key_env=KEY_ENV, retrieval="lexical")
+    custom = Proxy(config, store, library, Logged()).start()
+    try:
+        double.add(Reply("ok"))
+        raw = sync_client(custom).chat.completions.with_raw_response.create(
+            model="m", messages=COMMIT_QUESTION)
+        assert raw.headers["X-MetaClaw-Injected-Skills"].split(",")[0] == "git-commit-messages"
+    finally:
+        custom.stop()
 
 
 # -- recording hygiene, listeners, seams --------------------------------------------------------

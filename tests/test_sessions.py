@@ -255,3 +255,20 @@ def test_a_shared_prompt_cache_key_is_not_a_session():
     openclaw = session("a6631154-9d92-4d17-a383-30f0923b9649:3", "a")
     assert (openclaw.session_id, openclaw.how["session"]) == (
         "a6631154-9d92-4d17-a383-30f0923b9649", "body:prompt_cache_key")
+
+
+@pytest.mark.parametrize("system, last", [
+    ("*Briefly* summarize this partial conversation about programming.\nInclude less detail "
+     "about older parts.", "# USER\nfix the bug in app.py\n# ASSISTANT\nDone."),      # Aider
+    (None, "Progressively summarize the lines of conversation provided, adding onto the "
+           "previous summary returning a new summary.\n\nCurrent summary:\n"),  # LangChain
+    ("Summarize this coding conversation in under 50 characters.", "fix the login bug"),
+    (None, "### Task:\nGenerate a concise, 3-5 word title with an emoji summarizing the chat "
+           "history.\n### Guidelines:\n- The title should clearly represent the main theme"),
+    (None, "Please generate a concise, 5-word-or-less title for the conversation, using its "
+           "same language, with no punctuation."),                                # LibreChat
+])
+def test_frameworks_title_and_summary_calls_are_side_calls(system, last):
+    messages = ([{"role": "system", "content": system}] if system else []) + [
+        {"role": "user", "content": last}]
+    assert identify({}, {"messages": messages}).turn_type == "side"

@@ -99,6 +99,13 @@ def test_an_anthropic_system_prompt_resent_with_its_block_gets_one_block():
     assert again["system"] == [own, {"type": "text", "text": newer}]
     assert ANTHROPIC.inject(first, "")["system"] == [own]
     assert "system" not in ANTHROPIC.inject({**body, "system": block}, "")
+    # a prompt that only mentions the tag is not touched
+    mentions = {**body, "system": "Never print <metaclaw-skills> tags."}
+    assert ANTHROPIC.inject(mentions, "") is mentions
+    # a breakpoint the client set on the resent block moves to its replacement
+    marked = {**first, "system": [own, {**first["system"][1], "cache_control": {"type": "x"}}]}
+    assert ANTHROPIC.inject(marked, newer)["system"] == [
+        own, {"type": "text", "text": newer, "cache_control": {"type": "x"}}]
 
 
 @pytest.mark.parametrize("body, closing", [

@@ -426,22 +426,36 @@ class AnthropicMessages(WireProtocol):
     def inject(self, body: dict[str, Any], block: str) -> dict[str, Any]:
         """``body`` with the skill block as a new last system text block (the client's own blocks,
         and their cache_control breakpoints, unchanged in front of it), in place of any block
-        an earlier turn left in the system prompt the client resends."""
-        from metaclaw.retrieval import BLOCK_TAG, strip_skill_block
+        an earlier turn left in the system prompt the client resends (a breakpoint the client
+        set on that one moves to its replacement). Unchanged when there is nothing to do."""
+        from metaclaw.retrieval import BLOCK_HEADER, strip_skill_block
 
         system = body.get("system")
-        if not block and BLOCK_TAG not in _text(system):
-            return body
-        if isinstance(system, (str, list)) and system:
+        if BLOCK_HEADER not in _text(system):
+            if not block:
+                return body
+        elif isinstance(system, (str, list)):
+            breakpoint = next((part["cache_control"] for part in system
+                               if isinstance(part, dict) and "cache_control" in part
+                               and BLOCK_HEADER in str(part.get("text"))), None) \
+                if isinstance(system, list) else None
             [*kept] = strip_skill_block([{"role": "system", "content": system}])
             system = kept[0]["content"] if kept else None
+            if breakpoint is not None and block:
+                return self._with_block(body, system, {"type": "text", "text": block,
+                                                       "cache_control": breakpoint})
+        return self._with_block(body, system, {"type": "text", "text": block} if block else None)
+
+    @staticmethod
+    def _with_block(body: dict[str, Any], system: Any,
+                    part: dict[str, Any] | None) -> dict[str, Any]:
+        extra = [part] if part is not None else []
         if isinstance(system, list):
-            blocks = [*system, {"type": "text", "text": block}] if block else system
+            blocks = [*system, *extra]
         elif isinstance(system, str) and system:
-            blocks = [{"type": "text", "text": system}] + (
-                [{"type": "text", "text": block}] if block else [])
+            blocks = [{"type": "text", "text": system}, *extra]
         else:
-            blocks = [{"type": "text", "text": block}] if block else []
+            blocks = extra
         if not blocks:
             return {k: v for k, v in body.items() if k != "system"}
         return {**body, "system": blocks}
