@@ -63,7 +63,7 @@ ROUND = {"eval": {"options": {k: k for k in "ABCDEF"}, "answer": ["A", "C"]}}
 
 @pytest.mark.parametrize("reply", [r"\boxed{\text{A, C}}", r"\bbox{A and C}", r"\bbox{Answer: A,C}",
                                    r"\boxed{\mathrm{A,C}}", r"\bbox{A,C}", r"\bbox{a, c}",
-                                   r"\bbox{A, C (both)}", r"\bbox{(A) and (C).}"])
+                                   r"\bbox{A, C (both)}", r"\bbox{(A) and (C).}", r"\bbox{AC}"])
 def test_only_standalone_option_letters_are_selected(reply):
     score = score_choice(reply, ROUND)
     assert score.selected == ["A", "C"] and score.passed, score

@@ -197,10 +197,18 @@ def _box_content(reply: str) -> str | None:
     return None   # an unclosed box is no answer
 
 
+def _option_letters(token: str) -> bool:
+    """Whether ``token`` names options: one letter (``a``, ``C``), or capitals run together
+    without a repeat (``AC``, a common way to write ``A,C``); not a word (``Answer``, ``and``)."""
+    if not (token.isascii() and token.isalpha()):
+        return False
+    return len(token) == 1 or (token.isupper() and len(set(token)) == len(token))
+
+
 def extract_choice(reply: str | None) -> list[str] | None:
     """Option letters of the first ``\\bbox{..}``/``\\boxed{..}`` in ``reply`` (sorted), or None.
 
-    Only standalone single letters count (``A, C``, ``A and C``, ``\\text{A,C}``); words such as
+    Only standalone letters count (``A, C``, ``A and C``, ``\\text{A,C}``, ``AC``); words such as
     ``Answer:`` or ``both`` are ignored, so their letters are never read as selected options.
     """
     content = _box_content(reply or "")
@@ -208,7 +216,7 @@ def extract_choice(reply: str | None) -> list[str] | None:
         return None
     content = _MACRO.sub(" ", content).replace("{", " ").replace("}", " ")
     tokens = (t.strip(".:()[]'\"*") for t in re.split(r"[\s,;/&+]+|\band\b", content))
-    letters = sorted({t.upper() for t in tokens if len(t) == 1 and t.isascii() and t.isalpha()})
+    letters = sorted({c.upper() for t in tokens if _option_letters(t) for c in t})
     return letters or None
 
 
