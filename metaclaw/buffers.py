@@ -41,7 +41,7 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 from metaclaw.sessions import TASK_TURNS_SQL, is_task_turn
-from metaclaw.store import Store
+from metaclaw.store import IN_IDS, Store, id_list
 
 SUPPORT = "support"
 QUERY = "query"
@@ -105,11 +105,7 @@ def refresh(store: Store, turn_ids: Iterable[int] | None = None, *, threshold: f
         rows = store.turns(f"{TASK_TURNS_SQL} AND status = 'ok' "
                            "AND (buffer_state IS NULL OR buffer_state = 'live')")
     else:
-        ids = sorted({int(i) for i in turn_ids})
-        rows = []
-        for start in range(0, len(ids), 500):
-            chunk = ids[start:start + 500]
-            rows += store.turns(f"id IN ({', '.join('?' * len(chunk))})", chunk)
+        rows = store.turns(f"id {IN_IDS}", (id_list(turn_ids),))
     changes = {SUPPORT: 0, QUERY: 0, PURGED: 0}
     with store.transaction():
         for row in rows:
@@ -131,10 +127,8 @@ def advance(store: Store, generation: int, consumed: Iterable[int] = ()) -> dict
     """
     with store.transaction():
         ids = consumable(store, consumed)
-        for start in range(0, len(ids), 500):
-            chunk = ids[start:start + 500]
-            store.execute(f"UPDATE turns SET buffer_set = 'support', buffer_state = 'consumed' "
-                          f"WHERE id IN ({', '.join('?' * len(chunk))})", chunk)
+        store.execute(f"UPDATE turns SET buffer_set = 'support', buffer_state = 'consumed' "
+                      f"WHERE id {IN_IDS}", (id_list(ids),))
         cur = store.execute(
             "UPDATE turns SET buffer_state = 'purged' "
             "WHERE buffer_state = 'live' AND skill_generation < ?", (int(generation),))
@@ -145,26 +139,17 @@ def advance(store: Store, generation: int, consumed: Iterable[int] = ()) -> dict
 def consumable(store: Store, turn_ids: Iterable[int]) -> list[int]:
     """Those of ``turn_ids`` that :func:`advance` would mark ``support / consumed`` now: task
     turns still live (or not yet classified) that no GRPO step trained on."""
-    ids = sorted({int(i) for i in turn_ids})
-    found: list[int] = []
-    for start in range(0, len(ids), 500):
-        chunk = ids[start:start + 500]
-        found += [row["id"] for row in store.query(
-            f"SELECT id FROM turns WHERE id IN ({', '.join('?' * len(chunk))}) "
-            "AND buffer_set IS NOT NULL AND trained_steps = 0 "
-            "AND (buffer_state IS NULL OR buffer_state = 'live') ORDER BY id", chunk)]
-    return found
+    return [row["id"] for row in store.query(
+        f"SELECT id FROM turns WHERE id {IN_IDS} AND buffer_set IS NOT NULL "
+        "AND trained_steps = 0 AND (buffer_state IS NULL OR buffer_state = 'live') ORDER BY id",
+        (id_list(turn_ids),))]
 
 
 def mark_trained(store: Store, turn_ids: Iterable[int]) -> None:
     """Count one GRPO step that trained on each of ``turn_ids`` (``turns.trained_steps``).
     A trained turn's buffer set is final: it stays in the query set."""
-    ids = sorted({int(i) for i in turn_ids})
-    with store.transaction():
-        for start in range(0, len(ids), 500):
-            chunk = ids[start:start + 500]
-            store.execute(f"UPDATE turns SET trained_steps = trained_steps + 1 "
-                          f"WHERE id IN ({', '.join('?' * len(chunk))})", chunk)
+    store.execute(f"UPDATE turns SET trained_steps = trained_steps + 1 WHERE id {IN_IDS}",
+                  (id_list(turn_ids),))
 
 
 def claim_for_training(store: Store, turn_ids: Iterable[int]) -> set[int]:
@@ -176,28 +161,19 @@ def claim_for_training(store: Store, turn_ids: Iterable[int]) -> set[int]:
     evolution committed first makes the turns stale here (a newer generation exists, or
     :func:`advance` has already moved them); one committed after finds them trained and leaves
     them in the query set. Either way no support turn trains weights."""
-    ids = sorted({int(i) for i in turn_ids})
-    claimed: set[int] = set()
     with store.transaction():
-        generation = current_generation(store)
-        for start in range(0, len(ids), 500):
-            chunk = ids[start:start + 500]
-            marks = ", ".join("?" * len(chunk))
-            claimed.update(row["id"] for row in store.query(
-                f"SELECT id FROM turns WHERE id IN ({marks}) AND buffer_set = 'query' "
-                f"AND buffer_state = 'live' AND skill_generation = ?", [*chunk, generation]))
+        claimed = {row["id"] for row in store.query(
+            f"SELECT id FROM turns WHERE id {IN_IDS} AND buffer_set = 'query' "
+            "AND buffer_state = 'live' AND skill_generation = ?",
+            (id_list(turn_ids), current_generation(store)))}
         mark_trained(store, claimed)
     return claimed
 
 
 def release_training_claim(store: Store, turn_ids: Iterable[int]) -> None:
     """Undo :func:`claim_for_training` for a step that failed before training."""
-    ids = sorted({int(i) for i in turn_ids})
-    with store.transaction():
-        for start in range(0, len(ids), 500):
-            chunk = ids[start:start + 500]
-            store.execute(f"UPDATE turns SET trained_steps = MAX(trained_steps - 1, 0) "
-                          f"WHERE id IN ({', '.join('?' * len(chunk))})", chunk)
+    store.execute(f"UPDATE turns SET trained_steps = MAX(trained_steps - 1, 0) "
+                  f"WHERE id {IN_IDS}", (id_list(turn_ids),))
 
 
 def support_set(store: Store, generation: int | None = None,

@@ -41,7 +41,7 @@ from typing import Any, Awaitable, Callable, Iterable, TypeVar
 from metaclaw import buffers
 from metaclaw.buffers import message_text
 from metaclaw.sessions import TASK_TURNS_SQL
-from metaclaw.store import Store
+from metaclaw.store import IN_IDS, Store, id_list
 from metaclaw.upstreams import safe_url
 
 T = TypeVar("T")
@@ -558,31 +558,21 @@ def lease_turns(store: Store, turn_ids: Iterable[int], seconds: float = JUDGE_LE
     """Lease the unjudged turns among ``turn_ids`` to this caller for ``seconds``, in one
     transaction: those without a verdict and without another judge's live lease. Returns the
     leased ids; the others are left to whoever judged or is judging them."""
-    ids = sorted({int(i) for i in turn_ids})
     now = time.time()
-    leased: set[int] = set()
     with store.transaction(fsync=False):
-        for start in range(0, len(ids), 500):
-            chunk = ids[start:start + 500]
-            marks = ", ".join("?" * len(chunk))
-            free = [row["id"] for row in store.query(
-                f"SELECT id FROM turns WHERE id IN ({marks}) AND reward IS NULL "
-                f"AND (judge_lease_until IS NULL OR judge_lease_until < ?)", [*chunk, now])]
-            if free:
-                store.execute(f"UPDATE turns SET judge_lease_until = ? "
-                              f"WHERE id IN ({', '.join('?' * len(free))})", [now + seconds, *free])
-            leased.update(free)
+        leased = {row["id"] for row in store.query(
+            f"SELECT id FROM turns WHERE id {IN_IDS} AND reward IS NULL "
+            "AND (judge_lease_until IS NULL OR judge_lease_until < ?)", (id_list(turn_ids), now))}
+        store.execute(f"UPDATE turns SET judge_lease_until = ? WHERE id {IN_IDS}",
+                      (now + seconds, id_list(leased)))
     return leased
 
 
 def release_turns(store: Store, turn_ids: Iterable[int]) -> None:
     """End the leases of :func:`lease_turns` on ``turn_ids``."""
-    ids = sorted({int(i) for i in turn_ids})
     with store.transaction(fsync=False):
-        for start in range(0, len(ids), 500):
-            chunk = ids[start:start + 500]
-            store.execute(f"UPDATE turns SET judge_lease_until = NULL "
-                          f"WHERE id IN ({', '.join('?' * len(chunk))})", chunk)
+        store.execute(f"UPDATE turns SET judge_lease_until = NULL WHERE id {IN_IDS}",
+                      (id_list(turn_ids),))
 
 
 class Judge:
@@ -718,12 +708,9 @@ class Judge:
         if concurrency < 1:
             raise ValueError(f"concurrency must be at least 1, got {concurrency}")
         if turn_ids is not None:
-            ids = sorted({int(i) for i in turn_ids})
-            rows = []
-            for start in range(0, len(ids), 500):
-                chunk = ids[start:start + 500]
-                rows += store.turns(f"id IN ({', '.join('?' * len(chunk))})", chunk)
-            missing = set(ids) - {r["id"] for r in rows}
+            ids = {int(i) for i in turn_ids}
+            rows = store.turns(f"id {IN_IDS}", (id_list(ids),))
+            missing = ids - {r["id"] for r in rows}
             if missing:
                 raise ValueError(f"no turn with id {', '.join(map(str, sorted(missing)))} in "
                                  f"{store.path}; list turns with Store.turns()")
@@ -736,8 +723,8 @@ class Judge:
             leased = lease_turns(store, [r["id"] for r in rows], self.lease_s)
             others = sorted(r["id"] for r in rows if r["id"] not in leased)
             judged = {row["id"] for row in store.query(  # read again: judged since the rows
-                "SELECT id FROM turns WHERE reward IS NOT NULL AND id IN "
-                "(SELECT value FROM json_each(?))", (json.dumps(others),))} if others else set()
+                f"SELECT id FROM turns WHERE reward IS NOT NULL AND id {IN_IDS}",
+                (id_list(others),))}
             skipped = {i: self._skipped(i, i in judged) for i in others}
             rows = [r for r in rows if r["id"] in leased]
         next_users: dict[int, str | None] = {}
@@ -786,10 +773,9 @@ class Judge:
         ``rescore``: a turn counts once however many processes judge."""
         now = time.time()
         with store.transaction():
-            ids = json.dumps([r.turn_id for r in results if r.ok and r.turn_id is not None])
+            ids = id_list(r.turn_id for r in results if r.ok and r.turn_id is not None)
             unjudged = None if rescore else {row["id"] for row in store.query(
-                "SELECT id FROM turns WHERE reward IS NULL AND id IN "
-                "(SELECT value FROM json_each(?))", (ids,))}
+                f"SELECT id FROM turns WHERE reward IS NULL AND id {IN_IDS}", (ids,))}
             judged = [r for r in results if r.ok and r.turn_id is not None
                       and (unjudged is None or r.turn_id in unjudged)]
             for result in judged:

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from metaclaw import buffers
-from metaclaw.store import Store
+from metaclaw.store import IN_IDS, Store, id_list
 
 VERDICTS = ("pass", "fail")
 
@@ -243,11 +243,7 @@ def agreement(store: Store, *, threshold: float = 0.0) -> Agreement:
 def _selected(store: Store, turn_ids: Iterable[int] | None, session: str | None,
               labelled_only: bool) -> list[dict[str, Any]]:
     if turn_ids is not None:
-        ids = sorted({int(i) for i in turn_ids})
-        rows = []
-        for start in range(0, len(ids), 500):
-            chunk = ids[start:start + 500]
-            rows += store.turns(f"id IN ({', '.join('?' * len(chunk))})", chunk)
+        rows = store.turns(f"id {IN_IDS}", (id_list(turn_ids),))
     elif session is not None:
         rows = store.turns("session_id = ?", (session,))
     else:

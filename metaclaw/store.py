@@ -225,6 +225,16 @@ EVENT_LEVELS = ("info", "warning", "error")
 BUSY_TIMEOUT_S = 30.0
 
 
+#: ``WHERE id IN_IDS`` with the one parameter ``id_list(ids)``: any number of ids (a JSON array
+#: SQLite reads with json_each), where a placeholder each would run past SQLite's limit.
+IN_IDS = "IN (SELECT value FROM json_each(?))"
+
+
+def id_list(ids: Iterable[int]) -> str:
+    """The parameter of :data:`IN_IDS` for ``ids``."""
+    return dumps(sorted({int(i) for i in ids}))
+
+
 class StoreError(RuntimeError):
     """The store file cannot be opened or is from a newer version of MetaClaw."""
 
