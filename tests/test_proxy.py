@@ -23,6 +23,7 @@ from metaclaw.proxy import Proxy, ProxyConfig, StreamAssembler
 from metaclaw.retrieval import BLOCK_HEADER, ScoredSkill, make_retriever, render_block
 from metaclaw.skills import Skill, SkillLibrary
 from metaclaw.store import Store
+from waiting import wait_until
 
 TOKEN = "proxy-token-7f3a9c1e5b"
 UPSTREAM_KEY = "sk-upstream-secret-4d2b8e6f0a"
@@ -113,6 +114,15 @@ def sync_client(proxy, **kw) -> openai.OpenAI:
 def last_turn(proxy) -> dict:
     proxy.flush()
     return proxy.store.turns(order="id DESC")[0]
+
+
+def session_turns(proxy, session: str) -> list[dict]:
+    """The session's turns once one is recorded (a turn whose client left is recorded when the
+    proxy notices: on its next write, or when the upstream answers)."""
+    def recorded() -> list[dict]:
+        proxy.flush()
+        return proxy.store.turns("session_id = ?", (session,))
+    return wait_until(recorded, timeout=5, what=f"a turn of session {session!r}")
 
 
 def upstream_body(double) -> dict:
@@ -444,12 +454,7 @@ def test_client_disconnect_mid_stream_is_recorded(strict, double):
                       json={"model": "m", "messages": COMMIT_QUESTION, "stream": True,
                             "session_id": "walked-away"}) as response:
         next(response.iter_bytes())
-    for _ in range(100):  # the proxy notices on its next write
-        strict.flush()
-        rows = strict.store.turns("session_id = ?", ("walked-away",))
-        if rows:
-            break
-        time.sleep(0.05)
+    rows = session_turns(strict, "walked-away")
     assert rows[0]["status"] == "client_disconnected" and "client disconnected" in rows[0]["error"]
 
 
@@ -461,12 +466,7 @@ def test_a_client_that_gave_up_before_the_reply_is_not_recorded_as_served(proxy,
         httpx.post(proxy.url + "/chat/completions", timeout=0.3,
                    headers={"Authorization": f"Bearer {TOKEN}"},
                    json={"model": "m", "messages": COMMIT_QUESTION, "session_id": "gave-up"})
-    for _ in range(100):  # the reply arrives after the client left
-        proxy.flush()
-        rows = proxy.store.turns("session_id = ?", ("gave-up",))
-        if rows:
-            break
-        time.sleep(0.05)
+    rows = session_turns(proxy, "gave-up")  # the reply arrives after the client left
     assert rows[0]["status"] == "client_disconnected" and rows[0]["response"] == "a late answer"
     assert "before the reply" in rows[0]["error"]
 
@@ -519,11 +519,9 @@ def test_building_the_lexical_index_never_stalls_other_requests(double, workspac
 
 def test_a_resent_block_is_found_when_the_client_escapes_angle_brackets(proxy, double):
     """Go's and .NET's JSON encoders write "<" as \\u003c: the block is taken out all the same."""
-    import json as jsonlib
-
     double.add(Reply("ok"))
     block = render_block([ScoredSkill(SKILLS[0], 1.0)])
-    body = jsonlib.dumps({"model": "m", "messages": [
+    body = json.dumps({"model": "m", "messages": [
         {"role": "system", "content": f"Be brief.\n\n{block}"},
         {"role": "user", "content": "zzz qqq"}]}).replace("<", "\\u003c").replace(">", "\\u003e")
     reply = httpx.post(proxy.url + "/chat/completions", content=body, timeout=10,
