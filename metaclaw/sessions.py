@@ -240,12 +240,11 @@ def session_of(headers: Mapping[str, str], body: dict[str, Any]) -> tuple[str, s
     texts = [content_text(body.get("system"))] + [  # Anthropic's system is top-level
         content_text(m.get("content")) for m in messages
         if isinstance(m, dict) and m.get("role") in INSTRUCTION_ROLES]
-    texts.append(_first_user_text(messages) or "")
-    for text in texts:
+    first = _first_user_text(messages)
+    for text in (*texts, first or ""):
         found = EMBEDDED_SESSION.search(text) if "sessionId=" in text else None
         if found:
             return found.group(1), "message:sessionId"
-    first = _first_user_text(messages)
     if first is not None:
         user = body.get("user") if isinstance(body.get("user"), str) else ""
         digest = hashlib.sha256(f"{user}\x00{first}".encode("utf-8", "replace")).hexdigest()
