@@ -431,31 +431,20 @@ class AnthropicMessages(WireProtocol):
         from metaclaw.retrieval import BLOCK_HEADER, strip_skill_block
 
         system = body.get("system")
-        if BLOCK_HEADER not in _text(system):
-            if not block:
-                return body
-        elif isinstance(system, (str, list)):
-            breakpoint = next((part["cache_control"] for part in system
-                               if isinstance(part, dict) and "cache_control" in part
-                               and BLOCK_HEADER in str(part.get("text"))), None) \
-                if isinstance(system, list) else None
-            [*kept] = strip_skill_block([{"role": "system", "content": system}])
+        resent = BLOCK_HEADER in _text(system)
+        if not block and not resent:
+            return body
+        part = {"type": "text", "text": block} if block else None
+        if resent:
+            if part is not None and isinstance(system, list):
+                part.update(next(({"cache_control": p["cache_control"]} for p in system
+                                  if isinstance(p, dict) and "cache_control" in p
+                                  and BLOCK_HEADER in str(p.get("text"))), {}))
+            kept = strip_skill_block([{"role": "system", "content": system}])
             system = kept[0]["content"] if kept else None
-            if breakpoint is not None and block:
-                return self._with_block(body, system, {"type": "text", "text": block,
-                                                       "cache_control": breakpoint})
-        return self._with_block(body, system, {"type": "text", "text": block} if block else None)
-
-    @staticmethod
-    def _with_block(body: dict[str, Any], system: Any,
-                    part: dict[str, Any] | None) -> dict[str, Any]:
-        extra = [part] if part is not None else []
-        if isinstance(system, list):
-            blocks = [*system, *extra]
-        elif isinstance(system, str) and system:
-            blocks = [{"type": "text", "text": system}, *extra]
-        else:
-            blocks = extra
+        if isinstance(system, str) and system:
+            system = [{"type": "text", "text": system}]
+        blocks = [*(system if isinstance(system, list) else []), *([part] if part else [])]
         if not blocks:
             return {k: v for k, v in body.items() if k != "system"}
         return {**body, "system": blocks}
