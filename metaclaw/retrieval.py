@@ -137,7 +137,7 @@ class _IndexCache:
 _TOKEN = re.compile(r"[^\W_]+")
 #: Scripts written without spaces between words (Chinese, Japanese kana and kanji): a run of
 #: them is matched by its overlapping character pairs, as search engines do.
-_UNSPACED = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]+")
+_UNSPACED = re.compile(r"([\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]+)")
 STOPWORDS = frozenset("""
 a an and are as at be been but by can could did do does for from had has have how i if in into is
 it its me my of on or our please so than that the their them then there these this those to too
@@ -175,7 +175,7 @@ def tokenize(text: str) -> list[str]:
             if token not in STOPWORDS:
                 tokens.append(_stem(token))
             continue
-        for part in re.split(f"({_UNSPACED.pattern})", token):
+        for part in _UNSPACED.split(token):  # the runs of unspaced script, and what is between
             if _UNSPACED.fullmatch(part):
                 tokens += [part] if len(part) == 1 else [part[i:i + 2] for i in range(len(part) - 1)]
             elif part:
@@ -820,12 +820,14 @@ def strip_skill_block(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         content = message.get("content")
         if isinstance(content, str) and BLOCK_HEADER in content:
             kept: Any = _cut_blocks(content)
-        elif isinstance(content, list) and any(
-                isinstance(p, dict) and BLOCK_HEADER in str(p.get("text")) for p in content):
-            kept = [{**p, "text": _cut_blocks(p["text"])}
-                    if isinstance(p, dict) and isinstance(p.get("text"), str) else p
-                    for p in content]
-            kept = [p for p in kept if not (isinstance(p, dict) and p.get("text") == "")]
+        elif isinstance(content, list) and any(_holds_block(p) for p in content):
+            kept = []
+            for part in content:
+                if _holds_block(part):
+                    part = {**part, "text": _cut_blocks(part["text"])}
+                    if not part["text"]:  # the block was all of it
+                        continue
+                kept.append(part)
         else:
             continue
         if kept:
@@ -833,6 +835,11 @@ def strip_skill_block(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         else:
             del out[i]
     return out
+
+
+def _holds_block(part: Any) -> bool:
+    return isinstance(part, dict) and isinstance(part.get("text"), str) \
+        and BLOCK_HEADER in part["text"]
 
 
 def _cut_blocks(text: str) -> str:
