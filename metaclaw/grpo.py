@@ -416,17 +416,14 @@ class GRPOTrainer:
         """(turn ids claimed for this step, the groups of turns that are stale): query-set
         groups are claimed in the store (:func:`metaclaw.buffers.claim_for_training`); without
         a store, a group is stale when its turn's generation is not the one recorded now."""
-        turn_ids = {prompt.turn_id for prompt, _, _ in groups if prompt.turn_id is not None}
-        if not turn_ids:
+        turns = [g for g in groups if g[0].turn_id is not None]  # tasks have nothing to claim
+        if not turns:
             return set(), []
-        if self.store is not None:
-            claimed = buffers.claim_for_training(self.store, turn_ids)
-        else:
+        if self.store is None:
             generation = self.generation_now()
-            claimed = {prompt.turn_id for prompt, _, _ in groups
-                       if prompt.turn_id is not None and prompt.skill_generation == generation}
-        stale = [g for g in groups if g[0].turn_id is not None and g[0].turn_id not in claimed]
-        return (claimed if self.store is not None else set()), stale
+            return set(), [g for g in turns if g[0].skill_generation != generation]
+        claimed = buffers.claim_for_training(self.store, [g[0].turn_id for g in turns])
+        return claimed, [g for g in turns if g[0].turn_id not in claimed]
 
     def save(self, step: int | None = None) -> str | None:
         """Save the training state after ``step`` (default: the last completed step) in
