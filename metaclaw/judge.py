@@ -27,10 +27,13 @@ counted as 0. When every vote fails the turn stays unjudged and the result carri
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import html
 import json
+import logging
 import os
 import re
+import sqlite3
 import threading
 import time
 import weakref
@@ -45,6 +48,7 @@ from metaclaw.store import IN_IDS, Store, id_list
 from metaclaw.upstreams import safe_url
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 SECTION_TASK = "Task (user messages)"
 SECTION_TOOLS = "Tool calls and tool results"
@@ -568,6 +572,17 @@ def lease_turns(store: Store, turn_ids: Iterable[int], seconds: float = JUDGE_LE
     return leased
 
 
+def renew_leases(store: Store, turn_ids: Iterable[int], seconds: float = JUDGE_LEASE_S) -> int:
+    """Extend the live leases among ``turn_ids`` (still unjudged) to ``seconds`` from now, so
+    that a batch judged for longer than one lease is not taken up by a second judge midway.
+    A lease that has ended already is left to whoever takes it. Returns how many were renewed."""
+    now = time.time()
+    with store.transaction(fsync=False):
+        return store.execute(
+            f"UPDATE turns SET judge_lease_until = ? WHERE id {IN_IDS} AND reward IS NULL "
+            "AND judge_lease_until >= ?", (now + seconds, id_list(turn_ids), now)).rowcount
+
+
 def release_turns(store: Store, turn_ids: Iterable[int]) -> None:
     """End the leases of :func:`lease_turns` on ``turn_ids``."""
     with store.transaction(fsync=False):
@@ -738,15 +753,31 @@ class Judge:
                     later = [t for t in thread_turns if t["turn_index"] > row["turn_index"]]
                     next_users[row["id"]] = next_user_message(row, later)
         semaphore = asyncio.Semaphore(concurrency)
+        renewing = None if rescore or not rows else asyncio.ensure_future(
+            self._renew_leases(store, [r["id"] for r in rows]))
         try:
             results = await asyncio.gather(*(
                 self.ajudge(row, next_user=next_users.get(row["id"]), semaphore=semaphore)
                 for row in rows))
             self.store_results(store, results, update_buffers=update_buffers, rescore=rescore)
         finally:  # a turn left unjudged is free for the next judge at once
+            if renewing is not None:
+                renewing.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await renewing
             if not rescore:
                 release_turns(store, [r["id"] for r in rows])
         return sorted([*results, *skipped.values()], key=lambda r: r.turn_id)
+
+    async def _renew_leases(self, store: Store, turn_ids: list[int]) -> None:
+        """Renew this batch's leases every third of a lease until cancelled: a batch may take
+        longer than one lease (a slow judge, thousands of turns)."""
+        while True:
+            await asyncio.sleep(self.lease_s / 3)
+            try:
+                renew_leases(store, turn_ids, self.lease_s)
+            except sqlite3.Error as exc:  # busy past the store's timeout: the next round retries
+                log.warning("could not renew the judge's leases: %s", exc)
 
     def _skipped(self, turn_id: int, judged: bool) -> JudgeResult:
         why = ("judged meanwhile (pass rescore=True to judge it again)" if judged else

@@ -99,6 +99,25 @@ def test_a_lease_past_its_end_is_taken_over(store):
     assert result.ok and store.turn(turn_id)["judge_lease_until"] is None
 
 
+def test_a_batch_longer_than_its_lease_keeps_its_turns(store):
+    """A judge still scoring renews its leases, so a second process does not judge the same
+    turns again once the first lease would have ended."""
+    turn_id = add_turn(store)
+    results: list = []
+    with DoubleServer([Reply(content=json.dumps({"score": 1, "rationale": "ok"}),
+                             delay=1.5)]) as double:
+        judge = Judge(double.url, "judge-model", votes=1, timeout=10)
+        judge.lease_s = 0.6
+        worker = threading.Thread(target=lambda: results.extend(judge.judge_turns(store,
+                                                                                  [turn_id])))
+        worker.start()
+        time.sleep(1.0)  # past the first lease's end, before the verdict
+        assert lease_turns(Store(store.path), [turn_id]) == set()
+        worker.join(timeout=30)
+    assert [r.ok for r in results] == [True]
+    assert store.turn(turn_id)["judge_lease_until"] is None
+
+
 def test_a_failed_judge_call_releases_its_lease(store):
     turn_id = add_turn(store)
     with DoubleServer([Reply(content="no", status=400)]) as double:
