@@ -586,7 +586,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def _summary_keys(summary: dict[str, Any]) -> dict[str, Any]:
     keys = ("rounds", "file_check_rounds", "multi_choice_rounds", "accuracy",
             "file_check_completion", "multi_choice_score", "per_day", "skill_generation", "skills",
-            "model", "served_by", "nights", "policy_version")
+            "model", "served_by", "nights", "policy_version", "resumed_days")
     return {k: summary[k] for k in keys if k in summary}
 
 
@@ -632,7 +632,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             evolver_url=endpoints["evolver_url"] or upstream,
             evolver_model=endpoints["evolver_model"] or ("sim-evolver" if sim else model),
             votes=args.votes or (1 if sim else 3), evolve_every=args.evolve_every, on_round=None,
-            backend=backend, train_steps=args.train_steps, responder=responder)
+            backend=backend, train_steps=args.train_steps, responder=responder,
+            resume=args.resume)
     finally:
         if sim is not None:
             sim.stop()
@@ -802,6 +803,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--json", action="store_true", help="print the summary JSON on stdout")
         if name == "bench":
             p.add_argument("--mode", choices=["baseline", "skills", "full"], default="baseline")
+            p.add_argument("--resume", action="store_true",
+                           help="go on with the run in --out that was stopped midway: the days it "
+                           "finished without an error are kept, the others run (same --mode and "
+                           "--model; a skills run keeps its library)")
             p.add_argument("--parallel", type=argtypes.positive_int, default=1,
                            help="days run at once (baseline)")
             p.add_argument("--votes", type=argtypes.positive_int, help="judge votes per turn")

@@ -90,7 +90,8 @@ def run_mode(mode: str, data: Path, days: Any, out: Path, upstream: str, model: 
               budget_chars: int, parallel: int, judge_url: str | None,
               judge_model: str | None, evolver_url: str | None, evolver_model: str | None,
               votes: int, evolve_every: str, on_round: Callable | None,
-              backend: Any = None, train_steps: int = 4, responder: Any = None) -> dict:
+              backend: Any = None, train_steps: int = 4, responder: Any = None,
+              resume: bool = False) -> dict:
     """One benchmark run in its own store and skill library under ``out``.
 
     ``mode``: "baseline" (the proxy with an empty library: nothing is injected), "skills" (the
@@ -100,7 +101,9 @@ def run_mode(mode: str, data: Path, days: Any, out: Path, upstream: str, model: 
     Returns the runner's summary plus ``skill_generation``, ``skills``, ``evolve_events`` and,
     for "full", ``training`` (the recorded steps) and ``policy_version``. ``responder``: a local
     model (:func:`metaclaw.localmodel.load_responder`) that serves the agent inside the proxy
-    instead of ``upstream``, so every turn records its token ids and logprobs.
+    instead of ``upstream``, so every turn records its token ids and logprobs. ``resume``: go on
+    with an earlier run in ``out`` that was stopped midway: its store, skill library and the days
+    it finished are kept (:func:`metaclaw.bench.runner.finished_days`), the other days run.
     """
     if mode not in ("baseline", "skills", "full"):
         raise ValueError(f"mode must be 'baseline', 'skills' or 'full', not {mode!r}")
@@ -114,7 +117,8 @@ def run_mode(mode: str, data: Path, days: Any, out: Path, upstream: str, model: 
     from metaclaw.skills import SkillLibrary
     from metaclaw.store import Store
 
-    with claim_out_dir(out, RUN_ENTRIES):   # refuses a folder no run wrote; one run at a time
+    # refuses a folder no run wrote; one run at a time; a resumed run keeps the earlier output
+    with claim_out_dir(out, RUN_ENTRIES, replace=not resume):
         store = Store(out / "metaclaw.db")
         library = SkillLibrary(out / "skills", store)
         proxy = Proxy(ProxyConfig(upstream_url=upstream, model=model, api_key_env=api_key_env,
@@ -183,7 +187,8 @@ def run_mode(mode: str, data: Path, days: Any, out: Path, upstream: str, model: 
             local = {"request_timeout": 1800, "max_iterations": 8} if responder is not None else {}
             summary = run_bench(data, days, mode, base_url=proxy.url, model=model, out_dir=out / "run",
                                 parallel=parallel if mode == "baseline" else 1,
-                                keep_workspaces=slow is not None, **hooks, **local)
+                                keep_workspaces=slow is not None, resume=resume, **hooks,
+                                **local)
             if loop is not None:
                 events = [e.to_dict() for e in loop.events if e.kind in ("evolved", "evolve_failed")]
             summary["skill_generation"] = library.generation

@@ -176,6 +176,82 @@ def test_two_bench_processes_on_one_folder(tmp_path):
     assert days == {"day01", "day02"}
 
 
+# ---------------------------------------------------------------- resuming a stopped run
+def _rounds(out: Path) -> list[str]:
+    return (out / "run" / "rounds.jsonl").read_text(encoding="utf-8").splitlines()
+
+
+def test_a_run_killed_midway_resumes_with_each_round_once(tmp_path, capsys):
+    """kill -9 during the second day: ``--resume`` keeps the first day's records as they were
+    (same session, not asked again) and the skill library, and runs the other days once."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "metaclaw.cli", "bench", "--mode", "skills", "--out", str(out),
+           "--days", "day01,day02,day03"]
+    run = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and run.poll() is None:
+            if (out / "run" / "rounds.jsonl").is_file() and len(_rounds(out)) >= 7:
+                break
+            time.sleep(0.02)
+        run.send_signal(signal.SIGKILL)
+    finally:
+        run.wait(timeout=60)
+    before = _rounds(out)
+    assert 7 <= len(before) < 15, "the run ended before it could be killed midway"
+    first_day = [line for line in before if json.loads(line)["day"] == "day01"]
+    assert len(first_day) == 5
+    assert main(["bench", "--mode", "skills", "--out", str(out), "--days", "day01,day02,day03",
+                 "--resume", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    after = _rounds(out)
+    assert after[:5] == first_day                      # kept byte for byte
+    records = [json.loads(line) for line in after]
+    assert sorted((r["day"], r["round"]) for r in records) == sorted(
+        {(r["day"], r["round"]) for r in records})      # each round once
+    assert {r["day"] for r in records} == {"day01", "day02", "day03"} and len(records) == 15
+    assert summary["rounds"] == 15 and summary["resumed_days"] == ["day01"]
+
+
+def test_resume_refuses_another_mode_or_a_folder_without_a_run(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(["bench", "--days", "day01", "--out", str(out), "--resume"]) == 1
+    assert "there is no earlier run to resume in" in capsys.readouterr().err
+    assert main(["bench", "--days", "day01", "--out", str(out)]) == 0
+    before = _rounds(out)
+    assert main(["bench", "--mode", "skills", "--days", "day01", "--out", str(out),
+                 "--resume"]) == 1
+    assert ("is mode 'baseline' with model 'sim-agent'; resume it with the same --mode and "
+            "--model") in capsys.readouterr().err
+    assert _rounds(out) == before                       # nothing changed
+
+
+def test_resume_reruns_an_unfinished_or_failed_day_and_ignores_a_cut_line(tmp_path):
+    out = tmp_path / "out"
+    assert main(["bench", "--days", "day01,day02,day03", "--out", str(out)]) == 0
+    lines = _rounds(out)
+    records = [json.loads(line) for line in lines]
+    day02 = [i for i, r in enumerate(records) if r["day"] == "day02"]
+    records[day02[0]]["error"] = "HTTP 503 from the model"        # day02 failed a round
+    kept = [json.dumps(r) for i, r in enumerate(records) if r["day"] != "day03"]
+    kept += [lines[i] for i, r in enumerate(records) if r["day"] == "day03"][:2]
+    path = out / "run" / "rounds.jsonl"
+    path.write_text("\n".join(kept) + '\n{"day": "day03", "rou', encoding="utf-8")
+    assert main(["bench", "--days", "day01,day02,day03", "--out", str(out), "--resume"]) == 0
+    after = [json.loads(line) for line in _rounds(out)]
+    assert len(after) == 15 and not any(r.get("error") for r in after)
+    assert [r["day"] for r in after[:5]] == ["day01"] * 5
+    assert {r["session_id"] for r in after if r["day"] != "day01"}.isdisjoint(
+        {r["session_id"] for r in records})               # day02 and day03 ran again
+    path.write_text('not json\n{"day": "day01"}\n', encoding="utf-8")
+    assert main(["bench", "--days", "day01", "--out", str(out), "--resume"]) == 1
+
+
 # ---------------------------------------------------------------- command-line values
 @pytest.mark.parametrize("argv, words", [
     (["bench", "--days", ",,"], "names no day"),

@@ -20,6 +20,8 @@ Hooks (sync functions run in a worker thread, or ``async`` functions awaited):
 The runner is agnostic of ``mode``: it records it; the caller decides what ``base_url`` serves
 (a proxy without skills for ``baseline``, with the fast loop for ``skills``, and so on).
 Accuracy is over all rounds; file-check completion is over the file_check rounds only.
+With ``resume=True`` a run stopped midway goes on: the days it finished are kept from its
+``rounds.jsonl``, the others run again (a day is the unit: its rounds share one workspace).
 """
 
 from __future__ import annotations
@@ -128,6 +130,8 @@ def format_table(summary: dict) -> str:
     lines.append(f"accuracy over {summary['rounds']} rounds; file-check completion over "
                  f"{summary['file_check_rounds']} file_check rounds; multi-choice mean score over "
                  f"{summary['multi_choice_rounds']} rounds")
+    if summary.get("resumed_days"):
+        lines.append(f"kept from the earlier run: {', '.join(summary['resumed_days'])}")
     for failure in summary.get("day_failures") or []:
         lines.append(f"day failed: {failure}")
     for error in summary.get("hook_errors") or []:
@@ -135,15 +139,66 @@ def format_table(summary: dict) -> str:
     return "\n".join(lines)
 
 
+class ResumeError(ValueError):
+    """An earlier run cannot be resumed as asked (the message says why and what to do)."""
+
+
+def finished_days(path: Path, days: list[Day], mode: str, model: str) -> dict[str, list[dict]]:
+    """The days an earlier run (its ``rounds.jsonl`` at ``path``) finished: day id -> its round
+    records, for each day among ``days`` with a record for every round and no error. Days it
+    left unfinished, or ended with an error, are not returned: a resumed run runs them again.
+
+    A last line cut short (the run was killed while writing it) is ignored; a run of another
+    ``mode`` or ``model``, or a damaged line before the last, raises :class:`ResumeError`.
+    """
+    if not path.is_file():
+        raise ResumeError(f"there is no earlier run to resume in {path.parent} (no {path.name}); "
+                          "drop --resume to start a run")
+    lines = path.read_text(encoding="utf-8").splitlines()
+    records: list[dict] = []
+    for number, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            if number == len(lines):  # cut short by the kill
+                break
+            raise ResumeError(f"{path} line {number} is not a round record, so the earlier run "
+                              "cannot be resumed; start a new run without --resume") from None
+        if not isinstance(record, dict) or not {"day", "round", "mode", "model"} <= set(record):
+            raise ResumeError(f"{path} line {number} is not a round record, so the earlier run "
+                              "cannot be resumed; start a new run without --resume")
+        if (record["mode"], record["model"]) != (mode, model):
+            raise ResumeError(f"the run in {path.parent} is mode {record['mode']!r} with model "
+                              f"{record['model']!r}; resume it with the same --mode and --model, "
+                              "or choose another --out folder")
+        records.append(record)
+    finished: dict[str, list[dict]] = {}
+    for day in days:
+        rows = {r["round"]: r for r in records if r["day"] == day.id}
+        if set(rows) >= {r.id for r in day.rounds} and not any(
+                rows[r.id].get("error") for r in day.rounds):
+            finished[day.id] = [rows[r.id] for r in day.rounds]
+    return finished
+
+
 class _Writer:
     """Appends round records to the JSONL file as they finish (one event loop, so no lock)."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, kept: Iterable[dict] = ()):
+        # a resumed run's file starts with the days it keeps, written beside it and swapped in
+        # whole, so that a kill at any moment leaves the earlier records there to resume again
+        fresh = path.with_name(path.name + ".new")
+        fresh.write_text("".join(self.line(record) for record in kept), encoding="utf-8")
+        fresh.replace(path)
         self.path = path
-        self.fh = path.open("w", encoding="utf-8")
+        self.fh = path.open("a", encoding="utf-8")
+
+    @staticmethod
+    def line(record: dict) -> str:
+        return json.dumps(record, ensure_ascii=False) + "\n"
 
     def write(self, record: dict) -> None:
-        self.fh.write(json.dumps(record, ensure_ascii=False) + "\n")
+        self.fh.write(self.line(record))
         self.fh.flush()
 
     def close(self) -> None:
@@ -204,7 +259,7 @@ async def arun_bench(data_dir: str | Path, days: str | Iterable[str] | None = "a
                      on_round: Callable | None = None, between_rounds: Callable | None = None,
                      between_days: Callable | None = None, *, max_iterations: int = 20,
                      grader_timeout: float = 60.0, request_timeout: float = 120.0,
-                     keep_workspaces: bool = False) -> dict:
+                     keep_workspaces: bool = False, resume: bool = False) -> dict:
     """The async form of :func:`run_bench` (same arguments, same result)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
@@ -218,13 +273,14 @@ async def arun_bench(data_dir: str | Path, days: str | Iterable[str] | None = "a
     bench = load_benchmark(data_dir)
     chosen = select_days(bench, days)
     out = Path(out_dir)
+    kept = finished_days(out / "rounds.jsonl", chosen, mode, model) if resume else {}
     out.mkdir(parents=True, exist_ok=True)
     config = AgentConfig(base_url=base_url, model=model, api_key=api_key,
                          max_iterations=max_iterations, timeout=request_timeout)
     run_id = uuid.uuid4().hex[:8]
     hook_errors: list[str] = []
-    writer = _Writer(out / "rounds.jsonl")
-    all_records: list[dict] = []
+    all_records = [record for day in chosen for record in kept.get(day.id, [])]
+    writer = _Writer(out / "rounds.jsonl", all_records)
     gate = asyncio.Semaphore(int(parallel))
     started = time.perf_counter()
 
@@ -265,7 +321,7 @@ async def arun_bench(data_dir: str | Path, days: str | Iterable[str] | None = "a
                              hook_errors, "between_days")
 
     try:
-        await asyncio.gather(*(one_day(d) for d in chosen))
+        await asyncio.gather(*(one_day(d) for d in chosen if d.id not in kept))
     finally:
         writer.close()
     summary = summarize(all_records, day_order=[d.id for d in chosen], benchmark=bench.name,
@@ -273,6 +329,7 @@ async def arun_bench(data_dir: str | Path, days: str | Iterable[str] | None = "a
                         parallel=int(parallel), run_id=run_id,
                         duration_s=round(time.perf_counter() - started, 3),
                         hook_errors=hook_errors, day_failures=failures,
+                        resumed_days=[d.id for d in chosen if d.id in kept],
                         first_error=next((f"{r['day']} {r['round']}: {r['error']}"
                                           for r in all_records if r.get("error")), None),
                         rounds_file=str(out / "rounds.jsonl"))
@@ -291,12 +348,15 @@ def run_bench(data_dir: str | Path, days: str | Iterable[str] | None = "all", mo
     baseline | skills | full (recorded; the caller sets up ``base_url`` accordingly);
     ``parallel``: days run at once (rounds of a day always run in order). ``options``:
     ``max_iterations`` (model calls per round, 20), ``grader_timeout`` (s, 60),
-    ``request_timeout`` (s, 120), ``keep_workspaces`` (False).
+    ``request_timeout`` (s, 120), ``keep_workspaces`` (False), ``resume`` (False: with True,
+    the days an earlier run into ``out_dir`` finished without an error are kept, not run again,
+    and the others run; see :func:`finished_days`. Its ``between_days`` hooks ran then).
 
     Summary keys: ``rounds``, ``passed``, ``accuracy``, ``file_check_rounds``,
     ``file_check_completion``, ``multi_choice_rounds``, ``multi_choice_score``, ``errors``,
     ``per_day`` (list of per-day dicts with ``day``, ``accuracy``, ...), ``first_error`` (the
-    first round's error, "<day> <round>: <error>", or None), plus run metadata.
+    first round's error, "<day> <round>: <error>", or None), ``resumed_days`` (days kept from
+    the earlier run), plus run metadata.
     Works from a plain script and from a notebook (where an event loop is already running).
     """
     from metaclaw.aio import run_sync
