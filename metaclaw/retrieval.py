@@ -671,7 +671,6 @@ def query_text(messages: list[dict]) -> str:
 _DELIMITER = re.compile(r"<(?=\s*/?\s*metaclaw-skills)", re.IGNORECASE)
 _HEADING = re.compile(r"^( {0,3})#{1,3}(?=[ \t]|$)", re.MULTILINE)
 _UNDERLINE = re.compile(r"^( {0,3})(=+|-+)[ \t]*$", re.MULTILINE)
-_FENCE = re.compile(r" {0,3}(`{3,}|~{3,})(.*)")
 _UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
 
 
@@ -693,21 +692,29 @@ def escape_skill_text(text: str, *, one_line: bool = False) -> str:
 
 
 def _open_fence(text: str) -> str | None:
-    """The fence that a code block left open at the end of ``text`` needs to close, as Markdown
-    (CommonMark) reads it: a block closes only with the character it opened with, at least as
-    many times, alone on its line."""
-    opened: str | None = None
-    for line in text.split("\n"):
-        match = _FENCE.match(line)
-        if match is None:
-            continue
-        fence, rest = match.groups()
-        if opened is None:
-            if not (fence[0] == "`" and "`" in rest):  # a backtick fence's info has no backtick
-                opened = fence
-        elif fence[0] == opened[0] and len(fence) >= len(opened) and not rest.strip():
-            opened = None
-    return opened
+    """The line that closes a code block ``text`` leaves open at its end (None when it leaves
+    none), as a CommonMark reader sees it (markdown-it-py: fences in list items and quotes
+    included). Only a block at the top level needs one: a block inside a list item or a quote
+    ends with its container at the next unindented line, which the next section's heading is.
+    A fence closes only with the character it opened with, at least as many times."""
+    if "```" not in text and "~~~" not in text:
+        return None
+    tokens = _commonmark().parse(text)
+    last = next((t for t in reversed(tokens) if t.level == 0), None)
+    if last is None or last.type != "fence" or last.map is None:
+        return None
+    first, end = last.map
+    closing = re.compile(r" {0,3}%s{%d,}[ \t]*" % (re.escape(last.markup[0]), len(last.markup)))
+    if end - 1 > first and closing.fullmatch(text.split("\n")[end - 1]):
+        return None
+    return last.markup
+
+
+@functools.lru_cache(maxsize=1)
+def _commonmark() -> Any:
+    from markdown_it import MarkdownIt
+
+    return MarkdownIt("commonmark")
 
 
 def _section(skill: Skill) -> str:

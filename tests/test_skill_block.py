@@ -122,3 +122,34 @@ def test_an_open_code_block_is_closed_with_its_own_fence(body, closing):
         assert escaped == body
     else:
         assert escaped == f"{body}\n{closing}"
+
+
+
+#: Lines a skill's Markdown may hold around code blocks: list items, quotes, indents, fences.
+_MARKDOWN_LINE = st.builds(
+    lambda indent, container, text: " " * indent + container + text, st.integers(0, 6),
+    st.sampled_from(["", "- ", "* ", "1. ", "10. ", "> ", "- > ", "> - "]),
+    st.sampled_from(["", "text", "```", "````", "~~~", "~~~~", "```python", "``` x ```", "```\t"]))
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(_MARKDOWN_LINE, max_size=8))
+def test_no_code_block_runs_past_its_skill_for_a_commonmark_reader(lines):
+    """Read by a CommonMark parser, the next skill's heading is still a heading, whatever
+    lists, quotes and fences the skill opened: a fence in a list item closes with its item,
+    and a closing fence added at the top level must not open a new block instead."""
+    from markdown_it import MarkdownIt
+
+    text = escape_skill_text("\n".join(lines)) + "\n\n### next-skill\nafter"
+    tokens = MarkdownIt("commonmark").parse(text)
+    headings = [tokens[i + 1].content for i, t in enumerate(tokens)
+                if t.type == "heading_open" and t.level == 0]
+    assert headings[-1:] == ["next-skill"]
+
+
+@pytest.mark.parametrize("body", ["- step\n  ```\n  code", "- step\n  ```\nlater text",
+                                  "> ```\n> code", "1. run:\n\n    ```bash\n    make"])
+def test_a_code_block_in_a_list_item_or_quote_gets_no_fence_at_the_top(body):
+    """Such a block ends with its container at the next unindented line; a fence added at the
+    top level would open a new block over everything after the skill."""
+    assert escape_skill_text(body) == body
