@@ -677,8 +677,9 @@ _UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u206
 def escape_skill_text(text: str, *, one_line: bool = False) -> str:
     """Skill text made safe inside the block: it cannot close the block (``</metaclaw-skills>``
     loses its ``<``), open a section or a header of the block's level (headings ``#``..``###``
-    become ``####``; setext underlines are escaped), leave a code fence open over what follows,
-    or carry control, line-separator and bidirectional-override characters (shown as ``\\uXXXX``).
+    become ``####``; setext underlines are escaped), leave a code fence or an HTML block open
+    over what follows, or carry control, line-separator and bidirectional-override characters
+    (shown as ``\\uXXXX``).
     ``one_line``: newlines become spaces (names and descriptions)."""
     text = _UNSAFE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
     if one_line:
@@ -686,28 +687,43 @@ def escape_skill_text(text: str, *, one_line: bool = False) -> str:
     text = _DELIMITER.sub("&lt;", text)
     text = _HEADING.sub(lambda m: m.group(1) + "####", text)
     text = _UNDERLINE.sub(lambda m: m.group(1) + "\\" + m.group(2), text)
-    if (fence := _open_fence(text)) is not None:
-        text += "\n" + fence
+    if (end := _open_block_end(text)) is not None:
+        text += "\n" + end
     return text
 
 
-def _open_fence(text: str) -> str | None:
-    """The line that closes a code block ``text`` leaves open at its end (None when it leaves
-    none), as a CommonMark reader sees it (markdown-it-py: fences in list items and quotes
-    included). Only a block at the top level needs one: a block inside a list item or a quote
-    ends with its container at the next unindented line, which the next section's heading is.
-    A fence closes only with the character it opened with, at least as many times."""
-    if "```" not in text and "~~~" not in text:
+def _open_block_end(text: str) -> str | None:
+    """The line that closes a block ``text`` leaves open at its end (None when it leaves none),
+    as a CommonMark reader sees it (markdown-it-py): a code fence, or an HTML block that runs
+    until its end marker (a comment, ``<pre>``, ``<script>``...) and would take in the skills
+    after it. Only a block at the top level needs one: a block inside a list item or a quote
+    ends with its container at the next unindented line, which the next section's heading is."""
+    if "```" not in text and "~~~" not in text and "<" not in text:
         return None
     tokens = _commonmark().parse(text)
     last = next((t for t in reversed(tokens) if t.level == 0), None)
-    if last is None or last.type != "fence" or last.map is None:
+    if last is None or last.map is None:
         return None
+    if last.type == "html_block":
+        return next((end for start, end in _HTML_BLOCK_ENDS
+                     if start.match(last.content) and end.lower() not in last.content.lower()),
+                    None)
+    if last.type != "fence":
+        return None
+    # a fence closes only with the character it opened with, at least as many times
     first, end = last.map
     closing = re.compile(r" {0,3}%s{%d,}[ \t]*" % (re.escape(last.markup[0]), len(last.markup)))
     if end - 1 > first and closing.fullmatch(text.split("\n")[end - 1]):
         return None
     return last.markup
+
+
+#: CommonMark's HTML blocks that end only at a marker (start conditions 1-5), with the marker
+#: that ends them; the other kinds end at a blank line, which every section ends with.
+_HTML_BLOCK_ENDS = [(re.compile(r" {0,3}<%s(?:[\s>]|$)" % tag, re.IGNORECASE), f"</{tag}>")
+                    for tag in ("script", "pre", "style", "textarea")] + [
+    (re.compile(r" {0,3}<!--"), "-->"), (re.compile(r" {0,3}<\?"), "?>"),
+    (re.compile(r" {0,3}<!\[CDATA\["), "]]>"), (re.compile(r" {0,3}<![A-Za-z]"), ">")]
 
 
 @functools.lru_cache(maxsize=1)

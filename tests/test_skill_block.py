@@ -129,15 +129,18 @@ def test_an_open_code_block_is_closed_with_its_own_fence(body, closing):
 _MARKDOWN_LINE = st.builds(
     lambda indent, container, text: " " * indent + container + text, st.integers(0, 6),
     st.sampled_from(["", "- ", "* ", "1. ", "10. ", "> ", "- > ", "> - "]),
-    st.sampled_from(["", "text", "```", "````", "~~~", "~~~~", "```python", "``` x ```", "```\t"]))
+    st.sampled_from(["", "text", "```", "````", "~~~", "~~~~", "```python", "``` x ```", "```\t",
+                     "<!-- note", "-->", "<pre>", "</pre>", "<script>", "<?php", "?>",
+                     "<![CDATA[", "]]>", "<!DOCTYPE", ">", "<div>"]))
 
 
 @settings(max_examples=500, deadline=None)
 @given(st.lists(_MARKDOWN_LINE, max_size=8))
-def test_no_code_block_runs_past_its_skill_for_a_commonmark_reader(lines):
+def test_no_block_runs_past_its_skill_for_a_commonmark_reader(lines):
     """Read by a CommonMark parser, the next skill's heading is still a heading, whatever
-    lists, quotes and fences the skill opened: a fence in a list item closes with its item,
-    and a closing fence added at the top level must not open a new block instead."""
+    lists, quotes, fences and HTML blocks (a comment, ``<pre>``) the skill opened: a fence in a
+    list item closes with its item, and a closing fence added at the top level must not open
+    a new block instead."""
     from markdown_it import MarkdownIt
 
     text = escape_skill_text("\n".join(lines)) + "\n\n### next-skill\nafter"
