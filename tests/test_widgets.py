@@ -16,10 +16,11 @@ import traitlets
 
 from metaclaw.skills import Skill, SkillLibrary
 from metaclaw.notebook.widgets import (
-    WIDGETS_DIR, BufferWidget, SchedulerView, SkillDiffWidget, TrainingMonitor, state_segments)
+    WIDGETS_DIR, BufferWidget, SchedulerView, SkillDiffWidget, TraceWidget, TrainingMonitor,
+    state_segments)
 
 REPO = Path(__file__).resolve().parent.parent
-JS_FILES = ("skill_diff.js", "buffers.js", "scheduler.js")
+JS_FILES = ("skill_diff.js", "buffers.js", "scheduler.js", "trace.js")
 NODE = shutil.which("node")
 
 
@@ -492,3 +493,12 @@ def test_front_end_renders_and_sends_choices(tmp_path, library, store):
                   [{"text": "refresh", "event": "click"}])
     assert "window_open" in out["text"] and "inside 23:00-07:00" in out["text"]
     assert ["refresh_requests", 1] in out["sets"]
+
+
+@pytest.mark.skipif(NODE is None, reason="node is not installed")
+def test_trace_and_diff_front_ends_ask_python_to_refresh(tmp_path, library, store):
+    """Both views can be brought up to date with what another process wrote since."""
+    for widget, js_name in ((TraceWidget(store, "s2"), "trace.js"),
+                            (SkillDiffWidget(library), "skill_diff.js")):
+        out = _render(tmp_path, widget, js_name, [{"text": "refresh", "event": "click"}])
+        assert ["refresh_requests", 1] in out["sets"] and ["save"] in out["sets"]

@@ -38,6 +38,7 @@ if not CHROMIUM.exists():
 
 from metaclaw.notebook.widgets import BufferWidget, SchedulerView, SkillDiffWidget  # noqa: E402
 from metaclaw.skills import Skill, SkillLibrary, SkillOp  # noqa: E402
+from metaclaw.store import Store  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -517,6 +518,14 @@ def test_trace_renders_steps_labels_and_jumps(browser, site, store, tmp_path):
     # click a row in the list
     page.locator(f".mc-trace-row[data-turn='{first}']").click()
     assert r.round_trip() == [{"selected": first}]
+    # a turn recorded by another process appears when the refresh button is pressed
+    with Store(store.path) as other:
+        other.record_turn(session_id="s1", status="ok", response="done", request_messages=[
+            {"role": "user", "content": "recorded by another process"}])
+    page.locator("button", has_text="refresh").click()
+    assert r.round_trip() == [{"refresh_requests": 1}]
+    page.wait_for_function("() => document.querySelectorAll('.mc-trace-row').length === 4")
+    assert "recorded by another process" in page.locator(".mc-trace-list").inner_text()
     _finish(r, tmp_path / "trace.png")
 
 

@@ -278,7 +278,15 @@ function render({ model, el }) {
       h("span", { class: "mc-title" }, "Skill diff"),
       h("label", {}, "from ", generationSelect(model, "old", generations)),
       h("label", {}, "to ", generationSelect(model, "new", generations)),
-      h("label", {}, "view ", modeSelect));
+      h("label", {}, "view ", modeSelect),
+      // generations and proposals changed since the widget was shown (e.g. by another process)
+      h("button", {
+        class: "mc-button",
+        onclick: () => {
+          model.set("refresh_requests", (model.get("refresh_requests") || 0) + 1);
+          model.save_changes();
+        },
+      }, "refresh"));
 
     const body = h("div", { class: "mc-body" });
     if (error) {

@@ -2,7 +2,7 @@
 // (rows); the detail pane shows the selected turn as the upstream saw it, with the injected skill
 // block highlighted, tool calls and results folded, judge votes beside human labels, and the
 // skill generation written for a failure. Choices go back with model.set + save_changes:
-// selected, session_id, failures_only, offset, step_request, label_request.
+// selected, session_id, failures_only, offset, step_request, label_request, refresh_requests.
 
 function h(tag, attrs = {}, ...children) {
   const node = document.createElement(tag);
@@ -163,7 +163,9 @@ function render({ model, el }) {
       h("span", { class: "mc-position" }, `${model.get("matched") ? model.get("position") + 1 : 0} / ${model.get("matched")}`),
       h("button", { class: "mc-button", "aria-label": "next turn", onclick: step(1, false) }, "▶"),
       h("button", { class: "mc-button", "aria-label": "next failure", onclick: step(1, true) }, "fail ⇥"),
-      h("span", { class: "mc-muted" }, `${model.get("total")} turns · ${model.get("failure_count")} failed`));
+      h("span", { class: "mc-muted" }, `${model.get("total")} turns · ${model.get("failure_count")} failed`),
+      // turns recorded (or labelled) since the widget was shown, by this kernel or another process
+      h("button", { class: "mc-button", "aria-label": "refresh", onclick: () => send(model, "refresh_requests", (model.get("refresh_requests") || 0) + 1) }, "refresh"));
 
     const list = h("div", { class: "mc-trace-list" });
     for (const row of rows) {

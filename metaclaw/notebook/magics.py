@@ -50,6 +50,18 @@ def _count(text: str) -> int:
     return value
 
 
+def _positive(text: str) -> int:
+    """A ``--max-tokens`` / ``--max-steps`` value: a whole number, 1 or more (0 would be read as
+    "no limit" and a negative one sent upstream, which answers 400)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a limit: give a whole number, 1 or more")
+    return value
+
+
 def _parser(name: str, doc: str) -> _Parser:
     return _Parser(prog=f"%metaclaw {name}", description=doc, add_help=True)
 
@@ -111,6 +123,7 @@ class MetaClawMagics(Magics):
         self.runtime = None
         self.histories: dict[str, list[dict[str, Any]]] = {}
         self.proposal = None  # the last dry-run evolver proposal, for %metaclaw promote
+        self.scheduler = None  # the scheduler %metaclaw scheduler built to show (no training)
 
     # The dispatcher -------------------------------------------------------------------------
     @line_cell_magic
@@ -143,6 +156,18 @@ class MetaClawMagics(Magics):
         print(__doc__.strip())
         print(self._actions())
 
+    def _shutdown(self) -> None:
+        """Stop the proxy and release what this kernel holds on the workspace: the store's
+        connection (its file handles) and the scheduler built for %metaclaw scheduler (its
+        notebook callbacks and input listeners)."""
+        runtime, self.runtime = self.runtime, None
+        scheduler, self.scheduler = self.scheduler, None
+        if scheduler is not None:
+            scheduler.close()
+        if runtime is not None:
+            runtime.stop()
+            runtime.store.close()
+
     def _require_runtime(self):
         if self.runtime is None:
             raise MagicUsageError("no MetaClaw proxy is running; run %metaclaw start first")
@@ -157,9 +182,7 @@ class MetaClawMagics(Magics):
         cli._add_proxy_options(parser)
         parser.set_defaults(port=0)
         args = parser.parse_args(argv)
-        if self.runtime is not None:
-            self.runtime.stop()
-            self.runtime = None  # stopped: a failed start below must not leave it in use
+        self._shutdown()  # the old one entirely: a failed start below must not leave it in use
         self.runtime = Runtime.start(cli.runtime_config(args))
         self.histories.clear()
         return self.runtime
@@ -194,10 +217,8 @@ class MetaClawMagics(Magics):
 
     def _do_stop(self, argv: list[str], cell: str | None) -> None:
         """Stop the proxy (and the offline double)."""
-        runtime = self._require_runtime()
-        runtime.stop()
-        runtime.store.close()
-        self.runtime = None
+        self._require_runtime()
+        self._shutdown()
         print("MetaClaw proxy stopped.")
 
     def _do_chat(self, argv: list[str], cell: str | None) -> ChatTurn:
@@ -212,8 +233,8 @@ class MetaClawMagics(Magics):
         parser.add_argument("--new", action="store_true", help="forget this session's history")
         parser.add_argument("--done", action="store_true", help="mark the session done")
         parser.add_argument("--workspace", help="offer file tools confined to this folder")
-        parser.add_argument("--max-steps", type=int, default=12, help="tool-loop limit")
-        parser.add_argument("--max-tokens", type=int, help="limit the reply's length")
+        parser.add_argument("--max-steps", type=_positive, default=12, help="tool-loop limit")
+        parser.add_argument("--max-tokens", type=_positive, help="limit the reply's length")
         args = parser.parse_args(argv)
         if not cell or not cell.strip():
             raise MagicUsageError("%%metaclaw chat needs the message in the cell body")
@@ -245,12 +266,14 @@ class MetaClawMagics(Magics):
         runtime.proxy.flush()  # earlier turns are in the store, so only this exchange's are new
         before = runtime.store.query("SELECT COALESCE(MAX(id), 0) AS id FROM turns")[0]["id"]
         headers = {"X-Session-Id": args.session, "X-Turn-Type": turn_type}
-        client = runtime.client()
+        # no client retries: the proxy already retries the upstream, and every attempt the client
+        # made would be recorded as one more turn of this one message
+        client = runtime.client(max_retries=0)
         calls: list[dict[str, Any]] = []
         try:
             if args.done:
                 headers["X-Session-Done"] = "true"
-            for _ in range(max(1, args.max_steps)):
+            for _ in range(args.max_steps):
                 completion = client.chat.completions.create(
                     model=runtime.config.model or "default", messages=history,
                     extra_headers=headers, **({"tools": tools} if tools else {}),
@@ -582,9 +605,11 @@ class MetaClawMagics(Magics):
         loop = runtime.extras.get("slow_loop")
         if loop is not None and loop.scheduler is not None:
             return SchedulerView(loop.scheduler, runtime.store)
-        scheduler = from_config(_notebook_scheduler_config(None), store=runtime.store)
-        self._attach_notebook_signal(scheduler)
-        return SchedulerView(scheduler, runtime.store)
+        if self.scheduler is None:  # one per proxy: each holds notebook callbacks (and, with a
+            # display, keyboard and mouse listeners) until closed by %metaclaw stop or start
+            self.scheduler = from_config(_notebook_scheduler_config(None), store=runtime.store)
+            self._attach_notebook_signal(self.scheduler)
+        return SchedulerView(self.scheduler, runtime.store)
 
     def _attach_notebook_signal(self, scheduler: Any) -> None:
         """Notebook idleness comes from this kernel's cell executions."""
@@ -629,5 +654,5 @@ def load_ipython_extension(ipython: Any) -> None:
 
 def unload_ipython_extension(ipython: Any) -> None:
     magics = ipython.magics_manager.registry.get("MetaClawMagics")
-    if magics is not None and magics.runtime is not None:
-        magics.runtime.stop()
+    if magics is not None:
+        magics._shutdown()

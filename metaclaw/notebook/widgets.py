@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import html
 import json
+import math
 import threading
 import time
 from pathlib import Path
@@ -45,8 +46,28 @@ def _short(text: str, limit: int = 100) -> str:
 
 
 def _json_safe(value: Any) -> Any:
-    """``value`` made JSON-compatible (what a synced traitlet can carry)."""
-    return json.loads(json.dumps(value, default=str))
+    """``value`` made JSON-compatible (what a synced traitlet can carry). Infinities and NaN
+    become None: JSON has no such numbers, and the kernel would send the front-end invalid JSON."""
+    return json.loads(json.dumps(value, default=str), parse_constant=lambda _name: None)
+
+
+#: The longest text a widget sends to the browser in one field. A turn can hold a tool result of
+#: megabytes (a log file the agent read): sent whole it would slow the browser and, through the
+#: static HTML, stay in the saved notebook. The store keeps the full text.
+MAX_TEXT_CHARS = 20_000
+
+
+def _clip_texts(value: Any, limit: int = MAX_TEXT_CHARS) -> Any:
+    """``value`` with every string longer than ``limit`` cut, saying how much was left out."""
+    if isinstance(value, str):
+        if len(value) <= limit:
+            return value
+        return value[:limit] + f"\n… [{len(value) - limit:,} more characters not shown]"
+    if isinstance(value, dict):
+        return {k: _clip_texts(v, limit) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_clip_texts(v, limit) for v in value]
+    return value
 
 
 def _fmt_reward(value: Any) -> str:
@@ -207,7 +228,8 @@ class SkillDiffWidget(_StaticHTML, anywidget.AnyWidget):
     ``skill_generations``), ``old``, ``new``, ``mode`` (``"unified"`` | ``"side-by-side"``),
     ``diff`` (:func:`diff_payload`), ``error``. Setting ``old`` or ``new`` (from Python or the
     front-end) recomputes ``diff``. With ``follow=True`` a new generation moves ``new`` to it when
-    ``new`` was the latest.
+    ``new`` was the latest. :meth:`refresh` (or the front-end's refresh button) re-reads the
+    generations and proposals, which another process may have changed.
     """
 
     _esm = WIDGETS_DIR / "skill_diff.js"
@@ -223,6 +245,7 @@ class SkillDiffWidget(_StaticHTML, anywidget.AnyWidget):
     proposal_action = traitlets.Dict().tag(sync=True)
     author = traitlets.Unicode("").tag(sync=True)
     message = traitlets.Unicode("").tag(sync=True)
+    refresh_requests = traitlets.Int(0).tag(sync=True)
 
     def __init__(self, library: Any, old: int | None = None, new: int | None = None, *,
                  mode: str = "unified", follow: bool = True, author: str | None = None,
@@ -287,6 +310,24 @@ class SkillDiffWidget(_StaticHTML, anywidget.AnyWidget):
         self.generations = self._generation_rows()
         if self.follow and was_latest and generation != self.new:
             self.new = int(generation)
+
+    def refresh(self) -> "SkillDiffWidget":
+        """Re-read the generations and proposals (another process may have changed them) and
+        recompute the diff; returns the widget."""
+        try:
+            self._library.sync()  # adopts a newer generation: _on_generation follows it
+        except Exception as exc:  # e.g. the store was closed by %metaclaw stop
+            self.error = f"cannot read the skill library: {exc}"
+            return self
+        self.generations = self._generation_rows()
+        self.refresh_proposals()
+        self._recompute()
+        return self
+
+    @traitlets.observe("refresh_requests")
+    def _on_refresh_request(self, _change: Any) -> None:
+        if self._ready:
+            self.refresh()
 
     # -- proposals ------------------------------------------------------------------------------
     def refresh_proposals(self, limit: int = 20) -> list[dict[str, Any]]:
@@ -519,7 +560,7 @@ class BufferWidget(_StaticHTML, anywidget.AnyWidget):
             self.error = f"turn #{self.selected} is not in the store; pick a turn from the table"
             return
         self.error = ""
-        self.detail = _json_safe({k: turn.get(k) for k in _TURN_DETAIL_FIELDS})
+        self.detail = _clip_texts(_json_safe({k: turn.get(k) for k in _TURN_DETAIL_FIELDS}))
 
     @traitlets.observe("set_filter", "state_filter", "generation_filter", "text_filter",
                        "max_rows")
@@ -619,7 +660,10 @@ class TraceWidget(_StaticHTML, anywidget.AnyWidget):
     buttons), ``failures_only`` filters the list and the stepping to failures; ``detail
     ["written_for"]`` names the generation written for a failure and ``detail["after"]`` the
     turns served after it (:meth:`jump`). Label the selected turn with :meth:`label` or the
-    front-end's form (``label_request``). :attr:`trace` gives the polars frames.
+    front-end's form (``label_request``). :meth:`refresh` (or the front-end's refresh button)
+    re-reads the session: turns recorded or labelled since, by any process. Texts longer than
+    ``MAX_TEXT_CHARS`` are cut in ``detail``; ``trace.turn(id)`` has them whole. :attr:`trace`
+    gives the polars frames.
     """
 
     _esm = WIDGETS_DIR / "trace.js"
@@ -639,6 +683,7 @@ class TraceWidget(_StaticHTML, anywidget.AnyWidget):
     detail = traitlets.Dict().tag(sync=True)
     step_request = traitlets.Dict().tag(sync=True)
     label_request = traitlets.Dict().tag(sync=True)
+    refresh_requests = traitlets.Int(0).tag(sync=True)
     author = traitlets.Unicode("").tag(sync=True)
     message = traitlets.Unicode("").tag(sync=True)
     error = traitlets.Unicode("").tag(sync=True)
@@ -705,7 +750,7 @@ class TraceWidget(_StaticHTML, anywidget.AnyWidget):
             self.detail = {}
             return
         try:
-            self.detail = _json_safe(self.trace.turn(int(turn_id)))
+            self.detail = _clip_texts(_json_safe(self.trace.turn(int(turn_id))))
             self.error = ""
         except LookupError as exc:
             self.detail = {}
@@ -838,6 +883,15 @@ class TraceWidget(_StaticHTML, anywidget.AnyWidget):
         self._reload()
         return self
 
+    @traitlets.observe("refresh_requests")
+    def _on_refresh_request(self, _change: Any) -> None:
+        if not self._ready:
+            return
+        try:
+            self.refresh()
+        except Exception as exc:  # e.g. the store was closed by %metaclaw stop
+            self.error = f"cannot read the session from the store: {exc}"
+
     # -- display ------------------------------------------------------------------------------
     def _repr_html_(self, limit: int = 30) -> str:
         head = "".join(f"<th>{c}</th>" for c in ("turn", "gen", "policy", "judge", "human",
@@ -896,6 +950,11 @@ def _trace_turn_html(d: dict[str, Any]) -> str:
 #: The metrics charted per training step: (column, title).
 MONITOR_METRICS = (("loss", "loss"), ("reward_mean", "mean reward"),
                    ("skipped_groups", "skipped groups"), ("tokens_per_s", "tokens/s"))
+
+#: The most steps a chart draws; a longer run draws every k-th step and the last. Every point
+#: costs altair validation and bytes sent at each update: 10,000 steps took about 12 s per
+#: update and 20 s for the static chart, with the kernel busy all along.
+MAX_CHART_STEPS = 500
 
 _offline_lock = threading.Lock()
 
@@ -968,7 +1027,8 @@ class TrainingMonitor:
             for row in rows:
                 wall = row.get("wall_time_s")
                 row["tokens_per_s"] = (float(row["tokens"]) / wall
-                                       if wall and row.get("tokens") is not None else None)
+                                       if wall and wall > 0 and row.get("tokens") is not None
+                                       else None)
                 self._rows.append(row)
                 self._last_id = row["id"]
             if rows and self._widget is not None:
@@ -1064,10 +1124,17 @@ class TrainingMonitor:
         import altair as alt
 
         with self._lock:
-            values = [{"step": r["step"], "metric": title, "value": r.get(column)}
-                      for r in self._rows for column, title in MONITOR_METRICS
-                      if r.get(column) is not None]
+            stride = max(1, math.ceil(len(self._rows) / MAX_CHART_STEPS))
+            rows = self._rows[::stride]
+            if rows and rows[-1] is not self._rows[-1]:
+                rows.append(self._rows[-1])
+            # an infinite loss (a diverged step) is left out as a gap: JSON has no infinity
+            values = [{"step": r["step"], "metric": title, "value": r[column]}
+                      for r in rows for column, title in MONITOR_METRICS
+                      if r.get(column) is not None and math.isfinite(r[column])]
             title = self._title()
+            if stride > 1:
+                title += f" (1 step in {stride} drawn)"
         order = [title_ for _, title_ in MONITOR_METRICS]
         base = alt.Chart(alt.Data(values=values)).mark_line(point=True).encode(
             x=alt.X("step:Q", title="step", axis=alt.Axis(tickMinStep=1)),
@@ -1283,4 +1350,5 @@ def _duration(seconds: float) -> str:
 
 
 __all__ = ["SkillDiffWidget", "BufferWidget", "TraceWidget", "TrainingMonitor", "SchedulerView", "diff_payload",
-           "diff_html", "turn_previews", "state_segments", "WIDGETS_DIR", "MONITOR_METRICS"]
+           "diff_html", "turn_previews", "state_segments", "WIDGETS_DIR", "MONITOR_METRICS",
+           "MAX_CHART_STEPS", "MAX_TEXT_CHARS"]
