@@ -121,44 +121,49 @@ class Runtime:
 
         config = config or RuntimeConfig.from_mapping(options)
         store = Store(config.db_path)
-        library = SkillLibrary(config.skills_dir, store)
-        if config.starter_skills and not library.skills():
-            library.import_dir(starter_skills_dir())
-        double = None
-        upstream = config.upstream_url
-        if (config.simulated or config.local_model) and upstream:
-            raise ValueError("choose either an upstream URL or an offline model, not both")
-        if config.simulated or config.local_model:
-            from metaclaw.simmodel import sim_model_server
+        try:  # a refused configuration (an embedding model that cannot load, say) must not
+            # leave the workspace open behind an exception
+            library = SkillLibrary(config.skills_dir, store)
+            if config.starter_skills and not library.skills():
+                library.import_dir(starter_skills_dir())
+            double = None
+            upstream = config.upstream_url
+            if (config.simulated or config.local_model) and upstream:
+                raise ValueError("choose either an upstream URL or an offline model, not both")
+            if config.simulated or config.local_model:
+                from metaclaw.simmodel import sim_model_server
 
-            double = sim_model_server()
-            config.model = config.model or "sim-agent"
-        elif not upstream:
-            from metaclaw.double import DoubleServer
+                double = sim_model_server()
+                config.model = config.model or "sim-agent"
+            elif not upstream:
+                from metaclaw.double import DoubleServer
 
-            double = DoubleServer(offline_reply, models=(config.model or "offline-double",))
-        shared = {f.name for f in fields(ProxyConfig)} & {f.name for f in fields(RuntimeConfig)}
-        proxy_config = ProxyConfig(**{name: getattr(config, name) for name in shared})
-        retriever = make_retriever(config.retrieval, config.embedding_model)
-        proxy = Proxy(proxy_config, store, library, retriever)
-        extras: dict[str, Any] = {}
-        if config.local_model:
-            from metaclaw.localmodel import load_responder
-            from metaclaw.policy import PolicyFollower
+                double = DoubleServer(offline_reply, models=(config.model or "offline-double",))
+            shared = {f.name for f in fields(ProxyConfig)} & {f.name for f in fields(RuntimeConfig)}
+            proxy_config = ProxyConfig(**{name: getattr(config, name) for name in shared})
+            retriever = make_retriever(config.retrieval, config.embedding_model)
+            proxy = Proxy(proxy_config, store, library, retriever)
+            extras: dict[str, Any] = {}
+            if config.local_model:
+                from metaclaw.localmodel import load_responder
+                from metaclaw.policy import PolicyFollower
 
-            responder = load_responder(None if config.local_model == "packaged"
-                                       else config.local_model)
-            proxy.set_responder(responder)
-            if str(store.path) != ":memory:":
-                # policies trained on this model by any process of the workspace are served:
-                # the latest one from the first request on (a restart serves what was
-                # published), later ones as they are published (once started)
-                follower = PolicyFollower(store, responder,
-                                          responder.backend.published_sampler, proxy=proxy)
-                follower.check()
-                extras["policy_follower"] = follower
-        runtime = cls(config=config, store=store, library=library, proxy=proxy, double=double,
-                      extras=extras)
+                responder = load_responder(None if config.local_model == "packaged"
+                                           else config.local_model)
+                proxy.set_responder(responder)
+                if str(store.path) != ":memory:":
+                    # policies trained on this model by any process of the workspace are served:
+                    # the latest one from the first request on (a restart serves what was
+                    # published), later ones as they are published (once started)
+                    follower = PolicyFollower(store, responder,
+                                              responder.backend.published_sampler, proxy=proxy)
+                    follower.check()
+                    extras["policy_follower"] = follower
+            runtime = cls(config=config, store=store, library=library, proxy=proxy, double=double,
+                          extras=extras)
+        except BaseException:
+            store.close()
+            raise
         library.subscribe(runtime._on_generation)
         return runtime
 
@@ -241,12 +246,17 @@ class Runtime:
     def start(cls, config: RuntimeConfig | None = None, **options: Any) -> "Runtime":
         """Build and start in background threads; returns when the proxy is listening."""
         runtime = cls.build(config, **options)
-        runtime._start_double()
-        runtime.library.watch()  # hand edits of the skills folder become generations
-        runtime._follow_policies()
-        runtime.proxy.start()
-        if runtime.config.auto_evolve:
-            runtime.fast_loop  # noqa: B018 - builds and attaches it
+        try:
+            runtime._start_double()
+            runtime.library.watch()  # hand edits of the skills folder become generations
+            runtime._follow_policies()
+            runtime.proxy.start()
+            if runtime.config.auto_evolve:
+                runtime.fast_loop  # noqa: B018 - builds and attaches it
+        except BaseException:  # e.g. the port is taken: nothing of the half-started runtime
+            runtime.stop()     # (the double's and the watcher's threads, the store) lives on
+            runtime.store.close()
+            raise
         return runtime
 
     def _follow_policies(self) -> None:

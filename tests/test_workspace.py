@@ -308,3 +308,45 @@ def test_an_empty_skills_folder_never_empties_the_workspace(tmp_path):
     (elsewhere / "beta").rmdir()
     library = SkillLibrary(elsewhere, store)
     assert library.current()[0] == 1 and "beta" not in library
+
+
+def test_a_runtime_that_cannot_listen_leaves_nothing_running(tmp_path):
+    """A busy port (``%metaclaw start --port N``, ``metaclaw serve``) fails the start with the
+    operating system's error, and the half-started runtime is taken down: no offline double,
+    no skills-folder watcher, no open workspace connection left behind."""
+    import socket
+    import threading
+
+    from metaclaw.runtime import Runtime
+
+    def ours() -> set[str]:
+        return {t.name for t in threading.enumerate() if t.is_alive()
+                and t.name.startswith("metaclaw")}
+
+    before = ours()
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        with pytest.raises(OSError):
+            Runtime.start(port=taken.getsockname()[1], db_path=str(tmp_path / "ws.db"),
+                          skills_dir=str(tmp_path / "skills"), retrieval="lexical")
+    finally:
+        taken.close()
+    for _ in range(100):  # threads end within moments of their stop
+        if ours() <= before:
+            break
+        time.sleep(0.05)
+    assert ours() <= before
+    assert not any(target.startswith(str(tmp_path / "ws.db")) for target in _open_files())
+
+
+def _open_files() -> list[str]:
+    """What this process holds open (Linux /proc; empty elsewhere)."""
+    targets = []
+    for fd in os.listdir("/proc/self/fd") if os.path.isdir("/proc/self/fd") else []:
+        try:
+            targets.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:  # closed meanwhile
+            pass
+    return targets
