@@ -11,7 +11,12 @@ place in the buffers lives in two columns of ``turns``:
 - ``buffer_set``   ``'support'`` | ``'query'`` | ``NULL`` (side turns, failed requests)
 - ``buffer_state`` ``'live'`` | ``'consumed'`` | ``'purged'`` | ``NULL``
 
-and ``turns.trained_steps`` counts the GRPO steps that trained on it.
+and ``turns.trained_steps`` counts the GRPO steps that trained on it. A step in progress holds an
+expiring claim on its turns (``turns.train_claim_by``, ``turns.train_claim_until``): a live
+claim counts as trained (the step may be in its gradient step right now); the claim becomes a
+count in ``trained_steps`` when the step's record is committed
+(:func:`commit_training_claim`); a claim whose step died (``kill -9``, a power loss) expires and
+counts as nothing.
 
 The rules (one obvious place: :func:`classify`, :func:`refresh` and :func:`advance`):
 
@@ -20,12 +25,12 @@ The rules (one obvious place: :func:`classify`, :func:`refresh` and :func:`advan
    decided once.
 2. The evolver's evidence is the judged failures (``reward < threshold``) among the live turns
    of the current generation (:func:`support_set`). When they produce a new generation ``G``,
-   :func:`advance` marks them ``support / consumed``, unless a GRPO step already trained on one
-   (``trained_steps > 0``, counted when the step claims its turns, before its gradient step:
-   :func:`claim_for_training`): a trained turn is never reclassified; it stays ``query`` and is
-   purged like the rest. Every other live turn served under a generation older than ``G``
-   becomes ``purged`` (kept in the store, flagged, never trained on): it was served with skills
-   that no longer exist.
+   :func:`advance` marks them ``support / consumed``, unless a GRPO step trained on one or is
+   training on it (``trained_steps > 0`` or a live claim: :data:`NOT_TRAINED_SQL`, claimed
+   before the gradient step by :func:`claim_for_training`): a trained turn is never
+   reclassified; it stays ``query`` and is purged like the rest. Every other live turn served
+   under a generation older than ``G`` becomes ``purged`` (kept in the store, flagged, never
+   trained on): it was served with skills that no longer exist.
 3. A turn of an older generation that is classified late goes straight to ``purged``.
    ``consumed`` and ``purged`` are final.
 
@@ -38,6 +43,8 @@ on the manual path.
 
 from __future__ import annotations
 
+import time
+import uuid
 from typing import Any, Iterable
 
 from metaclaw.sessions import TASK_TURNS_SQL, is_task_turn
@@ -49,6 +56,25 @@ LIVE = "live"
 CONSUMED = "consumed"
 PURGED = "purged"
 FINAL_STATES = (CONSUMED, PURGED)
+
+
+#: Seconds a GRPO step's claim on its turns lasts unless renewed (:func:`renew_training_claim`;
+#: the trainer renews it every third of this while the step runs).
+TRAIN_CLAIM_S = 120.0
+
+#: A turn no GRPO step has trained on or is training on (one parameter: the time now): no
+#: committed step, and no claim, or only an expired one (its step died before committing).
+NOT_TRAINED_SQL = ("(trained_steps = 0 AND (train_claim_until IS NULL "
+                   "OR train_claim_until < ?))")
+
+
+def is_trained(turn: dict[str, Any], now: float | None = None) -> bool:
+    """Whether a GRPO step trained on ``turn`` (a ``turns`` row) or holds a live claim on it:
+    the same rule as :data:`NOT_TRAINED_SQL`, negated."""
+    if int(turn.get("trained_steps") or 0) > 0:
+        return True
+    until = turn.get("train_claim_until")
+    return until is not None and float(until) >= (time.time() if now is None else now)
 
 
 def current_generation(store: Store) -> int:
@@ -121,14 +147,17 @@ def advance(store: Store, generation: int, consumed: Iterable[int] = ()) -> dict
     """Move the buffers to a new generation ``generation``.
 
     ``consumed``: ids of the support turns (judged failures) that produced the generation: they
-    become ``support / consumed``, except those a GRPO step trained on, which keep their
-    ``query`` set and are purged. Every other live turn of an older generation is marked
-    ``purged``. Idempotent. Returns ``{"consumed": n, "purged": n}``.
+    become ``support / consumed``, except those a GRPO step trained on or holds a live claim
+    on, which keep their ``query`` set and are purged. Every other live turn of an older
+    generation is marked ``purged``. Idempotent. Returns ``{"consumed": n, "purged": n}``.
     """
     with store.transaction():
         ids = consumable(store, consumed)
-        store.execute(f"UPDATE turns SET buffer_set = 'support', buffer_state = 'consumed' "
-                      f"WHERE id {IN_IDS}", (id_list(ids),))
+        # an expired claim on a turn that becomes support is dropped with it: should its step
+        # still be alive after all (a suspended laptop), it cannot count the turn as trained
+        store.execute(f"UPDATE turns SET buffer_set = 'support', buffer_state = 'consumed', "
+                      f"train_claim_by = NULL, train_claim_until = NULL WHERE id {IN_IDS}",
+                      (id_list(ids),))
         cur = store.execute(
             "UPDATE turns SET buffer_state = 'purged' "
             "WHERE buffer_state = 'live' AND skill_generation < ?", (int(generation),))
@@ -138,11 +167,12 @@ def advance(store: Store, generation: int, consumed: Iterable[int] = ()) -> dict
 
 def consumable(store: Store, turn_ids: Iterable[int]) -> list[int]:
     """Those of ``turn_ids`` that :func:`advance` would mark ``support / consumed`` now: task
-    turns still live (or not yet classified) that no GRPO step trained on."""
+    turns still live (or not yet classified) that no GRPO step trained on or is training on
+    (an expired claim is no training: :data:`NOT_TRAINED_SQL`)."""
     return [row["id"] for row in store.query(
         f"SELECT id FROM turns WHERE id {IN_IDS} AND buffer_set IS NOT NULL "
-        "AND trained_steps = 0 AND (buffer_state IS NULL OR buffer_state = 'live') ORDER BY id",
-        (id_list(turn_ids),))]
+        f"AND {NOT_TRAINED_SQL} AND (buffer_state IS NULL OR buffer_state = 'live') "
+        "ORDER BY id", (id_list(turn_ids), time.time()))]
 
 
 def mark_trained(store: Store, turn_ids: Iterable[int]) -> None:
@@ -152,28 +182,64 @@ def mark_trained(store: Store, turn_ids: Iterable[int]) -> None:
                   (id_list(turn_ids),))
 
 
-def claim_for_training(store: Store, turn_ids: Iterable[int]) -> set[int]:
-    """Claim query turns for one GRPO step: those of ``turn_ids`` that are still live query
-    turns of the latest skill generation get the step counted (``turns.trained_steps``), in one
-    transaction with that check. Returns the ids claimed; the others must not be trained.
+def new_claim_id(label: str = "step") -> str:
+    """A fresh identity for one GRPO step's claim (``turns.train_claim_by``)."""
+    return f"{label}/{uuid.uuid4().hex[:12]}"
+
+
+def claim_for_training(store: Store, turn_ids: Iterable[int], claim_id: str | None = None,
+                       seconds: float = TRAIN_CLAIM_S) -> set[int]:
+    """Claim query turns for one GRPO step ``claim_id`` for ``seconds``: those of ``turn_ids``
+    that are still live query turns of the latest skill generation, and that no other step
+    holds a live claim on, get the claim, in one transaction with that check. Returns the ids
+    claimed; the others must not be trained.
 
     The claim orders a training step against an evolution landing at the same moment: an
     evolution committed first makes the turns stale here (a newer generation exists, or
-    :func:`advance` has already moved them); one committed after finds them trained and leaves
-    them in the query set. Either way no support turn trains weights."""
+    :func:`advance` has already moved them); one committed after finds them claimed and leaves
+    them in the query set. Either way no support turn trains weights. The claim counts as
+    training until it expires; :func:`commit_training_claim` makes it a permanent count when
+    the step is recorded, :func:`release_training_claim` drops it when the step trained
+    nothing, and :func:`renew_training_claim` keeps it alive while the step runs."""
+    claim_id = claim_id or new_claim_id()
     with store.transaction():
+        now = time.time()
         claimed = {row["id"] for row in store.query(
             f"SELECT id FROM turns WHERE id {IN_IDS} AND buffer_set = 'query' "
-            "AND buffer_state = 'live' AND skill_generation = ?",
-            (id_list(turn_ids), current_generation(store)))}
-        mark_trained(store, claimed)
+            "AND buffer_state = 'live' AND skill_generation = ? AND (train_claim_until IS NULL "
+            "OR train_claim_until < ? OR train_claim_by = ?)",
+            (id_list(turn_ids), current_generation(store), now, claim_id))}
+        store.execute(f"UPDATE turns SET train_claim_by = ?, train_claim_until = ? "
+                      f"WHERE id {IN_IDS}", (claim_id, now + seconds, id_list(claimed)))
     return claimed
 
 
-def release_training_claim(store: Store, turn_ids: Iterable[int]) -> None:
-    """Undo :func:`claim_for_training` for a step that failed before training."""
-    store.execute(f"UPDATE turns SET trained_steps = MAX(trained_steps - 1, 0) "
-                  f"WHERE id {IN_IDS}", (id_list(turn_ids),))
+def renew_training_claim(store: Store, claim_id: str, seconds: float = TRAIN_CLAIM_S) -> int:
+    """Extend step ``claim_id``'s claims to ``seconds`` from now (a step running longer than one
+    claim). A claim another step took over after it expired, or one an evolution dropped, is
+    not this step's any more and stays as it is. Returns how many were renewed."""
+    return store.execute("UPDATE turns SET train_claim_until = ? WHERE train_claim_by = ?",
+                         (time.time() + seconds, claim_id)).rowcount
+
+
+def commit_training_claim(store: Store, claim_id: str) -> set[int]:
+    """Count step ``claim_id`` in ``trained_steps`` on the turns it still holds a claim on and
+    end the claim (call it in the transaction that records the step). Returns the turns
+    counted; a turn the step claimed but no longer holds (its claim expired and an evolution
+    made it support, or another step took it over) is not counted."""
+    with store.transaction():
+        held = {row["id"] for row in store.query(
+            "SELECT id FROM turns WHERE train_claim_by = ?", (claim_id,))}
+        store.execute(f"UPDATE turns SET trained_steps = trained_steps + 1, "
+                      f"train_claim_by = NULL, train_claim_until = NULL WHERE id {IN_IDS}",
+                      (id_list(held),))
+    return held
+
+
+def release_training_claim(store: Store, claim_id: str) -> None:
+    """Drop step ``claim_id``'s claims without counting it (a step that trained nothing)."""
+    store.execute("UPDATE turns SET train_claim_by = NULL, train_claim_until = NULL "
+                  "WHERE train_claim_by = ?", (claim_id,))
 
 
 def support_set(store: Store, generation: int | None = None,

@@ -15,8 +15,13 @@ One step:
    step in the store.
 
 ``skipped_groups`` in a step record counts zero-variance groups, groups whose reward call
-failed (``metrics.reward_failures``) and query-set groups that went stale during the step
-(``metrics.stale_groups``).
+failed or gave NaN / inf (``metrics.reward_failures``) and query-set groups that went stale
+during the step or that another trainer's step holds (``metrics.stale_groups``).
+
+The query turns a step trains on are claimed before its gradient step, for a while that the
+step renews as it runs (:func:`metaclaw.buffers.claim_for_training`); the claim becomes a
+count of trained steps on the turns when the step is recorded. A trainer killed mid-step
+leaves claims that expire: its turns count as untrained again.
 
 :class:`GRPOTrainer` holds a run between steps: its :meth:`~GRPOTrainer.step` runs exactly one
 step (what the idle-gated scheduler calls in a training window) and :meth:`~GRPOTrainer.train`
@@ -33,15 +38,19 @@ e.g. ``rewards_P_G`` is a list of P lists of G rewards, ``advantages_G`` one gro
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
+import itertools
 import json
 import logging
 import math
+import os
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Any, Awaitable, Callable, Iterator, Sequence
 
 from metaclaw import buffers
 from metaclaw.aio import run_sync
@@ -93,6 +102,12 @@ class GRPOConfig:
                              "at temperature 1")
         if self.overlong_penalty < 0:
             raise ValueError("GRPOConfig.overlong_penalty must be >= 0")
+        if not (isinstance(self.learning_rate, (int, float)) and math.isfinite(self.learning_rate)
+                and self.learning_rate > 0):
+            # a negative rate climbs the loss (unlearns what the rewards favour), 0 trains
+            # nothing while counting steps as trained, NaN destroys the weights
+            raise ValueError(f"GRPOConfig.learning_rate must be a positive number, got "
+                             f"{self.learning_rate!r}")
         return self
 
 
@@ -263,8 +278,9 @@ def compute_rewards(batch: Sequence[Prompt], texts_P_G: Sequence[list[str]],
     In: P prompts and P lists of G completion texts; ``judge(prompt, text)`` returns a float or
     an awaitable (async judges of all groups then run concurrently on one event loop, and a
     judge with an ``aclose()`` coroutine method is closed on that loop afterwards).
-    Out: ``rewards_P_G``, P lists of G floats, with ``None`` for a group whose reward call
-    failed (a failing judge costs that group, never the step).
+    Out: ``rewards_P_G``, P lists of G finite floats, with ``None`` for a group whose reward
+    call failed or gave a value that is not a finite number (a failing judge costs that group,
+    never the step).
     """
     values_P_G: list[list[Any] | None] = []
     for prompt, texts_G in zip(batch, texts_P_G):
@@ -295,9 +311,15 @@ def compute_rewards(batch: Sequence[Prompt], texts_P_G: Sequence[list[str]],
     rewards_P_G: list[list[float] | None] = []
     for values_G in values_P_G:
         try:
-            rewards_P_G.append(None if values_G is None else [float(v) for v in values_G])
+            rewards_G = None if values_G is None else [float(v) for v in values_G]
         except (TypeError, ValueError):  # a judge that answered something that is no number
-            rewards_P_G.append(None)
+            rewards_G = None
+        if rewards_G is not None and not all(map(math.isfinite, rewards_G)):
+            # NaN or inf (a 0/0 in a reward function, a judge answering "NaN") has no
+            # advantage: kept, it read as a zero-variance group and made the step's reward
+            # mean NaN or inf; it is a failed reward call
+            rewards_G = None
+        rewards_P_G.append(rewards_G)
     return rewards_P_G
 
 
@@ -306,6 +328,30 @@ async def _as_awaitable(value: Any) -> Any:
 
 
 # -- the trainer -----------------------------------------------------------------------------
+class _ClaimRenewer:
+    """Renews a step's claim on its turns every third of ``seconds`` while the step runs (a
+    gradient step, a publish or a save may outlast one claim), in a daemon thread."""
+
+    def __init__(self, store, claim_id: str, seconds: float):
+        self.store, self.claim_id, self.seconds = store, claim_id, float(seconds)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="metaclaw-grpo-claim",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.seconds / 3):
+            try:
+                buffers.renew_training_claim(self.store, self.claim_id, self.seconds)
+            except Exception:  # a busy or closed store: the next round tries again
+                log.warning("could not renew the claim of GRPO step %s", self.claim_id,
+                            exc_info=True)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 class GRPOTrainer:
     """A GRPO run that advances one step at a time and keeps its state between calls.
 
@@ -338,6 +384,7 @@ class GRPOTrainer:
         self.run_id = run_id or uuid.uuid4().hex[:12]
         self.start_step = 0
         self.history: list[dict[str, Any]] = []   # records of the steps run by this trainer
+        self.claim_lease_s = buffers.TRAIN_CLAIM_S  # how long a step's claim lasts unrenewed
         self.last_reason = ""                     # why the last step() returned None
 
         # Resume: load the latest saved state of this state_dir (weights, optimizer, counters).
@@ -363,11 +410,16 @@ class GRPOTrainer:
     def sync_with_store(self) -> int:
         """Make the backend's policy the store's latest published version (the store is shared
         by every process of a workspace, so it is the truth): when that version is newer than
-        the backend's and its checkpoint is a saved state here, load it; a version without a
-        checkpoint (no weights to serve under its number) is not adopted. Returns the version."""
+        the backend's and its checkpoint is a saved state here, of this backend and base model,
+        load it. Any other version is not adopted: one without a checkpoint (no weights to
+        serve under its number), of another backend or base model, or whose saved state is
+        gone or unreadable; the backend keeps its weights under their own number. Returns the
+        version."""
+        from metaclaw.backends import BackendError
+
         backend = self.backend
-        rows = self.store.query("SELECT version, checkpoint FROM policy_versions "
-                                "ORDER BY version DESC LIMIT 1")
+        rows = self.store.query("SELECT version, backend, base_model, checkpoint "
+                                "FROM policy_versions ORDER BY version DESC LIMIT 1")
         if not rows or int(rows[0]["version"]) <= backend.policy_version:
             return backend.policy_version
         version, checkpoint = int(rows[0]["version"]), rows[0]["checkpoint"]
@@ -375,22 +427,41 @@ class GRPOTrainer:
             log.warning("policy version %d has no saved weights; serving version %d", version,
                         backend.policy_version)
             return backend.policy_version
-        if (Path(checkpoint) / "metaclaw_state.json").is_file():
-            backend.load_state(checkpoint)
+        # Taking the number without loading its weights would label this backend's weights as
+        # that version (turns recorded as served by it, the next publish built on them).
+        why = None
+        if (rows[0]["backend"], rows[0]["base_model"]) != (backend.kind, backend.base_model):
+            why = (f"it was trained with the {rows[0]['backend']} backend on "
+                   f"{rows[0]['base_model']}")
+        elif not (Path(checkpoint) / "metaclaw_state.json").is_file():
+            why = f"its saved state {checkpoint} is not here"
+        else:
+            try:
+                backend.load_state(checkpoint)
+            except BackendError as exc:
+                why = str(exc)
+        if why is not None:
+            log.warning("not adopting policy version %d (%s); serving version %d", version, why,
+                        backend.policy_version)
+            return backend.policy_version
         backend.policy_version = version
         backend.sampler().policy_version = version
         return version
 
     def _prune_checkpoints(self) -> list[str]:
-        """Retention: keep the last ``keep_checkpoints`` saved states and every state a
-        published policy version points to (the store's ``policy_versions.checkpoint``);
-        delete the others. Returns the deleted paths."""
+        """Retention: keep the last ``keep_checkpoints`` saved states, the one ``latest.json``
+        points to, and every state a published policy version points to (the store's
+        ``policy_versions.checkpoint``); delete the others. Returns the deleted paths."""
         import shutil
 
         if self.state_dir is None or self.config.keep_checkpoints < 1:
             return []
         saved = sorted(p for p in self.state_dir.glob("step-*") if p.is_dir())
         keep = {str(p.resolve()) for p in saved[-self.config.keep_checkpoints:]}
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            # the state a resume starts from, whichever trainer saved it last
+            latest = json.loads((self.state_dir / "latest.json").read_text())["checkpoint"]
+            keep.add(str(Path(latest).resolve()))
         if self.store is not None:
             keep |= {str(Path(r["checkpoint"]).resolve()) for r in self.store.query(
                 "SELECT checkpoint FROM policy_versions WHERE checkpoint IS NOT NULL")}
@@ -412,35 +483,100 @@ class GRPOTrainer:
             return int(self.skill_generation)
         return current_generation(self.store) if self.store is not None else 0
 
-    def _claim(self, groups: list[tuple[Any, ...]]) -> tuple[set[int], list[tuple[Any, ...]]]:
-        """(turn ids claimed for this step, the groups of turns that are stale): query-set
-        groups are claimed in the store (:func:`metaclaw.buffers.claim_for_training`); without
-        a store, a group is stale when its turn's generation is not the one recorded now."""
+    def _claim(self, groups: list[tuple[Any, ...]],
+               claim_id: str) -> tuple[set[int], list[tuple[Any, ...]]]:
+        """(turn ids claimed for this step, the groups of turns that are stale or that another
+        step is training on): query-set groups are claimed in the store for ``claim_id``
+        (:func:`metaclaw.buffers.claim_for_training`); without a store, a group is stale when
+        its turn's generation is not the one recorded now."""
         turns = [g for g in groups if g[0].turn_id is not None]  # tasks have nothing to claim
         if not turns:
             return set(), []
         if self.store is None:
             generation = self.generation_now()
             return set(), [g for g in turns if g[0].skill_generation != generation]
-        claimed = buffers.claim_for_training(self.store, [g[0].turn_id for g in turns])
+        claimed = buffers.claim_for_training(self.store, [g[0].turn_id for g in turns],
+                                             claim_id, self.claim_lease_s)
         return claimed, [g for g in turns if g[0].turn_id not in claimed]
 
-    def save(self, step: int | None = None) -> str | None:
+    def _commit_claim(self, claim_id: str, claimed: set[int],
+                      metrics: dict[str, Any]) -> None:
+        """Count this step on the turns of ``claimed`` it still holds a claim on (called inside
+        the transaction that publishes or records the step); a turn whose claim was lost
+        meanwhile (it expired and an evolution made the turn support) is named in
+        ``metrics['claims_lost']``."""
+        if claimed:
+            lost = claimed - buffers.commit_training_claim(self.store, claim_id)
+            if lost:
+                metrics["claims_lost"] = sorted(lost)
+                log.warning("GRPO step %s lost its claim on turns %s before it was recorded",
+                            claim_id, sorted(lost))
+
+    def save(self, step: int | None = None,
+             published_version: int | None = None) -> str | None:
         """Save the training state after ``step`` (default: the last completed step) in
         ``state_dir``; returns the checkpoint path, or None without a ``state_dir`` or when
-        nothing new was trained."""
+        nothing new was trained. ``published_version``: the policy version these weights
+        were published as; its ``policy_versions.checkpoint`` is set to the saved state (if
+        the backend did not record one of its own).
+
+        Each save writes a new directory (``step-NNNNNN``, or ``step-NNNNNN.K`` when that name
+        is taken), never into an existing one: a published version's checkpoint keeps the
+        weights it was published with, even when a run restarted afresh (``resume=False``) or
+        a second trainer (another process) saves into the same folder. Saving, pointing
+        ``latest.json`` and the version at the state, and pruning happen under the folder's
+        lock, so one trainer never prunes a state another is writing."""
         step = self.next_step - 1 if step is None else step
         if self.state_dir is None or step < 0 or step == self._saved_step:
             return None
-        checkpoint = self.backend.save_state(str(self.state_dir / f"step-{step:06d}"))
-        self.state_dir.mkdir(parents=True, exist_ok=True)
-        tmp = self.state_dir / "latest.json.tmp"
-        tmp.write_text(json.dumps({"run_id": self.run_id, "step": step, "checkpoint": checkpoint,
-                                   "policy_version": self.backend.policy_version}))
-        tmp.replace(self.state_dir / "latest.json")
-        self._saved_step = step
-        self._prune_checkpoints()
+        with self._state_dir_lock():
+            path = self._new_state_path(step)
+            checkpoint = self.backend.save_state(str(path))
+            if checkpoint != str(path):  # a remote state (Tinker): the folder stays unused
+                with contextlib.suppress(OSError):
+                    path.rmdir()
+            tmp = self.state_dir / f"latest.json.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+            tmp.write_text(json.dumps({"run_id": self.run_id, "step": step,
+                                       "checkpoint": checkpoint,
+                                       "policy_version": self.backend.policy_version}))
+            tmp.replace(self.state_dir / "latest.json")
+            if published_version is not None and self.store is not None:
+                self.store.execute("UPDATE policy_versions SET checkpoint = ? "
+                                   "WHERE version = ? AND checkpoint IS NULL",
+                                   (checkpoint, published_version))
+            self._saved_step = step
+            self._prune_checkpoints()
         return checkpoint
+
+    def _new_state_path(self, step: int) -> Path:
+        """A directory for the state after ``step`` that did not exist (created here)."""
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        name = f"step-{step:06d}"
+        for k in itertools.count():
+            path = self.state_dir / (name if k == 0 else f"{name}.{k}")
+            try:
+                path.mkdir()
+                return path
+            except FileExistsError:
+                continue
+        raise AssertionError("unreachable")
+
+    @contextlib.contextmanager
+    def _state_dir_lock(self) -> Iterator[None]:
+        """An exclusive lock on ``state_dir`` across processes (released by the OS if the
+        process dies); no lock where ``fcntl`` does not exist."""
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.state_dir / ".lock", "a") as handle:
+            try:
+                import fcntl
+            except ImportError:  # pragma: no cover - not POSIX
+                yield
+                return
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
 
     def step(self) -> dict[str, Any] | None:
         """Run one GRPO step. Out: the step's record (also stored and handed to ``on_step``),
@@ -494,11 +630,17 @@ class GRPOTrainer:
 
         # A new skill generation may have arrived while sampling and judging: the query turns
         # it made stale (or turned into support) must not be trained. Claiming the turns checks
-        # that and counts the step on them in one transaction, so an evolution landing after
-        # this point keeps them in the query set (see buffers.claim_for_training).
+        # that and claims them in one transaction, so an evolution landing after this point
+        # keeps them in the query set (see buffers.claim_for_training). The claim expires
+        # unless renewed, and becomes a count of trained steps only when the step is recorded
+        # (or its weights published): if this process dies first, its turns count as
+        # untrained again, as they are, and may still become support.
+        claim_id = buffers.new_claim_id(f"{self.run_id}/{step}")
         claimed, stale = self._claim([g for g, advantages_G in zip(groups, advantages_P_G)
-                                      if advantages_G is not None])
-        try:  # until the gradient step has run, a failure gives the claimed turns back
+                                      if advantages_G is not None], claim_id)
+        renewer = _ClaimRenewer(store, claim_id, self.claim_lease_s) if claimed else None
+        trained = None
+        try:
             if stale:
                 groups = [g for g in groups if all(g is not s for s in stale)]
                 rewards_P_G = [rewards_G for _, _, rewards_G in groups]
@@ -518,64 +660,76 @@ class GRPOTrainer:
                       for s, a in zip(samples_G, advantages_G) if s.tokens]
             trained = backend.train_step(datums, config.loss_fn, config.learning_rate) \
                 if datums else None
-        except BaseException:
-            if claimed:  # nothing was trained: the turns may still become support
-                buffers.release_training_claim(store, claimed)
-            raise
-        loss, metrics = None, {"reward_failures": reward_failures, "stale_groups": len(stale),
-                               "zero_variance_groups": len(zero_variance),
-                               "zero_variance": zero_variance}
-        if trained is not None:
-            loss = trained.get("loss")
-            metrics.update({k: v for k, v in trained.items() if k != "loss"})
-        elif claimed:
-            buffers.release_training_claim(store, claimed)
+            loss, metrics = None, {"reward_failures": reward_failures,
+                                   "stale_groups": len(stale),
+                                   "zero_variance_groups": len(zero_variance),
+                                   "zero_variance": zero_variance}
+            if trained is not None:
+                loss = trained.get("loss")
+                metrics.update({k: v for k, v in trained.items() if k != "loss"})
+            elif claimed:  # nothing was trained: the turns may still become support
+                buffers.release_training_claim(store, claim_id)
+                claimed = set()
 
-        # 6. Publish the new weights (a new policy version) and hand them to the server.
-        published = None
-        if datums and (step + 1 - self.start_step) % config.publish_every == 0:
-            published = backend.publish(backend.policy_version + 1)
+            # 6. Publish the new weights (a new policy version) and hand them to the server.
+            published = None
+            if datums and (step + 1 - self.start_step) % config.publish_every == 0:
+                published = backend.publish(backend.policy_version + 1)
+                if store is not None:
+                    with store.transaction():  # the published weights trained on the turns
+                        recorded = store.add_policy_version(
+                            backend=backend.kind, base_model=backend.base_model,
+                            skill_generation=gen,
+                            checkpoint=getattr(backend, "last_sampler_path", None),
+                            run_id=self.run_id, step=step)
+                        self._commit_claim(claim_id, claimed, metrics)
+                    claimed = set()  # counted: nothing left to give back
+                    if recorded != published:  # another writer added a version meanwhile
+                        backend.policy_version = recorded
+                        backend.sampler().policy_version = recorded
+                        published = recorded
+                    if self.state_dir is not None:  # published weights, restorable by version
+                        self.save(step, published_version=published)
+                if self.on_publish is not None:
+                    self.on_publish(backend.sampler(), published)
+
+            # 7. Record the step.
+            all_rewards = [r for rewards_G in rewards_P_G for r in rewards_G]
+            tokens = sum(d.n_completion_tokens for d in datums)
+            wall = time.perf_counter() - t0
+            metrics.update({"published_version": published, "tokens_per_s": tokens / wall,
+                            "samples": sum(len(s) for _, s, _ in groups)})
+            record = {
+                "run_id": self.run_id, "step": step, "backend": backend.kind,
+                "policy_version": sampling_version, "skill_generation": gen, "loss": loss,
+                "reward_mean": _mean(all_rewards) if all_rewards else 0.0,
+                "reward_std": _std(all_rewards) if all_rewards else 0.0,
+                "groups": len(batch), "skipped_groups": skipped + reward_failures + len(stale),
+                "tokens": tokens, "wall_time_s": wall, "metrics": metrics,
+            }
             if store is not None:
-                recorded = store.add_policy_version(
-                    backend=backend.kind, base_model=backend.base_model, skill_generation=gen,
-                    checkpoint=getattr(backend, "last_sampler_path", None), run_id=self.run_id,
-                    step=step)
-                if recorded != published:  # another writer added a version meanwhile
-                    backend.policy_version = recorded
-                    backend.sampler().policy_version = recorded
-                    published = recorded
-                if self.state_dir is not None:  # the published weights, restorable by version
-                    saved = self.save(step)
-                    if saved is not None and not getattr(backend, "last_sampler_path", None):
-                        store.execute("UPDATE policy_versions SET checkpoint = ? "
-                                      "WHERE version = ? AND checkpoint IS NULL",
-                                      (saved, published))
-                        self._prune_checkpoints()
-            if self.on_publish is not None:
-                self.on_publish(backend.sampler(), published)
-
-        # 7. Record the step.
-        all_rewards = [r for rewards_G in rewards_P_G for r in rewards_G]
-        tokens = sum(d.n_completion_tokens for d in datums)
-        wall = time.perf_counter() - t0
-        metrics.update({"published_version": published, "tokens_per_s": tokens / wall,
-                        "samples": sum(len(s) for _, s, _ in groups)})
-        record = {
-            "run_id": self.run_id, "step": step, "backend": backend.kind,
-            "policy_version": sampling_version, "skill_generation": gen, "loss": loss,
-            "reward_mean": _mean(all_rewards) if all_rewards else 0.0,
-            "reward_std": _std(all_rewards) if all_rewards else 0.0,
-            "groups": len(batch), "skipped_groups": skipped + reward_failures + len(stale),
-            "tokens": tokens, "wall_time_s": wall, "metrics": metrics,
-        }
-        if store is not None:
-            store.record_training_step(**record)
-        self.history.append(record)
-        try:
-            if self.on_step is not None:
-                self.on_step(record)
-        finally:  # counted as done only now: whoever polls steps_done sees the new policy
-            self.next_step = step + 1  # already served and the step's listeners called
+                with store.transaction():  # the step counts on its turns when it is recorded
+                    self._commit_claim(claim_id, claimed, metrics)
+                    store.record_training_step(**record)
+                claimed = set()
+            self.history.append(record)
+            try:
+                if self.on_step is not None:
+                    self.on_step(record)
+            finally:  # counted as done only now: whoever polls steps_done sees the new policy
+                self.next_step = step + 1  # already served and the step's listeners called
+        except BaseException:
+            if claimed and trained is None:  # nothing was trained: may still become support
+                buffers.release_training_claim(store, claim_id)
+            elif claimed:  # the weights of this process did train on the turns: count it
+                try:
+                    self._commit_claim(claim_id, claimed, {})
+                except Exception:  # the store failed too: the claim expires; raise the first
+                    log.exception("could not count GRPO step %s on its turns", claim_id)
+            raise
+        finally:
+            if renewer is not None:
+                renewer.stop()
         if config.save_every and (step + 1) % config.save_every == 0:
             self.save()
         return record

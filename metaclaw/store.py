@@ -214,6 +214,13 @@ MIGRATIONS: list[str] = [
     """
     ALTER TABLE turns ADD COLUMN judge_lease_until REAL;
     """,
+    # 7: a GRPO step's expiring claim on a turn it is training on (which step, until when): the
+    # step is counted in ``trained_steps`` only when its record is committed, so a trainer
+    # killed mid-step leaves a claim that expires instead of a count that lasts forever
+    """
+    ALTER TABLE turns ADD COLUMN train_claim_until REAL;
+    ALTER TABLE turns ADD COLUMN train_claim_by TEXT;
+    """,
 ]
 
 SCHEMA_VERSION = len(MIGRATIONS)

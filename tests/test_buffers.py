@@ -147,3 +147,45 @@ def test_stage_turns_enter_the_buffers_like_main_turns(store, library):
     assert state(store, write_ok) == ("query", "purged")
     frame = buffers.buffers_frame(store, all_turns=True)
     assert frame["turn_type"].to_list() == ["stage:plan", "stage:write", "main", "side"]
+
+
+def test_a_training_claim_counts_only_while_it_lasts_and_once_committed(store, library):
+    """A GRPO step's claim counts as training while it lasts; it becomes a trained step when
+    the step commits it; an expired claim (its step died) counts as nothing, and another step
+    may take the turn over."""
+    a = turn(store, 0, reward=-1)
+    b = turn(store, 0, reward=-1)
+    buffers.refresh(store)
+    assert buffers.claim_for_training(store, [a, b], "step-1") == {a, b}
+    assert buffers.consumable(store, [a, b]) == []            # maybe training right now
+    assert buffers.claim_for_training(store, [a], "step-2") == set()  # not twice at once
+    assert buffers.commit_training_claim(store, "step-1") == {a, b}
+    assert [store.turn(t)["trained_steps"] for t in (a, b)] == [1, 1]
+    assert store.turn(a)["train_claim_by"] is None
+    assert buffers.commit_training_claim(store, "step-1") == set()  # counted once
+
+    c = turn(store, 0, reward=-1)
+    buffers.refresh(store)
+    assert buffers.claim_for_training(store, [c], "dead-step", seconds=-1.0) == {c}
+    assert not buffers.is_trained(store.turn(c))              # expired: its step died
+    assert buffers.consumable(store, [a, b, c]) == [c]
+    assert buffers.claim_for_training(store, [c], "step-3") == {c}  # taken over
+    assert buffers.renew_training_claim(store, "dead-step") == 0
+    buffers.release_training_claim(store, "dead-step")        # not its claim any more
+    assert store.turn(c)["train_claim_by"] == "step-3"
+    buffers.release_training_claim(store, "step-3")
+    assert store.turn(c)["train_claim_by"] is None and buffers.consumable(store, [c]) == [c]
+
+
+def test_an_expired_claim_is_dropped_when_its_turn_becomes_support(store, library):
+    """A step that outlived its claim (a machine suspended mid-step) cannot count a turn an
+    evolution has made support meanwhile: the commit leaves it out."""
+    a = turn(store, 0, reward=-1)
+    buffers.refresh(store)
+    assert buffers.claim_for_training(store, [a], "stalled", seconds=-1.0) == {a}
+    generation = library.add(Skill("s", "d", body="b"), evidence=[a])
+    assert buffers.advance(store, generation, consumed=[a]) == {"consumed": 1, "purged": 0}
+    assert state(store, a) == ("support", "consumed")
+    assert buffers.renew_training_claim(store, "stalled") == 0
+    assert buffers.commit_training_claim(store, "stalled") == set()
+    assert store.turn(a)["trained_steps"] == 0

@@ -87,6 +87,9 @@ def test_config_errors_name_the_fix():
         GRPOConfig(group_size=1).check()
     with pytest.raises(ValueError, match="unknown loss"):
         GRPOConfig(loss_fn="dpo").check()
+    for rate in (-1.0, 0.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="learning_rate must be a positive number"):
+            GRPOConfig(learning_rate=rate).check()
 
 
 # -- the loop on the tiny model --------------------------------------------------------------
@@ -331,3 +334,216 @@ def test_a_version_published_without_saved_weights_is_not_adopted(tiny_model, tm
     trainer = GRPOTrainer(backend, [], config=GRPOConfig(steps=1), store=store)
     assert trainer.sync_with_store() == 0 and backend.policy_version == 0
     assert backend.sampler().policy_version == 0
+
+
+# -- the claim on a step's turns: expiring until the step is recorded -------------------------
+KILLED_IN_GRADIENT_STEP = """
+import sys, time
+from metaclaw.backends import make_backend
+from metaclaw.grpo import GRPOConfig, GRPOTrainer, prompts_from_query_set
+from metaclaw.store import Store
+
+store = Store(sys.argv[1])
+backend = make_backend("local", sys.argv[2], lora_rank=4, seed=0)
+real_train_step = backend.train_step
+
+def train_step(datums, loss_fn, learning_rate):
+    result = real_train_step(datums, loss_fn, learning_rate)  # the real gradient step ran
+    print("in the gradient step", flush=True)
+    time.sleep(600)  # killed here, before train_step returns
+    return result
+
+backend.train_step = train_step
+trainer = GRPOTrainer(backend, lambda: prompts_from_query_set(store, backend), store=store,
+                      judge=lambda prompt, text: float(len(text) % 3),
+                      config=GRPOConfig(steps=1, groups_per_step=2, group_size=4, max_tokens=6))
+trainer.claim_lease_s = float(sys.argv[3])
+trainer.step()
+"""
+
+
+def test_a_trainer_killed_in_its_gradient_step_leaves_its_turns_untrained(tiny_model, tmp_path):
+    """kill -9 of a trainer inside its gradient step: while its claim lasts, an evolution keeps
+    the turns in the query set (the step may still be running); once the claim has expired the
+    turns count as untrained, as they are, and an evolution makes its failures support."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from metaclaw import buffers
+
+    path = tmp_path / "db.sqlite"
+    store = Store(path)
+    store.add_generation(snapshot={}, kind="init")
+    turns = [_query_turn(store, 0), _query_turn(store, 0, text="hello")]
+    for turn_id in turns:
+        store.update_turn(turn_id, reward=-1.0)  # judged failures: the next evolution's evidence
+    lease = 3.0
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_IN_GRADIENT_STEP, str(path),
+                             tiny_model, str(lease)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "in the gradient step"
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+    claims = {t: store.turn(t)["train_claim_until"] for t in turns}  # renewed until killed
+    assert all(until is not None for until in claims.values())
+    if time.time() < min(claims.values()):  # the claim still lasts: maybe training right now
+        assert buffers.consumable(store, turns) == []
+        assert all(buffers.is_trained(store.turn(t)) for t in turns)
+    time.sleep(max(0.0, max(claims.values()) - time.time()) + 0.1)
+    for turn_id in turns:
+        row = store.turn(turn_id)
+        assert row["trained_steps"] == 0 and not buffers.is_trained(row)
+    assert store.frame("training_steps").height == 0
+    generation = store.add_generation(snapshot={"b": 1}, kind="evolve", parent=0)
+    assert buffers.advance(store, generation, consumed=turns) == {"consumed": 2, "purged": 0}
+    for turn_id in turns:
+        row = store.turn(turn_id)
+        assert (row["buffer_set"], row["buffer_state"]) == ("support", "consumed")
+        assert row["train_claim_by"] is None and row["train_claim_until"] is None
+
+
+class _EvolvesAfterLeases(_EvolvesDuringTraining):
+    """The backend, with a gradient step that outlasts several claim leases before an evolution
+    lands in it."""
+
+    def __init__(self, backend, store, wait_s: float):
+        super().__init__(backend, store)
+        self.wait_s = wait_s
+
+    def train_step(self, datums, loss_fn, learning_rate):
+        import time
+
+        time.sleep(self.wait_s)
+        return super().train_step(datums, loss_fn, learning_rate)
+
+
+def test_a_long_gradient_step_keeps_its_claim_alive(backend, tmp_path):
+    """A gradient step longer than one claim renews it: an evolution landing late in the step
+    still finds the turns claimed (query, purged), and the recorded step counts on them."""
+    from metaclaw.grpo import GRPOTrainer
+
+    store = Store(tmp_path / "db.sqlite")
+    store.add_generation(snapshot={}, kind="init")
+    turns = [_query_turn(store, 0), _query_turn(store, 0, text="hello")]
+    slow = _EvolvesAfterLeases(backend, store, wait_s=3.0)
+    trainer = GRPOTrainer(slow, lambda: prompts_from_query_set(store, backend), store=store,
+                          judge=lambda prompt, text: float(len(text) % 3),
+                          config=GRPOConfig(steps=1, groups_per_step=2, group_size=4,
+                                            max_tokens=6))
+    trainer.claim_lease_s = 1.2  # renewed every 0.4 s; the evolution lands after 3 s
+    record = trainer.step()
+    assert record["loss"] is not None and "claims_lost" not in record["metrics"]
+    trained = [t for t in turns if store.turn(t)["trained_steps"] == 1]
+    assert trained and slow.moved["consumed"] == 2 - len(trained)
+    for turn_id in trained:
+        row = store.turn(turn_id)
+        assert (row["buffer_set"], row["buffer_state"]) == ("query", "purged")
+        assert row["train_claim_by"] is None
+    assert store.turns("buffer_set = 'support' AND trained_steps > 0") == []
+
+
+def test_a_reward_that_is_not_a_finite_number_costs_its_group(backend, tmp_path):
+    """A reward of NaN or inf (a 0/0 in a reward function, a judge answering "NaN") fails its
+    group's reward call: it does not pass for a zero-variance group nor make the step's reward
+    mean NaN or inf."""
+    from metaclaw.grpo import compute_rewards
+
+    prompt = Prompt(tokens=[1], reward=None)
+    assert compute_rewards([prompt, prompt, prompt], [["a", "bb"], ["a", "bb"], ["a", "bb"]],
+                           lambda p, text: {"a": 1.0, "bb": 0.0}[text]) == [[1.0, 0.0]] * 3
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        assert compute_rewards([prompt], [["a", "bb"]],
+                               lambda p, text: bad if text == "a" else 1.0) == [None]
+
+    store = Store(tmp_path / "db.sqlite")
+    tasks = [Task("say yes", lambda text: float("nan") if len(text) % 2 else 1.0),
+             Task("hello", lambda text: float(len(text) % 3))]
+    result = train_grpo(backend, prompts_from_tasks(backend, tasks), store=store,
+                        config=GRPOConfig(steps=1, groups_per_step=2, group_size=4,
+                                          max_tokens=4))
+    h = result.history[0]
+    assert h["metrics"]["reward_failures"] == 1 and h["metrics"]["zero_variance"] == []
+    assert math.isfinite(h["reward_mean"]) and math.isfinite(h["reward_std"])
+    assert store.query("SELECT reward_mean FROM training_steps")[0]["reward_mean"] is not None
+
+
+def test_a_published_versions_checkpoint_is_never_overwritten(tiny_model, tmp_path):
+    """A run started afresh in the state folder of an earlier one (``resume=False``), and a
+    second trainer saving into the same folder, write new directories: every published
+    version's checkpoint keeps exactly the weights it was published with."""
+    from metaclaw.backends import make_backend
+    from metaclaw.backends.local import read_state
+    from metaclaw.grpo import GRPOTrainer
+
+    store = Store(tmp_path / "db.sqlite")
+    config = GRPOConfig(steps=1, groups_per_step=2, group_size=4, max_tokens=6,
+                        state_dir=str(tmp_path / "state"), resume=False, save_every=1)
+    trainers = []
+    for seed in (0, 1, 2):
+        backend = make_backend("local", tiny_model, lora_rank=4, seed=seed)
+        tasks = [Task(p, lambda text: float(len(text) % 3)) for p in ("say yes", "hello")]
+        trainers.append(GRPOTrainer(backend, prompts_from_tasks(backend, tasks),
+                                    config=config, store=store))
+    probe = trainers[0].backend.render_chat([{"role": "user", "content": "say yes"}])
+    served = {}
+    for trainer in trainers + trainers[:1]:  # three runs at their step 0, then one at step 1
+        record = trainer.step()
+        version = record["metrics"]["published_version"]
+        served[version] = trainer.backend.sampler().sample(probe, 2, 6, 1.0, seed=5)
+    rows = store.query("SELECT version, checkpoint FROM policy_versions ORDER BY version")
+    assert [r["version"] for r in rows] == sorted(served) == [1, 2, 3, 4]
+    assert len({r["checkpoint"] for r in rows}) == 4
+    for row in rows:
+        assert read_state(row["checkpoint"])["policy_version"] == row["version"]
+        restored = make_backend("local", tiny_model, lora_rank=4, seed=9)
+        restored.load_state(row["checkpoint"])
+        again = restored.sampler().sample(probe, 2, 6, 1.0, seed=5)
+        assert [s.tokens for s in again] == [s.tokens for s in served[row["version"]]]
+    assert not list((tmp_path / "state").glob("latest.json.*"))  # no temporary file left
+
+
+def test_a_version_whose_weights_cannot_be_loaded_here_is_not_adopted(tiny_model, tmp_path):
+    """The store's newest version is adopted only with its weights: one of another backend or
+    base model, or whose saved state is gone or broken, leaves the trainer serving its own
+    weights under their own number (not the base weights labelled as that version)."""
+    from metaclaw.backends import make_backend
+    from metaclaw.grpo import GRPOTrainer
+    from metaclaw.tinymodel import write_tiny_model
+
+    trained = make_backend("local", tiny_model, lora_rank=4, seed=3)
+    trained.train_step([Datum.from_sample([1, 2], [3, 4], [-1.0, -1.0], 1.0)],
+                       "importance_sampling", 0.05)
+    trained.publish(1)
+    good = trained.save_state(str(tmp_path / "good"))
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in (tmp_path / "good").iterdir():  # a copy of the good state, its adapter cut
+        (broken / f.name).write_bytes(f.read_bytes())
+    (broken / "adapter_model.safetensors").write_bytes(b"\x00" * 40)
+    other = str(write_tiny_model(tmp_path / "other", seed=1))
+    store = Store(tmp_path / "db.sqlite")
+    cases = [dict(backend="tinker", base_model="Qwen/Qwen3-4B", checkpoint="tinker://r/w/1"),
+             dict(backend="local", base_model=other, checkpoint=good),
+             dict(backend="local", base_model=trained.base_model,
+                  checkpoint=str(tmp_path / "deleted")),
+             dict(backend="local", base_model=trained.base_model, checkpoint=str(broken))]
+    backend = make_backend("local", tiny_model, lora_rank=4, seed=0)
+    probe = backend.render_chat([{"role": "user", "content": "say yes"}])
+    own = [s.tokens for s in backend.sampler().sample(probe, 2, 6, 1.0, seed=5)]
+    for case in cases:
+        store.add_policy_version(**case)
+        trainer = GRPOTrainer(backend, [], config=GRPOConfig(steps=1), store=store)
+        assert trainer.sync_with_store() == 0 == backend.policy_version, case
+        assert backend.sampler().policy_version == 0
+        assert [s.tokens for s in backend.sampler().sample(probe, 2, 6, 1.0, seed=5)] == own
+    version = store.add_policy_version(backend="local", base_model=trained.base_model,
+                                       checkpoint=good)
+    GRPOTrainer(backend, [], config=GRPOConfig(steps=1), store=store)
+    assert backend.policy_version == version == 5
+    assert [s.tokens for s in backend.sampler().sample(probe, 2, 6, 1.0, seed=5)] == [
+        s.tokens for s in trained.sampler().sample(probe, 2, 6, 1.0, seed=5)]

@@ -143,3 +143,48 @@ def test_processes_opening_a_new_workspace_at_once_all_start(tmp_path, trial):
                               stderr=subprocess.PIPE, text=True) for _ in range(4)]
     errors = [proc.communicate(timeout=60)[1] for proc in procs]
     assert [proc.returncode for proc in procs] == [0] * 4, errors
+
+
+def _v6_workspace(path):
+    """A workspace as MetaClaw with schema version 6 left it: a turn trained twice, a judge's
+    lease."""
+    from metaclaw.store import MIGRATIONS, _split_sql
+
+    db = sqlite3.connect(path, isolation_level=None)
+    db.execute("PRAGMA journal_mode=WAL")
+    for script in MIGRATIONS[:6]:
+        for statement in _split_sql(script):
+            db.execute(statement)
+    db.execute("PRAGMA user_version=6")
+    db.execute("INSERT INTO sessions (id, created_at, updated_at) VALUES ('s', 1, 1)")
+    db.execute("INSERT INTO turns (session_id, turn_index, created_at, request_messages, status, "
+               "buffer_set, buffer_state, trained_steps, judge_lease_until) "
+               "VALUES ('s', 0, 1, '[]', 'ok', 'query', 'live', 2, 5.0)")
+    db.close()
+
+
+def test_a_v6_workspace_migrates_keeping_its_trained_counts(tmp_path):
+    from metaclaw import buffers
+
+    path = tmp_path / "ws.db"
+    _v6_workspace(path)
+    with Store(path) as store:
+        assert store.schema_version == SCHEMA_VERSION >= 7
+        row = store.turns()[0]
+        assert row["trained_steps"] == 2 and row["judge_lease_until"] == 5.0
+        assert row["train_claim_until"] is None and row["train_claim_by"] is None
+        assert buffers.is_trained(row) and buffers.consumable(store, [row["id"]]) == []
+
+
+@pytest.mark.parametrize("trial", range(2))
+def test_processes_opening_a_v6_workspace_at_once_all_migrate_it(tmp_path, trial):
+    import time
+
+    _v6_workspace(tmp_path / "ws.db")
+    at = str(time.time() + 1.5)
+    procs = [subprocess.Popen([sys.executable, "-c", OPEN_AT, str(tmp_path / "ws.db"), at],
+                              stderr=subprocess.PIPE, text=True) for _ in range(4)]
+    errors = [proc.communicate(timeout=60)[1] for proc in procs]
+    assert [proc.returncode for proc in procs] == [0] * 4, errors
+    with Store(tmp_path / "ws.db") as store:
+        assert store.turns()[0]["trained_steps"] == 2
