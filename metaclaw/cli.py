@@ -740,7 +740,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--group-size", type=int, default=8, help="samples per prompt (G)")
     p.add_argument("--groups-per-step", type=int, default=4, help="prompts per step (P)")
     p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--lr", type=float, default=4e-5, help="learning rate")
+    p.add_argument("--lr", type=argtypes.positive_float, default=4e-5, help="learning rate")
     p.add_argument("--loss", choices=["importance_sampling", "ppo", "cispo"],
                    default="importance_sampling")
     p.add_argument("--state-dir", help="training state (resume) folder; default: next to --db")

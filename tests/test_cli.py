@@ -456,3 +456,17 @@ def test_serve_on_port_0_prints_the_port_it_listens_on(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+@pytest.mark.parametrize("value, says", [("-1", "not above 0"), ("0", "not above 0"),
+                                         ("nan", "not a finite number")])
+def test_train_refuses_a_learning_rate_that_cannot_train(tmp_path, capsys, value, says):
+    """A negative rate would unlearn what the rewards favour, 0 would count steps that trained
+    nothing: a usage error before anything is loaded."""
+    from metaclaw import cli
+
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["train", "--db", str(tmp_path / "ws.db"), "--lr", value])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--lr" in err and says in err

@@ -24,7 +24,7 @@ from typing import Any
 
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 
-from metaclaw import cli
+from metaclaw import argtypes, cli
 
 
 class MagicUsageError(Exception):
@@ -562,7 +562,7 @@ class MetaClawMagics(Magics):
         parser.add_argument("--group-size", type=int, default=8)
         parser.add_argument("--groups-per-step", type=int, default=4)
         parser.add_argument("--max-tokens", type=int, default=64)
-        parser.add_argument("--lr", type=float, default=1e-4)
+        parser.add_argument("--lr", type=argtypes.positive_float, default=1e-4)
         parser.add_argument("--no-serve", action="store_true",
                             help="keep answering from the upstream, only train")
         parser.add_argument("--scheduler-config", help="scheduler settings file (YAML/JSON)")
