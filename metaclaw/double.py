@@ -45,7 +45,9 @@ class Reply:
     ``disconnect_after``: drop the connection after this many stream chunks (``0`` on a
     non-streaming request drops it before answering). ``usage``: the usage dict to report
     (default: word counts). ``headers``: extra response headers (e.g. ``retry-after``).
-    ``finish_reason``: overrides ``"stop"`` / ``"tool_calls"``.
+    ``finish_reason``: overrides ``"stop"`` / ``"tool_calls"``. ``interleave``: stream parallel
+    tool calls as some OpenAI-compatible servers do: every call starts in one chunk, then the
+    calls' argument fragments alternate (by default each call streams whole before the next).
     """
 
     content: str | None = None
@@ -57,6 +59,7 @@ class Reply:
     usage: dict | None = None
     headers: dict[str, str] = field(default_factory=dict)
     finish_reason: str | None = None
+    interleave: bool = False
 
 
 def last_user_text(messages: list[dict[str, Any]]) -> str:
@@ -205,14 +208,22 @@ class DoubleServer(ServedApp):
         chunks = [chunk({"role": "assistant", "content": ""})]
         for piece in re.findall(r"\s*\S+", reply.content or ""):
             chunks.append(chunk({"content": piece}))
-        for index, call in enumerate(calls or []):
-            chunks.append(chunk({"tool_calls": [{
-                "index": index, "id": call["id"], "type": call["type"],
-                "function": {"name": call["function"]["name"], "arguments": ""}}]}))
-            arguments = call["function"]["arguments"]
-            for start in range(0, len(arguments), 8):
-                chunks.append(chunk({"tool_calls": [{
-                    "index": index, "function": {"arguments": arguments[start:start + 8]}}]}))
+        starts = [{"index": index, "id": call["id"], "type": call["type"],
+                   "function": {"name": call["function"]["name"], "arguments": ""}}
+                  for index, call in enumerate(calls or [])]
+        fragments = [[{"index": index, "function": {"arguments": arguments[start:start + 8]}}
+                      for start in range(0, len(arguments), 8)]
+                     for index, arguments in enumerate(c["function"]["arguments"]
+                                                       for c in calls or [])]
+        if reply.interleave and starts:
+            chunks.append(chunk({"tool_calls": starts}))
+            for row in range(max(map(len, fragments))):
+                chunks.extend(chunk({"tool_calls": [parts[row]]})
+                              for parts in fragments if row < len(parts))
+        else:
+            for start, parts in zip(starts, fragments):
+                chunks.append(chunk({"tool_calls": [start]}))
+                chunks.extend(chunk({"tool_calls": [part]}) for part in parts)
         chunks.append(chunk({}, reply.finish_reason or ("tool_calls" if calls else "stop")))
         if (body.get("stream_options") or {}).get("include_usage"):
             chunks.append({**base, "choices": [], "usage": self._usage(body, reply, calls)})

@@ -8,6 +8,8 @@ protocol naming the field and the reason (a client error is never a 5xx):
   known yet, so the body is shaped to satisfy both protocols' SDKs); a header read timeout (a
   connection that has not sent a whole request within ``header_timeout`` seconds is closed) and a
   cap on open connections hold off slowloris clients; the body read timeout is in the pipeline;
+- the body's Content-Encoding (:class:`BodyDecoder`): decoded as it arrives, within the size
+  limit after decompression; a corrupt or truncated stream is a 400 naming the fault;
 - the body (:func:`decode_body`): JSON only, an object, nested at most :data:`MAX_DEPTH` deep,
   no NaN / Infinity / numbers too large for a double, no lone surrogate code points (SQLite and
   every upstream refuse them);
@@ -21,20 +23,49 @@ import functools
 import json
 import math
 import re
+import zlib
 from http import HTTPStatus
 from typing import Any
 
-from aiohttp import compression_utils, http_exceptions, web, web_protocol, web_server
+from aiohttp import http_exceptions, web, web_protocol, web_server
 from orjson import loads as loads_fast
 
 from metaclaw.protocols import ProxyError, dumps
 
 #: Deepest JSON nesting accepted in a request body (tool schemas stay far below it).
 MAX_DEPTH = 100
-#: Content-Encodings the proxy decodes: aiohttp's own set, where its decoder is installed
-#: (brotli and zstd need packages of their own, which are not dependencies).
-ENCODINGS = ("identity", "gzip", "deflate") + ("br",) * compression_utils.HAS_BROTLI \
-    + ("zstd",) * compression_utils.HAS_ZSTD
+
+
+def _zstd() -> Any:
+    """The zstd module (Python 3.14's, or its backport), or ``None``."""
+    try:
+        from compression import zstd  # type: ignore[import-not-found]
+    except ImportError:
+        try:
+            from backports import zstd  # type: ignore[import-not-found,no-redef]
+        except ImportError:
+            return None
+    return zstd
+
+
+def _brotli() -> Any:
+    """The Brotli module when it can cap the output of one step (Brotli 1.2+), or ``None``:
+    without that cap a few kilobytes could expand to gigabytes before the size limit is seen."""
+    try:
+        import brotli  # type: ignore[import-not-found]
+        brotli.Decompressor().process(b"", output_buffer_limit=1)
+    except Exception:  # not installed, or an older API without output_buffer_limit
+        return None
+    return brotli
+
+
+_ZSTD, _BROTLI = _zstd(), _brotli()
+#: Content-Encodings the proxy decodes (brotli and zstd where their packages are installed:
+#: they are not dependencies).
+ENCODINGS = ("identity", "gzip", "deflate") + ("br",) * bool(_BROTLI) + ("zstd",) * bool(_ZSTD)
+#: Concatenated gzip or zstd members accepted in one body (clients send one; each new member
+#: copies the rest of its chunk, so a body of thousands of tiny members would cost quadratic time).
+MAX_MEMBERS = 64
 
 _NUMBER, _INT, _BOOL, _STR, _LIST, _OBJ = ("number",), ("integer",), ("boolean",), ("string",), \
     ("array",), ("object",)
@@ -223,13 +254,110 @@ def _a(kind: str) -> str:
     return ("an " if kind[0] in "aeiou" else "a ") + kind
 
 
-def check_encoding(request: web.Request) -> None:
-    """Refuse a Content-Encoding the proxy cannot decode (415, naming it)."""
-    encoding = request.headers.get("Content-Encoding", "").strip().lower()
-    if encoding and encoding not in ENCODINGS:
-        raise ProxyError(415, f"Content-Encoding {_printable(encoding, 40)!r} is not supported; "
-                              f"send the body as {', '.join(ENCODINGS)}", param="Content-Encoding",
-                         code="unsupported_encoding")
+def too_large(limit: int, decompressed: bool = False) -> ProxyError:
+    """The 413 for a body beyond ``limit`` bytes (as sent, or once decompressed)."""
+    what = "decompresses to more than" if decompressed else "is larger than"
+    return ProxyError(413, f"request body {what} the proxy's limit of {limit} bytes; send a "
+                           "smaller request or raise max_body_bytes", code="request_too_large")
+
+
+#: zlib's terse reasons, said plainly.
+_ZLIB_REASONS = {"incorrect header check": "it does not start with a valid header",
+                 "incorrect data check": "its checksum does not match its data: corrupt",
+                 "incorrect length check": "its trailer's length does not match its data"}
+
+
+class BodyDecoder:
+    """Decodes a request body chunk by chunk as its Content-Encoding says (the HTTP server's own
+    decoding is off: it accepts a gzip stream cut before its end, and it cannot say what is wrong).
+
+    ``feed(chunk)`` for each chunk as it arrives, then ``finish()`` for the whole decoded body.
+    Both raise a :class:`ProxyError`: 415 for an encoding not in :data:`ENCODINGS`, 413 when more
+    than ``limit`` bytes arrive or the decoded body would exceed ``limit`` (a decompression bomb
+    stops at ``limit`` bytes of output), 400 naming the encoding and the fault for a corrupt
+    stream, data after its end, or a stream cut short (a gzip body without its trailer, a
+    deflate, brotli or zstd stream without its final block). A corrupt body is refused at its
+    first bad chunk, before the rest has arrived.
+    """
+
+    def __init__(self, encoding: str | None, limit: int):
+        self.encoding = (encoding or "").strip().lower() or "identity"
+        if self.encoding not in ENCODINGS:
+            raise ProxyError(415, f"Content-Encoding {_printable(self.encoding, 40)!r} is not "
+                                  f"supported; send the body as {', '.join(ENCODINGS)}",
+                             param="Content-Encoding", code="unsupported_encoding")
+        self.limit = limit
+        self.received = 0  # bytes as sent
+        self.size = 0  # bytes decoded
+        self.members = 0
+        self.parts: list[bytes] = []
+        # the current member's decompressor; None before the first, False after one ended
+        self._stream: Any = None
+
+    def feed(self, chunk: bytes) -> None:
+        self.received += len(chunk)
+        if self.received > self.limit:
+            raise too_large(self.limit)
+        if self.encoding == "identity":
+            self.parts.append(chunk)
+            return
+        while chunk:
+            if not self._stream:
+                self._start(chunk)
+            room = self.limit - self.size + 1  # one byte more than fits: enough to see a bomb
+            try:  # zlib, brotli and zstd each raise their own error type
+                if self.encoding == "br":
+                    out, rest = self._stream.process(chunk, output_buffer_limit=room), b""
+                    if self._stream.is_finished():
+                        self._stream = False  # a finished brotli stream takes no more input
+                else:
+                    out, rest = self._stream.decompress(chunk, room), b""
+                    if self._stream.eof:
+                        rest, self._stream = self._stream.unused_data, False
+            except Exception as exc:
+                reason = str(exc).rpartition("data: ")[2] or type(exc).__name__
+                raise self._corrupt(_ZLIB_REASONS.get(reason, reason)) from None
+            self.size += len(out)
+            if self.size > self.limit:
+                raise too_large(self.limit, decompressed=True)
+            self.parts.append(out)
+            chunk = rest
+
+    def _start(self, chunk: bytes) -> None:
+        """A decompressor for the member that starts with ``chunk``."""
+        if self._stream is False and self.encoding not in ("gzip", "zstd"):
+            raise self._corrupt(f"data follows the end of the {self.encoding} stream")
+        self.members += 1
+        if self.members > MAX_MEMBERS:
+            raise self._corrupt(f"more than {MAX_MEMBERS} concatenated {self.encoding} members")
+        if self.encoding == "gzip":
+            self._stream = zlib.decompressobj(16 + zlib.MAX_WBITS)
+        elif self.encoding == "deflate":
+            # RFC 9110 deflate is zlib-wrapped (first byte: method 8, window <= 7); some clients
+            # send a raw deflate stream instead, which is read as such (as browsers do)
+            wrapped = chunk[0] & 0x0F == 8 and chunk[0] >> 4 <= 7
+            self._stream = zlib.decompressobj(zlib.MAX_WBITS if wrapped else -zlib.MAX_WBITS)
+        elif self.encoding == "br":
+            self._stream = _BROTLI.Decompressor()
+        else:
+            self._stream = _ZSTD.ZstdDecompressor()
+
+    def finish(self) -> bytes:
+        if self.encoding != "identity" and self._stream is not False:  # no member ended
+            trailer = " and its 8-byte trailer (CRC-32 and length)" if self.encoding == "gzip" \
+                else ""
+            raise self._corrupt(f"the {self.encoding} stream is truncated: the body ends after "
+                                f"{self.received} bytes, before the end of the stream{trailer}",
+                                whole=True)
+        return self.parts[0] if len(self.parts) == 1 else b"".join(self.parts)
+
+    def _corrupt(self, reason: str, whole: bool = False) -> ProxyError:
+        fix = ("send the whole compressed body" if whole else
+               f"send the body compressed as {self.encoding}")
+        return ProxyError(400, f"the request body does not decode as Content-Encoding "
+                               f"{self.encoding!r} ({_printable(reason, 200)}); {fix}, or send it "
+                               "uncompressed without the Content-Encoding header",
+                          param="Content-Encoding", code="bad_content_encoding")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -241,6 +369,21 @@ def neutral_error(status: int, message: str, code: str) -> bytes:
     kind = "invalid_request_error" if status < 500 else "api_error"
     return dumps({"type": "error", "error": {"type": kind, "message": message,
                                              "param": None, "code": code}}).encode()
+
+
+def _parser_reason(exc: BaseException | None, message: str | None) -> str:
+    """Why aiohttp could not parse a request, without the request bytes its message quotes: the
+    quoted line may be an ``Authorization`` or ``x-api-key`` header, and an error body is shown
+    and logged by clients and the agents behind them (a key must never appear in one)."""
+    text = str(getattr(exc, "message", None) or exc or message or "")
+    # llhttp: "description:\n\n  b'<the bytes>'\n  ^" -- keep the descriptions only
+    lines = [line.strip() for line in text.splitlines()]
+    text = " ".join(line for line in lines if line and set(line) != {"^"}
+                    and not line.startswith(("b'", 'b"', "'", '"')))
+    if isinstance(exc, (http_exceptions.LineTooLong, http_exceptions.InvalidHeader,
+                        http_exceptions.BadStatusLine, http_exceptions.InvalidURLError)):
+        text = re.split(r""":?\s*b?['"]""", text, maxsplit=1)[0]  # "...: b'<the bytes>'"
+    return text.rstrip(" :.") or "unreadable request"
 
 
 class EdgeHandler(web_protocol.RequestHandler):
@@ -265,12 +408,8 @@ class EdgeHandler(web_protocol.RequestHandler):
         if status == 500:
             self.log_exception("Error handling request", exc_info=exc)
             text, code = "internal proxy error while reading the request", "internal_error"
-        elif isinstance(exc, http_exceptions.ContentEncodingError):  # no decoder installed here
-            status, code = 415, "unsupported_encoding"
-            text = (f"the body's Content-Encoding is not one this proxy decodes; send the body "
-                    f"as {', '.join(ENCODINGS)}")
         else:
-            reason = _printable(str(getattr(exc, "message", None) or exc or message or ""), 200)
+            reason = _printable(_parser_reason(exc, message), 200)
             too_long = "too long" in reason.lower() or "got more than" in reason.lower()
             if too_long:
                 status = 431 if "header" in reason.lower() or "field" in reason.lower() else status
@@ -342,8 +481,10 @@ class EdgeRunner(web.AppRunner):
                  max_connections: int = 1024, **kwargs: Any):
         # lingering: after an early answer (408, 413) the rest of a body is read for at most
         # this long, so that a slow sender cannot keep the connection through it either
+        # auto_decompress off: bodies are decoded by BodyDecoder, which refuses a truncated
+        # stream (aiohttp's decoder accepts a gzip body cut before its trailer)
         super().__init__(app, keepalive_timeout=header_timeout,
-                         lingering_time=min(header_timeout, 2.0), **kwargs)
+                         lingering_time=min(header_timeout, 2.0), auto_decompress=False, **kwargs)
         self.max_connections = max_connections
 
     async def _make_server(self) -> web_server.Server:

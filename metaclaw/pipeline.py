@@ -441,41 +441,45 @@ class TurnPipeline:
         return caller_key
 
     def too_large(self) -> ProxyError:
-        limit = self.config.max_body_bytes
-        return ProxyError(413, f"request body is larger than the proxy's limit of {limit} bytes; "
-                               "send a smaller request or raise max_body_bytes",
-                          code="request_too_large")
+        return edge.too_large(self.config.max_body_bytes)
 
     async def read_body(self, request: web.Request) -> tuple[bytes, dict[str, Any]]:
-        """The body, within ``body_timeout`` (408) and ``max_body_bytes`` (413), decoded and
-        checked by :func:`metaclaw.edge.decode_body` (400 naming what is wrong)."""
+        """The body, within ``body_timeout`` (408) and ``max_body_bytes`` (413, as sent and
+        once decompressed), decoded from its Content-Encoding by :class:`metaclaw.edge.BodyDecoder`
+        and checked by :func:`metaclaw.edge.decode_body` (400 naming what is wrong)."""
         if (request.content_length is not None
                 and request.content_length > self.config.max_body_bytes):
             raise self.too_large()
-        edge.check_encoding(request)
+        decoder = edge.BodyDecoder(request.headers.get("Content-Encoding"),
+                                   self.config.max_body_bytes)
         try:
             if request.content.is_eof():  # the whole body is here already: no timer to set
-                raw = await request.read()
+                await _feed(request, decoder)
             else:
                 async with asyncio.timeout(self.config.body_timeout):
-                    raw = await request.read()
+                    await _feed(request, decoder)
+            raw = decoder.finish()
         except TimeoutError:
             raise ProxyError(408, f"the request body did not arrive within "
                                   f"{self.config.body_timeout:g} s; send it at once",
                              code="body_timeout") from None
-        except web.HTTPRequestEntityTooLarge:
-            raise self.too_large() from None
+        except ProxyError as exc:  # corrupt, truncated or too large
+            if not request.content.is_eof():  # refused mid-body: the rest is never read
+                # answer, then close the connection (a client still sending cannot start a next
+                # request on it); closed gracefully, so that the answer is not lost to a reset
+                exc.headers = {**exc.headers, "Connection": "close"}
+                request.protocol.close()
+                linger = getattr(request.protocol, "_linger_on_close", None)
+                if linger is not None:
+                    linger()
+            raise
         except (web.HTTPException, ConnectionError):
             raise
-        except Exception as exc:  # a body that does not decode as its Content-Encoding says
-            linger = getattr(request.protocol, "_linger_on_close", None)
-            if linger is not None:  # the rest of the body stays unread: close without a reset
-                linger()
-            encoding = request.headers.get("Content-Encoding", "identity")
-            raise ProxyError(400, f"cannot read the request body as Content-Encoding "
-                                  f"{encoding[:40]!r} ({type(exc).__name__}); send it encoded as "
-                                  "declared", param="Content-Encoding",
-                             code="bad_content_encoding") from None
+        except Exception as exc:  # the HTTP framing of the body is broken (bad chunked encoding)
+            reason = edge._printable(edge._parser_reason(exc, None), 200)
+            raise ProxyError(400, f"cannot read the request body ({type(exc).__name__}: "
+                                  f"{reason}); send a well-formed body",
+                             code="bad_request_body") from None
         return raw, edge.decode_body(raw)
 
     # -- retrieve, fit the budget, inject -------------------------------------------------
@@ -614,6 +618,12 @@ class TurnPipeline:
         count = self.proxy.token_counter.count(dumps(
             {k: turn.body.get(k) for k in ("system", "messages", "tools") if k in turn.body}))
         return web.json_response({"input_tokens": count})
+
+
+async def _feed(request: web.Request, decoder: edge.BodyDecoder) -> None:
+    """Hand each chunk of the request body to ``decoder`` as it arrives."""
+    while chunk := await request.content.readany():
+        decoder.feed(chunk)
 
 
 class _ClientGone(Exception):

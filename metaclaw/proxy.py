@@ -158,9 +158,14 @@ class Responder(Protocol):
 
 
 def _protocol_of(request: web.Request) -> Any:
-    """The protocol whose shape errors on ``request`` take: the one its path belongs to."""
-    return next((p for p in PROTOCOLS.values() if any(r in request.path for r in p.routes)),
-                OPENAI)
+    """The protocol whose shape errors on ``request`` take: the one its path belongs to; on the
+    other paths (``/v1/models``, an unknown path) Anthropic's when the client sent the
+    ``anthropic-version`` header, as every Anthropic SDK does (an Anthropic client reads only
+    ``{"type": "error", "error": {...}}``), else OpenAI's."""
+    for protocol in PROTOCOLS.values():
+        if any(route in request.path for route in protocol.routes):
+            return protocol
+    return ANTHROPIC if "anthropic-version" in request.headers else OPENAI
 
 
 class _SecretFilter(logging.Filter):

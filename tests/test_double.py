@@ -112,6 +112,22 @@ def test_tool_calls_plain_and_streamed(double):
     assert json.loads("".join(pieces)) == {"city": "Paris", "unit": "celsius"}
 
 
+def test_interleaved_parallel_tool_calls(double):
+    """``interleave``: the calls start in one chunk, then their argument fragments alternate;
+    the OpenAI SDK's own accumulation by index rebuilds each call."""
+    calls = [{"id": "call_a", "function": {"name": "read", "arguments": '{"path": "src/a.py"}'}},
+             {"id": "call_b", "function": {"name": "read", "arguments": '{"path": "src/b.py"}'}}]
+    double.add(Reply(tool_calls=calls, interleave=True))
+    with client(double).chat.completions.stream(model="m", messages=USER) as stream:
+        indexes = [d.index for event in stream if event.type == "chunk"
+                   for d in event.chunk.choices[0].delta.tool_calls or []
+                   if d.function and d.function.arguments]
+        final = stream.get_final_completion()
+    assert indexes[:4] == [0, 1, 0, 1]  # really interleaved
+    got = [(c.id, json.loads(c.function.arguments)) for c in final.choices[0].message.tool_calls]
+    assert got == [("call_a", {"path": "src/a.py"}), ("call_b", {"path": "src/b.py"})]
+
+
 def test_injected_error_status_and_headers(double):
     double.add(Reply(status=429, content="slow down", headers={"retry-after": "7"}),
                Reply(status=500))

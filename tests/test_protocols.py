@@ -101,6 +101,110 @@ def test_chat_request_to_anthropic_and_back():
     assert back["tool_choice"] == "required"
 
 
+def test_pdf_documents_and_file_parts_translate_both_ways():
+    """A PDF reaches the model whichever protocols meet: an Anthropic base64 document becomes an
+    OpenAI file part (it was dropped, the model answering without it), and an OpenAI file part
+    becomes a document block (it was an empty text block, which Anthropic refuses)."""
+    document = {"type": "document", "title": "report.pdf", "source": {
+        "type": "base64", "media_type": "application/pdf", "data": "JVBERi0x"}}
+    chat = ANTHROPIC.to_chat({"model": "m", "max_tokens": 8, "messages": [
+        {"role": "user", "content": [document, {"type": "text", "text": "Summarize it."}]}]})
+    assert chat["messages"][0]["content"] == [
+        {"type": "file", "file": {"filename": "report.pdf",
+                                  "file_data": "data:application/pdf;base64,JVBERi0x"}},
+        {"type": "text", "text": "Summarize it."}]
+    body = ANTHROPIC.from_chat(chat)
+    assert body["messages"][0]["content"][0] == document
+    ANTHROPIC.parse_request(body, None)
+    # a text document is still its text
+    text_doc = {"type": "document", "source": {"type": "text", "media_type": "text/plain",
+                                               "data": "plain words"}}
+    chat = ANTHROPIC.to_chat({"model": "m", "max_tokens": 8, "messages": [
+        {"role": "user", "content": [text_doc]}]})
+    assert chat["messages"][0]["content"] == "plain words"
+
+
+def test_parts_with_nothing_to_send_never_become_empty_text_blocks():
+    """Anthropic refuses an empty text block ("text content blocks must be non-empty"): parts
+    with no text (audio, a file id, empty text) and empty user messages are left out."""
+    chat = {"model": "m", "messages": [
+        {"role": "user", "content": ""},
+        {"role": "user", "content": [
+            {"type": "text", "text": "hear this"},
+            {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}},
+            {"type": "file", "file": {"file_id": "file-abc"}},
+            {"type": "text", "text": ""}]}]}
+    body = ANTHROPIC.from_chat(chat)
+    assert body["messages"] == [{"role": "user", "content": [{"type": "text",
+                                                              "text": "hear this"}]}]
+    blocks = [b for m in body["messages"] for b in m["content"]]
+    assert all(b.get("text") != "" for b in blocks)
+
+
+def test_n_above_one_is_refused_for_an_anthropic_upstream():
+    """Anthropic returns one reply per request: n > 1 is a 400 naming n, not one choice where
+    the client reads n."""
+    chat = {"model": "m", "n": 3, "messages": [{"role": "user", "content": "hi"}]}
+    with pytest.raises(ProxyError, match="'n' is 3") as caught:
+        ANTHROPIC.from_chat(chat)
+    assert caught.value.status == 400 and caught.value.param == "n"
+    assert ANTHROPIC.from_chat({**chat, "n": 1})["messages"]
+
+
+def test_nested_content_is_read_in_linear_time():
+    """Text is read from nested lists once per part: reading each part twice made a small body
+    of nested lists (a tool_result's content) take time exponential in its depth, holding the
+    proxy's event loop for hours."""
+    from metaclaw.protocols import anthropic_messages
+
+    calls = 0
+    text_of = anthropic_messages._text
+
+    def counted(value):
+        nonlocal calls
+        calls += 1
+        return text_of(value)
+
+    nested: object = [{"type": "text", "text": "deep"}]
+    for _ in range(16):
+        nested = [nested]
+    body = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "t", "content": nested}]}]}
+    anthropic_messages._text = counted
+    try:
+        chat = ANTHROPIC.to_chat(body)
+    finally:
+        anthropic_messages._text = text_of
+    assert chat["messages"] == [{"role": "tool", "tool_call_id": "t", "content": "deep"}]
+    assert calls < 100, calls  # 2**16 before
+
+
+def test_tool_input_given_whole_at_block_start_is_kept():
+    """A server that sends a tool_use block's whole input in content_block_start (no
+    input_json_delta) still gives the OpenAI client, and the record, the call's arguments."""
+    events = [
+        {"type": "message_start", "message": {"id": "msg_1", "model": "m", "usage": {
+            "input_tokens": 3, "output_tokens": 1}}},
+        {"type": "content_block_start", "index": 0, "content_block": {
+            "type": "tool_use", "id": "toolu_1", "name": "read_file", "input": {"path": "a"}}},
+        {"type": "content_block_stop", "index": 0},
+        {"type": "message_delta", "delta": {"stop_reason": "tool_use"},
+         "usage": {"output_tokens": 4}},
+        {"type": "message_stop"}]
+    assembler = StreamAssembler()
+    translator = ANTHROPIC.stream_to_chat()
+    for event in events:
+        for chunk in translator.feed(event):
+            assembler.add(chunk)
+    (call,) = assembler.tool_calls
+    assert call["id"] == "toolu_1" and json.loads(call["function"]["arguments"]) == {"path": "a"}
+    recorder = ANTHROPIC.assembler()
+    for event in events:
+        recorder.add(event)
+    assert json.loads(recorder.columns()["tool_calls"][0]["function"]["arguments"]) == {
+        "path": "a"}
+
+
 def test_replies_translate_both_ways():
     message = {"id": "msg_1", "type": "message", "role": "assistant", "model": "claude-test",
                "content": [{"type": "thinking", "thinking": "hmm", "signature": "s"},
@@ -282,7 +386,7 @@ _ANY = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(), st.floats
 _FIELDS = {"text": ["text"], "image": ["source"], "document": ["source"],
            "tool_use": ["id", "name", "input"], "server_tool_use": ["input"],
            "tool_result": ["tool_use_id", "content", "is_error"], "search_result": ["content"],
-           "image_url": ["image_url"], "thinking": ["thinking"]}
+           "image_url": ["image_url"], "thinking": ["thinking"], "file": ["file"]}
 _SOURCE = st.fixed_dictionaries({}, optional={
     "type": st.sampled_from(["base64", "url", "text", "content"]), "data": _ANY,
     "media_type": _ANY, "url": _ANY, "content": _ANY})
@@ -290,6 +394,9 @@ _SOURCE = st.fixed_dictionaries({}, optional={
 
 def _field(name: str, depth: int):
     nested = [_SOURCE] if name == "source" else []
+    if name == "file":
+        nested.append(st.fixed_dictionaries({}, optional={"filename": _ANY, "file_data": st.one_of(
+            _ANY, st.sampled_from(["data:application/pdf;base64,QUJD", "data:;base64,"]))}))
     if depth and name in ("content", "image_url", "source"):
         nested += [st.lists(_block(depth - 1), max_size=2),
                    st.fixed_dictionaries({}, optional={"url": _ANY, "detail": _ANY})]

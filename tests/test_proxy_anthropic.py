@@ -8,6 +8,7 @@ Everything is real: servers on 127.0.0.1 ephemeral ports, SQLite store, BM25 ret
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 
@@ -147,6 +148,36 @@ def test_anthropic_sdk_tools_through_openai_upstream(workspace, openai_double):
     assert [t["finish_reason"] for t in turns] == ["tool_calls", "tool_calls", "stop"]
     assert turns[1]["tool_calls"][0]["function"]["name"] == "read_file"
     assert json.loads(turns[1]["tool_calls"][0]["function"]["arguments"]) == {"path": "src/app.py"}
+
+
+def test_interleaved_parallel_tool_calls_reach_an_anthropic_client(workspace, openai_double):
+    """An upstream that interleaves its parallel calls' argument deltas (both calls start in one
+    chunk) gives the Anthropic client one whole tool_use block per call, each delta inside its
+    block; it used to get six blocks, four nameless, their inputs lost."""
+    calls = [{"id": "call_a", "function": {"name": "read_file",
+                                           "arguments": '{"path": "src/app.py"}'}},
+             {"id": "call_b", "function": {"name": "read_file",
+                                           "arguments": '{"path": "src/cli.py"}'}}]
+    openai_double.add(Reply("Reading both.", tool_calls=calls, interleave=True),
+                      Reply("Reading both.", tool_calls=calls, interleave=True))
+    request = {"model": MODEL, "max_tokens": 50, "tools": [READ_TOOL],
+               "messages": [{"role": "user", "content": "read both files"}]}
+    with _proxy(workspace, openai_double, "openai") as proxy:
+        with _client(proxy).messages.stream(**request) as stream:
+            final = stream.get_final_message()
+        raw = httpx.post(proxy.base_url + "/v1/messages", json={**request, "stream": True})
+    assert [(b.type, getattr(b, "id", None), getattr(b, "input", None)) for b in final.content] \
+        == [("text", None, None), ("tool_use", "call_a", {"path": "src/app.py"}),
+            ("tool_use", "call_b", {"path": "src/cli.py"})]
+    assert final.stop_reason == "tool_use"
+    stopped: set[int] = set()
+    for line in raw.text.splitlines():
+        if line.startswith("data: "):
+            event = json.loads(line[6:])
+            if event["type"] == "content_block_stop":
+                stopped.add(event["index"])
+            elif event["type"] in ("content_block_start", "content_block_delta"):
+                assert event["index"] not in stopped, event  # never into a closed block
 
 
 def test_translated_stream_has_the_full_event_sequence(workspace, openai_double):
@@ -302,6 +333,41 @@ def test_client_errors_in_anthropic_shape(workspace, openai_double):
     assert "'system' field" in cases[2][0].json()["error"]["message"]
 
 
+def test_anthropic_sdk_gets_its_error_shape_on_every_path(workspace, openai_double):
+    """/v1/models and unknown paths belong to no protocol: an Anthropic SDK (it sends
+    anthropic-version) gets Anthropic's error shape there too, an OpenAI SDK OpenAI's."""
+    with _proxy(workspace, openai_double, "openai", token="tok-123456") as proxy:
+        client = _client(proxy, api_key="wrong-token")
+        with pytest.raises(anthropic.AuthenticationError) as caught:
+            client.models.list()
+        assert caught.value.body["type"] == "error", caught.value.body
+        assert caught.value.body["error"]["type"] == "authentication_error"
+        with pytest.raises(anthropic.NotFoundError) as caught:
+            _client(proxy, api_key="tok-123456").get("/v1/no/such/path", cast_to=object)
+        assert caught.value.body["type"] == "error"
+        assert caught.value.body["error"]["type"] == "not_found_error"
+        assert "no route" in caught.value.body["error"]["message"]
+        with pytest.raises(openai.AuthenticationError) as caught_openai:
+            openai.OpenAI(base_url=proxy.url, api_key="wrong-token", max_retries=0).models.list()
+        assert caught_openai.value.body["type"] == "authentication_error"  # error.* in OpenAI's
+
+
+def test_anthropic_sdk_pdf_reaches_an_openai_upstream(workspace, openai_double):
+    """A PDF document block (how Claude Code sends a PDF) reaches an OpenAI-compatible upstream
+    as a file part; it used to be dropped without a word, the model answering without it."""
+    pdf = base64.b64encode(b"%PDF-1.4 minimal").decode()
+    with _proxy(workspace, openai_double, "openai") as proxy:
+        message = _client(proxy).messages.create(model=MODEL, max_tokens=50, messages=[{
+            "role": "user", "content": [
+                {"type": "document", "title": "spec.pdf",
+                 "source": {"type": "base64", "media_type": "application/pdf", "data": pdf}},
+                {"type": "text", "text": "Summarize the spec."}]}])
+    assert message.content[0].text == "echo: Summarize the spec."
+    sent = openai_double.requests[-1]["body"]["messages"][-1]["content"]
+    assert sent[0] == {"type": "file", "file": {
+        "filename": "spec.pdf", "file_data": f"data:application/pdf;base64,{pdf}"}}
+
+
 def test_count_tokens(workspace, anthropic_double, openai_double):
     request = {"model": MODEL, "messages": [{"role": "user", "content": QUESTION}]}
     with _proxy(workspace, anthropic_double, "anthropic") as proxy:
@@ -362,6 +428,31 @@ def test_openai_sdk_through_anthropic_upstream(workspace, anthropic_double):
     assert [t["protocol"] for t in turns] == ["openai", "openai", "openai"]
     assert all(t["finish_reason"] == "tool_calls" and t["status"] == "ok" for t in turns)
     assert turns[1]["completion_tokens"] and turns[1]["prompt_tokens"]
+
+
+def test_openai_sdk_file_parts_and_n_with_an_anthropic_upstream(workspace, anthropic_double):
+    """An OpenAI client's PDF (a file part) reaches an Anthropic upstream as a document block,
+    never as the empty text block Anthropic refuses; n > 1, which Anthropic cannot answer, is
+    a 400 naming n instead of one choice where the client reads several."""
+    pdf = base64.b64encode(b"%PDF-1.4 minimal").decode()
+    with _proxy(workspace, anthropic_double, "anthropic") as proxy:
+        client = openai.OpenAI(base_url=proxy.url, api_key="unused", max_retries=0)
+        reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": [
+            {"type": "text", "text": "What does the report say?"},
+            {"type": "file", "file": {"filename": "report.pdf",
+                                      "file_data": f"data:application/pdf;base64,{pdf}"}},
+            {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}]}])
+        assert reply.choices[0].message.content == "echo: What does the report say?"
+        blocks = anthropic_double.requests[-1]["body"]["messages"][0]["content"]
+        assert blocks == [{"type": "text", "text": "What does the report say?"},
+                          {"type": "document", "title": "report.pdf", "source": {
+                              "type": "base64", "media_type": "application/pdf", "data": pdf}}]
+        sent = len(anthropic_double.requests)
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(model=MODEL, n=2,
+                                           messages=[{"role": "user", "content": "hi"}])
+        assert caught.value.body["param"] == "n" and "'n' is 2" in caught.value.body["message"]
+        assert len(anthropic_double.requests) == sent  # refused before the upstream
 
 
 def test_anthropic_upstream_dropping_mid_stream(workspace, anthropic_double):

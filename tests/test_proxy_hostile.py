@@ -25,6 +25,7 @@ import zlib
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from metaclaw import edge
 from metaclaw.double import DoubleServer
 from metaclaw.proxy import Proxy, ProxyConfig
 from metaclaw.skills import Skill, SkillLibrary
@@ -212,18 +213,137 @@ def test_content_encodings(env, protocol):
     status, _, payload = judge(proxy, store, protocol, body, [(b"Content-Encoding", b"bogus")])
     assert status == 415 and b"Content-Encoding" in payload
     offered = json.loads(payload)["error"]["message"].rpartition("send the body as ")[2]
-    from aiohttp import compression_utils
-
-    assert ("br" in offered) == compression_utils.HAS_BROTLI  # only what can be decoded here
-    assert ("zstd" in offered) == compression_utils.HAS_ZSTD
-    for name, missing in ((b"br", not compression_utils.HAS_BROTLI),
-                          (b"zstd", not compression_utils.HAS_ZSTD)):
-        if missing:  # refused while the headers are read, before any route: still a JSON 415
+    assert offered.split(", ") == list(edge.ENCODINGS)  # only what can be decoded here
+    for name in (b"br", b"zstd"):
+        if name.decode() not in edge.ENCODINGS:  # its package is not installed: a JSON 415
             status, _, payload = judge(proxy, store, protocol, b"\x0b\x02\x80",
                                        [(b"Content-Encoding", name)])
             assert status == 415 and b"identity, gzip, deflate" in payload, payload
     status, _, payload = judge(proxy, store, protocol, body, [(b"Content-Encoding", b"gzip")])
     assert status == 400 and b"Content-Encoding" in payload
+
+
+def _compress(encoding: str, data: bytes) -> bytes:
+    """``data`` compressed as ``encoding`` ("raw-deflate": a deflate stream without the zlib
+    wrapper, which some clients send as Content-Encoding deflate)."""
+    if encoding == "gzip":
+        return gzip.compress(data)
+    if encoding == "deflate":
+        return zlib.compress(data)
+    if encoding == "raw-deflate":
+        packer = zlib.compressobj(wbits=-15)
+        return packer.compress(data) + packer.flush()
+    if encoding == "br":
+        return edge._BROTLI.compress(data)
+    return edge._ZSTD.compress(data)
+
+
+#: Every encoding this machine decodes, raw deflate included.
+CODECS = ["gzip", "deflate", "raw-deflate"] + [e for e in ("br", "zstd") if e in edge.ENCODINGS]
+
+
+def _header(encoding: str) -> list[tuple[bytes, bytes]]:
+    return [(b"Content-Encoding", b"deflate" if encoding == "raw-deflate" else encoding.encode())]
+
+
+@pytest.mark.parametrize("protocol", ["openai", "anthropic"])
+@pytest.mark.parametrize("name, encoding, cut, reason", [
+    ("gzip without its trailer", "gzip", lambda g: g[:-8], "truncated"),
+    ("gzip with half its trailer", "gzip", lambda g: g[:-4], "truncated"),
+    ("gzip cut midway", "gzip", lambda g: g[:len(g) // 2], "truncated"),
+    ("gzip header only", "gzip", lambda g: g[:10], "truncated"),
+    ("gzip, empty body", "gzip", lambda g: b"", "truncated"),
+    ("gzip with a wrong CRC", "gzip", lambda g: g[:-8] + bytes(4) + g[-4:], "checksum"),
+    ("gzip with a wrong length", "gzip", lambda g: g[:-4] + bytes(4), "length"),
+    ("gzip then garbage", "gzip", lambda g: g + b"xx", "valid header"),
+    ("deflate without its Adler-32", "deflate", lambda z: z[:-4], "truncated"),
+    ("deflate cut midway", "deflate", lambda z: z[:len(z) // 2], "truncated"),
+    ("deflate then more data", "deflate", lambda z: z + b"zz", "data follows the end"),
+    ("raw deflate cut short", "raw-deflate", lambda z: z[:-3], "truncated"),
+])
+def test_truncated_or_corrupt_compressed_body_gets_a_400(env, protocol, name, encoding, cut,
+                                                         reason):
+    """A compressed body that is cut short or corrupt is refused with a 400 in the client's
+    protocol naming the encoding and the fault, never served (a gzip body without its trailer
+    used to be accepted, the JSON inside it being whole)."""
+    proxy, store = env
+    status, _, payload = judge(proxy, store, protocol, cut(_compress(encoding, _with(protocol))),
+                               _header(encoding))
+    error = json.loads(payload)["error"]
+    assert status == 400 and reason in error["message"], (name, error)
+    assert "Content-Encoding" in error["message"], error
+    if protocol == "openai":
+        assert error["code"] == "bad_content_encoding" and error["param"] == "Content-Encoding"
+
+
+@pytest.mark.parametrize("encoding", CODECS)
+def test_whole_compressed_bodies_are_served(env, encoding):
+    proxy, store = env
+    assert judge(proxy, store, "openai", _compress(encoding, _with("openai")),
+                 _header(encoding))[0] == 200
+    if encoding in ("gzip", "zstd"):  # concatenated members are one body (RFC 1952)
+        body = _with("openai")
+        two = _compress(encoding, body[:20]) + _compress(encoding, body[20:])
+        assert judge(proxy, store, "openai", two, _header(encoding))[0] == 200
+
+
+def test_decompressed_size_is_limited(tmp_path):
+    """A small compressed body that expands past max_body_bytes gets a 413 once the decoded
+    bytes pass the limit (a decompression bomb never expands in full); one within it is served."""
+    store = Store(tmp_path / "metaclaw.db")
+    library = SkillLibrary(tmp_path / "skills", store)
+    limit = 64 * 1024
+    with DoubleServer() as double, Proxy(ProxyConfig(
+            upstream_url=double.url, retrieval="lexical", max_body_bytes=limit), store,
+            library) as proxy:
+        for encoding in CODECS:
+            for protocol in ROUTES:
+                body = _with(protocol, metadata={"pad": " " * (limit - 500)})
+                assert judge(proxy, store, protocol, _compress(encoding, body),
+                             _header(encoding))[0] == 200
+                bomb = _with(protocol, metadata={"pad": " " * (1000 * limit)})
+                status, _, payload = judge(proxy, store, protocol, _compress(encoding, bomb),
+                                           _header(encoding))
+                assert status == 413 and b"decompresses to more than" in payload, payload
+        members = gzip.compress(b"{}") * (edge.MAX_MEMBERS + 1)  # thousands would cost time
+        status, _, payload = judge(proxy, store, "openai", members, _header("gzip"))
+        assert status == 400 and b"concatenated gzip members" in payload, payload
+    store.close()
+
+
+@pytest.mark.parametrize("encoding", CODECS)
+@settings(max_examples=200, deadline=None)
+@given(data=st.data())
+def test_decoder_reads_any_chunking_and_refuses_any_truncation(encoding, data):
+    """In memory: a body split into chunks anywhere decodes to itself; any strict prefix of it,
+    in any chunks, is a 400 (the decoder, not the JSON parser, sees the cut)."""
+    body = data.draw(st.binary(max_size=3000)) + b" " * data.draw(st.integers(0, 5000))
+    packed = _compress(encoding, body)
+    cut = data.draw(st.integers(0, len(packed)))
+    cuts = sorted(data.draw(st.lists(st.integers(0, cut), max_size=6)))
+    decoder = edge.BodyDecoder(_header(encoding)[0][1].decode(), 1 << 20)
+    try:
+        for start, end in zip([0] + cuts, cuts + [cut]):
+            decoder.feed(packed[start:end])
+        decoded = decoder.finish()
+    except edge.ProxyError as exc:
+        assert cut < len(packed) and exc.status == 400, exc.message
+    else:
+        assert cut == len(packed) and decoded == body
+
+
+@settings(max_examples=max(30, FUZZ_EXAMPLES // 5), deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(protocol=st.sampled_from(sorted(ROUTES)), encoding=st.sampled_from(CODECS),
+       stream=st.booleans(), data=st.data())
+def test_fuzz_truncated_compressed_bodies(env, protocol, encoding, stream, data):
+    """Over sockets: any truncation of a valid compressed request is a 4xx in the client's
+    shape that records no turn; never a 5xx, never served."""
+    proxy, store = env
+    packed = _compress(encoding, json.dumps(_base(protocol, stream)).encode())
+    cut = data.draw(st.integers(0, len(packed) - 1))
+    status, _, _ = judge(proxy, store, protocol, packed[:cut], _header(encoding))
+    assert status == 400
 
 
 @pytest.mark.parametrize("protocol", ["openai", "anthropic"])
@@ -237,6 +357,36 @@ def test_bad_headers_get_a_json_4xx(env, protocol, header):
     proxy, store = env
     status, headers, payload = judge(proxy, store, protocol, _with(protocol), [header])
     assert 400 <= status < 500 and headers["content-type"].startswith("application/json")
+
+
+@pytest.mark.parametrize("header", [
+    (b"Authorization", b"Bearer sk-live-SECRET0123456789\x01"),
+    (b"x-api-key", b"sk-live-SECRET0123456789\x00x"),
+    (b"x-api-key", b"sk-live-SECRET0123456789\x7f"),
+    (b"x-api-key", b"sk-live-SECRET0123456789" + b" " * 9000),
+])
+def test_malformed_header_errors_never_quote_the_key(env, header):
+    """The HTTP parser's reason quotes the bad header line, which may hold the caller's key:
+    the JSON error says what is wrong without the bytes (clients and agents log error bodies)."""
+    proxy, store = env
+    for protocol in ROUTES:
+        status, _, payload = judge(proxy, store, protocol, _with(protocol), [header])
+        assert 400 <= status < 500 and b"SECRET" not in payload, payload
+        assert b"malformed HTTP request (" in payload, payload
+
+
+def test_nested_content_is_answered_at_once(env):
+    """A tool_result nested 90 lists deep (within the depth limit) is served like any other:
+    reading its text for the translation took time exponential in the depth, on the event loop,
+    stalling every client of the proxy."""
+    proxy, store = env
+    nested: object = "deep"
+    for _ in range(90):
+        nested = [nested]
+    content = [{"type": "tool_result", "tool_use_id": "t", "content": [nested]}]
+    status, _, payload = judge(proxy, store, "anthropic", _with("anthropic", messages=[
+        {"role": "user", "content": content}]))
+    assert status == 200, payload
 
 
 def test_slowloris_headers_are_cut_off(env):

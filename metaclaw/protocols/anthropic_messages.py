@@ -22,7 +22,8 @@ Anthropic client -> OpenAI-compatible upstream
     signature, which an Anthropic model would reject if the client sent it back to one;
   - ``top_k``, ``thinking``, ``service_tier``, ``container``, ``mcp_servers`` and server tools
     (tools without ``input_schema``) are dropped; ``metadata.user_id`` becomes ``user``;
-  - documents and search-result blocks become text; images keep their data (as data URLs or URLs);
+  - base64 PDF documents become OpenAI ``file`` parts; other documents and search-result blocks
+    become text; images keep their data (as data URLs or URLs);
   - a tool_result's images are dropped (a chat ``tool`` message holds text only); ``is_error``
     becomes an ``"[error] "`` prefix on the result text;
   - ``stop_reason`` comes from ``finish_reason``: stop -> end_turn (also when a stop sequence
@@ -35,8 +36,11 @@ Anthropic client -> OpenAI-compatible upstream
 OpenAI client -> Anthropic upstream
   - system and developer messages are joined into ``system``; ``max_tokens`` is required by
     Anthropic, so a request without one gets :data:`DEFAULT_MAX_TOKENS`;
-  - ``n`` > 1, ``logprobs``, ``response_format``, ``seed``, ``presence_penalty``,
+  - ``n`` > 1 is refused (400): Anthropic returns one reply per request;
+  - ``logprobs``, ``response_format``, ``seed``, ``presence_penalty``,
     ``frequency_penalty`` and ``logit_bias`` have no Anthropic equivalent and are dropped;
+  - ``file`` parts holding a base64 data URL become document blocks; parts with nothing to send
+    (audio, a ``file_id``, empty text) are left out: Anthropic refuses empty text blocks;
   - thinking in the reply comes back as a non-standard ``reasoning_content`` field (as several
     OpenAI-compatible servers do); signatures are lost;
   - refusal -> content_filter, pause_turn -> stop, max_tokens -> length, tool_use -> tool_calls.
@@ -73,8 +77,8 @@ def _text(value: Any) -> str:
         return ""
     if isinstance(value, str):
         return value
-    if isinstance(value, list):
-        return "\n\n".join(_text(part) for part in value if _text(part))
+    if isinstance(value, list):  # each part read once: twice would be exponential in depth
+        return "\n\n".join(text for text in map(_text, value) if text)
     if isinstance(value, dict):
         if value.get("type") in ("text", None) and isinstance(value.get("text"), str):
             return value["text"]
@@ -136,6 +140,47 @@ def _image_from_chat(part: dict[str, Any]) -> dict[str, Any]:
     return {"type": "image", "source": {"type": "url", "url": url}}
 
 
+def _document_to_chat(block: dict[str, Any]) -> dict[str, Any] | None:
+    """A base64 PDF document block as an OpenAI ``file`` part (the chat API's way to send a PDF),
+    or None for other documents (their text, if any, is sent as text)."""
+    source = block["source"]
+    if source.get("type") != "base64" or not isinstance(source.get("data"), str):
+        return None
+    media = source.get("media_type") or "application/pdf"
+    title = block.get("title")
+    return {"type": "file", "file": {
+        "filename": title if isinstance(title, str) and title else "document.pdf",
+        "file_data": f"data:{media};base64,{source['data']}"}}
+
+
+def _file_from_chat(part: dict[str, Any]) -> dict[str, Any] | None:
+    """An OpenAI ``file`` part holding its data (a base64 data URL) as a document block, or None
+    (a ``file_id`` names a file in OpenAI's own storage: nothing to send)."""
+    file = part.get("file")
+    data = file.get("file_data") if isinstance(file, dict) else None
+    if not isinstance(data, str) or not data.startswith("data:") or ";base64," not in data:
+        return None
+    media, payload = data[5:].split(";base64,", 1)
+    block: dict[str, Any] = {"type": "document", "source": {
+        "type": "base64", "media_type": media or "application/pdf", "data": payload}}
+    if isinstance(file.get("filename"), str) and file["filename"]:
+        block["title"] = file["filename"]
+    return block
+
+
+def _part_from_chat(part: dict[str, Any]) -> dict[str, Any] | None:
+    """One OpenAI user content part as an Anthropic block, or None when it has nothing to send:
+    Anthropic refuses an empty text block, so a part without text (audio, a file id) is left out
+    rather than sent as one."""
+    kind = part.get("type")
+    if kind == "image_url":
+        return _image_from_chat(part)
+    if kind == "file":
+        return _file_from_chat(part)
+    text = _text(part)
+    return {"type": "text", "text": text} if text else None
+
+
 def _tool_result_text(block: dict[str, Any]) -> str:
     text = _text(block.get("content"))
     return f"[error] {text}" if block.get("is_error") else text
@@ -182,7 +227,12 @@ def _new_id() -> str:
 
 
 class ChatToAnthropicStream(StreamTranslator):
-    """``chat.completion.chunk`` dicts (``None`` for ``[DONE]``) -> Anthropic stream events."""
+    """``chat.completion.chunk`` dicts (``None`` for ``[DONE]``) -> Anthropic stream events.
+
+    Parallel tool calls: a chat stream may interleave the argument deltas of its calls (both
+    calls start in one chunk, then fragments of each), but an Anthropic block takes no delta
+    after its ``content_block_stop``. So the first call streams live and the others are
+    gathered by index and sent whole, one block each, when the stream ends."""
 
     def __init__(self) -> None:
         self.started = False
@@ -191,6 +241,8 @@ class ChatToAnthropicStream(StreamTranslator):
         self.finish: str | None = None
         self.usage: dict[str, Any] | None = None
         self.closed = False
+        self.live: int | None = None  # the OpenAI index of the call streamed live
+        self.held: dict[int, dict[str, Any]] = {}  # the other calls, by OpenAI index
 
     def _start(self, chunk: dict[str, Any]) -> list[dict[str, Any]]:
         self.started = True
@@ -246,12 +298,18 @@ class ChatToAnthropicStream(StreamTranslator):
             for call in delta.get("tool_calls") or ():
                 key = call.get("index", 0)
                 function = call.get("function") or {}
-                if self.block != ("tool", key):
+                if self.live is None:
+                    self.live = key
                     out += self._open("tool", key, {
                         "type": "tool_use",
                         "id": call.get("id") or f"toolu_{uuid.uuid4().hex[:20]}",
                         "name": function.get("name") or "", "input": {}})
-                if function.get("arguments"):
+                if key != self.live or self.block != ("tool", key):
+                    held = self.held.setdefault(key, {"id": None, "name": "", "arguments": ""})
+                    held["id"] = call.get("id") or held["id"]
+                    held["name"] += function.get("name") or ""
+                    held["arguments"] += function.get("arguments") or ""
+                elif function.get("arguments"):
                     out.append({"type": "content_block_delta", "index": self.index,
                                 "delta": {"type": "input_json_delta",
                                           "partial_json": function["arguments"]}})
@@ -264,6 +322,15 @@ class ChatToAnthropicStream(StreamTranslator):
             return []
         self.closed = True
         out: list[dict[str, Any] | None] = [] if self.started else self._start({})
+        for key in sorted(self.held):  # the calls after the live one, each whole
+            call = self.held[key]
+            out += self._open("tool", key, {
+                "type": "tool_use", "id": call["id"] or f"toolu_{uuid.uuid4().hex[:20]}",
+                "name": call["name"], "input": {}})
+            if call["arguments"]:
+                out.append({"type": "content_block_delta", "index": self.index,
+                            "delta": {"type": "input_json_delta",
+                                      "partial_json": call["arguments"]}})
         out += self._close_block()
         # a chat upstream does not say which stop sequence matched: "stop" is end_turn
         stop = _FINISH_TO_STOP.get(self.finish or "stop", "end_turn")
@@ -302,9 +369,13 @@ class AnthropicToChatStream(StreamTranslator):
             block = event.get("content_block") or {}
             if block.get("type") == "tool_use":
                 index = self.tools.setdefault(event.get("index", 0), len(self.tools))
+                # Anthropic starts with input {} and streams it; a server that sends the whole
+                # input here instead (no deltas) must not lose it
+                given = block.get("input")
+                arguments = dumps(given) if isinstance(given, dict) and given else ""
                 return [self._chunk({"tool_calls": [{
                     "index": index, "id": block.get("id"), "type": "function",
-                    "function": {"name": block.get("name", ""), "arguments": ""}}]})]
+                    "function": {"name": block.get("name", ""), "arguments": arguments}}]})]
             if block.get("type") == "text" and block.get("text"):
                 return [self._chunk({"content": block["text"]})]
             return []
@@ -511,6 +582,8 @@ class AnthropicMessages(WireProtocol):
                 image = _image_to_chat(block)
                 if image:
                     parts.append(image)
+            elif kind == "document" and (document := _document_to_chat(block)) is not None:
+                parts.append(document)  # a PDF (its text is empty: it would be dropped unseen)
             elif kind != "tool_result":
                 text = _text(block)
                 if text:
@@ -523,6 +596,14 @@ class AnthropicMessages(WireProtocol):
 
     def from_chat(self, chat: dict[str, Any]) -> dict[str, Any]:
         """An OpenAI chat request as an Anthropic Messages request (lossy corners above)."""
+        n = chat.get("n")
+        if isinstance(n, int) and not isinstance(n, bool) and n > 1:
+            # Anthropic returns one reply per request: answering n > 1 with one choice would
+            # leave the client reading choices that are not there
+            raise ProxyError(400, f"'n' is {n}, but the upstream speaks Anthropic Messages, "
+                                  "which returns one reply per request; send n=1 (or leave it "
+                                  "out) and make one request per reply", param="n",
+                             code="unsupported_parameter")
         system: list[str] = []
         messages: list[dict[str, Any]] = []
 
@@ -552,11 +633,10 @@ class AnthropicMessages(WireProtocol):
                 add("assistant", blocks)
             else:
                 if isinstance(content, list):
-                    blocks = [_image_from_chat(p) if p.get("type") == "image_url"
-                              else {"type": "text", "text": _text(p)} for p in content
-                              if isinstance(p, dict)]
-                else:
-                    blocks = [{"type": "text", "text": _text(content)}]
+                    blocks = [b for p in content if isinstance(p, dict)
+                              for b in [_part_from_chat(p)] if b is not None]
+                else:  # an empty text block is refused by Anthropic: an empty message is left out
+                    blocks = [{"type": "text", "text": _text(content)}] if _text(content) else []
                 add("user", blocks)
         body: dict[str, Any] = {"model": chat.get("model"), "messages": messages,
                                 "max_tokens": chat.get("max_completion_tokens")
