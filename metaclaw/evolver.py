@@ -24,7 +24,10 @@ fields of an ``edit`` keep the current value); one operation per name. Evidence 
 support turns are dropped; an operation without valid evidence cites the whole support set.
 Invalid output is retried once, with the validation error in a follow-up message that starts with
 :data:`EVOLVER_RETRY_PREFIX`; a second invalid answer raises :class:`EvolveError` and the library
-stays unchanged.
+stays unchanged. Validation is all or nothing: one invalid operation refuses the whole answer. A
+reply cut at ``max_tokens`` (``finish_reason`` ``length``) is reported as cut, not as malformed;
+an answer with status 200 that holds an error body instead of a reply is a failed call, retried
+like a server error and reported with the server's message.
 
 Stage scope (:func:`scope_to_stages`): the stage a failure happened at is its turn type
 (``stage:<name>``), so the evolver, not the model, decides a new skill's scope: an ``add``
@@ -70,6 +73,7 @@ from metaclaw.buffers import message_text
 from metaclaw.judge import (SECTION_TASK, SECTION_TOOLS, Judge, LLMClient, check_url,
                             json_objects, next_user_message, render_sections, replay_params,
                             reply_message, reply_text, retry_delay, run_sync, trim)
+from metaclaw.gate import answer_error
 from metaclaw.proposals import ProposalError, apply_ops
 from metaclaw.skills import (OPS, Skill, SkillFormatError, SkillLibrary, SkillOp, offered_to,
                              oversize_reason, validate_name)
@@ -213,11 +217,21 @@ def parse_operations_reply(text: str) -> dict[str, Any]:
     """
     if not isinstance(text, str) or not text.strip():
         raise EvolveValidationError("the reply was empty")
-    for obj in json_objects(text):
-        if "operations" in obj:
-            return obj
+    try:
+        for obj in json_objects(text):
+            if "operations" in obj:
+                return obj
+    except RecursionError:  # JSON nested thousands deep: invalid output, not a crash
+        raise EvolveValidationError("the reply holds JSON nested too deeply to read") from None
     raise EvolveValidationError(
         'the reply holds no JSON object with an "operations" list')
+
+
+def _shown(value: Any, limit: int = 80) -> str:
+    """``repr(value)`` cut to ``limit`` characters, so that a 2 MB name in a model's answer
+    does not become a 4 MB error message sent back to the model and shown to the user."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}...({len(text):,} characters)"
 
 
 def validate_operations(data: Any, library: dict[str, Skill],
@@ -239,14 +253,16 @@ def validate_operations(data: Any, library: dict[str, Skill],
             problems.append(f"{where} must be a JSON object")
             continue
         op, name = raw.get("op"), raw.get("name")
-        where = f"operation {i} ({op} {name!r})"
+        where = f"operation {i} ({_shown(op) if op not in OPS else op} {_shown(name)})"
         if op not in OPS:
             problems.append(f"{where}: 'op' must be one of add, edit, remove")
             continue
         try:
             validate_name(name)
-        except SkillFormatError as exc:
-            problems.append(f"{where}: {exc.reason}")
+        except SkillFormatError:
+            problems.append(f"{where}: invalid skill name {_shown(name)}: use 1-64 lowercase "
+                            "letters, digits, '-' or '_', starting with a letter or digit (e.g. "
+                            "'check-units-first')")
             continue
         if name in seen:
             problems.append(f"{where}: more than one operation on {name!r}; merge them")
@@ -576,7 +592,8 @@ class Evolver:
                 f"dedupe_threshold={self.dedupe_threshold}, verify={self.verify})")
 
     # model call -------------------------------------------------------------------------
-    async def _ask(self, messages: list[dict[str, str]]) -> str:
+    async def _ask(self, messages: list[dict[str, str]]) -> tuple[str, str | None]:
+        """The model's reply text and its ``finish_reason``."""
         params: dict[str, Any] = {"model": self.model, "messages": messages}
         if self.temperature is not None:
             params["temperature"] = self.temperature
@@ -606,7 +623,15 @@ class Evolver:
             else:
                 if self.structured and not structured:
                     self.structured = False  # text worked where the schema was refused
-                return reply_text(response)
+                refusal = answer_error(response)
+                if refusal is None:
+                    return reply_text(response), response["choices"][0].get("finish_reason")
+                # some servers and gateways report a failure with status 200 and an error
+                # body: read as a reply it would be "empty" twice, hiding the server's reason
+                delay = retry_delay(None, attempt)
+                refusal = self._client.explain(ValueError(refusal)).removeprefix("ValueError: ")
+                failure = (f"{where} answered without a reply ({refusal}, tried {attempt + 1} "
+                           "times); check evolver_url and evolver_model")
             if delay is None or attempt >= self.retries:
                 raise EvolveError(failure)
             attempt += 1
@@ -646,13 +671,17 @@ class Evolver:
         ops: list[SkillOp] | None = None
         error = ""
         for attempt in (1, 2):
-            reply = await self._ask(messages)
+            reply, finish = await self._ask(messages)
             replies.append(reply)
             try:
                 ops = validate_operations(parse_operations_reply(reply), by_name, support_ids)
                 break
             except EvolveValidationError as exc:
                 error = str(exc)
+                if finish == "length":  # the real cause: the JSON was cut, not malformed
+                    error = (f"the reply was cut at the token limit (max_tokens="
+                             f"{self.max_tokens}) before its JSON was complete; give fewer "
+                             "or shorter operations, or raise max_tokens")
                 messages = [*messages, {"role": "assistant", "content": reply},
                             {"role": "user", "content": (
                                 f"{EVOLVER_RETRY_PREFIX} {error}. Answer again with JSON only, "
@@ -764,8 +793,11 @@ class Evolver:
         messages = await asyncio.to_thread(self._replay_messages, turn, skills)
         params = replay_params(turn, messages, self.verify_model)
         try:
-            message = reply_message(
-                await asyncio.wait_for(self._upstream.chat(params), self.timeout))
+            response = await asyncio.wait_for(self._upstream.chat(params), self.timeout)
+            refusal = answer_error(response)
+            if refusal is not None:  # not a reply to judge (see metaclaw.gate.answer_error)
+                raise ValueError(f"the upstream answered 200 without a reply ({refusal})")
+            message = reply_message(response)
         except asyncio.TimeoutError:
             return {"score": None, "reply": "", "error": f"upstream timed out ({self.timeout:g} s)"}
         except Exception as exc:

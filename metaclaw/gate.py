@@ -201,6 +201,24 @@ def _outcome(kind: str, before: float | None, after: float | None, threshold: fl
     return "regressed" if after < before else "kept"
 
 
+def answer_error(response: Any) -> str | None:
+    """Why a chat.completion JSON answered with status 200 holds no reply (an ``error`` body,
+    no ``choices``), or ``None`` when it holds one. Some servers and gateways report a failure
+    this way; read as a reply it would be an empty answer, and judged as one a replay that never
+    ran would count as a failure (so a candidate "fixing" it would be promoted)."""
+    if not isinstance(response, dict):
+        return "the answer is not a JSON object"
+    error = response.get("error")
+    if error:
+        message = error.get("message") if isinstance(error, dict) else error
+        return f"error: {str(message or error)[:300]}"
+    choices = response.get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict) \
+            or not isinstance(choices[0].get("message"), dict):
+        return "no choices with a message"
+    return None
+
+
 class Gate:
     """Replays candidates through the agent's upstream and the judge; decides promote / hold.
 
@@ -261,8 +279,11 @@ class Gate:
         messages = await asyncio.to_thread(self._messages, turn, skills)
         params = replay_params(turn, messages, self.model)
         try:
-            message = reply_message(
-                await asyncio.wait_for(self._upstream.chat(params), self.timeout))
+            response = await asyncio.wait_for(self._upstream.chat(params), self.timeout)
+            refusal = answer_error(response)
+            if refusal is not None:  # an upstream failure, not an empty reply to judge
+                raise ValueError(f"the upstream answered 200 without a reply ({refusal})")
+            message = reply_message(response)
         except asyncio.TimeoutError:
             return {"score": None, "reply": "", "votes": 0, "upstream_failed": True,
                     "error": f"upstream timed out ({self.timeout:g} s)"}

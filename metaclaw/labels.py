@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import getpass
 import json
+import operator
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any, Iterable
@@ -66,6 +68,26 @@ def normalise_verdict(verdict: Any) -> str:
                      f"got {verdict!r}")
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _turn_id(turn_id: Any) -> int:
+    """A turn id given as an int or a string of digits (``True`` or ``1.9`` would silently
+    label turn 1)."""
+    value = None
+    if isinstance(turn_id, str) and turn_id.strip().isdecimal():
+        value = int(turn_id)
+    elif not isinstance(turn_id, bool):
+        try:
+            value = operator.index(turn_id)  # int, numpy and other integer types
+        except TypeError:
+            value = None
+    if value is None or not 0 < value < 2 ** 63:
+        raise LabelError(f"a turn id is a positive whole number (see %metaclaw turns), "
+                         f"got {turn_id!r}")
+    return value
+
+
 def label(store: Store, turn_id: int, verdict: Any, *, note: str = "",
           corrected: str | None = None, author: str | None = None,
           threshold: float = 0.0) -> dict[str, Any]:
@@ -81,7 +103,15 @@ def label(store: Store, turn_id: int, verdict: Any, *, note: str = "",
     if corrected is not None and not isinstance(corrected, str):
         raise LabelError(f"corrected must be text (the right answer), got "
                          f"{type(corrected).__name__}")
-    turn_id = int(turn_id)
+    if author is not None and not isinstance(author, str):
+        raise LabelError(f"author must be text (who labels), got {type(author).__name__}")
+    for what, text in (("note", note), ("corrected", corrected), ("author", author)):
+        # a lone surrogate (half an emoji, from a JSON escape) cannot be stored in SQLite:
+        # refused here with its field, not as a UnicodeEncodeError from the store
+        if text and _SURROGATE.search(text):
+            raise LabelError(f"{what} holds a lone surrogate (half of an emoji?), which is not "
+                             "valid Unicode; remove it or write the whole character")
+    turn_id = _turn_id(turn_id)
     who = (author or default_author()).strip() or "unknown"
     with store.transaction():
         if store.turn(turn_id) is None:
@@ -318,8 +348,21 @@ def export_jsonl(store: Store, path: str | os.PathLike[str], **selection: Any) -
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target, "w", encoding="utf-8") as fh:
         for record in records:
-            fh.write(json.dumps(record, ensure_ascii=False) + "\n")
+            fh.write(_jsonl_line(record))
     return len(records)
+
+
+#: Characters that JSON leaves raw but that ``str.splitlines()`` (a common way to read JSON
+#: Lines, used by this project's own readers too) treats as line ends, splitting a record.
+_LINE_BREAKS = {"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"}
+_LINE_BREAK = re.compile("[\u2028\u2029\x85]")
+
+
+def _jsonl_line(record: Any) -> str:
+    """One JSON Lines record: UTF-8 text kept readable, every line-ending character escaped,
+    so that a reader splitting on any line end gets one record per line."""
+    text = json.dumps(record, ensure_ascii=False)
+    return _LINE_BREAK.sub(lambda m: _LINE_BREAKS[m.group()], text) + "\n"
 
 
 def export_frame(store: Store, *, turn_ids: Iterable[int] | None = None,

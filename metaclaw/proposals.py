@@ -309,7 +309,12 @@ def promote(store: Store, library: Any, proposal_id: int, *, by: str | None = No
     try:
         generation, _moved = apply_ops(library, proposal.ops, proposal.support_ids,
                                        reason=reason, then=decide)
-    except SkillConflict as exc:
+    except (SkillConflict, ProposalError) as exc:
+        # promoted or discarded by another process meanwhile: its operations then no longer
+        # apply (an add of a skill it just added), which is not what happened; say what did
+        _require_held(store, proposal.id)
+        if isinstance(exc, ProposalError):
+            raise
         raise ProposalError(f"proposal #{proposal.id} was made from a skill that has changed "
                             f"since ({exc}); edit it from the current skill or discard it"
                             ) from exc

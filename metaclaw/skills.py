@@ -23,7 +23,9 @@ Every change (add, edit, remove, import, rollback, or files edited by hand) crea
 *generation*: a full snapshot stored in the ``skill_generations`` table with one
 ``skill_events`` row per operation (reason and evidence turn ids). Any two generations can be
 diffed, any generation restored. The folder on disk mirrors the current generation; files are
-written atomically (temporary file + ``os.replace``).
+written atomically (temporary file + ``os.replace``). The library never writes or deletes outside
+its folder: a skill folder linked in from elsewhere is read through the link, but a change to
+that skill replaces the link with a copy in the folder, and removing it removes only the link.
 
 One workspace, many processes: the store is the single source of truth for the current
 generation. A proxy, the CLI and several notebook kernels may share one workspace:
@@ -56,6 +58,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import tempfile
 import threading
 from dataclasses import dataclass, field
@@ -102,6 +105,20 @@ def _represent_text(dumper: yaml.SafeDumper, text: str) -> yaml.Node:
 _FrontMatterDumper.add_representer(str, _represent_text)
 
 
+class _FrontMatterLoader(yaml.SafeLoader):
+    """``yaml.safe_load`` without aliases (``*name``): a few hundred bytes of nested aliases
+    expand to gigabytes when the front matter is copied (a "billion laughs"), which would hang
+    every process loading the folder; a skill's front matter never needs them."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise yaml.composer.ComposerError(
+                None, None, "YAML aliases (*name) are not allowed in a skill's front matter; "
+                "write the value out", event.start_mark)
+        return super().compose_node(parent, index)
+
+
 class SkillFormatError(ValueError):
     """A skill, a skill file or a change to the library is invalid.
 
@@ -138,9 +155,37 @@ def validate_name(name: str) -> str:
     return name
 
 
-def _json_safe(value: Any) -> Any:
-    """Front-matter values as JSON-compatible data (YAML dates become ISO strings)."""
-    return json.loads(json.dumps(value, ensure_ascii=False, default=str))
+#: A lone UTF-16 surrogate: Python text can hold one (a JSON or YAML escape such as
+#: ``"\\ud83d"``, half an emoji), UTF-8 files and SQLite cannot.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _json_safe(value: Any, name: Any = None) -> Any:
+    """Front-matter values as JSON-compatible data (YAML dates become ISO strings).
+
+    NaN and infinities are refused: the store writes them as ``null``, so a skill holding one
+    would never equal its stored version and every process opening the workspace would record
+    it again as a new generation. Nesting deeper than Python's recursion limit is refused too.
+    """
+    try:
+        return json.loads(json.dumps(value, ensure_ascii=False, default=str, allow_nan=False))
+    except ValueError:
+        raise SkillFormatError(f"skill {name!r}: a front-matter value is NaN or infinite, which "
+                               "JSON cannot store; quote it or write a finite number") from None
+    except RecursionError:
+        raise SkillFormatError(f"skill {name!r}: a front-matter value is nested too deeply"
+                               ) from None
+
+
+def _no_surrogates(name: str, field_name: str, text: str) -> None:
+    """Refuse text with a lone surrogate: it cannot be written to SKILL.md nor to the store, so
+    it would fail every write (and every reload of the folder) with a ``UnicodeEncodeError``."""
+    match = _SURROGATE.search(text)
+    if match:
+        raise SkillFormatError(
+            f"skill {name!r}: the {field_name} holds a lone surrogate "
+            f"(U+{ord(match.group()):04X} at character {match.start()}, e.g. half of an emoji), "
+            "which is not valid Unicode; remove it or write the whole character")
 
 
 def _clean_body(body: str) -> str:
@@ -178,7 +223,11 @@ class Skill:
         object.__setattr__(self, "description", self.description.strip())
         object.__setattr__(self, "category", self.category.strip())
         object.__setattr__(self, "body", _clean_body(self.body))
-        object.__setattr__(self, "extra", _json_safe(self.extra))
+        object.__setattr__(self, "extra", _json_safe(self.extra, self.name))
+        for field_name in ("description", "category", "body"):
+            _no_surrogates(self.name, field_name, getattr(self, field_name))
+        _no_surrogates(self.name, "front matter",
+                       json.dumps(self.extra, ensure_ascii=False))
         metadata = self.extra.get("metadata")
         if isinstance(metadata, dict) and isinstance(metadata.get("stage"), str):
             # spelled as turn types are (``stage:Plan`` is recorded as ``stage:plan``)
@@ -235,11 +284,13 @@ class Skill:
             raise SkillFormatError("the YAML front matter has no closing '---' line",
                                    source) from None
         try:
-            meta = yaml.safe_load("\n".join(lines[1:end]))
+            meta = yaml.load("\n".join(lines[1:end]), Loader=_FrontMatterLoader)
         except yaml.YAMLError as exc:
             detail = " ".join(str(exc).split())
             raise SkillFormatError(f"the front matter is not valid YAML ({detail})",
                                    source) from None
+        except RecursionError:  # a few KB of '[[[[' would otherwise end the load of the folder
+            raise SkillFormatError("the front matter is nested too deeply", source) from None
         if not isinstance(meta, dict):
             raise SkillFormatError("the front matter must be a mapping with 'name' and "
                                    "'description' keys", source)
@@ -559,8 +610,35 @@ def _file_text(path: Path) -> str | None:
         return None
 
 
+def _own_folder(folder: Path) -> None:
+    """Turn a skill folder that is a link (to a folder elsewhere, linked in by hand) into a real
+    folder of the library holding a copy of what the link showed, before the library writes
+    the skill: a change (an evolver's edit, a rollback) then stays inside the library instead
+    of writing into the linked folder, which other libraries or people may be using."""
+    if not folder.is_symlink():
+        return
+    copy = folder.with_name(f".{folder.name}.copy-{os.getpid()}")  # hidden: never read as a skill
+    shutil.rmtree(copy, ignore_errors=True)
+    try:
+        shutil.copytree(folder, copy, symlinks=True)  # through the link: its files, links kept
+    except OSError:  # a broken or looping link: nothing to keep
+        shutil.rmtree(copy, ignore_errors=True)
+        copy.mkdir()
+    folder.unlink()  # the link only; what it points to is left as it is
+    os.replace(copy, folder)
+
+
+def _write_skill_file(folder: Path, text: str) -> None:
+    _own_folder(folder)
+    _atomic_write(folder / SKILL_FILE, text)
+
+
 def _remove_skill_folder(folder: Path) -> None:
-    """Remove ``SKILL.md``, and the folder when nothing else (scripts, resources) is left in it."""
+    """Remove ``SKILL.md``, and the folder when nothing else (scripts, resources) is left in it.
+    A folder that is a link loses only the link: the library never deletes outside itself."""
+    if folder.is_symlink():
+        folder.unlink()
+        return
     try:
         (folder / SKILL_FILE).unlink()
     except FileNotFoundError:
@@ -995,7 +1073,7 @@ class SkillLibrary:
             elif text is None:
                 _remove_skill_folder(folder)
             else:
-                _atomic_write(folder / SKILL_FILE, text)
+                _write_skill_file(folder, text)
         log.warning("skill library: put back the skill files in %s that a change left "
                     "unfinished (its process stopped before committing generation %s)%s",
                     self.directory, journal["generation"],
@@ -1117,7 +1195,7 @@ class SkillLibrary:
         for name in names:
             folder = self.directory / validate_name(name)
             if name in skills:
-                _atomic_write(folder / SKILL_FILE, skills[name].to_markdown())
+                _write_skill_file(folder, skills[name].to_markdown())
             else:
                 _remove_skill_folder(folder)
 

@@ -7,6 +7,8 @@ import json
 
 import polars as pl
 import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 
 from metaclaw import buffers, labels
 from metaclaw.retrieval import BLOCK_HEADER
@@ -105,3 +107,52 @@ def test_exports_jsonl_in_openai_shapes_and_parquet(store, add_buffer_turn, tmp_
     assert table["corrected"].to_list() == [None, "8.05 km"]
     with pytest.raises(ValueError, match="shape"):
         labels.export_records(store, shape="sft")
+
+
+# -- hostile input ------------------------------------------------------------------------------
+_ANY_TEXT = st.text(st.characters(exclude_categories=()) | st.sampled_from(
+    ["\ud83d", "\x85", "\u2028", "\u2029", "\x1e", "\r", "\n", '"', "\\", ",", "="]),
+    max_size=30)
+
+
+@settings(max_examples=150, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(note=_ANY_TEXT, corrected=_ANY_TEXT, author=_ANY_TEXT)
+@example(note="half an emoji \ud83d", corrected="", author="ann")
+@example(note="one\u2028two", corrected="8.05\x85km", author="ann")
+def test_any_label_text_is_refused_with_a_reason_or_exported_exactly(
+        store, add_buffer_turn, tmp_path, note, corrected, author):
+    """Whatever a person types (half an emoji from a widget, Unicode line separators, quotes,
+    formula-like text): a LabelError, or the label is stored and the eval export, read back
+    with ``str.splitlines()`` as this project's own readers do, gives exactly one record per
+    turn holding exactly that text."""
+    turn = judged(add_buffer_turn, store, "s1", "Convert 5 miles", -1.0, "5 km")
+    try:
+        labels.label(store, turn, "fail", note=note, corrected=corrected, author=author)
+    except labels.LabelError:
+        assert any("\ud800" <= c <= "\udfff" for c in note + corrected + author)
+        return
+    path = tmp_path / "eval.jsonl"
+    labels.export_jsonl(store, path, turn_ids=[turn], shape="eval")
+    [record] = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+    assert record["metadata"]["note"] == note
+    assert record["ideal"] == (corrected if corrected.strip() else "5 km")
+    assert record["metadata"]["author"] == ((author or labels.default_author()).strip()
+                                            or "unknown")
+
+
+@pytest.mark.parametrize("turn_id", [True, 1.9, "abc", None, 10**30])
+def test_a_turn_id_that_is_not_a_whole_number_is_refused(store, add_buffer_turn, turn_id):
+    """``True`` and ``1.9`` used to label turn 1 silently; the others raised ValueError,
+    TypeError or OverflowError from int() or SQLite."""
+    judged(add_buffer_turn, store, "s1", "x", 1.0)
+    with pytest.raises(labels.LabelError, match="positive whole number"):
+        labels.label(store, turn_id, "fail")
+    assert labels.latest(store) == {}
+
+
+def test_an_author_that_is_not_text_is_refused(store, add_buffer_turn):
+    turn = judged(add_buffer_turn, store, "s1", "x", 1.0)
+    with pytest.raises(labels.LabelError, match="author must be text"):
+        labels.label(store, turn, "fail", author=7)
+    assert labels.label(store, str(turn), "fail")["turn_id"] == turn  # "12" from a text box

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 import threading
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from metaclaw.skills import (
@@ -559,3 +560,91 @@ def test_operations_made_from_an_older_generation_are_refused(lib, store):
         other.apply([op], kind="evolve", base_generation=0)
     assert store.latest_generation() == 1 and "second-evolve" not in other
     assert other.apply([op], kind="evolve", base_generation=1) == 2
+
+
+# -- hostile files: what a hand edit, an imported folder or a model can put in a skill ------------
+_ANY_TEXT = st.text(st.characters(exclude_categories=()) | st.sampled_from(
+    ["\ud83d", "\udc80", "\x85", "\u2028", "\x00"]), max_size=40)
+
+
+@settings(max_examples=300, deadline=None)
+@given(description=_ANY_TEXT, category=_ANY_TEXT, body=_ANY_TEXT,
+       extra=st.dictionaries(st.sampled_from(["tags", "note", "metadata"]),
+                             _ANY_TEXT | st.floats() | st.lists(_ANY_TEXT, max_size=2),
+                             max_size=2))
+@example(description="d", category="", body="half an emoji \ud83d", extra={})
+@example(description="d", category="", body="", extra={"weight": float("nan")})
+def test_a_skill_is_refused_with_a_reason_or_writable_to_its_file_and_the_store(
+        description, category, body, extra):
+    """Any text, lone surrogates (half an emoji) and NaN included: a Skill either refuses it
+    with a SkillFormatError or can be written to SKILL.md and to the store (UTF-8 JSON, where a
+    NaN would become null) and reads back equal from both."""
+    try:
+        s = Skill("any", description, category or "general", body, extra)
+    except SkillFormatError:
+        return
+    text = s.to_markdown()
+    text.encode("utf-8")
+    stored = json.dumps(s.to_dict(), ensure_ascii=False, allow_nan=False)
+    stored.encode("utf-8")
+    assert Skill.from_markdown(text) == s and Skill.from_dict(json.loads(stored)) == s
+
+
+@pytest.mark.parametrize("front, reason", [
+    ('description: "half an emoji \\uD83D"', "lone surrogate"),
+    ("description: d\nweight: .nan", "NaN or infinite"),
+    ("description: d\nx: " + "[" * 3000 + "]" * 3000, "nested too deeply"),
+    ("description: d\na: &a [x, x]\nb: [*a, *a]", "aliases"),
+])
+def test_a_hostile_front_matter_is_a_problem_and_other_hand_edits_still_go_through(
+        lib, store, front, reason):
+    """Each of these files used to raise out of the load (UnicodeEncodeError, RecursionError)
+    or be recorded again by every process opening the workspace (NaN, which the store writes as
+    null): the proxy could not start and no later hand edit was recorded."""
+    write_skill(lib.directory, "hostile", f"---\nname: hostile\n{front}\n---\nBody.\n")
+    path = lib.directory / "backup-before-modify" / "SKILL.md"
+    path.write_text(path.read_text().replace("Then edit it.", "Then edit it, carefully."))
+    assert lib.reload() == 1
+    assert lib.get("backup-before-modify").body.endswith("carefully.")
+    [problem] = lib.problems
+    assert problem.path.endswith("hostile/SKILL.md") and reason in problem.reason
+    assert SkillLibrary(lib.directory, store).generation == 1  # another process: no new one
+
+
+def test_yaml_aliases_cannot_make_a_small_file_expand_to_gigabytes(tmp_path):
+    """Levels of ten aliases each: each level multiplies by ten what the front matter expands
+    to when it is copied (six levels, 370 bytes: a second; nine: minutes and gigabytes, while the
+    library holds its write lock). Six levels here, so that a regression fails, not hangs."""
+    lines = ["---", "name: laughs", "description: d", "a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    lines += [f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]" for i in range(1, 6)]
+    write_skill(tmp_path, "laughs", "\n".join([*lines, "---", "Body."]))
+    skills, [problem] = load_skills_dir(tmp_path)
+    assert skills == {} and "aliases (*name) are not allowed" in problem.reason
+
+
+def test_a_skill_folder_linked_from_elsewhere_is_never_written_or_deleted_through(
+        lib, tmp_path):
+    """A folder linked in by hand (a team's shared skill) is read through the link; an edit by
+    the library (the evolver, a rollback) makes a copy in the library and a removal removes only
+    the link: the shared file is never changed or deleted."""
+    shared = tmp_path / "team" / "shared-skill"
+    original = skill("shared-skill", body="The team's text.").to_markdown()
+    write_skill(shared.parent, "shared-skill", original)
+    (shared / "helper.sh").write_text("echo resource\n")
+    (lib.directory / "shared-skill").symlink_to(shared)
+    assert lib.reload() == 1 and lib.get("shared-skill").body == "The team's text."
+
+    lib.edit(skill("shared-skill", body="Evolved text."))
+    assert (shared / "SKILL.md").read_text() == original
+    copy = lib.directory / "shared-skill"
+    assert not copy.is_symlink() and (copy / "helper.sh").read_text() == "echo resource\n"
+    assert lib.get("shared-skill").body == "Evolved text."
+
+    (lib.directory / "shared-skill" / "helper.sh").unlink()
+    import shutil
+
+    shutil.rmtree(copy)
+    copy.symlink_to(shared)
+    lib.reload()
+    lib.remove("shared-skill")
+    assert (shared / "SKILL.md").read_text() == original and not os.path.lexists(copy)
