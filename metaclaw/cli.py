@@ -805,8 +805,8 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--mode", choices=["baseline", "skills", "full"], default="baseline")
             p.add_argument("--resume", action="store_true",
                            help="go on with the run in --out that was stopped midway: the days it "
-                           "finished without an error are kept, the others run (same --mode and "
-                           "--model; a skills run keeps its library)")
+                           "finished without an error are kept, the others run (its --days or "
+                           "more, the same --mode and --model; a skills run keeps its library)")
             p.add_argument("--parallel", type=argtypes.positive_int, default=1,
                            help="days run at once (baseline)")
             p.add_argument("--votes", type=argtypes.positive_int, help="judge votes per turn")

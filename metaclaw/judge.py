@@ -27,7 +27,6 @@ counted as 0. When every vote fails the turn stays unjudged and the result carri
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import html
 import json
 import logging
@@ -562,32 +561,50 @@ def lease_turns(store: Store, turn_ids: Iterable[int], seconds: float = JUDGE_LE
     """Lease the unjudged turns among ``turn_ids`` to this caller for ``seconds``, in one
     transaction: those without a verdict and without another judge's live lease. Returns the
     leased ids; the others are left to whoever judged or is judging them."""
+    return _lease_turns(store, turn_ids, seconds)[0]
+
+
+def _lease_turns(store: Store, turn_ids: Iterable[int], seconds: float) -> tuple[set[int], float]:
+    """:func:`lease_turns`, and the end it gave the leases: the caller's mark on them (see
+    :func:`renew_leases`)."""
     now = time.time()
+    until = now + seconds
     with store.transaction(fsync=False):
         leased = {row["id"] for row in store.query(
             f"SELECT id FROM turns WHERE id {IN_IDS} AND reward IS NULL "
             "AND (judge_lease_until IS NULL OR judge_lease_until < ?)", (id_list(turn_ids), now))}
         store.execute(f"UPDATE turns SET judge_lease_until = ? WHERE id {IN_IDS}",
-                      (now + seconds, id_list(leased)))
-    return leased
+                      (until, id_list(leased)))
+    return leased, until
 
 
-def renew_leases(store: Store, turn_ids: Iterable[int], seconds: float = JUDGE_LEASE_S) -> int:
-    """Extend the live leases among ``turn_ids`` (still unjudged) to ``seconds`` from now, so
+def renew_leases(store: Store, turn_ids: Iterable[int], held: float,
+                 seconds: float = JUDGE_LEASE_S) -> float:
+    """Extend the caller's leases among ``turn_ids`` (still unjudged) to ``seconds`` from now, so
     that a batch judged for longer than one lease is not taken up by a second judge midway.
-    A lease that has ended already is left to whoever takes it. Returns how many were renewed."""
-    now = time.time()
+
+    ``held``: the end the caller last gave its leases (from the lease, then from the previous
+    renewal). A lease carries no owner, so its end is the owner's mark: a lease another process
+    took once the caller's had run out (a suspended laptop, a store busy past several renewals)
+    ends at another time, and is neither extended nor cut short here. A lease of the caller's
+    that ran out without anyone taking it is still the caller's, and is renewed. Returns the new
+    end, to pass as ``held`` next time."""
+    until = time.time() + seconds
     with store.transaction(fsync=False):
-        return store.execute(
-            f"UPDATE turns SET judge_lease_until = ? WHERE id {IN_IDS} AND reward IS NULL "
-            "AND judge_lease_until >= ?", (now + seconds, id_list(turn_ids), now)).rowcount
+        store.execute(f"UPDATE turns SET judge_lease_until = ? WHERE id {IN_IDS} "
+                      "AND reward IS NULL AND judge_lease_until = ?",
+                      (until, id_list(turn_ids), held))
+    return until
 
 
-def release_turns(store: Store, turn_ids: Iterable[int]) -> None:
-    """End the leases of :func:`lease_turns` on ``turn_ids``."""
+def release_turns(store: Store, turn_ids: Iterable[int], held: float | None = None) -> None:
+    """End the leases of :func:`lease_turns` on ``turn_ids``; with ``held`` (see
+    :func:`renew_leases`) only those that still end then: a lease another process took meanwhile
+    is left to it."""
+    mine = "" if held is None else " AND judge_lease_until = ?"
     with store.transaction(fsync=False):
-        store.execute(f"UPDATE turns SET judge_lease_until = NULL WHERE id {IN_IDS}",
-                      (id_list(turn_ids),))
+        store.execute(f"UPDATE turns SET judge_lease_until = NULL WHERE id {IN_IDS}{mine}",
+                      (id_list(turn_ids), *(() if held is None else (held,))))
 
 
 class Judge:
@@ -734,8 +751,9 @@ class Judge:
         else:
             rows = store.turns(f"{TASK_TURNS_SQL} AND status = 'ok' AND reward IS NULL")
         skipped: dict[int, JudgeResult] = {}
+        held = [0.0]  # the end of this batch's leases as last written: its mark on them
         if not rescore:  # turns judged meanwhile, or being judged elsewhere, are left alone
-            leased = lease_turns(store, [r["id"] for r in rows], self.lease_s)
+            leased, held[0] = _lease_turns(store, [r["id"] for r in rows], self.lease_s)
             others = sorted(r["id"] for r in rows if r["id"] not in leased)
             judged = {row["id"] for row in store.query(  # read again: judged since the rows
                 f"SELECT id FROM turns WHERE reward IS NOT NULL AND id {IN_IDS}",
@@ -753,8 +771,9 @@ class Judge:
                     later = [t for t in thread_turns if t["turn_index"] > row["turn_index"]]
                     next_users[row["id"]] = next_user_message(row, later)
         semaphore = asyncio.Semaphore(concurrency)
+        ids = [r["id"] for r in rows]
         renewing = None if rescore or not rows else asyncio.ensure_future(
-            self._renew_leases(store, [r["id"] for r in rows]))
+            self._renew_leases(store, ids, held))
         try:
             results = await asyncio.gather(*(
                 self.ajudge(row, next_user=next_users.get(row["id"]), semaphore=semaphore)
@@ -762,20 +781,24 @@ class Judge:
             self.store_results(store, results, update_buffers=update_buffers, rescore=rescore)
         finally:  # a turn left unjudged is free for the next judge at once
             if renewing is not None:
+                # its only pause is its sleep: once cancelled it renews nothing more
                 renewing.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await renewing
             if not rescore:
-                release_turns(store, [r["id"] for r in rows])
+                release_turns(store, ids, held[0])
+            if renewing is not None:
+                # asyncio.wait, not await: a cancellation of this batch arriving now must not
+                # be taken for the renewal's own, and swallowed
+                await asyncio.wait([renewing])
         return sorted([*results, *skipped.values()], key=lambda r: r.turn_id)
 
-    async def _renew_leases(self, store: Store, turn_ids: list[int]) -> None:
+    async def _renew_leases(self, store: Store, turn_ids: list[int], held: list[float]) -> None:
         """Renew this batch's leases every third of a lease until cancelled: a batch may take
-        longer than one lease (a slow judge, thousands of turns)."""
+        longer than one lease (a slow judge, thousands of turns). ``held[0]``: the end the
+        leases were last given, updated here."""
         while True:
             await asyncio.sleep(self.lease_s / 3)
             try:
-                renew_leases(store, turn_ids, self.lease_s)
+                held[0] = renew_leases(store, turn_ids, held[0], self.lease_s)
             except sqlite3.Error as exc:  # busy past the store's timeout: the next round retries
                 log.warning("could not renew the judge's leases: %s", exc)
 

@@ -9,6 +9,7 @@ upstream is configured). ``metaclaw serve`` and ``%metaclaw start`` both build o
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from dataclasses import dataclass, field, fields
@@ -121,6 +122,7 @@ class Runtime:
 
         config = config or RuntimeConfig.from_mapping(options)
         store = Store(config.db_path)
+        extras: dict[str, Any] = {}
         try:  # a refused configuration (an embedding model that cannot load, say) must not
             # leave the workspace open behind an exception
             library = SkillLibrary(config.skills_dir, store)
@@ -143,7 +145,6 @@ class Runtime:
             proxy_config = ProxyConfig(**{name: getattr(config, name) for name in shared})
             retriever = make_retriever(config.retrieval, config.embedding_model)
             proxy = Proxy(proxy_config, store, library, retriever)
-            extras: dict[str, Any] = {}
             if config.local_model:
                 from metaclaw.localmodel import load_responder
                 from metaclaw.policy import PolicyFollower
@@ -157,11 +158,16 @@ class Runtime:
                     # published), later ones as they are published (once started)
                     follower = PolicyFollower(store, responder,
                                               responder.backend.published_sampler, proxy=proxy)
-                    follower.check()
+                    # kept first: a check that fails (the workspace locked by another process,
+                    # an interrupt while a version loads) must close the follower's connection
                     extras["policy_follower"] = follower
+                    follower.check()
             runtime = cls(config=config, store=store, library=library, proxy=proxy, double=double,
                           extras=extras)
         except BaseException:
+            if "policy_follower" in extras:
+                with contextlib.suppress(Exception):  # the original error is the one to see
+                    extras["policy_follower"].close()
             store.close()
             raise
         library.subscribe(runtime._on_generation)

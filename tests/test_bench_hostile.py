@@ -252,6 +252,39 @@ def test_resume_reruns_an_unfinished_or_failed_day_and_ignores_a_cut_line(tmp_pa
     assert main(["bench", "--days", "day01", "--out", str(out), "--resume"]) == 1
 
 
+def test_resume_with_fewer_days_refuses_rather_than_drop_the_others(tmp_path, capsys):
+    """The resumed run rewrites rounds.jsonl with the selected days: a day of the earlier run
+    left out of ``--days`` (or not in the benchmark at all) would vanish from it."""
+    out = tmp_path / "out"
+    assert main(["bench", "--days", "day01,day02", "--out", str(out)]) == 0
+    before = _rounds(out)
+    capsys.readouterr()
+    assert main(["bench", "--days", "day02", "--out", str(out), "--resume"]) == 1
+    assert "holds rounds of day01, which are not among the selected days" in \
+        capsys.readouterr().err
+    assert _rounds(out) == before                       # nothing changed
+
+
+def test_resume_reads_replies_with_unicode_separators_and_a_line_cut_in_a_character(tmp_path,
+                                                                                       capsys):
+    """A reply holding U+2028 or U+0085 (written as they are, ensure_ascii=False) is one
+    record, not two lines; a kill that cut the last line inside a multi-byte character leaves a
+    run that resumes."""
+    out = tmp_path / "out"
+    assert main(["bench", "--days", "day01,day02", "--out", str(out)]) == 0
+    records = [json.loads(line) for line in _rounds(out)]
+    records[0]["reply"] = "first\u2028second\x85third"
+    day01 = [json.dumps(r, ensure_ascii=False) + "\n" for r in records if r["day"] == "day01"]
+    cut = json.dumps({**records[5], "reply": "日本語の返事"}, ensure_ascii=False).encode()
+    path = out / "run" / "rounds.jsonl"
+    path.write_bytes("".join(day01).encode() + cut[:cut.index("本".encode()) + 1])
+    capsys.readouterr()
+    assert main(["bench", "--days", "day01,day02", "--out", str(out), "--resume", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["resumed_days"] == ["day01"] and summary["rounds"] == 10
+    assert json.loads(path.read_bytes().split(b"\n")[0])["reply"] == "first\u2028second\x85third"
+
+
 # ---------------------------------------------------------------- command-line values
 @pytest.mark.parametrize("argv, words", [
     (["bench", "--days", ",,"], "names no day"),

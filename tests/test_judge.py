@@ -118,6 +118,65 @@ def test_a_batch_longer_than_its_lease_keeps_its_turns(store):
     assert store.turn(turn_id)["judge_lease_until"] is None
 
 
+def test_a_lease_another_process_took_is_neither_renewed_nor_released(store):
+    """A judge whose lease ran out unrenewed (its laptop slept through a renewal, say) and was
+    taken by another process leaves that lease as it is: its renewals do not move the other's
+    end, and its release at the end does not free the turn while the other still judges it."""
+    import openai  # noqa: F401 - imported here, not on the judge's loop, where it would stall it
+
+    turn_id = add_turn(store)
+    other = Store(store.path)
+    with DoubleServer([Reply(content="overloaded", status=500, delay=1.2)]) as double:
+        judge = Judge(double.url, "judge-model", votes=1, retries=0, timeout=10)
+        judge.lease_s = 0.6
+        worker = threading.Thread(target=lambda: judge.judge_turns(store, [turn_id]))
+        worker.start()
+        deadline = time.monotonic() + 10
+        while other.turn(turn_id)["judge_lease_until"] is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        # the first lease runs out unrenewed, and the other process takes the turn
+        other.execute("UPDATE turns SET judge_lease_until = ? WHERE id = ?",
+                      (time.time() - 1, turn_id))
+        assert lease_turns(other, [turn_id], seconds=100.0) == {turn_id}
+        until = other.turn(turn_id)["judge_lease_until"]
+        time.sleep(0.5)  # two renewal rounds of the first judge (every 0.2 s)
+        assert other.turn(turn_id)["judge_lease_until"] == until
+        worker.join(timeout=30)
+    assert other.turn(turn_id)["reward"] is None  # the first judge's vote failed
+    assert other.turn(turn_id)["judge_lease_until"] == until  # still the other's
+    assert lease_turns(Store(store.path), [turn_id]) == set()
+
+
+def test_a_cancel_as_a_batch_ends_is_not_swallowed(store):
+    """The fast loop's stop cancels its judge calls: one cancelled while its batch stops
+    renewing its leases ends cancelled, instead of going on as if it had finished."""
+    import asyncio
+
+    turn_id = add_turn(store)
+    batches: list = []
+
+    class StoppedRightAfter(Judge):
+        def store_results(self, store, results, **kwargs):
+            stored = super().store_results(store, results, **kwargs)
+            asyncio.get_running_loop().call_soon(batches[0].cancel)  # lands in the cleanup
+            return stored
+
+    async def main() -> bool:
+        judge = StoppedRightAfter(double.url, "judge-model", votes=1)
+        batches.append(asyncio.ensure_future(judge.ajudge_turns(store, [turn_id])))
+        try:
+            await batches[0]
+        except asyncio.CancelledError:
+            return True
+        finally:
+            await judge.aclose()
+        return False
+
+    with DoubleServer([verdict(1)]) as double:
+        assert asyncio.run(main())
+    assert store.turn(turn_id)["judge_lease_until"] is None
+
+
 def test_a_failed_judge_call_releases_its_lease(store):
     turn_id = add_turn(store)
     with DoubleServer([Reply(content="no", status=400)]) as double:

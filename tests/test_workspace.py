@@ -341,6 +341,50 @@ def test_a_runtime_that_cannot_listen_leaves_nothing_running(tmp_path):
     assert not any(target.startswith(str(tmp_path / "ws.db")) for target in _open_files())
 
 
+
+def test_a_local_model_runtime_whose_first_policy_check_fails_closes_its_follower(
+        tmp_path, monkeypatch):
+    """``--local-model``: the build checks the workspace's published policies at once. When that
+    check fails (here another process holds the write lock past the busy timeout as the check
+    records that a version cannot be served), the follower's own connection to the workspace is
+    closed with the store, and the check's error is the one raised."""
+    import sqlite3
+    import threading
+
+    pytest.importorskip("torch")
+    from metaclaw import store as store_module
+    from metaclaw.runtime import Runtime
+    from metaclaw.tinymodel import write_tiny_model
+
+    model = str(write_tiny_model(tmp_path / "tiny", seed=0))
+    db = tmp_path / "ws.db"
+    with Store(db) as store:  # a version this model cannot serve: the check reports it
+        store.add_policy_version(backend="tinker", base_model="Qwen/Qwen3-4B",
+                                 checkpoint="tinker://run/weights/1")
+    other = sqlite3.connect(db, isolation_level=None, check_same_thread=False)
+
+    def lock_once_the_library_is_built() -> None:
+        deadline = time.monotonic() + 60
+        while other.execute("SELECT COUNT(*) FROM skill_generations").fetchone()[0] == 0 \
+                and time.monotonic() < deadline:
+            time.sleep(0.001)
+        other.execute("BEGIN IMMEDIATE")
+
+    locker = threading.Thread(target=lock_once_the_library_is_built)
+    locker.start()
+    monkeypatch.setattr(store_module, "BUSY_TIMEOUT_S", 0.5)
+    try:
+        with pytest.raises(sqlite3.OperationalError, match="locked") as failure:
+            Runtime.build(local_model=model, db_path=str(db), skills_dir=str(tmp_path / "skills"),
+                          retrieval="lexical")
+        assert any(frame.name == "check" for frame in failure.traceback)
+    finally:
+        locker.join()
+        other.execute("ROLLBACK")
+        other.close()
+    # the traceback is still held (as a notebook holds the last one), and yet:
+    assert not any(target.startswith(str(db)) for target in _open_files())
+
 def _open_files() -> list[str]:
     """What this process holds open (Linux /proc; empty elsewhere)."""
     targets = []
@@ -350,3 +394,48 @@ def _open_files() -> list[str]:
         except OSError:  # closed meanwhile
             pass
     return targets
+
+
+REVIEW = """
+    import os, sys, time
+    from metaclaw import proposals
+    from metaclaw.skills import SkillLibrary
+    from metaclaw.store import Store
+    store = Store(sys.argv[2])
+    library = SkillLibrary(sys.argv[1], store)
+    print("ready", flush=True)
+    while not os.path.exists(sys.argv[3]):
+        time.sleep(0.001)
+    try:
+        print("promoted", proposals.promote(store, library, int(sys.argv[4]), by=sys.argv[5]))
+    except proposals.ProposalError as exc:
+        print("refused", exc)
+"""
+
+
+def test_a_proposal_promoted_from_two_processes_at_once_is_promoted_once_and_the_other_told_so(
+        tmp_path):
+    """Both reviewers see the proposal held and press promote: one generation is made, and the
+    other reviewer is told who promoted it (not that the proposal "no longer applies, edit or
+    discard it", which it said when its add of the skill, just added, failed validation)."""
+    from metaclaw import proposals
+    from metaclaw.skills import SkillOp
+
+    skills, db = tmp_path / "skills", tmp_path / "ws.db"
+    write_skill(skills, "first", "The first skill.", "Body.")
+    store = Store(db)
+    library = SkillLibrary(skills, store)
+    held = proposals.record(store, [SkillOp("add", Skill("units", "Unit rules.", "general",
+                                                         "Use km."), "units", "r", [])],
+                            origin="auto", status="held", base_generation=library.generation)
+    go = tmp_path / "go"
+    procs = [_in_another_process(REVIEW, skills, db, go, held, who) for who in ("ann", "bob")]
+    for proc in procs:
+        assert proc.stdout.readline().strip() == "ready"
+    go.touch()
+    outs = sorted(_finish(proc).strip() for proc in procs)
+
+    winner = proposals.get(store, held).decided_by
+    assert outs == ["promoted 1", f"refused proposal #{held} is already promoted (by {winner}); "
+                                  "only held proposals can be changed"]
+    assert [g["generation"] for g in SkillLibrary(skills, store).generations()] == [0, 1]

@@ -149,22 +149,30 @@ def finished_days(path: Path, days: list[Day], mode: str, model: str) -> dict[st
     left unfinished, or ended with an error, are not returned: a resumed run runs them again.
 
     A last line cut short (the run was killed while writing it) is ignored; a run of another
-    ``mode`` or ``model``, or a damaged line before the last, raises :class:`ResumeError`.
+    ``mode`` or ``model``, a damaged line before the last, or records of a day not among
+    ``days`` (the resumed run rewrites the file with the selected days only, so they would be
+    lost) raise :class:`ResumeError`.
     """
     if not path.is_file():
         raise ResumeError(f"there is no earlier run to resume in {path.parent} (no {path.name}); "
                           "drop --resume to start a run")
-    lines = path.read_text(encoding="utf-8").splitlines()
+    # Split on "\n" alone, as the records were written: str.splitlines() also splits on U+2028,
+    # U+0085 and the like, which json.dumps(ensure_ascii=False) leaves in a reply as they are.
+    # Each line is decoded alone: a kill can cut the last one inside a multi-byte character.
+    lines = path.read_bytes().split(b"\n")
+    if lines[-1] == b"":
+        lines.pop()
     records: list[dict] = []
     for number, line in enumerate(lines, 1):
         try:
-            record = json.loads(line)
-        except ValueError:
+            record = json.loads(line.decode("utf-8"))
+        except ValueError:  # UnicodeDecodeError is one too
             if number == len(lines):  # cut short by the kill
                 break
             raise ResumeError(f"{path} line {number} is not a round record, so the earlier run "
                               "cannot be resumed; start a new run without --resume") from None
-        if not isinstance(record, dict) or not {"day", "round", "mode", "model"} <= set(record):
+        if not isinstance(record, dict) or not {"day", "round", "mode", "model"} <= set(record) \
+                or not isinstance(record["day"], str) or not isinstance(record["round"], str):
             raise ResumeError(f"{path} line {number} is not a round record, so the earlier run "
                               "cannot be resumed; start a new run without --resume")
         if (record["mode"], record["model"]) != (mode, model):
@@ -172,6 +180,11 @@ def finished_days(path: Path, days: list[Day], mode: str, model: str) -> dict[st
                               f"{record['model']!r}; resume it with the same --mode and --model, "
                               "or choose another --out folder")
         records.append(record)
+    others = sorted({r["day"] for r in records} - {day.id for day in days})
+    if others:
+        raise ResumeError(f"the run in {path.parent} holds rounds of {', '.join(others)}, which "
+                          "are not among the selected days, and resuming would drop them; resume "
+                          "it with the same --days as that run, or choose another --out folder")
     finished: dict[str, list[dict]] = {}
     for day in days:
         rows = {r["round"]: r for r in records if r["day"] == day.id}
