@@ -233,7 +233,7 @@ def json_objects(text: str):
     for match in re.finditer(r"\{", text):
         try:
             value, _ = decoder.raw_decode(text, match.start())
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past the parser's stack
             continue
         if isinstance(value, dict):
             yield value
@@ -509,7 +509,20 @@ def retry_delay(exc: BaseException | None, attempt: int) -> float | None:
             return min(max(float(headers[name]) * scale, 0.0), MAX_RETRY_WAIT_S)
         except (KeyError, TypeError, ValueError):
             continue
+    when = _http_date(headers.get("retry-after"))  # RFC 9110 also allows a date
+    if when is not None:
+        return min(max(when - time.time(), 0.0), MAX_RETRY_WAIT_S)
     return min(0.5 * 2 ** attempt, MAX_RETRY_WAIT_S) * random.uniform(0.75, 1.25)
+
+
+def _http_date(value: Any) -> float | None:
+    """An HTTP date (``Wed, 21 Oct 2026 07:28:00 GMT``) as a Unix time, or None."""
+    from email.utils import parsedate_to_datetime
+
+    try:
+        return parsedate_to_datetime(value).timestamp()
+    except (TypeError, ValueError, IndexError, OverflowError):
+        return None
 
 
 def error_text(exc: BaseException) -> str:

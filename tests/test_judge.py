@@ -512,3 +512,29 @@ def test_a_failed_call_is_explained_without_the_key_or_url_credentials():
     text = client.explain(error)
     assert text.startswith("HTTP 401") and "sk-live" not in text and "hunter2" not in text
     assert "hunter2" not in repr(Judge("http://team:pw-hunter2@127.0.0.1:9/v1", "m"))
+
+
+def test_a_retry_after_given_as_an_http_date_is_honoured():
+    """RFC 9110 lets a server send Retry-After as a date: it is waited for (up to the cap)."""
+    import email.utils
+
+    from metaclaw.judge import MAX_RETRY_WAIT_S, retry_delay
+
+    class Limited(Exception):
+        status_code = 429
+
+        def __init__(self, after: str):
+            self.response = type("Response", (), {"headers": {"retry-after": after}})()
+
+    soon = email.utils.formatdate(time.time() + 7, usegmt=True)
+    assert 5 <= retry_delay(Limited(soon), 0) <= 7
+    assert retry_delay(Limited("Wed, 21 Oct 2099 07:28:00 GMT"), 0) == MAX_RETRY_WAIT_S
+    assert retry_delay(Limited("Wed, 21 Oct 2015 07:28:00 GMT"), 0) == 0.0  # already passed
+    assert 0.3 <= retry_delay(Limited("whenever"), 0) <= 0.7  # unreadable: the usual backoff
+
+
+def test_a_reply_nested_past_the_parsers_stack_is_unparsable_not_a_crash():
+    deep = '{"score": 1, "x": ' + "[" * 50000 + "]" * 50000 + "}"
+    with pytest.raises(ValueError, match="no score found"):
+        parse_verdict(deep)
+    assert parse_verdict(deep + '\n{"score": -1, "rationale": "after"}') == (-1, "after")
