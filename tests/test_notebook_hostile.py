@@ -11,32 +11,13 @@ from pathlib import Path
 
 import nbformat
 import pytest
-from IPython.core.interactiveshell import InteractiveShell
 
 from metaclaw.notebook.widgets import (MAX_CHART_STEPS, MAX_TEXT_CHARS, BufferWidget,
                                        SkillDiffWidget, TraceWidget, TrainingMonitor)
 from metaclaw.store import Store
+from test_magics import cell, ip, line  # noqa: F401  (ip: the shell fixture)
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture()
-def ip(tmp_path):
-    shell = InteractiveShell.instance()
-    shell.run_line_magic("reload_ext", "metaclaw")
-    shell.user_ns["ws"] = str(tmp_path)
-    yield shell
-    magics = shell.magics_manager.registry["MetaClawMagics"]
-    if magics.runtime is not None:
-        shell.run_line_magic("metaclaw", "stop")
-
-
-def line(ip, text):
-    return ip.run_line_magic("metaclaw", ip.var_expand(text))
-
-
-def cell(ip, args, body):
-    return ip.run_cell_magic("metaclaw", ip.var_expand(args), body)
 
 
 def _closed(store) -> bool:
