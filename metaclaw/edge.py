@@ -290,7 +290,10 @@ class BodyDecoder:
         self.received = 0  # bytes as sent
         self.size = 0  # bytes decoded
         self.members = 0
-        self.parts: list[bytes] = []
+        # one growing buffer, not a list of the chunks: a client sending its body a byte per
+        # packet hands over a chunk of a few bytes per read, and a list of those would hold
+        # about ten times the body (a bytes object costs some 40 bytes besides its data)
+        self.buffer = bytearray()
         # the current member's decompressor; None before the first, False after one ended
         self._stream: Any = None
 
@@ -299,7 +302,7 @@ class BodyDecoder:
         if self.received > self.limit:
             raise too_large(self.limit)
         if self.encoding == "identity":
-            self.parts.append(chunk)
+            self.buffer += chunk
             return
         while chunk:
             if not self._stream:
@@ -320,7 +323,7 @@ class BodyDecoder:
             self.size += len(out)
             if self.size > self.limit:
                 raise too_large(self.limit, decompressed=True)
-            self.parts.append(out)
+            self.buffer += out
             chunk = rest
 
     def _start(self, chunk: bytes) -> None:
@@ -349,7 +352,7 @@ class BodyDecoder:
             raise self._corrupt(f"the {self.encoding} stream is truncated: the body ends after "
                                 f"{self.received} bytes, before the end of the stream{trailer}",
                                 whole=True)
-        return self.parts[0] if len(self.parts) == 1 else b"".join(self.parts)
+        return bytes(self.buffer)
 
     def _corrupt(self, reason: str, whole: bool = False) -> ProxyError:
         fix = ("send the whole compressed body" if whole else

@@ -106,17 +106,45 @@ _FrontMatterDumper.add_representer(str, _represent_text)
 
 
 class _FrontMatterLoader(yaml.SafeLoader):
-    """``yaml.safe_load`` without aliases (``*name``): a few hundred bytes of nested aliases
-    expand to gigabytes when the front matter is copied (a "billion laughs"), which would hang
-    every process loading the folder; a skill's front matter never needs them."""
+    """``yaml.safe_load`` with its aliases (``*name``, ``<<: *name``) bounded: a few hundred
+    bytes of nested aliases expand to gigabytes when the front matter is copied (a "billion
+    laughs"), which would hang every process loading the folder. Aliases themselves stay
+    allowed: a skill file may share values through anchors (a merge key of defaults), and
+    refusing them makes such a skill unloadable and, kept at its stored version, uneditable.
+    Refused, before anything is built: front matter that aliases expand to more values than a
+    skill file could hold written out (:data:`MAX_SKILL_BYTES`), and an alias inside the very
+    value it names (endless)."""
 
-    def compose_node(self, parent: Any, index: Any) -> Any:
-        if self.check_event(yaml.AliasEvent):
-            event = self.peek_event()
+    def compose_document(self) -> Any:
+        node = super().compose_document()
+        if _expanded_size(node, {}, set()) > MAX_SKILL_BYTES:
             raise yaml.composer.ComposerError(
-                None, None, "YAML aliases (*name) are not allowed in a skill's front matter; "
-                "write the value out", event.start_mark)
-        return super().compose_node(parent, index)
+                None, None, f"YAML aliases (*name) expand the front matter to more than "
+                f"{MAX_SKILL_BYTES:,} values, more than a skill file may hold; write the values "
+                "out", node.start_mark)
+        return node
+
+
+def _expanded_size(node: yaml.Node, sizes: dict[int, int], open_nodes: set[int]) -> int:
+    """How many values ``node`` holds once every alias in it is expanded (a copy of what it
+    names), counted in time linear in the nodes as written (``sizes`` remembers each one)."""
+    key = id(node)
+    if key in sizes:
+        return sizes[key]
+    if key in open_nodes:
+        raise yaml.composer.ComposerError(
+            None, None, "a YAML alias (*name) sits inside the value it names, which makes the "
+            "front matter endless; write the value out", node.start_mark)
+    open_nodes.add(key)
+    children: list[Any] = []
+    if isinstance(node, yaml.SequenceNode):
+        children = node.value
+    elif isinstance(node, yaml.MappingNode):
+        children = [part for pair in node.value for part in pair]
+    size = 1 + sum(_expanded_size(child, sizes, open_nodes) for child in children)
+    open_nodes.discard(key)
+    sizes[key] = size
+    return size
 
 
 class SkillFormatError(ValueError):
@@ -619,13 +647,40 @@ def _own_folder(folder: Path) -> None:
         return
     copy = folder.with_name(f".{folder.name}.copy-{os.getpid()}")  # hidden: never read as a skill
     shutil.rmtree(copy, ignore_errors=True)
+    source = os.path.realpath(folder)
     try:
-        shutil.copytree(folder, copy, symlinks=True)  # through the link: its files, links kept
+        shutil.copytree(source, copy, symlinks=True)  # its files; its links kept as links
+    except shutil.Error as exc:
+        # some entries could not be copied (a named pipe, an unreadable file); copytree copied
+        # all the others, which are kept (dropping them all lost the skill's scripts silently)
+        log.warning("skill library: copied the linked skill folder %s into %s without %s",
+                    source, folder, ", ".join(str(error[0]) for error in exc.args[0]))
     except OSError:  # a broken or looping link: nothing to keep
         shutil.rmtree(copy, ignore_errors=True)
         copy.mkdir()
+    _relink_outside(copy, source)
     folder.unlink()  # the link only; what it points to is left as it is
     os.replace(copy, folder)
+
+
+def _relink_outside(copy: str | os.PathLike[str], source: str) -> None:
+    """Make the links in ``copy`` (a copy of the folder ``source``) that point outside it by a
+    relative path absolute, to where they pointed from ``source``: a link such as
+    ``scripts -> ../common`` would otherwise point next to the library's copy (to nothing, or
+    to another skill). Links within the folder stay relative, to the copy's own files."""
+    for dirpath, dirnames, filenames in os.walk(copy):
+        inner = os.path.relpath(dirpath, copy)
+        for name in dirnames + filenames:
+            path = os.path.join(dirpath, name)
+            if not os.path.islink(path):
+                continue
+            target = os.readlink(path)
+            within = os.path.normpath(os.path.join(inner, target))
+            if os.path.isabs(target) or (within != os.pardir
+                                         and not within.startswith(os.pardir + os.sep)):
+                continue
+            os.unlink(path)
+            os.symlink(os.path.join(os.path.normpath(os.path.join(source, inner)), target), path)
 
 
 def _write_skill_file(folder: Path, text: str) -> None:

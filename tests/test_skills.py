@@ -594,7 +594,7 @@ def test_a_skill_is_refused_with_a_reason_or_writable_to_its_file_and_the_store(
     ('description: "half an emoji \\uD83D"', "lone surrogate"),
     ("description: d\nweight: .nan", "NaN or infinite"),
     ("description: d\nx: " + "[" * 3000 + "]" * 3000, "nested too deeply"),
-    ("description: d\na: &a [x, x]\nb: [*a, *a]", "aliases"),
+    ("description: d\na: &a [x, *a]", "inside the value it names"),
 ])
 def test_a_hostile_front_matter_is_a_problem_and_other_hand_edits_still_go_through(
         lib, store, front, reason):
@@ -619,7 +619,38 @@ def test_yaml_aliases_cannot_make_a_small_file_expand_to_gigabytes(tmp_path):
     lines += [f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]" for i in range(1, 6)]
     write_skill(tmp_path, "laughs", "\n".join([*lines, "---", "Body."]))
     skills, [problem] = load_skills_dir(tmp_path)
-    assert skills == {} and "aliases (*name) are not allowed" in problem.reason
+    assert skills == {} and "aliases (*name) expand the front matter" in problem.reason
+
+
+ANCHORED = """---
+name: deploy-checklist
+description: Steps before a release.
+category: ops
+metadata: &shared
+  owner: platform-team
+  review: weekly
+x-defaults:
+  <<: *shared
+  review: daily
+---
+Check the config, run the tests, tag the release.
+"""
+
+
+def test_a_front_matter_sharing_values_through_anchors_still_loads_and_stays_editable(
+        tmp_path, store):
+    """Anchors and aliases (a merge key of shared defaults) are legitimate YAML that skill
+    files written before aliases were bounded may hold: refusing them left such a skill out of
+    every new workspace, and in an existing one kept it at its stored version with every
+    change to it refused as a hand edit not yet recorded ("retry then", forever)."""
+    write_skill(tmp_path / "skills", "deploy-checklist", ANCHORED)
+    lib = SkillLibrary(tmp_path / "skills", store)
+    assert lib.problems == []
+    loaded = lib.get("deploy-checklist")
+    assert loaded.extra["x-defaults"] == {"owner": "platform-team", "review": "daily"}
+    lib.edit(Skill(loaded.name, loaded.description, loaded.category,
+                   loaded.body + "\nAnnounce it.", loaded.extra), reason="evolver")
+    assert lib.get("deploy-checklist").body.endswith("Announce it.")
 
 
 def test_a_skill_folder_linked_from_elsewhere_is_never_written_or_deleted_through(
@@ -648,3 +679,32 @@ def test_a_skill_folder_linked_from_elsewhere_is_never_written_or_deleted_throug
     lib.reload()
     lib.remove("shared-skill")
     assert (shared / "SKILL.md").read_text() == original and not os.path.lexists(copy)
+
+
+def test_a_linked_skill_folder_is_copied_with_its_files_and_its_links_pointing_where_they_did(
+        lib, tmp_path):
+    """The copy made before the library writes a linked skill: an entry that cannot be copied
+    (here a named pipe) used to make the copy an empty folder, silently losing the skill's
+    scripts; a relative link out of the folder (``common -> ../common-scripts``) pointed next
+    to the library's copy, at nothing. Now the other files are kept and such a link points
+    where it did; a link within the folder stays relative, to the copy's own files."""
+    team = tmp_path / "team"
+    (team / "common-scripts").mkdir(parents=True)
+    (team / "common-scripts" / "lint.sh").write_text("echo lint\n")
+    shared = team / "shared-skill"
+    write_skill(team, "shared-skill", skill("shared-skill", body="The team's text.").to_markdown())
+    (shared / "scripts").mkdir()
+    (shared / "scripts" / "run.sh").write_text("echo run\n")
+    (shared / "common").symlink_to(os.path.join("..", "common-scripts"))
+    (shared / "run").symlink_to(os.path.join("scripts", "run.sh"))
+    os.mkfifo(shared / "events.pipe")
+    (lib.directory / "shared-skill").symlink_to(shared)
+    lib.reload()
+
+    lib.edit(skill("shared-skill", body="Evolved text."))
+    copy = lib.directory / "shared-skill"
+    assert not copy.is_symlink() and lib.get("shared-skill").body == "Evolved text."
+    assert (copy / "scripts" / "run.sh").read_text() == "echo run\n"
+    assert (copy / "common" / "lint.sh").read_text() == "echo lint\n"
+    assert os.readlink(copy / "run") == os.path.join("scripts", "run.sh")
+    assert "The team's text." in (shared / "SKILL.md").read_text()
