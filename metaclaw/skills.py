@@ -875,6 +875,12 @@ class SkillLibrary:
         with self._lock:
             self._subscribers.append(callback)
 
+    def unsubscribe(self, callback: Callable[[int], None]) -> None:
+        """Stop calling ``callback`` (one added by :meth:`subscribe`; absent: nothing to do)."""
+        with self._lock:
+            if callback in self._subscribers:
+                self._subscribers.remove(callback)
+
     def add(self, skill: Skill, *, reason: str = "", evidence: Iterable[int] = ()) -> int:
         """Add a new skill; returns the new generation."""
         return self.apply([SkillOp("add", skill, getattr(skill, "name", ""), reason,

@@ -124,6 +124,14 @@ def test_skill_diff_follows_a_new_generation(library):
     assert pinned.new == 2 and len(pinned.generations) == 7
 
 
+def test_a_closed_skill_diff_stops_following_the_library(library):
+    w = SkillDiffWidget(library)
+    w.close()
+    library.add(Skill(name="ask-first", description="Ask before acting", body="Ask.\n"))
+    assert [g["generation"] for g in w.generations][-1] == 4  # not recomputed once closed
+    w.close()  # twice: nothing left to do
+
+
 def test_skill_diff_static_html(library):
     t1, t2 = library.test_turns
     w = SkillDiffWidget(library, old=0, new=4)

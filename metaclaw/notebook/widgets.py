@@ -311,6 +311,12 @@ class SkillDiffWidget(_StaticHTML, anywidget.AnyWidget):
         if self.follow and was_latest and generation != self.new:
             self.new = int(generation)
 
+    def close(self) -> None:
+        """Close the widget and stop following the library (a closed widget would otherwise
+        recompute its diff on every new generation for as long as the library lives)."""
+        self._library.unsubscribe(self._on_generation)
+        super().close()
+
     def refresh(self) -> "SkillDiffWidget":
         """Re-read the generations and proposals (another process may have changed them) and
         recompute the diff; returns the widget."""
