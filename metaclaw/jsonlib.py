@@ -11,6 +11,7 @@ infinity (which JSON cannot carry) is written as ``null`` rather than as the inv
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import orjson
@@ -52,3 +53,17 @@ def dumps(value: Any) -> str:
 
 def _stdlib_dumps(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+#: Characters that JSON leaves raw but that ``str.splitlines()`` (a common way to read JSON
+#: Lines) treats as line ends, splitting a record.
+_LINE_BREAKS = {"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"}
+_LINE_BREAK = re.compile("[\u2028\u2029\x85]")
+
+
+def jsonl_line(record: Any) -> str:
+    """One JSON Lines record (``json.dumps`` text, UTF-8 kept readable) ending in ``\\n``, with
+    every other line-ending character escaped: a reader splitting on any line end gets one
+    record per line."""
+    text = json.dumps(record, ensure_ascii=False)
+    return _LINE_BREAK.sub(lambda m: _LINE_BREAKS[m.group()], text) + "\n"

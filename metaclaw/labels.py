@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from metaclaw import buffers
+from metaclaw.jsonlib import jsonl_line
 from metaclaw.store import IN_IDS, Store, id_list
 
 VERDICTS = ("pass", "fail")
@@ -348,21 +349,8 @@ def export_jsonl(store: Store, path: str | os.PathLike[str], **selection: Any) -
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target, "w", encoding="utf-8") as fh:
         for record in records:
-            fh.write(_jsonl_line(record))
+            fh.write(jsonl_line(record))
     return len(records)
-
-
-#: Characters that JSON leaves raw but that ``str.splitlines()`` (a common way to read JSON
-#: Lines, used by this project's own readers too) treats as line ends, splitting a record.
-_LINE_BREAKS = {"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"}
-_LINE_BREAK = re.compile("[\u2028\u2029\x85]")
-
-
-def _jsonl_line(record: Any) -> str:
-    """One JSON Lines record: UTF-8 text kept readable, every line-ending character escaped,
-    so that a reader splitting on any line end gets one record per line."""
-    text = json.dumps(record, ensure_ascii=False)
-    return _LINE_BREAK.sub(lambda m: _LINE_BREAKS[m.group()], text) + "\n"
 
 
 def export_frame(store: Store, *, turn_ids: Iterable[int] | None = None,

@@ -40,6 +40,7 @@ from metaclaw.bench.data import Day, load_benchmark, select_days
 from metaclaw.bench.grading import (feedback_text, run_check, score_choice, standalone_feedback,
                                     with_feedback)
 from metaclaw.bench.workspace import Workspace
+from metaclaw.jsonlib import jsonl_line
 
 log = logging.getLogger(__name__)
 
@@ -157,7 +158,7 @@ def finished_days(path: Path, days: list[Day], mode: str, model: str) -> dict[st
         raise ResumeError(f"there is no earlier run to resume in {path.parent} (no {path.name}); "
                           "drop --resume to start a run")
     # Split on "\n" alone, as the records were written: str.splitlines() also splits on U+2028,
-    # U+0085 and the like, which json.dumps(ensure_ascii=False) leaves in a reply as they are.
+    # U+0085 and the like, which records written before jsonl_line escaped them hold raw.
     # Each line is decoded alone: a kill can cut the last one inside a multi-byte character.
     lines = path.read_bytes().split(b"\n")
     if lines[-1] == b"":
@@ -208,7 +209,7 @@ class _Writer:
 
     @staticmethod
     def line(record: dict) -> str:
-        return json.dumps(record, ensure_ascii=False) + "\n"
+        return jsonl_line(record)
 
     def write(self, record: dict) -> None:
         self.fh.write(self.line(record))
