@@ -70,10 +70,9 @@ from typing import Any, Iterable
 
 from metaclaw import buffers
 from metaclaw.buffers import message_text
-from metaclaw.judge import (SECTION_TASK, SECTION_TOOLS, Judge, LLMClient, check_url,
-                            json_objects, next_user_message, render_sections, replay_params,
-                            reply_message, reply_text, retry_delay, run_sync, trim)
-from metaclaw.gate import answer_error
+from metaclaw.judge import (SECTION_TASK, SECTION_TOOLS, Judge, LLMClient, answer_error,
+                            check_url, json_objects, next_user_message, render_sections,
+                            replay_params, reply_message, reply_text, retry_delay, run_sync, trim)
 from metaclaw.proposals import ProposalError, apply_ops
 from metaclaw.skills import (OPS, Skill, SkillFormatError, SkillLibrary, SkillOp, offered_to,
                              oversize_reason, validate_name)
@@ -792,7 +791,7 @@ class Evolver:
         try:
             response = await asyncio.wait_for(self._upstream.chat(params), self.timeout)
             refusal = answer_error(response)
-            if refusal is not None:  # not a reply to judge (see metaclaw.gate.answer_error)
+            if refusal is not None:  # not a reply to judge (see judge.answer_error)
                 raise ValueError(f"the upstream answered 200 without a reply ({refusal})")
             message = reply_message(response)
         except asyncio.TimeoutError:

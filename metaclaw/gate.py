@@ -31,7 +31,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable
 
-from metaclaw.judge import (Judge, LLMClient, check_url, reply_message,
+from metaclaw.judge import (Judge, LLMClient, answer_error, check_url, reply_message,
                             replay_params)
 from metaclaw.sessions import TASK_TURNS_SQL
 from metaclaw.skills import Skill, SkillOp, offered_to
@@ -199,24 +199,6 @@ def _outcome(kind: str, before: float | None, after: float | None, threshold: fl
     if kind == FAILURE:
         return "fixed" if after > before or (after >= threshold > before) else "still failing"
     return "regressed" if after < before else "kept"
-
-
-def answer_error(response: Any) -> str | None:
-    """Why a chat.completion JSON answered with status 200 holds no reply (an ``error`` body,
-    no ``choices``), or ``None`` when it holds one. Some servers and gateways report a failure
-    this way; read as a reply it would be an empty answer, and judged as one a replay that never
-    ran would count as a failure (so a candidate "fixing" it would be promoted)."""
-    if not isinstance(response, dict):
-        return "the answer is not a JSON object"
-    error = response.get("error")
-    if error:
-        message = error.get("message") if isinstance(error, dict) else error
-        return f"error: {str(message or error)[:300]}"
-    choices = response.get("choices")
-    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict) \
-            or not isinstance(choices[0].get("message"), dict):
-        return "no choices with a message"
-    return None
 
 
 class Gate:

@@ -453,6 +453,24 @@ def run_sync(factory: Callable[[], Awaitable[T]], *closers: LLMClient) -> T:
     return aio.run_sync(main)
 
 
+def answer_error(response: Any) -> str | None:
+    """Why a chat.completion JSON answered with status 200 holds no reply (an ``error`` body,
+    no ``choices``), or ``None`` when it holds one. Some servers and gateways report a failure
+    this way; read as a reply it would be an empty answer, and judged as one a replay that never
+    ran would count as a failure (so a candidate "fixing" it would be promoted)."""
+    if not isinstance(response, dict):
+        return "the answer is not a JSON object"
+    error = response.get("error")
+    if error:
+        message = error.get("message") if isinstance(error, dict) else error
+        return f"error: {str(message or error)[:300]}"
+    choices = response.get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict) \
+            or not isinstance(choices[0].get("message"), dict):
+        return "no choices with a message"
+    return None
+
+
 def reply_message(response: dict[str, Any]) -> dict[str, Any]:
     """The assistant message of a chat.completion JSON (``{}`` when it has none)."""
     try:

@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 from metaclaw.evolver import (EvolveError, EvolveValidationError, Evolver,
                               parse_operations_reply, validate_operations)
-from metaclaw.gate import Gate, answer_error
-from metaclaw.judge import Judge
+from metaclaw.gate import Gate
+from metaclaw.judge import Judge, answer_error
 from metaclaw.retrieval import LexicalRetriever
 from metaclaw.server import BackgroundServer, ServedApp
 from metaclaw.skills import Skill, SkillFormatError, SkillLibrary, SkillOp
