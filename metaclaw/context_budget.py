@@ -68,9 +68,20 @@ class TokenCounter:
         if callable(tokenizer):
             self._count, self.method = tokenizer, "tokenizer"
         elif tokenizer:
-            from tokenizers import Tokenizer
+            # The tokenizers library raises a bare ``Exception("No such file or directory (os
+            # error 2)")`` that names no path: say which setting to change instead.
+            try:
+                from tokenizers import Tokenizer
 
-            loaded = Tokenizer.from_file(str(tokenizer))
+                loaded = Tokenizer.from_file(str(tokenizer))
+            except ImportError:
+                raise ValueError(f"tokenizer {str(tokenizer)!r} needs the tokenizers package: "
+                                 "pip install tokenizers, or leave the tokenizer unset to "
+                                 "estimate") from None
+            except Exception as exc:
+                raise ValueError(f"cannot load the tokenizer {str(tokenizer)!r} ({exc}); set the "
+                                 "tokenizer to a tokenizer.json file, or leave it unset to "
+                                 "estimate") from None
             self._count = lambda text: len(loaded.encode(text, add_special_tokens=False).ids)
             self.method = f"tokenizer:{tokenizer}"
 

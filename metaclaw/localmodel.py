@@ -32,6 +32,7 @@ import contextlib
 import importlib.util
 import json
 import logging
+import math
 import time
 from typing import Any, AsyncIterator
 
@@ -162,14 +163,31 @@ class LocalModelResponder(PolicyResponder):
         super().__init__(served, model_name=served.base_model, max_tokens=max_tokens,
                          temperature=temperature, max_workers=max_workers)
 
-    @staticmethod
-    def _check(body: Any) -> None:
+    def _check(self, body: Any) -> Any:
+        """Reject what the model cannot honour; returns the body to serve (maybe a copy)."""
         if isinstance(body, dict) and isinstance(body.get("top_logprobs"), int) and body["top_logprobs"] > 0:
             raise PolicyRequestError("top_logprobs is not supported by the local model; ask for "
                                      "logprobs: true without top_logprobs")
+        if not isinstance(body, dict):
+            return body
+        temperature = body.get("temperature")
+        # Python's json reads NaN and Infinity, and ``nan < 0`` is False: without this check a
+        # NaN temperature was silently served as greedy decoding.
+        if isinstance(temperature, float) and not math.isfinite(temperature):
+            raise PolicyRequestError("'temperature' must be a finite number >= 0")
+        # A reply can never be longer than the model's context window; a larger max_tokens
+        # (clients send 10**9 as "no limit") would let one request run far past the positions
+        # the model was trained on while it holds the only generation thread.
+        window = getattr(getattr(self.backend.model, "config", None), "max_position_embeddings", None)
+        if isinstance(window, int) and window > 0:
+            for key in ("max_tokens", "max_completion_tokens"):
+                value = body.get(key)
+                if isinstance(value, int) and not isinstance(value, bool) and value > window:
+                    body = {**body, key: window}
+        return body
 
     async def complete(self, body: dict[str, Any]) -> dict[str, Any]:
-        self._check(body)
+        body = self._check(body)
         reply = await super().complete(body)
         if body.get("logprobs"):
             meta = reply["metaclaw"]
@@ -178,7 +196,7 @@ class LocalModelResponder(PolicyResponder):
         return reply
 
     async def stream(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        self._check(body)
+        body = self._check(body)
         async for chunk in super().stream(body):
             meta = chunk.get("metaclaw")
             if meta and body.get("logprobs") and chunk.get("choices"):

@@ -341,13 +341,26 @@ def stage_executions(store: Any, runs: Iterable[RunRecord | str]) -> list[dict[s
     return sorted(done + list(open_.values()), key=lambda e: e["turn_ids"][0])
 
 
+def _unique(runs: Iterable[RunRecord | str]) -> list[RunRecord | str]:
+    """``runs`` once each, in order: the tables average per run, so a run listed twice (e.g.
+    ``runs + more_runs`` overlapping) would otherwise halve its retries and repeat its row."""
+    seen: set[str] = set()
+    out = []
+    for run in runs:
+        name = run.run if isinstance(run, RunRecord) else str(run)
+        if name not in seen:
+            seen.add(name)
+            out.append(run)
+    return out
+
+
 def stage_table(store: Any, runs: Iterable[RunRecord | str], label: str):
     """Per stage (turn type ``stage:<stage>``), from the recorded turns of ``runs``: calls,
     retries per run, first-attempt pass rate, robustness (polars), tagged ``label`` (e.g.
     "baseline" / "with skills")."""
     import polars as pl
 
-    runs = list(runs)
+    runs = _unique(runs)
     executions = stage_executions(store, runs)
     rows = []
     for stage in STAGES:
@@ -360,7 +373,10 @@ def stage_table(store: Any, runs: Iterable[RunRecord | str], label: str):
                      "first_try": sum(1 for e in records if e["attempts"] == 1 and e["passed"])
                      / len(records),
                      "robustness": sum(_robustness(e) for e in records) / len(records)})
-    return pl.DataFrame(rows)
+    # the schema keeps the columns when no run recorded a stage turn (an empty selection)
+    return pl.DataFrame(rows, schema={
+        "condition": pl.Utf8, "stage": pl.Utf8, "turn_type": pl.Utf8, "calls": pl.Int64,
+        "retries": pl.Float64, "first_try": pl.Float64, "robustness": pl.Float64})
 
 
 def run_table(store: Any, runs: Iterable[RunRecord | str], label: str):
@@ -369,7 +385,7 @@ def run_table(store: Any, runs: Iterable[RunRecord | str], label: str):
     ``label``."""
     import polars as pl
 
-    runs = list(runs)
+    runs = _unique(runs)
     executions = stage_executions(store, runs)
     rows = []
     for run in runs:
@@ -386,7 +402,9 @@ def run_table(store: Any, runs: Iterable[RunRecord | str], label: str):
                      "completed": bool(last and (last[0]["reward"] or 0) > 0),
                      "retries": sum(e["attempts"] - 1 for e in mine),
                      "robustness": (sum(scores) / len(scores)) * done / (1 + refines)})
-    return pl.DataFrame(rows)
+    return pl.DataFrame(rows, schema={
+        "condition": pl.Utf8, "run": pl.Utf8, "topic": pl.Utf8, "refine_cycles": pl.Int64,
+        "completed": pl.Boolean, "retries": pl.Int64, "robustness": pl.Float64})
 
 
 def _robustness(execution: dict[str, Any]) -> float:

@@ -89,13 +89,20 @@ class Trace:
         """One small dict per turn, oldest first (cached; ``refresh`` re-reads)."""
         if self._index is None or refresh:
             n = PREVIEW_CHARS
+            ok_msgs = "json_valid(request_messages)"
             rows = self.store.query(
                 "SELECT id, turn_index, turn_type, status, created_at, model, skill_generation, "
                 "policy_version, reward, human_label, latency_ms, finish_reason, "
-                "json_array_length(request_messages) AS messages, "
-                "COALESCE(json_array_length(tool_calls), 0) AS tool_calls, "
-                "json_extract(request_messages, '$[#-1].role') AS last_role, "
-                f"substr(json_extract(request_messages, '$[#-1].content'), 1, {n}) AS last_text, "
+                # SQLite's JSON functions raise "malformed JSON" on a single bad value, which
+                # would make the whole index unreadable for one corrupt or foreign-written row:
+                # only valid JSON is looked into, anything else shows as NULL.
+                f"CASE WHEN {ok_msgs} THEN json_array_length(request_messages) END AS messages, "
+                "CASE WHEN json_valid(tool_calls) THEN COALESCE(json_array_length(tool_calls), 0) "
+                "ELSE 0 END AS tool_calls, "
+                f"CASE WHEN {ok_msgs} THEN json_extract(request_messages, '$[#-1].role') END "
+                "AS last_role, "
+                f"CASE WHEN {ok_msgs} THEN substr(json_extract(request_messages, "
+                f"'$[#-1].content'), 1, {n}) END AS last_text, "
                 f"substr(response, 1, {n}) AS reply "
                 "FROM turns WHERE session_id = ? ORDER BY turn_index", (self.session_id,))
             for row in rows:

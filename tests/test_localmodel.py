@@ -124,3 +124,36 @@ def test_as_the_proxys_responder_turns_record_token_ids_and_logprobs(served, tmp
 
 def _list(value):
     return json.loads(value) if isinstance(value, str) else list(value)
+
+
+def test_a_nan_temperature_is_refused_not_served_greedy(served):
+    # Python's json reads NaN; ``nan < 0`` is False, so it used to pass as greedy decoding
+    for stream in (False, True):
+        body = {"messages": QUESTION, "temperature": float("nan"), "max_tokens": 2, "stream": stream}
+        r = httpx.post(served.url + "/chat/completions", content=json.dumps(body), timeout=60)
+        assert r.status_code == 400 and "temperature" in r.json()["error"]["message"]
+
+
+def test_max_tokens_beyond_the_window_is_bounded_by_it(served, monkeypatch):
+    """A client's "no limit" (max_tokens 10**9) asks the model for at most its context window."""
+    sampler = served.responder.backend.sampler()
+    window = served.responder.backend.model.config.max_position_embeddings
+    asked = []
+    sample, stream = sampler.sample, sampler.stream
+
+    def recording_sample(prompt, n, max_tokens, *rest):
+        asked.append(max_tokens)
+        return sample(prompt, n, min(max_tokens, 2), *rest)   # keep the test fast
+
+    def recording_stream(prompt, max_tokens, *rest):
+        asked.append(max_tokens)
+        return stream(prompt, min(max_tokens, 2), *rest)
+
+    monkeypatch.setattr(sampler, "sample", recording_sample)
+    monkeypatch.setattr(sampler, "stream", recording_stream)
+    for stream_it in (False, True):
+        for key in ("max_tokens", "max_completion_tokens"):
+            r = httpx.post(served.url + "/chat/completions", timeout=60,
+                           json={"messages": QUESTION, key: 10**9, "stream": stream_it})
+            assert r.status_code == 200
+    assert asked == [window] * 4

@@ -102,3 +102,17 @@ def test_the_sim_evolver_reads_the_stage_from_the_turn_type():
     [op] = SimulatedResearchModel().evolve(prompt)["operations"]
     assert op["name"] == "analyze-stage-conventions" and op["evidence"] == [7]
     assert "`Interval:`" in op["body"]
+
+
+def test_tables_count_a_run_listed_twice_once_and_keep_columns_when_empty(tmp_path):
+    from metaclaw.research_pipeline import run_table, stage_table
+    from metaclaw.store import Store
+
+    store = Store(tmp_path / "w.db")
+    for reward in (-1.0, 1.0):  # plan passed after one retry
+        store.record_turn(session_id="r1", status="ok", request_messages=[],
+                          turn_type="stage:plan", reward=reward)
+    assert stage_table(store, ["r1", "r1"], "x")["retries"].to_list() == [1.0]
+    assert run_table(store, ["r1", "r1"], "x")["retries"].to_list() == [1]
+    assert stage_table(store, [], "x").columns[-1] == "robustness"
+    assert run_table(store, [], "x")["run"].to_list() == []

@@ -105,3 +105,21 @@ def test_widget_steps_filters_jumps_and_labels(store, session):
     assert "Trace of session s1" in widget._repr_html_()
     widget.session_id = "other"
     assert widget.total == 1
+
+
+def test_index_survives_a_row_with_malformed_json(store):
+    """One turn whose stored request_messages / tool_calls are not valid JSON (a corrupt or
+    foreign-written row) must not make the whole session's index unreadable."""
+    good = store.record_turn(session_id="m", status="ok", response="fine",
+                             request_messages=[{"role": "user", "content": "hello"}])
+    bad = store.record_turn(session_id="m", status="ok", response="yo",
+                            request_messages=[{"role": "user", "content": "x"}])
+    with store.transaction():
+        store._db.execute("UPDATE turns SET request_messages = 'not json{', "
+                          "tool_calls = '[broken' WHERE id = ?", (bad,))
+    trace = Trace(store, "m")
+    frame = trace.index()
+    assert frame["id"].to_list() == [good, bad]
+    assert frame["last_text"].to_list() == ["hello", None]
+    assert frame["messages"].to_list() == [1, None]
+    assert frame["tool_calls"].to_list() == [0, 0]
