@@ -30,6 +30,7 @@ from typing import Any
 from aiohttp import http_exceptions, web, web_protocol, web_server
 from orjson import loads as loads_fast
 
+from metaclaw.jsonlib import LONE_SURROGATE as _SURROGATE
 from metaclaw.protocols import ProxyError, dumps
 
 #: Deepest JSON nesting accepted in a request body (tool schemas stay far below it).
@@ -97,7 +98,6 @@ OPENAI_MESSAGE_TYPES = {"role": _STR, "content": _STR + _LIST, "name": _STR,
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
 _LONG_NUMBER = re.compile(rb"[0-9]{19}")
-_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class _NonFinite:
@@ -290,9 +290,11 @@ class BodyDecoder:
         self.received = 0  # bytes as sent
         self.size = 0  # bytes decoded
         self.members = 0
-        # one growing buffer, not a list of the chunks: a client sending its body a byte per
-        # packet hands over a chunk of a few bytes per read, and a list of those would hold
-        # about ten times the body (a bytes object costs some 40 bytes besides its data)
+        # the usual body arrives in one chunk, kept as it is (no copy); later chunks go into one
+        # growing buffer, not a list: a client sending its body a byte per packet hands over a
+        # chunk of a few bytes per read, and a list of those would hold about ten times the body
+        # (a bytes object costs some 40 bytes besides its data)
+        self.first: bytes | None = None
         self.buffer = bytearray()
         # the current member's decompressor; None before the first, False after one ended
         self._stream: Any = None
@@ -302,7 +304,7 @@ class BodyDecoder:
         if self.received > self.limit:
             raise too_large(self.limit)
         if self.encoding == "identity":
-            self.buffer += chunk
+            self._keep(chunk)
             return
         while chunk:
             if not self._stream:
@@ -323,8 +325,17 @@ class BodyDecoder:
             self.size += len(out)
             if self.size > self.limit:
                 raise too_large(self.limit, decompressed=True)
-            self.buffer += out
+            self._keep(out)
             chunk = rest
+
+    def _keep(self, data: bytes) -> None:
+        if self.first is None and not self.buffer:
+            self.first = data
+            return
+        if self.first is not None:
+            self.buffer += self.first
+            self.first = None
+        self.buffer += data
 
     def _start(self, chunk: bytes) -> None:
         """A decompressor for the member that starts with ``chunk``."""
@@ -352,7 +363,7 @@ class BodyDecoder:
             raise self._corrupt(f"the {self.encoding} stream is truncated: the body ends after "
                                 f"{self.received} bytes, before the end of the stream{trailer}",
                                 whole=True)
-        return bytes(self.buffer)
+        return self.first if self.first is not None else bytes(self.buffer)
 
     def _corrupt(self, reason: str, whole: bool = False) -> ProxyError:
         fix = ("send the whole compressed body" if whole else
