@@ -16,6 +16,10 @@ from typing import Any
 
 import orjson
 
+#: A lone UTF-16 surrogate (half an emoji, from a JSON escape such as ``"\\ud83d"``): Python
+#: text can hold one, UTF-8 files and SQLite cannot.
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
 #: Raised by :func:`loads` for text that is not JSON (a ``ValueError``).
 JSONDecodeError = orjson.JSONDecodeError
 

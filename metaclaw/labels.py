@@ -23,13 +23,12 @@ import getpass
 import json
 import operator
 import os
-import re
 import time
 from pathlib import Path
 from typing import Any, Iterable
 
 from metaclaw import buffers
-from metaclaw.jsonlib import jsonl_line
+from metaclaw.jsonlib import LONE_SURROGATE as _SURROGATE, jsonl_line
 from metaclaw.store import IN_IDS, Store, id_list
 
 VERDICTS = ("pass", "fail")
@@ -67,9 +66,6 @@ def normalise_verdict(verdict: Any) -> str:
         return "fail"
     raise LabelError(f"a label's verdict is 'pass' or 'fail' (or True / False, +1 / -1), "
                      f"got {verdict!r}")
-
-
-_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def _turn_id(turn_id: Any) -> int:

@@ -30,7 +30,6 @@ import contextlib
 import hmac
 import logging
 import queue
-import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -39,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 from aiohttp import web
 
 from metaclaw import context_budget, edge, retrieval
+from metaclaw.jsonlib import LONE_SURROGATE as _SURROGATE
 from metaclaw.protocols import ProxyError, WireProtocol, dumps
 from metaclaw.sessions import TURN_TYPES, Identity, IdentityError, identify  # noqa: F401
 from metaclaw.sessions import is_task_turn
@@ -66,7 +66,6 @@ BLOCK_TAG = retrieval.BLOCK_TAG.strip("<>").encode()
 _OWN_COLUMNS = ("messages", "model", "stream")
 #: Client headers an Anthropic upstream receives as they came (pass-through only).
 _ANTHROPIC_HEADERS = ("anthropic-version", "anthropic-beta")
-_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 @dataclass

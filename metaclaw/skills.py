@@ -68,6 +68,7 @@ from typing import Any, Callable, Iterable, Literal
 import yaml
 
 from metaclaw.sessions import STAGE_NAME, stage_of
+from metaclaw.jsonlib import LONE_SURROGATE as _SURROGATE
 from metaclaw.store import Store
 
 log = logging.getLogger(__name__)
@@ -181,11 +182,6 @@ def validate_name(name: str) -> str:
             f"invalid skill name {name!r}: use 1-64 lowercase letters, digits, '-' or '_', "
             "starting with a letter or digit (e.g. 'backup-before-modify')")
     return name
-
-
-#: A lone UTF-16 surrogate: Python text can hold one (a JSON or YAML escape such as
-#: ``"\\ud83d"``, half an emoji), UTF-8 files and SQLite cannot.
-_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def _json_safe(value: Any, name: Any = None) -> Any:
