@@ -24,6 +24,7 @@ names without scores.
 from __future__ import annotations
 
 import json
+import sqlite3
 from typing import Any
 
 from metaclaw import buffers
@@ -64,6 +65,26 @@ def sessions(store: Store, limit: int = 500) -> list[dict[str, Any]]:
         "ORDER BY s.updated_at DESC LIMIT ?", (int(limit),))
 
 
+def _index_sql(guarded: bool = False) -> str:
+    """The query of :meth:`Trace.rows`; ``guarded``: JSON is looked into only where it is valid
+    (anything else shows as NULL), at the cost of validating every value first."""
+    def read(column: str, expression: str, otherwise: str = "NULL") -> str:
+        if not guarded:
+            return expression
+        return f"CASE WHEN json_valid({column}) THEN {expression} ELSE {otherwise} END"
+
+    role = "json_extract(request_messages, '$[#-1].role')"
+    text = f"substr(json_extract(request_messages, '$[#-1].content'), 1, {PREVIEW_CHARS})"
+    return ("SELECT id, turn_index, turn_type, status, created_at, model, skill_generation, "
+            "policy_version, reward, human_label, latency_ms, finish_reason, "
+            f"{read('request_messages', 'json_array_length(request_messages)')} AS messages, "
+            f"{read('tool_calls', 'COALESCE(json_array_length(tool_calls), 0)', '0')} "
+            f"AS tool_calls, {read('request_messages', role)} AS last_role, "
+            f"{read('request_messages', text)} AS last_text, "
+            f"substr(response, 1, {PREVIEW_CHARS}) AS reply "
+            "FROM turns WHERE session_id = ? ORDER BY turn_index")
+
+
 class Trace:
     """One session's turns, loaded lazily. ``session_id`` default: the most recent session.
     ``threshold``: the judge's failure threshold."""
@@ -88,23 +109,15 @@ class Trace:
     def rows(self, refresh: bool = False) -> list[dict[str, Any]]:
         """One small dict per turn, oldest first (cached; ``refresh`` re-reads)."""
         if self._index is None or refresh:
-            n = PREVIEW_CHARS
-            ok_msgs = "json_valid(request_messages)"
-            rows = self.store.query(
-                "SELECT id, turn_index, turn_type, status, created_at, model, skill_generation, "
-                "policy_version, reward, human_label, latency_ms, finish_reason, "
-                # SQLite's JSON functions raise "malformed JSON" on a single bad value, which
-                # would make the whole index unreadable for one corrupt or foreign-written row:
-                # only valid JSON is looked into, anything else shows as NULL.
-                f"CASE WHEN {ok_msgs} THEN json_array_length(request_messages) END AS messages, "
-                "CASE WHEN json_valid(tool_calls) THEN COALESCE(json_array_length(tool_calls), 0) "
-                "ELSE 0 END AS tool_calls, "
-                f"CASE WHEN {ok_msgs} THEN json_extract(request_messages, '$[#-1].role') END "
-                "AS last_role, "
-                f"CASE WHEN {ok_msgs} THEN substr(json_extract(request_messages, "
-                f"'$[#-1].content'), 1, {n}) END AS last_text, "
-                f"substr(response, 1, {n}) AS reply "
-                "FROM turns WHERE session_id = ? ORDER BY turn_index", (self.session_id,))
+            try:
+                rows = self.store.query(_index_sql(), (self.session_id,))
+            except sqlite3.OperationalError as exc:
+                if "malformed JSON" not in str(exc):
+                    raise
+                # one corrupt or foreign-written row makes SQLite's JSON functions fail the
+                # whole query: read again looking only into valid JSON (slower: every value is
+                # validated first), so that such a row shows NULL instead
+                rows = self.store.query(_index_sql(guarded=True), (self.session_id,))
             for row in rows:
                 row["failed"] = self.is_failure(row)
                 row["judge"] = self._judge_verdict(row.get("reward"))
