@@ -740,6 +740,12 @@ class Judge:
             reason = (f"turn {turn_id} has no reply to judge (status {turn.get('status')!r})"
                       if turn_id is not None else "the turn has no reply to judge")
             return JudgeResult(None, [], 0, 0, "", self.model, turn_id, reason)
+        unreadable = [c for c in turn.get("malformed_columns", ())
+                      if c in ("request_messages", "tool_calls")]
+        if unreadable:  # a verdict without the request or the calls would judge something else
+            return JudgeResult(None, [], 0, 0, "", self.model, turn_id,
+                               f"turn {turn_id} cannot be judged: its stored "
+                               f"{' and '.join(unreadable)} are not valid JSON")
         messages = build_judge_messages(turn, next_user, budgets=self.budgets)
         votes = await asyncio.gather(*(self._vote(messages, semaphore) for _ in range(self.votes)))
         score, rationale, failed, unparsable, error = aggregate(list(votes))

@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import logging
 import os
 import sqlite3
 import threading
@@ -43,6 +44,8 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from metaclaw.jsonlib import dumps
+
+log = logging.getLogger(__name__)
 
 DEFAULT_DB = Path(".metaclaw") / "metaclaw.db"
 
@@ -278,10 +281,20 @@ def _dumps(value: Any) -> str:
 
 
 def _decode(row: sqlite3.Row) -> dict[str, Any]:
+    """A row as a dict, JSON columns decoded. A value that is not valid JSON (a row written by
+    another program, a damaged page) reads as ``None`` and its column is named in the row's
+    ``malformed_columns``: one bad row must not make every query that touches it fail (the
+    judge, the trainer, the trace would each stop at it for good)."""
     out = dict(row)
     for key in JSON_COLUMNS.intersection(out):
         if isinstance(out[key], str):
-            out[key] = json.loads(out[key])
+            try:
+                out[key] = json.loads(out[key])
+            except (ValueError, RecursionError):  # JSONDecodeError is a ValueError
+                log.warning("column %s of row %s holds malformed JSON; it reads as NULL",
+                            key, out.get("id"))
+                out[key] = None
+                out.setdefault("malformed_columns", []).append(key)
     return out
 
 

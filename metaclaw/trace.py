@@ -217,6 +217,8 @@ class Trace:
             "buffer": [turn.get("buffer_set"), turn.get("buffer_state")],
             "written_for": written,
             "after": self.after(written[0]["generation"]) if written else [],
+            # columns whose stored JSON could not be read (shown empty above)
+            "malformed_columns": turn.get("malformed_columns", []),
         }
 
     def written_for(self, turn_id: int) -> list[dict[str, Any]]:

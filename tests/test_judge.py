@@ -51,6 +51,21 @@ def test_majority_of_three_votes_is_stored_on_the_turn(store):
     assert row["buffer_set"] == "query" and row["buffer_state"] == "live"
 
 
+def test_a_turn_whose_request_is_unreadable_is_left_unjudged_and_the_others_are_judged(store):
+    """A row whose stored request is not valid JSON (written by another program, a damaged
+    page) neither stops the batch nor gets a verdict on a request the judge never saw."""
+    with DoubleServer([verdict(1)] * 3) as double:
+        judge = Judge(double.url, "judge-model", votes=1)
+        good, bad = add_turn(store), add_turn(store, user="second")
+        with store.transaction():
+            store._db.execute("UPDATE turns SET request_messages = '[{' WHERE id = ?", (bad,))
+        results = {r.turn_id: r for r in judge.judge_turns(store)}
+        calls = len(judge_prompts(double))
+    assert results[good].ok and store.turn(good)["reward"] == 1.0
+    assert not results[bad].ok and "request_messages are not valid JSON" in results[bad].error
+    assert store.turn(bad)["reward"] is None and calls == 1
+
+
 def test_a_verdict_stored_meanwhile_is_kept_unless_rescoring(store):
     """A verdict another process stored while this judge's votes were in flight stands (the
     turn counts once); a rescore replaces it."""

@@ -123,3 +123,19 @@ def test_index_survives_a_row_with_malformed_json(store):
     assert frame["last_text"].to_list() == ["hello", None]
     assert frame["messages"].to_list() == [1, None]
     assert frame["tool_calls"].to_list() == [0, 0]
+
+
+def test_a_turn_with_malformed_json_opens_with_its_columns_named(store, caplog):
+    """Opening that turn in full shows what could be read and names the unreadable columns,
+    instead of failing with a JSON error."""
+    turn_id = store.record_turn(session_id="m", status="ok", response="the reply",
+                                request_messages=[{"role": "user", "content": "x"}],
+                                usage={"prompt_tokens": 3})
+    with store.transaction():
+        store._db.execute("UPDATE turns SET request_messages = '[{\"role\":', usage = '{1}' "
+                          "WHERE id = ?", (turn_id,))
+    turn = Trace(store, "m").turn(turn_id)
+    assert turn["response"] == "the reply"
+    assert turn["messages"] == [] and turn["usage"] is None
+    assert sorted(turn["malformed_columns"]) == ["request_messages", "usage"]
+    assert "malformed JSON" in caplog.text
