@@ -41,7 +41,7 @@ from metaclaw import context_budget, edge, retrieval
 from metaclaw.jsonlib import LONE_SURROGATE as _SURROGATE
 from metaclaw.protocols import ProxyError, WireProtocol, dumps
 from metaclaw.sessions import TURN_TYPES, Identity, IdentityError, identify  # noqa: F401
-from metaclaw.sessions import is_task_turn
+from metaclaw.sessions import FINGERPRINT, Thread, is_task_turn
 from metaclaw.skills import offered_to
 from metaclaw.upstreams import ResponderUpstream, Upstream, policy_columns
 
@@ -94,6 +94,7 @@ class Turn:
     scores: list[float] = field(default_factory=list)
     budget: dict[str, Any] | None = None
     retrieval_error: str | None = None
+    thread: Thread | None = None  # a fingerprinted task turn's place among its conversations
 
 
 # ---------------------------------------------------------------------------------------------
@@ -522,6 +523,11 @@ class TurnPipeline:
         turn.session_id, turn.turn_type, turn.done = (identity.session_id, identity.turn_type,
                                                       identity.done)
         turn.identified_by = identity.how
+        if identity.how["session"] == FINGERPRINT and is_task_turn(turn.turn_type):
+            # conversations opening alike are told apart by the replies they continue
+            turn.session_id, how, turn.thread = self.proxy.threads.resolve(
+                identity.session_id, turn.messages)
+            turn.identified_by = {**identity.how, "session": how}
         turn.generation, skills = self.proxy.library.current()
         if is_task_turn(turn.turn_type) and skills:
             retriever = self.proxy.retriever
@@ -664,6 +670,9 @@ class _Relay:
             for key in ("response", "error"):
                 if isinstance(row.get(key), str):
                     row[key] = self.proxy._scrub(row[key], self.caller_key)
+        if self.turn.thread is not None:
+            self.proxy.threads.settle(self.turn.thread, row.get("status") == "ok",
+                                      row.get("response"), row.get("tool_calls"))
         return self.proxy._recorder.submit(row, self.turn.done)
 
     def error(self, exc: BaseException, upstream: Upstream | None,

@@ -63,6 +63,7 @@ from metaclaw.protocols.anthropic_messages import ANTHROPIC
 from metaclaw.protocols.openai_chat import (OPENAI, StreamAssembler,  # noqa: F401
                                             summarize_completion)
 from metaclaw.server import BackgroundServer, ServedApp, _base_url  # noqa: F401
+from metaclaw.sessions import ReplyThreads
 from metaclaw.store import Store
 from metaclaw.upstreams import NO_KEY, HTTPUpstream, make_upstream, safe_url  # noqa: F401
 
@@ -211,6 +212,7 @@ class Proxy(ServedApp):
         self._upstream: HTTPUpstream | None = None  # its session is created on the server's loop
         self.token_counter = TokenCounter(config.tokenizer)
         self._recorder = Recorder(self, fsync=config.fsync_acks)
+        self.threads = ReplyThreads()  # which of several alike-opening conversations a turn is
         self._pipeline = TurnPipeline(self)
         self._retrieval_pool: ThreadPoolExecutor | None = None
         self._listener_pool: ThreadPoolExecutor | None = None

@@ -15,11 +15,11 @@ request carries (the precedence, documented and tested):
    prompt), searched for only there;
 4. a fingerprint of the conversation: a hash of the body's ``user`` field and the first user
    message as sent (frameworks resend the whole history each turn, so every turn of one
-   conversation carries the same first message): ``conv-<12 hex>``. It keeps conversations
-   apart only when their first messages differ (OpenClaw's envelope carries a timestamp; a
-   harness running one task many times without a session id does not): such runs share one
-   session, and the judge may read one run's next message as feedback on another's reply.
-   Clients that run conversations with identical openings must send ``X-Session-Id``;
+   conversation carries the same first message): ``conv-<12 hex>``. Conversations whose
+   first messages are the same (a harness running one task several times without a session
+   id) are then told apart by the replies they continue (:class:`ReplyThreads`, in the
+   proxy): ``conv-<12 hex>.2``, ... Clients that need this to hold across proxy restarts send
+   ``X-Session-Id``;
 5. ``unidentified`` for a request without any of these (no user message at all), logged.
 
 Nothing is ever lumped into a ``default`` session silently: :attr:`Identity.how` says which
@@ -52,6 +52,8 @@ import hashlib
 import json
 import logging
 import re
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -248,7 +250,7 @@ def session_of(headers: Mapping[str, str], body: dict[str, Any]) -> tuple[str, s
     if first is not None:
         user = body.get("user") if isinstance(body.get("user"), str) else ""
         digest = hashlib.sha256(f"{user}\x00{first}".encode("utf-8", "replace")).hexdigest()
-        return f"conv-{digest[:12]}", "fingerprint:first-user-message"
+        return f"conv-{digest[:12]}", FINGERPRINT
     log.warning("a request carries no session id and no user message; recorded as "
                 "'unidentified' (send X-Session-Id to group its turns)")
     return "unidentified", "none"
@@ -344,3 +346,134 @@ def identify(headers: Mapping[str, str], body: dict[str, Any]) -> Identity:
     done_value = headers.get("X-Session-Done", body.get("session_done", False))
     done = done_value is True or str(done_value).strip().lower() in _TRUE
     return Identity(session_id, turn_type, done, {"session": session_how, "turn_type": type_how})
+
+
+# -- threading by replies ----------------------------------------------------------------------
+#: ``Identity.how["session"]`` of a turn found through the fingerprint, by what decided it.
+FINGERPRINT = "fingerprint:first-user-message"
+REPEATED_OPENING = "fingerprint:repeated-opening"
+REPLY_THREAD = "fingerprint:reply-thread"
+
+
+@dataclass(frozen=True)
+class Thread:
+    """Where a fingerprinted task turn sits (:meth:`ReplyThreads.resolve`), for
+    :meth:`ReplyThreads.settle` once its reply is known. ``history``: a running digest of the
+    messages the client sent; ``after``: the key of the recorded reply it continues (``None``
+    if none); ``opening``: the conversation's first turn."""
+
+    fingerprint: str
+    session_id: str
+    history: Any
+    after: tuple[str, str] | None = None
+    opening: bool = False
+
+
+def _arguments(value: Any) -> str:
+    """A tool call's arguments in one spelling: clients re-serialise the JSON they got."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return value.strip()
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
+
+
+def message_digest(role: Any, content: Any, tool_calls: Any = None) -> bytes:
+    """A digest of a message as the proxy recorded it or as a client resends it: its role, its
+    text without surrounding whitespace, each call's name and arguments. Call ids, reasoning,
+    images and cache markers are left out: clients rewrite, drop or move them."""
+    digest = hashlib.blake2b(f"{role}\x00{content_text(content).strip()}".encode(
+        "utf-8", "replace"), digest_size=16)
+    for call in tool_calls if isinstance(tool_calls, list) else ():
+        function = call.get("function") if isinstance(call, dict) else None
+        if isinstance(function, dict):
+            digest.update(f"\x00{function.get('name')}\x00{_arguments(function.get('arguments'))}"
+                          .encode("utf-8", "replace"))
+    return digest.digest()
+
+
+class ReplyThreads:
+    """Tells apart the conversations that share a fingerprint (the same first user message, as
+    when a harness runs one task several times at once without a session id), by the replies
+    they continue.
+
+    An opening (a task turn with no assistant message yet) takes the fingerprint's session when
+    it is new to this process, and a numbered one (``conv-<hex>.2``, ...) when another
+    conversation opened with the same message; an opening whose turn failed leaves its session
+    to the next opening (a client's retry lands in the same session). A later turn resends the
+    history it continues, ending with a reply: it joins the session that recorded that reply
+    after that same history. Two conversations identical so far may trade sessions, which
+    changes nothing; two that differ never share one. A continuation of a reply this process did
+    not record (the proxy restarted, the client edited the history) falls back to the
+    fingerprint.
+
+    In memory, per proxy process; at most :attr:`MAX_ENTRIES` fingerprints and replies are
+    remembered (the least recently used are forgotten). Used on the event loop; the lock makes
+    it safe from threads too.
+    """
+
+    MAX_ENTRIES = 50_000
+
+    def __init__(self) -> None:
+        self._openings: OrderedDict[str, list[Any]] = OrderedDict()  # fp -> [count, free ids]
+        self._replies: OrderedDict[tuple[str, str], list[str]] = OrderedDict()  # -> sessions
+        self._lock = threading.Lock()
+
+    def resolve(self, fingerprint: str, messages: list[Any]) -> tuple[str, str, Thread]:
+        """(session id, how it was decided, the thread to :meth:`settle`) of a task turn whose
+        session is the fingerprint ``fingerprint``; ``messages``: as the client sent them."""
+        history, key = hashlib.blake2b(digest_size=16), None
+        for message in messages:
+            message = message if isinstance(message, dict) else {}
+            history.update(message_digest(message.get("role"), message.get("content"),
+                                          message.get("tool_calls")))
+            if message.get("role") == "assistant":  # the latest reply, after its history
+                key = (fingerprint, history.hexdigest())
+        with self._lock:
+            if key is None:
+                opened = self._openings.get(fingerprint)
+                if opened is None:
+                    opened = self._openings[fingerprint] = [0, []]
+                    _bound(self._openings, self.MAX_ENTRIES)
+                self._openings.move_to_end(fingerprint)
+                if opened[1]:
+                    session_id = opened[1].pop(0)
+                else:
+                    opened[0] += 1
+                    session_id = fingerprint if opened[0] == 1 else f"{fingerprint}.{opened[0]}"
+                how = FINGERPRINT if session_id == fingerprint else REPEATED_OPENING
+                return session_id, how, Thread(fingerprint, session_id, history, opening=True)
+            waiting = self._replies.get(key)
+            if not waiting:
+                return fingerprint, FINGERPRINT, Thread(fingerprint, fingerprint, history)
+            session_id = waiting.pop(0)
+            if not waiting:
+                del self._replies[key]
+            return session_id, REPLY_THREAD, Thread(fingerprint, session_id, history, key)
+
+    def settle(self, thread: Thread, replied: bool, text: Any = None,
+               tool_calls: Any = None) -> None:
+        """The turn of ``thread`` ended: ``replied`` (the client got the reply ``text`` /
+        ``tool_calls``), or not (an error, a disconnect), when whatever it continued stays
+        open for a retry."""
+        with self._lock:
+            if replied:
+                history = thread.history.copy()
+                history.update(message_digest("assistant", text, tool_calls))
+                key = (thread.fingerprint, history.hexdigest())
+                self._replies.setdefault(key, []).append(thread.session_id)
+                self._replies.move_to_end(key)
+                _bound(self._replies, self.MAX_ENTRIES)
+            elif thread.after is not None:
+                self._replies.setdefault(thread.after, []).insert(0, thread.session_id)
+                _bound(self._replies, self.MAX_ENTRIES)
+            elif thread.opening:
+                opened = self._openings.get(thread.fingerprint)
+                if opened is not None:
+                    opened[1].append(thread.session_id)
+
+
+def _bound(entries: OrderedDict[Any, Any], most: int) -> None:
+    while len(entries) > most:
+        entries.popitem(last=False)

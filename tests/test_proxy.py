@@ -792,3 +792,46 @@ def test_serve_forever_in_the_foreground_stops_cleanly_on_sigterm(double, tmp_pa
         (row,) = store.turns()
         assert row["response"] == "served in the foreground"
         assert row["injected_skills"][0] == "git-commit-messages"
+
+
+def test_runs_of_one_task_without_a_session_id_are_kept_apart_by_their_replies(proxy, double):
+    """A harness runs one task twice at once, without a session id: both runs open with the same
+    message, so one fingerprint. Each later turn resends the reply it answers, and joins the
+    run that got that reply; an opening retried after an upstream error stays in its session."""
+    client = sync_client(proxy)
+    opening = [{"role": "user", "content": "Tidy the release notes for run-alike-7."}]
+    call = {"id": "call_a", "type": "function",
+            "function": {"name": "read_file", "arguments": '{"path": "NOTES.md"}'}}
+    tools = [{"type": "function", "function": {"name": "read_file", "parameters": {
+        "type": "object", "properties": {"path": {"type": "string"}}}}}]
+    double.add(Reply("I will start with the headings."),  # run A opens
+               Reply(status=400, content="context too long"),  # run B's opening fails once
+               Reply(None, tool_calls=[call]),  # run B's retry
+               Reply("B: done"), Reply("A: done"))
+    a1 = client.chat.completions.create(model="m", messages=opening)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="m", messages=opening)
+    b1 = client.chat.completions.create(model="m", messages=opening, tools=tools)
+    b_history = [*opening, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_a", "type": "function",  # re-serialised arguments, as clients do
+         "function": {"name": "read_file", "arguments": '{ "path":"NOTES.md" }'}}]},
+        {"role": "tool", "tool_call_id": "call_a", "content": "# Notes"}]
+    client.chat.completions.create(model="m", messages=b_history, tools=tools)
+    a_history = [*opening, {"role": "assistant", "content": a1.choices[0].message.content},
+                 {"role": "user", "content": "Go on."}]
+    client.chat.completions.create(model="m", messages=a_history)
+    assert b1.choices[0].message.tool_calls
+    proxy.flush()
+    rows = [r for r in proxy.store.turns(order="id")
+            if r["request_messages"][0] == opening[0]]
+    sessions = {r["session_id"] for r in rows}
+    assert len(sessions) == 2
+    by_session = {s: [r for r in rows if r["session_id"] == s] for s in sessions}
+    first, second = sorted(by_session, key=len)  # A: two turns; B: a failure, a retry, a turn
+    assert [r["response"] for r in by_session[first]] == ["I will start with the headings.",
+                                                          "A: done"]
+    assert [r["status"] for r in by_session[second]] == ["error", "ok", "ok"]
+    assert by_session[second][-1]["response"] == "B: done"
+    assert second == f"{first}.2"
+    assert [r["identified_by"]["session"] for r in by_session[first]] == [
+        "fingerprint:first-user-message", "fingerprint:reply-thread"]

@@ -665,3 +665,35 @@ def test_context_budget_with_a_real_tokenizer(workspace, openai_double, tmp_path
     budget = _turns(proxy, store)[0]["context_budget"]
     assert budget["method"] == f"tokenizer:{tmp_path / 'tokenizer.json'}"
     assert budget["cut"] == [] and 0 < budget["request_tokens"] < 200
+
+
+def test_two_anthropic_runs_opening_alike_keep_their_own_sessions(workspace, openai_double):
+    """Claude-style clients resend tool_use blocks (input objects) and move cache markers: two
+    runs of one task with the same opening still land in two sessions, each turn in its own."""
+    store, _ = workspace
+    opening = [{"role": "user", "content": "Find the bug in src/app.py."}]
+    other_call = {"function": {"name": "read_file", "arguments": '{"path": "src/other.py"}'}}
+    openai_double.add(Reply(None, tool_calls=[CALL]), Reply(None, tool_calls=[other_call]),
+                      Reply("run two: fixed"), Reply("run one: fixed"))
+    with _proxy(workspace, openai_double, "openai") as proxy:
+        client = _client(proxy)
+        asked = dict(model=MODEL, max_tokens=200, system=SYSTEM, tools=[READ_TOOL])
+        first = [client.messages.create(**asked, messages=opening) for _ in range(2)]
+        for message in reversed(first):  # run two goes on first
+            use = message.content[-1]
+            client.messages.create(**asked, messages=[
+                *opening, {"role": "assistant", "content": [
+                    {"type": "tool_use", "id": use.id, "name": use.name, "input": use.input,
+                     "cache_control": {"type": "ephemeral"}}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                              "content": f"contents of {use.input['path']}"}]}])
+        turns = _turns(proxy, store)
+    sessions: dict[str, list[dict]] = {}
+    for turn in turns:
+        sessions.setdefault(turn["session_id"], []).append(turn)
+    assert len(sessions) == 2
+    for rows in sessions.values():
+        path = json.loads(rows[0]["tool_calls"][0]["function"]["arguments"])["path"]
+        assert rows[1]["request_messages"][-1]["content"] == f"contents of {path}"
+        assert rows[1]["response"] == ("run one: fixed" if path == "src/app.py"
+                                       else "run two: fixed")

@@ -6,12 +6,14 @@ import json
 
 import aiohttp
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from metaclaw.double import DoubleServer, Reply
 from metaclaw.proxy import Proxy, ProxyConfig
 from metaclaw.retrieval import explain_frame
-from metaclaw.sessions import (TASK_TURNS_SQL, IdentityError, identify, is_task_turn, stage_of,
-                               turn_type_condition)
+from metaclaw.sessions import (TASK_TURNS_SQL, IdentityError, ReplyThreads, identify,
+                               is_task_turn, stage_of, turn_type_condition)
 from metaclaw.skills import Skill, SkillLibrary
 from test_asks import captured
 
@@ -272,3 +274,62 @@ def test_frameworks_title_and_summary_calls_are_side_calls(system, last):
     messages = ([{"role": "system", "content": system}] if system else []) + [
         {"role": "user", "content": last}]
     assert identify({}, {"messages": messages}).turn_type == "side"
+
+
+# -- telling alike-opening conversations apart by their replies ----------------------------------
+@settings(max_examples=200, deadline=None)
+@given(st.integers(2, 4), st.lists(st.tuples(st.integers(0, 3), st.sampled_from("xyz"),
+                                             st.booleans()), max_size=40))
+def test_conversations_opening_alike_each_keep_a_consistent_session(runs, steps):
+    """Several conversations open with the same message and go on in any interleaving, their
+    replies drawn from a tiny set (so they often coincide), some turns failing (the client
+    retries the same request). Each session's turns always form one conversation: every turn
+    extends the previous turn's request by the reply that turn got (conversations identical so
+    far may trade sessions, which changes nothing)."""
+    threads = ReplyThreads()
+    opening = {"role": "user", "content": "do the task"}
+    history = {run: [opening] for run in range(runs)}
+    sessions: dict[str, list[tuple[list, str]]] = {}  # session -> [(request, reply)] served
+    for run, reply, fails in steps:
+        run %= runs
+        request = list(history[run])
+        session, _, thread = threads.resolve("conv-f", request)
+        threads.settle(thread, not fails, reply, None)
+        if fails:
+            continue
+        served = sessions.setdefault(session, [])
+        if served:
+            previous, answer = served[-1]
+            assert request[:len(previous)] == previous
+            assert request[len(previous)] == {"role": "assistant", "content": answer}
+        else:
+            assert request == [opening]
+        served.append((request, reply))
+        history[run] = [*request, {"role": "assistant", "content": reply},
+                        {"role": "user", "content": "next"}]
+
+
+def test_reply_threads_match_resent_tool_calls_and_fall_back_to_the_fingerprint():
+    threads = ReplyThreads()
+    call = {"id": "c1", "function": {"name": "grep", "arguments": '{"q": "a", "n": 1}'}}
+    opened, how, thread = threads.resolve("conv-f", [{"role": "user", "content": "hi"}])
+    assert (opened, how) == ("conv-f", "fingerprint:first-user-message")
+    threads.settle(thread, True, None, [call])
+    second, how, _ = threads.resolve("conv-f", [{"role": "user", "content": "hi"}])
+    assert (second, how) == ("conv-f.2", "fingerprint:repeated-opening")
+    resent = {"role": "assistant", "content": "", "tool_calls": [  # keys reordered, id rewritten
+        {"id": "other", "function": {"name": "grep", "arguments": '{"n":1,"q":"a"}'}}]}
+    found, how, _ = threads.resolve("conv-f", [{"role": "user", "content": "hi"}, resent])
+    assert (found, how) == ("conv-f", "fingerprint:reply-thread")
+    unknown = {"role": "assistant", "content": "a reply this process never served"}
+    assert threads.resolve("conv-f", [{"role": "user", "content": "hi"}, unknown])[:2] == (
+        "conv-f", "fingerprint:first-user-message")
+
+
+def test_reply_threads_stay_bounded():
+    threads = ReplyThreads()
+    threads.MAX_ENTRIES = 10
+    for i in range(50):
+        _, _, thread = threads.resolve(f"conv-{i}", [{"role": "user", "content": "x"}])
+        threads.settle(thread, True, f"reply {i}", None)
+    assert len(threads._openings) == 10 and len(threads._replies) == 10
