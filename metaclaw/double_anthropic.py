@@ -4,7 +4,7 @@
 /v1/messages`` (JSON, or server-sent events with the full event sequence: ``message_start``,
 ``ping``, ``content_block_start`` / ``content_block_delta`` (``text_delta``, ``input_json_delta``,
 ``thinking_delta``, ``signature_delta``) / ``content_block_stop``, ``message_delta``,
-``message_stop``) and ``POST /v1/messages/count_tokens``. Every reply and event is built and
+``message_stop``), ``POST /v1/messages/count_tokens`` and ``GET /v1/models``. Every reply and event is built and
 validated with the ``anthropic`` SDK's own types (``Message``, ``RawMessageStartEvent``, ...), so
 what it sends is what the SDK accepts from the real service.
 
@@ -71,13 +71,16 @@ class AnthropicDoubleServer(ServedApp):
 
     ``replies``: a list of :class:`AnthropicReply`, a function ``body -> AnthropicReply``, or
     ``None`` (always echo). :attr:`base_url` is what the ``anthropic`` SDK takes; :attr:`requests`
-    fills with ``{"path", "headers", "body"}`` dicts.
+    fills with ``{"path", "headers", "body"}`` dicts. ``models``: the ids ``GET /v1/models``
+    lists.
     """
 
     def __init__(self,
                  replies: list[AnthropicReply] | Callable[[dict], AnthropicReply] | None = None,
-                 *, host: str = "127.0.0.1", port: int = 0):
+                 *, host: str = "127.0.0.1", port: int = 0,
+                 models: tuple[str, ...] = ("claude-double",)):
         self.replies = replies if callable(replies) else list(replies or [])
+        self.models = models
         self.requests: list[dict[str, Any]] = []
         self._server = BackgroundServer(self._make_app, host, port, "metaclaw-anthropic-double")
 
@@ -89,6 +92,7 @@ class AnthropicDoubleServer(ServedApp):
         app = web.Application(client_max_size=64 * 2**20)
         app.router.add_post("/v1/messages", self._messages)
         app.router.add_post("/v1/messages/count_tokens", self._count_tokens)
+        app.router.add_get("/v1/models", self._models)
         return app
 
     def _next(self, body: dict[str, Any]) -> AnthropicReply:
@@ -113,6 +117,15 @@ class AnthropicDoubleServer(ServedApp):
             body = None
         self.requests.append({"path": request.path, "headers": dict(request.headers), "body": body})
         return body if isinstance(body, dict) and isinstance(body.get("messages"), list) else None
+
+    async def _models(self, request: web.Request) -> web.Response:
+        self.requests.append({"path": request.path_qs, "headers": dict(request.headers),
+                              "body": None})
+        data = [{"type": "model", "id": m, "display_name": f"{m} (double)",
+                 "created_at": "2026-01-02T03:04:05Z"} for m in self.models]
+        return web.json_response({"data": data, "has_more": False,
+                                  "first_id": self.models[0] if self.models else None,
+                                  "last_id": self.models[-1] if self.models else None})
 
     async def _count_tokens(self, request: web.Request) -> web.Response:
         from anthropic.types import MessageTokensCount

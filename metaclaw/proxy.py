@@ -57,6 +57,7 @@ from aiohttp import web
 
 from metaclaw.context_budget import TokenCounter
 from metaclaw.edge import EdgeRunner
+from metaclaw.jsonlib import dumpb, loads
 from metaclaw.pipeline import PROXY_FIELDS, TURN_TYPES, Recorder, TurnPipeline  # noqa: F401
 from metaclaw.protocols import PROTOCOLS, ProxyError, error_json, get_protocol  # noqa: F401
 from metaclaw.protocols.anthropic_messages import ANTHROPIC
@@ -466,11 +467,20 @@ class Proxy(ServedApp):
                 if responder is not None else None)
         name = name or self.config.model
         upstream = self._upstream
+        client = _protocol_of(request)  # an Anthropic SDK reads only Anthropic's list
         if name is None and upstream is not None and hasattr(upstream, "models"):
             try:
                 status, payload = await upstream.models(caller_key)
             except Exception as exc:
                 raise self._scrubbed(upstream.map_error(exc), caller_key) from None
-            return web.Response(body=payload, status=status, content_type="application/json")
-        data = [{"id": name, "object": "model", "created": 0, "owned_by": "metaclaw"}] if name else []
-        return web.json_response({"object": "list", "data": data})
+            if upstream.protocol is client:
+                return web.Response(body=payload, status=status, content_type="application/json")
+            try:
+                models = upstream.protocol.models_of(loads(payload))
+            except ValueError:
+                raise ProxyError(502, f"the upstream's model list is not JSON: "
+                                      f"{payload[:200]!r}", type="upstream_error") from None
+        else:
+            models = [{"id": name, "name": name, "created": 0}] if name else []
+        return web.Response(body=dumpb(client.models_payload(models)),
+                            content_type="application/json")

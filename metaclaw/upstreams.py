@@ -321,6 +321,13 @@ class AnthropicUpstream(HTTPUpstream):
             out["x-api-key"] = key
         return out
 
+    async def models(self, key: str | None = None) -> tuple[int, bytes]:
+        """``GET /v1/models`` of the upstream (its base URL has no ``/v1``), the longest page
+        Anthropic serves: the proxy answers with one list."""
+        async with asyncio.timeout(self.timeout):
+            return 200, await self._request("GET", "/v1/models?limit=1000", None,
+                                            self._headers(key, {}))
+
     async def count_tokens(self, body: dict[str, Any], key: str | None,
                            headers: dict[str, str]) -> bytes:
         async with asyncio.timeout(self.timeout):

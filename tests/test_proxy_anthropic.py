@@ -697,3 +697,29 @@ def test_two_anthropic_runs_opening_alike_keep_their_own_sessions(workspace, ope
         assert rows[1]["request_messages"][-1]["content"] == f"contents of {path}"
         assert rows[1]["response"] == ("run one: fixed" if path == "src/app.py"
                                        else "run two: fixed")
+
+
+@pytest.mark.parametrize("upstream_protocol", ["openai", "anthropic"])
+def test_each_sdk_lists_the_upstreams_models_in_its_own_shape(workspace, openai_double,
+                                                             anthropic_double, upstream_protocol):
+    """GET /v1/models serves both SDKs whatever the upstream speaks: the Anthropic SDK parses
+    ModelInfo pages (type, display_name, created_at), the OpenAI SDK model objects; an Anthropic
+    upstream is asked at its own /v1/models."""
+    upstream = openai_double if upstream_protocol == "openai" else anthropic_double
+    with _proxy(workspace, upstream, upstream_protocol) as proxy:
+        listed = list(_client(proxy).models.list())
+        listed_openai = list(openai.OpenAI(base_url=proxy.url, api_key="unused",
+                                           max_retries=0).models.list())
+    expected = MODEL if upstream_protocol == "openai" else "claude-double"
+    assert [m.id for m in listed] == [expected] and listed[0].type == "model"
+    assert [m.id for m in listed_openai] == [expected] and listed_openai[0].object == "model"
+    if upstream_protocol == "anthropic":
+        assert listed[0].display_name == "claude-double (double)"
+        assert listed_openai[0].created == listed[0].created_at.timestamp() == 1767323045
+        assert anthropic_double.requests[-1]["path"] == "/v1/models?limit=1000"
+
+
+def test_the_configured_model_is_listed_in_the_anthropic_shape(workspace, openai_double):
+    with _proxy(workspace, openai_double, "openai", model="pinned-model") as proxy:
+        [model] = list(_client(proxy).models.list())
+    assert model.id == "pinned-model" and model.display_name == "pinned-model"

@@ -168,6 +168,16 @@ class WireProtocol:
     def stream_error_event(self, error: ProxyError) -> bytes:
         raise NotImplementedError
 
+    # -- the model list (``GET /v1/models``) -----------------------------------------------
+    # A model in the neutral view: ``{"id", "name", "created"}`` (a display name, Unix seconds).
+    def models_payload(self, models: list[dict[str, Any]]) -> dict[str, Any]:
+        """The list of ``models`` as this protocol's clients read it."""
+        raise NotImplementedError
+
+    def models_of(self, payload: Any) -> list[dict[str, Any]]:
+        """The models of a list in this protocol's shape (entries without an id skipped)."""
+        raise NotImplementedError
+
 
 class StreamTranslator:
     """Translates one stream, event by event: ``feed`` returns the events to emit now,

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from datetime import datetime, timezone
 from typing import Any
 
 from metaclaw.protocols import ProxyError, StreamTranslator, WireProtocol, dumpb, dumps, loads
@@ -753,6 +754,37 @@ class AnthropicMessages(WireProtocol):
     def stream_error_event(self, error: ProxyError) -> bytes:
         payload = self.error_payload(error)
         return b"event: error\ndata: " + dumpb(payload) + b"\n\n"
+
+    def models_payload(self, models: list[dict[str, Any]]) -> dict[str, Any]:
+        data = [{"type": "model", "id": m["id"], "display_name": m.get("name") or m["id"],
+                 "created_at": _rfc3339(m.get("created"))} for m in models]
+        return {"data": data, "has_more": False, "first_id": data[0]["id"] if data else None,
+                "last_id": data[-1]["id"] if data else None}
+
+    def models_of(self, payload: Any) -> list[dict[str, Any]]:
+        data = payload.get("data") if isinstance(payload, dict) else None
+        return [{"id": m["id"], "name": m.get("display_name") if isinstance(
+                    m.get("display_name"), str) else m["id"],
+                 "created": _unix_seconds(m.get("created_at"))}
+                for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)
+                ] if isinstance(data, list) else []
+
+
+def _rfc3339(seconds: Any) -> str:
+    """Unix seconds as Anthropic writes a model's ``created_at`` (the epoch when unknown)."""
+    try:
+        moment = datetime.fromtimestamp(float(seconds or 0), timezone.utc)
+    except (ValueError, OverflowError, OSError):
+        moment = datetime.fromtimestamp(0, timezone.utc)
+    return moment.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _unix_seconds(text: Any) -> int:
+    """A model's ``created_at`` (RFC 3339) as Unix seconds; 0 when it is not one."""
+    try:
+        return int(datetime.fromisoformat(str(text).replace("Z", "+00:00")).timestamp())
+    except (ValueError, OverflowError):
+        return 0
 
 
 ANTHROPIC = AnthropicMessages()

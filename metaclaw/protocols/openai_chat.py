@@ -259,5 +259,18 @@ class OpenAIChat(WireProtocol):
     def stream_error_event(self, error: ProxyError) -> bytes:
         return b"data: " + dumpb(self.error_payload(error)) + b"\n\n"
 
+    def models_payload(self, models: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"object": "list", "data": [
+            {"id": m["id"], "object": "model", "created": int(m.get("created") or 0),
+             "owned_by": m.get("owned_by") or "metaclaw"} for m in models]}
+
+    def models_of(self, payload: Any) -> list[dict[str, Any]]:
+        data = payload.get("data") if isinstance(payload, dict) else None
+        return [{"id": m["id"], "name": m["id"],
+                 "created": m["created"] if isinstance(m.get("created"), int) else 0,
+                 "owned_by": m.get("owned_by") if isinstance(m.get("owned_by"), str) else None}
+                for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)
+                ] if isinstance(data, list) else []
+
 
 OPENAI = OpenAIChat()
