@@ -476,3 +476,33 @@ def test_custom_tool_calls_are_not_refused():
     with pytest.raises(ProxyError, match=r"tool_calls\[0\] must be an object"):
         OPENAI.parse_request({**body, "messages": [body["messages"][0], {
             "role": "assistant", "tool_calls": [{"id": "c1", "type": "function"}]}]}, None)
+
+
+def test_text_between_fragments_of_a_call_does_not_split_the_call():
+    """Some chat servers send text between two argument fragments of a tool call. An Anthropic
+    block takes no delta after it stops, so the text follows the call instead of cutting it
+    into two tool_use blocks with half the arguments each."""
+    def chunk(delta, finish=None):
+        return {"id": "c", "model": "m", "choices": [
+            {"index": 0, "delta": delta, "finish_reason": finish}]}
+
+    chunks = [chunk({"role": "assistant", "content": "Checking. "}),
+              chunk({"tool_calls": [{"index": 0, "id": "call_1", "type": "function", "function": {
+                  "name": "read_file", "arguments": '{"pa'}}]}),
+              chunk({"content": "One moment."}),
+              chunk({"reasoning_content": "the path is a"}),
+              chunk({"tool_calls": [{"index": 0, "function": {"arguments": 'th": "a"}'}}]}),
+              chunk({}, "tool_calls")]
+    to_anthropic = ANTHROPIC.stream_from_chat()
+    events = [e for c in chunks for e in to_anthropic.feed(c)] + to_anthropic.close()
+    assembler = ANTHROPIC.assembler()
+    for event in events:
+        assembler.add(event)
+    columns = assembler.columns()
+    assert [c["function"]["name"] for c in columns["tool_calls"]] == ["read_file"]
+    assert json.loads(columns["tool_calls"][0]["function"]["arguments"]) == {"path": "a"}
+    assert columns["response"] == "Checking. One moment."
+    starts = [e["content_block"]["type"] for e in events if e["type"] == "content_block_start"]
+    assert starts == ["text", "tool_use", "thinking", "text"]
+    stops = [e["index"] for e in events if e["type"] == "content_block_stop"]
+    assert stops == [0, 1, 2, 3]  # every block closed once, in order

@@ -233,7 +233,10 @@ class ChatToAnthropicStream(StreamTranslator):
     Parallel tool calls: a chat stream may interleave the argument deltas of its calls (both
     calls start in one chunk, then fragments of each), but an Anthropic block takes no delta
     after its ``content_block_stop``. So the first call streams live and the others are
-    gathered by index and sent whole, one block each, when the stream ends."""
+    gathered by index and sent whole, one block each, when the stream ends. For the same reason
+    text or reasoning that arrives once the calls have begun (some servers send it between two
+    fragments of a call) is gathered and sent after the calls: opening a block for it would
+    split the call in two."""
 
     def __init__(self) -> None:
         self.started = False
@@ -244,6 +247,7 @@ class ChatToAnthropicStream(StreamTranslator):
         self.closed = False
         self.live: int | None = None  # the OpenAI index of the call streamed live
         self.held: dict[int, dict[str, Any]] = {}  # the other calls, by OpenAI index
+        self.after_calls = {"thinking": "", "text": ""}  # what came once the calls began
 
     def _start(self, chunk: dict[str, Any]) -> list[dict[str, Any]]:
         self.started = True
@@ -284,13 +288,17 @@ class ChatToAnthropicStream(StreamTranslator):
                 continue
             delta = choice.get("delta") or {}
             reasoning = delta.get("reasoning_content") or delta.get("reasoning")
+            text = _text(delta.get("content"))  # a string, or parts (Mistral's Magistral)
+            if self.live is not None:
+                self.after_calls["thinking"] += reasoning or ""
+                self.after_calls["text"] += text
+                reasoning = text = ""
             if reasoning:
                 if self.block is None or self.block[0] != "thinking":
                     out += self._open("thinking", -1, {"type": "thinking", "thinking": "",
                                                        "signature": ""})
                 out.append({"type": "content_block_delta", "index": self.index,
                             "delta": {"type": "thinking_delta", "thinking": reasoning}})
-            text = _text(delta.get("content"))  # a string, or parts (Mistral's Magistral)
             if text:
                 if self.block is None or self.block[0] != "text":
                     out += self._open("text", -1, {"type": "text", "text": ""})
@@ -332,6 +340,13 @@ class ChatToAnthropicStream(StreamTranslator):
                 out.append({"type": "content_block_delta", "index": self.index,
                             "delta": {"type": "input_json_delta",
                                       "partial_json": call["arguments"]}})
+        for kind, start, delta in (("thinking", {"type": "thinking", "thinking": "",
+                                                 "signature": ""}, "thinking_delta"),
+                                   ("text", {"type": "text", "text": ""}, "text_delta")):
+            if self.after_calls[kind]:
+                out += self._open(kind, -1, start)
+                out.append({"type": "content_block_delta", "index": self.index,
+                            "delta": {"type": delta, kind: self.after_calls[kind]}})
         out += self._close_block()
         # a chat upstream does not say which stop sequence matched: "stop" is end_turn
         stop = _FINISH_TO_STOP.get(self.finish or "stop", "end_turn")
