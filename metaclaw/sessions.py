@@ -379,18 +379,18 @@ def _arguments(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
 
 
-def message_digest(role: Any, content: Any, tool_calls: Any = None) -> bytes:
-    """A digest of a message as the proxy recorded it or as a client resends it: its role, its
-    text without surrounding whitespace, each call's name and arguments. Call ids, reasoning,
-    images and cache markers are left out: clients rewrite, drop or move them."""
-    digest = hashlib.blake2b(f"{role}\x00{content_text(content).strip()}".encode(
-        "utf-8", "replace"), digest_size=16)
+def add_message(history: Any, role: Any, content: Any, tool_calls: Any = None) -> None:
+    """Add a message to the running digest ``history`` as the proxy recorded it or as a client
+    resends it: its role, its text without surrounding whitespace, each call's name and
+    arguments. Call ids, reasoning, images and cache markers are left out: clients rewrite,
+    drop or move them. Each field is prefixed with its length, so no two histories read alike."""
+    fields = [str(role), content_text(content).strip()]
     for call in tool_calls if isinstance(tool_calls, list) else ():
         function = call.get("function") if isinstance(call, dict) else None
         if isinstance(function, dict):
-            digest.update(f"\x00{function.get('name')}\x00{_arguments(function.get('arguments'))}"
-                          .encode("utf-8", "replace"))
-    return digest.digest()
+            fields += [str(function.get("name")), _arguments(function.get("arguments"))]
+    history.update("".join(f"{len(text)}:{text}" for text in fields).encode("utf-8", "replace")
+                   + b"\n")
 
 
 class ReplyThreads:
@@ -426,8 +426,8 @@ class ReplyThreads:
         history, key = hashlib.blake2b(digest_size=16), None
         for message in messages:
             message = message if isinstance(message, dict) else {}
-            history.update(message_digest(message.get("role"), message.get("content"),
-                                          message.get("tool_calls")))
+            add_message(history, message.get("role"), message.get("content"),
+                        message.get("tool_calls"))
             if message.get("role") == "assistant":  # the latest reply, after its history
                 key = (fingerprint, history.hexdigest())
         with self._lock:
@@ -460,7 +460,7 @@ class ReplyThreads:
         with self._lock:
             if replied:
                 history = thread.history.copy()
-                history.update(message_digest("assistant", text, tool_calls))
+                add_message(history, "assistant", text, tool_calls)
                 key = (thread.fingerprint, history.hexdigest())
                 self._replies.setdefault(key, []).append(thread.session_id)
                 self._replies.move_to_end(key)
