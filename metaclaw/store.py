@@ -224,6 +224,12 @@ MIGRATIONS: list[str] = [
     ALTER TABLE turns ADD COLUMN train_claim_until REAL;
     ALTER TABLE turns ADD COLUMN train_claim_by TEXT;
     """,
+    # 8: a step's claimed turns found without reading every turn (renewing, committing and
+    # releasing a claim scanned the whole table under the write lock). Partial: a turn without
+    # a claim (every turn the proxy records) has no entry, so recording costs nothing more
+    """
+    CREATE INDEX turns_train_claim ON turns(train_claim_by) WHERE train_claim_by IS NOT NULL;
+    """,
 ]
 
 SCHEMA_VERSION = len(MIGRATIONS)

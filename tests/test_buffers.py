@@ -177,6 +177,31 @@ def test_a_training_claim_counts_only_while_it_lasts_and_once_committed(store, l
     assert store.turn(c)["train_claim_by"] is None and buffers.consumable(store, [c]) == [c]
 
 
+def test_a_steps_claims_are_found_through_an_index_that_recording_does_not_write(store):
+    """Renewing, committing and releasing a claim read the claimed turns only (they scanned
+    every turn under the write lock); a turn without a claim has no entry in that index."""
+    a = turn(store, 0, reward=1)
+    buffers.refresh(store)
+    statements: list[str] = []
+    store._db.set_trace_callback(statements.append)
+    try:
+        buffers.claim_for_training(store, [a], "step-1")
+        buffers.renew_training_claim(store, "step-1")
+        buffers.commit_training_claim(store, "step-1")
+        buffers.release_training_claim(store, "step-1")
+    finally:
+        store._db.set_trace_callback(None)
+    by_claim = [s for s in statements if "WHERE train_claim_by" in s]
+    assert len(by_claim) == 3
+    for statement in by_claim:
+        plan = " ".join(row[3] for row in store._db.execute("EXPLAIN QUERY PLAN " + statement))
+        assert "USING" in plan and "INDEX turns_train_claim" in plan, (statement, plan)
+    turn(store, 0)
+    entries = store._db.execute("SELECT COUNT(*) FROM turns INDEXED BY turns_train_claim "
+                                "WHERE train_claim_by IS NOT NULL").fetchone()[0]
+    assert entries == 0
+
+
 def test_an_expired_claim_is_dropped_when_its_turn_becomes_support(store, library):
     """A step that outlived its claim (a machine suspended mid-step) cannot count a turn an
     evolution has made support meanwhile: the commit leaves it out."""
