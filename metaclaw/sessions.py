@@ -370,13 +370,14 @@ class Thread:
 
 
 def _arguments(value: Any) -> str:
-    """A tool call's arguments in one spelling: clients re-serialise the JSON they got."""
-    if isinstance(value, str):
-        try:
+    """A tool call's arguments in one spelling: clients re-serialise the JSON they got. What
+    is not JSON, or nests too deep to read back (a client's text), stays as it came."""
+    try:
+        if isinstance(value, str):
             value = json.loads(value)
-        except ValueError:
-            return value.strip()
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
+        return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
+    except (ValueError, RecursionError):
+        return value.strip() if isinstance(value, str) else f"<{type(value).__name__}>"
 
 
 def add_message(history: Any, role: Any, content: Any, tool_calls: Any = None) -> None:

@@ -410,6 +410,20 @@ def test_nested_content_is_answered_at_once(env):
     assert status == 200, payload
 
 
+def test_deeply_nested_tool_arguments_in_the_history_are_served(env):
+    """A resent assistant tool call whose arguments (a string) nest deeper than Python's
+    recursion limit: reading the history to thread the conversation must not answer 500."""
+    proxy, store = env
+    arguments = "[" * 100_000 + "]" * 100_000
+    messages = [{"role": "user", "content": "open it"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "c1", "type": "function",
+                     "function": {"name": "open", "arguments": arguments}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "done"}]
+    status, _, payload = judge(proxy, store, "openai", _with("openai", messages=messages))
+    assert status in (200, 400), payload
+
+
 def test_slowloris_headers_are_cut_off(env):
     """A client that never finishes its headers is disconnected after header_timeout."""
     proxy, _ = env
