@@ -4,9 +4,9 @@
 /v1/messages`` (JSON, or server-sent events with the full event sequence: ``message_start``,
 ``ping``, ``content_block_start`` / ``content_block_delta`` (``text_delta``, ``input_json_delta``,
 ``thinking_delta``, ``signature_delta``) / ``content_block_stop``, ``message_delta``,
-``message_stop``), ``POST /v1/messages/count_tokens`` and ``GET /v1/models``. Every reply and event is built and
-validated with the ``anthropic`` SDK's own types (``Message``, ``RawMessageStartEvent``, ...), so
-what it sends is what the SDK accepts from the real service.
+``message_stop``), ``POST /v1/messages/count_tokens`` and ``GET /v1/models``. Every reply and
+event is built and validated with the ``anthropic`` SDK's own types (``Message``,
+``RawMessageStartEvent``, ...), so what it sends is what the SDK accepts from the real service.
 
 Replies are *scripted*, never generated: a queue of :class:`AnthropicReply` consumed in order
 (once empty, it echoes the last user message) or a function of the request body. Token counts are

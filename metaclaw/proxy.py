@@ -478,8 +478,9 @@ class Proxy(ServedApp):
             try:
                 models = upstream.protocol.models_of(loads(payload))
             except ValueError:
-                raise ProxyError(502, f"the upstream's model list is not JSON: "
-                                      f"{payload[:200]!r}", type="upstream_error") from None
+                raise self._scrubbed(ProxyError(
+                    502, f"the upstream's model list is not JSON: {payload[:200]!r}",
+                    type="upstream_error"), caller_key) from None
         else:
             models = [{"id": name, "name": name, "created": 0}] if name else []
         return web.Response(body=dumpb(client.models_payload(models)),
