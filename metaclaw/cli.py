@@ -586,7 +586,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def _summary_keys(summary: dict[str, Any]) -> dict[str, Any]:
     keys = ("rounds", "file_check_rounds", "multi_choice_rounds", "accuracy",
             "file_check_completion", "multi_choice_score", "per_day", "skill_generation", "skills",
-            "model", "served_by", "nights", "policy_version", "resumed_days")
+            "model", "served_by", "nights", "policy_version", "resumed_days", "duration_s",
+            "earlier_duration_s", "resumed_duration_s", "earlier_part_note", "evolve_events_note")
     return {k: summary[k] for k in keys if k in summary}
 
 
@@ -834,6 +835,11 @@ def main(argv: list[str] | None = None) -> int:
     except CliError as exc:
         print(f"metaclaw {args.command}: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C is the user's choice: say what is kept, no traceback
+        kept = (f"; the rounds it finished are kept in {args.out}, and the same command with "
+                "--resume goes on from them" if args.command == "bench" else "")
+        print(f"metaclaw {args.command}: stopped by Ctrl-C{kept}", file=sys.stderr)
+        return 130
     except (ValueError, KeyError, OSError, RuntimeError) as exc:  # OSError: a read-only folder
         message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
         print(f"metaclaw {args.command}: {message}", file=sys.stderr)

@@ -194,6 +194,10 @@ def run_mode(mode: str, data: Path, days: Any, out: Path, upstream: str, model: 
             summary["skill_generation"] = library.generation
             summary["skills"] = [{"name": s.name, "description": s.description} for s in library.skills()]
             summary["evolve_events"] = events
+            if summary.get("resumed_days"):  # the earlier process's events went with it
+                summary["evolve_events_note"] = (
+                    "this part's evolutions only; the whole run's are the store's skill "
+                    f"generations ({library.generation} after the last day)")
             if slow is not None:
                 slow.label(summary)
                 (out / "run" / "summary.json").write_text(

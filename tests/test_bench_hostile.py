@@ -100,6 +100,66 @@ def test_a_round_id_used_twice_in_a_day_is_refused(tmp_path):
         load_benchmark(root)
 
 
+# ---------------------------------------------------------------- malformed data files
+def _edit_round(root: Path, **values) -> None:
+    qfile = root / "eval" / "day01" / "questions.json"
+    q = json.loads(qfile.read_text())
+    q["rounds"][0].update(values)
+    qfile.write_text(json.dumps(q))
+
+
+def _edit_day(root: Path, **values) -> None:
+    tests = json.loads((root / "all_tests.json").read_text())
+    tests["test"][0].update(values)
+    (root / "all_tests.json").write_text(json.dumps(tests))
+
+
+def _break_questions_encoding(root: Path) -> None:
+    (root / "eval" / "day01" / "questions.json").write_bytes(b"\xff\xfe{}")
+
+
+def _questions_is_a_folder(root: Path) -> None:
+    (root / "eval" / "day01" / "questions.json").unlink()
+    (root / "eval" / "day01" / "questions.json").mkdir()
+
+
+@pytest.mark.parametrize("damage, words", [
+    (lambda root: _edit_round(root, feedback="well done"), "round r1: feedback must be an object"),
+    (lambda root: _edit_round(root, update=5), "round r1: update must be a list"),
+    (lambda root: _edit_day(root, preference_tags=3), "day day01: preference_tags must be a list"),
+    (_break_questions_encoding, "questions.json is not UTF-8 text (byte 0)"),
+    (_questions_is_a_folder, "questions.json cannot be read: Is a directory"),
+])
+def test_a_malformed_data_file_is_one_sentence_naming_it(tmp_path, capsys, damage, words):
+    """These used to end in a traceback (TypeError), a message naming no file (a decode
+    error), or a day that stopped in the middle of the run (feedback not an object)."""
+    root = _copy(tmp_path)
+    damage(root)
+    assert main(["bench", "--data", str(root), "--days", "day01",
+                 "--out", str(tmp_path / "o")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("metaclaw bench: ") and words in err[-1]
+    assert not any("Traceback" in line for line in err)
+
+
+def test_a_seed_transcript_with_odd_lines_is_read_around_them(tmp_path):
+    """A JSON line that is not an object (``[1]``, ``"x"``) used to raise AttributeError; it is
+    skipped like a line that is not JSON. A seed file that is not UTF-8 is named."""
+    root = _copy(tmp_path)
+    tests = json.loads((root / "all_tests.json").read_text())
+    entry = tests["test"][0]
+    seed = (root / "openclaw_state" / "agents" / entry.get("agent", "metaclaw_agent") / "sessions"
+            / f"{entry['session']}.jsonl")
+    before = load_benchmark(root).day("day01").seed_messages
+    text = seed.read_text(encoding="utf-8")
+    seed.write_text('[1]\n"x"\n' + text + '{"type": "message", "message": {"role": "user", '
+                    '"content": [{"type": "text", "text": 5}]}}\n', encoding="utf-8")
+    assert load_benchmark(root).day("day01").seed_messages == before
+    seed.write_bytes(text.encode() + b"\xff\n")
+    with pytest.raises(BenchDataError, match="is not UTF-8 text"):
+        load_benchmark(root)
+
+
 # ---------------------------------------------------------------- the output folder
 def test_a_folder_no_run_wrote_is_refused_untouched(tmp_path, capsys):
     out = tmp_path / "thesis"
@@ -216,6 +276,43 @@ def test_a_run_killed_midway_resumes_with_each_round_once(tmp_path, capsys):
         {(r["day"], r["round"]) for r in records})      # each round once
     assert {r["day"] for r in records} == {"day01", "day02", "day03"} and len(records) == 15
     assert summary["rounds"] == 15 and summary["resumed_days"] == ["day01"]
+    assert summary["evolve_events_note"].startswith("this part's evolutions only")
+
+
+def test_ctrl_c_in_the_middle_of_a_day_stops_with_one_line_and_keeps_the_rounds(tmp_path,
+                                                                               capsys):
+    """Ctrl-C used to print a page of traceback (KeyboardInterrupt through asyncio). It now says
+    where the finished rounds are and how to go on, exits 130, and the run resumes."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "metaclaw.cli", "bench", "--mode", "skills", "--out", str(out),
+           "--days", "day01,day02"]
+    run = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and run.poll() is None:
+            if (out / "run" / "rounds.jsonl").is_file() and len(_rounds(out)) >= 2:
+                break
+            time.sleep(0.01)
+        run.send_signal(signal.SIGINT)
+        err = run.communicate(timeout=60)[1]
+    finally:
+        if run.poll() is None:
+            run.kill()
+    before = _rounds(out)
+    assert 2 <= len(before) < 10, "the run ended before it could be interrupted"
+    assert run.returncode == 130, err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1] == (
+        f"metaclaw bench: stopped by Ctrl-C; the rounds it finished are kept in {out}, and the "
+        "same command with --resume goes on from them")
+    assert main(["bench", "--mode", "skills", "--out", str(out), "--days", "day01,day02",
+                 "--resume", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["rounds"] == 10
 
 
 def test_resume_refuses_another_mode_or_a_folder_without_a_run(tmp_path, capsys):

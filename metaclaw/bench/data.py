@@ -127,6 +127,10 @@ def _read_json(path: Path) -> Any:
                              "(the one holding all_tests.json)") from None
     except json.JSONDecodeError as exc:
         raise BenchDataError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    except UnicodeDecodeError as exc:
+        raise BenchDataError(f"{path} is not UTF-8 text (byte {exc.start}); save it as UTF-8") from None
+    except OSError as exc:  # a folder where the file should be, a file it may not read
+        raise BenchDataError(f"{path} cannot be read: {exc.strerror or exc}") from None
 
 
 def _parse_round(raw: Any, where: str) -> Round:
@@ -141,8 +145,14 @@ def _parse_round(raw: Any, where: str) -> Round:
         raise BenchDataError(f"{where}: file_check round {rid} needs eval.command")
     if rtype == "multi_choice" and (not isinstance(ev.get("options"), dict) or not ev.get("answer")):
         raise BenchDataError(f"{where}: multi_choice round {rid} needs eval.options and eval.answer")
+    # checked here: a bad value would otherwise stop the day in the middle of the run
+    feedback, update = raw.get("feedback") or {}, raw.get("update") or []
+    if not isinstance(feedback, dict):
+        raise BenchDataError(f"{where}: round {rid}: feedback must be an object")
+    if not isinstance(update, list):
+        raise BenchDataError(f"{where}: round {rid}: update must be a list")
     return Round(id=str(rid), type=rtype, question=str(raw.get("question", "")), eval=ev,
-                 feedback=raw.get("feedback") or {}, update=list(raw.get("update") or []))
+                 feedback=feedback, update=update)
 
 
 def _seed_messages(path: Path) -> tuple[dict, ...]:
@@ -150,18 +160,24 @@ def _seed_messages(path: Path) -> tuple[dict, ...]:
     if not path.is_file():
         return ()
     out = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise BenchDataError(f"{path} is not UTF-8 text (byte {exc.start}); save it as UTF-8") from None
+    for line in text.splitlines():
         try:
             item = json.loads(line)
         except json.JSONDecodeError:
+            continue
+        if not isinstance(item, dict):  # like an unreadable line: not a transcript entry
             continue
         msg = item.get("message") if item.get("type") == "message" else None
         if not isinstance(msg, dict) or msg.get("role") not in ("user", "assistant"):
             continue
         content = msg.get("content")
         if isinstance(content, list):
-            content = "\n".join(c.get("text", "") for c in content
-                                if isinstance(c, dict) and c.get("type") == "text")
+            content = "\n".join(c["text"] for c in content if isinstance(c, dict)
+                                and c.get("type") == "text" and isinstance(c.get("text"), str))
         if isinstance(content, str) and content.strip():
             out.append({"role": msg["role"], "content": content})
     return tuple(out)
@@ -201,13 +217,17 @@ def load_benchmark(data_dir: str | Path) -> Benchmark:
         if any(d.id == day_id for d in days):
             raise BenchDataError(f"{root / 'all_tests.json'}: day id {day_id!r} appears more than "
                                  "once; give each day its own id")
+        tags = entry.get("preference_tags") or []
+        if not isinstance(tags, list):
+            raise BenchDataError(f"{root / 'all_tests.json'}: day {day_id}: preference_tags must "
+                                 "be a list")
         seed = ()
         if entry.get("session"):
             agent = str(entry.get("agent", "metaclaw_agent"))
             seed = _seed_messages(state_dir / "agents" / agent / "sessions" / f"{entry['session']}.jsonl")
         days.append(Day(id=day_id, desc=str(entry.get("desc") or q.get("desc", "")), rounds=rounds,
                         workspace_src=workspace_src, arc=str(entry.get("arc", "")),
-                        preference_tags=tuple(entry.get("preference_tags") or ()), seed_messages=seed))
+                        preference_tags=tuple(map(str, tags)), seed_messages=seed))
     if not days:
         raise BenchDataError(f"{root / 'all_tests.json'} lists no days")
     return Benchmark(name=str(tests.get("name", root.name)), root=root, eval_dir=eval_dir,

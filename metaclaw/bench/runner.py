@@ -8,7 +8,8 @@ Each day gets a fresh workspace and its own session; each round's question carri
 round's feedback (``[Previous Feedback] ...``); after the last round the last feedback is sent on
 its own, without tools, as the session's last call (``X-Session-Done``). A round is graded
 right after the agent's reply. Writes ``<out_dir>/rounds.jsonl`` (one record per round, as rounds
-finish) and ``<out_dir>/summary.json``.
+finish), ``<out_dir>/days.jsonl`` (when each day started and ended, as days end) and
+``<out_dir>/summary.json``.
 
 Hooks (sync functions run in a worker thread, or ``async`` functions awaited):
 
@@ -22,6 +23,9 @@ The runner is agnostic of ``mode``: it records it; the caller decides what ``bas
 Accuracy is over all rounds; file-check completion is over the file_check rounds only.
 With ``resume=True`` a run stopped midway goes on: the days it finished are kept from its
 ``rounds.jsonl``, the others run again (a day is the unit: its rounds share one workspace).
+The summary then covers the whole run: the kept days' rounds, and a ``duration_s`` that adds the
+time the earlier run spent on them (from its ``days.jsonl``) to this part's, or ``None`` with
+``earlier_part_note`` saying why when the earlier run's records do not tell.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import asyncio
 import inspect
 import json
 import logging
+import math
 import time
 import uuid
 from pathlib import Path
@@ -132,7 +137,15 @@ def format_table(summary: dict) -> str:
                  f"{summary['file_check_rounds']} file_check rounds; multi-choice mean score over "
                  f"{summary['multi_choice_rounds']} rounds")
     if summary.get("resumed_days"):
-        lines.append(f"kept from the earlier run: {', '.join(summary['resumed_days'])}")
+        kept = ", ".join(summary["resumed_days"])
+        lines.append(f"resumed run: the totals and day lines include {kept}, kept from the "
+                     "earlier run")
+        if summary.get("duration_s") is not None:
+            lines.append(f"duration {summary['duration_s']} s for the whole run: "
+                         f"{summary.get('earlier_duration_s')} s of the earlier run on {kept}, "
+                         f"{summary.get('resumed_duration_s')} s in this part")
+        else:
+            lines.append(f"duration unknown: {summary.get('earlier_part_note')}")
     for failure in summary.get("day_failures") or []:
         lines.append(f"day failed: {failure}")
     for error in summary.get("hook_errors") or []:
@@ -195,8 +208,64 @@ def finished_days(path: Path, days: list[Day], mode: str, model: str) -> dict[st
     return finished
 
 
+def earlier_day_spans(path: Path, kept: dict[str, list[dict]]) -> dict[str, dict]:
+    """When the earlier run worked on each kept day: day id -> its record in ``days.jsonl`` at
+    ``path`` (``started_at``, ``finished_at``: wall-clock seconds), for the kept days (as
+    :func:`finished_days` returns them) that have one.
+
+    A day has none when the run was stopped after its last round but before the day's end, or
+    when the file was written before days were timed; a line that cannot be read, or that
+    another run wrote (its ``run_id`` is not the one in the kept rounds' sessions), is skipped:
+    a timing is left out rather than guessed.
+    """
+    if not path.is_file():
+        return {}
+    spans: dict[str, dict] = {}
+    for line in path.read_bytes().split(b"\n"):
+        try:
+            record = json.loads(line.decode("utf-8"))
+            day, started, finished = record["day"], record["started_at"], record["finished_at"]
+            rounds = kept[day]
+            if not 0 <= float(finished) - float(started) < math.inf:  # the clock was set back
+                continue
+        except (ValueError, TypeError, KeyError):  # a cut or foreign line: no timing from it
+            continue
+        if all(r.get("session_id") == f"bench-{record.get('run_id')}-{day}" for r in rounds):
+            spans[day] = record
+    return spans
+
+
+def _covered_seconds(spans: Iterable[dict]) -> float:
+    """Wall-clock seconds covered by the spans: days that ran side by side count once."""
+    total, end = 0.0, float("-inf")
+    for start, finish in sorted((float(s["started_at"]), float(s["finished_at"])) for s in spans):
+        if finish > end:
+            total += finish - max(start, end)
+            end = finish
+    return total
+
+
+def _timing(part_s: float, kept: dict[str, list[dict]], spans: dict[str, dict],
+            order: list[str]) -> dict:
+    """The summary's duration: this part's, plus the time the earlier run spent on the days it
+    kept (or ``None``, with a note, when its records lack a kept day's timing)."""
+    part_s = round(part_s, 3)
+    if not kept:
+        return {"duration_s": part_s}
+    missing = [day for day in order if day in kept and day not in spans]
+    if missing:
+        return {"duration_s": None, "earlier_duration_s": None, "resumed_duration_s": part_s,
+                "earlier_part_note": (
+                    f"the earlier run's records hold no timing for {', '.join(missing)} (it was "
+                    "stopped after the day's last round, or its days.jsonl was not written), so "
+                    f"the whole run's duration is not known; this part took {part_s} s")}
+    earlier = round(_covered_seconds(spans[day] for day in order if day in kept), 3)
+    return {"duration_s": round(earlier + part_s, 3), "earlier_duration_s": earlier,
+            "resumed_duration_s": part_s}
+
+
 class _Writer:
-    """Appends round records to the JSONL file as they finish (one event loop, so no lock)."""
+    """Appends records (rounds, days) to a JSONL file as they finish (one event loop, so no lock)."""
 
     def __init__(self, path: Path, kept: Iterable[dict] = ()):
         # a resumed run's file starts with the days it keeps, written beside it and swapped in
@@ -288,6 +357,7 @@ async def arun_bench(data_dir: str | Path, days: str | Iterable[str] | None = "a
     chosen = select_days(bench, days)
     out = Path(out_dir)
     kept = finished_days(out / "rounds.jsonl", chosen, mode, model) if resume else {}
+    spans = earlier_day_spans(out / "days.jsonl", kept) if kept else {}
     out.mkdir(parents=True, exist_ok=True)
     config = AgentConfig(base_url=base_url, model=model, api_key=api_key,
                          max_iterations=max_iterations, timeout=request_timeout)
@@ -295,6 +365,7 @@ async def arun_bench(data_dir: str | Path, days: str | Iterable[str] | None = "a
     hook_errors: list[str] = []
     all_records = [record for day in chosen for record in kept.get(day.id, [])]
     writer = _Writer(out / "rounds.jsonl", all_records)
+    day_writer = _Writer(out / "days.jsonl", [spans[d.id] for d in chosen if d.id in spans])
     gate = asyncio.Semaphore(int(parallel))
     started = time.perf_counter()
 
@@ -312,6 +383,7 @@ async def arun_bench(data_dir: str | Path, days: str | Iterable[str] | None = "a
     async def one_day(day: Day) -> None:
         async with gate:
             done: list[dict] = []
+            day_started = time.time()
 
             def record_round(record: dict) -> None:
                 done.append(record)
@@ -333,15 +405,21 @@ async def arun_bench(data_dir: str | Path, days: str | Iterable[str] | None = "a
                                       "mode": mode, "model": model})
             await _call_hook(between_days, summarize(done, day_order=[day.id])["per_day"][0],
                              hook_errors, "between_days")
+            # the day's share of the run's time, which a resumed run adds to its own
+            day_writer.write({"day": day.id, "run_id": run_id, "mode": mode, "model": model,
+                              "started_at": round(day_started, 3),
+                              "finished_at": round(time.time(), 3)})
 
     try:
         await asyncio.gather(*(one_day(d) for d in chosen if d.id not in kept))
     finally:
         writer.close()
+        day_writer.close()
     summary = summarize(all_records, day_order=[d.id for d in chosen], benchmark=bench.name,
                         mode=mode, model=model, base_url=base_url, days=[d.id for d in chosen],
                         parallel=int(parallel), run_id=run_id,
-                        duration_s=round(time.perf_counter() - started, 3),
+                        **_timing(time.perf_counter() - started, kept, spans,
+                                  [d.id for d in chosen]),
                         hook_errors=hook_errors, day_failures=failures,
                         resumed_days=[d.id for d in chosen if d.id in kept],
                         first_error=next((f"{r['day']} {r['round']}: {r['error']}"
@@ -370,7 +448,9 @@ def run_bench(data_dir: str | Path, days: str | Iterable[str] | None = "all", mo
     ``file_check_completion``, ``multi_choice_rounds``, ``multi_choice_score``, ``errors``,
     ``per_day`` (list of per-day dicts with ``day``, ``accuracy``, ...), ``first_error`` (the
     first round's error, "<day> <round>: <error>", or None), ``resumed_days`` (days kept from
-    the earlier run), plus run metadata.
+    the earlier run), ``duration_s`` (seconds, the whole run's: on a resumed run also
+    ``earlier_duration_s`` and ``resumed_duration_s``, or ``None`` and ``earlier_part_note``
+    when the earlier run's records lack a kept day's timing), plus run metadata.
     Works from a plain script and from a notebook (where an event loop is already running).
     """
     from metaclaw.aio import run_sync
