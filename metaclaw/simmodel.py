@@ -248,7 +248,7 @@ class ToolSet:
 # --------------------------------------------------------------------------------------------
 
 def _month_date(text: str, default_year: int) -> dt.date | None:
-    """'March 16, 2026' or '16 March 2026' (year optional) -> date."""
+    """'July 9, 2026' or '9 July 2026' (year optional) -> date."""
     months = "|".join(MONTHS)
     m = re.search(rf"\b({months})\s+(\d{{1,2}})(?:st|nd|rd|th)?\b(?:,?\s*(\d{{4}}))?", text, re.I)
     if m:
@@ -300,7 +300,7 @@ _WORD_HOURS = {"nine": 9, "ten": 10, "eleven": 11, "twelve": 12, "one": 13, "two
 
 
 def parse_when(text: str, today: dt.date, default: dt.time = dt.time(9, 30)) -> dt.datetime | None:
-    """A time expression ('this Friday 18:00', 'today at 14:00', '2026-06-30 18:00') -> datetime.
+    """A time expression ('this Friday 18:00', 'today at 14:00', '2026-09-30 17:00') -> datetime.
 
     Returns None when the text holds no date or time hint at all."""
     low = text.lower()
@@ -360,7 +360,7 @@ def parse_when(text: str, today: dt.date, default: dt.time = dt.time(9, 30)) -> 
 
 _STOP = {"a", "an", "the", "this", "that", "of", "to", "with", "and", "in", "on", "our", "for",
          "new", "formal", "structured", "comprehensive", "detailed", "brief", "json", "markdown",
-         "csv", "python", "format", "file", "weekly", "please", "its", "their", "all", "some",
+         "csv", "python", "format", "file", "please", "its", "their", "all", "some",
          "we", "you", "it", "as", "from", "by", "at", "into", "is", "are", "be", "or", "s",
          "directory", "folder"}
 _GENERIC = {"utility", "helper", "module", "class", "script", "tool", "document", "doc"}
@@ -390,7 +390,7 @@ def describe(question: str) -> list[str]:
     q = re.sub(r"\S+/\S*", " ", question)
     m = re.search(r"\b(?:create|generate|write|draft|compile|prepare|produce)\s+(?:me\s+)?"
                   r"(?:(?:a|an|the)\s+)?(.+?)(?=\s+(?:in|as)\s+(?:json|markdown|csv|python)\b|,|\.\s|\.$|\(|"
-                  r"\s+(?:saved?|and save|under|based on|to record|to officially|that|which|for \w+ing)\b|$)",
+                  r"\s+(?:saved?|and save|under|based on|that|which|for \w+ing)\b|$)",
                   q, re.I)
     phrase = m.group(1) if m else ""
     if not m:
@@ -409,8 +409,8 @@ def describe(question: str) -> list[str]:
         fm = re.search(r"\bfor\s+(\w+?)ing\s+(?:with\s+|on\s+)?(?:the\s+)?([\w ]+?)(?=\s+(?:to|in|from|for)\b|[,.(]|$)",
                        question, re.I)
         if fm:
-            obj = _words(fm.group(2))
-            return _snake([obj[-1] if obj else "data", fm.group(1).lower()] + words[:1]).split("_")
+            # "a helper for exporting sprint data" -> the object, the verb, the noun (no word dropped)
+            return _snake(_words(fm.group(2)) + [fm.group(1).lower()] + words[:1]).split("_")
     return _snake(words or ["output"]).split("_")
 
 
@@ -506,7 +506,7 @@ def _is_time_field(name: str, hint: str = "") -> bool:
     n = name.lower()
     return (n.endswith(("_at", "_time", "_date", "_start", "_end", "_on")) or
             n in ("deadline", "start", "end", "date", "timestamp", "time", "when") or
-            bool(re.search(r"\b(time|datetime|date array|timestamp)\b", hint.lower())))
+            bool(re.search(r"\b(times?|datetimes?|dates?|timestamps?)\b", hint.lower())))
 
 
 def _is_number_field(name: str, hint: str = "") -> bool:
@@ -929,11 +929,15 @@ def make_json(ctx: _Ctx) -> str:
 
 def _walk_times(ctx: _Ctx, obj: Any, mapping: dict[str, str], normalize: bool) -> Any:
     """Set time values in a JSON document: fields named in ``mapping`` (and, when ``normalize``,
-    every time-like field) get the agent's timestamp format."""
+    every time-like field) get the agent's timestamp format. A record that only names a mapped
+    field (``{"name": "opened_after", "sample": "..."}``) gets its time in the keys the request
+    itself mentions ("correct the sample values")."""
+    asked = set(_words(ctx.q)) - _STOP
     if isinstance(obj, dict):
         name = obj.get("name")
         for k, v in list(obj.items()):
-            if k == "example" and isinstance(name, str) and name in mapping:
+            if k != "name" and k in asked and isinstance(name, str) and name in mapping and \
+                    not isinstance(v, (dict, list)):
                 obj[k] = mapping[name]
             elif k in mapping and not isinstance(v, (dict, list)):
                 obj[k] = mapping[k]
@@ -1137,7 +1141,7 @@ _TOKEN = re.compile(r"[\w:+\-./]+")
 
 def _date_like(token: str) -> bool:
     """A token that writes a date or a time in some shape: a clock (9:30), or a year with more
-    digits beside it (2026-03-17, 2026-W12-1, 2026-075, 20260316T0930)."""
+    digits beside it (2026-07-09, 2026-W28-4, 2026-190, 20260709T1430)."""
     if re.search(r"\d{1,2}:\d{2}", token):
         return True
     digits = re.findall(r"\d+", token)
@@ -1160,7 +1164,7 @@ def _value_spans(opt: str) -> list[str]:
 
 def _time_verdict(opt: str, time_rule: Any) -> bool | None:
     """Under a stated time format: False when a value of the option writes a date or time in any
-    other shape (or in words: 'Friday', 'March 20'), True when all its date-times follow the
+    other shape (or in words: 'Friday', 'July 10'), True when all its date-times follow the
     format, None when it holds no date or time value. File names are left to the naming rule."""
     seen = False
     for span in _value_spans(opt):
@@ -1331,7 +1335,7 @@ def agent_reply(body: dict, seed: int = DEFAULT_SEED) -> dict:
 
 _NEG = re.compile(r"\b(incorrect|incorrectly|wrong|missing|missed|does not|doesn't|did not|not correctly|"
                   r"not conform|not meet|not follow|violat\w*|issues?|fail\w*|must|requires?|should be|"
-                  r"still contains|bad|forgot\w*|instead)\b", re.I)
+                  r"bad|forgot\w*|instead)\b", re.I)
 _OPENS_POS = re.compile(r"^\W*(correct|all correct|excellent|perfect|great|well done)\b", re.I)
 _POS = re.compile(r"\b(correct|correctly|perfect|excellent|properly|follows|complies|comply|compliant|"
                   r"success\w*|well done)\b", re.I)

@@ -11,22 +11,23 @@ Five kinds of rule can be read (:func:`read_rules`; each reader looks at one sen
 example at a time):
 
 ``time`` -- a timestamp format. Read from an example date-time literal in a sentence about time,
-    dates or formats (``... recorded as 2026-03-16T09:30:00+05:00``, ``format like `16.03.2026 09:30
+    dates or formats (``... written as 2026-07-09T14:30:00+05:00``, ``format like `09.07.2026 14:30
     UTC-3```). The example becomes a ``strftime`` pattern: the digits are matched to year, month,
     day, hour, minute and second; separators, a ``T``, and the zone suffix (``Z``, ``+hh:mm``,
-    ``UTC-3``) are kept literally. ``<time>`` placeholders stand for ``HH:MM:SS``. Once known, every
+    ``UTC-3``) are kept literally. A placeholder in the clock's place (``<time>``, ``<hh:mm>``)
+    stands for ``HH:MM:SS`` (``HH:MM`` when it shows one colon). Once known, every
     time value the agent writes uses it; without it the agent writes ``2026-07-09 14:30``.
 ``naming`` -- a file-name pattern for new files. Read from a pattern or an example in a sentence
     about names (``named like `20260709_stock_report.json```, ``use `<description>-2026-07-09.md```,
-    ``(20260403_*.csv)``): where the date goes (prefix or suffix), its format (8 digits or
+    ``(20260709_*.csv)``): where the date goes (prefix or suffix), its format (8 digits or
     year-month-day letters style, with the example's separators), the separator between date and
     description, and the word separator and case of the description.
 ``header`` -- a metadata header that files of one type must carry, copied from an example in the
     text: a YAML front matter block (``--- key: value ... ---``) for Markdown, a top-level JSON
     object (``{"info": {"key": ...}}``) for JSON, a titled section in a Python module docstring
     (``Meta:`` followed by ``key: value`` lines), a first-line comment with ``key=value`` pairs for
-    CSV. Keys and literal values are kept; a value that looks like a timestamp (or holds
-    ``<time>``) is filled with the current time in the known time format.
+    CSV. Keys and literal values are kept; a value that looks like a timestamp (or is a
+    placeholder for one) is filled with the current time in the known time format.
 ``backup`` -- copy a file before changing it. Read from a sentence that says to back up / copy
     before modifying, with the backup's name as an example (``a.md.bak``, ``<file>.orig``): the
     suffix is what the example adds to a file name.
@@ -51,7 +52,8 @@ from dataclasses import dataclass, field
 
 KINDS = ("time", "naming", "header", "backup", "log")
 
-_TIME_WORDS = re.compile(r"\b(time|times|timestamp\w*|date|dates|datetime\w*|format\w*|recorded as|"
+_TIME_WORDS = re.compile(r"\b(time|times|timestamp\w*|date|dates|datetime\w*|format\w*|"
+                         r"(?:recorded|written|stored|given) as|"
                          r"should be|must be|e\.g\.|example|like|offset|zone)\b", re.I)
 _NAME_WORDS = re.compile(r"\b(name|names|named|naming|filename\w*|file name\w*|files?|format|"
                          r"e\.g\.|example|should use|must use)\b", re.I)
@@ -61,9 +63,11 @@ _BEFORE_CHANGE = re.compile(r"\b(before|prior to)\b[^.]*\b(modif\w*|chang\w*|edi
 _LOG_WORDS = re.compile(r"\b(append\w*|log|record|add)\b[^.]*\b(line|entry|entries|row)\b|"
                         r"\b(append\w*)\b", re.I)
 
-# A date-time literal: year-first (2026-03-16T09:30:00.000+08:00, 2026/03/16 09:30) or day-first
-# (16.03.2026 09:30), with an optional zone suffix; <time> stands for a clock time.
-_CLOCK = r"(?:\d{1,2}:\d{2}(?::\d{2})?(?:\.\d+)?|<time>)"
+# A date-time literal: year-first (2026-07-09T14:30:00.000+05:00, 2026/07/09 14:30) or day-first
+# (09.07.2026 14:30), with an optional zone suffix; a placeholder (<time>, <hh:mm:ss>) may stand
+# for the clock time, whatever the text calls it.
+_PLACEHOLDER = r"<(?:[\w .\-]*(?<![a-z])(?:time|clock|now)(?![a-z])[\w .\-]*|[hHmMsS]{1,2}(?::[hHmMsS]{1,2}){1,2})>"
+_CLOCK = r"(?:\d{1,2}:\d{2}(?::\d{2})?(?:\.\d+)?|" + _PLACEHOLDER + ")"
 _ZONE = r"(?:Z|\s?(?:UTC|GMT)?[+-]\d{1,2}(?::?\d{2})?)?"
 DATETIME_RE = re.compile(r"(?<![\w-])(?:\d{4}[-/.]\d{1,2}[-/.]\d{1,2}|\d{1,2}[-/.]\d{1,2}[-/.]\d{4})"
                          r"(?:[T ]|, )" + _CLOCK + _ZONE + r"(?![\w:])")
@@ -117,10 +121,11 @@ def time_format_of(example: str) -> TimeFormat | None:
         date = f"%d{sep}%m{sep}%Y" if int(b) <= 12 else f"%m{sep}%d{sep}%Y"
     else:
         return None
-    cm = re.match(r"(<time>|\d{1,2}:\d{2}(:\d{2})?)(\.\d+)?(.*)$", rest)
+    cm = re.match(r"(" + _PLACEHOLDER + r"|\d{1,2}:\d{2}(:\d{2})?)(\.\d+)?(.*)$", rest)
     if not cm:
         return None
-    clock = "%H:%M:%S" if cm.group(1) == "<time>" or cm.group(2) else "%H:%M"
+    placeholder = cm.group(1).startswith("<")
+    clock = "%H:%M:%S" if (cm.group(1).count(":") != 1 if placeholder else cm.group(2)) else "%H:%M"
     zone = cm.group(4).replace("%", "%%")
     return TimeFormat(date + between.replace("%", "%%") + clock + zone, text)
 
@@ -157,7 +162,7 @@ def read_time(sentence: str) -> list[TimeFormat]:
     out = []
     for m in DATETIME_RE.finditer(sentence):
         tf = time_format_of(m.group(0))
-        # a format with a zone is a convention; a bare "2026-03-01 00:00:00" is just a value
+        # a format with a zone is a convention; a bare "2026-07-01 08:00:00" is just a value
         if tf and re.search(r"(Z|[+-]\d{1,2}(:?\d{2})?)$", tf.example):
             out.append(tf)
     return out
@@ -277,16 +282,18 @@ class Header:
     example: str = ""
 
     def values(self, now_text: str) -> list[tuple[str, str]]:
-        """The fields with timestamps (and ``<time>`` placeholders) replaced by ``now_text``."""
+        """The fields with timestamps (and placeholders for one) replaced by ``now_text``."""
         out = []
         for key, value in self.fields:
-            if "<time>" in value or DATETIME_RE.fullmatch(value.strip()):
+            if DATETIME_RE.fullmatch(value.strip()) or _TIME_PLACEHOLDER.fullmatch(value.strip()):
                 value = now_text
             out.append((key, value))
         return out
 
 
-_KV = re.compile(r"([A-Za-z_][\w-]*)\s*:\s*(\"[^\"]*\"|[^\s\"]+(?:T<time>[^\s\"]*)?)")
+# a placeholder that names a time on its own ("<time>", "<now>", "<created timestamp>")
+_TIME_PLACEHOLDER = re.compile(r"<[^<>]*(?<![a-z])(time|date|datetime|timestamp|now)(?![a-z])[^<>]*>", re.I)
+_KV = re.compile(r"([A-Za-z_][\w-]*)\s*:\s*(\"[^\"]*\"|[^\s\"]+)")
 
 
 def _pairs(block: str, sep: str = ":") -> list[tuple[str, str]]:
@@ -373,7 +380,7 @@ class LogLine:
 
 def _field_kind(text: str) -> str:
     t = text.strip()
-    if DATETIME_RE.fullmatch(t) or "<time>" in t or re.fullmatch(r"<[^>]*(time|date|timestamp)[^>]*>", t, re.I):
+    if DATETIME_RE.fullmatch(t) or _TIME_PLACEHOLDER.fullmatch(t):
         return "time"
     if re.fullmatch(r"<[^>]*(id|name|task)[^>]*>", t, re.I) or re.fullmatch(r"[a-z][a-z0-9]*(_[a-z0-9]+)+", t):
         return "id"

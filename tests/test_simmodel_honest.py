@@ -8,12 +8,22 @@
    benchmark does not have (another offset and date style, a date-suffix kebab-case naming
    pattern, another backup suffix, another log file and line): baseline vs skills written by the
    simulated evolver from the failures' feedback.
+3. The words and word pairs of the simulated model's string literals are generic: any that the
+   public subset also uses must be in a large generic corpus (the Python standard library's
+   source) or in a short list reviewed here; no date or offset of the benchmark appears in the
+   doubles at all, not even in a comment.
+4. What the agent writes follows the request: a new file's name keeps the request's own words,
+   a clock placeholder is read whatever the text calls it, a record's time goes into the key the
+   request names, a list of dates is recognised in any wording.
 """
 
 from __future__ import annotations
 
+import ast
+import functools
 import json
 import re
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -370,3 +380,181 @@ def test_a_generated_script_names_only_keys_the_context_states():
          "scan_folder(dir_path)."}])
     script = sm.make_python(sm._Ctx(conv, {}, 7), ["scan", "folder"])
     assert '"stamp" in json.load(fh)' in script
+
+
+# ---------------------------------------------------------------- the doubles' vocabulary
+BEHAVIOUR = ("simmodel.py", "simrules.py")
+TEXT_SUFFIXES = (".json", ".md", ".txt", ".py", ".log", ".csv", ".yaml", ".yml", ".sh", ".jsonl")
+
+# Words (four letters or more) and adjacent word pairs of the two modules' string literals that
+# the public subset uses too and the standard library does not. Each was reviewed as generic
+# English or as vocabulary of the code the agent generates. A new entry needs the same review:
+# a word or phrase that only the benchmark's requests, feedback or files would suggest is a
+# leak to remove, not an entry to add.
+GENERIC_WORDS = {
+    "afternoon", "approximately", "assignee", "assistant", "backups", "comply", "developer",
+    "exempt", "markdown", "metrics", "morning", "organize", "role", "skills", "snake", "team",
+    "tomorrow", "unclear", "yaml", "yesterday",
+}
+GENERIC_PAIRS = {
+    "all correct", "as json", "back it", "base url", "copy before", "each task", "format like",
+    "http localhost", "import json", "in json", "is unclear", "json files", "json load",
+    "new files", "next steps", "next week", "not correctly", "not meet", "overall metrics",
+    "please answer", "readme md", "results as", "summary json", "summary with", "the team",
+    "this afternoon", "this morning", "this task", "today is",
+}
+
+
+def _words_of(text: str) -> set[str]:
+    return {w.lower() for w in re.findall(r"[A-Za-z]{4,}", text)}
+
+
+def _pairs_of(text: str) -> set[str]:
+    words = re.findall(r"[a-z]+", text.lower())
+    return {f"{a} {b}" for a, b in zip(words, words[1:]) if len(a) > 1 and len(b) > 1}
+
+
+@functools.lru_cache(maxsize=1)
+def _generic_corpus() -> tuple[frozenset[str], frozenset[str]]:
+    """Words and word pairs of the Python standard library's source: a large corpus of English
+    and code written with no knowledge of the benchmark."""
+    std = Path(sysconfig.get_paths()["stdlib"])
+    words: set[str] = set()
+    pairs: set[str] = set()
+    for path in std.rglob("*.py"):
+        if {"test", "tests", "idlelib", "site-packages"} & set(path.relative_to(std).parts):
+            continue
+        text = path.read_text(encoding="utf-8", errors="ignore")
+        words |= _words_of(text)
+        pairs |= _pairs_of(text)
+    return frozenset(words), frozenset(pairs)
+
+
+@functools.lru_cache(maxsize=1)
+def _bench_vocabulary() -> tuple[frozenset[str], frozenset[str]]:
+    words: set[str] = set()
+    pairs: set[str] = set()
+    for path in small_bench_dir().rglob("*"):
+        if path.is_file() and path.suffix in TEXT_SUFFIXES:
+            text = path.read_text(encoding="utf-8", errors="ignore").replace("\\n", "\n")
+            words |= _words_of(text)
+            pairs |= _pairs_of(text)
+    return frozenset(words), frozenset(pairs)
+
+
+def _literals(path: Path) -> list[str]:
+    """The string literals of a module that can drive its behaviour (docstrings left out), with
+    regex syntax blanked and alternatives split apart: ``(?:a|b c)`` gives ``a`` and ``b c``."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    docs = {id(node.body[0].value) for node in ast.walk(tree)
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.body and isinstance(node.body[0], ast.Expr)
+            and isinstance(node.body[0].value, ast.Constant)}
+    out: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
+            out += re.sub(r"\\[A-Za-z]|\(\?[:!=<]*|[()?*+\[\]{}^$\\]", " ", node.value).split("|")
+    return out
+
+
+def _unreviewed(text: str) -> set[str]:
+    """Words and pairs of ``text`` that the public subset uses and no generic source explains."""
+    bench_words, bench_pairs = _bench_vocabulary()
+    generic_words, generic_pairs = _generic_corpus()
+    words = {w for w in _words_of(text) if w in bench_words and w not in generic_words}
+    pairs = {p for p in _pairs_of(text) if p in bench_pairs and p not in generic_pairs}
+    return (words - GENERIC_WORDS) | (pairs - GENERIC_PAIRS)
+
+
+def test_the_vocabulary_check_catches_a_request_copied_into_the_model():
+    """Every request of the public subset holds a word or a phrase the check would flag, so a
+    phrase fitted to a request cannot slip through as 'generic'."""
+    root = small_bench_dir()
+    questions = [r["question"] for q in sorted((root / "eval").glob("*/questions.json"))
+                 for r in json.loads(q.read_text())["rounds"]]
+    assert questions and all(_unreviewed(q) for q in questions)
+
+
+def test_the_models_words_and_phrases_are_generic():
+    hits = [f"{name}: {found!r}" for name in BEHAVIOUR for lit in _literals(PACKAGE / name)
+            for found in sorted(_unreviewed(lit))]
+    assert not hits, ("words or phrases of the public subset in the simulated model (remove "
+                      "them, or review them as generic):\n" + "\n".join(sorted(set(hits))))
+
+
+def test_no_date_or_offset_of_the_benchmark_anywhere_in_the_doubles():
+    """Not even in a comment or a docstring: the doubles' examples use dates of their own."""
+    months = "January|February|March|April|May|June|July|August|September|October|November|December"
+    value = re.compile(
+        r"(?<!\d)20\d\d-\d\d-\d\d(?!\d)|(?<!\d)20\d{6}(?!\d)|(?<!\d)\d\d\.\d\d\.20\d\d(?!\d)|"
+        r"\b20\d\d-W\d\d(?:-\d)?\b|T\d\d:\d\d(?::\d\d)?(?:\.\d+)?([+-]\d\d:\d\d)|"
+        rf"(?<![\d:])[+-]\d\d:\d\d(?!\d)|\b(?:{months}) \d{{1,2}}(?!\d)|(?<!\d)\d{{1,2}} (?:{months})\b")
+    values = set()
+    for path in small_bench_dir().rglob("*"):
+        if path.is_file() and path.suffix in TEXT_SUFFIXES:
+            text = path.read_text(errors="ignore")
+            values |= {m.group(1) or m.group(0) for m in value.finditer(text)}
+    assert len(values) >= 20 and any(v.startswith(("+", "-")) for v in values)
+    hits = [f"{name}: {v!r}" for name in DOUBLES for v in sorted(values)
+            if re.search(rf"(?<![\w]){re.escape(v)}(?!\d)",
+                         (PACKAGE / name).read_text(encoding="utf-8"))]
+    assert not hits, "dates or offsets of the benchmark in the doubles:\n" + "\n".join(hits)
+
+
+# ----------------------------------------------------------- what it writes follows the request
+@pytest.mark.parametrize("period", ["daily", "weekly", "monthly", "quarterly", "yearly"])
+def test_a_new_files_name_keeps_the_words_of_the_request(period):
+    """The name of a new file (and the task id of a log line) is made of the request's own words:
+    none is dropped or reordered to suit what a grader looks for."""
+    q = f"Please create a {period} sales digest in Markdown and save it to the shop/ directory."
+    assert sm.describe(q) == [period, "sales", "digest"]
+
+
+def test_a_name_built_from_a_purpose_keeps_every_word_of_it():
+    q = "Please write a Python helper module for exporting order records, save it to shop/."
+    assert sm.describe(q) == ["order", "records", "export", "helper"]
+
+
+@pytest.mark.parametrize("placeholder", ["<time>", "<now>", "<clock>", "<hh:mm:ss>"])
+def test_a_clock_placeholder_is_read_whatever_the_text_calls_it(placeholder):
+    from metaclaw.simrules import read_rules
+
+    rules = read_rules(f"Every time value must be written like `2026-07-09T{placeholder}-03:00`.")
+    assert rules.time is not None and rules.time.pattern == "%Y-%m-%dT%H:%M:%S-03:00"
+    rules = read_rules("Every Markdown file must start with this front matter:\n```\n---\n"
+                       f"made: 2026-07-09T{placeholder}-03:00\nby: shop_bot\n---\n```")
+    assert rules.headers["md"].values("NOW") == [("made", "NOW"), ("by", "shop_bot")]
+
+
+@pytest.mark.parametrize("placeholder", ["<hh:mm>", "<HH:MM>"])
+def test_a_log_line_with_any_clock_placeholder_is_followed(placeholder):
+    system = ("You are an assistant for a small shop.\n\nAfter each task append a line to `worklog.txt` "
+              f"like `OK; 09.07.2026 {placeholder} -03:00; <task_id>; <what was done>`.")
+    ok, messages = _run("log", TASKS[3][1], system)
+    assert ok, messages[-1]
+
+
+def test_a_record_gets_its_time_in_the_key_the_request_names():
+    """``{"name": <field>, <key>: ...}`` records: the time goes into the key the request speaks
+    of ("the sample values"), not into a key the model would know in advance."""
+    original = json.dumps({"params": [{"name": "opened_after", "sample": "x", "example": "y"}]})
+    got = {}
+    for key in ("sample", "example"):
+        conv = sm.parse_conversation([
+            {"role": "system", "content": FEEDBACK["time"]},
+            {"role": "user", "content": f"Please correct the {key} values in stock/api.json. "
+                                        "opened_after corresponds to 2026-07-01 08:00."}])
+        ctx = sm._Ctx(conv, {"stock/README.md": _files()["stock/README.md"]}, 7)
+        got[key] = json.loads(sm.modify_json(ctx, original))["params"][0]
+    assert got["sample"] == {"name": "opened_after", "sample": "01.07.2026 08:00 -03:00", "example": "y"}
+    assert got["example"] == {"name": "opened_after", "sample": "x", "example": "01.07.2026 08:00 -03:00"}
+
+
+@pytest.mark.parametrize("hint", ["date array", "list of dates", "array of datetimes"])
+def test_a_list_of_dates_is_recognised_in_any_wording(hint):
+    conv = sm.parse_conversation([
+        {"role": "system", "content": FEEDBACK["time"]},
+        {"role": "user", "content": f"Please create stock/plan.json with fields: name, open_days ({hint})."}])
+    data = json.loads(sm.make_json(sm._Ctx(conv, {"stock/README.md": _files()["stock/README.md"]}, 7)))
+    days = data["open_days"]
+    assert len(days) >= 2 and all(re.fullmatch(r"\d{2}\.\d{2}\.\d{4} \d{2}:\d{2} -03:00", d) for d in days), days
