@@ -323,6 +323,40 @@ def compute_rewards(batch: Sequence[Prompt], texts_P_G: Sequence[list[str]],
     return rewards_P_G
 
 
+def _fsync(path: Path, *, directory: bool = False) -> None:
+    """fsync one file, or one folder's entries (where the OS can open a folder: not Windows)."""
+    if directory and os.name == "nt":
+        return
+    fd = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if directory else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _raise(exc: OSError) -> None:
+    raise exc
+
+
+def fsync_tree(path: str | os.PathLike[str]) -> None:
+    """fsync every file under ``path``, then every folder (deepest first, ``path`` last), so
+    that after an OS crash or power loss the state saved there is whole, not empty or
+    truncated files. Raises OSError where a file or folder cannot be read or synced."""
+    for folder, _, files in os.walk(path, topdown=False, onerror=_raise):
+        for name in files:
+            _fsync(Path(folder) / name)
+        _fsync(Path(folder), directory=True)
+
+
+def durable_replace(src: Path, dst: Path) -> None:
+    """Replace ``dst`` with the file ``src`` so that, after a crash, ``dst`` is either the old
+    file or the whole new one: ``src``'s data is synced before the rename, and the folder's
+    entry (the rename itself) after it."""
+    _fsync(src)
+    os.replace(src, dst)
+    _fsync(dst.parent, directory=True)
+
+
 async def _as_awaitable(value: Any) -> Any:
     return await value if inspect.isawaitable(value) else value
 
@@ -525,27 +559,42 @@ class GRPOTrainer:
         weights it was published with, even when a run restarted afresh (``resume=False``) or
         a second trainer (another process) saves into the same folder. Saving, pointing
         ``latest.json`` and the version at the state, and pruning happen under the folder's
-        lock, so one trainer never prunes a state another is writing."""
+        lock, so one trainer never prunes a state another is writing.
+
+        The saved files, their folder and ``latest.json`` are synced to disk (:func:`fsync_tree`,
+        :func:`durable_replace`) before the version is pointed at the state: after an OS crash
+        or power loss a recorded checkpoint is never empty or truncated files. Where the state
+        cannot be written or synced this raises OSError naming the folder, and the version
+        keeps no checkpoint (it is then not adopted by other processes)."""
         step = self.next_step - 1 if step is None else step
         if self.state_dir is None or step < 0 or step == self._saved_step:
             return None
-        with self._state_dir_lock():
-            path = self._new_state_path(step)
-            checkpoint = self.backend.save_state(str(path))
-            if checkpoint != str(path):  # a remote state (Tinker): the folder stays unused
-                with contextlib.suppress(OSError):
-                    path.rmdir()
-            tmp = self.state_dir / f"latest.json.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
-            tmp.write_text(json.dumps({"run_id": self.run_id, "step": step,
-                                       "checkpoint": checkpoint,
-                                       "policy_version": self.backend.policy_version}))
-            tmp.replace(self.state_dir / "latest.json")
-            if published_version is not None and self.store is not None:
-                self.store.execute("UPDATE policy_versions SET checkpoint = ? "
-                                   "WHERE version = ? AND checkpoint IS NULL",
-                                   (checkpoint, published_version))
-            self._saved_step = step
-            self._prune_checkpoints()
+        tmp = self.state_dir / f"latest.json.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+        try:
+            with self._state_dir_lock():
+                path = self._new_state_path(step)
+                checkpoint = self.backend.save_state(str(path))
+                if checkpoint == str(path):
+                    fsync_tree(path)
+                else:  # a remote state (Tinker): the folder stays unused
+                    with contextlib.suppress(OSError):
+                        path.rmdir()
+                tmp.write_text(json.dumps({"run_id": self.run_id, "step": step,
+                                           "checkpoint": checkpoint,
+                                           "policy_version": self.backend.policy_version}))
+                durable_replace(tmp, self.state_dir / "latest.json")
+                if published_version is not None and self.store is not None:
+                    self.store.execute("UPDATE policy_versions SET checkpoint = ? "
+                                       "WHERE version = ? AND checkpoint IS NULL",
+                                       (checkpoint, published_version))
+                self._saved_step = step
+                self._prune_checkpoints()
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise OSError(f"cannot save the training state in {self.state_dir} "
+                          f"({type(exc).__name__}: {exc}); make the folder writable, free "
+                          "space there, or set state_dir to another folder") from exc
         return checkpoint
 
     def _new_state_path(self, step: int) -> Path:

@@ -13,7 +13,8 @@ weights, and nothing in it knows any task.
   become OpenAI ``tool_calls`` (:func:`metaclaw.policy.parse_tool_calls`). A small model often
   writes no call at all: then the reply is plain text.
 - **Sampling.** ``temperature`` (default 0: greedy, reproducible), ``max_tokens`` (default 256),
-  ``seed``. Greedy decoding reports each token's temperature-1 logprob.
+  ``seed``, ``stop`` (up to 4 strings: the reply ends before the first one, ``finish_reason``
+  ``stop``). Greedy decoding reports each token's temperature-1 logprob.
 - **Logprobs.** ``logprobs: true`` adds ``choices[0].logprobs.content`` (token, logprob, bytes;
   ``top_logprobs`` is not supported and answers 400 when asked for). When streaming they come
   with the final chunk.

@@ -37,6 +37,7 @@ logprobs, so the proxy can record the turn exactly; strip it before answering a 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import re
@@ -48,7 +49,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
-from metaclaw.backends import render_request
+from metaclaw.backends import Sample, render_request
 
 log = logging.getLogger("metaclaw.policy")
 
@@ -110,6 +111,37 @@ def _streamable(text: str) -> str:
     return visible.strip()
 
 
+MAX_STOP = 4  # as in the OpenAI API
+
+
+def _stop_strings(stop: Any) -> list[str]:
+    """The request's ``stop`` as a list: absent or null is none, a string is one; else a list
+    of 1 to 4 non-empty strings (OpenAI's limits), or a :class:`PolicyRequestError`."""
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if (not isinstance(stops, list) or len(stops) > MAX_STOP
+            or not all(isinstance(s, str) and s for s in stops)):
+        raise PolicyRequestError(f"'stop' must be a non-empty string or a list of up to "
+                                 f"{MAX_STOP} non-empty strings")
+    return stops
+
+
+def _cut_at_stop(text: str, stops: list[str]) -> int | None:
+    """Where ``text`` must end: the start of the first stop string in it, or None."""
+    found = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(found) if found else None
+
+
+def _stop_prefix(text: str, stops: list[str]) -> int:
+    """How many characters at the end of ``text`` may be the start of a stop string (held back
+    when streaming until the next tokens tell)."""
+    for k in range(min(max(map(len, stops)) - 1, len(text)), 0, -1):
+        if any(s.startswith(text[-k:]) for s in stops):
+            return k
+    return 0
+
+
 class PolicyResponder:
     """OpenAI-compatible chat answers from a backend's published policy (see module docstring).
 
@@ -152,7 +184,8 @@ class PolicyResponder:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     # -- requests -------------------------------------------------------------------------
-    def _prepare(self, body: dict[str, Any]) -> tuple[list[int], int, float, int | None]:
+    def _prepare(self, body: dict[str, Any]
+                 ) -> tuple[list[int], int, float, int | None, list[str]]:
         if not isinstance(body, dict):
             raise PolicyRequestError("the request body must be a JSON object")
         messages = body.get("messages")
@@ -177,21 +210,43 @@ class PolicyResponder:
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
                                  or not -2**63 <= seed < 2**63):
             raise PolicyRequestError("'seed' must be an integer from -2**63 to 2**63 - 1")
-        return prompt, max_tokens, float(temperature), seed
+        return prompt, max_tokens, float(temperature), seed, _stop_strings(body.get("stop"))
 
     def _envelope(self, kind: str, rid: str, created: int, body: dict[str, Any]) -> dict[str, Any]:
         return {"id": rid, "object": kind, "created": created,
                 "model": body.get("model") or self.model_name}
 
     async def complete(self, body: dict[str, Any]) -> dict[str, Any]:
-        """Answer a non-streaming chat request with an OpenAI ``chat.completion`` dict."""
+        """Answer a non-streaming chat request with an OpenAI ``chat.completion`` dict.
+
+        With ``stop`` (a string or up to 4), generation ends at the first token that completes
+        a stop string; the reply's text ends before it (the stop string is not included) and
+        its ``finish_reason`` is ``stop``. The recorded token ids are those generated."""
         serving = self._serving  # read once: this request stays on these weights
-        prompt, max_tokens, temperature, seed = self._prepare(body)
-        loop = asyncio.get_running_loop()
-        samples = await loop.run_in_executor(self._executor, serving.sampler.sample, prompt, 1,
-                                             max_tokens, temperature, seed)
-        sample = samples[0]
-        text = self.backend.decode(sample.tokens)
+        prompt, max_tokens, temperature, seed, stops = self._prepare(body)
+        if stops:  # generated token by token, to end as soon as a stop string appears
+            sample = Sample([], [], "length")
+            text = ""
+            # aclosing: leaving the loop stops the generation thread now, not at garbage
+            # collection
+            async with contextlib.aclosing(self._tokens(serving.sampler, prompt, max_tokens,
+                                                        temperature, seed)) as pairs:
+                async for token, logprob in pairs:
+                    sample.tokens.append(token)
+                    sample.logprobs.append(logprob)
+                    if token == self.backend.eos_token_id:
+                        sample.stop_reason = "stop"
+                    text = self.backend.decode(sample.tokens)
+                    cut = _cut_at_stop(text, stops)
+                    if cut is not None:
+                        text, sample.stop_reason = text[:cut], "stop"
+                        break
+        else:
+            loop = asyncio.get_running_loop()
+            samples = await loop.run_in_executor(self._executor, serving.sampler.sample,
+                                                 prompt, 1, max_tokens, temperature, seed)
+            sample = samples[0]
+            text = self.backend.decode(sample.tokens)
         content, calls = parse_tool_calls(text)
         finish = "tool_calls" if calls else ("stop" if sample.stop_reason == "stop" else "length")
         message: dict[str, Any] = {"role": "assistant", "content": content}
@@ -216,10 +271,12 @@ class PolicyResponder:
         With a sampler that generates incrementally (the local backend) each token is sent as
         it is produced; otherwise (Tinker) the completion is sampled first and then sent token
         by token. Text from ``<tool_call>`` on is held back and sent as ``tool_calls`` deltas.
+        With ``stop``, text that may be the start of a stop string is held back until the next
+        tokens tell, so no part of a stop string is ever sent (as in :meth:`complete`).
         A usage chunk follows when ``stream_options.include_usage`` is true.
         """
         serving = self._serving
-        prompt, max_tokens, temperature, seed = self._prepare(body)
+        prompt, max_tokens, temperature, seed, stops = self._prepare(body)
         base = self._envelope("chat.completion.chunk", f"chatcmpl-{uuid.uuid4().hex[:24]}",
                               int(time.time()), body)
 
@@ -232,17 +289,28 @@ class PolicyResponder:
         logprobs: list[float] = []
         sent = ""  # the part of the text already sent as content
         stop_reason = "length"
-        async for token, logprob in self._tokens(serving.sampler, prompt, max_tokens,
-                                                 temperature, seed):
-            tokens.append(token)
-            logprobs.append(logprob)
-            if token == self.backend.eos_token_id:
-                stop_reason = "stop"
-            visible = _streamable(self.backend.decode(tokens))
-            if len(visible) > len(sent) and visible.startswith(sent):
-                yield chunk({"content": visible[len(sent):]})
-                sent = visible
-        content, calls = parse_tool_calls(self.backend.decode(tokens))
+        cut = None  # where a stop string starts in the text, once one appeared
+        async with contextlib.aclosing(self._tokens(serving.sampler, prompt, max_tokens,
+                                                    temperature, seed)) as pairs:
+            async for token, logprob in pairs:
+                tokens.append(token)
+                logprobs.append(logprob)
+                if token == self.backend.eos_token_id:
+                    stop_reason = "stop"
+                text = self.backend.decode(tokens)
+                cut = _cut_at_stop(text, stops)
+                if cut is not None:
+                    text, stop_reason = text[:cut], "stop"
+                elif stops:  # what may begin a stop string is sent only once it cannot
+                    text = text[:len(text) - _stop_prefix(text, stops)]
+                visible = _streamable(text)
+                if len(visible) > len(sent) and visible.startswith(sent):
+                    yield chunk({"content": visible[len(sent):]})
+                    sent = visible
+                if cut is not None:
+                    break
+        text = self.backend.decode(tokens)
+        content, calls = parse_tool_calls(text if cut is None else text[:cut])
         tail = (content or "")[len(sent):] if (content or "").startswith(sent) else ""
         if tail:
             yield chunk({"content": tail})

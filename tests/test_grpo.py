@@ -3,8 +3,11 @@ data never trained, zero-variance groups skipped, pause at a step boundary and r
 
 from __future__ import annotations
 
+import errno
 import json
 import math
+import os
+from pathlib import Path
 
 import pytest
 
@@ -547,3 +550,127 @@ def test_a_version_whose_weights_cannot_be_loaded_here_is_not_adopted(tiny_model
     assert backend.policy_version == version == 5
     assert [s.tokens for s in backend.sampler().sample(probe, 2, 6, 1.0, seed=5)] == [
         s.tokens for s in trained.sampler().sample(probe, 2, 6, 1.0, seed=5)]
+
+
+# -- durable checkpoints: synced to disk before a version points at them ---------------------
+def _published_step_trainer(tiny_model, tmp_path, state_dir):
+    """A trainer whose next step publishes a version and saves its state into ``state_dir``."""
+    from metaclaw.backends import make_backend
+    from metaclaw.grpo import GRPOTrainer
+
+    store = Store(tmp_path / "db.sqlite")
+    backend = make_backend("local", tiny_model, lora_rank=4, seed=0)
+    config = GRPOConfig(steps=1, groups_per_step=2, group_size=4, max_tokens=6,
+                        state_dir=str(state_dir), save_every=0)
+    tasks = [Task(p, lambda text: float(len(text) % 3)) for p in ("say yes", "hello")]
+    return GRPOTrainer(backend, prompts_from_tasks(backend, tasks), config=config,
+                       store=store), store
+
+
+def test_a_saved_state_is_synced_before_its_version_points_at_it(tiny_model, tmp_path,
+                                                                  monkeypatch):
+    """Every file of the saved state, its folder, the new ``latest.json`` (before it replaces
+    the old one) and the state folder (after) are fsynced before the store records the
+    version's checkpoint: after a power loss a recorded checkpoint is never truncated files."""
+    state_dir = tmp_path / "state"
+    trainer, store = _published_step_trainer(tiny_model, tmp_path, state_dir)
+    events: list[tuple[str, object]] = []
+    real_fsync, real_replace, real_execute = os.fsync, os.replace, store.execute
+
+    def identity(stat: os.stat_result) -> tuple[int, int]:
+        return stat.st_dev, stat.st_ino
+
+    def fsync(fd):
+        events.append(("fsync", identity(os.fstat(fd))))
+        real_fsync(fd)
+
+    def replace(src, dst, **kw):
+        events.append(("replace", identity(os.stat(src))))
+        real_replace(src, dst, **kw)
+
+    def execute(sql, params=()):
+        if sql.startswith("UPDATE policy_versions SET checkpoint"):
+            events.append(("record", params[0]))
+        return real_execute(sql, params)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    monkeypatch.setattr(store, "execute", execute)
+    assert trainer.step()["metrics"]["published_version"] == 1
+
+    checkpoint = store.query("SELECT checkpoint FROM policy_versions")[0]["checkpoint"]
+    record = events.index(("record", checkpoint))
+    synced = [key for kind, key in events[:record] if kind == "fsync"]
+    state = [p for p in Path(checkpoint).rglob("*")] + [Path(checkpoint)]
+    assert any(p.name == "adapter_model.safetensors" for p in state)
+    assert {identity(p.stat()) for p in state} <= set(synced)  # files and folder, all synced
+    latest = identity((state_dir / "latest.json").stat())
+    replaced = events.index(("replace", latest))
+    assert ("fsync", latest) in events[:replaced]  # its data, before the rename
+    assert ("fsync", identity(state_dir.stat())) in events[replaced:record]  # the rename
+    assert json.loads((state_dir / "latest.json").read_text())["checkpoint"] == checkpoint
+
+
+@pytest.mark.parametrize("failure", [
+    "fsync fails", "under a file",
+    pytest.param("read-only folder", marks=pytest.mark.skipif(
+        not hasattr(os, "geteuid") or os.geteuid() == 0,
+        reason="root writes into a read-only folder")),
+])
+def test_a_state_that_cannot_be_written_or_synced_is_never_recorded(tiny_model, tmp_path,
+                                                                    monkeypatch, failure):
+    """A failing fsync (e.g. EIO) or a folder that cannot be written is one clear error naming
+    the folder, and the published version keeps no checkpoint: no process adopts weights that
+    may not be on disk."""
+    from metaclaw.backends import make_backend
+    from metaclaw.grpo import GRPOTrainer
+
+    state_dir = tmp_path / "state"
+    if failure == "under a file":
+        (tmp_path / "a-file").write_text("")
+        state_dir = tmp_path / "a-file" / "state"
+    trainer, store = _published_step_trainer(tiny_model, tmp_path, state_dir)
+    if failure == "fsync fails":
+        def fsync(fd):
+            raise OSError(errno.EIO, "Input/output error")
+
+        monkeypatch.setattr(os, "fsync", fsync)
+    elif failure == "read-only folder":
+        state_dir.mkdir()
+        state_dir.chmod(0o500)
+    try:
+        with pytest.raises(OSError, match="cannot save the training state in .*state.*; make "
+                                          "the folder writable"):
+            trainer.step()
+    finally:
+        if failure == "read-only folder":
+            state_dir.chmod(0o700)
+    rows = store.query("SELECT version, checkpoint FROM policy_versions")
+    assert rows == [{"version": 1, "checkpoint": None}]
+    if state_dir.is_dir():
+        assert not (state_dir / "latest.json").exists()
+        assert not list(state_dir.glob("latest.json.*"))  # no temporary file left
+    monkeypatch.undo()
+    fresh = make_backend("local", tiny_model, lora_rank=4, seed=0)
+    GRPOTrainer(fresh, [], store=store)
+    assert fresh.policy_version == 0  # the version without saved weights is not adopted
+
+
+def test_a_remote_state_is_recorded_without_local_files(tmp_path):
+    """A Tinker state lives on the service: nothing is synced for it, its unused folder is
+    removed, and ``latest.json`` (a local file) still points at it."""
+    from metaclaw.grpo import GRPOTrainer
+
+    class RemoteStateBackend:
+        policy_version = 0
+
+        def save_state(self, path):
+            return f"tinker://run/weights/{Path(path).name}"
+
+    trainer = GRPOTrainer(RemoteStateBackend(), [],
+                          config=GRPOConfig(state_dir=str(tmp_path / "state")))
+    trainer.next_step = 1
+    assert trainer.save() == "tinker://run/weights/step-000000"
+    assert not list((tmp_path / "state").glob("step-*"))
+    assert json.loads((tmp_path / "state" / "latest.json").read_text())["checkpoint"] == \
+        "tinker://run/weights/step-000000"

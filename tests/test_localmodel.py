@@ -157,3 +157,30 @@ def test_max_tokens_beyond_the_window_is_bounded_by_it(served, monkeypatch):
                            json={"messages": QUESTION, key: 10**9, "stream": stream_it})
             assert r.status_code == 200
     assert asked == [window] * 4
+
+
+def test_a_stop_string_ends_the_reply_before_it(served):
+    """OpenAI's ``stop``: the reply ends before the first stop string (not included), with
+    finish_reason "stop", streaming or not; generation ends there too."""
+    client = openai.OpenAI(base_url=served.url, api_key="unused")
+    whole = client.chat.completions.create(model="m", messages=QUESTION, max_tokens=8)
+    text = whole.choices[0].message.content
+    word = text.split()[2]   # greedy: "The capital of France is Paris."
+    stopped = client.chat.completions.create(model="m", messages=QUESTION, max_tokens=8,
+                                             stop=[word, "no such words"])
+    assert stopped.choices[0].message.content == text[:text.find(word)].strip()
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.usage.completion_tokens < whole.usage.completion_tokens
+    chunks = list(client.chat.completions.create(model="m", messages=QUESTION, max_tokens=8,
+                                                 stop=word, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == \
+        stopped.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["stop"]
+
+
+def test_an_invalid_stop_is_a_400(served):
+    for stop in (["a", "b", "c", "d", "e"], "", 7):
+        for stream in (False, True):
+            r = httpx.post(served.url + "/chat/completions", timeout=60,
+                           json={"messages": QUESTION, "stop": stop, "stream": stream})
+            assert r.status_code == 400 and "'stop'" in r.json()["error"]["message"]
