@@ -195,6 +195,11 @@ def prompts_from_query_set(store, backend, generation: int | None = None, *,
 
     prompts = []
     for turn in select_query_turns(store, generation):
+        unreadable = {"request_messages", "request_params"} & set(turn.get("malformed_columns", ()))
+        if unreadable:  # not the request it was served: training on it would teach another one
+            log.warning("query turn %s is not trained on: its stored %s are not valid JSON",
+                        turn["id"], " and ".join(sorted(unreadable)))
+            continue
         prompts.append(Prompt(tokens=render_request(backend, turn),
                               messages=turn["request_messages"],
                               reward=reward_for(turn) if reward_for is not None else None,

@@ -169,6 +169,19 @@ def test_stale_query_data_is_never_trained(backend, tmp_path):
     assert [h["skill_generation"] for h in result.history] == [1, 1]
 
 
+def test_a_query_turn_whose_request_is_unreadable_is_not_trained_on(backend, tmp_path, caplog):
+    """A turn whose stored request is not valid JSON (written by another program, a damaged
+    page) is left out of the prompts instead of failing every step, or training on a request
+    that was not the one served."""
+    store = Store(tmp_path / "db.sqlite")
+    store.add_generation(snapshot={}, kind="init")
+    good, bad = _query_turn(store, 0), _query_turn(store, 0, text="hello")
+    with store.transaction():
+        store._db.execute("UPDATE turns SET request_messages = '[{' WHERE id = ?", (bad,))
+    assert [p.turn_id for p in prompts_from_query_set(store, backend)] == [good]
+    assert f"query turn {bad} is not trained on" in caplog.text
+
+
 def test_generation_change_during_a_step_drops_its_groups(backend, tmp_path):
     store = Store(tmp_path / "db.sqlite")
     store.add_generation(snapshot={}, kind="init")
