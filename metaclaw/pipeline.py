@@ -523,8 +523,10 @@ class TurnPipeline:
         turn.session_id, turn.turn_type, turn.done = (identity.session_id, identity.turn_type,
                                                       identity.done)
         turn.identified_by = identity.how
-        if identity.how["session"] == FINGERPRINT and is_task_turn(turn.turn_type):
-            # conversations opening alike are told apart by the replies they continue
+        if (identity.how["session"] == FINGERPRINT and is_task_turn(turn.turn_type)
+                and not parse.get("count_only")):
+            # conversations opening alike are told apart by the replies they continue (a count
+            # of tokens is no turn: it would take the session its conversation's turn is due)
             turn.session_id, how, turn.thread = self.proxy.threads.resolve(
                 identity.session_id, turn.messages)
             turn.identified_by = {**identity.how, "session": how}

@@ -57,6 +57,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
+import orjson
+
 from metaclaw.asks import INSTRUCTION_ROLES, content_text
 
 log = logging.getLogger(__name__)
@@ -370,14 +372,25 @@ class Thread:
 
 
 def _arguments(value: Any) -> str:
-    """A tool call's arguments in one spelling: clients re-serialise the JSON they got. What
-    is not JSON, or nests too deep to read back (a client's text), stays as it came."""
+    """A tool call's arguments in one spelling: clients re-serialise the JSON they got, and an
+    Anthropic client resends them as the ``input`` object the proxy translated them to (no
+    arguments as ``{}``, text that is not a JSON object wrapped the same way, see
+    :func:`metaclaw.protocols.anthropic_messages._arguments`). orjson: a long agent history
+    resends hundreds of calls on every turn."""
+    given = value
+    if value is None or isinstance(value, str) and not value.strip():
+        value = {}
+    elif isinstance(value, str):
+        try:
+            value = orjson.loads(value)
+        except orjson.JSONDecodeError:  # not JSON, or nested too deep to read back
+            value = {"_raw": value}
+    if not isinstance(value, dict):
+        value = {"_value": value}
     try:
-        if isinstance(value, str):
-            value = json.loads(value)
-        return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
-    except (ValueError, RecursionError):
-        return value.strip() if isinstance(value, str) else f"<{type(value).__name__}>"
+        return orjson.dumps(value, option=orjson.OPT_SORT_KEYS).decode()
+    except TypeError:  # nested deeper than orjson writes, a lone surrogate: kept as it came
+        return given if isinstance(given, str) else f"<{type(given).__name__}>"
 
 
 def add_message(history: Any, role: Any, content: Any, tool_calls: Any = None) -> None:
@@ -404,10 +417,11 @@ class ReplyThreads:
     conversation opened with the same message; an opening whose turn failed leaves its session
     to the next opening (a client's retry lands in the same session). A later turn resends the
     history it continues, ending with a reply: it joins the session that recorded that reply
-    after that same history. Two conversations identical so far may trade sessions, which
-    changes nothing; two that differ never share one. A continuation of a reply this process did
-    not record (the proxy restarted, the client edited the history) falls back to the
-    fingerprint.
+    after that same history, and a reply continued again (a retry while the first attempt is
+    in flight, a regenerated answer) joins the session that continued it. Two conversations
+    identical so far may trade sessions, which changes nothing; two that differ never share
+    one. A continuation of a reply this process did not record (the proxy restarted, the client
+    edited the history) falls back to the fingerprint.
 
     In memory, per proxy process; at most :attr:`MAX_ENTRIES` fingerprints and replies are
     remembered (the least recently used are forgotten). Used on the event loop; the lock makes
@@ -419,6 +433,7 @@ class ReplyThreads:
     def __init__(self) -> None:
         self._openings: OrderedDict[str, list[Any]] = OrderedDict()  # fp -> [count, free ids]
         self._replies: OrderedDict[tuple[str, str], list[str]] = OrderedDict()  # -> sessions
+        self._continued: OrderedDict[tuple[str, str], str | None] = OrderedDict()  # -> session
         self._lock = threading.Lock()
 
     def resolve(self, fingerprint: str, messages: list[Any]) -> tuple[str, str, Thread]:
@@ -447,10 +462,20 @@ class ReplyThreads:
                 return session_id, how, Thread(fingerprint, session_id, history, opening=True)
             waiting = self._replies.get(key)
             if not waiting:
-                return fingerprint, FINGERPRINT, Thread(fingerprint, fingerprint, history)
+                # a reply continued before: a client's retry while its first attempt is still
+                # in flight (a client-side timeout), or another answer to the same history
+                session_id = self._continued.get(key)
+                if session_id is None:
+                    return fingerprint, FINGERPRINT, Thread(fingerprint, fingerprint, history)
+                return session_id, REPLY_THREAD, Thread(fingerprint, session_id, history)
             session_id = waiting.pop(0)
             if not waiting:
                 del self._replies[key]
+            # a reply two alike conversations continued names neither: a retry could be either's
+            self._continued[key] = (session_id if self._continued.get(key, session_id)
+                                    == session_id else None)
+            self._continued.move_to_end(key)
+            _bound(self._continued, self.MAX_ENTRIES)
             return session_id, REPLY_THREAD, Thread(fingerprint, session_id, history, key)
 
     def settle(self, thread: Thread, replied: bool, text: Any = None,

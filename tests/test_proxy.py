@@ -835,3 +835,27 @@ def test_runs_of_one_task_without_a_session_id_are_kept_apart_by_their_replies(p
     assert second == f"{first}.2"
     assert [r["identified_by"]["session"] for r in by_session[first]] == [
         "fingerprint:first-user-message", "fingerprint:reply-thread"]
+
+
+def test_a_retry_after_a_client_timeout_stays_in_its_run(proxy, double):
+    """The SDK times out on a slow turn and resends it while the proxy still waits for the
+    first attempt: the retry continues the same reply, so it joins the same run, not the run
+    whose session is the fingerprint's."""
+    client = openai.OpenAI(base_url=proxy.url, api_key=TOKEN, max_retries=1, timeout=0.5)
+    opening = [{"role": "user", "content": "Rename the helpers in retry-alike-3."}]
+    double.add(Reply("A: renamed"), Reply("B: renamed"), Reply("B: slow", delay=1.5),
+               Reply("B: retried"))
+    client.chat.completions.create(model="m", messages=opening)
+    b = client.chat.completions.create(model="m", messages=opening)
+    reply = client.chat.completions.create(model="m", messages=[
+        *opening, {"role": "assistant", "content": b.choices[0].message.content},
+        {"role": "user", "content": "Now the tests."}])
+    assert reply.choices[0].message.content == "B: retried"
+
+    def rows():
+        proxy.flush()
+        return [r for r in proxy.store.turns(order="id") if opening[0] in r["request_messages"]]
+    wait_until(lambda: len(rows()) == 4, what="the slow first attempt's record")
+    sessions = {r["response"]: r["session_id"] for r in rows()}
+    assert sessions["B: retried"] == sessions["B: slow"] == sessions["B: renamed"]
+    assert sessions["B: renamed"] != sessions["A: renamed"]

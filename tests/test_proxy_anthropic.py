@@ -723,3 +723,66 @@ def test_the_configured_model_is_listed_in_the_anthropic_shape(workspace, openai
     with _proxy(workspace, openai_double, "openai", model="pinned-model") as proxy:
         [model] = list(_client(proxy).models.list())
     assert model.id == "pinned-model" and model.display_name == "pinned-model"
+
+
+def test_count_tokens_between_turns_leaves_alike_runs_in_their_own_sessions(workspace,
+                                                                            anthropic_double):
+    """A client that counts a request's tokens before sending it: the count is no turn, so it
+    neither takes the session the run's opening is due nor the reply its next turn continues."""
+    store, _ = workspace
+    anthropic_double.replies = [AnthropicReply("run one opens"), AnthropicReply("run two opens"),
+                                AnthropicReply("run two goes on"), AnthropicReply("run one goes on")]
+    opening = [{"role": "user", "content": "Tidy the changelog."}]
+    with _proxy(workspace, anthropic_double, "anthropic") as proxy:
+        client = _client(proxy)
+        histories = []
+        for _ in range(2):
+            client.messages.count_tokens(model=MODEL, messages=opening)
+            reply = client.messages.create(model=MODEL, max_tokens=100, messages=opening)
+            histories.append([*opening, {"role": "assistant", "content": reply.content[0].text},
+                              {"role": "user", "content": "Go on."}])
+        for history in reversed(histories):
+            client.messages.count_tokens(model=MODEL, messages=history)
+            client.messages.create(model=MODEL, max_tokens=100, messages=history)
+        turns = _turns(proxy, store)
+    by_session: dict[str, list[str]] = {}
+    for turn in sorted(turns, key=lambda t: t["id"]):
+        by_session.setdefault(turn["session_id"], []).append(turn["response"])
+    fingerprint = min(by_session)
+    assert by_session == {fingerprint: ["run one opens", "run one goes on"],
+                          f"{fingerprint}.2": ["run two opens", "run two goes on"]}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_tool_call_without_arguments_keeps_its_run_in_its_session(workspace, openai_double,
+                                                                    stream):
+    """A chat server's call with no arguments ("") reaches the Anthropic client as input {},
+    which it resends: the next turn still joins the run that got the call, not another run."""
+    store, _ = workspace
+    no_arguments = {"function": {"name": "list_files", "arguments": ""}}
+    openai_double.add(Reply("run one: hello"), Reply(None, tool_calls=[no_arguments]),
+                      Reply("run two: listed"))
+    tool = {"name": "list_files", "description": "List the files.",
+            "input_schema": {"type": "object", "properties": {}}}
+    opening = [{"role": "user", "content": "Clean up the repository."}]
+    with _proxy(workspace, openai_double, "openai") as proxy:
+        client = _client(proxy)
+
+        def create(messages):
+            asked = dict(model=MODEL, max_tokens=100, tools=[tool], messages=messages)
+            if not stream:
+                return client.messages.create(**asked)
+            with client.messages.stream(**asked) as events:
+                return events.get_final_message()
+
+        create(opening)
+        second = create(opening)
+        use = second.content[-1]
+        assert use.type == "tool_use" and use.input == {}
+        create([*opening, {"role": "assistant", "content": [
+                    {"type": "tool_use", "id": use.id, "name": use.name, "input": use.input}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                              "content": "README.md"}]}])
+        turns = sorted(_turns(proxy, store), key=lambda t: t["id"])
+    assert turns[2]["session_id"] == turns[1]["session_id"] != turns[0]["session_id"]
+    assert turns[2]["identified_by"]["session"] == "fingerprint:reply-thread"

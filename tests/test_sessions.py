@@ -333,3 +333,48 @@ def test_reply_threads_stay_bounded():
         _, _, thread = threads.resolve(f"conv-{i}", [{"role": "user", "content": "x"}])
         threads.settle(thread, True, f"reply {i}", None)
     assert len(threads._openings) == 10 and len(threads._replies) == 10
+
+
+def test_reply_threads_read_arguments_as_an_anthropic_client_resends_them():
+    """A call without arguments ("" from a chat server, or no input_json_delta in a stream)
+    reaches an Anthropic client as ``input: {}``, and arguments that are not a JSON object as
+    ``{"_raw": ...}`` / ``{"_value": ...}``: the resent call continues the run that got it."""
+    threads = ReplyThreads()
+    opening = [{"role": "user", "content": "list"}]
+    for arguments, resent in (("", "{}"), (None, "{}"), ('{"path": "a', '{"_raw":"{\\"path\\": \\"a"}'),
+                              ("7", '{"_value":7}')):
+        _, _, thread = threads.resolve("conv-a", opening)  # another run, then this one
+        threads.settle(thread, True, "other", None)
+        session, _, thread = threads.resolve("conv-a", opening)
+        threads.settle(thread, True, None, [{"function": {"name": "ls", "arguments": arguments}}])
+        again = {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "toolu_1", "function": {"name": "ls", "arguments": resent}}]}
+        found, how, _ = threads.resolve("conv-a", [*opening, again])
+        assert (found, how) == (session, "fingerprint:reply-thread"), arguments
+
+
+def test_a_reply_continued_again_joins_the_session_that_continued_it():
+    """A client that timed out resends its request while the first attempt is still in flight:
+    the retry joins the run's session, not the fingerprint's (another run's). A reply that two
+    alike runs continued names neither, so a second continuation of it falls back."""
+    threads = ReplyThreads()
+    opening = [{"role": "user", "content": "do it"}]
+    replies = {}
+    for reply in ("a", "b"):
+        session, _, thread = threads.resolve("conv-r", opening)
+        threads.settle(thread, True, reply, None)
+        replies[reply] = session
+    history = [*opening, {"role": "assistant", "content": "b"}, {"role": "user", "content": "more"}]
+    first = threads.resolve("conv-r", history)
+    retry = threads.resolve("conv-r", history)
+    assert first[0] == retry[0] == replies["b"] == "conv-r.2"
+    threads.settle(first[2], False)  # the first attempt ends when its client has gone
+    threads.settle(retry[2], True, "done", None)
+    assert threads.resolve("conv-r", [*history, {"role": "assistant", "content": "done"}])[0] == \
+        "conv-r.2"
+    for _ in range(2):  # two runs alike so far: one reply "same", continued by both
+        _, _, thread = threads.resolve("conv-s", opening)
+        threads.settle(thread, True, "same", None)
+    alike = [*opening, {"role": "assistant", "content": "same"}]
+    assert {threads.resolve("conv-s", alike)[0] for _ in range(2)} == {"conv-s", "conv-s.2"}
+    assert threads.resolve("conv-s", alike)[:2] == ("conv-s", "fingerprint:first-user-message")
