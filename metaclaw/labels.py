@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import getpass
 import json
+import logging
 import operator
 import os
 import time
@@ -30,6 +31,8 @@ from typing import Any, Iterable
 from metaclaw import buffers
 from metaclaw.jsonlib import LONE_SURROGATE as _SURROGATE, jsonl_line
 from metaclaw.store import IN_IDS, Store, id_list
+
+log = logging.getLogger(__name__)
 
 VERDICTS = ("pass", "fail")
 
@@ -289,6 +292,10 @@ def _final_message(turn: dict[str, Any], corrected: str | None) -> dict[str, Any
     return message
 
 
+#: Columns a record cannot be built without (the prompt, the calls, the offered tools).
+_UNREADABLE = {"request_messages", "tool_calls", "request_params"}
+
+
 def export_records(store: Store, *, turn_ids: Iterable[int] | None = None,
                    session: str | None = None, shape: str = "chat", labelled_only: bool = False,
                    keep_skills: bool = False, threshold: float = 0.0) -> list[dict[str, Any]]:
@@ -311,6 +318,11 @@ def export_records(store: Store, *, turn_ids: Iterable[int] | None = None,
     out = []
     for turn in rows:
         mark = marks.get(int(turn["id"]))
+        unreadable = _UNREADABLE & set(turn.get("malformed_columns", ()))
+        if unreadable:  # a record without its prompt would teach the reply to no question
+            log.warning("turn %s is not exported: its stored %s are not valid JSON", turn["id"],
+                        " and ".join(sorted(unreadable)))
+            continue
         messages = turn.get("request_messages") or []
         if not keep_skills:
             messages = strip_skill_block(messages)

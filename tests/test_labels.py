@@ -115,6 +115,23 @@ _ANY_TEXT = st.text(st.characters(exclude_categories=()) | st.sampled_from(
     max_size=30)
 
 
+def test_a_turn_whose_request_is_unreadable_is_not_exported(store, add_buffer_turn, caplog):
+    """A labelled turn whose stored request is not valid JSON would export as a reply to no
+    question (a fine-tuning record of the assistant message alone): it is left out, logged."""
+    good = judged(add_buffer_turn, store, "s1", "Say hi", 1.0, "Hi!")
+    bad = judged(add_buffer_turn, store, "s1", "Say bye", 1.0, "Bye!")
+    for turn_id in (good, bad):
+        labels.label(store, turn_id, "pass", author="alice")
+    with store.transaction():
+        store._db.execute("UPDATE turns SET request_messages = '[{' WHERE id = ?", (bad,))
+    [chat] = labels.export_records(store, session="s1", shape="chat")
+    assert chat["messages"][-2:] == [{"role": "user", "content": "Say hi"},
+                                     {"role": "assistant", "content": "Hi!"}]
+    [sample] = labels.export_records(store, session="s1", shape="eval")
+    assert sample["metadata"]["turn_id"] == good
+    assert f"turn {bad} is not exported" in caplog.text
+
+
 @settings(max_examples=150, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(note=_ANY_TEXT, corrected=_ANY_TEXT, author=_ANY_TEXT)
