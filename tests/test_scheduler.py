@@ -689,3 +689,241 @@ def test_from_config_builds_signals(tmp_path):
         from_config({"signals": {"sleep": "23:00-07:00"}})
     with pytest.raises(ValueError, match="threshold must be a number"):
         from_config({"signals": {"keyboard": {"threshold_s": "ten"}}})
+
+
+# -- adversarial input ----------------------------------------------------------------------------
+from datetime import timedelta  # noqa: E402
+
+from hypothesis import HealthCheck, example, given, settings, strategies as st  # noqa: E402
+
+from metaclaw.scheduler import ical, load_config  # noqa: E402
+from metaclaw.scheduler.signals import Signal  # noqa: E402
+
+
+def _finishes(fn, within: float = 60.0):
+    """fn()'s result, failing the test (instead of hanging it) if it runs past ``within``."""
+    box: dict = {}
+    thread = threading.Thread(target=lambda: box.setdefault("value", fn()), daemon=True)
+    thread.start()
+    thread.join(within)
+    assert not thread.is_alive(), f"still running after {within}s"
+    return box["value"]
+
+
+def test_whole_day_sleep_window_and_unquoted_yaml_times(tmp_path):
+    clock = FakeClock()
+    day = SleepWindow("00:00", "24:00", "Europe/Berlin", clock=clock)
+    evening = SleepWindow("19:00", "24:00", "UTC", clock=clock)
+    for hour in range(24):
+        clock.set(utc(2026, 3, 29, hour, 30))  # the day summer time starts in Berlin
+        assert day.reading().idle
+        assert evening.reading().idle is (hour >= 19)
+    with pytest.raises(ValueError, match="HH:MM"):
+        SleepWindow("24:00", "07:00", "UTC")
+    # YAML 1.1 reads an unquoted 23:00 as the number 1380; the configuration file reads it as text
+    path = tmp_path / "scheduler.yaml"
+    path.write_text("signals:\n  sleep:\n    start: 23:00\n    end: 7:00\n    tz: UTC\n")
+    config = load_config(str(path))
+    assert config["signals"]["sleep"]["start"] == "23:00"
+    clock.set(utc(2026, 11, 23, 6, 30))
+    assert from_config(config, clock=clock).readings()[0].idle
+    with pytest.raises(ValueError, match="got the number 1380; quote the time"):
+        SleepWindow(1380, "07:00", "UTC")
+
+
+@settings(max_examples=300, deadline=None)
+@given(start=st.integers(0, 24 * 60 - 1), end=st.integers(0, 24 * 60),
+       when=st.datetimes(min_value=datetime(1990, 1, 1), max_value=datetime(2100, 1, 1),
+                         timezones=st.just(timezone.utc)),
+       zone=st.sampled_from(["UTC", "Europe/Berlin", "America/New_York", "Australia/Lord_Howe",
+                             "Asia/Kathmandu", "Pacific/Chatham"]))
+@example(start=0, end=1440, when=utc(2026, 3, 29, 1, 30), zone="Europe/Berlin")
+@example(start=23 * 60, end=7 * 60, when=utc(2026, 10, 25, 1, 30), zone="Europe/Berlin")
+def test_sleep_window_is_the_minutes_from_start_to_end(start, end, when, zone):
+    if start == end:
+        return
+    window = SleepWindow(f"{start // 60:02d}:{start % 60:02d}", f"{end // 60:02d}:{end % 60:02d}",
+                         zone, clock=lambda: when)
+    local = when.astimezone(ZoneInfo(zone))
+    minute = local.hour * 60 + local.minute
+    # inside when fewer minutes have passed since the start than the window lasts (mod a day)
+    assert window.reading().idle is ((minute - start) % 1440 < (end - start) % 1440 or end == 1440
+                                     and minute >= start)
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"min_window_s": float("nan")}, "min_window_s must be a finite number"),
+    ({"poll_s": float("inf")}, "poll_s must be a finite number"),  # killed the loop thread
+    ({"poll_s": float("nan")}, "poll_s must be a finite number"),  # a busy loop
+    ({"signal_timeout_s": 0}, "signal_timeout_s must be more than 0"),
+    ({"signals": {"keyboard": {"threshold_s": float("nan")}}}, "threshold must be a finite"),
+    ({"signals": {"notebook": {"threshold_s": True}}}, "threshold must be a number .* got True"),
+    ({"signals": {"proxy": {"threshold_s": -1}}}, "must not be negative"),
+    ({"signals": {"calendar": {"source": "a.ics", "refresh_s": float("nan")}}}, "finite"),
+    ({"signals": {"calendar": {"source": "a.ics", "timeout_s": -1}}}, "timeout must not be neg"),
+    ({"signals": {"calendar": {"source": "a.ics", "timeout_s": 0}}}, "more than 0 seconds"),
+    ({"signals": {"sleep": {"tz": 5}}}, "time zone must be an IANA name"),
+])
+def test_invalid_numbers_are_one_clear_error(config, message):
+    with pytest.raises(ValueError, match=message):
+        from_config(config)
+
+
+def _calendar(*events: str) -> str:
+    body = "".join(f"BEGIN:VEVENT\r\n{event.strip()}\r\nEND:VEVENT\r\n".replace("\n", "\r\n")
+                   .replace("\r\r", "\r") for event in events)
+    return f"BEGIN:VCALENDAR\r\nVERSION:2.0\r\nPRODID:-//t//EN\r\n{body}END:VCALENDAR\r\n"
+
+
+def _event(uid: str, rule: str, start: str = "20260101T100000Z", end: str = "20260101T100001Z"):
+    return f"UID:{uid}\nSUMMARY:{uid}\nDTSTART:{start}\nDTEND:{end}\n{rule}"
+
+
+def test_recurrence_rules_with_absurd_counts_and_intervals_do_not_hang():
+    when = utc(2026, 11, 23, 10, 30)
+    text = _calendar(
+        _event("secondly", "RRULE:FREQ=SECONDLY"),                       # minutes to reach today
+        _event("counted", "RRULE:FREQ=SECONDLY;COUNT=999999999"),
+        _event("interval-0", "RRULE:FREQ=DAILY;INTERVAL=0"),            # dateutil never returns
+        _event("count-negative", "RRULE:FREQ=DAILY;COUNT=-3"),
+        _event("huge-interval", "RRULE:FREQ=DAILY;INTERVAL=999999999"),
+        _event("daily", "RRULE:FREQ=DAILY", "19000101T100000Z", "19000101T110000Z"),
+    )
+    series = _finishes(lambda: parse_calendar(text, BERLIN))
+    assert [s.summary for s in series] == ["secondly", "counted", "huge-interval", "daily"]
+    assert [name for name, _ in _finishes(lambda: busy_events(series, when))] == ["daily"]
+    assert [s.too_many for s in series] == [True, True, False, False]
+
+
+def test_recurrence_that_never_matches_is_walked_once(tmp_path):
+    path = tmp_path / "never.ics"
+    path.write_text(_calendar(_event("never", "RRULE:FREQ=DAILY;BYMONTH=2;BYMONTHDAY=30")))
+    clock = FakeClock(utc(2026, 11, 23, 10, 30))
+    calendar = CalendarBusy(path, refresh_s=60, tz="UTC", clock=clock)
+    assert not _finishes(calendar.reading).idle
+    first = calendar.series
+    # dateutil walked to the year 9999 once: the only occurrence is DTSTART itself ...
+    assert first[0].ended and first[0].last == datetime(2026, 1, 1, 10, 0)
+    clock.advance(61)
+    assert not _finishes(calendar.reading, within=1.0).idle  # ... not again at every reading
+    assert calendar.fetches == 2 and calendar.series is first   # the same text is not re-parsed
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(freq=st.sampled_from(["DAILY", "WEEKLY", "MONTHLY", "YEARLY"]),
+       interval=st.integers(1, 400), count=st.none() | st.integers(1, 5000),
+       days_back=st.integers(0, 4000), minutes=st.integers(1, 3 * 24 * 60),
+       offset=st.integers(-2 * 24 * 60, 2 * 24 * 60))
+def test_recurring_events_agree_with_dateutil(freq, interval, count, days_back, minutes, offset):
+    from dateutil.rrule import rrulestr
+
+    when = datetime(2026, 11, 23, 10, 30)
+    first = when - timedelta(days=days_back, minutes=offset)
+    rule = f"FREQ={freq};INTERVAL={interval}" + (f";COUNT={count}" if count else "")
+    end = first + timedelta(minutes=minutes)
+    text = _calendar(_event("e", f"RRULE:{rule}", f"{first:%Y%m%dT%H%M%S}Z",
+                            f"{end:%Y%m%dT%H%M%S}Z"))
+    busy = bool(busy_events(parse_calendar(text, BERLIN), when.replace(tzinfo=timezone.utc)))
+    starts = rrulestr(rule, dtstart=first).between(when - timedelta(minutes=minutes), when,
+                                                   inc=True)
+    assert busy is any(start <= when < start + timedelta(minutes=minutes) for start in starts)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.binary(max_size=600) | st.text(max_size=600).map(
+    lambda t: "BEGIN:VCALENDAR\r\nBEGIN:VEVENT\r\n" + t + "\r\nEND:VEVENT\r\nEND:VCALENDAR\r\n"))
+def test_any_bytes_parse_or_fail_with_value_error(data):
+    try:
+        series = parse_calendar(data, BERLIN)
+    except ValueError:
+        return
+    busy_events(series, utc(2026, 11, 23, 10, 30))
+
+
+def test_calendar_stream_with_two_calendar_objects():
+    one = _calendar(_event("a", "", "20261123T100000Z", "20261123T110000Z"))
+    two = _calendar(_event("b", "", "20261124T100000Z", "20261124T110000Z"))
+    series = parse_calendar(one + two, BERLIN)
+    assert [name for name, _ in busy_events(series, utc(2026, 11, 24, 10, 30))] == ["b"]
+    with pytest.raises(ValueError, match="not a valid iCalendar"):
+        parse_calendar(one[:len(one) // 2], BERLIN)  # a file cut short while being written
+
+
+def test_calendar_larger_than_the_limit_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(ical, "MAX_CALENDAR_BYTES", 200)
+    path = tmp_path / "big.ics"
+    path.write_text(ICS)
+    reading = CalendarBusy(path, clock=FakeClock(), tz="UTC").reading()
+    assert not reading.available and "larger than" in reading.detail
+    server = _CalendarServer(ICS)
+    try:
+        reading = CalendarBusy(server.url, clock=FakeClock(), tz="UTC").reading()
+        assert not reading.available and "larger than" in reading.detail
+    finally:
+        server.close()
+
+
+def test_calendar_refreshes_after_the_clock_is_set_back(tmp_path):
+    path = tmp_path / "cal.ics"
+    path.write_text(ICS)
+    clock = FakeClock(berlin(2026, 11, 9, 10, 30))
+    calendar = CalendarBusy(path, refresh_s=900, tz="Europe/Berlin", clock=clock)
+    assert calendar.reading().idle and calendar.fetches == 1
+    clock.advance(-86_400)  # a wrong clock corrected by a day
+    path.write_text(ICS.replace("BYDAY=MO", "BYDAY=SU"))
+    assert calendar.reading().idle and calendar.fetches == 2  # Sunday 8 November, 10:30
+
+
+def test_clock_set_back_does_not_hold_off_training():
+    clock = FakeClock(10_000.0)
+    keyboard = KeyboardIdle(60, clock=clock, last_input=lambda: 0.0)
+    scheduler = Scheduler([keyboard], train_step=lambda: False, min_window_s=30, clock=clock)
+    assert scheduler.tick() == "window_open"
+    clock.advance(-3600)  # the clock is corrected by an hour
+    assert scheduler.tick() == "window_open"
+    clock.advance(30)
+    assert scheduler.tick() == "training"
+
+
+class _HungSignal(Signal):
+    """A signal whose reading blocks until released, as a stalled network share would."""
+
+    name = "hung"
+
+    def __init__(self):
+        self.release, self.calls = threading.Event(), 0
+
+    def reading(self) -> SignalReading:
+        self.calls += 1
+        self.release.wait(30)
+        return SignalReading(self.name, True, True, "released")
+
+
+def test_a_hung_signal_does_not_keep_training_after_the_user_is_back():
+    clock = FakeClock(10_000.0)
+    last = {"t": 0.0}
+    keyboard = KeyboardIdle(60, clock=clock, last_input=lambda: last["t"])
+    hung = _HungSignal()
+    hung.release.set()
+    ref: dict = {}
+    trainer = GatedTrainer(ref)
+    scheduler = Scheduler([keyboard, hung], train_step=trainer.step, clock=clock,
+                          signal_timeout_s=0.2)
+    ref["scheduler"] = scheduler
+    assert scheduler.tick() == "training"
+    hung.release.clear()                      # the signal hangs from now on ...
+    last["t"] = clock.t                       # ... and the user comes back during step 1
+    assert _finishes(scheduler.tick, within=10) == "pausing"
+    reasons = {r.name: r.detail for r in scheduler.last_readings}
+    assert reasons["hung"] == "unavailable: no answer within 0.2s"
+    assert _finishes(scheduler.tick, within=10) == "pausing"
+    assert hung.calls == 2                    # still hung: not read a second time meanwhile
+    assert scheduler.last_readings[1].detail.startswith("unavailable: no answer for")
+    trainer.permits.release(1)
+    assert scheduler.wait_for_training(10)
+    assert scheduler.tick() == "waiting" and scheduler.steps == 1
+    assert [t.to_state for t in scheduler.transitions] == [
+        "window_open", "training", "pausing", "waiting"]
+    hung.release.set()
+    wait_until(lambda: not scheduler._pending["hung"][0].is_alive())
+    assert scheduler.readings()[1].detail == "released"

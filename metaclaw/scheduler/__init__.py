@@ -8,7 +8,8 @@ boundary when the user returns, and resumes it in the next window.
 Signals (each returns a :class:`SignalReading`; each takes an injectable ``clock``, a callable
 returning epoch seconds or an aware ``datetime``, so tests can drive time):
 
-- :class:`SleepWindow`  local time inside ``start``-``end`` in a time zone (may wrap midnight)
+- :class:`SleepWindow`  local time inside ``start``-``end`` in a time zone (may wrap midnight;
+  ``"00:00"``-``"24:00"`` is the whole day)
 - :class:`KeyboardIdle` no keyboard/mouse input for ``threshold_s`` (pynput listeners, else the X
   screensaver idle time via python-xlib, else ``xprintidle``, else *unavailable*)
 - :class:`CalendarBusy` an event of an iCalendar feed (file, or http(s)/webcal URL such as Google
@@ -20,7 +21,9 @@ returning epoch seconds or an aware ``datetime``, so tests can drive time):
 
 Combination rule (``mode``): ``"any"`` - the window is open when any *available* signal says idle;
 ``"all"`` - when every available signal says idle. Unavailable signals are ignored, and the reason
-string of every decision says so. With no available signal the window never opens.
+string of every decision says so. With no available signal the window never opens. Signals are
+read side by side; one that raises, or has not answered within ``signal_timeout_s`` (15 s), reads
+as unavailable, so a hung signal cannot keep training going after the user is back.
 
 ``min_window_s``: the combined answer must have stayed "idle" for at least this many seconds
 before training starts (the state stays ``window_open`` meanwhile); this filters out short pauses.

@@ -14,6 +14,13 @@ from metaclaw.scheduler.signals import (
     Clock, Signal, SignalReading, _seconds, _short, _zone, now_ts,
 )
 
+#: Largest calendar accepted, in bytes: a feed that never ends must not fill the memory.
+MAX_CALENDAR_BYTES = 64 * 1024 * 1024
+#: Occurrences of one recurring event read per check, from its first one: a rule such as
+#: FREQ=SECONDLY would otherwise take minutes to reach today; such an event is skipped.
+MAX_OCCURRENCES = 100_000
+
+
 @dataclass
 class _Series:
     """One VEVENT reduced to what the busy test needs; times are wall-clock in ``zone``."""
@@ -25,6 +32,30 @@ class _Series:
     duration: timedelta
     rules: Any = None                # dateutil rruleset, or None for a one-off event
     excluded: set = field(default_factory=set)
+    ended: bool = False              # every occurrence has been read ...
+    last: datetime | None = None     # ... and this is the last one (None: there is none)
+    too_many: bool = False           # more than MAX_OCCURRENCES before the checked time
+
+    def starts(self, low: datetime, high: datetime) -> list[datetime]:
+        """Starts of the occurrences in [low, high] (naive wall-clock in ``zone``)."""
+        if self.rules is None:
+            return [self.start] if low <= self.start <= high else []
+        if self.too_many or (self.ended and (self.last is None or self.last < low)):
+            return []
+        found, last = [], None
+        for count, start in enumerate(self.rules):  # in order, from the first occurrence
+            if start > high:
+                return found
+            if count >= MAX_OCCURRENCES:
+                self.too_many = True
+                return []
+            if start >= low:
+                found.append(start)
+            last = start
+        # a rule that can never match (FREQ=DAILY;BYMONTHDAY=31;BYMONTH=2) ends only after
+        # dateutil has walked to the year 9999: remember that, rather than walk again each check
+        self.ended, self.last = True, last
+        return found
 
 
 def _wall(value: date | datetime, zone: Any) -> datetime:
@@ -46,10 +77,14 @@ def parse_calendar(data: bytes | str, tz: Any) -> list[_Series]:
     from dateutil.rrule import rruleset, rrulestr
 
     try:
-        calendar = icalendar.Calendar.from_ical(data)
+        # a stream may hold several VCALENDAR objects (RFC 5545 section 3.4), e.g. exports
+        # joined into one file
+        calendars = icalendar.Calendar.from_ical(data, multiple=True)
     except Exception as exc:  # noqa: BLE001 - icalendar raises various types on bad input
         raise ValueError(f"not a valid iCalendar document ({_short(exc)})") from None
-    events = calendar.walk("VEVENT")
+    if not calendars:
+        raise ValueError("not a valid iCalendar document (no BEGIN:VCALENDAR ... END:VCALENDAR)")
+    events = [event for calendar in calendars for event in calendar.walk("VEVENT")]
     overrides: dict[str, set] = {}
     series: list[_Series] = []
     masters: dict[str, _Series] = {}
@@ -76,6 +111,9 @@ def parse_calendar(data: bytes | str, tz: Any) -> list[_Series]:
             if (rrules or rdates) and "RECURRENCE-ID" not in event:
                 rules = rruleset(cache=True)
                 for recur in rrules:
+                    # dateutil loops forever on these instead of refusing them
+                    if any(n < 1 for key in ("INTERVAL", "COUNT") for n in recur.get(key, ())):
+                        raise ValueError("INTERVAL and COUNT must be positive")
                     until = recur.get("UNTIL")
                     text = icalendar.vRecur({k: v for k, v in recur.items() if k != "UNTIL"})
                     rule = rrulestr(text.to_ical().decode(), dtstart=item.start)
@@ -108,12 +146,8 @@ def busy_events(series: Iterable[_Series], when: datetime) -> list[tuple[str, da
     found = []
     for item in series:
         wall_now = when.astimezone(item.zone).replace(tzinfo=None)
-        if item.rules is None:
-            starts = [item.start]
-        else:
-            starts = item.rules.between(wall_now - item.duration - timedelta(days=1),
-                                        wall_now + timedelta(days=1), inc=True)
-        for start in starts:
+        for start in item.starts(wall_now - item.duration - timedelta(days=1),
+                                 wall_now + timedelta(days=1)):
             if start in item.excluded:
                 continue
             end_wall = start + item.duration
@@ -147,8 +181,12 @@ class CalendarBusy(Signal):
         self.source = str(source)
         self.refresh_s = _seconds(refresh_s, "the calendar refresh interval")
         self.tz = _zone(tz)
-        self.clock, self.timeout_s, self.name = clock, timeout_s, name
+        self.timeout_s = _seconds(timeout_s, "the calendar fetch timeout")
+        if not self.timeout_s:
+            raise ValueError("the calendar fetch timeout must be more than 0 seconds")
+        self.clock, self.name = clock, name
         self.series: list[_Series] | None = None
+        self._data: bytes | None = None  # the text the series were parsed from
         self.loaded_at: float | None = None
         self.last_attempt: float | None = None
         self.last_error: str | None = None
@@ -161,26 +199,36 @@ class CalendarBusy(Signal):
         if source.startswith(("http://", "https://")):
             request = urllib.request.Request(source, headers={"User-Agent": "metaclaw"})
             with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                return response.read()
-        return Path(source).expanduser().read_bytes()
+                data = response.read(MAX_CALENDAR_BYTES + 1)
+        else:
+            with open(Path(source).expanduser(), "rb") as handle:
+                data = handle.read(MAX_CALENDAR_BYTES + 1)
+        if len(data) > MAX_CALENDAR_BYTES:
+            raise ValueError(f"the calendar is larger than {MAX_CALENDAR_BYTES // 2**20} MiB")
+        return data
 
     def refresh(self) -> bool:
         """Fetch and parse the calendar now; True on success (else the last good one is kept)."""
         self.last_attempt = now_ts(self.clock)
         self.fetches += 1
         try:
-            series = parse_calendar(self._fetch(), self.tz)
+            data = self._fetch()
+            # unchanged text keeps its parsed series, and with them what they learned about
+            # their recurrence rules (see _Series.starts)
+            series = self.series if data == self._data else parse_calendar(data, self.tz)
         except Exception as exc:  # noqa: BLE001 - reported, and the last good calendar is kept
             self.last_error = (f"could not load the calendar from {_redact(self.source)}: "
                                f"{_short(exc)}")
             return False
-        self.series, self.loaded_at, self.last_error = series, self.last_attempt, None
+        self.series, self._data = series, data
+        self.loaded_at, self.last_error = self.last_attempt, None
         return True
 
     def reading(self) -> SignalReading:
         now = now_ts(self.clock)
         every = self.refresh_s if self.series is not None else min(self.refresh_s, 60.0)
-        if self.last_attempt is None or now - self.last_attempt >= every:
+        # a clock set back (now before the last attempt) must not hold off refreshing
+        if self.last_attempt is None or not 0 <= now - self.last_attempt < every:
             self.refresh()
         if self.series is None:
             return self._read(False, False, f"unavailable: {self.last_error}")
@@ -190,6 +238,10 @@ class CalendarBusy(Signal):
             detail = f"busy: {summary} until {end.astimezone(self.tz):%Y-%m-%d %H:%M}"
         else:
             detail = f"free ({len(self.series)} events loaded)"
+        skipped = sum(item.too_many for item in self.series)
+        if skipped:
+            detail += (f"; {skipped} recurring event(s) ignored: more than {MAX_OCCURRENCES} "
+                       f"occurrences before now")
         if self.last_error:
             detail += f"; using the last good calendar, {self.last_error}"
         return self._read(True, bool(events), detail)

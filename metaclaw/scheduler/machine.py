@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import html
 import json
+import re
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -40,13 +41,16 @@ class Scheduler:
     ``mode``: ``"any"`` or ``"all"``; ``min_window_s``: see the module docstring. ``store``: a
     :class:`metaclaw.store.Store` for the transitions (optional). ``force``: train regardless of
     the signals until the run ends by itself. ``max_steps``: total step budget (None = no limit).
+    ``signal_timeout_s``: a signal that has not answered within this many seconds reads as
+    unavailable, so one hung signal (a stalled network share, a wedged X server) cannot keep
+    training going after the user is back.
     """
 
     def __init__(self, signals: Iterable[Signal] = (), *,
                  train_step: Callable[[], Any] | None = None, mode: str = "any",
                  min_window_s: float = 0.0, store: Any = None, clock: Clock = time.time,
                  force: bool = False, max_steps: int | None = None, poll_s: float = 5.0,
-                 history: int = 500):
+                 signal_timeout_s: float = 15.0, history: int = 500):
         self.signals = list(signals)
         names = [s.name for s in self.signals]
         duplicates = sorted({n for n in names if names.count(n) > 1})
@@ -61,6 +65,9 @@ class Scheduler:
         self.train_step, self.mode, self.store, self.clock = train_step, mode, store, clock
         self.min_window_s = _seconds(min_window_s, "min_window_s")
         self.poll_s = _seconds(poll_s, "poll_s") or 5.0
+        self.signal_timeout_s = _seconds(signal_timeout_s, "signal_timeout_s")
+        if not self.signal_timeout_s:
+            raise ValueError("signal_timeout_s must be more than 0 seconds")
         self.force, self.max_steps, self.history = force, max_steps, history
         self.state = "waiting"
         self.steps = 0
@@ -70,6 +77,7 @@ class Scheduler:
         self.transitions: list[Transition] = []
         self._lock = threading.RLock()
         self._idle_since: float | None = None
+        self._pending: dict[str, tuple[threading.Thread, float]] = {}  # readings still running
         self._spent = False              # the current idle period already had its training run
         self._pause = threading.Event()  # set: the worker stops at the next step boundary
         self._worker: threading.Thread | None = None
@@ -80,15 +88,49 @@ class Scheduler:
 
     # -- signals ----------------------------------------------------------------------------
     def readings(self) -> list[SignalReading]:
-        """Every signal's current reading (a signal that raises reads as unavailable)."""
+        """Every signal's current reading, read side by side; a signal that raises, or has not
+        answered within ``signal_timeout_s``, reads as unavailable."""
+        started = time.monotonic()
+        jobs = [(signal, self._start_reading(signal, started)) for signal in self.signals]
         out = []
-        for signal in self.signals:
-            try:
-                out.append(signal.reading())
-            except Exception as exc:  # noqa: BLE001
-                out.append(SignalReading(signal.name, False, False, f"unavailable: {_short(exc)}"))
+        for signal, job in jobs:
+            if isinstance(job, SignalReading):
+                out.append(job)
+                continue
+            thread, answer = job
+            thread.join(max(0.0, started + self.signal_timeout_s - time.monotonic()))
+            if thread.is_alive():
+                self._pending[signal.name] = (thread, started)
+                out.append(SignalReading(signal.name, False, False, f"unavailable: no answer "
+                                         f"within {self.signal_timeout_s:g}s"))
+            elif "error" in answer:
+                out.append(SignalReading(signal.name, False, False,
+                                         f"unavailable: {_short(answer['error'])}"))
+            else:
+                out.append(answer["reading"])
         self.last_readings = out
         return out
+
+    def _start_reading(self, signal: Signal, now: float):
+        """Start reading ``signal`` in a thread: (thread, answer dict), or an unavailable
+        reading while its previous reading is still running (a thread cannot be cancelled)."""
+        pending = self._pending.get(signal.name)
+        if pending is not None:
+            if pending[0].is_alive():
+                return SignalReading(signal.name, False, False, f"unavailable: no answer for "
+                                     f"{now - pending[1]:.0f}s")
+            del self._pending[signal.name]
+        answer: dict[str, Any] = {}
+
+        def read() -> None:
+            try:
+                answer["reading"] = signal.reading()
+            except Exception as exc:  # noqa: BLE001 - reported as unavailable
+                answer["error"] = exc
+
+        thread = threading.Thread(target=read, name=f"metaclaw-signal-{signal.name}", daemon=True)
+        thread.start()
+        return thread, answer
 
     def combine(self, readings: list[SignalReading]) -> tuple[bool, str]:
         """Apply the combination rule: (idle?, human-readable reason)."""
@@ -130,7 +172,8 @@ class Scheduler:
             idle, reason = self.combine(readings)
             now = now_ts(self.clock)
             if idle:
-                if self._idle_since is None:
+                # a clock set back would otherwise hold off training until it caught up
+                if self._idle_since is None or self._idle_since > now:
                     self._idle_since = now
             else:
                 self._idle_since, self._spent = None, False
@@ -322,7 +365,8 @@ SIGNAL_TYPES: dict[str, type[Signal]] = {
     "sleep": SleepWindow, "keyboard": KeyboardIdle, "calendar": CalendarBusy,
     "notebook": NotebookIdle, "proxy": ProxyIdle,
 }
-_SETTINGS = ("mode", "min_window_s", "max_steps", "force", "poll_s", "signals")
+_SETTINGS = ("mode", "min_window_s", "max_steps", "force", "poll_s", "signal_timeout_s",
+             "signals")
 
 #: Used when no scheduler configuration is given: the local night, or 15 minutes without
 #: keyboard/mouse input where a display exists.
@@ -332,6 +376,9 @@ DEFAULT_CONFIG: dict[str, Any] = {
 }
 
 
+_TIME_OF_DAY = re.compile(r"^(?:[01]?[0-9]|2[0-4]):[0-5][0-9]$")
+
+
 def load_config(path: str | None) -> dict[str, Any]:
     """The scheduler configuration in a YAML or JSON file (the :func:`from_config` shape, at the
     top level or under a ``scheduler:`` key); :data:`DEFAULT_CONFIG` when ``path`` is None."""
@@ -339,9 +386,18 @@ def load_config(path: str | None) -> dict[str, Any]:
         return json.loads(json.dumps(DEFAULT_CONFIG))
     import yaml
 
+    class Loader(yaml.SafeLoader):
+        """Reads an unquoted time of day such as 23:00 as text: YAML 1.1 reads it as the
+        base-60 number 1380."""
+
+    Loader.yaml_implicit_resolvers = {
+        first: list(resolvers)
+        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+    for digit in "0123456789":  # ahead of the int resolver
+        Loader.yaml_implicit_resolvers[digit].insert(0, ("tag:yaml.org,2002:str", _TIME_OF_DAY))
     try:
         with open(path, encoding="utf-8") as handle:
-            data = yaml.safe_load(handle) or {}
+            data = yaml.load(handle, Loader=Loader) or {}  # noqa: S506 - a SafeLoader
     except OSError as exc:
         raise ValueError(f"cannot read the scheduler configuration {path}: {exc.strerror}") from exc
     except yaml.YAMLError as exc:
@@ -421,4 +477,5 @@ def from_config(config: dict[str, Any] | None, *, train_step: Callable[[], Any] 
                      min_window_s=config.get("min_window_s", 0.0),
                      max_steps=config.get("max_steps"),
                      force=_flag(config.get("force", False), "'force'"),
-                     poll_s=config.get("poll_s", 5.0))
+                     poll_s=config.get("poll_s", 5.0),
+                     signal_timeout_s=config.get("signal_timeout_s", 15.0))

@@ -6,6 +6,7 @@ Every signal takes an injectable ``clock`` (a callable returning epoch seconds o
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import subprocess
@@ -34,6 +35,9 @@ def _zone(tz: str | None):
     """A ``ZoneInfo`` for an IANA name (None means the machine's local zone)."""
     from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
+    if tz is not None and not isinstance(tz, str):
+        raise ValueError(f"the time zone must be an IANA name such as 'Europe/Berlin' or "
+                         f"'UTC', got {tz!r}")
     if tz is None or tz == "local":
         try:
             from dateutil.tz import tzlocal  # follows daylight saving time
@@ -48,10 +52,16 @@ def _zone(tz: str | None):
 
 
 def _seconds(value: Any, what: str) -> float:
+    # YAML reads `yes` as True, which float() would take as 1 second
+    if isinstance(value, bool):
+        raise ValueError(f"{what} must be a number of seconds, got {value!r}")
     try:
         number = float(value)
     except (TypeError, ValueError):
         raise ValueError(f"{what} must be a number of seconds, got {value!r}") from None
+    # NaN compares false with everything: a NaN threshold would silently never read idle
+    if not math.isfinite(number):
+        raise ValueError(f"{what} must be a finite number of seconds, got {value!r}")
     if number < 0:
         raise ValueError(f"{what} must not be negative, got {value!r}")
     return number
@@ -95,11 +105,16 @@ class Signal:
 
 
 # -- sleep window ---------------------------------------------------------------------------------
-def _parse_hhmm(value: str, what: str) -> int:
+def _parse_hhmm(value: str, what: str, *, end_of_day: bool = False) -> int:
+    """Minutes after midnight of an ``"HH:MM"`` string; ``"24:00"`` only where ``end_of_day``."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        # YAML 1.1 reads an unquoted 23:00 as the base-60 number 1380
+        raise ValueError(f"{what} must be a time of day 'HH:MM' (24-hour), got the number "
+                         f"{value}; quote the time in YAML, e.g. '23:00'")
     try:
         hours, minutes = str(value).strip().split(":")
         h, m = int(hours), int(minutes)
-        if not (0 <= h <= 23 and 0 <= m <= 59):
+        if not (0 <= h <= 23 and 0 <= m <= 59) and not (end_of_day and (h, m) == (24, 0)):
             raise ValueError
     except ValueError:
         raise ValueError(f"{what} must be a time of day 'HH:MM' (24-hour), got {value!r}") from None
@@ -109,17 +124,18 @@ def _parse_hhmm(value: str, what: str) -> int:
 class SleepWindow(Signal):
     """Idle while the local time (in ``tz``) is within [start, end); the window may wrap midnight.
 
-    ``start`` / ``end`` are ``"HH:MM"`` strings; ``tz`` an IANA zone name (None = machine zone).
+    ``start`` / ``end`` are ``"HH:MM"`` strings (``end`` may be ``"24:00"``, so ``"00:00"`` to
+    ``"24:00"`` is the whole day); ``tz`` an IANA zone name (None = machine zone).
     """
 
     def __init__(self, start: str = "23:00", end: str = "07:00", tz: str | None = None, *,
                  clock: Clock = time.time, name: str = "sleep"):
         self.start, self.end, self.tz_name = start, end, tz
         self._start = _parse_hhmm(start, "the sleep window start")
-        self._end = _parse_hhmm(end, "the sleep window end")
+        self._end = _parse_hhmm(end, "the sleep window end", end_of_day=True)
         if self._start == self._end:
             raise ValueError(f"the sleep window start and end are both {start!r}; give two "
-                             f"different times")
+                             f"different times ('00:00' to '24:00' for the whole day)")
         self.tz = _zone(tz)
         self.clock, self.name = clock, name
 
