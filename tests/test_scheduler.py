@@ -9,15 +9,17 @@ import shutil
 import subprocess
 import threading
 import time
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from zoneinfo import ZoneInfo
 
 import pytest
+from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 from metaclaw.scheduler import (
     CalendarBusy, KeyboardIdle, NotebookIdle, ProxyIdle, Scheduler, SignalReading, SleepWindow,
-    busy_events, from_config, parse_calendar,
+    busy_events, from_config, ical, load_config, parse_calendar,
 )
+from metaclaw.scheduler.signals import Signal
 from metaclaw.store import Store
 import waiting
 
@@ -692,12 +694,6 @@ def test_from_config_builds_signals(tmp_path):
 
 
 # -- adversarial input ----------------------------------------------------------------------------
-from datetime import timedelta  # noqa: E402
-
-from hypothesis import HealthCheck, example, given, settings, strategies as st  # noqa: E402
-
-from metaclaw.scheduler import ical, load_config  # noqa: E402
-from metaclaw.scheduler.signals import Signal  # noqa: E402
 
 
 def _finishes(fn, within: float = 60.0):
