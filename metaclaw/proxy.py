@@ -310,6 +310,7 @@ class Proxy(ServedApp):
                     app.router.add_post(prefix + route, self._handler(protocol))
             app.router.add_post(prefix + "/messages/count_tokens", self._count_tokens)
             app.router.add_get(prefix + "/models", self._models)
+            app.router.add_get(prefix + "/models/{model_id:.+}", self._model)
         app.router.add_get("/healthz", self._health)
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
@@ -420,8 +421,8 @@ class Proxy(ServedApp):
             if exc.status < 400:
                 raise
             message = {404: f"no route {request.path}; the proxy serves POST /v1/chat/completions, "
-                            "POST /v1/messages, POST /v1/messages/count_tokens, GET /v1/models "
-                            "and GET /healthz",
+                            "POST /v1/messages, POST /v1/messages/count_tokens, GET /v1/models, "
+                            "GET /v1/models/{id} and GET /healthz",
                        405: f"method {request.method} is not allowed on {request.path}"}.get(
                 exc.status, exc.reason)
             return _protocol_of(request).error_response(
@@ -461,6 +462,30 @@ class Proxy(ServedApp):
         })
 
     async def _models(self, request: web.Request) -> web.Response:
+        """``GET /v1/models``: the upstream's list, or the model this proxy serves, in the
+        client's shape."""
+        client, models, payload = await self._model_list(request)
+        if payload is not None:  # the upstream speaks the client's protocol: its list as it is
+            return web.Response(body=payload, content_type="application/json")
+        return web.Response(body=dumpb(client.models_payload(models)),
+                            content_type="application/json")
+
+    async def _model(self, request: web.Request) -> web.Response:
+        """``GET /v1/models/{id}`` (the SDKs' ``models.retrieve``): one model of the list, or a
+        404 naming it."""
+        model_id = request.match_info["model_id"]
+        client, models, _ = await self._model_list(request)
+        for model in models:
+            if model["id"] == model_id:
+                return web.Response(body=dumpb(client.models_payload([model])["data"][0]),
+                                    content_type="application/json")
+        raise ProxyError(404, f"the model {model_id!r} does not exist here; list the models "
+                              "with GET /v1/models", param="model", code="model_not_found")
+
+    async def _model_list(self, request: web.Request) -> tuple[Any, list[dict[str, Any]],
+                                                               bytes | None]:
+        """(the client's protocol, the models in the neutral view, the upstream's own list when
+        it is in the client's shape already, else None)."""
         caller_key = self._pipeline.authenticate(request)
         responder = self._responder
         name = (getattr(responder, "model", None) or getattr(responder, "model_name", None)
@@ -470,18 +495,16 @@ class Proxy(ServedApp):
         client = _protocol_of(request)  # an Anthropic SDK reads only Anthropic's list
         if name is None and upstream is not None and hasattr(upstream, "models"):
             try:
-                status, payload = await upstream.models(caller_key)
+                _, payload = await upstream.models(caller_key)
             except Exception as exc:
                 raise self._scrubbed(upstream.map_error(exc), caller_key) from None
-            if upstream.protocol is client:
-                return web.Response(body=payload, status=status, content_type="application/json")
             try:
                 models = upstream.protocol.models_of(loads(payload))
             except ValueError:
+                if upstream.protocol is client:  # relayed as it came, as before
+                    return client, [], payload
                 raise self._scrubbed(ProxyError(
                     502, f"the upstream's model list is not JSON: {payload[:200]!r}",
                     type="upstream_error"), caller_key) from None
-        else:
-            models = [{"id": name, "name": name, "created": 0}] if name else []
-        return web.Response(body=dumpb(client.models_payload(models)),
-                            content_type="application/json")
+            return client, models, payload if upstream.protocol is client else None
+        return client, [{"id": name, "name": name, "created": 0}] if name else [], None

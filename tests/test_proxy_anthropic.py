@@ -786,3 +786,26 @@ def test_a_tool_call_without_arguments_keeps_its_run_in_its_session(workspace, o
         turns = sorted(_turns(proxy, store), key=lambda t: t["id"])
     assert turns[2]["session_id"] == turns[1]["session_id"] != turns[0]["session_id"]
     assert turns[2]["identified_by"]["session"] == "fingerprint:reply-thread"
+
+
+@pytest.mark.parametrize("upstream_protocol", ["openai", "anthropic"])
+def test_each_sdk_retrieves_one_model_or_gets_a_404_in_its_shape(workspace, openai_double,
+                                                                anthropic_double,
+                                                                upstream_protocol):
+    """models.retrieve (GET /v1/models/{id}), which clients call to check a model before use,
+    was not routed: both SDKs got a 404 for every model."""
+    upstream = openai_double if upstream_protocol == "openai" else anthropic_double
+    expected = MODEL if upstream_protocol == "openai" else "claude-double"
+    with _proxy(workspace, upstream, upstream_protocol) as proxy:
+        model = _client(proxy).models.retrieve(expected)
+        plain = openai.OpenAI(base_url=proxy.url, api_key="unused", max_retries=0)
+        model_openai = plain.models.retrieve(expected)
+        with pytest.raises(anthropic.NotFoundError) as missing:
+            _client(proxy).models.retrieve("no-such-model")
+        with pytest.raises(openai.NotFoundError) as missing_openai:
+            plain.models.retrieve("no-such-model")
+    assert model.id == model_openai.id == expected
+    assert model.type == "model" and model_openai.object == "model"
+    assert missing.value.body["error"]["type"] == "not_found_error"
+    assert "'no-such-model' does not exist" in missing.value.body["error"]["message"]
+    assert missing_openai.value.body["code"] == "model_not_found"
