@@ -286,9 +286,17 @@ def _dumps(value: Any) -> str:
     return dumps(value)
 
 
+#: What a turn's JSON columns hold when present: readers iterate them or look keys up.
+JSON_SHAPES: dict[str, type] = {
+    "request_messages": list, "tool_calls": list, "injected_skills": list, "judge_votes": list,
+    "request_params": dict, "usage": dict,
+}
+
+
 def _decode(row: sqlite3.Row) -> dict[str, Any]:
-    """A row as a dict, JSON columns decoded. A value that is not valid JSON (a row written by
-    another program, a damaged page) reads as ``None`` and its column is named in the row's
+    """A row as a dict, JSON columns decoded. A value that is not valid JSON, or JSON of
+    another shape than the column holds (:data:`JSON_SHAPES`: a row written by another program,
+    a damaged page), reads as ``None`` and its column is named in the row's
     ``malformed_columns``: one bad row must not make every query that touches it fail (the
     judge, the trainer, the trace would each stop at it for good)."""
     out = dict(row)
@@ -296,6 +304,9 @@ def _decode(row: sqlite3.Row) -> dict[str, Any]:
         if isinstance(out[key], str):
             try:
                 out[key] = json.loads(out[key])
+                shape = JSON_SHAPES.get(key)
+                if shape is not None and not isinstance(out[key], (shape, type(None))):
+                    raise ValueError(f"not a {shape.__name__}")
             except (ValueError, RecursionError):  # JSONDecodeError is a ValueError
                 log.warning("column %s of row %s holds malformed JSON; it reads as NULL",
                             key, out.get("id"))

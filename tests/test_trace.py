@@ -139,3 +139,19 @@ def test_a_turn_with_malformed_json_opens_with_its_columns_named(store, caplog):
     assert turn["messages"] == [] and turn["usage"] is None
     assert sorted(turn["malformed_columns"]) == ["request_messages", "usage"]
     assert "malformed JSON" in caplog.text
+
+
+def test_json_of_another_shape_reads_as_malformed(store, caplog):
+    """Valid JSON of the wrong shape (a string where the messages list belongs, a number for
+    the usage object) would be iterated or looked into by every reader: it reads as NULL and
+    is named, like text that is not JSON."""
+    turn_id = store.record_turn(session_id="m", status="ok", response="the reply",
+                                request_messages=[{"role": "user", "content": "x"}])
+    with store.transaction():
+        store._db.execute("UPDATE turns SET request_messages = '\"hello\"', usage = '5', "
+                          "tool_calls = 'null' WHERE id = ?", (turn_id,))
+    row = store.turn(turn_id)
+    assert row["request_messages"] is None and row["usage"] is None
+    assert row["tool_calls"] is None  # JSON null is a NULL, not a malformed value
+    assert sorted(row["malformed_columns"]) == ["request_messages", "usage"]
+    assert Trace(store, "m").turn(turn_id)["messages"] == []
