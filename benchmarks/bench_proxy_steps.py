@@ -41,10 +41,11 @@ STEPS = [
     ("decode and check the body", "metaclaw.edge", "decode_body"),
     ("parse the turn", "metaclaw.pipeline", "parse_turn"),
     ("identify the session", "metaclaw.pipeline", "identify_session"),
+    ("thread alike conversations", "metaclaw.sessions:ReplyThreads", "resolve"),
     ("check the skill generation", "metaclaw.skills:SkillLibrary", "current"),
     ("retrieve and inject skills", "metaclaw.pipeline:TurnPipeline", "select_and_inject"),
     ("build the turn's row", "metaclaw.pipeline", "record_row"),
-    ("complete and submit the row", "metaclaw.pipeline:_Relay", "finish"),
+    ("complete and submit the row", "metaclaw.pipeline:_Relay", "finish"),  # with the thread
     ("commit the turns on the loop", "metaclaw.pipeline:Recorder", "_commit_on_loop"),
     ("commit the turns in the thread", "metaclaw.pipeline:Recorder", "_commit"),
     ("checkpoint the log (thread)", "metaclaw.store:Store", "checkpoint"),
