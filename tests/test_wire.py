@@ -62,6 +62,139 @@ def test_wire_dry_run_apply_and_undo(tmp_path):
     assert missing.returncode == 2 and "not wired" in missing.stderr
 
 
+
+def _wire(config, *args, check=True):
+    return run_cli("wire", "openclaw", "--config", config, *args, check=check)
+
+
+def test_wire_keeps_a_symlinked_config_a_symlink_and_private(tmp_path):
+    dotfiles = tmp_path / "dotfiles"
+    dotfiles.mkdir()
+    real = dotfiles / "openclaw.json"
+    real.write_text(ORIGINAL)
+    real.chmod(0o600)  # it holds API keys
+    config = tmp_path / "openclaw.json"
+    config.symlink_to(real)
+    _wire(config, "--token", "tok")
+    assert config.is_symlink() and "metaclaw" in json.loads(real.read_text())["models"]["providers"]
+    assert real.stat().st_mode & 0o777 == 0o600
+    for kept in tmp_path.glob("openclaw.json.metaclaw-*"):  # the backup holds the same keys
+        assert kept.stat().st_mode & 0o077 == 0, kept
+    _wire(config, "--undo")
+    assert config.is_symlink() and real.read_text() == ORIGINAL
+    assert real.stat().st_mode & 0o777 == 0o600
+
+
+def test_dry_run_shows_no_token_or_api_key(tmp_path):
+    config = tmp_path / "openclaw.json"
+    config.write_text(ORIGINAL.replace('"sk-acme"', "'sk-acme'"))  # JSON5 quotes too
+    out = _wire(config, "--token", "proxy-secret-123", "--dry-run").stdout
+    assert "proxy-secret-123" not in out and "sk-acme" not in out
+    assert '"apiKey": "***"' in out and "apiKey: '***'" in out
+
+
+def test_round_trip_keeps_the_exact_bytes(tmp_path):
+    config = tmp_path / "openclaw.json"
+    original = b"\xef\xbb\xbf" + ORIGINAL.replace("\n", "\r\n").encode()  # BOM, CRLF (Windows)
+    config.write_bytes(original)
+    _wire(config)
+    _wire(config, "--undo")
+    assert config.read_bytes() == original
+
+
+def test_a_config_that_is_not_utf8_is_refused_and_left_alone(tmp_path):
+    config = tmp_path / "openclaw.json"
+    config.write_bytes(b"{models: {}} // caf\xe9\n")
+    failed = _wire(config, check=False)
+    assert failed.returncode == 2 and "not UTF-8" in failed.stderr
+    assert config.read_bytes() == b"{models: {}} // caf\xe9\n"
+
+
+def test_a_read_only_config_is_not_replaced(tmp_path):
+    config = tmp_path / "openclaw.json"
+    config.write_text(ORIGINAL)
+    config.chmod(0o444)
+    failed = _wire(config, check=False)
+    assert failed.returncode == 2 and "read-only" in failed.stderr
+    assert config.read_text() == ORIGINAL and config.stat().st_mode & 0o777 == 0o444
+
+
+def test_undo_without_the_backup_takes_back_only_the_wiring(tmp_path):
+    config = tmp_path / "openclaw.json"
+    config.write_text(ORIGINAL)
+    _wire(config)
+    (tmp_path / "openclaw.json.metaclaw-backup").unlink()  # e.g. cleaned up by hand
+    _wire(config, "--undo")
+    final = json.loads(config.read_text())
+    assert "metaclaw" not in final["models"]["providers"]
+    assert final["agents"]["defaults"]["model"]["primary"] == "acme/acme-large"
+
+
+def test_undo_leaves_a_file_without_wiring_byte_for_byte(tmp_path):
+    config = tmp_path / "openclaw.json"
+    config.write_text(ORIGINAL)
+    _wire(config)
+    config.write_text(ORIGINAL)  # as if the wiring was cut short before the file was replaced
+    assert "left as it is" in _wire(config, "--undo").stdout
+    assert config.read_text() == ORIGINAL  # JSON5 comments kept
+
+
+def test_undo_keeps_an_empty_config_file(tmp_path):
+    config = tmp_path / "openclaw.json"
+    config.write_text("")
+    _wire(config, "--model", "m")
+    _wire(config, "--undo")
+    assert config.exists() and config.read_text() == ""
+
+
+def test_rewiring_after_a_hand_edit_undoes_to_the_edited_file(tmp_path):
+    config = tmp_path / "openclaw.json"
+    config.write_text(ORIGINAL)
+    _wire(config)
+    edited = json.loads(config.read_text())
+    edited["agents"]["defaults"]["model"]["primary"] = "acme/acme-large"  # unwired by hand
+    edited["agents"]["defaults"]["workspace"] = "~/elsewhere"
+    config.write_text(json.dumps(edited))
+    _wire(config)
+    _wire(config, "--undo")
+    assert json.loads(config.read_text()) == edited
+
+
+def test_a_failed_replace_leaves_the_config_and_no_temporary_file(tmp_path, monkeypatch):
+    from metaclaw import wire
+
+    config = tmp_path / "openclaw.json"
+    config.write_text(ORIGINAL)
+    plan = wire.plan_openclaw(config, "http://127.0.0.1:30000/v1")
+
+    def crash(src, dst):
+        if os.fspath(dst) == os.fspath(config):
+            raise OSError("disk full")
+        return real_replace(src, dst)
+
+    real_replace = os.replace
+    monkeypatch.setattr(wire.os, "replace", crash)
+    with pytest.raises(OSError):
+        wire.apply(plan)
+    assert config.read_text() == ORIGINAL
+    assert not [p for p in tmp_path.iterdir() if "tmp" in p.name]  # no stray copy of the keys
+
+
+def test_plain_json_is_read_without_the_json5_parser(tmp_path, monkeypatch):
+    import json5
+
+    from metaclaw import wire
+
+    config = tmp_path / "openclaw.json"
+    config.write_text(json.dumps({"agents": {"defaults": {"model": {"primary": "a/m"}}}}))
+
+    def slow(text):
+        raise AssertionError("json5 is slow on big files; plain JSON needs no JSON5 parser")
+
+    monkeypatch.setattr(json5, "loads", slow)
+    assert wire.plan_openclaw(config, "http://127.0.0.1:30000/v1").model == "m"
+
+
 def _openclaw() -> str | None:
     binary = shutil.which("openclaw")
     node = shutil.which("node")
