@@ -60,6 +60,7 @@ from typing import Any, Callable, Mapping
 import orjson
 
 from metaclaw.asks import INSTRUCTION_ROLES, content_text
+from metaclaw.protocols.anthropic_messages import tool_input
 
 log = logging.getLogger(__name__)
 
@@ -372,25 +373,13 @@ class Thread:
 
 
 def _arguments(value: Any) -> str:
-    """A tool call's arguments in one spelling: clients re-serialise the JSON they got, and an
-    Anthropic client resends them as the ``input`` object the proxy translated them to (no
-    arguments as ``{}``, text that is not a JSON object wrapped the same way, see
-    :func:`metaclaw.protocols.anthropic_messages._arguments`). orjson: a long agent history
-    resends hundreds of calls on every turn."""
-    given = value
-    if value is None or isinstance(value, str) and not value.strip():
-        value = {}
-    elif isinstance(value, str):
-        try:
-            value = orjson.loads(value)
-        except orjson.JSONDecodeError:  # not JSON, or nested too deep to read back
-            value = {"_raw": value}
-    if not isinstance(value, dict):
-        value = {"_value": value}
+    """A tool call's arguments in one spelling, read as an Anthropic client gets and resends
+    them (:func:`~metaclaw.protocols.anthropic_messages.tool_input`) and written with sorted
+    keys: clients re-serialise the JSON they got."""
     try:
-        return orjson.dumps(value, option=orjson.OPT_SORT_KEYS).decode()
+        return orjson.dumps(tool_input(value), option=orjson.OPT_SORT_KEYS).decode()
     except TypeError:  # nested deeper than orjson writes, a lone surrogate: kept as it came
-        return given if isinstance(given, str) else f"<{type(given).__name__}>"
+        return value if isinstance(value, str) else f"<{type(value).__name__}>"
 
 
 def add_message(history: Any, role: Any, content: Any, tool_calls: Any = None) -> None:

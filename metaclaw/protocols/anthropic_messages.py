@@ -187,12 +187,14 @@ def _tool_result_text(block: dict[str, Any]) -> str:
     return f"[error] {text}" if block.get("is_error") else text
 
 
-def _arguments(value: Any) -> dict[str, Any]:
+def tool_input(value: Any) -> dict[str, Any]:
+    """A chat tool call's ``arguments`` as the ``input`` object an Anthropic client gets (and
+    resends): none as ``{}``, text that is not a JSON object wrapped."""
     if isinstance(value, dict):
         return value
     try:
         parsed = loads(value or "{}")
-    except (ValueError, TypeError):
+    except (ValueError, TypeError, RecursionError):  # RecursionError: nested too deep to read
         return {"_raw": value}
     return parsed if isinstance(parsed, dict) else {"_value": parsed}
 
@@ -645,7 +647,7 @@ class AnthropicMessages(WireProtocol):
                     function = call.get("function") or {}
                     blocks.append({"type": "tool_use", "id": call.get("id"),
                                    "name": function.get("name"),
-                                   "input": _arguments(function.get("arguments"))})
+                                   "input": tool_input(function.get("arguments"))})
                 add("assistant", blocks)
             else:
                 if isinstance(content, list):
@@ -730,7 +732,7 @@ class AnthropicMessages(WireProtocol):
             function = call.get("function") or {}
             content.append({"type": "tool_use", "id": call.get("id"),
                             "name": function.get("name"),
-                            "input": _arguments(function.get("arguments"))})
+                            "input": tool_input(function.get("arguments"))})
         return {"id": _new_id(), "type": "message", "role": "assistant",
                 "model": completion.get("model") or "", "content": content,
                 "stop_reason": _FINISH_TO_STOP.get(choice.get("finish_reason") or "stop",
