@@ -383,6 +383,7 @@ def cmd_buffers(args: argparse.Namespace) -> int:
 def cmd_scheduler(args: argparse.Namespace) -> int:
     from metaclaw.scheduler import from_config, load_config
     from metaclaw.store import Store
+    from metaclaw.training_lease import TrainingLease
 
     store = Store(args.db) if Path(args.db).exists() else None
     scheduler = from_config(load_config(args.config), store=store)
@@ -390,21 +391,25 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
         status = scheduler.status(refresh=True)
     finally:
         scheduler.close()
-    if store is not None:  # the state of the scheduler that trains is in the workspace
-        recent = store.query("SELECT at, from_state, to_state, reason FROM scheduler_transitions "
-                             "ORDER BY id DESC LIMIT 10")
+    if store is not None:  # the schedulers that train run in other processes: the workspace
+        recent = store.query("SELECT at, from_state, to_state, reason, process "
+                             "FROM scheduler_transitions ORDER BY id DESC LIMIT 10")
         status["transitions"] = list(reversed(recent))
         status["state"] = recent[0]["to_state"] if recent else "waiting"
+        status["training"] = TrainingLease.for_store(store).training_elsewhere()
     if args.json:
         _print_json(status)
         return 0
     print(f"state: {status['state']}  (window {'open' if status['idle'] else 'closed'}: "
           f"{status['reason']})")
+    if status.get("training"):
+        print(f"training this workspace now: {_printable(status['training'])}")
     for reading in status["signals"]:
         value = "idle" if reading["idle"] else "active" if reading["available"] else "unavailable"
         print(f"  {reading['name']:<10} {value:<12} {reading['detail']}")
     for t in status["transitions"]:
-        print(f"  {t['from_state']} -> {t['to_state']}: {t['reason']}")
+        process = f"[{t['process']}] " if t.get("process") else ""
+        print(_printable(f"  {process}{t['from_state']} -> {t['to_state']}: {t['reason']}"))
     return 0
 
 
@@ -459,12 +464,17 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"waiting for an idle window ({scheduler.status(refresh=True)['reason']}); "
               f"Ctrl-C stops (training pauses at a step boundary, state kept in {state_dir})",
               flush=True)
-        seen = 0
+        seen, waiting_for = 0, None
         while scheduler.steps < args.steps:
             time.sleep(args.poll)
             for t in scheduler.transitions[seen:]:
                 print(f"scheduler: {t.from_state} -> {t.to_state}: {t.reason}", flush=True)
             seen = len(scheduler.transitions)
+            if scheduler.waiting_for != waiting_for:
+                waiting_for = scheduler.waiting_for
+                if waiting_for:
+                    print(f"scheduler: window open, waiting for {_printable(waiting_for)} to "
+                          f"finish training this workspace", flush=True)
             if loop.status()["nothing_to_train"] and scheduler.state == "waiting":
                 print("nothing to train: no live query-set turns of the current skill "
                       "generation", flush=True)

@@ -425,6 +425,7 @@ class GRPOTrainer:
         self.history: list[dict[str, Any]] = []   # records of the steps run by this trainer
         self.claim_lease_s = buffers.TRAIN_CLAIM_S  # how long a step's claim lasts unrenewed
         self.last_reason = ""                     # why the last step() returned None
+        self._declined: set[int] = set()          # published versions not adopted (and why said)
 
         # Resume: load the latest saved state of this state_dir (weights, optimizer, counters).
         if self.state_dir is not None and self.config.resume \
@@ -462,9 +463,12 @@ class GRPOTrainer:
         if not rows or int(rows[0]["version"]) <= backend.policy_version:
             return backend.policy_version
         version, checkpoint = int(rows[0]["version"]), rows[0]["checkpoint"]
+        if version in self._declined:  # said once: this runs before every step
+            return backend.policy_version
         if not checkpoint:  # published, its weights never saved (the process died saving them)
             log.warning("policy version %d has no saved weights; serving version %d", version,
                         backend.policy_version)
+            self._declined.add(version)
             return backend.policy_version
         # Taking the number without loading its weights would label this backend's weights as
         # that version (turns recorded as served by it, the next publish built on them).
@@ -482,6 +486,7 @@ class GRPOTrainer:
         if why is not None:
             log.warning("not adopting policy version %d (%s); serving version %d", version, why,
                         backend.policy_version)
+            self._declined.add(version)
             return backend.policy_version
         backend.policy_version = version
         backend.sampler().policy_version = version
@@ -638,6 +643,10 @@ class GRPOTrainer:
         config, backend, store = self.config, self.backend, self.store
         step = self.next_step
         t0 = time.perf_counter()
+        if store is not None:  # another process may have trained and published meanwhile
+            version = backend.policy_version
+            if self.sync_with_store() != version and self.on_publish is not None:
+                self.on_publish(backend.sampler(), backend.policy_version)
         pool = list(self.prompts() if callable(self.prompts) else self.prompts)
         if not pool:
             self.last_reason = "no prompts (no live query-set turns of the current generation)"

@@ -38,6 +38,7 @@ from typing import Any, Callable
 
 from metaclaw.grpo import (GRPOConfig, GRPOResult, GRPOTrainer, Prompt, current_generation,
                            prompts_from_query_set, select_query_turns)
+from metaclaw.training_lease import TrainingLease
 
 log = logging.getLogger("metaclaw.slowloop")
 
@@ -157,7 +158,14 @@ class SlowLoop:
 
     Creating a SlowLoop restores the latest state saved in ``state_dir``. Attributes:
     ``trainer`` (the :class:`~metaclaw.grpo.GRPOTrainer`), ``responder`` (or None),
-    ``scheduler`` (the last one :meth:`start` built, or None).
+    ``scheduler`` (the last one :meth:`start` built, or None), ``lease`` (the workspace's
+    :class:`~metaclaw.training_lease.TrainingLease`).
+
+    One process trains a workspace at a time: every step, forced run and scheduled training
+    run holds the workspace's training lease. Another process's scheduler waits for it; its
+    :meth:`step` and :meth:`train_now` raise :class:`~metaclaw.training_lease.TrainingBusy`
+    naming the holder. Each step first adopts the policy another process published meanwhile
+    (:meth:`~metaclaw.grpo.GRPOTrainer.sync_with_store`), so training continues from it.
     """
 
     def __init__(self, store, backend, *, config: GRPOConfig | None = None, judge: Any = None,
@@ -178,6 +186,7 @@ class SlowLoop:
         self.scheduler: Any = None
         self._listeners: list[Callable[[dict[str, Any]], None]] = []
         self._step_lock = threading.Lock()   # one step at a time, whoever calls
+        self.lease = TrainingLease.for_store(store)  # one process at a time, whoever it is
         self.trainer = GRPOTrainer(backend, self.prompts, config=config, store=store,
                                    judge=self.reward, on_step=self._on_step,
                                    on_publish=self._on_publish)
@@ -232,7 +241,7 @@ class SlowLoop:
         ``config.save_every`` steps, and by :meth:`stop`.
         """
         self._need_judge()
-        with self._step_lock:
+        with self._step_lock, self.lease.holding("a training step"):
             record = self.trainer.step()
             scheduler = self.scheduler
             boundary = scheduler is not None and (
@@ -250,7 +259,9 @@ class SlowLoop:
         In: ``steps`` (default ``config.steps``), ``on_step(record)`` for this call only,
         ``should_stop()`` checked at each step boundary. Stops early when there is nothing to
         train. Out: a :class:`~metaclaw.grpo.GRPOResult` of this call's steps.
-        Raises RuntimeError while the scheduler is training in the background.
+        Raises RuntimeError while the scheduler is training in the background, and
+        :class:`~metaclaw.training_lease.TrainingBusy` while another process trains this
+        workspace.
         """
         self._need_judge()
         if self.scheduler is not None and self.scheduler.state in ("training", "pausing"):
@@ -259,7 +270,7 @@ class SlowLoop:
         if on_step is not None:
             self.add_step_listener(on_step)
         try:
-            with self._step_lock:
+            with self._step_lock, self.lease.holding("metaclaw train --now"):
                 return self.trainer.train(steps, should_stop)
         finally:
             if on_step is not None:
@@ -289,7 +300,7 @@ class SlowLoop:
             overrides["max_steps"] = steps
         config = self.scheduler_config if self.scheduler_config is not None else load_config(None)
         self.scheduler = from_config(config, train_step=self.step, store=self.store,
-                                     clock=self.clock, **overrides)
+                                     clock=self.clock, lease=self.lease, **overrides)
         self.scheduler.run(poll_s)
         return self.scheduler
 

@@ -11,7 +11,7 @@ Tables (schema version in ``PRAGMA user_version``; migrations are explicit, in `
 - ``skill_events``           one row per add / edit / remove operation, with evidence turn ids
 - ``policy_versions``        one row per published set of trained weights
 - ``training_steps``         one row per GRPO step
-- ``scheduler_transitions``  one row per scheduler state change
+- ``scheduler_transitions``  one row per scheduler state change, with the process it came from
 - ``events``                 one row per notable event of a loop (a judge or evolver call that
                              failed, a broken skill file, a generation adopted from another
                              process), with its source, level, message and details
@@ -37,6 +37,7 @@ import copy
 import json
 import logging
 import os
+import socket
 import sqlite3
 import threading
 import time
@@ -230,6 +231,11 @@ MIGRATIONS: list[str] = [
     """
     CREATE INDEX turns_train_claim ON turns(train_claim_by) WHERE train_claim_by IS NOT NULL;
     """,
+    # 9: which process a scheduler transition came from: every process of a workspace (the CLI's
+    # trainer, each notebook kernel) runs its own scheduler and writes here
+    """
+    ALTER TABLE scheduler_transitions ADD COLUMN process TEXT;
+    """,
 ]
 
 SCHEMA_VERSION = len(MIGRATIONS)
@@ -253,6 +259,12 @@ def id_list(ids: Iterable[int]) -> str:
 
 class StoreError(RuntimeError):
     """The store file cannot be opened or is from a newer version of MetaClaw."""
+
+
+def this_process() -> str:
+    """This process as the workspace's rows name it: ``pid N on HOST`` (read at each call: a
+    forked child is another process)."""
+    return f"pid {os.getpid()} on {socket.gethostname()}"
 
 
 def _synchronous(fsync: bool) -> str:
@@ -589,10 +601,14 @@ class Store:
         return self._insert("training_steps", {"created_at": time.time(), **fields})
 
     def record_transition(self, *, from_state: str, to_state: str, reason: str = "",
-                          signals: dict[str, Any] | None = None, at: float | None = None) -> int:
+                          signals: dict[str, Any] | None = None, at: float | None = None,
+                          process: str | None = None) -> int:
+        """Record a scheduler's state change; ``process`` (default: this one,
+        :func:`this_process`) says whose scheduler it was."""
         return self._insert("scheduler_transitions", {
             "at": time.time() if at is None else at, "from_state": from_state,
-            "to_state": to_state, "reason": reason, "signals": signals or {}})
+            "to_state": to_state, "reason": reason, "signals": signals or {},
+            "process": process or this_process()})
 
     # -- events ---------------------------------------------------------------------------
     def record_event(self, *, source: str, kind: str, message: str, level: str = "info",

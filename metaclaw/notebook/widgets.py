@@ -1243,7 +1243,9 @@ class SchedulerView(_StaticHTML, anywidget.AnyWidget):
     ``scheduler``: a :class:`metaclaw.scheduler.Scheduler` or any callable returning a status
     dict like ``Scheduler.status()`` (``state``, ``signals``, optional ``transitions`` and other
     scalar fields). ``store``: where the transitions are read from (``scheduler_transitions``;
-    default: the scheduler's store, else the status' in-memory transitions). ``last``: how many
+    default: the scheduler's store, else the status' in-memory transitions); for a
+    :class:`~metaclaw.scheduler.Scheduler` only this process's, as every process of a workspace
+    runs a scheduler of its own. ``last``: how many
     transitions to show. :meth:`refresh` (or the front-end's button) reads everything again.
     """
 
@@ -1271,6 +1273,11 @@ class SchedulerView(_StaticHTML, anywidget.AnyWidget):
             raise TypeError("SchedulerView needs a Scheduler or a function returning its status "
                             f"dict, got {type(scheduler).__name__}")
         self._store = store if store is not None else getattr(owner, "store", None)
+        from metaclaw.scheduler import Scheduler
+        from metaclaw.store import this_process
+
+        # a scheduler object is this process's: its timeline is not another process's
+        self._process = this_process() if isinstance(owner, Scheduler) else None
         self._last, self._clock = int(last), clock
         self._ready = False
         super().__init__(**kwargs)
@@ -1293,10 +1300,12 @@ class SchedulerView(_StaticHTML, anywidget.AnyWidget):
                                    and isinstance(v, (str, int, float, bool))})
         transitions = status.get("transitions") or []
         if self._store is not None:
+            mine = "" if self._process is None else "WHERE process = ? "
             try:
                 transitions = list(reversed(self._store.query(
                     "SELECT at, from_state, to_state, reason FROM scheduler_transitions "
-                    "ORDER BY id DESC LIMIT ?", (self._last,))))
+                    f"{mine}ORDER BY id DESC LIMIT ?",
+                    (*([self._process] if self._process else []), self._last))))
             except Exception as exc:
                 errors.append(f"could not read the transitions from the store: {exc}")
         rows = _json_safe([{k: t.get(k) for k in ("at", "from_state", "to_state", "reason")}

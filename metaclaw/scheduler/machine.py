@@ -43,14 +43,18 @@ class Scheduler:
     the signals until the run ends by itself. ``max_steps``: total step budget (None = no limit).
     ``signal_timeout_s``: a signal that has not answered within this many seconds reads as
     unavailable, so one hung signal (a stalled network share, a wedged X server) cannot keep
-    training going after the user is back.
+    training going after the user is back. ``lease``: the workspace's
+    :class:`~metaclaw.training_lease.TrainingLease`, held from the start of a training run to
+    its end, so that the schedulers of several processes on one workspace train one at a
+    time: while another process holds it, an open window waits (``status()['waiting_for']``
+    names the holder) and training starts when it is free.
     """
 
     def __init__(self, signals: Iterable[Signal] = (), *,
                  train_step: Callable[[], Any] | None = None, mode: str = "any",
                  min_window_s: float = 0.0, store: Any = None, clock: Clock = time.time,
                  force: bool = False, max_steps: int | None = None, poll_s: float = 5.0,
-                 signal_timeout_s: float = 15.0, history: int = 500):
+                 signal_timeout_s: float = 15.0, history: int = 500, lease: Any = None):
         self.signals = list(signals)
         names = [s.name for s in self.signals]
         duplicates = sorted({n for n in names if names.count(n) > 1})
@@ -69,6 +73,8 @@ class Scheduler:
         if not self.signal_timeout_s:
             raise ValueError("signal_timeout_s must be more than 0 seconds")
         self.force, self.max_steps, self.history = force, max_steps, history
+        self.lease = lease
+        self.waiting_for: str | None = None  # who holds the lease while a window waits for it
         self.state = "waiting"
         self.steps = 0
         self.last_result: Any = None
@@ -188,12 +194,17 @@ class Scheduler:
             if self.state == "window_open":
                 opened_for = 0.0 if self._idle_since is None else now - self._idle_since
                 if not window:
+                    self.waiting_for = None
                     self._transition("waiting", f"window closed before training started: "
                                                 f"{reason}", readings, now)
                 elif self.train_step is not None and (forced or opened_for >= self.min_window_s):
-                    self._transition("training", f"starting at step {self.steps + 1}: {reason}",
-                                     readings, now)
-                    self._start_worker()
+                    if self.lease is not None and not self.lease.acquire("idle-window training"):
+                        self.waiting_for = self.lease.holder()
+                    else:  # the worker gives the lease back when the run ends
+                        self.waiting_for = None
+                        self._transition("training", f"starting at step {self.steps + 1}: "
+                                                     f"{reason}", readings, now)
+                        self._start_worker()
             elif self.state == "training":
                 if self._worker is not None and not self._worker.is_alive():
                     self._finish_run()
@@ -242,6 +253,9 @@ class Scheduler:
         except Exception as exc:  # noqa: BLE001 - reported; the scheduler keeps running
             end = f"training step {self.steps + 1} failed: {_short(exc)}"
             self.last_error = end
+        finally:
+            if self.lease is not None:
+                self.lease.release()
         self._worker_end = end
         self._wake.set()
 
@@ -299,6 +313,7 @@ class Scheduler:
                                             f"(scheduler stopped)", self.last_readings,
                                  now_ts(self.clock))
             elif self.state == "window_open":
+                self.waiting_for = None
                 self._transition("waiting", "scheduler stopped", self.last_readings,
                                  now_ts(self.clock))
 
@@ -317,11 +332,14 @@ class Scheduler:
         readings = self.readings() if refresh or not self.last_readings else self.last_readings
         with self._lock:
             idle, reason = self.combine(readings)
+            if self.waiting_for and self.state == "window_open":
+                reason = f"{reason}; waiting for {self.waiting_for} to finish training"
             return {
                 "state": self.state, "idle": idle, "reason": reason, "mode": self.mode,
                 "min_window_s": self.min_window_s, "force": self.force, "steps": self.steps,
                 "max_steps": self.max_steps, "running": bool(self._loop and self._loop.is_alive()),
                 "last_error": self.last_error,
+                "waiting_for": self.waiting_for if self.state == "window_open" else None,
                 "signals": [r.as_dict() for r in readings],
                 "transitions": [asdict(t) for t in self.transitions[-last:]] if last else [],
             }
@@ -418,7 +436,7 @@ def _flag(value: Any, what: str) -> bool:
 
 def from_config(config: dict[str, Any] | None, *, train_step: Callable[[], Any] | None = None,
                 store: Any = None, clock: Clock = time.time,
-                last_request: Callable[[], float | None] | None = None,
+                last_request: Callable[[], float | None] | None = None, lease: Any = None,
                 **overrides: Any) -> Scheduler:
     """Build a :class:`Scheduler` from a plain dict (e.g. the ``scheduler:`` block of a config).
 
@@ -432,8 +450,9 @@ def from_config(config: dict[str, Any] | None, *, train_step: Callable[[], Any] 
                      "proxy":    {"threshold_s": 600}}}
 
     A signal set to ``false`` / ``None`` or with ``"enabled": false`` is left out. The proxy
-    signal reads ``last_request`` if given, else the store's newest turn. ``overrides`` replace
-    top-level settings (e.g. ``force=True``). Unknown keys raise ValueError naming the key.
+    signal reads ``last_request`` if given, else the store's newest turn. ``lease``: see
+    :class:`Scheduler`. ``overrides`` replace top-level settings (e.g. ``force=True``).
+    Unknown keys raise ValueError naming the key.
     """
     config = dict(config or {})
     config.update(overrides)
@@ -472,7 +491,7 @@ def from_config(config: dict[str, Any] | None, *, train_step: Callable[[], Any] 
                 signals.append(SIGNAL_TYPES[kind](**options))
         except TypeError as exc:
             raise ValueError(f"bad option for the {kind} signal: {exc}") from None
-    return Scheduler(signals, train_step=train_step, store=store, clock=clock,
+    return Scheduler(signals, train_step=train_step, store=store, clock=clock, lease=lease,
                      mode=config.get("mode", "any"),
                      min_window_s=config.get("min_window_s", 0.0),
                      max_steps=config.get("max_steps"),

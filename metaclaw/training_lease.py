@@ -1,0 +1,184 @@
+"""One trainer per workspace: the lease a process holds while it trains the workspace's policy.
+
+Every process of a workspace may run a slow loop (``metaclaw train``, a notebook kernel, a
+second kernel on the same folder), and each has its own idle scheduler. Two of them training at
+once would each build weights on a policy the other is replacing: versions of two lineages
+interleave in ``policy_versions``, and each process's steps are lost to the other's. So a process
+trains only while it holds this lease: an exclusive ``flock`` on a file beside the workspace
+database (``metaclaw.db.training.lock``), taken without waiting. The operating system releases
+it when its holder exits, ``kill -9`` included, so a dead trainer never blocks the workspace.
+The file also names its holder (``pid N on HOST``, what it is doing, since when), for the
+message another process shows while it waits.
+
+Where ``fcntl`` does not exist (Windows) the lease is held within the process only. A store in
+memory (``:memory:``) is one process's alone, so its lease is too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import threading
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Iterator
+
+from metaclaw.jsonlib import dumps, loads
+from metaclaw.store import this_process
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not POSIX
+    fcntl = None  # type: ignore[assignment]
+
+
+#: Without ``fcntl``: the leases this process holds (by file), so two objects still exclude
+#: each other.
+_HELD_HERE: set[str] = set()
+_HELD_GUARD = threading.Lock()
+
+
+class TrainingBusy(RuntimeError):
+    """Another process holds the workspace's training lease."""
+
+
+class TrainingLease:
+    """The workspace's training lease, as this process sees it.
+
+    :meth:`acquire` takes it without waiting (``False``: another process, or another lease
+    object of this process, holds it; :meth:`holder` says who). It is re-entrant for this
+    object: a scheduler holds it for a training window while each step takes it again, and
+    it is freed when every acquire has been released, from whichever thread.
+    """
+
+    def __init__(self, path: str | os.PathLike[str] | None):
+        self.path = None if path is None else Path(path)
+        self._guard = threading.Lock()
+        self._count = 0
+        self._handle: Any = None
+
+    @classmethod
+    def for_store(cls, store: Any) -> "TrainingLease":
+        """The lease of ``store``'s workspace (a file beside its database)."""
+        path = getattr(store, "path", None)
+        if path is None or str(path) == ":memory:":
+            return cls(None)
+        path = Path(path).resolve()
+        return cls(path.with_name(path.name + ".training.lock"))
+
+    @property
+    def held(self) -> bool:
+        """Whether this object holds the lease now."""
+        return self._count > 0
+
+    def acquire(self, doing: str = "training") -> bool:
+        """Take the lease if nobody else holds it; ``doing`` is shown to whoever waits."""
+        with self._guard:
+            if self._count:
+                self._count += 1
+                return True
+            if self.path is not None and fcntl is None:  # pragma: no cover - not POSIX
+                with _HELD_GUARD:
+                    if str(self.path) in _HELD_HERE:
+                        return False
+                    _HELD_HERE.add(str(self.path))
+            elif self.path is not None:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                # read-write without truncating: the holder's name stays readable
+                handle = open(os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644), "r+b")
+                try:
+                    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    handle.close()
+                    return False
+                except BaseException:
+                    handle.close()
+                    raise
+                handle.truncate(0)
+                handle.write(dumps({"process": this_process(), "pid": os.getpid(),
+                                    "host": socket.gethostname(), "doing": doing,
+                                    "since": time.time()}).encode())
+                handle.flush()
+                self._handle = handle
+            self._count = 1
+            return True
+
+    def release(self) -> None:
+        """Give back one :meth:`acquire`; the last one frees the lease."""
+        with self._guard:
+            if not self._count:
+                return
+            self._count -= 1
+            if self._count:
+                return
+            if self._handle is None:
+                with _HELD_GUARD:
+                    _HELD_HERE.discard(str(self.path))
+                return
+            handle, self._handle = self._handle, None
+            with contextlib.suppress(OSError):  # a holder's name left behind is harmless
+                handle.truncate(0)
+            handle.close()  # closing drops the flock
+
+    @contextlib.contextmanager
+    def holding(self, doing: str = "training") -> Iterator[None]:
+        """Hold the lease for a block, or raise :class:`TrainingBusy` naming its holder."""
+        if not self.acquire(doing):
+            raise TrainingBusy(f"{self.holder()} is training this workspace; training here "
+                               "waits until it stops (stop it, or train from that process)")
+        try:
+            yield
+        finally:
+            self.release()
+
+    def holder(self) -> str:
+        """Who holds the lease, as a phrase (``pid N on HOST (idle-window training, since
+        2026-11-24 14:02:11)``); ``another process`` when the file does not say."""
+        if self.held:
+            return f"this process ({this_process()})"
+        info = self._holder_record()
+        if info is None:
+            return "another process"
+        return self._describe(info)
+
+    def training_elsewhere(self) -> str | None:
+        """Who trains this workspace now, read without taking the lease (a status view must
+        not hold off a trainer): the holder the file names while that process lives, else
+        None. A holder on another host is taken at its word."""
+        if self.held:
+            return None
+        info = self._holder_record()
+        if info is None:
+            return None
+        if info.get("host") == socket.gethostname() and isinstance(info.get("pid"), int):
+            try:
+                os.kill(info["pid"], 0)
+            except ProcessLookupError:  # killed while holding it: the lease is free
+                return None
+            except OSError:  # alive, another user's
+                pass
+        return self._describe(info)
+
+    def _holder_record(self) -> dict[str, Any] | None:
+        try:
+            info = loads(self.path.read_bytes()) if self.path is not None else None
+        except (OSError, ValueError):
+            return None
+        if not isinstance(info, dict) or not isinstance(info.get("process"), str):
+            return None
+        return info
+
+    @staticmethod
+    def _describe(info: dict[str, Any]) -> str:
+        details = [info["doing"][:80]] if isinstance(info.get("doing"), str) else []
+        with contextlib.suppress(TypeError, ValueError, OverflowError, OSError):
+            details.append(f"since {datetime.fromtimestamp(info['since']):%Y-%m-%d %H:%M:%S}")
+        return info["process"][:120] + (f" ({', '.join(details)})" if details else "")
+
+    def __repr__(self) -> str:
+        return f"TrainingLease({str(self.path) if self.path else 'in-process'}, held={self.held})"
+
+
+__all__ = ["TrainingBusy", "TrainingLease"]
