@@ -213,7 +213,7 @@ class Proxy(ServedApp):
         self._upstream: HTTPUpstream | None = None  # its session is created on the server's loop
         self.token_counter = TokenCounter(config.tokenizer)
         self._recorder = Recorder(self, fsync=config.fsync_acks)
-        self.threads = ReplyThreads()  # which of several alike-opening conversations a turn is
+        self.threads = ReplyThreads(store)  # which of alike-opening conversations a turn is
         self._pipeline = TurnPipeline(self)
         self._retrieval_pool: ThreadPoolExecutor | None = None
         self._listener_pool: ThreadPoolExecutor | None = None

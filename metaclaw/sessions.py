@@ -409,20 +409,29 @@ class ReplyThreads:
     after that same history, and a reply continued again (a retry while the first attempt is
     in flight, a regenerated answer) joins the session that continued it. Two conversations
     identical so far may trade sessions, which changes nothing; two that differ never share
-    one. A continuation of a reply this process did not record (the proxy restarted, the client
-    edited the history) falls back to the fingerprint.
+    one.
 
-    In memory, per proxy process; at most :attr:`MAX_ENTRIES` fingerprints and replies are
-    remembered (the least recently used are forgotten). Used on the event loop; the lock makes
-    it safe from threads too.
+    Kept in memory, per proxy process; at most :attr:`MAX_ENTRIES` fingerprints and replies are
+    remembered (the least recently used are forgotten). With the workspace ``store``, what this
+    process does not remember is read from what was recorded (after a restart, from another
+    proxy, or forgotten): an opening's number follows the fingerprint's recorded sessions, so
+    a new run never joins an earlier run's session, and a continuation of a reply found as the
+    latest turn of a recorded session (of the :attr:`RECORDED_SESSIONS` latest) joins it. A
+    continuation of a reply found nowhere (the client edited the history, or continues an
+    earlier reply than its session's latest) falls back to the fingerprint. Used on the event
+    loop; the lock makes it safe from threads too.
     """
 
     MAX_ENTRIES = 50_000
+    #: Recorded sessions of one fingerprint whose latest reply a continuation is looked up in.
+    RECORDED_SESSIONS = 64
 
-    def __init__(self) -> None:
+    def __init__(self, store: Any = None) -> None:
+        self.store = store
         self._openings: OrderedDict[str, list[Any]] = OrderedDict()  # fp -> [count, free ids]
         self._replies: OrderedDict[tuple[str, str], list[str]] = OrderedDict()  # -> sessions
         self._continued: OrderedDict[tuple[str, str], str | None] = OrderedDict()  # -> session
+        self._looked_up: set[str] = set()  # fingerprints whose recorded replies were read
         self._lock = threading.Lock()
 
     def resolve(self, fingerprint: str, messages: list[Any]) -> tuple[str, str, Thread]:
@@ -439,7 +448,7 @@ class ReplyThreads:
             if key is None:
                 opened = self._openings.get(fingerprint)
                 if opened is None:
-                    opened = self._openings[fingerprint] = [0, []]
+                    opened = self._openings[fingerprint] = [self._recorded_count(fingerprint), []]
                     _bound(self._openings, self.MAX_ENTRIES)
                 self._openings.move_to_end(fingerprint)
                 if opened[1]:
@@ -450,6 +459,9 @@ class ReplyThreads:
                 how = FINGERPRINT if session_id == fingerprint else REPEATED_OPENING
                 return session_id, how, Thread(fingerprint, session_id, history, opening=True)
             waiting = self._replies.get(key)
+            if not waiting and key not in self._continued and fingerprint not in self._looked_up:
+                self._read_recorded_replies(fingerprint)  # once: later replies are kept here
+                waiting = self._replies.get(key)
             if not waiting:
                 # a reply continued before: a client's retry while its first attempt is still
                 # in flight (a client-side timeout), or another answer to the same history
@@ -466,6 +478,65 @@ class ReplyThreads:
             self._continued.move_to_end(key)
             _bound(self._continued, self.MAX_ENTRIES)
             return session_id, REPLY_THREAD, Thread(fingerprint, session_id, history, key)
+
+    # -- what the workspace recorded ----------------------------------------------------------
+    def _family(self, fingerprint: str) -> tuple[str, str]:
+        """The bounds of the session ids an opening with ``fingerprint`` may have taken
+        (``conv-<hex>``, ``conv-<hex>.N``): ``"."`` sorts just before ``"/"``."""
+        return fingerprint, fingerprint + "/"
+
+    def _recorded_count(self, fingerprint: str) -> int:
+        """How many openings of ``fingerprint`` the workspace recorded (the highest number among
+        its sessions), so this process numbers the next one after them."""
+        if self.store is None:
+            return 0
+        try:
+            rows = self.store.query("SELECT id FROM sessions WHERE id >= ? AND id < ?",
+                                    self._family(fingerprint))
+        except Exception:  # noqa: BLE001 - a store that cannot answer: number from scratch
+            log.warning("could not read the recorded sessions of %s", fingerprint, exc_info=True)
+            return 0
+        count = 0
+        for row in rows:
+            number = _opening_number(fingerprint, row["id"])
+            if number is not None:
+                count = max(count, number)
+        return count
+
+    def _read_recorded_replies(self, fingerprint: str) -> None:
+        """Remember the latest recorded reply of each of ``fingerprint``'s latest sessions as
+        awaiting its continuation (called with the lock held, once per fingerprint)."""
+        self._looked_up.add(fingerprint)
+        if len(self._looked_up) > self.MAX_ENTRIES:
+            self._looked_up.clear()
+        if self.store is None:
+            return
+        try:
+            rows = self.store.query(
+                "SELECT session_id, request_messages, response, tool_calls FROM turns WHERE id IN "
+                "(SELECT MAX(id) FROM turns WHERE session_id >= ? AND session_id < ? AND status = 'ok' "
+                "AND (turn_type = 'main' OR turn_type LIKE 'stage:%') "
+                "GROUP BY session_id ORDER BY MAX(id) DESC LIMIT ?) "
+                "ORDER BY id", (*self._family(fingerprint), self.RECORDED_SESSIONS))
+        except Exception:  # noqa: BLE001 - a store that cannot answer: the fingerprint it is
+            log.warning("could not read the recorded replies of %s", fingerprint, exc_info=True)
+            return
+        from metaclaw.retrieval import strip_skill_block  # the request as the client sent it
+
+        for row in rows:
+            if _opening_number(fingerprint, row["session_id"]) is None \
+                    or not isinstance(row["request_messages"], list):
+                continue
+            history = hashlib.blake2b(digest_size=16)
+            for message in strip_skill_block(row["request_messages"]):
+                message = message if isinstance(message, dict) else {}
+                add_message(history, message.get("role"), message.get("content"),
+                            message.get("tool_calls"))
+            add_message(history, "assistant", row["response"], row["tool_calls"])
+            key = (fingerprint, history.hexdigest())
+            if row["session_id"] not in self._replies.get(key, ()):
+                self._replies.setdefault(key, []).append(row["session_id"])
+        _bound(self._replies, self.MAX_ENTRIES)
 
     def settle(self, thread: Thread, replied: bool, text: Any = None,
                tool_calls: Any = None) -> None:
@@ -487,6 +558,17 @@ class ReplyThreads:
                 opened = self._openings.get(thread.fingerprint)
                 if opened is not None:
                     opened[1].append(thread.session_id)
+
+
+def _opening_number(fingerprint: str, session_id: str) -> int | None:
+    """The number of the opening that took ``session_id`` (1 for the fingerprint itself, N for
+    ``<fingerprint>.N``); None for another id."""
+    if session_id == fingerprint:
+        return 1
+    number = session_id[len(fingerprint) + 1:]
+    if session_id.startswith(fingerprint + ".") and number.isascii() and number.isdigit():
+        return int(number)
+    return None
 
 
 def _bound(entries: OrderedDict[Any, Any], most: int) -> None:

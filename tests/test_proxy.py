@@ -837,6 +837,45 @@ def test_runs_of_one_task_without_a_session_id_are_kept_apart_by_their_replies(p
         "fingerprint:first-user-message", "fingerprint:reply-thread"]
 
 
+def test_runs_opening_alike_keep_their_sessions_across_a_proxy_restart(double, workspace,
+                                                                      upstream_key):
+    """Two runs of one task open alike, then the proxy restarts (a new process on the same
+    workspace knows only what was recorded). Each run's next turn joins its own session, with
+    its skills injected into the recorded request; a third run opening alike takes a session
+    of its own, not the first run's."""
+    opening = [{"role": "system", "content": "You are a release assistant."},
+               {"role": "user", "content": "Tidy the changelog of restart-alike-5."}]
+    double.add(Reply("A: headings first."), Reply("B: dates first."))
+    first = _proxy(double, workspace, token=TOKEN)
+    client = sync_client(first)
+    replies = [client.chat.completions.create(model="m", messages=opening)
+               .choices[0].message.content for _ in range(2)]
+    first.flush()
+    first.stop()
+
+    double.add(Reply("B: done"), Reply("A: done"), Reply("C: started"))
+    again = _proxy(double, workspace, token=TOKEN)
+    try:
+        client = sync_client(again)
+        for reply in reversed(replies):
+            client.chat.completions.create(model="m", messages=[
+                *opening, {"role": "assistant", "content": reply},
+                {"role": "user", "content": "Go on."}])
+        client.chat.completions.create(model="m", messages=opening)
+        again.flush()
+    finally:
+        again.stop()
+    rows = [r for r in again.store.turns(order="id") if opening[1] in r["request_messages"]]
+    sessions: dict[str, list[str]] = {}
+    for row in rows:
+        sessions.setdefault(row["session_id"], []).append(row["response"])
+    base = rows[0]["session_id"]
+    assert sessions == {base: ["A: headings first.", "A: done"],
+                        f"{base}.2": ["B: dates first.", "B: done"],
+                        f"{base}.3": ["C: started"]}
+    assert [r["identified_by"]["session"] for r in rows[2:4]] == ["fingerprint:reply-thread"] * 2
+
+
 def test_a_retry_after_a_client_timeout_stays_in_its_run(proxy, double):
     """The SDK times out on a slow turn and resends it while the proxy still waits for the
     first attempt: the retry continues the same reply, so it joins the same run, not the run

@@ -378,3 +378,18 @@ def test_a_reply_continued_again_joins_the_session_that_continued_it():
     alike = [*opening, {"role": "assistant", "content": "same"}]
     assert {threads.resolve("conv-s", alike)[0] for _ in range(2)} == {"conv-s", "conv-s.2"}
     assert threads.resolve("conv-s", alike)[:2] == ("conv-s", "fingerprint:first-user-message")
+
+
+def test_reply_threads_number_openings_after_the_recorded_sessions(tmp_path):
+    """A new process numbers openings after the sessions the workspace recorded for the
+    fingerprint; ids that only look alike (another suffix, non-ASCII digits) are not counted."""
+    from metaclaw.store import Store
+
+    store = Store(tmp_path / "metaclaw.db")
+    for session in ("conv-f", "conv-f.4", "conv-f.5x", "conv-f.\u0669\u0669", "conv-f-mine",
+                    "conv-fe.9", "conv-g.7"):
+        store.ensure_session(session)
+    threads = ReplyThreads(store)
+    opening = [{"role": "user", "content": "hi"}]
+    assert [threads.resolve("conv-f", opening)[0] for _ in range(2)] == ["conv-f.5", "conv-f.6"]
+    assert threads.resolve("conv-h", opening)[0] == "conv-h"
