@@ -428,10 +428,13 @@ class ReplyThreads:
 
     def __init__(self, store: Any = None) -> None:
         self.store = store
+        self._reader: Any = None  # the store through the connection the event loop writes on
         self._openings: OrderedDict[str, list[Any]] = OrderedDict()  # fp -> [count, free ids]
         self._replies: OrderedDict[tuple[str, str], list[str]] = OrderedDict()  # -> sessions
         self._continued: OrderedDict[tuple[str, str], str | None] = OrderedDict()  # -> session
         self._looked_up: set[str] = set()  # fingerprints whose recorded replies were read
+        self._numbered = False  # the recorded openings are in _openings
+        self._forgot = False    # _openings lost some (bounded): a new one is looked up
         self._lock = threading.Lock()
 
     def resolve(self, fingerprint: str, messages: list[Any]) -> tuple[str, str, Thread]:
@@ -446,10 +449,13 @@ class ReplyThreads:
                 key = (fingerprint, history.hexdigest())
         with self._lock:
             if key is None:
+                if not self._numbered:
+                    self._number_recorded_openings()
                 opened = self._openings.get(fingerprint)
                 if opened is None:
-                    opened = self._openings[fingerprint] = [self._recorded_count(fingerprint), []]
-                    _bound(self._openings, self.MAX_ENTRIES)
+                    count = self._recorded_count(fingerprint) if self._forgot else 0
+                    opened = self._openings[fingerprint] = [count, []]
+                    self._forgot |= _bound(self._openings, self.MAX_ENTRIES)
                 self._openings.move_to_end(fingerprint)
                 if opened[1]:
                     session_id = opened[1].pop(0)
@@ -485,14 +491,45 @@ class ReplyThreads:
         (``conv-<hex>``, ``conv-<hex>.N``): ``"."`` sorts just before ``"/"``."""
         return fingerprint, fingerprint + "/"
 
+    def _read(self, sql: str, params: tuple[Any, ...]) -> list[dict[str, Any]]:
+        # On the connection the proxy's loop records turns with: its page cache stays warm,
+        # where another connection re-reads the pages every commit of the loop changed.
+        if self._reader is None:
+            self._reader = self.store.loop_writer() or self.store
+        return self._reader.query(sql, params)
+
+    def _number_recorded_openings(self) -> None:
+        """Once, on the first opening (with the lock held): the highest number each fingerprint's
+        recorded openings took (of the :attr:`MAX_ENTRIES` latest), so that this process numbers
+        its openings after them. Read once, not at every opening: a query on the request path
+        costs more than the rest of the threading together."""
+        self._numbered = True
+        if self.store is None:
+            return
+        try:
+            rows = self._read("SELECT id FROM sessions WHERE id >= 'conv-' AND id < 'conv.' "
+                              "ORDER BY rowid DESC LIMIT ?", (self.MAX_ENTRIES + 1,))
+        except Exception:  # noqa: BLE001 - a store that cannot answer: number from scratch
+            log.warning("could not read the recorded sessions", exc_info=True)
+            return
+        self._forgot = len(rows) > self.MAX_ENTRIES
+        for row in reversed(rows):  # the latest last: the least likely to be forgotten
+            match = _FINGERPRINT_ID.fullmatch(row["id"])
+            if match is not None:
+                number = int(match[2]) if match[2] else 1
+                opened = self._openings.setdefault(match[1], [0, []])
+                opened[0] = max(opened[0], number)
+                self._openings.move_to_end(match[1])
+        self._forgot |= _bound(self._openings, self.MAX_ENTRIES)
+
     def _recorded_count(self, fingerprint: str) -> int:
         """How many openings of ``fingerprint`` the workspace recorded (the highest number among
         its sessions), so this process numbers the next one after them."""
         if self.store is None:
             return 0
         try:
-            rows = self.store.query("SELECT id FROM sessions WHERE id >= ? AND id < ?",
-                                    self._family(fingerprint))
+            rows = self._read("SELECT id FROM sessions WHERE id >= ? AND id < ?",
+                              self._family(fingerprint))
         except Exception:  # noqa: BLE001 - a store that cannot answer: number from scratch
             log.warning("could not read the recorded sessions of %s", fingerprint, exc_info=True)
             return 0
@@ -512,7 +549,7 @@ class ReplyThreads:
         if self.store is None:
             return
         try:
-            rows = self.store.query(
+            rows = self._read(
                 "SELECT session_id, request_messages, response, tool_calls FROM turns WHERE id IN "
                 "(SELECT MAX(id) FROM turns WHERE session_id >= ? AND session_id < ? AND status = 'ok' "
                 "AND (turn_type = 'main' OR turn_type LIKE 'stage:%') "
@@ -560,6 +597,11 @@ class ReplyThreads:
                     opened[1].append(thread.session_id)
 
 
+#: A session id an opening took: the fingerprint (``conv-`` and 12 hex digits of a digest of the
+#: first user message), and the opening's number after it.
+_FINGERPRINT_ID = re.compile(r"(conv-[0-9a-f]{12})(?:\.([0-9]+))?")
+
+
 def _opening_number(fingerprint: str, session_id: str) -> int | None:
     """The number of the opening that took ``session_id`` (1 for the fingerprint itself, N for
     ``<fingerprint>.N``); None for another id."""
@@ -571,6 +613,9 @@ def _opening_number(fingerprint: str, session_id: str) -> int | None:
     return None
 
 
-def _bound(entries: OrderedDict[Any, Any], most: int) -> None:
+def _bound(entries: OrderedDict[Any, Any], most: int) -> bool:
+    """Forget the least recently used of ``entries`` beyond ``most``; whether any was."""
+    forgot = len(entries) > most
     while len(entries) > most:
         entries.popitem(last=False)
+    return forgot

@@ -359,6 +359,7 @@ class Store:
         if str(path) != ":memory:":
             self._probe = sqlite3.connect(str(path), check_same_thread=False,
                                           isolation_level=None, timeout=BUSY_TIMEOUT_S)
+            self._probe.row_factory = sqlite3.Row  # queries through loop_writer() decode too
 
     # -- schema ---------------------------------------------------------------------------
     def _migrate(self) -> None:

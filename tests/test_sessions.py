@@ -382,14 +382,23 @@ def test_a_reply_continued_again_joins_the_session_that_continued_it():
 
 def test_reply_threads_number_openings_after_the_recorded_sessions(tmp_path):
     """A new process numbers openings after the sessions the workspace recorded for the
-    fingerprint; ids that only look alike (another suffix, non-ASCII digits) are not counted."""
+    fingerprint; ids that only look alike (another suffix, non-ASCII digits) are not counted.
+    Once its memory is full, a fingerprint it forgot is looked up in the store."""
     from metaclaw.store import Store
 
+    fp, other = "conv-0123456789ab", "conv-fedcba987654"
     store = Store(tmp_path / "metaclaw.db")
-    for session in ("conv-f", "conv-f.4", "conv-f.5x", "conv-f.\u0669\u0669", "conv-f-mine",
-                    "conv-fe.9", "conv-g.7"):
+    for session in (fp, f"{fp}.4", f"{fp}.5x", f"{fp}.\u0669\u0669", f"{fp}-mine", f"{fp}0.9",
+                    f"{other}.7", "conv-short.9"):
         store.ensure_session(session)
     threads = ReplyThreads(store)
     opening = [{"role": "user", "content": "hi"}]
-    assert [threads.resolve("conv-f", opening)[0] for _ in range(2)] == ["conv-f.5", "conv-f.6"]
-    assert threads.resolve("conv-h", opening)[0] == "conv-h"
+    assert [threads.resolve(fp, opening)[0] for _ in range(2)] == [f"{fp}.5", f"{fp}.6"]
+    assert threads.resolve("conv-aaaaaaaaaaaa", opening)[0] == "conv-aaaaaaaaaaaa"
+    assert threads.resolve(other, opening)[0] == f"{other}.8"
+
+    small = ReplyThreads(store)
+    small.MAX_ENTRIES = 1
+    assert small.resolve("conv-bbbbbbbbbbbb", opening)[0] == "conv-bbbbbbbbbbbb"
+    store.ensure_session(f"{other}.8")
+    assert small.resolve(other, opening)[0] == f"{other}.9"  # forgotten, then looked up
