@@ -175,7 +175,8 @@ def run_mode(mode: str, data: Path, days: Any, out: Path, upstream: str, model: 
                         hooks_round(record)
 
                 def between_days(day_summary: dict) -> None:
-                    sync.expect(1)          # the day's closing call (last feedback, session done)
+                    if not day_summary.get("resumed_end"):  # a resumed end makes no closing call:
+                        sync.expect(1)  # its conversation died with the killed process
                     sync.wait()
                     if slow is not None:    # the night: the day's query set trains the policy,
                         slow.night(day_summary, judge.threshold)  # before the next adaptation

@@ -19,12 +19,21 @@ Every write goes to a temporary file that then replaces the target, so a crash n
 half-written file; the config's mode and owner are kept (it holds API keys), and a symlinked
 config (dotfile managers) stays a symlink: the file it points to is the one rewritten.
 
+Two ``metaclaw wire`` processes on one config take turns: each change is made while holding an
+exclusive lock (``fcntl.flock``) on ``<config>.metaclaw.lock`` beside the file the config
+resolves to (so a symlink and its target share one lock). A wiring planned from a file that
+another process changed meanwhile is refused rather than written over it, and a lock still held
+after :data:`LOCK_TIMEOUT` seconds is an error that says so. The lock file holds nothing (no key
+ever lands in it) and is removed when the change is done. Where ``fcntl`` does not exist
+(Windows) there is no lock between processes; the check for a changed file still applies.
+
 Any other OpenAI-compatible agent: point its base URL at ``http://127.0.0.1:<port>/v1`` and
 its API key at the proxy token (README, "Point a real agent at the proxy").
 """
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import hashlib
 import json
@@ -32,13 +41,22 @@ import os
 import re
 import stat
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - Windows: no lock between processes (module docstring)
+    fcntl = None  # type: ignore[assignment]
 
 PROVIDER = "metaclaw"
 BACKUP_SUFFIX = ".metaclaw-backup"
 STATE_SUFFIX = ".metaclaw-wire.json"
+LOCK_SUFFIX = ".metaclaw.lock"
+#: Seconds a change waits for another ``metaclaw wire`` on the same config to finish.
+LOCK_TIMEOUT = 10.0
 # a string value under a key that names a secret (apiKey, token, password, ...), in JSON or JSON5
 _SECRET = re.compile(r"""(["']?[\w-]*(?:key|token|secret|password|authorization)["']?\s*:\s*)"""
                      r"""(["'])((?:\\.|(?!\2).)*)\2""", re.IGNORECASE)
@@ -145,6 +163,56 @@ def _write(path: Path, data: bytes, like: Path | None = None) -> None:
         raise
 
 
+def lock_path(config_path: Path) -> Path:
+    """The lock file of a config: beside the file it resolves to, so that every path to one
+    file (a symlink, the target) takes the same lock."""
+    target = Path(config_path).expanduser().resolve()
+    return target.with_name(target.name + LOCK_SUFFIX)
+
+
+@contextlib.contextmanager
+def locked(config_path: Path, timeout: float | None = None) -> Iterator[None]:
+    """Hold the config's lock (:func:`lock_path`) for one change, waiting at most ``timeout``
+    seconds (:data:`LOCK_TIMEOUT`) for another process to release it; :class:`WireError`
+    when it does not."""
+    if fcntl is None:  # pragma: no cover - Windows
+        yield
+        return
+    path = lock_path(config_path)
+    deadline = time.monotonic() + (LOCK_TIMEOUT if timeout is None else timeout)
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        raise WireError(
+                            f"another `metaclaw wire` is changing {config_path} (it holds "
+                            f"{path}); wait for it to finish, then run the command again") \
+                            from None
+                    time.sleep(0.05)
+            # the holder before us removes the file when done: a lock on that removed file
+            # excludes no one, so take the lock again on the file now at the path
+            try:
+                current = os.stat(path)
+            except FileNotFoundError:
+                current = None
+            if current is not None and current.st_ino == os.fstat(fd).st_ino:
+                break
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+    try:
+        yield
+    finally:
+        path.unlink(missing_ok=True)   # while still held, so no one locks a file about to go
+        os.close(fd)                   # closing releases the lock
+
+
 def _dig(config: dict[str, Any], *keys: str) -> Any:
     for key in keys:
         config = config.get(key) if isinstance(config, dict) else None
@@ -195,11 +263,30 @@ def _sha(data: bytes) -> str:
 
 
 def apply(plan: WirePlan) -> None:
-    """Write the wired configuration, keeping the original bytes for :func:`undo`."""
+    """Write the wired configuration, keeping the original bytes for :func:`undo`.
+
+    Refused (:class:`WireError`, nothing written) when the file is no longer the one the plan
+    was made from: another process changed it in between, and writing the plan would lose that
+    change and back up the wrong bytes.
+    """
     path = plan.path
-    backup, state = Path(f"{path}{BACKUP_SUFFIX}"), Path(f"{path}{STATE_SUFFIX}")
     _writable(path)
     path.resolve().parent.mkdir(parents=True, exist_ok=True)
+    with locked(path):
+        try:
+            current = path.read_bytes() if path.exists() else None
+        except OSError as exc:
+            raise WireError(f"cannot read {path} ({exc.strerror}); fix it or pass --config") \
+                from None
+        if current != plan.original:
+            raise WireError(f"{path} changed while it was being wired (another `metaclaw wire`, "
+                            "or an edit); nothing was written: run the command again")
+        _apply(plan)
+
+
+def _apply(plan: WirePlan) -> None:
+    path = plan.path
+    backup, state = Path(f"{path}{BACKUP_SUFFIX}"), Path(f"{path}{STATE_SUFFIX}")
     after = plan.after.encode("utf-8")
     if plan.original is not None:
         # the file as it is now, even if an earlier wiring left a backup: undo gives back what
@@ -212,8 +299,17 @@ def apply(plan: WirePlan) -> None:
 
 def undo(config_path: Path) -> str:
     """Restore the configuration as it was before wiring; returns what was done."""
+    state = Path(f"{config_path}{STATE_SUFFIX}")
+    if not state.exists():  # checked before locking too: no lock file where nothing was wired
+        raise WireError(f"{config_path} was not wired by metaclaw (no {state.name}); nothing to "
+                        "undo")
+    with locked(config_path):
+        return _undo(config_path)
+
+
+def _undo(config_path: Path) -> str:
     backup, state = Path(f"{config_path}{BACKUP_SUFFIX}"), Path(f"{config_path}{STATE_SUFFIX}")
-    if not state.exists():
+    if not state.exists():  # another process undid it while this one waited for the lock
         raise WireError(f"{config_path} was not wired by metaclaw (no {state.name}); nothing to "
                         "undo")
     info = json.loads(state.read_text(encoding="utf-8"))

@@ -5,7 +5,12 @@ the whole."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +19,11 @@ from metaclaw.bench.runner import format_table
 from metaclaw.cli import main
 
 DAYS = "day01,day02,day03"
+
+
+def _day_ends(path: Path) -> list[dict]:
+    """The lines of ``days.jsonl`` that say a day's end is done (the others say it began)."""
+    return [r for r in map(json.loads, path.read_text().splitlines()) if "finished_at" in r]
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +48,7 @@ def _stopped_after(finished: Path, tmp_path: Path, days: set[str],
     if spans is None:
         (run / "days.jsonl").unlink(missing_ok=True)
     else:
-        records = [json.loads(line) for line in (run / "days.jsonl").read_text().splitlines()]
+        records = _day_ends(run / "days.jsonl")
         kept = [{**r, "started_at": spans[r["day"]][0], "finished_at": spans[r["day"]][1]}
                 for r in records if r["day"] in spans]
         (run / "days.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
@@ -52,8 +62,7 @@ def _resume(out: Path) -> dict:
 
 def test_a_finished_run_records_when_each_day_ran(finished_run):
     summary = json.loads((finished_run / "run" / "summary.json").read_text())
-    records = [json.loads(line) for line in (finished_run / "run" / "days.jsonl").read_text()
-               .splitlines()]
+    records = _day_ends(finished_run / "run" / "days.jsonl")
     assert sorted(r["day"] for r in records) == ["day01", "day02", "day03"]
     assert all(r["run_id"] == summary["run_id"] and r["finished_at"] >= r["started_at"]
                for r in records)
@@ -71,7 +80,7 @@ def test_the_duration_adds_the_kept_days_time_to_the_resumed_part(finished_run, 
     assert (f"duration {summary['duration_s']} s for the whole run: 42.5 s of the earlier run "
             f"on day01, {summary['resumed_duration_s']} s in this part") in table
     # resumed again, the kept days' timings carry over to the next part
-    days = [json.loads(line) for line in (out / "run" / "days.jsonl").read_text().splitlines()]
+    days = _day_ends(out / "run" / "days.jsonl")
     assert [d["day"] for d in days][0] == "day01" and len(days) == 3
 
 
@@ -112,3 +121,105 @@ def test_the_table_of_a_run_that_was_not_resumed_says_nothing_of_an_earlier_part
                "multi_choice_score": None, "file_check_rounds": 0, "multi_choice_rounds": 0,
                "duration_s": 1.0, "resumed_days": []}
     assert "earlier" not in format_table(summary) and "resumed" not in format_table(summary)
+
+
+# A bench run in its own process whose between_days hook records each day it ends in
+# ``effects`` (one line per call); with $STALL_IN_END_OF=<day> the hook of that day says so in
+# ``<out>/stalled`` and waits, so the test can kill the process exactly there.
+RUN = """
+import json, os, sys, time
+from pathlib import Path
+from metaclaw.bench.data import small_bench_dir
+from metaclaw.bench.runner import run_bench
+from metaclaw.simmodel import serve_sim_model
+
+out, resume = Path(sys.argv[1]), sys.argv[2] == "resume"
+
+def between_days(day):
+    if day["day"] == os.environ.get("STALL_IN_END_OF"):
+        (out / "stalled").touch()
+        time.sleep(600)
+    with open(out / "effects", "a") as fh:
+        fh.write(json.dumps(day) + "\\n")
+
+sim = serve_sim_model()
+try:
+    run_bench(small_bench_dir(), "day01,day02,day03", "baseline", base_url=sim.url,
+              model="sim-agent", out_dir=out / "run", between_days=between_days, resume=resume)
+finally:
+    sim.stop()
+"""
+
+
+def _run(out: Path, how: str, stall_in: str | None = None) -> None:
+    """Run (``how``: "start" or "resume"); with ``stall_in`` kill it with SIGKILL while that
+    day's end hook runs."""
+    env = {**os.environ, "STALL_IN_END_OF": stall_in or ""}
+    proc = subprocess.Popen([sys.executable, "-c", RUN, str(out), how], env=env)
+    if stall_in is None:
+        assert proc.wait(timeout=300) == 0
+        return
+    deadline = time.monotonic() + 300
+    while not (out / "stalled").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "the run never got there"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    (out / "stalled").unlink()
+
+
+def test_a_run_killed_in_a_days_end_hook_runs_only_that_end_on_resume(tmp_path):
+    """Killed while day02's between_days hook ran (all its rounds recorded), then killed again
+    in the same hook of the resumed run: the next resume runs day02's end, once, without its
+    rounds, and the whole run holds every round and every day's end exactly once."""
+    out = tmp_path / "out"
+    out.mkdir()
+    _run(out, "start", stall_in="day02")
+    first = [json.loads(line) for line in (out / "run" / "rounds.jsonl").read_text().splitlines()]
+    assert {r["day"] for r in first} == {"day01", "day02"}  # day02's rounds were all on file
+    _run(out, "resume", stall_in="day02")   # killed in the same end again
+    _run(out, "resume")
+
+    rounds = [json.loads(line) for line in (out / "run" / "rounds.jsonl").read_text().splitlines()]
+    assert len(rounds) == 15 and len({(r["day"], r["round"]) for r in rounds}) == 15
+    assert [r for r in rounds if r["day"] != "day03"] == first  # kept as they were, not re-run
+    effects = [json.loads(line) for line in (out / "effects").read_text().splitlines()]
+    assert [e["day"] for e in effects] == ["day01", "day02", "day03"]
+    assert effects[1]["resumed_end"] is True and effects[1]["rounds"] == 5
+    assert "resumed_end" not in effects[0] and "resumed_end" not in effects[2]
+
+    summary = json.loads((out / "run" / "summary.json").read_text())
+    assert summary["rounds"] == 15 and summary["resumed_days"] == ["day01", "day02"]
+    assert summary["resumed_day_ends"] == ["day02"]
+    assert [d["rounds"] for d in summary["per_day"]] == [5, 5, 5]
+    assert summary["duration_s"] is not None and summary["earlier_duration_s"] >= 0
+    assert ("the earlier run was stopped in the end of day02; its end ran in this part"
+            in format_table(summary))
+    ends = _day_ends(out / "run" / "days.jsonl")
+    assert [d["day"] for d in ends] == ["day01", "day02", "day03"]
+    # day02's line names the run that recorded its rounds, so a later resume still times it
+    assert ends[1]["run_id"] == first[-1]["session_id"].split("-")[1]
+
+
+def test_resuming_a_run_whose_days_all_ended_runs_no_day_and_no_end_again(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    _run(out, "start")
+    _run(out, "resume")
+    effects = [json.loads(line)["day"] for line in (out / "effects").read_text().splitlines()]
+    assert effects == ["day01", "day02", "day03"]
+    summary = json.loads((out / "run" / "summary.json").read_text())
+    assert summary["resumed_days"] == ["day01", "day02", "day03"]
+    assert summary["resumed_day_ends"] == [] and summary["rounds"] == 15
+
+
+def test_mode_full_finds_the_killed_process_snapshots_for_a_resumed_night(tmp_path):
+    """A resumed run that finishes a day's night (mode full) rewards file checks against the
+    workspace snapshots the killed process left in the run's folder."""
+    from metaclaw.bench.fullmode import FullMode
+
+    full = FullMode.__new__(FullMode)   # only the snapshot lookup, without a policy to train
+    full.snapshots, full.work_dir = {}, tmp_path
+    (tmp_path / "snapshots" / "day02" / "r3").mkdir(parents=True)
+    assert full._snapshot("day02", "r3") == tmp_path / "snapshots" / "day02" / "r3"
+    assert full._snapshot("day02", "r4") is None

@@ -1,10 +1,13 @@
 """`metaclaw wire openclaw`: dry run, apply, undo; and a real OpenClaw turn through `metaclaw
 serve` (runs when the `openclaw` CLI from npm and Node >= 22 are installed)."""
 
+import hashlib
 import json
 import os
 import shutil
 import subprocess
+import sys
+import time
 
 import pytest
 
@@ -193,6 +196,131 @@ def test_plain_json_is_read_without_the_json5_parser(tmp_path, monkeypatch):
 
     monkeypatch.setattr(json5, "loads", slow)
     assert wire.plan_openclaw(config, "http://127.0.0.1:30000/v1").model == "m"
+
+
+# -- two `metaclaw wire` processes at once -------------------------------------------------------
+# A process that holds the config's lock until its stdin is closed, like a `metaclaw wire` busy
+# writing; it says "held" once it has the lock.
+HOLDER = """
+import sys
+from metaclaw import wire
+with wire.locked(sys.argv[1]):
+    print("held", flush=True)
+    sys.stdin.read()
+"""
+# What `metaclaw wire openclaw --port P` does, with a line between its two steps: it plans from
+# the file as it reads it, then applies (under the lock).
+WIRER = """
+import sys
+from metaclaw import wire
+plan = wire.plan_openclaw(wire.Path(sys.argv[1]), "http://127.0.0.1:%s/v1" % sys.argv[2])
+print("planned", flush=True)
+try:
+    wire.apply(plan)
+except wire.WireError as exc:
+    print(exc, file=sys.stderr)
+    sys.exit(2)
+"""
+
+
+def _python(code, *args, stdin=None):
+    return subprocess.Popen([sys.executable, "-c", code, *map(str, args)], stdin=stdin,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _hold_lock(path):
+    holder = _python(HOLDER, path, stdin=subprocess.PIPE)
+    assert holder.stdout.readline() == "held\n", holder.stderr.read()
+    return holder
+
+
+def _release(holder):
+    holder.stdin.close()
+    assert holder.wait(timeout=60) == 0
+
+
+def test_two_wirings_at_once_take_turns_and_the_second_is_refused(tmp_path):
+    """Both plan from the original file while a third process holds the lock; once it is
+    released, one writes and the other, finding the file changed, writes nothing: the file,
+    its record and its backup are all the winner's, and undo gives back the original."""
+    config = tmp_path / "openclaw.json"
+    config.write_text(ORIGINAL)
+    holder = _hold_lock(config)
+    racers = {port: _python(WIRER, config, port) for port in (31001, 31002)}
+    for racer in racers.values():
+        assert racer.stdout.readline() == "planned\n", racer.stderr.read()
+    _release(holder)
+    codes = {port: racer.wait(timeout=60) for port, racer in racers.items()}
+    assert sorted(codes.values()) == [0, 2], codes
+    winner = next(port for port, code in codes.items() if code == 0)
+    loser = racers[next(port for port, code in codes.items() if code == 2)]
+    assert "changed while it was being wired" in loser.stderr.read()
+    provider = json.loads(config.read_text())["models"]["providers"]["metaclaw"]
+    assert provider["baseUrl"] == f"http://127.0.0.1:{winner}/v1"
+    assert (tmp_path / "openclaw.json.metaclaw-backup").read_text() == ORIGINAL
+    record = json.loads((tmp_path / "openclaw.json.metaclaw-wire.json").read_text())
+    assert record["written_sha256"] == hashlib.sha256(config.read_bytes()).hexdigest()
+    _wire(config, "--undo")
+    assert config.read_text() == ORIGINAL
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["openclaw.json"]  # no lock file left
+
+
+def test_two_undos_at_once_restore_once(tmp_path):
+    config = tmp_path / "openclaw.json"
+    config.write_text(ORIGINAL)
+    _wire(config, "--token", "tok")
+    holder = _hold_lock(config)
+    undos = [subprocess.Popen([*CLI, "wire", "openclaw", "--config", str(config), "--undo"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    time.sleep(0.5)  # let both reach the lock (either order gives the same end)
+    _release(holder)
+    results = [(u.wait(timeout=60), u.stdout.read() + u.stderr.read()) for u in undos]
+    assert sorted(code for code, _ in results) == [0, 2], results
+    assert any("restored" in out for _, out in results)
+    assert any("nothing to undo" in out for _, out in results)
+    assert config.read_text() == ORIGINAL
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["openclaw.json"]
+
+
+def test_a_lock_held_too_long_is_a_clear_error_and_nothing_is_written(tmp_path, monkeypatch):
+    from metaclaw import wire
+
+    config = tmp_path / "openclaw.json"
+    config.write_text(ORIGINAL)
+    plan = wire.plan_openclaw(config, "http://127.0.0.1:30000/v1", token="proxy-secret-123")
+    monkeypatch.setattr(wire, "LOCK_TIMEOUT", 0.3)
+    holder = _hold_lock(config)
+    try:
+        assert wire.lock_path(config).read_bytes() == b""  # no key ever lands in it
+        with pytest.raises(wire.WireError, match="another `metaclaw wire` is changing"):
+            wire.apply(plan)
+    finally:
+        _release(holder)
+    assert config.read_text() == ORIGINAL
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["openclaw.json"]
+
+
+def test_a_symlinked_config_is_locked_by_the_file_it_points_to(tmp_path, monkeypatch):
+    from metaclaw import wire
+
+    dotfiles = tmp_path / "dotfiles"
+    dotfiles.mkdir()
+    real = dotfiles / "openclaw.json"
+    real.write_text(ORIGINAL)
+    link = tmp_path / "openclaw.json"
+    link.symlink_to(real)
+    assert wire.lock_path(link) == dotfiles / "openclaw.json.metaclaw.lock"
+    monkeypatch.setattr(wire, "LOCK_TIMEOUT", 0.3)
+    holder = _hold_lock(real)  # another process, through the other path
+    try:
+        with pytest.raises(wire.WireError, match="another `metaclaw wire`"):
+            wire.apply(wire.plan_openclaw(link, "http://127.0.0.1:30000/v1"))
+    finally:
+        _release(holder)
+    wire.apply(wire.plan_openclaw(link, "http://127.0.0.1:30000/v1"))
+    assert link.is_symlink() and "metaclaw" in json.loads(real.read_text())["models"]["providers"]
+    assert not wire.lock_path(link).exists()
 
 
 def _openclaw() -> str | None:

@@ -141,8 +141,16 @@ class FullMode:
         if found is None:
             return None
         day, round_ = found
-        return GraderReward(round_, self.snapshots.get((day.id, round_.id)),
-                            self._initial_files(day))
+        return GraderReward(round_, self._snapshot(day.id, round_.id), self._initial_files(day))
+
+    def _snapshot(self, day: str, round_id: str) -> Path | None:
+        known = self.snapshots.get((day, round_id))
+        if known is not None:
+            return known
+        # a resumed run finishing the night of a day the killed process ran: that process's
+        # snapshots are still in the run's folder (a new run clears them), only not in memory
+        path = self.work_dir / "snapshots" / day / round_id
+        return path if path.is_dir() else None
 
     def _initial_files(self, day: Day) -> list[str]:
         if day.id not in self.initial_files:

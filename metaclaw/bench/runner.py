@@ -23,6 +23,14 @@ The runner is agnostic of ``mode``: it records it; the caller decides what ``bas
 Accuracy is over all rounds; file-check completion is over the file_check rounds only.
 With ``resume=True`` a run stopped midway goes on: the days it finished are kept from its
 ``rounds.jsonl``, the others run again (a day is the unit: its rounds share one workspace).
+A day's end (its ``between_days`` hook, then its line in ``days.jsonl``) is tracked apart from
+its rounds: just before a day's last round is recorded, ``days.jsonl`` gets a line saying the
+day's end has begun (``rounds_done_at``, no ``finished_at``), and the day's line with
+``finished_at`` once its end is done. A day whose rounds were all recorded but whose end never
+completed (the run was killed in its hook) has its end run by the resumed run, its rounds kept
+as they are: nothing is recorded twice. (The day's closing call to the model, made just after
+its last round, is not sent again: the conversation it closes went with the killed process.)
+Every line is on disk (fsync) before the run goes on.
 The summary then covers the whole run: the kept days' rounds, and a ``duration_s`` that adds the
 time the earlier run spent on them (from its ``days.jsonl``) to this part's, or ``None`` with
 ``earlier_part_note`` saying why when the earlier run's records do not tell.
@@ -35,6 +43,7 @@ import inspect
 import json
 import logging
 import math
+import os
 import time
 import uuid
 from pathlib import Path
@@ -140,6 +149,9 @@ def format_table(summary: dict) -> str:
         kept = ", ".join(summary["resumed_days"])
         lines.append(f"resumed run: the totals and day lines include {kept}, kept from the "
                      "earlier run")
+        if summary.get("resumed_day_ends"):
+            lines.append(f"the earlier run was stopped in the end of "
+                         f"{', '.join(summary['resumed_day_ends'])}; its end ran in this part")
         if summary.get("duration_s") is not None:
             lines.append(f"duration {summary['duration_s']} s for the whole run: "
                          f"{summary.get('earlier_duration_s')} s of the earlier run on {kept}, "
@@ -208,31 +220,60 @@ def finished_days(path: Path, days: list[Day], mode: str, model: str) -> dict[st
     return finished
 
 
-def earlier_day_spans(path: Path, kept: dict[str, list[dict]]) -> dict[str, dict]:
-    """When the earlier run worked on each kept day: day id -> its record in ``days.jsonl`` at
-    ``path`` (``started_at``, ``finished_at``: wall-clock seconds), for the kept days (as
-    :func:`finished_days` returns them) that have one.
+def earlier_day_ends(path: Path, kept: dict[str, list[dict]]) -> tuple[dict[str, dict],
+                                                                       dict[str, dict]]:
+    """What the earlier run's ``days.jsonl`` at ``path`` says of the ends of the kept days (as
+    :func:`finished_days` returns them): ``(ended, ending)``, each day id -> its line.
 
-    A day has none when the run was stopped after its last round but before the day's end, or
-    when the file was written before days were timed; a line that cannot be read, or that
-    another run wrote (its ``run_id`` is not the one in the kept rounds' sessions), is skipped:
-    a timing is left out rather than guessed.
+    ``ended``: the days whose end completed (their line has ``finished_at``); ``ending``: the
+    days whose end began (a line with ``rounds_done_at`` only) but never completed, which a
+    resumed run finishes. A kept day in neither was recorded before days' ends were tracked.
+    A line that cannot be read, or that another run wrote (its ``run_id`` is not the one in the
+    kept rounds' sessions), is skipped.
     """
+    ended: dict[str, dict] = {}
+    begun: dict[str, dict] = {}
     if not path.is_file():
-        return {}
-    spans: dict[str, dict] = {}
+        return ended, begun
     for line in path.read_bytes().split(b"\n"):
         try:
             record = json.loads(line.decode("utf-8"))
-            day, started, finished = record["day"], record["started_at"], record["finished_at"]
+            day = record["day"]
             rounds = kept[day]
-            if not 0 <= float(finished) - float(started) < math.inf:  # the clock was set back
-                continue
-        except (ValueError, TypeError, KeyError):  # a cut or foreign line: no timing from it
+        except (ValueError, TypeError, KeyError):  # a cut or foreign line: nothing from it
             continue
-        if all(r.get("session_id") == f"bench-{record.get('run_id')}-{day}" for r in rounds):
-            spans[day] = record
-    return spans
+        if not all(r.get("session_id") == f"bench-{record.get('run_id')}-{day}" for r in rounds):
+            continue
+        if "finished_at" in record:
+            ended[day] = record
+        elif "rounds_done_at" in record:
+            begun[day] = record
+    return ended, {day: record for day, record in begun.items() if day not in ended}
+
+
+def _span(record: dict, end_key: str = "finished_at") -> dict | None:
+    """``record`` as a timing (``started_at``, ``finished_at``: wall-clock seconds), or None when
+    it holds none that can be trusted: a timing is left out rather than guessed."""
+    try:
+        started, finished = float(record["started_at"]), float(record[end_key])
+    except (ValueError, TypeError, KeyError):
+        return None
+    if not 0 <= finished - started < math.inf:  # the clock was set back
+        return None
+    return {**record, "started_at": started, "finished_at": finished}
+
+
+def earlier_day_spans(ended: dict[str, dict], ending: dict[str, dict]) -> dict[str, dict]:
+    """When the earlier run worked on each kept day, from :func:`earlier_day_ends`: day id ->
+    ``{started_at, finished_at, ...}``. A day whose end did not complete counts up to its last
+    round; its end runs in the resumed part, whose own duration covers it.
+
+    A kept day has none when its lines hold no timing that can be trusted (the clock was set
+    back), or when the file was written before days were timed.
+    """
+    spans = {day: _span(record) for day, record in ended.items()}
+    spans.update({day: _span(record, "rounds_done_at") for day, record in ending.items()})
+    return {day: span for day, span in spans.items() if span is not None}
 
 
 def _covered_seconds(spans: Iterable[dict]) -> float:
@@ -265,13 +306,18 @@ def _timing(part_s: float, kept: dict[str, list[dict]], spans: dict[str, dict],
 
 
 class _Writer:
-    """Appends records (rounds, days) to a JSONL file as they finish (one event loop, so no lock)."""
+    """Appends records (rounds, days) to a JSONL file as they finish (one event loop, so no
+    lock). Each record is on disk before :meth:`write` returns: a resumed run trusts what the
+    files say was done, so a record must not outlive, nor be outlived by, the work it stands for."""
 
     def __init__(self, path: Path, kept: Iterable[dict] = ()):
         # a resumed run's file starts with the days it keeps, written beside it and swapped in
         # whole, so that a kill at any moment leaves the earlier records there to resume again
         fresh = path.with_name(path.name + ".new")
-        fresh.write_text("".join(self.line(record) for record in kept), encoding="utf-8")
+        with fresh.open("w", encoding="utf-8") as fh:
+            fh.write("".join(self.line(record) for record in kept))
+            fh.flush()
+            os.fsync(fh.fileno())
         fresh.replace(path)
         self.path = path
         self.fh = path.open("a", encoding="utf-8")
@@ -283,6 +329,7 @@ class _Writer:
     def write(self, record: dict) -> None:
         self.fh.write(self.line(record))
         self.fh.flush()
+        os.fsync(self.fh.fileno())
 
     def close(self) -> None:
         self.fh.close()
@@ -357,7 +404,8 @@ async def arun_bench(data_dir: str | Path, days: str | Iterable[str] | None = "a
     chosen = select_days(bench, days)
     out = Path(out_dir)
     kept = finished_days(out / "rounds.jsonl", chosen, mode, model) if resume else {}
-    spans = earlier_day_spans(out / "days.jsonl", kept) if kept else {}
+    ended, ending = earlier_day_ends(out / "days.jsonl", kept)
+    spans = earlier_day_spans(ended, ending)
     out.mkdir(parents=True, exist_ok=True)
     config = AgentConfig(base_url=base_url, model=model, api_key=api_key,
                          max_iterations=max_iterations, timeout=request_timeout)
@@ -365,7 +413,11 @@ async def arun_bench(data_dir: str | Path, days: str | Iterable[str] | None = "a
     hook_errors: list[str] = []
     all_records = [record for day in chosen for record in kept.get(day.id, [])]
     writer = _Writer(out / "rounds.jsonl", all_records)
-    day_writer = _Writer(out / "days.jsonl", [spans[d.id] for d in chosen if d.id in spans])
+    # the kept days' lines carry over: a day's end, done or only begun, is known to the next
+    # resume too (a kill while this part finishes a day's end leaves it to finish again)
+    day_writer = _Writer(out / "days.jsonl", [record for d in chosen
+                                              for record in (ended.get(d.id), ending.get(d.id))
+                                              if record is not None])
     gate = asyncio.Semaphore(int(parallel))
     started = time.perf_counter()
 
@@ -380,13 +432,33 @@ async def arun_bench(data_dir: str | Path, days: str | Iterable[str] | None = "a
 
     failures: list[str] = []
 
+    async def end_day(day: Day, rounds: list[dict], line: dict, **day_info: Any) -> None:
+        """The day's end: its hook, then ``line``, the day's line that says the end is done."""
+        await _call_hook(between_days,
+                         {**summarize(rounds, day_order=[day.id])["per_day"][0], **day_info},
+                         hook_errors, "between_days")
+        day_writer.write(line)
+
     async def one_day(day: Day) -> None:
         async with gate:
+            if day.id in ending:  # the earlier run recorded its rounds, then was stopped in its end
+                begun = ending[day.id]
+                # the line keeps the earlier run's id and its time on the day (up to the last
+                # round): the rounds are that run's, and the time spent here is this part's
+                await end_day(day, kept[day.id], {**begun, "finished_at": begun["rounds_done_at"],
+                                                  "end_run_id": run_id}, resumed_end=True)
+                return
             done: list[dict] = []
-            day_started = time.time()
+            begun = {"day": day.id, "run_id": run_id, "mode": mode, "model": model,
+                     "started_at": round(time.time(), 3)}
 
             def record_round(record: dict) -> None:
                 done.append(record)
+                if len(done) == len(day.rounds):
+                    # said before the last round is on file: a day whose rounds are all recorded
+                    # always shows that its end began, so a resume knows to finish it
+                    begun["rounds_done_at"] = round(time.time(), 3)
+                    day_writer.write(begun)
                 on_record(record)
 
             try:
@@ -403,15 +475,11 @@ async def arun_bench(data_dir: str | Path, days: str | Iterable[str] | None = "a
                                       "type": round_.type, "arc": day.arc, "score": 0.0,
                                       "passed": False, "reply": "", "grader": None, "error": reason,
                                       "mode": mode, "model": model})
-            await _call_hook(between_days, summarize(done, day_order=[day.id])["per_day"][0],
-                             hook_errors, "between_days")
             # the day's share of the run's time, which a resumed run adds to its own
-            day_writer.write({"day": day.id, "run_id": run_id, "mode": mode, "model": model,
-                              "started_at": round(day_started, 3),
-                              "finished_at": round(time.time(), 3)})
+            await end_day(day, done, {**begun, "finished_at": round(time.time(), 3)})
 
     try:
-        await asyncio.gather(*(one_day(d) for d in chosen if d.id not in kept))
+        await asyncio.gather(*(one_day(d) for d in chosen if d.id not in kept or d.id in ending))
     finally:
         writer.close()
         day_writer.close()
@@ -422,6 +490,7 @@ async def arun_bench(data_dir: str | Path, days: str | Iterable[str] | None = "a
                                   [d.id for d in chosen]),
                         hook_errors=hook_errors, day_failures=failures,
                         resumed_days=[d.id for d in chosen if d.id in kept],
+                        resumed_day_ends=[d.id for d in chosen if d.id in ending],
                         first_error=next((f"{r['day']} {r['round']}: {r['error']}"
                                           for r in all_records if r.get("error")), None),
                         rounds_file=str(out / "rounds.jsonl"))
@@ -442,7 +511,9 @@ def run_bench(data_dir: str | Path, days: str | Iterable[str] | None = "all", mo
     ``max_iterations`` (model calls per round, 20), ``grader_timeout`` (s, 60),
     ``request_timeout`` (s, 120), ``keep_workspaces`` (False), ``resume`` (False: with True,
     the days an earlier run into ``out_dir`` finished without an error are kept, not run again,
-    and the others run; see :func:`finished_days`. Its ``between_days`` hooks ran then).
+    and the others run; see :func:`finished_days`. A kept day's ``between_days`` hook ran then,
+    unless that run was stopped in it: then it runs now, once, with ``resumed_end: True`` in
+    its day summary, and the day is named in ``resumed_day_ends``).
 
     Summary keys: ``rounds``, ``passed``, ``accuracy``, ``file_check_rounds``,
     ``file_check_completion``, ``multi_choice_rounds``, ``multi_choice_score``, ``errors``,
