@@ -507,13 +507,17 @@ class ReplyThreads:
         if self.store is None:
             return
         try:
-            rows = self._read("SELECT id FROM sessions WHERE id >= 'conv-' AND id < 'conv.' "
-                              "ORDER BY rowid DESC LIMIT ?", (self.MAX_ENTRIES + 1,))
+            # the latest sessions, by the table's own order (an index range sorted by rowid
+            # costs seconds in a workspace of millions)
+            rows = self._read("SELECT id FROM (SELECT rowid, id FROM sessions ORDER BY rowid DESC "
+                              "LIMIT ?) WHERE id >= 'conv-' AND id < 'conv.' ORDER BY rowid",
+                              (self.MAX_ENTRIES,))
+            self._forgot = bool(self._read("SELECT 1 FROM sessions ORDER BY rowid DESC "
+                                           "LIMIT 1 OFFSET ?", (self.MAX_ENTRIES,)))
         except Exception:  # noqa: BLE001 - a store that cannot answer: number from scratch
             log.warning("could not read the recorded sessions", exc_info=True)
             return
-        self._forgot = len(rows) > self.MAX_ENTRIES
-        for row in reversed(rows):  # the latest last: the least likely to be forgotten
+        for row in rows:  # the latest last: the least likely to be forgotten
             match = _FINGERPRINT_ID.fullmatch(row["id"])
             if match is not None:
                 number = int(match[2]) if match[2] else 1
