@@ -36,7 +36,9 @@ States::
                                        the window then reopens only after the user was back)
 
 Training never starts or continues while the combined answer is "active", unless ``force`` is
-set (``metaclaw train --now``). Every transition is kept in memory and, when a store is given,
+set (``metaclaw train --now``). With a ``lease`` (the workspace's
+:class:`~metaclaw.training_lease.TrainingLease`, as the slow loop gives it) a run starts only
+while no other process trains the workspace: the window stays ``window_open`` meanwhile. Every transition is kept in memory and, when a store is given,
 written with ``Store.record_transition``.
 
 Layout: :mod:`.signals` (the clock and the sleep, keyboard, notebook and proxy signals),
