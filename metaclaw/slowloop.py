@@ -270,7 +270,7 @@ class SlowLoop:
         if on_step is not None:
             self.add_step_listener(on_step)
         try:
-            with self._step_lock, self.lease.holding("metaclaw train --now"):
+            with self._step_lock, self.lease.holding("forced training"):
                 return self.trainer.train(steps, should_stop)
         finally:
             if on_step is not None:
