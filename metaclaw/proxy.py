@@ -25,8 +25,10 @@ An agent points its OpenAI client (``base_url=proxy.url``) or its Anthropic clie
    gets a 400 error.
 
 Upstream failures map to the client protocol's error JSON with the right status: upstream HTTP
-errors keep their status and message, a timeout is 504, an unreachable upstream 502, and a stream
-the upstream drops midway ends with an error event. Failed turns are recorded too.
+errors keep their status and message (an error object answered with HTTP 200 becomes a 502 with
+its message), a redirect is a 502 naming where it points, a timeout is 504, an unreachable
+upstream 502, and a stream the upstream drops midway ends with an error event. Failed turns are
+recorded too.
 
 Session headers (compatible with upstream MetaClaw): ``X-Session-Id`` (or body ``session_id``),
 ``X-Turn-Type`` (``main`` | ``side``), ``X-Session-Done``. Clients that send none of them still
@@ -218,6 +220,7 @@ class Proxy(ServedApp):
         self._retrieval_pool: ThreadPoolExecutor | None = None
         self._listener_pool: ThreadPoolExecutor | None = None
         self._log_filter = _SecretFilter(self)
+        self._in_flight: set[asyncio.Task[Any]] = set()  # the handlers serving a turn now
         runner = functools.partial(EdgeRunner, header_timeout=config.header_timeout,
                                    max_connections=config.max_connections)
         self._server = BackgroundServer(self._make_app, config.host, config.port, "metaclaw-proxy",
@@ -318,7 +321,12 @@ class Proxy(ServedApp):
 
     def _handler(self, protocol: Any) -> Callable[[web.Request], Any]:
         async def handle(request: web.Request) -> web.StreamResponse:
-            return await self._pipeline.serve(protocol, request)
+            task = asyncio.current_task()
+            self._in_flight.add(task)
+            try:
+                return await self._pipeline.serve(protocol, request)
+            finally:
+                self._in_flight.discard(task)
         return handle
 
     async def _count_tokens(self, request: web.Request) -> web.Response:
@@ -397,6 +405,13 @@ class Proxy(ServedApp):
 
     async def _on_cleanup(self, app: web.Application) -> None:
         log.removeFilter(self._log_filter)
+        # handlers whose client hung up while the upstream was still answering: the server
+        # stops tracking a lost connection, so its shutdown neither waits for nor cancels them;
+        # left alone they would be destroyed pending with the loop, their turns never recorded
+        orphans = [task for task in self._in_flight if not task.done()]
+        for task in orphans:
+            task.cancel()
+        await asyncio.gather(*orphans, return_exceptions=True)
         await self._drain()
         if self._upstream is not None:
             await self._upstream.close()

@@ -172,12 +172,35 @@ class HTTPUpstream(Upstream):
                                           await response.read())
             finally:
                 response.release()
+        if 300 <= response.status < 400:  # redirects are not followed (a POST must not move)
+            response.release()
+            raise self._redirect_error(response.status, url, response.headers.get("Location"))
         if stream:
             return response
         try:
             return await response.read()
         finally:
             response.release()
+
+    def _redirect_error(self, status: int, url: URL, location: str | None) -> ProxyError:
+        """A 502 naming where the upstream redirects (an ``http://`` URL of an ``https://``
+        server, a moved endpoint): its body is no reply, and read as one it would be reported as
+        invalid JSON or, mid-stream, as a broken stream to retry."""
+        where = ""
+        try:
+            target = str(url.join(URL(location))) if location else ""
+            # the base URL to configure, when the redirect keeps the endpoint's path
+            target = safe_url(target.split("?", 1)[0].split("#", 1)[0]) or ""
+            path = url.path.removeprefix(URL(self._base).path)
+            if path and target.endswith(path) and len(target) > len(path):
+                target = target[:-len(path)]
+        except ValueError:  # a Location that is no URL: not quoted
+            target = ""
+        if target:  # the upstream's text, shown as printable characters only
+            where = " to " + "".join(c for c in target[:300] if c.isprintable())
+        return ProxyError(502, f"the upstream {safe_url(self.url)} answered HTTP {status}, a "
+                               f"redirect{where}; set the upstream URL to where it redirects",
+                          type="upstream_error", code="upstream_redirect")
 
     async def _post(self, body: dict[str, Any], key: str | None, headers: dict[str, str],
                     stream: bool = False) -> Any:
@@ -224,6 +247,7 @@ class HTTPUpstream(Upstream):
                              code="bad_upstream_response") from None
         problem = self.protocol.reply_problem(data)
         if problem:
+            self._raise_error_object(data, payload)
             raise ProxyError(502, f"the upstream {safe_url(self.url)} answered with a reply that "
                                   f"is not a {self.protocol.name} reply: {problem}",
                              type="upstream_error", code="bad_upstream_response")
@@ -232,7 +256,29 @@ class HTTPUpstream(Upstream):
     async def stream(self, body, key, headers, stack, captured):
         response = await self._post(body, key, headers, stream=True)
         stack.callback(response.release)  # reused only when read to the end
+        if response.content_type == "application/json":
+            # one JSON body instead of events: an error answered with HTTP 200 (as some
+            # gateways do) or a server that does not stream; either is an error status for the
+            # client, before any byte of a stream that could only break off
+            async with asyncio.timeout(self.timeout):
+                payload = await response.read()
+            try:
+                data = loads(payload)
+            except ValueError:  # events under the wrong Content-Type: read as events
+                return sse_events(_once(payload), self.timeout)
+            self._raise_error_object(data, payload)
+            raise ProxyError(502, f"the upstream {safe_url(self.url)} answered a streaming "
+                                  "request with one JSON body, not server-sent events: it does "
+                                  "not stream; send the request without stream, or use an "
+                                  "upstream that streams", type="upstream_error",
+                             code="upstream_not_streaming")
         return sse_events(response.content.iter_any(), self.timeout)
+
+    def _raise_error_object(self, data: Any, payload: bytes) -> None:
+        """Raise the upstream's own error when ``data`` (a body answered with HTTP 200) is an
+        error object of either protocol, so that the client reads the upstream's message."""
+        if isinstance(data, dict) and isinstance(data.get("error"), dict):
+            raise self._relayed_status_error(UpstreamStatusError(502, {}, payload))
 
     def map_error(self, exc: BaseException, midstream: bool = False) -> ProxyError:
         import aiohttp
@@ -381,6 +427,10 @@ async def _responder_events(responder: Any, body: dict[str, Any],
             captured["metaclaw"] = chunk.pop("metaclaw")
         yield [(b"data: " + dumpb(chunk) + b"\n\n", chunk)]
     yield [(b"data: [DONE]\n\n", None)]
+
+
+async def _once(data: bytes) -> AsyncIterator[bytes]:
+    yield data
 
 
 async def _prepend(first: list[Event],

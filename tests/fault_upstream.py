@@ -16,7 +16,11 @@ as ``fault=<name>`` (anything else is answered normally, with an echo). Faults:
 ``flaky_503``        503 with ``Retry-After: 1`` on the first attempt of a request, then normal
 ``flaky_reset``      connection reset on the first attempt of a request, then normal
 ``slow_body``        headers at once, then the body (or each event) a byte every 0.4 s
-``hang``             nothing, ever (until the client gives up)
+``hang``             nothing, ever (until the client gives up; its request's ``gone`` is then
+                     the time it noticed)
+``redirect_301`` / ``redirect_302`` / ``redirect_307`` / ``redirect_308``  that redirect, to
+                     :attr:`FaultUpstream.location` (None: without a Location header)
+``json_200``         HTTP 200 with :attr:`FaultUpstream.json_body` as a JSON body, streamed or not
 ``reflect_key``      a 401 error whose message, param and code quote the request's key
 ``surrogate_reply``  a normal OpenAI reply whose text holds a lone surrogate (escaped in JSON)
 ``parts_reply``      a normal OpenAI reply whose content is a list of parts, a ``thinking`` part
@@ -37,10 +41,13 @@ from aiohttp import web
 
 from metaclaw.server import BackgroundServer, ServedApp
 
+#: A request's entry in :attr:`FaultUpstream.requests`, kept on the request for the faults.
+ENTRY = web.RequestKey("entry", dict)
 FAULT = re.compile(r"fault=([a-z0-9_]+)")
 FAULTS = ("reset", "reset_midstream", "truncate", "invalid_sse", "invalid_json", "wrong_shape",
           "error_event", "status_429", "status_500", "status_503", "flaky_503", "flaky_reset",
-          "slow_body", "hang", "reflect_key")
+          "slow_body", "hang", "reflect_key", "redirect_301", "redirect_302", "redirect_307",
+          "redirect_308", "json_200")
 
 
 def _last_user_text(body: dict[str, Any]) -> str:
@@ -57,6 +64,8 @@ class FaultUpstream(ServedApp):
     def __init__(self) -> None:
         self.requests: list[dict[str, Any]] = []
         self._attempts: dict[str, int] = {}
+        self.location: str | None = "https://example.invalid/v1/chat/completions"
+        self.json_body: Any = {"error": {"message": "quota exceeded", "type": "insufficient_quota"}}
         self._server = BackgroundServer(self._make_app, "127.0.0.1", 0, "fault-upstream",
                                         shutdown_timeout=0.2)
 
@@ -76,8 +85,9 @@ class FaultUpstream(ServedApp):
             attempt = self._attempts.get(text, 0)
             self._attempts[text] = attempt + 1
             fault = fault if attempt == 0 else ""
-        self.requests.append({"path": request.path, "headers": dict(request.headers),
-                              "fault": fault, "at": time.monotonic()})
+        request[ENTRY] = {"path": request.path, "headers": dict(request.headers),
+                            "fault": fault, "at": time.monotonic()}
+        self.requests.append(request[ENTRY])
         key = request.headers.get("x-api-key") or request.headers.get(
             "Authorization", "").removeprefix("Bearer ")
         return body, fault, key
@@ -96,12 +106,18 @@ class FaultUpstream(ServedApp):
         if fault == "hang":  # until the client gives up and closes the connection
             while request.transport is not None and not request.transport.is_closing():
                 await asyncio.sleep(0.05)
+            request[ENTRY]["gone"] = time.monotonic()
             return web.Response(status=500)
+        if fault.startswith("redirect_") and fault[9:] in ("301", "302", "307", "308"):
+            headers = {"Location": self.location} if self.location is not None else {}
+            return web.Response(status=int(fault[9:]), headers=headers, text="Moved")
         status = {"status_429": 429, "status_500": 500, "status_503": 503, "flaky_503": 503,
                   "reflect_key": 401}.get(fault)
         if status:
             wait = "1" if fault == "flaky_503" else "3600"
             return web.json_response(error, status=status, headers={"Retry-After": wait})
+        if fault == "json_200":
+            return web.json_response(self.json_body)
         if fault == "invalid_json":
             return web.Response(body=b'{"choices": [{"message": ', status=200,
                                 content_type="application/json")

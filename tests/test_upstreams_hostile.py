@@ -1,0 +1,211 @@
+"""The upstream side of the proxy against a hostile or failing upstream (both protocols).
+
+A real fault-injecting upstream (tests/fault_upstream.py) hangs, redirects or answers a JSON
+body with HTTP 200 where a reply or a stream was due. Rules:
+
+- stopping the proxy while it still waits on the upstream for a client that hung up leaves no
+  request handler pending and loses no turn;
+- an upstream redirect is a 502 in the client's protocol, before any byte of a stream, naming
+  where it redirects (without credentials or query) and not retried;
+- an error object answered with HTTP 200 is a 502 carrying the upstream's own message; another
+  JSON body where a stream was due is a 502 saying the upstream does not stream.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import socket
+import time
+import uuid
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from fault_upstream import FaultUpstream
+from metaclaw.proxy import Proxy, ProxyConfig
+from metaclaw.skills import SkillLibrary
+from metaclaw.store import Store
+
+TIMEOUT = 30.0  # the proxy's upstream timeout here: far longer than any wait in these tests
+
+
+@pytest.fixture(scope="module")
+def upstream():
+    with FaultUpstream() as served:
+        yield served
+
+
+@pytest.fixture(scope="module")
+def env(upstream, tmp_path_factory):
+    root = tmp_path_factory.mktemp("upstreams-hostile")
+    store = Store(root / "metaclaw.db")
+    library = SkillLibrary(root / "skills", store)
+    proxies = {kind: Proxy(ProxyConfig(upstream_url=upstream.url, retrieval="lexical",
+                                       timeout=TIMEOUT, max_retries=2, upstream_protocol=kind),
+                           store, library).start()
+               for kind in ("openai", "anthropic")}
+    yield upstream, proxies, store
+    for proxy in proxies.values():
+        proxy.stop()
+    store.close()
+
+
+def _turn(store: Store, session: str, within: float = 5.0) -> dict | None:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        rows = store.turns("session_id = ?", (session,))
+        if rows:
+            return rows[-1]
+        time.sleep(0.02)
+    return None
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stopping_the_proxy_after_a_client_hung_up_loses_no_turn(upstream, tmp_path, caplog,
+                                                                  stream):
+    """A handler still waiting on the upstream for a client that hung up is not tracked by the
+    server any more (its connection is gone): at shutdown it was destroyed pending ("Task was
+    destroyed but it is pending!") and its turn never recorded."""
+    store = Store(tmp_path / "metaclaw.db")
+    library = SkillLibrary(tmp_path / "skills", store)
+    proxy = Proxy(ProxyConfig(upstream_url=upstream.url, retrieval="lexical", timeout=TIMEOUT),
+                  store, library).start()
+    session = f"stop-after-hangup-{int(stream)}"
+    body = json.dumps({"model": "m", "stream": stream,
+                       "messages": [{"role": "user", "content": f"fault=hang {session}"}]}).encode()
+    with socket.create_connection(("127.0.0.1", proxy.port)) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                     b"application/json\r\nX-Session-Id: " + session.encode()
+                     + b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        time.sleep(0.3)  # the request is with the upstream, which hangs
+    time.sleep(0.2)
+    caplog.set_level(logging.ERROR, logger="asyncio")
+    proxy.stop()
+    gc.collect()  # a task destroyed pending is reported when it is collected
+    try:
+        turns = store.turns("session_id = ?", (session,))
+        assert [t["status"] for t in turns] == ["cancelled"], turns
+        assert "Task was destroyed" not in caplog.text
+    finally:
+        store.close()
+
+
+# -- redirects ----------------------------------------------------------------------------------
+SECRET = "hunter2-secret"
+_HOSTS = st.sampled_from(["example.invalid", "127.0.0.1:9", "[::1]:8443", "xn--bcher-kva.example"])
+_PATHS = st.sampled_from(["/v1/chat/completions", "/v1/messages", "/v1", "/", "", "/api/v2/x"])
+LOCATIONS = st.one_of(
+    st.none(),
+    st.builds(lambda scheme, creds, host, path, query: f"{scheme}://{creds}{host}{path}{query}",
+              st.sampled_from(["http", "https"]), st.sampled_from(["", f"user:{SECRET}@"]),
+              _HOSTS, _PATHS, st.sampled_from(["", f"?key={SECRET}", f"#{SECRET}"])),
+    st.sampled_from(["/v1/chat/completions", "chat/completions", "../v2/chat/completions",
+                     "//other.example/v1/chat/completions", "http://[::1", "http://h:99999/",
+                     ""]),
+    st.text(st.characters(blacklist_categories=("Cc", "Cs")), max_size=40),
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(location=LOCATIONS, status=st.sampled_from([301, 302, 307, 308]), stream=st.booleans(),
+       route=st.sampled_from([("openai", "openai"), ("anthropic", "anthropic"),
+                              ("anthropic", "openai"), ("openai", "anthropic")]))
+def test_an_upstream_redirect_is_a_502_naming_it_before_any_byte(env, location, status, stream,
+                                                                  route):
+    upstream, proxies, store = env
+    client, kind = route
+    upstream.location = location
+    session = uuid.uuid4().hex
+    text = f"fault=redirect_{status} {session}"
+    if client == "openai":
+        url, body = proxies[kind].url + "/chat/completions", {"model": "m", "stream": stream}
+    else:
+        url, body = proxies[kind].base_url + "/v1/messages", {"model": "m", "max_tokens": 16,
+                                                              "stream": stream}
+    body["messages"] = [{"role": "user", "content": text}]
+    before = len(upstream.requests)
+    reply = httpx.post(url, json=body, headers={"X-Session-Id": session}, timeout=30)
+    assert reply.status_code == 502, reply.text[:300]  # not a 200 stream that breaks off
+    payload = reply.json()
+    error = payload["error"]
+    if client == "anthropic":
+        assert payload["type"] == "error" and error["type"] == "api_error"
+    assert "redirect" in error["message"] and "retry the request" not in error["message"]
+    assert SECRET not in reply.text
+    assert len(upstream.requests) - before == 1  # a redirect is not retried
+    turn = _turn(store, session)
+    assert turn is not None and turn["status"] == "error" and "redirect" in turn["error"]
+
+
+def test_a_redirect_names_the_base_url_to_configure(env):
+    """An ``http://`` URL of a server that moved to ``https://`` keeping its paths: the message
+    names the base URL to set, as the user configures it."""
+    upstream, proxies, _ = env
+    upstream.location = "https://api.example.invalid/v1/chat/completions?x=1"
+    reply = httpx.post(proxies["openai"].url + "/chat/completions", timeout=30, json={
+        "model": "m", "messages": [{"role": "user", "content": "fault=redirect_301 base"}]})
+    assert reply.status_code == 502
+    assert "redirect to https://api.example.invalid/v1;" in reply.json()["error"]["message"]
+
+
+# -- a JSON body answered with HTTP 200 where a reply or a stream was due ------------------------
+TEXT = st.text(st.characters(blacklist_categories=("Cc", "Cs")), min_size=1, max_size=60).filter(
+    str.strip)
+ERROR_BODIES = {  # an error object in the upstream's protocol, as some gateways answer at 200
+    "openai": st.builds(lambda message, kind: {"error": {"message": message, "type": kind,
+                                                         "code": kind}},
+                        TEXT, st.sampled_from(["insufficient_quota", "server_error", "x"])),
+    "anthropic": st.builds(lambda message, kind: {"type": "error",
+                                                  "error": {"type": kind, "message": message}},
+                           TEXT, st.sampled_from(["overloaded_error", "api_error", "x"])),
+}
+OTHER_BODIES = st.dictionaries(st.sampled_from(["status", "detail", "message", "data", "object"]),
+                               st.one_of(st.none(), st.integers(), TEXT), max_size=3)
+
+
+def _post(proxies: dict, client: str, kind: str, text: str, stream: bool,
+          session: str) -> httpx.Response:
+    if client == "openai":
+        url, body = proxies[kind].url + "/chat/completions", {"model": "m", "stream": stream}
+    else:
+        url, body = proxies[kind].base_url + "/v1/messages", {"model": "m", "max_tokens": 16,
+                                                              "stream": stream}
+    body["messages"] = [{"role": "user", "content": text}]
+    return httpx.post(url, json=body, headers={"X-Session-Id": session}, timeout=30)
+
+
+def _error_message(client: str, reply: httpx.Response) -> str:
+    payload = reply.json()
+    if client == "anthropic":
+        assert payload["type"] == "error", payload
+    return payload["error"]["message"]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data(), stream=st.booleans(), error=st.booleans(),
+       route=st.sampled_from([("openai", "openai"), ("anthropic", "anthropic"),
+                              ("anthropic", "openai"), ("openai", "anthropic")]))
+def test_a_json_body_at_http_200_is_an_error_status_with_the_upstreams_message(env, data, stream,
+                                                                               error, route):
+    """An error object answered with HTTP 200 reaches the client as an error status carrying
+    the upstream's own message (not "no 'choices' list", nor a 200 stream that breaks off
+    advising a retry); another JSON body where a stream was due says the upstream does not
+    stream."""
+    upstream, proxies, store = env
+    client, kind = route
+    body = data.draw(ERROR_BODIES[kind] if error else OTHER_BODIES)
+    upstream.json_body = body
+    session = uuid.uuid4().hex
+    reply = _post(proxies, client, kind, f"fault=json_200 {session}", stream, session)
+    assert reply.status_code == 502, reply.text[:300]
+    message = _error_message(client, reply)
+    assert "retry the request" not in message
+    if error:
+        assert message == body["error"]["message"]
+    elif stream:
+        assert "does not stream" in message
+    turn = _turn(store, session)
+    assert turn is not None and turn["status"] == "error"
