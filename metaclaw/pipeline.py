@@ -530,16 +530,21 @@ class TurnPipeline:
             turn.session_id, how, turn.thread = self.proxy.threads.resolve(
                 identity.session_id, turn.messages)
             turn.identified_by = {**identity.how, "session": how}
-        turn.generation, skills = self.proxy.library.current()
-        if is_task_turn(turn.turn_type) and skills:
-            retriever = self.proxy.retriever
-            indexed = getattr(retriever, "indexed", None)  # not part of the Retriever protocol
-            if getattr(retriever, "kind", None) in INLINE_RETRIEVERS and indexed is not None \
-                    and indexed(skills):
-                self.select_and_inject(turn, skills)
-            else:
-                await asyncio.get_running_loop().run_in_executor(
-                    self.proxy._retrieval_pool, self.select_and_inject, turn, skills)
+        try:
+            turn.generation, skills = self.proxy.library.current()
+            if is_task_turn(turn.turn_type) and skills:
+                retriever = self.proxy.retriever
+                indexed = getattr(retriever, "indexed", None)  # not in the Retriever protocol
+                if getattr(retriever, "kind", None) in INLINE_RETRIEVERS and indexed is not None \
+                        and indexed(skills):
+                    self.select_and_inject(turn, skills)
+                else:
+                    await asyncio.get_running_loop().run_in_executor(
+                        self.proxy._retrieval_pool, self.select_and_inject, turn, skills)
+        except BaseException:  # cancelled (its client hung up): the session it took is free
+            if turn.thread is not None:
+                self.proxy.threads.settle(turn.thread, False)
+            raise
         return turn, caller_key
 
     # -- forwarding -----------------------------------------------------------------------
@@ -692,8 +697,15 @@ class _Relay:
         return self.turn.protocol.error_response(error, self.headers)
 
     def cancelled(self, **fields: Any) -> None:
-        self.finish(status="cancelled", error="the proxy stopped while this turn was in flight",
-                    **fields)
+        """The turn's handler was cancelled: the proxy is stopping, or the client hung up (the
+        server cancels the handler of a closed connection, and with it the upstream call)."""
+        if self.proxy.stopping:
+            self.finish(status="cancelled",
+                        error="the proxy stopped while this turn was in flight", **fields)
+            return
+        where = "mid-stream" if self.sent else "before the reply"
+        self.finish(status="client_disconnected", error=f"the client disconnected {where}; "
+                    "the upstream request was cancelled", **fields)
 
     async def complete(self, request: web.Request, upstream: Upstream) -> web.Response:
         turn, client = self.turn, self.turn.protocol

@@ -221,8 +221,12 @@ class Proxy(ServedApp):
         self._listener_pool: ThreadPoolExecutor | None = None
         self._log_filter = _SecretFilter(self)
         self._in_flight: set[asyncio.Task[Any]] = set()  # the handlers serving a turn now
+        self.stopping = False  # set when the server begins to shut down
+        # A client that hangs up (an SDK timeout, Ctrl-C) cancels its handler, and with it the
+        # upstream request: the upstream stops generating (and billing) a reply nobody reads.
         runner = functools.partial(EdgeRunner, header_timeout=config.header_timeout,
-                                   max_connections=config.max_connections)
+                                   max_connections=config.max_connections,
+                                   handler_cancellation=True)
         self._server = BackgroundServer(self._make_app, config.host, config.port, "metaclaw-proxy",
                                         runner=runner)
 
@@ -316,6 +320,7 @@ class Proxy(ServedApp):
             app.router.add_get(prefix + "/models/{model_id:.+}", self._model)
         app.router.add_get("/healthz", self._health)
         app.on_startup.append(self._on_startup)
+        app.on_shutdown.append(self._on_shutdown)
         app.on_cleanup.append(self._on_cleanup)
         return app
 
@@ -333,6 +338,7 @@ class Proxy(ServedApp):
         return await self._pipeline.count_tokens(ANTHROPIC, request)
 
     async def _on_startup(self, app: web.Application) -> None:
+        self.stopping = False
         self._retrieval_pool = ThreadPoolExecutor(8, thread_name_prefix="metaclaw-retrieval")  # embedding queries batch
         self._recorder.start()
         self._listener_pool = ThreadPoolExecutor(1, thread_name_prefix="metaclaw-listeners")
@@ -402,6 +408,11 @@ class Proxy(ServedApp):
             error.upstream = (error.upstream[0], self._scrub_json(error.upstream[1], secrets))
         error.headers = self._scrub_json(error.headers, secrets)
         return error
+
+    async def _on_shutdown(self, app: web.Application) -> None:
+        # before the server closes the connections: a turn cancelled from now on was stopped
+        # by the proxy, not by its client
+        self.stopping = True
 
     async def _on_cleanup(self, app: web.Application) -> None:
         log.removeFilter(self._log_filter)

@@ -459,16 +459,16 @@ def test_client_disconnect_mid_stream_is_recorded(strict, double):
 
 
 def test_a_client_that_gave_up_before_the_reply_is_not_recorded_as_served(proxy, double):
-    """An SDK timeout while the upstream thinks: the late reply reaches nobody, so the turn is
-    client_disconnected (never judged or trained on), not ok."""
+    """An SDK timeout while the upstream thinks: the upstream request is cancelled (nobody
+    would read its reply) and the turn is client_disconnected (never judged or trained on)."""
     double.add(Reply("a late answer", delay=1.0))
     with pytest.raises(httpx.TimeoutException):
         httpx.post(proxy.url + "/chat/completions", timeout=0.3,
                    headers={"Authorization": f"Bearer {TOKEN}"},
                    json={"model": "m", "messages": COMMIT_QUESTION, "session_id": "gave-up"})
-    rows = session_turns(proxy, "gave-up")  # the reply arrives after the client left
-    assert rows[0]["status"] == "client_disconnected" and rows[0]["response"] == "a late answer"
-    assert "before the reply" in rows[0]["error"]
+    rows = session_turns(proxy, "gave-up")
+    assert rows[0]["status"] == "client_disconnected" and rows[0]["response"] is None
+    assert "before the reply; the upstream request was cancelled" in rows[0]["error"]
 
 
 def test_a_resent_skill_block_is_replaced_never_doubled(proxy, double):
@@ -876,9 +876,50 @@ def test_runs_opening_alike_keep_their_sessions_across_a_proxy_restart(double, w
     assert [r["identified_by"]["session"] for r in rows[2:4]] == ["fingerprint:reply-thread"] * 2
 
 
+def test_an_opening_whose_client_left_during_retrieval_leaves_its_session_free(
+        double, workspace, upstream_key):
+    """The client of a conversation's first turn hangs up while skills are still being
+    retrieved (an embedding model off the event loop): the turn never reached the upstream,
+    so its retry is that conversation's opening, in the fingerprint's session, not ``.2``."""
+    import threading
+
+    from metaclaw.retrieval import LexicalRetriever
+
+    class SlowRetriever(LexicalRetriever):
+        kind = "slow"  # not an inline retriever: ranked in the retrieval pool
+        release = threading.Event()
+
+        def rank(self, query, skills, **options):
+            self.release.wait(5)
+            return super().rank(query, skills, **options)
+
+    store, library = workspace
+    config = ProxyConfig(upstream_url=double.url, api_key_env=KEY_ENV, retrieval="lexical",
+                         token=TOKEN)
+    retriever = SlowRetriever()
+    slow = Proxy(config, store, library, retriever).start()
+    opening = [{"role": "user", "content": "Plan the commit for left-during-retrieval-2."}]
+    try:
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(slow.url + "/chat/completions", timeout=0.3,
+                       headers={"Authorization": f"Bearer {TOKEN}"},
+                       json={"model": "m", "messages": opening})
+        retriever.release.set()
+        double.add(Reply("planned"))
+        reply = sync_client(slow).chat.completions.create(model="m", messages=opening)
+        slow.flush()
+    finally:
+        slow.stop()
+    assert reply.choices[0].message.content == "planned"
+    rows = [r for r in store.turns(order="id") if r["request_messages"][-1] == opening[0]]
+    assert [(r["status"], r["identified_by"]["session"]) for r in rows] == [
+        ("ok", "fingerprint:first-user-message")]
+    assert "." not in rows[0]["session_id"]
+
+
 def test_a_retry_after_a_client_timeout_stays_in_its_run(proxy, double):
-    """The SDK times out on a slow turn and resends it while the proxy still waits for the
-    first attempt: the retry continues the same reply, so it joins the same run, not the run
+    """The SDK times out on a slow turn and resends it (the first attempt is cancelled with its
+    connection): the retry continues the same reply, so it joins the same run, not the run
     whose session is the fingerprint's."""
     client = openai.OpenAI(base_url=proxy.url, api_key=TOKEN, max_retries=1, timeout=0.5)
     opening = [{"role": "user", "content": "Rename the helpers in retry-alike-3."}]
@@ -896,5 +937,7 @@ def test_a_retry_after_a_client_timeout_stays_in_its_run(proxy, double):
         return [r for r in proxy.store.turns(order="id") if opening[0] in r["request_messages"]]
     wait_until(lambda: len(rows()) == 4, what="the slow first attempt's record")
     sessions = {r["response"]: r["session_id"] for r in rows()}
-    assert sessions["B: retried"] == sessions["B: slow"] == sessions["B: renamed"]
+    # the first attempt was cancelled when its client gave up: no reply recorded
+    assert [r["status"] for r in rows() if r["response"] is None] == ["client_disconnected"]
+    assert sessions["B: retried"] == sessions[None] == sessions["B: renamed"]
     assert sessions["B: renamed"] != sessions["A: renamed"]

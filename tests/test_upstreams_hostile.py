@@ -53,6 +53,14 @@ def env(upstream, tmp_path_factory):
     store.close()
 
 
+def _waited(check, within: float = 10.0):
+    """``check()`` once it is true (polled), else its last answer."""
+    deadline = time.monotonic() + within
+    while not (answer := check()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return answer
+
+
 def _turn(store: Store, session: str, within: float = 5.0) -> dict | None:
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
@@ -64,30 +72,38 @@ def _turn(store: Store, session: str, within: float = 5.0) -> dict | None:
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_stopping_the_proxy_after_a_client_hung_up_loses_no_turn(upstream, tmp_path, caplog,
-                                                                  stream):
-    """A handler still waiting on the upstream for a client that hung up is not tracked by the
-    server any more (its connection is gone): at shutdown it was destroyed pending ("Task was
-    destroyed but it is pending!") and its turn never recorded."""
+def test_a_client_that_hangs_up_cancels_its_upstream_request(upstream, tmp_path, caplog, stream):
+    """A client that hangs up while the upstream is still thinking: the upstream request is
+    cancelled at once (the upstream stopped generating a reply nobody reads; it went on for
+    the whole timeout), the turn is recorded client_disconnected, and stopping the proxy then
+    destroys no pending task ("Task was destroyed but it is pending!")."""
     store = Store(tmp_path / "metaclaw.db")
     library = SkillLibrary(tmp_path / "skills", store)
     proxy = Proxy(ProxyConfig(upstream_url=upstream.url, retrieval="lexical", timeout=TIMEOUT),
                   store, library).start()
-    session = f"stop-after-hangup-{int(stream)}"
+    session = f"hangup-{int(stream)}"
     body = json.dumps({"model": "m", "stream": stream,
                        "messages": [{"role": "user", "content": f"fault=hang {session}"}]}).encode()
+    started = time.monotonic()
     with socket.create_connection(("127.0.0.1", proxy.port)) as sock:
         sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
                      b"application/json\r\nX-Session-Id: " + session.encode()
                      + b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-        time.sleep(0.3)  # the request is with the upstream, which hangs
-    time.sleep(0.2)
+        with_upstream = _waited(lambda: [r for r in upstream.requests
+                                         if r["fault"] == "hang" and r["at"] >= started])
+        assert with_upstream, "the request never reached the upstream"
+        left = time.monotonic()
+    turn = _turn(store, session)
+    assert turn is not None and turn["status"] == "client_disconnected", turn
+    assert "the upstream request was cancelled" in turn["error"]
+    assert _waited(lambda: "gone" in with_upstream[0])  # the upstream saw its client leave
+    assert with_upstream[0]["gone"] - left < 2.0  # at once, not after the upstream timeout
     caplog.set_level(logging.ERROR, logger="asyncio")
     proxy.stop()
     gc.collect()  # a task destroyed pending is reported when it is collected
     try:
-        turns = store.turns("session_id = ?", (session,))
-        assert [t["status"] for t in turns] == ["cancelled"], turns
+        assert [t["status"] for t in store.turns("session_id = ?", (session,))] == [
+            "client_disconnected"]
         assert "Task was destroyed" not in caplog.text
     finally:
         store.close()
