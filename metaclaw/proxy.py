@@ -340,6 +340,8 @@ class Proxy(ServedApp):
     async def _on_startup(self, app: web.Application) -> None:
         self.stopping = False
         self._retrieval_pool = ThreadPoolExecutor(8, thread_name_prefix="metaclaw-retrieval")  # embedding queries batch
+        # the recorded conversations, read before the first request needs them (not awaited)
+        asyncio.get_running_loop().run_in_executor(self._retrieval_pool, self.threads.load)
         self._recorder.start()
         self._listener_pool = ThreadPoolExecutor(1, thread_name_prefix="metaclaw-listeners")
         log.addFilter(self._log_filter)

@@ -485,6 +485,13 @@ class ReplyThreads:
             _bound(self._continued, self.MAX_ENTRIES)
             return session_id, REPLY_THREAD, Thread(fingerprint, session_id, history, key)
 
+    def load(self) -> None:
+        """Read the recorded openings now (the proxy does it at start, off its event loop)
+        rather than at the first opening."""
+        with self._lock:
+            if not self._numbered:
+                self._number_recorded_openings()
+
     # -- what the workspace recorded ----------------------------------------------------------
     def _family(self, fingerprint: str) -> tuple[str, str]:
         """The bounds of the session ids an opening with ``fingerprint`` may have taken
