@@ -126,14 +126,18 @@ def refresh(store: Store, turn_ids: Iterable[int] | None = None, *, threshold: f
 
     Returns counts of the changes made: ``{"support": n, "query": n, "purged": n}``.
     """
-    gen = current_generation(store) if generation is None else generation
-    if turn_ids is None:
-        rows = store.turns(f"{TASK_TURNS_SQL} AND status = 'ok' "
-                           "AND (buffer_state IS NULL OR buffer_state = 'live')")
-    else:
-        rows = store.turns(f"id {IN_IDS}", (id_list(turn_ids),))
     changes = {SUPPORT: 0, QUERY: 0, PURGED: 0}
+    # read under the write lock: rows read before it could predate an evolution another
+    # process commits meanwhile, and be written back live under a generation that is gone.
+    # Only the columns the rules read: the conversations would hold the lock for long.
+    columns = "SELECT id, turn_type, status, skill_generation, buffer_set, buffer_state FROM turns"
     with store.transaction():
+        gen = current_generation(store) if generation is None else generation
+        if turn_ids is None:
+            rows = store.query(f"{columns} WHERE {TASK_TURNS_SQL} AND status = 'ok' "
+                               "AND (buffer_state IS NULL OR buffer_state = 'live') ORDER BY id")
+        else:
+            rows = store.query(f"{columns} WHERE id {IN_IDS} ORDER BY id", (id_list(turn_ids),))
         for row in rows:
             new = classify(row, generation=gen, threshold=threshold)
             if new == (row.get("buffer_set"), row.get("buffer_state")):

@@ -16,7 +16,8 @@ Long sections are trimmed in the middle with a visible marker ``[... 1234 chars 
 What the judge model answers: JSON ``{"score": -1|0|1, "rationale": "..."}`` (1 = helpful,
 0 = unclear, -1 = unhelpful), requested with a JSON schema (:data:`JUDGE_RESPONSE_FORMAT`) when
 ``structured=True``, otherwise parsed from free text by :func:`parse_verdict` (a JSON object
-anywhere in the text, or a line such as ``Score: -1``).
+anywhere in the text, or a line such as ``Score: -1``; a reasoning model's ``<think>`` block is
+skipped; a reply giving two different scores, or 0.8 or 1/5, is unparsable, never rounded).
 
 Voting: ``votes`` requests run in parallel, each with its own timeout and retries. The score is
 the majority of the valid votes; a tie is 0. Failed votes (transport errors, timeouts, error
@@ -227,47 +228,139 @@ def _as_score(value: Any) -> int:
     raise ValueError(f"score must be -1, 0 or 1, got {shown}")
 
 
+#: Failed attempts at reading a JSON object (a ``{"`` that starts none) after which
+#: :func:`json_objects` stops looking: each attempt may read to the end of the text, so a huge
+#: degenerate reply (``{"a": {"a": ...`` repeated, never closed) would otherwise cost seconds of
+#: CPU per vote; an answer has a handful of such false starts at most.
+MAX_JSON_FALSE_STARTS = 100
+
+_OBJECT_START = re.compile(r"\{\s*[\"}]")
+
+
 def json_objects(text: str):
-    """Every JSON object embedded in ``text`` (fenced, alone or among prose), in order."""
+    """Every JSON object embedded in ``text`` (fenced, alone or among prose), in order: each
+    object found, then the objects nested in it."""
+    for value in _top_level_objects(text):
+        yield from _nested_dicts(value)
+
+
+def _top_level_objects(text: str):
+    """The JSON objects written in ``text`` that are not inside another one, in order."""
     decoder = json.JSONDecoder()
-    for match in re.finditer(r"\{", text):
+    position, false_starts = 0, 0
+    while false_starts < MAX_JSON_FALSE_STARTS:
+        match = _OBJECT_START.search(text, position)
+        if match is None:
+            return
         try:
-            value, _ = decoder.raw_decode(text, match.start())
+            value, end = decoder.raw_decode(text, match.start())
         except (ValueError, RecursionError):  # not JSON, or nested past the parser's stack
+            false_starts += 1
+            position = match.start() + 1
             continue
-        if isinstance(value, dict):
-            yield value
+        # the nested objects are read from the decoded value: decoding each again from its own
+        # brace would cost the square of the nesting depth
+        yield value
+        position = end
 
 
-_SCORE_LINE = re.compile(r"^[\s>*_#-]*score[\s*_]*[:=][\s*_]*([+-]?\d+(?:\.0+)?)\b", re.I | re.M)
+def _nested_dicts(value: Any, stop_at: str | None = None):
+    """``value`` if it is a dict, then every dict nested in it, in the order they were written;
+    with ``stop_at``, not the dicts nested in one that has that key."""
+    stack = [value]
+    while stack:  # a loop, not recursion: the decoder accepts nesting deeper than our stack
+        item = stack.pop()
+        if isinstance(item, dict):
+            yield item
+            if stop_at is None or stop_at not in item:
+                stack.extend(reversed(list(item.values())))
+        elif isinstance(item, list):
+            stack.extend(reversed(item))
+
+
+#: Tags around a reasoning model's thinking when a server leaves it in the reply's text.
+_REASONING_OPEN = re.compile(r"<(?:think|thinking|reasoning)>", re.I)
+_REASONING_CLOSE = re.compile(r"</(?:think|thinking|reasoning)>", re.I)
+
+#: Longest rationale kept from one vote (characters; trimmed in the middle beyond).
+MAX_RATIONALE_CHARS = 2000
+
+
+def strip_reasoning(text: str) -> str:
+    """``text`` without a reasoning model's thinking block: a draft verdict in the thinking is
+    not the verdict.
+
+    The answer is what follows the last closing tag (``</think>``; the opening tag may have been
+    in the prompt, as DeepSeek-R1's chat template puts it), cut where a thinking block that
+    never closed begins (the model ran out of tokens while thinking)."""
+    last_close = None
+    for last_close in _REASONING_CLOSE.finditer(text):
+        pass
+    if last_close is not None:
+        text = text[last_close.end():]
+    unclosed = _REASONING_OPEN.search(text)
+    return text[:unclosed.start()] if unclosed else text
+
+
+_SCORE_LINE = re.compile(r"^[\s>*_#-]*score[\s*_]*[:=][\s*_]*"
+                         # the whole number as written, so that 0.8, 1.5, 1e-05, 1/5 or
+                         # "1 out of 10" is refused rather than read as its first digit
+                         r"([+-]?\d[\d.,]*(?:e[+-]?\d+)?(?:\s*(?:/|out\s+of)\s*\d+)?)(?!\w)",
+                         re.I | re.M)
 _RATIONALE_LINE = re.compile(r"^[\s>*_#-]*(?:rationale|reason)[\s*_]*[:=][\s*_]*(.+)$", re.I | re.M)
+
+
+def _one_score(found: list[tuple[Any, str]],
+               where: str) -> tuple[tuple[int, str] | None, str | None]:
+    """``(verdict, problem)`` from the scores ``found`` (each as written, with its rationale):
+    the verdict when they all are the same valid score; ``None`` and why when none is valid.
+    Raises ``ValueError`` when they differ: a reply giving two scores has no verdict."""
+    valid, problem, shown = [], None, []
+    for value, rationale in found:
+        try:
+            valid.append((_as_score(value), rationale))
+            shown.append(f"{valid[-1][0]:+d}")
+        except ValueError as exc:
+            problem = str(exc)
+            shown.append(repr(value)[:40])
+    if valid and (problem is not None or len({score for score, _ in valid}) > 1):
+        raise ValueError(f"the reply gives different scores in {where} "
+                         f"({', '.join(dict.fromkeys(shown))}); expected one verdict")
+    return (valid[0] if valid else None), problem
 
 
 def parse_verdict(text: str) -> tuple[int, str]:
     """``(score, rationale)`` from a judge reply; raises ``ValueError`` saying why it cannot.
 
     Accepts the JSON object (alone, fenced, or anywhere in the text) or a ``Score: N`` line
-    (with an optional ``Rationale: ...`` line).
+    (with an optional ``Rationale: ...`` line). A reasoning model's thinking block
+    (``<think>...</think>``) is not read. A reply giving several different scores, or a score
+    other than -1, 0 or 1 (0.8, 1/5), has no verdict.
     """
     if not isinstance(text, str) or not text.strip():
         raise ValueError("the judge returned an empty reply")
-    problem = None
-    for obj in json_objects(text):
-        if "score" not in obj:
-            continue
-        try:
-            score = _as_score(obj["score"])
-        except ValueError as exc:
-            problem = str(exc)
-            continue
-        rationale = obj.get("rationale", obj.get("reason", ""))
-        return score, rationale if isinstance(rationale, str) else json.dumps(rationale)
-    match = _SCORE_LINE.search(text)
-    if match:
-        score = _as_score(match.group(1))
+    text = strip_reasoning(text)
+    if not text.strip():
+        raise ValueError("the judge's reply holds only its reasoning (a <think> block) and no "
+                         "verdict after it; it may have run out of tokens: raise max_tokens")
+    found = []
+    for obj in (found_obj for value in _top_level_objects(text)
+                for found_obj in _nested_dicts(value, stop_at="score")):
+        if "score" in obj:  # a verdict's own nested details are not another verdict
+            rationale = obj.get("rationale", obj.get("reason", ""))
+            found.append((obj["score"], rationale if isinstance(rationale, str)
+                          else json.dumps(rationale)))
+    verdict, problem = _one_score(found, "its JSON")
+    if verdict is not None:
+        return verdict
+    lines = [(match.group(1).rstrip(".,"), "") for match in _SCORE_LINE.finditer(text)]
+    if lines:
+        verdict, line_problem = _one_score(lines, "its 'Score:' lines")
+        if verdict is None:
+            raise ValueError(line_problem)
         rat = _RATIONALE_LINE.search(text)
         rationale = rat.group(1).strip() if rat else _SCORE_LINE.sub("", text).strip()
-        return score, rationale
+        return verdict[0], rationale
     raise ValueError(problem or "no score found (expected JSON {\"score\": -1|0|1, ...} "
                                 "or a line 'Score: N')")
 
@@ -405,9 +498,12 @@ class LLMClient:
     def explain(self, exc: BaseException) -> str:
         """:func:`error_text` of a failed call, with this client's key and the credentials in
         its URL masked (a server's error may quote the key it was sent)."""
+        return self.mask(error_text(exc))
+
+    def mask(self, text: str) -> str:
+        """``text`` with this client's key and the credentials in its URL replaced by ``***``."""
         from urllib.parse import unquote, urlsplit
 
-        text = error_text(exc)
         parts = urlsplit(self.base_url)
         for secret in (self.api_key, unquote(parts.password or ""), unquote(parts.username or "")):
             if secret and len(secret) >= 4:
@@ -716,19 +812,37 @@ class Judge:
                     continue
                 delay = retry_delay(exc, self.retries - attempts)
             else:
-                if self.structured and not structured:
-                    self.structured = False  # text worked where the schema was refused
-                text = reply_text(response)
-                try:
-                    score, rationale = parse_verdict(text)
-                except ValueError as exc:
-                    return {"score": None, "rationale": text[:500],
-                            "error": f"unparsable: {exc}"}
-                return {"score": score, "rationale": rationale, "error": None}
+                failure = answer_error(response)
+                if failure is None:
+                    if self.structured and not structured:
+                        self.structured = False  # text worked where the schema was refused
+                    return self._verdict(response)
+                # a gateway's error answered with status 200 is a failed call, retried like
+                # one, and reported with its message, not read as an empty verdict
+                error = self._client.mask(f"HTTP 200 without a reply: {failure}")
+                delay = retry_delay(None, self.retries - attempts)
             if delay is None or attempts == 0:  # a client error: another try would fail alike
                 break
             await asyncio.sleep(delay)
         return {"score": None, "rationale": "", "error": error}
+
+    def _verdict(self, response: dict[str, Any]) -> dict[str, Any]:
+        """One vote from a chat.completion JSON. What the judge wrote is kept with any key of
+        this judge masked (a gateway may answer "invalid key sk-..." as a reply) and trimmed."""
+        text = reply_text(response)
+        try:
+            score, rationale = parse_verdict(text)
+        except ValueError as exc:
+            why = str(exc)
+            finish = (response.get("choices") or [{}])[0].get("finish_reason")
+            if finish == "length":  # e.g. a reasoning model that spent its tokens thinking
+                why += (f" (the reply was cut at max_tokens={self.max_tokens}: raise "
+                        "max_tokens)")
+            return {"score": None, "rationale": self._client.mask(text[:500]),
+                    "error": f"unparsable: {why}"}
+        return {"score": score,
+                "rationale": trim(self._client.mask(rationale), MAX_RATIONALE_CHARS),
+                "error": None}
 
     # one turn ---------------------------------------------------------------------------
     async def ajudge(self, turn: dict[str, Any], *, next_user: str | None = None,

@@ -324,6 +324,11 @@ def export_records(store: Store, *, turn_ids: Iterable[int] | None = None,
                         " and ".join(sorted(unreadable)))
             continue
         messages = turn.get("request_messages") or []
+        if not all(isinstance(m, dict) for m in messages):
+            # written by another program: a fine-tuning file holding them is refused whole
+            log.warning("turn %s is not exported: its stored request_messages hold entries "
+                        "that are not messages", turn["id"])
+            continue
         if not keep_skills:
             messages = strip_skill_block(messages)
         corrected = mark.get("corrected") if mark else None

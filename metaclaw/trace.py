@@ -186,9 +186,8 @@ class Trace:
         for entry in messages:  # each call beside its result, when the result came back
             for call in entry.get("tool_calls", []):
                 call["result"] = results.get(str(call.get("id")))
-        votes = [{"score": v.get("score"), "rationale": v.get("rationale") or "",
-                  "error": v.get("error")} for v in (turn.get("judge_votes") or [])
-                 if isinstance(v, dict)]
+        votes = [{**vote, "rationale": vote["rationale"] or ""}
+                 for vote in _votes(turn.get("judge_votes"))]
         injected = list(turn.get("injected_skills") or [])
         scores = _maybe_json(turn.get("retrieval_scores")) if self._has_retrieval else None
         if not isinstance(scores, list):
@@ -269,12 +268,11 @@ class Trace:
         data: dict[str, list[Any]] = {"turn_id": [], "vote": [], "score": [], "rationale": [],
                                       "error": []}
         for row in rows:
-            for i, vote in enumerate(row["judge_votes"] or []):
+            for i, vote in enumerate(_votes(row["judge_votes"])):
                 data["turn_id"].append(row["id"])
                 data["vote"].append(i)
-                data["score"].append(vote.get("score"))
-                data["rationale"].append(vote.get("rationale"))
-                data["error"].append(vote.get("error"))
+                for key in ("score", "rationale", "error"):
+                    data[key].append(vote[key])
         return pl.DataFrame(data, schema={"turn_id": pl.Int64, "vote": pl.Int64,
                                           "score": pl.Int64, "rationale": pl.Utf8,
                                           "error": pl.Utf8})
@@ -294,6 +292,26 @@ class Trace:
         rows = self.rows()
         return (f"Trace(session {self.session_id!r}: {len(rows)} turns, "
                 f"{sum(1 for r in rows if r['failed'])} failed)")
+
+
+def _votes(stored: Any) -> list[dict[str, Any]]:
+    """A turn's stored judge votes as ``{"score", "rationale", "error"}`` dicts; a vote written by
+    another program (not an object, a score that is not -1, 0 or 1, a rationale that is not text)
+    shows its unreadable parts as None, where one such vote would otherwise stop the session's
+    vote table from opening."""
+    votes = []
+    for vote in stored if isinstance(stored, list) else []:
+        if not isinstance(vote, dict):
+            continue
+        score = vote.get("score")
+        if isinstance(score, bool) or not isinstance(score, (int, float)) \
+                or score not in (-1, 0, 1):
+            score = None
+        votes.append({
+            "score": None if score is None else int(score),
+            **{key: vote.get(key) if isinstance(vote.get(key), str) else None
+               for key in ("rationale", "error")}})
+    return votes
 
 
 def _call(call: Any) -> dict[str, Any]:
