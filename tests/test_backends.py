@@ -245,6 +245,74 @@ def test_generators_live_on_the_model_device_and_reproduce(tiny_model):
     assert torch.equal(a, torch.rand(4, generator=_generator(3, "cpu")))
 
 
+def test_sampling_passes_the_kv_cache_without_a_deprecation_warning(tiny_model):
+    """Every decoding step hands the model its KV cache under the keyword its forward declares.
+    transformers 5.24 renamed ``past_key_values`` to ``cache``: the old keyword still works
+    there, but warns (FutureWarning) on every step and logs a notice when the output's old
+    attribute is read. Neither may appear while sampling or streaming."""
+    import logging
+    import re
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    from metaclaw.backends.local import LocalSampler
+    from metaclaw.causal_lm import load_causal_lm
+
+    model, _ = load_causal_lm(tiny_model, device="cpu")
+    sampler = LocalSampler(model, None, 0)  # no end-of-sequence: every step reuses the cache
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    hf_root = logging.getLogger("transformers")
+    once = getattr(logging.Logger, "warning_once", None)
+    if hasattr(once, "cache_clear"):  # a notice logged once by an earlier test would hide here
+        once.cache_clear()
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_warning()
+    hf_root.addHandler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            samples = sampler.sample([3, 4, 10], n=2, max_tokens=5, temperature=1.0, seed=0)
+            streamed = list(sampler.stream([3, 4, 10], max_tokens=5, temperature=0.0))
+    finally:
+        hf_root.removeHandler(handler)
+        hf_logging.set_verbosity(verbosity)
+    assert [len(s.tokens) for s in samples] == [5, 5] and len(streamed) == 5
+    about_cache = re.compile(r"past_key_values|cache", re.IGNORECASE)
+    noticed = [f"{w.category.__name__}: {w.message}" for w in caught
+               if issubclass(w.category, (DeprecationWarning, FutureWarning))
+               and about_cache.search(str(w.message))]
+    noticed += [r.getMessage() for r in records
+                if r.levelno >= logging.WARNING and about_cache.search(r.getMessage())]
+    assert noticed == []
+
+
+def test_cached_decoding_matches_a_full_forward_pass(tiny_model):
+    """The cache handed back at each step is the one the model reads: the sampled tokens'
+    logprobs equal those of one uncached forward pass over prompt + completion (a cache passed
+    under a keyword the model ignores would leave each step seeing only its newest token)."""
+    import torch
+
+    from metaclaw.backends.local import LocalSampler
+    from metaclaw.causal_lm import load_causal_lm
+
+    model, _ = load_causal_lm(tiny_model, device="cpu")
+    sampler = LocalSampler(model, None, 0)
+    prompt = [3, 4, 10, 11]
+    for temperature in (1.0, 0.0):
+        (sample,) = sampler.sample(prompt, n=1, max_tokens=6, temperature=temperature, seed=2)
+        ids = torch.tensor([prompt + sample.tokens])
+        with torch.inference_mode():
+            logits = model(input_ids=ids, use_cache=False).logits[0, len(prompt) - 1:-1].float()
+        logp = torch.log_softmax(logits / (temperature or 1.0), dim=-1)
+        full = logp.gather(1, ids[0, len(prompt):, None]).squeeze(1)
+        assert sample.logprobs == pytest.approx(full.tolist(), abs=1e-4)
+        if temperature == 0:
+            assert sample.tokens == logits.argmax(dim=-1).tolist()
+
+
 def test_bfloat16_weights_train_with_fp32_adapters_and_are_served(tiny_model, tmp_path):
     """The GPU precision path, run on CPU: bfloat16 base weights, fp32 LoRA adapters and
     optimizer, fp32 logprobs through micro-batches and chunked logprobs; the published snapshot

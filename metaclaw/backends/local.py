@@ -67,17 +67,40 @@ def policy_loss(loss_fn: str, logprobs_B_T, sampling_logprobs_B_T, advantages_B_
     return loss, stats
 
 
+def _cache_keyword(model) -> str:
+    """The keyword under which ``model.forward`` takes the KV cache, and the name of the output
+    field that returns it: ``cache`` in transformers releases that renamed it, otherwise
+    ``past_key_values``.
+
+    Asked of the model's own signature rather than of the transformers version: the rename is
+    made per model class (a remote-code model keeps the forward it was written with), and a
+    release that renamed it still takes the old name but warns about it on every decoding
+    step. A forward that names neither (one taking only ``**kwargs``) gets the old name, which
+    every release understands.
+    """
+    import inspect
+
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):  # a forward whose signature cannot be read
+        return "past_key_values"
+    return "cache" if "cache" in params else "past_key_values"
+
+
 def _iter_tokens(model, prompt_tokens: Sequence[int], n: int, max_tokens: int,
                  temperature: float, eos_token_id: int | None,
-                 generator) -> Iterator[tuple[list[int], list[float]]]:
+                 generator, cache_kw: str | None = None
+                 ) -> Iterator[tuple[list[int], list[float]]]:
     """Autoregressive sampling with a KV cache; yields (tokens_N, logprobs_N) per step.
 
     Logprobs are those of the distribution actually sampled from (logits / temperature);
     with ``temperature == 0`` the argmax is taken and its temperature-1 logprob reported.
     Stops when every sequence has emitted ``eos_token_id`` or after ``max_tokens`` steps.
+    ``cache_kw`` is :func:`_cache_keyword` of ``model`` (looked up here when not given).
     """
     import torch
 
+    cache_kw = cache_kw or _cache_keyword(model)
     device = next(model.parameters()).device
     input_ids = torch.tensor([list(prompt_tokens)] * n, dtype=torch.long, device=device)
     done = torch.zeros(n, dtype=torch.bool, device=device)
@@ -97,8 +120,8 @@ def _iter_tokens(model, prompt_tokens: Sequence[int], n: int, max_tokens: int,
                 done |= tok == eos_token_id
             if bool(done.all()):
                 return
-            out = model(input_ids=tok[:, None], past_key_values=out.past_key_values,
-                        use_cache=True)
+            out = model(input_ids=tok[:, None], use_cache=True,
+                        **{cache_kw: getattr(out, cache_kw)})
 
 
 def _generator(seed: int | None, device="cpu"):
@@ -118,6 +141,7 @@ class LocalSampler:
         self.eos_token_id = eos_token_id
         self.policy_version = policy_version
         self.device = next(model.parameters()).device
+        self.cache_kw = _cache_keyword(model)  # read once: every decoding step passes the cache
 
     def sample(self, prompt_tokens: list[int], n: int = 1, max_tokens: int = 64,
                temperature: float = 1.0, seed: int | None = None) -> list[Sample]:
@@ -128,7 +152,8 @@ class LocalSampler:
         samples = [Sample([], []) for _ in range(n)]
         finished = [False] * n
         for toks, lps in _iter_tokens(self.model, prompt_tokens, n, max_tokens, temperature,
-                                      self.eos_token_id, _generator(seed, self.device)):
+                                      self.eos_token_id, _generator(seed, self.device),
+                                      self.cache_kw):
             for i in range(n):
                 if finished[i]:
                     continue
@@ -143,7 +168,8 @@ class LocalSampler:
                seed: int | None = None) -> Iterator[tuple[int, float]]:
         """One completion, yielded token by token as ``(token, logprob)`` (ends after EOS)."""
         for toks, lps in _iter_tokens(self.model, prompt_tokens, 1, max_tokens, temperature,
-                                      self.eos_token_id, _generator(seed, self.device)):
+                                      self.eos_token_id, _generator(seed, self.device),
+                                      self.cache_kw):
             yield toks[0], lps[0]
 
 
