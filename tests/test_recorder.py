@@ -206,12 +206,13 @@ def test_checkpoints_run_in_the_writer_thread_not_on_the_loop(tmp_path):
     try:
         asyncio.run(scenario())
         deadline = time.monotonic() + 5
-        while len(store.checkpoints) < 2 and time.monotonic() < deadline:
+        while not store.checkpoints and time.monotonic() < deadline:
             time.sleep(0.01)
     finally:
         recorder.stop()
     assert recorder._loop_commits == 7
-    assert len(store.checkpoints) >= 3  # two on the way, one at stop
+    # on the way (two requests the thread found queued together make one), and one at stop
+    assert len(store.checkpoints) >= 2
     assert set(store.checkpoints) == {"metaclaw-record"}
     busy, log_pages, copied = sqlite3.connect(str(tmp_path / "m.db")).execute(
         "PRAGMA wal_checkpoint(PASSIVE)").fetchone()
