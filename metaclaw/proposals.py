@@ -369,12 +369,20 @@ def revert(library: Any, generation: int, *, by: str | None = None) -> int:
             raise ProposalError(f"skill {name!r} changed again after generation {generation}; "
                                 "roll back to an earlier generation instead "
                                 "(metaclaw skills rollback G)")
+        # made from the version checked above: a change another process commits before the
+        # revert takes the write lock is then refused, not written over
+        base = after[name].content_hash if name in after else None
         if name in before and name in current:
-            ops.append(SkillOp("edit", before[name], name, why))
+            ops.append(SkillOp("edit", before[name], name, why, base=base))
         elif name in before:
             ops.append(SkillOp("add", before[name], name, why))
         else:
-            ops.append(SkillOp("remove", None, name, why))
+            ops.append(SkillOp("remove", None, name, why, base=base))
     if not ops:
         raise ProposalError(f"generation {generation} changed no skill; nothing to revert")
-    return library.apply(ops, kind="rollback", reason=why)
+    try:
+        return library.apply(ops, kind="rollback", reason=why)
+    except SkillFormatError as exc:  # a SkillConflict, or an add of a name added meanwhile
+        raise ProposalError(f"a skill generation {generation} changed was changed again while "
+                            f"reverting it ({exc}); roll back to an earlier generation instead "
+                            "(metaclaw skills rollback G)") from exc

@@ -38,6 +38,10 @@ generation. A proxy, the CLI and several notebook kernels may share one workspac
   it, write the files, insert the generation with ``parent`` = the latest. Two processes
   evolving at once therefore produce a linear history, never a fork, and an operation that
   conflicts with the other process's change fails with a clear error;
+- a folder may lag the store (the workspace changed through another folder, e.g. ``metaclaw
+  evolve`` run from another directory): its files still as the generation it was last brought
+  to had them are stale, brought up to date at the next change or reload, never recorded as
+  a change back (:data:`FOLDER_MARKS`);
 - files edited by hand become a generation of kind ``disk``: at construction, on
   :meth:`SkillLibrary.reload`, and continuously while :meth:`SkillLibrary.watch` runs (a
   file-system watcher, what the proxy and notebook runtimes use).
@@ -81,6 +85,13 @@ OPS = ("add", "edit", "remove")
 #: dies before committing leaves it, and the next to take the write lock puts the files back.
 JOURNAL_PREFIX = ".metaclaw-change-"
 JOURNAL_GLOB = f"{JOURNAL_PREFIX}*.json"
+#: Next to the workspace's database (``<db>-skill-folders.json``): the generation each folder's
+#: files were last brought to. A workspace may be used through several folders (``metaclaw
+#: evolve`` run from another directory), so the folder of one process can lag the store; its
+#: skills still as that generation had them are stale, not edited by hand, and are brought up
+#: to date instead of being recorded as a change back. Kept out of the folder, which holds
+#: skills only (and may be under version control, where a checkout would bring back old marks).
+FOLDER_MARKS = "-skill-folders.json"
 #: Largest SKILL.md read (bytes): every generation stores every skill again, and a skill is
 #: injected into prompts whose budget is a few thousand characters.
 MAX_SKILL_BYTES = 256 * 1024
@@ -303,7 +314,10 @@ class Skill:
                 "missing YAML front matter: the file must start with a '---' line, then "
                 "'name:' and 'description:', then a closing '---' line", source)
         try:
-            end = next(i for i in range(1, len(lines)) if lines[i].strip() in ("---", "..."))
+            # the closing line starts at the margin: an indented '---' is a line of a value (a
+            # block scalar, or a multi-line quoted string as the library writes it), and
+            # ending there read the rest of the front matter as the body
+            end = next(i for i in range(1, len(lines)) if lines[i].rstrip() in ("---", "..."))
         except StopIteration:
             raise SkillFormatError("the YAML front matter has no closing '---' line",
                                    source) from None
@@ -622,6 +636,10 @@ def _snapshot_digest(snapshot: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(snapshot, sort_keys=True).encode()).hexdigest()
 
 
+def _skills_digest(skills: dict[str, Skill]) -> str:
+    return _snapshot_digest({n: s.to_dict() for n, s in sorted(skills.items())})
+
+
 def _text_digest(text: str | None) -> str | None:
     return None if text is None else hashlib.sha256(text.encode("utf-8")).hexdigest()
 
@@ -698,6 +716,31 @@ def _remove_skill_folder(folder: Path) -> None:
         folder.rmdir()
     except OSError:
         pass  # other files remain in the folder: keep them
+
+
+def _stored_skills(generation: int, snapshot: Any) -> dict[str, Skill]:
+    """A stored generation's snapshot as skills by name. A snapshot the library could not have
+    written (damaged in the database, or written by a version with other rules) raises a
+    :class:`SkillFormatError` naming the generation: restored as it is, a skill stored under
+    another name's key was written into that name's folder and recorded again."""
+    def malformed(why: str) -> SkillFormatError:
+        return SkillFormatError(f"skill generation {generation} in the store is malformed "
+                                f"({why}); roll back to another generation")
+
+    if snapshot is None:  # how the store reads a snapshot that is not valid JSON
+        raise malformed("its snapshot is missing or not valid JSON")
+    if not isinstance(snapshot, dict):
+        raise malformed(f"its snapshot is a {type(snapshot).__name__}, not skills by name")
+    skills = {}
+    for name, data in snapshot.items():
+        try:
+            skill = Skill.from_dict(data)
+        except (ValueError, TypeError) as exc:  # SkillFormatError, or an 'extra' not a map
+            raise malformed(f"skill {name!r}: {getattr(exc, 'reason', exc)}") from None
+        if skill.name != name:
+            raise malformed(f"the skill stored as {name!r} is named {skill.name!r}")
+        skills[name] = skill
+    return skills
 
 
 def _changes(old: dict[str, Skill], new: dict[str, Skill], reason: str) -> list[SkillOp]:
@@ -815,7 +858,7 @@ class SkillLibrary:
             latest = self.store.latest_generation()
             raise SkillNotFound(f"skill generation {generation} does not exist; choose one "
                                 f"between 0 and {latest}")
-        skills = {name: Skill.from_dict(d) for name, d in row["snapshot"].items()}
+        skills = _stored_skills(int(generation), row["snapshot"])
         with self._lock:
             self._snapshots[int(generation)] = skills
         return dict(skills)
@@ -824,7 +867,9 @@ class SkillLibrary:
         """Rows of ``skill_generations`` (without the snapshot), with the number of skills and events."""
         rows = self.store.query(
             "SELECT g.generation, g.parent, g.created_at, g.kind, g.reason, "
-            "(SELECT COUNT(*) FROM json_each(g.snapshot)) AS skills, "
+            # a damaged snapshot (not JSON) lists with no count instead of failing the listing
+            "CASE WHEN json_valid(g.snapshot) THEN (SELECT COUNT(*) FROM json_each(g.snapshot))"
+            " END AS skills, "
             "(SELECT COUNT(*) FROM skill_events e WHERE e.generation = g.generation) AS events "
             "FROM skill_generations g ORDER BY g.generation")
         return rows
@@ -976,7 +1021,16 @@ class SkillLibrary:
                     events=[self._event(op) for op in ops])
                 self._set(number, disk)
             else:
-                stored = self.snapshot(latest)
+                why, damaged = "files changed on disk", False
+                try:
+                    stored = self.snapshot(latest)
+                except SkillFormatError as exc:
+                    # the folder is what is left of the current library: recorded over the
+                    # damaged generation, so that every process can open the workspace again
+                    log.error("skill library: %s; recording the folder %s as a new "
+                              "generation", exc, self.directory)
+                    stored, damaged = {}, True
+                    why = f"{exc.reason.split(';')[0]}; recorded the folder"
                 if stored and not disk:
                     # not a single readable skill in the folder of a workspace that has some (a
                     # new checkout, a wrong --skills): filled from the store, never read as
@@ -984,6 +1038,12 @@ class SkillLibrary:
                     self._fill(latest)
                     disk, problems = load_skills_dir(self.directory)
                     self.problems = problems
+                if not damaged:  # stale files are not hand edits: never recorded as such
+                    for name, skill in self._catch_up(latest, stored, problems).items():
+                        if skill is None:
+                            disk.pop(name, None)
+                        else:
+                            disk[name] = skill
                 # a broken file keeps the stored version of its folder's skill, and of the skill
                 # it names (a folder renamed by hand), instead of counting as their removal
                 for problem in problems:
@@ -994,11 +1054,11 @@ class SkillLibrary:
                         disk[name] = stored[name]
                     if kept:
                         problem.reason += f" (keeping its version from generation {latest})"
-                ops = _changes(stored, disk, "files changed on disk")
-                if ops:
+                ops = _changes(stored, disk, why)
+                if ops or damaged:
                     number = self.store.add_generation(
                         snapshot={n: disk[n].to_dict() for n in sorted(disk)}, kind="disk",
-                        reason="files changed on disk", parent=latest,
+                        reason=why, parent=latest,
                         events=[self._event(op) for op in ops])
                     self._set(number, disk)
                 else:
@@ -1081,18 +1141,98 @@ class SkillLibrary:
     @contextlib.contextmanager
     def _exclusive(self, adopt: bool = True):
         """Hold the library lock and the store's write lock (every process), having finished
-        what a process that died mid-change left (:meth:`_recover`) and adopted the latest
-        stored generation, so a change is validated against the true latest."""
+        what a process that died mid-change left (:meth:`_recover`), adopted the latest
+        stored generation and brought the folder's stale files to it (:meth:`_catch_up`), so a
+        change is validated against the true latest; on success the folder is marked as
+        holding the new current generation, in the same transaction."""
         with self._lock:
             self._journal = journal = None
             with self.store.transaction():
                 self._recover()
                 if adopt:
                     self._adopt_latest()
+                    self._catch_up(self._generation, self._skills, self.problems)
                 yield
                 journal, self._journal = self._journal, None
+                self._mark_folder()
             if journal is not None:  # committed: the files it guarded hold the generation now
                 journal.unlink(missing_ok=True)
+
+    def _marks_path(self) -> Path | None:
+        path = getattr(self.store, "path", None)
+        if path is None or str(path) == ":memory:":
+            return None  # a store of this process only: no other folder can move it
+        return Path(path).with_name(Path(path).name + FOLDER_MARKS)
+
+    def _folder_marks(self) -> dict[str, Any]:
+        path = self._marks_path()
+        try:
+            marks = json.loads(path.read_text(encoding="utf-8")) if path else {}
+        except (OSError, ValueError):
+            return {}
+        return marks if isinstance(marks, dict) else {}
+
+    def _folder_key(self) -> str:
+        return str(self.directory.resolve())
+
+    def _folder_mark(self) -> dict[str, Any] | None:
+        mark = self._folder_marks().get(self._folder_key())
+        return mark if isinstance(mark, dict) else None
+
+    def _mark_folder(self) -> None:
+        """Record that the folder's files hold the current generation (where not edited by
+        hand); the caller holds the store's write lock, so marks are written in commit order.
+        A mark that cannot be written leaves the old one: the folder reads as lagging."""
+        path = self._marks_path()
+        mark = {"generation": self._generation, "snapshot": _skills_digest(self._skills)}
+        if path is None or self._generation < 0:
+            return
+        marks = self._folder_marks()
+        if marks.get(self._folder_key()) == mark:
+            return
+        marks[self._folder_key()] = mark
+        try:
+            _atomic_write(path, json.dumps(marks, sort_keys=True))
+        except OSError as exc:
+            log.warning("skill library: cannot write %s (%s)", path, exc)
+
+    def _catch_up(self, number: int, latest: dict[str, Skill],
+                  problems: list[LoadProblem]) -> dict[str, Skill | None]:
+        """Bring the folder to generation ``number`` (the store's latest, holding ``latest``)
+        where it lags: a skill whose file is still as the generation the folder was last
+        brought to had it (another folder of the workspace changed it since) gets its latest
+        version; a skill edited by hand since, or whose file is broken, is left as it is.
+        Returns the skills brought up (``None``: removed), written or, where the folder cannot
+        be written, to be read as written.
+
+        Without a mark from this workspace nothing is known to be stale, so nothing is done."""
+        mark = self._folder_mark()
+        try:
+            generation = int(mark["generation"])  # type: ignore[index]
+            if generation >= number:
+                return {}
+            base = self.snapshot(generation)
+        except (TypeError, KeyError, ValueError, SkillNotFound):  # no mark, or not readable
+            return {}
+        if _skills_digest(base) != mark.get("snapshot"):
+            return {}  # a mark from before the database was replaced: not this generation
+        broken = {Path(p.path).parent.name for p in problems} | {p.name for p in problems}
+        changed = [name for name in sorted(set(base) | set(latest))
+                   if base.get(name) != latest.get(name)]
+        stale = [name for name in changed
+                 if name not in broken and not self._edited_by_hand(name, base.get(name))]
+        if not stale:
+            return {}
+        kept = [name for name in changed if name not in stale]
+        log.log(logging.WARNING if kept else logging.INFO,
+                "skill library: brought %s in %s from generation %d to %d (changed through "
+                "another folder of the workspace)%s", ", ".join(stale), self.directory,
+                generation, number, f"; kept {', '.join(kept)}, edited here" if kept else "")
+        try:
+            self._write(stale, latest)
+        except OSError as exc:
+            log.warning("skill library: cannot write the folder %s (%s)", self.directory, exc)
+        return {name: latest.get(name) for name in stale}
 
     def _recover(self) -> None:
         """Finish what a process that died mid-change left in the folder (caller holds the

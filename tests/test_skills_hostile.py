@@ -1,0 +1,294 @@
+"""The skill library against hostile files, damaged stored generations, workspaces used through
+several folders, and a revert racing another process's change."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from metaclaw import proposals
+from metaclaw.skills import (FOLDER_MARKS, Skill, SkillFormatError, SkillLibrary, SkillOp,
+                             load_skills_dir)
+from metaclaw.store import Store
+
+
+def write_skill(root: Path, folder: str, text: str) -> Path:
+    path = root / folder / "SKILL.md"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def run_python(code: str, *args: object) -> str:
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code), *map(str, args)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def files(folder: Path) -> dict[str, str]:
+    return {p.parent.name: p.read_text(encoding="utf-8") for p in sorted(folder.glob("*/SKILL.md"))}
+
+
+# -- front matter whose values hold a '---' line -------------------------------------------------
+
+def test_a_dash_line_inside_a_front_matter_value_is_not_its_end(tmp_path, store):
+    """A block scalar holding a '---' line (indented, as YAML requires) was read as the end
+    of the front matter: the value was cut and the rest of the front matter became the body
+    injected into prompts, without any problem reported."""
+    write_skill(tmp_path / "skills", "notes", textwrap.dedent("""\
+        ---
+        name: notes
+        description: Keep notes.
+        changelog: |
+          v1: first
+          ---
+          v2: second
+        ---
+
+        # Notes
+        Write things down.
+        """))
+    library = SkillLibrary(tmp_path / "skills", store)
+    assert library.problems == []
+    notes = library.get("notes")
+    assert notes.extra == {"changelog": "v1: first\n---\nv2: second"}
+    assert notes.body == "# Notes\nWrite things down."
+
+
+_LINES = st.lists(st.sampled_from(["---", "...", "--- ", "  ---", "a", "b: c", "", " ", "#"]),
+                  min_size=1, max_size=6).map("\n".join)
+
+
+@settings(max_examples=200, deadline=None)
+@given(description=_LINES.filter(lambda t: t.strip()), value=_LINES)
+def test_a_skill_whose_values_hold_dash_lines_reads_back_from_its_file(description, value):
+    """Whatever lines a description or a front-matter value holds, the file the library writes
+    reads back as the same skill (a description with a '---' line was written, stored, and then
+    refused as invalid YAML at every load of the folder)."""
+    try:
+        skill = Skill(name="rules", description=description, extra={"notes": value})
+    except SkillFormatError:
+        return
+    assert Skill.from_markdown(skill.to_markdown()) == skill
+
+
+def test_a_skill_added_with_a_dash_line_in_its_description_loads_again(tmp_path, store):
+    library = SkillLibrary(tmp_path / "skills", store)
+    library.add(Skill(name="steps", description="Steps:\n---\nthen more", body="Body."))
+    reopened = SkillLibrary(tmp_path / "skills", store)
+    assert reopened.problems == [] and load_skills_dir(tmp_path / "skills")[1] == []
+    assert reopened.get("steps").description == "Steps:\n---\nthen more"
+
+
+# -- damaged stored generations ------------------------------------------------------------------
+
+_GOOD = {"name": "z", "description": "Z.", "category": "general", "body": "z", "extra": {}}
+_MALFORMED = {
+    "a skill under another name": {"a": dict(_GOOD, name="a"), "zz": _GOOD},
+    "an invalid name": {"a": dict(_GOOD, name="a"), "~evil": dict(_GOOD, name="~evil")},
+    "an invalid skill": {"a": dict(_GOOD, name="a", description="")},
+    "an entry that is not a skill": {"a": "text"},
+    "extra that is not a map": {"a": dict(_GOOD, name="a", extra="text")},
+    "a list": ["a"],
+    "null": None,
+    "not JSON": "{not json",
+}
+
+
+def _damage(db: Path, generation: int, snapshot: object) -> None:
+    connection = sqlite3.connect(db)
+    text = snapshot if isinstance(snapshot, str) else json.dumps(snapshot)
+    connection.execute("UPDATE skill_generations SET snapshot = ? WHERE generation = ?",
+                       (text, generation))
+    connection.commit()
+    connection.close()
+
+
+def _two_generations(tmp_path: Path) -> tuple[Path, Path]:
+    skills, db = tmp_path / "skills", tmp_path / "ws.db"
+    library = SkillLibrary(skills, Store(db))
+    library.add(Skill(name="a", description="A.", body="a"))
+    library.add(Skill(name="b", description="B.", body="b"))
+    return skills, db
+
+
+@pytest.mark.parametrize("damage", list(_MALFORMED))
+def test_a_rollback_to_a_malformed_generation_is_refused_naming_it(tmp_path, damage):
+    """A rollback to a generation whose stored snapshot is damaged is refused with one sentence
+    naming the generation, the library and its files unchanged (a skill stored under another
+    name's key was restored into that name's folder and recorded as a new generation; a
+    snapshot that is not a map failed with an AttributeError)."""
+    skills, db = _two_generations(tmp_path)
+    _damage(db, 2 - 1, _MALFORMED[damage])
+    library = SkillLibrary(skills, Store(db))  # another process: reads the row from the store
+    before = files(skills)
+    with pytest.raises(SkillFormatError, match=r"skill generation 1 in the store is malformed"):
+        library.rollback(1)
+    assert files(skills) == before
+    assert library.generation == 2 and [s.name for s in library.skills()] == ["a", "b"]
+    assert SkillLibrary(skills, Store(db)).generation == 2
+
+
+@pytest.mark.parametrize("damage", ["an invalid skill", "a list", "not JSON"])
+def test_a_workspace_whose_latest_generation_is_malformed_still_opens(tmp_path, damage):
+    """A damaged latest generation made every process fail to open the workspace (a rollback
+    from the command line included); the folder is recorded over it instead."""
+    skills, db = _two_generations(tmp_path)
+    _damage(db, 2, _MALFORMED[damage])
+    library = SkillLibrary(skills, Store(db))
+    assert library.generation == 3 and [s.name for s in library.skills()] == ["a", "b"]
+    assert "generation 2 in the store is malformed" in library.generations()[-1]["reason"]
+    assert library.rollback(1) == 4 and [s.name for s in library.skills()] == ["a"]
+
+
+# -- one workspace, several folders --------------------------------------------------------------
+
+EVOLVE_ELSEWHERE = """
+    import sys
+    from metaclaw.skills import Skill, SkillLibrary
+    from metaclaw.store import Store
+    library = SkillLibrary(sys.argv[1], Store(sys.argv[2]))
+    library.edit(Skill(name="units", description="Units.", body="Convert miles to km."))
+    library.add(Skill(name="dates", description="Dates.", body="Use ISO dates."))
+    library.remove("old")
+    print(library.generation)
+"""
+
+
+def _proxy_folder(tmp_path: Path) -> tuple[Path, Path, SkillLibrary]:
+    skills, db = tmp_path / "proxy-skills", tmp_path / "ws.db"
+    library = SkillLibrary(skills, Store(db))
+    library.add(Skill(name="units", description="Units.", body="Use metres."))
+    library.add(Skill(name="old", description="Old.", body="Outdated."))
+    return skills, db, library
+
+
+def _evolved(library: SkillLibrary) -> dict[str, str]:
+    return {s.name: s.body for s in library.skills()}
+
+
+EVOLVED = {"dates": "Use ISO dates.", "units": "Convert miles to km."}
+
+
+def test_a_restart_on_a_folder_another_folder_moved_past_keeps_the_workspace(tmp_path):
+    """`metaclaw evolve` run from another directory changes the workspace through another
+    folder; the proxy's folder still holds the old files. Reopening it recorded them as a
+    'disk' generation that silently undid the evolved skills; they are brought up instead."""
+    skills, db, proxy = _proxy_folder(tmp_path)
+    evolved = int(run_python(EVOLVE_ELSEWHERE, tmp_path / "cli-skills", db))
+    assert proxy.current()[0] == evolved and _evolved(proxy) == EVOLVED  # adopted in memory
+
+    restarted = SkillLibrary(skills, Store(db))
+    assert restarted.generation == evolved and _evolved(restarted) == EVOLVED
+    assert [g["kind"] for g in restarted.generations()][-1] != "disk"
+    assert {n: Skill.from_markdown(t).body for n, t in files(skills).items()} == EVOLVED
+    marks = json.loads(db.with_name(db.name + FOLDER_MARKS).read_text())
+    assert marks[str(skills.resolve())]["generation"] == evolved
+    assert sorted(p.name for p in skills.iterdir()) == ["dates", "units"]  # skills only
+
+
+def test_a_hand_edit_in_a_lagging_folder_is_recorded_and_nothing_else_is_undone(tmp_path):
+    skills, db, proxy = _proxy_folder(tmp_path)
+    proxy.add(Skill(name="style", description="Style.", body="Be brief."))
+    evolved = int(run_python(EVOLVE_ELSEWHERE, tmp_path / "cli-skills", db))
+    write_skill(skills, "style", "---\nname: style\ndescription: Style.\n---\n\nBe very brief.\n")
+
+    assert proxy.reload() == evolved + 1  # what the folder watcher calls on the edit
+    assert _evolved(proxy) == {**EVOLVED, "style": "Be very brief."}
+    ops = [(e["op"], e["skill_name"]) for e in proxy.store.skill_events(evolved + 1)]
+    assert ops == [("edit", "style")]
+
+
+def test_a_change_made_through_a_lagging_folder_applies_on_the_latest_generation(tmp_path):
+    """The proxy evolves after the CLI did through another folder: its files of the skills the
+    CLI changed are stale, not hand edits, so the change goes through (it was refused as
+    written over a hand edit, and the reload it asked for undid the CLI's skills)."""
+    skills, db, proxy = _proxy_folder(tmp_path)
+    evolved = int(run_python(EVOLVE_ELSEWHERE, tmp_path / "cli-skills", db))
+    generation = proxy.apply([SkillOp("add", Skill(name="tone", description="Tone.",
+                                                   body="Be kind."))], kind="evolve")
+    assert generation == evolved + 1
+    assert _evolved(SkillLibrary(skills, Store(db))) == {**EVOLVED, "tone": "Be kind."}
+    assert sorted(files(skills)) == ["dates", "tone", "units"]
+
+
+@settings(max_examples=25, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(st.sampled_from(["add", "edit", "remove"]),
+                          st.sampled_from(["a", "b", "c"]), st.sampled_from(["x", "y"])),
+                min_size=1, max_size=6))
+def test_whatever_another_folder_changes_reopening_this_one_changes_nothing(changes):
+    with tempfile.TemporaryDirectory() as tmp:
+        here, there, db = Path(tmp, "here"), Path(tmp, "there"), Path(tmp, "ws.db")
+        mine = SkillLibrary(here, Store(db))
+        mine.add(Skill(name="a", description="A.", body="start"))
+        other = SkillLibrary(there, Store(db))
+        for op, name, body in changes:
+            present = name in other
+            if op == "remove" and present:
+                other.remove(name)
+            elif op in ("add", "edit"):
+                skill = Skill(name=name, description=f"{name}.", body=f"{body} {len(changes)}")
+                if present and other.get(name) != skill:
+                    other.edit(skill)
+                elif not present:
+                    other.add(skill)
+        latest = other.generation
+        expected = {s.name: s for s in other.skills()}
+        if not expected:
+            return  # an empty library: the other folder is filled instead (tested elsewhere)
+        reopened = SkillLibrary(here, Store(db))
+        assert reopened.generation == latest
+        assert {s.name: s for s in reopened.skills()} == expected
+        assert {n: Skill.from_markdown(t) for n, t in files(here).items()} == expected
+
+
+# -- revert racing another change ----------------------------------------------------------------
+
+SLOW_EDIT = """
+    import sys, time
+    from pathlib import Path
+    from metaclaw.skills import Skill, SkillLibrary, SkillOp
+    from metaclaw.store import Store
+    library = SkillLibrary(sys.argv[1], Store(sys.argv[2]))
+    def slow(generation):  # the change's own writes (a promotion's record), in its transaction
+        Path(sys.argv[3]).touch()
+        time.sleep(1.5)
+    edit = Skill(name="units", description="Units.", body="Edited by a person.")
+    print(library.apply([SkillOp("edit", edit)], then=slow))
+"""
+
+
+def test_a_revert_never_writes_over_a_change_committed_while_it_waits(tmp_path):
+    """A revert checks that no later generation changed the skills it restores, then waits for
+    the write lock another process holds for its edit of one of them: it was applied over that
+    edit (lost); it is refused, saying so."""
+    skills, db = tmp_path / "skills", tmp_path / "ws.db"
+    library = SkillLibrary(skills, Store(db))
+    library.add(Skill(name="units", description="Units.", body="Use metres."))
+    automatic = library.edit(Skill(name="units", description="Units.", body="Use miles."))
+    go = tmp_path / "go"
+    other = subprocess.Popen([sys.executable, "-c", textwrap.dedent(SLOW_EDIT), str(skills),
+                              str(db), str(go)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
+    deadline = time.monotonic() + 60
+    while not go.exists():
+        assert other.poll() is None and time.monotonic() < deadline, other.communicate()
+        time.sleep(0.01)
+    with pytest.raises(proposals.ProposalError, match="changed again while reverting"):
+        proposals.revert(library, automatic, by="alice")
+    out, err = other.communicate(timeout=60)
+    assert other.returncode == 0, err
+    assert library.get("units").body == "Edited by a person."
+    assert [g["generation"] for g in library.generations()] == [0, 1, 2, 3]
