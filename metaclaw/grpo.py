@@ -425,7 +425,10 @@ class GRPOTrainer:
         self.history: list[dict[str, Any]] = []   # records of the steps run by this trainer
         self.claim_lease_s = buffers.TRAIN_CLAIM_S  # how long a step's claim lasts unrenewed
         self.last_reason = ""                     # why the last step() returned None
-        self._declined: set[int] = set()          # published versions not adopted (and why said)
+        # published versions not adopted (the reason logged once), with the checkpoint they had:
+        # a version published without one may get it moments later (its process saves after
+        # publishing), and is then looked at again
+        self._declined: set[tuple[int, str | None]] = set()
 
         # Resume: load the latest saved state of this state_dir (weights, optimizer, counters).
         if self.state_dir is not None and self.config.resume \
@@ -463,12 +466,12 @@ class GRPOTrainer:
         if not rows or int(rows[0]["version"]) <= backend.policy_version:
             return backend.policy_version
         version, checkpoint = int(rows[0]["version"]), rows[0]["checkpoint"]
-        if version in self._declined:  # said once: this runs before every step
+        if (version, checkpoint) in self._declined:  # said once: this runs before every step
             return backend.policy_version
-        if not checkpoint:  # published, its weights never saved (the process died saving them)
+        if not checkpoint:  # published, its weights not saved (yet, or the process died saving)
             log.warning("policy version %d has no saved weights; serving version %d", version,
                         backend.policy_version)
-            self._declined.add(version)
+            self._declined.add((version, checkpoint))
             return backend.policy_version
         # Taking the number without loading its weights would label this backend's weights as
         # that version (turns recorded as served by it, the next publish built on them).
@@ -486,7 +489,7 @@ class GRPOTrainer:
         if why is not None:
             log.warning("not adopting policy version %d (%s); serving version %d", version, why,
                         backend.policy_version)
-            self._declined.add(version)
+            self._declined.add((version, checkpoint))
             return backend.policy_version
         backend.policy_version = version
         backend.sampler().policy_version = version

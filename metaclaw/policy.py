@@ -224,7 +224,10 @@ class PolicyResponder:
         its ``finish_reason`` is ``stop``. The recorded token ids are those generated."""
         serving = self._serving  # read once: this request stays on these weights
         prompt, max_tokens, temperature, seed, stops = self._prepare(body)
-        if stops:  # generated token by token, to end as soon as a stop string appears
+        if stops or hasattr(serving.sampler, "stream"):
+            # token by token: to end as soon as a stop string appears, and so that a client who
+            # hangs up (its handler cancelled) stops the generation at the next token, where a
+            # whole sample in the executor would go on generating for nobody
             sample = Sample([], [], "length")
             text = ""
             # aclosing: leaving the loop stops the generation thread now, not at garbage
@@ -236,11 +239,15 @@ class PolicyResponder:
                     sample.logprobs.append(logprob)
                     if token == self.backend.eos_token_id:
                         sample.stop_reason = "stop"
+                    if not stops:
+                        continue
                     text = self.backend.decode(sample.tokens)
                     cut = _cut_at_stop(text, stops)
                     if cut is not None:
                         text, sample.stop_reason = text[:cut], "stop"
                         break
+            if not stops:
+                text = self.backend.decode(sample.tokens)
         else:
             loop = asyncio.get_running_loop()
             samples = await loop.run_in_executor(self._executor, serving.sampler.sample,

@@ -21,6 +21,7 @@ import os
 import socket
 import threading
 import time
+import weakref
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterator
@@ -38,6 +39,12 @@ except ImportError:  # pragma: no cover - not POSIX
 #: each other.
 _HELD_HERE: set[str] = set()
 _HELD_GUARD = threading.Lock()
+
+#: The leases of this process, for a forked child to drop (see :func:`_forget_in_child`).
+_LEASES: "weakref.WeakSet[TrainingLease]" = weakref.WeakSet()
+
+#: The most of the lock file read to name its holder (a record is a few hundred bytes).
+_RECORD_BYTES = 4096
 
 
 class TrainingBusy(RuntimeError):
@@ -58,6 +65,7 @@ class TrainingLease:
         self._guard = threading.Lock()
         self._count = 0
         self._handle: Any = None
+        _LEASES.add(self)
 
     @classmethod
     def for_store(cls, store: Any) -> "TrainingLease":
@@ -152,19 +160,24 @@ class TrainingLease:
         info = self._holder_record()
         if info is None:
             return None
-        if info.get("host") == socket.gethostname() and isinstance(info.get("pid"), int):
+        pid = info.get("pid")
+        if info.get("host") == socket.gethostname() and type(pid) is int and pid > 0:
             try:
-                os.kill(info["pid"], 0)
-            except ProcessLookupError:  # killed while holding it: the lease is free
+                os.kill(pid, 0)
+            # killed while holding it, or a pid no process can have: the lease is free
+            except (ProcessLookupError, OverflowError):
                 return None
             except OSError:  # alive, another user's
                 pass
         return self._describe(info)
 
     def _holder_record(self) -> dict[str, Any] | None:
+        if self.path is None:
+            return None
         try:
-            info = loads(self.path.read_bytes()) if self.path is not None else None
-        except (OSError, ValueError):
+            with open(self.path, "rb") as handle:
+                info = loads(handle.read(_RECORD_BYTES))
+        except (OSError, ValueError, RecursionError):  # gone, or not a record this wrote
             return None
         if not isinstance(info, dict) or not isinstance(info.get("process"), str):
             return None
@@ -174,11 +187,30 @@ class TrainingLease:
     def _describe(info: dict[str, Any]) -> str:
         details = [info["doing"][:80]] if isinstance(info.get("doing"), str) else []
         with contextlib.suppress(TypeError, ValueError, OverflowError, OSError):
-            details.append(f"since {datetime.fromtimestamp(info['since']):%Y-%m-%d %H:%M:%S}")
+            details.append(f"since {datetime.fromtimestamp(info.get('since')):%Y-%m-%d %H:%M:%S}")
         return info["process"][:120] + (f" ({', '.join(details)})" if details else "")
 
     def __repr__(self) -> str:
         return f"TrainingLease({str(self.path) if self.path else 'in-process'}, held={self.held})"
+
+
+def _forget_in_child() -> None:
+    """In a child forked while this process held a lease (a multiprocessing pool started in a
+    notebook that trains): the child shares the lock file's open description, and a flock is
+    freed only when every descriptor of it is closed, so the child would keep the workspace
+    locked after its parent gave the lease back. The lease is the parent's: the child closes
+    its copy (which leaves the parent's lock in place) and holds nothing."""
+    for lease in list(_LEASES):
+        lease._guard = threading.Lock()  # another thread of the parent may have held it
+        if lease._handle is not None:
+            with contextlib.suppress(OSError):
+                lease._handle.close()
+        lease._handle, lease._count = None, 0
+    _HELD_HERE.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
 
 
 __all__ = ["TrainingBusy", "TrainingLease"]

@@ -212,3 +212,92 @@ def test_a_second_process_trains_on_from_the_policy_the_first_published(tmp_path
         (1, first.trainer.run_id), (2, second.trainer.run_id)]
     for loop in loops:
         loop.close()
+
+
+def test_a_version_published_while_a_trainer_starts_is_adopted_once_its_weights_are_saved(
+        tmp_path, tiny_model):
+    """A process publishes a version, then saves its weights and points the version at them: a
+    trainer created between the two (another process starting) finds the version without
+    weights, and adopts it at its next step, when the weights are there."""
+    from metaclaw.backends import make_backend
+    from metaclaw.grpo import GRPOConfig
+    from metaclaw.slowloop import SlowLoop
+
+    config = GRPOConfig(groups_per_step=2, group_size=4, max_tokens=4, learning_rate=1e-2)
+    store = Store(tmp_path / "metaclaw.db")
+    _query_turns(store)
+    first = SlowLoop(store, make_backend("local", tiny_model, lora_rank=8, seed=0),
+                     config=config, judge=_reward, state_dir=tmp_path / "state-0")
+    assert first.train_now(steps=1).steps_done == 1
+    saved = store.query("SELECT checkpoint FROM policy_versions WHERE version = 1")[0]
+    # the store as the publishing process leaves it between its publish and its save
+    store.execute("UPDATE policy_versions SET checkpoint = NULL WHERE version = 1")
+    second = SlowLoop(store, make_backend("local", tiny_model, lora_rank=8, seed=1),
+                      config=config, judge=_reward, state_dir=tmp_path / "state-1")
+    assert second.backend.policy_version == 0
+    store.execute("UPDATE policy_versions SET checkpoint = ? WHERE version = 1",
+                  (saved["checkpoint"],))
+
+    record = second.step()
+    assert record["policy_version"] == 1  # sampled from the weights the first one published
+    assert record["metrics"]["published_version"] == 2
+    for loop in (first, second):
+        loop.close()
+
+
+def test_a_forked_child_does_not_keep_the_lease_its_parent_gave_back(tmp_path):
+    """A process forked while training (a multiprocessing pool of a notebook) inherits the
+    lease's open file; the lease is its parent's and is freed when the parent gives it back."""
+    db = tmp_path / "metaclaw.db"
+    Store(db).close()
+    lease = TrainingLease.for_store(Store(db))
+    assert lease.acquire("parent's run")
+    read, write = os.pipe()
+    started, running = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child
+        held = True
+        try:
+            os.close(write)
+            held = lease.held
+            os.write(running, b"1")
+            os.read(read, 1)  # lives on until the parent has checked
+        finally:
+            os._exit(1 if held else 0)
+    os.close(read)
+    try:
+        assert os.read(started, 1) == b"1"  # the child runs (as a pool's worker would)
+        lease.release()
+        other = TrainingLease.for_store(Store(db))
+        assert other.acquire(), other.holder()  # free while the child lives
+        other.release()
+    finally:
+        for fd in (write, started, running):
+            os.close(fd)
+        _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0  # the child did not think it held the lease
+
+
+@pytest.mark.parametrize("content", [
+    '{"process": "x", "pid": 1099511627776, "host": "%(host)s"}',  # beyond the OS's pids
+    '{"process": "x", "pid": 1}',                                  # no "since"
+    '{"process": "x", "since": "yesterday", "doing": 7}',
+    "[" * 100_000,                                                 # nested past recursion
+    '{"process": "%(huge)s"}',
+])
+def test_a_hostile_lock_file_is_named_without_failing(holder, capsys, content):
+    import socket
+
+    db, start = holder
+    process = start()
+    lock = db.with_name(db.name + ".training.lock")
+    lock.write_text(content % {"host": socket.gethostname(), "huge": "y" * 5_000_000})
+    lease = TrainingLease.for_store(Store(db))
+    assert not lease.acquire()
+    assert len(lease.holder()) < 300
+    with pytest.raises(TrainingBusy):
+        with lease.holding():
+            pass
+    assert cli.main(["scheduler", "status", "--db", str(db)]) == 0
+    assert len(capsys.readouterr().out) < 10_000
+    process.stdin.close()
