@@ -135,21 +135,13 @@ def test_an_upstream_redirect_is_a_502_naming_it_before_any_byte(env, location, 
     client, kind = route
     upstream.location = location
     session = uuid.uuid4().hex
-    text = f"fault=redirect_{status} {session}"
-    if client == "openai":
-        url, body = proxies[kind].url + "/chat/completions", {"model": "m", "stream": stream}
-    else:
-        url, body = proxies[kind].base_url + "/v1/messages", {"model": "m", "max_tokens": 16,
-                                                              "stream": stream}
-    body["messages"] = [{"role": "user", "content": text}]
     before = len(upstream.requests)
-    reply = httpx.post(url, json=body, headers={"X-Session-Id": session}, timeout=30)
+    reply = _post(proxies, client, kind, f"fault=redirect_{status} {session}", stream, session)
     assert reply.status_code == 502, reply.text[:300]  # not a 200 stream that breaks off
-    payload = reply.json()
-    error = payload["error"]
+    message = _error_message(client, reply)
     if client == "anthropic":
-        assert payload["type"] == "error" and error["type"] == "api_error"
-    assert "redirect" in error["message"] and "retry the request" not in error["message"]
+        assert reply.json()["error"]["type"] == "api_error"
+    assert "redirect" in message and "retry the request" not in message
     assert SECRET not in reply.text
     assert len(upstream.requests) - before == 1  # a redirect is not retried
     turn = _turn(store, session)
