@@ -449,11 +449,10 @@ class ReplyThreads:
                 key = (fingerprint, history.hexdigest())
         with self._lock:
             if key is None:
-                if not self._numbered:
-                    self._number_recorded_openings()
                 opened = self._openings.get(fingerprint)
-                if opened is None:
-                    count = self._recorded_count(fingerprint) if self._forgot else 0
+                if opened is None:  # new here: looked up unless the recorded ones are loaded
+                    count = self._recorded_count(fingerprint) \
+                        if self._forgot or not self._numbered else 0
                     opened = self._openings[fingerprint] = [count, []]
                     self._forgot |= _bound(self._openings, self.MAX_ENTRIES)
                 self._openings.move_to_end(fingerprint)
@@ -486,11 +485,15 @@ class ReplyThreads:
             return session_id, REPLY_THREAD, Thread(fingerprint, session_id, history, key)
 
     def load(self) -> None:
-        """Read the recorded openings now (the proxy does it at start, off its event loop)
-        rather than at the first opening."""
+        """Read the recorded openings (the proxy does it at start, in a thread), so that a new
+        opening is numbered without a query. Until then each new fingerprint is looked up on
+        its own; the read happens outside the lock, so no request waits for it."""
+        if self._numbered:
+            return
+        recorded = self._recorded_openings(self.store)
         with self._lock:
             if not self._numbered:
-                self._number_recorded_openings()
+                self._number_openings(recorded)
 
     # -- what the workspace recorded ----------------------------------------------------------
     def _family(self, fingerprint: str) -> tuple[str, str]:
@@ -505,32 +508,41 @@ class ReplyThreads:
             self._reader = self.store.loop_writer() or self.store
         return self._reader.query(sql, params)
 
-    def _number_recorded_openings(self) -> None:
-        """Once, on the first opening (with the lock held): the highest number each fingerprint's
-        recorded openings took (of the :attr:`MAX_ENTRIES` latest), so that this process numbers
-        its openings after them. Read once, not at every opening: a query on the request path
-        costs more than the rest of the threading together."""
-        self._numbered = True
-        if self.store is None:
-            return
+    def _recorded_openings(self, reader: Any) -> tuple[dict[str, int], bool] | None:
+        """The highest number each fingerprint's recorded openings took, among the
+        :attr:`MAX_ENTRIES` latest sessions (the latest last), and whether there are older
+        ones; None where the store cannot answer. Read once, not at every opening: a query on
+        the request path costs more than the rest of the threading together."""
+        if reader is None:
+            return None
         try:
             # the latest sessions, by the table's own order (an index range sorted by rowid
             # costs seconds in a workspace of millions)
-            rows = self._read("SELECT id FROM (SELECT rowid, id FROM sessions ORDER BY rowid DESC "
-                              "LIMIT ?) WHERE id >= 'conv-' AND id < 'conv.' ORDER BY rowid",
-                              (self.MAX_ENTRIES,))
-            self._forgot = bool(self._read("SELECT 1 FROM sessions ORDER BY rowid DESC "
-                                           "LIMIT 1 OFFSET ?", (self.MAX_ENTRIES,)))
+            rows = reader.query("SELECT id FROM (SELECT rowid, id FROM sessions ORDER BY rowid "
+                                "DESC LIMIT ?) WHERE id >= 'conv-' AND id < 'conv.' ORDER BY rowid",
+                                (self.MAX_ENTRIES,))
+            older = bool(reader.query("SELECT 1 FROM sessions ORDER BY rowid DESC LIMIT 1 "
+                                      "OFFSET ?", (self.MAX_ENTRIES,)))
         except Exception:  # noqa: BLE001 - a store that cannot answer: number from scratch
             log.warning("could not read the recorded sessions", exc_info=True)
-            return
-        for row in rows:  # the latest last: the least likely to be forgotten
+            return None
+        numbers: dict[str, int] = {}
+        for row in rows:
             match = _FINGERPRINT_ID.fullmatch(row["id"])
             if match is not None:
-                number = int(match[2]) if match[2] else 1
-                opened = self._openings.setdefault(match[1], [0, []])
-                opened[0] = max(opened[0], number)
-                self._openings.move_to_end(match[1])
+                numbers[match[1]] = max(numbers.pop(match[1], 0), int(match[2] or 1))
+        return numbers, older
+
+    def _number_openings(self, recorded: tuple[dict[str, int], bool] | None) -> None:
+        """Number this process's openings after the recorded ones (with the lock held)."""
+        self._numbered = True
+        if recorded is None:
+            return
+        numbers, self._forgot = recorded
+        for fingerprint, number in numbers.items():  # the latest last: forgotten last
+            opened = self._openings.setdefault(fingerprint, [0, []])
+            opened[0] = max(opened[0], number)
+            self._openings.move_to_end(fingerprint)
         self._forgot |= _bound(self._openings, self.MAX_ENTRIES)
 
     def _recorded_count(self, fingerprint: str) -> int:

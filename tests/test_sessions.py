@@ -402,3 +402,40 @@ def test_reply_threads_number_openings_after_the_recorded_sessions(tmp_path):
     assert small.resolve("conv-bbbbbbbbbbbb", opening)[0] == "conv-bbbbbbbbbbbb"
     store.ensure_session(f"{other}.8")
     assert small.resolve(other, opening)[0] == f"{other}.9"  # forgotten, then looked up
+
+
+def test_reply_threads_answer_openings_while_the_recorded_ones_load(tmp_path):
+    """The proxy reads the recorded openings at start, in a thread: an opening arriving
+    meanwhile is numbered at once from its own fingerprint's sessions, not after the read."""
+    import threading
+    import time
+
+    from metaclaw.store import Store
+
+    fp, other = "conv-0123456789ab", "conv-fedcba987654"
+    store = Store(tmp_path / "metaclaw.db")
+    store.ensure_session(f"{fp}.3")
+    store.ensure_session(other)
+    gate = threading.Event()
+
+    class SlowStore:  # the start-up read of every recorded session takes long
+        path = store.path
+
+        def query(self, sql, params=()):
+            if "LIMIT ?) WHERE" in sql:
+                gate.wait(10)
+            return store.query(sql, params)
+
+        def loop_writer(self):
+            return None
+
+    threads = ReplyThreads(SlowStore())
+    loading = threading.Thread(target=threads.load)
+    loading.start()
+    opening = [{"role": "user", "content": "hi"}]
+    started = time.monotonic()
+    assert threads.resolve(fp, opening)[0] == f"{fp}.4"
+    assert time.monotonic() - started < 5  # not after the read
+    gate.set()
+    loading.join(10)
+    assert [threads.resolve(name, opening)[0] for name in (fp, other)] == [f"{fp}.5", f"{other}.2"]
