@@ -260,6 +260,7 @@ def test_train_now_then_runs_json(tmp_path):
     from metaclaw.judge import SECTION_REPLY, parse_judge_prompt
     from metaclaw.store import Store
     from metaclaw.tinymodel import write_tiny_model
+    from metaclaw.training_lease import TrainingLease
 
     model = write_tiny_model(tmp_path / "tiny")
     db = tmp_path / "ws.db"
@@ -274,11 +275,19 @@ def test_train_now_then_runs_json(tmp_path):
         return Reply(json.dumps({"score": 1 if "yes" in reply.split() else -1,
                                  "rationale": "scripted"}))
 
+    args = ("train", "--db", db, "--backend", "local", "--base-model", model, "--steps", 2,
+            "--now", "--judge-url", "http://127.0.0.1:9", "--judge-model", "j", "--votes", 1,
+            "--group-size", 4, "--groups-per-step", 2, "--max-tokens", 6, "--lr", "0.01")
+    lease = TrainingLease.for_store(Store(db))  # this process trains the workspace meanwhile
+    assert lease.acquire("a test's training run")
+    try:
+        busy = run_cli(*args, check=False)
+    finally:
+        lease.release()
+    assert busy.returncode != 0 and f"pid {os.getpid()} on " in busy.stderr
+    assert "is training this workspace" in busy.stderr
     with DoubleServer(judge) as double:
-        out = run_cli("train", "--db", db, "--backend", "local", "--base-model", model,
-                      "--steps", 2, "--now", "--judge-url", double.url, "--judge-model", "j",
-                      "--votes", 1, "--group-size", 4, "--groups-per-step", 2,
-                      "--max-tokens", 6, "--lr", "0.01")
+        out = run_cli(*[double.url if a == "http://127.0.0.1:9" else a for a in args])
     assert "2 steps" in out.stdout
     steps = [json.loads(l) for l in run_cli("runs", "--db", db, "--json").stdout.splitlines()]
     assert [s["step"] for s in steps] == [0, 1]
