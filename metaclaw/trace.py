@@ -55,14 +55,16 @@ def split_skill_block(text: str) -> tuple[str, str | None]:
     return text[:at].rstrip(), text[at:]
 
 
-def sessions(store: Store, limit: int = 500) -> list[dict[str, Any]]:
-    """The most recent sessions: ``[{id, turns, failures, updated_at}]``, newest first."""
+def sessions(store: Store, limit: int = 500, threshold: float = 0.0) -> list[dict[str, Any]]:
+    """The most recent sessions: ``[{id, turns, failures, updated_at}]``, newest first; a
+    failure as :class:`Trace` counts one (a reward below the judge's ``threshold``, a human
+    label ``fail``, a request that did not succeed)."""
     return store.query(
         "SELECT s.id, s.updated_at, COUNT(t.id) AS turns, "
-        "COALESCE(SUM(CASE WHEN t.human_label = 'fail' OR (t.human_label IS NULL AND "
-        "t.reward < 0) OR t.status != 'ok' THEN 1 ELSE 0 END), 0) AS failures "
-        "FROM sessions s LEFT JOIN turns t ON t.session_id = s.id GROUP BY s.id "
-        "ORDER BY s.updated_at DESC LIMIT ?", (int(limit),))
+        "COALESCE(SUM(CASE WHEN t.human_label = 'fail' OR (COALESCE(t.human_label, '') NOT IN "
+        "('pass', 'fail') AND t.reward < ?) OR t.status != 'ok' THEN 1 ELSE 0 END), 0) "
+        "AS failures FROM sessions s LEFT JOIN turns t ON t.session_id = s.id GROUP BY s.id "
+        "ORDER BY s.updated_at DESC LIMIT ?", (float(threshold), int(limit)))
 
 
 def _index_sql(guarded: bool = False) -> str:

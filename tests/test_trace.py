@@ -155,3 +155,19 @@ def test_json_of_another_shape_reads_as_malformed(store, caplog):
     assert row["tool_calls"] is None  # JSON null is a NULL, not a malformed value
     assert sorted(row["malformed_columns"]) == ["request_messages", "usage"]
     assert Trace(store, "m").turn(turn_id)["messages"] == []
+
+
+def test_sessions_count_failures_as_the_trace_does(tmp_path):
+    """The session list counts a failure at the judge's threshold, as the trace marks it, and
+    a person's verdict over the judge's."""
+    from metaclaw.store import Store
+
+    store = Store(tmp_path / "m.db")
+    for reward, label in ((0.4, None), (-0.5, None), (0.9, "fail"), (-1.0, "pass")):
+        store.record_turn(session_id="s", request_messages=[], status="ok", reward=reward,
+                          human_label=label)
+    store.record_turn(session_id="s", request_messages=[], status="error")
+    trace = Trace(store, "s", threshold=0.5)
+    marked = sum(trace.is_failure(row) for row in store.turns("session_id = 's'"))
+    assert [s["failures"] for s in sessions(store, threshold=0.5)] == [marked] == [4]
+    assert [s["failures"] for s in sessions(store)] == [3]

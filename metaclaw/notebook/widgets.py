@@ -706,7 +706,7 @@ class TraceWidget(_StaticHTML, anywidget.AnyWidget):
         self.trace = Trace(store, session, threshold=threshold)
         super().__init__(session_id=self.trace.session_id, page_size=int(page_size),
                          failures_only=failures_only, author=author or default_author(),
-                         sessions=_json_safe(sessions(store, 200)), **kwargs)
+                         sessions=_json_safe(sessions(store, 200, threshold)), **kwargs)
         self._ready = True
         self._reload(select_first=True)
 
@@ -885,7 +885,7 @@ class TraceWidget(_StaticHTML, anywidget.AnyWidget):
         """Re-read the session (new turns, verdicts, labels); returns the widget."""
         from metaclaw.trace import sessions
 
-        self.sessions = _json_safe(sessions(self._store, 200))
+        self.sessions = _json_safe(sessions(self._store, 200, self._threshold))
         self._reload()
         return self
 
