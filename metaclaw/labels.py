@@ -387,10 +387,9 @@ def export_frame(store: Store, *, turn_ids: Iterable[int] | None = None,
         for key in ("id", "session_id", "turn_index", "skill_generation", "policy_version",
                     "response", "reward"):
             data[key].append(turn.get(key))
-        data["request_messages"].append(json.dumps(turn.get("request_messages"),
-                                                   ensure_ascii=False))
-        data["tool_calls"].append(None if turn.get("tool_calls") is None
-                                  else json.dumps(turn["tool_calls"], ensure_ascii=False))
+        for key in ("request_messages", "tool_calls"):  # None: absent, or malformed in the row
+            data[key].append(None if turn.get(key) is None
+                             else json.dumps(turn[key], ensure_ascii=False))
         data["judge_verdict"].append(_judge_verdict(turn.get("reward"), threshold))
         data["human_verdict"].append(mark.get("verdict"))
         for key in ("note", "corrected", "author"):

@@ -173,3 +173,19 @@ def test_an_author_that_is_not_text_is_refused(store, add_buffer_turn):
     with pytest.raises(labels.LabelError, match="author must be text"):
         labels.label(store, turn, "fail", author=7)
     assert labels.label(store, str(turn), "fail")["turn_id"] == turn  # "12" from a text box
+
+
+def test_an_export_frame_holds_no_made_up_messages_for_a_malformed_row(tmp_path):
+    """A row whose stored messages are not valid JSON (another program, a damaged page) is
+    exported with no messages, not with the text "null" as if they were JSON."""
+    from metaclaw.store import Store
+
+    store = Store(tmp_path / "m.db")
+    good = store.record_turn(session_id="s", request_messages=[{"role": "user", "content": "x"}],
+                             status="ok", response="y")
+    bad = store.record_turn(session_id="s", request_messages=[], status="ok", response="z")
+    store.execute("UPDATE turns SET request_messages = '[{\"role\": ' WHERE id = ?", (bad,))
+    frame = labels.export_frame(store).sort("id")
+    assert frame["id"].to_list() == [good, bad]
+    assert json.loads(frame["request_messages"][0]) == [{"role": "user", "content": "x"}]
+    assert frame["request_messages"][1] is None
