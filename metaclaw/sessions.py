@@ -502,8 +502,8 @@ class ReplyThreads:
         return fingerprint, fingerprint + "/"
 
     def _read(self, sql: str, params: tuple[Any, ...]) -> list[dict[str, Any]]:
-        # On the connection the proxy's loop records turns with: its page cache stays warm,
-        # where another connection re-reads the pages every commit of the loop changed.
+        # On the connection the proxy's loop records turns with: a read on the loop never
+        # waits behind a transaction of the writer thread (the main connection's lock).
         if self._reader is None:
             self._reader = self.store.loop_writer() or self.store
         return self._reader.query(sql, params)
@@ -538,7 +538,8 @@ class ReplyThreads:
         self._numbered = True
         if recorded is None:
             return
-        numbers, self._forgot = recorded
+        numbers, older = recorded
+        self._forgot |= older
         for fingerprint, number in numbers.items():  # the latest last: forgotten last
             opened = self._openings.setdefault(fingerprint, [0, []])
             opened[0] = max(opened[0], number)
