@@ -83,6 +83,50 @@ class UpstreamStatusError(Exception):
         self.body = body
 
 
+class UpstreamBodyError(Exception):
+    """The upstream answered, but its reply body did not arrive whole: ``truncated`` (the
+    connection closed before the body's end) or, when not, corrupt (a ``Content-Encoding`` that
+    cannot be decoded)."""
+
+    def __init__(self, truncated: bool, detail: str):
+        super().__init__(detail)
+        self.truncated = truncated
+        self.detail = detail
+
+
+#: The most of an upstream error body that is read (bytes): only its start reaches the client
+#: (500 characters of a text body, or the message of an error JSON), so a huge error page is
+#: not read whole, once per attempt.
+MAX_ERROR_BODY = 64 * 1024
+
+
+async def _read_body(response: Any, limit: int | None = None) -> bytes:
+    """The reply's body (its first ``limit`` bytes when given), the response released after;
+    a body that breaks off or cannot be decoded raises :class:`UpstreamBodyError`."""
+    from aiohttp import ClientPayloadError
+    from aiohttp.http_exceptions import ContentEncodingError
+
+    try:
+        if limit is None:
+            return await response.read()
+        body = bytearray()
+        while len(body) < limit:
+            piece = await response.content.read(limit - len(body))
+            if not piece:
+                break
+            body += piece
+        return bytes(body)
+    except ClientPayloadError as exc:
+        cause = exc.__cause__
+        detail = getattr(cause, "message", None) or str(exc)
+        raise UpstreamBodyError(not isinstance(cause, ContentEncodingError), detail) from exc
+    finally:
+        if response.content.is_eof():
+            response.release()  # the connection goes back to the pool
+        else:  # the rest of the body is not wanted: closing is cheaper than reading it
+            response.close()
+
+
 class HTTPUpstream(Upstream):
     """Shared by the two HTTP upstreams: one pooled session, raw posts, retries, error mapping.
 
@@ -167,20 +211,14 @@ class HTTPUpstream(Upstream):
             method, url, data=data, headers=headers, proxy=self._proxy, allow_redirects=False,
             timeout=self._stream_timeout if stream else self._whole_timeout)
         if response.status >= 400:
-            try:
-                raise UpstreamStatusError(response.status, response.headers,
-                                          await response.read())
-            finally:
-                response.release()
+            raise UpstreamStatusError(response.status, response.headers,
+                                      await _read_body(response, MAX_ERROR_BODY))
         if 300 <= response.status < 400:  # redirects are not followed (a POST must not move)
             response.release()
             raise self._redirect_error(response.status, url, response.headers.get("Location"))
         if stream:
             return response
-        try:
-            return await response.read()
-        finally:
-            response.release()
+        return await _read_body(response)
 
     def _redirect_error(self, status: int, url: URL, location: str | None) -> ProxyError:
         """A 502 naming where the upstream redirects (an ``http://`` URL of an ``https://``
@@ -219,11 +257,17 @@ class HTTPUpstream(Upstream):
                     return await self._request("POST", self.path, data, request_headers, stream)
             except TimeoutError:
                 raise
-            except (UpstreamStatusError, aiohttp.ClientError, OSError) as exc:
+            except (UpstreamStatusError, UpstreamBodyError, aiohttp.ClientError,
+                    OSError) as exc:
                 status = getattr(exc, "status", None) if isinstance(
                     exc, UpstreamStatusError) else None
                 if attempt == self.max_retries or (status is not None
                                                    and status not in self.retry_statuses):
+                    raise
+                # a body cut off in transit may arrive whole next time (the SDKs retry it too);
+                # a body that cannot be decoded is how the upstream (or a gateway before it)
+                # encodes this reply, so another attempt would cost a turn for the same garbage
+                if isinstance(exc, UpstreamBodyError) and not exc.truncated:
                     raise
                 wait = retry_after(exc.headers) if status is not None else None
                 if wait is None:
@@ -261,7 +305,7 @@ class HTTPUpstream(Upstream):
             # gateways do) or a server that does not stream; either is an error status for the
             # client, before any byte of a stream that could only break off
             async with asyncio.timeout(self.timeout):
-                payload = await response.read()
+                payload = await _read_body(response)
             try:
                 data = loads(payload)
             except ValueError:  # events under the wrong Content-Type: read as events
@@ -288,6 +332,14 @@ class HTTPUpstream(Upstream):
             return exc
         if isinstance(exc, UpstreamStatusError):
             return self._relayed_status_error(exc)
+        if isinstance(exc, UpstreamBodyError):  # it was reached: its reply broke
+            if exc.truncated:
+                what, code = ("was truncated: the connection closed before the whole body "
+                              "arrived", "upstream_truncated_reply")
+            else:
+                what, code = "is corrupt: its body cannot be decoded", "upstream_corrupt_reply"
+            return ProxyError(502, f"the reply of the upstream {upstream} {what} ({exc.detail})",
+                              type="upstream_error", code=code)
         if isinstance(exc, TimeoutError):
             return ProxyError(504, f"the upstream {upstream} did not answer within "
                                    f"{self.timeout:g} s{' mid-stream' if midstream else ''}; "

@@ -25,6 +25,15 @@ as ``fault=<name>`` (anything else is answered normally, with an echo). Faults:
 ``surrogate_reply``  a normal OpenAI reply whose text holds a lone surrogate (escaped in JSON)
 ``parts_reply``      a normal OpenAI reply whose content is a list of parts, a ``thinking`` part
                      then ``text`` (as Mistral's Magistral models answer), streamed or not
+``corrupt_gzip``     HTTP 200 with ``Content-Encoding: gzip`` and a body that is not gzip
+``short_body``       HTTP 200 whose ``Content-Length`` promises more than is sent before the
+                     connection closes (a reply cut off in transit)
+``huge_error``       HTTP 500 with a 100 MB text body, written in 1 MiB pieces until the client
+                     stops reading; the request's ``sent`` counts the bytes written, its
+                     ``ended`` is when the writing stopped
+``endless_event``    a stream whose one event never ends: 1 MiB pieces without a blank line,
+                     up to 256 MiB or until the client stops reading (``sent``, ``ended`` as
+                     above)
 
 :attr:`FaultUpstream.requests` lists ``{"path", "headers", "fault", "at"}`` per request received.
 """
@@ -47,7 +56,8 @@ FAULT = re.compile(r"fault=([a-z0-9_]+)")
 FAULTS = ("reset", "reset_midstream", "truncate", "invalid_sse", "invalid_json", "wrong_shape",
           "error_event", "status_429", "status_500", "status_503", "flaky_503", "flaky_reset",
           "slow_body", "hang", "reflect_key", "redirect_301", "redirect_302", "redirect_307",
-          "redirect_308", "json_200")
+          "redirect_308", "json_200", "corrupt_gzip", "short_body", "huge_error",
+          "endless_event")
 
 
 def _last_user_text(body: dict[str, Any]) -> str:
@@ -118,12 +128,56 @@ class FaultUpstream(ServedApp):
             return web.json_response(error, status=status, headers={"Retry-After": wait})
         if fault == "json_200":
             return web.json_response(self.json_body)
+        if fault == "corrupt_gzip":
+            return web.Response(body=b"this is not gzip" * 64, status=200,
+                                headers={"Content-Type": "application/json",
+                                         "Content-Encoding": "gzip"})
+        if fault == "short_body":
+            return await self._short_body(request, json.dumps(error).encode())
+        if fault == "huge_error":
+            return await self._pieces(request, 500, "text/html", b"",
+                                      b"<html>" + b"x" * (2**20 - 6), 100)
+        if fault == "endless_event":
+            return await self._pieces(request, 200, "text/event-stream", b'data: {"a": "',
+                                      b"a" * 2**20, 256)
         if fault == "invalid_json":
             return web.Response(body=b'{"choices": [{"message": ', status=200,
                                 content_type="application/json")
         if fault == "wrong_shape":
             return web.json_response({"unexpected": True, "echo": key[:0]})
         return None
+
+    @staticmethod
+    async def _short_body(request: web.Request, data: bytes) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "application/json"})
+        response.content_length = len(data) + 100
+        await response.prepare(request)
+        await response.write(data)
+        if request.transport is not None:
+            request.transport.close()  # after what was written is flushed
+        return response
+
+    @staticmethod
+    async def _pieces(request: web.Request, status: int, content_type: str, head: bytes,
+                      piece: bytes, count: int) -> web.StreamResponse:
+        """``head`` then ``count`` times ``piece``, stopping when the client hangs up."""
+        entry = request[ENTRY]
+        entry["sent"] = 0
+        response = web.StreamResponse(status=status, headers={"Content-Type": content_type})
+        await response.prepare(request)
+        try:
+            await response.write(head)
+            for _ in range(count):
+                if request.transport is None or request.transport.is_closing():
+                    break
+                await response.write(piece)  # waits while the client does not read
+                entry["sent"] += len(piece)
+            await response.write_eof()
+        except ConnectionError:
+            pass
+        finally:
+            entry["ended"] = time.monotonic()
+        return response
 
     async def _trickle(self, request: web.Request, response: web.StreamResponse,
                        data: bytes) -> None:

@@ -4,13 +4,16 @@ pipeline's small steps and the context budget's arithmetic. No sockets here."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 
 import pytest
 
 from metaclaw.context_budget import KNOWN_WINDOWS, TokenCounter, context_window, fit_skills
 from metaclaw.pipeline import identify_session, parse_turn, record_row, retrieval_query
-from metaclaw.protocols import PROTOCOLS, ProxyError, get_protocol
+import metaclaw.protocols
+from metaclaw.protocols import PROTOCOLS, ProxyError, get_protocol, sse_events
 from metaclaw.protocols.anthropic_messages import ANTHROPIC, DEFAULT_MAX_TOKENS
 from metaclaw.protocols.openai_chat import OPENAI, StreamAssembler
 
@@ -506,3 +509,67 @@ def test_text_between_fragments_of_a_call_does_not_split_the_call():
     assert starts == ["text", "tool_use", "thinking", "text"]
     stops = [e["index"] for e in events if e["type"] == "content_block_stop"]
     assert stops == [0, 1, 2, 3]  # every block closed once, in order
+
+
+# -- server-sent events of any length ------------------------------------------------------------
+async def _events(data: bytes, piece: int = 16384) -> list:
+    async def source():
+        for i in range(0, len(data), piece):
+            yield data[i:i + piece]
+
+    return [event async for batch in sse_events(source()) for event in batch]
+
+
+def _long_event(size: int, newline: bytes = b"\n") -> bytes:
+    return b'data: {"a": "' + b"x" * size + b'"}' + newline * 2
+
+
+@pytest.mark.parametrize("newline", [b"\n", b"\r\n"])
+def test_sse_events_take_time_linear_in_an_events_length(newline):
+    """One long event arriving in many chunks: eight times the bytes take about eight times
+    the time (copying the whole buffer on each chunk took about fifty)."""
+    def best(size: int) -> float:
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            events = asyncio.run(_events(_long_event(size, newline)))
+            times.append(time.perf_counter() - start)
+        assert len(events) == 1 and len(events[0][1]["a"]) == size
+        return min(times)
+
+    ratio = best(8 * 2**20) / best(2**20)
+    assert ratio < 20, f"8 MB took {ratio:.1f} times as long as 1 MB"
+
+
+def test_an_event_longer_than_the_bound_is_a_502_after_the_good_events(monkeypatch):
+    """Whether the long event ends, ends with the stream or never ends, and however it is cut:
+    the events before it are yielded, then a 502 naming the bound; an event as long as the
+    bound is read."""
+    monkeypatch.setattr(metaclaw.protocols, "MAX_EVENT_BYTES", 1000)
+    first = b'data: {"a": 1}\n\n'
+    at_bound = b'data: {"a": "' + b"x" * (1000 - 15) + b'"}'
+    assert len(at_bound) == 1000
+    over = at_bound[:-2] + b'x"}'
+    for data in (first + at_bound + b"\n\n", first + b"\n" + at_bound + b"\r\n\r\n",
+                 first + at_bound):
+        for piece in range(1, 30):
+            assert asyncio.run(_events(data, piece)) == [(first, {"a": 1}),
+                                                         (at_bound + b"\n\n", {"a": "x" * 985})]
+    for data in (first + over + b"\n\n", first + b"\n" + over + b"\r\n\r\n", first + over,
+                 first + b"data: " + b"x" * 100_000):
+        for piece in (*range(1, 30), 1500, len(data)):
+            got = []
+
+            async def run():
+                async def source():
+                    for i in range(0, len(data), piece):
+                        yield data[i:i + piece]
+
+                async for batch in sse_events(source()):
+                    got.extend(batch)
+
+            with pytest.raises(ProxyError) as caught:
+                asyncio.run(run())
+            assert got == [(first, {"a": 1})], piece
+            assert caught.value.status == 502 and caught.value.code == "upstream_event_too_large"
+            assert "larger than 0 MiB" not in caught.value.message

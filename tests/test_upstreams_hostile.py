@@ -8,7 +8,10 @@ body with HTTP 200 where a reply or a stream was due. Rules:
 - an upstream redirect is a 502 in the client's protocol, before any byte of a stream, naming
   where it redirects (without credentials or query) and not retried;
 - an error object answered with HTTP 200 is a 502 carrying the upstream's own message; another
-  JSON body where a stream was due is a 502 saying the upstream does not stream.
+  JSON body where a stream was due is a 502 saying the upstream does not stream;
+- a reply body that cannot be decoded or is cut off is a 502 saying so (the upstream was
+  reached); only a cut-off one is retried;
+- an error body is read only as far as it is shown, and a stream's event only up to a bound.
 """
 
 from __future__ import annotations
@@ -217,3 +220,64 @@ def test_a_json_body_at_http_200_is_an_error_status_with_the_upstreams_message(e
         assert "does not stream" in message
     turn = _turn(store, session)
     assert turn is not None and turn["status"] == "error"
+
+
+# -- a reply body that breaks, an error body or an event without end ----------------------------
+ROUTES = [("openai", "openai"), ("anthropic", "anthropic"), ("anthropic", "openai")]
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("fault, what, attempts", [("corrupt_gzip", "is corrupt", 1),
+                                                   ("short_body", "was truncated", 3)])
+def test_a_corrupt_or_truncated_reply_is_a_502_saying_so(env, route, fault, what, attempts):
+    """The upstream was reached and answered 200, but its body cannot be decoded or ends before
+    its Content-Length: not "cannot reach the upstream". A cut-off body may arrive whole on
+    another attempt; a corrupt encoding would come back the same, so it is not retried."""
+    upstream, proxies, store = env
+    client, kind = route
+    session = uuid.uuid4().hex
+    before = len(upstream.requests)
+    reply = _post(proxies, client, kind, f"fault={fault} {session}", False, session)
+    assert reply.status_code == 502, reply.text[:300]
+    message = _error_message(client, reply)
+    assert what in message and "cannot reach" not in message, message
+    assert len(upstream.requests) - before == attempts
+    turn = _turn(store, session)
+    assert turn is not None and turn["status"] == "error" and what in turn["error"]
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_a_huge_error_body_is_not_read_whole(env, route):
+    """A 100 MB error page: the client gets its start, and each attempt reads a bounded part
+    of it (what the sockets buffer), not all 100 MB."""
+    upstream, proxies, _ = env
+    client, kind = route
+    session = uuid.uuid4().hex
+    before = len(upstream.requests)
+    reply = _post(proxies, client, kind, f"fault=huge_error {session}", False, session)
+    assert reply.status_code == 500, reply.text[:300]
+    assert _error_message(client, reply).startswith("the upstream answered HTTP 500: <html>xxx")
+    attempts = upstream.requests[before:]
+    assert len(attempts) == 3  # a 500 is retried
+    assert _waited(lambda: all("ended" in a for a in attempts))
+    assert max(a["sent"] for a in attempts) < 32 * 2**20, [a["sent"] for a in attempts]
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_an_event_that_never_ends_is_cut_off_with_a_clear_error(env, route):
+    """An upstream streaming one event without end: the stream ends with an error saying so
+    once the event passes the bound, long before the proxy's timeout, having read a bounded
+    part of it."""
+    upstream, proxies, store = env
+    client, kind = route
+    session = uuid.uuid4().hex
+    before = len(upstream.requests)
+    started = time.monotonic()
+    reply = _post(proxies, client, kind, f"fault=endless_event {session}", True, session)
+    assert time.monotonic() - started < TIMEOUT / 2
+    assert "larger than 16 MiB" in reply.text and "timeout" not in reply.text, reply.text[:300]
+    attempt = upstream.requests[before]
+    assert _waited(lambda: "ended" in attempt)
+    assert attempt["sent"] < 64 * 2**20
+    turn = _turn(store, session)
+    assert turn is not None and turn["status"] == "error" and "16 MiB" in turn["error"]

@@ -190,13 +190,20 @@ class StreamTranslator:
         return []
 
 
+#: The largest server-sent event read from an upstream (bytes). Reply events are far smaller; an
+#: upstream that sends more without the blank line that ends an event is cut off with a 502
+#: instead of being held in memory however long it goes on.
+MAX_EVENT_BYTES = 16 * 2**20
+
+
 async def sse_events(chunks: AsyncIterator[bytes],
                      timeout: float | None = None) -> AsyncIterator[list[Event]]:
     """Server-sent events from a stream of bytes however it is cut into chunks: yields, for each
     chunk that completes events, the list of those events (each: the bytes to relay, its JSON
     data or None), so that what arrived together can be relayed together. Lines may end in
-    ``\\n``, ``\\r\\n`` or ``\\r``; events are relayed with ``\\n``. An event that is not SSE
-    raises (see :func:`sse_event`) after the good events before it are yielded.
+    ``\\n``, ``\\r\\n`` or ``\\r``; events are relayed with ``\\n``. An event that is not SSE,
+    or longer than :data:`MAX_EVENT_BYTES`, raises (see :func:`sse_event`) after the good events
+    before it are yielded.
 
     ``timeout``: seconds each event may take after the previous one. It is checked as bytes
     arrive, without a timer per event (the transport's own read timeout covers a silent
@@ -206,34 +213,59 @@ async def sse_events(chunks: AsyncIterator[bytes],
 
     loop = asyncio.get_running_loop()
     deadline = None if timeout is None else loop.time() + timeout
-    buffer = b""
+    # the bytes of events not complete yet, line ends already made "\n"; a chunk is appended
+    # and only it is searched for the blank line (copying and searching the whole buffer on
+    # every chunk made one long event cost time quadratic in its length)
+    buffer = bytearray()
+    cr = b""  # a "\r" that ended the last chunk: it may be half of a "\r\n", so it waits
     async for chunk in chunks:
         if deadline is not None and loop.time() > deadline:
             raise TimeoutError(f"no complete event within {timeout:g} s")
+        if cr or b"\r" in chunk:
+            chunk = cr + chunk
+            cr = b"\r" if chunk.endswith(b"\r") else b""
+            chunk = chunk[:len(chunk) - len(cr)].replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        start = max(len(buffer) - 1, 0)  # a "\n" at the end and one in the chunk: a blank line
         buffer += chunk
-        if b"\r" in buffer:  # a "\r" at the end may be half of a "\r\n": keep it for later
-            tail = buffer.endswith(b"\r")
-            buffer = buffer.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
-            if tail:
-                buffer = buffer[:-1] + b"\r"
-        if b"\n\n" not in buffer:
-            continue
-        *blocks, buffer = buffer.split(b"\n\n")
-        batch: list[Event] = []
-        try:
-            for block in blocks:
-                if block.strip(b"\n"):
-                    batch.append(sse_event(block.strip(b"\n")))
-        except ProxyError:
+        if buffer.find(b"\n\n", start) >= 0:
+            *blocks, rest = bytes(buffer).split(b"\n\n")
+            buffer = bytearray(rest)
+            batch: list[Event] = []
+            try:
+                for block in blocks:
+                    block = block.strip(b"\n")
+                    if block:
+                        batch.append(_bounded_event(block))
+            except ProxyError:
+                if batch:
+                    yield batch
+                raise
             if batch:
                 yield batch
-            raise
-        if batch:
-            yield batch
-        if deadline is not None:
-            deadline = loop.time() + timeout
-    if buffer.strip(b"\r\n"):
-        yield [sse_event(buffer.replace(b"\r", b"\n").strip(b"\n"))]
+            if deadline is not None:
+                deadline = loop.time() + timeout
+        # an event not ended yet, with at most one line end before and after it
+        if len(buffer) > MAX_EVENT_BYTES + 2:
+            raise _event_too_large()
+    rest = bytes(buffer).strip(b"\n")  # a waiting "\r" is one more line end: stripped too
+    if rest:
+        yield [_bounded_event(rest)]
+
+
+def _bounded_event(block: bytes) -> Event:
+    if len(block) > MAX_EVENT_BYTES:
+        raise _event_too_large()
+    return sse_event(block)
+
+
+def _event_too_large() -> ProxyError:
+    bound = (f"{MAX_EVENT_BYTES // 2**20} MiB" if MAX_EVENT_BYTES % 2**20 == 0
+             else f"{MAX_EVENT_BYTES} bytes")
+    return ProxyError(502, f"the upstream sent a server-sent event larger than {bound} (or no "
+                           "blank line to end one); no reply event is that long, so the stream "
+                           "was cut off there (check that the upstream streams server-sent "
+                           "events)",
+                      type="upstream_error", code="upstream_event_too_large")
 
 
 _SSE_FIELDS = (b"data", b"event", b"id", b"retry")
