@@ -528,9 +528,10 @@ class ReplyThreads:
             return None
         numbers: dict[str, int] = {}
         for row in rows:
-            match = _FINGERPRINT_ID.fullmatch(row["id"])
-            if match is not None:
-                numbers[match[1]] = max(numbers.pop(match[1], 0), int(match[2] or 1))
+            opening = _opening(row["id"])
+            if opening is not None:
+                fingerprint, number = opening
+                numbers[fingerprint] = max(numbers.pop(fingerprint, 0), number)
         return numbers, older
 
     def _number_openings(self, recorded: tuple[dict[str, int], bool] | None) -> None:
@@ -557,12 +558,9 @@ class ReplyThreads:
         except Exception:  # noqa: BLE001 - a store that cannot answer: number from scratch
             log.warning("could not read the recorded sessions of %s", fingerprint, exc_info=True)
             return 0
-        count = 0
-        for row in rows:
-            number = _opening_number(fingerprint, row["id"])
-            if number is not None:
-                count = max(count, number)
-        return count
+        openings = (_opening(row["id"]) for row in rows)
+        return max((number for found, number in filter(None, openings)
+                    if found == fingerprint), default=0)
 
     def _read_recorded_replies(self, fingerprint: str) -> None:
         """Remember the latest recorded reply of each of ``fingerprint``'s latest sessions as
@@ -585,7 +583,7 @@ class ReplyThreads:
         from metaclaw.retrieval import strip_skill_block  # the request as the client sent it
 
         for row in rows:
-            if _opening_number(fingerprint, row["session_id"]) is None \
+            if (_opening(row["session_id"]) or ("",))[0] != fingerprint \
                     or not isinstance(row["request_messages"], list):
                 continue
             history = hashlib.blake2b(digest_size=16)
@@ -626,15 +624,11 @@ class ReplyThreads:
 _FINGERPRINT_ID = re.compile(r"(conv-[0-9a-f]{12})(?:\.([0-9]+))?")
 
 
-def _opening_number(fingerprint: str, session_id: str) -> int | None:
-    """The number of the opening that took ``session_id`` (1 for the fingerprint itself, N for
-    ``<fingerprint>.N``); None for another id."""
-    if session_id == fingerprint:
-        return 1
-    number = session_id[len(fingerprint) + 1:]
-    if session_id.startswith(fingerprint + ".") and number.isascii() and number.isdigit():
-        return int(number)
-    return None
+def _opening(session_id: str) -> tuple[str, int] | None:
+    """``(fingerprint, number)`` of the opening that took ``session_id`` (1 for the fingerprint
+    itself, N for ``<fingerprint>.N``); None for an id no opening takes."""
+    match = _FINGERPRINT_ID.fullmatch(session_id)
+    return None if match is None else (match[1], int(match[2] or 1))
 
 
 def _bound(entries: OrderedDict[Any, Any], most: int) -> bool:
