@@ -404,7 +404,7 @@ async def arun_bench(data_dir: str | Path, days: str | Iterable[str] | None = "a
     chosen = select_days(bench, days)
     out = Path(out_dir)
     kept = finished_days(out / "rounds.jsonl", chosen, mode, model) if resume else {}
-    ended, ending = earlier_day_ends(out / "days.jsonl", kept)
+    ended, ending = earlier_day_ends(out / "days.jsonl", kept) if kept else ({}, {})
     spans = earlier_day_spans(ended, ending)
     out.mkdir(parents=True, exist_ok=True)
     config = AgentConfig(base_url=base_url, model=model, api_key=api_key,
