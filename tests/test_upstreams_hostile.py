@@ -134,12 +134,10 @@ LOCATIONS = st.one_of(
                               ("anthropic", "openai"), ("openai", "anthropic")]))
 def test_an_upstream_redirect_is_a_502_naming_it_before_any_byte(env, location, status, stream,
                                                                   route):
-    upstream, proxies, store = env
-    client, kind = route
+    upstream, _, store = env
+    client, _ = route
     upstream.location = location
-    session = uuid.uuid4().hex
-    before = len(upstream.requests)
-    reply = _post(proxies, client, kind, f"fault=redirect_{status} {session}", stream, session)
+    reply, session, before = _fault(env, route, f"redirect_{status}", stream)
     assert reply.status_code == 502, reply.text[:300]  # not a 200 stream that breaks off
     message = _error_message(client, reply)
     if client == "anthropic":
@@ -177,15 +175,22 @@ OTHER_BODIES = st.dictionaries(st.sampled_from(["status", "detail", "message", "
                                st.one_of(st.none(), st.integers(), TEXT), max_size=3)
 
 
-def _post(proxies: dict, client: str, kind: str, text: str, stream: bool,
-          session: str) -> httpx.Response:
+def _fault(env, route: tuple[str, str], fault: str,
+           stream: bool = False) -> tuple[httpx.Response, str, int]:
+    """Send a request naming ``fault`` along ``route`` (client protocol, upstream protocol), in
+    a session of its own: (the reply, the session, the upstream's request count before it)."""
+    upstream, proxies, _ = env
+    client, kind = route
+    session = uuid.uuid4().hex
     if client == "openai":
         url, body = proxies[kind].url + "/chat/completions", {"model": "m", "stream": stream}
     else:
         url, body = proxies[kind].base_url + "/v1/messages", {"model": "m", "max_tokens": 16,
                                                               "stream": stream}
-    body["messages"] = [{"role": "user", "content": text}]
-    return httpx.post(url, json=body, headers={"X-Session-Id": session}, timeout=30)
+    body["messages"] = [{"role": "user", "content": f"fault={fault} {session}"}]
+    before = len(upstream.requests)
+    return (httpx.post(url, json=body, headers={"X-Session-Id": session}, timeout=30), session,
+            before)
 
 
 def _error_message(client: str, reply: httpx.Response) -> str:
@@ -205,12 +210,11 @@ def test_a_json_body_at_http_200_is_an_error_status_with_the_upstreams_message(e
     the upstream's own message (not "no 'choices' list", nor a 200 stream that breaks off
     advising a retry); another JSON body where a stream was due says the upstream does not
     stream."""
-    upstream, proxies, store = env
+    upstream, _, store = env
     client, kind = route
     body = data.draw(ERROR_BODIES[kind] if error else OTHER_BODIES)
     upstream.json_body = body
-    session = uuid.uuid4().hex
-    reply = _post(proxies, client, kind, f"fault=json_200 {session}", stream, session)
+    reply, session, _ = _fault(env, route, "json_200", stream)
     assert reply.status_code == 502, reply.text[:300]
     message = _error_message(client, reply)
     assert "retry the request" not in message
@@ -233,11 +237,9 @@ def test_a_corrupt_or_truncated_reply_is_a_502_saying_so(env, route, fault, what
     """The upstream was reached and answered 200, but its body cannot be decoded or ends before
     its Content-Length: not "cannot reach the upstream". A cut-off body may arrive whole on
     another attempt; a corrupt encoding would come back the same, so it is not retried."""
-    upstream, proxies, store = env
-    client, kind = route
-    session = uuid.uuid4().hex
-    before = len(upstream.requests)
-    reply = _post(proxies, client, kind, f"fault={fault} {session}", False, session)
+    upstream, _, store = env
+    client, _ = route
+    reply, session, before = _fault(env, route, fault)
     assert reply.status_code == 502, reply.text[:300]
     message = _error_message(client, reply)
     assert what in message and "cannot reach" not in message, message
@@ -250,11 +252,9 @@ def test_a_corrupt_or_truncated_reply_is_a_502_saying_so(env, route, fault, what
 def test_a_huge_error_body_is_not_read_whole(env, route):
     """A 100 MB error page: the client gets its start, and each attempt reads a bounded part
     of it (what the sockets buffer), not all 100 MB."""
-    upstream, proxies, _ = env
-    client, kind = route
-    session = uuid.uuid4().hex
-    before = len(upstream.requests)
-    reply = _post(proxies, client, kind, f"fault=huge_error {session}", False, session)
+    upstream = env[0]
+    client, _ = route
+    reply, _, before = _fault(env, route, "huge_error")
     assert reply.status_code == 500, reply.text[:300]
     assert _error_message(client, reply).startswith("the upstream answered HTTP 500: <html>xxx")
     attempts = upstream.requests[before:]
@@ -268,12 +268,9 @@ def test_an_event_that_never_ends_is_cut_off_with_a_clear_error(env, route):
     """An upstream streaming one event without end: the stream ends with an error saying so
     once the event passes the bound, long before the proxy's timeout, having read a bounded
     part of it."""
-    upstream, proxies, store = env
-    client, kind = route
-    session = uuid.uuid4().hex
-    before = len(upstream.requests)
+    upstream, _, store = env
     started = time.monotonic()
-    reply = _post(proxies, client, kind, f"fault=endless_event {session}", True, session)
+    reply, session, before = _fault(env, route, "endless_event", True)
     assert time.monotonic() - started < TIMEOUT / 2
     assert "larger than 16 MiB" in reply.text and "timeout" not in reply.text, reply.text[:300]
     attempt = upstream.requests[before]
