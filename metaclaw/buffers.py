@@ -246,6 +246,18 @@ def release_training_claim(store: Store, claim_id: str) -> None:
                   "WHERE train_claim_by = ?", (claim_id,))
 
 
+def release_orphaned_claims(store: Store) -> int:
+    """Drop every training claim in the store; returns how many turns had one.
+
+    Call it only while holding the workspace's training lease
+    (:class:`metaclaw.training_lease.TrainingLease`) with no step of this process running: a
+    step claims turns only under that lease, so any claim left then was made by a trainer that
+    died mid-step (``kill -9``). Waiting for it to expire would leave those turns untrainable,
+    and every step of the next trainer empty, for up to :data:`TRAIN_CLAIM_S`."""
+    return store.execute("UPDATE turns SET train_claim_by = NULL, train_claim_until = NULL "
+                         "WHERE train_claim_by IS NOT NULL").rowcount
+
+
 def support_set(store: Store, generation: int | None = None,
                 state: str | None = LIVE, threshold: float = 0.0) -> list[dict[str, Any]]:
     """Support turns of ``generation`` (default: the current one), oldest first.

@@ -93,6 +93,12 @@ class JudgeReward:
         self.store = store
         self._evidence: dict[int, str | None] = {}
 
+    def new_step(self) -> None:
+        """Forget the evidence read for the last step: a query turn is trained again in later
+        steps, and by then its consequence (the user's next message, a tool result, a label)
+        may have been recorded."""
+        self._evidence.clear()
+
     def evidence(self, prompt: Prompt) -> str | None:
         if prompt.turn_id is None:
             return None
@@ -199,8 +205,28 @@ class SlowLoop:
 
     # -- data ---------------------------------------------------------------------------------
     def prompts(self) -> list[Prompt]:
-        """This step's prompt pool: the live query-set turns of the current skill generation."""
+        """This step's prompt pool: the live query-set turns of the current skill generation.
+
+        The turns recorded since the last step are classified first (:func:`metaclaw.buffers.
+        refresh`): the proxy records turns without placing them in the buffers, and without a
+        fast loop or a judge in some process nothing else would, so they would never train."""
+        from metaclaw import buffers
+
+        buffers.refresh(self.store)
+        if isinstance(self.reward, JudgeReward):
+            self.reward.new_step()
         return prompts_from_query_set(self.store, self.backend, reward_for=self.reward_for)
+
+    def _release_orphaned_claims(self) -> None:
+        """Under the lease: drop the claims a trainer killed mid-step left behind."""
+        from metaclaw import buffers
+
+        dropped = buffers.release_orphaned_claims(self.store)
+        if dropped:
+            self.store.record_event(
+                source="slowloop", kind="training_claims_released", level="warning",
+                message=f"released the training claims on {dropped} turns left by a trainer "
+                        "that stopped mid-step; they count as untrained", turns=dropped)
 
     # -- hooks --------------------------------------------------------------------------------
     def add_step_listener(self, fn: Callable[[dict[str, Any]], None]) -> None:
@@ -242,6 +268,7 @@ class SlowLoop:
         """
         self._need_judge()
         with self._step_lock, self.lease.holding("a training step"):
+            self._release_orphaned_claims()
             record = self.trainer.step()
             scheduler = self.scheduler
             boundary = scheduler is not None and (
@@ -271,6 +298,7 @@ class SlowLoop:
             self.add_step_listener(on_step)
         try:
             with self._step_lock, self.lease.holding("forced training"):
+                self._release_orphaned_claims()
                 return self.trainer.train(steps, should_stop)
         finally:
             if on_step is not None:
