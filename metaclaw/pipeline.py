@@ -541,6 +541,11 @@ class TurnPipeline:
                 else:
                     await asyncio.get_running_loop().run_in_executor(
                         self.proxy._retrieval_pool, self.select_and_inject, turn, skills)
+            elif BLOCK_TAG in turn.raw:
+                # a turn served no skills (a side call, an empty library) that resends an
+                # earlier turn's block: taken out, so the upstream sees no skills here either
+                turn.body = turn.protocol.inject(turn.body, "")
+                turn.messages = retrieval.inject(turn.messages, "")
         except BaseException:  # cancelled (its client hung up): the session it took is free
             if turn.thread is not None:
                 self.proxy.threads.settle(turn.thread, False)

@@ -91,8 +91,10 @@ def _metadata_user_session(user_id: str) -> str | None:
         return value if isinstance(value, str) and value.strip() else None
     found = _METADATA_SESSION.search(user_id)
     return found.group(1) if found else None
-# printable characters only: a session id is shown in tables and terminals
-_SESSION_OK = re.compile(r"[^\x00-\x1f\x7f-\x9f]+")
+# printable characters only: a session id is shown in tables and terminals; and no lone
+# surrogates (a header's bytes that are not UTF-8 arrive as those: the store cannot hold them,
+# and would write every such id alike)
+_SESSION_OK = re.compile(r"[^\x00-\x1f\x7f-\x9f\ud800-\udfff]+")
 
 
 class IdentityError(ValueError):
@@ -203,8 +205,8 @@ def _check_session(value: Any, where: str) -> str:
     value = value.strip()
     if len(value) > MAX_SESSION_CHARS or not _SESSION_OK.fullmatch(value):
         raise IdentityError("session_id", f"the session id ({where}) must be at most "
-                                          f"{MAX_SESSION_CHARS} printable characters (no control "
-                                          "characters)")
+                                          f"{MAX_SESSION_CHARS} printable characters of UTF-8 text "
+                                          "(no control characters)")
     return value
 
 
@@ -440,8 +442,12 @@ class ReplyThreads:
     def resolve(self, fingerprint: str, messages: list[Any]) -> tuple[str, str, Thread]:
         """(session id, how it was decided, the thread to :meth:`settle`) of a task turn whose
         session is the fingerprint ``fingerprint``; ``messages``: as the client sent them."""
+        from metaclaw.retrieval import strip_skill_block
+
         history, key = hashlib.blake2b(digest_size=16), None
-        for message in messages:
+        # a client that resends an earlier turn's skill block still continues the history the
+        # proxy remembered without it (replies are keyed on the client's own messages)
+        for message in strip_skill_block(messages):
             message = message if isinstance(message, dict) else {}
             add_message(history, message.get("role"), message.get("content"),
                         message.get("tool_calls"))

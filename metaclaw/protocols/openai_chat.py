@@ -119,6 +119,11 @@ def _message_problem(message: dict[str, Any]) -> tuple[str, str] | None:
     naming the field whatever the upstream, rather than a failure of a translation."""
     content = message.get("content")
     for j, part in enumerate(content if isinstance(content, list) else ()):
+        # a text part without its text: the OpenAI API refuses it, and servers that join the
+        # parts' texts fail on it with a 500 the client cannot act on
+        if isinstance(part, dict) and part.get("type") == "text" and not isinstance(
+                part.get("text"), str):
+            return f".content[{j}].text", "must be a string"
         if isinstance(part, dict) and part.get("type") == "image_url" and not (
                 isinstance(part.get("image_url"), dict)
                 and isinstance(part["image_url"].get("url"), str)):
