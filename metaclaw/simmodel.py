@@ -41,6 +41,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from metaclaw.asks import content_text
 from metaclaw.simrules import KINDS, DATETIME_RE, Rules, read_rules, rule_sentences
 
 #: Model ids served by the simulated model server (the ``sim-`` prefix marks them as simulated).
@@ -58,17 +59,6 @@ MONTHS = ("january", "february", "march", "april", "may", "june", "july", "augus
 # --------------------------------------------------------------------------------------------
 # Reading the conversation
 # --------------------------------------------------------------------------------------------
-
-def _text(content: Any) -> str:
-    """Message content (string or list of parts) -> plain text."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "\n".join(p.get("text", "") if isinstance(p, dict) else str(p) for p in content)
-    return str(content)
-
 
 _LABEL_BLOCK = re.compile(r"^\s*\[[^\]\n]{2,40}\]")
 
@@ -124,13 +114,13 @@ def parse_conversation(messages: list[dict]) -> Conversation:
     results: dict[str, str] = {}
     for m in messages:
         if m.get("role") == "tool":
-            results[str(m.get("tool_call_id"))] = _text(m.get("content"))
+            results[str(m.get("tool_call_id"))] = content_text(m.get("content"))
     for i, m in enumerate(messages):
         role = m.get("role")
         if role in ("system", "developer"):
-            conv.system += _text(m.get("content")) + "\n"
+            conv.system += content_text(m.get("content")) + "\n"
         elif role == "user":
-            fb, q = split_feedback(_text(m.get("content")))
+            fb, q = split_feedback(content_text(m.get("content")))
             if fb:
                 conv.feedback.append(fb)
             if i == last_user:
@@ -1377,7 +1367,7 @@ def judge_reply(body: dict) -> dict:
     (feedback)`` section; 0 when there is none.
     """
     messages = body.get("messages") or []
-    prompt = _text(next((m.get("content") for m in reversed(messages) if m.get("role") == "user"), ""))
+    prompt = content_text(next((m.get("content") for m in reversed(messages) if m.get("role") == "user"), ""))
     fb = feedback_of(prompt_sections(prompt).get("Next user message (feedback)", ""))
     if not fb:
         out = {"score": 0, "rationale": "simulated judge: no reaction from the user follows this turn, "
@@ -1456,8 +1446,8 @@ def evolver_reply(body: dict) -> dict:
     writes nothing.
     """
     messages = body.get("messages") or []
-    prompt = _text(next((m.get("content") for m in reversed(messages)
-                         if m.get("role") == "user" and not _text(m.get("content")).startswith(
+    prompt = content_text(next((m.get("content") for m in reversed(messages)
+                         if m.get("role") == "user" and not content_text(m.get("content")).startswith(
                              "Your previous reply was invalid")), ""))
     sections = prompt_sections(prompt)
     try:

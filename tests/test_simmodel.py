@@ -279,6 +279,12 @@ def test_conversation_parsing_edge_cases():
     {"model": "sim-evolver", "messages": [{"role": "user", "content": "=== Support turns ===\n{oops"}]},
     {"model": "sim-agent", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
      "tools": ["bad", {"function": {"name": "read_file"}}]},
+    # text parts whose text is missing or no string (read as no text, not joined)
+    {"model": "sim-agent", "messages": [{"role": "system", "content": [{"type": "text"}]},
+                                        {"role": "user", "content": [{"type": "text", "text": None},
+                                                                     {"type": "text", "text": 7}]}]},
+    {"model": "sim-judge", "messages": [{"role": "user", "content": [{"type": "text", "text": None}]}]},
+    {"model": "sim-evolver", "messages": [{"role": "user", "content": [{"text": None}]}]},
 ])
 def test_odd_requests_get_a_labelled_reply_not_a_crash(body):
     out = sm.sim_reply(body)
