@@ -31,6 +31,11 @@ class MagicUsageError(Exception):
     """Raised for bad magic arguments; shown as one line, not a traceback."""
 
 
+class MagicInterrupted(Exception):
+    """The user stopped a call, which was cancelled before its end (:func:`metaclaw.aio.
+    run_sync`); shown as one line saying what was kept."""
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # argparse would sys.exit() the kernel
         raise MagicUsageError(f"{self.prog}: {message}")
@@ -144,6 +149,8 @@ class MetaClawMagics(Magics):
             return handler(rest, cell)
         except MagicUsageError as exc:
             print(str(exc).strip())
+        except MagicInterrupted as exc:
+            print(f"%metaclaw {action}: {exc}")
         except Exception as exc:  # show a clear sentence, keep the kernel alive
             print(f"%metaclaw {action}: {type(exc).__name__}: {exc}")
         return None
@@ -345,7 +352,13 @@ class MetaClawMagics(Magics):
         runtime.proxy.flush()
         ids = turns_to_score(runtime.store, session=args.session, last=args.last,
                              rescore=args.rescore)
-        results = judge.judge_turns(runtime.store, ids, rescore=args.rescore) if ids else []
+        try:
+            results = judge.judge_turns(runtime.store, ids, rescore=args.rescore) if ids else []
+        except KeyboardInterrupt:
+            raise MagicInterrupted(
+                "interrupted: the judge calls still running were cancelled and their turns "
+                "left free to judge again (%metaclaw score); verdicts already stored stay"
+            ) from None
         return pl.DataFrame([{
             "turn_id": r.turn_id, "score": r.score, "votes": len(r.votes), "failed": r.failed,
             "unparsable": r.unparsable, "rationale": r.rationale or r.error or "",
@@ -362,9 +375,26 @@ class MetaClawMagics(Magics):
         args = parser.parse_args(argv)
         runtime = self._require_runtime()
         runtime.proxy.flush()
-        result = runtime.evolver.evolve(dry_run=args.dry_run)
+        result = self._library_change(runtime, lambda: runtime.evolver.evolve(
+            dry_run=args.dry_run))
         self.proposal = result.proposal if args.dry_run else None
         return result
+
+    @staticmethod
+    def _library_change(runtime: Any, change: Any) -> Any:
+        """``change()`` (an evolve or an apply); when the user stops it, say whether the library
+        changed before the cancellation reached it."""
+        before = runtime.library.generation
+        try:
+            return change()
+        except KeyboardInterrupt:
+            now = runtime.library.sync()
+            if now != before:
+                raise MagicInterrupted(
+                    f"interrupted, but the library had already changed: it is now generation "
+                    f"{now} (was {before}); see %metaclaw diff") from None
+            raise MagicInterrupted(f"interrupted: the evolver was cancelled and the library is "
+                                   f"unchanged (generation {before})") from None
 
     def _do_promote(self, argv: list[str], cell: str | None):
         """%metaclaw promote [ID] [--by NAME] [--note TEXT] [--allow-unsafe]: promote held
@@ -386,7 +416,8 @@ class MetaClawMagics(Magics):
         if self.proposal is None:
             raise MagicUsageError("nothing to promote: give a held proposal's id (%metaclaw "
                                   "proposals) or run %metaclaw evolve --dry-run first")
-        result = runtime.evolver.apply(self.proposal)
+        proposal = self.proposal
+        result = self._library_change(runtime, lambda: runtime.evolver.apply(proposal))
         self.proposal = None
         return result
 
