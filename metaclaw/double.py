@@ -68,8 +68,8 @@ def last_user_text(messages: list[dict[str, Any]]) -> str:
         if isinstance(message, dict) and message.get("role") == "user":
             content = message.get("content")
             if isinstance(content, list):
-                return " ".join(p.get("text", "") for p in content
-                                if isinstance(p, dict) and p.get("type") == "text")
+                return " ".join(p["text"] for p in content if isinstance(p, dict)
+                                and p.get("type") == "text" and isinstance(p.get("text"), str))
             return content if isinstance(content, str) else ""
     return ""
 

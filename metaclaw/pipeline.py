@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 from aiohttp import web
 
-from metaclaw import context_budget, edge, retrieval
+from metaclaw import buffers, context_budget, edge, retrieval
 from metaclaw.jsonlib import LONE_SURROGATE as _SURROGATE
 from metaclaw.protocols import ProxyError, WireProtocol, dumps
 from metaclaw.sessions import TURN_TYPES, Identity, IdentityError, identify  # noqa: F401
@@ -678,6 +678,9 @@ class _Relay:
         """The record step: the row joins the recorder's next group commit (:class:`Recorder`)."""
         row = {**self.record, **fields,
                "latency_ms": (time.perf_counter() - self.started) * 1000.0}
+        if row.get("status") == "ok":  # a served task turn enters the buffers as it is recorded
+            row["buffer_set"], row["buffer_state"] = buffers.classify(
+                row, generation=self.proxy.library.generation)
         if self.secrets:
             for key in ("response", "error"):
                 if isinstance(row.get(key), str):

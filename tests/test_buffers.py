@@ -126,6 +126,27 @@ def test_buffers_frame(store, library):
     assert buffers.buffer_counts(store) == {"query": {"live": 1}}
 
 
+def test_task_previews_read_conversations_a_chunk_at_a_time(store, monkeypatch):
+    """Each turn's preview is its last user message; the conversations are read a chunk of turns
+    per query (never all at once), and a malformed one previews as nothing."""
+    ids = [turn(store, 0, text=f"ask {i}") for i in range(7)]
+    store.execute("UPDATE turns SET request_messages = '{oops' WHERE id = ?", (ids[3],))
+    read = []
+    query = store.query
+
+    def counting(sql, params=()):
+        if "request_messages" in sql:
+            read.append(len(__import__("json").loads(params[0])))
+        return query(sql, params)
+
+    monkeypatch.setattr(store, "query", counting)
+    previews = buffers.task_previews(store, [*ids, 999], chunk=3)
+    assert read == [3, 3, 2]
+    assert previews == {i: ("" if i == ids[3] else f"ask {n}") for n, i in enumerate(ids)}
+    frame = buffers.buffers_frame(store, all_turns=True)
+    assert frame["task"].to_list() == [previews[i] for i in ids]
+
+
 def test_stage_turns_enter_the_buffers_like_main_turns(store, library):
     """A pipeline's stage turns (``stage:<name>``) are task turns: in the query set once served,
     in the support set when judged failed, consumed by the evolution they drive; a side call

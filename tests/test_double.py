@@ -180,3 +180,6 @@ def test_last_user_text_handles_parts():
                 {"role": "assistant", "content": "reply"}]
     assert last_user_text(messages) == "new"
     assert last_user_text([]) == ""
+    # text parts whose text is missing or no string are skipped, not joined (a TypeError: 500)
+    assert last_user_text([{"role": "user", "content": [
+        {"type": "text", "text": None}, {"type": "text"}, {"type": "text", "text": "kept"}]}]) == "kept"

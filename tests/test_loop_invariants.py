@@ -49,13 +49,14 @@ def _ask(world, text: str, session: str, history=()):
 
 
 def test_turns_the_proxy_records_train_without_a_fast_loop(world):
-    """`metaclaw serve` without --auto-evolve places no turn in the buffers; the trainer
-    classifies them itself, and a rollback committed by another process (`metaclaw skills
-    rollback`) purges the query turns of the generation it replaced instead of training them."""
+    """`metaclaw serve` without --auto-evolve: a served turn enters the query set as it is
+    recorded, and a rollback committed by another process (`metaclaw skills rollback`) purges
+    the query turns of the generation it replaced instead of training them."""
     loop = SlowLoop(world.store, world.backend, config=CONFIG, judge=REWARD, proxy=world.proxy)
     _ask(world, "say yes", "a")
     old = world.store.turns()[-1]["id"]
-    assert world.store.turn(old)["buffer_set"] is None  # nobody classified it
+    assert (world.store.turn(old)["buffer_set"], world.store.turn(old)["buffer_state"]) == (
+        "query", "live")  # classified as it was recorded, with no fast loop
     cli = [sys.executable, "-m", "metaclaw", "skills", "rollback", "0",
            "--db", str(world.root / "metaclaw.db"), "--skills", str(world.root / "skills")]
     world.library.remove("say-yes")  # generation 1, then another process restores generation 0

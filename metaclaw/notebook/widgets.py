@@ -31,7 +31,8 @@ from typing import Any, Callable, Iterable
 import anywidget
 import traitlets
 
-from metaclaw.buffers import buffers_frame, last_user_text
+from metaclaw.buffers import buffers_frame, task_previews
+from metaclaw.store import IN_IDS, id_list
 
 #: The front-end modules: ``metaclaw/_widgets`` (a link to the top-level ``widgets/`` folder).
 WIDGETS_DIR = Path(__file__).resolve().parent.parent / "_widgets"
@@ -87,19 +88,14 @@ def turn_previews(store: Any, ids: Iterable[int]) -> dict[str, dict[str, Any]]:
     """Short descriptions of some turns: ``{str(id): {id, session_id, skill_generation, reward,
     task}}`` where ``task`` is the turn's last user message, shortened. Unknown ids are absent."""
     wanted = sorted({int(i) for i in ids})
-    out: dict[str, dict[str, Any]] = {}
-    for start in range(0, len(wanted), 500):
-        chunk = wanted[start:start + 500]
-        rows = store.query(
-            "SELECT id, session_id, skill_generation, reward, request_messages FROM turns "
-            f"WHERE id IN ({', '.join('?' * len(chunk))})", chunk)
-        for row in rows:
-            out[str(row["id"])] = {
-                "id": row["id"], "session_id": row["session_id"],
-                "skill_generation": row["skill_generation"],
-                "reward": None if row["reward"] is None else float(row["reward"]),
-                "task": _short(last_user_text(row["request_messages"]))}
-    return out
+    tasks = task_previews(store, wanted, limit=100)
+    rows = store.query("SELECT id, session_id, skill_generation, reward FROM turns "
+                       f"WHERE id {IN_IDS}", (id_list(wanted),))
+    return {str(row["id"]): {
+        "id": row["id"], "session_id": row["session_id"],
+        "skill_generation": row["skill_generation"],
+        "reward": None if row["reward"] is None else float(row["reward"]),
+        "task": tasks.get(row["id"], "")} for row in rows}
 
 
 class _StaticHTML:
