@@ -33,6 +33,19 @@ never on the proxy's. For each recorded turn:
    turns, on this automatic path exactly as on the manual one. Any other change of the library
    (a manual edit, a rollback) purges the older live turns as well.
 
+What waits lives in memory, so the store is swept too (:meth:`FastLoop._sweep`): on start and
+every ``SWEEP_S`` seconds the loop judges the current generation's turns that have no verdict
+although their feedback wait is over (recorded by a process killed before judging them, left by
+a stopped loop, or whose judge call failed: retried with doubling pauses, ``MAX_RETRIES`` times),
+oldest first, ``SWEEP_LIMIT`` at a time. The judge's leases (:func:`metaclaw.judge.lease_turns`)
+keep two processes sweeping one workspace from judging a turn twice. The first sweep also
+evolves when a trigger holds in the store (the failure rate, an ended session or ``every_n``
+judged turns of a session, with failures no attempt saw): a process killed between a verdict
+and the evolution it triggered leaves it to the next one. One process of a workspace evolves at
+a time (an exclusive lock file beside the database, freed by the OS when its holder dies); the
+other waits, then evolves from what is left of the support set. Failures a proposal of the
+current generation was made from count as attempted in every process.
+
 Every step is recorded as a :class:`FastLoopEvent` in :attr:`FastLoop.events` and passed to the
 callbacks registered with :meth:`FastLoop.on_event` (called from the loop's thread). A judge or
 evolver call that fails (wrong model name, authentication, invalid JSON, timeout) is logged with
@@ -57,7 +70,8 @@ from metaclaw.gate import Gate, GateReport, safety_check
 from metaclaw.judge import Judge
 from metaclaw.sessions import TASK_TURNS_SQL, is_task_turn
 from metaclaw.skills import SkillConflict, SkillLibrary
-from metaclaw.store import Store
+from metaclaw.store import IN_IDS, Store, id_list
+from metaclaw.training_lease import TrainingLease
 
 log = logging.getLogger("metaclaw.fastloop")
 T = TypeVar("T")
@@ -116,6 +130,13 @@ class FastLoop:
 
     #: Seconds between two looks at turns another process is judging (see :meth:`_judge`).
     LEASE_RECHECK_S = 30.0
+    #: Seconds between two sweeps of the store for turns left without a verdict (:meth:`_sweep`).
+    SWEEP_S = 30.0
+    #: Turns one sweep judges at most, oldest first.
+    SWEEP_LIMIT = 100
+    #: Times a sweep retries a turn whose judge call failed (after 1, 2, 4, ... ``SWEEP_S``);
+    #: then it is left to ``metaclaw score`` or a restarted loop.
+    MAX_RETRIES = 6
 
     def __init__(self, store: Store, library: SkillLibrary, judge: Judge, evolver: Evolver,
                  every_n: int = 5, failure_rate: float | None = 0.5, min_judged: int = 3,
@@ -151,6 +172,14 @@ class FastLoop:
         self._ended: set[str] = set()
         self._last_attempt: frozenset[int] = frozenset()
         self._evolve_lock: asyncio.Lock | None = None
+        # one process of a workspace evolves at a time: a flock the OS frees if its holder dies
+        path = getattr(store, "path", None)
+        self._evolve_lease = TrainingLease(
+            None if path is None or str(path) == ":memory:"
+            else path.resolve().with_name(path.name + ".evolve.lock"))
+        # turn id -> (judge calls failed, monotonic time before which no sweep retries it)
+        self._retries: dict[int, tuple[int, float]] = {}
+        self._sweeper: asyncio.Task[Any] | None = None
         self._proxy: Any = None
         self._subscribed = False
         self.last_result: EvolveResult | None = None
@@ -177,6 +206,7 @@ class FastLoop:
         self._thread.start()
         ready.wait()
         self._evolve_lock = None
+        loop.call_soon_threadsafe(self._start_sweeping)
         if not self._subscribed:
             self.library.subscribe(self._on_generation)
             self._subscribed = True
@@ -205,8 +235,8 @@ class FastLoop:
     def stop(self, timeout: float = 30.0) -> None:
         """Detach, finish the work in flight (up to ``timeout`` s) and stop the thread.
 
-        Turns still waiting for feedback are left unjudged (``Judge.judge_turns`` can judge
-        them later).
+        Turns still waiting for feedback are left unjudged: the next fast loop on this
+        workspace judges them (its sweep), or ``Judge.judge_turns``.
         """
         self.detach()
         loop, thread = self._loop, self._thread
@@ -235,6 +265,9 @@ class FastLoop:
         self._tasks, self._waiting = set(), {}
 
     async def _shutdown(self) -> None:
+        if self._sweeper is not None:  # no new sweep; one in flight is in _tasks
+            self._sweeper.cancel()
+            self._sweeper = None
         for _ids, handle, _users in self._waiting.values():
             handle.cancel()
         self._waiting.clear()
@@ -405,6 +438,85 @@ class FastLoop:
 
         self._call(run(), timeout)
 
+    # -- sweeping the store ---------------------------------------------------------------
+    def _start_sweeping(self) -> None:
+        self._sweeper = asyncio.get_running_loop().create_task(self._sweep_forever())
+
+    async def _sweep_forever(self) -> None:
+        """Sweep now, then every ``SWEEP_S`` s. Each sweep runs as a task of its own (in
+        ``_tasks``: :meth:`wait_idle` waits for it, :meth:`stop` finishes it); this driver is
+        not one, or the loop would never be idle."""
+        first = True
+        while True:
+            await asyncio.wait([self._spawn(self._sweep(resume=first))])
+            first = False
+            await asyncio.sleep(self.SWEEP_S)
+
+    def unjudged_turns(self, limit: int | None = None) -> list[dict[str, Any]]:
+        """``id`` and ``session_id`` of the current generation's task turns that have no verdict
+        (neither the judge's nor a person's) though their feedback wait is over, and that no
+        judge holds a lease on and this loop does not wait on or hold back for a retry; oldest
+        first, at most ``limit`` (default ``SWEEP_LIMIT``). A turn of an older generation is
+        purged from the buffers: its verdict would move nothing."""
+        now, clock = time.time(), time.monotonic()
+        mine = {i for ids, _h, _u in self._waiting.values() for i in ids}
+        mine |= {i for i, (_n, after) in self._retries.items() if after > clock}
+        return self.store.query(
+            f"SELECT id, session_id FROM turns WHERE {TASK_TURNS_SQL} AND status = 'ok' "
+            "AND reward IS NULL AND human_label IS NULL "
+            "AND (response IS NOT NULL OR tool_calls IS NOT NULL) "  # else nothing to judge
+            "AND skill_generation = ? AND COALESCE(buffer_state, 'live') = 'live' "
+            "AND created_at <= ? AND (judge_lease_until IS NULL OR judge_lease_until < ?) "
+            f"AND id NOT {IN_IDS} ORDER BY id LIMIT ?",
+            (buffers.current_generation(self.store), now - self.feedback_wait, now,
+             id_list(mine), self.SWEEP_LIMIT if limit is None else int(limit)))
+
+    async def _sweep(self, resume: bool = False) -> None:
+        """Judge the turns :meth:`unjudged_turns` finds, by session (so that the triggers count
+        them); with ``resume``, then evolve if a trigger holds in the store."""
+        by_session: dict[str, list[int]] = {}
+        for row in self.unjudged_turns():
+            by_session.setdefault(row["session_id"], []).append(int(row["id"]))
+        if by_session:
+            log.info("fast loop: judging %d turn(s) left without a verdict",
+                     sum(map(len, by_session.values())))
+            await asyncio.gather(*(self._judge(session, ids)
+                                   for session, ids in by_session.items()))
+        if resume:
+            trigger = self._trigger_in_store()
+            if trigger is not None:
+                await self._evolve(trigger)
+
+    def _trigger_in_store(self) -> str | None:
+        """A trigger that holds in the store now, as :meth:`_check_triggers` and the session-end
+        trigger would have fired it (a process killed before it evolved loses its counts):
+        ``None`` when there is none, or when the live support set holds no failure."""
+        generation = buffers.current_generation(self.store)
+        failing = {int(t["id"]): t["session_id"]
+                   for t in buffers.support_set(self.store, threshold=self.judge.threshold)}
+        if not failing:
+            return None
+        if self.failure_rate is not None:
+            judged, failed = self.failure_stats()
+            if judged >= self.min_judged and failed / judged > self.failure_rate:
+                return (f"failure rate {failed}/{judged} of the current generation exceeds "
+                        f"{self.failure_rate:g} (found on start)")
+        sessions = sorted(set(failing.values()))
+        if self.on_session_end:
+            for session in sessions:
+                if (self.store.session(session) or {}).get("done"):
+                    return f"session {session} ended (found on start)"
+        if self.every_n:
+            for session in sessions:
+                n = self.store.query(
+                    f"SELECT COUNT(*) AS n FROM turns WHERE session_id = ? AND {TASK_TURNS_SQL} "
+                    "AND skill_generation = ? AND (reward IS NOT NULL OR human_label IS NOT "
+                    "NULL)", (session, generation))[0]["n"]
+                if n >= self.every_n:
+                    return (f"{n} judged turns in session {session} (every {self.every_n}, "
+                            "found on start)")
+        return None
+
     # -- judging --------------------------------------------------------------------------
     async def _judge(self, session: str, turn_ids: list[int]) -> None:
         results = await self.judge.ajudge_turns(self.store, turn_ids,
@@ -412,19 +524,29 @@ class FastLoop:
         judged, leased = 0, []
         for result in results:
             if result.skipped == "judged":  # another process's verdict counts here too
+                self._retries.pop(result.turn_id, None)
                 judged += 1
             elif result.skipped == "leased":
                 leased.append(result.turn_id)
             elif result.ok:
+                self._retries.pop(result.turn_id, None)
                 judged += 1
                 self._emit("judged", session_id=session, turn_id=result.turn_id,
                            score=result.score, votes=[v["score"] for v in result.votes],
                            failed=result.failed, unparsable=result.unparsable,
                            rationale=result.rationale)
             else:
+                # the sweep tries it again after 1, 2, 4, ... sweeps: a judge down for minutes
+                # loses no turn, and one down for good does not flood the events table
+                failures = self._retries.get(result.turn_id, (0, 0.0))[0] + 1
+                wait = self.SWEEP_S * 2 ** (failures - 1)
+                retry = failures <= self.MAX_RETRIES
+                self._retries[result.turn_id] = (
+                    failures, time.monotonic() + wait if retry else float("inf"))
                 self._emit("judge_failed", session_id=session, turn_id=result.turn_id,
                            error=result.error, failed=result.failed,
-                           unparsable=result.unparsable)
+                           unparsable=result.unparsable,
+                           retry=f"in about {wait:g} s" if retry else "no more retries here")
         if leased:  # another process is judging them: look again later, so that they count
             # when its verdicts land, and are judged here if it stopped (its lease ended)
             asyncio.get_running_loop().call_later(
@@ -463,59 +585,76 @@ class FastLoop:
         if self._evolve_lock is None:
             self._evolve_lock = asyncio.Lock()
         async with self._evolve_lock:
-            buffers.refresh(self.store, threshold=self.judge.threshold)
-            support = buffers.support_set(self.store, threshold=self.judge.threshold)
-            ids = frozenset(int(t["id"]) for t in support)
-            generation = self.library.generation
-            if not ids:
-                self._emit("evolve_skipped", generation=generation, trigger=trigger,
-                           reason="no live support turns in the current generation")
-                if manual:
-                    return await self.evolver.aevolve(dry_run=dry_run, support_turns=[])
-                return None
-            if not manual and not (ids - self._last_attempt):
-                self._emit("evolve_skipped", generation=generation, trigger=trigger,
-                           reason="no new failures since the last attempt")
-                return None
-            attempted_before = self._last_attempt
-            if not dry_run:
-                self._last_attempt = ids
-            self._emit("evolve_started", generation=generation, trigger=trigger,
-                       support=sorted(ids))
+            # another process evolving from the same failures would spend the same calls and
+            # leave its candidate stale: wait for it, then evolve from what it left
+            while not self._evolve_lease.acquire("evolving skills"):
+                await asyncio.sleep(0.2)
             try:
-                if manual:
-                    result = await self.evolver.aevolve(dry_run=dry_run, support_turns=support)
-                else:
-                    result = await self._gated_evolve(support)
-            except asyncio.CancelledError:  # stopped midway: nothing was decided either
-                self._last_attempt = attempted_before
+                return await self._evolve_alone(trigger, manual=manual, dry_run=dry_run)
+            finally:
+                self._evolve_lease.release()
+
+    async def _evolve_alone(self, trigger: str, *, manual: bool,
+                            dry_run: bool) -> EvolveResult | None:
+        from metaclaw import proposals
+
+        self.library.sync()  # a generation another process committed while this waited
+        buffers.refresh(self.store, threshold=self.judge.threshold)
+        support = buffers.support_set(self.store, threshold=self.judge.threshold)
+        ids = frozenset(int(t["id"]) for t in support)
+        generation = self.library.generation
+        if not ids:
+            self._emit("evolve_skipped", generation=generation, trigger=trigger,
+                       reason="no live support turns in the current generation")
+            if manual:
+                return await self.evolver.aevolve(dry_run=dry_run, support_turns=[])
+            return None
+        # a proposal made from this generation (by any process, before a restart too)
+        # attempted its failures as surely as this process's last attempt did
+        seen = self._last_attempt | proposals.proposed_support(self.store, generation)
+        if not manual and not (ids - seen):
+            self._emit("evolve_skipped", generation=generation, trigger=trigger,
+                       reason="no new failures since the last attempt")
+            return None
+        attempted_before = self._last_attempt
+        if not dry_run:
+            self._last_attempt = ids
+        self._emit("evolve_started", generation=generation, trigger=trigger,
+                   support=sorted(ids))
+        try:
+            if manual:
+                result = await self.evolver.aevolve(dry_run=dry_run, support_turns=support)
+            else:
+                result = await self._gated_evolve(support)
+        except asyncio.CancelledError:  # stopped midway: nothing was decided either
+            self._last_attempt = attempted_before
+            raise
+        except Exception as exc:  # noqa: BLE001 - reported, the loop keeps running
+            # a failed call decided nothing about these failures: the next trigger retries
+            self._last_attempt = attempted_before
+            if isinstance(exc, EvolveError):
+                self._emit("evolve_failed", generation=generation, trigger=trigger,
+                           error=exc.reason, attempts=exc.attempts)
+            else:
+                log.exception("evolver failed")
+                self._emit("evolve_failed", generation=generation, trigger=trigger,
+                           error=f"{type(exc).__name__}: {exc}")
+            if manual:
                 raise
-            except Exception as exc:  # noqa: BLE001 - reported, the loop keeps running
-                # a failed call decided nothing about these failures: the next trigger retries
-                self._last_attempt = attempted_before
-                if isinstance(exc, EvolveError):
-                    self._emit("evolve_failed", generation=generation, trigger=trigger,
-                               error=exc.reason, attempts=exc.attempts)
-                else:
-                    log.exception("evolver failed")
-                    self._emit("evolve_failed", generation=generation, trigger=trigger,
-                               error=f"{type(exc).__name__}: {exc}")
-                if manual:
-                    raise
-                return None
-            self.last_result = result
-            kind = {"applied": "evolved", "rejected": "evolve_rejected", "held": "evolve_held",
-                    "no_change": "evolve_no_change"}.get(result.status, "evolve_skipped")
-            gated = {} if result.gate is None else {
-                "gate": result.gate.decision, "judge_calls": result.gate.judge_calls,
-                "proposal_id": result.proposal_id}
-            self._emit(kind, generation=result.generation if result.applied else generation,
-                       trigger=trigger, status=result.status, parent=result.parent,
-                       ops=[f"{op.op} {op.name}" for op in (result.proposal.ops
-                                                           if result.proposal else [])],
-                       consumed=result.consumed, purged=result.purged, reason=result.reason,
-                       **gated)
-            return result
+            return None
+        self.last_result = result
+        kind = {"applied": "evolved", "rejected": "evolve_rejected", "held": "evolve_held",
+                "no_change": "evolve_no_change"}.get(result.status, "evolve_skipped")
+        gated = {} if result.gate is None else {
+            "gate": result.gate.decision, "judge_calls": result.gate.judge_calls,
+            "proposal_id": result.proposal_id}
+        self._emit(kind, generation=result.generation if result.applied else generation,
+                   trigger=trigger, status=result.status, parent=result.parent,
+                   ops=[f"{op.op} {op.name}" for op in (result.proposal.ops
+                                                       if result.proposal else [])],
+                   consumed=result.consumed, purged=result.purged, reason=result.reason,
+                   **gated)
+        return result
 
     async def _gated_evolve(self, support: list[dict[str, Any]]) -> EvolveResult:
         """The automatic path: propose, check with the gate, then promote or hold back."""

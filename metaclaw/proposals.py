@@ -189,6 +189,14 @@ def frame(store: Store):
     return pl.DataFrame(data, schema=schema)
 
 
+def proposed_support(store: Store, base_generation: int) -> set[int]:
+    """The failures (support turn ids) any proposal made from ``base_generation`` was written
+    for, held, promoted or discarded: the fast loop does not ask again for them alone."""
+    rows = store.query("SELECT DISTINCT value AS id FROM proposals, json_each(support_ids) "
+                       "WHERE base_generation = ?", (int(base_generation),))
+    return {int(r["id"]) for r in rows}
+
+
 def _require_held(store: Store, proposal_id: int) -> Proposal:
     proposal = get(store, proposal_id)
     if proposal.status != HELD:
