@@ -28,9 +28,11 @@ from typing import Iterator
 
 MARKER = ".metaclaw-run"
 
-#: Top-level entries of one benchmark run's folder (store, skill library, rounds, snapshots).
+#: Top-level entries of one benchmark run's folder (store and the files beside it, skill
+#: library, rounds, snapshots).
 RUN_ENTRIES = ("metaclaw.db", "metaclaw.db-wal", "metaclaw.db-shm", "metaclaw.db-journal",
-               "skills", "run", "snapshots")
+               "metaclaw.db-skill-folders.json", "metaclaw.db.training.lock",
+               "metaclaw.db.evolve.lock", "skills", "run", "snapshots")
 #: Top-level entries of a demo's folder (its two runs and the result).
 DEMO_ENTRIES = ("baseline", "skills", "demo.json")
 
