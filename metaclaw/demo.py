@@ -85,6 +85,44 @@ class _TurnSync:
         self.loop.wait_idle(max(1.0, deadline - time.monotonic()))
 
 
+def settle_killed_part(store: Any, judge: Any, data: Path, days: Any, mode: str, model: str,
+                       run_dir: Path) -> dict[str, int]:
+    """Before a resumed run: what the stopped process left in the store, settled as a run that
+    was never stopped would have it. A day it left unfinished runs again in new sessions, so
+    its turns there (an abandoned attempt at the day) are purged from the buffers: neither
+    the evolver nor training sees the day twice. A kept day's turns the process recorded but
+    did not live to judge (its fast loop's waiting list died with it) are judged now, before
+    the day's end that a resumed run may still have to run evolves from them. Returns
+    ``{"purged": n, "judged": n}``."""
+    from metaclaw.bench.data import load_benchmark, select_days
+    from metaclaw.bench.runner import finished_days
+    from metaclaw.sessions import TASK_TURNS_SQL
+
+    chosen = select_days(load_benchmark(data), days)
+    kept = finished_days(run_dir / "rounds.jsonl", chosen, mode, model)
+    purged, unjudged = 0, []
+    for day in chosen:
+        sessions = [r["id"] for r in store.query(
+            "SELECT id FROM sessions WHERE id LIKE 'bench-%' AND substr(id, -length(?)) = ?",
+            (f"-{day.id}", f"-{day.id}"))]
+        for session in sessions:
+            if day.id not in kept:
+                purged += store.execute(
+                    "UPDATE turns SET buffer_state = 'purged' WHERE session_id = ? AND "
+                    "buffer_state = 'live'", (session,)).rowcount
+            else:
+                unjudged += [r["id"] for r in store.query(
+                    f"SELECT id FROM turns WHERE session_id = ? AND {TASK_TURNS_SQL} AND "
+                    "status = 'ok' AND reward IS NULL AND buffer_state = 'live'", (session,))]
+    judged = sum(r.ok for r in judge.judge_turns(store, unjudged)) if unjudged else 0
+    if purged or judged:
+        store.record_event(source="bench", kind="resume_settled", purged=purged, judged=judged,
+                           message=f"resumed run: purged {purged} turn(s) of days the stopped "
+                                   f"run left unfinished (they run again), judged {judged} "
+                                   "turn(s) of kept days it had not judged")
+    return {"purged": purged, "judged": judged}
+
+
 def run_mode(mode: str, data: Path, days: Any, out: Path, upstream: str, model: str, *,
               api_key_env: str, retrieval: str, top_k: int, min_score: float | None,
               budget_chars: int, parallel: int, judge_url: str | None,
@@ -144,6 +182,8 @@ def run_mode(mode: str, data: Path, days: Any, out: Path, upstream: str, model: 
                                 on_session_end=False, feedback_wait=600.0)
                 sync = _TurnSync(loop)
                 loop.attach(proxy)
+                if resume:
+                    settle_killed_part(store, judge, data, days, mode, model, out / "run")
                 attempted: set[int] = set()
 
                 def evolve_if_new() -> None:

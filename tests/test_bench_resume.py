@@ -223,3 +223,85 @@ def test_mode_full_finds_the_killed_process_snapshots_for_a_resumed_night(tmp_pa
     (tmp_path / "snapshots" / "day02" / "r3").mkdir(parents=True)
     assert full._snapshot("day02", "r3") == tmp_path / "snapshots" / "day02" / "r3"
     assert full._snapshot("day02", "r4") is None
+
+
+SKILLS_RUN = """
+import os, sys, time
+from pathlib import Path
+from metaclaw.bench.data import small_bench_dir
+from metaclaw.demo import run_mode
+from metaclaw.simmodel import serve_sim_model
+
+out, resume = Path(sys.argv[1]), sys.argv[2] == "resume"
+
+def on_round(record):
+    if f"{record['day']}:{record['index']}" == os.environ.get("STALL_AT"):
+        (out / "stalled").touch()
+        time.sleep(600)
+
+sim = serve_sim_model()
+try:
+    run_mode("skills", small_bench_dir(), "day01,day02", out, sim.url, "sim-agent",
+             api_key_env="METACLAW_UPSTREAM_API_KEY", retrieval="lexical", top_k=3,
+             min_score=None, budget_chars=6000, parallel=1, judge_url=sim.url,
+             judge_model="sim-judge", evolver_url=sim.url, evolver_model="sim-evolver", votes=1,
+             evolve_every="day", on_round=on_round, resume=resume)
+finally:
+    sim.stop()
+"""
+
+
+def _killed_then_resumed_skills_run(out: Path, stall_at: str):
+    """A skills run killed (SIGKILL) once ``stall_at`` ("day:round index") is recorded, then
+    resumed to its end; returns the workspace's store."""
+    from metaclaw.store import Store
+
+    out.mkdir()
+    proc = subprocess.Popen([sys.executable, "-c", SKILLS_RUN, str(out), "start"],
+                            env={**os.environ, "STALL_AT": stall_at})
+    deadline = time.monotonic() + 300
+    while not (out / "stalled").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "the run never got there"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    done = subprocess.run([sys.executable, "-c", SKILLS_RUN, str(out), "resume"],
+                          env={**os.environ, "STALL_AT": ""}, timeout=300)
+    assert done.returncode == 0
+    return Store(out / "metaclaw.db")
+
+
+def test_a_skills_run_killed_mid_day_leaves_no_half_day_to_learn_from(tmp_path):
+    """Killed after day02's second round: the resumed run runs day02 again in a new session;
+    the killed attempt's turns are purged from the buffers, so the evolver and training never
+    see the day twice."""
+    store = _killed_then_resumed_skills_run(tmp_path / "out", "day02:1")
+    try:
+        day02 = sorted(r["id"] for r in store.query(
+            "SELECT id FROM sessions WHERE id LIKE 'bench-%-day02'"))
+        assert len(day02) == 2  # the killed attempt and the resumed run's
+        killed = next(s for s in day02 if store.query(
+            "SELECT 1 FROM turns WHERE session_id = ? AND buffer_state = 'purged'", (s,)))
+        states = {r["buffer_state"] for r in store.query(
+            "SELECT buffer_state FROM turns WHERE session_id = ? AND status = 'ok' "
+            "AND turn_type = 'main'", (killed,))}
+        assert states == {"purged"}
+        (event,) = store.events(kind="resume_settled")
+        assert event["detail"]["purged"] >= 2
+    finally:
+        store.close()
+
+
+def test_a_skills_run_killed_before_a_days_end_judges_that_days_turns_first(tmp_path):
+    """Killed once day01's rounds were all recorded, before its end: the last turn was still
+    waiting for its feedback in the killed process. The resumed run judges it before running
+    day01's end, so the day's evolution sees every verdict."""
+    store = _killed_then_resumed_skills_run(tmp_path / "out", "day01:4")
+    try:
+        assert len(store.query("SELECT id FROM sessions WHERE id LIKE 'bench-%-day01'")) == 1
+        assert not store.query("SELECT id FROM turns WHERE session_id LIKE 'bench-%-day01' "
+                               "AND status = 'ok' AND turn_type = 'main' AND reward IS NULL")
+        (event,) = store.events(kind="resume_settled")
+        assert event["detail"]["judged"] >= 1 and event["detail"]["purged"] == 0
+    finally:
+        store.close()
