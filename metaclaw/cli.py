@@ -157,8 +157,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"MetaClaw proxy on {url} -> {upstream}; skill generation {generation}, "
               f"{len(skills)} skills in {args.skills}", flush=True)
 
+    def evolution(event: Any) -> None:  # what the fast loop decided, or why it did nothing
+        if event.kind.startswith("evolve") and event.kind != "evolve_started" \
+                or event.kind == "generation":
+            print(_printable(f"fast loop: {event}"), flush=True)
+
     try:
-        runtime.serve_forever(on_ready=ready)
+        runtime.serve_forever(on_ready=ready, on_loop_event=evolution)
     except KeyboardInterrupt:
         pass
     return 0

@@ -276,14 +276,18 @@ class Runtime:
             self.proxy.config.upstream_url = self.double.url
             self.proxy.config.model = self.config.model or "offline-double"
 
-    def serve_forever(self, on_ready: Callable[[str], None] | None = None) -> None:
+    def serve_forever(self, on_ready: Callable[[str], None] | None = None,
+                      on_loop_event: Callable[[Any], None] | None = None) -> None:
         """Run the proxy in the foreground (``metaclaw serve``) until interrupted;
-        ``on_ready(url)`` once it listens (the real port, with ``port=0``)."""
+        ``on_ready(url)`` once it listens (the real port, with ``port=0``); ``on_loop_event``:
+        called with each event of the fast loop, where ``auto_evolve`` runs one."""
         self._start_double()
         self.library.watch()
         self._follow_policies()
-        if self.config.auto_evolve:
-            self.fast_loop  # noqa: B018 - builds and attaches it (the double has its URL now)
+        if self.config.auto_evolve:  # built now: the double has its URL
+            if on_loop_event is not None:
+                self.fast_loop.on_event(on_loop_event)
+            self.fast_loop  # noqa: B018 - builds and attaches it
         try:
             self.proxy.serve_forever(on_ready)
         finally:

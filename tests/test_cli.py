@@ -379,7 +379,9 @@ def test_serve_sim_auto_evolve_holds_an_unverified_skill_for_review(tmp_path):
         assert raw.headers["x-metaclaw-skill-generation"] == "0"
     finally:
         proc.terminate()
-        proc.wait(timeout=20)
+        out, _ = proc.communicate(timeout=20)
+    # the server says what the fast loop decided (no change, held, a new generation) and why
+    assert "fast loop: evolve_held: generation 0 — trigger=session s1 ended" in out
 
 
 def test_a_locked_workspace_or_an_unwritable_folder_is_a_one_line_error(tmp_path, monkeypatch,
