@@ -100,12 +100,16 @@ def settle_killed_part(store: Any, judge: Any, data: Path, days: Any, mode: str,
 
     chosen = select_days(load_benchmark(data), days)
     kept = finished_days(run_dir / "rounds.jsonl", chosen, mode, model)
+    # a day's sessions are bench-<run id>-<day id>, and a run id holds no "-": matched on the
+    # whole day id, since one day's id may end like another's ("x-day01" and "day01")
+    by_day: dict[str, list[str]] = {}
+    for row in store.query("SELECT id FROM sessions WHERE id LIKE 'bench-%'"):
+        parts = row["id"].split("-", 2)
+        if len(parts) == 3:
+            by_day.setdefault(parts[2], []).append(row["id"])
     purged, unjudged = 0, []
     for day in chosen:
-        sessions = [r["id"] for r in store.query(
-            "SELECT id FROM sessions WHERE id LIKE 'bench-%' AND substr(id, -length(?)) = ?",
-            (f"-{day.id}", f"-{day.id}"))]
-        for session in sessions:
+        for session in by_day.get(day.id, []):
             if day.id not in kept:
                 purged += store.execute(
                     "UPDATE turns SET buffer_state = 'purged' WHERE session_id = ? AND "
@@ -178,12 +182,13 @@ def run_mode(mode: str, data: Path, days: Any, out: Path, upstream: str, model: 
                 judge = Judge(judge_url, judge_model, api_key_env=api_key_env, votes=votes)
                 evolver = Evolver(evolver_url, evolver_model, library, store, api_key_env=api_key_env,
                                   dedupe_threshold=None)
+                if resume:  # before the fast loop starts: its first sweep would judge the
+                    # turns of a day that runs again, which this purges
+                    settle_killed_part(store, judge, data, days, mode, model, out / "run")
                 loop = FastLoop(store, library, judge, evolver, every_n=0, failure_rate=None,
                                 on_session_end=False, feedback_wait=600.0)
                 sync = _TurnSync(loop)
                 loop.attach(proxy)
-                if resume:
-                    settle_killed_part(store, judge, data, days, mode, model, out / "run")
                 attempted: set[int] = set()
 
                 def evolve_if_new() -> None:

@@ -1,0 +1,127 @@
+"""Defects found in the crash-recovery changes (sweep, evolve lock, resumed bench runs),
+each reproduced with real processes, sockets and SQLite."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+RUN = """
+import os, sys, time
+from pathlib import Path
+from metaclaw.demo import run_mode
+from metaclaw.simmodel import serve_sim_model
+
+out, data, days, resume = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], sys.argv[4] == "resume"
+
+def on_round(record):
+    if f"{record['day']}:{record['index']}" == os.environ.get("STALL_AT"):
+        (out / "stalled").touch()
+        time.sleep(600)
+
+sim = serve_sim_model()
+try:
+    run_mode("skills", data, days, out, sim.url, "sim-agent",
+             api_key_env="METACLAW_UPSTREAM_API_KEY", retrieval="lexical", top_k=3,
+             min_score=None, budget_chars=6000, parallel=1, judge_url=sim.url,
+             judge_model="sim-judge", evolver_url=sim.url, evolver_model="sim-evolver", votes=1,
+             evolve_every="day", on_round=on_round, resume=resume)
+finally:
+    sim.stop()
+"""
+
+
+def _bench_with_days(tmp_path: Path, ids: dict[str, str]) -> Path:
+    """A copy of the small benchmark whose days are renamed (``{old id: new id}``), in the
+    order of ``ids``."""
+    from metaclaw.bench.data import small_bench_dir
+
+    data = tmp_path / "bench"
+    shutil.copytree(small_bench_dir(), data)
+    tests = json.loads((data / "all_tests.json").read_text())
+    by_id = {entry["id"]: entry for entry in tests["test"]}
+    tests["test"] = [{**by_id[old], "id": new, "eval": by_id[old].get("eval", old)}
+                     for old, new in ids.items()]
+    (data / "all_tests.json").write_text(json.dumps(tests))
+    shared = data / "workspaces" / "shared"  # each day's input files, under its new id
+    for old in ids:
+        (shared / old).rename(shared / f"{old}.old")
+    for old, new in ids.items():
+        (shared / f"{old}.old").rename(shared / new)
+    return data
+
+
+def _killed_then_resumed(out: Path, data: Path, days: str, stall_at: str,
+                         between=lambda store: None):
+    """A skills run killed (SIGKILL) once ``stall_at`` ("day:round index") is recorded, then,
+    after ``between(store)``, resumed to its end; returns the workspace's store."""
+    from metaclaw.store import Store
+
+    out.mkdir()
+    proc = subprocess.Popen([sys.executable, "-c", RUN, str(out), str(data), days, "start"],
+                            env={**os.environ, "STALL_AT": stall_at})
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "stalled").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "the run never got there"
+            time.sleep(0.05)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+    with Store(out / "metaclaw.db") as store:
+        between(store)
+    done = subprocess.run([sys.executable, "-c", RUN, str(out), str(data), days, "resume"],
+                          env={**os.environ, "STALL_AT": ""}, timeout=300)
+    assert done.returncode == 0
+    return Store(out / "metaclaw.db")
+
+
+def test_a_resumed_run_keeps_the_turns_of_a_day_whose_id_ends_like_another_days(tmp_path):
+    """Days "x-day01" then "day01"; killed once x-day01's rounds were all recorded, before its
+    end. day01 never began, so nothing is purged: x-day01's session (bench-RUN-x-day01) also
+    ends in "-day01", and was taken for day01's, so the kept day's turns were purged before
+    its end could evolve from them."""
+    data = _bench_with_days(tmp_path, {"day01": "x-day01", "day02": "day01"})
+    store = _killed_then_resumed(tmp_path / "out", data, "x-day01,day01", "x-day01:4")
+    try:
+        (event,) = store.events(kind="resume_settled")
+        assert event["detail"]["purged"] == 0 and event["detail"]["judged"] >= 1
+        # x-day01's end evolved from its failures: they are the first generation's support
+        states = {r["buffer_state"] for r in store.query(
+            "SELECT buffer_state FROM turns WHERE session_id LIKE 'bench-%-x-day01' "
+            "AND turn_type = 'main' AND reward < 0")}
+        assert states == {"consumed"}
+    finally:
+        store.close()
+
+
+def test_a_run_resumed_long_after_the_kill_judges_no_turn_of_a_day_that_runs_again(tmp_path):
+    """Killed after day02's second round and resumed more than the feedback wait (600 s)
+    later: the turn the killed process was waiting on belongs to the abandoned attempt at
+    day02, which runs again. The fast loop's first sweep started before the resume purged
+    that attempt, and judged its turn: a judge call (three votes with a real model) for a
+    verdict nothing reads."""
+    waiting: list[int] = []
+
+    def an_hour_later(store):
+        waiting.extend(r["id"] for r in store.query(
+            "SELECT id FROM turns WHERE session_id LIKE 'bench-%-day02' AND status = 'ok' "
+            "AND turn_type = 'main' AND reward IS NULL"))
+        store.execute("UPDATE turns SET created_at = created_at - 3600")
+
+    data = _bench_with_days(tmp_path, {"day01": "day01", "day02": "day02"})
+    store = _killed_then_resumed(tmp_path / "out", data, "day01,day02", "day02:1", an_hour_later)
+    try:
+        assert waiting
+        rows = store.query(f"SELECT buffer_state, reward FROM turns WHERE id IN "
+                           f"({','.join(map(str, waiting))})")
+        assert {r["buffer_state"] for r in rows} == {"purged"}
+        assert [r["reward"] for r in rows] == [None] * len(rows)
+    finally:
+        store.close()
