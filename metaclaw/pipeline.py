@@ -274,7 +274,7 @@ class Recorder:
                 self._loop_store = self.proxy.store.loop_writer() or self.proxy.store
             store = self._loop_store
             with store.transaction(False, wait=False):
-                ids = [self._write(store, row, done) for row, done, _, _ in group]
+                ids = self._write_all(store, group)
         except Exception:  # busy, closed, or a row the store refuses: rolled back, nothing
             return False   # written; the writer thread sorts it out (or answers None)
         finally:
@@ -317,14 +317,14 @@ class Recorder:
         ids: list[int | None]
         try:
             with store.transaction(fsync):
-                ids = [self._write(store, row, done) for row, done, _, _ in group]
+                ids = self._write_all(store, group)
             self._thread_commits += 1
         except Exception:  # one bad row must not lose the others: write them one by one
             ids = []
             for row, done, _, _ in group:
                 try:  # strings cleaned of what SQLite cannot encode (lone surrogates)
                     with store.transaction(fsync):
-                        ids.append(self._write(store, _encodable(row), done))
+                        ids += self._write_all(store, [(_encodable(row), done)])
                 except Exception:
                     log.exception("could not record a turn of session %r", row.get("session_id"))
                     ids.append(None)
@@ -350,11 +350,23 @@ class Recorder:
         self._notify_listeners(ids)
 
     @staticmethod
-    def _write(store: "Store", row: dict[str, Any], done: bool) -> int:
-        turn_id = store.record_turn(**row)
-        if done:
-            store.mark_session_done(row["session_id"])
-        return turn_id
+    def _write_all(store: "Store", group: list[tuple[Any, ...]]) -> list[int]:
+        """Write the turns of ``group`` (its entries start with ``row, done``) in the caller's
+        transaction. A turn that entered the buffers as live (:func:`metaclaw.buffers.classify`,
+        when it was served) but was served under an older generation than the store's latest is
+        recorded purged: another process committed that generation after this one last looked,
+        and its purge of older live turns ran before this turn existed. Read here, under the
+        write lock, no generation can land between the check and the write."""
+        latest = store.latest_generation() or 0
+        ids = []
+        for row, done, *_ in group:
+            if row.get("buffer_state") == buffers.LIVE and (row.get("skill_generation")
+                                                             or 0) < latest:
+                row = {**row, "buffer_state": buffers.PURGED}
+            ids.append(store.record_turn(**row))
+            if done:
+                store.mark_session_done(row["session_id"])
+        return ids
 
     def _notify_listeners(self, ids: list[int | None]) -> None:
         pool = self.proxy._listener_pool

@@ -125,3 +125,58 @@ def test_a_run_resumed_long_after_the_kill_judges_no_turn_of_a_day_that_runs_aga
         assert [r["reward"] for r in rows] == [None] * len(rows)
     finally:
         store.close()
+
+
+def test_a_turn_served_while_another_process_committed_a_generation_is_recorded_purged(tmp_path):
+    """The turn enters the buffers as it is recorded; a generation committed by another
+    connection while its upstream call was in flight (after this proxy last looked, and after
+    that evolution purged the older live turns) makes it purged, not live under a generation
+    that is gone."""
+    import threading
+
+    import httpx
+
+    from metaclaw.double import DoubleServer, Reply
+    from metaclaw.proxy import Proxy, ProxyConfig
+    from metaclaw.skills import SkillLibrary
+    from metaclaw.store import Store
+
+    store = Store(tmp_path / "metaclaw.db")
+    library = SkillLibrary(tmp_path / "skills", store)
+    in_flight = threading.Event()
+
+    def slow(_body):
+        in_flight.set()
+        time.sleep(1.0)
+        return Reply("done")
+
+    with DoubleServer(slow) as upstream:
+        proxy = Proxy(ProxyConfig(upstream_url=upstream.url, retrieval="lexical"), store,
+                      library).start()
+        try:
+            answer = {}
+            thread = threading.Thread(target=lambda: answer.update(reply=httpx.post(
+                proxy.url + "/chat/completions", timeout=30, json={
+                    "model": "m", "messages": [{"role": "user", "content": "hello"}]})))
+            thread.start()
+            assert in_flight.wait(10)
+            other = Store(tmp_path / "metaclaw.db")  # another process's connection
+            try:
+                assert other.add_generation(snapshot={}, kind="manual", parent=0) == 1
+            finally:
+                other.close()
+            thread.join(30)
+            assert answer["reply"].status_code == 200
+            proxy.flush()
+            (turn,) = store.turns()
+            assert turn["skill_generation"] == 0
+            assert (turn["buffer_set"], turn["buffer_state"]) == ("query", "purged")
+            # a turn served under the latest generation enters as live
+            httpx.post(proxy.url + "/chat/completions", timeout=30, json={
+                "model": "m", "messages": [{"role": "user", "content": "again"}]})
+            proxy.flush()
+            last = store.turns()[-1]
+            assert last["skill_generation"] == 1 and last["buffer_state"] == "live"
+        finally:
+            proxy.stop()
+            store.close()
