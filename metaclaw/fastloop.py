@@ -480,8 +480,15 @@ class FastLoop:
         if by_session:
             log.info("fast loop: judging %d turn(s) left without a verdict",
                      sum(map(len, by_session.values())))
-            await asyncio.gather(*(self._judge(session, ids)
-                                   for session, ids in by_session.items()))
+            # each session's call keeps its own votes within ``concurrency``; a backlog of many
+            # one-turn sessions would otherwise send them all at once (300 requests for 100)
+            sessions = asyncio.Semaphore(max(1, self.concurrency // max(1, self.judge.votes)))
+
+            async def judge(session: str, ids: list[int]) -> None:
+                async with sessions:
+                    await self._judge(session, ids)
+
+            await asyncio.gather(*(judge(session, ids) for session, ids in by_session.items()))
         if resume:
             trigger = self._trigger_in_store()
             if trigger is not None:

@@ -205,3 +205,38 @@ def test_two_processes_do_not_evolve_from_the_same_failures_at_once(tmp_path, do
         for loop in loops:
             loop.stop()
             loop.store.close()
+
+
+def test_a_backlog_of_many_sessions_is_judged_within_the_loops_concurrency(tmp_path):
+    """40 one-turn sessions left without a verdict: the first sweep judges them all, but keeps
+    about ``concurrency`` judge calls in flight (it sent all 40 at once)."""
+    import threading
+
+    from metaclaw.double import Reply
+
+    arrivals: list[float] = []
+    lock = threading.Lock()
+
+    def verdict(_body):
+        with lock:
+            arrivals.append(time.monotonic())
+        return Reply("Score: 1", delay=0.5)
+
+    with DoubleServer(verdict) as judge_double:
+        with Store(tmp_path / "metaclaw.db") as store:
+            for i in range(40):
+                store.record_turn(session_id=f"s{i}", request_messages=[
+                    {"role": "user", "content": f"task {i}"}], status="ok", response="done",
+                    skill_generation=0, turn_type="main")
+        loop = make_loop(tmp_path, judge_double.url, feedback_wait=0, every_n=0,
+                         failure_rate=None, on_session_end=False, concurrency=8, gate=None)
+        try:
+            loop.start()
+            wait_until(lambda: all(t["reward"] is not None for t in loop.store.turns()),
+                       timeout=30, what="the backlog judged")
+        finally:
+            loop.stop()
+            loop.store.close()
+    first = arrivals[0]
+    assert len(arrivals) == 40
+    assert sum(at - first < 0.3 for at in arrivals) <= 8  # no more than 8 calls at once
