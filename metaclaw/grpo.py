@@ -834,12 +834,21 @@ def train_grpo(backend, prompts: Sequence[Prompt] | Callable[[], Sequence[Prompt
 
     In: as :class:`GRPOTrainer`, plus ``should_stop`` (checked at each step boundary).
     Out: a :class:`GRPOResult`. Equivalent to
-    ``GRPOTrainer(backend, prompts, ...).train(config.steps, should_stop)``.
+    ``GRPOTrainer(backend, prompts, ...).train(config.steps, should_stop)``, holding the
+    workspace's training lease when ``store`` is given (one trainer per workspace, see
+    :mod:`metaclaw.training_lease`; :class:`~metaclaw.training_lease.TrainingBusy` names the
+    process that trains it now): another process's trainer takes the claims it finds under the
+    lease for a dead trainer's.
     """
+    from metaclaw.training_lease import TrainingLease
+
     trainer = GRPOTrainer(backend, prompts, config=config, store=store, judge=judge,
                           on_step=on_step, on_publish=on_publish,
                           skill_generation=skill_generation, run_id=run_id)
-    return trainer.train(should_stop=should_stop)
+    if store is None:
+        return trainer.train(should_stop=should_stop)
+    with TrainingLease.for_store(store).holding("GRPO training (train_grpo)"):
+        return trainer.train(should_stop=should_stop)
 
 
 __all__ = ["ADVANTAGE_MODES", "GRPOConfig", "GRPOResult", "GRPOTrainer", "Prompt", "Task",

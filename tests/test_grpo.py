@@ -273,6 +273,26 @@ def test_a_step_failing_before_its_gradient_step_releases_its_claim(backend, tmp
     assert store.turn(turn)["trained_steps"] == 0
 
 
+def test_train_grpo_on_a_workspace_holds_its_training_lease(backend, tmp_path):
+    """Another trainer of the workspace (here a lease held beside it) makes train_grpo refuse,
+    naming it, rather than train turns whose claims that trainer would take for a dead one's."""
+    from metaclaw.training_lease import TrainingBusy, TrainingLease
+
+    store = Store(tmp_path / "db.sqlite")
+    store.add_generation(snapshot={}, kind="init")
+    turn = _query_turn(store, 0)
+    other = TrainingLease.for_store(store)
+    assert other.acquire("idle-window training")
+    try:
+        with pytest.raises(TrainingBusy, match="idle-window training"):
+            train_grpo(backend, lambda: prompts_from_query_set(store, backend), store=store,
+                       judge=lambda prompt, text: 1.0,
+                       config=GRPOConfig(steps=1, groups_per_step=1, group_size=2, max_tokens=2))
+    finally:
+        other.release()
+    assert store.turn(turn)["trained_steps"] == 0
+
+
 def test_query_prompts_without_reward_need_a_judge(backend, tmp_path):
     store = Store(tmp_path / "db.sqlite")
     _query_turn(store, 0)
