@@ -101,7 +101,7 @@ def settle_killed_part(store: Any, judge: Any, data: Path, days: Any, mode: str,
     chosen = select_days(load_benchmark(data), days)
     kept = finished_days(run_dir / "rounds.jsonl", chosen, mode, model)
     # a day's sessions are bench-<run id>-<day id>, and a run id holds no "-": matched on the
-    # whole day id, since one day's id may end like another's ("x-day01" and "day01")
+    # whole day id, since one day's id may end like another's ("x-monday" and "monday")
     by_day: dict[str, list[str]] = {}
     for row in store.query("SELECT id FROM sessions WHERE id LIKE 'bench-%'"):
         parts = row["id"].split("-", 2)
