@@ -228,11 +228,10 @@ def test_mode_full_finds_the_killed_process_snapshots_for_a_resumed_night(tmp_pa
 SKILLS_RUN = """
 import os, sys, time
 from pathlib import Path
-from metaclaw.bench.data import small_bench_dir
 from metaclaw.demo import run_mode
 from metaclaw.simmodel import serve_sim_model
 
-out, resume = Path(sys.argv[1]), sys.argv[2] == "resume"
+out, data, days, resume = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], sys.argv[4] == "resume"
 
 def on_round(record):
     if f"{record['day']}:{record['index']}" == os.environ.get("STALL_AT"):
@@ -241,7 +240,7 @@ def on_round(record):
 
 sim = serve_sim_model()
 try:
-    run_mode("skills", small_bench_dir(), "day01,day02", out, sim.url, "sim-agent",
+    run_mode("skills", data, days, out, sim.url, "sim-agent",
              api_key_env="METACLAW_UPSTREAM_API_KEY", retrieval="lexical", top_k=3,
              min_score=None, budget_chars=6000, parallel=1, judge_url=sim.url,
              judge_model="sim-judge", evolver_url=sim.url, evolver_model="sim-evolver", votes=1,
@@ -251,22 +250,28 @@ finally:
 """
 
 
-def _killed_then_resumed_skills_run(out: Path, stall_at: str):
-    """A skills run killed (SIGKILL) once ``stall_at`` ("day:round index") is recorded, then
-    resumed to its end; returns the workspace's store."""
+def killed_then_resumed_skills_run(out: Path, stall_at: str, data: Path | None = None,
+                                   days: str = "day01,day02", between=lambda store: None):
+    """A skills run of ``days`` (of the small benchmark, or ``data``) killed (SIGKILL) once
+    ``stall_at`` ("day:round index") is recorded, then, after ``between(store)``, resumed to
+    its end; returns the workspace's store."""
+    from metaclaw.bench.data import small_bench_dir
     from metaclaw.store import Store
 
     out.mkdir()
-    proc = subprocess.Popen([sys.executable, "-c", SKILLS_RUN, str(out), "start"],
-                            env={**os.environ, "STALL_AT": stall_at})
-    deadline = time.monotonic() + 300
-    while not (out / "stalled").exists():
-        assert proc.poll() is None and time.monotonic() < deadline, "the run never got there"
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=60)
-    done = subprocess.run([sys.executable, "-c", SKILLS_RUN, str(out), "resume"],
-                          env={**os.environ, "STALL_AT": ""}, timeout=300)
+    args = [sys.executable, "-c", SKILLS_RUN, str(out), str(data or small_bench_dir()), days]
+    proc = subprocess.Popen([*args, "start"], env={**os.environ, "STALL_AT": stall_at})
+    try:
+        deadline = time.monotonic() + 300
+        while not (out / "stalled").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "the run never got there"
+            time.sleep(0.05)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+    with Store(out / "metaclaw.db") as store:
+        between(store)
+    done = subprocess.run([*args, "resume"], env={**os.environ, "STALL_AT": ""}, timeout=300)
     assert done.returncode == 0
     return Store(out / "metaclaw.db")
 
@@ -275,7 +280,7 @@ def test_a_skills_run_killed_mid_day_leaves_no_half_day_to_learn_from(tmp_path):
     """Killed after day02's second round: the resumed run runs day02 again in a new session;
     the killed attempt's turns are purged from the buffers, so the evolver and training never
     see the day twice."""
-    store = _killed_then_resumed_skills_run(tmp_path / "out", "day02:1")
+    store = killed_then_resumed_skills_run(tmp_path / "out", "day02:1")
     try:
         day02 = sorted(r["id"] for r in store.query(
             "SELECT id FROM sessions WHERE id LIKE 'bench-%-day02'"))
@@ -296,7 +301,7 @@ def test_a_skills_run_killed_before_a_days_end_judges_that_days_turns_first(tmp_
     """Killed once day01's rounds were all recorded, before its end: the last turn was still
     waiting for its feedback in the killed process. The resumed run judges it before running
     day01's end, so the day's evolution sees every verdict."""
-    store = _killed_then_resumed_skills_run(tmp_path / "out", "day01:4")
+    store = killed_then_resumed_skills_run(tmp_path / "out", "day01:4")
     try:
         assert len(store.query("SELECT id FROM sessions WHERE id LIKE 'bench-%-day01'")) == 1
         assert not store.query("SELECT id FROM turns WHERE session_id LIKE 'bench-%-day01' "

@@ -4,37 +4,11 @@ each reproduced with real processes, sockets and SQLite."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-RUN = """
-import os, sys, time
-from pathlib import Path
-from metaclaw.demo import run_mode
-from metaclaw.simmodel import serve_sim_model
-
-out, data, days, resume = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], sys.argv[4] == "resume"
-
-def on_round(record):
-    if f"{record['day']}:{record['index']}" == os.environ.get("STALL_AT"):
-        (out / "stalled").touch()
-        time.sleep(600)
-
-sim = serve_sim_model()
-try:
-    run_mode("skills", data, days, out, sim.url, "sim-agent",
-             api_key_env="METACLAW_UPSTREAM_API_KEY", retrieval="lexical", top_k=3,
-             min_score=None, budget_chars=6000, parallel=1, judge_url=sim.url,
-             judge_model="sim-judge", evolver_url=sim.url, evolver_model="sim-evolver", votes=1,
-             evolve_every="day", on_round=on_round, resume=resume)
-finally:
-    sim.stop()
-"""
+from test_bench_resume import killed_then_resumed_skills_run
 
 
 def _bench_with_days(tmp_path: Path, ids: dict[str, str]) -> Path:
@@ -57,38 +31,14 @@ def _bench_with_days(tmp_path: Path, ids: dict[str, str]) -> Path:
     return data
 
 
-def _killed_then_resumed(out: Path, data: Path, days: str, stall_at: str,
-                         between=lambda store: None):
-    """A skills run killed (SIGKILL) once ``stall_at`` ("day:round index") is recorded, then,
-    after ``between(store)``, resumed to its end; returns the workspace's store."""
-    from metaclaw.store import Store
-
-    out.mkdir()
-    proc = subprocess.Popen([sys.executable, "-c", RUN, str(out), str(data), days, "start"],
-                            env={**os.environ, "STALL_AT": stall_at})
-    try:
-        deadline = time.monotonic() + 120
-        while not (out / "stalled").exists():
-            assert proc.poll() is None and time.monotonic() < deadline, "the run never got there"
-            time.sleep(0.05)
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=60)
-    with Store(out / "metaclaw.db") as store:
-        between(store)
-    done = subprocess.run([sys.executable, "-c", RUN, str(out), str(data), days, "resume"],
-                          env={**os.environ, "STALL_AT": ""}, timeout=300)
-    assert done.returncode == 0
-    return Store(out / "metaclaw.db")
-
-
 def test_a_resumed_run_keeps_the_turns_of_a_day_whose_id_ends_like_another_days(tmp_path):
     """Days "x-day01" then "day01"; killed once x-day01's rounds were all recorded, before its
     end. day01 never began, so nothing is purged: x-day01's session (bench-RUN-x-day01) also
     ends in "-day01", and was taken for day01's, so the kept day's turns were purged before
     its end could evolve from them."""
     data = _bench_with_days(tmp_path, {"day01": "x-day01", "day02": "day01"})
-    store = _killed_then_resumed(tmp_path / "out", data, "x-day01,day01", "x-day01:4")
+    store = killed_then_resumed_skills_run(tmp_path / "out", "x-day01:4", data,
+                                           "x-day01,day01")
     try:
         (event,) = store.events(kind="resume_settled")
         assert event["detail"]["purged"] == 0 and event["detail"]["judged"] >= 1
@@ -116,7 +66,8 @@ def test_a_run_resumed_long_after_the_kill_judges_no_turn_of_a_day_that_runs_aga
         store.execute("UPDATE turns SET created_at = created_at - 3600")
 
     data = _bench_with_days(tmp_path, {"day01": "day01", "day02": "day02"})
-    store = _killed_then_resumed(tmp_path / "out", data, "day01,day02", "day02:1", an_hour_later)
+    store = killed_then_resumed_skills_run(tmp_path / "out", "day02:1", data, "day01,day02",
+                                           an_hour_later)
     try:
         assert waiting
         rows = store.query(f"SELECT buffer_state, reward FROM turns WHERE id IN "
