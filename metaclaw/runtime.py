@@ -284,10 +284,10 @@ class Runtime:
         self._start_double()
         self.library.watch()
         self._follow_policies()
-        if self.config.auto_evolve:  # built now: the double has its URL
+        if self.config.auto_evolve:  # built and attached now: the double has its URL
+            loop = self.fast_loop
             if on_loop_event is not None:
-                self.fast_loop.on_event(on_loop_event)
-            self.fast_loop  # noqa: B018 - builds and attaches it
+                loop.on_event(on_loop_event)
         try:
             self.proxy.serve_forever(on_ready)
         finally:

@@ -207,9 +207,10 @@ class SlowLoop:
     def prompts(self) -> list[Prompt]:
         """This step's prompt pool: the live query-set turns of the current skill generation.
 
-        The turns recorded since the last step are classified first (:func:`metaclaw.buffers.
-        refresh`): the proxy records turns without placing them in the buffers, and without a
-        fast loop or a judge in some process nothing else would, so they would never train."""
+        The buffers are brought up to date first (:func:`metaclaw.buffers.refresh`): turns
+        recorded unclassified (by another program, or before the proxy classified what it
+        records) would otherwise never train, and live turns of a generation another process
+        replaced are purged rather than shown live."""
         from metaclaw import buffers
 
         buffers.refresh(self.store)
