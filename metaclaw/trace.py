@@ -63,8 +63,12 @@ def sessions(store: Store, limit: int = 500, threshold: float = 0.0) -> list[dic
         "SELECT s.id, s.updated_at, COUNT(t.id) AS turns, "
         "COALESCE(SUM(CASE WHEN t.human_label = 'fail' OR (COALESCE(t.human_label, '') NOT IN "
         "('pass', 'fail') AND t.reward < ?) OR t.status != 'ok' THEN 1 ELSE 0 END), 0) "
-        "AS failures FROM sessions s LEFT JOIN turns t ON t.session_id = s.id GROUP BY s.id "
-        "ORDER BY s.updated_at DESC LIMIT ?", (float(threshold), int(limit)))
+        # the latest sessions are picked first and only their turns are read: counting every
+        # session's turns read every turn of the workspace (the verdict columns lie past the
+        # conversation) at each open and refresh of a trace
+        "AS failures FROM (SELECT id, updated_at FROM sessions ORDER BY updated_at DESC "
+        "LIMIT ?) s LEFT JOIN turns t ON t.session_id = s.id GROUP BY s.id "
+        "ORDER BY s.updated_at DESC", (float(threshold), int(limit)))
 
 
 def _index_sql(guarded: bool = False) -> str:
