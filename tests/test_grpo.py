@@ -15,6 +15,7 @@ from metaclaw.backends import Datum
 from metaclaw.grpo import (GRPOConfig, Prompt, Task, compute_advantages, prompts_from_query_set,
                            prompts_from_tasks, select_query_turns, train_grpo)
 from metaclaw.store import Store
+from waiting import kill_once_it_says
 
 
 @pytest.fixture(scope="module")
@@ -402,8 +403,6 @@ def test_a_trainer_killed_in_its_gradient_step_leaves_its_turns_untrained(tiny_m
     """kill -9 of a trainer inside its gradient step: while its claim lasts, an evolution keeps
     the turns in the query set (the step may still be running); once the claim has expired the
     turns count as untrained, as they are, and an evolution makes its failures support."""
-    import os
-    import signal
     import subprocess
     import sys
     import time
@@ -419,12 +418,7 @@ def test_a_trainer_killed_in_its_gradient_step_leaves_its_turns_untrained(tiny_m
     lease = 3.0
     proc = subprocess.Popen([sys.executable, "-c", KILLED_IN_GRADIENT_STEP, str(path),
                              tiny_model, str(lease)], stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout.readline().strip() == "in the gradient step"
-        os.kill(proc.pid, signal.SIGKILL)
-    finally:
-        proc.kill()
-        proc.wait()
+    kill_once_it_says(proc, "in the gradient step")
     claims = {t: store.turn(t)["train_claim_until"] for t in turns}  # renewed until killed
     assert all(until is not None for until in claims.values())
     if time.time() < min(claims.values()):  # the claim still lasts: maybe training right now

@@ -5,8 +5,6 @@ started after it, and a judge whose evidence arrives after a turn was first trai
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -18,6 +16,7 @@ from metaclaw.grpo import GRPOConfig
 from metaclaw.slowloop import SlowLoop
 from metaclaw.store import Store
 from test_slowloop import CONFIG, World
+from waiting import kill_once_it_says
 
 def REWARD(prompt, text: str) -> float:
     """A programmatic reward that varies within a group of the untrained tiny model."""
@@ -145,12 +144,7 @@ def test_the_trainer_after_one_killed_mid_step_trains_its_turns_at_once(tmp_path
              for text in ("say yes", "hello")]
     proc = subprocess.Popen([sys.executable, "-c", KILLED_MID_STEP, str(path), tiny_model],
                             stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout.readline().strip() == "in the gradient step"
-        os.kill(proc.pid, signal.SIGKILL)
-    finally:
-        proc.kill()
-        proc.wait()
+    kill_once_it_says(proc, "in the gradient step")
     assert all(store.turn(t)["train_claim_until"] > time.time() + 60 for t in turns)
 
     loop = SlowLoop(store, make_backend("local", tiny_model, lora_rank=4, seed=0),

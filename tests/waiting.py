@@ -17,3 +17,13 @@ def wait_until(condition: Callable[[], Any], timeout: float = 15.0, what: str = 
             return value
         time.sleep(interval)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+def kill_once_it_says(proc: Any, line: str) -> None:
+    """``kill -9`` the child process ``proc`` (text stdout) as soon as it prints ``line``, and
+    reap it; it is killed and reaped whatever it printed."""
+    try:
+        assert proc.stdout.readline().strip() == line
+    finally:
+        proc.kill()
+        proc.wait()
