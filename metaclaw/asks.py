@@ -24,7 +24,8 @@ what this module does about it (every rule lives in :data:`RULES` or in :func:`e
   common way to pass a grader's verdict) is the outcome of the previous turn, not the new ask:
   it is split off into :attr:`Ask.feedback`.
 - **Short follow-ups.** "yes", "go on", "do it": when the ask has fewer than
-  :data:`SHORT_ASK_WORDS` words, the previous ask is prepended as task context.
+  :data:`SHORT_ASK_WORDS` words, the nearest earlier ask that is not short itself is prepended
+  as task context (the nearest short one where there is none).
 
 Adding a framework: append a :class:`Rule` to :data:`RULES` (a name and a function from text to
 text), with a test built from a captured request of that framework.
@@ -186,11 +187,10 @@ def clean(text: str) -> tuple[str, str, list[str]]:
     return " ".join(text.split()), " ".join(feedback.split()), fired
 
 
-def extract_ask(messages: list[dict[str, Any]] | None) -> Ask:
-    """The user's real ask in an OpenAI-style message list (see the module docstring)."""
+def _last_ask(messages: list[Any], end: int) -> Ask:
+    """The last user ask in ``messages[:end]``, without task context (one backward scan)."""
     found = Ask()
-    messages = messages if isinstance(messages, list) else []
-    for index in range(len(messages) - 1, -1, -1):
+    for index in range(end - 1, -1, -1):
         message = messages[index]
         if not isinstance(message, dict) or message.get("role") != "user":
             continue
@@ -202,10 +202,26 @@ def extract_ask(messages: list[dict[str, Any]] | None) -> Ask:
             if feedback and not found.feedback:
                 found.feedback, found.rules = feedback, fired
             continue  # framework context or feedback alone: look further back
-        found = Ask(ask, ask, index, feedback or found.feedback, fired or found.rules)
-        break
+        return Ask(ask, ask, index, feedback or found.feedback, fired or found.rules)
+    return found
+
+
+def extract_ask(messages: list[dict[str, Any]] | None) -> Ask:
+    """The user's real ask in an OpenAI-style message list (see the module docstring).
+
+    A short follow-up ("ok", "continue") takes as context the nearest earlier ask that is not
+    short itself: the scan goes on backwards from where the last one was found, so the whole
+    search reads each message at most once (linear in the conversation's length)."""
+    messages = messages if isinstance(messages, list) else []
+    found = _last_ask(messages, len(messages))
     if found.message_index is not None and len(found.ask.split()) < SHORT_ASK_WORDS:
-        previous = extract_ask(messages[:found.message_index])
+        previous = _last_ask(messages, found.message_index)
+        while previous.message_index is not None and \
+                len(previous.ask.split()) < SHORT_ASK_WORDS:
+            earlier = _last_ask(messages, previous.message_index)
+            if earlier.message_index is None:
+                break  # only short asks before it: the nearest one is the context
+            previous = earlier
         if previous.ask:
             found.context = previous.ask
             found.text = f"{previous.ask}\n{found.ask}"

@@ -141,3 +141,34 @@ def test_captured_requests_of_other_clients_yield_the_ask(client, name, ask):
         ask = next(asks.content_text(m["content"]) for m in reversed(body["messages"])
                    if m["role"] == "user" and isinstance(m["content"], str))
     assert found.ask == ask
+
+
+def test_a_short_follow_up_skips_other_short_ones_for_its_context():
+    found = extract_ask([{"role": "user", "content": "Deploy the staging branch"},
+                         {"role": "assistant", "content": "Migrations first?"},
+                         {"role": "user", "content": "continue"},
+                         {"role": "assistant", "content": "Done."},
+                         {"role": "user", "content": "ok"}])
+    assert found.ask == "ok" and found.text == "Deploy the staging branch\nok"
+
+
+def test_ten_thousand_short_turns_need_no_recursion_and_one_pass():
+    """A long chat of "ok" / "continue" turns: no recursion limit, each message read once."""
+    import sys
+
+    from metaclaw import asks
+
+    messages = [{"role": "user", "content": "Rotate the API keys of the billing service"}]
+    for i in range(5_000):
+        messages += [{"role": "assistant", "content": "Done."},
+                     {"role": "user", "content": "ok" if i % 2 else "continue"}]
+    assert len(messages) > 10_000 > sys.getrecursionlimit()
+    read = []
+    original = asks.clean
+    try:
+        asks.clean = lambda text: (read.append(text), original(text))[1]
+        found = extract_ask(messages)
+    finally:
+        asks.clean = original
+    assert found.ask == "ok" and found.text.startswith("Rotate the API keys")
+    assert len(read) <= 5_001  # every user message at most once
