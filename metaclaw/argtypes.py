@@ -79,14 +79,20 @@ def day_list(text: str) -> str:
 def check_min_score(min_score: float | None, retrieval: str) -> str | None:
     """Why ``min_score`` cannot be a threshold for ``retrieval`` (None when it can).
 
-    Embedding retrieval scores are cosines (-1 to 1); lexical (BM25) scores are 0 or more with
-    no upper bound, so any threshold of 0 or more is a real, if strict, choice there.
+    Embedding retrieval scores are cosines (-1 to 1); hybrid scores (the default, ``auto``) a
+    cosine plus a lexical bonus under 1; lexical (BM25) scores are 0 or more with no upper
+    bound, so any threshold of 0 or more is a real, if strict, choice there.
     """
     if min_score is None:
         return None
     if retrieval == "lexical":
         return None if min_score >= 0 else (f"--min-score {min_score:g} is below 0, and lexical "
                                             "(BM25) scores are never negative; give 0 or more")
+    if retrieval in ("hybrid", "auto"):
+        # a cosine plus a lexical bonus of at most the hybrid's weight (under 1)
+        return None if -1.0 <= min_score <= 2.0 else (
+            f"--min-score {min_score:g} is outside -1..2, the range of {retrieval} retrieval's "
+            "scores (a cosine plus a lexical bonus); give a value in that range")
     if not -1.0 <= min_score <= 1.0:
         return (f"--min-score {min_score:g} is outside -1..1, the range of {retrieval} retrieval's "
                 "cosine scores; give a value in that range")

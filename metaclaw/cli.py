@@ -74,10 +74,13 @@ def _add_proxy_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--db", default=str(DEFAULT_DB), help="workspace database file")
     p.add_argument("--token", default=os.environ.get("METACLAW_PROXY_TOKEN"),
                    help="require this bearer token from clients (default $METACLAW_PROXY_TOKEN)")
-    p.add_argument("--retrieval", choices=["auto", "embedding", "lexical"], default="auto")
+    p.add_argument("--retrieval", choices=["auto", "hybrid", "embedding", "lexical"],
+                   default="auto", help="how skills are chosen (default auto: hybrid, i.e. BM25 "
+                   "fused with embeddings, where numpy and tokenizers are installed, else lexical)")
     p.add_argument("--embedding-model",
-                   help="'static' (default: token embeddings distilled from all-MiniLM-L6-v2), "
-                        "'minilm' (the transformer), or a sentence-transformers model path or id")
+                   help="'static' (default: the packaged token table distilled from "
+                        "all-MiniLM-L6-v2), 'minilm' (the transformer, loaded in the background), "
+                        "or a sentence-transformers model path or id")
     p.add_argument("--top-k", type=argtypes.positive_int, default=3,
                    help="skills injected per turn")
     p.add_argument("--min-score", type=argtypes.finite_float,
@@ -153,9 +156,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         else "the SIMULATED model (rule-based, not a language model)" if args.sim
         else "the offline double (scripted, not a model)")
 
+    from metaclaw.retrieval import describe
+
     def ready(url: str) -> None:  # once listening: the real port, also with --port 0
         print(f"MetaClaw proxy on {url} -> {upstream}; skill generation {generation}, "
-              f"{len(skills)} skills in {args.skills}", flush=True)
+              f"{len(skills)} skills in {args.skills}; {describe(runtime.proxy.retriever)}",
+              flush=True)
 
     def evolution(event: Any) -> None:  # what the fast loop decided, or why it did nothing
         if event.kind.startswith("evolve") and event.kind != "evolve_started" \
@@ -852,11 +858,12 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--parallel", type=argtypes.positive_int, default=1,
                            help="days run at once (baseline)")
             p.add_argument("--votes", type=argtypes.positive_int, help="judge votes per turn")
-            p.add_argument("--retrieval", choices=["auto", "embedding", "lexical"],
+            p.add_argument("--retrieval", choices=["auto", "hybrid", "embedding", "lexical"],
                            default="lexical")
             p.add_argument("--top-k", type=argtypes.positive_int, default=5)
             p.add_argument("--min-score", type=argtypes.finite_float, default=0.0,
-                           help="0 or more for lexical (BM25) scores, -1..1 for embedding cosines")
+                           help="0 or more for lexical (BM25) scores, -1..1 for embedding cosines, "
+                           "-1..2 for hybrid scores")
             p.add_argument("--budget-chars", type=argtypes.positive_int, default=12000)
             p.add_argument("--backend", choices=["local", "tinker"], default="local",
                            help="mode full: the training backend that serves the agent")

@@ -220,16 +220,24 @@ def tokenize(text: str) -> list[str]:
 
 
 def skill_text(skill: Skill, body_chars: int = 1000) -> str:
-    """The text a skill is matched on: name (as words), description, and the head of the body."""
+    """The text a skill is matched on: name (as words), description, its "use when" line, and
+    the head of the body."""
     return f"{_skill_title(skill)}\n{skill.body[:body_chars]}"
 
 
 def _skill_title(skill: Skill) -> str:
-    return f"{skill.name.replace('-', ' ').replace('_', ' ')}: {skill.description}"
+    title = f"{skill.name.replace('-', ' ').replace('_', ' ')}: {skill.description}"
+    return f"{title}\nUse when: {skill.use_when}" if skill.use_when else title
+
+
+def keys_text(skill: Skill) -> str:
+    """What lexical ranking indexes for ``skill``: :func:`skill_text` and its example asks."""
+    return "\n".join([skill_text(skill), *skill.example_asks])
 
 
 class LexicalRetriever:
-    """BM25 ranking (k1=1.5, b=0.75) over :func:`skill_text`. Scores are > 0 only on a word match."""
+    """BM25 ranking (k1=1.5, b=0.75) over :func:`keys_text` (a skill's text and its example
+    asks). Scores are > 0 only on a word match."""
 
     kind = "lexical"
     default_min_score = 1e-9  # any matching word
@@ -252,7 +260,7 @@ class LexicalRetriever:
         for skill in skills:
             counts = self._tokens.get(skill.content_hash)
             if counts is None:
-                counts = Counter(tokenize(skill_text(skill)))
+                counts = Counter(tokenize(keys_text(skill)))
                 self._tokens[skill.content_hash] = counts
             docs.append(counts)
         n = len(docs)
@@ -279,9 +287,7 @@ class LexicalRetriever:
             name_rank = np.asarray(name_rank, dtype=np.intp)
         return index, names, by_name, name_rank, use_numpy
 
-    def rank(self, query: str, skills: list[Skill], *, limit: int | None = None) -> list[ScoredSkill]:
-        """Skills best first (ties by name); ``limit`` keeps only the best ``limit``."""
-        skills = list(skills)
+    def _index(self, skills: list[Skill]) -> tuple[Any, ...]:
         with self._lock:
             built = self._cache.get(skills)
             if built is None:
@@ -289,7 +295,28 @@ class LexicalRetriever:
                     self._tokens.clear()
                 built = self._build(skills)
                 self._cache.put(skills, built)
-        index, names, by_name, name_rank, use_numpy = built
+        return built
+
+    def scores(self, query: str, skills: list[Skill]):
+        """Each skill's BM25 score for ``query``, in the order of ``skills`` (a numpy vector)."""
+        import numpy as np
+
+        index, _, _, _, use_numpy = self._index(list(skills))
+        scores = np.zeros(len(skills))
+        for term in sorted(set(tokenize(query or ""))):  # a fixed order: see rank
+            if term in index:
+                if use_numpy:
+                    rows, weights = index[term]
+                    scores[rows] += weights
+                else:
+                    for i, w in index[term]:
+                        scores[i] += w
+        return scores
+
+    def rank(self, query: str, skills: list[Skill], *, limit: int | None = None) -> list[ScoredSkill]:
+        """Skills best first (ties by name); ``limit`` keeps only the best ``limit``."""
+        skills = list(skills)
+        index, names, by_name, name_rank, use_numpy = self._index(skills)
         # summed in a fixed order: a set's order follows the process's string hash seed, and
         # float sums taken in another order differ in their last bit, which reorders skills
         # whose scores are equal on paper from one process to the next
@@ -344,10 +371,26 @@ MINILM_MODEL = "minilm"
 STATIC_MIN_SCORE = 0.55
 #: Default ``min_score`` of transformer models (calibrated on all-MiniLM-L6-v2).
 TRANSFORMER_MIN_SCORE = 0.25
+#: The hybrid's constants (:class:`HybridRetriever`), chosen on the dev split of
+#: ``benchmarks/data/retrieval/labelled.json`` by ``benchmarks/bench_retrieval.py --tune``.
+HYBRID_WEIGHT = 0.3
+HYBRID_SATURATION = 3.0
+HYBRID_MIN_SCORE = 0.45
+HYBRID_MIN_SCORE_TRANSFORMER = 0.3
+HYBRID_MARGIN = 0.15
 
 _MODELS: dict[str, Any] = {}
 _MODELS_LOCK = threading.Lock()
 _CACHE_SUBDIR = Path("all-MiniLM-L6-v2") / "all-MiniLM-L6-v2"  # where all_minilm_l6_v2 extracts
+
+
+def static_embedding_packaged() -> bool:
+    """True when the packaged static table can be used: its files are present, and numpy and
+    tokenizers are installed (checked without importing them)."""
+    from metaclaw.static_embedding import PACKAGED
+
+    return (PACKAGED / "table.npz").is_file() and _numpy_available() \
+        and importlib.util.find_spec("tokenizers") is not None
 
 
 def embeddings_available() -> bool:
@@ -466,6 +509,13 @@ def load_model(model: str | None = None) -> Any:
     with _MODELS_LOCK:
         if model_id in _MODELS:
             return _MODELS[model_id]
+        if model_id == STATIC_MODEL and static_embedding_packaged():
+            from metaclaw import static_embedding
+
+            loaded = static_embedding.packaged()
+            if loaded is not None:  # else (unreadable files) derived below, as for any model
+                _MODELS[model_id] = loaded
+                return loaded
         if not embeddings_available():
             raise RetrievalError(
                 "embedding retrieval needs sentence-transformers: pip install "
@@ -546,7 +596,8 @@ class EmbeddingRetriever:
         if not self._checked:
             if self.model is None:
                 self.model = os.environ.get("METACLAW_EMBEDDING_MODEL") or STATIC_MODEL
-            if self.model in (STATIC_MODEL, MINILM_MODEL):
+            if self.model == MINILM_MODEL or (self.model == STATIC_MODEL
+                                              and not static_embedding_packaged()):
                 minilm_model_path()
             self._checked = True
         return self.model
@@ -575,6 +626,9 @@ class EmbeddingRetriever:
         return np.asarray(vectors, dtype=np.float32)
 
     def _matrix(self, skills: list[Skill]):
+        """(skill vectors, example-ask vectors, names, name ranks) of ``skills``: a skill's
+        example-ask vector is the normalized mean of its example asks' embeddings (zeros when
+        it has none); both are ``len(skills) x dims``."""
         import numpy as np
 
         with self._lock:
@@ -587,18 +641,34 @@ class EmbeddingRetriever:
                     missing[s.content_hash] = s
         if missing:
             texts = [t for s in missing.values() for t in (_skill_title(s), skill_text(s))]
-            vectors = self._encode(texts)
-            combined = vectors[0::2] + vectors[1::2]
+            asks = [a for s in missing.values() for a in s.example_asks]
+            vectors = self._encode(texts + asks)
+            combined = vectors[0:len(texts):2] + vectors[1:len(texts):2]
             combined /= np.maximum(np.linalg.norm(combined, axis=1, keepdims=True), 1e-12)
+            examples = np.zeros_like(combined)
+            start = len(texts)
+            for row, skill in enumerate(missing.values()):
+                count = len(skill.example_asks)
+                if count:
+                    mean = vectors[start:start + count].sum(axis=0)
+                    examples[row] = mean / max(float(np.linalg.norm(mean)), 1e-12)
+                    start += count
             with self._lock:
-                for key, vec in zip(missing, combined):
-                    self._skill_vectors[key] = vec
+                for key, vec, ex in zip(missing, combined, examples):
+                    self._skill_vectors[key] = (vec, ex)
         with self._lock:
-            dim = next(iter(self._skill_vectors.values())).shape[0] if self._skill_vectors else 0
-            matrix = (np.stack([self._skill_vectors[s.content_hash] for s in skills])
-                      if skills else np.zeros((0, dim), dtype=np.float32))
+            dim = (next(iter(self._skill_vectors.values()))[0].shape[0]
+                   if self._skill_vectors else 0)
+            if skills:
+                pairs = [self._skill_vectors[s.content_hash] for s in skills]
+                matrix = np.stack([p[0] for p in pairs])
+                examples = np.stack([p[1] for p in pairs])
+            else:
+                matrix = examples = np.zeros((0, dim), dtype=np.float32)
+            has_examples = np.asarray([bool(s.example_asks) for s in skills], dtype=bool)
             names = [s.name for s in skills]
-            built = (matrix, names, np.asarray(_name_order(names)[1], dtype=np.intp))
+            built = (matrix, examples if has_examples.any() else None, has_examples, names,
+                     np.asarray(_name_order(names)[1], dtype=np.intp))
             self._cache.put(skills, built)
             for s in skills:  # keep the vectors in use the most recent, then bound the cache
                 self._skill_vectors.move_to_end(s.content_hash)
@@ -648,18 +718,30 @@ class EmbeddingRetriever:
                         self._query_vectors.popitem(last=False)
         return slot.result()
 
-    def rank(self, query: str, skills: list[Skill], *, limit: int | None = None) -> list[ScoredSkill]:
-        """Skills by cosine similarity, best first (ties by name); ``limit`` keeps the best few."""
-        skills = list(skills)
-        if not skills:
-            return []
+    def scores(self, query: str, skills: list[Skill]):
+        """Each skill's score for ``query`` (a numpy vector in the order of ``skills``): the
+        cosine with the skill's text, or with the mean of its example asks where that is
+        higher."""
         import numpy as np
 
-        matrix, names, name_rank = self._matrix(skills)
+        matrix, examples, has_examples, _, _ = self._matrix(skills)
+        vector = self.embed_query(query or "")
         # einsum's loop runs on one core; BLAS (``matrix @ vector``) splits a large product over
         # threads and, when another process holds a core, waits a scheduler slice (~8 ms on a
         # busy 2-core machine) for the descheduled one: 10,000 x 256 takes ~0.6 ms either way.
-        scores = np.einsum("ij,j->i", matrix, self.embed_query(query or ""))
+        scores = np.einsum("ij,j->i", matrix, vector)
+        if examples is not None:
+            by_example = np.einsum("ij,j->i", examples, vector)
+            scores = np.where(has_examples, np.maximum(scores, by_example), scores)
+        return scores
+
+    def rank(self, query: str, skills: list[Skill], *, limit: int | None = None) -> list[ScoredSkill]:
+        """Skills by :meth:`scores`, best first (ties by name); ``limit`` keeps the best few."""
+        skills = list(skills)
+        if not skills:
+            return []
+        scores = self.scores(query, skills)
+        _, _, _, names, name_rank = self._matrix(skills)
         return [ScoredSkill(skills[i], s)
                 for s, i in _order_array(scores, names, name_rank, limit)]
 
@@ -668,6 +750,68 @@ class EmbeddingRetriever:
         load_model(self.model_id)
         if skills:
             self._matrix(list(skills))
+
+
+class HybridRetriever:
+    """BM25 and the static embedding fused into one score per skill (``kind="hybrid"``, the
+    default):
+
+        score = cosine + weight * bm25 / (bm25 + saturation)
+
+    ``cosine`` is :meth:`EmbeddingRetriever.scores` (the skill's text, or its example asks where
+    they match better); the BM25 term, saturated to at most ``weight``, lifts skills that share
+    rare words with the ask, which the static table alone ranks too low (a file name, a tool, a
+    format). A skill is injected when its score is at least ``min_score`` and within ``margin``
+    of the best skill's score (a threshold relative to the library, so that a weak runner-up does
+    not ride along with a strong match). The constants were chosen on the dev split of
+    ``benchmarks/data/retrieval/labelled.json`` (``benchmarks/bench_retrieval.py --tune``) and
+    are reported on its test split.
+    """
+
+    kind = "hybrid"
+
+    def __init__(self, model: str | None = None, *, weight: float | None = None,
+                 saturation: float | None = None, min_score: float | None = None,
+                 margin: float | None = None):
+        self.dense = EmbeddingRetriever(model)
+        self.lexical = LexicalRetriever()
+        self.weight = HYBRID_WEIGHT if weight is None else float(weight)
+        self.saturation = HYBRID_SATURATION if saturation is None else float(saturation)
+        self._min_score = min_score
+        self.default_margin = HYBRID_MARGIN if margin is None else float(margin)
+
+    @property
+    def model_id(self) -> str:
+        return self.dense.model_id
+
+    @property
+    def default_min_score(self) -> float:
+        if self._min_score is not None:
+            return self._min_score
+        return HYBRID_MIN_SCORE if self.dense.static else HYBRID_MIN_SCORE_TRANSFORMER
+
+    def __repr__(self) -> str:
+        return f"HybridRetriever(model={self.dense.model or 'default'!r})"
+
+    def scores(self, query: str, skills: list[Skill]):
+        """Each skill's fused score for ``query`` (a numpy vector in the order of ``skills``)."""
+        bm25 = self.lexical.scores(query, skills)
+        return self.dense.scores(query, skills) + self.weight * bm25 / (bm25 + self.saturation)
+
+    def rank(self, query: str, skills: list[Skill], *, limit: int | None = None) -> list[ScoredSkill]:
+        """Skills by fused score, best first (ties by name); ``limit`` keeps the best few."""
+        skills = list(skills)
+        if not skills:
+            return []
+        scores = self.scores(query, skills)
+        _, _, _, names, name_rank = self.dense._matrix(skills)
+        return [ScoredSkill(skills[i], float(s))
+                for s, i in _order_array(scores, names, name_rank, limit)]
+
+    def warm(self, skills: Sequence[Skill] = ()) -> None:
+        """Load the model and index ``skills`` now instead of on the first request."""
+        self.dense.warm(skills)
+        self.lexical.warm(skills)
 
 
 class _Slot:
@@ -688,32 +832,70 @@ class _Slot:
 
 
 def make_retriever(kind: str = "auto", model: str | None = None) -> Retriever:
-    """A retriever: ``"embedding"``, ``"lexical"`` or ``"auto"`` (embedding when
-    sentence-transformers and a model are available, else lexical). ``model`` (embeddings only):
-    ``"static"`` (the default), ``"minilm"``, or a local folder or Hugging Face id. Raises
-    :class:`RetrievalError` with what to change.
+    """A retriever: ``"hybrid"`` (BM25 fused with embeddings, :class:`HybridRetriever`),
+    ``"embedding"``, ``"lexical"``, or ``"auto"``: hybrid where the embedding model can be used
+    (the packaged static table needs only numpy and tokenizers), else lexical. ``model``
+    (hybrid and embedding): ``"static"`` (the default), ``"minilm"``, or a local folder or
+    Hugging Face id. Raises :class:`RetrievalError` with what to change.
+
+    The static table loads here (a fraction of a second). A transformer model is only checked
+    here (its package or folder found) and loads in :meth:`warm`, which a server runs in the
+    background after it starts listening: turns that arrive before it is ready wait for it in a
+    worker thread, never on the server's event loop.
     """
     kind = (kind or "auto").strip().lower()
     if kind == "lexical":
         return LexicalRetriever()
-    if kind == "embedding":
-        if not embeddings_available():
+    if kind not in ("auto", "hybrid", "embedding"):
+        raise RetrievalError(f"unknown retrieval kind {kind!r}; use 'auto', 'hybrid', "
+                             "'embedding' or 'lexical'")
+    try:
+        retriever: Any = EmbeddingRetriever(model) if kind == "embedding" else HybridRetriever(model)
+        model_id = retriever.model_id  # finds the model's package or folder
+        if model_id == STATIC_MODEL:
+            load_model(model_id)  # fail now, clearly, when the table cannot be loaded
+        elif not embeddings_available():
             raise RetrievalError(
-                "embedding retrieval needs sentence-transformers: pip install "
-                "'metaclaw-jupyter[embeddings]', or use retrieval='lexical'")
-        retriever = EmbeddingRetriever(model)
-        load_model(retriever.model_id)  # fail now, clearly, when the model cannot be loaded
+                f"the embedding model {model_id!r} needs sentence-transformers: pip install "
+                "'metaclaw-jupyter[embeddings]', or use the default static model")
+        elif model_id != MINILM_MODEL:
+            _check_local_model(model_id)
         return retriever
-    if kind == "auto":
-        if embeddings_available():
-            try:
-                retriever = EmbeddingRetriever(model)
-                load_model(retriever.model_id)  # not per request, later, with no skills served
-                return retriever
-            except RetrievalError as exc:
-                log.warning("using lexical retrieval: %s", exc)
+    except RetrievalError as exc:
+        if kind != "auto":
+            raise
+        log.warning("using lexical retrieval: %s", exc)
         return LexicalRetriever()
-    raise RetrievalError(f"unknown retrieval kind {kind!r}; use 'auto', 'embedding' or 'lexical'")
+
+
+def _check_local_model(model_id: str) -> None:
+    """Raises :class:`RetrievalError` unless ``model_id`` is a local folder or a Hugging Face id
+    already in the local cache (checked without loading it: the model loads in the background)."""
+    if Path(model_id).is_dir():
+        return
+    try:
+        from huggingface_hub import snapshot_download
+
+        snapshot_download(model_id, local_files_only=True)
+    except Exception as exc:  # not cached, bad id
+        raise RetrievalError(
+            f"cannot load embedding model {model_id!r} ({type(exc).__name__}: "
+            f"{' '.join(str(exc).split())[:300]}); pass a local model folder or a Hugging Face "
+            "id that is already downloaded") from exc
+
+
+def describe(retriever: Any) -> str:
+    """One line saying how ``retriever`` retrieves and what it still has to prepare."""
+    kind = getattr(retriever, "kind", type(retriever).__name__)
+    if kind == "lexical":
+        return "retrieval: lexical (BM25)"
+    model = getattr(retriever, "model_id", None)
+    if model == STATIC_MODEL:
+        what = "BM25 + static MiniLM table" if kind == "hybrid" else "static MiniLM table"
+        return f"retrieval: {kind} ({what}, ready)"
+    ready = model in _MODELS or (model == MINILM_MODEL and minilm_model_path() in _MODELS)
+    return (f"retrieval: {kind} ({model}: " +
+            ("ready)" if ready else "loading in the background; turns wait for it)"))
 
 
 # -- selection, rendering, injection -------------------------------------------------------------
@@ -858,18 +1040,20 @@ def render_block(selected: list[ScoredSkill]) -> str:
 
 
 def _rank(retriever: Retriever, query: str, skills: list[Skill], limit: int) -> list[ScoredSkill]:
-    if isinstance(retriever, (EmbeddingRetriever, LexicalRetriever)):
+    if isinstance(retriever, (EmbeddingRetriever, LexicalRetriever, HybridRetriever)):
         return retriever.rank(query, skills, limit=limit)
     return retriever.rank(query, skills)[:limit]
 
 
 def select(retriever: Retriever, query: str, skills: list[Skill], *, top_k: int = 3,
            min_score: float | None = None, budget_chars: int = 6000,
-           keep: Callable[[Skill], bool] | None = None) -> list[ScoredSkill]:
+           keep: Callable[[Skill], bool] | None = None,
+           margin: float | None = None) -> list[ScoredSkill]:
     """The skills to inject: at most ``top_k``, each scoring at least ``min_score`` (``None``:
-    the retriever's ``default_min_score``), best first (ties by name), such that
-    ``render_block`` of the result is at most ``budget_chars`` long. A skill that does not fit
-    the budget is skipped and the next one is tried.
+    the retriever's ``default_min_score``) and at most ``margin`` below the best skill offered
+    (``None``: the retriever's ``default_margin``, where it has one; else no such limit), best
+    first (ties by name), such that ``render_block`` of the result is at most ``budget_chars``
+    long. A skill that does not fit the budget is skipped and the next one is tried.
 
     ``keep``: when given, only skills it accepts are selected (e.g. a stage turn's scope,
     :func:`metaclaw.skills.offered_to`). It filters the ranking, not the list that is ranked,
@@ -879,6 +1063,8 @@ def select(retriever: Retriever, query: str, skills: list[Skill], *, top_k: int 
     if top_k <= 0 or not skills or not (query or "").strip() or budget_chars <= 0:
         return []
     threshold = retriever.default_min_score if min_score is None else float(min_score)
+    if margin is None:
+        margin = getattr(retriever, "default_margin", None)
     limit = min(len(skills), max(2 * top_k, 8))  # grows below when too few are kept
     while True:
         ranked = sorted(_rank(retriever, query, skills, limit),
@@ -886,11 +1072,16 @@ def select(retriever: Retriever, query: str, skills: list[Skill], *, top_k: int 
         chosen: list[ScoredSkill] = []
         used = len(BLOCK_HEADER) + 2 + len(BLOCK_FOOTER)
         exhausted = True
+        floor, best = threshold, None
         for item in ranked:
-            if item.score < threshold:
+            if item.score < floor:
                 break
             if keep is not None and not keep(item.skill):
                 continue
+            if best is None:  # the best skill offered (fitting the budget or not)
+                best = item.score
+                if margin is not None:
+                    floor = max(threshold, best - margin)
             size = 2 + len(_section(item.skill))
             if used + size <= budget_chars:
                 chosen.append(item)

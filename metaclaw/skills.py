@@ -101,6 +101,15 @@ MAX_SKILL_BYTES = 256 * 1024
 #: picked up within about half a second.
 WATCH_STEP_MS = 250
 _CORE_KEYS = ("name", "description", "category")
+#: Retrieval keys in the front matter's ``metadata`` map (string values, as the Agent Skills
+#: format asks): a one-line "use when", and the example asks, one per line.
+USE_WHEN_KEY = "use-when"
+EXAMPLE_ASKS_KEY = "example-asks"
+#: At most this many example asks are kept per skill (the first ones: those the skill was
+#: written from, then the asks of the first turns it served well), each cut to this many
+#: characters.
+MAX_EXAMPLE_ASKS = 8
+EXAMPLE_ASK_CHARS = 300
 
 
 class _FrontMatterDumper(yaml.SafeDumper):
@@ -285,6 +294,56 @@ class Skill:
                 f"skill {self.name!r}: 'metadata.stage' must be a stage name of 1-64 lowercase "
                 f"letters, digits, '-' or '_' (e.g. 'plan'), not {stage!r}")
         return stage
+
+    @functools.cached_property
+    def use_when(self) -> str:
+        """When to use this skill, in one line (front matter ``metadata.use-when``; "" when
+        not given). Retrieval matches asks against it."""
+        metadata = self.extra.get("metadata")
+        value = metadata.get(USE_WHEN_KEY) if isinstance(metadata, dict) else None
+        return " ".join(value.split()) if isinstance(value, str) else ""
+
+    @functools.cached_property
+    def example_asks(self) -> tuple[str, ...]:
+        """Asks this skill is for (front matter ``metadata.example-asks``, one per line): the
+        retrieval queries of the failed turns it was written from and of turns it later served
+        well. Retrieval matches new asks against them as well as against the skill's text."""
+        metadata = self.extra.get("metadata")
+        value = metadata.get(EXAMPLE_ASKS_KEY) if isinstance(metadata, dict) else None
+        if isinstance(value, list):  # written by hand as a YAML list: read it all the same
+            value = "\n".join(v for v in value if isinstance(v, str))
+        if not isinstance(value, str):
+            return ()
+        return tuple(line for line in (" ".join(v.split()) for v in value.split("\n")) if line)
+
+    def with_retrieval_keys(self, asks: Iterable[str] = (), *,
+                            use_when: str | None = None) -> "Skill":
+        """This skill with ``asks`` added to its example asks (whitespace folded, cut to
+        :data:`EXAMPLE_ASK_CHARS`, duplicates ignored by case, at most
+        :data:`MAX_EXAMPLE_ASKS` kept: the earliest) and, when given, a new ``use_when`` line.
+        Returns ``self`` when nothing changes (no new generation for nothing)."""
+        kept = list(self.example_asks)
+        seen = {a.casefold() for a in kept}
+        for ask in asks:
+            ask = " ".join(str(ask).split())[:EXAMPLE_ASK_CHARS].strip()
+            if ask and ask.casefold() not in seen and len(kept) < MAX_EXAMPLE_ASKS:
+                kept.append(ask)
+                seen.add(ask.casefold())
+        line = self.use_when if use_when is None else " ".join(use_when.split())[:300]
+        if tuple(kept) == self.example_asks and line == self.use_when:
+            return self
+        metadata = dict(self.extra.get("metadata") or {}) \
+            if isinstance(self.extra.get("metadata"), dict) else {}
+        metadata.pop(USE_WHEN_KEY, None)
+        metadata.pop(EXAMPLE_ASKS_KEY, None)
+        if line:
+            metadata[USE_WHEN_KEY] = line
+        if kept:
+            metadata[EXAMPLE_ASKS_KEY] = "\n".join(kept)
+        extra = {k: v for k, v in self.extra.items() if k != "metadata"}
+        if metadata:
+            extra["metadata"] = metadata
+        return Skill(self.name, self.description, self.category, self.body, extra)
 
     def with_stage(self, stage: str | None) -> "Skill":
         """This skill scoped to ``stage`` (``None``: general), other metadata kept."""

@@ -13,7 +13,13 @@ A text's vector is the mean of its tokens' rows, normalized to unit length. Enco
 one tokenizer call and a gather over a few dozen rows (tens of microseconds; no torch), and its
 cost does not grow with model depth, which is why retrieval uses it by default.
 
-The table is derived once per model and cached on disk, keyed by the model's files (30,522 x 256
+The table of all-MiniLM-L6-v2 ships with the package (:data:`PACKAGED`: the table quantized to
+int8 with one scale per row, 7.8 MB, and the model's tokenizer; :func:`packaged`): the default
+embeddings need neither torch nor a distillation, only numpy and tokenizers, and load in a
+fraction of a second. ``python -m metaclaw.static_embedding`` writes that folder again from the
+model (it needs the ``embeddings`` extra).
+
+For any other model the table is derived once per model and cached on disk, keyed by the model's files (30,522 x 256
 float16: 16 MB for all-MiniLM-L6-v2, under ``~/.cache/metaclaw/static-embeddings``). Deriving it
 runs the model over its vocabulary once per machine: about 70 CPU-seconds and 0.9 GB of peak
 memory for all-MiniLM-L6-v2 (30-60 s on two idle cores, minutes on a loaded machine); concurrent
@@ -39,6 +45,9 @@ DIMS = 256
 RECIPE = "model2vec-token-output-pca-zipf-v1"
 
 log = logging.getLogger(__name__)
+
+#: The packaged table of all-MiniLM-L6-v2 (Apache-2.0: its notice is in the folder).
+PACKAGED = Path(__file__).resolve().parent / "data" / "static-minilm"
 
 
 class StaticEmbedding:
@@ -281,3 +290,59 @@ def load(model_path: str | os.PathLike, *, dims: int = DIMS,
                 _save(table, folder, key,
                       {"source": str(model_path), "recipe": RECIPE, "dims": dims})
     return StaticEmbedding(table, tokenizer, source=str(model_path))
+
+
+def quantize(table: Any) -> tuple[Any, Any]:
+    """``table`` (float, ``vocab x dims``) as int8 rows and one float32 scale per row: a row is
+    ``int8_row * scale``, each value within half a step (1/254 of the row's largest value)."""
+    import numpy as np
+
+    table = np.asarray(table, dtype=np.float32)
+    scale = np.abs(table).max(axis=1) / 127.0
+    safe = np.where(scale > 0, scale, 1.0)
+    return np.rint(table / safe[:, None]).astype(np.int8), scale.astype(np.float32)
+
+
+def packaged(folder: str | os.PathLike = PACKAGED) -> StaticEmbedding | None:
+    """The table that ships with the package (all-MiniLM-L6-v2's), or ``None`` when its files
+    are missing or unreadable (then :func:`load` derives one from the model)."""
+    import numpy as np
+
+    folder = Path(folder)
+    try:
+        with np.load(folder / "table.npz") as data:
+            table = data["rows"].astype(np.float32) * data["scale"][:, None]
+        tokenizer = _tokenizer(folder)
+    except (OSError, ValueError, KeyError, EOFError) as exc:
+        log.warning("the packaged static embedding table in %s is unusable (%s: %s)", folder,
+                    type(exc).__name__, exc)
+        return None
+    if tokenizer.get_vocab_size() != table.shape[0]:
+        log.warning("the packaged static embedding table in %s does not match its tokenizer "
+                    "(%d rows, %d tokens)", folder, table.shape[0], tokenizer.get_vocab_size())
+        return None
+    return StaticEmbedding(table, tokenizer, source=f"packaged all-MiniLM-L6-v2 ({folder.name})")
+
+
+def write_packaged(model_path: str | os.PathLike, folder: str | os.PathLike = PACKAGED) -> Path:
+    """Distil ``model_path`` (:func:`distill`) and write the packaged folder: ``table.npz``
+    (int8 rows and scales, :func:`quantize`), ``tokenizer.json`` and ``info.json``."""
+    import numpy as np
+
+    model_path, folder = Path(model_path), Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    rows, scale = quantize(distill(model_path))
+    np.savez_compressed(folder / "table.npz", rows=rows, scale=scale)
+    (folder / "tokenizer.json").write_bytes((model_path / "tokenizer.json").read_bytes())
+    (folder / "info.json").write_text(json.dumps(
+        {"model": "sentence-transformers/all-MiniLM-L6-v2", "recipe": RECIPE, "dims": DIMS,
+         "quantization": "int8 per row (row = rows * scale)"}, indent=1) + "\n")
+    return folder
+
+
+if __name__ == "__main__":  # python -m metaclaw.static_embedding [MODEL_FOLDER]
+    import sys
+
+    from metaclaw.retrieval import minilm_model_path
+
+    print(write_packaged(sys.argv[1] if len(sys.argv) > 1 else minilm_model_path()))

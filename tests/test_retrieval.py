@@ -157,7 +157,8 @@ def test_the_default_embedding_model_is_the_static_table(static):
     assert static.model_id == "static" and static.default_min_score == STATIC_MIN_SCORE
     vector = static.embed_query("keep a copy of the config")
     assert vector.shape == (256,) and abs(float(vector @ vector) - 1.0) < 1e-5
-    assert make_retriever("auto").static  # what the proxy uses unless told otherwise
+    default = make_retriever("auto")  # what the proxy uses unless told otherwise
+    assert default.kind == "hybrid" and default.dense.static
 
 
 def test_static_model_ranks_the_paraphrase_over_distractors(static):
@@ -520,7 +521,8 @@ def test_a_model_zip_that_cannot_be_unpacked_gives_a_clear_error_or_lexical(tmp_
                                                                            caplog):
     """Where neither ``~/.cache`` nor the temp folder takes the unpacked all-MiniLM-L6-v2 (a
     read-only or full disk, a file in the way), the unpacking raised a bare OSError: ``auto``
-    crashed instead of falling back to lexical retrieval. The temp folder is per user."""
+    crashed instead of falling back to lexical retrieval. The temp folder is per user. (The
+    default static table ships in the package: it needs no unpacking.)"""
     import importlib.util
     import logging
     import tempfile
@@ -535,10 +537,11 @@ def test_a_model_zip_that_cannot_be_unpacked_gives_a_clear_error_or_lexical(tmp_
     (tmp_path / f"metaclaw-models-{os.getuid()}").write_text("in the way")
     with pytest.raises(RetrievalError, match="cannot unpack the all-MiniLM-L6-v2 model .*"
                                              "use retrieval='lexical'"):
-        make_retriever("embedding")
+        make_retriever("embedding", model="minilm")
     with caplog.at_level(logging.WARNING, logger="metaclaw.retrieval"):
-        assert isinstance(make_retriever("auto"), LexicalRetriever)
+        assert isinstance(make_retriever("auto", model="minilm"), LexicalRetriever)
     assert "cannot unpack" in caplog.text
+    assert make_retriever("auto").kind == "hybrid"  # the packaged table needs no unpacking
 
 
 @pytest.mark.parametrize("text, words", [
