@@ -94,10 +94,12 @@ EVOLVER_OP_SCHEMA: dict[str, Any] = {
         "description": {"type": "string"},
         "category": {"type": "string"},
         "body": {"type": "string"},
+        "use_when": {"type": "string"},
         "reason": {"type": "string"},
         "evidence": {"type": "array", "items": {"type": "integer"}},
     },
-    "required": ["op", "name", "description", "category", "body", "reason", "evidence"],
+    "required": ["op", "name", "description", "category", "body", "use_when", "reason",
+                 "evidence"],
     "additionalProperties": False,
 }
 
@@ -133,12 +135,16 @@ A turn_type "stage:<name>" marks a turn of one stage of a multi-stage task: a sk
 citing only failures of one stage is offered to that stage alone, so write it for that stage.
 
 Names are slugs: 1-64 lowercase letters, digits, '-' or '_' (e.g. "check-units-first").
+"use_when" is one short line naming the requests the skill is for, in the words a user would \
+use (e.g. "writing dates, times or deadlines into files or messages"): the skill is retrieved \
+for a request by matching it against this line, its description and the failed tasks it cites.
 Each operation cites the ids of the failed turns it addresses in "evidence" and says why in \
 "reason". Use "" for fields that do not apply (e.g. the body of a remove).
 
 Answer with JSON only:
 {"operations": [{"op": "add" | "edit" | "remove", "name": "<slug>", "description": "<one line>", \
-"category": "<word>", "body": "<markdown>", "reason": "<why>", "evidence": [<turn ids>]}]}
+"category": "<word>", "body": "<markdown>", "use_when": "<one line>", "reason": "<why>", \
+"evidence": [<turn ids>]}]}
 Answer {"operations": []} when no change would help."""
 
 #: Character budgets of the fields of one support turn and of one skill body in the prompt.
@@ -289,6 +295,11 @@ def validate_operations(data: Any, library: dict[str, Skill],
                 evidence.append(item)
         evidence = evidence or list(support)
         reason = text_fields["reason"].strip()
+        use_when = raw.get("use_when")
+        if use_when is not None and not isinstance(use_when, str):
+            problems.append(f"{where}: 'use_when' must be a string")
+            continue
+        use_when = " ".join((use_when or "").split()) or None  # "": not given
         if op == "add":
             if name in library:
                 problems.append(f"{where}: a skill named {name!r} already exists; use edit")
@@ -299,7 +310,7 @@ def validate_operations(data: Any, library: dict[str, Skill],
             try:
                 skill = Skill(name=name, description=text_fields["description"],
                               category=text_fields["category"].strip() or "general",
-                              body=text_fields["body"])
+                              body=text_fields["body"]).with_retrieval_keys(use_when=use_when)
             except SkillFormatError as exc:
                 problems.append(f"{where}: {exc.reason}")
                 continue
@@ -317,7 +328,7 @@ def validate_operations(data: Any, library: dict[str, Skill],
                               description=text_fields["description"].strip() or old.description,
                               category=text_fields["category"].strip() or old.category,
                               body=text_fields["body"] if text_fields["body"].strip() else old.body,
-                              extra=old.extra)
+                              extra=old.extra).with_retrieval_keys(use_when=use_when)
             except SkillFormatError as exc:
                 problems.append(f"{where}: {exc.reason}")
                 continue
@@ -337,6 +348,20 @@ def validate_operations(data: Any, library: dict[str, Skill],
     if problems:
         raise EvolveValidationError("; ".join(problems))
     return ops
+
+
+def with_origin_asks(ops: list[SkillOp], asks: dict[int, str]) -> list[SkillOp]:
+    """``ops`` with each added or edited skill carrying, as example asks, the retrieval queries
+    of the failed turns it cites (``asks``: turn id -> query): exactly the asks it is for, which
+    retrieval then matches new asks against (:attr:`metaclaw.skills.Skill.example_asks`)."""
+    out = []
+    for op in ops:
+        if op.skill is not None and op.op in ("add", "edit"):
+            keyed = op.skill.with_retrieval_keys(asks.get(i, "") for i in op.evidence)
+            if keyed is not op.skill:
+                op = SkillOp(op.op, keyed, op.name, op.reason, op.evidence, op.base)
+        out.append(op)
+    return out
 
 
 def scope_to_stages(ops: list[SkillOp], turn_types: dict[int, str]) -> list[SkillOp]:
@@ -686,6 +711,7 @@ class Evolver:
             raise EvolveError(f"the evolver's answer was invalid twice ({error}); the library "
                               "is unchanged", replies, attempts=2)
         ops = scope_to_stages(ops, {int(t["id"]): t.get("turn_type") or "main" for t in turns})
+        ops = with_origin_asks(ops, {int(t["id"]): t.get("retrieval_query") or "" for t in turns})
         proposal = EvolveProposal(ops, support_ids, generation, self.model, attempts=len(replies),
                                   replies=replies)
         if ops and self.dedupe_threshold is not None:
