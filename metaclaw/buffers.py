@@ -88,6 +88,29 @@ FAILURE_SQL = ("(human_label = 'fail' OR (COALESCE(human_label, '') != 'pass' "
                "AND reward IS NOT NULL AND reward < ?))")
 
 
+#: A turn that went well: a person's pass, or a judged reward above zero no person overruled.
+SUCCESS_SQL = ("(human_label = 'pass' OR (COALESCE(human_label, '') != 'fail' "
+               "AND reward IS NOT NULL AND reward > 0))")
+
+
+def served_asks(store: Store, generation: int, *,
+                limit: int = 2000) -> dict[str, list[tuple[int, str]]]:
+    """For each skill, the ``(turn id, retrieval query)`` of the task turns of ``generation``
+    it was injected into that went well (:data:`SUCCESS_SQL`), oldest first: asks the skill is
+    known to serve, which become its example asks at the next generation
+    (:func:`metaclaw.proposals.apply_ops`). At most ``limit`` turns are read."""
+    rows = store.query(
+        f"SELECT id, injected_skills, retrieval_query FROM turns WHERE skill_generation = ? "
+        f"AND status = 'ok' AND retrieval_query IS NOT NULL AND retrieval_query != '' "
+        f"AND injected_skills != '[]' AND {SUCCESS_SQL} ORDER BY id LIMIT ?",
+        (generation, int(limit)))
+    asks: dict[str, list[tuple[int, str]]] = {}
+    for row in rows:
+        for name in row["injected_skills"] or []:
+            asks.setdefault(name, []).append((int(row["id"]), row["retrieval_query"]))
+    return asks
+
+
 def is_failure(turn: dict[str, Any], threshold: float = 0.0) -> bool:
     """Whether a turn counts as a failure: a human label (``turns.human_label``, see
     :mod:`metaclaw.labels`) takes precedence over the judge's reward."""

@@ -235,6 +235,10 @@ def cmd_turns(args: argparse.Namespace) -> int:
             print(_printable(f"       query: {(row.get('retrieval_query') or '-')[:100]}"))
             print(_printable(f"       scores: {scores}; session by {how.get('session', '?')}, "
                              f"turn type by {how.get('turn_type', '?')}"))
+            for s in row.get("retrieval_scores") or []:  # the keys the skills were matched on
+                if s.get("use_when") or s.get("example_asks"):
+                    print(_printable(f"       {s['name']}: use when {s.get('use_when') or '-'}; "
+                                     f"{s.get('example_asks', 0)} example asks"))
     return 0
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import hmac
 import logging
 import queue
@@ -92,6 +93,8 @@ class Turn:
     generation: int = 0
     injected: list[str] = field(default_factory=list)
     scores: list[float] = field(default_factory=list)
+    #: each injected skill's retrieval keys: (its "use when" line, how many example asks)
+    keys: list[tuple[str, int]] = field(default_factory=list)
     budget: dict[str, Any] | None = None
     retrieval_error: str | None = None
     thread: Thread | None = None  # a fingerprinted task turn's place among its conversations
@@ -125,6 +128,18 @@ def identify_session(headers: Mapping[str, str], body: Mapping[str, Any]) -> Ide
         raise ProxyError(400, str(exc), param=exc.param) from None
 
 
+def _scored(name: str, score: float, keys: tuple[str, int] | None) -> dict[str, Any]:
+    """One injected skill as recorded in ``retrieval_scores``: its name and score, and the
+    retrieval keys it carried (``use_when``, ``example_asks``: how many) where it had any."""
+    entry: dict[str, Any] = {"name": name, "score": round(float(score), 4)}
+    use_when, examples = keys or ("", 0)
+    if use_when:
+        entry["use_when"] = use_when
+    if examples:
+        entry["example_asks"] = examples
+    return entry
+
+
 def retrieval_query(turn: Turn) -> str:
     """Step 3: the text to retrieve skills for: the user's real ask in the neutral view
     (:func:`metaclaw.asks.extract_ask`, via :func:`metaclaw.retrieval.query_text`)."""
@@ -148,8 +163,8 @@ def record_row(turn: Turn, policy_version: int) -> dict[str, Any]:
         "identified_by": turn.identified_by,
         # why the turn got its skills: the query retrieval used, the selected skills' scores
         "retrieval_query": turn.query or None,
-        "retrieval_scores": [{"name": name, "score": round(float(score), 4)}
-                             for name, score in zip(turn.injected, turn.scores)],
+        "retrieval_scores": [_scored(name, score, keys) for name, score, keys
+                             in itertools.zip_longest(turn.injected, turn.scores, turn.keys)],
     }
     if turn.protocol.name != "openai":
         row["protocol"] = turn.protocol.name
@@ -516,12 +531,13 @@ class TurnPipeline:
             block = retrieval.render_block(selected)
             turn.injected = [s.skill.name for s in selected]
             turn.scores = [s.score for s in selected]
+            turn.keys = [(s.skill.use_when, len(s.skill.example_asks)) for s in selected]
             if block or BLOCK_TAG in turn.raw:  # or a resent earlier block, to take out
                 turn.body = turn.protocol.inject(turn.body, block)
                 turn.messages = retrieval.inject(turn.messages, block)
         except Exception as exc:  # serve the turn without skills rather than fail the agent
             log.exception("skill retrieval failed; serving this turn without skills")
-            turn.injected, turn.scores = [], []
+            turn.injected, turn.scores, turn.keys = [], [], []
             turn.retrieval_error = f"skill retrieval failed (served without skills): {exc}"
 
     async def prepare(self, protocol: WireProtocol, request: web.Request,

@@ -249,6 +249,35 @@ def _edit(store: Store, proposal: Proposal, name: str, *, body: str | None,
                         + ", ".join(repr(o.name) for o in ops))
 
 
+def with_served_asks(library: Any, ops: list[SkillOp]) -> list[SkillOp]:
+    """``ops`` with the asks each skill served well in the current generation
+    (:func:`metaclaw.buffers.served_asks`) added to its example asks: into the operation on it,
+    or as an ``edit`` of its retrieval keys alone (``evidence``: those turns). They ride along
+    with the generation the operations make anyway: a skill learns its keys without a
+    generation of its own, which would purge the query set the slow loop trains on."""
+    generation, skills = library.current()
+    served = buffers.served_asks(library.store, generation)
+    if not served:
+        return ops
+    out, touched = [], set()
+    for op in ops:
+        if op.skill is not None and op.op in ("add", "edit") and op.name in served:
+            keyed = op.skill.with_retrieval_keys(ask for _, ask in served[op.name])
+            op = SkillOp(op.op, keyed, op.name, op.reason, op.evidence, op.base)
+        touched.add(op.name)
+        out.append(op)
+    for skill in skills:
+        if skill.name in touched or skill.name not in served:
+            continue
+        keyed = skill.with_retrieval_keys(ask for _, ask in served[skill.name])
+        if keyed is not skill:
+            ids = [turn_id for turn_id, _ in served[skill.name]]
+            out.append(SkillOp("edit", keyed, skill.name,
+                               f"example asks from {len(ids)} turns it served well",
+                               ids[:20], skill.content_hash))
+    return out
+
+
 def apply_ops(library: Any, ops: list[SkillOp], support_ids: Iterable[int], *, reason: str,
               base_generation: int | None = None,
               then: Callable[[int], None] | None = None) -> tuple[int, dict[str, Any]]:
@@ -260,6 +289,7 @@ def apply_ops(library: Any, ops: list[SkillOp], support_ids: Iterable[int], *, r
     turns). ``base_generation``: refuse (:class:`~metaclaw.skills.SkillConflict`) if the
     library has moved past it."""
     moved: dict[str, Any] = {}
+    ops = with_served_asks(library, ops)
 
     def with_the_generation(generation: int) -> None:
         moved["consumed_ids"] = buffers.consumable(library.store, support_ids)

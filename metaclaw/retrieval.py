@@ -621,9 +621,9 @@ class EmbeddingRetriever:
         return np.asarray(vectors, dtype=np.float32)
 
     def _matrix(self, skills: list[Skill]):
-        """(skill vectors, example-ask vectors, names, name ranks) of ``skills``: a skill's
-        example-ask vector is the normalized mean of its example asks' embeddings (zeros when
-        it has none); both are ``len(skills) x dims``."""
+        """(vectors, indices of the skills with example asks, names, name ranks) of ``skills``:
+        ``vectors`` holds one row per skill, then one per skill with example asks (the
+        normalized mean of its example asks' embeddings), in the order of the indices."""
         import numpy as np
 
         with self._lock:
@@ -660,9 +660,13 @@ class EmbeddingRetriever:
                 examples = np.stack([p[1] for p in pairs])
             else:
                 matrix = examples = np.zeros((0, dim), dtype=np.float32)
-            has_examples = np.asarray([bool(s.example_asks) for s in skills], dtype=bool)
+            # the example-ask vectors of the skills that have some, under the skills' own:
+            # one product scores both (rows n.. belong to the skills at ``with_examples``)
+            with_examples = np.flatnonzero([bool(s.example_asks) for s in skills])
+            if len(with_examples):
+                matrix = np.ascontiguousarray(np.vstack([matrix, examples[with_examples]]))
             names = [s.name for s in skills]
-            built = (matrix, examples if has_examples.any() else None, has_examples, names,
+            built = (matrix, with_examples, names,
                      np.asarray(_name_order(names)[1], dtype=np.intp))
             self._cache.put(skills, built)
             for s in skills:  # keep the vectors in use the most recent, then bound the cache
@@ -719,15 +723,15 @@ class EmbeddingRetriever:
         higher."""
         import numpy as np
 
-        matrix, examples, has_examples, _, _ = self._matrix(skills)
+        matrix, with_examples, _, _ = self._matrix(skills)
         vector = self.embed_query(query or "")
         # einsum's loop runs on one core; BLAS (``matrix @ vector``) splits a large product over
         # threads and, when another process holds a core, waits a scheduler slice (~8 ms on a
         # busy 2-core machine) for the descheduled one: 10,000 x 256 takes ~0.6 ms either way.
-        scores = np.einsum("ij,j->i", matrix, vector)
-        if examples is not None:
-            by_example = np.einsum("ij,j->i", examples, vector)
-            scores = np.where(has_examples, np.maximum(scores, by_example), scores)
+        products = np.einsum("ij,j->i", matrix, vector)
+        scores = products[:len(skills)]
+        if len(with_examples):
+            scores[with_examples] = np.maximum(scores[with_examples], products[len(skills):])
         return scores
 
     def rank(self, query: str, skills: list[Skill], *, limit: int | None = None) -> list[ScoredSkill]:
@@ -736,7 +740,7 @@ class EmbeddingRetriever:
         if not skills:
             return []
         scores = self.scores(query, skills)
-        _, _, _, names, name_rank = self._matrix(skills)
+        _, _, names, name_rank = self._matrix(skills)
         return [ScoredSkill(skills[i], s)
                 for s, i in _order_array(scores, names, name_rank, limit)]
 
@@ -802,7 +806,7 @@ class HybridRetriever:
         if not skills:
             return []
         scores = self.scores(query, skills)
-        _, _, _, names, name_rank = self.dense._matrix(skills)
+        _, _, names, name_rank = self.dense._matrix(skills)
         return [ScoredSkill(skills[i], float(s))
                 for s, i in _order_array(scores, names, name_rank, limit)]
 

@@ -12,11 +12,10 @@ from metaclaw.store import Store
 
 @pytest.fixture(scope="session", autouse=True)
 def static_embedding_table():
-    """Derive the static embedding table (once per machine, ~30-60 s on two cores) before any
-    test starts a proxy, whose first requests would otherwise wait for it within their timeouts."""
+    """Load the packaged static embedding table once before any test starts a proxy."""
     from metaclaw import retrieval
 
-    if retrieval.embeddings_available():
+    if retrieval.static_embedding_packaged() or retrieval.embeddings_available():
         try:
             retrieval.load_model(retrieval.STATIC_MODEL)
         except retrieval.RetrievalError:  # no offline MiniLM package: embedding tests skip or fail

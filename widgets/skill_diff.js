@@ -161,6 +161,12 @@ function skillCard(diff, kind, item, mode) {
     " ", h("b", {}, name),
     item.description ? h("span", { class: "mc-muted" }, ` — ${item.description}`) : null);
   const card = h("details", { class: `mc-card mc-card-${kind}`, open: true }, title);
+  const asks = item.example_asks || [];
+  if (item.use_when || asks.length) {  // what retrieval matches this skill on, besides its text
+    card.append(h("div", { class: "mc-muted mc-keys" },
+      item.use_when ? `use when: ${item.use_when}` : "",
+      asks.length ? h("span", { title: asks.join("\n") }, `${item.use_when ? " · " : ""}${asks.length} example ask${asks.length === 1 ? "" : "s"}`) : null));
+  }
   if (kind === "edit") {
     card.append(mode === "side-by-side" ? sideBySideView(item.unified_diff) : unifiedView(item.unified_diff));
   } else {

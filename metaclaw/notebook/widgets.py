@@ -116,6 +116,7 @@ class _StaticHTML:
 # -- skill diff -------------------------------------------------------------------------------------
 def _skill_entry(skill: Any) -> dict[str, Any]:
     return {"name": skill.name, "description": skill.description, "category": skill.category,
+            "use_when": skill.use_when, "example_asks": list(skill.example_asks),
             "markdown": skill.to_markdown()}
 
 
@@ -123,8 +124,8 @@ def diff_payload(diff: Any, store: Any) -> dict[str, Any]:
     """The data the diff widget shows, from a :class:`metaclaw.skills.SkillDiff`.
 
     Returns ``SkillDiff.to_dict()`` normalised for display: ``added`` / ``removed`` (name,
-    description, category, markdown), ``edited`` (name, description, unified_diff, before and
-    after markdown), ``events`` (generation, op, skill_name, reason, evidence turn ids),
+    description, category, use_when, example_asks, markdown), ``edited`` (name, description,
+    use_when, example_asks, unified_diff, before and after markdown), ``events`` (generation, op, skill_name, reason, evidence turn ids),
     ``turns`` (a preview of every evidence turn: task text and reward, by id) and ``summary``
     (the counts).
     """
@@ -138,6 +139,7 @@ def diff_payload(diff: Any, store: Any) -> dict[str, Any]:
         "added": [_skill_entry(s) for s in diff.added],
         "removed": [_skill_entry(s) for s in diff.removed],
         "edited": [{"name": e.name, "description": e.after.description,
+                    "use_when": e.after.use_when, "example_asks": list(e.after.example_asks),
                     "unified_diff": e.unified_diff, "before": e.before.to_markdown(),
                     "after": e.after.to_markdown()} for e in diff.edited],
         "events": events,
@@ -929,6 +931,10 @@ def _trace_turn_html(d: dict[str, Any]) -> str:
     if retrieval.get("query") or retrieval.get("scores"):
         scores = ", ".join(f"{_esc(s['name'])}"
                            + (f" ({s['score']:.2f})" if s.get("score") is not None else "")
+                           + (f" <small>use when: {_esc(s['use_when'])}</small>"
+                              if s.get("use_when") else "")
+                           + (f" <small>{int(s['example_asks'])} example asks</small>"
+                              if s.get("example_asks") else "")
                            for s in retrieval.get("scores") or [])
         parts.append(f"<p><i>Retrieval</i>: {_esc(retrieval.get('query') or '')} &rarr; "
                      f"{scores or 'no skill'}</p>")

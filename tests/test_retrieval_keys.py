@@ -1,0 +1,244 @@
+"""Skills learn their own retrieval keys: the asks they were written from and the asks they later
+served well become example asks (front matter ``metadata.example-asks``), the evolver writes a
+"use when" line, retrieval matches new asks against both, and the keys are shown where a person
+looks (``metaclaw turns --why``, the trace, the diff). No timing and no quality figures here:
+``benchmarks/bench_retrieval.py`` measures those on the labelled set."""
+
+from __future__ import annotations
+
+import pytest
+
+from metaclaw import buffers
+from metaclaw.evolver import validate_operations, with_origin_asks
+from metaclaw.proposals import apply_ops
+from metaclaw.retrieval import (
+    EmbeddingRetriever, HybridRetriever, LexicalRetriever, keys_text, make_retriever, select,
+)
+from metaclaw.skills import MAX_EXAMPLE_ASKS, Skill, SkillLibrary, SkillOp
+
+DATES = Skill("iso-dates", "Write every date as an ISO 8601 datetime with the user's offset.",
+              "data", "Use `2026-03-16T09:30:00+08:00`, never `3/16` or `9:30am`.")
+OTHERS = [
+    Skill("backup-first", "Copy a file before changing it.", "safety",
+          "`cp config.yaml config.yaml.bak` before any edit."),
+    Skill("commit-messages", "Write commit messages with an imperative subject line.", "coding",
+          "Subject under 60 characters; a body that says why."),
+    Skill("csv-headers", "Give every CSV file a header row.", "data",
+          "Column names in snake_case, one header line."),
+]
+#: An ask that shares no content word with the dates skill's text.
+ASK = "put the standup slot and each action item's deadline into standup.json"
+
+
+def test_example_asks_and_use_when_round_trip_through_skill_md():
+    skill = DATES.with_retrieval_keys([ASK, "log when the nightly backup ran"],
+                                      use_when="writing dates, times or deadlines into files")
+    again = Skill.from_markdown(skill.to_markdown())
+    assert again == skill
+    assert again.example_asks == (ASK, "log when the nightly backup ran")
+    assert again.use_when == "writing dates, times or deadlines into files"
+    text = skill.to_markdown()
+    assert "metadata:" in text and "example-asks:" in text and "use-when:" in text
+
+
+def test_example_asks_are_folded_deduped_bounded_and_unchanged_skills_stay_the_same_object():
+    skill = DATES.with_retrieval_keys(["  Put the   slot\ninto standup.json ", "put the slot into "
+                                       "STANDUP.JSON", "x" * 1000])
+    assert skill.example_asks[0] == "Put the slot into standup.json"
+    assert len(skill.example_asks) == 2 and len(skill.example_asks[1]) == 300
+    assert skill.with_retrieval_keys(["put the slot into standup.json"]) is skill
+    full = DATES.with_retrieval_keys(f"ask number {i}" for i in range(50))
+    assert len(full.example_asks) == MAX_EXAMPLE_ASKS
+    assert full.example_asks[0] == "ask number 0"  # the first ones are kept
+
+
+def test_upstream_skill_files_with_a_list_or_other_metadata_still_import():
+    text = ("---\nname: iso-dates\ndescription: ISO dates.\nmetadata:\n  author: someone\n"
+            "  example-asks:\n    - first ask\n    - second ask\n---\n\nBody.\n")
+    skill = Skill.from_markdown(text)
+    assert skill.example_asks == ("first ask", "second ask") and skill.use_when == ""
+    assert skill.extra["metadata"]["author"] == "someone"
+    keyed = skill.with_retrieval_keys(["third ask"])
+    assert keyed.extra["metadata"]["author"] == "someone"
+    assert keyed.example_asks == ("first ask", "second ask", "third ask")
+
+
+@pytest.mark.parametrize("kind", ["lexical", "embedding", "hybrid"])
+def test_retrieval_matches_an_ask_against_the_example_asks(kind):
+    retriever = make_retriever(kind)
+    plain = [DATES, *OTHERS]
+    keyed = [DATES.with_retrieval_keys(["write the standup slot and action item deadlines "
+                                        "into standup.json"]), *OTHERS]
+    before = {r.skill.name: r.score for r in retriever.rank(ASK, plain)}
+    after = {r.skill.name: r.score for r in retriever.rank(ASK, keyed)}
+    assert after["iso-dates"] > before["iso-dates"]
+    assert retriever.rank(ASK, keyed)[0].skill.name == "iso-dates"
+    assert "standup.json" in keys_text(keyed[0])
+
+
+def test_the_hybrid_is_the_default_and_its_threshold_is_relative_to_the_best_skill():
+    retriever = make_retriever("auto")
+    assert isinstance(retriever, HybridRetriever) and retriever.dense.static
+    ranked = retriever.rank("a commit message for this change", OTHERS)
+    best, runner_up = ranked[0].score, ranked[1].score
+    chosen = select(retriever, "a commit message for this change", OTHERS,
+                    min_score=-1.0, margin=best - runner_up - 1e-6)
+    assert [c.skill.name for c in chosen] == ["commit-messages"]
+    both = select(retriever, "a commit message for this change", OTHERS, min_score=-1.0,
+                  margin=best - runner_up + 1e-6)
+    assert len(both) == 2
+    assert isinstance(retriever.dense, EmbeddingRetriever)
+    assert isinstance(retriever.lexical, LexicalRetriever)
+
+
+def test_the_evolver_keeps_the_use_when_line_and_the_asks_of_the_failures_it_learned_from():
+    answer = {"operations": [{
+        "op": "add", "name": "iso-dates", "description": DATES.description, "category": "data",
+        "body": DATES.body, "use_when": "  writing dates or deadlines\ninto files ",
+        "reason": "dates were ambiguous", "evidence": [7]}]}
+    ops = validate_operations(answer, {}, [7, 8])
+    assert ops[0].skill.use_when == "writing dates or deadlines into files"
+    ops = with_origin_asks(ops, {7: ASK, 8: "unrelated failure"})
+    assert ops[0].skill.example_asks == (ASK,)  # its evidence only
+    with pytest.raises(Exception, match="'use_when' must be a string"):
+        validate_operations({"operations": [{**answer["operations"][0], "use_when": 3}]}, {}, [7])
+    no_line = {"operations": [{k: v for k, v in answer["operations"][0].items()
+                               if k != "use_when"}]}
+    assert validate_operations(no_line, {}, [7])[0].skill.use_when == ""
+
+
+def test_asks_a_skill_served_well_become_its_example_asks_with_the_next_generation(store,
+                                                                                  tmp_path):
+    library = SkillLibrary(tmp_path / "skills", store)
+    library.apply([SkillOp("add", DATES), SkillOp("add", OTHERS[0])], kind="import")
+    generation = library.generation
+    served = store.record_turn(session_id="s", status="ok", request_messages=[], reward=1.0,
+                               skill_generation=generation, injected_skills=["iso-dates"],
+                               retrieval_query=ASK)
+    store.record_turn(session_id="s", status="ok", request_messages=[], reward=-1.0,
+                      skill_generation=generation, injected_skills=["iso-dates"],
+                      retrieval_query="a failed ask is no example")
+    store.record_turn(session_id="s", status="ok", request_messages=[], reward=1.0,
+                      human_label="fail", skill_generation=generation,
+                      injected_skills=["iso-dates"], retrieval_query="a person said it failed")
+    assert buffers.served_asks(store, generation) == {"iso-dates": [(served, ASK)]}
+    new = Skill("csv-headers", "Give every CSV file a header row.", "data", "One header line.")
+    new_generation, _ = apply_ops(library, [SkillOp("add", new)], [], reason="evolved")
+    skills = dict((s.name, s) for s in library.snapshot(new_generation).values())
+    assert skills["iso-dates"].example_asks == (ASK,)
+    assert skills["backup-first"].example_asks == ()
+    assert "csv-headers" in skills
+    diff = library.diff(generation, new_generation)
+    assert [e.name for e in diff.edited] == ["iso-dates"]
+    assert "standup.json" in diff.edited[0].unified_diff
+
+
+# -- no first-run stall, and the keys shown where a person looks ------------------------------
+
+def test_the_default_retriever_needs_no_torch_no_distillation_and_no_cache(tmp_path):
+    """The static table ships in the package: a fresh machine (empty cache) loads it without
+    torch, sentence-transformers or a model folder, and writes nothing to the cache."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from metaclaw.retrieval import make_retriever, describe\n"
+            "from metaclaw.skills import Skill\n"
+            "r = make_retriever('auto')\n"
+            "r.rank('keep a copy of the config', [Skill('a', 'Copy files first.')])\n"
+            "heavy = [m for m in ('torch', 'sentence_transformers', 'transformers') "
+            "if m in sys.modules]\n"
+            "print(describe(r), heavy)\n")
+    cache = tmp_path / "cache"
+    env = {k: v for k, v in __import__("os").environ.items()
+           if k not in ("METACLAW_EMBEDDING_MODEL",)}
+    env.update(METACLAW_CACHE_DIR=str(cache), XDG_CACHE_HOME=str(cache), HOME=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "retrieval: hybrid (BM25 + static MiniLM table, ready) []"
+    assert not cache.exists() or not any(cache.rglob("*.npy"))
+
+
+def test_a_transformer_model_is_only_checked_at_start_and_loads_in_warm(monkeypatch):
+    """``--embedding-model minilm`` does not hold the server's start: the model is found, not
+    loaded, until :meth:`warm` (which the proxy runs after it listens)."""
+    from metaclaw import retrieval
+
+    if not retrieval.embeddings_available():
+        pytest.skip("needs the embeddings extra")
+    loaded = []
+    monkeypatch.setattr(retrieval, "load_model", lambda model=None: loaded.append(model))
+    retriever = retrieval.make_retriever("hybrid", model="minilm")
+    assert loaded == [] and retriever.model_id == "minilm"
+    assert "loading in the background" in retrieval.describe(retriever)
+    retriever.dense.warm()
+    assert loaded == ["minilm"]
+
+
+def test_serve_says_how_it_retrieves_and_why_shows_the_keys(tmp_path):
+    import json
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    from metaclaw.double import DoubleServer, Reply
+
+    skills = tmp_path / "skills"
+    keyed = DATES.with_retrieval_keys(["write the standup slot and action item deadlines into "
+                                       "standup.json"], use_when="dates or deadlines in files")
+    for skill in (keyed, *OTHERS):
+        (skills / skill.name).mkdir(parents=True)
+        (skills / skill.name / "SKILL.md").write_text(skill.to_markdown())
+    db = tmp_path / "ws.db"
+    with DoubleServer([Reply("done")]) as upstream:
+        proc = subprocess.Popen([sys.executable, "-m", "metaclaw", "serve", "--upstream",
+                                 upstream.url, "--db", str(db), "--skills", str(skills),
+                                 "--port", "0"], stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL, text=True,
+                                env={**__import__("os").environ,
+                                     "METACLAW_UPSTREAM_API_KEY": "k"})
+        try:
+            banner = proc.stdout.readline()
+            assert "retrieval: hybrid (BM25 + static MiniLM table, ready)" in banner, banner
+            url = banner.split(" on ", 1)[1].split(" ", 1)[0]
+            reply = httpx.post(f"{url}/chat/completions", timeout=30, json={
+                "model": "m", "messages": [{"role": "user", "content": ASK}]})
+            assert reply.status_code == 200, reply.text
+            assert "iso-dates" in upstream.requests[-1]["body"]["messages"][0]["content"]
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        rows = [json.loads(line) for line in subprocess.run(
+            [sys.executable, "-m", "metaclaw", "turns", "--db", str(db), "--json"],
+            capture_output=True, text=True).stdout.splitlines()]
+        if rows:
+            break
+        time.sleep(0.2)
+    scores = rows[0]["retrieval_scores"]
+    assert scores[0]["name"] == "iso-dates"
+    assert scores[0]["use_when"] == "dates or deadlines in files"
+    assert scores[0]["example_asks"] == 1
+    why = subprocess.run([sys.executable, "-m", "metaclaw", "turns", "--db", str(db), "--why"],
+                         capture_output=True, text=True).stdout
+    assert "iso-dates: use when dates or deadlines in files; 1 example asks" in why
+
+
+def test_the_trace_and_the_diff_show_the_keys(store, tmp_path):
+    from metaclaw.notebook.widgets import _trace_turn_html, diff_payload
+
+    library = SkillLibrary(tmp_path / "skills", store)
+    first = library.generation
+    keyed = DATES.with_retrieval_keys([ASK], use_when="dates or deadlines in files")
+    library.apply([SkillOp("add", keyed)], kind="import")
+    payload = diff_payload(library.diff(first, library.generation), store)
+    assert payload["added"][0]["use_when"] == "dates or deadlines in files"
+    assert payload["added"][0]["example_asks"] == [ASK]
+    html = _trace_turn_html({"id": 1, "retrieval": {"query": ASK, "scores": [
+        {"name": "iso-dates", "score": 0.8, "use_when": "dates or deadlines in files",
+         "example_asks": 1}]}, "messages": []})
+    assert "use when: dates or deadlines in files" in html and "1 example asks" in html
