@@ -88,6 +88,16 @@ FIELD_TYPES: dict[str, dict[str, tuple[str, ...]]] = {
         "top_k": _INT, "metadata": _OBJ, "tools": _LIST, "tool_choice": _OBJ, "thinking": _OBJ,
         "service_tier": _STR,
     },
+    "responses": {
+        "model": _STR, "input": _STR + _LIST, "instructions": _STR, "stream": _BOOL,
+        "tools": _LIST, "tool_choice": _STR + _OBJ, "parallel_tool_calls": _BOOL,
+        "max_output_tokens": _INT, "max_tool_calls": _INT, "temperature": _NUMBER,
+        "top_p": _NUMBER, "top_logprobs": _INT, "text": _OBJ, "reasoning": _OBJ,
+        "include": _LIST, "store": _BOOL, "prompt_cache_key": _STR, "metadata": _OBJ,
+        "previous_response_id": _STR, "truncation": _STR, "user": _STR, "service_tier": _STR,
+        "background": _BOOL, "safety_identifier": _STR, "client_metadata": _OBJ,
+        "stream_options": _OBJ, "conversation": _STR + _OBJ, "prompt": _OBJ,
+    },
 }
 #: Fields the proxy itself reads, whatever the protocol.
 PROXY_FIELD_TYPES = {"session_id": _STR, "turn_type": _STR, "session_done": _BOOL + _STR}

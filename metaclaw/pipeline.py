@@ -547,7 +547,10 @@ class TurnPipeline:
         caller_key = self.authenticate(request)
         raw, body = await self.read_body(request)
         turn = parse_turn(protocol, body, raw, self.config.model, **parse)
-        identity = identify_session(request.headers, body)
+        # a protocol without a top-level message list (Responses' ``input``) is identified by
+        # its messages in the chat form
+        identity = identify_session(request.headers, body if "messages" in body
+                                    else {**body, "messages": turn.messages})
         turn.session_id, turn.turn_type, turn.done = (identity.session_id, identity.turn_type,
                                                       identity.done)
         turn.identified_by = identity.how
@@ -753,7 +756,7 @@ class _Relay:
                 self.headers["X-MetaClaw-Policy-Version"] = str(policy["policy_version"])
             if upstream.protocol is not client:
                 payload = dumps(client.reply_from_chat(
-                    upstream.protocol.reply_to_chat(data))).encode()
+                    upstream.protocol.reply_to_chat(data), turn.body)).encode()
         except asyncio.CancelledError:
             self.cancelled()
             raise
@@ -804,7 +807,7 @@ class _Relay:
             except Exception as exc:
                 return await self.fail(exc, upstream)
             to_chat = None if same else source.stream_to_chat()
-            from_chat = None if same else client.stream_from_chat()
+            from_chat = None if same else client.stream_from_chat(turn.body)
 
             def translate(event: dict[str, Any] | None) -> list[dict[str, Any] | None]:
                 return [out for chunk in to_chat.feed(event) for out in from_chat.feed(chunk)]

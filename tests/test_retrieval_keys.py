@@ -168,6 +168,7 @@ def test_a_transformer_model_is_only_checked_at_start_and_loads_in_warm(monkeypa
     if not retrieval.embeddings_available():
         pytest.skip("needs the embeddings extra")
     loaded = []
+    monkeypatch.setattr(retrieval, "_MODELS", {})  # as in a fresh process
     monkeypatch.setattr(retrieval, "load_model", lambda model=None: loaded.append(model))
     retriever = retrieval.make_retriever("hybrid", model="minilm")
     assert loaded == [] and retriever.model_id == "minilm"

@@ -20,11 +20,15 @@ there.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import html
 import json
 import math
+import sqlite3
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -69,6 +73,115 @@ def _clip_texts(value: Any, limit: int = MAX_TEXT_CHARS) -> Any:
     if isinstance(value, list):
         return [_clip_texts(v, limit) for v in value]
     return value
+
+
+# -- what a widget reads, for as long as the kernel lives ----------------------------------------
+class SourceGone(RuntimeError):
+    """The workspace a widget read is gone (its database file was deleted, or it was an in-memory
+    store that was closed): the widget keeps what it showed last and says so in one line."""
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= 300 else text[:299] + "…"
+
+
+def _is_closed(store: Any) -> bool:
+    """Whether ``store``'s connection was closed (``Store.close()``)."""
+    try:
+        store.query("SELECT 1")
+    except sqlite3.ProgrammingError:
+        return True
+    return False
+
+
+_readers_lock = threading.RLock()
+#: live widgets by the store they read; a store in ``_close_when_unread`` is closed when its
+#: last reader closes (``%metaclaw stop`` hands a store to the widgets still showing it).
+_readers: "weakref.WeakKeyDictionary[Any, weakref.WeakSet[Any]]" = weakref.WeakKeyDictionary()
+_close_when_unread: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def _live_readers(store: Any) -> list[Any]:
+    with _readers_lock:
+        return [r for r in list(_readers.get(store, ())) if not getattr(r, "_released", False)]
+
+
+def release_store(store: Any) -> bool:
+    """Close ``store`` now unless a live widget reads it; otherwise it stays open for those
+    widgets and is closed when the last of them is closed. Returns whether it was closed now.
+    (``%metaclaw stop`` calls this: stopping the proxy does not pull the workspace from under
+    the widgets still on the page.)"""
+    with _readers_lock:
+        if _live_readers(store):
+            _close_when_unread.add(store)
+            return False
+        _close_when_unread.discard(store)
+    store.close()
+    return True
+
+
+class _Reader:
+    """The store a widget reads, kept usable for as long as the widget lives: when its
+    connection was closed (by ``store.close()``), the widget reopens the same workspace file;
+    when the file is gone, :class:`SourceGone` says so in one line."""
+
+    def __init__(self, widget: Any, store: Any):
+        self.held = store
+        self.own: Any = None
+        self._widget = weakref.ref(widget)
+        with _readers_lock:
+            _readers.setdefault(store, weakref.WeakSet()).add(widget)
+
+    def store(self) -> Any:
+        for store in (self.own, self.held):
+            if store is not None and not _is_closed(store):
+                return store
+        path = Path(str(self.held.path))
+        if str(self.held.path) == ":memory:":
+            raise SourceGone("the workspace was an in-memory store and it was closed: what is "
+                             "shown is all that is left of it")
+        if not path.exists():
+            raise SourceGone(f"the workspace {path} was deleted: what is shown is what this "
+                             f"widget read last")
+        from metaclaw.store import Store
+
+        self.own = Store(path)
+        return self.own
+
+    def release(self) -> None:
+        """The widget closed: close what it opened, and the store handed to it if it was the
+        last reader."""
+        widget = self._widget()
+        with _readers_lock:
+            readers = _readers.get(self.held)
+            if readers is not None and widget is not None:
+                readers.discard(widget)
+            last = self.held in _close_when_unread and not _live_readers(self.held)
+            if last:
+                _close_when_unread.discard(self.held)
+        if last:
+            self.held.close()
+        if self.own is not None:
+            self.own.close()
+            self.own = None
+
+
+def _reports(what: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """For a handler of a front-end request: an error becomes the widget's one-line ``error``
+    (the kernel log is where nobody looks) instead of an exception."""
+    def wrap(method: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(method)
+        def handler(self: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return method(self, *args, **kwargs)
+            except SourceGone as exc:
+                self.error = str(exc)
+            except Exception as exc:  # noqa: BLE001 - shown in the widget, the kernel goes on
+                self.error = f"{what}: {_one_line(exc)}"
+            return None
+        return handler
+    return wrap
 
 
 def _fmt_reward(value: Any) -> str:
@@ -191,8 +304,15 @@ def _evidence_html(payload: dict[str, Any], name: str) -> str:
     return "".join(parts)
 
 
+#: A diff with more changed skills than this shows each as a closed card (its summary line),
+#: opened on demand; fewer are shown open.
+OPEN_CARDS = 3
+
+
 def diff_html(payload: dict[str, Any]) -> str:
-    """Static HTML of a :func:`diff_payload`: every change with its text and evidence turns."""
+    """Static HTML of a :func:`diff_payload`: every change with its text and evidence turns
+    (each change a card; closed, one summary line each, when there are more than
+    :data:`OPEN_CARDS`)."""
     if not payload:
         return "<div><b>Skill diff</b>: nothing to show.</div>"
     summary = payload.get("summary", {})
@@ -207,10 +327,14 @@ def diff_html(payload: dict[str, Any]) -> str:
                 ("edited", "Edited", lambda s: s["unified_diff"]),
                 ("removed", "Removed", lambda s: "\n".join(f"-{line}" for line in
                                                          s["markdown"].rstrip("\n").split("\n"))))
+    cards = sum(len(payload.get(key, [])) for key, _, _ in sections)
+    if cards > OPEN_CARDS:
+        parts.append(f"<p>{cards} skills changed; open a card to read its text and evidence.</p>")
+    opened = " open" if cards <= OPEN_CARDS else ""
     for key, title, text_of in sections:
         for item in payload.get(key, []):
             parts.append(
-                f"<details open><summary>{title}: <b>{_esc(item['name'])}</b> &mdash; "
+                f"<details{opened}><summary>{title}: <b>{_esc(item['name'])}</b> &mdash; "
                 f"{_esc(item.get('description') or '')}</summary>"
                 f"{_diff_lines_html(text_of(item))}<div><b>Evidence</b></div>"
                 f"{_evidence_html(payload, item['name'])}</details>")
@@ -223,11 +347,19 @@ class SkillDiffWidget(_StaticHTML, anywidget.AnyWidget):
 
     ``library``: a :class:`metaclaw.skills.SkillLibrary`. ``old`` / ``new``: generation numbers
     (default: the latest generation and its parent). Synced traitlets: ``generations`` (rows of
-    ``skill_generations``), ``old``, ``new``, ``mode`` (``"unified"`` | ``"side-by-side"``),
-    ``diff`` (:func:`diff_payload`), ``error``. Setting ``old`` or ``new`` (from Python or the
-    front-end) recomputes ``diff``. With ``follow=True`` a new generation moves ``new`` to it when
-    ``new`` was the latest. :meth:`refresh` (or the front-end's refresh button) re-reads the
-    generations and proposals, which another process may have changed.
+    ``skill_generations`` with a ``label`` that tells them apart: kind, the skills changed, the
+    number of skills), ``old``, ``new``, ``mode`` (``"unified"`` | ``"side-by-side"``), ``diff``
+    (:func:`diff_payload`), ``error``, ``latest`` (the library's newest generation as last read).
+
+    The widget is **pinned** to what it was made to show: a new generation, a proposal decided
+    elsewhere, change nothing it shows (``latest`` moves, and the front-end says the library has
+    changed since). With ``follow=True`` (a checkbox in the front-end, or ``%metaclaw diff
+    --follow``) ``new`` moves to each new generation and the proposals are re-read as they
+    change. :meth:`refresh` (or the front-end's refresh button) re-reads the generations and
+    proposals now, which another process may have changed.
+
+    The widget keeps working after ``%metaclaw stop`` (the workspace stays open while a widget
+    shows it) and after ``store.close()`` (it reopens the workspace file).
     """
 
     _esm = WIDGETS_DIR / "skill_diff.js"
@@ -244,15 +376,18 @@ class SkillDiffWidget(_StaticHTML, anywidget.AnyWidget):
     author = traitlets.Unicode("").tag(sync=True)
     message = traitlets.Unicode("").tag(sync=True)
     refresh_requests = traitlets.Int(0).tag(sync=True)
+    follow = traitlets.Bool(False).tag(sync=True)
+    latest = traitlets.Int(0).tag(sync=True)
 
     def __init__(self, library: Any, old: int | None = None, new: int | None = None, *,
-                 mode: str = "unified", follow: bool = True, author: str | None = None,
+                 mode: str = "unified", follow: bool = False, author: str | None = None,
                  **kwargs: Any):
         from metaclaw.labels import default_author
 
         self._library = library
         self._ready = False
-        self.follow = follow
+        self._released = False
+        self._reader = _Reader(self, library.store)
         kwargs.setdefault("author", author or default_author())
         rows = self._generation_rows()
         numbers = [r["generation"] for r in rows]
@@ -261,16 +396,37 @@ class SkillDiffWidget(_StaticHTML, anywidget.AnyWidget):
         if old is None:
             parent = next((r["parent"] for r in rows if r["generation"] == new), None)
             old = parent if parent is not None else max(new - 1, 0)
-        super().__init__(generations=rows, old=int(old), new=int(new), mode=mode, **kwargs)
+        super().__init__(generations=rows, old=int(old), new=int(new), mode=mode,
+                         follow=bool(follow), latest=numbers[-1] if numbers else 0, **kwargs)
         self._ready = True
         self._recompute()
         self.refresh_proposals()
         library.subscribe(self._on_generation)
 
+    # -- reading ----------------------------------------------------------------------------
+    def _lib(self) -> Any:
+        """The library, reading through an open connection to its workspace."""
+        store = self._reader.store()
+        if self._library.store is not store:  # its connection was closed: use the reopened one
+            self._library.store = store
+        return self._library
+
     def _generation_rows(self) -> list[dict[str, Any]]:
-        return _json_safe([{k: r.get(k) for k in ("generation", "parent", "kind", "reason",
-                                                   "created_at", "skills", "events")}
-                           for r in self._library.generations()])
+        library = self._lib()
+        changes: dict[int, list[str]] = {}
+        for event in library.store.query("SELECT generation, op, skill_name FROM skill_events "
+                                         "ORDER BY id"):
+            sign = {"add": "+", "edit": "~", "remove": "−"}.get(event["op"], "")
+            changes.setdefault(int(event["generation"]), []).append(
+                f"{sign}{event['skill_name']}")
+        rows = []
+        for r in library.generations():
+            row = {k: r.get(k) for k in ("generation", "parent", "kind", "reason", "created_at",
+                                         "skills", "events")}
+            row["changes"] = changes.get(int(r["generation"]), [])
+            row["label"] = generation_label(row)
+            rows.append(row)
+        return _json_safe(rows)
 
     @traitlets.validate("old", "new")
     def _check_generation(self, proposal: Any) -> int:
@@ -292,43 +448,66 @@ class SkillDiffWidget(_StaticHTML, anywidget.AnyWidget):
 
     def _recompute(self) -> None:
         try:
-            diff = self._library.diff(self.old, self.new)
-            payload = diff_payload(diff, self._library.store)
+            library = self._lib()
+            diff = library.diff(self.old, self.new)
+            payload = diff_payload(diff, library.store)
         except Exception as exc:  # shown in the widget; the library is left as it was
-            self.error = f"cannot compare generations {self.old} and {self.new}: {exc}"
+            self.error = f"cannot compare generations {self.old} and {self.new}: {_one_line(exc)}"
             self.diff = {}
             return
         self.error = ""
         self.diff = payload
 
     def _on_generation(self, generation: int) -> None:
-        self.refresh_proposals()
-        previous = [r["generation"] for r in self.generations]
-        was_latest = not previous or self.new == previous[-1]
-        self.generations = self._generation_rows()
-        if self.follow and was_latest and generation != self.new:
-            self.new = int(generation)
+        """A new generation: the pickers offer it and ``latest`` says so; only a following
+        widget changes what it shows."""
+        try:
+            self.generations = self._generation_rows()
+        except Exception as exc:  # noqa: BLE001 - said in the widget
+            self.error = f"cannot read the skill generations: {_one_line(exc)}"
+            return
+        self.latest = max([int(generation)] + [r["generation"] for r in self.generations])
+        if self.follow:
+            self.refresh_proposals()
+            if self.latest != self.new:
+                self.new = self.latest
+
+    @traitlets.observe("follow")
+    @_reports("cannot follow the library")
+    def _on_follow(self, change: Any) -> None:
+        if self._ready and change["new"]:
+            self.refresh()
 
     def close(self) -> None:
         """Close the widget and stop following the library (a closed widget would otherwise
-        recompute its diff on every new generation for as long as the library lives)."""
+        recompute its diff on every new generation for as long as the library lives); the
+        workspace it kept open after ``%metaclaw stop`` is closed with the last widget."""
         self._library.unsubscribe(self._on_generation)
+        self._released = True
+        self._reader.release()
         super().close()
 
     def refresh(self) -> "SkillDiffWidget":
         """Re-read the generations and proposals (another process may have changed them) and
-        recompute the diff; returns the widget."""
+        recompute the diff; a following widget moves to the latest generation. Returns the
+        widget."""
         try:
-            self._library.sync()  # adopts a newer generation: _on_generation follows it
-        except Exception as exc:  # e.g. the store was closed by %metaclaw stop
-            self.error = f"cannot read the skill library: {exc}"
+            library = self._lib()
+            library.sync()  # adopts a newer generation (a following widget moves to it)
+        except Exception as exc:  # e.g. the workspace file was deleted
+            self.error = f"cannot read the skill library: {_one_line(exc)}"
             return self
         self.generations = self._generation_rows()
+        self.latest = self.generations[-1]["generation"] if self.generations else 0
         self.refresh_proposals()
-        self._recompute()
+        if self.follow and self.new != self.latest:
+            self.new = self.latest  # recomputes
+        else:
+            self._recompute()
         return self
 
     @traitlets.observe("refresh_requests")
+    @_reports("cannot refresh")
     def _on_refresh_request(self, _change: Any) -> None:
         if self._ready:
             self.refresh()
@@ -340,9 +519,10 @@ class SkillDiffWidget(_StaticHTML, anywidget.AnyWidget):
         from metaclaw import proposals as store_proposals
 
         try:
-            rows = store_proposals.all(self._library.store)
+            library = self._lib()
+            rows = store_proposals.all(library.store)
         except Exception as exc:  # e.g. a store from before proposals existed
-            self.error = f"cannot read the proposals: {exc}"
+            self.error = f"cannot read the proposals: {_one_line(exc)}"
             return []
         held = [p for p in rows if p.status == store_proposals.HELD]
         decided = [p for p in reversed(rows) if p.status != store_proposals.HELD]
@@ -355,7 +535,7 @@ class SkillDiffWidget(_StaticHTML, anywidget.AnyWidget):
                 "decided_at": p.decided_at, "created_at": p.created_at,
                 "decision": p.evidence.get("decision"), "cases": p.evidence.get("cases", []),
                 "safety": p.safety, "support_ids": p.support_ids, "history": p.history,
-                "diffs": p.diffs(self._library)})
+                "diffs": p.diffs(library)})
         self.proposals = _json_safe(payload)
         return self.proposals
 
@@ -363,9 +543,9 @@ class SkillDiffWidget(_StaticHTML, anywidget.AnyWidget):
         """Promote a held proposal as the widget's ``author``; returns the new generation."""
         from metaclaw import proposals as store_proposals
 
-        generation = store_proposals.promote(self._library.store, self._library,
-                                             int(proposal_id), by=self.author or None,
-                                             note=note)
+        library = self._lib()
+        generation = store_proposals.promote(library.store, library, int(proposal_id),
+                                             by=self.author or None, note=note)
         self.message = f"proposal #{proposal_id} promoted by {self.author}: generation {generation}"
         self.refresh_proposals()
         return generation
@@ -374,7 +554,7 @@ class SkillDiffWidget(_StaticHTML, anywidget.AnyWidget):
         """Discard a held proposal as the widget's ``author``."""
         from metaclaw import proposals as store_proposals
 
-        store_proposals.discard(self._library.store, int(proposal_id), by=self.author or None,
+        store_proposals.discard(self._lib().store, int(proposal_id), by=self.author or None,
                                 reason=reason)
         self.message = f"proposal #{proposal_id} discarded by {self.author}"
         self.refresh_proposals()
@@ -384,7 +564,7 @@ class SkillDiffWidget(_StaticHTML, anywidget.AnyWidget):
         """Change the text a held proposal would write for skill ``name``."""
         from metaclaw import proposals as store_proposals
 
-        store_proposals.edit(self._library.store, int(proposal_id), name, body=body,
+        store_proposals.edit(self._lib().store, int(proposal_id), name, body=body,
                              description=description, by=self.author or None)
         self.message = f"proposal #{proposal_id}: {name} edited by {self.author}"
         self.refresh_proposals()
@@ -406,8 +586,13 @@ class SkillDiffWidget(_StaticHTML, anywidget.AnyWidget):
             else:
                 raise ValueError(f"unknown action {action!r}; use promote, discard or edit")
             self.error = ""
+        except SourceGone as exc:
+            self.error = str(exc)
         except Exception as exc:  # shown in the widget; the library is left as it was
-            self.error = f"proposal #{request.get('id')}: {exc}"
+            self.error = f"proposal #{request.get('id')}: {_one_line(exc)}"
+            # a proposal decided since this view was made: show where it stands now
+            with contextlib.suppress(Exception):
+                self.refresh_proposals()
 
     def compare(self, old: int, new: int) -> "SkillDiffWidget":
         """Show the change from ``old`` to ``new`` (one recomputation); returns the widget."""
@@ -419,12 +604,24 @@ class SkillDiffWidget(_StaticHTML, anywidget.AnyWidget):
         self._recompute()
         return self
 
+    def _pin_line(self) -> str:
+        if self.follow:
+            return "following the library: “to” moves to each new generation"
+        line = f"pinned to generation {self.old} → {self.new}"
+        if self.latest > max(self.old, self.new):
+            line += (f"; the library has changed since (now generation {self.latest}): tick "
+                     "“follow” or press refresh to see it")
+        return line
+
     def _repr_html_(self) -> str:
         from metaclaw.gate import cases_html
 
-        if self.error:
+        if self.error and not self.diff:
             return f"<div><b>Skill diff</b>: {_esc(self.error)}</div>"
-        parts = [diff_html(self.diff)]
+        parts = [diff_html(self.diff),
+                 f"<div style='color:#656d76;font-size:90%'>{_esc(self._pin_line())}</div>"]
+        if self.error:
+            parts.append(f"<p style='color:#cf222e'>{_esc(self.error)}</p>")
         for p in self.proposals:
             diffs = "".join(_diff_lines_html(d["unified_diff"]) for d in p["diffs"])
             parts.append(f"<details {'open' if p['status'] == 'held' else ''}><summary><b>Proposal "
@@ -438,7 +635,20 @@ class SkillDiffWidget(_StaticHTML, anywidget.AnyWidget):
     def __repr__(self) -> str:
         s = self.diff.get("summary", {})
         return (f"SkillDiffWidget(generation {self.old} -> {self.new}: +{s.get('added', 0)} added, "
-                f"~{s.get('edited', 0)} edited, -{s.get('removed', 0)} removed)")
+                f"~{s.get('edited', 0)} edited, -{s.get('removed', 0)} removed"
+                f"{', following' if self.follow else ''})")
+
+
+def generation_label(row: dict[str, Any]) -> str:
+    """A generation as a picker shows it: number, kind, the skills it changed (``+`` added,
+    ``~`` edited, ``−`` removed; at most three named), and how many skills it holds."""
+    changes = list(row.get("changes") or [])
+    named = ", ".join(changes[:3]) + (f" +{len(changes) - 3} more" if len(changes) > 3 else "")
+    if not named and row.get("reason"):
+        named = _short(str(row["reason"]), 40)
+    skills = row.get("skills")
+    count = "" if skills is None else f" · {skills} skill{'' if skills == 1 else 's'}"
+    return f"{row['generation']} · {row.get('kind') or '?'}{' · ' + named if named else ''}{count}"
 
 
 # -- buffers ----------------------------------------------------------------------------------------
@@ -458,8 +668,11 @@ class BufferWidget(_StaticHTML, anywidget.AnyWidget):
     ``text_filter`` (case-insensitive, in the task text or the session id). ``rows`` holds the
     first ``max_rows`` matching turns, newest first; :attr:`frame` all of them as a polars frame.
     Setting ``selected`` to a turn id fills ``detail`` with that turn's request messages,
-    response, tool calls and judge verdict. :meth:`refresh` (or the front-end's refresh button)
-    re-reads the store.
+    response, tool calls and judge verdict.
+
+    The rows are a **snapshot** taken when the widget was made (``taken_at``): later turns and
+    generations do not change what it shows until :meth:`refresh` (or the front-end's refresh
+    button) re-reads the store. It keeps working after ``%metaclaw stop`` and ``store.close()``.
     """
 
     _esm = WIDGETS_DIR / "buffers.js"
@@ -481,13 +694,15 @@ class BufferWidget(_StaticHTML, anywidget.AnyWidget):
     refresh_requests = traitlets.Int(0).tag(sync=True)
     max_rows = traitlets.Int(200).tag(sync=True)
     error = traitlets.Unicode("").tag(sync=True)
+    taken_at = traitlets.Float(0.0).tag(sync=True)
 
     def __init__(self, store: Any, *, set_filter: str = "all", state_filter: str = "all",
                  generation: int | None = None, text: str = "", max_rows: int = 200,
                  **kwargs: Any):
         import polars as pl
 
-        self._store = store
+        self._reader = _Reader(self, store)
+        self._released = False
         self._ready = False
         self._all = pl.DataFrame()
         super().__init__(set_filter=set_filter, state_filter=state_filter,
@@ -503,9 +718,13 @@ class BufferWidget(_StaticHTML, anywidget.AnyWidget):
 
         try:
             frame = buffers_frame(self._store, all_turns=True)
-        except Exception as exc:
-            self.error = f"cannot read the turns from the store: {exc}"
+        except SourceGone as exc:
+            self.error = str(exc)
             return self
+        except Exception as exc:
+            self.error = f"cannot read the turns from the store: {_one_line(exc)}"
+            return self
+        self.taken_at = time.time()
         self._all = frame
         self.total = frame.height
         self.generations = sorted(int(g) for g in frame["skill_generation"].unique().drop_nulls())
@@ -554,11 +773,31 @@ class BufferWidget(_StaticHTML, anywidget.AnyWidget):
         shown = frame.reverse().head(max(self.max_rows, 0)) if frame.height else frame
         self.rows = _json_safe(shown.to_dicts())
 
+    @property
+    def _store(self) -> Any:
+        return self._reader.store()
+
+    def close(self) -> None:
+        """Close the widget (and the workspace kept open for it after ``%metaclaw stop``, when
+        it is the last widget showing it)."""
+        self._released = True
+        self._reader.release()
+        super().close()
+
     def _load_detail(self) -> None:
         if self.selected is None:
             self.detail = {}
             return
-        turn = self._store.turn(int(self.selected))
+        try:
+            turn = self._store.turn(int(self.selected))
+        except SourceGone as exc:
+            self.detail = {}
+            self.error = str(exc)
+            return
+        except Exception as exc:  # noqa: BLE001 - said in the widget
+            self.detail = {}
+            self.error = f"cannot read turn #{self.selected}: {_one_line(exc)}"
+            return
         if turn is None:
             self.detail = {}
             self.error = f"turn #{self.selected} is not in the store; pick a turn from the table"
@@ -568,16 +807,19 @@ class BufferWidget(_StaticHTML, anywidget.AnyWidget):
 
     @traitlets.observe("set_filter", "state_filter", "generation_filter", "text_filter",
                        "max_rows")
+    @_reports("cannot filter the turns")
     def _on_filter(self, _change: Any) -> None:
         if self._ready:
             self._apply()
 
     @traitlets.observe("selected")
+    @_reports("cannot show the turn")
     def _on_selected(self, _change: Any) -> None:
         if self._ready:
             self._load_detail()
 
     @traitlets.observe("refresh_requests")
+    @_reports("cannot refresh")
     def _on_refresh_request(self, _change: Any) -> None:
         if self._ready:
             self.refresh()
@@ -607,10 +849,12 @@ class BufferWidget(_StaticHTML, anywidget.AnyWidget):
             f"<td>{_fmt_time(r['created_at'])}</td><td>{_esc(r['task'] or '')}</td></tr>"
             for r in self.rows[:limit])
         parts = [f"<div class='metaclaw-buffers-static'><b>Buffers</b> ({_esc(', '.join(filters))}):"
-                 f" {self.matched} of {self.total} turns &middot; {counts}"]
+                 f" {self.matched} of {self.total} turns &middot; {counts} &middot; "
+                 f"<span style='color:#656d76'>snapshot of {_fmt_time(self.taken_at)}</span>"]
         if self.error:
             parts.append(f"<p style='color:#cf222e'>{_esc(self.error)}</p>")
-        parts.append(f"<table><tr>{head}</tr>{body}</table>" if self.rows
+        parts.append(f"<div style='overflow:auto;max-height:420px'><table><tr>{head}</tr>"
+                     f"{body}</table></div>" if self.rows
                      else "<p>No turns match these filters.</p>")
         if self.matched > min(limit, len(self.rows)):
             parts.append(f"<p>(first {min(limit, len(self.rows))} of {self.matched}, newest "
@@ -665,7 +909,8 @@ class TraceWidget(_StaticHTML, anywidget.AnyWidget):
     ["written_for"]`` names the generation written for a failure and ``detail["after"]`` the
     turns served after it (:meth:`jump`). Label the selected turn with :meth:`label` or the
     front-end's form (``label_request``). :meth:`refresh` (or the front-end's refresh button)
-    re-reads the session: turns recorded or labelled since, by any process. Texts longer than
+    re-reads the session: turns recorded or labelled since, by any process (until then the
+    widget is a snapshot of the session as it was when made). Texts longer than
     ``MAX_TEXT_CHARS`` are cut in ``detail``; ``trace.turn(id)`` has them whole. :attr:`trace`
     gives the polars frames.
     """
@@ -698,10 +943,11 @@ class TraceWidget(_StaticHTML, anywidget.AnyWidget):
         from metaclaw.labels import default_author
         from metaclaw.trace import Trace, sessions
 
-        self._store = store
         self._threshold = float(threshold)
         self._ready = False
+        self._released = False
         self.trace = Trace(store, session, threshold=threshold)
+        self._reader = _Reader(self, store)
         super().__init__(session_id=self.trace.session_id, page_size=int(page_size),
                          failures_only=failures_only, author=author or default_author(),
                          sessions=_json_safe(sessions(store, 200, threshold)), **kwargs)
@@ -714,6 +960,7 @@ class TraceWidget(_StaticHTML, anywidget.AnyWidget):
         return [r for r in rows if r["failed"]] if self.failures_only else rows
 
     def _reload(self, select_first: bool = False) -> None:
+        self._store  # noqa: B018 - an open connection for the trace (or SourceGone)
         rows = self.trace.rows(refresh=True)
         self.total = len(rows)
         self.failure_count = sum(1 for r in rows if r["failed"])
@@ -733,9 +980,31 @@ class TraceWidget(_StaticHTML, anywidget.AnyWidget):
             "reward", "judge", "human_label", "failed", "tool_calls", "last_role", "last_text")}
             for r in visible[start:start + self.page_size]])
 
+    @property
+    def _store(self) -> Any:
+        store = self._reader.store()
+        if self.trace.store is not store:  # its connection was closed: read the reopened one
+            self.trace.store = store
+        return store
+
+    def close(self) -> None:
+        """Close the widget (and the workspace kept open for it after ``%metaclaw stop``, when
+        it is the last widget showing it)."""
+        self._released = True
+        self._reader.release()
+        super().close()
+
     def _select(self, turn_id: int | None) -> None:
         visible = self._visible()
         ids = [r["id"] for r in visible]
+        detail: dict[str, Any] = {}
+        error = ""
+        if turn_id is not None:  # read first: a turn that cannot be read moves nothing
+            self._store  # noqa: B018 - an open connection for the trace (or SourceGone)
+            try:
+                detail = _clip_texts(_json_safe(self.trace.turn(int(turn_id))))
+            except LookupError as exc:
+                error = str(exc)
         self._ready = False
         try:
             if turn_id is None:
@@ -750,15 +1019,8 @@ class TraceWidget(_StaticHTML, anywidget.AnyWidget):
         finally:
             self._ready = True
         self._page()
-        if turn_id is None:
-            self.detail = {}
-            return
-        try:
-            self.detail = _clip_texts(_json_safe(self.trace.turn(int(turn_id))))
-            self.error = ""
-        except LookupError as exc:
-            self.detail = {}
-            self.error = str(exc)
+        self.detail = detail
+        self.error = error
 
     # -- actions ------------------------------------------------------------------------------
     def select(self, turn_id: int | None) -> dict[str, Any]:
@@ -826,6 +1088,7 @@ class TraceWidget(_StaticHTML, anywidget.AnyWidget):
         return row
 
     @traitlets.observe("session_id")
+    @_reports("cannot open the session")
     def _on_session(self, change: Any) -> None:
         if not self._ready or change["new"] == self.trace.session_id:
             return
@@ -842,21 +1105,32 @@ class TraceWidget(_StaticHTML, anywidget.AnyWidget):
         self._reload(select_first=True)
 
     @traitlets.observe("failures_only")
+    @_reports("cannot filter the turns")
     def _on_failures_only(self, _change: Any) -> None:
         if self._ready:
             self._reload()
 
     @traitlets.observe("offset", "page_size")
+    @_reports("cannot page")
     def _on_page(self, _change: Any) -> None:
         if self._ready:
             self._page()
 
     @traitlets.observe("selected")
     def _on_selected(self, change: Any) -> None:
-        if self._ready:
+        if not self._ready:
+            return
+        try:
             self._select(change["new"])
+        except Exception as exc:  # noqa: BLE001 - the selection stays where it was
+            self._ready = False
+            self.selected = change["old"]
+            self._ready = True
+            self.error = (str(exc) if isinstance(exc, SourceGone)
+                          else f"cannot show turn #{change['new']}: {_one_line(exc)}")
 
     @traitlets.observe("step_request")
+    @_reports("cannot step")
     def _on_step_request(self, change: Any) -> None:
         request = change["new"] or {}
         if not self._ready or not request:
@@ -888,13 +1162,10 @@ class TraceWidget(_StaticHTML, anywidget.AnyWidget):
         return self
 
     @traitlets.observe("refresh_requests")
+    @_reports("cannot read the session from the store")
     def _on_refresh_request(self, _change: Any) -> None:
-        if not self._ready:
-            return
-        try:
+        if self._ready:
             self.refresh()
-        except Exception as exc:  # e.g. the store was closed by %metaclaw stop
-            self.error = f"cannot read the session from the store: {exc}"
 
     # -- display ------------------------------------------------------------------------------
     def _repr_html_(self, limit: int = 30) -> str:
@@ -998,6 +1269,8 @@ class TrainingMonitor:
         if poll is not None and poll <= 0:
             raise ValueError(f"poll must be a positive number of seconds or None, got {poll!r}")
         self.store = store
+        self._released = False
+        self._reader = _Reader(self, store)
         self.follow_latest = run_id is None
         self.run_id = run_id
         self.poll = poll
@@ -1019,15 +1292,16 @@ class TrainingMonitor:
         When following the newest run and a newer run starts, the chart switches to it.
         """
         with self._lock:
+            store = self._reader.store()
             if self.follow_latest:
-                latest = self.store.query(
+                latest = store.query(
                     "SELECT run_id FROM training_steps ORDER BY id DESC LIMIT 1")
                 newest = latest[0]["run_id"] if latest else None
                 if newest != self.run_id:
                     self.run_id, self._rows, self._last_id = newest, [], 0
             if self.run_id is None:
                 return 0
-            rows = self.store.query(
+            rows = store.query(
                 "SELECT id, run_id, step, created_at, backend, policy_version, skill_generation, "
                 "loss, reward_mean, reward_std, groups, skipped_groups, tokens, wall_time_s "
                 "FROM training_steps WHERE run_id = ? AND id > ? ORDER BY id",
@@ -1106,8 +1380,11 @@ class TrainingMonitor:
         return self._thread is not None and self._thread.is_alive()
 
     def close(self) -> None:
-        """Stop polling and close the widget."""
+        """Stop polling and close the chart widget (its output goes blank; :meth:`stop` only
+        stops polling and keeps the chart)."""
         self.stop()
+        self._released = True
+        self._reader.release()
         if self._widget is not None:
             self._widget.close()
 
@@ -1207,9 +1484,38 @@ class TrainingMonitor:
 
 
 # -- scheduler --------------------------------------------------------------------------------------
+def plain_unavailable(detail: str) -> str:
+    """Why a signal cannot be read, in plain words: ``"unavailable: pynput: RuntimeError: no X
+    display (DISPLAY is not set); xscreensaver: ..."`` becomes ``"not available on this machine
+    (no display)"``."""
+    import re
+
+    text = str(detail or "").strip()
+    if text.lower().startswith("unavailable"):
+        text = text[len("unavailable"):].lstrip(" :")
+    low = text.lower()
+    if "no x display" in low or "display is not set" in low or low == "no display":
+        return "not available on this machine (no display)"
+    if "input monitoring" in low:
+        return ("not available: this process may not watch the keyboard (allow it under System "
+                "Settings > Privacy & Security > Input Monitoring)")
+    if "not attached to a notebook" in low:
+        return "not available: not attached to this notebook's kernel"
+    if "not connected to a proxy" in low:
+        return "not available: there is no proxy to watch"
+    if "no input has been recorded" in low:
+        return "not available yet: no keyboard or mouse input seen"
+    if low.startswith("no answer"):
+        return "not available: it did not answer in time"
+    first = text.split(";")[0].strip()
+    first = re.sub(r"^[\w-]+: (?:[A-Za-z]+(?:Error|Exception): )?", "", first)
+    return f"not available: {first}" if first else "not available"
+
+
 def _signal_rows(signals: Any) -> list[dict[str, Any]]:
     """Normalise a status' signals (a list of readings or a ``{name: value}`` dict) to rows of
-    ``{name, reading, detail}`` where ``reading`` is idle / active / unavailable or a value."""
+    ``{name, reading, detail}`` where ``reading`` is idle / active / unavailable or a value and
+    ``detail`` is in plain words (an unavailable signal's technical reason is kept in ``raw``)."""
     if isinstance(signals, dict):
         items = [{"name": name, **(value if isinstance(value, dict) else {"value": value})}
                  for name, value in signals.items()]
@@ -1217,14 +1523,20 @@ def _signal_rows(signals: Any) -> list[dict[str, Any]]:
         items = [s.as_dict() if hasattr(s, "as_dict") else dict(s) for s in signals or []]
     rows = []
     for item in items:
+        detail = item.get("detail", "")
+        row: dict[str, Any] = {"name": str(item.get("name", "?"))}
         if item.get("available") is False:
-            reading = "unavailable"
+            row["reading"] = "unavailable"
+            plain = plain_unavailable(detail)
+            if plain != detail:
+                row["raw"] = detail
+            detail = plain
         elif "idle" in item:
-            reading = "idle" if item["idle"] else "active"
+            row["reading"] = "idle" if item["idle"] else "active"
         else:
-            reading = item.get("value")
-        rows.append({"name": str(item.get("name", "?")), "reading": reading,
-                     "detail": item.get("detail", "")})
+            row["reading"] = item.get("value")
+        row["detail"] = detail
+        rows.append(row)
     return _json_safe(rows)
 
 
@@ -1274,7 +1586,9 @@ class SchedulerView(_StaticHTML, anywidget.AnyWidget):
         else:
             raise TypeError("SchedulerView needs a Scheduler or a function returning its status "
                             f"dict, got {type(scheduler).__name__}")
-        self._store = store if store is not None else getattr(owner, "store", None)
+        store = store if store is not None else getattr(owner, "store", None)
+        self._released = False
+        self._reader = _Reader(self, store) if store is not None else None
         from metaclaw.scheduler import Scheduler
         from metaclaw.store import this_process
 
@@ -1301,15 +1615,17 @@ class SchedulerView(_StaticHTML, anywidget.AnyWidget):
                                    if k not in ("state", "signals", "transitions")
                                    and isinstance(v, (str, int, float, bool))})
         transitions = status.get("transitions") or []
-        if self._store is not None:
+        if self._reader is not None:
             mine = "" if self._process is None else "WHERE process = ? "
             try:
-                transitions = list(reversed(self._store.query(
+                transitions = list(reversed(self._reader.store().query(
                     "SELECT at, from_state, to_state, reason FROM scheduler_transitions "
                     f"{mine}ORDER BY id DESC LIMIT ?",
                     (*([self._process] if self._process else []), self._last))))
+            except SourceGone as exc:
+                errors.append(str(exc))
             except Exception as exc:
-                errors.append(f"could not read the transitions from the store: {exc}")
+                errors.append(f"could not read the transitions from the store: {_one_line(exc)}")
         rows = _json_safe([{k: t.get(k) for k in ("at", "from_state", "to_state", "reason")}
                            for t in transitions][-self._last:])
         self.transitions = rows
@@ -1318,14 +1634,25 @@ class SchedulerView(_StaticHTML, anywidget.AnyWidget):
         return self
 
     @traitlets.observe("refresh_requests")
+    @_reports("could not refresh")
     def _on_refresh_request(self, _change: Any) -> None:
         if self._ready:
             self.refresh()
 
+    def close(self) -> None:
+        """Close the view (and the workspace kept open for it after ``%metaclaw stop``, when it
+        is the last widget showing it)."""
+        self._released = True
+        if self._reader is not None:
+            self._reader.release()
+        super().close()
+
     def _repr_html_(self, limit: int = 20) -> str:
         signal_rows = "".join(
-            f"<tr><td><b>{_esc(s['name'])}</b></td><td>{_esc(str(s['reading']))}</td>"
-            f"<td>{_esc(str(s['detail'] or ''))}</td></tr>" for s in self.signals)
+            f"<tr><td><b>{_esc(s['name'])}</b></td><td>"
+            f"{'not available' if s['reading'] == 'unavailable' else _esc(str(s['reading']))}"
+            f"</td><td{' title=' + chr(34) + _esc(str(s['raw'])) + chr(34) if s.get('raw') else ''}>"
+            f"{_esc(str(s['detail'] or ''))}</td></tr>" for s in self.signals)
         summary = " &middot; ".join(f"{_esc(k)}: {_esc(str(v))}" for k, v in self.summary.items())
         windows = "".join(
             f"<tr><td>{_esc(s['state'])}</td><td>{_fmt_time(s['start'])}</td>"

@@ -9,7 +9,8 @@ protocol). When client and upstream speak the same protocol nothing is translate
 and stream events pass through byte for byte.
 
 Protocols shipped: :mod:`metaclaw.protocols.openai_chat` (``POST /v1/chat/completions``, also the
-pivot) and :mod:`metaclaw.protocols.anthropic_messages` (``POST /v1/messages``).
+pivot), :mod:`metaclaw.protocols.anthropic_messages` (``POST /v1/messages``) and
+:mod:`metaclaw.protocols.openai_responses` (``POST /v1/responses``).
 
 Adding a protocol
 -----------------
@@ -126,13 +127,16 @@ class WireProtocol:
         """What makes ``data`` not a reply of this protocol (``None`` when it is one)."""
         return None if isinstance(data, dict) else f"a JSON {type(data).__name__}, not an object"
 
-    def reply_from_chat(self, completion: dict[str, Any]) -> dict[str, Any]:
+    def reply_from_chat(self, completion: dict[str, Any],
+                        request: dict[str, Any] | None = None) -> dict[str, Any]:
+        """A ``chat.completion`` as this protocol's reply; ``request``: the client's request in
+        this protocol (what a reply echoes, or how its tools are declared)."""
         raise NotImplementedError
 
     def stream_to_chat(self) -> "StreamTranslator":
         raise NotImplementedError
 
-    def stream_from_chat(self) -> "StreamTranslator":
+    def stream_from_chat(self, request: dict[str, Any] | None = None) -> "StreamTranslator":
         raise NotImplementedError
 
     def assembler(self) -> Any:
@@ -319,6 +323,7 @@ def get_protocol(name: str) -> WireProtocol:
 # the adapters import the base above, so they load after it
 from metaclaw.protocols.anthropic_messages import ANTHROPIC  # noqa: E402
 from metaclaw.protocols.openai_chat import OPENAI  # noqa: E402
+from metaclaw.protocols.openai_responses import RESPONSES  # noqa: E402
 
 #: The protocols by name. A new protocol: import its instance above and add it here.
-PROTOCOLS: dict[str, WireProtocol] = {p.name: p for p in (OPENAI, ANTHROPIC)}
+PROTOCOLS: dict[str, WireProtocol] = {p.name: p for p in (OPENAI, ANTHROPIC, RESPONSES)}

@@ -718,7 +718,8 @@ class AnthropicMessages(WireProtocol):
             return "no 'content' list of blocks"
         return None
 
-    def reply_from_chat(self, completion: dict[str, Any]) -> dict[str, Any]:
+    def reply_from_chat(self, completion: dict[str, Any],
+                        request: dict[str, Any] | None = None) -> dict[str, Any]:
         choices = completion.get("choices") or [{}]
         choice = choices[0] if isinstance(choices[0], dict) else {}
         message = choice.get("message") or {}
@@ -742,7 +743,7 @@ class AnthropicMessages(WireProtocol):
     def stream_to_chat(self) -> StreamTranslator:
         return AnthropicToChatStream()
 
-    def stream_from_chat(self) -> StreamTranslator:
+    def stream_from_chat(self, request: dict[str, Any] | None = None) -> StreamTranslator:
         return ChatToAnthropicStream()
 
     def assembler(self) -> AnthropicAssembler:

@@ -232,7 +232,8 @@ class OpenAIChat(WireProtocol):
             return "no 'choices' list of objects with a 'message'"
         return None
 
-    def reply_from_chat(self, completion: dict[str, Any]) -> dict[str, Any]:
+    def reply_from_chat(self, completion: dict[str, Any],
+                        request: dict[str, Any] | None = None) -> dict[str, Any]:
         return completion
 
     def reply_columns(self, data: dict[str, Any]) -> dict[str, Any]:
@@ -241,7 +242,7 @@ class OpenAIChat(WireProtocol):
     def stream_to_chat(self) -> StreamTranslator:
         return _Identity()
 
-    def stream_from_chat(self) -> StreamTranslator:
+    def stream_from_chat(self, request: dict[str, Any] | None = None) -> StreamTranslator:
         return _Identity()
 
     def assembler(self) -> StreamAssembler:

@@ -1,0 +1,282 @@
+"""The OpenAI Responses protocol (``POST /v1/responses``): the official openai SDK
+(``responses.create`` / ``responses.stream``, tools, errors) through the proxy to a chat
+upstream and to an Anthropic upstream, the captured Codex CLI request, and the real Codex CLI
+in ``codex exec`` mode when it is installed."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import openai
+import pytest
+
+from metaclaw.asks import extract_ask
+from metaclaw.double import DoubleServer, Reply
+from metaclaw.double_anthropic import AnthropicDoubleServer, AnthropicReply
+from metaclaw.protocols import get_protocol
+from metaclaw.protocols.openai_responses import RESPONSES, ChatToResponsesStream
+from metaclaw.proxy import Proxy, ProxyConfig
+from metaclaw.retrieval import BLOCK_HEADER
+from metaclaw.skills import Skill, SkillLibrary
+from metaclaw.store import Store
+
+CAPTURES = Path(__file__).parent / "fixtures" / "requests" / "codex"
+MODEL = "double-model"
+BACKUP = Skill("backup-before-modify", "Copy a config file before changing it.", "safety",
+               "Run `cp config.yaml config.yaml.bak` before the first edit.")
+COMMITS = Skill("git-commit-messages", "How to write clear git commit messages.", "coding",
+                "Write the subject in the imperative mood.")
+ASK = "I have to change deploy/config.yaml before tonight's release. What should I do first?"
+RENAME = {"type": "function", "name": "rename_file", "description": "Rename a file.",
+          "parameters": {"type": "object", "properties": {"src": {"type": "string"},
+                                                          "dst": {"type": "string"}}}}
+
+
+@pytest.fixture()
+def workspace(tmp_path):
+    store = Store(tmp_path / "metaclaw.db")
+    library = SkillLibrary(tmp_path / "skills", store)
+    library.add(BACKUP, reason="test")
+    library.add(COMMITS, reason="test")
+    yield store, library
+    store.close()
+
+
+def _proxy(workspace, upstream, protocol="openai") -> Proxy:
+    store, library = workspace
+    url = upstream.url if protocol == "openai" else upstream.base_url
+    return Proxy(ProxyConfig(upstream_url=url, upstream_protocol=protocol, retrieval="lexical",
+                             max_retries=0), store, library)
+
+
+def _client(proxy) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{proxy.port}/v1", api_key="unused",
+                         max_retries=0)
+
+
+def _turns(proxy, store):
+    proxy.flush()
+    return store.turns()
+
+
+def test_sdk_create_gets_skills_and_is_recorded_in_the_neutral_form(workspace):
+    store, _ = workspace
+    with DoubleServer([Reply("Back it up first.")]) as upstream, \
+            _proxy(workspace, upstream) as proxy:
+        response = _client(proxy).responses.create(
+            model=MODEL, instructions="You are a careful agent.", input=ASK,
+            max_output_tokens=50, extra_headers={"session-id": "codex-session-1"})
+        (turn,) = _turns(proxy, store)
+    assert response.status == "completed" and response.output_text == "Back it up first."
+    assert response.usage.input_tokens > 0 and response.usage.output_tokens > 0
+    sent = upstream.requests[-1]["body"]
+    assert sent["max_tokens"] == 50 and sent["messages"][0]["role"] == "system"
+    assert sent["messages"][0]["content"].startswith("You are a careful agent.\n\n" + BLOCK_HEADER)
+    assert "cp config.yaml" in sent["messages"][0]["content"]
+    assert turn["protocol"] == "responses" and turn["status"] == "ok"
+    assert turn["session_id"] == "codex-session-1"
+    assert turn["injected_skills"][0] == "backup-before-modify"
+    assert turn["retrieval_query"] == ASK and turn["response"] == "Back it up first."
+    assert turn["request_messages"][-1] == {"role": "user", "content": ASK}
+
+
+def test_sdk_tool_round_trip_streaming_and_not(workspace):
+    store, _ = workspace
+    call = {"id": "call_1", "function": {"name": "rename_file",
+                                         "arguments": '{"src": "a.txt", "dst": "b.txt"}'}}
+    with DoubleServer([Reply(None, tool_calls=[call]), Reply(None, tool_calls=[call]),
+                       Reply("Renamed.")]) as upstream, _proxy(workspace, upstream) as proxy:
+        client = _client(proxy)
+        first = client.responses.create(model=MODEL, input="Rename a.txt to b.txt",
+                                        tools=[RENAME], tool_choice="auto")
+        (item,) = first.output
+        assert item.type == "function_call" and item.name == "rename_file"
+        assert json.loads(item.arguments) == {"src": "a.txt", "dst": "b.txt"}
+        with client.responses.stream(model=MODEL, input="Rename a.txt to b.txt",
+                                     tools=[RENAME]) as stream:
+            kinds = [event.type for event in stream]
+            streamed = stream.get_final_response()
+        assert kinds[:2] == ["response.created", "response.in_progress"]
+        assert "response.function_call_arguments.delta" in kinds
+        assert kinds[-1] == "response.completed"
+        (streamed_item,) = streamed.output
+        assert streamed_item.type == "function_call" and streamed_item.call_id == "call_1"
+        final = client.responses.create(model=MODEL, tools=[RENAME], input=[
+            {"role": "user", "content": "Rename a.txt to b.txt"},
+            {"type": "function_call", "call_id": item.call_id, "name": item.name,
+             "arguments": item.arguments},
+            {"type": "function_call_output", "call_id": item.call_id, "output": "ok"}])
+        assert final.output_text == "Renamed."
+        turns = _turns(proxy, store)
+    sent = upstream.requests[-1]["body"]
+    roles = [m["role"] for m in sent["messages"]]
+    assert roles[-3:] == ["user", "assistant", "tool"]
+    assert sent["messages"][-2]["tool_calls"][0]["function"]["name"] == "rename_file"
+    assert sent["messages"][-1] == {"role": "tool", "tool_call_id": "call_1", "content": "ok"}
+    assert sent["tools"][0]["function"]["name"] == "rename_file"
+    assert [t["tool_calls"][0]["function"]["name"] for t in turns[:2]] == ["rename_file"] * 2
+
+
+def test_streamed_text_through_an_anthropic_upstream(workspace):
+    store, _ = workspace
+    with AnthropicDoubleServer([AnthropicReply("Copy it to config.yaml.bak.")]) as upstream, \
+            _proxy(workspace, upstream, "anthropic") as proxy:
+        with _client(proxy).responses.stream(model="claude-double", input=ASK) as stream:
+            deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
+            final = stream.get_final_response()
+        (turn,) = _turns(proxy, store)
+    assert "".join(deltas) == final.output_text == "Copy it to config.yaml.bak."
+    sent = upstream.requests[-1]["body"]
+    assert BLOCK_HEADER in sent["system"] and sent["max_tokens"] > 0
+    assert turn["protocol"] == "responses" and turn["response"] == final.output_text
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"model": MODEL}, "input"),
+    ({"model": MODEL, "input": 3}, "input"),
+    ({"model": MODEL, "input": [{"role": "robot", "content": "x"}]}, "input[0].role"),
+    ({"model": MODEL, "input": [{"type": "function_call", "name": "f"}]}, "input[0].call_id"),
+    ({"model": MODEL, "input": [{"type": "function_call_output", "call_id": "c"}]},
+     "input[0].output"),
+    ({"model": MODEL, "input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+    ({"model": MODEL, "input": "x", "max_output_tokens": "9"}, "max_output_tokens"),
+    ({"model": MODEL, "input": "x", "tools": [{"name": "f"}]}, "tools[0]"),
+    ({"model": MODEL, "input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"model": MODEL, "input": "x", "instructions": ["a"]}, "instructions"),
+])
+def test_bad_requests_get_a_400_in_the_openai_error_shape_naming_the_field(workspace, body,
+                                                                         param):
+    store, _ = workspace
+    with DoubleServer() as upstream, _proxy(workspace, upstream) as proxy:
+        with pytest.raises(openai.BadRequestError) as caught:
+            _client(proxy).post("/responses", body=body, cast_to=object)
+        assert _turns(proxy, store) == []
+    error = caught.value.body
+    assert caught.value.status_code == 400 and error["param"] == param and error["message"]
+
+
+def test_the_captured_codex_request_in_the_chat_form():
+    """Codex CLI 0.171's real request: developer messages, an environment message, a namespace
+    of tools declared in an ``additional_tools`` item, a free-form tool with a grammar."""
+    body = json.loads((CAPTURES / "001.json").read_text())["body"]
+    RESPONSES.parse_request(body, None)
+    chat = RESPONSES.to_chat(body)
+    messages = chat["messages"]
+    assert messages[0]["role"] == "system" and "You are Codex" in messages[0]["content"]
+    assert [m["role"] for m in messages] == ["system", "user", "user"]  # instructions merged
+    assert extract_ask(messages).text == "Add a --verbose flag to cli.py"
+    names = {t["function"]["name"] for t in chat["tools"]}
+    assert {"exec", "wait", "spawn_agent"} <= names
+    exec_tool = next(t["function"] for t in chat["tools"] if t["function"]["name"] == "exec")
+    assert exec_tool["parameters"]["required"] == ["input"] and "grammar" in exec_tool[
+        "description"]
+    injected = RESPONSES.inject(body, BLOCK_HEADER + "\nskills")
+    assert injected["input"][:-1] == body["input"]  # the client's items, its cached prefix, kept
+    assert injected["input"][-1]["role"] == "developer"
+    assert RESPONSES.to_chat(injected)["messages"][0]["content"].endswith(
+        BLOCK_HEADER + "\nskills")
+    assert RESPONSES.inject(RESPONSES.inject(injected, ""), "") == {**body, "input": body["input"]}
+    tools_004 = json.loads((CAPTURES / "004.json").read_text())["body"]
+    chat = RESPONSES.to_chat(tools_004)
+    assert "web_search" not in json.dumps(chat["tools"])  # a hosted tool: dropped for chat
+    assert {"exec_command", "close_agent"} <= {t["function"]["name"] for t in chat["tools"]}
+
+
+def test_a_free_form_tool_call_comes_back_as_a_custom_tool_call():
+    request = {"model": MODEL, "input": "patch it", "tools": [
+        {"type": "custom", "name": "apply_patch", "description": "Apply a patch."}]}
+    stream = ChatToResponsesStream(request)
+    events = []
+    for chunk in ({"model": "m", "choices": [{"index": 0, "delta": {"tool_calls": [
+            {"index": 0, "id": "c1", "function": {"name": "apply_patch",
+                                                  "arguments": '{"input": "*** Begin'}}]}}]},
+                  {"choices": [{"index": 0, "delta": {"tool_calls": [
+                      {"index": 0, "function": {"arguments": ' Patch"}'}}]},
+                      "finish_reason": "tool_calls"}]}):
+        events += stream.feed(chunk)
+    events += stream.close()
+    done = [e for e in events if e["type"] == "response.output_item.done"]
+    assert done[0]["item"]["type"] == "custom_tool_call"
+    assert done[0]["item"]["input"] == "*** Begin Patch" and done[0]["item"]["call_id"] == "c1"
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    reply = RESPONSES.reply_from_chat({"model": "m", "choices": [{"index": 0, "message": {
+        "role": "assistant", "content": None, "tool_calls": [{"id": "c2", "type": "function",
+        "function": {"name": "apply_patch", "arguments": '{"input": "x"}'}}]},
+        "finish_reason": "tool_calls"}]}, request)
+    assert reply["output"][0] == {**reply["output"][0], "type": "custom_tool_call",
+                                  "input": "x", "call_id": "c2"}
+    assert json.loads(RESPONSES.reply_to_chat(reply)["choices"][0]["message"]["tool_calls"][0][
+        "function"]["arguments"]) == {"input": "x"}
+
+
+def test_interleaved_parallel_calls_stream_as_whole_items_in_order():
+    stream = ChatToResponsesStream({"model": MODEL, "input": "x"})
+    chunks = [{"choices": [{"index": 0, "delta": {"tool_calls": [
+        {"index": 0, "id": "a", "function": {"name": "f", "arguments": ""}},
+        {"index": 1, "id": "b", "function": {"name": "g", "arguments": ""}}]}}]}]
+    for i, piece in enumerate(['{"x":', '{"y":', ' 1}', ' 2}']):
+        chunks.append({"choices": [{"index": 0, "delta": {"tool_calls": [
+            {"index": i % 2, "function": {"arguments": piece}}]}}]})
+    events = [e for chunk in chunks for e in stream.feed(chunk)] + stream.close()
+    items = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+    assert [(i["call_id"], json.loads(i["arguments"])) for i in items] == [
+        ("a", {"x": 1}), ("b", {"y": 2})]
+    completed = events[-1]
+    assert completed["type"] == "response.completed"
+    assert [i["call_id"] for i in completed["response"]["output"]] == ["a", "b"]
+
+
+def test_the_protocol_is_registered_and_round_trips_the_pivot():
+    assert get_protocol("responses") is RESPONSES
+    chat = {"model": "m", "messages": [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c", "content": "done"}],
+        "tools": [{"type": "function", "function": {"name": "f", "description": "",
+                                                    "parameters": {"type": "object"}}}],
+        "max_tokens": 9}
+    again = RESPONSES.to_chat(RESPONSES.from_chat(chat))
+    assert again["messages"] == chat["messages"] and again["max_tokens"] == 9
+    assert again["tools"][0]["function"]["name"] == "f"
+
+
+def _codex() -> str | None:
+    return os.environ.get("METACLAW_CODEX") or shutil.which("codex")
+
+
+@pytest.mark.skipif(_codex() is None, reason="the Codex CLI is not installed (npm install "
+                    "@openai/codex, or set METACLAW_CODEX to its binary)")
+def test_codex_cli_exec_through_the_proxy(workspace, tmp_path):
+    """The real Codex CLI (``codex exec``, Responses API, streaming) completes a turn through the
+    proxy: the fitting skill is injected and the turn is recorded under Codex's session."""
+    store, _ = workspace
+    home, work = tmp_path / "codex-home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    with DoubleServer([Reply("Make a backup copy of deploy/config.yaml first.")]) as upstream, \
+            _proxy(workspace, upstream) as proxy:
+        (home / "config.toml").write_text(
+            'model_provider = "metaclaw"\nmodel = "gpt-5-codex"\n\n'
+            '[model_providers.metaclaw]\nname = "MetaClaw"\n'
+            f'base_url = "http://127.0.0.1:{proxy.port}/v1"\n'
+            'env_key = "METACLAW_PROXY_TOKEN"\nwire_api = "responses"\n')
+        done = subprocess.run([_codex(), "exec", "--skip-git-repo-check", ASK], cwd=work,
+                              env={**os.environ, "CODEX_HOME": str(home),
+                                   "METACLAW_PROXY_TOKEN": "unused"},
+                              capture_output=True, text=True, timeout=180)
+        turns = _turns(proxy, store)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "Make a backup copy of deploy/config.yaml first." in done.stdout
+    (turn,) = [t for t in turns if t["turn_type"] == "main"]
+    assert turn["protocol"] == "responses" and turn["status"] == "ok"
+    assert turn["injected_skills"][0] == "backup-before-modify"
+    assert turn["identified_by"]["session"] == "header:Session-Id"
+    assert turn["retrieval_query"] == ASK
+    sent = upstream.requests[-1]["body"]
+    assert sent["stream"] is True and BLOCK_HEADER in sent["messages"][0]["content"]
+    assert "Codex" in sent["messages"][0]["content"]  # its instructions, then the skills
