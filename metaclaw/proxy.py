@@ -448,13 +448,20 @@ class Proxy(ServedApp):
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
-            message = {404: f"no route {request.path}; the proxy serves POST /v1/chat/completions, "
-                            "POST /v1/messages, POST /v1/messages/count_tokens, GET /v1/models, "
-                            "GET /v1/models/{id} and GET /healthz",
-                       405: f"method {request.method} is not allowed on {request.path}"}.get(
-                exc.status, exc.reason)
+            served = ", ".join([f"POST /v1{route}" for p in PROTOCOLS.values()
+                                for route in p.routes] + [
+                "POST /v1/messages/count_tokens", "GET /v1/models", "GET /v1/models/{id}",
+                "GET /healthz"])
+            # the route, not a model, is what is missing: said so, as some clients read any 404
+            # as "model not found"
+            message = {404: f"no route {request.method} {request.path} on this MetaClaw proxy "
+                            f"(the model is not the problem); it serves {served}",
+                       405: f"method {request.method} is not allowed on {request.path}; the "
+                            f"proxy serves {served}"}.get(exc.status, exc.reason)
+            code = {404: "unknown_route", 405: "method_not_allowed"}.get(exc.status,
+                                                                         str(exc.status))
             return _protocol_of(request).error_response(
-                ProxyError(exc.status, message, code=str(exc.status)))
+                ProxyError(exc.status, message, code=code))
         except (ConnectionResetError, asyncio.CancelledError):
             raise
         except Exception as exc:  # a bug: answer in the protocol's shape, keep serving

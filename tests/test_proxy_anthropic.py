@@ -603,6 +603,64 @@ def test_claude_code_agent_through_the_proxy(workspace, anthropic_double, tmp_pa
     assert isinstance(sent["system"], list) and sent["system"][-1]["text"].startswith(BLOCK_HEADER)
 
 
+def test_claude_code_system_messages_in_the_conversation_translate_in_place():
+    """Claude Code sends ``role: "system"`` messages inside ``messages`` (its environment and
+    reminders): accepted, and kept as system messages where they are in the chat form (they were
+    refused with a 400, and system messages with block content became user messages)."""
+    import pathlib
+
+    from metaclaw.asks import extract_ask
+    from metaclaw.protocols.anthropic_messages import ANTHROPIC
+
+    captured = pathlib.Path(__file__).parent / "fixtures" / "requests"
+    body = json.loads((captured / "claude-code" / "004.json").read_text())["body"]
+    ANTHROPIC.parse_request(body, None)
+    chat = ANTHROPIC.to_chat(body)
+    roles = [m["role"] for m in chat["messages"]]
+    wire = ["system"] + [m["role"] for m in body["messages"]]
+    assert roles == wire and roles[2] == "system"
+    assert isinstance(chat["messages"][2]["content"], str) and chat["messages"][2]["content"]
+    assert extract_ask(chat["messages"]).text
+    for key in ("thinking", "context_management", "output_config"):
+        assert key not in chat
+    tui = json.loads((captured / "claude-code-tui" / "002.json").read_text())["body"]
+    assert ANTHROPIC.to_chat(tui)["response_format"]["json_schema"]["schema"]["required"] == [
+        "title"]
+
+
+@pytest.mark.skipif(_claude_code() is None, reason="the Claude Code CLI is not installed (npm "
+                    "install @anthropic-ai/claude-code, or set METACLAW_CLAUDE_CODE to its binary)")
+def test_claude_code_agent_on_a_chat_upstream(workspace, openai_double, tmp_path):
+    """Claude Code in front of an OpenAI-compatible model ("Claude Code on another model"): its
+    real requests, system messages inside the conversation included, are translated to chat
+    completions and the replies back; the fitting skill is injected and the turn recorded."""
+    import os
+    import subprocess
+
+    store, _ = workspace
+    (tmp_path / "home").mkdir()
+    (tmp_path / "work").mkdir()
+    with _proxy(workspace, openai_double, "openai") as proxy:
+        env = {**os.environ, "HOME": str(tmp_path / "home"), "ANTHROPIC_BASE_URL": proxy.base_url,
+               "ANTHROPIC_API_KEY": "sk-ant-offline", "DISABLE_AUTOUPDATER": "1",
+               "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"}
+        # its default model: with it, Claude Code 2.1.328 sends system messages inside
+        # ``messages`` (refused with a 400 before they were translated)
+        done = subprocess.run([_claude_code(), "-p", QUESTION], cwd=tmp_path / "work", env=env,
+                              capture_output=True, text=True, timeout=120)
+        turns = _turns(proxy, store)
+    assert done.returncode == 0, done.stderr[-2000:] + done.stdout[-2000:]
+    assert "echo: " in done.stdout  # the chat double's echo, translated back to the agent
+    main = [t for t in turns if t["injected_skills"]]
+    assert main and main[0]["protocol"] == "anthropic" and main[0]["status"] == "ok"
+    assert "git-commit-messages" in main[0]["injected_skills"]
+    refused = [t for t in turns if t["status"] != "ok"]
+    assert not refused, refused[0]["error"]
+    sent = next(r["body"] for r in openai_double.requests
+                if r["path"].endswith("/chat/completions") and r["body"].get("tools"))
+    assert sent["messages"][0]["role"] == "system" and BLOCK_HEADER in sent["messages"][0]["content"]
+
+
 # ---------------------------------------------------------------------------------------------
 # a local policy (the slow loop's responder) serving Anthropic clients
 # ---------------------------------------------------------------------------------------------

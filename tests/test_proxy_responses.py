@@ -280,3 +280,24 @@ def test_codex_cli_exec_through_the_proxy(workspace, tmp_path):
     sent = upstream.requests[-1]["body"]
     assert sent["stream"] is True and BLOCK_HEADER in sent["messages"][0]["content"]
     assert "Codex" in sent["messages"][0]["content"]  # its instructions, then the skills
+
+
+def test_an_unknown_route_says_the_route_is_missing_not_the_model(workspace):
+    """Clients that read any 404 as "model not found" get a message naming the route and every
+    route the proxy serves, the Responses one among them, in the caller's error shape."""
+    import httpx
+
+    with DoubleServer() as upstream, _proxy(workspace, upstream) as proxy:
+        base = f"http://127.0.0.1:{proxy.port}"
+        missing = httpx.post(f"{base}/v1/responses/compact", json={"model": MODEL})
+        anthropic_shaped = httpx.post(f"{base}/v1/complete", json={},
+                                      headers={"anthropic-version": "2023-06-01"})
+        wrong_method = httpx.get(f"{base}/v1/responses")
+    error = missing.json()["error"]
+    assert missing.status_code == 404 and error["code"] == "unknown_route"
+    assert "no route POST /v1/responses/compact" in error["message"]
+    assert "the model is not the problem" in error["message"]
+    assert "POST /v1/responses" in error["message"] and "POST /v1/messages" in error["message"]
+    assert anthropic_shaped.status_code == 404 and anthropic_shaped.json()["type"] == "error"
+    assert wrong_method.status_code == 405
+    assert "POST /v1/responses" in wrong_method.json()["error"]["message"]

@@ -20,8 +20,16 @@ Anthropic client -> OpenAI-compatible upstream
   - thinking / redacted_thinking blocks in the history are dropped (no chat equivalent); thinking
     the upstream streams as ``reasoning_content`` comes back as a thinking block with an empty
     signature, which an Anthropic model would reject if the client sent it back to one;
-  - ``top_k``, ``thinking``, ``service_tier``, ``container``, ``mcp_servers`` and server tools
-    (tools without ``input_schema``) are dropped; ``metadata.user_id`` becomes ``user``;
+  - a ``system`` message inside ``messages`` (Claude Code sends them: environment, reminders)
+    stays a system message at its place in the conversation;
+  - ``top_k``, ``thinking`` (also ``adaptive``), ``service_tier``, ``container``,
+    ``mcp_servers``, ``context_management`` (server-side context edits: clearing old thinking,
+    which is dropped anyway), ``safeguards``, ``output_config.effort`` (a chat model that does
+    not reason would refuse ``reasoning_effort``), the ``anthropic-beta`` header and server tools
+    (tools without ``input_schema``) are dropped; ``output_config.format`` (a JSON schema the
+    reply must follow) becomes ``response_format``; ``metadata.user_id`` becomes ``user``;
+  - ``max_tokens`` is forwarded as it is (Claude Code asks for 128,000): an upstream model with a
+    smaller output limit answers with its own 400, relayed;
   - base64 PDF documents become OpenAI ``file`` parts; other documents and search-result blocks
     become text; images keep their data (as data URLs or URLs);
   - a tool_result's images are dropped (a chat ``tool`` message holds text only); ``is_error``
@@ -70,6 +78,11 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                 429: "rate_limit_error", 529: "overloaded_error"}
 _CHAT_DROPPED = ("n", "logprobs", "top_logprobs", "response_format", "seed", "presence_penalty",
                  "frequency_penalty", "logit_bias", "stream_options", "parallel_tool_calls")
+
+
+#: Roles of the messages in ``messages``: ``system`` is a system message inside the conversation
+#: (Claude Code sends them; the API takes them with its mid-conversation-system beta).
+ROLES = ("user", "assistant", "system")
 
 
 def _text(value: Any) -> str:
@@ -466,9 +479,11 @@ class AnthropicMessages(WireProtocol):
             raise bad("messages", "'messages' is required: a non-empty list of "
                                   "{'role': 'user' | 'assistant', 'content': ...} objects")
         for i, message in enumerate(messages):
-            if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
-                raise bad(f"messages.{i}", f"messages.{i}: each message needs 'role' 'user' or "
-                                           "'assistant' (put the system prompt in the top-level "
+            if not isinstance(message, dict) or message.get("role") not in ROLES:
+                raise bad(f"messages.{i}", f"messages.{i}: each message needs 'role' 'user', "
+                                           "'assistant' or 'system' (a system message inside "
+                                           "the conversation, as Claude Code sends them; the "
+                                           "opening system prompt goes in the top-level "
                                            "'system' field)")
             content = message.get("content")
             if not isinstance(content, (str, list)):
@@ -559,6 +574,13 @@ class AnthropicMessages(WireProtocol):
         user = (body.get("metadata") or {}).get("user_id")
         if user:
             chat["user"] = user
+        form = (body.get("output_config") or {}).get("format") if isinstance(
+            body.get("output_config"), dict) else None
+        if isinstance(form, dict) and form.get("type") == "json_schema" \
+                and isinstance(form.get("schema"), dict):
+            chat["response_format"] = {"type": "json_schema", "json_schema": {
+                "name": form.get("name") or "output", "schema": form["schema"],
+                **({"strict": form["strict"]} if isinstance(form.get("strict"), bool) else {})}}
         tools = [{"type": "function", "function": {
             "name": tool.get("name"), "description": tool.get("description", ""),
             "parameters": tool.get("input_schema") or {"type": "object", "properties": {}}}}
@@ -581,6 +603,9 @@ class AnthropicMessages(WireProtocol):
         role, content = message.get("role"), message.get("content")
         if isinstance(content, str):
             return [{"role": role, "content": content}]
+        if role == "system":  # a system message in the conversation stays one, where it was
+            text = _text(content)
+            return [{"role": "system", "content": text}] if text else []
         if role == "assistant":
             texts = [b.get("text", "") for b in content if b.get("type") == "text"]
             calls = [{"id": b.get("id"), "type": "function",
