@@ -20,6 +20,9 @@ what this module does about it (every rule lives in :data:`RULES` or in :func:`e
   ``<<<BEGIN_OPENCLAW_INTERNAL_CONTEXT>>> ... <<<END_OPENCLAW_INTERNAL_CONTEXT>>>``, and may
   prepend metadata sections such as ``Conversation info (untrusted metadata):`` followed by a
   fenced JSON block. All of these are removed.
+- **Edit-format reminders.** aider appends its edit format's rules ("To suggest changes to a
+  file you MUST return the entire content...", "# *SEARCH/REPLACE block* Rules:", ...) to the
+  user's message for some models: removed.
 - **Feedback prefixes.** A ``[Previous Feedback] ...`` block (the MetaClaw-Bench protocol, and a
   common way to pass a grader's verdict) is the outcome of the previous turn, not the new ask:
   it is split off into :attr:`Ask.feedback`.
@@ -93,6 +96,13 @@ _HEADER_LINES = re.compile(r"\A\s*(?:(?:Current (?:time|date)|Timestamp|Sender|C
 _FENCED_CONTEXT = re.compile(r"<<<BEGIN_([A-Z0-9_]+)>>>.*?<<<END_\1>>>", re.S)
 # OpenClaw: "Runtime: agent=main | session=agent:main:main | sessionId=... | host=..." lines
 _RUNTIME_LINE = re.compile(r"^Runtime:[^\n]*\b(?:agent|session|sessionId)=[^\n]*$", re.M)
+# aider's edit-format reminder, appended to the user's message for models it gives no system
+# reminder (each edit format's first line; the reminder runs to the end of the message)
+_AIDER_REMINDER = re.compile(
+    r"^(?:To suggest changes to a file you MUST return the entire content of the updated file\.|"
+    r"# \*SEARCH/REPLACE block\* Rules:|# V4A Diff Format Rules:|# File editing rules:|"
+    r"ONLY return code using the `(?:replace_lines|write_file)` function\.|NEVER RETURN CODE!)"
+    r".*\Z", re.S | re.M)
 # Claude-Code slash commands: the command's arguments are the ask
 _COMMAND_ARGS = re.compile(r"<command-args>(.*?)</command-args>", re.S)
 
@@ -113,6 +123,7 @@ RULES: list[Rule] = [
     Rule("metadata-sections", lambda text: _METADATA.sub("", text), "```"),
     Rule("envelope", lambda text: _ENVELOPE.sub("", text), "["),
     Rule("header-lines", lambda text: _HEADER_LINES.sub("", text), ":"),
+    Rule("aider-reminder", lambda text: _AIDER_REMINDER.sub("", text), "\n"),
 ]
 
 

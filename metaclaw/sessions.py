@@ -372,6 +372,8 @@ class Thread:
     history: Any
     after: tuple[str, str] | None = None
     opening: bool = False
+    #: a digest of the last user message the client sent (its reply is remembered after it)
+    ask: Any = None
 
 
 def _arguments(value: Any) -> str:
@@ -420,8 +422,16 @@ class ReplyThreads:
     a new run never joins an earlier run's session, and a continuation of a reply found as the
     latest turn of a recorded session (of the :attr:`RECORDED_SESSIONS` latest) joins it. A
     continuation of a reply found nowhere (the client edited the history, or continues an
-    earlier reply than its session's latest) falls back to the fingerprint. Used on the event
-    loop; the lock makes it safe from threads too.
+    earlier reply than its session's latest) falls back to the fingerprint.
+
+    Clients that rebuild their context each turn (aider moves its files message after the chat
+    history, and ends with a fixed exchange) are followed by the reply *after the ask it
+    answered*: the latest reply in the request that this proxy gave right after the same user
+    message joins the session that gave it. A request none of whose assistant messages is a
+    reply this proxy gave (a fixed preamble: aider's example exchange, few-shot prompts) is a
+    conversation's first turn here, numbered like any opening, so separate runs of such a
+    client stay separate sessions. Used on the event loop; the lock makes it safe from threads
+    too.
     """
 
     MAX_ENTRIES = 50_000
@@ -434,6 +444,9 @@ class ReplyThreads:
         self._openings: OrderedDict[str, list[Any]] = OrderedDict()  # fp -> [count, free ids]
         self._replies: OrderedDict[tuple[str, str], list[str]] = OrderedDict()  # -> sessions
         self._continued: OrderedDict[tuple[str, str], str | None] = OrderedDict()  # -> session
+        # a reply after the user message it answered (whatever else the client moved around
+        # them) -> the session that gave it: for clients that rebuild their context each turn
+        self._answered: OrderedDict[tuple[str, str], str | None] = OrderedDict()
         self._looked_up: set[str] = set()  # fingerprints whose recorded replies were read
         self._numbered = False  # the recorded openings are in _openings
         self._forgot = False    # _openings lost some (bounded): a new one is looked up
@@ -444,31 +457,26 @@ class ReplyThreads:
         session is the fingerprint ``fingerprint``; ``messages``: as the client sent them."""
         from metaclaw.retrieval import strip_skill_block
 
-        history, key = hashlib.blake2b(digest_size=16), None
+        history, keys, answered = hashlib.blake2b(digest_size=16), [], []
+        ask = hashlib.blake2b(digest_size=16)
         # a client that resends an earlier turn's skill block still continues the history the
         # proxy remembered without it (replies are keyed on the client's own messages)
         for message in strip_skill_block(messages):
             message = message if isinstance(message, dict) else {}
-            add_message(history, message.get("role"), message.get("content"),
-                        message.get("tool_calls"))
-            if message.get("role") == "assistant":  # the latest reply, after its history
-                key = (fingerprint, history.hexdigest())
+            role = message.get("role")
+            add_message(history, role, message.get("content"), message.get("tool_calls"))
+            if role == "user":
+                ask = hashlib.blake2b(digest_size=16)
+                add_message(ask, role, message.get("content"))
+            elif role == "assistant":  # a reply, after its history, and after its ask
+                keys.append((fingerprint, history.hexdigest()))
+                reply = ask.copy()
+                add_message(reply, role, message.get("content"), message.get("tool_calls"))
+                answered.append((fingerprint, reply.hexdigest()))
+        key = keys[-1] if keys else None
         with self._lock:
             if key is None:
-                opened = self._openings.get(fingerprint)
-                if opened is None:  # new here: looked up unless the recorded ones are loaded
-                    count = self._recorded_count(fingerprint) \
-                        if self._forgot or not self._numbered else 0
-                    opened = self._openings[fingerprint] = [count, []]
-                    self._forgot |= _bound(self._openings, self.MAX_ENTRIES)
-                self._openings.move_to_end(fingerprint)
-                if opened[1]:
-                    session_id = opened[1].pop(0)
-                else:
-                    opened[0] += 1
-                    session_id = fingerprint if opened[0] == 1 else f"{fingerprint}.{opened[0]}"
-                how = FINGERPRINT if session_id == fingerprint else REPEATED_OPENING
-                return session_id, how, Thread(fingerprint, session_id, history, opening=True)
+                return self._open(fingerprint, history, ask)
             waiting = self._replies.get(key)
             if not waiting and key not in self._continued and fingerprint not in self._looked_up:
                 self._read_recorded_replies(fingerprint)  # once: later replies are kept here
@@ -477,9 +485,30 @@ class ReplyThreads:
                 # a reply continued before: a client's retry while its first attempt is still
                 # in flight (a client-side timeout), or another answer to the same history
                 session_id = self._continued.get(key)
-                if session_id is None:
-                    return fingerprint, FINGERPRINT, Thread(fingerprint, fingerprint, history)
-                return session_id, REPLY_THREAD, Thread(fingerprint, session_id, history)
+                if session_id is not None:
+                    return session_id, REPLY_THREAD, Thread(fingerprint, session_id, history,
+                                                            ask=ask)
+                # the latest reply it holds that this proxy gave after the same ask, the rest of
+                # the context rearranged (aider puts the chat history before its files message,
+                # which followed the ask the first time, and ends with a fixed exchange)
+                for answer in reversed(answered):
+                    if answer not in self._answered:
+                        continue
+                    session_id = self._answered[answer]
+                    if session_id is None:  # two alike conversations gave it: it names neither
+                        break
+                    self._answered.move_to_end(answer)
+                    return session_id, REPLY_THREAD, Thread(fingerprint, session_id, history,
+                                                            ask=ask)
+                if not any(k in self._replies or k in self._continued for k in keys) \
+                        and not any(k in self._answered for k in answered):
+                    # none of its assistant messages is a reply this proxy gave: a client's
+                    # fixed preamble (aider's example exchange, few-shot prompts), so this is
+                    # a conversation's first turn here, numbered like any opening
+                    return self._open(fingerprint, history, ask)
+                # an edited history: it continues its conversation from an earlier reply
+                return fingerprint, FINGERPRINT, Thread(fingerprint, fingerprint, history,
+                                                        ask=ask)
             session_id = waiting.pop(0)
             if not waiting:
                 del self._replies[key]
@@ -488,7 +517,26 @@ class ReplyThreads:
                                     == session_id else None)
             self._continued.move_to_end(key)
             _bound(self._continued, self.MAX_ENTRIES)
-            return session_id, REPLY_THREAD, Thread(fingerprint, session_id, history, key)
+            return session_id, REPLY_THREAD, Thread(fingerprint, session_id, history, key,
+                                                    ask=ask)
+
+    def _open(self, fingerprint: str, history: Any, ask: Any) -> tuple[str, str, Thread]:
+        """A conversation's first turn: the fingerprint for the first opening, ``.N`` after it
+        for the N-th (an opening a failed turn left free is taken again). Holds the lock."""
+        opened = self._openings.get(fingerprint)
+        if opened is None:  # new here: looked up unless the recorded ones are loaded
+            count = self._recorded_count(fingerprint) \
+                if self._forgot or not self._numbered else 0
+            opened = self._openings[fingerprint] = [count, []]
+            self._forgot |= _bound(self._openings, self.MAX_ENTRIES)
+        self._openings.move_to_end(fingerprint)
+        if opened[1]:
+            session_id = opened[1].pop(0)
+        else:
+            opened[0] += 1
+            session_id = fingerprint if opened[0] == 1 else f"{fingerprint}.{opened[0]}"
+        how = FINGERPRINT if session_id == fingerprint else REPEATED_OPENING
+        return session_id, how, Thread(fingerprint, session_id, history, opening=True, ask=ask)
 
     def load(self) -> None:
         """Read the recorded openings (the proxy does it at start, in a thread), so that a new
@@ -593,15 +641,30 @@ class ReplyThreads:
                     or not isinstance(row["request_messages"], list):
                 continue
             history = hashlib.blake2b(digest_size=16)
+            ask = None
             for message in strip_skill_block(row["request_messages"]):
                 message = message if isinstance(message, dict) else {}
                 add_message(history, message.get("role"), message.get("content"),
                             message.get("tool_calls"))
+                if message.get("role") == "user":
+                    ask = hashlib.blake2b(digest_size=16)
+                    add_message(ask, "user", message.get("content"))
             add_message(history, "assistant", row["response"], row["tool_calls"])
             key = (fingerprint, history.hexdigest())
             if row["session_id"] not in self._replies.get(key, ()):
                 self._replies.setdefault(key, []).append(row["session_id"])
+            if ask is not None:
+                add_message(ask, "assistant", row["response"], row["tool_calls"])
+                self._answer((fingerprint, ask.hexdigest()), row["session_id"])
         _bound(self._replies, self.MAX_ENTRIES)
+
+    def _answer(self, key: tuple[str, str], session_id: str) -> None:
+        """Remember that ``session_id`` gave a reply after an ask (``key``); one that two
+        sessions gave is remembered as naming neither (``None``). Holds the lock."""
+        self._answered[key] = (session_id if self._answered.get(key, session_id) == session_id
+                               else None)
+        self._answered.move_to_end(key)
+        _bound(self._answered, self.MAX_ENTRIES)
 
     def settle(self, thread: Thread, replied: bool, text: Any = None,
                tool_calls: Any = None) -> None:
@@ -616,6 +679,10 @@ class ReplyThreads:
                 self._replies.setdefault(key, []).append(thread.session_id)
                 self._replies.move_to_end(key)
                 _bound(self._replies, self.MAX_ENTRIES)
+                if thread.ask is not None:
+                    reply = thread.ask.copy()
+                    add_message(reply, "assistant", text, tool_calls)
+                    self._answer((thread.fingerprint, reply.hexdigest()), thread.session_id)
             elif thread.after is not None:
                 self._replies.setdefault(thread.after, []).insert(0, thread.session_id)
                 _bound(self._replies, self.MAX_ENTRIES)

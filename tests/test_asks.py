@@ -172,3 +172,17 @@ def test_ten_thousand_short_turns_need_no_recursion_and_one_pass():
         asks.clean = original
     assert found.ask == "ok" and found.text.startswith("Rotate the API keys")
     assert len(read) <= 5_001  # every user message at most once
+
+
+def test_aiders_edit_format_reminder_is_not_part_of_the_ask():
+    """aider appends its edit format's rules to the user's message for some models: they were
+    the bulk of the retrieval query."""
+    for reminder in ("To suggest changes to a file you MUST return the entire content of the "
+                     "updated file.\nYou MUST use this *file listing* format:\n```\n...\n```",
+                     "# *SEARCH/REPLACE block* Rules:\n\nEvery *SEARCH/REPLACE block* must use "
+                     "this format:\n1. The *FULL* file path"):
+        found = extract_ask([{"role": "user", "content": f"Add a --verbose flag to cli.py\n\n"
+                                                         f"{reminder}"}])
+        assert found.ask == "Add a --verbose flag to cli.py" and "aider-reminder" in found.rules
+    kept = "Explain what 'To suggest changes to a file you MUST' means in aider's prompt"
+    assert extract_ask([{"role": "user", "content": kept}]).ask == kept  # not at a line start

@@ -3,6 +3,9 @@ OpenClaw requests, side-call rules, hostile session ids, and a captured request 
 through the proxy."""
 
 import json
+import os
+import shutil
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -321,9 +324,14 @@ def test_reply_threads_match_resent_tool_calls_and_fall_back_to_the_fingerprint(
         {"id": "other", "function": {"name": "grep", "arguments": '{"n":1,"q":"a"}'}}]}
     found, how, _ = threads.resolve("conv-f", [{"role": "user", "content": "hi"}, resent])
     assert (found, how) == ("conv-f", "fingerprint:reply-thread")
-    unknown = {"role": "assistant", "content": "a reply this process never served"}
+    edited = [{"role": "user", "content": "hi"}, resent, {"role": "user", "content": "again"},
+              {"role": "assistant", "content": "a reply this process never served"}]
+    assert threads.resolve("conv-f", edited)[:2] == ("conv-f", "fingerprint:reply-thread")
+    # no assistant message it holds was served here: a fixed preamble (few-shot examples), so a
+    # new conversation, numbered after the others
+    unknown = {"role": "assistant", "content": "an example reply in a client's preamble"}
     assert threads.resolve("conv-f", [{"role": "user", "content": "hi"}, unknown])[:2] == (
-        "conv-f", "fingerprint:first-user-message")
+        "conv-f.3", "fingerprint:repeated-opening")
 
 
 def test_reply_threads_stay_bounded():
@@ -439,3 +447,101 @@ def test_reply_threads_answer_openings_while_the_recorded_ones_load(tmp_path):
     gate.set()
     loading.join(10)
     assert [threads.resolve(name, opening)[0] for name in (fp, other)] == [f"{fp}.5", f"{other}.2"]
+
+
+# ---------------------------------------------------------------------------------------------
+# clients with a fixed preamble (aider's example exchange)
+# ---------------------------------------------------------------------------------------------
+AIDER = Path(__file__).parent / "fixtures" / "requests" / "aider"
+
+
+def _aider_body(name: str) -> dict:
+    return {**json.loads((AIDER / f"{name}.json").read_text())["body"], "stream": False}
+
+
+def test_aider_runs_stay_separate_sessions_and_its_next_turn_joins_its_own(tmp_path):
+    """Every aider conversation opens with the same example exchange: two runs were one session.
+    Its second turn moves the chat history before its files message and ends with a fixed
+    exchange, so it is followed by the reply after the ask it answered. The query is the ask,
+    without aider's boilerplate (captured aider 0.86.2 requests)."""
+    import httpx
+
+    from metaclaw.double import DoubleServer
+    from metaclaw.proxy import Proxy, ProxyConfig
+    from metaclaw.skills import Skill, SkillLibrary
+    from metaclaw.store import Store
+
+    store = Store(tmp_path / "metaclaw.db")
+    library = SkillLibrary(tmp_path / "skills", store)
+    library.add(Skill("cli-flags", "Add command-line flags with argparse and document them.",
+                      "coding", "Use argparse; add the flag to --help."), reason="test")
+    with DoubleServer() as upstream, Proxy(ProxyConfig(
+            upstream_url=upstream.url, retrieval="lexical", max_retries=0), store,
+            library) as proxy:
+        url = f"http://127.0.0.1:{proxy.port}/v1/chat/completions"
+        first = httpx.post(url, json=_aider_body("001"), timeout=30).json()
+        second = _aider_body("003")  # the next turn of 001's conversation, as aider sends it
+        assert second["messages"][5]["content"].strip() == "Add a --verbose flag to cli.py"
+        second["messages"][6]["content"] = first["choices"][0]["message"]["content"]
+        assert httpx.post(url, json=second, timeout=30).status_code == 200
+        assert httpx.post(url, json=_aider_body("002"), timeout=30).status_code == 200
+        proxy.flush()
+        turns = store.turns()
+    store.close()
+    sessions = [t["session_id"] for t in turns]
+    assert sessions[0] == sessions[1] != sessions[2]
+    assert [t["identified_by"]["session"] for t in turns] == [
+        "fingerprint:first-user-message", "fingerprint:reply-thread",
+        "fingerprint:repeated-opening"]
+    assert [t["retrieval_query"] for t in turns] == [
+        "Add a --verbose flag to cli.py", "also print the parsed args when verbose",
+        "write the standup notes into notes.md"]
+    assert turns[0]["injected_skills"] == ["cli-flags"]
+
+
+def _aider() -> str | None:
+    found = os.environ.get("METACLAW_AIDER") or shutil.which("aider")
+    local = Path(__file__).resolve().parent.parent / ".ci" / "aider" / "bin" / "aider"
+    return found or (str(local) if local.is_file() else None)
+
+
+@pytest.mark.skipif(_aider() is None, reason="aider is not installed (pip install aider-chat in "
+                    "its own virtualenv, or set METACLAW_AIDER to its binary)")
+def test_aider_runs_through_the_proxy(tmp_path):
+    """The real aider (``--message``, whole edit format): two runs with different asks are two
+    sessions, each gets the fitting skill, and the files it edits come from the proxy's reply."""
+    import subprocess
+
+    from metaclaw.double import DoubleServer
+    from metaclaw.proxy import Proxy, ProxyConfig
+    from metaclaw.skills import Skill, SkillLibrary
+    from metaclaw.store import Store
+
+    store = Store(tmp_path / "metaclaw.db")
+    library = SkillLibrary(tmp_path / "skills", store)
+    library.add(Skill("cli-flags", "Add command-line flags with argparse and document them.",
+                      "coding", "Use argparse; add the flag to --help."), reason="test")
+    library.add(Skill("standup-notes", "Write standup notes as three bullet lists.", "writing",
+                      "Yesterday, today, blockers."), reason="test")
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "cli.py").write_text("print('hello')\n")
+    with DoubleServer() as upstream, Proxy(ProxyConfig(
+            upstream_url=upstream.url, retrieval="lexical", max_retries=0), store,
+            library) as proxy:
+        for ask in ("Add a --verbose flag to cli.py", "write the standup notes into notes.md"):
+            done = subprocess.run(
+                [_aider(), "--message", ask, "--yes-always", "--no-git", "--openai-api-base",
+                 f"http://127.0.0.1:{proxy.port}/v1", "--openai-api-key", "unused", "--model",
+                 "openai/double-model", "--no-show-model-warnings", "--no-check-update",
+                 "--no-analytics", "--no-stream", "cli.py"],
+                cwd=work, capture_output=True, text=True, timeout=300,
+                env={**os.environ, "HOME": str(tmp_path)})
+            assert done.returncode == 0, done.stderr[-2000:] + done.stdout[-2000:]
+        proxy.flush()
+        turns = [t for t in store.turns() if t["turn_type"] == "main"]
+    store.close()
+    assert len({t["session_id"] for t in turns}) == 2, [t["session_id"] for t in turns]
+    assert [t["retrieval_query"] for t in turns] == [
+        "Add a --verbose flag to cli.py", "write the standup notes into notes.md"]
+    assert [t["injected_skills"][0] for t in turns] == ["cli-flags", "standup-notes"]
