@@ -241,7 +241,7 @@ def main() -> None:
           f"{n_off} off-topic; {kinds}) over {len(plain)} skills; each sent as one of "
           f"{', '.join(CLIENTS)} sends it")
     retrievers = {"hybrid BM25 + static (default)": make_retriever("auto"),
-                  "static embedding, cosine >= 0.55 (before)": make_retriever("embedding"),
+                  "static embedding alone, cosine >= 0.5": make_retriever("embedding"),
                   "lexical (BM25)": LexicalRetriever()}
     if embeddings_available():
         try:

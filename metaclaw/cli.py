@@ -384,13 +384,13 @@ def cmd_events(args: argparse.Namespace) -> int:
 def cmd_wire(args: argparse.Namespace) -> int:
     from metaclaw import wire
 
-    path = wire.openclaw_config_path(args.config)
+    path = wire.config_path(args.agent, args.config)
     try:
         if args.undo:
             print(wire.undo(path))
             return 0
-        plan = wire.plan_openclaw(path, f"http://{args.host}:{args.port}/v1", token=args.token,
-                                  model=args.model)
+        plan = wire.plan(args.agent, path, f"http://{args.host}:{args.port}/v1",
+                         token=args.token, model=args.model)
         if args.dry_run:
             print(plan.diff or f"{path}: nothing would change", end="")
             print(f"\n(dry run: nothing written; then run: {plan.serve_command(args.port)})")
@@ -398,9 +398,12 @@ def cmd_wire(args: argparse.Namespace) -> int:
         wire.apply(plan)
     except wire.WireError as exc:
         raise CliError(str(exc)) from None
-    print(f"wired OpenClaw ({path}) to the proxy at http://{args.host}:{args.port}/v1 "
-          f"(model {plan.model}; the original is kept, `metaclaw wire openclaw --undo` restores "
-          f"it).\nNow run: {plan.serve_command(args.port)}")
+    model = f"model {plan.model}; " if plan.model else ""
+    token = ("\nThe agent reads the proxy token from $METACLAW_PROXY_TOKEN: export it where the "
+             "agent runs." if args.agent == "codex" and args.token else "")
+    print(f"wired {args.agent} ({path}) to the proxy at http://{args.host}:{args.port}/v1 "
+          f"({model}the original is kept, `metaclaw wire {args.agent} --undo` restores "
+          f"it).\nNow run: {plan.serve_command(args.port)}{token}")
     return 0
 
 
@@ -756,9 +759,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="one JSON object per line")
 
     p = sub.add_parser("wire", help="point a real agent at the proxy (patch its provider config)")
-    p.add_argument("agent", choices=["openclaw"])
-    p.add_argument("--config", help="the agent's config file (default: $OPENCLAW_CONFIG_PATH, "
-                                    "$OPENCLAW_STATE_DIR/openclaw.json or ~/.openclaw/openclaw.json)")
+    p.add_argument("agent", choices=["openclaw", "codex", "claude-code", "opencode", "aider"])
+    p.add_argument("--config", help="the agent's config file (default: OpenClaw's "
+                   "$OPENCLAW_CONFIG_PATH or ~/.openclaw/openclaw.json; Codex's "
+                   "$CODEX_HOME/config.toml; Claude Code's ~/.claude/settings.json; opencode's "
+                   "~/.config/opencode/opencode.json; aider's ~/.aider.conf.yml)")
     p.add_argument("--host", default="127.0.0.1", help="where the proxy listens")
     p.add_argument("--port", type=argtypes.port, default=30000,
                    help="the proxy's port (default 30000)")

@@ -58,12 +58,16 @@ LOCK_SUFFIX = ".metaclaw.lock"
 #: Seconds a change waits for another ``metaclaw wire`` on the same config to finish.
 LOCK_TIMEOUT = 10.0
 # a string value under a key that names a secret (apiKey, token, password, ...), in JSON or JSON5
-_SECRET = re.compile(r"""(["']?[\w-]*(?:key|token|secret|password|authorization)["']?\s*:\s*)"""
+_SECRET = re.compile(r"""(["']?[\w-]*(?:key|token|secret|password|authorization)["']?\s*[:=]\s*)"""
                      r"""(["'])((?:\\.|(?!\2).)*)\2""", re.IGNORECASE)
+# the same, unquoted (YAML: ``openai-api-key: sk-...``)
+_BARE_SECRET = re.compile(r"""^([-+ ]?\s*[\w-]*(?:key|token|secret|password|authorization)\s*:\s*)"""
+                          r"""([^\s"'#{\[][^\s#]*)""", re.IGNORECASE)
 
 
 def _redact(line: str) -> str:
-    return _SECRET.sub(lambda m: f"{m.group(1)}{m.group(2)}***{m.group(2)}", line)
+    line = _SECRET.sub(lambda m: f"{m.group(1)}{m.group(2)}***{m.group(2)}", line)
+    return _BARE_SECRET.sub(lambda m: f"{m.group(1)}***", line)
 
 
 class WireError(RuntimeError):
@@ -82,6 +86,10 @@ class WirePlan:
     model: str
     primary_before: str | None
     original: bytes | None = None  # the file's exact bytes; None when there is no file
+    agent: str = "openclaw"
+    #: what undoing takes back when the file was edited since wiring (see :func:`_unwire`)
+    restore: dict[str, Any] | None = None
+    upstream_protocol: str = "openai"
 
     @property
     def diff(self) -> str:
@@ -92,8 +100,11 @@ class WirePlan:
 
     def serve_command(self, port: int) -> str:
         upstream = self.upstream or "<your provider's OpenAI-compatible base URL>"
+        protocol = ("" if self.upstream_protocol == "openai"
+                    else f" --upstream-protocol {self.upstream_protocol}")
+        model = f" --model {self.model}" if self.model else ""
         return (f"METACLAW_UPSTREAM_API_KEY=<the provider's key> metaclaw serve --upstream "
-                f"{upstream} --model {self.model} --port {port}")
+                f"{upstream}{protocol}{model} --port {port}")
 
 
 def openclaw_config_path(explicit: str | os.PathLike[str] | None = None) -> Path:
@@ -293,7 +304,8 @@ def _apply(plan: WirePlan) -> None:
         # the user had just before this wiring, edits since the earlier one included
         _write(backup, plan.original, like=path)
     _write(state, json.dumps({"written_sha256": _sha(after), "existed": plan.original is not None,
-                              "primary_before": plan.primary_before}).encode("utf-8"))
+                              "primary_before": plan.primary_before, "agent": plan.agent,
+                              "restore": plan.restore}).encode("utf-8"))
     _write(path, after, like=path)
 
 
@@ -313,7 +325,10 @@ def _undo(config_path: Path) -> str:
         raise WireError(f"{config_path} was not wired by metaclaw (no {state.name}); nothing to "
                         "undo")
     info = json.loads(state.read_text(encoding="utf-8"))
-    current, _, config = _read(config_path)
+    agent = info.get("agent") or "openclaw"
+    current, text, config = (_read(config_path) if agent in ("openclaw", "claude-code",
+                                                             "opencode")
+                             else _read_raw(config_path))
     existed = info.get("existed")
     as_wired = current is not None and _sha(current) == info["written_sha256"]
     if as_wired and not existed:
@@ -324,6 +339,8 @@ def _undo(config_path: Path) -> str:
         _writable(config_path)
         _write(config_path, backup.read_bytes(), like=config_path)
         done = f"restored {config_path} exactly as it was before wiring"
+    elif agent != "openclaw":  # edited since: take back only what wiring added
+        done = _unwire(agent, config_path, text, info.get("restore") or {})
     else:  # edited since: take back only what wiring added
         providers = _dig(config, "models", "providers")
         removed = isinstance(providers, dict) and providers.pop(PROVIDER, None) is not None
@@ -346,3 +363,257 @@ def _undo(config_path: Path) -> str:
     backup.unlink(missing_ok=True)
     state.unlink(missing_ok=True)
     return done
+
+
+# -- the other agents -----------------------------------------------------------------------------
+# Each plan records in ``restore`` what undoing takes back when the file was edited since wiring
+# (otherwise undo restores the backup's exact bytes): for JSON and YAML files, ``keys``: each
+# key path wiring set, with the value it had before (``null``: absent); for Codex's TOML, the
+# ``model_provider`` line it replaced. Every plan is checked by reading the wired text back.
+
+_ABSENT = "__metaclaw_absent__"
+
+
+def _read_raw(path: Path) -> tuple[bytes | None, str, Any]:
+    """The file's exact bytes (None when missing) and its text (no parsing)."""
+    if not path.exists():
+        return None, "", None
+    try:
+        raw = path.read_bytes()
+        return raw, raw.decode("utf-8-sig"), None
+    except UnicodeDecodeError:
+        raise WireError(f"{path} is not UTF-8 text; fix the file or pass --config") from None
+    except OSError as exc:
+        raise WireError(f"cannot read {path} ({exc.strerror}); fix it or pass --config") from None
+
+
+def _home(env: str, *default: str) -> Path:
+    value = os.environ.get(env)
+    return Path(value).expanduser() if value else Path.home().joinpath(*default)
+
+
+def config_path(agent: str, explicit: str | os.PathLike[str] | None = None) -> Path:
+    """Where ``agent`` reads its configuration: ``--config`` when given, else OpenClaw's
+    (:func:`openclaw_config_path`), ``$CODEX_HOME/config.toml`` (``~/.codex``), Claude Code's
+    ``$CLAUDE_CONFIG_DIR/settings.json`` (``~/.claude``), opencode's
+    ``$XDG_CONFIG_HOME/opencode/opencode.json`` (``~/.config``) or ``~/.aider.conf.yml``."""
+    if agent == "openclaw":
+        return openclaw_config_path(explicit)
+    if explicit:
+        return Path(explicit).expanduser()
+    return {"codex": lambda: _home("CODEX_HOME", ".codex") / "config.toml",
+            "claude-code": lambda: _home("CLAUDE_CONFIG_DIR", ".claude") / "settings.json",
+            "opencode": lambda: _home("XDG_CONFIG_HOME", ".config") / "opencode" / "opencode.json",
+            "aider": lambda: Path.home() / ".aider.conf.yml"}[agent]()
+
+
+def _set(config: dict[str, Any], keys: list[str], value: Any,
+         restore: list[list[Any]]) -> None:
+    """Set ``config[k1][k2]... = value``, remembering the value it had (for undo)."""
+    node = config
+    for key in keys[:-1]:
+        if not isinstance(node.get(key), dict):
+            node[key] = {}
+        node = node[key]
+    restore.append([keys, node.get(keys[-1], _ABSENT)])
+    node[keys[-1]] = value
+
+
+def _json_text(config: dict[str, Any]) -> str:
+    return json.dumps(config, indent=2, ensure_ascii=False) + "\n"
+
+
+def plan_claude_code(path: Path, proxy_url: str, *, token: str | None = None,
+                     model: str | None = None) -> WirePlan:
+    """Claude Code reads ``env`` from its settings: ``ANTHROPIC_BASE_URL`` points it at the
+    proxy's root (it speaks the Anthropic Messages API, ``/v1/messages``), and the proxy token
+    goes in ``ANTHROPIC_AUTH_TOKEN`` (sent as a bearer token). Its own model choice is kept
+    unless ``model`` is given (``ANTHROPIC_MODEL``)."""
+    original, before, config = _read(path)
+    env = config.get("env") if isinstance(config.get("env"), dict) else {}
+    root = proxy_url.removesuffix("/v1")
+    if env.get("ANTHROPIC_BASE_URL") == root:
+        raise WireError(f"{path} is already wired to MetaClaw; run `metaclaw wire claude-code "
+                        "--undo` first to re-wire")
+    wired, restore = json.loads(json.dumps(config)), []
+    _set(wired, ["env", "ANTHROPIC_BASE_URL"], root, restore)
+    if token:
+        _set(wired, ["env", "ANTHROPIC_AUTH_TOKEN"], token, restore)
+    if model:
+        _set(wired, ["env", "ANTHROPIC_MODEL"], model, restore)
+    upstream = env.get("ANTHROPIC_BASE_URL") or "https://api.anthropic.com"
+    return WirePlan(path, before, _json_text(wired), upstream, model or "", None, original,
+                    agent="claude-code", restore={"keys": restore},
+                    upstream_protocol="anthropic")
+
+
+def plan_opencode(path: Path, proxy_url: str, *, token: str | None = None,
+                  model: str | None = None) -> WirePlan:
+    """opencode: a provider ``metaclaw`` (``@ai-sdk/openai-compatible``, the proxy's base URL
+    and token) serving the model, made the default ``model`` (``metaclaw/<model>``)."""
+    original, before, config = _read(path)
+    current = config.get("model") if isinstance(config.get("model"), str) else ""
+    provider_name, _, current_model = current.partition("/")
+    if provider_name == PROVIDER:
+        raise WireError(f"{path} is already wired to MetaClaw (model {current}); run "
+                        "`metaclaw wire opencode --undo` first to re-wire")
+    model = model or current_model
+    if not model:
+        raise WireError(f"{path} names no model (\"model\": \"provider/model\"); pass --model "
+                        "NAME (the model the proxy should serve)")
+    wired, restore = json.loads(json.dumps(config)), []
+    _set(wired, ["provider", PROVIDER], {
+        "npm": "@ai-sdk/openai-compatible", "name": "MetaClaw",
+        "options": {"baseURL": proxy_url, "apiKey": token or "metaclaw"},
+        "models": {model: {"name": model}}}, restore)
+    _set(wired, ["model"], f"{PROVIDER}/{model}", restore)
+    source = _dig(config, "provider", provider_name, "options", "baseURL")
+    return WirePlan(path, before, _json_text(wired), source if isinstance(source, str) else None,
+                    model, current or None, original, agent="opencode",
+                    restore={"keys": restore})
+
+
+def plan_aider(path: Path, proxy_url: str, *, token: str | None = None,
+               model: str | None = None) -> WirePlan:
+    """aider (``.aider.conf.yml``): ``openai-api-base`` is the proxy, ``openai-api-key`` its
+    token and ``model`` ``openai/<model>`` (litellm's OpenAI-compatible route). The file is
+    rewritten as plain YAML (its comments are kept in the backup, which undo restores)."""
+    import yaml
+
+    original, before, _ = _read_raw(path)
+    try:
+        config = yaml.safe_load(before) if before.strip() else {}
+    except yaml.YAMLError as exc:
+        raise WireError(f"cannot read {path} as YAML ({' '.join(str(exc).split())}); fix the "
+                        "file or pass --config") from None
+    if not isinstance(config, dict):
+        raise WireError(f"{path} does not hold a YAML mapping; fix the file or pass --config")
+    if config.get("openai-api-base") == proxy_url:
+        raise WireError(f"{path} is already wired to MetaClaw; run `metaclaw wire aider --undo` "
+                        "first to re-wire")
+    current = config.get("model") if isinstance(config.get("model"), str) else ""
+    model = model or current.split("/", 1)[-1]
+    if not model:
+        raise WireError(f"{path} names no model; pass --model NAME (the model the proxy should "
+                        "serve)")
+    wired, restore = dict(config), []
+    _set(wired, ["openai-api-base"], proxy_url, restore)
+    _set(wired, ["openai-api-key"], token or "metaclaw", restore)
+    _set(wired, ["model"], f"openai/{model}", restore)
+    after = yaml.safe_dump(wired, sort_keys=False, allow_unicode=True)
+    upstream = config.get("openai-api-base") if isinstance(config.get("openai-api-base"),
+                                                            str) else None
+    return WirePlan(path, before, after, upstream or "https://api.openai.com/v1", model,
+                    current or None, original, agent="aider", restore={"keys": restore})
+
+
+_TOML_HEADER = re.compile(r"^\s*\[", re.M)
+_TOML_PROVIDER = re.compile(r"^model_provider\s*=.*$", re.M)
+
+
+def plan_codex(path: Path, proxy_url: str, *, token: str | None = None,
+               model: str | None = None) -> WirePlan:
+    """Codex CLI (``config.toml``): a ``[model_providers.metaclaw]`` table (the proxy's base
+    URL, ``wire_api = "responses"``, the token read from ``$METACLAW_PROXY_TOKEN`` when the
+    proxy has one) made the ``model_provider``. The file is edited as text: its comments and
+    layout stay as they were."""
+    import tomllib
+
+    original, before, _ = _read_raw(path)
+    try:
+        config = tomllib.loads(before)
+    except tomllib.TOMLDecodeError as exc:
+        raise WireError(f"cannot read {path} as TOML ({exc}); fix the file or pass --config") \
+            from None
+    providers = config.get("model_providers") if isinstance(
+        config.get("model_providers"), dict) else {}
+    if PROVIDER in providers:
+        raise WireError(f"{path} already has [model_providers.{PROVIDER}]; run `metaclaw wire "
+                        "codex --undo` first to re-wire")
+    previous = config.get("model_provider") if isinstance(config.get("model_provider"),
+                                                           str) else None
+    head_end = m.start() if (m := _TOML_HEADER.search(before)) else len(before)
+    head, rest = before[:head_end], before[head_end:]
+    line = f'model_provider = "{PROVIDER}"'
+    found = _TOML_PROVIDER.search(head)
+    replaced = found.group(0) if found else None
+    if found:
+        head = head[:found.start()] + line + head[found.end():]
+    else:
+        head = f"{line}\n" + head
+    block = (f"\n[model_providers.{PROVIDER}]\nname = \"MetaClaw\"\n"
+             f"base_url = {json.dumps(proxy_url)}\nwire_api = \"responses\"\n")
+    if token:
+        block += 'env_key = "METACLAW_PROXY_TOKEN"\n'
+    after = head + rest
+    after = (after if after.endswith("\n") or not after else after + "\n") + block
+    wired = tomllib.loads(after)  # read back: the edit must be what Codex will read
+    assert wired["model_provider"] == PROVIDER and PROVIDER in wired["model_providers"]
+    source = providers.get(previous) if previous else None
+    upstream = (source or {}).get("base_url") if isinstance(source, dict) else None
+    return WirePlan(path, before, after, upstream or "https://api.openai.com/v1",
+                    model or (config.get("model") if isinstance(config.get("model"), str)
+                              else ""), previous, original, agent="codex",
+                    restore={"line": replaced})
+
+
+PLANS = {"openclaw": plan_openclaw, "codex": plan_codex, "claude-code": plan_claude_code,
+         "opencode": plan_opencode, "aider": plan_aider}
+
+
+def plan(agent: str, path: Path, proxy_url: str, *, token: str | None = None,
+         model: str | None = None) -> WirePlan:
+    """The wiring of ``agent``'s configuration at ``path`` to the proxy at ``proxy_url``
+    (``http://host:port/v1``); nothing is written."""
+    if agent != "openclaw" and Path(f"{path}{STATE_SUFFIX}").exists():
+        raise WireError(f"{path} is already wired to MetaClaw; run `metaclaw wire {agent} "
+                        "--undo` first to re-wire")
+    return PLANS[agent](path, proxy_url, token=token, model=model)
+
+
+def _unwire(agent: str, path: Path, text: str, restore: dict[str, Any]) -> str:
+    """Take back only what wiring added to ``path`` (edited since): the keys it set get the
+    values they had; Codex's provider table goes and its ``model_provider`` line comes back."""
+    if agent == "codex":
+        start = text.find(f"[model_providers.{PROVIDER}]")
+        if start < 0 and not re.search(rf'^model_provider\s*=\s*"{PROVIDER}"', text, re.M):
+            return f"{path} holds no MetaClaw wiring; left as it is"
+        if start >= 0:
+            following = _TOML_HEADER.search(text, start + 1)
+            text = text[:start].rstrip("\n") + "\n" + (text[following.start():] if following
+                                                        else "")
+        line = restore.get("line")
+        text = re.sub(rf'^model_provider\s*=\s*"{PROVIDER}"[^\n]*\n?',
+                      (line + "\n") if line else "", text, count=1, flags=re.M)
+        _writable(path)
+        _write(path, text.encode("utf-8"), like=path)
+        return (f"{path} changed since wiring: removed the '{PROVIDER}' provider and restored "
+                f"model_provider ({line or 'unset'}); other edits kept")
+    if agent == "aider":
+        import yaml
+
+        config = yaml.safe_load(text) if text.strip() else {}
+    else:
+        import json5
+
+        config = json5.loads(text) if text.strip() else {}
+    if not isinstance(config, dict):
+        return f"{path} holds no MetaClaw wiring; left as it is"
+    for keys, value in reversed(restore.get("keys") or []):
+        node = config
+        for key in keys[:-1]:
+            node = node.get(key) if isinstance(node, dict) else None
+        if not isinstance(node, dict):
+            continue
+        if value == _ABSENT:
+            node.pop(keys[-1], None)
+        else:
+            node[keys[-1]] = value
+    if agent == "claude-code" and config.get("env") == {}:
+        config.pop("env")
+    data = (yaml.safe_dump(config, sort_keys=False, allow_unicode=True) if agent == "aider"
+            else _json_text(config))
+    _writable(path)
+    _write(path, data.encode("utf-8"), like=path)
+    return (f"{path} changed since wiring: took back what wiring set "
+            f"({', '.join('.'.join(k) for k, _ in restore.get('keys') or [])}); other edits kept")

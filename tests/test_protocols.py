@@ -44,9 +44,9 @@ ANTHROPIC_REQUEST = {
 
 
 def test_registry_names_the_protocols():
-    assert set(PROTOCOLS) == {"openai", "anthropic"}
+    assert set(PROTOCOLS) == {"openai", "anthropic", "responses"}
     assert get_protocol("anthropic") is ANTHROPIC
-    with pytest.raises(ValueError, match="choose one of anthropic, openai"):
+    with pytest.raises(ValueError, match="choose one of anthropic, openai, responses"):
         get_protocol("gemini")
 
 
@@ -314,7 +314,7 @@ def test_injection_keeps_the_cached_system_prefix():
 
 @pytest.mark.parametrize("body, param", [
     ({"model": "m", "max_tokens": 5}, "messages"),
-    ({"model": "m", "max_tokens": 5, "messages": [{"role": "system", "content": "x"}]}, "messages.0"),
+    ({"model": "m", "max_tokens": 5, "messages": [{"role": "tool", "content": "x"}]}, "messages.0"),
     ({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": 3}]},
      "messages.0.content"),
     ({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": [{"text": "x"}]}]},

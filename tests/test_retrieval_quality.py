@@ -1,6 +1,7 @@
-"""Retrieval quality on a small hand-labelled set (tests/fixtures/retrieval/labelled_asks.json):
-the default static model must rank as well as all-MiniLM-L6-v2 and BM25 do, and stay as quiet on
-off-topic asks. No timing here: benchmarks/bench_retrieval.py measures speed."""
+"""Retrieval on a small hand-labelled set (tests/fixtures/retrieval/labelled_asks.json), as a
+regression guard: the default (BM25 fused with the static table) ranks at least as well as each
+of its parts alone, and stays quiet on the off-topic asks. The figures that matter are measured
+on a larger set split into dev and test by benchmarks/bench_retrieval.py; no timing here."""
 
 from __future__ import annotations
 
@@ -9,17 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from metaclaw.retrieval import (LexicalRetriever, embeddings_available, make_retriever,
-                                recall_at_k, select)
+from metaclaw.retrieval import (HybridRetriever, LexicalRetriever, make_retriever, recall_at_k,
+                                select)
 from metaclaw.skills import Skill, load_skills_dir, starter_skills_dir
 
 LABELLED = Path(__file__).parent / "fixtures" / "retrieval" / "labelled_asks.json"
 #: Two asks of the 68 (recall moves in steps of about 1/68 per ask).
 TOLERANCE = 0.03
-
-pytestmark = pytest.mark.skipif(not embeddings_available(),
-                                reason="the embeddings extra is not installed")
-
 
 @pytest.fixture(scope="module")
 def labelled():
@@ -36,25 +33,25 @@ def labelled():
 
 @pytest.fixture(scope="module")
 def retrievers():
-    return {"lexical": LexicalRetriever(), "minilm": make_retriever("embedding", model="minilm"),
-            "static": make_retriever("embedding")}
+    return {"lexical": LexicalRetriever(), "static": make_retriever("embedding"),
+            "default": make_retriever("auto")}
 
 
-def test_the_default_ranks_the_labelled_asks_as_well_as_minilm_and_bm25(labelled, retrievers):
+def test_the_default_ranks_the_labelled_asks_as_well_as_its_parts(labelled, retrievers):
     skills, asks = labelled
+    assert isinstance(retrievers["default"], HybridRetriever)
     recall = {name: recall_at_k(r, asks, skills, 3) for name, r in retrievers.items()}
-    assert recall["static"] >= max(recall["minilm"], recall["lexical"]) - TOLERANCE, recall
-    assert recall["static"] >= 0.7, recall
+    assert recall["default"] >= max(recall["static"], recall["lexical"]) - TOLERANCE, recall
+    assert recall["default"] >= 0.7, recall
 
 
-def test_the_default_threshold_injects_as_much_and_stays_quiet_off_topic(labelled, retrievers):
+def test_the_default_injects_a_relevant_skill_and_stays_quiet_off_topic(labelled, retrievers):
     skills, asks = labelled
-    static, minilm = retrievers["static"], retrievers["minilm"]
-    injected = {name: recall_at_k(r, asks, skills, 3, min_score=r.default_min_score)
-                for name, r in (("static", static), ("minilm", minilm))}
-    assert injected["static"] >= injected["minilm"] - TOLERANCE, injected
+    default = retrievers["default"]
     off_topic = [ask for ask, relevant in asks if not relevant]
     assert len(off_topic) >= 5
     for ask in off_topic:
-        assert select(static, ask, skills) == [], ask
-        assert select(minilm, ask, skills) == [], ask
+        assert select(default, ask, skills) == [], ask
+    hits = [bool({s.skill.name for s in select(default, ask, skills)} & set(relevant))
+            for ask, relevant in asks if relevant]
+    assert sum(hits) / len(hits) >= 0.4, sum(hits)  # 30 of 68 when written

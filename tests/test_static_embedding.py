@@ -64,9 +64,18 @@ def test_encode_is_the_normalized_mean_of_token_rows(tiny_bert, tmp_path):
     assert np.allclose(model.encode_one("keep a copy"), expected, atol=1e-6)
     assert not vectors[1].any()  # no tokens: a zero vector, cosine 0 with everything
     assert np.isclose(np.linalg.norm(vectors[2]), 1.0)  # long texts are not truncated or padded
-    # frequent tokens weigh less: row norms grow with the token id (Zipf weighting)
+    # frequent tokens weigh less: row norms grow with the token id (rarity weighting), and
+    # function words weigh nothing
     norms = np.linalg.norm(model.table, axis=1)
-    assert norms[0] == 0 and np.median(norms[20000:]) > np.median(norms[2000:3000])
+    assert np.median(norms[20000:]) > np.median(norms[2000:3000])
+    weights = static_embedding.rarity_weights(model.tokenizer)
+    first = model.tokenizer.token_to_id("the") or 0
+    assert np.median(weights[first + 1:first + 50]) < np.median(weights[first + 1000:
+                                                                       first + 1050])
+    assert weights.max() < 1.0
+    for word in ("the", "a", "please"):
+        if model.tokenizer.token_to_id(word) is not None:
+            assert weights[model.tokenizer.token_to_id(word)] == 0
 
 
 def test_a_model_without_a_fast_tokenizer_is_refused(tmp_path):

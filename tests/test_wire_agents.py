@@ -1,0 +1,193 @@
+"""``metaclaw wire codex | claude-code | opencode | aider``: the same dry-run diff, byte-exact
+undo, take-back of only the wiring after a hand edit, and refusal to wire twice as for OpenClaw
+(``tests/test_wire.py``, which also covers the shared atomic write and lock); and the wired
+Codex and Claude Code configurations driving the real CLIs through a proxy when installed."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tomllib
+
+import pytest
+import yaml
+
+from metaclaw import wire
+
+CLI = [sys.executable, "-m", "metaclaw"]
+
+CODEX = """# my Codex settings
+model = "gpt-5-codex"
+model_provider = "acme"   # the company gateway
+
+[model_providers.acme]
+name = "Acme"
+base_url = "https://llm.acme.test/v1"
+env_key = "ACME_KEY"
+
+[profiles.fast]
+model = "gpt-5-mini"
+"""
+CLAUDE = '{\n  "permissions": {"allow": ["Bash(ls)"]},\n  "env": {"DISABLE_TELEMETRY": "1"}\n}\n'
+OPENCODE = ('{\n  // my opencode\n  "model": "acme/acme-large",\n  "provider": {"acme": '
+            '{"options": {"baseURL": "https://llm.acme.test/v1"}}}\n}\n')
+AIDER = "# aider settings\nmodel: gpt-4o-mini\ndark-mode: true\n"
+ORIGINALS = {"codex": ("config.toml", CODEX), "claude-code": ("settings.json", CLAUDE),
+             "opencode": ("opencode.json", OPENCODE), "aider": (".aider.conf.yml", AIDER)}
+
+
+def run_cli(*args, env=None, check=True):
+    done = subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=120)
+    if check:
+        assert done.returncode == 0, done.stderr
+    return done
+
+
+def _read(agent, path):
+    text = path.read_text()
+    if agent == "codex":
+        return tomllib.loads(text)
+    if agent == "aider":
+        return yaml.safe_load(text)
+    import json5
+
+    return json5.loads(text)
+
+
+@pytest.mark.parametrize("agent", sorted(ORIGINALS))
+def test_dry_run_apply_and_undo_to_the_exact_bytes(agent, tmp_path):
+    name, original = ORIGINALS[agent]
+    config = tmp_path / name
+    config.write_text(original)
+    dry = run_cli("wire", agent, "--config", config, "--port", 31000, "--token", "tok-secret",
+                  "--dry-run").stdout
+    assert "dry run: nothing written" in dry and "tok-secret" not in dry
+    assert config.read_text() == original
+    done = run_cli("wire", agent, "--config", config, "--port", 31000, "--token", "tok-secret")
+    assert "Now run: METACLAW_UPSTREAM_API_KEY=" in done.stdout
+    wired = _read(agent, config)
+    if agent == "codex":
+        assert wired["model_provider"] == "metaclaw"
+        assert wired["model_providers"]["metaclaw"] == {
+            "name": "MetaClaw", "base_url": "http://127.0.0.1:31000/v1",
+            "wire_api": "responses", "env_key": "METACLAW_PROXY_TOKEN"}
+        assert wired["model_providers"]["acme"]["base_url"] == "https://llm.acme.test/v1"
+        assert "# my Codex settings" in config.read_text()  # edited as text: comments kept
+        assert "--upstream https://llm.acme.test/v1 --model gpt-5-codex" in done.stdout
+    elif agent == "claude-code":
+        assert wired["env"] == {"DISABLE_TELEMETRY": "1",
+                                "ANTHROPIC_BASE_URL": "http://127.0.0.1:31000",
+                                "ANTHROPIC_AUTH_TOKEN": "tok-secret"}
+        assert "--upstream-protocol anthropic" in done.stdout
+    elif agent == "opencode":
+        assert wired["model"] == "metaclaw/acme-large"
+        assert wired["provider"]["metaclaw"]["options"] == {
+            "baseURL": "http://127.0.0.1:31000/v1", "apiKey": "tok-secret"}
+        assert "--upstream https://llm.acme.test/v1 --model acme-large" in done.stdout
+    else:
+        assert wired == {"model": "openai/gpt-4o-mini", "dark-mode": True,
+                         "openai-api-base": "http://127.0.0.1:31000/v1",
+                         "openai-api-key": "tok-secret"}
+    again = run_cli("wire", agent, "--config", config, check=False)
+    assert again.returncode != 0 and "already" in again.stderr
+    undone = run_cli("wire", agent, "--config", config, "--undo").stdout
+    assert "exactly as it was" in undone and config.read_text() == original
+    assert sorted(p.name for p in tmp_path.iterdir()) == [name]
+
+
+@pytest.mark.parametrize("agent", sorted(ORIGINALS))
+def test_undo_after_a_hand_edit_takes_back_only_the_wiring(agent, tmp_path):
+    name, original = ORIGINALS[agent]
+    config = tmp_path / name
+    config.write_text(original)
+    run_cli("wire", agent, "--config", config, "--port", 31000)
+    before_edit = _read(agent, config)
+    if agent == "codex":
+        config.write_text(config.read_text().replace('model = "gpt-5-mini"',
+                                                     'model = "gpt-5-nano"'))
+    elif agent == "aider":
+        config.write_text(config.read_text() + "auto-commits: false\n")
+    else:
+        edited = {**before_edit, "theme": "dark"}
+        config.write_text(json.dumps(edited))
+    undone = run_cli("wire", agent, "--config", config, "--undo").stdout
+    assert "changed since wiring" in undone
+    after = _read(agent, config)
+    expected = _read(agent, _write(tmp_path / f"original-{name}", original))
+    if agent == "codex":
+        expected["profiles"]["fast"]["model"] = "gpt-5-nano"
+        assert 'model_provider = "acme"' in config.read_text()
+    elif agent == "aider":
+        expected["auto-commits"] = False
+    else:
+        expected["theme"] = "dark"
+    assert after == expected
+
+
+def _write(path, text):
+    path.write_text(text)
+    return path
+
+
+def test_a_missing_config_is_created_and_undo_removes_it(tmp_path):
+    config = tmp_path / "fresh" / "settings.json"
+    run_cli("wire", "claude-code", "--config", config, "--port", 31000)
+    assert json.loads(config.read_text()) == {"env": {
+        "ANTHROPIC_BASE_URL": "http://127.0.0.1:31000"}}
+    assert "there was none before" in run_cli("wire", "claude-code", "--config", config,
+                                              "--undo").stdout
+    assert not config.exists()
+
+
+def test_default_config_paths_follow_each_agents_own_variables(tmp_path, monkeypatch):
+    monkeypatch.setenv("CODEX_HOME", str(tmp_path / "codex"))
+    monkeypatch.setenv("CLAUDE_CONFIG_DIR", str(tmp_path / "claude"))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert wire.config_path("codex") == tmp_path / "codex" / "config.toml"
+    assert wire.config_path("claude-code") == tmp_path / "claude" / "settings.json"
+    assert wire.config_path("opencode") == tmp_path / "xdg" / "opencode" / "opencode.json"
+    assert wire.config_path("aider") == tmp_path / "home" / ".aider.conf.yml"
+
+
+def test_an_unreadable_config_is_refused_and_left_alone(tmp_path):
+    config = tmp_path / "config.toml"
+    config.write_text("model = [unclosed\n")
+    done = run_cli("wire", "codex", "--config", config, check=False)
+    assert done.returncode != 0 and "cannot read" in done.stderr
+    assert config.read_text() == "model = [unclosed\n"
+
+
+@pytest.mark.skipif(not (os.environ.get("METACLAW_CODEX") or shutil.which("codex")),
+                    reason="the Codex CLI is not installed")
+def test_a_wired_codex_runs_through_the_proxy(tmp_path):
+    """``metaclaw wire codex`` then ``codex exec``: the turn goes through the proxy."""
+    from metaclaw.double import DoubleServer, Reply
+    from metaclaw.proxy import Proxy, ProxyConfig
+    from metaclaw.skills import SkillLibrary
+    from metaclaw.store import Store
+
+    home = tmp_path / "codex-home"
+    home.mkdir()
+    (home / "config.toml").write_text('model = "gpt-5-codex"\n')
+    store = Store(tmp_path / "metaclaw.db")
+    with DoubleServer([Reply("wired and working")]) as upstream, Proxy(ProxyConfig(
+            upstream_url=upstream.url, retrieval="lexical", token="tok-secret", max_retries=0),
+            store, SkillLibrary(tmp_path / "skills", store)) as proxy:
+        run_cli("wire", "codex", "--config", home / "config.toml", "--port", proxy.port,
+                "--token", "tok-secret")
+        done = subprocess.run(
+            [os.environ.get("METACLAW_CODEX") or shutil.which("codex"), "exec",
+             "--skip-git-repo-check", "say hello"], cwd=tmp_path, capture_output=True, text=True,
+            timeout=180, env={**os.environ, "CODEX_HOME": str(home),
+                              "METACLAW_PROXY_TOKEN": "tok-secret"})
+        proxy.flush()
+        turns = store.turns()
+    store.close()
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "wired and working" in done.stdout
+    assert any(t["protocol"] == "responses" and t["status"] == "ok" for t in turns)
