@@ -301,3 +301,37 @@ def test_an_unknown_route_says_the_route_is_missing_not_the_model(workspace):
     assert anthropic_shaped.status_code == 404 and anthropic_shaped.json()["type"] == "error"
     assert wrong_method.status_code == 405
     assert "POST /v1/responses" in wrong_method.json()["error"]["message"]
+
+
+def test_the_agents_sdk_default_model_runs_a_tool_turn_through_the_proxy(workspace):
+    """The OpenAI Agents SDK's default model speaks the Responses API: an agent with a function
+    tool runs a whole turn (tool call, tool result, answer) through the proxy."""
+    agents = pytest.importorskip("agents")
+    store, _ = workspace
+    called = []
+
+    @agents.function_tool
+    def backup_file(path: str) -> str:
+        """Copy a file to path + '.bak' before changing it."""
+        called.append(path)
+        return f"copied {path} to {path}.bak"
+
+    call = {"id": "call_b", "function": {"name": "backup_file",
+                                         "arguments": '{"path": "deploy/config.yaml"}'}}
+    with DoubleServer([Reply(None, tool_calls=[call]), Reply("Backed up; now edit it.")]) \
+            as upstream, _proxy(workspace, upstream) as proxy:
+        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{proxy.port}/v1",
+                                    api_key="unused", max_retries=0)
+        agent = agents.Agent(name="ops", instructions="You change configs carefully.",
+                             tools=[backup_file],
+                             model=agents.OpenAIResponsesModel(model=MODEL, openai_client=client))
+        result = agents.Runner.run_sync(agent, ASK, run_config=agents.RunConfig(
+            tracing_disabled=True))
+        turns = _turns(proxy, store)
+    assert result.final_output == "Backed up; now edit it."
+    assert called == ["deploy/config.yaml"]
+    assert [t["protocol"] for t in turns] == ["responses", "responses"]
+    assert turns[0]["injected_skills"][0] == "backup-before-modify"
+    assert turns[0]["session_id"] == turns[1]["session_id"]  # the tool turn continues the reply
+    sent = upstream.requests[-1]["body"]["messages"]
+    assert sent[-1]["role"] == "tool" and "copied deploy/config.yaml" in sent[-1]["content"]
