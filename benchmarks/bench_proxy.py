@@ -22,7 +22,10 @@ same run, side by side: an offline Anthropic double (:mod:`metaclaw.double_anthr
 echo built on the SDK's types) is the direct baseline, against ``proxy[lexical] anthropic->anthropic``
 (pass-through to that double, ``--upstream-protocol anthropic``) and ``proxy[lexical]
 anthropic->openai`` (Anthropic requests translated to the OpenAI double and back). Every proxy is
-its own process and gets the same requests.
+its own process and gets the same requests. With ``responses`` in ``--protocols`` (beside
+``openai``), ``proxy[lexical] responses->openai`` (OpenAI Responses requests translated to the
+chat double and back) joins the OpenAI group, and its added p50 and CPU per request are printed
+beside the chat proxy's.
 
 Every target gets the same requests (unique user messages, so no query cache helps). Sequential
 requests are interleaved one by one with the target order rotating each time, so drift in the
@@ -62,6 +65,7 @@ import sqlite3
 import subprocess
 import sys
 import tempfile
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -152,6 +156,9 @@ def user_message(i: int) -> str:
 
 
 def request_body(i: int, stream: bool, protocol: str = "openai") -> dict:
+    if protocol == "responses":
+        return {"model": MODEL, "stream": stream, "instructions": SYSTEM,
+                "input": [{"role": "user", "content": user_message(i)}]}
     if protocol == "anthropic":
         return {"model": MODEL, "stream": stream, "max_tokens": 256, "system": SYSTEM,
                 "messages": [{"role": "user", "content": user_message(i)}]}
@@ -313,12 +320,16 @@ def _injected(response: httpx.Response) -> int | None:
 
 
 def _path(target: str) -> str:
-    return "/messages" if PROTOCOL_OF.get(target) == "anthropic" else "/chat/completions"
+    return {"anthropic": "/messages", "responses": "/responses"}.get(
+        PROTOCOL_OF.get(target, "openai"), "/chat/completions")
 
 
 def _is_end(target: str, line: str) -> bool:
-    if PROTOCOL_OF.get(target) == "anthropic":
+    protocol = PROTOCOL_OF.get(target)
+    if protocol == "anthropic":
         return line.strip() == "event: message_stop"
+    if protocol == "responses":
+        return line.strip() == "event: response.completed"
     return line.strip() == "data: [DONE]"
 
 
@@ -329,6 +340,7 @@ def call_plain(client: httpx.Client, target: str, url: str, i: int) -> tuple[flo
     _check(response, target)
     data = response.json()
     text = (data["content"][0]["text"] if protocol == "anthropic"
+            else data["output"][0]["content"][0]["text"] if protocol == "responses"
             else data["choices"][0]["message"]["content"])
     if not text:
         raise RequestFailed(f"{target} returned an empty reply")
@@ -595,14 +607,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="also measure the floor committing each exchange to SQLite before "
                              "the reply ends (passthrough.py --record), for reference")
     parser.add_argument("--protocols", default="openai,anthropic",
-                        help="client protocols to measure, comma-separated (default "
-                             "openai,anthropic)")
+                        help="client protocols to measure, comma-separated: openai, anthropic, "
+                             "responses (default openai,anthropic)")
     parser.add_argument("--check-targets", action="store_true",
                         help="exit 1 when a target against the floor fails")
     args = parser.parse_args(argv)
     protocols = [p.strip() for p in args.protocols.split(",") if p.strip()]
-    if not protocols or set(protocols) - {"openai", "anthropic"}:
-        parser.error("--protocols takes openai and/or anthropic")
+    if not protocols or set(protocols) - {"openai", "anthropic", "responses"}:
+        parser.error("--protocols takes openai, anthropic and/or responses")
+    if "responses" in protocols and "openai" not in protocols:
+        parser.error("--protocols responses is measured beside openai (its baseline): add it")
     for flag in ("requests", "concurrency", "rounds"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag} must be at least 1")
@@ -640,6 +654,12 @@ def main(argv: list[str] | None = None) -> int:
                 proxies.append(start_proxy("lexical", double_url, tmp / "fsync", "openai",
                                            "proxy[lexical,fsync-acks]", ("--fsync-acks",)))
                 targets[proxies[-1].name] = proxies[-1].url
+            if "responses" in protocols:  # Responses clients, translated to the chat double
+                name = "proxy[lexical] responses->openai"
+                proxies.append(start_proxy("lexical", double_url, tmp / "responses", "openai",
+                                           name))
+                targets[name] = proxies[-1].url
+                PROTOCOL_OF[name] = "responses"
             groups[direct] = list(targets)
         if "anthropic" in protocols:
             anthropic_proc, anthropic_url = start_double(ANTHROPIC_DOUBLE_PROCESS)
@@ -712,6 +732,16 @@ def main(argv: list[str] | None = None) -> int:
                          "request (all phases)")
         lines.append(f"  client: {1000 * client_cpu / (per_proxy * len(targets)):.2f} ms CPU "
                      "per request")
+        responses = "proxy[lexical] responses->openai"
+        if responses in targets and CHECKED in targets:
+            added = {name: statistics.median(samples[name].plain)
+                     - statistics.median(samples[direct].plain) for name in (CHECKED, responses)}
+            cpu = {name: 1000 * cpu_used[name] / per_proxy for name in (CHECKED, responses)}
+            lines += ["", "Responses vs chat clients (same proxy code, same chat double): "
+                      f"added p50 {added[responses]:+.2f} vs {added[CHECKED]:+.2f} ms "
+                      f"({added[responses] / added[CHECKED]:.2f}x), CPU per request "
+                      f"{cpu[responses]:.2f} vs {cpu[CHECKED]:.2f} ms "
+                      f"({cpu[responses] / cpu[CHECKED]:.2f}x)"]
         failed: list[str] = []
         if floors and CHECKED in targets:
             lines += report_targets(samples, results, cpu_used, direct, per_proxy,
