@@ -847,10 +847,10 @@ def make_retriever(kind: str = "auto", model: str | None = None) -> Retriever:
     (hybrid and embedding): ``"static"`` (the default), ``"minilm"``, or a local folder or
     Hugging Face id. Raises :class:`RetrievalError` with what to change.
 
-    The static table loads here (a fraction of a second). A transformer model is only checked
-    here (its package or folder found) and loads in :meth:`warm`, which a server runs in the
-    background after it starts listening: turns that arrive before it is ready wait for it in a
-    worker thread, never on the server's event loop.
+    Models are only found here (the packaged table's files, a transformer's package or folder)
+    and load in :meth:`warm`, which a server runs in the background once it listens (the
+    packaged table in a fraction of a second, a transformer in seconds): turns that arrive
+    before it is ready wait for it in a worker thread, never on the server's event loop.
     """
     kind = (kind or "auto").strip().lower()
     if kind == "lexical":
@@ -862,7 +862,8 @@ def make_retriever(kind: str = "auto", model: str | None = None) -> Retriever:
         retriever: Any = EmbeddingRetriever(model) if kind == "embedding" else HybridRetriever(model)
         model_id = retriever.model_id  # finds the model's package or folder
         if model_id == STATIC_MODEL:
-            load_model(model_id)  # fail now, clearly, when the table cannot be loaded
+            if not static_embedding_packaged():
+                load_model(model_id)  # derived from MiniLM: fail now, clearly, when it cannot be
         elif not embeddings_available():
             raise RetrievalError(
                 f"the embedding model {model_id!r} needs sentence-transformers: pip install "
@@ -901,7 +902,7 @@ def describe(retriever: Any) -> str:
     model = getattr(retriever, "model_id", None)
     if model == STATIC_MODEL:
         what = "BM25 + static MiniLM table" if kind == "hybrid" else "static MiniLM table"
-        return f"retrieval: {kind} ({what}, ready)"
+        return f"retrieval: {kind} ({what}, packaged: no download, no torch)"
     ready = model in _MODELS or (model == MINILM_MODEL and minilm_model_path() in _MODELS)
     return (f"retrieval: {kind} ({model}: " +
             ("ready)" if ready else "loading in the background; turns wait for it)"))

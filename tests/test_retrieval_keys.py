@@ -156,7 +156,7 @@ def test_the_default_retriever_needs_no_torch_no_distillation_and_no_cache(tmp_p
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "retrieval: hybrid (BM25 + static MiniLM table, ready) []"
+    assert out.stdout.strip() == "retrieval: hybrid (BM25 + static MiniLM table, packaged: no download, no torch) []"
     assert not cache.exists() or not any(cache.rglob("*.npy"))
 
 
@@ -203,7 +203,7 @@ def test_serve_says_how_it_retrieves_and_why_shows_the_keys(tmp_path):
                                      "METACLAW_UPSTREAM_API_KEY": "k"})
         try:
             banner = proc.stdout.readline()
-            assert "retrieval: hybrid (BM25 + static MiniLM table, ready)" in banner, banner
+            assert "retrieval: hybrid (BM25 + static MiniLM table, packaged: no download, no torch)" in banner, banner
             url = banner.split(" on ", 1)[1].split(" ", 1)[0]
             reply = httpx.post(f"{url}/chat/completions", timeout=30, json={
                 "model": "m", "messages": [{"role": "user", "content": ASK}]})
