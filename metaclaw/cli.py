@@ -89,8 +89,9 @@ def _add_proxy_options(p: argparse.ArgumentParser) -> None:
                    help="size budget of the skill block")
     p.add_argument("--timeout", type=argtypes.positive_float, default=120.0,
                    help="upstream timeout in seconds")
-    p.add_argument("--upstream-protocol", choices=["openai", "anthropic"], default="openai",
-                   help="wire protocol of the upstream (default openai; anthropic: a Messages API)")
+    p.add_argument("--upstream-protocol", choices=["openai", "anthropic", "responses"],
+                   default="openai", help="wire protocol of the upstream (default openai: chat "
+                   "completions; anthropic: a Messages API; responses: an OpenAI Responses API)")
     p.add_argument("--caller-auth", action="store_true",
                    help="forward each caller's own API key upstream instead of the server key "
                         "(the proxy token then comes in X-MetaClaw-Token)")

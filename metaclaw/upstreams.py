@@ -395,6 +395,16 @@ class OpenAIUpstream(HTTPUpstream):
             return 200, await self._request("GET", "/models", None, self._headers(key, {}))
 
 
+class ResponsesUpstream(OpenAIUpstream):
+    """An OpenAI Responses endpoint (``.../v1/responses``: OpenAI's own, or any server that
+    speaks it). A Responses client's requests and replies pass through byte for byte; other
+    clients' are translated through the chat pivot."""
+
+    protocol = get_protocol("responses")
+    kind = "responses"
+    path = "/responses"
+
+
 class AnthropicUpstream(HTTPUpstream):
     """An Anthropic Messages endpoint (its base URL with or without ``/v1``).
     ``anthropic-version`` and ``anthropic-beta`` headers of an Anthropic client are forwarded as
@@ -530,8 +540,10 @@ def retry_after(headers: Any) -> float | None:
 
 def make_upstream(protocol: str, url: str, key_env: str, timeout: float,
                   max_retries: int) -> HTTPUpstream:
-    """The HTTP upstream for ``protocol`` (``"openai"`` or ``"anthropic"``)."""
-    kinds = {"openai": OpenAIUpstream, "anthropic": AnthropicUpstream}
+    """The HTTP upstream for ``protocol`` (``"openai"``, ``"anthropic"`` or ``"responses"``)."""
+    kinds = {"openai": OpenAIUpstream, "anthropic": AnthropicUpstream,
+             "responses": ResponsesUpstream}
     if protocol not in kinds:
-        raise ValueError(f"unknown upstream protocol {protocol!r}; choose 'openai' or 'anthropic'")
+        raise ValueError(f"unknown upstream protocol {protocol!r}; choose 'openai', 'anthropic' "
+                         "or 'responses'")
     return kinds[protocol](url, key_env, timeout, max_retries)

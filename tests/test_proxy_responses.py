@@ -335,3 +335,44 @@ def test_the_agents_sdk_default_model_runs_a_tool_turn_through_the_proxy(workspa
     assert turns[0]["session_id"] == turns[1]["session_id"]  # the tool turn continues the reply
     sent = upstream.requests[-1]["body"]["messages"]
     assert sent[-1]["role"] == "tool" and "copied deploy/config.yaml" in sent[-1]["content"]
+
+
+def test_a_responses_upstream_gets_responses_as_sent_and_serves_chat_clients(workspace,
+                                                                            tmp_path):
+    """``--upstream-protocol responses``: a Responses client's request goes upstream as sent
+    (plus the skills' developer item) and its reply and stream events come back unchanged; a
+    chat client is translated to Responses and back. The upstream here is a second proxy, which
+    speaks the Responses API on the wire, in front of the chat double."""
+    store, _ = workspace
+    inner_store = Store(tmp_path / "inner.db")
+    inner_library = SkillLibrary(tmp_path / "inner-skills", inner_store)
+    with DoubleServer([Reply("first"), Reply("second"), Reply("third")]) as chat_double, \
+            Proxy(ProxyConfig(upstream_url=chat_double.url, retrieval="lexical", max_retries=0),
+                  inner_store, inner_library) as inner:
+        outer_config = ProxyConfig(upstream_url=f"http://127.0.0.1:{inner.port}/v1",
+                                   upstream_protocol="responses", retrieval="lexical",
+                                   max_retries=0)
+        with Proxy(outer_config, store, workspace[1]) as outer:
+            client = _client(outer)
+            response = client.responses.create(model=MODEL, input=ASK, instructions="Be brief.")
+            with client.responses.stream(model=MODEL, input=ASK) as stream:
+                kinds = [event.type for event in stream]
+                streamed = stream.get_final_response()
+            chat = client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": ASK}])
+            turns = _turns(outer, store)
+        inner.flush()
+        inner_turns = inner_store.turns()
+    inner_store.close()
+    assert response.output_text == "first" and streamed.output_text == "second"
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+    assert chat.choices[0].message.content == "third"
+    assert [t["protocol"] for t in inner_turns] == ["responses"] * 3
+    assert [t["status"] for t in turns] == ["ok"] * 3
+    assert turns[0]["injected_skills"][0] == "backup-before-modify"
+    assert turns[2]["response"] == "third" and turns[2]["protocol"] == "openai"
+    recorded = turns[0]["request_messages"]
+    assert recorded[0]["role"] == "system" and recorded[0]["content"].startswith("Be brief.")
+    assert BLOCK_HEADER in recorded[0]["content"]
+    # the upstream proxy, with no skills of its own, took the block out of what it forwarded
+    assert BLOCK_HEADER not in json.dumps(chat_double.requests[0]["body"])
