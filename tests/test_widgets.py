@@ -112,7 +112,7 @@ def test_skill_diff_defaults_to_latest_change_and_recomputes_on_choice(library):
 
 
 def test_skill_diff_follows_a_new_generation(library):
-    w = SkillDiffWidget(library)
+    w = SkillDiffWidget(library, follow=True)
     assert w.new == 4
     library.add(Skill(name="ask-first", description="Ask before acting", body="Ask.\n"))
     assert [g["generation"] for g in w.generations][-1] == 5
@@ -308,7 +308,8 @@ def test_training_monitor_updates_live_widget_in_background(store):
         assert {"step": 1, "metric": "loss", "value": 0.25} in values
         data, _ = monitor._repr_mimebundle_()
         assert data["application/vnd.jupyter.widget-view+json"]["model_id"] == widget.model_id
-        assert "Training run live: step 1" in data["text/html"]
+        assert "Training run live: step 1" in data["text/plain"]
+        assert data["image/png"] and "text/html" not in data  # the chart before trust
     finally:
         monitor.close()
     assert not monitor.polling
@@ -364,7 +365,8 @@ def test_scheduler_view_from_a_status_function():
 
     view = SchedulerView(status, clock=lambda: 20.0)
     assert view.state == "training" and view.summary == {"steps": 3}
-    assert view.signals == [{"name": "keyboard", "reading": "unavailable", "detail": "no display"},
+    assert view.signals == [{"name": "keyboard", "reading": "unavailable", "raw": "no display",
+                             "detail": "not available on this machine (no display)"},
                             {"name": "battery", "reading": 0.8, "detail": ""}]
     assert view.segments == [{"state": "training", "start": 10.0, "end": None}]
     view.refresh()
@@ -433,6 +435,7 @@ const model = {
       : n.tagName === "BUTTON" && n.textContent === action.text))[0];
     if (!node) throw new Error("no element for " + JSON.stringify(action));
     if (action.set !== undefined) node.value = action.set;
+    if (action.checked !== undefined) node.checked = action.checked;
     node.fire(action.event);
   }
   const listeners = Object.values(handlers).reduce((n, l) => n + l.length, 0);

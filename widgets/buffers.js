@@ -63,6 +63,17 @@ function choiceSelect(model, key, choices, label) {
   return select;
 }
 
+// A tool call with its JSON arguments parsed, so that they show indented, not as one escaped line.
+function readableCall(call) {
+  const fn = (call && call.function) || {};
+  if (typeof fn.arguments !== "string") return call;
+  try {
+    return { ...call, function: { ...fn, arguments: JSON.parse(fn.arguments) } };
+  } catch (error) {
+    return call;
+  }
+}
+
 function messageView(message) {
   const role = message.role || "message";
   const box = h("div", { class: `mc-message mc-role-${role}` },
@@ -70,7 +81,7 @@ function messageView(message) {
   const text = contentText(message.content);
   if (text) box.append(h("pre", { class: "mc-content" }, text));
   if (message.tool_calls && message.tool_calls.length) {
-    box.append(h("pre", { class: "mc-content mc-tool" }, JSON.stringify(message.tool_calls, null, 2)));
+    box.append(h("pre", { class: "mc-content mc-tool" }, JSON.stringify(message.tool_calls.map(readableCall), null, 2)));
   }
   if (message.tool_call_id) box.append(h("div", { class: "mc-muted" }, `tool_call_id: ${message.tool_call_id}`));
   return box;
@@ -164,6 +175,8 @@ function render({ model, el }) {
     }
     summary.append(h("span", { class: "mc-muted" },
       `showing ${rows.length} of ${model.get("matched") || 0} matching (${model.get("total") || 0} turns)`));
+    // a snapshot: later turns and generations show after "refresh"
+    if (model.get("taken_at")) summary.append(h("span", { class: "mc-muted mc-taken" }, `snapshot of ${formatTime(model.get("taken_at"))}`));
 
     const table = h("table", { class: "mc-table" },
       h("thead", {}, h("tr", {}, ["turn", "session", "set", "state", "gen", "reward", "time", "task"].map((c) => h("th", {}, c)))));
@@ -197,7 +210,7 @@ function render({ model, el }) {
   };
 
   const filterEvents = ["change:generations", "change:set_filter", "change:state_filter", "change:generation_filter", "change:text_filter"];
-  const events = ["change:rows", "change:counts", "change:detail", "change:selected", "change:error", "change:matched", "change:total"];
+  const events = ["change:rows", "change:counts", "change:detail", "change:selected", "change:error", "change:matched", "change:total", "change:taken_at"];
   for (const name of filterEvents) model.on(name, drawFilters);
   for (const name of events) model.on(name, draw);
   drawFilters();

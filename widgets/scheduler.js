@@ -95,12 +95,13 @@ function render({ model, el }) {
       h("thead", {}, h("tr", {}, h("th", {}, "signal"), h("th", {}, "reads"), h("th", {}, "detail"))));
     const body = h("tbody");
     for (const signal of signals) {
-      const reading = formatValue(signal.reading);
+      const reading = signal.reading === "unavailable" ? "not available" : formatValue(signal.reading);
       const cls = reading === "idle" ? "mc-good" : reading === "active" ? "mc-bad" : "mc-muted";
       body.append(h("tr", {},
         h("td", {}, h("b", {}, signal.name)),
         h("td", { class: cls }, reading),
-        h("td", { class: "mc-muted" }, formatValue(signal.detail))));
+        // plain words; the technical reason (which libraries were tried) on hover
+        h("td", { class: "mc-muted", title: signal.raw || null }, formatValue(signal.detail))));
     }
     if (!signals.length) body.append(h("tr", {}, h("td", { colspan: 3, class: "mc-muted" }, "no signals configured")));
     signalTable.append(body);

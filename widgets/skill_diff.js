@@ -1,6 +1,11 @@
 // SkillDiffWidget front-end: pick two skill generations and see what changed between them,
 // with the evidence turns behind each change. All data comes from the synced traitlets
-// (generations, old, new, mode, diff, error); choices go back with model.set + save_changes.
+// (generations, old, new, mode, diff, error, follow, latest); choices go back with model.set +
+// save_changes. The widget is pinned to the generations it shows unless "follow" is ticked.
+// A diff with more than OPEN_CARDS changed skills shows one summary line per skill, opened on
+// demand; what the reader opened stays open when the data changes.
+
+const OPEN_CARDS = 3;
 
 function h(tag, attrs = {}, ...children) {
   const node = document.createElement(tag);
@@ -23,6 +28,7 @@ function formatReward(value) {
 }
 
 function generationLabel(g) {
+  if (g.label) return g.label;  // number · kind · the skills it changed · how many skills
   const reason = g.reason ? ` — ${g.reason.length > 40 ? g.reason.slice(0, 40) + "…" : g.reason}` : "";
   return `${g.generation} · ${g.kind}${reason}`;
 }
@@ -154,13 +160,17 @@ function evidenceView(diff, name) {
   return box;
 }
 
-function skillCard(diff, kind, item, mode) {
+function skillCard(diff, kind, item, mode, open, opened) {
   const name = item.name;
   const title = h("summary", {},
     h("span", { class: `mc-badge mc-op-${kind}` }, { add: "added", edit: "edited", remove: "removed" }[kind]),
     " ", h("b", {}, name),
     item.description ? h("span", { class: "mc-muted" }, ` — ${item.description}`) : null);
-  const card = h("details", { class: `mc-card mc-card-${kind}`, open: true }, title);
+  const card = h("details", { class: `mc-card mc-card-${kind}`, open, "data-skill": name }, title);
+  card.addEventListener("toggle", () => {
+    if (card.open) opened.add(name);
+    else opened.delete(name);
+  });
   const asks = item.example_asks || [];
   if (item.use_when || asks.length) {  // what retrieval matches this skill on, besides its text
     card.append(h("div", { class: "mc-muted mc-keys" },
@@ -257,8 +267,22 @@ function proposalCard(model, p, mode) {
   return card;
 }
 
+function pinLine(model, diff) {
+  const latest = model.get("latest");
+  if (model.get("follow")) return "following the library: “to” moves to each new generation";
+  const old = diff.old ?? model.get("old");
+  const now = diff.new ?? model.get("new");
+  let line = `pinned to generation ${old} → ${now}`;
+  if (latest > Math.max(old, now)) line += `; the library has changed since (now generation ${latest}): tick “follow” or press refresh to see it`;
+  return line;
+}
+
 function render({ model, el }) {
   el.classList.add("metaclaw-w", "metaclaw-skill-diff");
+  // the cards the reader opened (or closed), by skill name, kept across redraws of one diff
+  let opened = new Set();
+  let closed = new Set();
+  let shownPair = "";
 
   const draw = () => {
     const generations = model.get("generations") || [];
@@ -285,6 +309,14 @@ function render({ model, el }) {
       h("label", {}, "from ", generationSelect(model, "old", generations)),
       h("label", {}, "to ", generationSelect(model, "new", generations)),
       h("label", {}, "view ", modeSelect),
+      h("label", { title: "move “to” to each new generation as it is written" },
+        h("input", {
+          type: "checkbox", class: "mc-follow", "aria-label": "follow new generations", checked: Boolean(model.get("follow")),
+          onchange: (event) => {
+            model.set("follow", event.target.checked);
+            model.save_changes();
+          },
+        }), " follow"),
       // generations and proposals changed since the widget was shown (e.g. by another process)
       h("button", {
         class: "mc-button",
@@ -295,11 +327,10 @@ function render({ model, el }) {
       }, "refresh"));
 
     const body = h("div", { class: "mc-body" });
-    if (error) {
-      body.append(h("div", { class: "mc-error" }, error));
-    } else if (!generations.length) {
-      body.append(h("div", { class: "mc-muted" }, "No skill generations recorded yet."));
-    } else {
+    if (error) body.append(h("div", { class: "mc-error" }, error));
+    if (!generations.length) {
+      if (!error) body.append(h("div", { class: "mc-muted" }, "No skill generations recorded yet."));
+    } else if (Object.keys(diff).length) {  // what it read last stays shown beside an error
       const added = diff.added || [];
       const edited = diff.edited || [];
       const removed = diff.removed || [];
@@ -308,12 +339,34 @@ function render({ model, el }) {
         h("span", {}, `~${edited.length} edited`), " · ",
         h("span", { class: "mc-bad" }, `−${removed.length} removed`),
         ` (generation ${diff.old ?? model.get("old")} → ${diff.new ?? model.get("new")})`));
+      body.append(h("div", { class: `mc-muted mc-pin${model.get("follow") ? " mc-following" : ""}` }, pinLine(model, diff)));
       if (!added.length && !edited.length && !removed.length) {
-        body.append(h("div", { class: "mc-muted" }, "No changes between these generations."));
+        body.append(h("div", { class: "mc-muted" }, diff.old === diff.new
+          ? `Generation ${diff.new}: pick another generation in “from” or “to” to see a change.`
+          : "No changes between these generations."));
       }
-      for (const item of added) body.append(skillCard(diff, "add", item, mode));
-      for (const item of edited) body.append(skillCard(diff, "edit", item, mode));
-      for (const item of removed) body.append(skillCard(diff, "remove", item, mode));
+      const pair = `${diff.old}→${diff.new}`;
+      if (pair !== shownPair) {  // another pair of generations: the default open state again
+        shownPair = pair;
+        opened = new Set();
+        closed = new Set();
+      }
+      const count = added.length + edited.length + removed.length;
+      const collapsed = count > OPEN_CARDS;
+      if (collapsed) {
+        const setAll = (open) => () => {
+          for (const card of body.querySelectorAll("details.mc-card")) card.open = open;
+        };
+        body.append(h("div", { class: "mc-toolbar mc-collapsed" },
+          h("span", { class: "mc-muted" }, `${count} skills changed; open a card to read its text and evidence`),
+          h("button", { class: "mc-button mc-open-all", onclick: setAll(true) }, "open all"),
+          h("button", { class: "mc-button mc-close-all", onclick: setAll(false) }, "close all")));
+      }
+      const track = { add: (name) => { opened.add(name); closed.delete(name); }, delete: (name) => { opened.delete(name); closed.add(name); } };
+      const isOpen = (name) => (collapsed ? opened.has(name) : !closed.has(name));
+      for (const [kind, items] of [["add", added], ["edit", edited], ["remove", removed]]) {
+        for (const item of items) body.append(skillCard(diff, kind, item, mode, isOpen(item.name), track));
+      }
     }
     const proposals = model.get("proposals") || [];
     const section = h("div", { class: "mc-proposals" });
@@ -326,7 +379,7 @@ function render({ model, el }) {
     el.replaceChildren(header, body, section);
   };
 
-  const events = ["change:generations", "change:old", "change:new", "change:mode", "change:diff", "change:error", "change:proposals", "change:message"];
+  const events = ["change:generations", "change:old", "change:new", "change:mode", "change:diff", "change:error", "change:proposals", "change:message", "change:follow", "change:latest"];
   for (const name of events) model.on(name, draw);
   draw();
   return () => {

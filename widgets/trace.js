@@ -54,12 +54,31 @@ function messageView(message) {
   return box;
 }
 
+// JSON text indented for reading; any other text as it is.
+function pretty(text) {
+  if (typeof text !== "string") return JSON.stringify(text, null, 2);
+  try {
+    const value = JSON.parse(text);
+    return value !== null && typeof value === "object" ? JSON.stringify(value, null, 2) : text;
+  } catch (error) {
+    return text;
+  }
+}
+
 function toolCallView(call) {
   return h("details", { class: "mc-tool-call" },
     h("summary", {}, h("code", {}, `${call.name}(${(call.arguments || "").slice(0, 80)})`),
       call.result !== undefined && call.result !== null ? h("span", { class: "mc-muted" }, " → result") : null),
-    h("pre", { class: "mc-pre" }, call.arguments || ""),
-    call.result !== undefined && call.result !== null ? h("pre", { class: "mc-pre mc-result" }, call.result) : null);
+    h("pre", { class: "mc-pre" }, pretty(call.arguments || "")),
+    call.result !== undefined && call.result !== null ? h("pre", { class: "mc-pre mc-result" }, pretty(call.result)) : null);
+}
+
+// Who scored the turn: the judge when it left votes, else whatever recorded the reward (a
+// pipeline's check, say), so that a badge never says "judge" beside "not judged".
+function scorer(d) {
+  if ((d.judge_votes || []).length) return "judge";
+  if (d.reward === null || d.reward === undefined) return "judge";
+  return d.judge_model || "score";
 }
 
 function labelForm(model, detail) {
@@ -81,7 +100,7 @@ function detailView(model, d) {
     h("b", {}, `Turn #${d.id}`), ` (index ${d.turn_index}, ${d.turn_type})`,
     h("span", { class: "mc-badge" }, `skill generation ${d.skill_generation}`),
     h("span", { class: "mc-badge" }, `policy v${d.policy_version}`),
-    verdictBadge("judge", d.judge), verdictBadge("human", d.human_label),
+    verdictBadge(scorer(d), d.judge), verdictBadge("human", d.human_label),
     d.status !== "ok" ? h("span", { class: "mc-badge mc-bad" }, `status ${d.status}`) : null));
   if (d.error) pane.append(h("div", { class: "mc-error" }, d.error));
 
@@ -105,7 +124,12 @@ function detailView(model, d) {
 
   pane.append(h("div", { class: "mc-subtitle" }, "Judge"));
   const votes = d.judge_votes || [];
-  if (!votes.length) pane.append(h("div", { class: "mc-muted" }, "not judged"));
+  if (!votes.length && (d.reward === null || d.reward === undefined)) pane.append(h("div", { class: "mc-muted" }, "not judged"));
+  else if (!votes.length) {
+    pane.append(h("div", { class: "mc-vote" }, h("span", { class: "mc-badge" }, formatScore(d.reward)),
+      ` no judge votes: the reward was recorded by ${d.judge_model || "another scorer"}`,
+      d.judge_rationale ? ` — ${d.judge_rationale}` : ""));
+  }
   for (const vote of votes) {
     pane.append(h("div", { class: "mc-vote" }, h("span", { class: "mc-badge" }, formatScore(vote.score)), " ",
       vote.rationale || vote.error || ""));

@@ -4,5 +4,6 @@ It only calls the core library and renders its objects; nothing here is needed f
 """
 
 from metaclaw.notebook.magics import load_ipython_extension, unload_ipython_extension
+from metaclaw.notebook.tables import scrolled
 
-__all__ = ["load_ipython_extension", "unload_ipython_extension"]
+__all__ = ["load_ipython_extension", "unload_ipython_extension", "scrolled"]

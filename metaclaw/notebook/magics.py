@@ -103,20 +103,74 @@ class ChatTurn:
             meta = (f"turn #{self.turn['id']} · session <code>{html.escape(self.session_id)}</code>"
                     f" · skill generation {self.turn['skill_generation']} · "
                     f"policy v{self.turn['policy_version']} · {self.turn['latency_ms'] or 0:.0f} ms")
-        calls = "".join(
-            f"<li><code>{html.escape(c['function']['name'])}"
-            f"({html.escape(c['function']['arguments'])})</code>"
-            + (f" &rarr; <code>{html.escape(str(c['result'])[:200])}</code>" if "result" in c
-               else "") + "</li>" for c in self.tool_calls)
+        calls = ""
+        if self.tool_calls:  # folded: one line per call, its arguments and result on demand
+            names: dict[str, int] = {}
+            for call in self.tool_calls:
+                names[call["function"]["name"]] = names.get(call["function"]["name"], 0) + 1
+            counted = ", ".join(f"{html.escape(n)}" + (f" ×{k}" if k > 1 else "")
+                                for n, k in names.items())
+            n = len(self.tool_calls)
+            calls = (f"<details><summary>{n} tool call{'' if n == 1 else 's'}: {counted}"
+                     "</summary>" + "".join(_tool_call_html(c) for c in self.tool_calls)
+                     + "</details>")
         return (
             "<div class='metaclaw-chat' style='border-left:3px solid #6a5acd;padding:4px 10px'>"
             f"<div style='white-space:pre-wrap'>{html.escape(self.reply)}</div>"
-            + (f"<div>tool calls:<ul>{calls}</ul></div>" if calls else "")
+            + calls
             + f"<div style='color:#666;font-size:90%'>injected skills: {skills}<br>{meta}</div>"
             "</div>")
 
     def __repr__(self) -> str:
         return (f"{self.reply}\n-- injected skills: {', '.join(self.injected_skills) or 'none'}")
+
+
+def _pretty(text: Any) -> str:
+    """A tool call's arguments or result: indented JSON when it is JSON, else the text."""
+    import json
+
+    if not isinstance(text, str):
+        return json.dumps(text, indent=2, ensure_ascii=False, default=str)
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    if isinstance(value, (dict, list)):
+        return json.dumps(value, indent=2, ensure_ascii=False)
+    return text
+
+
+def _brief(text: str, limit: int = 60) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
+def _tool_call_html(call: dict[str, Any]) -> str:
+    """One tool call, folded: ``name(the first arguments)`` and the result's first words on the
+    summary line; the arguments and the result as indented JSON inside."""
+    import json
+
+    name, arguments = call["function"]["name"], call["function"]["arguments"]
+    try:
+        parsed = json.loads(arguments) if isinstance(arguments, str) else arguments
+    except ValueError:
+        parsed = None
+    if isinstance(parsed, dict):
+        shown = ", ".join(f"{k}={_brief(json.dumps(v, ensure_ascii=False), 40)}"
+                          for k, v in list(parsed.items())[:2])
+        shown += ", …" if len(parsed) > 2 else ""
+    else:
+        shown = _brief(str(arguments), 60)
+    result = (f" &rarr; <span style='color:#666'>{html.escape(_brief(call['result']))}</span>"
+              if "result" in call else "")
+    pre = ("<pre style='white-space:pre-wrap;margin:2px 0 4px 14px;max-height:300px;"
+           "overflow:auto'>")
+    label = "<div style='margin-left:14px'>{}</div>"
+    body = f"{label.format('arguments')}{pre}{html.escape(_pretty(arguments))}</pre>"
+    if "result" in call:
+        body += f"{label.format('result')}{pre}{html.escape(_pretty(call['result']))}</pre>"
+    return (f"<details style='margin-left:14px'><summary><code>{html.escape(name)}"
+            f"({html.escape(shown)})</code>{result}</summary>{body}</details>")
 
 
 @magics_class
@@ -165,15 +219,20 @@ class MetaClawMagics(Magics):
 
     def _shutdown(self) -> None:
         """Stop the proxy and release what this kernel holds on the workspace: the store's
-        connection (its file handles) and the scheduler built for %metaclaw scheduler (its
-        notebook callbacks and input listeners)."""
+        connection (its file handles; kept open while a widget still shows the workspace) and
+        the scheduler built for %metaclaw scheduler (its notebook callbacks and input
+        listeners)."""
+        from metaclaw.notebook.widgets import release_store
+
         runtime, self.runtime = self.runtime, None
         scheduler, self.scheduler = self.scheduler, None
         if scheduler is not None:
             scheduler.close()
         if runtime is not None:
             runtime.stop()
-            runtime.store.close()
+            # the widgets still on the page keep reading the workspace: it is closed with the
+            # last of them (or now, when none shows it)
+            release_store(runtime.store)
 
     def _require_runtime(self):
         if self.runtime is None:
@@ -223,7 +282,7 @@ class MetaClawMagics(Magics):
         return store.frame("events", where, params).sort("id", descending=True).head(args.last)
 
     def _do_stop(self, argv: list[str], cell: str | None) -> None:
-        """Stop the proxy (and the offline double)."""
+        """Stop the proxy (and the offline double); the widgets shown keep working."""
         self._require_runtime()
         self._shutdown()
         print("MetaClaw proxy stopped.")
@@ -317,16 +376,19 @@ class MetaClawMagics(Magics):
         return self._require_runtime().library.frame(args.generation)
 
     def _do_diff(self, argv: list[str], cell: str | None):
-        """%metaclaw diff [G1 G2]: the SkillDiffWidget (default: previous vs current generation)."""
+        """%metaclaw diff [G1 G2] [--follow]: the SkillDiffWidget (default: previous vs current
+        generation), pinned to those generations; --follow moves it to each new generation."""
         from metaclaw.notebook.widgets import SkillDiffWidget
 
         parser = _parser("diff", self._do_diff.__doc__)
         parser.add_argument("generations", nargs="*", type=int)
+        parser.add_argument("--follow", action="store_true",
+                            help="show each new generation as it is written")
         args = parser.parse_args(argv)
         if len(args.generations) not in (0, 2):
             raise MagicUsageError("%metaclaw diff takes no generation or two: %metaclaw diff 1 3")
         library = self._require_runtime().library
-        return SkillDiffWidget(library, *args.generations)
+        return SkillDiffWidget(library, *args.generations, follow=args.follow)
 
     def _do_buffers(self, argv: list[str], cell: str | None):
         """%metaclaw buffers: the support / query buffers (BufferWidget; .frame is polars)."""
@@ -681,6 +743,12 @@ def _notebook_scheduler_config(path: str | None) -> dict[str, Any]:
 
 def load_ipython_extension(ipython: Any) -> None:
     ipython.register_magics(MetaClawMagics)
+    try:  # altair charts drawn locally as PNG: no CDN, shown before the notebook is trusted
+        from metaclaw.notebook import charts
+
+        charts.enable()
+    except ImportError:  # altair or vl-convert is not installed: nothing to set up
+        pass
 
 
 def unload_ipython_extension(ipython: Any) -> None:

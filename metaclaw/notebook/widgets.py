@@ -484,7 +484,8 @@ class SkillDiffWidget(_StaticHTML, anywidget.AnyWidget):
         workspace it kept open after ``%metaclaw stop`` is closed with the last widget."""
         self._library.unsubscribe(self._on_generation)
         self._released = True
-        self._reader.release()
+        if getattr(self, "_reader", None) is not None:
+            self._reader.release()
         super().close()
 
     def refresh(self) -> "SkillDiffWidget":
@@ -548,6 +549,10 @@ class SkillDiffWidget(_StaticHTML, anywidget.AnyWidget):
                                              by=self.author or None, note=note)
         self.message = f"proposal #{proposal_id} promoted by {self.author}: generation {generation}"
         self.refresh_proposals()
+        # promoted from this widget: it shows the generation just written
+        self.generations = self._generation_rows()
+        self.latest = max(int(generation), self.latest)
+        self.new = int(generation)
         return generation
 
     def discard(self, proposal_id: int, reason: str = "") -> None:
@@ -618,8 +623,13 @@ class SkillDiffWidget(_StaticHTML, anywidget.AnyWidget):
 
         if self.error and not self.diff:
             return f"<div><b>Skill diff</b>: {_esc(self.error)}</div>"
-        parts = [diff_html(self.diff),
-                 f"<div style='color:#656d76;font-size:90%'>{_esc(self._pin_line())}</div>"]
+        if self.old == self.new and self.proposals:  # a review of proposals: no diff to show
+            parts = [f"<div><b>Skill library</b>: generation {self.new} &middot; "
+                     f"{sum(p['status'] == 'held' for p in self.proposals)} proposal(s) held for "
+                     "review</div>"]
+        else:
+            parts = [diff_html(self.diff),
+                     f"<div style='color:#656d76;font-size:90%'>{_esc(self._pin_line())}</div>"]
         if self.error:
             parts.append(f"<p style='color:#cf222e'>{_esc(self.error)}</p>")
         for p in self.proposals:
@@ -648,7 +658,8 @@ def generation_label(row: dict[str, Any]) -> str:
         named = _short(str(row["reason"]), 40)
     skills = row.get("skills")
     count = "" if skills is None else f" · {skills} skill{'' if skills == 1 else 's'}"
-    return f"{row['generation']} · {row.get('kind') or '?'}{' · ' + named if named else ''}{count}"
+    named = f" · {named}" if named else ""
+    return f"{row['generation']} · {row.get('kind') or '?'}{named}{count}"
 
 
 # -- buffers ----------------------------------------------------------------------------------------
@@ -781,7 +792,8 @@ class BufferWidget(_StaticHTML, anywidget.AnyWidget):
         """Close the widget (and the workspace kept open for it after ``%metaclaw stop``, when
         it is the last widget showing it)."""
         self._released = True
-        self._reader.release()
+        if getattr(self, "_reader", None) is not None:
+            self._reader.release()
         super().close()
 
     def _load_detail(self) -> None:
@@ -875,6 +887,22 @@ def _message_text(content: Any) -> str:
     return message_text(content)
 
 
+def _readable_calls(calls: Any) -> Any:
+    """Tool calls with their JSON arguments parsed (shown indented, not as one escaped line)."""
+    if not isinstance(calls, list):
+        return calls
+    out = []
+    for call in calls:
+        fn = call.get("function") if isinstance(call, dict) else None
+        if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+            try:
+                call = {**call, "function": {**fn, "arguments": json.loads(fn["arguments"])}}
+            except ValueError:
+                pass
+        out.append(call)
+    return out
+
+
 def _turn_html(detail: dict[str, Any]) -> str:
     parts = [f"<details open><summary><b>Turn #{detail['id']}</b> &middot; session "
              f"{_esc(str(detail.get('session_id')))} &middot; generation "
@@ -891,7 +919,8 @@ def _turn_html(detail: dict[str, Any]) -> str:
                  f"{_esc(detail.get('response') or '')}</pre></div>")
     if detail.get("tool_calls"):
         parts.append(f"<div><b>tool calls</b><pre style='white-space:pre-wrap'>"
-                     f"{_esc(json.dumps(detail['tool_calls'], indent=2))}</pre></div>")
+                     f"{_esc(json.dumps(_readable_calls(detail['tool_calls']), indent=2))}"
+                     "</pre></div>")
     parts.append("</details>")
     return "".join(parts)
 
@@ -991,7 +1020,8 @@ class TraceWidget(_StaticHTML, anywidget.AnyWidget):
         """Close the widget (and the workspace kept open for it after ``%metaclaw stop``, when
         it is the last widget showing it)."""
         self._released = True
-        self._reader.release()
+        if getattr(self, "_reader", None) is not None:
+            self._reader.release()
         super().close()
 
     def _select(self, turn_id: int | None) -> None:
@@ -1169,7 +1199,7 @@ class TraceWidget(_StaticHTML, anywidget.AnyWidget):
 
     # -- display ------------------------------------------------------------------------------
     def _repr_html_(self, limit: int = 30) -> str:
-        head = "".join(f"<th>{c}</th>" for c in ("turn", "gen", "policy", "judge", "human",
+        head = "".join(f"<th>{c}</th>" for c in ("turn", "gen", "policy", "score", "human",
                                                   "last message"))
         body = "".join(
             f"<tr{_FAILED_ROW if r['failed'] else ''}><td>#{r['id']}</td>"
@@ -1193,10 +1223,18 @@ class TraceWidget(_StaticHTML, anywidget.AnyWidget):
 _FAILED_ROW = " style='background:#ffebe9'"
 
 
+def _scorer(d: dict[str, Any]) -> str:
+    """Who scored a turn: the judge when it left votes, else what recorded the reward (a
+    pipeline's check, say); never "judge" beside "not judged"."""
+    if d.get("judge_votes") or d.get("reward") is None:
+        return "judge"
+    return str(d.get("judge_model") or "score")
+
+
 def _trace_turn_html(d: dict[str, Any]) -> str:
     parts = [f"<details open><summary><b>Turn #{d['id']}</b> &middot; generation "
              f"{d.get('skill_generation')} &middot; policy v{d.get('policy_version')} &middot; "
-             f"judge {_fmt_reward(d.get('reward'))} &middot; human "
+             f"{_esc(_scorer(d))} {_fmt_reward(d.get('reward'))} &middot; human "
              f"{_esc(str(d.get('human_label') or '—'))}</summary>"]
     retrieval = d.get("retrieval") or {}
     if retrieval.get("query") or retrieval.get("scores"):
@@ -1221,6 +1259,10 @@ def _trace_turn_html(d: dict[str, Any]) -> str:
     for vote in d.get("judge_votes") or []:
         parts.append(f"<div>vote {_fmt_reward(vote.get('score'))}: "
                      f"{_esc(vote.get('rationale') or vote.get('error') or '')}</div>")
+    if not d.get("judge_votes") and d.get("reward") is not None:
+        parts.append(f"<div>no judge votes: the reward was recorded by {_esc(_scorer(d))}"
+                     + (f" &mdash; {_esc(d['judge_rationale'])}" if d.get("judge_rationale")
+                        else "") + "</div>")
     parts.append("</details>")
     return "".join(parts)
 
@@ -1279,6 +1321,8 @@ class TrainingMonitor:
         self._last_id = 0
         self._lock = threading.RLock()
         self._widget: Any = None
+        self._display_id: str | None = None
+        self._shown_steps, self._shown_at = 0, 0.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.update()
@@ -1315,7 +1359,9 @@ class TrainingMonitor:
                 self._last_id = row["id"]
             if rows and self._widget is not None:
                 self._widget.chart = self.chart()
-            return len(rows)
+        if rows:
+            self._update_display()
+        return len(rows)
 
     def on_step(self, *_args: Any, **_kwargs: Any) -> None:
         """A step callback for a trainer: reads the newest rows at once (arguments ignored)."""
@@ -1374,6 +1420,39 @@ class TrainingMonitor:
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=5)
         self._thread = None
+        self._update_display(force=True)
+
+    # -- the output it was displayed in -------------------------------------------------------
+    #: Seconds between two updates of the displayed output's static form (a PNG drawn each time).
+    DISPLAY_EVERY_S = 2.0
+
+    def _ipython_display_(self) -> None:
+        """Displayed with a display id, so that the output's static form (the PNG a notebook
+        shows without a kernel, or before it is trusted) follows the run: a saved notebook
+        carries the chart as it ended, not its first, empty state."""
+        import uuid
+
+        from IPython.display import display
+
+        if self._display_id is None:
+            self._display_id = uuid.uuid4().hex
+        data, metadata = self._repr_mimebundle_()
+        display(data, metadata=metadata, raw=True, display_id=self._display_id)
+        self._shown_steps, self._shown_at = len(self._rows), time.monotonic()
+
+    def _update_display(self, force: bool = False) -> None:
+        if self._display_id is None or len(self._rows) == self._shown_steps:
+            return
+        if not force and time.monotonic() - self._shown_at < self.DISPLAY_EVERY_S:
+            return
+        from IPython.display import update_display
+
+        try:
+            data, metadata = self._repr_mimebundle_()
+            update_display(data, metadata=metadata, raw=True, display_id=self._display_id)
+        except Exception:  # noqa: BLE001 - the live chart itself is already up to date
+            return
+        self._shown_steps, self._shown_at = len(self._rows), time.monotonic()
 
     @property
     def polling(self) -> bool:
@@ -1444,10 +1523,24 @@ class TrainingMonitor:
             return self._widget
 
     def _repr_mimebundle_(self, **kwargs: Any):
+        """The live chart widget, and for a notebook opened without a kernel (or not trusted
+        yet, where JupyterLab shows no widget) the chart as a PNG drawn locally."""
         bundle = self.widget._repr_mimebundle_(**kwargs)
         data, metadata = bundle if isinstance(bundle, tuple) else (bundle or {}, {})
-        data = dict(data)
-        data["text/html"] = self._repr_html_()
+        data, metadata = dict(data), dict(metadata or {})
+        png = None
+        if self._rows:
+            from metaclaw.notebook.charts import png_bundle
+
+            try:
+                png = png_bundle(self.chart().to_dict())
+            except Exception:  # noqa: BLE001 - the HTML table below still tells the story
+                png = None
+        if png is not None:
+            data["image/png"] = png[0]["image/png"]
+            metadata.update(png[1])
+        else:
+            data["text/html"] = self._repr_html_()
         data["text/plain"] = repr(self)
         return data, metadata
 
@@ -1480,7 +1573,7 @@ class TrainingMonitor:
 
     def __repr__(self) -> str:
         return f"TrainingMonitor(run_id={self.run_id!r}, steps={len(self._rows)}, " \
-               f"polling={self.polling})"
+               f"polling={self.polling}): {self._title()}"
 
 
 # -- scheduler --------------------------------------------------------------------------------------
@@ -1643,7 +1736,7 @@ class SchedulerView(_StaticHTML, anywidget.AnyWidget):
         """Close the view (and the workspace kept open for it after ``%metaclaw stop``, when it
         is the last widget showing it)."""
         self._released = True
-        if self._reader is not None:
+        if getattr(self, "_reader", None) is not None:
             self._reader.release()
         super().close()
 
