@@ -376,3 +376,26 @@ def test_a_responses_upstream_gets_responses_as_sent_and_serves_chat_clients(wor
     assert BLOCK_HEADER in recorded[0]["content"]
     # the upstream proxy, with no skills of its own, took the block out of what it forwarded
     assert BLOCK_HEADER not in json.dumps(chat_double.requests[0]["body"])
+
+
+def test_pydantic_ai_and_langchain_in_their_responses_modes(workspace):
+    """pydantic-ai's ``OpenAIResponsesModel`` and langchain-openai's ``ChatOpenAI`` with
+    ``use_responses_api=True`` (both reported a missing model when the proxy answered 404)."""
+    pydantic_ai = pytest.importorskip("pydantic_ai")
+    langchain_openai = pytest.importorskip("langchain_openai")
+    from pydantic_ai.models.openai import OpenAIResponsesModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    store, _ = workspace
+    with DoubleServer([Reply("from pydantic-ai"), Reply("from langchain")]) as upstream, \
+            _proxy(workspace, upstream) as proxy:
+        base = f"http://127.0.0.1:{proxy.port}/v1"
+        agent = pydantic_ai.Agent(OpenAIResponsesModel(MODEL, provider=OpenAIProvider(
+            base_url=base, api_key="unused")), instructions="You change configs carefully.")
+        assert agent.run_sync(ASK).output == "from pydantic-ai"
+        chat = langchain_openai.ChatOpenAI(model=MODEL, base_url=base, api_key="unused",
+                                           use_responses_api=True, max_retries=0)
+        assert chat.invoke(ASK).text == "from langchain"
+        turns = _turns(proxy, store)
+    assert [t["protocol"] for t in turns] == ["responses", "responses"]
+    assert all(t["injected_skills"][0] == "backup-before-modify" for t in turns)
