@@ -226,13 +226,12 @@ def extract_ask(messages: list[dict[str, Any]] | None) -> Ask:
     messages = messages if isinstance(messages, list) else []
     found = _last_ask(messages, len(messages))
     if found.message_index is not None and len(found.ask.split()) < SHORT_ASK_WORDS:
-        previous = _last_ask(messages, found.message_index)
+        previous = nearest = _last_ask(messages, found.message_index)
         while previous.message_index is not None and \
                 len(previous.ask.split()) < SHORT_ASK_WORDS:
-            earlier = _last_ask(messages, previous.message_index)
-            if earlier.message_index is None:
-                break  # only short asks before it: the nearest one is the context
-            previous = earlier
+            previous = _last_ask(messages, previous.message_index)
+        if previous.message_index is None:
+            previous = nearest  # only short asks before it: the nearest one is the context
         if previous.ask:
             found.context = previous.ask
             found.text = f"{previous.ask}\n{found.ask}"

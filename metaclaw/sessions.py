@@ -428,9 +428,11 @@ class ReplyThreads:
     history, and ends with a fixed exchange) are followed by the reply *after the ask it
     answered*: the latest reply in the request that this proxy gave right after the same user
     message joins the session that gave it. A request none of whose assistant messages is a
-    reply this proxy gave (a fixed preamble: aider's example exchange, few-shot prompts) is a
+    reply this proxy gave, opening with a fixed preamble (aider's example exchange, few-shot
+    prompts: the first reply of a fingerprint new here, then the same one again) is a
     conversation's first turn here, numbered like any opening, so separate runs of such a
-    client stay separate sessions. Used on the event loop; the lock makes it safe from threads
+    client stay separate sessions; one whose replies the client edited (a reasoning block taken
+    out) stays in its conversation. Used on the event loop; the lock makes it safe from threads
     too.
     """
 
@@ -447,6 +449,8 @@ class ReplyThreads:
         # a reply after the user message it answered (whatever else the client moved around
         # them) -> the session that gave it: for clients that rebuild their context each turn
         self._answered: OrderedDict[tuple[str, str], str | None] = OrderedDict()
+        # the first reply of clients' fixed preambles (after its history) -> True
+        self._preambles: OrderedDict[tuple[str, str], bool] = OrderedDict()
         self._looked_up: set[str] = set()  # fingerprints whose recorded replies were read
         self._numbered = False  # the recorded openings are in _openings
         self._forgot = False    # _openings lost some (bounded): a new one is looked up
@@ -501,10 +505,11 @@ class ReplyThreads:
                     return session_id, REPLY_THREAD, Thread(fingerprint, session_id, history,
                                                             ask=ask)
                 if not any(k in self._replies or k in self._continued for k in keys) \
-                        and not any(k in self._answered for k in answered):
-                    # none of its assistant messages is a reply this proxy gave: a client's
-                    # fixed preamble (aider's example exchange, few-shot prompts), so this is
-                    # a conversation's first turn here, numbered like any opening
+                        and not any(k in self._answered for k in answered) \
+                        and self._preamble(fingerprint, keys[0]):
+                    # none of its assistant messages is a reply this proxy gave, and it opens
+                    # with a client's fixed preamble (aider's example exchange, few-shot
+                    # prompts): a conversation's first turn here, numbered like any opening
                     return self._open(fingerprint, history, ask)
                 # an edited history: it continues its conversation from an earlier reply
                 return fingerprint, FINGERPRINT, Thread(fingerprint, fingerprint, history,
@@ -519,6 +524,23 @@ class ReplyThreads:
             _bound(self._continued, self.MAX_ENTRIES)
             return session_id, REPLY_THREAD, Thread(fingerprint, session_id, history, key,
                                                     ask=ask)
+
+    def _preamble(self, fingerprint: str, first: tuple[str, str]) -> bool:
+        """Whether a request none of whose assistant messages this proxy gave opens a new
+        conversation: its first assistant message, after the same history, is a preamble seen
+        before (the next run of the client), or the fingerprint is new here (its first run;
+        the preamble is remembered). Otherwise it continues a conversation whose replies the
+        client edited (a reasoning block taken out), or one this process does not remember.
+        Holds the lock."""
+        if first in self._preambles:
+            return True
+        known = fingerprint in self._openings or (
+            (self._forgot or not self._numbered) and self._recorded_count(fingerprint) > 0)
+        if known:
+            return False
+        self._preambles[first] = True
+        _bound(self._preambles, self.MAX_ENTRIES)
+        return True
 
     def _open(self, fingerprint: str, history: Any, ask: Any) -> tuple[str, str, Thread]:
         """A conversation's first turn: the fingerprint for the first opening, ``.N`` after it

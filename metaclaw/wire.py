@@ -65,8 +65,16 @@ _BARE_SECRET = re.compile(r"""^([-+ ]?\s*[\w-]*(?:key|token|secret|password|auth
                           r"""([^\s"'#{\[][^\s#]*)""", re.IGNORECASE)
 
 
+# a bearer token anywhere (a header value such as "Authorization: Bearer sk-..."), and the value
+# of a ``name=value`` list item (aider's ``api-key:`` and ``set-env:`` lists)
+_BEARER = re.compile(r"(\bBearer\s+)[^\s\"',]+", re.IGNORECASE)
+_LIST_ASSIGNMENT = re.compile(r"^([-+ ]?\s*-\s*[\w.-]+\s*=\s*)(\S.*)$")
+
+
 def _redact(line: str) -> str:
     line = _SECRET.sub(lambda m: f"{m.group(1)}{m.group(2)}***{m.group(2)}", line)
+    line = _BEARER.sub(lambda m: f"{m.group(1)}***", line)
+    line = _LIST_ASSIGNMENT.sub(lambda m: f"{m.group(1)}***", line)
     return _BARE_SECRET.sub(lambda m: f"{m.group(1)}***", line)
 
 
@@ -419,8 +427,14 @@ def _set(config: dict[str, Any], keys: list[str], value: Any,
     node[keys[-1]] = value
 
 
-def _json_text(config: dict[str, Any]) -> str:
-    return json.dumps(config, indent=2, ensure_ascii=False) + "\n"
+def _json_text(config: dict[str, Any], like: str = "") -> str:
+    """``config`` as JSON indented as the file ``like`` was (2 spaces when it says nothing), so
+    that the diff shows what wiring changed rather than every line re-indented."""
+    found = re.search(r"^([ \t]+)\S", like, re.M)
+    indent: Any = found.group(1) if found else 2
+    if isinstance(indent, str) and set(indent) == {" "}:
+        indent = len(indent)
+    return json.dumps(config, indent=indent, ensure_ascii=False) + "\n"
 
 
 def plan_claude_code(path: Path, proxy_url: str, *, token: str | None = None,
@@ -442,8 +456,8 @@ def plan_claude_code(path: Path, proxy_url: str, *, token: str | None = None,
     if model:
         _set(wired, ["env", "ANTHROPIC_MODEL"], model, restore)
     upstream = env.get("ANTHROPIC_BASE_URL") or "https://api.anthropic.com"
-    return WirePlan(path, before, _json_text(wired), upstream, model or "", None, original,
-                    agent="claude-code", restore={"keys": restore},
+    return WirePlan(path, before, _json_text(wired, before), upstream, model or "", None,
+                    original, agent="claude-code", restore={"keys": restore},
                     upstream_protocol="anthropic")
 
 
@@ -468,7 +482,8 @@ def plan_opencode(path: Path, proxy_url: str, *, token: str | None = None,
         "models": {model: {"name": model}}}, restore)
     _set(wired, ["model"], f"{PROVIDER}/{model}", restore)
     source = _dig(config, "provider", provider_name, "options", "baseURL")
-    return WirePlan(path, before, _json_text(wired), source if isinstance(source, str) else None,
+    return WirePlan(path, before, _json_text(wired, before),
+                    source if isinstance(source, str) else None,
                     model, current or None, original, agent="opencode",
                     restore={"keys": restore})
 
@@ -483,6 +498,7 @@ def plan_aider(path: Path, proxy_url: str, *, token: str | None = None,
     original, before, _ = _read_raw(path)
     try:
         config = yaml.safe_load(before) if before.strip() else {}
+        config = {} if config is None else config  # comments only (aider's sample file)
     except yaml.YAMLError as exc:
         raise WireError(f"cannot read {path} as YAML ({' '.join(str(exc).split())}); fix the "
                         "file or pass --config") from None
@@ -492,6 +508,7 @@ def plan_aider(path: Path, proxy_url: str, *, token: str | None = None,
         raise WireError(f"{path} is already wired to MetaClaw; run `metaclaw wire aider --undo` "
                         "first to re-wire")
     current = config.get("model") if isinstance(config.get("model"), str) else ""
+    provider = current.split("/", 1)[0] if "/" in current else "openai"
     model = model or current.split("/", 1)[-1]
     if not model:
         raise WireError(f"{path} names no model; pass --model NAME (the model the proxy should "
@@ -501,10 +518,14 @@ def plan_aider(path: Path, proxy_url: str, *, token: str | None = None,
     _set(wired, ["openai-api-key"], token or "metaclaw", restore)
     _set(wired, ["model"], f"openai/{model}", restore)
     after = yaml.safe_dump(wired, sort_keys=False, allow_unicode=True)
-    upstream = config.get("openai-api-base") if isinstance(config.get("openai-api-base"),
-                                                            str) else None
-    return WirePlan(path, before, after, upstream or "https://api.openai.com/v1", model,
-                    current or None, original, agent="aider", restore={"keys": restore})
+    # where the model was served: its own base URL, else its provider's (litellm's prefix)
+    base = config.get("openai-api-base") if isinstance(config.get("openai-api-base"),
+                                                        str) else None
+    upstream, protocol = {"openai": (base or "https://api.openai.com/v1", "openai"),
+                          "anthropic": ("https://api.anthropic.com", "anthropic")}.get(
+        provider, (None, "openai"))
+    return WirePlan(path, before, after, upstream, model, current or None, original,
+                    agent="aider", restore={"keys": restore}, upstream_protocol=protocol)
 
 
 _TOML_HEADER = re.compile(r"^\s*\[", re.M)
@@ -530,9 +551,21 @@ def plan_codex(path: Path, proxy_url: str, *, token: str | None = None,
     if PROVIDER in providers:
         raise WireError(f"{path} already has [model_providers.{PROVIDER}]; run `metaclaw wire "
                         "codex --undo` first to re-wire")
+    if re.search(r"^model_providers\s*=", before, re.M):
+        raise WireError(f"{path} declares model_providers as an inline table, which TOML lets "
+                        "no one extend; write each provider as a [model_providers.<name>] table, "
+                        "then wire again")
+    profile = config.get("profile")
+    profiles = config.get("profiles") if isinstance(config.get("profiles"), dict) else {}
+    chosen = profiles.get(profile) if isinstance(profile, str) else None
+    if isinstance(chosen, dict) and "model_provider" in chosen:
+        raise WireError(f"{path}: the active profile {profile!r} sets model_provider = "
+                        f"{chosen['model_provider']!r}, which wins over the top-level one wiring "
+                        f"sets; remove it from [profiles.{profile}] (or choose another profile), "
+                        "then wire again")
     previous = config.get("model_provider") if isinstance(config.get("model_provider"),
                                                            str) else None
-    head_end = m.start() if (m := _TOML_HEADER.search(before)) else len(before)
+    head_end = _first_table(before)
     head, rest = before[:head_end], before[head_end:]
     line = f'model_provider = "{PROVIDER}"'
     found = _TOML_PROVIDER.search(head)
@@ -547,14 +580,41 @@ def plan_codex(path: Path, proxy_url: str, *, token: str | None = None,
         block += 'env_key = "METACLAW_PROXY_TOKEN"\n'
     after = head + rest
     after = (after if after.endswith("\n") or not after else after + "\n") + block
-    wired = tomllib.loads(after)  # read back: the edit must be what Codex will read
-    assert wired["model_provider"] == PROVIDER and PROVIDER in wired["model_providers"]
+    try:  # read back: the edit must be what Codex will read
+        wired = tomllib.loads(after)
+    except tomllib.TOMLDecodeError as exc:
+        raise WireError(f"{path} is laid out in a way this text edit cannot follow ({exc}); "
+                        f"add [model_providers.{PROVIDER}] by hand (README, 'Wire a real "
+                        "agent') or simplify the file, then wire again") from None
+    if wired.get("model_provider") != PROVIDER or PROVIDER not in wired.get("model_providers",
+                                                                           {}):
+        raise WireError(f"{path}: the wired file would not select the proxy; add "
+                        f"[model_providers.{PROVIDER}] by hand")
     source = providers.get(previous) if previous else None
     upstream = (source or {}).get("base_url") if isinstance(source, dict) else None
+    # Codex speaks the Responses API; its built-in OpenAI provider and providers it reaches with
+    # wire_api = "responses" are forwarded that way (Responses-only models stay reachable)
+    responses = source is None or (isinstance(source, dict)
+                                   and source.get("wire_api", "responses") == "responses")
     return WirePlan(path, before, after, upstream or "https://api.openai.com/v1",
                     model or (config.get("model") if isinstance(config.get("model"), str)
                               else ""), previous, original, agent="codex",
-                    restore={"line": replaced})
+                    restore={"line": replaced},
+                    upstream_protocol="responses" if responses else "openai")
+
+
+def _first_table(text: str) -> int:
+    """Where the first table header of TOML ``text`` starts (its length when there is none),
+    skipping lines inside multi-line strings."""
+    position, inside = 0, None
+    for line in text.splitlines(keepends=True):
+        if inside is None and _TOML_HEADER.match(line):
+            return position
+        for quote in ('"""', "'''"):
+            if inside in (None, quote) and line.count(quote) % 2:
+                inside = quote if inside is None else None
+        position += len(line)
+    return len(text)
 
 
 PLANS = {"openclaw": plan_openclaw, "codex": plan_codex, "claude-code": plan_claude_code,
@@ -592,7 +652,12 @@ def _unwire(agent: str, path: Path, text: str, restore: dict[str, Any]) -> str:
     if agent == "aider":
         import yaml
 
-        config = yaml.safe_load(text) if text.strip() else {}
+        try:
+            config = yaml.safe_load(text) if text.strip() else {}
+        except yaml.YAMLError as exc:
+            raise WireError(f"{path} changed since wiring and is no longer valid YAML "
+                            f"({' '.join(str(exc).split())}); fix it, then run --undo again") \
+                from None
     else:
         import json5
 

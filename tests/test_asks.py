@@ -186,3 +186,12 @@ def test_aiders_edit_format_reminder_is_not_part_of_the_ask():
         assert found.ask == "Add a --verbose flag to cli.py" and "aider-reminder" in found.rules
     kept = "Explain what 'To suggest changes to a file you MUST' means in aider's prompt"
     assert extract_ask([{"role": "user", "content": kept}]).ask == kept  # not at a line start
+
+
+def test_only_short_asks_before_it_take_the_nearest_as_context():
+    found = extract_ask([{"role": "user", "content": "ok"},
+                         {"role": "assistant", "content": "Sure."},
+                         {"role": "user", "content": "yes please"},
+                         {"role": "assistant", "content": "Done."},
+                         {"role": "user", "content": "go"}])
+    assert found.context == "yes please" and found.text == "yes please\ngo"

@@ -399,3 +399,40 @@ def test_pydantic_ai_and_langchain_in_their_responses_modes(workspace):
         turns = _turns(proxy, store)
     assert [t["protocol"] for t in turns] == ["responses", "responses"]
     assert all(t["injected_skills"][0] == "backup-before-modify" for t in turns)
+
+
+def test_translation_corners_found_in_review():
+    """A failed upstream response is an error, not a reply; text after a call in the same turn
+    folds into the calls' message; a cut-off stream ends with response.incomplete; an image by
+    file id is valid; a namespace whose tools are not a list is a 400, not a 500; a chat tool
+    is not made strict by the translation, and an image keeps its detail."""
+    from metaclaw.protocols import ProxyError
+    from metaclaw.protocols.openai_responses import ResponsesToChatStream
+
+    failed = ResponsesToChatStream().feed({"type": "response.failed", "response": {
+        "error": {"code": "server_error", "message": "the model failed"}}})
+    assert failed == [{"error": {"message": "the model failed", "code": "server_error"}}]
+    chat = RESPONSES.to_chat({"model": MODEL, "input": [
+        {"role": "user", "content": "check main"},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+        {"type": "message", "role": "assistant", "content": [
+            {"type": "output_text", "text": "Calling f now."}]},
+        {"type": "function_call_output", "call_id": "c1", "output": "green"}]})
+    assert [m["role"] for m in chat["messages"]] == ["user", "assistant", "tool"]
+    assert chat["messages"][1]["content"] == "Calling f now."
+    stream = ChatToResponsesStream({"model": MODEL, "input": "x"})
+    events = stream.feed({"choices": [{"index": 0, "delta": {"content": "cut"},
+                                       "finish_reason": "length"}]}) + stream.close()
+    assert events[-1]["type"] == "response.incomplete"
+    assert events[-1]["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
+    RESPONSES.parse_request({"model": MODEL, "input": [{"role": "user", "content": [
+        {"type": "input_image", "file_id": "file-1", "image_url": None}]}]}, None)
+    with pytest.raises(ProxyError) as caught:
+        RESPONSES.parse_request({"model": MODEL, "input": "x", "tools": [
+            {"type": "namespace", "name": "ns", "tools": True}]}, None)
+    assert caught.value.status == 400 and caught.value.param == "tools[0].tools"
+    body = RESPONSES.from_chat({"model": MODEL, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "https://x/y.png", "detail": "high"}}]}],
+        "tools": [{"type": "function", "function": {"name": "grep", "parameters": {}}}]})
+    assert body["tools"][0]["strict"] is False
+    assert body["input"][0]["content"][0]["detail"] == "high"

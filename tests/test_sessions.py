@@ -327,11 +327,18 @@ def test_reply_threads_match_resent_tool_calls_and_fall_back_to_the_fingerprint(
     edited = [{"role": "user", "content": "hi"}, resent, {"role": "user", "content": "again"},
               {"role": "assistant", "content": "a reply this process never served"}]
     assert threads.resolve("conv-f", edited)[:2] == ("conv-f", "fingerprint:reply-thread")
-    # no assistant message it holds was served here: a fixed preamble (few-shot examples), so a
-    # new conversation, numbered after the others
-    unknown = {"role": "assistant", "content": "an example reply in a client's preamble"}
+    # no assistant message it holds was served here, in a conversation known here: it continues
+    # replies the client edited, so it stays with the fingerprint
+    unknown = {"role": "assistant", "content": "a reply this process never served"}
     assert threads.resolve("conv-f", [{"role": "user", "content": "hi"}, unknown])[:2] == (
-        "conv-f.3", "fingerprint:repeated-opening")
+        "conv-f", "fingerprint:first-user-message")
+    # a fingerprint new here that opens with an exchange: a fixed preamble (few-shot examples),
+    # so each run of it opens a conversation, numbered after the others
+    preamble = [{"role": "user", "content": "example ask"},
+                {"role": "assistant", "content": "example answer"},
+                {"role": "user", "content": "the real ask"}]
+    assert threads.resolve("conv-p", preamble)[:2] == ("conv-p", "fingerprint:first-user-message")
+    assert threads.resolve("conv-p", preamble)[:2] == ("conv-p.2", "fingerprint:repeated-opening")
 
 
 def test_reply_threads_stay_bounded():
@@ -447,6 +454,21 @@ def test_reply_threads_answer_openings_while_the_recorded_ones_load(tmp_path):
     gate.set()
     loading.join(10)
     assert [threads.resolve(name, opening)[0] for name in (fp, other)] == [f"{fp}.5", f"{other}.2"]
+
+
+def test_a_client_that_edits_the_replies_it_resends_stays_in_its_conversation():
+    """A chat client that strips the model's reasoning before resending never sends a reply
+    verbatim: its turns stay one session (they are not a fixed preamble's new runs)."""
+    threads = ReplyThreads()
+    messages = [{"role": "user", "content": "Refactor deploy/config.yaml safely"}]
+    sessions = []
+    for i in range(3):
+        session, _, thread = threads.resolve("conv-e", messages)
+        threads.settle(thread, True, f"<think>plan {i}</think>Step {i}.", None)
+        sessions.append(session)
+        messages = [*messages, {"role": "assistant", "content": f"Step {i}."},
+                    {"role": "user", "content": f"next {i}"}]
+    assert sessions == ["conv-e"] * 3
 
 
 # ---------------------------------------------------------------------------------------------

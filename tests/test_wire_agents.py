@@ -77,7 +77,8 @@ def test_dry_run_apply_and_undo_to_the_exact_bytes(agent, tmp_path):
             "wire_api": "responses", "env_key": "METACLAW_PROXY_TOKEN"}
         assert wired["model_providers"]["acme"]["base_url"] == "https://llm.acme.test/v1"
         assert "# my Codex settings" in config.read_text()  # edited as text: comments kept
-        assert "--upstream https://llm.acme.test/v1 --model gpt-5-codex" in done.stdout
+        assert ("--upstream https://llm.acme.test/v1 --upstream-protocol responses --model "
+                "gpt-5-codex") in done.stdout
     elif agent == "claude-code":
         assert wired["env"] == {"DISABLE_TELEMETRY": "1",
                                 "ANTHROPIC_BASE_URL": "http://127.0.0.1:31000",
@@ -191,3 +192,60 @@ def test_a_wired_codex_runs_through_the_proxy(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert "wired and working" in done.stdout
     assert any(t["protocol"] == "responses" and t["status"] == "ok" for t in turns)
+
+
+@pytest.mark.parametrize("text, says", [
+    ('profile = "work"\n\n[profiles.work]\nmodel_provider = "acme"\n\n[model_providers.acme]\n'
+     'base_url = "https://llm.acme.test/v1"\n', "the active profile 'work' sets model_provider"),
+    ('model_providers = { acme = { base_url = "https://llm.acme.test/v1" } }\n',
+     "inline table"),
+])
+def test_codex_configs_wiring_cannot_take_over_are_refused_with_what_to_do(tmp_path, text, says):
+    """A profile's own model_provider would win over the wiring (Codex would never reach the
+    proxy, yet wiring said it was done); an inline model_providers table cannot be extended."""
+    config = tmp_path / "config.toml"
+    config.write_text(text)
+    done = run_cli("wire", "codex", "--config", config, check=False)
+    assert done.returncode != 0 and says in done.stderr and "Traceback" not in done.stderr
+    assert config.read_text() == text
+
+
+def test_codex_wiring_follows_multi_line_strings_and_its_provider_protocol(tmp_path):
+    config = tmp_path / "config.toml"
+    config.write_text('developer_instructions = """\nAlways:\n[1] run the tests\n"""\n'
+                      'model_provider = "acme"\n\n[model_providers.acme]\n'
+                      'base_url = "https://llm.acme.test/v1"\nwire_api = "responses"\n')
+    done = run_cli("wire", "codex", "--config", config, "--port", 31000)
+    wired = tomllib.loads(config.read_text())
+    assert wired["model_provider"] == "metaclaw"
+    assert wired["developer_instructions"] == "Always:\n[1] run the tests\n"
+    assert "--upstream https://llm.acme.test/v1 --upstream-protocol responses" in done.stdout
+
+
+def test_dry_run_masks_list_secrets_and_bearer_headers_and_keeps_the_indent(tmp_path):
+    aider = tmp_path / ".aider.conf.yml"
+    aider.write_text("model: gpt-4o\napi-key:\n  - anthropic=sk-ant-SECRET1\nset-env:\n"
+                     "  - OPENROUTER_API_KEY=sk-or-SECRET2\n")
+    claude = tmp_path / "settings.json"
+    claude.write_text('{\n    "env": {\n        "ANTHROPIC_CUSTOM_HEADERS": '
+                      '"Authorization: Bearer sk-SECRET3"\n    }\n}\n')
+    shown = (run_cli("wire", "aider", "--config", aider, "--dry-run").stdout
+             + run_cli("wire", "claude-code", "--config", claude, "--dry-run").stdout)
+    assert "SECRET" not in shown
+    run_cli("wire", "claude-code", "--config", claude)
+    assert claude.read_text().startswith('{\n    "env": {\n        "ANTHROPIC_CUSTOM_HEADERS"')
+
+
+def test_aider_comment_only_config_and_provider_prefixes(tmp_path):
+    config = tmp_path / ".aider.conf.yml"
+    config.write_text("# aider's sample settings\n# model: gpt-4o\n")
+    refused = run_cli("wire", "aider", "--config", config, check=False)
+    assert refused.returncode != 0 and "names no model" in refused.stderr  # read, not refused
+    config.write_text("model: anthropic/claude-sonnet-4-5\n")
+    done = run_cli("wire", "aider", "--config", config)
+    assert "--upstream https://api.anthropic.com --upstream-protocol anthropic" in done.stdout
+    assert yaml.safe_load(config.read_text())["model"] == "openai/claude-sonnet-4-5"
+    config.write_text(config.read_text() + "dark-mode: [true\n")  # broken by hand
+    broken = run_cli("wire", "aider", "--config", config, "--undo", check=False)
+    assert broken.returncode != 0 and "no longer valid YAML" in broken.stderr
+    assert "Traceback" not in broken.stderr

@@ -106,8 +106,8 @@ def _item_problem(item: Any) -> tuple[str, str] | None:
             if part["type"] in ("input_text", "output_text") and not isinstance(
                     part.get("text"), str):
                 return f".content[{j}].text", "must be a string"
-            if part["type"] == "input_image" and not isinstance(
-                    part.get("image_url", part.get("file_id")), str):
+            if part["type"] == "input_image" and not (isinstance(part.get("image_url"), str)
+                                                      or isinstance(part.get("file_id"), str)):
                 return f".content[{j}]", "an input_image needs a string 'image_url' or 'file_id'"
     elif kind in ("function_call", "custom_tool_call"):
         if not isinstance(item.get("call_id"), str) or not item["call_id"]:
@@ -117,11 +117,31 @@ def _item_problem(item: Any) -> tuple[str, str] | None:
         field = "arguments" if kind == "function_call" else "input"
         if not isinstance(item.get(field, ""), str):
             return f".{field}", "must be a string"
+    elif kind == "additional_tools":
+        problem = _tools_problem(item.get("tools"))
+        if problem:
+            return f".tools{problem[0]}", problem[1]
     elif kind in ("function_call_output", "custom_tool_call_output"):
         if not isinstance(item.get("call_id"), str) or not item["call_id"]:
             return ".call_id", "must be a non-empty string"
         if not isinstance(item.get("output"), (str, list)):
             return ".output", "must be a string or a list of content parts"
+    return None
+
+
+def _tools_problem(tools: Any) -> tuple[str, str] | None:
+    """(where, what) is wrong with a list of tool definitions (namespaces' own lists too)."""
+    if not isinstance(tools, list):
+        return "", "must be a list of tool definitions"
+    for k, tool in enumerate(tools):
+        if not isinstance(tool, dict) or not isinstance(tool.get("type"), str):
+            return f"[{k}]", "must be an object with a string 'type'"
+        if tool["type"] in ("function", "custom") and not isinstance(tool.get("name"), str):
+            return f"[{k}].name", "must be a string"
+        if tool["type"] == "namespace":
+            inner = _tools_problem(tool.get("tools"))
+            if inner:
+                return f"[{k}].tools{inner[0]}", inner[1]
     return None
 
 
@@ -369,7 +389,7 @@ class ChatToResponsesStream(StreamTranslator):
             item = {**item, "arguments": text}
             out.append(self._event("response.function_call_arguments.done", item_id=item["id"],
                                    output_index=index, arguments=text))
-        item = {**item, "status": "completed"}
+        item = {**item, "status": "incomplete" if self.finish in _INCOMPLETE else "completed"}
         self.output.append(item)
         out.append(self._event("response.output_item.done", output_index=index, item=item))
         return out
@@ -481,7 +501,12 @@ class ChatToResponsesStream(StreamTranslator):
             out += self._text("message", self.late)
             out += self._close_item()
         usage = _usage_from_chat(self.usage)
-        out.append(self._event("response.completed", response=self._snapshot("completed", usage)))
+        if self.finish in _INCOMPLETE:  # cut off (max_output_tokens, a content filter)
+            out.append(self._event("response.incomplete",
+                                   response=self._snapshot("completed", usage)))
+        else:
+            out.append(self._event("response.completed",
+                                   response=self._snapshot("completed", usage)))
         return out
 
 
@@ -536,7 +561,12 @@ class ResponsesToChatStream(StreamTranslator):
             arguments = dumps({"input": event.get("input") or ""})
             return [self._chunk({"tool_calls": [{"index": index,
                                                  "function": {"arguments": arguments}}]})]
-        if kind in ("response.completed", "response.incomplete", "response.failed"):
+        if kind == "response.failed":
+            response = event.get("response") or {}
+            error = response.get("error") if isinstance(response.get("error"), dict) else {}
+            return [{"error": {"message": error.get("message") or "the upstream's response "
+                               "failed", "code": error.get("code") or "response_failed"}}]
+        if kind in ("response.completed", "response.incomplete"):
             response = event.get("response") or {}
             self.usage = _usage_to_chat(response.get("usage"))
             reason = (response.get("incomplete_details") or {}).get("reason")
@@ -607,17 +637,11 @@ class OpenAIResponses(WireProtocol):
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise _bad("stream", "'stream' must be true or false")
-        tools = body.get("tools")
-        if tools is not None:
-            if not isinstance(tools, list):
-                raise _bad("tools", "'tools' must be a list of tool definitions")
-            for k, tool in enumerate(tools):
-                if not isinstance(tool, dict) or not isinstance(tool.get("type"), str):
-                    raise _bad(f"tools[{k}]", f"tools[{k}] must be an object with a string "
-                                              "'type'")
-                if tool["type"] in ("function", "custom") and not isinstance(
-                        tool.get("name"), str):
-                    raise _bad(f"tools[{k}].name", f"tools[{k}].name must be a string")
+        if body.get("tools") is not None:
+            problem = _tools_problem(body["tools"])
+            if problem:
+                where, what = problem
+                raise _bad(f"tools{where}", f"'tools{where}' {what}")
         choice = body.get("tool_choice")
         if choice is not None and not isinstance(choice, (str, dict)):
             raise _bad("tool_choice", "'tool_choice' must be 'auto', 'none', 'required' or an "
@@ -665,6 +689,13 @@ class OpenAIResponses(WireProtocol):
                                         "content": f"{messages[-1]['content']}\n\n{text}"}
                     continue
                 if role == "assistant" and not content:
+                    continue
+                last = messages[-1] if messages else None
+                if role == "assistant" and last is not None and last["role"] == "assistant" \
+                        and last.get("tool_calls") and not last.get("content"):
+                    # text the model wrote after its calls, in the same turn: one assistant
+                    # message (a tool message must follow the calls it answers)
+                    last["content"] = content
                     continue
                 messages.append({"role": role, "content": content})
             elif kind in ("function_call", "custom_tool_call"):
@@ -745,9 +776,10 @@ class OpenAIResponses(WireProtocol):
                         if isinstance(part, dict) and part.get("type") == "text":
                             parts.append({"type": "input_text", "text": part.get("text", "")})
                         elif isinstance(part, dict) and part.get("type") == "image_url":
-                            url = (part.get("image_url") or {}).get("url")
-                            if isinstance(url, str):
-                                parts.append({"type": "input_image", "image_url": url})
+                            image = part.get("image_url") or {}
+                            if isinstance(image.get("url"), str):
+                                parts.append({"type": "input_image", "image_url": image["url"],
+                                              "detail": image.get("detail") or "auto"})
                 else:
                     parts.append({"type": "input_text", "text": content_text(content)})
                 items.append({"type": "message",
@@ -756,10 +788,13 @@ class OpenAIResponses(WireProtocol):
         body: dict[str, Any] = {"model": chat.get("model"), "input": items}
         if instructions:
             body["instructions"] = "\n\n".join(t for t in instructions if t)
+        # a chat tool is strict only when it says so; a Responses tool without 'strict' is
+        # strict (its optional parameters become required): said explicitly
         tools = [{"type": "function", "name": (t.get("function") or {}).get("name"),
                   "description": (t.get("function") or {}).get("description", ""),
                   "parameters": (t.get("function") or {}).get("parameters")
-                  or {"type": "object", "properties": {}}}
+                  or {"type": "object", "properties": {}},
+                  "strict": (t.get("function") or {}).get("strict") is True}
                  for t in chat.get("tools") or () if isinstance(t, dict)]
         if tools:
             body["tools"] = tools
