@@ -330,7 +330,7 @@ def test_client_errors_in_anthropic_shape(workspace, openai_double):
         assert body["type"] == "error" and body["error"]["type"] == kind, body
         assert body["error"]["message"]
     assert "max_tokens" in cases[1][0].json()["error"]["message"]
-    assert "'system' field" in cases[2][0].json()["error"]["message"]
+    assert "system messages alone" in cases[2][0].json()["error"]["message"]
 
 
 def test_anthropic_sdk_gets_its_error_shape_on_every_path(workspace, openai_double):

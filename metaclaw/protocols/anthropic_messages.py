@@ -498,6 +498,9 @@ class AnthropicMessages(WireProtocol):
                     if problem:
                         where = f"messages.{i}.content.{j}"
                         raise bad(where, f"{where} ({block['type'][:40]!r} block): {problem}")
+        if all(message.get("role") == "system" for message in messages):
+            raise bad("messages", "'messages' needs at least one 'user' or 'assistant' "
+                                  "message: system messages alone leave nothing to answer")
         system = body.get("system")
         if system is not None and not isinstance(system, (str, list)):
             raise bad("system", "'system' must be a string or a list of text blocks")
