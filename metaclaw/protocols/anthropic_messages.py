@@ -62,7 +62,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from metaclaw.protocols import ProxyError, StreamTranslator, WireProtocol, dumpb, dumps, loads
-from metaclaw.protocols.openai_chat import StreamAssembler
+from metaclaw.protocols.openai_chat import TranslatedAssembler
 
 #: ``max_tokens`` sent to an Anthropic upstream when an OpenAI client gave none.
 DEFAULT_MAX_TOKENS = 4096
@@ -444,25 +444,6 @@ class AnthropicToChatStream(StreamTranslator):
         return [*out, None]
 
 
-class AnthropicAssembler:
-    """Accumulates Anthropic stream events into the recorded reply columns (neutral form)."""
-
-    def __init__(self) -> None:
-        self._chat = AnthropicToChatStream()
-        self._inner = StreamAssembler()
-        self.error: dict[str, Any] | None = None
-
-    def add(self, event: dict[str, Any] | None) -> None:
-        for chunk in self._chat.feed(event):
-            self._inner.add(chunk)
-        self.error = self._inner.error
-
-    def columns(self) -> dict[str, Any]:
-        for chunk in self._chat.close():
-            self._inner.add(chunk)
-        return self._inner.columns()
-
-
 class AnthropicMessages(WireProtocol):
     name = "anthropic"
     routes = ("/messages",)
@@ -774,8 +755,8 @@ class AnthropicMessages(WireProtocol):
     def stream_from_chat(self, request: dict[str, Any] | None = None) -> StreamTranslator:
         return ChatToAnthropicStream()
 
-    def assembler(self) -> AnthropicAssembler:
-        return AnthropicAssembler()
+    def assembler(self) -> TranslatedAssembler:
+        return TranslatedAssembler(AnthropicToChatStream())
 
     # -- wire encoding --------------------------------------------------------------------
     def encode_event(self, event: dict[str, Any] | None) -> bytes:

@@ -84,6 +84,27 @@ class StreamAssembler:
         return columns
 
 
+class TranslatedAssembler:
+    """Accumulates another protocol's stream events into the recorded reply columns: each event
+    is translated to ``chat.completion.chunk`` dicts by ``to_chat`` (the protocol's
+    ``stream_to_chat()``) and those are assembled as a chat stream (:class:`StreamAssembler`)."""
+
+    def __init__(self, to_chat: StreamTranslator) -> None:
+        self._chat = to_chat
+        self._inner = StreamAssembler()
+        self.error: dict[str, Any] | None = None
+
+    def add(self, event: dict[str, Any] | None) -> None:
+        for chunk in self._chat.feed(event):
+            self._inner.add(chunk)
+        self.error = self._inner.error
+
+    def columns(self) -> dict[str, Any]:
+        for chunk in self._chat.close():
+            self._inner.add(chunk)
+        return self._inner.columns()
+
+
 def summarize_completion(data: dict[str, Any]) -> dict[str, Any]:
     """Turn columns (response, tool_calls, finish_reason, usage, tokens) of a chat.completion."""
     choices = data.get("choices") or [{}]

@@ -54,7 +54,7 @@ from typing import Any
 
 from metaclaw.asks import content_text
 from metaclaw.protocols import ProxyError, StreamTranslator, WireProtocol, dumpb, dumps, loads
-from metaclaw.protocols.openai_chat import StreamAssembler
+from metaclaw.protocols.openai_chat import TranslatedAssembler
 
 #: Message roles a Responses input item may carry.
 ROLES = ("user", "assistant", "system", "developer")
@@ -587,25 +587,6 @@ class ResponsesToChatStream(StreamTranslator):
         return [*out, None]
 
 
-class ResponsesAssembler:
-    """Accumulates Responses stream events into the recorded reply columns (neutral form)."""
-
-    def __init__(self) -> None:
-        self._chat = ResponsesToChatStream()
-        self._inner = StreamAssembler()
-        self.error: dict[str, Any] | None = None
-
-    def add(self, event: dict[str, Any] | None) -> None:
-        for chunk in self._chat.feed(event):
-            self._inner.add(chunk)
-        self.error = self._inner.error
-
-    def columns(self) -> dict[str, Any]:
-        for chunk in self._chat.close():
-            self._inner.add(chunk)
-        return self._inner.columns()
-
-
 class OpenAIResponses(WireProtocol):
     name = "responses"
     routes = ("/responses",)
@@ -908,8 +889,8 @@ class OpenAIResponses(WireProtocol):
     def stream_from_chat(self, request: dict[str, Any] | None = None) -> StreamTranslator:
         return ChatToResponsesStream(request)
 
-    def assembler(self) -> ResponsesAssembler:
-        return ResponsesAssembler()
+    def assembler(self) -> TranslatedAssembler:
+        return TranslatedAssembler(ResponsesToChatStream())
 
     # -- wire encoding --------------------------------------------------------------------
     def encode_event(self, event: dict[str, Any] | None) -> bytes:
