@@ -165,33 +165,46 @@ def test_an_unreadable_config_is_refused_and_left_alone(tmp_path):
 
 @pytest.mark.skipif(not (os.environ.get("METACLAW_CODEX") or shutil.which("codex")),
                     reason="the Codex CLI is not installed")
-def test_a_wired_codex_runs_through_the_proxy(tmp_path):
-    """``metaclaw wire codex`` then ``codex exec``: the turn goes through the proxy."""
+def test_a_wired_codex_runs_through_metaclaw_serve(tmp_path):
+    """``metaclaw wire codex``, ``metaclaw serve`` (a real process, token required), then
+    ``codex exec``: the turn goes through the proxy and is recorded."""
+    import socket
+
     from metaclaw.double import DoubleServer, Reply
-    from metaclaw.proxy import Proxy, ProxyConfig
-    from metaclaw.skills import SkillLibrary
     from metaclaw.store import Store
 
     home = tmp_path / "codex-home"
     home.mkdir()
     (home / "config.toml").write_text('model = "gpt-5-codex"\n')
-    store = Store(tmp_path / "metaclaw.db")
-    with DoubleServer([Reply("wired and working")]) as upstream, Proxy(ProxyConfig(
-            upstream_url=upstream.url, retrieval="lexical", token="tok-secret", max_retries=0),
-            store, SkillLibrary(tmp_path / "skills", store)) as proxy:
-        run_cli("wire", "codex", "--config", home / "config.toml", "--port", proxy.port,
-                "--token", "tok-secret")
-        done = subprocess.run(
-            [os.environ.get("METACLAW_CODEX") or shutil.which("codex"), "exec",
-             "--skip-git-repo-check", "say hello"], cwd=tmp_path, capture_output=True, text=True,
-            timeout=180, env={**os.environ, "CODEX_HOME": str(home),
-                              "METACLAW_PROXY_TOKEN": "tok-secret"})
-        proxy.flush()
-        turns = store.turns()
-    store.close()
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    run_cli("wire", "codex", "--config", home / "config.toml", "--port", port,
+            "--token", "tok-secret")
+    db = tmp_path / "ws.db"
+    with DoubleServer([Reply("wired and working")]) as upstream:
+        serve = subprocess.Popen(
+            [*CLI, "serve", "--upstream", upstream.url, "--port", str(port), "--db", str(db),
+             "--skills", str(tmp_path / "skills"), "--starter-skills", "--token", "tok-secret"],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+            env={**os.environ, "METACLAW_UPSTREAM_API_KEY": "upstream-key"})
+        try:
+            assert "MetaClaw proxy on" in serve.stdout.readline()
+            done = subprocess.run(
+                [os.environ.get("METACLAW_CODEX") or shutil.which("codex"), "exec",
+                 "--skip-git-repo-check", "I have to change deploy/config.yaml before tonight's "
+                 "release. What should I do first?"], cwd=tmp_path, capture_output=True,
+                text=True, timeout=180, env={**os.environ, "CODEX_HOME": str(home),
+                                             "METACLAW_PROXY_TOKEN": "tok-secret"})
+        finally:
+            serve.terminate()
+            serve.wait(timeout=30)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "wired and working" in done.stdout
-    assert any(t["protocol"] == "responses" and t["status"] == "ok" for t in turns)
+    with Store(db) as store:
+        turns = [t for t in store.turns() if t["turn_type"] == "main"]
+    assert turns and turns[0]["protocol"] == "responses" and turns[0]["status"] == "ok"
+    assert "backup-before-modify" in turns[0]["injected_skills"]
 
 
 @pytest.mark.parametrize("text, says", [
