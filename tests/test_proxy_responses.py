@@ -436,3 +436,11 @@ def test_translation_corners_found_in_review():
         "tools": [{"type": "function", "function": {"name": "grep", "parameters": {}}}]})
     assert body["tools"][0]["strict"] is False
     assert body["input"][0]["content"][0]["detail"] == "high"
+    split = ChatToResponsesStream({"model": MODEL, "input": "x"})
+    events = [e for chunk in (
+        {"choices": [{"index": 0, "delta": {"tool_calls": [
+            {"index": 0, "id": "c", "function": {"name": "get_", "arguments": ""}}]}}]},
+        {"choices": [{"index": 0, "delta": {"tool_calls": [
+            {"index": 0, "function": {"name": "weather", "arguments": "{}"}}]}}]})
+        for e in split.feed(chunk)] + split.close()
+    assert events[-1]["response"]["output"][0]["name"] == "get_weather"  # a name in pieces

@@ -477,6 +477,9 @@ class ChatToResponsesStream(StreamTranslator):
                     out += self._open_item(item, "function_call")
                     gathered["streamed"] = True
                 if key == self.live and self.open and self.open["kind"] == "function_call" \
+                        and function.get("name"):  # a name sent in pieces: the item's is whole
+                    self.open["item"]["name"] = gathered["name"]
+                if key == self.live and self.open and self.open["kind"] == "function_call" \
                         and function.get("arguments"):
                     self.open["text"] += function["arguments"]
                     out.append(self._event("response.function_call_arguments.delta",
