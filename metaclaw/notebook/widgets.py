@@ -226,6 +226,18 @@ class _StaticHTML:
         raise NotImplementedError
 
 
+class _ReadsWorkspace(_StaticHTML):
+    """A widget that reads the workspace through a ``_reader`` (``None``: it reads none)."""
+
+    def close(self) -> None:
+        """Close the widget (and the workspace kept open for it after ``%metaclaw stop``, when
+        it is the last widget showing it)."""
+        self._released = True
+        if getattr(self, "_reader", None) is not None:
+            self._reader.release()
+        super().close()  # type: ignore[misc]
+
+
 # -- skill diff -------------------------------------------------------------------------------------
 def _skill_entry(skill: Any) -> dict[str, Any]:
     return {"name": skill.name, "description": skill.description, "category": skill.category,
@@ -670,7 +682,7 @@ _TURN_DETAIL_FIELDS = (
     "injected_skills")
 
 
-class BufferWidget(_StaticHTML, anywidget.AnyWidget):
+class BufferWidget(_ReadsWorkspace, anywidget.AnyWidget):
     """The support and query sets by generation, filterable, with a drill-down into a turn.
 
     ``store``: a :class:`metaclaw.store.Store`. Filters (synced traitlets): ``set_filter``
@@ -787,14 +799,6 @@ class BufferWidget(_StaticHTML, anywidget.AnyWidget):
     @property
     def _store(self) -> Any:
         return self._reader.store()
-
-    def close(self) -> None:
-        """Close the widget (and the workspace kept open for it after ``%metaclaw stop``, when
-        it is the last widget showing it)."""
-        self._released = True
-        if getattr(self, "_reader", None) is not None:
-            self._reader.release()
-        super().close()
 
     def _load_detail(self) -> None:
         if self.selected is None:
@@ -926,7 +930,7 @@ def _turn_html(detail: dict[str, Any]) -> str:
 
 
 # -- trace ------------------------------------------------------------------------------------------
-class TraceWidget(_StaticHTML, anywidget.AnyWidget):
+class TraceWidget(_ReadsWorkspace, anywidget.AnyWidget):
     """One session turn by turn: each turn as the upstream saw it (the injected skill block
     highlighted), the retrieval query and scores, tool calls and results folded, the reply, the
     judge's votes with reasons beside the human labels, the skill generation and policy version.
@@ -1015,14 +1019,6 @@ class TraceWidget(_StaticHTML, anywidget.AnyWidget):
         if self.trace.store is not store:  # its connection was closed: read the reopened one
             self.trace.store = store
         return store
-
-    def close(self) -> None:
-        """Close the widget (and the workspace kept open for it after ``%metaclaw stop``, when
-        it is the last widget showing it)."""
-        self._released = True
-        if getattr(self, "_reader", None) is not None:
-            self._reader.release()
-        super().close()
 
     def _select(self, turn_id: int | None) -> None:
         visible = self._visible()
@@ -1643,7 +1639,7 @@ def state_segments(transitions: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return segments
 
 
-class SchedulerView(_StaticHTML, anywidget.AnyWidget):
+class SchedulerView(_ReadsWorkspace, anywidget.AnyWidget):
     """The scheduler at a glance: current state, each signal's reading, and a timeline of states
     (training windows) and transitions.
 
@@ -1731,14 +1727,6 @@ class SchedulerView(_StaticHTML, anywidget.AnyWidget):
     def _on_refresh_request(self, _change: Any) -> None:
         if self._ready:
             self.refresh()
-
-    def close(self) -> None:
-        """Close the view (and the workspace kept open for it after ``%metaclaw stop``, when it
-        is the last widget showing it)."""
-        self._released = True
-        if getattr(self, "_reader", None) is not None:
-            self._reader.release()
-        super().close()
 
     def _repr_html_(self, limit: int = 20) -> str:
         signal_rows = "".join(
