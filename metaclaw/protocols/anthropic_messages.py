@@ -62,7 +62,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from metaclaw.protocols import ProxyError, StreamTranslator, WireProtocol, dumpb, dumps, loads
-from metaclaw.protocols.openai_chat import TranslatedAssembler
+from metaclaw.protocols.openai_chat import ToChatStream, TranslatedAssembler
 
 #: ``max_tokens`` sent to an Anthropic upstream when an OpenAI client gave none.
 DEFAULT_MAX_TOKENS = 4096
@@ -371,20 +371,16 @@ class ChatToAnthropicStream(StreamTranslator):
         return out
 
 
-class AnthropicToChatStream(StreamTranslator):
+class AnthropicToChatStream(ToChatStream):
     """Anthropic stream events -> ``chat.completion.chunk`` dicts (``None`` is ``[DONE]``)."""
 
     def __init__(self) -> None:
-        self.base: dict[str, Any] = {"id": "chatcmpl-" + uuid.uuid4().hex[:24],
-                                     "object": "chat.completion.chunk",
-                                     "created": int(time.time()), "model": ""}
+        super().__init__()
         self.tools: dict[int, int] = {}  # Anthropic block index -> OpenAI tool index
         self.usage: dict[str, Any] = {}
-        self.done = False
 
-    def _chunk(self, delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
-        return {**self.base, "choices": [{"index": 0, "delta": delta, "logprobs": None,
-                                          "finish_reason": finish}]}
+    def chat_usage(self) -> dict[str, Any] | None:
+        return _chat_usage(self.usage) if self.usage else None
 
     def feed(self, event: dict[str, Any] | None) -> list[dict[str, Any] | None]:
         if event is None:
@@ -434,14 +430,6 @@ class AnthropicToChatStream(StreamTranslator):
             return [{"error": event.get("error") or {"message": "upstream stream error"}}]
         return []  # ping, content_block_stop
 
-    def close(self) -> list[dict[str, Any] | None]:
-        if self.done:
-            return []
-        self.done = True
-        out: list[dict[str, Any] | None] = []
-        if self.usage:
-            out.append({**self.base, "choices": [], "usage": _chat_usage(self.usage)})
-        return [*out, None]
 
 
 class AnthropicMessages(WireProtocol):

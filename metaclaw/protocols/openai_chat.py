@@ -6,6 +6,8 @@ store records, so ``to_chat`` / ``from_chat`` and the reply translations are ide
 
 from __future__ import annotations
 
+import time
+import uuid
 from typing import Any
 
 from metaclaw.asks import content_text
@@ -82,6 +84,33 @@ class StreamAssembler:
         if self.logprobs:
             columns["completion_logprobs"] = self.logprobs
         return columns
+
+
+class ToChatStream(StreamTranslator):
+    """Base of the translators of another protocol's stream into ``chat.completion.chunk``
+    dicts: the chunk template (``base``), one chunk per delta (:meth:`_chunk`), and the end: a
+    usage chunk when the usage is known (:meth:`chat_usage`), then ``None`` (``[DONE]``)."""
+
+    def __init__(self) -> None:
+        self.base: dict[str, Any] = {"id": "chatcmpl-" + uuid.uuid4().hex[:24],
+                                     "object": "chat.completion.chunk",
+                                     "created": int(time.time()), "model": ""}
+        self.done = False
+
+    def _chunk(self, delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+        return {**self.base, "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                                          "finish_reason": finish}]}
+
+    def chat_usage(self) -> dict[str, Any] | None:
+        """The stream's usage in the chat shape (``None``: not known)."""
+        return None
+
+    def close(self) -> list[dict[str, Any] | None]:
+        if self.done:
+            return []
+        self.done = True
+        usage = self.chat_usage()
+        return [*([{**self.base, "choices": [], "usage": usage}] if usage else []), None]
 
 
 class TranslatedAssembler:

@@ -54,7 +54,7 @@ from typing import Any
 
 from metaclaw.asks import content_text
 from metaclaw.protocols import ProxyError, StreamTranslator, WireProtocol, dumpb, dumps, loads
-from metaclaw.protocols.openai_chat import TranslatedAssembler
+from metaclaw.protocols.openai_chat import ToChatStream, TranslatedAssembler
 
 #: Message roles a Responses input item may carry.
 ROLES = ("user", "assistant", "system", "developer")
@@ -513,21 +513,17 @@ class ChatToResponsesStream(StreamTranslator):
         return out
 
 
-class ResponsesToChatStream(StreamTranslator):
+class ResponsesToChatStream(ToChatStream):
     """Responses stream events -> ``chat.completion.chunk`` dicts (``None`` is ``[DONE]``)."""
 
     def __init__(self) -> None:
-        self.base: dict[str, Any] = {"id": "chatcmpl-" + uuid.uuid4().hex[:24],
-                                     "object": "chat.completion.chunk",
-                                     "created": int(time.time()), "model": ""}
+        super().__init__()
         self.calls: dict[str, int] = {}  # item id -> chat tool index
-        self.done = False
-        self.usage: dict[str, Any] | None = None
+        self.usage: dict[str, Any] | None = None  # in the chat shape
         self.finish = "stop"
 
-    def _chunk(self, delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
-        return {**self.base, "choices": [{"index": 0, "delta": delta, "logprobs": None,
-                                          "finish_reason": finish}]}
+    def chat_usage(self) -> dict[str, Any] | None:
+        return self.usage
 
     def feed(self, event: dict[str, Any] | None) -> list[dict[str, Any] | None]:
         if event is None:
@@ -580,14 +576,6 @@ class ResponsesToChatStream(StreamTranslator):
                                "code": event.get("code")}}]
         return []
 
-    def close(self) -> list[dict[str, Any] | None]:
-        if self.done:
-            return []
-        self.done = True
-        out: list[dict[str, Any] | None] = []
-        if self.usage:
-            out.append({**self.base, "choices": [], "usage": self.usage})
-        return [*out, None]
 
 
 class OpenAIResponses(WireProtocol):
