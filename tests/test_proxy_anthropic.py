@@ -574,24 +574,28 @@ def _claude_code() -> str | None:
     return os.environ.get("METACLAW_CLAUDE_CODE") or shutil.which("claude")
 
 
+def _run_claude_code(proxy, tmp_path, *args: str):
+    """Claude Code in print mode (``-p QUESTION``), offline, against ``proxy``."""
+    import os
+    import subprocess
+
+    (tmp_path / "home").mkdir()
+    (tmp_path / "work").mkdir()
+    env = {**os.environ, "HOME": str(tmp_path / "home"), "ANTHROPIC_BASE_URL": proxy.base_url,
+           "ANTHROPIC_API_KEY": "sk-ant-offline", "DISABLE_AUTOUPDATER": "1",
+           "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"}
+    return subprocess.run([_claude_code(), "-p", QUESTION, *args], cwd=tmp_path / "work",
+                          env=env, capture_output=True, text=True, timeout=120)
+
+
 @pytest.mark.skipif(_claude_code() is None, reason="the Claude Code CLI is not installed (npm "
                     "install @anthropic-ai/claude-code, or set METACLAW_CLAUDE_CODE to its binary)")
 def test_claude_code_agent_through_the_proxy(workspace, anthropic_double, tmp_path):
     """Claude Code in print mode, offline: its real request (system blocks, a dozen tools,
     thinking, streaming) goes through the proxy to the Anthropic double and back."""
-    import os
-    import subprocess
-
     store, _ = workspace
-    (tmp_path / "home").mkdir()
-    (tmp_path / "work").mkdir()
     with _proxy(workspace, anthropic_double, "anthropic") as proxy:
-        env = {**os.environ, "HOME": str(tmp_path / "home"), "ANTHROPIC_BASE_URL": proxy.base_url,
-               "ANTHROPIC_API_KEY": "sk-ant-offline", "DISABLE_AUTOUPDATER": "1",
-               "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"}
-        done = subprocess.run([_claude_code(), "-p", QUESTION, "--model", "claude-sonnet-4-5"],
-                              cwd=tmp_path / "work", env=env, capture_output=True, text=True,
-                              timeout=120)
+        done = _run_claude_code(proxy, tmp_path, "--model", "claude-sonnet-4-5")
         turns = _turns(proxy, store)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.startswith("echo: ")  # the double's echo, relayed to the agent
@@ -634,20 +638,11 @@ def test_claude_code_agent_on_a_chat_upstream(workspace, openai_double, tmp_path
     """Claude Code in front of an OpenAI-compatible model ("Claude Code on another model"): its
     real requests, system messages inside the conversation included, are translated to chat
     completions and the replies back; the fitting skill is injected and the turn recorded."""
-    import os
-    import subprocess
-
     store, _ = workspace
-    (tmp_path / "home").mkdir()
-    (tmp_path / "work").mkdir()
     with _proxy(workspace, openai_double, "openai") as proxy:
-        env = {**os.environ, "HOME": str(tmp_path / "home"), "ANTHROPIC_BASE_URL": proxy.base_url,
-               "ANTHROPIC_API_KEY": "sk-ant-offline", "DISABLE_AUTOUPDATER": "1",
-               "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"}
         # its default model: with it, Claude Code 2.1.328 sends system messages inside
         # ``messages`` (refused with a 400 before they were translated)
-        done = subprocess.run([_claude_code(), "-p", QUESTION], cwd=tmp_path / "work", env=env,
-                              capture_output=True, text=True, timeout=120)
+        done = _run_claude_code(proxy, tmp_path)
         turns = _turns(proxy, store)
     assert done.returncode == 0, done.stderr[-2000:] + done.stdout[-2000:]
     assert "echo: " in done.stdout  # the chat double's echo, translated back to the agent
