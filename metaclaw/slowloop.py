@@ -38,6 +38,7 @@ from typing import Any, Callable
 
 from metaclaw.grpo import (GRPOConfig, GRPOResult, GRPOTrainer, Prompt, current_generation,
                            prompts_from_query_set, select_query_turns)
+from metaclaw.progress import ProgressFn
 from metaclaw.training_lease import TrainingLease
 
 log = logging.getLogger("metaclaw.slowloop")
@@ -236,6 +237,11 @@ class SlowLoop:
         ``run_id, step, policy_version, skill_generation, loss, reward_mean, reward_std, groups,
         skipped_groups, tokens, wall_time_s, metrics``."""
         self._listeners.append(fn)
+
+    def set_progress(self, fn: ProgressFn | None) -> None:
+        """Hand ``fn`` the work within each training step (:mod:`metaclaw.progress`): the
+        groups sampled, the rewards, the update (called in the training thread)."""
+        self.trainer.on_progress = fn
 
     def remove_step_listener(self, fn: Callable[[dict[str, Any]], None]) -> None:
         if fn in self._listeners:
