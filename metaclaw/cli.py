@@ -276,6 +276,8 @@ def cmd_skills(args: argparse.Namespace) -> int:
         else:
             print(f"generation {new} now equals generation {args.generations[0]}")
         return 0
+    if args.action == "stats":
+        return _skill_stats(args, library)
     if args.action == "import":
         if not args.path:
             raise CliError("skills import needs --from DIR (a folder of <name>/SKILL.md)")
@@ -283,6 +285,42 @@ def cmd_skills(args: argparse.Namespace) -> int:
         print(json.dumps({"generation": new}) if args.json else f"imported into generation {new}")
         return 0
     raise CliError(f"unknown skills action {args.action!r}")
+
+
+def _skill_stats(args: argparse.Namespace, library: Any) -> int:
+    """`metaclaw skills stats`: per-skill evidence (metaclaw.evidence), and with --propose its
+    suggestions filed as proposals held for review."""
+    from metaclaw import evidence
+
+    stats = evidence.skill_stats(library.store, library, threshold=args.threshold,
+                                 compare=not args.no_compare)
+    filed = evidence.propose(library.store, library, stats) if args.propose else []
+    if args.json:
+        for row in stats.iter_rows(named=True):
+            _print_json(row)
+        if args.propose:
+            _print_json({"proposals_filed": filed})
+        return 0
+    print(f"{'skill':<32}{'injected':>9}{'reward with':>13}{'without':>9}{'delta [95%]':>22}"
+          f"{'last used':>18}  suggestion")
+    fmt = lambda x: "-" if x is None else f"{x:+.2f}"  # noqa: E731
+    for row in stats.iter_rows(named=True):
+        interval = "-" if row["reward_delta"] is None else (
+            f"{row['reward_delta']:+.2f}" + ("" if row["delta_low"] is None else
+                                             f" [{row['delta_low']:+.2f},{row['delta_high']:+.2f}]"))
+        last = row["last_used"].strftime("%Y-%m-%d %H:%M") if row["last_used"] else "never"
+        name = row["skill"] + ("" if row["in_library"] else " (gone)")
+        print(_printable(f"{name[:31]:<32}{row['injected']:>9}"
+                         f"{fmt(row['reward_with']):>8} n={row['judged_with']:<3}"
+                         f"{fmt(row['reward_without']):>9}{interval:>22}{last:>18}  "
+                         f"{row['suggestion'] or '-'}"))
+    print("reward: mean judged reward of the task turns with the skill, and of comparable turns "
+          "without it (asks it matches that did not get it); observational, see "
+          "`help(metaclaw.evidence)`")
+    if args.propose:
+        print(f"filed {len(filed)} proposals for review: "
+              + (", ".join(f"#{i}" for i in filed) or "none new"))
+    return 0
 
 
 # -- fast loop -------------------------------------------------------------------------------
@@ -767,13 +805,21 @@ def build_parser() -> argparse.ArgumentParser:
                                                      "scores and how the session was found")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
 
-    p = add("skills", help="list, diff, roll back or import skill generations")
-    p.add_argument("action", choices=["list", "diff", "rollback", "import"])
+    p = add("skills", help="list, diff, roll back or import skill generations; stats: "
+            "per-skill evidence")
+    p.add_argument("action", choices=["list", "diff", "rollback", "import", "stats"])
     p.add_argument("generations", nargs="*", type=int)
     p.add_argument("--skills", default=str(DEFAULT_SKILLS))
     p.add_argument("--db", default=str(DEFAULT_DB))
     p.add_argument("--from", dest="path", help="folder to import (skills import)")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--threshold", type=argtypes.finite_float, default=0.0,
+                   help="stats: the reward above which a judged turn passed (default 0)")
+    p.add_argument("--no-compare", action="store_true",
+                   help="stats: skip the comparable turns (no embedding)")
+    p.add_argument("--propose", action="store_true",
+                   help="stats: file the suggestions (retire, merge, review) as proposals held "
+                   "for review")
 
     p = add("score", help="judge recorded turns with the PRM judge")
     p.add_argument("--db", default=str(DEFAULT_DB))

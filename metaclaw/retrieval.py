@@ -741,6 +741,22 @@ class EmbeddingRetriever:
             scores[with_examples] = np.maximum(scores[with_examples], products[len(skills):])
         return scores
 
+    def score_matrix(self, queries: Sequence[str], skills: list[Skill]):
+        """:meth:`scores` of many queries at once: a float32 array ``len(queries) x
+        len(skills)`` (one encoder call for all the queries; for offline analysis, not the
+        request path)."""
+        import numpy as np
+
+        matrix, with_examples, _, _ = self._matrix(list(skills))
+        if not len(queries):
+            return np.zeros((0, len(skills)), dtype=np.float32)
+        products = self._encode(list(queries)) @ matrix.T
+        scores = products[:, :len(skills)]
+        if len(with_examples):
+            scores[:, with_examples] = np.maximum(scores[:, with_examples],
+                                                  products[:, len(skills):])
+        return np.ascontiguousarray(scores)
+
     def rank(self, query: str, skills: list[Skill], *, limit: int | None = None) -> list[ScoredSkill]:
         """Skills by :meth:`scores`, best first (ties by name); ``limit`` keeps the best few."""
         skills = list(skills)
@@ -806,6 +822,22 @@ class HybridRetriever:
         """Each skill's fused score for ``query`` (a numpy vector in the order of ``skills``)."""
         bm25 = self.lexical.scores(query, skills)
         return self.dense.scores(query, skills) + self.weight * bm25 / (bm25 + self.saturation)
+
+    def score_matrix(self, queries: Sequence[str], skills: list[Skill], *,
+                     floor: float | None = None):
+        """:meth:`scores` of many queries at once (``len(queries) x len(skills)``; for offline
+        analysis, not the request path). With ``floor``, only the scores that can reach it are
+        exact: a query whose cosines all stay below ``floor - weight`` gets no BM25 term."""
+        import numpy as np
+
+        matrix = self.dense.score_matrix(queries, skills)
+        rows = range(len(queries)) if floor is None or not len(skills) else \
+            np.flatnonzero(matrix.max(axis=1) >= floor - self.weight)
+        for row in rows:
+            query = queries[row]
+            bm25 = self.lexical.scores(query, skills)
+            matrix[row] += self.weight * bm25 / (bm25 + self.saturation)
+        return matrix
 
     def rank(self, query: str, skills: list[Skill], *, limit: int | None = None) -> list[ScoredSkill]:
         """Skills by fused score, best first (ties by name); ``limit`` keeps the best few."""

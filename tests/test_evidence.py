@@ -1,0 +1,175 @@
+"""Per-skill evidence (metaclaw.evidence): with / without counts, comparable turns matched on
+the ask, suggestions filed only as held proposals, the CLI view, bounded reads."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from metaclaw import cli, evidence, proposals
+from metaclaw.skills import Skill, SkillLibrary
+from metaclaw.store import Store
+
+DATES = Skill(name="iso-dates", description="Write dates as ISO 8601 (YYYY-MM-DD)",
+              body="Every date you write into a file uses the ISO 8601 form YYYY-MM-DD.")
+BACKUP = Skill(name="backup-first", description="Copy a file to a .bak before editing it",
+               body="Before you change a file, copy it to <name>.bak so the edit can be undone.")
+UNUSED = Skill(name="haiku-replies", description="Answer poetry requests as a haiku",
+               body="When asked for a poem, write a haiku of three lines.")
+
+
+def _turn(store: Store, ask: str, injected: list[str], reward: float | None,
+          label: str | None = None) -> int:
+    turn = store.record_turn(session_id="s", request_messages=[{"role": "user", "content": ask}],
+                             status="ok", response="done", injected_skills=injected,
+                             retrieval_query=ask)
+    fields = {}
+    if reward is not None:
+        fields["reward"] = reward
+    if label is not None:
+        fields["human_label"] = label
+    if fields:
+        store.update_turn(turn, **fields)
+    return turn
+
+
+@pytest.fixture()
+def workspace(tmp_path):
+    store = Store(tmp_path / "metaclaw.db")
+    library = SkillLibrary(tmp_path / "skills", store)
+    # before the skills existed: asks about dates that did badly
+    for day in range(4):
+        _turn(store, f"write the due date of task {day} into tasks.json as a date", [], -1.0)
+    # written from those failures, it keeps their asks as its example asks (as the evolver does)
+    library.add(DATES.with_retrieval_keys(["write the due date of task 0 into tasks.json as a "
+                                           "date"]), reason="test")
+    library.add(BACKUP.with_retrieval_keys(["edit config.yaml to raise the timeout"]),
+                reason="test")
+    library.add(UNUSED, reason="test")
+    for day in range(5):
+        _turn(store, f"put the deadline of item {day} into the json file as a date", ["iso-dates"],
+              1.0, label="pass" if day == 0 else None)
+    _turn(store, "edit config.yaml to raise the timeout", ["backup-first"], -1.0, label="fail")
+    _turn(store, "edit settings.ini and change the port", ["backup-first"], -1.0)
+    _turn(store, "what is the capital of France", [], None)
+    _turn(store, "an old ask", ["retired-skill"], 1.0)
+    yield store, library
+    store.close()
+
+
+def test_with_and_without_are_counted_per_skill(workspace):
+    store, library = workspace
+    stats = evidence.skill_stats(store, library)
+    rows = {r["skill"]: r for r in stats.iter_rows(named=True)}
+    assert list(stats.columns) == list(evidence.COLUMNS)
+    dates = rows["iso-dates"]
+    assert (dates["injected"], dates["judged_with"], dates["reward_with"]) == (5, 5, 1.0)
+    assert dates["labels_pass_with"] == 1 and dates["pass_rate_with"] == 1.0
+    # the date asks from before the skill existed are its comparable turns
+    assert dates["comparable"] >= 4 and dates["reward_without"] < 0
+    assert dates["reward_delta"] > 0 and dates["delta_low"] is not None
+    assert dates["last_used"] is not None and dates["turns_since_added"] == 9
+    backup = rows["backup-first"]
+    assert (backup["injected"], backup["labels_fail_with"], backup["reward_with"]) == (2, 1, -1.0)
+    unused = rows["haiku-replies"]
+    assert unused["injected"] == 0 and unused["last_used"] is None
+    gone = rows["retired-skill"]
+    assert gone["in_library"] is False and gone["injected"] == 1 and gone["comparable"] is None
+    assert [r["skill"] for r in stats.iter_rows(named=True)][-1] == "retired-skill"
+
+
+def test_without_comparison_no_embedding_is_used(workspace, monkeypatch):
+    store, library = workspace
+    monkeypatch.setattr(evidence, "_matcher", lambda retriever: pytest.fail("embedded"))
+    stats = evidence.skill_stats(store, library, compare=False)
+    assert stats["comparable"].null_count() == len(stats)
+
+
+def test_suggestions_and_proposals_held_for_review(workspace, monkeypatch):
+    store, library = workspace
+    monkeypatch.setattr(evidence, "IDLE_TURNS", 5)
+    monkeypatch.setattr(evidence, "NEAR_DUPLICATE", 2.0)  # no merge suggestion here
+    stats = evidence.skill_stats(store, library)
+    suggestions = dict(zip(stats["skill"], stats["suggestion"]))
+    assert suggestions["haiku-replies"] == "retire"
+    assert suggestions["iso-dates"] == ""
+    generation = library.generation
+    filed = evidence.propose(store, library, stats)
+    assert len(filed) == 1 and library.generation == generation  # nothing applied
+    proposal = proposals.get(store, filed[0])
+    assert proposal.status == proposals.HELD and proposal.origin == "evidence"
+    assert proposal.ops[0].op == "remove" and proposal.ops[0].name == "haiku-replies"
+    assert "never injected in 9 task turns" in proposal.reason
+    assert evidence.propose(store, library, stats) == []  # already held: not filed twice
+    proposals.promote(store, library, filed[0], by="alice")
+    assert "haiku-replies" not in library
+
+
+def test_merge_and_review_suggestions(workspace, monkeypatch):
+    store, library = workspace
+    library.add(Skill(name="iso-dates-again", description=DATES.description, body=DATES.body),
+                reason="test")
+    for _ in range(3):  # backup-first's turns do worse than the comparable edits without it
+        _turn(store, "edit config.yaml to raise the timeout", [], 1.0)
+    _turn(store, "edit config.yaml to raise the timeout", ["backup-first"], -0.9)
+    stats = evidence.skill_stats(store, library)
+    rows = {r["skill"]: r for r in stats.iter_rows(named=True)}
+    assert rows["iso-dates-again"]["suggestion"] == "merge"
+    assert rows["iso-dates-again"]["nearest"] == "iso-dates"
+    assert rows["iso-dates-again"]["nearest_cosine"] > 0.99
+    assert rows["backup-first"]["suggestion"] == "review"
+    assert rows["backup-first"]["delta_high"] < 0
+    filed = evidence.propose(store, library, stats)
+    reasons = [proposals.get(store, i).reason for i in filed]
+    assert any(r.startswith("review backup-first") and "observational" in r for r in reasons)
+    review = next(proposals.get(store, i) for i in filed
+                  if proposals.get(store, i).ops[0].name == "backup-first")
+    assert review.ops[0].evidence  # the judged turns that had it
+
+
+def test_cli_skills_stats(workspace, tmp_path, capsys):
+    store, library = workspace
+    argv = ["skills", "stats", "--db", str(store.path), "--skills", str(tmp_path / "skills")]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "iso-dates" in out and "retired-skill (gone)" in out and "observational" in out
+    assert cli.main(argv + ["--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert {r["skill"] for r in rows} >= {"iso-dates", "backup-first", "haiku-replies"}
+
+
+def test_empty_workspace(tmp_path):
+    store = Store(tmp_path / "metaclaw.db")
+    library = SkillLibrary(tmp_path / "skills", store)
+    stats = evidence.skill_stats(store, library)
+    assert stats.is_empty() and list(stats.columns) == list(evidence.COLUMNS)
+    assert evidence.propose(store, library, stats) == []
+    store.close()
+
+
+def test_turns_are_read_in_batches(workspace, monkeypatch):
+    """Memory stays bounded: the turns are read BATCH at a time, never all at once."""
+    store, library = workspace
+    monkeypatch.setattr(evidence, "BATCH", 3)
+    seen = []
+    original = store.query
+
+    def query(sql, params=()):
+        rows = original(sql, params)
+        if "FROM turns WHERE" in sql and "LIMIT" in sql:
+            seen.append(len(rows))
+        return rows
+
+    monkeypatch.setattr(store, "query", query)
+    big = evidence.skill_stats(store, library)
+    assert max(seen) <= 3 and sum(seen) == 13
+    monkeypatch.setattr(evidence, "BATCH", 5000)
+    assert big.equals(evidence.skill_stats(store, library))
+
+
+def test_chart(workspace):
+    store, library = workspace
+    spec = evidence.chart(evidence.skill_stats(store, library)).to_dict()
+    sides = {v["side"] for v in spec["data"]["values"]}
+    assert sides == {"with the skill", "comparable turns without it"}
