@@ -69,13 +69,13 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable
 
 from metaclaw import buffers
-from metaclaw.buffers import message_text
 from metaclaw.judge import (SECTION_TASK, SECTION_TOOLS, Judge, LLMClient, answer_error,
                             check_url, json_objects, next_user_message, render_sections,
-                            replay_params, reply_message, reply_text, retry_delay, run_sync, trim)
+                            reply_text, retry_delay, run_sync, trim)
 from metaclaw.progress import ProgressFn, notify
 from metaclaw.proposals import ProposalError, apply_ops
-from metaclaw.skills import (OPS, Skill, SkillFormatError, SkillLibrary, SkillOp, offered_to,
+from metaclaw.replay import Replayer
+from metaclaw.skills import (OPS, Skill, SkillFormatError, SkillLibrary, SkillOp,
                              oversize_reason, validate_name)
 from metaclaw.store import Store
 from metaclaw.upstreams import safe_url
@@ -604,8 +604,12 @@ class Evolver:
                           else judge.threshold if judge is not None else 0.0)
         self.seed = seed
         self._client = LLMClient(base_url, api_key or os.environ.get(api_key_env), self.timeout)
-        self._upstream = (LLMClient(verify_url, verify_api_key or os.environ.get(
-            "METACLAW_UPSTREAM_API_KEY"), self.timeout) if verify_url else None)
+        # verification replays the support turns (metaclaw.replay, as the gate does)
+        self._replayer = (Replayer(judge, verify_url, verify_model, api_key=verify_api_key,
+                                   retriever=retriever, top_k=top_k, min_score=min_score,
+                                   budget_chars=budget_chars, timeout=self.timeout)
+                          if verify_url and judge is not None else None)
+        self._upstream = self._replayer.upstream if self._replayer is not None else None
         # one evolve at a time per event loop
         self._locks: "weakref.WeakKeyDictionary[Any, asyncio.Lock]" = weakref.WeakKeyDictionary()
 
@@ -794,44 +798,10 @@ class Evolver:
         proposal.ops = out
 
     # verified promotion -----------------------------------------------------------------
-    def _replay_messages(self, turn: dict[str, Any], skills: list[Skill]) -> list[dict[str, Any]]:
-        from metaclaw import retrieval
-
-        base = retrieval.strip_skill_block(turn.get("request_messages") or [])
-        query = retrieval.query_text(base)
-        selected = retrieval.select(self._replay_retriever(), query, skills, top_k=self.top_k,
-                                    min_score=self.min_score, budget_chars=self.budget_chars,
-                                    keep=offered_to(turn.get("turn_type"))) if query else []
-        return retrieval.inject(base, retrieval.render_block(selected))
-
-    def _replay_retriever(self) -> Any:
-        if self.retriever is None:
-            from metaclaw.retrieval import make_retriever
-
-            self.retriever = make_retriever("auto")
-        return self.retriever
-
     async def _replay(self, turn: dict[str, Any], skills: list[Skill]) -> dict[str, Any]:
         """One replay: ``{"score": int|None, "reply": str, "error": str|None}``."""
-        messages = await asyncio.to_thread(self._replay_messages, turn, skills)
-        params = replay_params(turn, messages, self.verify_model)
-        try:
-            response = await asyncio.wait_for(self._upstream.chat(params), self.timeout)
-            refusal = answer_error(response)
-            if refusal is not None:  # not a reply to judge (see judge.answer_error)
-                raise ValueError(f"the upstream answered 200 without a reply ({refusal})")
-            message = reply_message(response)
-        except asyncio.TimeoutError:
-            return {"score": None, "reply": "", "error": f"upstream timed out ({self.timeout:g} s)"}
-        except Exception as exc:
-            return {"score": None, "reply": "",
-                    "error": f"upstream failed: {self._upstream.explain(exc)}"}
-        content = message_text(message.get("content"))
-        tool_calls = message.get("tool_calls") or None
-        replayed = {"request_messages": messages, "response": content,
-                    "tool_calls": tool_calls, "status": "ok"}
-        verdict = await self.judge.ajudge(replayed)
-        return {"score": verdict.score, "reply": content, "error": verdict.error}
+        replay = await self._replayer.areplay(turn, skills)
+        return {"score": replay.score, "reply": replay.reply, "error": replay.error}
 
     async def averify(self, proposal: EvolveProposal,
                       support_turns: list[dict[str, Any]]) -> Verification:

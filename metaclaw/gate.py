@@ -25,16 +25,15 @@ from __future__ import annotations
 
 import asyncio
 import html
-import os
 import random
 import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable
 
-from metaclaw.judge import (Judge, LLMClient, answer_error, check_url, reply_message,
-                            replay_params)
+from metaclaw.judge import Judge, check_url
+from metaclaw.replay import Replayer
 from metaclaw.sessions import TASK_TURNS_SQL
-from metaclaw.skills import Skill, SkillOp, offered_to
+from metaclaw.skills import Skill, SkillOp
 
 # -- safety ---------------------------------------------------------------------------------------
 #: (category, pattern): instructions a skill must never carry. Case-insensitive, on the skill's
@@ -228,56 +227,21 @@ class Gate:
         self.top_k, self.min_score, self.budget_chars = top_k, min_score, budget_chars
         self.timeout = float(timeout)
         self.seed = seed
-        self._upstream = LLMClient(upstream_url, api_key or os.environ.get(api_key_env),
-                                   self.timeout)
+        self.replayer = Replayer(judge, upstream_url, model, api_key=api_key,
+                                 api_key_env=api_key_env, retriever=retriever, top_k=top_k,
+                                 min_score=min_score, budget_chars=budget_chars,
+                                 timeout=self.timeout)
 
     def __repr__(self) -> str:
         return (f"Gate(upstream_url={self.upstream_url!r}, successes={self.successes}, "
                 f"max_failures={self.max_failures}, judge votes={self.judge.votes})")
 
-    # replay ----------------------------------------------------------------------------------
-    def _retriever(self) -> Any:
-        if self.retriever is None:
-            from metaclaw.retrieval import make_retriever
-
-            self.retriever = make_retriever("auto")
-        return self.retriever
-
-    def _messages(self, turn: dict[str, Any], skills: list[Skill]) -> list[dict[str, Any]]:
-        from metaclaw import retrieval
-
-        base = retrieval.strip_skill_block(turn.get("request_messages") or [])
-        query = retrieval.query_text(base)
-        selected = retrieval.select(self._retriever(), query, skills, top_k=self.top_k,
-                                    min_score=self.min_score, budget_chars=self.budget_chars,
-                                    keep=offered_to(turn.get("turn_type"))
-                                    ) if query and skills else []
-        return retrieval.inject(base, retrieval.render_block(selected)) if selected else base
-
     async def _replay(self, turn: dict[str, Any], skills: list[Skill]) -> dict[str, Any]:
-        """One replay, judged: ``{"score", "reply", "error", "votes"}``."""
-        from metaclaw.buffers import message_text
-
-        messages = await asyncio.to_thread(self._messages, turn, skills)
-        params = replay_params(turn, messages, self.model)
-        try:
-            response = await asyncio.wait_for(self._upstream.chat(params), self.timeout)
-            refusal = answer_error(response)
-            if refusal is not None:  # an upstream failure, not an empty reply to judge
-                raise ValueError(f"the upstream answered 200 without a reply ({refusal})")
-            message = reply_message(response)
-        except asyncio.TimeoutError:
-            return {"score": None, "reply": "", "votes": 0, "upstream_failed": True,
-                    "error": f"upstream timed out ({self.timeout:g} s)"}
-        except Exception as exc:
-            return {"score": None, "reply": "", "votes": 0, "upstream_failed": True,
-                    "error": f"upstream failed: {self._upstream.explain(exc)}"}
-        content = message_text(message.get("content"))
-        replayed = {"request_messages": messages, "response": content,
-                    "tool_calls": message.get("tool_calls") or None, "status": "ok"}
-        verdict = await self.judge.ajudge(replayed)
-        return {"score": verdict.score, "reply": content, "error": verdict.error,
-                "votes": len(verdict.votes)}
+        """One replay, judged (:mod:`metaclaw.replay`): ``{"score", "reply", "error",
+        "votes", "upstream_failed"}``."""
+        replay = await self.replayer.areplay(turn, skills)
+        return {"score": replay.score, "reply": replay.reply, "error": replay.error,
+                "votes": replay.votes, "upstream_failed": replay.upstream_failed}
 
     def recent_successes(self, store: Any, exclude: Iterable[int] = ()) -> list[dict[str, Any]]:
         """The most recent successful task turns (labelled pass, or judged at or above the
@@ -347,7 +311,7 @@ class Gate:
         return report
 
     async def aclose(self) -> None:
-        await self._upstream.aclose()
+        await self.replayer.aclose()
 
 
 def support_ids_of(ops: Iterable[SkillOp]) -> list[int]:
