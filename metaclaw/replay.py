@@ -127,7 +127,8 @@ class Replayer:
                     "tool_calls": tool_calls, "status": "ok"}
         verdict = await self.judge.ajudge(replayed)
         return Replay(verdict.score, content, tool_calls, verdict.error, len(verdict.votes),
-                      list(verdict.votes), False, latency, usage.get("prompt_tokens"),
+                      [v.get("score") for v in verdict.votes], False, latency,
+                      usage.get("prompt_tokens"),
                       usage.get("completion_tokens"), names)
 
     async def aclose(self) -> None:

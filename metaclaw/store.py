@@ -19,6 +19,9 @@ Tables (schema version in ``PRAGMA user_version``; migrations are explicit, in `
                              answer, author, time); the latest verdict is also ``turns.human_label``
 - ``proposals``              one row per skill change reviewed by the verification gate: held
                              back or promoted, with its per-case evidence and who decided
+- ``datasets``               one row per named selection of turns (:mod:`metaclaw.experiments`)
+- ``experiments``            one row per experiment: its dataset, its variants, its settings
+- ``experiment_results``     one row per case and variant of an experiment: the judged replay
 
 Every write is committed before the call returns (``synchronous=FULL``: fsynced, so it survives
 ``kill -9`` of the process, an OS crash and a power loss). ``transaction(fsync=False)`` commits
@@ -236,12 +239,52 @@ MIGRATIONS: list[str] = [
     """
     ALTER TABLE scheduler_transitions ADD COLUMN process TEXT;
     """,
+    # 10: experiments (metaclaw.experiments): named selections of turns, experiments replaying
+    # them with several variants, and one judged result per case and variant
+    """
+    CREATE TABLE datasets (
+        name         TEXT PRIMARY KEY,
+        created_at   REAL NOT NULL,
+        description  TEXT NOT NULL DEFAULT '',
+        selection    TEXT NOT NULL DEFAULT '{}',
+        turn_ids     TEXT NOT NULL DEFAULT '[]'
+    );
+    CREATE TABLE experiments (
+        id          INTEGER PRIMARY KEY AUTOINCREMENT,
+        name        TEXT NOT NULL UNIQUE,
+        created_at  REAL NOT NULL,
+        dataset     TEXT NOT NULL REFERENCES datasets(name),
+        variants    TEXT NOT NULL DEFAULT '[]',
+        config      TEXT NOT NULL DEFAULT '{}'
+    );
+    CREATE TABLE experiment_results (
+        id                INTEGER PRIMARY KEY AUTOINCREMENT,
+        experiment_id     INTEGER NOT NULL REFERENCES experiments(id),
+        turn_id           INTEGER NOT NULL,
+        variant           TEXT NOT NULL,
+        created_at        REAL NOT NULL,
+        score             REAL,
+        verdict           TEXT,
+        votes             TEXT NOT NULL DEFAULT '[]',
+        reply             TEXT,
+        tool_calls        TEXT,
+        skills            TEXT NOT NULL DEFAULT '[]',
+        error             TEXT,
+        upstream_failed   INTEGER NOT NULL DEFAULT 0,
+        latency_ms        REAL,
+        prompt_tokens     INTEGER,
+        completion_tokens INTEGER,
+        label_similarity  REAL,
+        UNIQUE (experiment_id, turn_id, variant)
+    );
+    """,
 ]
 
 SCHEMA_VERSION = len(MIGRATIONS)
 
 TABLES = ("sessions", "turns", "skill_generations", "skill_events", "policy_versions",
-          "training_steps", "scheduler_transitions", "events", "labels", "proposals")
+          "training_steps", "scheduler_transitions", "events", "labels", "proposals", "datasets",
+          "experiments", "experiment_results")
 EVENT_LEVELS = ("info", "warning", "error")
 #: Seconds a write waits for another connection's write lock before it fails.
 BUSY_TIMEOUT_S = 30.0
