@@ -404,6 +404,88 @@ def cmd_evolve(args: argparse.Namespace) -> int:
     return 0
 
 
+@command("experiment")
+def cmd_experiment(args: argparse.Namespace) -> int:
+    """`metaclaw experiment run|list|show` (metaclaw.experiments)."""
+    from metaclaw import experiments as ex
+
+    store = _store(args.db)
+    try:
+        if args.action == "list":
+            frame = ex.list_experiments(store)
+            if args.json:
+                for row in frame.iter_rows(named=True):
+                    _print_json(row)
+            else:
+                for row in frame.iter_rows(named=True):
+                    print(_printable(f"{row['name']:<24} dataset {row['dataset']:<20} "
+                                     f"{row['results']:>5} results  variants {row['variants']}"))
+                if frame.is_empty():
+                    print("no experiments yet: metaclaw experiment run NAME --variant A "
+                          "--variant B ...")
+            return 0
+        if not args.name:
+            raise CliError(f"experiment {args.action} needs the experiment's NAME")
+        if args.action == "run":
+            return _experiment_run(args, store, ex)
+        experiment = ex.Experiment.open(store, args.name)
+        _show_experiment(experiment, args.json)
+        return 0
+    except ex.ExperimentError as exc:
+        raise CliError(str(exc)) from None
+
+
+def _experiment_run(args: argparse.Namespace, store: Any, ex: Any) -> int:
+    from metaclaw.replay import Replayer
+
+    if not args.upstream:
+        raise CliError("give the upstream the replays go to: --upstream URL (key from "
+                       "$METACLAW_UPSTREAM_API_KEY); `metaclaw sim-model` serves an offline "
+                       "simulated one")
+    names = {r["name"] for r in store.query("SELECT name FROM experiments")}
+    if args.name in names:
+        experiment = ex.Experiment.open(store, args.name)
+        if args.variant:
+            experiment.add_variants(args.variant)
+    else:
+        dataset = args.dataset or args.name
+        if args.turns or args.session or args.failures or args.labelled or not args.dataset:
+            turn_ids = ([int(t) for t in args.turns.split(",")] if args.turns else None)
+            ids = ex.dataset(store, dataset, turn_ids=turn_ids, session=args.session,
+                             failures=args.failures, labelled=args.labelled, last=args.last,
+                             replace=bool(args.dataset is None))
+            print(f"dataset {dataset}: {len(ids)} turns")
+        experiment = ex.Experiment.create(store, args.name, dataset, args.variant or [])
+    library = _library(args)
+    judge = _judge(args)
+    replayer = Replayer(judge, args.upstream, args.model)
+    plan = experiment.plan(votes=judge.votes)
+    budget = (f"; stops at --max-calls {args.max_calls}" if args.max_calls else "")
+    print(f"experiment {experiment.name}: {plan}{budget}", flush=True)
+    with console.progress(args.verbosity) as on_progress:
+        experiment.run(replayer, library, max_calls=args.max_calls, on_progress=on_progress)
+    _show_experiment(experiment, args.json)
+    return 0
+
+
+def _show_experiment(experiment: Any, as_json: bool) -> None:
+    summary = experiment.summary()
+    if as_json:
+        for row in summary.iter_rows(named=True):
+            _print_json(row)
+        return
+    fmt = lambda x, f="+.2f": "-" if x is None else format(x, f)  # noqa: E731
+    print(f"{'variant':<28}{'cases':>6}{'scored':>7}{'reward':>8}{'pass':>7}"
+          f"{'vs first [95%]':>24}{'McNemar p':>11}")
+    for row in summary.iter_rows(named=True):
+        versus = "-" if row["diff_vs_first"] is None else (
+            fmt(row["diff_vs_first"]) + ("" if row["diff_low"] is None else
+                                         f" [{fmt(row['diff_low'])},{fmt(row['diff_high'])}]"))
+        print(_printable(f"{row['variant'][:27]:<28}{row['cases']:>6}{row['scored']:>7}"
+                         f"{fmt(row['mean_reward']):>8}{fmt(row['pass_rate'], '.0%'):>7}"
+                         f"{versus:>24}{fmt(row['mcnemar_p'], '.3f'):>11}"))
+
+
 @command("events")
 def cmd_events(args: argparse.Namespace) -> int:
     from metaclaw.runtime import failure_summary
@@ -838,6 +920,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="show the operations, change nothing")
     p.add_argument("--dedupe", type=argtypes.finite_float, default=0.85,
                    help="embedding similarity at which an added skill counts as a duplicate")
+    p.add_argument("--json", action="store_true")
+
+    p = add("experiment", help="replay recorded turns with several skill libraries or "
+            "models and compare the judged replies")
+    p.add_argument("action", choices=["run", "list", "show"])
+    p.add_argument("name", nargs="?", help="the experiment's name")
+    p.add_argument("--db", default=str(DEFAULT_DB))
+    p.add_argument("--skills", default=str(DEFAULT_SKILLS))
+    p.add_argument("--variant", action="append",
+                   help="run: current, none, gen:G or proposal:P, optionally ~NAME (without "
+                   "that skill) and @MODEL (another model); repeat for each variant, the first "
+                   "is the one the others are compared with")
+    p.add_argument("--dataset", help="run: the cases, a stored dataset (default: a new one "
+                   "named after the experiment, from the options below)")
+    p.add_argument("--turns", help="run: the cases are these turn ids (comma-separated)")
+    p.add_argument("--session", help="run: the cases are this session's task turns")
+    p.add_argument("--failures", action="store_true",
+                   help="run: the cases are the judged or labelled failures")
+    p.add_argument("--labelled", action="store_true", help="run: the cases are labelled turns")
+    p.add_argument("--last", type=argtypes.positive_int, help="run: only the latest N cases")
+    p.add_argument("--upstream", help="run: the upstream the replays go to (OpenAI-compatible)")
+    p.add_argument("--model", help="run: the model the replays ask for (default: each turn's)")
+    p.add_argument("--judge-url")
+    p.add_argument("--judge-model")
+    p.add_argument("--votes", type=argtypes.positive_int, help="judge votes per reply (3)")
+    p.add_argument("--threshold", type=argtypes.finite_float, default=0.0,
+                   help="the reward above which a reply passes (default 0)")
+    p.add_argument("--max-calls", type=argtypes.positive_int,
+                   help="run: spend at most this many upstream + judge calls")
     p.add_argument("--json", action="store_true")
 
     p = add("events", help="what the loops reported: failed judge / evolver calls, "

@@ -1,0 +1,191 @@
+"""Experiments (metaclaw.experiments): datasets, variants, resumable runs through the one replay
+engine, paired summaries, the CLI. The upstream and the judge are the offline SIMULATED model."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from metaclaw import cli, proposals
+from metaclaw import experiments as ex
+from metaclaw.bench.data import small_bench_dir
+from metaclaw.demo import run_mode
+from metaclaw.gate import Gate
+from metaclaw.judge import Judge
+from metaclaw.replay import Replayer
+from metaclaw.simmodel import serve_sim_model
+from metaclaw.skills import SkillLibrary, SkillOp
+from metaclaw.store import Store
+
+
+@pytest.fixture(scope="module")
+def sim():
+    server = serve_sim_model()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def recorded(sim, tmp_path_factory):
+    """A skills-mode run of day01: judged turns, failures, skill generations."""
+    out = tmp_path_factory.mktemp("exp") / "run"
+    run_mode("skills", small_bench_dir(), "day01", out, sim.url, "sim-agent", api_key_env="X",
+             retrieval="lexical", top_k=5, min_score=0.0, budget_chars=12000, parallel=1,
+             judge_url=sim.url, judge_model="sim-judge", evolver_url=sim.url,
+             evolver_model="sim-evolver", votes=1, evolve_every="round", on_round=None)
+    return out
+
+
+@pytest.fixture()
+def workspace(recorded, tmp_path):
+    import shutil
+
+    shutil.copytree(recorded, tmp_path / "run")
+    store = Store(tmp_path / "run" / "metaclaw.db")
+    library = SkillLibrary(tmp_path / "run" / "skills", store)
+    yield store, library
+    store.close()
+
+
+def _replayer(sim) -> Replayer:
+    return Replayer(Judge(sim.url, "sim-judge", votes=1), sim.url, retriever=None)
+
+
+def test_datasets(workspace):
+    store, _ = workspace
+    failures = ex.dataset(store, "fails", failures=True)
+    assert failures and all(store.turn(i)["reward"] <= 0 for i in failures)
+    assert ex.dataset_ids(store, "fails") == failures
+    assert ex.dataset(store, "two", turn_ids=failures[:2]) == failures[:2]
+    with pytest.raises(ex.ExperimentError, match="exists"):
+        ex.dataset(store, "two", turn_ids=failures[:1])
+    assert ex.dataset(store, "two", turn_ids=failures[:1], replace=True) == failures[:1]
+    with pytest.raises(ex.ExperimentError, match="no turn with id 999999"):
+        ex.dataset(store, "bad", turn_ids=[999999])
+    with pytest.raises(ex.ExperimentError, match="would be empty"):
+        ex.dataset(store, "none", session="no-such-session")
+    with pytest.raises(ex.ExperimentError, match="dataset name"):
+        ex.dataset(store, "bad name; drop table", failures=True)
+    with pytest.raises(ex.ExperimentError, match="there are: fails, two"):
+        ex.dataset_ids(store, "missing")
+
+
+def test_variants(workspace):
+    store, library = workspace
+    assert ex.Variant.parse("gen:1~a-b~c@gpt-x") == ex.Variant("gen:1~a-b~c@gpt-x", "gen:1",
+                                                                  ("a-b", "c"), "gpt-x")
+    for bad in ("gen", "gen:x", "latest", "proposal:", "current~", "current-x", ""):
+        with pytest.raises(ex.ExperimentError, match="variant"):
+            ex.Variant.parse(bad)
+    assert ex.Variant.parse("none").skills(library) == []
+    current = ex.Variant.parse("current").skills(library)
+    assert [s.name for s in current] == [s.name for s in library.skills()] and current
+    name = current[0].name
+    assert name not in [s.name for s in ex.Variant.parse(f"current~{name}").skills(library)]
+    with pytest.raises(ex.ExperimentError, match="no skill nope"):
+        ex.Variant.parse("current~nope").skills(library)
+    with pytest.raises(ex.ExperimentError, match="generation 99 does not exist"):
+        ex.Variant.parse("gen:99").skills(library)
+    assert ex.Variant.parse("gen:0").skills(library) == []
+    held = proposals.record(store, [SkillOp("remove", name=name)], origin="manual",
+                            status=proposals.HELD, base_generation=library.generation)
+    assert name not in [s.name for s in ex.Variant.parse(f"proposal:{held}").skills(library)]
+
+
+def test_run_is_resumable_and_summarised(workspace, sim):
+    store, library = workspace
+    cases = ex.dataset(store, "fails", failures=True)
+    run = ex.Experiment.create(store, "old-vs-new", "fails", ["none", "current"])
+    plan = run.plan(votes=1)
+    assert (plan.replays, plan.judge_calls, plan.done) == (2 * len(cases), 2 * len(cases), 0)
+    # a budget stops it part way; what finished is kept
+    run.run(_replayer(sim), library, max_calls=4)
+    assert len(run.frame()) == 2 and run.plan(votes=1).done == 2
+    seen = []
+    run.run(_replayer(sim), library, on_progress=seen.append)
+    assert seen[-1].done == seen[-1].total == 2 * len(cases) - 2
+    frame = run.frame()
+    assert len(frame) == 2 * len(cases) and frame["score"].null_count() == 0
+    assert run.plan(votes=1).replays == 0
+    current = frame.filter(frame["variant"] == "current")
+    assert all(json.loads(s) for s in current["skills"])  # the skills the replay was given
+    summary = run.summary()
+    assert summary["variant"].to_list() == ["none", "current"]
+    row = summary.row(1, named=True)
+    assert row["paired"] == len(cases) and row["diff_vs_first"] is not None
+    assert row["mcnemar_p"] is not None and 0 <= row["mcnemar_p"] <= 1
+    # the SIMULATED agent follows a convention only when a skill states it: skills help here
+    assert row["mean_reward"] >= summary.row(0, named=True)["mean_reward"]
+    assert run.chart().to_dict()["data"]["values"]
+    # reopened from the store, extended with a variant
+    again = ex.Experiment.open(store, "old-vs-new")
+    again.add_variants(["gen:1"])
+    assert again.plan(votes=1).replays == len(cases)
+    with pytest.raises(ex.ExperimentError, match="exists"):
+        ex.Experiment.create(store, "old-vs-new", "fails", ["none", "current"])
+    with pytest.raises(ex.ExperimentError, match="at least two"):
+        ex.Experiment.create(store, "one", "fails", ["none"])
+
+
+def test_gate_and_experiment_replays_agree(workspace, sim):
+    """One replay engine: the gate's replay of a case and an experiment's give one result."""
+    store, library = workspace
+    turn = store.turn(ex.dataset(store, "fails", failures=True)[0])
+    skills = library.skills()
+    judge = Judge(sim.url, "sim-judge", votes=1)
+    gate = Gate(judge, sim.url)
+
+    async def both():
+        try:
+            by_gate = await gate._replay(turn, skills)
+            by_user = await gate.replayer.areplay(turn, skills)
+            fresh = await Replayer(judge, sim.url).areplay(turn, skills)
+            return by_gate, by_user, fresh
+        finally:
+            await gate.aclose()
+            await judge.aclose()
+
+    by_gate, by_user, fresh = asyncio.run(both())
+    assert (by_gate["score"], by_gate["reply"]) == (by_user.score, by_user.reply) \
+        == (fresh.score, fresh.reply)
+    assert fresh.skills == by_user.skills
+
+
+def test_upstream_failures_are_kept_and_retried(workspace, sim):
+    store, library = workspace
+    ex.dataset(store, "two", turn_ids=ex.dataset(store, "f", failures=True)[:2])
+    run = ex.Experiment.create(store, "down", "two", ["none", "current"])
+    dead = Replayer(Judge(sim.url, "sim-judge", votes=1), "http://127.0.0.1:9/v1", timeout=2)
+    run.run(dead, library)
+    frame = run.frame()
+    assert len(frame) == 4 and frame["upstream_failed"].all()
+    assert frame["error"].str.contains("upstream failed").all()
+    assert run.plan(votes=1).replays == 4  # failed replays run again
+    run.run(_replayer(sim), library)
+    assert not run.frame()["upstream_failed"].any()
+
+
+def test_cli(workspace, sim, capsys):
+    store, _ = workspace
+    base = ["--db", str(store.path), "--skills", str(store.path.parent / "skills")]
+    argv = ["experiment", "run", "cli-exp", "--failures", "--last", "3", "--variant", "none",
+            "--variant", "current", "--upstream", sim.url, "--judge-url", sim.url,
+            "--judge-model", "sim-judge", "--votes", "1"] + base
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "dataset cli-exp: 3 turns" in out
+    assert "6 replays to make (0 done already): 6 upstream calls and up to 6 judge calls" in out
+    assert "current" in out and "McNemar" in out
+    assert cli.main(["experiment", "list"] + base) == 0
+    assert "cli-exp" in capsys.readouterr().out
+    assert cli.main(["experiment", "show", "cli-exp", "--json"] + base) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["variant"] for r in rows] == ["none", "current"] and rows[1]["paired"] == 3
+    assert cli.main(["experiment", "show", "nope"] + base) == 2
+    assert "no experiment 'nope' (there are: cli-exp)" in capsys.readouterr().err
+    assert cli.main(["experiment", "run", "x", "--variant", "gen:", "--variant", "none",
+                     "--upstream", sim.url, "--judge-url", sim.url, "--judge-model", "j"]
+                    + base) == 2
+    assert "variant 'gen:'" in capsys.readouterr().err
