@@ -260,12 +260,13 @@ class Experiment:
         return Plan(todo, todo, todo * int(votes), total - todo)
 
     def run(self, replayer: Any, library: Any, *, max_calls: int | None = None,
-            concurrency: int = 16, on_progress: ProgressFn | None = None) -> Plan:
+            concurrency: int = 256, on_progress: ProgressFn | None = None) -> Plan:
         """Replay and judge what is missing; every result is stored as it arrives. ``replayer``:
         a :class:`metaclaw.replay.Replayer` (upstream, judge, retrieval settings); ``library``:
         the :class:`metaclaw.skills.SkillLibrary` the variants' generations come from;
-        ``max_calls``: the most upstream plus judge calls to spend (whole cases are left out
-        beyond it); ``concurrency``: replays in flight. Returns the plan it ran."""
+        ``max_calls``: the most upstream plus judge calls to spend (the replays beyond it are
+        left for a later run); ``concurrency``: replays in flight (each with its judge votes in
+        parallel). Returns the plan it ran."""
         from metaclaw.judge import run_sync
 
         return run_sync(lambda: self.arun(replayer, library, max_calls=max_calls,
@@ -273,33 +274,37 @@ class Experiment:
                         replayer.upstream, replayer.judge._client)
 
     async def arun(self, replayer: Any, library: Any, *, max_calls: int | None = None,
-                   concurrency: int = 16, on_progress: ProgressFn | None = None) -> Plan:
-        """The async form of :meth:`run`."""
+                   concurrency: int = 256, on_progress: ProgressFn | None = None) -> Plan:
+        """The async form of :meth:`run`. Memory stays bounded whatever the dataset's size:
+        ``concurrency`` workers each hold one case (read from the store when its turn comes)."""
         skills = {v.spec: v.skills(library) for v in self.variants}  # bad variants fail first
         todo = self._todo()
         per_replay = 1 + replayer.judge.votes
         if max_calls is not None and len(todo) * per_replay > max_calls:
             todo = todo[:max(0, int(max_calls) // per_replay)]
-        turns = {t["id"]: t for t in (self.store.turn(i) for i in {i for i, _ in todo}) if t}
-        corrected = _corrected(self.store, turns)
+        corrected = _corrected(self.store, {i for i, _ in todo})
         plan = Plan(len(todo), len(todo), len(todo) * replayer.judge.votes,
                     len(self._done()))
-        semaphore = asyncio.Semaphore(max(1, int(concurrency)))
+        pending = iter(todo)  # shared by the workers (one event loop: no lock needed)
         finished = [0]
-        notify(on_progress, f"experiment {self.name}", 0, len(todo))
+        task = f"experiment {self.name}"
+        notify(on_progress, task, 0, len(todo))
 
-        async def one(turn_id: int, variant: Variant) -> None:
-            async with semaphore:
-                replay = await replayer.areplay(turns[turn_id], skills[variant.spec],
-                                                model=variant.model)
-            self._store(turn_id, variant.spec, replay, replayer.judge.threshold,
-                        corrected.get(turn_id))
-            finished[0] += 1
-            notify(on_progress, f"experiment {self.name}", finished[0], len(todo),
-                   f"turn #{turn_id} {variant.spec}: "
-                   + ("failed" if replay.score is None else f"{replay.score:+g}"))
+        async def worker() -> None:
+            for turn_id, variant in pending:
+                turn = self.store.turn(turn_id)
+                if turn is None:  # deleted since the dataset was made
+                    continue
+                replay = await replayer.areplay(turn, skills[variant.spec], model=variant.model)
+                self._store(turn_id, variant.spec, replay, replayer.judge.threshold,
+                            corrected.get(turn_id))
+                finished[0] += 1
+                notify(on_progress, task, finished[0], len(todo),
+                       f"turn #{turn_id} {variant.spec}: "
+                       + ("failed" if replay.score is None else f"{replay.score:+g}"))
 
-        await asyncio.gather(*(one(i, v) for i, v in todo if i in turns))
+        await asyncio.gather(*(worker() for _ in range(min(max(1, int(concurrency)),
+                                                           len(todo)))))
         return plan
 
     def _store(self, turn_id: int, variant: str, replay: Any, threshold: float,
@@ -308,6 +313,11 @@ class Experiment:
             "pass" if replay.score > threshold else "fail")
         similarity = (round(difflib.SequenceMatcher(None, corrected, replay.reply).ratio(), 4)
                       if corrected is not None and not replay.upstream_failed else None)
+        with self.store.transaction(fsync=False):  # survives kill -9; see Store.transaction
+            self._insert(turn_id, variant, replay, verdict, similarity)
+
+    def _insert(self, turn_id: int, variant: str, replay: Any, verdict: str | None,
+                similarity: float | None) -> None:
         self.store.execute(
             "INSERT OR REPLACE INTO experiment_results (experiment_id, turn_id, variant, "
             "created_at, score, verdict, votes, reply, tool_calls, skills, error, "
@@ -420,8 +430,8 @@ def list_experiments(store: Store):
         "results": pl.Int64})
 
 
-def _corrected(store: Store, turns: dict[int, Any]) -> dict[int, str]:
-    """The latest corrected answer of each of ``turns`` that has one."""
+def _corrected(store: Store, turns: Iterable[int]) -> dict[int, str]:
+    """The latest corrected answer of each of the turns ``turns`` (ids) that has one."""
     rows = store.query(f"SELECT turn_id, corrected FROM labels WHERE corrected IS NOT NULL AND "
                        f"turn_id {IN_IDS} ORDER BY id", (id_list(turns),))
     return {r["turn_id"]: r["corrected"] for r in rows}

@@ -1,0 +1,125 @@
+"""An experiment's replays and judge votes run concurrently; its memory stays bounded.
+
+Measured side by side in one run, against the offline double answering every request after a
+fixed latency (a simulated upstream and judge, not models; the double runs in its own process,
+as in ``bench_judge.py``):
+
+- single: the wall time of one case of one variant (one upstream call, then ``--votes`` judge
+  calls in parallel), the slowest of ``--repeat``;
+- experiment: ``Experiment.run`` over ``--cases`` cases x 2 variants, reading the cases and
+  storing every result.
+
+PASS when experiment / single <= 1.5 (the judge benchmark's rule) at the ``--latency`` (default 1
+s). Then the peak memory (tracemalloc) of an experiment over ``--large`` cases at no latency.
+
+    python benchmarks/bench_experiment.py [--cases 200] [--votes 3] [--latency 1.0] [--large 10000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import sys
+import tempfile
+import time
+import tracemalloc
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_judge import serve_double  # noqa: E402
+
+
+def workspace(folder: Path, cases: int):
+    from metaclaw import experiments as ex
+    from metaclaw.skills import Skill, SkillLibrary
+    from metaclaw.store import Store
+
+    store = Store(folder / "metaclaw.db")
+    library = SkillLibrary(folder / "skills", store)
+    library.add(Skill(name="iso-dates", description="Write dates as ISO 8601",
+                      body="Every date you write uses YYYY-MM-DD."), reason="bench")
+    with store.transaction(fsync=False):
+        ids = [store.record_turn(session_id=f"s{i % 20}", status="ok", response=f"answer {i}",
+                                 request_messages=[{"role": "user",
+                                                    "content": f"write the due date {i} into "
+                                                               "tasks.json"}])
+               for i in range(cases)]
+    ex.dataset(store, "cases", turn_ids=ids)
+    return store, library
+
+
+def timed(url: str, store, library, name: str, latency: float, votes: int, **run) -> float:
+    from metaclaw import experiments as ex
+    from metaclaw.judge import Judge
+    from metaclaw.replay import Replayer
+
+    model = f"judge-{latency:g}"
+    replayer = Replayer(Judge(url, model, votes=votes, timeout=30 + latency), url, model,
+                        timeout=30 + latency)
+    experiment = ex.Experiment.create(store, name, run.pop("dataset", "cases"),
+                                      ["none", "current"])
+    start = time.perf_counter()
+    experiment.run(replayer, library, **run)
+    seconds = time.perf_counter() - start
+    frame = experiment.frame()
+    assert frame["score"].null_count() == 0, frame.filter(frame["score"].is_null())["error"][0]
+    return seconds
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", type=int, default=200)
+    parser.add_argument("--votes", type=int, default=3)
+    parser.add_argument("--latency", type=float, default=1.0)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--large", type=int, default=10_000)
+    args = parser.parse_args(argv)
+
+    from metaclaw import experiments as ex
+
+    ctx = mp.get_context("spawn")
+    ports: "mp.Queue[int]" = ctx.Queue()
+    stop = ctx.Event()
+    child = ctx.Process(target=serve_double, args=(ports, stop), daemon=True)
+    child.start()
+    try:
+        url = f"http://127.0.0.1:{ports.get(timeout=60)}/v1"
+        with tempfile.TemporaryDirectory() as tmp:
+            store, library = workspace(Path(tmp) / "a", args.cases + args.repeat)
+            ids = ex.dataset_ids(store, "cases")
+            singles = []
+            for i in range(args.repeat + 1):  # the first warms the connection pools
+                ex.dataset(store, f"one{i}", turn_ids=[ids[args.cases + i - 1]])
+                seconds = timed(url, store, library, f"s{i}", args.latency, args.votes,
+                                dataset=f"one{i}", concurrency=1, max_calls=1 + args.votes)
+                if i:
+                    singles.append(seconds)
+            ex.dataset(store, "batch", turn_ids=ids[:args.cases])
+            batch = timed(url, store, library, "batch", args.latency, args.votes,
+                          dataset="batch")
+            store.close()
+
+            store, library = workspace(Path(tmp) / "b", args.large)
+            tracemalloc.start()
+            large = timed(url, store, library, "large", 0.0, 1)
+            peak = tracemalloc.get_traced_memory()[1] / 2**20
+            tracemalloc.stop()
+            store.close()
+    finally:
+        stop.set()
+        child.join(10)
+    single = max(singles)
+    replays = 2 * args.cases
+    ratio = batch / single
+    print(f"experiment: {args.cases} cases x 2 variants x {args.votes} votes = {replays} "
+          f"upstream + {replays * args.votes} judge calls, simulated latency {args.latency:g} s")
+    print(f"  one case, one variant (slowest of {args.repeat}): {single:.2f} s")
+    print(f"  the whole experiment: {batch:.2f} s; ratio {ratio:.2f} (must be <= 1.5): "
+          f"{'PASS' if ratio <= 1.5 else 'FAIL'}")
+    print(f"  {args.large:,} cases x 2 variants at no latency: {large:.1f} s, peak traced "
+          f"memory {peak:.0f} MiB")
+    return 0 if ratio <= 1.5 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
