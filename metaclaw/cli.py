@@ -213,6 +213,10 @@ def _turn_rows(store: Any, where: str, params: list[Any], fields: tuple[str, ...
 def cmd_turns(args: argparse.Namespace) -> int:
     from metaclaw.sessions import IdentityError, turns_filter
 
+    if args.action == "import":
+        return _import_turns(args)
+    if args.files:
+        raise CliError("files are read by `metaclaw turns import FILE...`")
     store = _store(args.db)
     try:
         where, params = turns_filter(args.session, args.type)
@@ -240,6 +244,50 @@ def cmd_turns(args: argparse.Namespace) -> int:
                 if s.get("use_when") or s.get("example_asks"):
                     print(_printable(f"       {s['name']}: use when {s.get('use_when') or '-'}; "
                                      f"{s.get('example_asks', 0)} example asks"))
+    return 0
+
+
+def _import_turns(args: argparse.Namespace) -> int:
+    """``metaclaw turns import FILE...``: transcripts agents wrote become imported turns
+    (:mod:`metaclaw.transcripts`); all files or none."""
+    from metaclaw import transcripts
+    from metaclaw.store import Store
+
+    if not args.files:
+        raise CliError("import: name the transcript files to import")
+    store = Store(args.db)
+    try:
+        result = transcripts.import_files(store, args.files, format=args.format)
+    finally:
+        store.close()
+    if args.json:
+        _print_json({"imported": result.imported, "skipped": result.skipped,
+                     "turn_ids": result.turn_ids, "formats": result.formats,
+                     "sessions": result.sessions, "db": args.db})
+        return 0
+    for path, kind in result.formats.items():
+        print(_printable(f"{path}: {kind}"))
+    print(f"imported {result.imported} turns in {len(result.sessions)} sessions into {args.db}"
+          + (f"; {result.skipped} were already there" if result.skipped else "")
+          + " (marked imported: judged, labelled and evolved from, never trained on)")
+    return 0
+
+
+@command("export")
+def cmd_export(args: argparse.Namespace) -> int:
+    """``metaclaw export OUT.jsonl``: labelled turns as OpenAI chat JSON Lines (or eval
+    samples), the file ``metaclaw turns import`` reads back."""
+    from metaclaw.labels import export_jsonl
+
+    store = _store(args.db)
+    try:
+        count = export_jsonl(store, args.out, session=args.session, shape=args.shape,
+                             labelled_only=args.labelled_only)
+    finally:
+        store.close()
+    which = ("turns labelled pass or with a corrected answer" if args.shape == "chat"
+             else "labelled turns" if args.labelled_only else "turns")
+    print(_printable(f"wrote {count} records to {args.out} ({args.shape} shape: {which})"))
     return 0
 
 
@@ -878,7 +926,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("serve", help="run the skill-injecting OpenAI-compatible proxy")
     _add_proxy_options(p)
 
-    p = add("turns", help="list recorded turns")
+    p = add("turns", help="list recorded turns; import: record transcripts agents wrote")
+    p.add_argument("action", nargs="?", choices=["list", "import"], default="list",
+                   help="list (default) or import FILE...")
+    p.add_argument("files", nargs="*", metavar="FILE", help="transcripts to import: OpenClaw "
+                   "or Claude Code sessions, Codex rollouts, OpenAI chat JSON Lines")
+    p.add_argument("--format", choices=["auto", "openclaw", "claude-code", "codex", "openai"],
+                   default="auto", help="the transcripts' format (default: told from each file)")
     p.add_argument("--db", default=str(DEFAULT_DB))
     p.add_argument("--session", help="only this session")
     p.add_argument("--type", help="only turns of this type: main, side, stage:<name>, or stage "
@@ -886,6 +940,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--why", action="store_true", help="also the retrieval query, the skills' "
                                                      "scores and how the session was found")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
+
+    p = add("export", help="write labelled turns as OpenAI chat JSON Lines")
+    p.add_argument("out", metavar="OUT.jsonl")
+    p.add_argument("--db", default=str(DEFAULT_DB))
+    p.add_argument("--session", help="only this session")
+    p.add_argument("--labelled-only", action="store_true", help="only turns a person labelled")
+    p.add_argument("--shape", choices=["chat", "eval"], default="chat",
+                   help="chat: fine-tuning records of turns labelled pass or corrected "
+                   "(default); eval: one OpenAI evals sample per turn")
 
     p = add("skills", help="list, diff, roll back or import skill generations; stats: "
             "per-skill evidence")
