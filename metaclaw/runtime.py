@@ -62,7 +62,7 @@ def failure_summary(store: Store) -> dict[str, Any]:
 
 @dataclass
 class RuntimeConfig:
-    """Everything ``metaclaw serve`` / ``%metaclaw start`` accept (see README, Configuration)."""
+    """Everything ``metaclaw serve`` / ``%metaclaw start`` accept (see docs/reference/configuration.md)."""
 
     upstream_url: str | None = None
     model: str | None = None

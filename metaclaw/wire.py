@@ -28,7 +28,7 @@ ever lands in it) and is removed when the change is done. Where ``fcntl`` does n
 (Windows) there is no lock between processes; the check for a changed file still applies.
 
 Any other OpenAI-compatible agent: point its base URL at ``http://127.0.0.1:<port>/v1`` and
-its API key at the proxy token (README, "Point a real agent at the proxy").
+its API key at the proxy token (docs/how-to/wire-agents.md).
 """
 
 from __future__ import annotations
@@ -584,8 +584,8 @@ def plan_codex(path: Path, proxy_url: str, *, token: str | None = None,
         wired = tomllib.loads(after)
     except tomllib.TOMLDecodeError as exc:
         raise WireError(f"{path} is laid out in a way this text edit cannot follow ({exc}); "
-                        f"add [model_providers.{PROVIDER}] by hand (README, 'Wire a real "
-                        "agent') or simplify the file, then wire again") from None
+                        f"add [model_providers.{PROVIDER}] by hand (docs/how-to/wire-agents.md) "
+                        "or simplify the file, then wire again") from None
     if wired.get("model_provider") != PROVIDER or PROVIDER not in wired.get("model_providers",
                                                                            {}):
         raise WireError(f"{path}: the wired file would not select the proxy; add "
