@@ -158,7 +158,7 @@ def test_a_proposals_view_stays_as_shown_and_an_outdated_action_says_why(tmp_pat
     proposals.promote(store, library, pid, by="notebook-user")  # the next cell
     assert [p["status"] for p in review.proposals] == ["held"]  # as the text beside it says
     review.proposal_action = {"action": "promote", "id": pid, "nonce": 1}  # clicked afterwards
-    assert review.error.startswith(f"proposal #{pid}: proposal #{pid} is already promoted")
+    assert review.error.startswith(f"proposal #{pid} is already promoted (by notebook-user)")
     assert [p["status"] for p in review.proposals] == ["promoted"]  # now where it stands
     review.close()
     store.close()

@@ -71,6 +71,10 @@ def _parser(name: str, doc: str) -> _Parser:
     return _Parser(prog=f"%metaclaw {name}", description=doc, add_help=True)
 
 
+#: Secondary text in an output: JupyterLab's theme colour (readable in light and dark themes).
+_MUTED = "color:var(--jp-content-font-color2,#666)"
+
+
 @dataclass
 class ChatTurn:
     """One exchange sent from a ``%%metaclaw chat`` cell: the user's message, the final reply,
@@ -118,7 +122,7 @@ class ChatTurn:
             "<div class='metaclaw-chat' style='border-left:3px solid #6a5acd;padding:4px 10px'>"
             f"<div style='white-space:pre-wrap'>{html.escape(self.reply)}</div>"
             + calls
-            + f"<div style='color:#666;font-size:90%'>injected skills: {skills}<br>{meta}</div>"
+            + f"<div style='{_MUTED};font-size:90%'>injected skills: {skills}<br>{meta}</div>"
             "</div>")
 
     def __repr__(self) -> str:
@@ -161,7 +165,7 @@ def _tool_call_html(call: dict[str, Any]) -> str:
         shown += ", …" if len(parsed) > 2 else ""
     else:
         shown = _brief(str(arguments), 60)
-    result = (f" &rarr; <span style='color:#666'>{html.escape(_brief(call['result']))}</span>"
+    result = (f" &rarr; <span style='{_MUTED}'>{html.escape(_brief(call['result']))}</span>"
               if "result" in call else "")
     pre = ("<pre style='white-space:pre-wrap;margin:2px 0 4px 14px;max-height:300px;"
            "overflow:auto'>")

@@ -606,7 +606,9 @@ class SkillDiffWidget(_StaticHTML, anywidget.AnyWidget):
         except SourceGone as exc:
             self.error = str(exc)
         except Exception as exc:  # shown in the widget; the library is left as it was
-            self.error = f"proposal #{request.get('id')}: {_one_line(exc)}"
+            said = _one_line(exc)  # a ProposalError names the proposal already
+            prefix = f"proposal #{request.get('id')}"
+            self.error = said if said.startswith(prefix) else f"{prefix}: {said}"
             # a proposal decided since this view was made: show where it stands now
             with contextlib.suppress(Exception):
                 self.refresh_proposals()
