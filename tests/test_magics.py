@@ -247,3 +247,27 @@ def test_a_held_proposal_is_edited_and_promoted_from_magics(ip, capsys):
     assert "reverted" in capsys.readouterr().out
     line(ip, "revert")
     assert "no automatic generation" in capsys.readouterr().out
+
+
+def test_experiment_and_evidence_magics_and_cell_progress(ip, capsys, monkeypatch):
+    from metaclaw.notebook import magics
+    from metaclaw.notebook.experiment_view import EvidenceView
+
+    line(ip, "start --sim --db {ws}/m.db --skills {ws}/skills --retrieval lexical")
+    cell(ip, "chat --session s1", "Write the meeting time 9:30 tomorrow into day01/standup.json "
+                                  "as meeting_time.")
+    assert line(ip, "experiment") is None
+    assert "no experiment" in capsys.readouterr().out
+    assert isinstance(line(ip, "evidence"), EvidenceView)
+    shown = []
+    monkeypatch.setattr("IPython.display.display", shown.append)
+    on_progress = magics._cell_progress()
+    from metaclaw.progress import Progress
+
+    on_progress(Progress("judging turns", 0, 2))
+    on_progress(Progress("judging turns", 2, 2, "turn #2: reward +1"))
+    bar, label = shown[0].children
+    assert (bar.value, bar.max) == (2, 2) and label.value == "judging turns: 2/2 (turn #2: reward +1)"
+    assert len(shown) == 1  # one bar per call, updated in place
+    verdicts = line(ip, "score")  # draws its own bar while judging
+    assert len(verdicts) == 1

@@ -394,6 +394,34 @@ class MetaClawMagics(Magics):
         library = self._require_runtime().library
         return SkillDiffWidget(library, *args.generations, follow=args.follow)
 
+    def _do_experiment(self, argv: list[str], cell: str | None):
+        """%metaclaw experiment [NAME] [--variant V] [--follow]: an experiment's view (default:
+        the latest; `metaclaw experiment run` or metaclaw.experiments make them)."""
+        from metaclaw.experiments import ExperimentError
+        from metaclaw.notebook.experiment_view import show_experiment
+
+        parser = _parser("experiment", self._do_experiment.__doc__)
+        parser.add_argument("name", nargs="?")
+        parser.add_argument("--variant", help="the variant compared with the first")
+        parser.add_argument("--follow", action="store_true",
+                            help="show results as they are stored")
+        args = parser.parse_args(argv)
+        try:
+            return show_experiment(args.name, store=self._require_runtime().store,
+                                   variant=args.variant, follow=args.follow)
+        except ExperimentError as exc:
+            raise MagicUsageError(f"%metaclaw experiment: {exc}") from None
+
+    def _do_evidence(self, argv: list[str], cell: str | None):
+        """%metaclaw evidence: per-skill evidence of the library (metaclaw.evidence), with its
+        suggestions; its button files them as proposals held for review."""
+        from metaclaw.notebook.experiment_view import evidence_view
+
+        _parser("evidence", self._do_evidence.__doc__).parse_args(argv)
+        runtime = self._require_runtime()
+        runtime.proxy.flush()
+        return evidence_view(runtime.store, runtime.library)
+
     def _do_buffers(self, argv: list[str], cell: str | None):
         """%metaclaw buffers: the support / query buffers (BufferWidget; .frame is polars)."""
         from metaclaw.notebook.widgets import BufferWidget
@@ -419,7 +447,8 @@ class MetaClawMagics(Magics):
         ids = turns_to_score(runtime.store, session=args.session, last=args.last,
                              rescore=args.rescore)
         try:
-            results = judge.judge_turns(runtime.store, ids, rescore=args.rescore) if ids else []
+            results = judge.judge_turns(runtime.store, ids, rescore=args.rescore,
+                                        on_progress=_cell_progress()) if ids else []
         except KeyboardInterrupt:
             raise MagicInterrupted(
                 "interrupted: the judge calls still running were cancelled and their turns "
@@ -442,7 +471,7 @@ class MetaClawMagics(Magics):
         runtime = self._require_runtime()
         runtime.proxy.flush()
         result = self._library_change(runtime, lambda: runtime.evolver.evolve(
-            dry_run=args.dry_run))
+            dry_run=args.dry_run, on_progress=_cell_progress()))
         self.proposal = result.proposal if args.dry_run else None
         return result
 
@@ -734,6 +763,29 @@ class MetaClawMagics(Magics):
         except ValueError as exc:
             raise MagicUsageError(str(exc)) from None
         return runtime.store.frame("turns", where, params)
+
+
+def _cell_progress() -> Any:
+    """An ``on_progress`` (metaclaw.progress) drawing a bar in the running cell's output; None
+    where ipywidgets is missing."""
+    try:
+        import ipywidgets
+        from IPython.display import display
+    except ImportError:
+        return None
+    bar = ipywidgets.IntProgress(value=0, min=0, max=1, layout={"width": "320px"})
+    label = ipywidgets.Label("")
+    shown: list[bool] = []
+
+    def on_progress(event: Any) -> None:
+        if not shown:
+            display(ipywidgets.HBox([bar, label]))
+            shown.append(True)
+        bar.max = max(1, event.total or event.done or 1)
+        bar.value = min(event.done, bar.max)
+        label.value = str(event)
+
+    return on_progress
 
 
 def _notebook_scheduler_config(path: str | None) -> dict[str, Any]:
