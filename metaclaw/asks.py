@@ -20,6 +20,8 @@ what this module does about it (every rule lives in :data:`RULES` or in :func:`e
   ``<<<BEGIN_OPENCLAW_INTERNAL_CONTEXT>>> ... <<<END_OPENCLAW_INTERNAL_CONTEXT>>>``, and may
   prepend metadata sections such as ``Conversation info (untrusted metadata):`` followed by a
   fenced JSON block. All of these are removed.
+- **A quoted ask.** ``opencode run "..."`` sends an ask that has spaces in double quotes:
+  a text that is one quoted string is unquoted.
 - **Edit-format reminders.** aider appends its edit format's rules ("To suggest changes to a
   file you MUST return the entire content...", "# *SEARCH/REPLACE block* Rules:", ...) to the
   user's message for some models: removed.
@@ -105,6 +107,13 @@ _AIDER_REMINDER = re.compile(
     r".*\Z", re.S | re.M)
 # Claude-Code slash commands: the command's arguments are the ask
 _COMMAND_ARGS = re.compile(r"<command-args>(.*?)</command-args>", re.S)
+# opencode's ``run`` sends an argument that has spaces in double quotes (its own escaped)
+_QUOTED = re.compile(r'\A\s*"((?:[^"\\]|\\.)*)"\s*\Z', re.S)
+
+
+def _unquote(text: str) -> str:
+    found = _QUOTED.match(text)
+    return text if found is None else found.group(1).replace('\\"', '"')
 
 
 def _command_args(text: str) -> str:
@@ -124,6 +133,7 @@ RULES: list[Rule] = [
     Rule("envelope", lambda text: _ENVELOPE.sub("", text), "["),
     Rule("header-lines", lambda text: _HEADER_LINES.sub("", text), ":"),
     Rule("aider-reminder", lambda text: _AIDER_REMINDER.sub("", text), "\n"),
+    Rule("quoted-ask", _unquote, '"'),
 ]
 
 

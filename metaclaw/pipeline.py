@@ -40,7 +40,7 @@ from aiohttp import web
 
 from metaclaw import buffers, context_budget, edge, retrieval
 from metaclaw.jsonlib import LONE_SURROGATE as _SURROGATE
-from metaclaw.protocols import ProxyError, WireProtocol, dumps
+from metaclaw.protocols import ProxyError, WireProtocol, dumpb, dumps
 from metaclaw.sessions import TURN_TYPES, Identity, IdentityError, identify  # noqa: F401
 from metaclaw.sessions import FINGERPRINT, Thread, is_task_turn
 from metaclaw.skills import offered_to
@@ -595,10 +595,12 @@ class TurnPipeline:
         return self.proxy._upstream
 
     def forward_body(self, turn: Turn, upstream: Upstream) -> tuple[dict[str, Any], bool]:
-        """The body in the upstream's protocol (translated when the client's differs)."""
+        """The body in the upstream's protocol (translated when the client's differs: from the
+        chat form the turn already holds, its messages with the skills, which is what the
+        client protocol's ``to_chat`` of the injected body gives)."""
         target = upstream.protocol
         body = turn.body if target is turn.protocol else target.from_chat(
-            turn.protocol.to_chat(turn.body))
+            {**turn.chat, "messages": turn.messages})
         forward, client_asked = target.prepare_forward(body, self.config.stream_usage)
         if target is not turn.protocol:  # what the client asked for, in its own protocol
             client_asked = turn.protocol.asks_for_usage(turn.body)
@@ -755,8 +757,8 @@ class _Relay:
             if "policy_version" in policy:
                 self.headers["X-MetaClaw-Policy-Version"] = str(policy["policy_version"])
             if upstream.protocol is not client:
-                payload = dumps(client.reply_from_chat(
-                    upstream.protocol.reply_to_chat(data), turn.body)).encode()
+                payload = dumpb(client.reply_from_chat(
+                    upstream.protocol.reply_to_chat(data), turn.body))
         except asyncio.CancelledError:
             self.cancelled()
             raise
@@ -808,8 +810,11 @@ class _Relay:
                 return await self.fail(exc, upstream)
             to_chat = None if same else source.stream_to_chat()
             from_chat = None if same else client.stream_from_chat(turn.body)
+            chunks = source.name == "openai"  # a chat upstream's events are chat chunks already
 
             def translate(event: dict[str, Any] | None) -> list[dict[str, Any] | None]:
+                if chunks:
+                    return from_chat.feed(event)
                 return [out for chunk in to_chat.feed(event) for out in from_chat.feed(chunk)]
 
             response = web.StreamResponse(status=200, headers={
@@ -855,12 +860,16 @@ class _Relay:
                                      code="upstream_truncated")
                 if not same and assembler.error is None:  # the end of the translated stream
                     tail = [out for chunk in to_chat.close() for out in from_chat.feed(chunk)]
+                    relayed = []
                     for out in [*tail, *from_chat.close()]:
                         data = client.encode_event(out)
                         if client.is_terminal(data, out):
                             held.append(data)
                         elif not client.is_private(out, client_asked):
-                            await self.write(response, data)
+                            relayed.append(data)
+                    if relayed:  # one write, masked like the events before it
+                        await self.write(response, self.proxy._scrub_bytes(b"".join(relayed),
+                                                                           self.secret_bytes))
             except _ClientGone:
                 where = "mid-stream" if self.sent else "before the reply's first byte"
                 self.finish(status="client_disconnected", http_status=200,

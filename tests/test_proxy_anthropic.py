@@ -602,6 +602,8 @@ def test_claude_code_agent_through_the_proxy(workspace, anthropic_double, tmp_pa
     main = [t for t in turns if t["injected_skills"]]
     assert main and main[0]["protocol"] == "anthropic" and main[0]["status"] == "ok"
     assert "git-commit-messages" in main[0]["injected_skills"]
+    assert main[0]["identified_by"]["session"] == "header:X-Claude-Code-Session-Id"
+    assert len({t["session_id"] for t in turns}) == 1  # its side requests join its session
     sent = next(r["body"] for r in anthropic_double.requests if r["path"] == "/v1/messages"
                 and r["body"].get("tools"))
     assert isinstance(sent["system"], list) and sent["system"][-1]["text"].startswith(BLOCK_HEADER)
@@ -649,6 +651,8 @@ def test_claude_code_agent_on_a_chat_upstream(workspace, openai_double, tmp_path
     main = [t for t in turns if t["injected_skills"]]
     assert main and main[0]["protocol"] == "anthropic" and main[0]["status"] == "ok"
     assert "git-commit-messages" in main[0]["injected_skills"]
+    assert main[0]["identified_by"]["session"] == "header:X-Claude-Code-Session-Id"
+    assert len({t["session_id"] for t in turns}) == 1
     refused = [t for t in turns if t["status"] != "ok"]
     assert not refused, refused[0]["error"]
     sent = next(r["body"] for r in openai_double.requests

@@ -304,9 +304,13 @@ def test_an_unknown_route_says_the_route_is_missing_not_the_model(workspace):
 
 
 def test_the_agents_sdk_default_model_runs_a_tool_turn_through_the_proxy(workspace):
-    """The OpenAI Agents SDK's default model speaks the Responses API: an agent with a function
-    tool runs a whole turn (tool call, tool result, answer) through the proxy."""
+    """The OpenAI Agents SDK as it comes: an agent that names no model, run with the default
+    provider (pointed at the proxy), gets the SDK's default model, which speaks the Responses
+    API. A function tool's whole turn (call, result, answer) goes through the proxy, the first
+    request gets the fitting skill, and the tool turn continues the same session."""
     agents = pytest.importorskip("agents")
+    from agents.models.default_models import get_default_model
+
     store, _ = workspace
     called = []
 
@@ -323,16 +327,20 @@ def test_the_agents_sdk_default_model_runs_a_tool_turn_through_the_proxy(workspa
         client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{proxy.port}/v1",
                                     api_key="unused", max_retries=0)
         agent = agents.Agent(name="ops", instructions="You change configs carefully.",
-                             tools=[backup_file],
-                             model=agents.OpenAIResponsesModel(model=MODEL, openai_client=client))
+                             tools=[backup_file])
         result = agents.Runner.run_sync(agent, ASK, run_config=agents.RunConfig(
+            model_provider=agents.OpenAIProvider(openai_client=client),
             tracing_disabled=True))
         turns = _turns(proxy, store)
     assert result.final_output == "Backed up; now edit it."
     assert called == ["deploy/config.yaml"]
+    assert [r["path"] for r in upstream.requests] == ["/v1/chat/completions"] * 2
+    assert upstream.requests[0]["body"]["model"] == get_default_model()
     assert [t["protocol"] for t in turns] == ["responses", "responses"]
     assert turns[0]["injected_skills"][0] == "backup-before-modify"
+    assert turns[0]["retrieval_query"] == ASK
     assert turns[0]["session_id"] == turns[1]["session_id"]  # the tool turn continues the reply
+    assert turns[1]["identified_by"]["session"] == "fingerprint:reply-thread"
     sent = upstream.requests[-1]["body"]["messages"]
     assert sent[-1]["role"] == "tool" and "copied deploy/config.yaml" in sent[-1]["content"]
 

@@ -48,8 +48,8 @@ the typed event sequence: ``response.created``, ``response.in_progress``, per it
 
 from __future__ import annotations
 
+import random
 import time
-import uuid
 from typing import Any
 
 from metaclaw.asks import content_text
@@ -65,7 +65,7 @@ _INCOMPLETE = {"length": "max_output_tokens", "content_filter": "content_filter"
 
 
 def _new_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex[:24]}"
+    return f"{prefix}_{random.getrandbits(96):024x}"
 
 
 def _bad(param: str, message: str) -> ProxyError:
@@ -318,7 +318,7 @@ class ChatToResponsesStream(StreamTranslator):
 
     def __init__(self, request: dict[str, Any] | None = None):
         self.request = request or {}
-        self.custom = custom_tools(self.request)
+        self._custom: frozenset[str] | None = None  # found when the first call comes
         self.seq = 0
         self.started = False
         self.closed = False
@@ -326,12 +326,19 @@ class ChatToResponsesStream(StreamTranslator):
         self.created = int(time.time())
         self.model = ""
         self.output: list[dict[str, Any]] = []  # finished items, in order
-        self.open: dict[str, Any] | None = None  # the item streaming now
+        self.open: _Open | None = None  # the item streaming now
         self.calls: dict[int, dict[str, Any]] = {}  # chat index -> gathered call
         self.live: int | None = None  # the chat index of the call streaming live
         self.late = ""  # text that came once the calls had begun
         self.finish: str | None = None
         self.usage: dict[str, Any] | None = None
+
+    @property
+    def custom(self) -> frozenset[str]:
+        """The request's free-form tools (read only for a stream that calls tools)."""
+        if self._custom is None:
+            self._custom = custom_tools(self.request)
+        return self._custom
 
     def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
         event = {"type": kind, "sequence_number": self.seq, **fields}
@@ -345,13 +352,14 @@ class ChatToResponsesStream(StreamTranslator):
 
     def _start(self) -> list[dict[str, Any]]:
         self.started = True
-        return [self._event("response.created", response=self._snapshot("in_progress")),
-                self._event("response.in_progress", response=self._snapshot("in_progress"))]
+        snapshot = self._snapshot("in_progress")  # the same in both (each encoded as it goes)
+        return [self._event("response.created", response=snapshot),
+                self._event("response.in_progress", response=snapshot)]
 
     def _open_item(self, item: dict[str, Any], kind: str) -> list[dict[str, Any]]:
         out = self._close_item()
         index = len(self.output)
-        self.open = {"kind": kind, "item": item, "index": index, "text": ""}
+        self.open = _Open(kind, item, index)
         out.append(self._event("response.output_item.added", output_index=index,
                                item={**item, "status": "in_progress"}))
         if kind == "message":
@@ -367,8 +375,8 @@ class ChatToResponsesStream(StreamTranslator):
     def _close_item(self) -> list[dict[str, Any]]:
         if self.open is None:
             return []
-        kind, item, index, text = (self.open["kind"], self.open["item"], self.open["index"],
-                                   self.open["text"])
+        kind, item, index, text = (self.open.kind, self.open.item, self.open.index,
+                                   "".join(self.open.parts))
         self.open = None
         out: list[dict[str, Any]] = []
         if kind == "message":
@@ -394,21 +402,24 @@ class ChatToResponsesStream(StreamTranslator):
         out.append(self._event("response.output_item.done", output_index=index, item=item))
         return out
 
-    def _text(self, kind: str, text: str) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = []
-        if self.open is None or self.open["kind"] != kind:
+    def _text(self, kind: str, text: str, out: list[dict[str, Any]]) -> None:
+        """Append to ``out`` a delta of ``text`` for the item of ``kind`` streaming now (opened
+        first when another item streams)."""
+        if self.open is None or self.open.kind != kind:
             item = (_message_item("", "in_progress") if kind == "message" else
                     {"type": "reasoning", "id": _new_id("rs"), "summary": []})
             out += self._open_item(item, kind)
-        self.open["text"] += text
-        item_id, index = self.open["item"]["id"], self.open["index"]
+        opened = self.open
+        opened.parts.append(text)
         if kind == "message":
-            out.append(self._event("response.output_text.delta", item_id=item_id,
-                                   output_index=index, content_index=0, delta=text))
+            out.append({"type": "response.output_text.delta", "sequence_number": self.seq,
+                        "item_id": opened.item["id"], "output_index": opened.index,
+                        "content_index": 0, "delta": text})
         else:
-            out.append(self._event("response.reasoning_summary_text.delta", item_id=item_id,
-                                   output_index=index, summary_index=0, delta=text))
-        return out
+            out.append({"type": "response.reasoning_summary_text.delta",
+                        "sequence_number": self.seq, "item_id": opened.item["id"],
+                        "output_index": opened.index, "summary_index": 0, "delta": text})
+        self.seq += 1
 
     def _whole_call(self, call: dict[str, Any]) -> list[dict[str, Any]]:
         """One gathered call sent whole: added, its input or arguments, done."""
@@ -434,6 +445,36 @@ class ChatToResponsesStream(StreamTranslator):
         out.append(self._event("response.output_item.done", output_index=index, item=item))
         return out
 
+    def _tool_calls(self, calls: list[Any]) -> list[dict[str, Any]]:
+        """A chunk's tool-call fragments: the first call streams live, the others gather."""
+        out: list[dict[str, Any]] = []
+        for call in calls:
+            key = call.get("index", 0)
+            function = call.get("function") or {}
+            gathered = self.calls.setdefault(key, {"id": None, "name": "", "arguments": ""})
+            gathered["id"] = call.get("id") or gathered["id"]
+            gathered["name"] += function.get("name") or ""
+            gathered["arguments"] += function.get("arguments") or ""
+            if self.live is None and gathered["name"] not in self.custom:
+                self.live = key
+                item = {"type": "function_call", "id": _new_id("fc"),
+                        "call_id": gathered["id"] or _new_id("call"),
+                        "name": gathered["name"], "arguments": ""}
+                gathered["id"] = item["call_id"]
+                out += self._open_item(item, "function_call")
+                gathered["streamed"] = True
+            opened = self.open
+            if key != self.live or opened is None or opened.kind != "function_call":
+                continue
+            if function.get("name"):  # a name sent in pieces: the item's is whole
+                opened.item["name"] = gathered["name"]
+            if function.get("arguments"):
+                opened.parts.append(function["arguments"])
+                out.append(self._event("response.function_call_arguments.delta",
+                                       item_id=opened.item["id"], output_index=opened.index,
+                                       delta=function["arguments"]))
+        return out
+
     def feed(self, chunk: dict[str, Any] | None) -> list[dict[str, Any] | None]:
         if chunk is None:
             return []
@@ -443,52 +484,39 @@ class ChatToResponsesStream(StreamTranslator):
             return [self._event("error", code=error.get("code") or "upstream_error",
                                 message=str(error.get("message", error)), param=None)]
         out: list[dict[str, Any]] = [] if self.started else self._start()
-        self.model = self.model or chunk.get("model") or ""
+        if not self.model:
+            self.model = chunk.get("model") or ""
         if chunk.get("usage"):
             self.usage = chunk["usage"]
         for choice in chunk.get("choices") or ():
             if choice.get("index", 0) != 0:
                 continue
             delta = choice.get("delta") or {}
-            reasoning = delta.get("reasoning_content") or delta.get("reasoning")
-            text = content_text(delta.get("content")) if delta.get("content") else ""
-            if self.live is not None or self.calls:
-                # once the calls began, an item may not open between their fragments: text is
-                # gathered and sent after them; reasoning this late is left out
-                self.late += text
-                reasoning = text = ""
-            if isinstance(reasoning, str) and reasoning:
-                out += self._text("reasoning", reasoning)
-            if text:
-                out += self._text("message", text)
-            for call in delta.get("tool_calls") or ():
-                key = call.get("index", 0)
-                function = call.get("function") or {}
-                gathered = self.calls.setdefault(key, {"id": None, "name": "", "arguments": ""})
-                gathered["id"] = call.get("id") or gathered["id"]
-                gathered["name"] += function.get("name") or ""
-                gathered["arguments"] += function.get("arguments") or ""
-                if self.live is None and gathered["name"] not in self.custom:
-                    self.live = key
-                    item = {"type": "function_call", "id": _new_id("fc"),
-                            "call_id": gathered["id"] or _new_id("call"),
-                            "name": gathered["name"], "arguments": ""}
-                    gathered["id"] = item["call_id"]
-                    out += self._open_item(item, "function_call")
-                    gathered["streamed"] = True
-                if key == self.live and self.open and self.open["kind"] == "function_call" \
-                        and function.get("name"):  # a name sent in pieces: the item's is whole
-                    self.open["item"]["name"] = gathered["name"]
-                if key == self.live and self.open and self.open["kind"] == "function_call" \
-                        and function.get("arguments"):
-                    self.open["text"] += function["arguments"]
-                    out.append(self._event("response.function_call_arguments.delta",
-                                           item_id=self.open["item"]["id"],
-                                           output_index=self.open["index"],
-                                           delta=function["arguments"]))
+            if len(delta) == 1 and not self.calls and type(delta.get("content")) is str:
+                # the usual chunk: a piece of text alone (its item opens with the first)
+                if delta["content"]:
+                    self._text("message", delta["content"], out)
+            else:
+                self._delta(delta, out)
             if choice.get("finish_reason"):
                 self.finish = choice["finish_reason"]
         return out
+
+    def _delta(self, delta: dict[str, Any], out: list[dict[str, Any]]) -> None:
+        content = delta.get("content")
+        text = content_text(content) if content else ""
+        reasoning = delta.get("reasoning_content") or delta.get("reasoning")
+        if self.live is not None or self.calls:
+            # once the calls began, an item may not open between their fragments: text is
+            # gathered and sent after them; reasoning this late is left out
+            self.late += text
+            reasoning = text = ""
+        if reasoning and isinstance(reasoning, str):
+            self._text("reasoning", reasoning, out)
+        if text:
+            self._text("message", text, out)
+        if delta.get("tool_calls"):
+            out += self._tool_calls(delta["tool_calls"])
 
     def close(self) -> list[dict[str, Any] | None]:
         if self.closed:
@@ -501,7 +529,7 @@ class ChatToResponsesStream(StreamTranslator):
             if not call.get("streamed"):
                 out += self._whole_call(call)
         if self.late:
-            out += self._text("message", self.late)
+            self._text("message", self.late, out)
             out += self._close_item()
         usage = _usage_from_chat(self.usage)
         if self.finish in _INCOMPLETE:  # cut off (max_output_tokens, a content filter)
@@ -511,6 +539,16 @@ class ChatToResponsesStream(StreamTranslator):
             out.append(self._event("response.completed",
                                    response=self._snapshot("completed", usage)))
         return out
+
+
+class _Open:
+    """The output item streaming now: its kind, the item, its index, its text so far."""
+
+    __slots__ = ("kind", "item", "index", "parts")
+
+    def __init__(self, kind: str, item: dict[str, Any], index: int):
+        self.kind, self.item, self.index = kind, item, index
+        self.parts: list[str] = []
 
 
 class ResponsesToChatStream(ToChatStream):
@@ -867,9 +905,10 @@ class OpenAIResponses(WireProtocol):
                            "summary": [{"type": "summary_text", "text": reasoning}]})
         if message.get("content"):
             output.append(_message_item(content_text(message["content"])))
-        custom = custom_tools(request or {})
-        output += [_call_item(call, custom) for call in message.get("tool_calls") or ()
-                   if isinstance(call, dict)]
+        calls = [call for call in message.get("tool_calls") or () if isinstance(call, dict)]
+        if calls:
+            custom = custom_tools(request or {})
+            output += [_call_item(call, custom) for call in calls]
         return _response(request, completion.get("model") or "", output, "completed",
                          _usage_from_chat(completion.get("usage")),
                          finish=choice.get("finish_reason"))
@@ -887,7 +926,7 @@ class OpenAIResponses(WireProtocol):
     def encode_event(self, event: dict[str, Any] | None) -> bytes:
         if event is None:
             return b""
-        return f"event: {event.get('type')}\ndata: ".encode() + dumpb(event) + b"\n\n"
+        return b"event: %s\ndata: %s\n\n" % (str(event.get("type")).encode(), dumpb(event))
 
     def is_terminal(self, raw: bytes, event: dict[str, Any] | None) -> bool:
         return event is not None and event.get("type") in (
