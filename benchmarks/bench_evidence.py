@@ -18,8 +18,8 @@ import time
 import tracemalloc
 from pathlib import Path
 
-from metaclaw import evidence
-from metaclaw.skills import Skill, SkillLibrary, SkillOp, starter_skills_dir
+from metaclaw.fastloop import evidence
+from metaclaw.skills.library import Skill, SkillLibrary, SkillOp, starter_skills_dir
 from metaclaw.store import Store
 
 

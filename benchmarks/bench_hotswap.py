@@ -47,7 +47,7 @@ class FixedSampler:
         self.tokens = [token] * 7 + [eos]
 
     def sample(self, prompt_tokens, n=1, max_tokens=64, temperature=1.0, seed=None):
-        from metaclaw.backends import Sample
+        from metaclaw.slowloop.backends import Sample
 
         toks = self.tokens[:max_tokens]
         return [Sample(list(toks), [-0.1] * len(toks), "stop") for _ in range(n)]
@@ -159,10 +159,10 @@ async def bench(proxy, responder, samplers, waves: int, concurrency: int, swap_e
 
 def run(model_dir: str, root: Path, waves: int, concurrency: int, swap_every_s: float,
         fixed: bool) -> None:
-    from metaclaw.backends import make_backend
-    from metaclaw.policy import PolicyResponder
-    from metaclaw.proxy import Proxy, ProxyConfig
-    from metaclaw.skills import Skill, SkillLibrary
+    from metaclaw.proxy.app import Proxy, ProxyConfig
+    from metaclaw.skills.library import Skill, SkillLibrary
+    from metaclaw.slowloop.backends import make_backend
+    from metaclaw.slowloop.policy import PolicyResponder
     from metaclaw.store import Store
 
     backend = make_backend("local", model_dir, lora_rank=8, seed=0)
@@ -203,7 +203,7 @@ def main() -> None:
     args = parser.parse_args()
     import torch
 
-    from metaclaw.tinymodel import write_tiny_model
+    from metaclaw.offline.tinymodel import write_tiny_model
 
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:

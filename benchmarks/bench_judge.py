@@ -33,7 +33,7 @@ from pathlib import Path
 def serve_double(port_queue: "mp.Queue[int]", stop: "mp.Event") -> None:
     """Child process: a double answering every request with a +1 verdict after a delay given by
     the request's model name (``judge-<seconds>``)."""
-    from metaclaw.double import DoubleServer, Reply
+    from metaclaw.offline.double import DoubleServer, Reply
 
     verdict = json.dumps({"score": 1, "rationale": "fine"})
 
@@ -49,7 +49,7 @@ def serve_double(port_queue: "mp.Queue[int]", stop: "mp.Event") -> None:
 async def measure(url: str, store, ids: list[int], latency: float, votes: int, turns: int,
                   repeat: int) -> dict:
     """Single-turn and batch timings at one latency (one event loop, one connection pool)."""
-    from metaclaw.judge import Judge
+    from metaclaw.fastloop.judge import Judge
 
     judge = Judge(url, f"judge-{latency:g}", votes=votes, timeout=30 + latency)
     warm_up, singles_ids = ids[0], ids[1:repeat + 1]

@@ -21,7 +21,7 @@ def main() -> None:
 
     import openai
 
-    from metaclaw.localmodel import LocalModelServer, load_responder
+    from metaclaw.offline.localmodel import LocalModelServer, load_responder
 
     t0 = time.perf_counter()
     responder = load_responder(max_tokens=args.tokens)

@@ -2,7 +2,7 @@
 
 Separate processes, so none shares an interpreter lock with another:
 
-- upstream: the offline double (:class:`metaclaw.double.DoubleServer`, a scripted server, not a
+- upstream: the offline double (:class:`metaclaw.offline.double.DoubleServer`, a scripted server, not a
   model) answering every request at once with an echo of the user message (streams: one chunk
   per word);
 - proxy: ``python -m metaclaw serve --upstream <double> --retrieval lexical`` over a library of
@@ -18,7 +18,7 @@ Separate processes, so none shares an interpreter lock with another:
   handling would add its own milliseconds to both sides).
 
 With ``--protocols openai,anthropic`` (the default) the Anthropic Messages side is measured in the
-same run, side by side: an offline Anthropic double (:mod:`metaclaw.double_anthropic`, scripted
+same run, side by side: an offline Anthropic double (:mod:`metaclaw.offline.double_anthropic`, scripted
 echo built on the SDK's types) is the direct baseline, against ``proxy[lexical] anthropic->anthropic``
 (pass-through to that double, ``--upstream-protocol anthropic``) and ``proxy[lexical]
 anthropic->openai`` (Anthropic requests translated to the OpenAI double and back). Every proxy is
@@ -77,7 +77,7 @@ SYSTEM = "You are a careful software agent working in the user's repository."
 
 DOUBLE_PROCESS = """
 import sys
-from metaclaw.double import DoubleServer
+from metaclaw.offline.double import DoubleServer
 double = DoubleServer(models=({model!r},)).start()  # no script: echoes at once, no delay
 print(double.port, flush=True)
 sys.stdin.read()  # serve until the benchmark closes our stdin
@@ -86,7 +86,7 @@ double.stop()
 
 ANTHROPIC_DOUBLE_PROCESS = """
 import sys
-from metaclaw.double_anthropic import AnthropicDoubleServer
+from metaclaw.offline.double_anthropic import AnthropicDoubleServer
 double = AnthropicDoubleServer().start()  # no script: echoes at once, no delay
 print(double.port, flush=True)
 sys.stdin.read()
@@ -204,7 +204,7 @@ def start_double(source: str | None = None) -> tuple[subprocess.Popen, str]:
 
 def write_skills(folder: Path) -> int:
     """20 skills: the 8 bundled starter skills plus 12 more. Returns how many were written."""
-    from metaclaw.skills import Skill, starter_skills_dir
+    from metaclaw.skills.library import Skill, starter_skills_dir
 
     shutil.copytree(starter_skills_dir(), folder)
     for name, category, description in EXTRA_SKILLS:

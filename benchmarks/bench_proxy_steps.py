@@ -37,17 +37,17 @@ from bench_proxy import (CHECKED, FLOOR, ProxyProcess, call_plain, call_stream, 
 #: The proxy's own steps, timed in place: (label, "module:Class" or "module", attribute). None
 #: calls another, so their times add up.
 STEPS = [
-    ("authenticate the caller", "metaclaw.pipeline:TurnPipeline", "authenticate"),
-    ("decode and check the body", "metaclaw.edge", "decode_body"),
-    ("parse the turn", "metaclaw.pipeline", "parse_turn"),
-    ("identify the session", "metaclaw.pipeline", "identify_session"),
-    ("thread alike conversations", "metaclaw.sessions:ReplyThreads", "resolve"),
+    ("authenticate the caller", "metaclaw.proxy.pipeline:TurnPipeline", "authenticate"),
+    ("decode and check the body", "metaclaw.proxy.edge", "decode_body"),
+    ("parse the turn", "metaclaw.proxy.pipeline", "parse_turn"),
+    ("identify the session", "metaclaw.proxy.pipeline", "identify_session"),
+    ("thread alike conversations", "metaclaw.proxy.sessions:ReplyThreads", "resolve"),
     ("check the skill generation", "metaclaw.skills:SkillLibrary", "current"),
-    ("retrieve and inject skills", "metaclaw.pipeline:TurnPipeline", "select_and_inject"),
-    ("build the turn's row", "metaclaw.pipeline", "record_row"),
-    ("complete and submit the row", "metaclaw.pipeline:_Relay", "finish"),  # with the thread
-    ("commit the turns on the loop", "metaclaw.pipeline:Recorder", "_commit_on_loop"),
-    ("commit the turns in the thread", "metaclaw.pipeline:Recorder", "_commit"),
+    ("retrieve and inject skills", "metaclaw.proxy.pipeline:TurnPipeline", "select_and_inject"),
+    ("build the turn's row", "metaclaw.proxy.pipeline", "record_row"),
+    ("complete and submit the row", "metaclaw.proxy.pipeline:_Relay", "finish"),  # with the thread
+    ("commit the turns on the loop", "metaclaw.proxy.pipeline:Recorder", "_commit_on_loop"),
+    ("commit the turns in the thread", "metaclaw.proxy.pipeline:Recorder", "_commit"),
     ("checkpoint the log (thread)", "metaclaw.store:Store", "checkpoint"),
 ]
 #: Runs the proxy with its steps timed (the first argument of this script's child mode).

@@ -4,7 +4,7 @@
   a generation (``PRAGMA data_version`` on a private connection) before returning the skills.
   Measured against reading the in-memory skills without asking, and against re-reading the
   skills folder (what a per-request directory scan would cost), over a library of ``--skills``.
-- Query extraction: :func:`metaclaw.asks.extract_ask` against taking the last user message's
+- Query extraction: :func:`metaclaw.skills.asks.extract_ask` against taking the last user message's
   text (what retrieval used before), on plain SDK requests and on requests captured from the
   real OpenClaw CLI (tests/fixtures/requests/openclaw, ~60 KB each).
 - One turn's own steps, cumulatively, on ``benchmarks/bench_proxy.py``'s workload (its 20 skills
@@ -35,11 +35,11 @@ from pathlib import Path
 import orjson
 from bench_proxy import request_body, write_skills
 
-from metaclaw.asks import content_text, extract_ask
-from metaclaw.pipeline import identify_session, parse_turn, record_row
 from metaclaw.protocols.openai_chat import OPENAI
-from metaclaw.proxy import Proxy, ProxyConfig
-from metaclaw.skills import Skill, SkillLibrary, load_skills_dir
+from metaclaw.proxy.app import Proxy, ProxyConfig
+from metaclaw.proxy.pipeline import identify_session, parse_turn, record_row
+from metaclaw.skills.asks import content_text, extract_ask
+from metaclaw.skills.library import Skill, SkillLibrary, load_skills_dir
 from metaclaw.store import Store
 
 FIXTURES = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "requests" / "openclaw"

@@ -9,7 +9,7 @@ retriever's code.
 
 Each ask is sent as a real agent client sends it (``benchmarks/retrieval_clients.py``, built from
 captured requests of Codex CLI, aider, Claude Code, OpenClaw and the openai SDK; the client is
-drawn with the split's seed) and the proxy's query extractor (:func:`metaclaw.asks.extract_ask`)
+drawn with the split's seed) and the proxy's query extractor (:func:`metaclaw.skills.asks.extract_ask`)
 turns that request into the retrieval query, as in the proxy.
 
 The split (``benchmarks/data/retrieval/split.json``) was drawn once with the seed it records,
@@ -48,11 +48,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from retrieval_clients import CLIENTS, wrap  # noqa: E402
 
-from metaclaw.asks import extract_ask  # noqa: E402
-from metaclaw.retrieval import (  # noqa: E402
-    HybridRetriever, LexicalRetriever, augment, embeddings_available, make_retriever, select,
-)
-from metaclaw.skills import Skill  # noqa: E402
+from metaclaw.skills.asks import extract_ask  # noqa: E402
+from metaclaw.skills.library import Skill  # noqa: E402
+from metaclaw.skills.retrieval import (HybridRetriever, LexicalRetriever, augment,
+                                       embeddings_available, make_retriever, select)
 
 DATA = Path(__file__).resolve().parent / "data" / "retrieval"
 LABELLED = DATA / "labelled.json"

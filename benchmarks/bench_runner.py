@@ -1,6 +1,6 @@
 """Time the benchmark runner on the small MetaClaw-Bench against an answer-key upstream double.
 
-The upstream is a local OpenAI-compatible double (metaclaw.double.DoubleServer) answering from the
+The upstream is a local OpenAI-compatible double (metaclaw.offline.double.DoubleServer) answering from the
 answer key (metaclaw.bench.oracle), so the time measured is the runner's: agent loop, tool calls,
 workspaces and graders. Runs the whole benchmark against an instant upstream, then against one
 with a small fixed latency per request with ``--parallel 1`` and ``--parallel N`` side by side,
@@ -25,7 +25,7 @@ from pathlib import Path
 from metaclaw.bench.data import load_benchmark, small_bench_dir
 from metaclaw.bench.oracle import oracle_replies
 from metaclaw.bench.runner import run_bench
-from metaclaw.double import DoubleServer
+from metaclaw.offline.double import DoubleServer
 
 DEFAULT_DATA = small_bench_dir()
 

@@ -3,7 +3,7 @@
 It receives a request's body, forwards it unchanged with one pooled ``aiohttp.ClientSession`` and
 relays the reply (a stream chunk by chunk, as the chunks arrive): no parsing, no retrieval, no
 recording. ``benchmarks/bench_proxy.py`` runs it beside ``metaclaw serve``, in the same framework
-and on the same event loop (:func:`metaclaw.server.new_event_loop`: uvloop where installed), and
+and on the same event loop (:func:`metaclaw.proxy.server.new_event_loop`: uvloop where installed), and
 prints the proxy's figures as ratios to this one's: what the proxy adds beyond forwarding bytes.
 
 With ``--record DB`` it is the least a recording proxy does: each exchange, the request's bytes
@@ -29,7 +29,7 @@ import time
 import aiohttp
 from aiohttp import web
 
-from metaclaw.server import new_event_loop
+from metaclaw.proxy.server import new_event_loop
 
 #: Request and reply headers the pass-through carries over (everything else is the framework's).
 FORWARDED = ("Content-Type", "Authorization", "x-api-key", "anthropic-version")

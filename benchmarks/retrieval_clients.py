@@ -317,7 +317,7 @@ def main() -> None:
         print(f"{'':12s} {shape}")
     sys.path.insert(0, str(FIXTURES.parents[2]))  # the repository root: metaclaw from a checkout
     try:  # how the proxy's ask extractor reads them
-        from metaclaw.asks import extract_ask
+        from metaclaw.skills.asks import extract_ask
     except ImportError:
         print("(metaclaw not importable: extract_ask comparison skipped)")
     else:

@@ -8,7 +8,7 @@ stream that reached ``data: [DONE]`` / ``event: message_stop``. After each kill 
 opened afresh (SQLite recovers its WAL as after a crash) and every acknowledged turn is looked
 up by its unique session id. The next cycle restarts the proxy on the same database.
 
-Upstream: the offline double (:class:`metaclaw.double.DoubleServer`, scripted echo, not a model)
+Upstream: the offline double (:class:`metaclaw.offline.double.DoubleServer`, scripted echo, not a model)
 in this process. Printed: turns sent, acknowledged, lost (must be 0), turns recorded that the
 client never saw acknowledged (in flight at the kill: allowed), throughput, and the proxy's
 group-commit batches when available. Exits 1 when a turn is lost.
@@ -35,7 +35,7 @@ from pathlib import Path
 
 import httpx
 
-from metaclaw.double import DoubleServer
+from metaclaw.offline.double import DoubleServer
 
 KINDS = ("openai", "openai-stream", "anthropic", "anthropic-stream")
 

@@ -1,5 +1,5 @@
 """Train the static token table of all-MiniLM-L6-v2 on real sentences: Model2Vec's "Tokenlearn"
-step (Tulkens and van Dongen), which :mod:`metaclaw.static_embedding`'s distillation leaves out.
+step (Tulkens and van Dongen), which :mod:`metaclaw.skills.static_embedding`'s distillation leaves out.
 
 The distilled table (each token run through MiniLM alone, PCA, SIF weights) is only a starting
 point: here its rows are learned so that the weighted sum of a sentence's token rows points where
@@ -16,15 +16,15 @@ the retrieval benchmark.
 2. Teacher: MiniLM encodes each sentence (sentence-transformers, ``normalize_embeddings=True``);
    a progress line is printed and the vectors are cached in ``--work`` (resumed when cut short).
 3. Training, in MiniLM's 384-dimensional output space: row ``t`` starts as the token's output
-   vector, centred as in :func:`metaclaw.static_embedding.distill`; a sentence's vector is
-   ``sum_t w_t row_t`` over its tokens (``w``: :func:`~metaclaw.static_embedding.rarity_weights`,
+   vector, centred as in :func:`metaclaw.skills.static_embedding.distill`; a sentence's vector is
+   ``sum_t w_t row_t`` over its tokens (``w``: :func:`~metaclaw.skills.static_embedding.rarity_weights`,
    function words at 0, kept fixed); the loss is one minus its cosine with the teacher's vector
    (Adam). Tokens that never occur in the corpus keep their starting rows.
-4. The learned rows are reduced to :data:`~metaclaw.static_embedding.DIMS` dimensions by PCA
+4. The learned rows are reduced to :data:`~metaclaw.skills.static_embedding.DIMS` dimensions by PCA
    (the principal axes of the centred rows; the rows themselves are projected without
    centring, so that sums of rows are projected as the model saw them), weighted by ``w`` and
    written as a packaged folder (``table.npz`` int8 rows and scales, ``tokenizer.json``,
-   ``info.json``, ``NOTICE``) that :func:`metaclaw.static_embedding.packaged` reads unchanged.
+   ``info.json``, ``NOTICE``) that :func:`metaclaw.skills.static_embedding.packaged` reads unchanged.
 
 Sizes and times on a two-core machine shared with other work (load 6-10): see ``RESULTS`` at
 the end of this docstring.
@@ -66,8 +66,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from metaclaw import static_embedding as se  # noqa: E402
-from metaclaw.retrieval import minilm_model_path  # noqa: E402
+from metaclaw.skills import static_embedding as se  # noqa: E402
+from metaclaw.skills.retrieval import minilm_model_path  # noqa: E402
 
 #: Share of the sample drawn from each kind of source (matched against the source's name).
 SHARES = {"python": 0.40, "package": 0.05, "man": 0.35, "/usr/share/doc": 0.20}
@@ -284,7 +284,7 @@ def encode(sentences: list[str], path: Path, chunk: int = 2048) -> np.ndarray:
 
 def token_outputs(model_path: Path) -> np.ndarray:
     """Each vocabulary token's output vector, run through the model alone (as in
-    :func:`metaclaw.static_embedding.distill`)."""
+    :func:`metaclaw.skills.static_embedding.distill`)."""
     import torch
     from transformers import AutoModel
 
@@ -367,7 +367,7 @@ def train(sentences: list[str], teacher: np.ndarray, hidden: np.ndarray, tokeniz
 
 def finish(rows: np.ndarray, tokenizer) -> np.ndarray:
     """PCA to :data:`DIMS` (axes of the centred rows, rows projected uncentred), then the
-    rarity weights: the table :class:`~metaclaw.static_embedding.StaticEmbedding` takes."""
+    rarity weights: the table :class:`~metaclaw.skills.static_embedding.StaticEmbedding` takes."""
     centred = rows - rows.mean(axis=0)
     _, eigenvectors = np.linalg.eigh(centred.T.astype(np.float64) @ centred)
     components = eigenvectors[:, ::-1][:, :se.DIMS].astype(np.float32)

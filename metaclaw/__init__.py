@@ -9,12 +9,12 @@ __version__ = "0.1.0"
 
 
 def load_ipython_extension(ipython):  # pragma: no cover - exercised by notebook tests
-    from metaclaw.notebook import load_ipython_extension as _load
+    from metaclaw.notebook.magics import load_ipython_extension as _load
 
     _load(ipython)
 
 
 def unload_ipython_extension(ipython):  # pragma: no cover
-    from metaclaw.notebook import unload_ipython_extension as _unload
+    from metaclaw.notebook.magics import unload_ipython_extension as _unload
 
     _unload(ipython)

@@ -4,7 +4,7 @@ As in the MetaClaw paper: the **query set** of skill generation ``G`` is the tra
 after the adaptation that produced ``G``, served under ``G``, whatever their judged outcome (a
 judged failure is not removed from it: it is exactly the signal RL needs); the **support set** is
 the failures that drove an evolution; it never trains weights. Every task turn (``main`` or a
-``stage:<name>`` of a pipeline, :func:`metaclaw.sessions.is_task_turn`; side calls never enter
+``stage:<name>`` of a pipeline, :func:`metaclaw.proxy.sessions.is_task_turn`; side calls never enter
 the buffers) carries the skill generation that served it (``turns.skill_generation``); its
 place in the buffers lives in two columns of ``turns``:
 
@@ -36,8 +36,8 @@ The rules (one obvious place: :func:`classify`, :func:`refresh` and :func:`advan
 
 So at any moment the query set (the slow loop's training buffer) is every live turn of the
 current generation, and the support set of the next evolution is its judged failures.
-:class:`metaclaw.fastloop.FastLoop` applies these rules on the automatic path;
-:meth:`metaclaw.judge.Judge.judge_turns` and :meth:`metaclaw.evolver.Evolver.evolve` apply them
+:class:`metaclaw.fastloop.loop.FastLoop` applies these rules on the automatic path;
+:meth:`metaclaw.fastloop.judge.Judge.judge_turns` and :meth:`metaclaw.fastloop.evolver.Evolver.evolve` apply them
 on the manual path.
 """
 
@@ -47,7 +47,7 @@ import time
 import uuid
 from typing import Any, Iterable
 
-from metaclaw.sessions import TASK_TURNS_SQL, is_task_turn
+from metaclaw.proxy.sessions import TASK_TURNS_SQL, is_task_turn
 from metaclaw.store import IN_IDS, Store, id_list
 
 SUPPORT = "support"
@@ -98,7 +98,7 @@ def served_asks(store: Store, generation: int, *,
     """For each skill, the ``(turn id, retrieval query)`` of the task turns of ``generation``
     it was injected into that went well (:data:`SUCCESS_SQL`), oldest first: asks the skill is
     known to serve, which become its example asks at the next generation
-    (:func:`metaclaw.proposals.apply_ops`). At most ``limit`` turns are read."""
+    (:func:`metaclaw.fastloop.proposals.apply_ops`). At most ``limit`` turns are read."""
     rows = store.query(
         f"SELECT id, injected_skills, retrieval_query FROM turns WHERE skill_generation = ? "
         f"AND status = 'ok' AND retrieval_query IS NOT NULL AND retrieval_query != '' "
@@ -113,7 +113,7 @@ def served_asks(store: Store, generation: int, *,
 
 def is_failure(turn: dict[str, Any], threshold: float = 0.0) -> bool:
     """Whether a turn counts as a failure: a human label (``turns.human_label``, see
-    :mod:`metaclaw.labels`) takes precedence over the judge's reward."""
+    :mod:`metaclaw.fastloop.labels`) takes precedence over the judge's reward."""
     label = turn.get("human_label")
     if label in ("pass", "fail"):
         return label == "fail"

@@ -53,7 +53,7 @@ def _store(path: str):
 
 
 def _library(args: argparse.Namespace):
-    from metaclaw.skills import SkillLibrary
+    from metaclaw.skills.library import SkillLibrary
     from metaclaw.store import Store
 
     library = SkillLibrary(args.skills, Store(args.db))
@@ -148,7 +148,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
               f"{args.host}:{args.port} can use your upstream key", file=sys.stderr)
     runtime = Runtime.build(runtime_config(args))
     generation, skills = runtime.library.current()
-    from metaclaw.proxy import safe_url
+    from metaclaw.proxy.upstreams import safe_url
 
     upstream = safe_url(args.upstream) or (
         f"the local language model {runtime.proxy.responder.model_name} (policy version "
@@ -157,7 +157,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         else "the SIMULATED model (rule-based, not a language model)" if args.sim
         else "the offline double (scripted, not a model)")
 
-    from metaclaw.retrieval import describe
+    from metaclaw.skills.retrieval import describe
 
     def ready(url: str) -> None:  # once listening: the real port, also with --port 0
         print(f"MetaClaw proxy on {url} -> {upstream}; skill generation {generation}, "
@@ -211,7 +211,7 @@ def _turn_rows(store: Any, where: str, params: list[Any], fields: tuple[str, ...
 
 @command("turns")
 def cmd_turns(args: argparse.Namespace) -> int:
-    from metaclaw.sessions import IdentityError, turns_filter
+    from metaclaw.proxy.sessions import IdentityError, turns_filter
 
     if args.action == "import":
         return _import_turns(args)
@@ -277,7 +277,7 @@ def _import_turns(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     """``metaclaw export OUT.jsonl``: labelled turns as OpenAI chat JSON Lines (or eval
     samples), the file ``metaclaw turns import`` reads back."""
-    from metaclaw.labels import export_jsonl
+    from metaclaw.fastloop.labels import export_jsonl
 
     store = _store(args.db)
     try:
@@ -336,9 +336,9 @@ def cmd_skills(args: argparse.Namespace) -> int:
 
 
 def _skill_stats(args: argparse.Namespace, library: Any) -> int:
-    """`metaclaw skills stats`: per-skill evidence (metaclaw.evidence), and with --propose its
+    """`metaclaw skills stats`: per-skill evidence (metaclaw.fastloop.evidence), and with --propose its
     suggestions filed as proposals held for review."""
-    from metaclaw import evidence
+    from metaclaw.fastloop import evidence
 
     stats = evidence.skill_stats(library.store, library, threshold=args.threshold,
                                  compare=not args.no_compare)
@@ -364,7 +364,7 @@ def _skill_stats(args: argparse.Namespace, library: Any) -> int:
                          f"{row['suggestion'] or '-'}"))
     print("reward: mean judged reward of the task turns with the skill, and of comparable turns "
           "without it (asks it matches that did not get it); observational, see "
-          "`help(metaclaw.evidence)`")
+          "`help(metaclaw.fastloop.evidence)`")
     if args.propose:
         print(f"filed {len(filed)} proposals for review: "
               + (", ".join(f"#{i}" for i in filed) or "none new"))
@@ -373,7 +373,7 @@ def _skill_stats(args: argparse.Namespace, library: Any) -> int:
 
 # -- fast loop -------------------------------------------------------------------------------
 def _judge(args: argparse.Namespace):
-    from metaclaw.judge import Judge
+    from metaclaw.fastloop.judge import Judge
 
     if not args.judge_url or not args.judge_model:
         raise CliError("give the judge: --judge-url URL --judge-model M (key from "
@@ -387,7 +387,7 @@ def _record_failure(store: Any, role: str, client: Any, error: str,
                     turn_id: int | None = None) -> None:
     """A failed judge or evolver call made from the CLI, in the events table (as the fast loop
     records its own), so that `metaclaw events` and the notebook views count it."""
-    from metaclaw.upstreams import safe_url
+    from metaclaw.proxy.upstreams import safe_url
 
     endpoint, model = safe_url(client.base_url), client.model
     where = f" for turn {turn_id}" if turn_id is not None else ""
@@ -399,7 +399,7 @@ def _record_failure(store: Any, role: str, client: Any, error: str,
 
 @command("score")
 def cmd_score(args: argparse.Namespace) -> int:
-    from metaclaw.judge import turns_to_score
+    from metaclaw.fastloop.judge import turns_to_score
 
     store = _store(args.db)
     judge = _judge(args)
@@ -428,7 +428,7 @@ def cmd_score(args: argparse.Namespace) -> int:
 
 @command("evolve")
 def cmd_evolve(args: argparse.Namespace) -> int:
-    from metaclaw.evolver import EvolveError, Evolver
+    from metaclaw.fastloop.evolver import EvolveError, Evolver
 
     if not args.evolver_url or not args.evolver_model:
         raise CliError("give the evolver: --evolver-url URL --evolver-model M (key from "
@@ -454,8 +454,8 @@ def cmd_evolve(args: argparse.Namespace) -> int:
 
 @command("experiment")
 def cmd_experiment(args: argparse.Namespace) -> int:
-    """`metaclaw experiment run|list|show` (metaclaw.experiments)."""
-    from metaclaw import experiments as ex
+    """`metaclaw experiment run|list|show` (metaclaw.fastloop.experiments)."""
+    from metaclaw.fastloop import experiments as ex
 
     store = _store(args.db)
     try:
@@ -484,7 +484,7 @@ def cmd_experiment(args: argparse.Namespace) -> int:
 
 
 def _experiment_run(args: argparse.Namespace, store: Any, ex: Any) -> int:
-    from metaclaw.replay import Replayer
+    from metaclaw.fastloop.replay import Replayer
 
     if not args.upstream:
         raise CliError("give the upstream the replays go to: --upstream URL (key from "
@@ -597,7 +597,7 @@ def cmd_buffers(args: argparse.Namespace) -> int:
 # -- scheduler -------------------------------------------------------------------------------
 @command("scheduler")
 def cmd_scheduler(args: argparse.Namespace) -> int:
-    from metaclaw.scheduler import from_config, load_config
+    from metaclaw.slowloop.scheduler.machine import from_config, load_config
     from metaclaw.store import Store
     from metaclaw.training_lease import TrainingLease
 
@@ -632,7 +632,7 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
 # -- slow loop -------------------------------------------------------------------------------
 @command("tiny-model")
 def cmd_tiny_model(args: argparse.Namespace) -> int:
-    from metaclaw.tinymodel import write_tiny_model
+    from metaclaw.offline.tinymodel import write_tiny_model
 
     path = write_tiny_model(args.dir, seed=args.seed)
     print(f"wrote a tiny causal LM and tokenizer (random weights, for offline tests and "
@@ -642,10 +642,10 @@ def cmd_tiny_model(args: argparse.Namespace) -> int:
 
 @command("train")
 def cmd_train(args: argparse.Namespace) -> int:
-    from metaclaw.backends import make_backend
-    from metaclaw.grpo import GRPOConfig
-    from metaclaw.scheduler import load_config
-    from metaclaw.slowloop import SlowLoop
+    from metaclaw.slowloop.backends import make_backend
+    from metaclaw.slowloop.grpo import GRPOConfig
+    from metaclaw.slowloop.loop import SlowLoop
+    from metaclaw.slowloop.scheduler.machine import load_config
 
     store = _store(args.db)
     if args.backend == "local" and args.base_model != "smollm2" \
@@ -737,7 +737,7 @@ def cmd_runs(args: argparse.Namespace) -> int:
 # -- bench, demo, simulated model --------------------------------------------------------------
 @command("sim-model")
 def cmd_sim_model(args: argparse.Namespace) -> int:
-    from metaclaw.simmodel import SIM_MODELS, sim_model_server
+    from metaclaw.offline.simmodel import SIM_MODELS, sim_model_server
 
     server = sim_model_server(args.host, args.port, args.seed)
     print(f"SIMULATED model (rule-based, not a language model) on "
@@ -751,7 +751,7 @@ def cmd_sim_model(args: argparse.Namespace) -> int:
 
 @command("local-model")
 def cmd_local_model(args: argparse.Namespace) -> int:
-    from metaclaw.localmodel import LocalModelError, LocalModelServer, load_responder
+    from metaclaw.offline.localmodel import LocalModelError, LocalModelServer, load_responder
 
     try:
         responder = load_responder(args.path, device=args.device, dtype=args.dtype,
@@ -774,7 +774,7 @@ def _local_responder(args: argparse.Namespace):
         return None
     if args.upstream:
         raise CliError("pass either --local-model or --upstream/--model, not both")
-    from metaclaw.localmodel import LocalModelError, load_responder
+    from metaclaw.offline.localmodel import LocalModelError, load_responder
 
     try:
         with console.status(args.verbosity, "loading the local model ..."):
@@ -796,7 +796,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from metaclaw.bench.data import small_bench_dir
     from metaclaw.bench.runner import all_rounds_failed
     from metaclaw.demo import run_demo
-    from metaclaw.localmodel import LocalModelError, check_available
+    from metaclaw.offline.localmodel import LocalModelError, check_available
 
     if args.local_model is not None:
         if args.upstream:
@@ -857,7 +857,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     responder = _local_responder(args)
     try:
         if not upstream:
-            from metaclaw.simmodel import serve_sim_model
+            from metaclaw.offline.simmodel import serve_sim_model
 
             sim = serve_sim_model()
             upstream, model = sim.url, responder.model_name if responder else "sim-agent"
@@ -870,7 +870,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             if not args.base_model:
                 raise CliError("mode full trains and serves the agent's weights: give --backend "
                                "local|tinker --base-model M (a local model path or Tinker id)")
-            from metaclaw.backends import make_backend
+            from metaclaw.slowloop.backends import make_backend
 
             with console.status(args.verbosity,
                                 f"loading {args.base_model} ({args.backend}) ..."):

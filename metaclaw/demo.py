@@ -10,12 +10,12 @@ Two runs of the same benchmark through the real proxy, the real bench agent and 
   the evolver turns the judged failures into skills between rounds (``evolve_every="round"``) or
   between days (``"day"``). The days run one after another so what day N learned helps day N+1.
 
-Without ``upstream`` the model is the SIMULATED model of :mod:`metaclaw.simmodel` (a rule-based
+Without ``upstream`` the model is the SIMULATED model of :mod:`metaclaw.offline.simmodel` (a rule-based
 stand-in started on a local port; the agent, judge and evolver are ``sim-agent``, ``sim-judge``,
 ``sim-evolver``), and every result says so (``simulated: True``, the table's title). With
 ``upstream``/``model`` (and the key in ``$METACLAW_UPSTREAM_API_KEY``) the same code runs against
 a real provider; the judge and evolver then default to the same provider and model. With
-``local_model`` a real small language model running locally (:mod:`metaclaw.localmodel`) is the
+``local_model`` a real small language model running locally (:mod:`metaclaw.offline.localmodel`) is the
 agent, served inside the proxy, while the judge and the evolver stay simulated.
 
 Everything is written under ``out_dir``: ``baseline/`` and ``skills/`` (each with its store,
@@ -96,7 +96,7 @@ def settle_killed_part(store: Any, judge: Any, data: Path, days: Any, mode: str,
     ``{"purged": n, "judged": n}``."""
     from metaclaw.bench.data import load_benchmark, select_days
     from metaclaw.bench.runner import finished_days
-    from metaclaw.sessions import TASK_TURNS_SQL
+    from metaclaw.proxy.sessions import TASK_TURNS_SQL
 
     chosen = select_days(load_benchmark(data), days)
     kept = finished_days(run_dir / "rounds.jsonl", chosen, mode, model)
@@ -142,7 +142,7 @@ def run_mode(mode: str, data: Path, days: Any, out: Path, upstream: str, model: 
     query set for ``train_steps`` steps after each day and hot-swapped into the proxy).
     Returns the runner's summary plus ``skill_generation``, ``skills``, ``evolve_events`` and,
     for "full", ``training`` (the recorded steps) and ``policy_version``. ``responder``: a local
-    model (:func:`metaclaw.localmodel.load_responder`) that serves the agent inside the proxy
+    model (:func:`metaclaw.offline.localmodel.load_responder`) that serves the agent inside the proxy
     instead of ``upstream``, so every turn records its token ids and logprobs. ``resume``: go on
     with an earlier run in ``out`` that was stopped midway: its store, skill library and the days
     it finished are kept (:func:`metaclaw.bench.runner.finished_days`), the other days run.
@@ -155,8 +155,8 @@ def run_mode(mode: str, data: Path, days: Any, out: Path, upstream: str, model: 
     from metaclaw import buffers
     from metaclaw.bench.outdir import RUN_ENTRIES
     from metaclaw.bench.runner import run_bench
-    from metaclaw.proxy import Proxy, ProxyConfig
-    from metaclaw.skills import SkillLibrary
+    from metaclaw.proxy.app import Proxy, ProxyConfig
+    from metaclaw.skills.library import SkillLibrary
     from metaclaw.store import Store
 
     # refuses a folder no run wrote; one run at a time; a resumed run keeps the earlier output
@@ -175,9 +175,9 @@ def run_mode(mode: str, data: Path, days: Any, out: Path, upstream: str, model: 
         try:
             hooks: dict[str, Any] = {"on_round": on_round}
             if mode in ("skills", "full"):
-                from metaclaw.evolver import Evolver
-                from metaclaw.fastloop import FastLoop
-                from metaclaw.judge import Judge
+                from metaclaw.fastloop.evolver import Evolver
+                from metaclaw.fastloop.judge import Judge
+                from metaclaw.fastloop.loop import FastLoop
 
                 judge = Judge(judge_url, judge_model, api_key_env=api_key_env, votes=votes)
                 evolver = Evolver(evolver_url, evolver_model, library, store, api_key_env=api_key_env,
@@ -307,7 +307,7 @@ def run_demo(data_dir: str | Path | None = None, days: str = "all", out_dir: str
     with claim_out_dir(out, DEMO_ENTRIES):   # refuses a folder no run wrote; one run at a time
         try:
             if local_model is not None:
-                from metaclaw.localmodel import load_responder
+                from metaclaw.offline.localmodel import load_responder
 
                 if echo:
                     echo("loading the local model ...")
@@ -316,7 +316,7 @@ def run_demo(data_dir: str | Path | None = None, days: str = "all", out_dir: str
                 model = responder.model_name
                 note = LOCAL_NOTE.format(model=model)
             if upstream is None:
-                from metaclaw.simmodel import serve_sim_model
+                from metaclaw.offline.simmodel import serve_sim_model
 
                 sim = serve_sim_model()
                 upstream, model = sim.url, model or "sim-agent"

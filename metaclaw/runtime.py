@@ -24,7 +24,7 @@ DEFAULT_SKILLS = Path(".metaclaw") / "skills"
 def offline_reply(body: dict[str, Any]):
     """The offline double's scripted answer: it says what it received, including which skills
     the proxy injected into its system prompt. It is not a model and never pretends to be one."""
-    from metaclaw.double import Reply, last_user_text
+    from metaclaw.offline.double import Reply, last_user_text
 
     system = next((m.get("content") for m in body.get("messages", [])
                    if isinstance(m, dict) and m.get("role") == "system"), "")
@@ -116,9 +116,9 @@ class Runtime:
     @classmethod
     def build(cls, config: RuntimeConfig | None = None, **options: Any) -> "Runtime":
         """Create the store, skill library, retriever and proxy (not started)."""
-        from metaclaw.proxy import Proxy, ProxyConfig
-        from metaclaw.retrieval import make_retriever
-        from metaclaw.skills import SkillLibrary, starter_skills_dir
+        from metaclaw.proxy.app import Proxy, ProxyConfig
+        from metaclaw.skills.library import SkillLibrary, starter_skills_dir
+        from metaclaw.skills.retrieval import make_retriever
 
         config = config or RuntimeConfig.from_mapping(options)
         store = Store(config.db_path)
@@ -133,12 +133,12 @@ class Runtime:
             if (config.simulated or config.local_model) and upstream:
                 raise ValueError("choose either an upstream URL or an offline model, not both")
             if config.simulated or config.local_model:
-                from metaclaw.simmodel import sim_model_server
+                from metaclaw.offline.simmodel import sim_model_server
 
                 double = sim_model_server()
                 config.model = config.model or "sim-agent"
             elif not upstream:
-                from metaclaw.double import DoubleServer
+                from metaclaw.offline.double import DoubleServer
 
                 double = DoubleServer(offline_reply, models=(config.model or "offline-double",))
             shared = {f.name for f in fields(ProxyConfig)} & {f.name for f in fields(RuntimeConfig)}
@@ -146,8 +146,8 @@ class Runtime:
             retriever = make_retriever(config.retrieval, config.embedding_model)
             proxy = Proxy(proxy_config, store, library, retriever)
             if config.local_model:
-                from metaclaw.localmodel import load_responder
-                from metaclaw.policy import PolicyFollower
+                from metaclaw.offline.localmodel import load_responder
+                from metaclaw.slowloop.policy import PolicyFollower
 
                 responder = load_responder(None if config.local_model == "packaged"
                                            else config.local_model)
@@ -206,9 +206,9 @@ class Runtime:
 
     @property
     def judge(self):
-        """The PRM judge (``metaclaw.judge.Judge``) for this runtime's turns."""
+        """The PRM judge (``metaclaw.fastloop.judge.Judge``) for this runtime's turns."""
         if "judge" not in self.extras:
-            from metaclaw.judge import Judge
+            from metaclaw.fastloop.judge import Judge
 
             url, model = self._endpoint("judge", self.config.judge_url, self.config.judge_model)
             votes = self.config.votes or (1 if self.config.simulated else 3)
@@ -217,9 +217,9 @@ class Runtime:
 
     @property
     def evolver(self):
-        """The skill evolver (``metaclaw.evolver.Evolver``) for this runtime's library."""
+        """The skill evolver (``metaclaw.fastloop.evolver.Evolver``) for this runtime's library."""
         if "evolver" not in self.extras:
-            from metaclaw.evolver import Evolver
+            from metaclaw.fastloop.evolver import Evolver
 
             url, model = self._endpoint("evolver", self.config.evolver_url,
                                         self.config.evolver_model)
@@ -234,9 +234,9 @@ class Runtime:
         """The background fast loop (judge each turn, evolve automatically), attached to the
         proxy on first use."""
         if "fast_loop" not in self.extras:
-            from metaclaw.fastloop import FastLoop
+            from metaclaw.fastloop.loop import FastLoop
 
-            from metaclaw.gate import Gate
+            from metaclaw.fastloop.gate import Gate
 
             # automatic candidates are replayed through the agent's own upstream and judged
             gate = Gate(self.judge, self.proxy.config.upstream_url, self.proxy.config.model,
@@ -322,7 +322,7 @@ class Runtime:
         return openai.OpenAI(base_url=self.url, api_key=self.token or "metaclaw", **kwargs)
 
     def status(self) -> dict[str, Any]:
-        from metaclaw.proxy import safe_url
+        from metaclaw.proxy.upstreams import safe_url
 
         generation, skills = self.library.current()
         counts = self.store.query(
@@ -347,7 +347,7 @@ class Runtime:
         }
 
     def __repr__(self) -> str:
-        from metaclaw.proxy import safe_url
+        from metaclaw.proxy.upstreams import safe_url
 
         upstream = ("simulated model" if self.config.simulated else "offline double"
                     if self.offline else safe_url(self.proxy.config.upstream_url))

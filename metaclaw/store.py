@@ -19,7 +19,7 @@ Tables (schema version in ``PRAGMA user_version``; migrations are explicit, in `
                              answer, author, time); the latest verdict is also ``turns.human_label``
 - ``proposals``              one row per skill change reviewed by the verification gate: held
                              back or promoted, with its per-case evidence and who decided
-- ``datasets``               one row per named selection of turns (:mod:`metaclaw.experiments`)
+- ``datasets``               one row per named selection of turns (:mod:`metaclaw.fastloop.experiments`)
 - ``experiments``            one row per experiment: its dataset, its variants, its settings
 - ``experiment_results``     one row per case and variant of an experiment: the judged replay
 
@@ -239,7 +239,7 @@ MIGRATIONS: list[str] = [
     """
     ALTER TABLE scheduler_transitions ADD COLUMN process TEXT;
     """,
-    # 10: experiments (metaclaw.experiments): named selections of turns, experiments replaying
+    # 10: experiments (metaclaw.fastloop.experiments): named selections of turns, experiments replaying
     # them with several variants, and one judged result per case and variant
     """
     CREATE TABLE datasets (

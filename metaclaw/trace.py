@@ -28,8 +28,8 @@ import sqlite3
 from typing import Any
 
 from metaclaw import buffers
-from metaclaw.asks import INSTRUCTION_ROLES
 from metaclaw.buffers import message_text
+from metaclaw.skills.asks import INSTRUCTION_ROLES
 from metaclaw.store import Store
 
 #: Length of the previews in :meth:`Trace.index`.
@@ -47,7 +47,7 @@ def _maybe_json(value: Any) -> Any:
 
 def split_skill_block(text: str) -> tuple[str, str | None]:
     """``(prompt, skill_block)``: a system prompt cut where the injected skill block begins."""
-    from metaclaw.retrieval import BLOCK_HEADER
+    from metaclaw.skills.retrieval import BLOCK_HEADER
 
     if not isinstance(text, str) or BLOCK_HEADER not in text:
         return text, None
@@ -170,7 +170,7 @@ class Trace:
         turn = self.store.turn(int(turn_id))
         if turn is None or turn["session_id"] != self.session_id:
             raise LookupError(f"turn #{turn_id} is not in session {self.session_id!r}")
-        from metaclaw import labels
+        from metaclaw.fastloop import labels
 
         messages = []
         results: dict[str, str] = {}
@@ -240,7 +240,7 @@ class Trace:
             skill = (row.get("snapshot") or {}).get(row["skill_name"])
             markdown = ""
             if skill:
-                from metaclaw.skills import Skill
+                from metaclaw.skills.library import Skill
 
                 markdown = Skill.from_dict(skill).to_markdown()
             out.append({"generation": row["generation"], "kind": row["kind"], "op": row["op"],

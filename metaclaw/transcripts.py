@@ -22,7 +22,7 @@ Formats (``format="auto"`` tells them apart by the first records of each file):
 - ``codex``: a Codex rollout (``~/.codex/sessions/YYYY/MM/DD/rollout-*.jsonl``): Responses API
   items (``response_item``) after a ``session_meta`` record holding the instructions.
 - ``openai``: OpenAI chat JSON Lines, one ``{"messages": [..., assistant], "tools": [...]}``
-  per line: what ``metaclaw export`` and :func:`metaclaw.labels.export_jsonl` write, so that
+  per line: what ``metaclaw export`` and :func:`metaclaw.fastloop.labels.export_jsonl` write, so that
   an export imported again gives the same turns.
 
 How a transcript becomes turns: each reply of the model (an assistant message with its tool
@@ -41,7 +41,7 @@ nor does a transcript hold the token ids and log-probabilities of its replies th
 them would need. They enter the buffers as ``support /
 live`` of the current skill generation: the judge scores them, people label them, the evolver
 reads their failures (:func:`metaclaw.buffers.support_set`), the views list them; the slow
-loop trains only ``query`` turns (:func:`metaclaw.grpo.select_query_turns`,
+loop trains only ``query`` turns (:func:`metaclaw.slowloop.grpo.select_query_turns`,
 :func:`metaclaw.buffers.claim_for_training`), and the buffer rules never move a turn out of the
 set it was given.
 
@@ -296,7 +296,7 @@ def _reply_text(reply: dict[str, Any]) -> str | None:
 
 
 def _session_id(path: Path, line: int, value: Any, what: str) -> str:
-    from metaclaw.sessions import MAX_SESSION_CHARS
+    from metaclaw.proxy.sessions import MAX_SESSION_CHARS
 
     if not isinstance(value, str) or not value.strip():
         raise TranscriptError(path, line, f"{what} must be a non-empty string")
@@ -783,7 +783,7 @@ def source(transcript: Transcript) -> str:
 
 def _row(transcript: Transcript, turn: ImportedTurn, key: str,
          generation: int) -> dict[str, Any]:
-    from metaclaw.retrieval import query_text
+    from metaclaw.skills.retrieval import query_text
 
     usage = turn.usage or {}
     marked = source(transcript)

@@ -10,7 +10,7 @@ the original provider is left as it was, and ``metaclaw serve --upstream`` gets 
 command to run is printed). OpenClaw's static headers cannot carry a per-session id; the wired models set
 ``compat.supportsPromptCacheKey`` so that OpenClaw sends ``prompt_cache_key: "<sessionId>:<n>"``
 on every turn (without it, OpenClaw still writes ``sessionId=<uuid>`` into each session's first
-message); :mod:`metaclaw.sessions` reads either, and side calls are recognised by their content.
+message); :mod:`metaclaw.proxy.sessions` reads either, and side calls are recognised by their content.
 
 Wiring keeps the file's exact bytes in ``<config>.metaclaw-backup`` (JSON5 comments
 included; the patched file itself is written as plain JSON, which JSON5 accepts); ``--undo``

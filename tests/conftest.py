@@ -13,7 +13,7 @@ from metaclaw.store import Store
 @pytest.fixture(scope="session", autouse=True)
 def static_embedding_table():
     """Load the packaged static embedding table once before any test starts a proxy."""
-    from metaclaw import retrieval
+    from metaclaw.skills import retrieval
 
     if retrieval.static_embedding_packaged() or retrieval.embeddings_available():
         try:

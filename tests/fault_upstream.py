@@ -48,7 +48,7 @@ from typing import Any
 
 from aiohttp import web
 
-from metaclaw.server import BackgroundServer, ServedApp
+from metaclaw.proxy.server import BackgroundServer, ServedApp
 
 #: A request's entry in :attr:`FaultUpstream.requests`, kept on the request for the faults.
 ENTRY = web.RequestKey("entry", dict)

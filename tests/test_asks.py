@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from metaclaw import asks
-from metaclaw.asks import Rule, extract_ask
-from metaclaw.retrieval import inject
+from metaclaw.skills import asks
+from metaclaw.skills.asks import Rule, extract_ask
+from metaclaw.skills.retrieval import inject
 
 FIXTURES = Path(__file__).parent / "fixtures" / "requests"
 
@@ -156,7 +156,7 @@ def test_ten_thousand_short_turns_need_no_recursion_and_one_pass():
     """A long chat of "ok" / "continue" turns: no recursion limit, each message read once."""
     import sys
 
-    from metaclaw import asks
+    from metaclaw.skills import asks
 
     messages = [{"role": "user", "content": "Rotate the API keys of the billing service"}]
     for i in range(5_000):

@@ -19,14 +19,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from metaclaw.backends import BackendError, Datum, make_backend
+from metaclaw.slowloop.backends import BackendError, Datum, make_backend
 
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
     import torch
 
-    from metaclaw.tinymodel import write_tiny_model
+    from metaclaw.offline.tinymodel import write_tiny_model
 
     torch.set_num_threads(1)
     return str(write_tiny_model(tmp_path_factory.mktemp("tiny"), seed=0))
@@ -45,7 +45,7 @@ R1, R2 = math.exp(0.1), math.exp(-0.5)          # ratios at positions 1 and 2
 def _loss(loss_fn):
     import torch
 
-    from metaclaw.backends.local import policy_loss
+    from metaclaw.slowloop.backends.local import policy_loss
 
     logp = torch.tensor([LOGP], requires_grad=True)
     loss, stats = policy_loss(loss_fn, logp, torch.tensor([SAMPLING]), torch.tensor([ADV]),
@@ -168,8 +168,8 @@ def test_device_choice_and_cuda_safe_generator(tiny_model):
     lives on the model's device (a CPU generator cannot drive sampling on CUDA)."""
     import torch
 
-    from metaclaw.backends.local import _generator
-    from metaclaw.causal_lm import resolve_device, resolve_dtype
+    from metaclaw.slowloop.backends.local import _generator
+    from metaclaw.slowloop.causal_lm import resolve_device, resolve_dtype
 
     backend = make_backend("local", tiny_model, device="auto")
     expected = "cuda" if torch.cuda.is_available() else "cpu"
@@ -192,8 +192,8 @@ def test_device_names_resolve_to_this_machine_or_fail_in_one_sentence(tiny_model
     the flag to change, from the backend, the served model and the CLI alike."""
     import torch
 
-    from metaclaw.causal_lm import resolve_device
-    from metaclaw.localmodel import LocalModelError, load_responder
+    from metaclaw.offline.localmodel import LocalModelError, load_responder
+    from metaclaw.slowloop.causal_lm import resolve_device
 
     cuda = torch.cuda.is_available()
     mps = bool(getattr(torch.backends, "mps", None) and torch.backends.mps.is_available())
@@ -232,8 +232,8 @@ def test_generators_live_on_the_model_device_and_reproduce(tiny_model):
     the draw."""
     import torch
 
-    from metaclaw.backends.local import _generator
-    from metaclaw.localmodel import load_responder
+    from metaclaw.offline.localmodel import load_responder
+    from metaclaw.slowloop.backends.local import _generator
 
     backend = make_backend("local", tiny_model, lora_rank=4, device="cpu")
     served = load_responder(tiny_model, device="cpu").backend
@@ -256,8 +256,8 @@ def test_sampling_passes_the_kv_cache_without_a_deprecation_warning(tiny_model):
 
     from transformers.utils import logging as hf_logging
 
-    from metaclaw.backends.local import LocalSampler
-    from metaclaw.causal_lm import load_causal_lm
+    from metaclaw.slowloop.backends.local import LocalSampler
+    from metaclaw.slowloop.causal_lm import load_causal_lm
 
     model, _ = load_causal_lm(tiny_model, device="cpu")
     sampler = LocalSampler(model, None, 0)  # no end-of-sequence: every step reuses the cache
@@ -295,8 +295,8 @@ def test_cached_decoding_matches_a_full_forward_pass(tiny_model):
     under a keyword the model ignores would leave each step seeing only its newest token)."""
     import torch
 
-    from metaclaw.backends.local import LocalSampler
-    from metaclaw.causal_lm import load_causal_lm
+    from metaclaw.slowloop.backends.local import LocalSampler
+    from metaclaw.slowloop.causal_lm import load_causal_lm
 
     model, _ = load_causal_lm(tiny_model, device="cpu")
     sampler = LocalSampler(model, None, 0)
@@ -320,7 +320,7 @@ def test_bfloat16_weights_train_with_fp32_adapters_and_are_served(tiny_model, tm
     what the trainer's published snapshot samples."""
     import torch
 
-    from metaclaw.localmodel import load_responder
+    from metaclaw.offline.localmodel import load_responder
 
     backend = make_backend("local", tiny_model, lora_rank=4, seed=0, device="cpu",
                            dtype="bfloat16", micro_batch_size=2, logprob_chunk=3)
@@ -434,7 +434,7 @@ class RecordingTrainingClient:
         return _done(types.SaveWeightsResponse(path=f"tinker://run-1/weights/{name}"))
 
     def get_tokenizer(self):
-        from metaclaw.tinymodel import build_tokenizer
+        from metaclaw.offline.tinymodel import build_tokenizer
 
         return build_tokenizer()
 
@@ -477,7 +477,7 @@ def test_the_double_mirrors_real_non_deprecated_sdk_methods():
 def test_tinker_backend_builds_real_types_and_calls_the_api_in_order(tmp_path):
     from tinker import types
 
-    from metaclaw.grpo import GRPOConfig, Task, prompts_from_tasks, train_grpo
+    from metaclaw.slowloop.grpo import GRPOConfig, Task, prompts_from_tasks, train_grpo
 
     service = RecordingServiceClient()
     backend = make_backend("tinker", "Qwen/Qwen3-4B-Instruct-2507", lora_rank=16, seed=3,
@@ -575,7 +575,7 @@ def test_preflight_fails_fast_with_a_clear_message_when_unreachable():
 
 
 def test_preflight_accepts_any_http_answer():
-    from metaclaw.backends.tinker import preflight
+    from metaclaw.slowloop.backends.tinker import preflight
 
     class NotFound(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
@@ -599,7 +599,7 @@ def test_preflight_accepts_any_http_answer():
 def test_tiny_model_is_deterministic_and_loads_like_any_hf_model(tiny_model, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from metaclaw.tinymodel import write_tiny_model
+    from metaclaw.offline.tinymodel import write_tiny_model
 
     again = write_tiny_model(tmp_path / "again", seed=0)
     other = write_tiny_model(tmp_path / "other", seed=1)

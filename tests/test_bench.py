@@ -1,6 +1,6 @@
 """MetaClaw-Bench: graders, scoring, workspace confinement, data loading, agent loop and runner.
 
-The agent tests talk to a real local OpenAI-compatible double (metaclaw.double.DoubleServer) whose
+The agent tests talk to a real local OpenAI-compatible double (metaclaw.offline.double.DoubleServer) whose
 replies come from the answer key (oracle) or never act (idle): they test the runner, not a model.
 """
 
@@ -16,10 +16,9 @@ import pytest
 
 from metaclaw.bench import graders
 from metaclaw.bench.agent import AgentConfig, DayAgent, system_prompt
-from metaclaw.bench.data import BenchDataError, load_benchmark, select_days
+from metaclaw.bench.data import BenchDataError, load_benchmark, select_days, small_bench_dir
 from metaclaw.bench.grading import (FORMAT_ERROR, extract_choice, feedback_text, rewrite_command,
                                     run_check, score_choice, with_feedback)
-from metaclaw.bench.data import small_bench_dir
 from metaclaw.bench.oracle import idle_replies, oracle_replies
 from metaclaw.bench.runner import format_table, run_bench, summarize
 from metaclaw.bench.workspace import Workspace, execute_tool
@@ -402,7 +401,7 @@ def bench():
 
 class TestRunner:
     def test_oracle_scores_100_and_protocol_is_followed(self, bench, tmp_path):
-        from metaclaw.double import DoubleServer
+        from metaclaw.offline.double import DoubleServer
 
         days = select_days(bench, "day07,day12")
         seen_rounds, between, day_summaries = [], [], []
@@ -437,7 +436,7 @@ class TestRunner:
             assert users[-1].startswith("[Previous Feedback] ") and "tools" not in calls[-1][1]
 
     def test_idle_agent_scores_zero(self, bench, tmp_path):
-        from metaclaw.double import DoubleServer
+        from metaclaw.offline.double import DoubleServer
 
         with DoubleServer(idle_replies()) as upstream:
             summary = run_bench(DATA, "day05,day09", "baseline", base_url=upstream.url, model="m",
@@ -446,7 +445,7 @@ class TestRunner:
         assert summary["multi_choice_score"] == 0.0 and summary["accuracy"] == 0.0
 
     def test_agent_cannot_escape_or_forge_graders(self, bench, tmp_path):
-        from metaclaw.double import DoubleServer, Reply
+        from metaclaw.offline.double import DoubleServer, Reply
 
         escape = tmp_path / "escaped.txt"
         calls = [{"id": "c1", "type": "function", "function": {"name": "write_file", "arguments": json.dumps(
@@ -473,7 +472,7 @@ class TestRunner:
         assert summary["file_check_completion"] == 0.0
 
     async def test_errors_are_clear_and_loop_is_bounded(self, bench, tmp_path):
-        from metaclaw.double import DoubleServer, Reply
+        from metaclaw.offline.double import DoubleServer, Reply
 
         day = bench.day("day01")
         loop_call = [{"id": "c", "type": "function",
@@ -523,7 +522,7 @@ def test_a_day_that_cannot_start_counts_as_failed(tmp_path):
 
 
 def test_hooks_run_between_rounds_and_their_failures_are_reported(bench, tmp_path):
-    from metaclaw.double import DoubleServer
+    from metaclaw.offline.double import DoubleServer
 
     days = select_days(bench, "day01")
     order = []

@@ -131,7 +131,7 @@ import json, os, sys, time
 from pathlib import Path
 from metaclaw.bench.data import small_bench_dir
 from metaclaw.bench.runner import run_bench
-from metaclaw.simmodel import serve_sim_model
+from metaclaw.offline.simmodel import serve_sim_model
 
 out, resume = Path(sys.argv[1]), sys.argv[2] == "resume"
 
@@ -229,7 +229,7 @@ SKILLS_RUN = """
 import os, sys, time
 from pathlib import Path
 from metaclaw.demo import run_mode
-from metaclaw.simmodel import serve_sim_model
+from metaclaw.offline.simmodel import serve_sim_model
 
 out, data, days, resume = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], sys.argv[4] == "resume"
 

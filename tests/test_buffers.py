@@ -6,7 +6,7 @@ import polars as pl
 import pytest
 
 from metaclaw import buffers
-from metaclaw.skills import Skill, SkillLibrary
+from metaclaw.skills.library import Skill, SkillLibrary
 from metaclaw.store import Store
 
 

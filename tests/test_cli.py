@@ -13,8 +13,8 @@ import httpx
 import openai
 import pytest
 
-from metaclaw.double import DoubleServer, Reply
-from metaclaw.skills import Skill
+from metaclaw.offline.double import DoubleServer, Reply
+from metaclaw.skills.library import Skill
 
 CLI = [sys.executable, "-m", "metaclaw"]
 
@@ -237,8 +237,8 @@ def test_score_buffers_evolve_commands(tmp_path):
 
 
 def test_score_skips_a_turn_another_process_is_judging(tmp_path):
-    from metaclaw.double import DoubleServer, Reply
-    from metaclaw.judge import lease_turns
+    from metaclaw.fastloop.judge import lease_turns
+    from metaclaw.offline.double import DoubleServer, Reply
     from metaclaw.store import Store
 
     db = tmp_path / "ws.db"
@@ -257,9 +257,9 @@ def test_score_skips_a_turn_another_process_is_judging(tmp_path):
 def test_train_now_then_runs_json(tmp_path):
     """`metaclaw train --now` on the query set with the local backend on the tiny model, judged
     by an OpenAI-compatible judge double; `metaclaw runs --json` shows the recorded steps."""
-    from metaclaw.judge import SECTION_REPLY, parse_judge_prompt
+    from metaclaw.fastloop.judge import SECTION_REPLY, parse_judge_prompt
+    from metaclaw.offline.tinymodel import write_tiny_model
     from metaclaw.store import Store
-    from metaclaw.tinymodel import write_tiny_model
     from metaclaw.training_lease import TrainingLease
 
     model = write_tiny_model(tmp_path / "tiny")
@@ -306,8 +306,8 @@ def test_bench_full_mode_trains_and_serves_the_policy_between_days(tmp_path):
     one policy version trained on the day's graders' reward, the next day's turns are served by
     it, and the run is labelled with the policy that served it. A run that trains nothing
     fails this test."""
+    from metaclaw.offline.tinymodel import write_tiny_model
     from metaclaw.store import Store
-    from metaclaw.tinymodel import write_tiny_model
 
     model = write_tiny_model(tmp_path / "tiny")
     run_cli("bench", "--mode", "full", "--days", "day01,day02", "--backend", "local",
@@ -345,7 +345,7 @@ def test_serve_sim_auto_evolve_holds_an_unverified_skill_for_review(tmp_path):
     session, the fast loop judges and evolves in the server; the verification gate cannot
     measure a fix by replaying the call alone (the simulated judge needs the user's feedback),
     so the skill is held back as a proposal with its evidence instead of going live."""
-    from metaclaw import proposals
+    from metaclaw.fastloop import proposals
     from metaclaw.store import Store
 
     port = free_port()

@@ -132,12 +132,12 @@ def test_rounds_hook_counts_each_mode_apart():
 @pytest.mark.timeout(300)
 def test_judge_and_evolver_report_progress(tmp_path):
     """The judge reports each turn; the evolver each phase, ending at its total."""
-    from metaclaw.demo import run_mode
-    from metaclaw.evolver import Evolver
-    from metaclaw.judge import Judge
-    from metaclaw.simmodel import serve_sim_model
-    from metaclaw.skills import SkillLibrary
     from metaclaw.bench.data import small_bench_dir
+    from metaclaw.demo import run_mode
+    from metaclaw.fastloop.evolver import Evolver
+    from metaclaw.fastloop.judge import Judge
+    from metaclaw.offline.simmodel import serve_sim_model
+    from metaclaw.skills.library import SkillLibrary
     from metaclaw.store import Store
 
     sim = serve_sim_model()

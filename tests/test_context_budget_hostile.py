@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from metaclaw.context_budget import TokenCounter, context_window, fit_skills
+from metaclaw.proxy.context_budget import TokenCounter, context_window, fit_skills
 
 
 def test_a_missing_tokenizer_file_is_named_in_one_clear_error(tmp_path):

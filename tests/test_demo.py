@@ -67,7 +67,7 @@ sys.meta_path.insert(0, Block())
 from metaclaw.demo import run_demo
 r = run_demo(days="day01", out_dir={str(tmp_path / "d")!r}, echo=None)
 assert r["simulated"] and r["skills"]["rounds"] == 5
-from metaclaw.localmodel import LocalModelError, check_available
+from metaclaw.offline.localmodel import LocalModelError, check_available
 try:
     check_available()
 except LocalModelError as exc:

@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from metaclaw.double import DoubleServer, Reply, last_user_text
+from metaclaw.offline.double import DoubleServer, Reply, last_user_text
 
 USER = [{"role": "user", "content": "Say hello to the world"}]
 

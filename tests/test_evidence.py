@@ -1,4 +1,4 @@
-"""Per-skill evidence (metaclaw.evidence): with / without counts, comparable turns matched on
+"""Per-skill evidence (metaclaw.fastloop.evidence): with / without counts, comparable turns matched on
 the ask, suggestions filed only as held proposals, the CLI view, bounded reads."""
 
 from __future__ import annotations
@@ -7,8 +7,9 @@ import json
 
 import pytest
 
-from metaclaw import cli, evidence, proposals
-from metaclaw.skills import Skill, SkillLibrary
+from metaclaw import cli
+from metaclaw.fastloop import evidence, proposals
+from metaclaw.skills.library import Skill, SkillLibrary
 from metaclaw.store import Store
 
 DATES = Skill(name="iso-dates", description="Write dates as ISO 8601 (YYYY-MM-DD)",

@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 
 from metaclaw import buffers
-from metaclaw.double import DoubleServer, Reply
-from metaclaw.evolver import (EVOLVER_RESPONSE_FORMAT, EVOLVER_RETRY_PREFIX, EvolveError,
-                              EvolveValidationError, Evolver, parse_evolver_prompt,
-                              validate_operations)
-from metaclaw.judge import SECTION_REPLY, Judge, parse_judge_prompt
-from metaclaw.retrieval import (LexicalRetriever, ScoredSkill, inject, render_block,
-                                strip_skill_block)
-from metaclaw.skills import Skill, SkillLibrary
+from metaclaw.fastloop.evolver import (EVOLVER_RESPONSE_FORMAT, EVOLVER_RETRY_PREFIX, EvolveError,
+                                       Evolver, EvolveValidationError, parse_evolver_prompt,
+                                       validate_operations)
+from metaclaw.fastloop.judge import SECTION_REPLY, Judge, parse_judge_prompt
+from metaclaw.offline.double import DoubleServer, Reply
+from metaclaw.skills.library import Skill, SkillLibrary
+from metaclaw.skills.retrieval import (LexicalRetriever, ScoredSkill, inject, render_block,
+                                       strip_skill_block)
 
 BACKUP = Skill("backup-before-modify", "Keep a copy of a file before changing it.", "safety",
                "Before editing or deleting a file, copy it to a .bak file so the change can be "
@@ -217,7 +217,7 @@ def test_evolver_falls_back_to_plain_json_when_the_schema_is_refused(store, libr
 
 
 def test_evolver_failure_is_retried_then_reported(store, library, monkeypatch):
-    from metaclaw import judge
+    from metaclaw.fastloop import judge
 
     monkeypatch.setattr(judge, "MAX_RETRY_WAIT_S", 0.05)  # the backoff, not its length
     record(store, library, "q", "bad", reward=-1)
@@ -265,7 +265,7 @@ def test_validation_evidence_and_defaults():
 # -- embedding dedupe -------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def embedder():
-    from metaclaw.retrieval import make_retriever
+    from metaclaw.skills.retrieval import make_retriever
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     retriever = make_retriever("embedding", model="minilm")
@@ -274,7 +274,7 @@ def embedder():
 
 
 def test_dedupe_compares_with_minilm_even_when_requests_use_the_static_model(store, library):
-    from metaclaw.retrieval import make_retriever
+    from metaclaw.skills.retrieval import make_retriever
 
     static = make_retriever("embedding")
     assert static.static

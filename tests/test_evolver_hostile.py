@@ -12,13 +12,13 @@ from aiohttp import web
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from metaclaw.evolver import (EvolveError, EvolveValidationError, Evolver,
-                              parse_operations_reply, validate_operations)
-from metaclaw.gate import Gate
-from metaclaw.judge import Judge, answer_error
-from metaclaw.retrieval import LexicalRetriever
-from metaclaw.server import BackgroundServer, ServedApp
-from metaclaw.skills import Skill, SkillFormatError, SkillLibrary, SkillOp
+from metaclaw.fastloop.evolver import (EvolveError, Evolver, EvolveValidationError,
+                                       parse_operations_reply, validate_operations)
+from metaclaw.fastloop.gate import Gate
+from metaclaw.fastloop.judge import Judge, answer_error
+from metaclaw.proxy.server import BackgroundServer, ServedApp
+from metaclaw.skills.library import Skill, SkillFormatError, SkillLibrary, SkillOp
+from metaclaw.skills.retrieval import LexicalRetriever
 
 BACKUP = Skill("backup-before-modify", "Keep a copy of a file before changing it.", "safety",
                "Copy the file to a .bak file before you change it.")
@@ -82,7 +82,7 @@ def evolve(url, library, store, **options):
 
 def test_a_200_answer_with_an_error_body_is_reported_with_the_servers_reason(
         store, library, failure, monkeypatch):
-    from metaclaw import judge
+    from metaclaw.fastloop import judge
 
     monkeypatch.setattr(judge, "MAX_RETRY_WAIT_S", 0.01)
     body = {"error": {"message": "maximum context length is 8192 tokens", "code": 400}}

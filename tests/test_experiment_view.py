@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import traitlets
 
-from metaclaw import experiments as ex
+from metaclaw.fastloop import experiments as ex
 from metaclaw.notebook.experiment_view import (
     EvidenceView, ExperimentView, evidence_view, show_experiment)
 from metaclaw.notebook.widgets import WIDGETS_DIR, TraceWidget, release_store
-from metaclaw.replay import Replay
-from metaclaw.skills import Skill, SkillLibrary
+from metaclaw.fastloop.replay import Replay
+from metaclaw.skills.library import Skill, SkillLibrary
 from metaclaw.store import Store
 
 NODE = shutil.which("node")
@@ -248,7 +248,7 @@ def test_evidence_view(workspace):
     assert all(s["reason"].startswith("merge ") for s in view.suggestions)
     view.propose_requests += 1
     assert view.message.startswith("filed proposal") and library.generation == 2
-    from metaclaw import proposals
+    from metaclaw.fastloop import proposals
 
     assert {p.status for p in proposals.held(store)} == {proposals.HELD}
     store.close()  # reopened by the view

@@ -1,4 +1,4 @@
-"""Experiments (metaclaw.experiments): datasets, variants, resumable runs through the one replay
+"""Experiments (metaclaw.fastloop.experiments): datasets, variants, resumable runs through the one replay
 engine, paired summaries, the CLI. The upstream and the judge are the offline SIMULATED model."""
 
 from __future__ import annotations
@@ -8,15 +8,15 @@ import json
 
 import pytest
 
-from metaclaw import cli, proposals
-from metaclaw import experiments as ex
+from metaclaw import cli
 from metaclaw.bench.data import small_bench_dir
 from metaclaw.demo import run_mode
-from metaclaw.gate import Gate
-from metaclaw.judge import Judge
-from metaclaw.replay import Replayer
-from metaclaw.simmodel import serve_sim_model
-from metaclaw.skills import SkillLibrary, SkillOp
+from metaclaw.fastloop import experiments as ex, proposals
+from metaclaw.fastloop.gate import Gate
+from metaclaw.fastloop.judge import Judge
+from metaclaw.fastloop.replay import Replayer
+from metaclaw.offline.simmodel import serve_sim_model
+from metaclaw.skills.library import SkillLibrary, SkillOp
 from metaclaw.store import Store
 
 

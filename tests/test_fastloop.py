@@ -13,15 +13,16 @@ import threading
 import openai
 import pytest
 
-from metaclaw import buffers, proposals
-from metaclaw.double import DoubleServer, Reply
-from metaclaw.evolver import Evolver, parse_evolver_prompt
-from metaclaw.fastloop import FastLoop
-from metaclaw.gate import Gate
-from metaclaw.judge import SECTION_FEEDBACK, SECTION_REPLY, Judge, parse_judge_prompt
-from metaclaw.proxy import Proxy, ProxyConfig
-from metaclaw.retrieval import LexicalRetriever
-from metaclaw.skills import Skill, SkillLibrary, SkillOp
+from metaclaw import buffers
+from metaclaw.fastloop import proposals
+from metaclaw.fastloop.evolver import Evolver, parse_evolver_prompt
+from metaclaw.fastloop.gate import Gate
+from metaclaw.fastloop.judge import SECTION_FEEDBACK, SECTION_REPLY, Judge, parse_judge_prompt
+from metaclaw.fastloop.loop import FastLoop
+from metaclaw.offline.double import DoubleServer, Reply
+from metaclaw.proxy.app import Proxy, ProxyConfig
+from metaclaw.skills.library import Skill, SkillLibrary, SkillOp
+from metaclaw.skills.retrieval import LexicalRetriever
 from metaclaw.store import Store
 from waiting import wait_until
 
@@ -389,7 +390,7 @@ def test_a_failed_evolver_call_is_retried_at_the_next_trigger(rig):
 
 
 def test_the_failure_rate_counts_human_labels(rig):
-    from metaclaw import labels
+    from metaclaw.fastloop import labels
 
     loop = rig.make_loop(every_n=0, failure_rate=0.5, on_session_end=False, feedback_wait=0)
     turns = [rig.store.record_turn(session_id="s", request_messages=[{"role": "user",
@@ -469,8 +470,8 @@ def test_a_proposal_decided_elsewhere_during_its_promotion_is_not_applied(rig, m
 
 KILLED_DURING_APPLY = """
 import os, sys
-from metaclaw import proposals
-from metaclaw.skills import Skill, SkillLibrary, SkillOp
+from metaclaw.fastloop import proposals
+from metaclaw.skills.library import Skill, SkillLibrary, SkillOp
 from metaclaw.store import Store
 
 library = SkillLibrary(sys.argv[2], Store(sys.argv[1]))
@@ -507,8 +508,8 @@ def test_a_change_killed_before_it_commits_leaves_nothing_behind(rig):
 
 
 def test_an_oversized_skill_is_refused_before_the_gate_and_in_an_edit(rig):
-    from metaclaw.evolver import EvolveValidationError, validate_operations
-    from metaclaw.skills import MAX_SKILL_BYTES
+    from metaclaw.fastloop.evolver import EvolveValidationError, validate_operations
+    from metaclaw.skills.library import MAX_SKILL_BYTES
 
     huge = "x" * (MAX_SKILL_BYTES + 1)
     with pytest.raises(EvolveValidationError, match="more than a skill may be"):
@@ -562,7 +563,7 @@ def test_turns_another_process_judged_count_towards_the_triggers(rig):
 
 
 def test_turns_leased_by_a_judge_that_died_are_judged_once_its_lease_ends(rig, monkeypatch):
-    from metaclaw.judge import lease_turns
+    from metaclaw.fastloop.judge import lease_turns
 
     monkeypatch.setattr(FastLoop, "LEASE_RECHECK_S", 0.2)
     other = Store(rig.store.path)  # a judge process, killed right after leasing

@@ -17,26 +17,26 @@ import time
 
 import pytest
 
-from metaclaw import proposals
-from metaclaw.double import DoubleServer
-from metaclaw.evolver import Evolver
-from metaclaw.fastloop import FastLoop
-from metaclaw.gate import Gate
-from metaclaw.judge import Judge
-from metaclaw.retrieval import LexicalRetriever
-from metaclaw.skills import SkillLibrary
+from metaclaw.fastloop import proposals
+from metaclaw.fastloop.evolver import Evolver
+from metaclaw.fastloop.gate import Gate
+from metaclaw.fastloop.judge import Judge
+from metaclaw.fastloop.loop import FastLoop
+from metaclaw.offline.double import DoubleServer
+from metaclaw.skills.library import SkillLibrary
+from metaclaw.skills.retrieval import LexicalRetriever
 from metaclaw.store import Store
 from test_fastloop import Models, kinds, rig  # noqa: F401 - the rig fixture
 from waiting import wait_until
 
 CHILD = textwrap.dedent("""
     import sys, time, openai
-    from metaclaw.evolver import Evolver
-    from metaclaw.fastloop import FastLoop
-    from metaclaw.judge import Judge
-    from metaclaw.proxy import Proxy, ProxyConfig
-    from metaclaw.retrieval import LexicalRetriever
-    from metaclaw.skills import SkillLibrary
+    from metaclaw.fastloop.evolver import Evolver
+    from metaclaw.fastloop.loop import FastLoop
+    from metaclaw.fastloop.judge import Judge
+    from metaclaw.proxy.app import Proxy, ProxyConfig
+    from metaclaw.skills.retrieval import LexicalRetriever
+    from metaclaw.skills.library import SkillLibrary
     from metaclaw.store import Store
 
     url, folder = sys.argv[1], sys.argv[2]
@@ -212,7 +212,7 @@ def test_a_backlog_of_many_sessions_is_judged_within_the_loops_concurrency(tmp_p
     about ``concurrency`` judge calls in flight (it sent all 40 at once)."""
     import threading
 
-    from metaclaw.double import Reply
+    from metaclaw.offline.double import Reply
 
     arrivals: list[float] = []
     lock = threading.Lock()

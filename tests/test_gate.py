@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from metaclaw.gate import safety_check, safety_check_skill
-from metaclaw.skills import Skill, SkillOp, load_skills_dir, starter_skills_dir
+from metaclaw.fastloop.gate import safety_check, safety_check_skill
+from metaclaw.skills.library import Skill, SkillOp, load_skills_dir, starter_skills_dir
 
 
 def skill(body: str) -> Skill:

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from metaclaw.backends import Datum
-from metaclaw.grpo import (GRPOConfig, Prompt, Task, compute_advantages, prompts_from_query_set,
-                           prompts_from_tasks, select_query_turns, train_grpo)
+from metaclaw.slowloop.backends import Datum
+from metaclaw.slowloop.grpo import (GRPOConfig, Prompt, Task, compute_advantages,
+                                    prompts_from_query_set, prompts_from_tasks, select_query_turns,
+                                    train_grpo)
 from metaclaw.store import Store
 from waiting import kill_once_it_says
 
@@ -22,7 +23,7 @@ from waiting import kill_once_it_says
 def tiny_model(tmp_path_factory):
     import torch
 
-    from metaclaw.tinymodel import write_tiny_model
+    from metaclaw.offline.tinymodel import write_tiny_model
 
     torch.set_num_threads(1)  # a tiny model runs fastest on one thread, more so on a busy box
 
@@ -31,7 +32,7 @@ def tiny_model(tmp_path_factory):
 
 @pytest.fixture
 def backend(tiny_model):
-    from metaclaw.backends import make_backend
+    from metaclaw.slowloop.backends import make_backend
 
     return make_backend("local", tiny_model, lora_rank=8, seed=0)
 
@@ -258,12 +259,12 @@ def test_a_failed_gradient_step_releases_its_claim(backend, tmp_path):
 
 def test_a_step_failing_before_its_gradient_step_releases_its_claim(backend, tmp_path,
                                                                    monkeypatch):
-    import metaclaw.grpo
+    import metaclaw.slowloop.grpo
 
     def bad_sample(*args, **kwargs):
         raise ValueError("a sample with one logprob too few")
 
-    monkeypatch.setattr(metaclaw.grpo.Datum, "from_sample", bad_sample)
+    monkeypatch.setattr(metaclaw.slowloop.grpo.Datum, "from_sample", bad_sample)
     store = Store(tmp_path / "db.sqlite")
     store.add_generation(snapshot={}, kind="init")
     turn = _query_turn(store, 0)
@@ -303,7 +304,7 @@ def test_query_prompts_without_reward_need_a_judge(backend, tmp_path):
 
 
 def test_pause_at_step_boundary_then_resume(tiny_model, tmp_path):
-    from metaclaw.backends import make_backend
+    from metaclaw.slowloop.backends import make_backend
 
     state_dir = tmp_path / "state"
     store = Store(tmp_path / "db.sqlite")
@@ -362,8 +363,8 @@ def test_a_version_published_without_saved_weights_is_not_adopted(tiny_model, tm
     """A process killed while saving the weights of the version it just published leaves the
     version's row without a checkpoint: a restarted trainer keeps serving the weights it has,
     under their own number, rather than the base weights labelled as that version."""
-    from metaclaw.backends import make_backend
-    from metaclaw.grpo import GRPOTrainer
+    from metaclaw.slowloop.backends import make_backend
+    from metaclaw.slowloop.grpo import GRPOTrainer
 
     store = Store(tmp_path / "db.sqlite")
     store.add_policy_version(backend="local", base_model=str(tiny_model), checkpoint=None)
@@ -376,8 +377,8 @@ def test_a_version_published_without_saved_weights_is_not_adopted(tiny_model, tm
 # -- the claim on a step's turns: expiring until the step is recorded -------------------------
 KILLED_IN_GRADIENT_STEP = """
 import sys, time
-from metaclaw.backends import make_backend
-from metaclaw.grpo import GRPOConfig, GRPOTrainer, prompts_from_query_set
+from metaclaw.slowloop.backends import make_backend
+from metaclaw.slowloop.grpo import GRPOConfig, GRPOTrainer, prompts_from_query_set
 from metaclaw.store import Store
 
 store = Store(sys.argv[1])
@@ -455,7 +456,7 @@ class _EvolvesAfterLeases(_EvolvesDuringTraining):
 def test_a_long_gradient_step_keeps_its_claim_alive(backend, tmp_path):
     """A gradient step longer than one claim renews it: an evolution landing late in the step
     still finds the turns claimed (query, purged), and the recorded step counts on them."""
-    from metaclaw.grpo import GRPOTrainer
+    from metaclaw.slowloop.grpo import GRPOTrainer
 
     store = Store(tmp_path / "db.sqlite")
     store.add_generation(snapshot={}, kind="init")
@@ -481,7 +482,7 @@ def test_a_reward_that_is_not_a_finite_number_costs_its_group(backend, tmp_path)
     """A reward of NaN or inf (a 0/0 in a reward function, a judge answering "NaN") fails its
     group's reward call: it does not pass for a zero-variance group nor make the step's reward
     mean NaN or inf."""
-    from metaclaw.grpo import compute_rewards
+    from metaclaw.slowloop.grpo import compute_rewards
 
     prompt = Prompt(tokens=[1], reward=None)
     assert compute_rewards([prompt, prompt, prompt], [["a", "bb"], ["a", "bb"], ["a", "bb"]],
@@ -506,9 +507,9 @@ def test_a_published_versions_checkpoint_is_never_overwritten(tiny_model, tmp_pa
     """A run started afresh in the state folder of an earlier one (``resume=False``), and a
     second trainer saving into the same folder, write new directories: every published
     version's checkpoint keeps exactly the weights it was published with."""
-    from metaclaw.backends import make_backend
-    from metaclaw.backends.local import read_state
-    from metaclaw.grpo import GRPOTrainer
+    from metaclaw.slowloop.backends import make_backend
+    from metaclaw.slowloop.backends.local import read_state
+    from metaclaw.slowloop.grpo import GRPOTrainer
 
     store = Store(tmp_path / "db.sqlite")
     config = GRPOConfig(steps=1, groups_per_step=2, group_size=4, max_tokens=6,
@@ -541,9 +542,9 @@ def test_a_version_whose_weights_cannot_be_loaded_here_is_not_adopted(tiny_model
     """The store's newest version is adopted only with its weights: one of another backend or
     base model, or whose saved state is gone or broken, leaves the trainer serving its own
     weights under their own number (not the base weights labelled as that version)."""
-    from metaclaw.backends import make_backend
-    from metaclaw.grpo import GRPOTrainer
-    from metaclaw.tinymodel import write_tiny_model
+    from metaclaw.offline.tinymodel import write_tiny_model
+    from metaclaw.slowloop.backends import make_backend
+    from metaclaw.slowloop.grpo import GRPOTrainer
 
     trained = make_backend("local", tiny_model, lora_rank=4, seed=3)
     trained.train_step([Datum.from_sample([1, 2], [3, 4], [-1.0, -1.0], 1.0)],
@@ -582,8 +583,8 @@ def test_a_version_whose_weights_cannot_be_loaded_here_is_not_adopted(tiny_model
 # -- durable checkpoints: synced to disk before a version points at them ---------------------
 def _published_step_trainer(tiny_model, tmp_path, state_dir):
     """A trainer whose next step publishes a version and saves its state into ``state_dir``."""
-    from metaclaw.backends import make_backend
-    from metaclaw.grpo import GRPOTrainer
+    from metaclaw.slowloop.backends import make_backend
+    from metaclaw.slowloop.grpo import GRPOTrainer
 
     store = Store(tmp_path / "db.sqlite")
     backend = make_backend("local", tiny_model, lora_rank=4, seed=0)
@@ -649,8 +650,8 @@ def test_a_state_that_cannot_be_written_or_synced_is_never_recorded(tiny_model, 
     """A failing fsync (e.g. EIO) or a folder that cannot be written is one clear error naming
     the folder, and the published version keeps no checkpoint: no process adopts weights that
     may not be on disk."""
-    from metaclaw.backends import make_backend
-    from metaclaw.grpo import GRPOTrainer
+    from metaclaw.slowloop.backends import make_backend
+    from metaclaw.slowloop.grpo import GRPOTrainer
 
     state_dir = tmp_path / "state"
     if failure == "under a file":
@@ -686,7 +687,7 @@ def test_a_state_that_cannot_be_written_or_synced_is_never_recorded(tiny_model, 
 def test_a_remote_state_is_recorded_without_local_files(tmp_path):
     """A Tinker state lives on the service: nothing is synced for it, its unused folder is
     removed, and ``latest.json`` (a local file) still points at it."""
-    from metaclaw.grpo import GRPOTrainer
+    from metaclaw.slowloop.grpo import GRPOTrainer
 
     class RemoteStateBackend:
         policy_version = 0

@@ -8,10 +8,11 @@ import time
 
 import pytest
 
-from metaclaw.double import DoubleServer, Reply
-from metaclaw.judge import (JUDGE_RESPONSE_FORMAT, SECTION_FEEDBACK, SECTION_REPLY, SECTION_TASK,
-                            SECTION_TOOLS, Judge, aggregate, build_judge_messages, lease_turns,
-                            parse_judge_prompt, parse_verdict, release_turns, trim)
+from metaclaw.fastloop.judge import (JUDGE_RESPONSE_FORMAT, SECTION_FEEDBACK, SECTION_REPLY,
+                                     SECTION_TASK, SECTION_TOOLS, Judge, aggregate,
+                                     build_judge_messages, lease_turns, parse_judge_prompt,
+                                     parse_verdict, release_turns, trim)
+from metaclaw.offline.double import DoubleServer, Reply
 from metaclaw.store import Store
 
 
@@ -204,7 +205,7 @@ def test_a_failed_judge_call_releases_its_lease(store):
 
 JUDGE_PROCESS = """
 import sys
-from metaclaw.judge import Judge
+from metaclaw.fastloop.judge import Judge
 from metaclaw.store import Store
 store = Store(sys.argv[1])
 sys.stdin.readline()  # both processes start judging together
@@ -517,7 +518,7 @@ def test_a_failed_call_is_explained_without_the_key_or_url_credentials():
     import httpx
     import openai
 
-    from metaclaw.judge import LLMClient
+    from metaclaw.fastloop.judge import LLMClient
 
     client = LLMClient("http://team:pw-hunter2@127.0.0.1:9/v1", "sk-live-0123456789", 5.0)
     response = httpx.Response(401, json={"error": {"message": "Incorrect API key provided: "
@@ -533,7 +534,7 @@ def test_a_retry_after_given_as_an_http_date_is_honoured():
     """RFC 9110 lets a server send Retry-After as a date: it is waited for (up to the cap)."""
     import email.utils
 
-    from metaclaw.judge import MAX_RETRY_WAIT_S, retry_delay
+    from metaclaw.fastloop.judge import MAX_RETRY_WAIT_S, retry_delay
 
     class Limited(Exception):
         status_code = 429

@@ -15,9 +15,10 @@ from fault_upstream import FaultUpstream
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from metaclaw import buffers, labels
-from metaclaw.double import DoubleServer, Reply
-from metaclaw.judge import Judge, parse_verdict
+from metaclaw import buffers
+from metaclaw.fastloop import labels
+from metaclaw.fastloop.judge import Judge, parse_verdict
+from metaclaw.offline.double import DoubleServer, Reply
 from metaclaw.store import Store
 from metaclaw.trace import Trace
 

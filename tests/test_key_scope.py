@@ -4,7 +4,7 @@ import json
 import os
 import subprocess
 
-from metaclaw.double import DoubleServer, Reply
+from metaclaw.offline.double import DoubleServer, Reply
 from metaclaw.runtime import Runtime, same_origin
 from test_cli import CLI, free_port, wait_for_port
 

@@ -10,8 +10,9 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from metaclaw import buffers, labels
-from metaclaw.retrieval import BLOCK_HEADER
+from metaclaw import buffers
+from metaclaw.fastloop import labels
+from metaclaw.skills.retrieval import BLOCK_HEADER
 
 
 def judged(add_buffer_turn, store, session, text, reward, response="ok"):

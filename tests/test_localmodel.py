@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from metaclaw.localmodel import LocalModelError, check_available
+from metaclaw.offline.localmodel import LocalModelError, check_available
 
 try:
     check_available()
@@ -25,7 +25,7 @@ openai = pytest.importorskip("openai")
 
 @pytest.fixture(scope="module")
 def served():
-    from metaclaw.localmodel import LocalModelServer, load_responder
+    from metaclaw.offline.localmodel import LocalModelServer, load_responder
 
     responder = load_responder(max_tokens=12)
     server = LocalModelServer(responder).start()
@@ -94,8 +94,8 @@ def test_tools_are_described_when_the_template_ignores_them(served):
 
 
 def test_as_the_proxys_responder_turns_record_token_ids_and_logprobs(served, tmp_path):
-    from metaclaw.proxy import Proxy, ProxyConfig
-    from metaclaw.skills import SkillLibrary
+    from metaclaw.proxy.app import Proxy, ProxyConfig
+    from metaclaw.skills.library import SkillLibrary
     from metaclaw.store import Store
 
     store = Store(tmp_path / "m.db")

@@ -12,8 +12,8 @@ import time
 import pytest
 
 from metaclaw import buffers
-from metaclaw.grpo import GRPOConfig
-from metaclaw.slowloop import SlowLoop
+from metaclaw.slowloop.grpo import GRPOConfig
+from metaclaw.slowloop.loop import SlowLoop
 from metaclaw.store import Store
 from test_slowloop import CONFIG, World
 from waiting import kill_once_it_says
@@ -27,7 +27,7 @@ def REWARD(prompt, text: str) -> float:
 def tiny_model(tmp_path_factory):
     import torch
 
-    from metaclaw.tinymodel import write_tiny_model
+    from metaclaw.offline.tinymodel import write_tiny_model
 
     torch.set_num_threads(1)
     return str(write_tiny_model(tmp_path_factory.mktemp("tiny"), seed=0))
@@ -76,8 +76,8 @@ def test_turns_the_proxy_records_train_without_a_fast_loop(world):
 def test_the_judge_sees_a_consequence_recorded_after_the_turn_first_trained(world):
     """A query turn is trained on at every step; the user's next message recorded between two
     steps reaches the PRM judge at the second."""
-    from metaclaw.double import DoubleServer, Reply
-    from metaclaw.judge import Judge, parse_judge_prompt
+    from metaclaw.fastloop.judge import Judge, parse_judge_prompt
+    from metaclaw.offline.double import DoubleServer, Reply
 
     judged = []
 
@@ -105,8 +105,8 @@ def test_the_judge_sees_a_consequence_recorded_after_the_turn_first_trained(worl
 
 KILLED_MID_STEP = """
 import sys, time
-from metaclaw.backends import make_backend
-from metaclaw.grpo import GRPOConfig, GRPOTrainer, prompts_from_query_set
+from metaclaw.slowloop.backends import make_backend
+from metaclaw.slowloop.grpo import GRPOConfig, GRPOTrainer, prompts_from_query_set
 from metaclaw.store import Store
 from metaclaw.training_lease import TrainingLease
 
@@ -133,7 +133,7 @@ def test_the_trainer_after_one_killed_mid_step_trains_its_turns_at_once(tmp_path
     """kill -9 of a trainer in its gradient step leaves claims that last two minutes. The next
     trainer takes the workspace's lease, so no other step can be running: it drops them and
     trains the turns in its first step, instead of spending its steps on nothing."""
-    from metaclaw.backends import make_backend
+    from metaclaw.slowloop.backends import make_backend
 
     path = tmp_path / "metaclaw.db"
     store = Store(path)

@@ -155,7 +155,7 @@ def test_train_in_the_background_then_serve_the_new_policy(ip, tmp_path):
     import torch
 
     from metaclaw import buffers
-    from metaclaw.tinymodel import write_tiny_model
+    from metaclaw.offline.tinymodel import write_tiny_model
 
     torch.set_num_threads(1)
     ip.user_ns["tiny"] = str(write_tiny_model(tmp_path / "tiny"))
@@ -217,9 +217,9 @@ def test_trace_label_agreement_and_export_magics(ip, tmp_path, capsys):
 
 
 def test_a_held_proposal_is_edited_and_promoted_from_magics(ip, capsys):
-    from metaclaw import proposals
-    from metaclaw.gate import GateReport
-    from metaclaw.skills import Skill, SkillOp
+    from metaclaw.fastloop import proposals
+    from metaclaw.fastloop.gate import GateReport
+    from metaclaw.skills.library import Skill, SkillOp
 
     runtime = line(ip, "start --db {ws}/m.db --skills {ws}/skills --retrieval lexical")
     cell(ip, "chat --session s1", "Convert 5 miles to km")

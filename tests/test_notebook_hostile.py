@@ -92,9 +92,9 @@ def test_trace_widget_refresh_shows_turns_another_process_recorded(tmp_path):
 
 
 def test_skill_diff_refresh_shows_a_proposal_decided_elsewhere(tmp_path):
-    from metaclaw import proposals
-    from metaclaw.gate import GateReport
-    from metaclaw.skills import Skill, SkillLibrary, SkillOp
+    from metaclaw.fastloop import proposals
+    from metaclaw.fastloop.gate import GateReport
+    from metaclaw.skills.library import Skill, SkillLibrary, SkillOp
 
     store = Store(tmp_path / "m.db")
     library = SkillLibrary(tmp_path / "skills", store)

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from metaclaw.double import DoubleServer, Reply
+from metaclaw.offline.double import DoubleServer, Reply
 from metaclaw.store import Store
 
 jupyter_client = pytest.importorskip("jupyter_client.manager")

@@ -16,7 +16,7 @@ import pytest
 from metaclaw.notebook import widgets
 from metaclaw.notebook.widgets import (BufferWidget, SchedulerView, SkillDiffWidget, TraceWidget,
                                        TrainingMonitor)
-from metaclaw.skills import Skill, SkillLibrary, SkillOp
+from metaclaw.skills.library import Skill, SkillLibrary, SkillOp
 from metaclaw.store import Store
 from test_magics import cell, ip, line  # noqa: F401  (ip: the shell fixture)
 
@@ -145,8 +145,8 @@ def test_a_diff_made_for_one_step_stays_on_it_until_asked_to_follow(ip):
 
 
 def test_a_proposals_view_stays_as_shown_and_an_outdated_action_says_why(tmp_path):
-    from metaclaw import proposals
-    from metaclaw.gate import GateReport
+    from metaclaw.fastloop import proposals
+    from metaclaw.fastloop.gate import GateReport
 
     store = Store(tmp_path / "m.db")
     library = SkillLibrary(tmp_path / "skills", store)
@@ -328,7 +328,7 @@ def test_the_saved_training_chart_is_the_run_as_it_ended(ip, tmp_path, monkeypat
 def test_wide_tables_scroll_in_their_own_frame():
     import polars as pl
 
-    from metaclaw.notebook import scrolled
+    from metaclaw.notebook.tables import scrolled
 
     frame = pl.DataFrame({"reply": ["x" * 500], "grader_says": ["y" * 300]})
     page = scrolled(frame, max_height=300)._repr_html_()

@@ -13,10 +13,10 @@ HEAVY = ("torch", "transformers", "peft", "tinker", "sentence_transformers", "al
 
 
 def test_import_metaclaw_and_its_core_modules_stays_light():
-    code = ("import sys, metaclaw, metaclaw.store, metaclaw.skills, metaclaw.retrieval, "
-            "metaclaw.proxy, metaclaw.runtime, metaclaw.cli, metaclaw.judge, metaclaw.evolver, "
-            "metaclaw.fastloop, metaclaw.buffers, metaclaw.grpo, metaclaw.policy, "
-            "metaclaw.backends, metaclaw.scheduler, metaclaw.bench; "
+    code = ("import sys, metaclaw, metaclaw.store, metaclaw.skills.library, metaclaw.skills.retrieval, "
+            "metaclaw.proxy.app, metaclaw.runtime, metaclaw.cli, metaclaw.fastloop.judge, "
+            "metaclaw.fastloop.evolver, metaclaw.fastloop.loop, metaclaw.buffers, metaclaw.slowloop.grpo, metaclaw.slowloop.policy, "
+            "metaclaw.slowloop.backends, metaclaw.slowloop.scheduler, metaclaw.bench; "
             f"print([m for m in {HEAVY!r} if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
@@ -47,6 +47,6 @@ def test_core_never_imports_the_notebook_layer():
 
 def test_shipped_files_exist():
     assert (ROOT / "bench" / "data" / "metaclaw-bench-small" / "all_tests.json").is_file()
-    assert len(list((ROOT / "starter_skills").glob("*/SKILL.md"))) >= 6
+    assert len(list((ROOT / "skills" / "starter_skills").glob("*/SKILL.md"))) >= 6
     for name in ("skill_diff.js", "buffers.js", "scheduler.js", "trace.js", "metaclaw.css"):
         assert (ROOT / "_widgets" / name).is_file()

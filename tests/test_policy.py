@@ -13,15 +13,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from metaclaw.backends import Sample
-from metaclaw.policy import PolicyRequestError, PolicyResponder, parse_tool_calls
+from metaclaw.slowloop.backends import Sample
+from metaclaw.slowloop.policy import PolicyRequestError, PolicyResponder, parse_tool_calls
 
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
     import torch
 
-    from metaclaw.tinymodel import write_tiny_model
+    from metaclaw.offline.tinymodel import write_tiny_model
 
     torch.set_num_threads(1)
     return str(write_tiny_model(tmp_path_factory.mktemp("tiny"), seed=0))
@@ -29,7 +29,7 @@ def tiny_model(tmp_path_factory):
 
 @pytest.fixture
 def backend(tiny_model):
-    from metaclaw.backends import make_backend
+    from metaclaw.slowloop.backends import make_backend
 
     return make_backend("local", tiny_model, lora_rank=4, seed=0)
 
@@ -246,7 +246,7 @@ def test_no_stop_string_ever_reaches_the_client(text, stops):
 
 @pytest.fixture(scope="module")
 def tiny_responder(tiny_model):
-    from metaclaw.backends import make_backend
+    from metaclaw.slowloop.backends import make_backend
 
     responder = PolicyResponder(make_backend("local", tiny_model, lora_rank=4, seed=0))
     yield responder
@@ -330,7 +330,7 @@ async def test_in_flight_request_finishes_on_old_weights_new_requests_get_new(ba
 
 
 async def test_hot_swap_under_50_concurrent_requests_while_training(backend, tiny_model):
-    from metaclaw.grpo import GRPOConfig, Task, prompts_from_tasks, train_grpo
+    from metaclaw.slowloop.grpo import GRPOConfig, Task, prompts_from_tasks, train_grpo
 
     responder = PolicyResponder(backend, max_workers=8)
     published: list[int] = []

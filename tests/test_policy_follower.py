@@ -13,7 +13,7 @@ import threading
 import openai
 import pytest
 
-from metaclaw.double import DoubleServer, Reply
+from metaclaw.offline.double import DoubleServer, Reply
 from metaclaw.store import Store
 import waiting
 from test_cli import CLI, free_port, wait_for_port
@@ -25,7 +25,7 @@ ASK = [{"role": "user", "content": "say yes"}]
 def tiny_model(tmp_path_factory):
     import torch
 
-    from metaclaw.tinymodel import write_tiny_model
+    from metaclaw.offline.tinymodel import write_tiny_model
 
     torch.set_num_threads(1)  # a tiny model runs fastest on one thread, more so on a busy box
     return str(write_tiny_model(tmp_path_factory.mktemp("tiny"), seed=0))
@@ -48,7 +48,7 @@ def _ask(client, session, text="say yes", stream=False):
 def _parity_judge(body):
     """A scripted judge (not a model): +1 for a reply of odd length, -1 otherwise, so that the
     samples of a group differ and GRPO has something to learn from."""
-    from metaclaw.judge import SECTION_REPLY, parse_judge_prompt
+    from metaclaw.fastloop.judge import SECTION_REPLY, parse_judge_prompt
 
     reply = parse_judge_prompt(body["messages"][-1]["content"])[SECTION_REPLY]
     return Reply(json.dumps({"score": 1 if len(reply) % 2 else -1, "rationale": "scripted"}))
@@ -60,10 +60,10 @@ def _adopted(store, version):
 
 TRAINER = """
 import sys
-from metaclaw.backends import make_backend
-from metaclaw.grpo import GRPOConfig
-from metaclaw.judge import Judge
-from metaclaw.slowloop import SlowLoop
+from metaclaw.slowloop.backends import make_backend
+from metaclaw.slowloop.grpo import GRPOConfig
+from metaclaw.fastloop.judge import Judge
+from metaclaw.slowloop.loop import SlowLoop
 from metaclaw.store import Store
 
 db, model, state_dir, judge_url = sys.argv[1:]
@@ -140,7 +140,7 @@ def test_a_running_server_adopts_the_version_another_process_trains(tmp_path, ti
 def _trained_state(tiny_model, state_dir):
     """Train the tiny model one step in this process and save its state (a checkpoint as the
     slow loop saves it). Returns (backend, checkpoint path)."""
-    from metaclaw.backends import Datum, make_backend
+    from metaclaw.slowloop.backends import Datum, make_backend
 
     backend = make_backend("local", tiny_model, lora_rank=4, seed=0, device="cpu")
     prompt = backend.render_chat(ASK)
@@ -155,8 +155,8 @@ def test_versions_it_cannot_serve_are_reported_once_and_it_keeps_serving(tmp_pat
     """Another base model, another backend, a missing checkpoint, a broken one: each is one
     clear event, the server keeps serving version 0 and answers every request; a version
     without its checkpoint yet waits for it; a restart serves the latest servable version."""
+    from metaclaw.offline.tinymodel import write_tiny_model
     from metaclaw.runtime import Runtime
-    from metaclaw.tinymodel import write_tiny_model
 
     db = str(tmp_path / "ws.db")
     runtime = Runtime.start(local_model=tiny_model, db_path=db,
@@ -222,8 +222,8 @@ def test_versions_it_cannot_serve_are_reported_once_and_it_keeps_serving(tmp_pat
 def test_loading_a_version_never_blocks_requests(tmp_path, tiny_model):
     """While a new version's checkpoint loads (held here at a gate), requests are answered by
     the old version; the swap happens once it is loaded, and the next request gets it."""
-    from metaclaw.policy import PolicyFollower
     from metaclaw.runtime import Runtime
+    from metaclaw.slowloop.policy import PolicyFollower
 
     db = str(tmp_path / "ws.db")
     runtime = Runtime.start(local_model=tiny_model, db_path=db,

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from metaclaw.context_budget import KNOWN_WINDOWS, TokenCounter, context_window, fit_skills
-from metaclaw.pipeline import identify_session, parse_turn, record_row, retrieval_query
+from metaclaw.proxy.context_budget import KNOWN_WINDOWS, TokenCounter, context_window, fit_skills
+from metaclaw.proxy.pipeline import identify_session, parse_turn, record_row, retrieval_query
 import metaclaw.protocols
 from metaclaw.protocols import PROTOCOLS, ProxyError, get_protocol, sse_events
 from metaclaw.protocols.anthropic_messages import ANTHROPIC, DEFAULT_MAX_TOKENS
@@ -451,7 +451,7 @@ def test_malformed_messages_are_refused_with_a_400_or_served(request):
     protocol, body = request
     raw = json.dumps(body).encode()
     try:
-        from metaclaw import edge
+        from metaclaw.proxy import edge
 
         turn = parse_turn(protocol, edge.decode_body(raw), raw)
     except ProxyError as exc:

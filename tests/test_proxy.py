@@ -18,10 +18,11 @@ import httpx
 import openai
 import pytest
 
-from metaclaw.double import DoubleServer, Reply
-from metaclaw.proxy import Proxy, ProxyConfig, StreamAssembler
-from metaclaw.retrieval import BLOCK_HEADER, ScoredSkill, make_retriever, render_block
-from metaclaw.skills import Skill, SkillLibrary
+from metaclaw.offline.double import DoubleServer, Reply
+from metaclaw.protocols.openai_chat import StreamAssembler
+from metaclaw.proxy.app import Proxy, ProxyConfig
+from metaclaw.skills.library import Skill, SkillLibrary
+from metaclaw.skills.retrieval import BLOCK_HEADER, ScoredSkill, make_retriever, render_block
 from metaclaw.store import Store
 from waiting import wait_until
 
@@ -493,7 +494,7 @@ def test_building_the_lexical_index_never_stalls_other_requests(double, workspac
     pool, while the event loop keeps answering (here /healthz)."""
     import threading
 
-    from metaclaw.retrieval import LexicalRetriever
+    from metaclaw.skills.retrieval import LexicalRetriever
 
     class SlowToBuild(LexicalRetriever):
         def _build(self, skills):
@@ -534,7 +535,7 @@ def test_a_resent_block_is_found_when_the_client_escapes_angle_brackets(proxy, d
 def test_a_custom_lexical_retriever_without_an_index_check_still_serves(double, workspace):
     """``indexed`` is not part of the Retriever protocol: a retriever without it runs in the
     retrieval pool."""
-    from metaclaw.retrieval import LexicalRetriever
+    from metaclaw.skills.retrieval import LexicalRetriever
 
     class Logged:
         kind, default_min_score = "lexical", 1e-9
@@ -755,9 +756,9 @@ def test_embedding_retrieval_finds_a_paraphrase(double, workspace, upstream_key)
 
 SERVE_SCRIPT = """
 import sys
-from metaclaw.proxy import Proxy, ProxyConfig
-from metaclaw.retrieval import make_retriever
-from metaclaw.skills import SkillLibrary
+from metaclaw.proxy.app import Proxy, ProxyConfig
+from metaclaw.skills.retrieval import make_retriever
+from metaclaw.skills.library import SkillLibrary
 from metaclaw.store import Store
 store = Store(sys.argv[2])
 library = SkillLibrary(sys.argv[3], store)
@@ -883,7 +884,7 @@ def test_an_opening_whose_client_left_during_retrieval_leaves_its_session_free(
     so its retry is that conversation's opening, in the fingerprint's session, not ``.2``."""
     import threading
 
-    from metaclaw.retrieval import LexicalRetriever
+    from metaclaw.skills.retrieval import LexicalRetriever
 
     class SlowRetriever(LexicalRetriever):
         kind = "slow"  # not an inline retriever: ranked in the retrieval pool

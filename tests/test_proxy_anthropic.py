@@ -19,11 +19,11 @@ import pytest
 anthropic = pytest.importorskip("anthropic", reason="the Anthropic tests need the anthropic SDK "
                                                     "(pip install 'metaclaw-jupyter[anthropic]')")
 
-from metaclaw.double import DoubleServer, Reply  # noqa: E402
-from metaclaw.double_anthropic import AnthropicDoubleServer, AnthropicReply  # noqa: E402
-from metaclaw.proxy import Proxy, ProxyConfig  # noqa: E402
-from metaclaw.retrieval import BLOCK_HEADER  # noqa: E402
-from metaclaw.skills import Skill, SkillLibrary  # noqa: E402
+from metaclaw.offline.double import DoubleServer, Reply  # noqa: E402
+from metaclaw.offline.double_anthropic import AnthropicDoubleServer, AnthropicReply  # noqa: E402
+from metaclaw.proxy.app import Proxy, ProxyConfig  # noqa: E402
+from metaclaw.skills.library import Skill, SkillLibrary  # noqa: E402
+from metaclaw.skills.block import BLOCK_HEADER  # noqa: E402
 from metaclaw.store import Store  # noqa: E402
 
 MODEL = "claude-test"
@@ -615,8 +615,8 @@ def test_claude_code_system_messages_in_the_conversation_translate_in_place():
     refused with a 400, and system messages with block content became user messages)."""
     import pathlib
 
-    from metaclaw.asks import extract_ask
     from metaclaw.protocols.anthropic_messages import ANTHROPIC
+    from metaclaw.skills.asks import extract_ask
 
     captured = pathlib.Path(__file__).parent / "fixtures" / "requests"
     body = json.loads((captured / "claude-code" / "004.json").read_text())["body"]
@@ -711,7 +711,7 @@ def test_responder_serves_anthropic_clients(workspace, anthropic_double):
 def test_context_budget_with_a_real_tokenizer(workspace, openai_double, tmp_path):
     pytest.importorskip("transformers", reason="the tokenizer test needs transformers "
                                                "(the training extra)")
-    from metaclaw.tinymodel import build_tokenizer
+    from metaclaw.offline.tinymodel import build_tokenizer
 
     build_tokenizer().backend_tokenizer.save(str(tmp_path / "tokenizer.json"))
     store, _ = workspace

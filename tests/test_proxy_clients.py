@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 
 from metaclaw import wire
-from metaclaw.double import DoubleServer, Reply
-from metaclaw.proxy import Proxy, ProxyConfig
-from metaclaw.retrieval import BLOCK_HEADER
-from metaclaw.skills import Skill, SkillLibrary
+from metaclaw.offline.double import DoubleServer, Reply
+from metaclaw.proxy.app import Proxy, ProxyConfig
+from metaclaw.skills.block import BLOCK_HEADER
+from metaclaw.skills.library import Skill, SkillLibrary
 from metaclaw.store import Store
 
 CAPTURES = Path(__file__).parent / "fixtures" / "requests" / "opencode"

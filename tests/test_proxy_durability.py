@@ -25,9 +25,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from metaclaw.double import DoubleServer, Reply, last_user_text
-from metaclaw.proxy import Proxy, ProxyConfig
-from metaclaw.skills import SkillLibrary
+from metaclaw.offline.double import DoubleServer, Reply, last_user_text
+from metaclaw.proxy.app import Proxy, ProxyConfig
+from metaclaw.skills.library import SkillLibrary
 from metaclaw.store import Store
 
 SOAK = Path(__file__).resolve().parents[1] / "benchmarks" / "soak_kill9.py"

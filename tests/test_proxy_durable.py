@@ -12,10 +12,10 @@ import time
 import httpx
 import pytest
 
-from metaclaw.double import DoubleServer, Reply
-from metaclaw.pipeline import Recorder
-from metaclaw.proxy import Proxy, ProxyConfig
-from metaclaw.skills import SkillLibrary
+from metaclaw.offline.double import DoubleServer, Reply
+from metaclaw.proxy.app import Proxy, ProxyConfig
+from metaclaw.proxy.pipeline import Recorder
+from metaclaw.skills.library import SkillLibrary
 
 
 def _committed(db, session: str) -> list[tuple]:

@@ -12,13 +12,13 @@ import sqlite3
 import pytest
 
 from metaclaw import jsonlib
-from metaclaw.double import DoubleServer
-from metaclaw.edge import decode_body
-from metaclaw.pipeline import Recorder
+from metaclaw.offline.double import DoubleServer
 from metaclaw.protocols import ProxyError, sse_events
-from metaclaw.proxy import Proxy, ProxyConfig
-from metaclaw.server import new_event_loop
-from metaclaw.skills import SkillLibrary
+from metaclaw.proxy.app import Proxy, ProxyConfig
+from metaclaw.proxy.edge import decode_body
+from metaclaw.proxy.pipeline import Recorder
+from metaclaw.proxy.server import new_event_loop
+from metaclaw.skills.library import SkillLibrary
 from metaclaw.store import Store
 
 
@@ -194,7 +194,7 @@ def test_an_early_answer_reaches_a_client_still_sending(tmp_path):
 
 
 def test_upstream_gets_basic_auth_from_its_url_and_anthropic_version(tmp_path):
-    from metaclaw.double_anthropic import AnthropicDoubleServer
+    from metaclaw.offline.double_anthropic import AnthropicDoubleServer
 
     store = Store(tmp_path / "m.db")
     library = SkillLibrary(tmp_path / "skills", store)

@@ -20,8 +20,8 @@ import httpx
 import pytest
 
 from fault_upstream import FaultUpstream
-from metaclaw.proxy import Proxy, ProxyConfig
-from metaclaw.skills import SkillLibrary
+from metaclaw.proxy.app import Proxy, ProxyConfig
+from metaclaw.skills.library import SkillLibrary
 from metaclaw.store import Store
 
 CANARY = "sk-canary-" + uuid.uuid4().hex

@@ -25,10 +25,10 @@ import zlib
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from metaclaw import edge
-from metaclaw.double import DoubleServer
-from metaclaw.proxy import Proxy, ProxyConfig
-from metaclaw.skills import Skill, SkillLibrary
+from metaclaw.offline.double import DoubleServer
+from metaclaw.proxy import edge
+from metaclaw.proxy.app import Proxy, ProxyConfig
+from metaclaw.skills.library import Skill, SkillLibrary
 from metaclaw.store import Store
 
 FUZZ_EXAMPLES = int(os.environ.get("METACLAW_FUZZ_EXAMPLES", "300"))

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from metaclaw.pipeline import Recorder
+from metaclaw.proxy.pipeline import Recorder
 from metaclaw.store import Store, StoreBusy
 
 ROW = {"request_messages": [{"role": "user", "content": "hi"}], "status": "ok"}

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from metaclaw.double import DoubleServer
-from metaclaw.evolver import Evolver, build_evolver_messages
-from metaclaw.research_pipeline import (STAGES, SimulatedResearchModel, check, review,
-                                        run_pipeline, run_table, runtime_hooks, stage_table)
+from metaclaw.fastloop.evolver import Evolver, build_evolver_messages
+from metaclaw.offline.double import DoubleServer
+from metaclaw.offline.research_pipeline import (STAGES, SimulatedResearchModel, check, review,
+                                                run_pipeline, run_table, runtime_hooks, stage_table)
 from metaclaw.runtime import Runtime
 
 RULE = "- Include a line starting with `{}:` in the plan stage output."
@@ -105,7 +105,7 @@ def test_the_sim_evolver_reads_the_stage_from_the_turn_type():
 
 
 def test_tables_count_a_run_listed_twice_once_and_keep_columns_when_empty(tmp_path):
-    from metaclaw.research_pipeline import run_table, stage_table
+    from metaclaw.offline.research_pipeline import run_table, stage_table
     from metaclaw.store import Store
 
     store = Store(tmp_path / "w.db")

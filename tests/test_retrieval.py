@@ -16,12 +16,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from metaclaw.retrieval import (
-    BLOCK_HEADER, STATIC_MIN_SCORE, EmbeddingRetriever, augment, LexicalRetriever, RetrievalError,
-    Retriever, ScoredSkill, default_model_path, inject, make_retriever, query_text, render_block,
-    select, tokenize,
-)
-from metaclaw.skills import Skill, load_skills_dir, starter_skills_dir
+from metaclaw.skills.library import Skill, load_skills_dir, starter_skills_dir
+from metaclaw.skills.retrieval import (BLOCK_HEADER, STATIC_MIN_SCORE, EmbeddingRetriever,
+                                       LexicalRetriever, RetrievalError, Retriever, ScoredSkill,
+                                       augment, default_model_path, inject, make_retriever,
+                                       query_text, render_block, select, tokenize)
 
 BACKUP = Skill(
     name="backup-before-modify", category="safety",
@@ -186,8 +185,8 @@ def test_static_model_selects_nothing_for_unrelated_requests(static, starters):
 
 def test_static_query_path_needs_neither_torch_nor_sentence_transformers(static):
     """Once the table is cached, a process that retrieves with it never imports torch."""
-    code = ("import sys; from metaclaw.retrieval import make_retriever; "
-            "from metaclaw.skills import Skill; r = make_retriever('embedding'); "
+    code = ("import sys; from metaclaw.skills.retrieval import make_retriever; "
+            "from metaclaw.skills.library import Skill; r = make_retriever('embedding'); "
             "s = [Skill(name='a', description='keep a backup copy'), Skill(name='b', "
             "description='answer in JSON')]; assert r.rank('copy the file first', s)[0]"
             ".skill.name == 'a'; heavy = [m for m in ('torch', 'sentence_transformers', "
@@ -357,7 +356,7 @@ def test_rank_is_safe_from_several_threads(request, model, starters):
 # -- import weight -------------------------------------------------------------------------------
 
 def test_importing_retrieval_does_not_import_torch_or_sentence_transformers():
-    code = ("import sys, metaclaw.retrieval, metaclaw.skills; "
+    code = ("import sys, metaclaw.skills.retrieval, metaclaw.skills; "
             "heavy = [m for m in ('torch', 'sentence_transformers', 'transformers', 'numpy') "
             "if m in sys.modules]; print(heavy); sys.exit(1 if heavy else 0)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -429,8 +428,8 @@ def test_an_embedding_model_that_cannot_load_is_refused_at_once_or_replaced_by_l
     (never a proxy serving every turn without skills, a traceback each)."""
     import logging
 
-    from metaclaw.retrieval import (LexicalRetriever, RetrievalError, embeddings_available,
-                                    make_retriever)
+    from metaclaw.skills.retrieval import (LexicalRetriever, RetrievalError, embeddings_available,
+                                           make_retriever)
 
     if not embeddings_available():
         pytest.skip("needs the embeddings extra")
@@ -499,8 +498,8 @@ def test_lexical_ranking_is_the_same_in_every_process():
     another order after a restart."""
     code = """if True:
         import itertools
-        from metaclaw.retrieval import LexicalRetriever
-        from metaclaw.skills import Skill
+        from metaclaw.skills.retrieval import LexicalRetriever
+        from metaclaw.skills.library import Skill
         words = ["alpha", "bravo", "charlie", "delta", "echo"]
         skills = [Skill(name=f"s{n:03d}", description=" ".join(
                       w for w, k in zip(words, counts) for _ in range(k)))

@@ -9,12 +9,11 @@ from __future__ import annotations
 import pytest
 
 from metaclaw import buffers
-from metaclaw.evolver import validate_operations, with_origin_asks
-from metaclaw.proposals import apply_ops
-from metaclaw.retrieval import (
-    EmbeddingRetriever, HybridRetriever, LexicalRetriever, keys_text, make_retriever, select,
-)
-from metaclaw.skills import MAX_EXAMPLE_ASKS, Skill, SkillLibrary, SkillOp
+from metaclaw.fastloop.evolver import validate_operations, with_origin_asks
+from metaclaw.fastloop.proposals import apply_ops
+from metaclaw.skills.library import MAX_EXAMPLE_ASKS, Skill, SkillLibrary, SkillOp
+from metaclaw.skills.retrieval import (EmbeddingRetriever, HybridRetriever, LexicalRetriever,
+                                       keys_text, make_retriever, select)
 
 DATES = Skill("iso-dates", "Write every date as an ISO 8601 datetime with the user's offset.",
               "data", "Use `2026-03-16T09:30:00+08:00`, never `3/16` or `9:30am`.")
@@ -142,8 +141,8 @@ def test_the_default_retriever_needs_no_torch_no_distillation_and_no_cache(tmp_p
     import sys
 
     code = ("import sys\n"
-            "from metaclaw.retrieval import make_retriever, describe\n"
-            "from metaclaw.skills import Skill\n"
+            "from metaclaw.skills.retrieval import make_retriever, describe\n"
+            "from metaclaw.skills.library import Skill\n"
             "r = make_retriever('auto')\n"
             "r.rank('keep a copy of the config', [Skill('a', 'Copy files first.')])\n"
             "heavy = [m for m in ('torch', 'sentence_transformers', 'transformers') "
@@ -163,7 +162,7 @@ def test_the_default_retriever_needs_no_torch_no_distillation_and_no_cache(tmp_p
 def test_a_transformer_model_is_only_checked_at_start_and_loads_in_warm(monkeypatch):
     """``--embedding-model minilm`` does not hold the server's start: the model is found, not
     loaded, until :meth:`warm` (which the proxy runs after it listens)."""
-    from metaclaw import retrieval
+    from metaclaw.skills import retrieval
 
     if not retrieval.embeddings_available():
         pytest.skip("needs the embeddings extra")
@@ -185,7 +184,7 @@ def test_serve_says_how_it_retrieves_and_why_shows_the_keys(tmp_path):
 
     import httpx
 
-    from metaclaw.double import DoubleServer, Reply
+    from metaclaw.offline.double import DoubleServer, Reply
 
     skills = tmp_path / "skills"
     keyed = DATES.with_retrieval_keys(["write the standup slot and action item deadlines into "

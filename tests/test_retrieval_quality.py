@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from metaclaw.retrieval import (HybridRetriever, LexicalRetriever, make_retriever, recall_at_k,
-                                select)
-from metaclaw.skills import Skill, load_skills_dir, starter_skills_dir
+from metaclaw.skills.library import Skill, load_skills_dir, starter_skills_dir
+from metaclaw.skills.retrieval import (HybridRetriever, LexicalRetriever, make_retriever,
+                                       recall_at_k, select)
 
 LABELLED = Path(__file__).parent / "fixtures" / "retrieval" / "labelled_asks.json"
 #: Two asks of the 68 (recall moves in steps of about 1/68 per ask).

@@ -87,9 +87,9 @@ def test_a_turn_served_while_another_process_committed_a_generation_is_recorded_
 
     import httpx
 
-    from metaclaw.double import DoubleServer, Reply
-    from metaclaw.proxy import Proxy, ProxyConfig
-    from metaclaw.skills import SkillLibrary
+    from metaclaw.offline.double import DoubleServer, Reply
+    from metaclaw.proxy.app import Proxy, ProxyConfig
+    from metaclaw.skills.library import SkillLibrary
     from metaclaw.store import Store
 
     store = Store(tmp_path / "metaclaw.db")

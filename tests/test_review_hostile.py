@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from metaclaw.policy import PolicyResponder
-from metaclaw.proxy import Proxy, ProxyConfig
-from metaclaw.skills import SkillLibrary
+from metaclaw.proxy.app import Proxy, ProxyConfig
+from metaclaw.skills.library import SkillLibrary
+from metaclaw.slowloop.policy import PolicyResponder
 from metaclaw.store import Store
 
 
@@ -27,8 +27,8 @@ def _waited(check, within: float = 10.0):
 def test_a_client_that_hangs_up_stops_the_local_policy_generating(tmp_path, stream):
     import torch
 
-    from metaclaw.backends import make_backend
-    from metaclaw.tinymodel import write_tiny_model
+    from metaclaw.offline.tinymodel import write_tiny_model
+    from metaclaw.slowloop.backends import make_backend
 
     torch.set_num_threads(1)
     backend = make_backend("local", str(write_tiny_model(tmp_path / "tiny", seed=0)),

@@ -1,4 +1,4 @@
-"""Tests for the idle-gated training scheduler (metaclaw.scheduler), driven by a fake clock."""
+"""Tests for the idle-gated training scheduler (metaclaw.slowloop.scheduler), driven by a fake clock."""
 
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ from zoneinfo import ZoneInfo
 import pytest
 from hypothesis import HealthCheck, example, given, settings, strategies as st
 
-from metaclaw.scheduler import (
-    CalendarBusy, KeyboardIdle, NotebookIdle, ProxyIdle, Scheduler, SignalReading, SleepWindow,
-    busy_events, from_config, ical, load_config, parse_calendar,
-)
-from metaclaw.scheduler.signals import Signal
+from metaclaw.slowloop.scheduler import ical
+from metaclaw.slowloop.scheduler.ical import CalendarBusy, busy_events, parse_calendar
+from metaclaw.slowloop.scheduler.machine import Scheduler, from_config, load_config
+from metaclaw.slowloop.scheduler.signals import (KeyboardIdle, NotebookIdle, ProxyIdle, Signal,
+                                                 SignalReading, SleepWindow)
 from metaclaw.store import Store
 import waiting
 

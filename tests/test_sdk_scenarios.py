@@ -13,10 +13,10 @@ import pytest
 anthropic = pytest.importorskip("anthropic", reason="the Anthropic scenarios need the anthropic "
                                                     "SDK (pip install 'metaclaw-jupyter[anthropic]')")
 
-from metaclaw.double import DoubleServer, Reply  # noqa: E402
-from metaclaw.proxy import Proxy, ProxyConfig  # noqa: E402
-from metaclaw.retrieval import BLOCK_HEADER  # noqa: E402
-from metaclaw.skills import Skill, SkillLibrary  # noqa: E402
+from metaclaw.offline.double import DoubleServer, Reply  # noqa: E402
+from metaclaw.proxy.app import Proxy, ProxyConfig  # noqa: E402
+from metaclaw.skills.library import Skill, SkillLibrary  # noqa: E402
+from metaclaw.skills.retrieval import BLOCK_HEADER  # noqa: E402
 from metaclaw.store import Store  # noqa: E402
 
 MODEL = "double-model"

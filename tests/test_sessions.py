@@ -12,12 +12,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from metaclaw.double import DoubleServer, Reply
-from metaclaw.proxy import Proxy, ProxyConfig
-from metaclaw.retrieval import explain_frame
-from metaclaw.sessions import (TASK_TURNS_SQL, IdentityError, ReplyThreads, identify,
-                               is_task_turn, stage_of, turn_type_condition)
-from metaclaw.skills import Skill, SkillLibrary
+from metaclaw.offline.double import DoubleServer, Reply
+from metaclaw.proxy.app import Proxy, ProxyConfig
+from metaclaw.proxy.sessions import (TASK_TURNS_SQL, IdentityError, ReplyThreads, identify,
+                                     is_task_turn, stage_of, turn_type_condition)
+from metaclaw.skills.library import Skill, SkillLibrary
+from metaclaw.skills.retrieval import explain_frame
 from test_asks import captured
 
 ASK = [{"role": "user", "content": "hello"}]
@@ -488,9 +488,9 @@ def test_aider_runs_stay_separate_sessions_and_its_next_turn_joins_its_own(tmp_p
     without aider's boilerplate (captured aider 0.86.2 requests)."""
     import httpx
 
-    from metaclaw.double import DoubleServer
-    from metaclaw.proxy import Proxy, ProxyConfig
-    from metaclaw.skills import Skill, SkillLibrary
+    from metaclaw.offline.double import DoubleServer
+    from metaclaw.proxy.app import Proxy, ProxyConfig
+    from metaclaw.skills.library import Skill, SkillLibrary
     from metaclaw.store import Store
 
     store = Store(tmp_path / "metaclaw.db")
@@ -534,9 +534,9 @@ def test_aider_runs_through_the_proxy(tmp_path):
     sessions, each gets the fitting skill, and the files it edits come from the proxy's reply."""
     import subprocess
 
-    from metaclaw.double import DoubleServer
-    from metaclaw.proxy import Proxy, ProxyConfig
-    from metaclaw.skills import Skill, SkillLibrary
+    from metaclaw.offline.double import DoubleServer
+    from metaclaw.proxy.app import Proxy, ProxyConfig
+    from metaclaw.skills.library import Skill, SkillLibrary
     from metaclaw.store import Store
 
     store = Store(tmp_path / "metaclaw.db")

@@ -14,14 +14,14 @@ import json
 import httpx
 import pytest
 
-from metaclaw import simmodel as sm
 from metaclaw.bench.agent import system_prompt
 from metaclaw.bench.data import load_benchmark, small_bench_dir
 from metaclaw.bench.grading import (feedback_text, run_check, score_choice, standalone_feedback,
                                     with_feedback)
 from metaclaw.bench.workspace import TOOL_SCHEMAS, Workspace, execute_tool
-from metaclaw.retrieval import ScoredSkill, render_block
-from metaclaw.skills import Skill
+from metaclaw.offline import simmodel as sm
+from metaclaw.skills.library import Skill
+from metaclaw.skills.retrieval import ScoredSkill, render_block
 
 DATA = small_bench_dir()
 
@@ -33,7 +33,7 @@ def bench():
 
 def learned_block(support) -> str:
     """The injected block for the skills the simulated evolver writes from ``support`` items."""
-    from metaclaw.evolver import build_evolver_messages
+    from metaclaw.fastloop.evolver import build_evolver_messages
 
     out = sm.sim_reply({"model": "sim-evolver", "messages": build_evolver_messages(support, [], 0)})
     ops = json.loads(out["content"])["operations"]
@@ -146,7 +146,7 @@ def test_outputs_are_well_formed_all_days(bench):
 
 
 def _judge_body(next_user):
-    from metaclaw.judge import build_judge_messages
+    from metaclaw.fastloop.judge import build_judge_messages
 
     turn = {"request_messages": [{"role": "user", "content": "Please write day01/standup.json"}],
             "response": "[simulated model] Done.", "tool_calls": None}
@@ -154,7 +154,7 @@ def _judge_body(next_user):
 
 
 def test_judge_speaks_the_wire_format_and_reads_feedback(bench):
-    from metaclaw.judge import parse_verdict
+    from metaclaw.fastloop.judge import parse_verdict
 
     r1 = bench.day("day01").rounds[0]
     wrong = with_feedback(feedback_text(r1, False), bench.day("day01").rounds[1].question)
@@ -197,7 +197,7 @@ def _support(bench, day_id, round_index, turn_id):
 
 
 def test_evolver_adds_one_skill_per_convention_and_validates(bench):
-    from metaclaw.evolver import build_evolver_messages, validate_operations
+    from metaclaw.fastloop.evolver import build_evolver_messages, validate_operations
 
     support = [_support(bench, "day01", 0, 11), _support(bench, "day03", 0, 12),
                _support(bench, "day07", 0, 13)]
@@ -212,7 +212,7 @@ def test_evolver_adds_one_skill_per_convention_and_validates(bench):
     for op in ops:
         assert "simulated" in op.reason and "simulated" in op.skill.body
     # each skill quotes the feedback verbatim, so the agent reads the same rule back from it
-    from metaclaw.simrules import read_rules
+    from metaclaw.offline.simrules import read_rules
 
     for kind, name in (("time", "stated-time-format"), ("naming", "stated-file-naming"),
                        ("backup", "stated-backup-rule")):
@@ -222,8 +222,8 @@ def test_evolver_adds_one_skill_per_convention_and_validates(bench):
 
 
 def test_evolver_edits_instead_of_duplicating(bench):
-    from metaclaw.evolver import build_evolver_messages, validate_operations
-    from metaclaw.simrules import read_rules
+    from metaclaw.fastloop.evolver import build_evolver_messages, validate_operations
+    from metaclaw.offline.simrules import read_rules
 
     first = json.loads(sm.sim_reply({"model": "sim-evolver", "messages": build_evolver_messages(
         [_support(bench, "day01", 0, 1)], [], 0)})["content"])
@@ -243,7 +243,7 @@ def test_evolver_edits_instead_of_duplicating(bench):
 
 
 def test_evolver_ignores_success_feedback_and_next_question(bench):
-    from metaclaw.evolver import build_evolver_messages
+    from metaclaw.fastloop.evolver import build_evolver_messages
 
     day = bench.day("day01")
     ok = {"id": 5, "task": "t", "tools": "", "reply": "r", "rationale": "", "reward": 1,

@@ -29,11 +29,11 @@ from pathlib import Path
 import pytest
 
 import metaclaw
-from metaclaw import simmodel as sm
 from metaclaw.bench.data import small_bench_dir
+from metaclaw.offline import simmodel as sm
 
 PACKAGE = Path(metaclaw.__file__).parent
-DOUBLES = ("simmodel.py", "simrules.py", "double.py", "demo.py")
+DOUBLES = ("offline/simmodel.py", "offline/simrules.py", "offline/double.py", "demo.py")
 
 
 def _bench_texts(root: Path) -> dict[str, list[str]]:
@@ -111,7 +111,7 @@ def test_no_benchmark_specific_string_outside_metaclaw_bench():
         for rx in patterns:
             if re.search(rx, text):
                 hits.append(f"{rel}: /{rx}/")
-        if path.name in DOUBLES:
+        if rel.as_posix() in DOUBLES:
             for ident in idents - PROTOCOL:
                 if re.search(rf"\b{re.escape(ident)}\b", text):
                     hits.append(f"{rel}: field name {ident!r}")
@@ -200,9 +200,10 @@ def _run(kind: str, task: str, system: str) -> tuple[bool, list[dict]]:
 
 
 def test_fast_loop_generalises_to_a_task_family_of_our_own():
-    from metaclaw.evolver import build_evolver_messages, parse_operations_reply, validate_operations
-    from metaclaw.retrieval import ScoredSkill, render_block
-    from metaclaw.skills import Skill
+    from metaclaw.fastloop.evolver import (build_evolver_messages, parse_operations_reply,
+                                           validate_operations)
+    from metaclaw.skills.library import Skill
+    from metaclaw.skills.retrieval import ScoredSkill, render_block
 
     system = "You are an assistant for a small shop. Work with the tools on the shop's files."
     baseline = {kind: _run(kind, task, system)[0] for kind, task in TASKS}
@@ -282,7 +283,7 @@ def _bench_rounds(data: Path, days: str, out: Path) -> list[tuple]:
     a multiple-choice round where it guessed some option (no stated rule decided it; the guess
     is seeded by the question's text) counts as (day position, round, "guessed")."""
     from metaclaw.bench.runner import run_bench
-    from metaclaw.simmodel import serve_sim_model
+    from metaclaw.offline.simmodel import serve_sim_model
 
     sim = serve_sim_model()
     try:
@@ -383,7 +384,7 @@ def test_a_generated_script_names_only_keys_the_context_states():
 
 
 # ---------------------------------------------------------------- the doubles' vocabulary
-BEHAVIOUR = ("simmodel.py", "simrules.py")
+BEHAVIOUR = ("offline/simmodel.py", "offline/simrules.py")
 TEXT_SUFFIXES = (".json", ".md", ".txt", ".py", ".log", ".csv", ".yaml", ".yml", ".sh", ".jsonl")
 
 # Words (four letters or more) and adjacent word pairs of the two modules' string literals that
@@ -517,7 +518,7 @@ def test_a_name_built_from_a_purpose_keeps_every_word_of_it():
 
 @pytest.mark.parametrize("placeholder", ["<time>", "<now>", "<clock>", "<hh:mm:ss>"])
 def test_a_clock_placeholder_is_read_whatever_the_text_calls_it(placeholder):
-    from metaclaw.simrules import read_rules
+    from metaclaw.offline.simrules import read_rules
 
     rules = read_rules(f"Every time value must be written like `2026-07-09T{placeholder}-03:00`.")
     assert rules.time is not None and rules.time.pattern == "%Y-%m-%dT%H:%M:%S-03:00"

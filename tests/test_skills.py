@@ -11,10 +11,9 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from metaclaw.skills import (
-    LoadProblem, Skill, SkillConflict, SkillDiff, SkillFormatError, SkillLibrary, SkillNotFound,
-    SkillOp, load_skills_dir, starter_skills_dir, validate_name,
-)
+from metaclaw.skills.library import (LoadProblem, Skill, SkillConflict, SkillDiff, SkillFormatError,
+                                     SkillLibrary, SkillNotFound, SkillOp, load_skills_dir,
+                                     starter_skills_dir, validate_name)
 from metaclaw.store import Store
 
 BACKUP_MD = """---
@@ -457,7 +456,7 @@ def test_readers_see_consistent_generations_while_writers_change_the_library(lib
 _CRASHING_IMPORT = """
 import os, sys
 from pathlib import Path
-import metaclaw.skills as skills
+import metaclaw.skills.library as skills
 from metaclaw.store import Store
 
 folder, db, source, crash = sys.argv[1:5]
@@ -541,7 +540,7 @@ def test_a_fill_from_the_store_cut_short_is_completed(lib, store, tmp_path):
 def test_a_skill_too_large_to_load_is_refused_when_added(lib):
     """The loader refuses a SKILL.md over MAX_SKILL_BYTES, so the library refuses to write one:
     a skill it could not read back could never be changed again."""
-    from metaclaw.skills import MAX_SKILL_BYTES
+    from metaclaw.skills.library import MAX_SKILL_BYTES
 
     big = Skill(name="big", description="Too big.", body="x" * (MAX_SKILL_BYTES + 1))
     with pytest.raises(SkillFormatError, match="more than a skill may be"):

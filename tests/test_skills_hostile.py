@@ -16,9 +16,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from metaclaw import proposals
-from metaclaw.skills import (FOLDER_MARKS, Skill, SkillFormatError, SkillLibrary, SkillOp,
-                             load_skills_dir)
+from metaclaw.fastloop import proposals
+from metaclaw.skills.library import (FOLDER_MARKS, Skill, SkillFormatError, SkillLibrary, SkillOp,
+                                     load_skills_dir)
 from metaclaw.store import Store
 
 
@@ -156,7 +156,7 @@ def test_a_workspace_whose_latest_generation_is_malformed_still_opens(tmp_path, 
 
 EVOLVE_ELSEWHERE = """
     import sys
-    from metaclaw.skills import Skill, SkillLibrary
+    from metaclaw.skills.library import Skill, SkillLibrary
     from metaclaw.store import Store
     library = SkillLibrary(sys.argv[1], Store(sys.argv[2]))
     library.edit(Skill(name="units", description="Units.", body="Convert miles to km."))
@@ -259,7 +259,7 @@ def test_whatever_another_folder_changes_reopening_this_one_changes_nothing(chan
 SLOW_EDIT = """
     import sys, time
     from pathlib import Path
-    from metaclaw.skills import Skill, SkillLibrary, SkillOp
+    from metaclaw.skills.library import Skill, SkillLibrary, SkillOp
     from metaclaw.store import Store
     library = SkillLibrary(sys.argv[1], Store(sys.argv[2]))
     def slow(generation):  # the change's own writes (a promotion's record), in its transaction

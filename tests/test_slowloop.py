@@ -17,10 +17,10 @@ import openai
 import pytest
 
 from metaclaw import buffers
-from metaclaw.grpo import GRPOConfig, Prompt, select_query_turns
-from metaclaw.proxy import Proxy, ProxyConfig
-from metaclaw.skills import Skill, SkillLibrary
-from metaclaw.slowloop import JudgeReward, SlowLoop, as_reward
+from metaclaw.proxy.app import Proxy, ProxyConfig
+from metaclaw.skills.library import Skill, SkillLibrary
+from metaclaw.slowloop.grpo import GRPOConfig, Prompt, select_query_turns
+from metaclaw.slowloop.loop import JudgeReward, SlowLoop, as_reward
 from metaclaw.store import Store
 import waiting
 
@@ -33,7 +33,7 @@ ASKS = ["say yes", "please say yes", "answer yes"]
 def tiny_model(tmp_path_factory):
     import torch
 
-    from metaclaw.tinymodel import write_tiny_model
+    from metaclaw.offline.tinymodel import write_tiny_model
 
     torch.set_num_threads(1)  # a tiny model runs fastest on one thread, more so on a busy box
     return str(write_tiny_model(tmp_path_factory.mktemp("tiny"), seed=0))
@@ -43,7 +43,7 @@ class World:
     """A workspace: store, skill library, the proxy (no upstream) and a local backend."""
 
     def __init__(self, root, tiny_model):
-        from metaclaw.backends import make_backend
+        from metaclaw.slowloop.backends import make_backend
 
         self.root = root
         self.store = Store(root / "metaclaw.db")
@@ -181,9 +181,9 @@ def test_stale_query_data_is_never_trained(world):
 def test_the_prm_judge_rewards_completions_as_turns(world):
     """The real Judge, voting through the offline OpenAI-compatible double (scripted verdicts:
     +1 when the judged reply says "yes", else -1), as the slow loop's reward."""
-    from metaclaw.double import DoubleServer, Reply
-    from metaclaw.grpo import compute_rewards
-    from metaclaw.judge import Judge, parse_judge_prompt
+    from metaclaw.fastloop.judge import Judge, parse_judge_prompt
+    from metaclaw.offline.double import DoubleServer, Reply
+    from metaclaw.slowloop.grpo import compute_rewards
 
     judged = []
 
@@ -226,7 +226,7 @@ def test_the_prm_judge_rewards_completions_as_turns(world):
 
 # -- the scheduler decides when ---------------------------------------------------------------
 def test_training_only_in_idle_windows_pauses_and_resumes(world, tiny_model):
-    from metaclaw.backends import make_backend
+    from metaclaw.slowloop.backends import make_backend
 
     now = [datetime(2026, 11, 20, 12, 0, tzinfo=timezone.utc).timestamp()]  # midday: active
     last_input = [now[0] - 30]
@@ -350,8 +350,8 @@ def test_a_training_datum_holds_exactly_the_served_token_ids(world):
     """A turn served with tools through the proxy: its recorded prompt token ids (what the
     policy read), the query-set prompt rendered for training, and the prompt part of its
     training datum are the same ids; the tools are in them."""
-    from metaclaw.backends import Datum, render_request
-    from metaclaw.grpo import prompts_from_query_set
+    from metaclaw.slowloop.backends import Datum, render_request
+    from metaclaw.slowloop.grpo import prompts_from_query_set
 
     SlowLoop(world.store, world.backend, config=CONFIG, judge=world.reward, proxy=world.proxy)
     world.ask("what is the weather", tools=TOOLS)
@@ -373,7 +373,7 @@ def test_a_training_datum_holds_exactly_the_served_token_ids(world):
 def test_the_judge_sees_the_served_turns_consequence(world):
     """The PRM reward of a sampled completion carries the served turn's consequence: the tool
     result and the user's next message, read from the session's next turns."""
-    from metaclaw.slowloop import turn_evidence
+    from metaclaw.slowloop.loop import turn_evidence
 
     SlowLoop(world.store, world.backend, config=CONFIG, judge=world.reward, proxy=world.proxy)
     first = [{"role": "user", "content": "weather please"}]
@@ -403,7 +403,7 @@ def test_checkpoint_retention_and_the_store_is_the_truth_across_restarts(world, 
     serve the store's latest published version with exactly its weights."""
     import dataclasses
 
-    from metaclaw.backends import make_backend
+    from metaclaw.slowloop.backends import make_backend
 
     config = dataclasses.replace(CONFIG, publish_every=2, save_every=1, keep_checkpoints=1)
     loop = SlowLoop(world.store, world.backend, config=config, judge=world.reward,

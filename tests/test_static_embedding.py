@@ -10,8 +10,8 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
-from metaclaw import static_embedding  # noqa: E402
-from metaclaw.retrieval import minilm_model_path  # noqa: E402
+from metaclaw.skills import static_embedding  # noqa: E402
+from metaclaw.skills.retrieval import minilm_model_path  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from metaclaw import buffers, labels
+from metaclaw import buffers
+from metaclaw.fastloop import labels
 from metaclaw.notebook.widgets import TraceWidget
-from metaclaw.retrieval import BLOCK_HEADER
-from metaclaw.skills import Skill, SkillLibrary, SkillOp
+from metaclaw.skills.library import Skill, SkillLibrary, SkillOp
+from metaclaw.skills.retrieval import BLOCK_HEADER
 from metaclaw.trace import Trace, sessions, split_skill_block
 
 SKILL = Skill("miles-to-km", "Convert miles to kilometers.", "math", "Multiply by 1.609.")

@@ -13,7 +13,8 @@ import sys
 import pytest
 
 from metaclaw import cli
-from metaclaw.scheduler import Scheduler, SignalReading
+from metaclaw.slowloop.scheduler.machine import Scheduler
+from metaclaw.slowloop.scheduler.signals import SignalReading
 from metaclaw.store import Store, this_process
 from metaclaw.training_lease import TrainingBusy, TrainingLease
 
@@ -144,7 +145,7 @@ def test_a_scheduler_view_shows_its_own_process_only(tmp_path):
 def tiny_model(tmp_path_factory):
     import torch
 
-    from metaclaw.tinymodel import write_tiny_model
+    from metaclaw.offline.tinymodel import write_tiny_model
 
     torch.set_num_threads(1)
     return str(write_tiny_model(tmp_path_factory.mktemp("tiny"), seed=0))
@@ -166,9 +167,9 @@ def _reward(prompt, text: str) -> float:
 
 
 def test_the_slow_loop_refuses_to_train_beside_another_process(holder, tiny_model):
-    from metaclaw.backends import make_backend
-    from metaclaw.grpo import GRPOConfig
-    from metaclaw.slowloop import SlowLoop
+    from metaclaw.slowloop.backends import make_backend
+    from metaclaw.slowloop.grpo import GRPOConfig
+    from metaclaw.slowloop.loop import SlowLoop
 
     db, start = holder
     process = start()
@@ -191,9 +192,9 @@ def test_a_second_process_trains_on_from_the_policy_the_first_published(tmp_path
     """Two slow loops on one workspace, created side by side (each its own backend and state
     folder, as two processes have): the one that trains second starts from the version the
     first published, so the versions form one lineage."""
-    from metaclaw.backends import make_backend
-    from metaclaw.grpo import GRPOConfig
-    from metaclaw.slowloop import SlowLoop
+    from metaclaw.slowloop.backends import make_backend
+    from metaclaw.slowloop.grpo import GRPOConfig
+    from metaclaw.slowloop.loop import SlowLoop
 
     config = GRPOConfig(groups_per_step=2, group_size=4, max_tokens=4, learning_rate=1e-2)
     store = Store(tmp_path / "metaclaw.db")
@@ -219,9 +220,9 @@ def test_a_version_published_while_a_trainer_starts_is_adopted_once_its_weights_
     """A process publishes a version, then saves its weights and points the version at them: a
     trainer created between the two (another process starting) finds the version without
     weights, and adopts it at its next step, when the weights are there."""
-    from metaclaw.backends import make_backend
-    from metaclaw.grpo import GRPOConfig
-    from metaclaw.slowloop import SlowLoop
+    from metaclaw.slowloop.backends import make_backend
+    from metaclaw.slowloop.grpo import GRPOConfig
+    from metaclaw.slowloop.loop import SlowLoop
 
     config = GRPOConfig(groups_per_step=2, group_size=4, max_tokens=4, learning_rate=1e-2)
     store = Store(tmp_path / "metaclaw.db")

@@ -13,8 +13,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from metaclaw import buffers, labels, transcripts
-from metaclaw.grpo import select_query_turns
+from metaclaw import buffers, transcripts
+from metaclaw.fastloop import labels
+from metaclaw.slowloop.grpo import select_query_turns
 from metaclaw.store import Store
 from metaclaw.transcripts import TranscriptError
 
@@ -169,7 +170,7 @@ def test_export_then_import_is_a_round_trip(store, tmp_path):
 
 
 def test_a_proxied_turn_exported_comes_back_without_its_skill_block(store, tmp_path):
-    from metaclaw.retrieval import BLOCK_FOOTER, BLOCK_HEADER, inject
+    from metaclaw.skills.retrieval import BLOCK_FOOTER, BLOCK_HEADER, inject
 
     asked = [{"role": "system", "content": "You are helpful."},
              {"role": "user", "content": "Rename notes.txt"}]
@@ -190,8 +191,8 @@ def test_a_proxied_turn_exported_comes_back_without_its_skill_block(store, tmp_p
 
 # -- judged, labelled, evolved from; never trained on -----------------------------------------
 def test_imported_turns_are_judged_and_labelled_but_never_trained_on(store):
-    from metaclaw.judge import Judge
-    from metaclaw.simmodel import serve_sim_model
+    from metaclaw.fastloop.judge import Judge
+    from metaclaw.offline.simmodel import serve_sim_model
 
     ids = transcripts.import_files(store, [CLAUDE, CODEX]).turn_ids
     served = store.record_turn(session_id="proxied", request_messages=[

@@ -28,8 +28,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from fault_upstream import FaultUpstream
-from metaclaw.proxy import Proxy, ProxyConfig
-from metaclaw.skills import SkillLibrary
+from metaclaw.proxy.app import Proxy, ProxyConfig
+from metaclaw.skills.library import SkillLibrary
 from metaclaw.store import Store
 
 TIMEOUT = 30.0  # the proxy's upstream timeout here: far longer than any wait in these tests

@@ -14,10 +14,9 @@ import polars as pl
 import pytest
 import traitlets
 
-from metaclaw.skills import Skill, SkillLibrary
-from metaclaw.notebook.widgets import (
-    WIDGETS_DIR, BufferWidget, SchedulerView, SkillDiffWidget, TraceWidget, TrainingMonitor,
-    state_segments)
+from metaclaw.notebook.widgets import (WIDGETS_DIR, BufferWidget, SchedulerView, SkillDiffWidget,
+                                       TraceWidget, TrainingMonitor, state_segments)
+from metaclaw.skills.library import Skill, SkillLibrary
 
 REPO = Path(__file__).resolve().parent.parent
 JS_FILES = ("skill_diff.js", "buffers.js", "scheduler.js", "trace.js")
@@ -319,7 +318,8 @@ def test_training_monitor_updates_live_widget_in_background(store):
 
 # -- scheduler ---------------------------------------------------------------------------------
 def test_scheduler_view_state_signals_and_timeline(store):
-    from metaclaw.scheduler import Scheduler, SleepWindow
+    from metaclaw.slowloop.scheduler.machine import Scheduler
+    from metaclaw.slowloop.scheduler.signals import SleepWindow
 
     now = [datetime(2026, 1, 5, 23, 30, tzinfo=timezone.utc).timestamp()]
     clock = lambda: now[0]  # noqa: E731
@@ -495,7 +495,8 @@ def test_front_end_renders_and_sends_choices(tmp_path, library, store):
     assert ["refresh_requests", 1] in out["sets"]
 
     now = [datetime(2026, 1, 5, 23, 30, tzinfo=timezone.utc).timestamp()]
-    from metaclaw.scheduler import Scheduler, SleepWindow
+    from metaclaw.slowloop.scheduler.machine import Scheduler
+    from metaclaw.slowloop.scheduler.signals import SleepWindow
 
     scheduler = Scheduler([SleepWindow("23:00", "07:00", "UTC", clock=lambda: now[0])],
                           store=store, clock=lambda: now[0])

@@ -37,7 +37,7 @@ if not CHROMIUM.exists():
                 "METACLAW_CHROMIUM to a Chromium binary)", allow_module_level=True)
 
 from metaclaw.notebook.widgets import BufferWidget, SchedulerView, SkillDiffWidget  # noqa: E402
-from metaclaw.skills import Skill, SkillLibrary, SkillOp  # noqa: E402
+from metaclaw.skills.library import Skill, SkillLibrary, SkillOp  # noqa: E402
 from metaclaw.store import Store  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
@@ -390,7 +390,8 @@ def test_buffers_render_filter_and_drill_down(browser, site, store, tmp_path, ad
 
 # -- scheduler ---------------------------------------------------------------------------------
 def test_scheduler_view_renders_and_refreshes(browser, site, store, tmp_path):
-    from metaclaw.scheduler import ProxyIdle, Scheduler, SleepWindow
+    from metaclaw.slowloop.scheduler.machine import Scheduler
+    from metaclaw.slowloop.scheduler.signals import ProxyIdle, SleepWindow
 
     start = datetime(2026, 1, 5, 23, 30, tzinfo=timezone.utc).timestamp()
     now = [start]
@@ -446,9 +447,9 @@ def test_scheduler_view_renders_and_refreshes(browser, site, store, tmp_path):
 
 # -- trace -------------------------------------------------------------------------------------
 def test_trace_renders_steps_labels_and_jumps(browser, site, store, tmp_path):
-    from metaclaw import labels
+    from metaclaw.fastloop import labels
     from metaclaw.notebook.widgets import TraceWidget
-    from metaclaw.retrieval import BLOCK_HEADER
+    from metaclaw.skills.retrieval import BLOCK_HEADER
 
     library = SkillLibrary(tmp_path / "skills", store)
     call = {"id": "c1", "type": "function", "function": {"name": "read_file",
@@ -532,8 +533,8 @@ def test_trace_renders_steps_labels_and_jumps(browser, site, store, tmp_path):
 # -- proposals beside the skill diff -------------------------------------------------------------
 def test_held_proposal_is_reviewed_edited_and_promoted_from_the_widget(browser, site, store,
                                                                        tmp_path):
-    from metaclaw import proposals
-    from metaclaw.gate import GateReport
+    from metaclaw.fastloop import proposals
+    from metaclaw.fastloop.gate import GateReport
 
     library = SkillLibrary(tmp_path / "skills", store)
     library.add(Skill("greet", "Greet the user.", body="Say hello."))

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from metaclaw.double import DoubleServer, Reply
+from metaclaw.offline.double import DoubleServer, Reply
 from metaclaw.store import Store
 from test_cli import CLI, free_port, run_cli, wait_for_port, write_skill
 

@@ -170,7 +170,7 @@ def test_a_wired_codex_runs_through_metaclaw_serve(tmp_path):
     ``codex exec``: the turn goes through the proxy and is recorded."""
     import socket
 
-    from metaclaw.double import DoubleServer, Reply
+    from metaclaw.offline.double import DoubleServer, Reply
     from metaclaw.store import Store
 
     home = tmp_path / "codex-home"

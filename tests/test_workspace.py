@@ -11,8 +11,8 @@ import time
 import openai
 import pytest
 
-from metaclaw.double import DoubleServer, Reply
-from metaclaw.skills import Skill, SkillLibrary
+from metaclaw.offline.double import DoubleServer, Reply
+from metaclaw.skills.library import Skill, SkillLibrary
 from metaclaw.store import Store
 from test_cli import CLI, free_port, run_cli, wait_for_port, write_skill
 from waiting import wait_until
@@ -31,7 +31,7 @@ def _finish(proc: subprocess.Popen) -> str:
 
 ADD_ONE = """
     import sys
-    from metaclaw.skills import Skill, SkillLibrary
+    from metaclaw.skills.library import Skill, SkillLibrary
     from metaclaw.store import Store
     library = SkillLibrary(sys.argv[1], Store(sys.argv[2]))
     print(library.add(Skill(name=sys.argv[3], description="Added by another process.",
@@ -61,7 +61,7 @@ def test_two_processes_changing_the_library_at_once_keep_one_linear_history(tmp_
     SkillLibrary(skills, Store(db))
     writer = """
         import sys
-        from metaclaw.skills import Skill, SkillConflict, SkillLibrary
+        from metaclaw.skills.library import Skill, SkillConflict, SkillLibrary
         from metaclaw.store import Store
         library = SkillLibrary(sys.argv[1], Store(sys.argv[2]))
         tag = sys.argv[3]
@@ -120,7 +120,7 @@ def test_an_idle_folder_watcher_wakes_a_few_times_a_second(tmp_path, monkeypatch
     watchfiles' default step an idle library spent about 2.7 ms of CPU a second on them."""
     import threading
 
-    from metaclaw import skills as skills_module
+    from metaclaw.skills import library as skills_module
 
     checks = []
 
@@ -142,7 +142,7 @@ def test_an_idle_folder_watcher_wakes_a_few_times_a_second(tmp_path, monkeypatch
 
 
 def test_embedding_index_re_embeds_only_the_changed_skill(tmp_path):
-    from metaclaw import retrieval
+    from metaclaw.skills import retrieval
 
     if not retrieval.embeddings_available():
         pytest.skip("the embeddings extra is not installed")
@@ -184,7 +184,7 @@ def test_serve_then_cli_evolve_then_the_next_turn_trains(tmp_path):
     """`metaclaw serve` in one process, `metaclaw score/evolve/train` in others: the next turn
     gets the new skill, is tagged with the new generation, is in the live query set, and
     `train --now` trains on it."""
-    from metaclaw.tinymodel import write_tiny_model
+    from metaclaw.offline.tinymodel import write_tiny_model
 
     skills, db = tmp_path / "skills", tmp_path / "ws.db"
     write_skill(skills, "weather-small-talk", "Chat about the weather politely.", "Forecast.")
@@ -273,7 +273,7 @@ def test_a_failing_judge_is_logged_recorded_counted_and_shown(tmp_path, caplog):
 
 
 def test_an_edit_made_from_a_stale_version_is_a_conflict_not_an_overwrite(tmp_path):
-    from metaclaw.skills import SkillConflict
+    from metaclaw.skills.library import SkillConflict
 
     skills, db = tmp_path / "skills", tmp_path / "ws.db"
     write_skill(skills, "shared", "Shared.", "v1")
@@ -353,8 +353,8 @@ def test_a_local_model_runtime_whose_first_policy_check_fails_closes_its_followe
 
     pytest.importorskip("torch")
     from metaclaw import store as store_module
+    from metaclaw.offline.tinymodel import write_tiny_model
     from metaclaw.runtime import Runtime
-    from metaclaw.tinymodel import write_tiny_model
 
     model = str(write_tiny_model(tmp_path / "tiny", seed=0))
     db = tmp_path / "ws.db"
@@ -398,8 +398,8 @@ def _open_files() -> list[str]:
 
 REVIEW = """
     import os, sys, time
-    from metaclaw import proposals
-    from metaclaw.skills import SkillLibrary
+    from metaclaw.fastloop import proposals
+    from metaclaw.skills.library import SkillLibrary
     from metaclaw.store import Store
     store = Store(sys.argv[2])
     library = SkillLibrary(sys.argv[1], store)
@@ -418,8 +418,8 @@ def test_a_proposal_promoted_from_two_processes_at_once_is_promoted_once_and_the
     """Both reviewers see the proposal held and press promote: one generation is made, and the
     other reviewer is told who promoted it (not that the proposal "no longer applies, edit or
     discard it", which it said when its add of the skill, just added, failed validation)."""
-    from metaclaw import proposals
-    from metaclaw.skills import SkillOp
+    from metaclaw.fastloop import proposals
+    from metaclaw.skills.library import SkillOp
 
     skills, db = tmp_path / "skills", tmp_path / "ws.db"
     write_skill(skills, "first", "The first skill.", "Body.")

@@ -1,7 +1,7 @@
 """A griffe extension for the API pages: the package's docstrings are reStructuredText-flavoured,
 the pages Markdown. Before rendering:
 
-- a Sphinx cross-reference role (``:class:`Store```, ``:func:`~metaclaw.retrieval.select```) is
+- a Sphinx cross-reference role (``:class:`Store```, ``:func:`~metaclaw.skills.retrieval.select```) is
   shown as the inline code it names (``~`` keeps the last part, as Sphinx does), instead of the
   role's raw text;
 - a square bracket that opens a command-line option (``[--flag N]``, as in a script's usage line)

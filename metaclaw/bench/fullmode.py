@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from metaclaw.bench.data import Day, Round, load_benchmark, select_days
-from metaclaw.sessions import TASK_TURNS_SQL
+from metaclaw.proxy.sessions import TASK_TURNS_SQL
 
 OVERLONG_PENALTY = 0.1
 
@@ -60,7 +60,7 @@ class GraderReward:
     def __call__(self, text: str) -> float:
         from metaclaw.bench.grading import score_choice
         from metaclaw.bench.workspace import Workspace, execute_tool
-        from metaclaw.policy import parse_tool_calls
+        from metaclaw.slowloop.policy import parse_tool_calls
 
         content, calls = parse_tool_calls(text)
         if self.round.type == "multi_choice":
@@ -90,21 +90,21 @@ class GraderReward:
 
 
 class FullMode:
-    """Mode ``full`` of the benchmark: a :class:`~metaclaw.slowloop.SlowLoop` serving the agent
+    """Mode ``full`` of the benchmark: a :class:`~metaclaw.slowloop.loop.SlowLoop` serving the agent
     through ``proxy`` from ``backend``'s policy and trained each night on the day's query set,
     rewarded by the day's graders.
 
     In: the run's ``store``, the training ``backend``, the ``proxy``, the ``judge`` (for turns
     outside any round), the benchmark ``data`` folder and ``days``, ``train_steps`` per night,
-    ``work_dir`` (round snapshots), and an optional :class:`~metaclaw.grpo.GRPOConfig`.
+    ``work_dir`` (round snapshots), and an optional :class:`~metaclaw.slowloop.grpo.GRPOConfig`.
     """
 
     def __init__(self, store, backend, proxy, judge, data: Path, days: Any, *,
                  train_steps: int = 4, work_dir: Path, config=None):
         import dataclasses
 
-        from metaclaw.grpo import GRPOConfig
-        from metaclaw.slowloop import SlowLoop
+        from metaclaw.slowloop.grpo import GRPOConfig
+        from metaclaw.slowloop.loop import SlowLoop
 
         bench = load_benchmark(data)
         self.days = {d.id: d for d in select_days(bench, days)}
@@ -166,7 +166,7 @@ class FullMode:
     def night(self, day_summary: dict[str, Any], threshold: float = 0.0) -> dict[str, Any]:
         """Train on the day's live query set (before the next adaptation purges it)."""
         from metaclaw import buffers
-        from metaclaw.grpo import select_query_turns
+        from metaclaw.slowloop.grpo import select_query_turns
 
         buffers.refresh(self.store, threshold=threshold)
         query = select_query_turns(self.store)

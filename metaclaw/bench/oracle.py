@@ -1,6 +1,6 @@
 """Answer-key agent doubles for testing and timing the benchmark runner (not models).
 
-:func:`oracle_replies` returns a reply function for :class:`metaclaw.double.DoubleServer` that
+:func:`oracle_replies` returns a reply function for :class:`metaclaw.offline.double.DoubleServer` that
 *reads the benchmark's answer key*: for a file-check round it emits the tool calls that satisfy
 the round's check command (files with the right names, metadata, timestamps, backups and done-log
 lines), then a short answer; for a multiple-choice round it answers ``\\bbox{<correct letters>}``.
@@ -147,7 +147,7 @@ def _find_round(body: dict, index: list[tuple[str, Round]]) -> tuple[Round | Non
 
 def oracle_replies(days: Iterable[Day], *, delay: float = 0.0) -> Callable[[dict], Any]:
     """A ``DoubleServer`` reply function that solves every round of ``days`` from the answer key."""
-    from metaclaw.double import Reply
+    from metaclaw.offline.double import Reply
 
     index = _round_index(days)
 
@@ -169,7 +169,7 @@ def oracle_replies(days: Iterable[Day], *, delay: float = 0.0) -> Callable[[dict
 
 def idle_replies(*, delay: float = 0.0) -> Callable[[dict], Any]:
     """A ``DoubleServer`` reply function that never acts and never gives a boxed answer."""
-    from metaclaw.double import Reply
+    from metaclaw.offline.double import Reply
 
     def reply(body: dict) -> Reply:
         return Reply(content="I have read the request and will get to it later.", delay=delay)

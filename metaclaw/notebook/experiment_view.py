@@ -1,5 +1,5 @@
-"""Notebook views of experiments (:mod:`metaclaw.experiments`) and of per-skill evidence
-(:mod:`metaclaw.evidence`).
+"""Notebook views of experiments (:mod:`metaclaw.fastloop.experiments`) and of per-skill evidence
+(:mod:`metaclaw.fastloop.evidence`).
 
     ExperimentView(store, "gen0-vs-gen1")     # a variant picker, the summary, the cases
     EvidenceView(store, library)              # evidence.skill_stats with its suggestions
@@ -14,7 +14,7 @@ drawing in the front-end, a static HTML form for nbconvert and GitHub, and every
 **ExperimentView** shows one stored experiment: the variants (``variants``; the first is the
 baseline every other one is compared with), the per-variant summary (``summary``: mean reward,
 pass rate and, against the first variant, the paired mean difference with its bootstrap 95%
-interval and McNemar's exact p, as :meth:`metaclaw.experiments.Experiment.summary` computes
+interval and McNemar's exact p, as :meth:`metaclaw.fastloop.experiments.Experiment.summary` computes
 them), and the cases (``rows``: one page of ``page_size`` cases, each with every variant's
 verdict and score and the picked variant's difference from the first). ``variant`` picks the
 variant the table's difference column and sort compare with the first; ``sort`` orders the cases
@@ -30,7 +30,7 @@ seconds while new results arrive. Like the other widgets it keeps working after 
 stop`` and ``store.close()`` (it reopens the workspace file), and a failure is shown as one
 line in ``error``, the rest of the view kept as it was.
 
-**EvidenceView** shows :func:`metaclaw.evidence.skill_stats` (``rows``, one per skill), the
+**EvidenceView** shows :func:`metaclaw.fastloop.evidence.skill_stats` (``rows``, one per skill), the
 suggestions with their reasons (``suggestions``) and, through :meth:`propose` (or the
 front-end's button), files them as proposals held for review: nothing in the library changes
 until a person promotes one (``%metaclaw proposals``).
@@ -128,7 +128,7 @@ class ExperimentView(_ReadsWorkspace, anywidget.AnyWidget):
     def __init__(self, store: Any, name: str | None = None, *, variant: str | None = None,
                  page_size: int = 50, sort: str = "turn", follow: bool = False,
                  poll: float = 2.0, **kwargs: Any):
-        from metaclaw import experiments as ex
+        from metaclaw.fastloop import experiments as ex
 
         self._released = False
         self._ready = False
@@ -143,7 +143,7 @@ class ExperimentView(_ReadsWorkspace, anywidget.AnyWidget):
             if not names:
                 raise ex.ExperimentError(
                     f"no experiment in {store.path} yet: make one with "
-                    "metaclaw.experiments.Experiment.create (or `metaclaw experiment run`)")
+                    "metaclaw.fastloop.experiments.Experiment.create (or `metaclaw experiment run`)")
             name = names[-1]
         ex.Experiment.open(store, name)  # an unknown name fails here, naming the known ones
         super().__init__(experiments=names, name=name, page_size=int(page_size), sort=sort,
@@ -160,9 +160,9 @@ class ExperimentView(_ReadsWorkspace, anywidget.AnyWidget):
 
     @property
     def experiment(self) -> Any:
-        """The :class:`metaclaw.experiments.Experiment` shown (read through an open
+        """The :class:`metaclaw.fastloop.experiments.Experiment` shown (read through an open
         connection to its workspace)."""
-        from metaclaw import experiments as ex
+        from metaclaw.fastloop import experiments as ex
 
         return ex.Experiment.open(self._store, self.name)
 
@@ -179,7 +179,7 @@ class ExperimentView(_ReadsWorkspace, anywidget.AnyWidget):
             case["by"][r["variant"]] = {"score": r["score"], "verdict": r["verdict"],
                                         "error": r["error"],
                                         "upstream_failed": r["upstream_failed"]}
-        from metaclaw import experiments as ex
+        from metaclaw.fastloop import experiments as ex
 
         try:
             dataset_ids = ex.dataset_ids(run.store, run.dataset)
@@ -544,7 +544,7 @@ EVIDENCE_COLUMNS = ("skill", "in_library", "injected", "judged_with", "reward_wi
 
 
 class EvidenceView(_ReadsWorkspace, anywidget.AnyWidget):
-    """Per-skill evidence (:func:`metaclaw.evidence.skill_stats`): one row per skill, the
+    """Per-skill evidence (:func:`metaclaw.fastloop.evidence.skill_stats`): one row per skill, the
     suggestions (retire, merge, review) with their reasons, and :meth:`propose` to file them
     as proposals held for review. ``threshold``, ``retriever``, ``compare``: as for
     ``skill_stats``. A snapshot: :meth:`refresh` (or the *refresh* button) reads it again."""
@@ -581,7 +581,7 @@ class EvidenceView(_ReadsWorkspace, anywidget.AnyWidget):
         return self._library
 
     def _load(self) -> None:
-        from metaclaw import evidence
+        from metaclaw.fastloop import evidence
 
         library = self._lib()
         stats = evidence.skill_stats(library.store, library, **self._options)
@@ -612,7 +612,7 @@ class EvidenceView(_ReadsWorkspace, anywidget.AnyWidget):
     def propose(self) -> list[int]:
         """File the suggestions as proposals held for review (a skill with a held proposal
         gets no second one); returns the new proposals' ids."""
-        from metaclaw import evidence
+        from metaclaw.fastloop import evidence
 
         library = self._lib()
         ids = evidence.propose(library.store, library, self.stats)
@@ -684,7 +684,7 @@ def show_experiment(name: str | None = None, *, store: Any, variant: str | None 
                     follow: bool = False) -> ExperimentView:
     """What ``%metaclaw experiment [NAME] [--variant V] [--follow]`` shows: the experiment
     ``name`` of ``store`` (default: the most recent). Raises
-    :class:`metaclaw.experiments.ExperimentError` (one sentence, naming the known experiments)
+    :class:`metaclaw.fastloop.experiments.ExperimentError` (one sentence, naming the known experiments)
     when there is none of that name."""
     return ExperimentView(store, name, variant=variant, follow=follow)
 

@@ -264,7 +264,7 @@ class MetaClawMagics(Magics):
     def _do_why(self, argv: list[str], cell: str | None):
         """%metaclaw why [--session S] [--last N]: why each turn got its skills (the ask found
         in the request, the skills' scores, how the session was identified), polars."""
-        from metaclaw.retrieval import explain_frame
+        from metaclaw.skills.retrieval import explain_frame
 
         parser = _parser("why", self._do_why.__doc__)
         parser.add_argument("--session")
@@ -313,7 +313,7 @@ class MetaClawMagics(Magics):
                                   "--done without --workspace (e.g. the user's final feedback)")
         turn_type = args.type or ("side" if args.side else "main")
         try:  # a one-line usage error here rather than the proxy's 400 as a traceback
-            from metaclaw.sessions import check_turn_type
+            from metaclaw.proxy.sessions import check_turn_type
 
             turn_type = check_turn_type(turn_type, "--type")
         except ValueError as exc:
@@ -396,8 +396,8 @@ class MetaClawMagics(Magics):
 
     def _do_experiment(self, argv: list[str], cell: str | None):
         """%metaclaw experiment [NAME] [--variant V] [--follow]: an experiment's view (default:
-        the latest; `metaclaw experiment run` or metaclaw.experiments make them)."""
-        from metaclaw.experiments import ExperimentError
+        the latest; `metaclaw experiment run` or metaclaw.fastloop.experiments make them)."""
+        from metaclaw.fastloop.experiments import ExperimentError
         from metaclaw.notebook.experiment_view import show_experiment
 
         parser = _parser("experiment", self._do_experiment.__doc__)
@@ -413,7 +413,7 @@ class MetaClawMagics(Magics):
             raise MagicUsageError(f"%metaclaw experiment: {exc}") from None
 
     def _do_evidence(self, argv: list[str], cell: str | None):
-        """%metaclaw evidence: per-skill evidence of the library (metaclaw.evidence), with its
+        """%metaclaw evidence: per-skill evidence of the library (metaclaw.fastloop.evidence), with its
         suggestions; its button files them as proposals held for review."""
         from metaclaw.notebook.experiment_view import evidence_view
 
@@ -434,7 +434,7 @@ class MetaClawMagics(Magics):
         returns a polars DataFrame of verdicts (score, votes, failed/unparsable counts)."""
         import polars as pl
 
-        from metaclaw.judge import turns_to_score
+        from metaclaw.fastloop.judge import turns_to_score
 
         parser = _parser("score", self._do_score.__doc__)
         parser.add_argument("--session")
@@ -495,7 +495,7 @@ class MetaClawMagics(Magics):
         """%metaclaw promote [ID] [--by NAME] [--note TEXT] [--allow-unsafe]: promote held
         proposal ID (see %metaclaw proposals); without ID, apply the proposal of the last
         %metaclaw evolve --dry-run."""
-        from metaclaw import proposals
+        from metaclaw.fastloop import proposals
 
         parser = _parser("promote", self._do_promote.__doc__)
         parser.add_argument("id", nargs="?", type=int)
@@ -520,7 +520,7 @@ class MetaClawMagics(Magics):
         """%metaclaw proposals [--all]: held skill proposals with their gate evidence, beside
         the skill diff (SkillDiffWidget: review, edit, promote or discard); --all gives every
         proposal as a polars DataFrame."""
-        from metaclaw import proposals
+        from metaclaw.fastloop import proposals
         from metaclaw.notebook.widgets import SkillDiffWidget
 
         parser = _parser("proposals", self._do_proposals.__doc__)
@@ -533,7 +533,7 @@ class MetaClawMagics(Magics):
 
     def _do_edit_proposal(self, argv: list[str], cell: str | None):
         """%%metaclaw edit-proposal ID SKILL [--by NAME]: the cell is the skill's new body."""
-        from metaclaw import proposals
+        from metaclaw.fastloop import proposals
 
         parser = _parser("edit-proposal", self._do_edit_proposal.__doc__)
         parser.add_argument("id", type=int)
@@ -548,7 +548,7 @@ class MetaClawMagics(Magics):
 
     def _do_discard(self, argv: list[str], cell: str | None):
         """%metaclaw discard ID [--by NAME] [--reason TEXT]: discard a held proposal."""
-        from metaclaw import proposals
+        from metaclaw.fastloop import proposals
 
         parser = _parser("discard", self._do_discard.__doc__)
         parser.add_argument("id", type=int)
@@ -561,7 +561,7 @@ class MetaClawMagics(Magics):
     def _do_revert(self, argv: list[str], cell: str | None):
         """%metaclaw revert [G] [--by NAME]: undo generation G's changes (default: the latest
         automatic generation) as a new generation."""
-        from metaclaw import proposals
+        from metaclaw.fastloop import proposals
 
         parser = _parser("revert", self._do_revert.__doc__)
         parser.add_argument("generation", nargs="?", type=int)
@@ -602,7 +602,7 @@ class MetaClawMagics(Magics):
     def _do_label(self, argv: list[str], cell: str | None):
         """%metaclaw label TURN pass|fail [--note TEXT] [--by NAME]; as a cell magic the cell
         is the corrected answer. The human label takes precedence over the judge."""
-        from metaclaw import labels
+        from metaclaw.fastloop import labels
 
         parser = _parser("label", self._do_label.__doc__)
         parser.add_argument("turn", type=int)
@@ -620,7 +620,7 @@ class MetaClawMagics(Magics):
 
     def _do_labels(self, argv: list[str], cell: str | None):
         """%metaclaw labels [--session S]: labelled turns beside the judge's verdict (polars)."""
-        from metaclaw import labels
+        from metaclaw.fastloop import labels
 
         parser = _parser("labels", self._do_labels.__doc__)
         parser.add_argument("--session")
@@ -632,7 +632,7 @@ class MetaClawMagics(Magics):
     def _do_agreement(self, argv: list[str], cell: str | None):
         """%metaclaw agreement: judge-human agreement per session and overall (table + chart;
         .table is polars, .chart() altair)."""
-        from metaclaw import labels
+        from metaclaw.fastloop import labels
 
         _parser("agreement", self._do_agreement.__doc__).parse_args(argv)
         runtime = self._require_runtime()
@@ -642,7 +642,7 @@ class MetaClawMagics(Magics):
         """%metaclaw export PATH [--session S] [--turns 1,2,3] [--labelled] [--shape chat|eval]:
         turns with their labels as JSONL (.jsonl: OpenAI fine-tuning "chat" or "eval" shape) or
         Parquet (.parquet)."""
-        from metaclaw import labels
+        from metaclaw.fastloop import labels
 
         parser = _parser("export", self._do_export.__doc__)
         parser.add_argument("path")
@@ -674,10 +674,10 @@ class MetaClawMagics(Magics):
         the query set in the background, in idle windows (sleep, keyboard, notebook idle) unless
         --now; the proxy serves the trained policy, hot-swapped. Returns a live TrainingMonitor;
         the cell returns at once."""
-        from metaclaw.backends import make_backend
-        from metaclaw.grpo import GRPOConfig
         from metaclaw.notebook.widgets import TrainingMonitor
-        from metaclaw.slowloop import SlowLoop
+        from metaclaw.slowloop.backends import make_backend
+        from metaclaw.slowloop.grpo import GRPOConfig
+        from metaclaw.slowloop.loop import SlowLoop
 
         parser = _parser("train", self._do_train.__doc__)
         parser.add_argument("--backend", choices=["local", "tinker"], default="local")
@@ -724,7 +724,7 @@ class MetaClawMagics(Magics):
     def _do_scheduler(self, argv: list[str], cell: str | None):
         """%metaclaw scheduler: the training scheduler's state, signals and timeline."""
         from metaclaw.notebook.widgets import SchedulerView
-        from metaclaw.scheduler import from_config
+        from metaclaw.slowloop.scheduler.machine import from_config
 
         _parser("scheduler", self._do_scheduler.__doc__).parse_args(argv)
         runtime = self._require_runtime()
@@ -750,7 +750,7 @@ class MetaClawMagics(Magics):
     def _do_turns(self, argv: list[str], cell: str | None):
         """%metaclaw turns [--session S] [--type T]: recorded turns as a polars DataFrame (``--type
         stage:plan``: one stage's turns; ``--type stage``: every stage turn)."""
-        from metaclaw.sessions import turns_filter
+        from metaclaw.proxy.sessions import turns_filter
 
         parser = _parser("turns", self._do_turns.__doc__)
         parser.add_argument("--session")
@@ -790,7 +790,7 @@ def _cell_progress() -> Any:
 
 def _notebook_scheduler_config(path: str | None) -> dict[str, Any]:
     """The scheduler settings (file or defaults) plus the notebook-idle signal (10 minutes)."""
-    from metaclaw.scheduler import load_config
+    from metaclaw.slowloop.scheduler.machine import load_config
 
     config = load_config(path)
     config.setdefault("signals", {}).setdefault("notebook", {"threshold_s": 600})

@@ -246,7 +246,7 @@ def _skill_entry(skill: Any) -> dict[str, Any]:
 
 
 def diff_payload(diff: Any, store: Any) -> dict[str, Any]:
-    """The data the diff widget shows, from a :class:`metaclaw.skills.SkillDiff`.
+    """The data the diff widget shows, from a :class:`metaclaw.skills.library.SkillDiff`.
 
     Returns ``SkillDiff.to_dict()`` normalised for display: ``added`` / ``removed`` (name,
     description, category, use_when, example_asks, markdown), ``edited`` (name, description,
@@ -357,7 +357,7 @@ def diff_html(payload: dict[str, Any]) -> str:
 class SkillDiffWidget(_StaticHTML, anywidget.AnyWidget):
     """Pick two skill generations and see what changed, with the evidence turns behind it.
 
-    ``library``: a :class:`metaclaw.skills.SkillLibrary`. ``old`` / ``new``: generation numbers
+    ``library``: a :class:`metaclaw.skills.library.SkillLibrary`. ``old`` / ``new``: generation numbers
     (default: the latest generation and its parent). Synced traitlets: ``generations`` (rows of
     ``skill_generations`` with a ``label`` that tells them apart: kind, the skills changed, the
     number of skills), ``old``, ``new``, ``mode`` (``"unified"`` | ``"side-by-side"``), ``diff``
@@ -394,7 +394,7 @@ class SkillDiffWidget(_StaticHTML, anywidget.AnyWidget):
     def __init__(self, library: Any, old: int | None = None, new: int | None = None, *,
                  mode: str = "unified", follow: bool = False, author: str | None = None,
                  **kwargs: Any):
-        from metaclaw.labels import default_author
+        from metaclaw.fastloop.labels import default_author
 
         self._library = library
         self._ready = False
@@ -529,7 +529,7 @@ class SkillDiffWidget(_StaticHTML, anywidget.AnyWidget):
     def refresh_proposals(self, limit: int = 20) -> list[dict[str, Any]]:
         """Re-read the proposals (held ones first, then the latest decided) with each one's diff
         against the current library and the gate's per-case evidence; returns them."""
-        from metaclaw import proposals as store_proposals
+        from metaclaw.fastloop import proposals as store_proposals
 
         try:
             library = self._lib()
@@ -554,7 +554,7 @@ class SkillDiffWidget(_StaticHTML, anywidget.AnyWidget):
 
     def promote(self, proposal_id: int, note: str = "") -> int:
         """Promote a held proposal as the widget's ``author``; returns the new generation."""
-        from metaclaw import proposals as store_proposals
+        from metaclaw.fastloop import proposals as store_proposals
 
         library = self._lib()
         generation = store_proposals.promote(library.store, library, int(proposal_id),
@@ -569,7 +569,7 @@ class SkillDiffWidget(_StaticHTML, anywidget.AnyWidget):
 
     def discard(self, proposal_id: int, reason: str = "") -> None:
         """Discard a held proposal as the widget's ``author``."""
-        from metaclaw import proposals as store_proposals
+        from metaclaw.fastloop import proposals as store_proposals
 
         store_proposals.discard(self._lib().store, int(proposal_id), by=self.author or None,
                                 reason=reason)
@@ -579,7 +579,7 @@ class SkillDiffWidget(_StaticHTML, anywidget.AnyWidget):
     def edit_proposal(self, proposal_id: int, name: str, *, body: str | None = None,
                       description: str | None = None) -> None:
         """Change the text a held proposal would write for skill ``name``."""
-        from metaclaw import proposals as store_proposals
+        from metaclaw.fastloop import proposals as store_proposals
 
         store_proposals.edit(self._lib().store, int(proposal_id), name, body=body,
                              description=description, by=self.author or None)
@@ -633,7 +633,7 @@ class SkillDiffWidget(_StaticHTML, anywidget.AnyWidget):
         return line
 
     def _repr_html_(self) -> str:
-        from metaclaw.gate import cases_html
+        from metaclaw.fastloop.gate import cases_html
 
         if self.error and not self.diff:
             return f"<div><b>Skill diff</b>: {_esc(self.error)}</div>"
@@ -975,7 +975,7 @@ class TraceWidget(_ReadsWorkspace, anywidget.AnyWidget):
     def __init__(self, store: Any, session: str | None = None, *, page_size: int = 100,
                  failures_only: bool = False, author: str | None = None,
                  threshold: float = 0.0, **kwargs: Any):
-        from metaclaw.labels import default_author
+        from metaclaw.fastloop.labels import default_author
         from metaclaw.trace import Trace, sessions
 
         self._threshold = float(threshold)
@@ -1104,7 +1104,7 @@ class TraceWidget(_ReadsWorkspace, anywidget.AnyWidget):
     def label(self, verdict: Any, note: str = "", corrected: str | None = None,
               turn_id: int | None = None) -> dict[str, Any]:
         """Label the selected turn (or ``turn_id``) as the widget's ``author``; returns the row."""
-        from metaclaw import labels
+        from metaclaw.fastloop import labels
 
         target = self.selected if turn_id is None else int(turn_id)
         if target is None:
@@ -1645,11 +1645,11 @@ class SchedulerView(_ReadsWorkspace, anywidget.AnyWidget):
     """The scheduler at a glance: current state, each signal's reading, and a timeline of states
     (training windows) and transitions.
 
-    ``scheduler``: a :class:`metaclaw.scheduler.Scheduler` or any callable returning a status
+    ``scheduler``: a :class:`metaclaw.slowloop.scheduler.Scheduler` or any callable returning a status
     dict like ``Scheduler.status()`` (``state``, ``signals``, optional ``transitions`` and other
     scalar fields). ``store``: where the transitions are read from (``scheduler_transitions``;
     default: the scheduler's store, else the status' in-memory transitions); for a
-    :class:`~metaclaw.scheduler.Scheduler` only this process's, as every process of a workspace
+    :class:`~metaclaw.slowloop.scheduler.Scheduler` only this process's, as every process of a workspace
     runs a scheduler of its own. ``last``: how many
     transitions to show. :meth:`refresh` (or the front-end's button) reads everything again.
     """
@@ -1680,7 +1680,7 @@ class SchedulerView(_ReadsWorkspace, anywidget.AnyWidget):
         store = store if store is not None else getattr(owner, "store", None)
         self._released = False
         self._reader = _Reader(self, store) if store is not None else None
-        from metaclaw.scheduler import Scheduler
+        from metaclaw.slowloop.scheduler.machine import Scheduler
         from metaclaw.store import this_process
 
         # a scheduler object is this process's: its timeline is not another process's

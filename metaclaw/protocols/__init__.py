@@ -1,7 +1,7 @@
 """Wire protocols the proxy speaks, to its clients and to its upstreams.
 
 A :class:`WireProtocol` is everything the proxy knows about one API's wire format. The turn
-pipeline (:mod:`metaclaw.pipeline`) never looks inside a wire body: it asks the client's protocol
+pipeline (:mod:`metaclaw.proxy.pipeline`) never looks inside a wire body: it asks the client's protocol
 to validate the request and to inject the skill block, and it translates between the client's and
 the upstream's protocol through one *pivot* form, the OpenAI chat-completions shape (which is also
 the neutral form recorded in the store: ``request_messages`` are OpenAI chat messages whatever the
@@ -34,8 +34,8 @@ form, and reaches both upstream kinds through the pivot. It implements:
 The tests for a new protocol are its own round trips (``from_chat(to_chat(x))``, as in
 ``tests/test_protocols.py``) and an SDK of that protocol against a running proxy (as in
 ``tests/test_proxy_anthropic.py``); nothing else in the proxy changes. To let the proxy *forward*
-in the new protocol as well, add an :class:`~metaclaw.upstreams.HTTPUpstream` subclass for it in
-:mod:`metaclaw.upstreams` (its path, how it sends the key, its SDK's error classes).
+in the new protocol as well, add an :class:`~metaclaw.proxy.upstreams.HTTPUpstream` subclass for it in
+:mod:`metaclaw.proxy.upstreams` (its path, how it sends the key, its SDK's error classes).
 """
 
 from __future__ import annotations

@@ -61,7 +61,8 @@ import uuid
 from datetime import datetime, timezone
 from typing import Any
 
-from metaclaw.protocols import ProxyError, StreamTranslator, WireProtocol, dumpb, dumps, loads
+from metaclaw.jsonlib import dumpb, dumps, loads
+from metaclaw.protocols import ProxyError, StreamTranslator, WireProtocol
 from metaclaw.protocols.openai_chat import ToChatStream, TranslatedAssembler
 
 #: ``max_tokens`` sent to an Anthropic upstream when an OpenAI client gave none.
@@ -504,7 +505,7 @@ class AnthropicMessages(WireProtocol):
         and their cache_control breakpoints, unchanged in front of it), in place of any block
         an earlier turn left in the system prompt the client resends (a breakpoint the client
         set on that one moves to its replacement). Unchanged when there is nothing to do."""
-        from metaclaw.retrieval import BLOCK_HEADER, strip_skill_block
+        from metaclaw.skills.retrieval import BLOCK_HEADER, strip_skill_block
 
         system = body.get("system")
         resent = BLOCK_HEADER in _text(system)

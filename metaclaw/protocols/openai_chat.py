@@ -10,8 +10,9 @@ import time
 import uuid
 from typing import Any
 
-from metaclaw.asks import content_text
-from metaclaw.protocols import ProxyError, StreamTranslator, WireProtocol, dumpb
+from metaclaw.jsonlib import dumpb
+from metaclaw.protocols import ProxyError, StreamTranslator, WireProtocol
+from metaclaw.skills.asks import content_text
 
 
 class StreamAssembler:
@@ -250,7 +251,7 @@ class OpenAIChat(WireProtocol):
         return chat
 
     def inject(self, body: dict[str, Any], block: str) -> dict[str, Any]:
-        from metaclaw.retrieval import inject
+        from metaclaw.skills.retrieval import inject
 
         messages = inject(body["messages"], block)
         return body if messages == body["messages"] else {**body, "messages": messages}

@@ -52,9 +52,10 @@ import random
 import time
 from typing import Any
 
-from metaclaw.asks import content_text
-from metaclaw.protocols import ProxyError, StreamTranslator, WireProtocol, dumpb, dumps, loads
+from metaclaw.jsonlib import dumpb, dumps, loads
+from metaclaw.protocols import ProxyError, StreamTranslator, WireProtocol
 from metaclaw.protocols.openai_chat import ToChatStream, TranslatedAssembler
+from metaclaw.skills.asks import content_text
 
 #: Message roles a Responses input item may carry.
 ROLES = ("user", "assistant", "system", "developer")
@@ -672,7 +673,7 @@ class OpenAIResponses(WireProtocol):
 
     def to_chat(self, body: dict[str, Any]) -> dict[str, Any]:
         """The request in the OpenAI chat shape (the rules in the module docstring)."""
-        from metaclaw.retrieval import BLOCK_HEADER, inject
+        from metaclaw.skills.block import BLOCK_HEADER, inject
 
         messages: list[dict[str, Any]] = []
         tools: list[dict[str, Any]] = [t for tool in body.get("tools") or ()
@@ -834,7 +835,7 @@ class OpenAIResponses(WireProtocol):
         """``body`` with the skill block as a ``developer`` message item after the client's
         items (the prefix its prompt cache holds stays as it was), in place of any block item
         an earlier turn left there. Unchanged when there is nothing to do."""
-        from metaclaw.retrieval import BLOCK_HEADER
+        from metaclaw.skills.block import BLOCK_HEADER
 
         given = body.get("input")
         items = [{"role": "user", "content": given}] if isinstance(given, str) else list(

@@ -1,0 +1,329 @@
+"""Per-skill evidence: which skills are used, and do the turns that get them go better?
+
+    from metaclaw.fastloop import evidence
+    stats = evidence.skill_stats(store, library)     # a polars DataFrame, one row per skill
+    evidence.chart(stats)                            # reward with vs without, per skill
+    evidence.propose(store, library, stats)          # held proposals for the suggestions
+
+For each skill of the library (and each skill turns received that has left it since):
+
+- **with**: the task turns it was injected into: how many, how many were judged, their mean
+  reward and pass rate (reward above ``threshold``), the human labels (pass / fail), the first and
+  last time it was used;
+- **without (comparable turns)**: the task turns whose recorded retrieval query the skill matches
+  but which did not get it. An ask matches a skill when the proxy's default retrieval scores the
+  pair at or above its injection threshold (BM25 fused with the static embedding of the skill's
+  text or example asks, :class:`metaclaw.skills.retrieval.HybridRetriever`), whatever the top-k, the
+  margin and the context budget decided: mostly the asks of its kind from before it existed, and
+  asks where another skill took its place. The same numbers as for *with*, and the difference in mean reward
+  with a 95% interval (normal approximation, Welch);
+- the nearest other skill of the library and their cosine (a near duplicate at
+  :data:`NEAR_DUPLICATE` or more), and how many task turns arrived since the skill was added;
+- a suggestion: ``retire`` (never injected in :data:`IDLE_TURNS` or more task turns since it was
+  added), ``merge`` (a near duplicate of another skill), ``review`` (its turns did worse than the
+  comparable ones, the whole interval below zero), or nothing.
+
+What the numbers cannot show: this is observation, not an experiment. The comparable turns are
+matched on the ask only; they come from other times (another skill generation, another policy,
+other tasks), so a difference may come from any of these; few judged turns give a wide interval.
+An experiment that replays the same turns with and without the skill answers the causal
+question. Suggestions are never applied here: :func:`propose` files them as held proposals (with
+their evidence), promoted or discarded by a person like any other (:mod:`metaclaw.fastloop.proposals`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+from metaclaw import jsonlib
+from metaclaw.proxy.sessions import TASK_TURNS_SQL
+from metaclaw.skills.library import Skill, SkillOp
+from metaclaw.store import Store
+
+#: Cosine between two skills' texts at or above which they are flagged as near duplicates.
+NEAR_DUPLICATE = 0.9
+#: Task turns since a skill was added, none of them given it, before ``retire`` is suggested.
+IDLE_TURNS = 200
+#: Turns read per batch when matching asks (bounds the memory).
+BATCH = 5_000
+
+COLUMNS = ("skill", "in_library", "injected", "judged_with", "reward_with", "pass_rate_with",
+           "labels_pass_with", "labels_fail_with", "comparable", "judged_without",
+           "reward_without", "pass_rate_without", "reward_delta", "delta_low", "delta_high",
+           "first_used", "last_used", "turns_since_added", "nearest", "nearest_cosine",
+           "suggestion")
+
+
+@dataclass
+class _Side:
+    """The sums of one side (with / without) of one skill."""
+
+    turns: int = 0
+    judged: int = 0
+    reward: float = 0.0
+    squares: float = 0.0
+    passed: int = 0
+    label_pass: int = 0
+    label_fail: int = 0
+
+    def mean(self) -> float | None:
+        return self.reward / self.judged if self.judged else None
+
+    def variance(self) -> float | None:
+        if self.judged < 2:
+            return None
+        mean = self.reward / self.judged
+        return max(0.0, (self.squares - self.judged * mean * mean) / (self.judged - 1))
+
+
+def _interval(with_: _Side, without: _Side) -> tuple[float | None, float | None, float | None]:
+    """Difference of the mean rewards and its 95% interval (None where a side has < 2)."""
+    a, b = with_.mean(), without.mean()
+    if a is None or b is None:
+        return None, None, None
+    va, vb = with_.variance(), without.variance()
+    if va is None or vb is None:
+        return a - b, None, None
+    half = 1.96 * math.sqrt(va / with_.judged + vb / without.judged)
+    return a - b, a - b - half, a - b + half
+
+
+def _added_at(store: Store) -> dict[str, float]:
+    """When each skill name was last added to the library (its latest ``add`` event)."""
+    rows = store.query("SELECT skill_name, MAX(created_at) AS at FROM skill_events "
+                       "WHERE op = 'add' GROUP BY skill_name")
+    return {r["skill_name"]: r["at"] for r in rows}
+
+
+def _task_turns(store: Store, columns: str) -> Iterable[list[dict[str, Any]]]:
+    """The successful task turns that have a retrieval query, ``BATCH`` at a time, by id."""
+    last = 0
+    while True:
+        rows = store.query(f"SELECT id, {columns} FROM turns WHERE {TASK_TURNS_SQL} AND "
+                           f"status = 'ok' AND retrieval_query IS NOT NULL AND id > ? "
+                           f"ORDER BY id LIMIT {BATCH}", (last,))
+        if not rows:
+            return
+        yield rows
+        last = rows[-1]["id"]
+
+
+#: The *with* side of every skill name, summed by SQLite over the injected skills' JSON lists.
+_WITH_SQL = f"""
+SELECT j.value AS skill, COUNT(*) AS turns, COUNT(t.reward) AS judged,
+       TOTAL(t.reward) AS reward, TOTAL(t.reward * t.reward) AS squares,
+       TOTAL(t.reward > ?) AS passed, TOTAL(t.human_label = 'pass') AS label_pass,
+       TOTAL(t.human_label = 'fail') AS label_fail, MIN(t.created_at) AS first,
+       MAX(t.created_at) AS last
+FROM turns AS t, json_each(CASE WHEN json_valid(t.injected_skills) THEN t.injected_skills
+                                ELSE '[]' END) AS j
+WHERE {TASK_TURNS_SQL.replace('turn_type', 't.turn_type')} AND t.status = 'ok'
+      AND j.type = 'text'
+GROUP BY j.value
+"""
+
+
+def _without(store: Store, skills: list[Skill], matcher: Any, threshold: float) -> list[_Side]:
+    """The *without* side of each of ``skills``: the turns whose query it matches but which
+    did not get it, summed with numpy a batch of turns at a time."""
+    import numpy as np
+
+    index = {s.name: i for i, s in enumerate(skills)}
+    sums = np.zeros((7, len(skills)))
+    floor = matcher.default_min_score
+    for rows in _task_turns(store, "injected_skills, reward, human_label, retrieval_query"):
+        queries = sorted({row["retrieval_query"] for row in rows})
+        place = {q: i for i, q in enumerate(queries)}
+        scores = (matcher.score_matrix(queries, skills, floor=floor)
+                  if hasattr(matcher, "lexical") else matcher.score_matrix(queries, skills))
+        matched = (scores >= floor)[[place[row["retrieval_query"]] for row in rows]]
+        for r, row in enumerate(rows):  # a turn that got the skill is on the other side
+            for name in _names(row["injected_skills"]):
+                if name in index:
+                    matched[r, index[name]] = False
+        reward = np.array([row["reward"] if row["reward"] is not None else np.nan
+                           for row in rows])
+        judged = ~np.isnan(reward)
+        reward = np.nan_to_num(reward)
+        label = np.array([row["human_label"] or "" for row in rows])
+        m = matched.astype(np.float64)
+        sums += np.stack([m.sum(axis=0), judged @ m, reward @ m, (reward * reward) @ m,
+                          (judged & (reward > threshold)) @ m, (label == "pass") @ m,
+                          (label == "fail") @ m])
+    return [_Side(int(c[0]), int(c[1]), float(c[2]), float(c[3]), int(c[4]), int(c[5]),
+                  int(c[6])) for c in sums.T]
+
+
+def _names(raw: Any) -> list[str]:
+    try:
+        names = jsonlib.loads(raw) if isinstance(raw, (str, bytes)) else raw
+    except ValueError:
+        return []
+    return [n for n in names or () if isinstance(n, str)] if isinstance(names, list) else []
+
+
+def _matcher(retriever: Any) -> Any:
+    """The retriever that matches asks to skills (default: the proxy's default)."""
+    if retriever is None:
+        from metaclaw.skills.retrieval import make_retriever
+
+        return make_retriever("auto")
+    return retriever
+
+
+def collect(store: Store, skills: list[Skill], *, threshold: float = 0.0,
+            retriever: Any = None, compare: bool = True) -> dict[str, Any]:
+    """The sums behind :func:`skill_stats`: ``with`` (by skill name), ``without`` (by skill of
+    ``skills``; None without ``compare``), ``first`` / ``last`` use, and the sorted times of the
+    task turns."""
+    with_, first, last = {}, {}, {}
+    for row in store.query(_WITH_SQL, (threshold,)):
+        with_[row["skill"]] = _Side(row["turns"], row["judged"], row["reward"], row["squares"],
+                                    int(row["passed"]), int(row["label_pass"]),
+                                    int(row["label_fail"]))
+        first[row["skill"]], last[row["skill"]] = row["first"], row["last"]
+    times = [r["created_at"] for r in store.query(
+        f"SELECT created_at FROM turns WHERE {TASK_TURNS_SQL} AND status = 'ok' "
+        "ORDER BY created_at")]
+    without = None
+    if compare and skills:
+        without = dict(zip([s.name for s in skills],
+                           _without(store, skills, _matcher(retriever), threshold)))
+    return {"with": with_, "without": without, "first": first, "last": last, "times": times}
+
+
+def _nearest(skills: list[Skill], retriever: Any) -> list[tuple[str | None, float | None]]:
+    """Each skill's most similar other skill (cosine of their texts)."""
+    if len(skills) < 2:
+        return [(None, None)] * len(skills)
+    import numpy as np
+
+    from metaclaw.skills.retrieval import skill_text
+
+    matcher = _matcher(retriever)
+    vectors = getattr(matcher, "dense", matcher)._encode([skill_text(s) for s in skills])
+    similarity = vectors @ vectors.T
+    np.fill_diagonal(similarity, -np.inf)
+    best = similarity.argmax(axis=1)
+    return [(skills[j].name, round(float(similarity[i, j]), 4)) for i, j in enumerate(best)]
+
+
+def skill_stats(store: Store, library: Any, *, threshold: float = 0.0, retriever: Any = None,
+                compare: bool = True):
+    """One row per skill (see the module's docstring), the library's skills first, by name;
+    ``threshold``: the reward above which a judged turn passed (the judge's); ``retriever``:
+    the one that matches asks to skills (an embedding or hybrid retriever; default: the
+    proxy's default); ``compare``: False skips the comparable turns and the near duplicates (no
+    embedding at all). A polars DataFrame."""
+    import polars as pl
+
+    skills = sorted(library.skills(), key=lambda s: s.name)
+    sums = collect(store, skills, threshold=threshold, retriever=retriever, compare=compare)
+    nearest = _nearest(skills, retriever) if compare else [(None, None)] * len(skills)
+    added = _added_at(store)
+    gone = sorted(set(sums["with"]) - {s.name for s in skills})
+    rows = []
+    for name, in_library, near in [(s.name, True, n) for s, n in zip(skills, nearest)] + \
+            [(n, False, (None, None)) for n in gone]:
+        w = sums["with"].get(name, _Side())
+        wo = sums["without"].get(name) if sums["without"] is not None and in_library else None
+        delta, low, high = _interval(w, wo) if wo is not None else (None, None, None)
+        since = None
+        if in_library:
+            start = added.get(name)
+            since = len(sums["times"]) - (bisect.bisect_right(sums["times"], start)
+                                          if start is not None else 0)
+        suggestion = ""
+        if in_library and w.turns == 0 and since is not None and since >= IDLE_TURNS:
+            suggestion = "retire"
+        elif in_library and near[1] is not None and near[1] >= NEAR_DUPLICATE:
+            suggestion = "merge"
+        elif high is not None and high < 0:
+            suggestion = "review"
+        rows.append({
+            "skill": name, "in_library": in_library, "injected": w.turns,
+            "judged_with": w.judged, "reward_with": w.mean(),
+            "pass_rate_with": w.passed / w.judged if w.judged else None,
+            "labels_pass_with": w.label_pass, "labels_fail_with": w.label_fail,
+            "comparable": wo.turns if wo else None, "judged_without": wo.judged if wo else None,
+            "reward_without": wo.mean() if wo else None,
+            "pass_rate_without": wo.passed / wo.judged if wo and wo.judged else None,
+            "reward_delta": delta, "delta_low": low, "delta_high": high,
+            "first_used": sums["first"].get(name), "last_used": sums["last"].get(name),
+            "turns_since_added": since, "nearest": near[0], "nearest_cosine": near[1],
+            "suggestion": suggestion,
+        })
+    schema = {"skill": pl.Utf8, "in_library": pl.Boolean, "injected": pl.Int64,
+              "judged_with": pl.Int64, "reward_with": pl.Float64, "pass_rate_with": pl.Float64,
+              "labels_pass_with": pl.Int64, "labels_fail_with": pl.Int64,
+              "comparable": pl.Int64, "judged_without": pl.Int64, "reward_without": pl.Float64,
+              "pass_rate_without": pl.Float64, "reward_delta": pl.Float64,
+              "delta_low": pl.Float64, "delta_high": pl.Float64, "first_used": pl.Float64,
+              "last_used": pl.Float64, "turns_since_added": pl.Int64, "nearest": pl.Utf8,
+              "nearest_cosine": pl.Float64, "suggestion": pl.Utf8}
+    frame = pl.DataFrame(rows, schema=schema, orient="row") if rows else pl.DataFrame(
+        schema=schema)
+    return frame.with_columns(
+        pl.from_epoch((pl.col(c) * 1000).cast(pl.Int64), time_unit="ms").alias(c)
+        for c in ("first_used", "last_used"))
+
+
+def _reason(row: dict[str, Any]) -> str:
+    if row["suggestion"] == "retire":
+        return (f"retire {row['skill']}: never injected in {row['turns_since_added']} task turns "
+                "since it was added")
+    if row["suggestion"] == "merge":
+        return (f"merge {row['skill']} into {row['nearest']}: near duplicate (cosine "
+                f"{row['nearest_cosine']:.2f}); edit {row['nearest']} to keep what it adds")
+    return (f"review {row['skill']}: its {row['judged_with']} judged turns averaged "
+            f"{row['reward_with']:+.2f}, comparable turns without it {row['reward_without']:+.2f} "
+            f"(difference {row['reward_delta']:+.2f}, 95% interval {row['delta_low']:+.2f} to "
+            f"{row['delta_high']:+.2f}; observational)")
+
+
+def propose(store: Store, library: Any, stats: Any) -> list[int]:
+    """File each suggestion of ``stats`` (:func:`skill_stats`) as a proposal held for review: a
+    ``remove`` of the skill, its reason saying what the evidence is, its evidence the latest
+    judged turns that had it. Nothing changes in the library until a person promotes one
+    (:func:`metaclaw.fastloop.proposals.promote`). A skill that has a held proposal already gets no
+    second one. Returns the new proposals' ids."""
+    from metaclaw.fastloop import proposals
+
+    pending = {op.name for p in proposals.held(store) for op in p.ops}
+    current = {s.name: s for s in library.skills()}
+    ids = []
+    for row in stats.filter(stats["suggestion"] != "").iter_rows(named=True):
+        name = row["skill"]
+        if name in pending or name not in current:
+            continue
+        evidence = [r["id"] for r in store.query(
+            "SELECT t.id FROM turns t, json_each(t.injected_skills) j WHERE j.value = ? AND "
+            "t.reward IS NOT NULL ORDER BY t.id DESC LIMIT 20", (name,))]
+        op = SkillOp("remove", name=name, reason=_reason(row), evidence=evidence,
+                     base=current[name].content_hash)
+        ids.append(proposals.record(store, [op], origin="evidence", status=proposals.HELD,
+                                    base_generation=library.generation, reason=_reason(row)))
+    return ids
+
+
+def chart(stats: Any):
+    """An altair chart: each skill's mean reward with it and on comparable turns without it
+    (the judged ones), skills with no judged turn on either side left out."""
+    import altair as alt
+
+    rows = []
+    for row in stats.iter_rows(named=True):
+        for side, key, n in (("with the skill", "reward_with", "judged_with"),
+                             ("comparable turns without it", "reward_without",
+                              "judged_without")):
+            if row[key] is not None:
+                rows.append({"skill": row["skill"], "side": side, "reward": row[key],
+                             "judged": row[n]})
+    return alt.Chart(alt.Data(values=rows)).mark_point(filled=True, size=80).encode(
+        x=alt.X("reward:Q", title="mean judged reward", scale=alt.Scale(domain=[-1, 1])),
+        y=alt.Y("skill:N", title=None), color=alt.Color("side:N", title=None),
+        tooltip=["skill:N", "side:N", alt.Tooltip("reward:Q", format="+.2f"), "judged:Q"],
+    ).properties(title="Per-skill evidence (observational)")

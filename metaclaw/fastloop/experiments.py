@@ -1,0 +1,471 @@
+"""Experiments: does a skill (a generation, a proposal, a model) help on turns you choose?
+
+    from metaclaw.fastloop import experiments as ex
+    ex.dataset(store, "date-failures", failures=True, last=50)     # a named selection of turns
+    run = ex.Experiment.create(store, "gen3-vs-gen5", "date-failures",
+                               ["gen:3", "gen:5", "proposal:12", "none"])
+    run.plan(votes=3)              # how many upstream and judge calls it will make
+    run.run(replayer, library)     # resumable: what finished is kept, a second run does the rest
+    run.frame()                    # one row per case and variant (polars)
+    run.summary()                  # per variant, and paired against the first variant
+    run.chart()                    # per-case differences (altair)
+
+A **dataset** is a stored, named selection of recorded turns: an explicit list, a session, the
+judged failures, the labelled turns, or an SQL condition, fixed when it is made (the turn ids
+are stored, so a dataset does not grow under an experiment).
+
+An **experiment** replays each case (the turn's messages as sent, its skill block removed)
+once per **variant** through :class:`metaclaw.fastloop.replay.Replayer`, the engine the verification gate
+uses, and the PRM judges each reply. A variant is written as a short spec:
+
+- ``current``: the library as it is now; ``gen:G``: skill generation ``G``; ``none``: no skills;
+- ``proposal:P``: proposal ``P``'s operations applied to the generation it was written for;
+- ``gen:G~NAME`` / ``current~NAME``: that library without the skill ``NAME`` (``~A~B`` removes
+  several);
+- any of them followed by ``@MODEL``: the replay asks the upstream for ``MODEL`` instead of the
+  turn's own model (another model, or a policy served under its own name).
+
+Every result is stored as it arrives, so an interrupt keeps what finished and :meth:`run`
+again does only what is missing (or failed); adding a variant or extending the dataset and running
+again extends the experiment. Where a case has a human label with a corrected answer, each reply
+is compared with it (``label_similarity``: difflib's ratio, 0..1).
+
+The summary compares each variant with the first, on the cases both scored: the mean difference
+of the judge's reward with a paired bootstrap 95% interval (2,000 resamples, fixed seed), and on
+pass / fail (reward above the judge's threshold) McNemar's exact test on the discordant pairs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import difflib
+import random
+import re
+import time
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+from metaclaw import jsonlib
+from metaclaw.progress import ProgressFn, notify
+from metaclaw.proxy.sessions import TASK_TURNS_SQL
+from metaclaw.skills.library import Skill, SkillNotFound
+from metaclaw.store import IN_IDS, Store, id_list
+
+
+class ExperimentError(ValueError):
+    """A dataset, a variant or an experiment that cannot be made or run (one sentence why)."""
+
+
+# -- datasets ------------------------------------------------------------------------------
+def dataset(store: Store, name: str, *, turn_ids: Iterable[int] | None = None,
+            session: str | None = None, failures: bool = False, labelled: bool = False,
+            where: str | None = None, params: Iterable[Any] = (), last: int | None = None,
+            description: str = "", replace: bool = False) -> list[int]:
+    """Store the turns selected by the arguments as dataset ``name``; returns their ids.
+
+    ``turn_ids``: an explicit list; otherwise the successful task turns, narrowed by
+    ``session``, ``failures`` (judged at or below 0, or labelled fail), ``labelled`` (with a
+    human label), ``where`` (an SQL condition on ``turns`` with ``params``), and ``last`` (the
+    most recent N). An existing name is an error unless ``replace``."""
+    if not isinstance(name, str) or not re.fullmatch(r"[\w.-]{1,80}", name):
+        raise ExperimentError(f"dataset name {name!r}: use 1-80 letters, digits, '_', '.', '-'")
+    selection: dict[str, Any] = {"session": session, "failures": failures,
+                                 "labelled": labelled, "where": where, "last": last}
+    if turn_ids is not None:
+        ids = sorted({int(i) for i in turn_ids})
+        found = {r["id"] for r in store.query(f"SELECT id FROM turns WHERE id {IN_IDS}",
+                                              (id_list(ids),))}
+        missing = sorted(set(ids) - found)
+        if missing:
+            raise ExperimentError(f"no turn with id {', '.join(map(str, missing[:10]))} in "
+                                  f"{store.path}")
+        selection = {"turn_ids": ids}
+    else:
+        clauses, args = [f"{TASK_TURNS_SQL} AND status = 'ok'"], []
+        if session:
+            clauses.append("session_id = ?")
+            args.append(session)
+        if failures:
+            clauses.append("(human_label = 'fail' OR (human_label IS NULL AND reward <= 0))")
+        if labelled:
+            clauses.append("human_label IS NOT NULL")
+        if where:
+            clauses.append(f"({where})")
+            args.extend(params)
+        rows = store.query(f"SELECT id FROM turns WHERE {' AND '.join(clauses)} "
+                           "ORDER BY id DESC" + (f" LIMIT {int(last)}" if last else ""), args)
+        ids = sorted(r["id"] for r in rows)
+    if not ids:
+        raise ExperimentError(f"dataset {name!r} would be empty: no turn matches "
+                              f"{ {k: v for k, v in selection.items() if v} or 'the selection'}")
+    with store.transaction():
+        exists = store.query("SELECT 1 FROM datasets WHERE name = ?", (name,))
+        if exists and not replace:
+            raise ExperimentError(f"dataset {name!r} exists; pass replace=True (or another "
+                                  "name)")
+        store.execute("INSERT OR REPLACE INTO datasets (name, created_at, description, "
+                      "selection, turn_ids) VALUES (?, ?, ?, ?, ?)",
+                      (name, time.time(), description, jsonlib.dumps(selection),
+                       jsonlib.dumps(ids)))
+    return ids
+
+
+def dataset_ids(store: Store, name: str) -> list[int]:
+    rows = store.query("SELECT turn_ids FROM datasets WHERE name = ?", (name,))
+    if not rows:
+        known = [r["name"] for r in store.query("SELECT name FROM datasets ORDER BY name")]
+        raise ExperimentError(f"no dataset {name!r}" + (f" (there are: {', '.join(known)})"
+                                                        if known else " (none yet)"))
+    return list(jsonlib.loads(rows[0]["turn_ids"]))
+
+
+# -- variants ------------------------------------------------------------------------------
+_SPEC = re.compile(r"(?P<base>current|none|gen:\d+|proposal:\d+)(?P<without>(~[\w.-]+)*)"
+                   r"(@(?P<model>\S+))?")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One way of replaying the cases (see the module's docstring for the spec)."""
+
+    spec: str
+    base: str
+    without: tuple[str, ...] = ()
+    model: str | None = None
+
+    @classmethod
+    def parse(cls, spec: str) -> "Variant":
+        match = _SPEC.fullmatch(spec.strip()) if isinstance(spec, str) else None
+        if match is None:
+            raise ExperimentError(
+                f"variant {spec!r}: write current, none, gen:G or proposal:P, optionally "
+                "followed by ~NAME (without that skill) and @MODEL (another model)")
+        without = tuple(n for n in (match["without"] or "").split("~") if n)
+        return cls(spec.strip(), match["base"], without, match["model"])
+
+    def skills(self, library: Any) -> list[Skill]:
+        """The skills this variant replays with."""
+        if self.base == "none":
+            chosen: dict[str, Skill] = {}
+        elif self.base == "current":
+            chosen = {s.name: s for s in library.skills()}
+        elif self.base.startswith("gen:"):
+            generation = int(self.base[4:])
+            try:
+                chosen = dict(library.snapshot(generation))
+            except SkillNotFound as exc:
+                raise ExperimentError(f"variant {self.spec!r}: {exc.args[0]}") from None
+        else:
+            from metaclaw.fastloop import proposals
+            from metaclaw.fastloop.evolver import apply_in_memory
+
+            try:
+                proposal = proposals.get(library.store, int(self.base[9:]))
+            except proposals.ProposalError as exc:
+                raise ExperimentError(f"variant {self.spec!r}: {exc}") from None
+            chosen = apply_in_memory(library.snapshot(proposal.base_generation), proposal.ops)
+        missing = [n for n in self.without if n not in chosen]
+        if missing:
+            raise ExperimentError(f"variant {self.spec!r}: no skill {', '.join(missing)} in "
+                                  f"that library")
+        return [chosen[n] for n in sorted(chosen) if n not in self.without]
+
+
+# -- experiments ---------------------------------------------------------------------------
+@dataclass
+class Plan:
+    """What a run will do: ``cases`` x ``variants`` replays still to make, each one upstream
+    call and ``votes`` judge calls."""
+
+    replays: int
+    upstream_calls: int
+    judge_calls: int
+    done: int
+
+    def __str__(self) -> str:
+        return (f"{self.replays} replays to make ({self.done} done already): "
+                f"{self.upstream_calls} upstream calls and up to {self.judge_calls} judge calls")
+
+
+class Experiment:
+    """A stored experiment (see the module's docstring). Open one with :meth:`open`, make one
+    with :meth:`create`."""
+
+    def __init__(self, store: Store, row: dict[str, Any]):
+        self.store = store
+        self.id, self.name, self.dataset = row["id"], row["name"], row["dataset"]
+        self.variants = [Variant.parse(v) for v in jsonlib.loads(row["variants"])]
+        self.config = jsonlib.loads(row["config"] or "{}")
+
+    def __repr__(self) -> str:
+        return (f"Experiment({self.name!r}, dataset={self.dataset!r}, "
+                f"variants={[v.spec for v in self.variants]})")
+
+    @classmethod
+    def create(cls, store: Store, name: str, dataset_name: str,
+               variants: Iterable[str]) -> "Experiment":
+        parsed = [Variant.parse(v) for v in variants]
+        if len(parsed) < 2:
+            raise ExperimentError("an experiment compares at least two variants")
+        specs = [v.spec for v in parsed]
+        if len(set(specs)) != len(specs):
+            raise ExperimentError(f"variants repeat: {specs}")
+        dataset_ids(store, dataset_name)  # exists
+        with store.transaction():
+            if store.query("SELECT 1 FROM experiments WHERE name = ?", (name,)):
+                raise ExperimentError(f"experiment {name!r} exists; open it with "
+                                      "Experiment.open (add variants with add_variants)")
+            store.execute("INSERT INTO experiments (name, created_at, dataset, variants) "
+                          "VALUES (?, ?, ?, ?)",
+                          (name, time.time(), dataset_name, jsonlib.dumps(specs)))
+        return cls.open(store, name)
+
+    @classmethod
+    def open(cls, store: Store, name: str) -> "Experiment":
+        rows = store.query("SELECT * FROM experiments WHERE name = ?", (name,))
+        if not rows:
+            known = [r["name"] for r in store.query("SELECT name FROM experiments ORDER BY id")]
+            raise ExperimentError(f"no experiment {name!r}" + (
+                f" (there are: {', '.join(known)})" if known else " (none yet)"))
+        return cls(store, rows[0])
+
+    def add_variants(self, variants: Iterable[str]) -> None:
+        """Extend the experiment with more variants (run again to fill them in)."""
+        specs = [v.spec for v in self.variants]
+        for spec in variants:
+            variant = Variant.parse(spec)
+            if variant.spec not in specs:
+                specs.append(variant.spec)
+                self.variants.append(variant)
+        self.store.execute("UPDATE experiments SET variants = ? WHERE id = ?",
+                           (jsonlib.dumps(specs), self.id))
+
+    # running -------------------------------------------------------------------------------
+    def _done(self) -> set[tuple[int, str]]:
+        """(turn id, variant) pairs with a result that need not run again (an upstream
+        failure is retried)."""
+        return {(r["turn_id"], r["variant"]) for r in self.store.query(
+            "SELECT turn_id, variant FROM experiment_results WHERE experiment_id = ? AND "
+            "upstream_failed = 0", (self.id,))}
+
+    def _todo(self) -> list[tuple[int, Variant]]:
+        done = self._done()
+        return [(turn_id, v) for turn_id in dataset_ids(self.store, self.dataset)
+                for v in self.variants if (turn_id, v.spec) not in done]
+
+    def plan(self, votes: int = 3) -> Plan:
+        """What :meth:`run` will do now (say it before spending anything)."""
+        todo = len(self._todo())
+        total = len(dataset_ids(self.store, self.dataset)) * len(self.variants)
+        return Plan(todo, todo, todo * int(votes), total - todo)
+
+    def run(self, replayer: Any, library: Any, *, max_calls: int | None = None,
+            concurrency: int = 256, on_progress: ProgressFn | None = None) -> Plan:
+        """Replay and judge what is missing; every result is stored as it arrives. ``replayer``:
+        a :class:`metaclaw.fastloop.replay.Replayer` (upstream, judge, retrieval settings); ``library``:
+        the :class:`metaclaw.skills.library.SkillLibrary` the variants' generations come from;
+        ``max_calls``: the most upstream plus judge calls to spend (the replays beyond it are
+        left for a later run); ``concurrency``: replays in flight (each with its judge votes in
+        parallel). Returns the plan it ran."""
+        from metaclaw.fastloop.judge import run_sync
+
+        return run_sync(lambda: self.arun(replayer, library, max_calls=max_calls,
+                                          concurrency=concurrency, on_progress=on_progress),
+                        replayer.upstream, replayer.judge._client)
+
+    async def arun(self, replayer: Any, library: Any, *, max_calls: int | None = None,
+                   concurrency: int = 256, on_progress: ProgressFn | None = None) -> Plan:
+        """The async form of :meth:`run`. Memory stays bounded whatever the dataset's size:
+        ``concurrency`` workers each hold one case (read from the store when its turn comes)."""
+        skills = {v.spec: v.skills(library) for v in self.variants}  # bad variants fail first
+        todo = self._todo()
+        per_replay = 1 + replayer.judge.votes
+        if max_calls is not None and len(todo) * per_replay > max_calls:
+            todo = todo[:max(0, int(max_calls) // per_replay)]
+        corrected = _corrected(self.store, {i for i, _ in todo})
+        plan = Plan(len(todo), len(todo), len(todo) * replayer.judge.votes,
+                    len(self._done()))
+        pending = iter(todo)  # shared by the workers (one event loop: no lock needed)
+        finished = [0]
+        task = f"experiment {self.name}"
+        notify(on_progress, task, 0, len(todo))
+
+        async def worker() -> None:
+            for turn_id, variant in pending:
+                turn = self.store.turn(turn_id)
+                if turn is None:  # deleted since the dataset was made
+                    continue
+                replay = await replayer.areplay(turn, skills[variant.spec], model=variant.model)
+                self._store(turn_id, variant.spec, replay, replayer.judge.threshold,
+                            corrected.get(turn_id))
+                finished[0] += 1
+                notify(on_progress, task, finished[0], len(todo),
+                       f"turn #{turn_id} {variant.spec}: "
+                       + ("failed" if replay.score is None else f"{replay.score:+g}"))
+
+        await asyncio.gather(*(worker() for _ in range(min(max(1, int(concurrency)),
+                                                           len(todo)))))
+        return plan
+
+    def _store(self, turn_id: int, variant: str, replay: Any, threshold: float,
+               corrected: str | None) -> None:
+        verdict = None if replay.score is None else (
+            "pass" if replay.score > threshold else "fail")
+        similarity = (round(difflib.SequenceMatcher(None, corrected, replay.reply).ratio(), 4)
+                      if corrected is not None and not replay.upstream_failed else None)
+        with self.store.transaction(fsync=False):  # survives kill -9; see Store.transaction
+            self._insert(turn_id, variant, replay, verdict, similarity)
+
+    def _insert(self, turn_id: int, variant: str, replay: Any, verdict: str | None,
+                similarity: float | None) -> None:
+        self.store.execute(
+            "INSERT OR REPLACE INTO experiment_results (experiment_id, turn_id, variant, "
+            "created_at, score, verdict, votes, reply, tool_calls, skills, error, "
+            "upstream_failed, latency_ms, prompt_tokens, completion_tokens, label_similarity) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (self.id, turn_id, variant, time.time(), replay.score, verdict,
+             jsonlib.dumps(replay.vote_scores or []), replay.reply,
+             jsonlib.dumps(replay.tool_calls) if replay.tool_calls else None,
+             jsonlib.dumps(replay.skills or []), replay.error, int(replay.upstream_failed),
+             replay.latency_ms, replay.prompt_tokens, replay.completion_tokens, similarity))
+
+    # reading -------------------------------------------------------------------------------
+    def frame(self):
+        """One row per case and variant with a result (polars)."""
+        import polars as pl
+
+        rows = self.store.query(
+            "SELECT turn_id, variant, score, verdict, votes, skills, error, upstream_failed, "
+            "latency_ms, prompt_tokens, completion_tokens, label_similarity, reply "
+            "FROM experiment_results WHERE experiment_id = ? ORDER BY turn_id, variant",
+            (self.id,))
+        schema = {"turn_id": pl.Int64, "variant": pl.Utf8, "score": pl.Float64,
+                  "verdict": pl.Utf8, "votes": pl.Utf8, "skills": pl.Utf8, "error": pl.Utf8,
+                  "upstream_failed": pl.Boolean, "latency_ms": pl.Float64,
+                  "prompt_tokens": pl.Int64, "completion_tokens": pl.Int64,
+                  "label_similarity": pl.Float64, "reply": pl.Utf8}
+        for row in rows:
+            row["upstream_failed"] = bool(row["upstream_failed"])
+            for key in ("votes", "skills"):
+                if not isinstance(row[key], str):
+                    row[key] = jsonlib.dumps(row[key])
+        return pl.DataFrame(rows, schema=schema, orient="row") if rows else pl.DataFrame(
+            schema=schema)
+
+    def summary(self, *, resamples: int = 2000, seed: int = 0):
+        """Per variant: cases, scored, mean reward, pass rate, tokens, latency; and against
+        the first variant on the cases both scored: the mean difference with its paired
+        bootstrap 95% interval, and McNemar's exact p on pass / fail (polars)."""
+        import polars as pl
+
+        results = self.frame()
+        order = [v.spec for v in self.variants]
+        by = {v: {r["turn_id"]: r for r in results.filter(pl.col("variant") == v)
+                  .iter_rows(named=True)} for v in order}
+        baseline = by[order[0]]
+        rows = []
+        for spec in order:
+            mine = by[spec]
+            scored = [r for r in mine.values() if r["score"] is not None]
+            pairs = [(baseline[t]["score"], r["score"]) for t, r in mine.items()
+                     if r["score"] is not None and t in baseline
+                     and baseline[t]["score"] is not None]
+            diffs = [b - a for a, b in pairs]
+            low, high = _bootstrap(diffs, resamples, seed) if spec != order[0] else (None, None)
+            verdicts = [(baseline[t]["verdict"], r["verdict"]) for t, r in mine.items()
+                        if t in baseline and r["verdict"] and baseline[t]["verdict"]]
+            rows.append({
+                "variant": spec, "cases": len(mine), "scored": len(scored),
+                "mean_reward": sum(r["score"] for r in scored) / len(scored) if scored else None,
+                "pass_rate": (sum(r["verdict"] == "pass" for r in scored) / len(scored)
+                              if scored else None),
+                "completion_tokens": sum(r["completion_tokens"] or 0 for r in mine.values()),
+                "median_latency_ms": _median([r["latency_ms"] for r in mine.values()
+                                              if r["latency_ms"] is not None]),
+                "paired": len(pairs) if spec != order[0] else None,
+                "diff_vs_first": (sum(diffs) / len(diffs)) if diffs and spec != order[0]
+                else None,
+                "diff_low": low, "diff_high": high,
+                "mcnemar_p": _mcnemar(verdicts) if spec != order[0] else None,
+            })
+        return pl.DataFrame(rows, orient="row", schema={
+            "variant": pl.Utf8, "cases": pl.Int64, "scored": pl.Int64,
+            "mean_reward": pl.Float64, "pass_rate": pl.Float64, "completion_tokens": pl.Int64,
+            "median_latency_ms": pl.Float64, "paired": pl.Int64, "diff_vs_first": pl.Float64,
+            "diff_low": pl.Float64, "diff_high": pl.Float64, "mcnemar_p": pl.Float64})
+
+    def chart(self):
+        """Per-case difference of each variant's reward from the first variant's (altair)."""
+        import altair as alt
+
+        results = self.frame()
+        first = self.variants[0].spec
+        base = {r["turn_id"]: r["score"] for r in results.iter_rows(named=True)
+                if r["variant"] == first and r["score"] is not None}
+        values = [{"turn": r["turn_id"], "variant": r["variant"],
+                   "difference": r["score"] - base[r["turn_id"]]}
+                  for r in results.iter_rows(named=True)
+                  if r["variant"] != first and r["score"] is not None and r["turn_id"] in base]
+        return alt.Chart(alt.Data(values=values)).mark_bar().encode(
+            x=alt.X("turn:O", title="case (turn id)"),
+            y=alt.Y("difference:Q", title=f"reward minus {first}"),
+            color=alt.Color("variant:N", title=None), xOffset="variant:N",
+            tooltip=["turn:O", "variant:N", alt.Tooltip("difference:Q", format="+.2f")],
+        ).properties(title=f"Experiment {self.name}: per-case differences from {first}")
+
+
+def list_experiments(store: Store):
+    """Every experiment with its dataset, variants and how many results it has (polars)."""
+    import polars as pl
+
+    rows = store.query(
+        "SELECT e.name, e.dataset, e.variants, e.created_at, COUNT(r.id) AS results "
+        "FROM experiments e LEFT JOIN experiment_results r ON r.experiment_id = e.id "
+        "GROUP BY e.id ORDER BY e.id")
+    for row in rows:
+        if not isinstance(row["variants"], str):
+            row["variants"] = jsonlib.dumps(row["variants"])
+    return pl.DataFrame(rows, orient="row", schema={
+        "name": pl.Utf8, "dataset": pl.Utf8, "variants": pl.Utf8, "created_at": pl.Float64,
+        "results": pl.Int64})
+
+
+def _corrected(store: Store, turns: Iterable[int]) -> dict[int, str]:
+    """The latest corrected answer of each of the turns ``turns`` (ids) that has one."""
+    rows = store.query(f"SELECT turn_id, corrected FROM labels WHERE corrected IS NOT NULL AND "
+                       f"turn_id {IN_IDS} ORDER BY id", (id_list(turns),))
+    return {r["turn_id"]: r["corrected"] for r in rows}
+
+
+def _median(values: list[float]) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def _bootstrap(diffs: list[float], resamples: int, seed: int) -> tuple[float | None,
+                                                                         float | None]:
+    """Paired bootstrap 95% interval of the mean of ``diffs`` (None with fewer than 2)."""
+    if len(diffs) < 2:
+        return None, None
+    rng = random.Random(seed)
+    n = len(diffs)
+    means = sorted(sum(rng.choices(diffs, k=n)) / n for _ in range(resamples))
+    return means[int(0.025 * resamples)], means[min(resamples - 1, int(0.975 * resamples))]
+
+
+def _mcnemar(pairs: list[tuple[str, str]]) -> float | None:
+    """McNemar's exact two-sided p on pass / fail pairs (first, variant); None without pairs."""
+    if not pairs:
+        return None
+    gained = sum(a == "fail" and b == "pass" for a, b in pairs)
+    lost = sum(a == "pass" and b == "fail" for a, b in pairs)
+    n = gained + lost
+    if n == 0:
+        return 1.0
+    from math import comb
+
+    tail = sum(comb(n, k) for k in range(0, min(gained, lost) + 1)) / 2 ** n
+    return min(1.0, 2 * tail)

@@ -1,0 +1,908 @@
+"""The turn pipeline: one protocol-neutral path for every request the proxy serves.
+
+    parse -> identify session and turn type -> extract the retrieval query -> retrieve
+          -> fit the context budget -> inject -> forward -> relay (streaming or not) -> record
+
+Each step is a small function or method below, named for what it does. Protocol specifics stay
+in the adapters (:mod:`metaclaw.protocols`): the client's protocol parses and validates the wire
+body and injects the skill block into it; when the upstream (:mod:`metaclaw.proxy.upstreams`) speaks
+another protocol, request, reply and stream events are translated through the OpenAI chat shape.
+A :class:`Turn` carries the request through the steps; its ``messages`` are the neutral view
+(OpenAI chat messages) that retrieval reads and the store records, whatever the protocol.
+
+Ordering contract of the relay and record steps: the event that ends a reply for the client
+(OpenAI's ``data: [DONE]``, Anthropic's ``message_stop``) and the whole of a non-streaming reply
+are sent only after :meth:`Recorder.submit` has taken the turn and
+:meth:`TurnPipeline.acknowledge` has returned. With ``ProxyConfig.durable_acks`` (the default)
+that means the turn is committed to SQLite: a reply the client received in full is never lost, even to
+``kill -9`` (and, with ``ProxyConfig.fsync_acks``, a power loss: the commit is then fsynced).
+The recorder commits in groups, so this costs a request about one commit of latency however many
+are in flight, and no throughput. Without it, the turn is queued and
+committed right after. Every turn that reached the upstream is recorded with a status saying how
+it ended (see :class:`_Relay`): a client that leaves before the headers or mid-stream leaves a
+``client_disconnected`` turn with what was relayed so far.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import hmac
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Mapping
+
+from aiohttp import web
+
+from metaclaw import buffers
+from metaclaw.jsonlib import LONE_SURROGATE as _SURROGATE, dumpb, dumps
+from metaclaw.protocols import ProxyError, WireProtocol
+from metaclaw.proxy import context_budget, edge
+from metaclaw.proxy.sessions import FINGERPRINT, Identity, Thread, identify
+from metaclaw.turns import TURN_TYPES, IdentityError, is_task_turn  # noqa: F401
+from metaclaw.proxy.upstreams import ResponderUpstream, Upstream, policy_columns
+from metaclaw.skills import retrieval
+from metaclaw.skills.library import offered_to
+
+if TYPE_CHECKING:  # pragma: no cover
+    from metaclaw.proxy.app import Proxy
+    from metaclaw.store import Store
+
+log = logging.getLogger("metaclaw.proxy")
+
+#: Body fields understood by the proxy itself; removed before forwarding.
+PROXY_FIELDS = ("session_id", "turn_type", "session_done")
+#: Retrievers that run on the event loop once their index is built (``indexed(skills)``): pure
+#: Python over an in-memory index (a fraction of a millisecond for 20 skills), which a worker
+#: thread would not take off the interpreter lock, only add two thread switches to every turn.
+#: Building the index (seconds for 10,000 skills), and other retrievers (a model encoding the
+#: query), run in the retrieval pool, so that no request waits behind it.
+INLINE_RETRIEVERS = ("lexical",)
+#: A body holding this may carry an earlier turn's skill block (checked on the raw bytes; the
+#: tag's name alone, as some JSON encoders escape "<" and ">").
+BLOCK_TAG = retrieval.BLOCK_TAG.strip("<>").encode()
+#: Chat fields recorded in their own columns rather than in ``request_params``.
+_OWN_COLUMNS = ("messages", "model", "stream")
+#: Client headers an Anthropic upstream receives as they came (pass-through only).
+_ANTHROPIC_HEADERS = ("anthropic-version", "anthropic-beta")
+
+
+@dataclass
+class Turn:
+    """One request on its way through the pipeline.
+
+    ``body``: the client's wire body (proxy fields removed, model set), later with skills
+    injected. ``chat``: the same request in the OpenAI chat shape (the neutral view; ``body``
+    itself for OpenAI clients). ``messages``: the neutral messages as recorded (skills injected).
+    """
+
+    protocol: WireProtocol
+    body: dict[str, Any]
+    chat: dict[str, Any]
+    raw: bytes
+    model: str
+    stream: bool
+    session_id: str = ""
+    turn_type: str = "main"
+    done: bool = False
+    identified_by: dict[str, str] = field(default_factory=dict)
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    query: str = ""
+    generation: int = 0
+    injected: list[str] = field(default_factory=list)
+    scores: list[float] = field(default_factory=list)
+    #: each injected skill's retrieval keys: (its "use when" line, how many example asks)
+    keys: list[tuple[str, int]] = field(default_factory=list)
+    budget: dict[str, Any] | None = None
+    retrieval_error: str | None = None
+    thread: Thread | None = None  # a fingerprinted task turn's place among its conversations
+
+
+# ---------------------------------------------------------------------------------------------
+# the steps (pure functions of the turn, each separately testable)
+# ---------------------------------------------------------------------------------------------
+def parse_turn(protocol: WireProtocol, body: dict[str, Any], raw: bytes,
+               model: str | None = None, **parse: Any) -> Turn:
+    """Step 1: validate the wire body (raises :class:`ProxyError`) and build the turn.
+
+    Field types are checked first (:func:`metaclaw.proxy.edge.check_fields`); ``null`` fields mean
+    "not given" and are not forwarded."""
+    body = edge.check_fields(protocol.name, body)
+    model, stream = protocol.parse_request(body, model, **parse)
+    forward = {k: v for k, v in body.items() if k not in PROXY_FIELDS}
+    forward["model"] = model
+    chat = protocol.to_chat(forward)
+    return Turn(protocol, forward, chat, raw, model, stream, messages=chat["messages"])
+
+
+def identify_session(headers: Mapping[str, str], body: Mapping[str, Any]) -> Identity:
+    """Step 2: the session, turn type and done flag, with the rule that decided each
+    (:func:`metaclaw.proxy.sessions.identify`: headers, body fields, ids the framework embeds, a
+    conversation fingerprint; side calls recognised by their content). A session id or turn
+    type the client gave that cannot be accepted is a 400 naming the field."""
+    try:
+        return identify(headers, dict(body))
+    except IdentityError as exc:
+        raise ProxyError(400, str(exc), param=exc.param) from None
+
+
+def _scored(name: str, score: float, keys: tuple[str, int] | None) -> dict[str, Any]:
+    """One injected skill as recorded in ``retrieval_scores``: its name and score, and the
+    retrieval keys it carried (``use_when``, ``example_asks``: how many) where it had any."""
+    entry: dict[str, Any] = {"name": name, "score": round(float(score), 4)}
+    use_when, examples = keys or ("", 0)
+    if use_when:
+        entry["use_when"] = use_when
+    if examples:
+        entry["example_asks"] = examples
+    return entry
+
+
+def retrieval_query(turn: Turn) -> str:
+    """Step 3: the text to retrieve skills for: the user's real ask in the neutral view
+    (:func:`metaclaw.skills.asks.extract_ask`, via :func:`metaclaw.skills.retrieval.query_text`)."""
+    return retrieval.query_text(turn.messages)
+
+
+def record_row(turn: Turn, policy_version: int) -> dict[str, Any]:
+    """The turn's store columns known before forwarding (one schema for every protocol)."""
+    row = {
+        "session_id": turn.session_id,
+        "turn_type": turn.turn_type,
+        "model": turn.model,
+        "stream": int(turn.stream),
+        "request_messages": turn.messages,
+        "request_params": {k: v for k, v in turn.chat.items()
+                           if k not in _OWN_COLUMNS and k not in PROXY_FIELDS},
+        "skill_generation": turn.generation,
+        "injected_skills": turn.injected,
+        "policy_version": policy_version,
+        "error": turn.retrieval_error,
+        "identified_by": turn.identified_by,
+        # why the turn got its skills: the query retrieval used, the selected skills' scores
+        "retrieval_query": turn.query or None,
+        "retrieval_scores": [_scored(name, score, keys) for name, score, keys
+                             in itertools.zip_longest(turn.injected, turn.scores, turn.keys)],
+    }
+    if turn.protocol.name != "openai":
+        row["protocol"] = turn.protocol.name
+    if turn.budget is not None:
+        row["context_budget"] = turn.budget
+    return row
+
+
+# ---------------------------------------------------------------------------------------------
+# recording
+# ---------------------------------------------------------------------------------------------
+class Recorder:
+    """Writes finished turns to the store with group commit, and notifies the turn listeners.
+
+    The turns submitted while the event loop runs one round of callbacks form a group, written in
+    one transaction (one commit for the whole group), so waiting for durability costs a request
+    about one commit however many requests are in flight. The commit survives ``kill -9`` of the
+    proxy; with ``fsync`` (``ProxyConfig.fsync_acks``) it is also fsynced (``synchronous=FULL``:
+    it survives an OS crash or power loss too, for about one fsync per group).
+
+    Where a group is written: a commit without fsync takes a fraction of a millisecond, less than
+    handing it to a thread costs (the interpreter lock passed back and forth, two wake-ups), so
+    it is written on the event loop when the store is free at once. Otherwise the group goes to
+    the writer thread, and the loop never waits for the store: when another thread or process
+    holds the write lock, when an earlier group is still waiting for the thread (turns stay in
+    order), with ``fsync``, and for a while after a commit on the loop was slow (a slow disk).
+    Checkpoints of the write-ahead log, which fsync, are taken by the writer thread too, every
+    :attr:`CHECKPOINT_EVERY` commits, instead of by whichever commit fills the log.
+
+    :meth:`submit` returns at once with a future that resolves to the turn id once its group is
+    committed (``None`` if it could not be written); :meth:`drain` waits for every submitted turn.
+    """
+
+    #: Most turns written in one transaction.
+    MAX_GROUP = 256
+    #: A commit on the loop that took longer sends the next groups to the writer thread for
+    #: :attr:`THREAD_AFTER_SLOW_S` seconds.
+    SLOW_COMMIT_S = 0.02
+    THREAD_AFTER_SLOW_S = 1.0
+    #: Commits between two checkpoints of the write-ahead log (SQLite's own is every 1,000 pages,
+    #: which is about 200 turns).
+    CHECKPOINT_EVERY = 64
+
+    def __init__(self, proxy: "Proxy", fsync: bool = False):
+        self.proxy = proxy
+        self.fsync = fsync
+        self.pending: set[asyncio.Future[Any]] = set()
+        self._group: list[tuple[Any, ...]] = []  # submitted, not yet flushed
+        self._queue: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._loop_store: "Store | None" = None  # the store's connection for the loop's writes
+        self._handed = 0  # groups handed to the writer thread (counted on the loop)
+        self._written = 0  # groups the writer thread has finished (counted by the thread)
+        self._thread_until = 0.0  # monotonic time before which groups go to the thread
+        self._loop_commits = 0
+        self._thread_commits = 0
+        self._loop_cpu_s = 0.0  # CPU time the commits took, on the loop and in the thread
+        self._thread_cpu_s = 0.0
+        self._since_checkpoint = 0
+
+    @property
+    def commits(self) -> int:
+        """Transactions written (fewer than turns when groups form)."""
+        return self._loop_commits + self._thread_commits
+
+    @property
+    def commit_cpu_s(self) -> float:
+        """CPU seconds spent writing turns (transactions on the loop and in the writer thread,
+        checkpoints excluded): what recording costs the proxy, reported by ``/healthz``."""
+        return self._loop_cpu_s + self._thread_cpu_s
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="metaclaw-record", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        """Write what is queued, then end the writer thread."""
+        if self._group:  # submitted on a loop that stopped before flushing: written all the same
+            self._hand_over(self._group)
+            self._group = []
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+
+    def submit(self, row: dict[str, Any], done: bool) -> asyncio.Future[Any]:
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self.pending.add(future)
+        future.add_done_callback(self.pending.discard)
+        self._group.append((row, done, future, loop))
+        if len(self._group) == 1:  # the first of a group: written after this round of callbacks
+            loop.call_soon(self._flush)
+        return future
+
+    async def drain(self) -> None:
+        while self.pending:
+            await asyncio.gather(*list(self.pending), return_exceptions=True)
+
+    def _flush(self) -> None:
+        group, self._group = self._group, []
+        for first in range(0, len(group), self.MAX_GROUP):
+            part = group[first:first + self.MAX_GROUP]
+            if not self._commit_on_loop(part):
+                self._hand_over(part)
+
+    def _hand_over(self, group: list[tuple[Any, ...]]) -> None:
+        """Queue ``group`` for the writer thread (later groups follow it there, in order)."""
+        self.start()
+        self._handed += 1
+        self._queue.put(group)
+
+    def _commit_on_loop(self, group: list[tuple[Any, ...]]) -> bool:
+        """Write ``group`` now if the store is free; ``False`` (nothing written) hands it over."""
+        if (self.fsync or self._handed != self._written
+                or time.monotonic() < self._thread_until):
+            return False
+        started, cpu = time.perf_counter(), time.thread_time()
+        try:
+            if self._loop_store is None:
+                self._loop_store = self.proxy.store.loop_writer() or self.proxy.store
+            store = self._loop_store
+            with store.transaction(False, wait=False):
+                ids = self._write_all(store, group)
+        except Exception:  # busy, closed, or a row the store refuses: rolled back, nothing
+            return False   # written; the writer thread sorts it out (or answers None)
+        finally:
+            self._loop_cpu_s += time.thread_time() - cpu
+        if time.perf_counter() - started > self.SLOW_COMMIT_S:
+            self._thread_until = time.monotonic() + self.THREAD_AFTER_SLOW_S
+        self._loop_commits += 1
+        self._deliver(group, ids)
+        self._since_checkpoint += 1
+        if self._since_checkpoint >= self.CHECKPOINT_EVERY:
+            self._since_checkpoint = 0
+            self.start()
+            self._queue.put(_CHECKPOINT)
+        return True
+
+    # -- the writer thread ----------------------------------------------------------------
+    def _run(self) -> None:
+        stopping = False
+        while not stopping:
+            items = [self._queue.get()]
+            while True:
+                try:
+                    items.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            stopping = None in items
+            groups = [item for item in items if isinstance(item, list)]
+            rows = [row for group in groups for row in group]
+            for first in range(0, len(rows), self.MAX_GROUP):
+                self._commit(rows[first:first + self.MAX_GROUP])
+            self._written += len(groups)
+            if _CHECKPOINT in items or stopping and self._loop_commits:
+                try:
+                    self.proxy.store.checkpoint()
+                except Exception:  # the next one copies these pages as well
+                    log.warning("could not checkpoint the store's write-ahead log", exc_info=True)
+
+    def _commit(self, group: list[tuple[Any, ...]]) -> None:
+        store, fsync, cpu = self.proxy.store, self.fsync, time.thread_time()
+        ids: list[int | None]
+        try:
+            with store.transaction(fsync):
+                ids = self._write_all(store, group)
+            self._thread_commits += 1
+        except Exception:  # one bad row must not lose the others: write them one by one
+            ids = []
+            for row, done, _, _ in group:
+                try:  # strings cleaned of what SQLite cannot encode (lone surrogates)
+                    with store.transaction(fsync):
+                        ids += self._write_all(store, [(_encodable(row), done)])
+                except Exception:
+                    log.exception("could not record a turn of session %r", row.get("session_id"))
+                    ids.append(None)
+        self._thread_cpu_s += time.thread_time() - cpu
+        self._deliver(group, ids)
+
+    def _deliver(self, group: list[tuple[Any, ...]], ids: list[int | None]) -> None:
+        """Resolve each turn's future on its own loop (at once on the running one), then tell
+        the listeners."""
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:  # the writer thread
+            running = None
+        by_loop: dict[Any, list[tuple[asyncio.Future[Any], int | None]]] = {}
+        for (_, _, future, loop), turn_id in zip(group, ids):
+            by_loop.setdefault(loop, []).append((future, turn_id))
+        for loop, results in by_loop.items():  # one wake-up of each loop for the whole group
+            if loop is running:
+                _resolve(results)
+                continue
+            with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits any more
+                loop.call_soon_threadsafe(_resolve, results)
+        self._notify_listeners(ids)
+
+    @staticmethod
+    def _write_all(store: "Store", group: list[tuple[Any, ...]]) -> list[int]:
+        """Write the turns of ``group`` (its entries start with ``row, done``) in the caller's
+        transaction. A turn that entered the buffers as live (:func:`metaclaw.buffers.classify`,
+        when it was served) but was served under an older generation than the store's latest is
+        recorded purged: another process committed that generation after this one last looked,
+        and its purge of older live turns ran before this turn existed. Read here, under the
+        write lock, no generation can land between the check and the write."""
+        latest = store.latest_generation() or 0
+        ids = []
+        for row, done, *_ in group:
+            if row.get("buffer_state") == buffers.LIVE and (row.get("skill_generation")
+                                                             or 0) < latest:
+                row = {**row, "buffer_state": buffers.PURGED}
+            ids.append(store.record_turn(**row))
+            if done:
+                store.mark_session_done(row["session_id"])
+        return ids
+
+    def _notify_listeners(self, ids: list[int | None]) -> None:
+        pool = self.proxy._listener_pool
+        if self.proxy._listeners and pool is not None:
+            for turn_id in ids:
+                if turn_id is not None:
+                    with contextlib.suppress(RuntimeError):  # the pool has shut down
+                        pool.submit(self._notify, turn_id)
+
+    def _notify(self, turn_id: int) -> None:
+        for fn in list(self.proxy._listeners):
+            try:
+                fn(turn_id)
+            except Exception:
+                log.exception("turn listener %r failed for turn %d", fn, turn_id)
+
+
+#: Queued for the writer thread: checkpoint the write-ahead log.
+_CHECKPOINT = "checkpoint"
+
+
+def _resolve(results: list[tuple[asyncio.Future[Any], Any]]) -> None:
+    for future, value in results:
+        if not future.done():
+            future.set_result(value)
+
+
+def _encodable(value: Any) -> Any:
+    """``value`` with every string made UTF-8 encodable (lone surrogates become U+FFFD)."""
+    if isinstance(value, str):
+        return _SURROGATE.sub("\ufffd", value)
+    if isinstance(value, dict):
+        return {_encodable(k): _encodable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_encodable(v) for v in value]
+    return value
+
+
+# ---------------------------------------------------------------------------------------------
+# the pipeline
+# ---------------------------------------------------------------------------------------------
+class TurnPipeline:
+    """Runs the steps for one request of any protocol (built and owned by the proxy)."""
+
+    def __init__(self, proxy: "Proxy"):
+        self.proxy = proxy
+        self.config = proxy.config
+
+    # -- checks and parsing ---------------------------------------------------------------
+    def authenticate(self, request: web.Request) -> str | None:
+        """Check the proxy token; return the caller's own upstream key under caller-auth."""
+        config = self.config
+        headers = request.headers
+        scheme, _, bearer = headers.get("Authorization", "").partition(" ")
+        bearer = bearer.strip() if scheme.lower() == "bearer" else ""
+        api_key = headers.get("x-api-key", "").strip()
+        caller_key = None
+        if config.caller_auth:
+            caller_key = api_key or bearer
+            if not caller_key:
+                raise ProxyError(401, "this proxy forwards each caller's own upstream key: send "
+                                      "your API key (x-api-key or 'Authorization: Bearer <key>')",
+                                 type="authentication_error", code="missing_caller_key")
+            if not (caller_key.isascii() and caller_key.isprintable()):
+                raise ProxyError(401, "the API key holds bytes that are not printable ASCII, so "
+                                      "it cannot be forwarded to the upstream; send the key as "
+                                      "it was issued", type="authentication_error",
+                                 code="invalid_caller_key")
+            given = headers.get("X-MetaClaw-Token", "").strip()
+            where = "the header 'X-MetaClaw-Token: <token>'"
+        else:
+            given = bearer or api_key
+            where = "the header 'Authorization: Bearer <token>' (the OpenAI client's api_key)"
+        token = config.token
+        if not token:
+            return caller_key
+        if not given:
+            raise ProxyError(401, f"missing bearer token: this proxy requires {where}",
+                             type="authentication_error", code="missing_token")
+        # a header's bytes that are not UTF-8 arrive as lone surrogates: compared as sent
+        if not hmac.compare_digest(given.encode("utf-8", "surrogateescape"), token.encode()):
+            raise ProxyError(401, "invalid bearer token: set the client's api_key to the proxy's "
+                                  "token", type="authentication_error", code="invalid_token")
+        return caller_key
+
+    def too_large(self) -> ProxyError:
+        return edge.too_large(self.config.max_body_bytes)
+
+    async def read_body(self, request: web.Request) -> tuple[bytes, dict[str, Any]]:
+        """The body, within ``body_timeout`` (408) and ``max_body_bytes`` (413, as sent and
+        once decompressed), decoded from its Content-Encoding by :class:`metaclaw.proxy.edge.BodyDecoder`
+        and checked by :func:`metaclaw.proxy.edge.decode_body` (400 naming what is wrong)."""
+        if (request.content_length is not None
+                and request.content_length > self.config.max_body_bytes):
+            raise self.too_large()
+        decoder = edge.BodyDecoder(request.headers.get("Content-Encoding"),
+                                   self.config.max_body_bytes)
+        try:
+            if request.content.is_eof():  # the whole body is here already: no timer to set
+                await _feed(request, decoder)
+            else:
+                async with asyncio.timeout(self.config.body_timeout):
+                    await _feed(request, decoder)
+            raw = decoder.finish()
+        except TimeoutError:
+            raise ProxyError(408, f"the request body did not arrive within "
+                                  f"{self.config.body_timeout:g} s; send it at once",
+                             code="body_timeout") from None
+        except ProxyError as exc:  # corrupt, truncated or too large
+            if not request.content.is_eof():  # refused mid-body: the rest is never read
+                # answer, then close the connection (a client still sending cannot start a next
+                # request on it); closed gracefully, so that the answer is not lost to a reset
+                exc.headers = {**exc.headers, "Connection": "close"}
+                request.protocol.close()
+                linger = getattr(request.protocol, "_linger_on_close", None)
+                if linger is not None:
+                    linger()
+            raise
+        except (web.HTTPException, ConnectionError):
+            raise
+        except Exception as exc:  # the HTTP framing of the body is broken (bad chunked encoding)
+            reason = edge._printable(edge._parser_reason(exc, None), 200)
+            raise ProxyError(400, f"cannot read the request body ({type(exc).__name__}: "
+                                  f"{reason}); send a well-formed body",
+                             code="bad_request_body") from None
+        return raw, edge.decode_body(raw)
+
+    # -- retrieve, fit the budget, inject -------------------------------------------------
+    def select_and_inject(self, turn: Turn, skills: list[Any]) -> None:
+        """Steps 3-6 for a main or stage turn: query, retrieve (a stage turn: its stage's and
+        general skills), fit the context budget, inject."""
+        proxy, config = self.proxy, self.config
+        try:
+            turn.query = retrieval_query(turn)
+            selected = retrieval.select(proxy.retriever, turn.query, skills, top_k=config.top_k,
+                                        min_score=config.min_score,
+                                        budget_chars=config.budget_chars,
+                                        keep=offered_to(turn.turn_type)) if turn.query else []
+            window = context_budget.context_window(turn.model, config.context_windows,
+                                                   config.context_window)
+            if selected and window is not None:
+                budget = context_budget.fit_skills([s.skill.name for s in selected],
+                                    lambda n: retrieval.render_block(selected[:n]), turn.raw,
+                                    window, turn.protocol.max_output_tokens(turn.body),
+                                    proxy.token_counter)
+                selected, turn.budget = selected[:budget.keep], budget.record
+            block = retrieval.render_block(selected)
+            turn.injected = [s.skill.name for s in selected]
+            turn.scores = [s.score for s in selected]
+            turn.keys = [(s.skill.use_when, len(s.skill.example_asks)) for s in selected]
+            if block or BLOCK_TAG in turn.raw:  # or a resent earlier block, to take out
+                turn.body = turn.protocol.inject(turn.body, block)
+                turn.messages = retrieval.inject(turn.messages, block)
+        except Exception as exc:  # serve the turn without skills rather than fail the agent
+            log.exception("skill retrieval failed; serving this turn without skills")
+            turn.injected, turn.scores, turn.keys = [], [], []
+            turn.retrieval_error = f"skill retrieval failed (served without skills): {exc}"
+
+    async def prepare(self, protocol: WireProtocol, request: web.Request,
+                      **parse: Any) -> tuple[Turn, str | None]:
+        """Authenticate, read, parse, identify, then retrieve and inject (off the event loop unless
+        the retriever is one of :data:`INLINE_RETRIEVERS` with its index built)."""
+        caller_key = self.authenticate(request)
+        raw, body = await self.read_body(request)
+        turn = parse_turn(protocol, body, raw, self.config.model, **parse)
+        # a protocol without a top-level message list (Responses' ``input``) is identified by
+        # its messages in the chat form
+        identity = identify_session(request.headers, body if "messages" in body
+                                    else {**body, "messages": turn.messages})
+        turn.session_id, turn.turn_type, turn.done = (identity.session_id, identity.turn_type,
+                                                      identity.done)
+        turn.identified_by = identity.how
+        if (identity.how["session"] == FINGERPRINT and is_task_turn(turn.turn_type)
+                and not parse.get("count_only")):
+            # conversations opening alike are told apart by the replies they continue (a count
+            # of tokens is no turn: it would take the session its conversation's turn is due)
+            turn.session_id, how, turn.thread = self.proxy.threads.resolve(
+                identity.session_id, turn.messages)
+            turn.identified_by = {**identity.how, "session": how}
+        try:
+            turn.generation, skills = self.proxy.library.current()
+            if is_task_turn(turn.turn_type) and skills:
+                retriever = self.proxy.retriever
+                indexed = getattr(retriever, "indexed", None)  # not in the Retriever protocol
+                if getattr(retriever, "kind", None) in INLINE_RETRIEVERS and indexed is not None \
+                        and indexed(skills):
+                    self.select_and_inject(turn, skills)
+                else:
+                    await asyncio.get_running_loop().run_in_executor(
+                        self.proxy._retrieval_pool, self.select_and_inject, turn, skills)
+            elif BLOCK_TAG in turn.raw:
+                # a turn served no skills (a side call, an empty library) that resends an
+                # earlier turn's block: taken out, so the upstream sees no skills here either
+                turn.body = turn.protocol.inject(turn.body, "")
+                turn.messages = retrieval.inject(turn.messages, "")
+        except BaseException:  # cancelled (its client hung up): the session it took is free
+            if turn.thread is not None:
+                self.proxy.threads.settle(turn.thread, False)
+            raise
+        return turn, caller_key
+
+    # -- forwarding -----------------------------------------------------------------------
+    def upstream(self) -> Upstream:
+        responder = self.proxy.responder
+        if responder is not None:
+            return ResponderUpstream(responder)
+        if self.proxy._upstream is None:
+            raise ProxyError(503, "no upstream is configured: start the proxy with an upstream "
+                                  "URL (ProxyConfig.upstream_url or metaclaw serve --upstream URL) "
+                                  "or set a responder", type="server_error", code="no_upstream")
+        return self.proxy._upstream
+
+    def forward_body(self, turn: Turn, upstream: Upstream) -> tuple[dict[str, Any], bool]:
+        """The body in the upstream's protocol (translated when the client's differs: from the
+        chat form the turn already holds, its messages with the skills, which is what the
+        client protocol's ``to_chat`` of the injected body gives)."""
+        target = upstream.protocol
+        body = turn.body if target is turn.protocol else target.from_chat(
+            {**turn.chat, "messages": turn.messages})
+        forward, client_asked = target.prepare_forward(body, self.config.stream_usage)
+        if target is not turn.protocol:  # what the client asked for, in its own protocol
+            client_asked = turn.protocol.asks_for_usage(turn.body)
+        return forward, client_asked
+
+    @staticmethod
+    def upstream_headers(turn: Turn, upstream: Upstream, request: web.Request) -> dict[str, str]:
+        if upstream.protocol is turn.protocol and turn.protocol.name == "anthropic":
+            return {k: request.headers[k] for k in _ANTHROPIC_HEADERS if k in request.headers}
+        return {}
+
+    async def serve(self, protocol: WireProtocol, request: web.Request) -> web.StreamResponse:
+        """The whole pipeline for one request of ``protocol``."""
+        started = time.perf_counter()
+        turn, caller_key = await self.prepare(protocol, request)
+        responder = self.proxy.responder
+        policy_version = int(getattr(responder, "policy_version", 0)) if responder else 0
+        record = record_row(turn, policy_version)
+        headers = {"X-MetaClaw-Skill-Generation": str(turn.generation),
+                   "X-MetaClaw-Injected-Skills": ",".join(turn.injected),
+                   "X-MetaClaw-Policy-Version": str(policy_version)}
+        relay = _Relay(self, turn, record, headers, caller_key, started)
+        try:
+            upstream = self.upstream()
+        except ProxyError as exc:
+            return await relay.fail(exc, None)
+        if turn.stream:
+            return await relay.stream(request, upstream)
+        return await relay.complete(request, upstream)
+
+    async def acknowledge(self, recorded: asyncio.Future[Any]) -> int | None:
+        """Called between recording a turn and sending the client the end of its reply
+        (``[DONE]``, ``message_stop``, a non-streaming body).
+
+        With ``ProxyConfig.durable_acks`` (the default) this waits until the turn's group is
+        committed to the store, so a turn a client received in full survives ``kill -9``; the
+        group-commit writer makes the wait one shared commit. A turn the store could not take
+        raises a 500 :class:`ProxyError`: the reply's end is withheld rather than acknowledging
+        a turn the store does not hold. Without durable acks the record is only queued (still
+        found by :meth:`Proxy.flush`)."""
+        if not self.config.durable_acks:
+            return None
+        turn_id = await asyncio.shield(recorded)
+        if turn_id is None:
+            raise ProxyError(500, "the proxy could not record this turn in its store (see the "
+                                  "proxy log), so it does not acknowledge the reply; retry the "
+                                  "request", type="server_error", code="record_failed")
+        return turn_id
+
+    # -- count_tokens ---------------------------------------------------------------------
+    async def count_tokens(self, protocol: WireProtocol, request: web.Request) -> web.Response:
+        """Tokens of the request as the proxy would forward it (skills injected): the Anthropic
+        upstream's own count when it is one, else the proxy's count (module context_budget)."""
+        turn, caller_key = await self.prepare(protocol, request, count_only=True)
+        upstream = self.proxy._upstream
+        if (self.proxy.responder is None and upstream is not None
+                and upstream.protocol is protocol and hasattr(upstream, "count_tokens")):
+            try:
+                payload = await upstream.count_tokens(
+                    turn.body, caller_key, self.upstream_headers(turn, upstream, request))
+            except Exception as exc:
+                error = self.proxy._scrubbed(upstream.map_error(exc), caller_key)
+                return protocol.error_response(error)
+            return web.Response(body=payload, content_type="application/json")
+        count = self.proxy.token_counter.count(dumps(
+            {k: turn.body.get(k) for k in ("system", "messages", "tools") if k in turn.body}))
+        return web.json_response({"input_tokens": count})
+
+
+async def _feed(request: web.Request, decoder: edge.BodyDecoder) -> None:
+    """Hand each chunk of the request body to ``decoder`` as it arrives."""
+    while chunk := await request.content.readany():
+        decoder.feed(chunk)
+
+
+class _ClientGone(Exception):
+    """The client closed its connection while the proxy was writing to it."""
+
+
+def _is_error_event(event: dict[str, Any] | None) -> bool:
+    return event is not None and ("error" in event or event.get("type") == "error")
+
+
+class _Relay:
+    """Forward and relay steps for one turn, and its record at the end.
+
+    Every way a turn can end is recorded with a status: ``ok``; ``error`` (the upstream failed,
+    answered garbage or cut its stream short; the client got an error in its protocol);
+    ``client_disconnected`` (the client left before the headers or mid-stream; the record holds
+    what the upstream sent until then); ``cancelled`` (the proxy stopped while the turn was in
+    flight).
+    """
+
+    def __init__(self, pipeline: TurnPipeline, turn: Turn, record: dict[str, Any],
+                 headers: dict[str, str], caller_key: str | None, started: float):
+        self.pipeline = pipeline
+        self.proxy = pipeline.proxy
+        self.turn = turn
+        self.record = record
+        self.headers = headers
+        self.caller_key = caller_key
+        self.started = started
+        self.secrets = self.proxy._secrets(caller_key)
+        self.secret_bytes = tuple(secret.encode() for secret in self.secrets)
+        self.sent = 0  # body bytes written to the client
+
+    def finish(self, **fields: Any) -> asyncio.Future[Any]:
+        """The record step: the row joins the recorder's next group commit (:class:`Recorder`)."""
+        row = {**self.record, **fields,
+               "latency_ms": (time.perf_counter() - self.started) * 1000.0}
+        if row.get("status") == "ok":  # a served task turn enters the buffers as it is recorded
+            row["buffer_set"], row["buffer_state"] = buffers.classify(
+                row, generation=self.proxy.library.generation)
+        if self.secrets:
+            for key in ("response", "error"):
+                if isinstance(row.get(key), str):
+                    row[key] = self.proxy._scrub(row[key], self.caller_key)
+        if self.turn.thread is not None:
+            self.proxy.threads.settle(self.turn.thread, row.get("status") == "ok",
+                                      row.get("response"), row.get("tool_calls"))
+        return self.proxy._recorder.submit(row, self.turn.done)
+
+    def error(self, exc: BaseException, upstream: Upstream | None,
+              midstream: bool = False) -> ProxyError:
+        error = exc if isinstance(exc, ProxyError) or upstream is None else upstream.map_error(
+            exc, midstream)
+        return self.proxy._scrubbed(error, self.caller_key)
+
+    async def fail(self, exc: BaseException, upstream: Upstream | None) -> web.Response:
+        """Record the turn as failed and answer with the client protocol's error for ``exc``."""
+        error = self.error(exc, upstream)
+        recorded = self.finish(status="error", http_status=error.status, error=error.message)
+        with contextlib.suppress(ProxyError):
+            await self.pipeline.acknowledge(recorded)
+        return self.turn.protocol.error_response(error, self.headers)
+
+    def cancelled(self, **fields: Any) -> None:
+        """The turn's handler was cancelled: the proxy is stopping, or the client hung up (the
+        server cancels the handler of a closed connection, and with it the upstream call)."""
+        if self.proxy.stopping:
+            self.finish(status="cancelled",
+                        error="the proxy stopped while this turn was in flight", **fields)
+            return
+        where = "mid-stream" if self.sent else "before the reply"
+        self.finish(status="client_disconnected", error=f"the client disconnected {where}; "
+                    "the upstream request was cancelled", **fields)
+
+    async def complete(self, request: web.Request, upstream: Upstream) -> web.Response:
+        turn, client = self.turn, self.turn.protocol
+        try:
+            body, _ = self.pipeline.forward_body(turn, upstream)
+            payload, data, policy = await upstream.complete(
+                body, self.caller_key, self.pipeline.upstream_headers(turn, upstream, request))
+            if "policy_version" in policy:
+                self.headers["X-MetaClaw-Policy-Version"] = str(policy["policy_version"])
+            if upstream.protocol is not client:
+                payload = dumpb(client.reply_from_chat(
+                    upstream.protocol.reply_to_chat(data), turn.body))
+        except asyncio.CancelledError:
+            self.cancelled()
+            raise
+        except Exception as exc:
+            return await self.fail(exc, upstream)
+        payload = self.proxy._scrub_bytes(payload, self.secret_bytes)
+        columns = {**upstream.protocol.reply_columns(data), **policy}
+        if request.transport is None or request.transport.is_closing():
+            # the client gave up waiting (an SDK timeout): nobody saw this reply, so it is not
+            # a served turn to judge or train on
+            self.finish(status="client_disconnected", http_status=200,
+                        error="the client disconnected before the reply", **columns)
+            return web.Response(body=payload, status=200, content_type="application/json",
+                                headers=self.headers)
+        recorded = self.finish(status="ok", http_status=200, **columns)
+        try:
+            await self.pipeline.acknowledge(recorded)
+        except ProxyError as exc:
+            return client.error_response(exc, self.headers)
+        return web.Response(body=payload, status=200, content_type="application/json",
+                            headers=self.headers)
+
+    async def write(self, response: web.StreamResponse, data: bytes) -> None:
+        try:
+            await response.write(data)
+        except ConnectionError:  # aiohttp's ClientConnectionResetError among them
+            raise _ClientGone() from None
+        self.sent += len(data)
+
+    async def stream(self, request: web.Request, upstream: Upstream) -> web.StreamResponse:
+        turn, client, source = self.turn, self.turn.protocol, upstream.protocol
+        same = source is client
+        assembler = source.assembler()
+        captured: dict[str, Any] = {}  # the responder's ``metaclaw`` object, kept from the client
+
+        def columns() -> dict[str, Any]:
+            return {**assembler.columns(), **policy_columns(captured.get("metaclaw"))}
+
+        async with contextlib.AsyncExitStack() as stack:
+            try:
+                body, client_asked = self.pipeline.forward_body(turn, upstream)
+                events = await upstream.stream(
+                    body, self.caller_key, self.pipeline.upstream_headers(turn, upstream, request),
+                    stack, captured)
+            except asyncio.CancelledError:
+                self.cancelled()
+                raise
+            except Exception as exc:
+                return await self.fail(exc, upstream)
+            to_chat = None if same else source.stream_to_chat()
+            from_chat = None if same else client.stream_from_chat(turn.body)
+            chunks = source.name == "openai"  # a chat upstream's events are chat chunks already
+
+            def translate(event: dict[str, Any] | None) -> list[dict[str, Any] | None]:
+                if chunks:
+                    return from_chat.feed(event)
+                return [out for chunk in to_chat.feed(event) for out in from_chat.feed(chunk)]
+
+            response = web.StreamResponse(status=200, headers={
+                **self.headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                "X-Accel-Buffering": "no"})
+            status, failure = "ok", None
+            held: list[bytes] = []  # the terminal event goes out after the record is committed
+            try:
+                if request.transport is None or request.transport.is_closing():
+                    raise _ClientGone()
+                try:
+                    await response.prepare(request)
+                except ConnectionError:
+                    raise _ClientGone() from None
+                ended = False
+                async for batch in events:  # the events that arrived together go out together
+                    relayed: list[bytes] = []
+                    for raw, event in batch:
+                        terminal = source.is_terminal(raw, event)
+                        ended = ended or terminal
+                        if _is_error_event(event):  # an upstream error may quote the key
+                            event = self.proxy._scrub_json(event, self.secrets)
+                        assembler.add(event)
+                        if same:  # relayed as it came (one event: no list to build)
+                            if terminal:
+                                held.append(raw)
+                            elif not client.is_private(event, client_asked):
+                                relayed.append(raw)
+                            continue
+                        for out in translate(event):
+                            data = client.encode_event(out)
+                            if client.is_terminal(data, out):
+                                held.append(data)
+                            elif not client.is_private(out, client_asked):
+                                relayed.append(data)
+                    if relayed:  # masked as a whole: an upstream may quote the key anywhere
+                        await self.write(response, self.proxy._scrub_bytes(b"".join(relayed),
+                                                                           self.secret_bytes))
+                if not ended and assembler.error is None:
+                    raise ProxyError(502, f"the upstream {_where(upstream)} ended its stream "
+                                          "before the final event (truncated reply); retry the "
+                                          "request", type="upstream_error",
+                                     code="upstream_truncated")
+                if not same and assembler.error is None:  # the end of the translated stream
+                    tail = [out for chunk in to_chat.close() for out in from_chat.feed(chunk)]
+                    relayed = []
+                    for out in [*tail, *from_chat.close()]:
+                        data = client.encode_event(out)
+                        if client.is_terminal(data, out):
+                            held.append(data)
+                        elif not client.is_private(out, client_asked):
+                            relayed.append(data)
+                    if relayed:  # one write, masked like the events before it
+                        await self.write(response, self.proxy._scrub_bytes(b"".join(relayed),
+                                                                           self.secret_bytes))
+            except _ClientGone:
+                where = "mid-stream" if self.sent else "before the reply's first byte"
+                self.finish(status="client_disconnected", http_status=200,
+                            error=f"the client disconnected {where}", **columns())
+                return response
+            except asyncio.CancelledError:
+                self.cancelled(http_status=200, **columns())
+                raise
+            except Exception as exc:
+                error = self.error(exc, upstream, midstream=True)
+                status, failure, held = "error", error.message, []
+                with contextlib.suppress(_ClientGone):
+                    await self.write(response, client.stream_error_event(error))
+            if failure is None and assembler.error is not None:
+                status = "error"
+                failure = ("upstream stream error: "
+                           f"{assembler.error.get('message', assembler.error)}")
+                held = []  # an errored stream does not also end as if complete
+            recorded = self.finish(status=status, http_status=200,
+                                   error=failure or self.record.get("error"), **columns())
+            try:
+                await self.pipeline.acknowledge(recorded)
+            except ProxyError as exc:
+                held = [client.stream_error_event(exc)]
+            with contextlib.suppress(_ClientGone, ConnectionError):  # the end and the last chunk
+                await response.write_eof(self.proxy._scrub_bytes(b"".join(held),
+                                                                  self.secret_bytes))
+            return response
+
+
+def _where(upstream: Upstream) -> str:
+    from metaclaw.redact import safe_url
+
+    return safe_url(getattr(upstream, "url", None)) or upstream.kind

@@ -1,0 +1,548 @@
+"""Where the proxy forwards a turn: an OpenAI-compatible upstream, an Anthropic upstream, or a
+local policy (the slow loop's responder).
+
+Each upstream speaks one wire protocol (:attr:`Upstream.protocol`); the pipeline translates the
+client's request into it when they differ. Both HTTP upstreams post the body with one pooled
+``aiohttp.ClientSession`` (the framework the proxy serves with) and take the reply as bytes: a
+proxy relays bytes, so the official SDKs' typed request and response models would only add work
+to every turn (through them a turn cost about three times the CPU). What the SDKs gave is kept:
+the key in each protocol's header, ``anthropic-version``, timeouts, retries of what is safe to
+retry (honouring Retry-After), the upstream's own error status and body relayed to the client,
+and ``HTTPS_PROXY`` / ``NO_PROXY`` from the environment.
+
+Keys: the upstream key comes from the environment variable ``ProxyConfig.api_key_env``; with
+caller-auth, ``key`` is the caller's own key, sent instead (as ``Authorization: Bearer`` to an
+OpenAI upstream, ``x-api-key`` to an Anthropic one). Keys never reach logs, errors or the store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import random
+import time
+from contextlib import AsyncExitStack
+from typing import Any, AsyncIterator, Mapping
+
+from yarl import URL
+
+from metaclaw.jsonlib import dumpb, loads
+from metaclaw.protocols import Event, ProxyError, WireProtocol, error_json, get_protocol, sse_events
+
+log = logging.getLogger("metaclaw.proxy")
+
+NO_KEY = "sk-no-key"
+#: The Anthropic API version sent when the client names none (the anthropic SDK's own default).
+ANTHROPIC_VERSION = "2023-06-01"
+
+
+def safe_url(url: str | None) -> str | None:
+    """``url`` without ``user:password@``, query or fragment (for logs, errors and health output)."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    if not url:
+        return url
+    parts = urlsplit(url)
+    return urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[-1], query="", fragment=""))
+
+
+class Upstream:
+    """A model endpoint in one wire protocol. ``complete`` returns ``(payload bytes, reply dict,
+    policy columns)``; ``stream`` returns an async iterator of lists of :data:`Event` (the events
+    that arrived together) and registers its cleanup on ``stack``."""
+
+    protocol: WireProtocol
+    kind = "upstream"
+
+    async def complete(self, body: dict[str, Any], key: str | None, headers: dict[str, str]
+                       ) -> tuple[bytes, dict[str, Any], dict[str, Any]]:
+        raise NotImplementedError
+
+    async def stream(self, body: dict[str, Any], key: str | None, headers: dict[str, str],
+                     stack: AsyncExitStack, captured: dict[str, Any]
+                     ) -> AsyncIterator[list[Event]]:
+        raise NotImplementedError
+
+    def map_error(self, exc: BaseException, midstream: bool = False) -> ProxyError:
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        return None
+
+
+class UpstreamStatusError(Exception):
+    """The upstream answered with an HTTP error status; its headers and body are kept so that
+    the client gets the upstream's own error."""
+
+    def __init__(self, status: int, headers: Mapping[str, str], body: bytes):
+        super().__init__(f"the upstream answered HTTP {status}")
+        self.status = status
+        self.headers = headers
+        self.body = body
+
+
+class UpstreamBodyError(Exception):
+    """The upstream answered, but its reply body did not arrive whole: ``truncated`` (the
+    connection closed before the body's end) or, when not, corrupt (a ``Content-Encoding`` that
+    cannot be decoded)."""
+
+    def __init__(self, truncated: bool, detail: str):
+        super().__init__(detail)
+        self.truncated = truncated
+        self.detail = detail
+
+
+#: The most of an upstream error body that is read (bytes): only its start reaches the client
+#: (500 characters of a text body, or the message of an error JSON), so a huge error page is
+#: not read whole, once per attempt.
+MAX_ERROR_BODY = 64 * 1024
+
+
+async def _read_body(response: Any, limit: int | None = None) -> bytes:
+    """The reply's body (its first ``limit`` bytes when given), the response released after;
+    a body that breaks off or cannot be decoded raises :class:`UpstreamBodyError`."""
+    from aiohttp import ClientPayloadError
+    from aiohttp.http_exceptions import ContentEncodingError
+
+    try:
+        if limit is None:
+            return await response.read()
+        body = bytearray()
+        while len(body) < limit:
+            piece = await response.content.read(limit - len(body))
+            if not piece:
+                break
+            body += piece
+        return bytes(body)
+    except ClientPayloadError as exc:
+        cause = exc.__cause__
+        detail = getattr(cause, "message", None) or str(exc)
+        raise UpstreamBodyError(not isinstance(cause, ContentEncodingError), detail) from exc
+    finally:
+        if response.content.is_eof():
+            response.release()  # the connection goes back to the pool
+        else:  # the rest of the body is not wanted: closing is cheaper than reading it
+            response.close()
+
+
+class HTTPUpstream(Upstream):
+    """Shared by the two HTTP upstreams: one pooled session, raw posts, retries, error mapping.
+
+    ``url``: the base URL (``user:password@`` in it becomes Basic authentication, as HTTP
+    clients read it); ``key_env``: the environment variable with the server's key; ``timeout``:
+    seconds for a whole non-streaming reply, for connecting, and between a stream's events;
+    ``max_retries``: further attempts after a connection error or a 408/409/429/5xx.
+    """
+
+    path = "/chat/completions"
+
+    def __init__(self, url: str, key_env: str, timeout: float, max_retries: int):
+        from urllib.parse import unquote, urlsplit
+
+        self.url = url
+        self.key_env = key_env
+        self.timeout = timeout
+        self.max_retries = max_retries
+        parts = urlsplit(url)
+        self._base = safe_url(self.base_url(url)) or ""
+        self._basic = ((unquote(parts.username or ""), unquote(parts.password or ""))
+                       if parts.username or parts.password else None)
+        self._session: Any = None
+        self._proxy: str | None = None
+        self._urls: dict[str, Any] = {}
+
+    @staticmethod
+    def base_url(url: str) -> str:
+        return url.rstrip("/")
+
+    def _server_headers(self, key: str) -> dict[str, str]:
+        """Headers every request carries (the server's key)."""
+        return {"Authorization": f"Bearer {key}"}
+
+    def _headers(self, key: str | None, headers: dict[str, str]) -> dict[str, str]:
+        """Per-request headers: ``headers`` and, under caller-auth, the caller's ``key``."""
+        return headers
+
+    async def open(self) -> None:
+        """Create the pooled session (on the loop that will use it)."""
+        from urllib.parse import urlsplit
+        from urllib.request import getproxies, proxy_bypass
+
+        import aiohttp
+
+        headers = {"Content-Type": "application/json", "Accept": "application/json",
+                   **self._server_headers(os.environ.get(self.key_env) or NO_KEY)}
+        if self._basic is not None:  # credentials in the URL win, as in other HTTP clients
+            headers["Authorization"] = aiohttp.BasicAuth(*self._basic).encode()
+        # the environment's proxy, looked up once (aiohttp's trust_env would look per request)
+        parts = urlsplit(self._base)
+        if not proxy_bypass(parts.hostname or ""):
+            self._proxy = getproxies().get(parts.scheme)
+        # a whole reply is timed by the caller (asyncio.timeout); a stream's reads are timed
+        # here, its events by sse_events
+        self._whole_timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.timeout)
+        self._stream_timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.timeout,
+                                                     sock_read=self.timeout)
+        self._session = aiohttp.ClientSession(
+            headers=headers, cookie_jar=aiohttp.DummyCookieJar(),  # no state between callers
+            connector=aiohttp.TCPConnector(limit=1000), timeout=self._stream_timeout)
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    #: Upstream statuses worth another attempt (the SDKs' own choice).
+    retry_statuses = frozenset({408, 409, 429, 500, 502, 503, 504})
+    #: A Retry-After longer than this (seconds) is not waited for: the error goes to the client,
+    #: Retry-After included, so that it can decide.
+    max_retry_wait = 20.0
+
+    async def _request(self, method: str, path: str, data: bytes | None, headers: dict[str, str],
+                       stream: bool = False) -> Any:
+        """One request, without retries: the reply's bytes, or the open response of a stream.
+        An error status raises :class:`UpstreamStatusError`."""
+        url = self._urls.get(path)
+        if url is None:  # parsed once per path, not per request
+            url = self._urls[path] = URL(self._base + path)
+        response = await self._session.request(
+            method, url, data=data, headers=headers, proxy=self._proxy, allow_redirects=False,
+            timeout=self._stream_timeout if stream else self._whole_timeout)
+        if response.status >= 400:
+            raise UpstreamStatusError(response.status, response.headers,
+                                      await _read_body(response, MAX_ERROR_BODY))
+        if 300 <= response.status < 400:  # redirects are not followed (a POST must not move)
+            response.release()
+            raise self._redirect_error(response.status, url, response.headers.get("Location"))
+        if stream:
+            return response
+        return await _read_body(response)
+
+    def _redirect_error(self, status: int, url: URL, location: str | None) -> ProxyError:
+        """A 502 naming where the upstream redirects (an ``http://`` URL of an ``https://``
+        server, a moved endpoint): its body is no reply, and read as one it would be reported as
+        invalid JSON or, mid-stream, as a broken stream to retry."""
+        where = ""
+        try:
+            target = str(url.join(URL(location))) if location else ""
+            # the base URL to configure, when the redirect keeps the endpoint's path
+            target = safe_url(target.split("?", 1)[0].split("#", 1)[0]) or ""
+            path = url.path.removeprefix(URL(self._base).path)
+            if path and target.endswith(path) and len(target) > len(path):
+                target = target[:-len(path)]
+        except ValueError:  # a Location that is no URL: not quoted
+            target = ""
+        if target:  # the upstream's text, shown as printable characters only
+            where = " to " + "".join(c for c in target[:300] if c.isprintable())
+        return ProxyError(502, f"the upstream {safe_url(self.url)} answered HTTP {status}, a "
+                               f"redirect{where}; set the upstream URL to where it redirects",
+                          type="upstream_error", code="upstream_redirect")
+
+    async def _post(self, body: dict[str, Any], key: str | None, headers: dict[str, str],
+                    stream: bool = False) -> Any:
+        """POST with retries, only where safe: each attempt ends before any byte reaches the
+        client (a stream is retried only while the upstream has not answered 200). Waits as the
+        upstream's ``Retry-After`` / ``retry-after-ms`` says, else backs off exponentially;
+        timeouts are not retried (the upstream already had its full time)."""
+        import aiohttp
+
+        data, request_headers = dumpb(body), self._headers(key, headers)
+        for attempt in range(self.max_retries + 1):
+            try:
+                # a non-streaming reply must be whole within the timeout (an upstream trickling
+                # its body never trips the per-read timeout); a stream's events are timed apart
+                async with asyncio.timeout(None if stream else self.timeout):
+                    return await self._request("POST", self.path, data, request_headers, stream)
+            except TimeoutError:
+                raise
+            except (UpstreamStatusError, UpstreamBodyError, aiohttp.ClientError,
+                    OSError) as exc:
+                status = getattr(exc, "status", None) if isinstance(
+                    exc, UpstreamStatusError) else None
+                if attempt == self.max_retries or (status is not None
+                                                   and status not in self.retry_statuses):
+                    raise
+                # a body cut off in transit may arrive whole next time (the SDKs retry it too);
+                # a body that cannot be decoded is how the upstream (or a gateway before it)
+                # encodes this reply, so another attempt would cost a turn for the same garbage
+                if isinstance(exc, UpstreamBodyError) and not exc.truncated:
+                    raise
+                wait = retry_after(exc.headers) if status is not None else None
+                if wait is None:
+                    wait = min(0.25 * 2 ** attempt, 4.0) * (0.75 + random.random() / 2)
+                elif wait > self.max_retry_wait:
+                    raise
+                log.info("upstream %s answered %s; retrying in %.2f s (attempt %d of %d)",
+                         safe_url(self.url), status or type(exc).__name__, wait, attempt + 2,
+                         self.max_retries + 1)
+                await asyncio.sleep(wait)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def complete(self, body, key, headers):
+        payload = await self._post(body, key, headers)
+        try:
+            data = loads(payload)
+        except ValueError:
+            raise ProxyError(502, f"the upstream {safe_url(self.url)} answered with invalid JSON "
+                                  f"({len(payload)} bytes); check that the URL is the model "
+                                  "server's API", type="upstream_error",
+                             code="bad_upstream_response") from None
+        problem = self.protocol.reply_problem(data)
+        if problem:
+            self._raise_error_object(data, payload)
+            raise ProxyError(502, f"the upstream {safe_url(self.url)} answered with a reply that "
+                                  f"is not a {self.protocol.name} reply: {problem}",
+                             type="upstream_error", code="bad_upstream_response")
+        return payload, data, {}
+
+    async def stream(self, body, key, headers, stack, captured):
+        response = await self._post(body, key, headers, stream=True)
+        stack.callback(response.release)  # reused only when read to the end
+        if response.content_type == "application/json":
+            # one JSON body instead of events: an error answered with HTTP 200 (as some
+            # gateways do) or a server that does not stream; either is an error status for the
+            # client, before any byte of a stream that could only break off
+            async with asyncio.timeout(self.timeout):
+                payload = await _read_body(response)
+            try:
+                data = loads(payload)
+            except ValueError:  # events under the wrong Content-Type: read as events
+                return sse_events(_once(payload), self.timeout)
+            self._raise_error_object(data, payload)
+            raise ProxyError(502, f"the upstream {safe_url(self.url)} answered a streaming "
+                                  "request with one JSON body, not server-sent events: it does "
+                                  "not stream; send the request without stream, or use an "
+                                  "upstream that streams", type="upstream_error",
+                             code="upstream_not_streaming")
+        return sse_events(response.content.iter_any(), self.timeout)
+
+    def _raise_error_object(self, data: Any, payload: bytes) -> None:
+        """Raise the upstream's own error when ``data`` (a body answered with HTTP 200) is an
+        error object of either protocol, so that the client reads the upstream's message."""
+        if isinstance(data, dict) and isinstance(data.get("error"), dict):
+            raise self._relayed_status_error(UpstreamStatusError(502, {}, payload))
+
+    def map_error(self, exc: BaseException, midstream: bool = False) -> ProxyError:
+        import aiohttp
+
+        upstream = safe_url(self.url)
+        if isinstance(exc, ProxyError):
+            return exc
+        if isinstance(exc, UpstreamStatusError):
+            return self._relayed_status_error(exc)
+        if isinstance(exc, UpstreamBodyError):  # it was reached: its reply broke
+            if exc.truncated:
+                what, code = ("was truncated: the connection closed before the whole body "
+                              "arrived", "upstream_truncated_reply")
+            else:
+                what, code = "is corrupt: its body cannot be decoded", "upstream_corrupt_reply"
+            return ProxyError(502, f"the reply of the upstream {upstream} {what} ({exc.detail})",
+                              type="upstream_error", code=code)
+        if isinstance(exc, TimeoutError):
+            return ProxyError(504, f"the upstream {upstream} did not answer within "
+                                   f"{self.timeout:g} s{' mid-stream' if midstream else ''}; "
+                                   "raise the proxy timeout or check the upstream",
+                              type="upstream_error", code="upstream_timeout")
+        if midstream:
+            return ProxyError(502, f"the upstream {upstream} dropped the connection mid-stream "
+                                   f"({type(exc).__name__}: {exc}); retry the request",
+                              type="upstream_error", code="upstream_disconnected")
+        if isinstance(exc, (aiohttp.ClientError, OSError)):
+            cause = getattr(exc, "os_error", None) or exc.__cause__ or exc
+            return ProxyError(502, f"cannot reach the upstream {upstream} ({type(cause).__name__}: "
+                                   f"{cause}); check that it is running and the URL is right",
+                              type="upstream_error", code="upstream_unreachable")
+        log.exception("unexpected upstream failure", exc_info=exc)
+        return ProxyError(502, f"upstream request failed: {type(exc).__name__}: {exc}",
+                          type="upstream_error", code="upstream_error")
+
+    def _relayed_status_error(self, exc: UpstreamStatusError) -> ProxyError:
+        """The upstream's own error (status, JSON, Retry-After) as the client's error."""
+        status = exc.status
+        try:
+            body = loads(exc.body)
+        except ValueError:
+            body = None
+        headers = {k: v for k, v in exc.headers.items()
+                   if k.lower() in ("retry-after", "retry-after-ms")}
+        if isinstance(body, dict) and isinstance(body.get("error"), dict):
+            error = body["error"]
+            message = str(error.get("message") or f"upstream error {status}")
+            payload = error_json(message, error.get("type") or "upstream_error",
+                                 error.get("param"), error.get("code"))
+            return ProxyError(status, message, type=payload["error"]["type"], payload=payload,
+                              headers=headers, upstream=(self.protocol.name, body))
+        text = exc.body.decode("utf-8", "replace").strip()[:500]
+        message = f"the upstream answered HTTP {status}" + (f": {text}" if text else "")
+        return ProxyError(status, message, type="upstream_error", code=str(status),
+                          headers=headers)
+
+
+class OpenAIUpstream(HTTPUpstream):
+    """Any OpenAI-compatible base URL (``.../v1``)."""
+
+    protocol = get_protocol("openai")
+    kind = "openai"
+
+    def _headers(self, key: str | None, headers: dict[str, str]) -> dict[str, str]:
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
+    async def models(self, key: str | None = None) -> tuple[int, bytes]:
+        """``GET /models`` of the upstream: its status and body."""
+        async with asyncio.timeout(self.timeout):
+            return 200, await self._request("GET", "/models", None, self._headers(key, {}))
+
+
+class ResponsesUpstream(OpenAIUpstream):
+    """An OpenAI Responses endpoint (``.../v1/responses``: OpenAI's own, or any server that
+    speaks it). A Responses client's requests and replies pass through byte for byte; other
+    clients' are translated through the chat pivot."""
+
+    protocol = get_protocol("responses")
+    kind = "responses"
+    path = "/responses"
+
+
+class AnthropicUpstream(HTTPUpstream):
+    """An Anthropic Messages endpoint (its base URL with or without ``/v1``).
+    ``anthropic-version`` and ``anthropic-beta`` headers of an Anthropic client are forwarded as
+    they came; ``anthropic-version`` defaults to :data:`ANTHROPIC_VERSION`."""
+
+    protocol = get_protocol("anthropic")
+    kind = "anthropic"
+    path = "/v1/messages"
+
+    @staticmethod
+    def base_url(url: str) -> str:
+        url = url.rstrip("/")
+        return url[:-3] if url.endswith("/v1") else url
+
+    def _server_headers(self, key: str) -> dict[str, str]:
+        return {"x-api-key": key, "anthropic-version": ANTHROPIC_VERSION}
+
+    def _headers(self, key: str | None, headers: dict[str, str]) -> dict[str, str]:
+        out = dict(headers)
+        if key:  # both ways Anthropic endpoints take a key, replacing the server key
+            out["Authorization"] = f"Bearer {key}"
+            out["x-api-key"] = key
+        return out
+
+    async def models(self, key: str | None = None) -> tuple[int, bytes]:
+        """``GET /v1/models`` of the upstream (its base URL has no ``/v1``), the longest page
+        Anthropic serves: the proxy answers with one list."""
+        async with asyncio.timeout(self.timeout):
+            return 200, await self._request("GET", "/v1/models?limit=1000", None,
+                                            self._headers(key, {}))
+
+    async def count_tokens(self, body: dict[str, Any], key: str | None,
+                           headers: dict[str, str]) -> bytes:
+        async with asyncio.timeout(self.timeout):
+            return await self._request("POST", "/v1/messages/count_tokens", dumpb(body),
+                                       self._headers(key, headers))
+
+
+class ResponderUpstream(Upstream):
+    """A local policy answering in the OpenAI chat shape (see :class:`metaclaw.proxy.app.Responder`).
+
+    A reply's ``metaclaw`` object (policy version, token ids, logprobs) is moved to the turn's
+    record and never reaches the client.
+    """
+
+    protocol = get_protocol("openai")
+    kind = "responder"
+
+    def __init__(self, responder: Any):
+        self.responder = responder
+
+    async def complete(self, body, key, headers):
+        data = await self.responder.complete(body)
+        policy = policy_columns(data.pop("metaclaw", None) if isinstance(data, dict) else None)
+        return dumpb(data), data if isinstance(data, dict) else {}, policy
+
+    async def stream(self, body, key, headers, stack, captured):
+        # the first event is taken before answering 200, so that a request the policy refuses
+        # gets a proper error status instead of a broken stream
+        events = _responder_events(self.responder, body, captured)
+        stack.push_async_callback(events.aclose)
+        return _prepend(await events.__anext__(), events)
+
+    def map_error(self, exc: BaseException, midstream: bool = False) -> ProxyError:
+        if isinstance(exc, ProxyError):
+            return exc
+        from metaclaw.slowloop.policy import PolicyRequestError
+
+        if isinstance(exc, PolicyRequestError):  # the local policy cannot serve this request
+            return ProxyError(exc.status, str(exc), code="unsupported_by_policy")
+        return ProxyError(500, f"the local policy failed: {type(exc).__name__}: {exc}",
+                          type="server_error", code="responder_error")
+
+
+async def _responder_events(responder: Any, body: dict[str, Any],
+                            captured: dict[str, Any]) -> AsyncIterator[list[Event]]:
+    """SSE events of a responder's chunks, one at a time as they are produced; a chunk's
+    ``metaclaw`` object is moved to ``captured["metaclaw"]`` and never sent to the client."""
+    async for chunk in responder.stream(body):
+        if isinstance(chunk, dict) and "metaclaw" in chunk:
+            chunk = dict(chunk)
+            captured["metaclaw"] = chunk.pop("metaclaw")
+        yield [(b"data: " + dumpb(chunk) + b"\n\n", chunk)]
+    yield [(b"data: [DONE]\n\n", None)]
+
+
+async def _once(data: bytes) -> AsyncIterator[bytes]:
+    yield data
+
+
+async def _prepend(first: list[Event],
+                   rest: AsyncIterator[list[Event]]) -> AsyncIterator[list[Event]]:
+    yield first
+    async for batch in rest:
+        yield batch
+
+
+def policy_columns(info: Any) -> dict[str, Any]:
+    """Turn columns from a responder reply's ``metaclaw`` object: the policy version that
+    produced it, the prompt / completion token ids and the completion's sampling logprobs."""
+    if not isinstance(info, dict):
+        return {}
+    columns: dict[str, Any] = {}
+    if isinstance(info.get("policy_version"), int):
+        columns["policy_version"] = info["policy_version"]
+    for key, column in (("prompt_token_ids", "prompt_tokens_ids"),
+                        ("completion_token_ids", "completion_tokens_ids"),
+                        ("completion_logprobs", "completion_logprobs")):
+        if isinstance(info.get(key), list):
+            columns[column] = info[key]
+    return columns
+
+
+def retry_after(headers: Any) -> float | None:
+    """Seconds an upstream asks to wait (``retry-after-ms``, ``Retry-After`` in seconds or as an
+    HTTP date); ``None`` when it says nothing usable."""
+    import email.utils
+
+    try:
+        if headers.get("retry-after-ms"):
+            return max(0.0, float(headers["retry-after-ms"]) / 1000.0)
+        value = headers.get("retry-after")
+        if not value:
+            return None
+        try:
+            return max(0.0, float(value))
+        except ValueError:
+            when = email.utils.parsedate_to_datetime(value)
+            return max(0.0, when.timestamp() - time.time())
+    except (TypeError, ValueError, OverflowError):
+        return None
+
+
+def make_upstream(protocol: str, url: str, key_env: str, timeout: float,
+                  max_retries: int) -> HTTPUpstream:
+    """The HTTP upstream for ``protocol`` (``"openai"``, ``"anthropic"`` or ``"responses"``)."""
+    kinds = {"openai": OpenAIUpstream, "anthropic": AnthropicUpstream,
+             "responses": ResponsesUpstream}
+    if protocol not in kinds:
+        raise ValueError(f"unknown upstream protocol {protocol!r}; choose 'openai', 'anthropic' "
+                         "or 'responses'")
+    return kinds[protocol](url, key_env, timeout, max_retries)

@@ -1,0 +1,1488 @@
+"""The skill library: ``SKILL.md`` files on disk, every version of the library kept in the store.
+
+A skill is one folder ``<library>/<name>/SKILL.md`` (the upstream MetaClaw layout): YAML front
+matter with ``name``, ``description``, ``category`` (and any other keys, preserved) followed by a
+Markdown body::
+
+    ---
+    name: backup-before-modify
+    description: Keep a copy of a file before changing it.
+    category: safety
+    ---
+
+    # Backup before modify
+    ...
+
+A skill may be scoped to one stage of a multi-stage task with ``metadata: {stage: <name>}`` in its
+front matter (``metadata`` is the free key-value map of the Agent Skills ``SKILL.md`` format, so
+such a file stays valid for other readers): it is then offered only to turns of type
+``stage:<name>`` (:func:`offered_to`). A skill without a stage is general: offered to every main
+and stage turn. The evolver scopes what it learns from one stage's failures to that stage.
+
+Every change (add, edit, remove, import, rollback, or files edited by hand) creates a new
+*generation*: a full snapshot stored in the ``skill_generations`` table with one
+``skill_events`` row per operation (reason and evidence turn ids). Any two generations can be
+diffed, any generation restored. The folder on disk mirrors the current generation; files are
+written atomically (temporary file + ``os.replace``). The library never writes or deletes outside
+its folder: a skill folder linked in from elsewhere is read through the link, but a change to
+that skill replaces the link with a copy in the folder, and removing it removes only the link.
+
+One workspace, many processes: the store is the single source of truth for the current
+generation. A proxy, the CLI and several notebook kernels may share one workspace:
+
+- every read of the library (:meth:`SkillLibrary.current`) first asks the store whether any
+  process committed since the last look (``PRAGMA data_version``, microseconds, no directory
+  scan) and adopts a newer generation from the store's snapshot;
+- every change runs inside one exclusive store transaction (``BEGIN IMMEDIATE``, which also
+  serialises other processes): adopt the latest generation, validate the operations against
+  it, write the files, insert the generation with ``parent`` = the latest. Two processes
+  evolving at once therefore produce a linear history, never a fork, and an operation that
+  conflicts with the other process's change fails with a clear error;
+- a folder may lag the store (the workspace changed through another folder, e.g. ``metaclaw
+  evolve`` run from another directory): its files still as the generation it was last brought
+  to had them are stale, brought up to date at the next change or reload, never recorded as
+  a change back (:data:`FOLDER_MARKS`);
+- files edited by hand become a generation of kind ``disk``: at construction, on
+  :meth:`SkillLibrary.reload`, and continuously while :meth:`SkillLibrary.watch` runs (a
+  file-system watcher, what the proxy and notebook runtimes use).
+
+A broken ``SKILL.md`` (bad YAML, missing ``name`` or ``description``, a name that does not match
+its folder, an invalid name, bytes that are not UTF-8) never stops a load: it is reported in
+:attr:`SkillLibrary.problems` as a :class:`LoadProblem` with its path and reason, and skipped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import functools
+import hashlib
+import html
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Literal
+
+import yaml
+
+from metaclaw.jsonlib import LONE_SURROGATE as _SURROGATE
+from metaclaw.proxy.sessions import STAGE_NAME, stage_of
+from metaclaw.store import Store
+
+log = logging.getLogger(__name__)
+
+SKILL_FILE = "SKILL.md"
+NAME_PATTERN = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}")
+OPS = ("add", "edit", "remove")
+#: The journal a change writes in the folder before its files (hidden, so never read as a
+#: skill): the generation it will commit and the touched files' text before it. A process that
+#: dies before committing leaves it, and the next to take the write lock puts the files back.
+JOURNAL_PREFIX = ".metaclaw-change-"
+JOURNAL_GLOB = f"{JOURNAL_PREFIX}*.json"
+#: Next to the workspace's database (``<db>-skill-folders.json``): the generation each folder's
+#: files were last brought to. A workspace may be used through several folders (``metaclaw
+#: evolve`` run from another directory), so the folder of one process can lag the store; its
+#: skills still as that generation had them are stale, not edited by hand, and are brought up
+#: to date instead of being recorded as a change back. Kept out of the folder, which holds
+#: skills only (and may be under version control, where a checkout would bring back old marks).
+FOLDER_MARKS = "-skill-folders.json"
+#: Largest SKILL.md read (bytes): every generation stores every skill again, and a skill is
+#: injected into prompts whose budget is a few thousand characters.
+MAX_SKILL_BYTES = 256 * 1024
+#: How often the folder watcher's thread wakes (ms): watchfiles sleeps this long between checks
+#: for its stop event, each check taking the interpreter lock. At its default of 50 ms an idle
+#: library spent about 2.7 ms of CPU a second on it; at 250, about 0.5, and a hand edit is still
+#: picked up within about half a second.
+WATCH_STEP_MS = 250
+_CORE_KEYS = ("name", "description", "category")
+#: Retrieval keys in the front matter's ``metadata`` map (string values, as the Agent Skills
+#: format asks): a one-line "use when", and the example asks, one per line.
+USE_WHEN_KEY = "use-when"
+EXAMPLE_ASKS_KEY = "example-asks"
+#: At most this many example asks are kept per skill (the first ones: those the skill was
+#: written from, then the asks of the first turns it served well), each cut to this many
+#: characters.
+MAX_EXAMPLE_ASKS = 8
+EXAMPLE_ASK_CHARS = 300
+
+
+class _FrontMatterDumper(yaml.SafeDumper):
+    """YAML for front matter that reads back as written: PyYAML writes a string holding U+0085
+    (a YAML line break) in a plain or single-quoted style, where reading folds it into a space;
+    such strings are written double-quoted, where it is escaped."""
+
+
+def _represent_text(dumper: yaml.SafeDumper, text: str) -> yaml.Node:
+    return dumper.represent_scalar("tag:yaml.org,2002:str", text,
+                                   style='"' if "\x85" in text else None)
+
+
+_FrontMatterDumper.add_representer(str, _represent_text)
+
+
+class _FrontMatterLoader(yaml.SafeLoader):
+    """``yaml.safe_load`` with its aliases (``*name``, ``<<: *name``) bounded: a few hundred
+    bytes of nested aliases expand to gigabytes when the front matter is copied (a "billion
+    laughs"), which would hang every process loading the folder. Aliases themselves stay
+    allowed: a skill file may share values through anchors (a merge key of defaults), and
+    refusing them makes such a skill unloadable and, kept at its stored version, uneditable.
+    Refused, before anything is built: front matter that aliases expand to more values than a
+    skill file could hold written out (:data:`MAX_SKILL_BYTES`), and an alias inside the very
+    value it names (endless)."""
+
+    def compose_document(self) -> Any:
+        node = super().compose_document()
+        if _expanded_size(node, {}, set()) > MAX_SKILL_BYTES:
+            raise yaml.composer.ComposerError(
+                None, None, f"YAML aliases (*name) expand the front matter to more than "
+                f"{MAX_SKILL_BYTES:,} values, more than a skill file may hold; write the values "
+                "out", node.start_mark)
+        return node
+
+
+def _expanded_size(node: yaml.Node, sizes: dict[int, int], open_nodes: set[int]) -> int:
+    """How many values ``node`` holds once every alias in it is expanded (a copy of what it
+    names), counted in time linear in the nodes as written (``sizes`` remembers each one)."""
+    key = id(node)
+    if key in sizes:
+        return sizes[key]
+    if key in open_nodes:
+        raise yaml.composer.ComposerError(
+            None, None, "a YAML alias (*name) sits inside the value it names, which makes the "
+            "front matter endless; write the value out", node.start_mark)
+    open_nodes.add(key)
+    children: list[Any] = []
+    if isinstance(node, yaml.SequenceNode):
+        children = node.value
+    elif isinstance(node, yaml.MappingNode):
+        children = [part for pair in node.value for part in pair]
+    size = 1 + sum(_expanded_size(child, sizes, open_nodes) for child in children)
+    open_nodes.discard(key)
+    sizes[key] = size
+    return size
+
+
+class SkillFormatError(ValueError):
+    """A skill, a skill file or a change to the library is invalid.
+
+    The message names the file (when there is one) and what to change.
+    """
+
+    def __init__(self, reason: str, path: str | os.PathLike[str] | None = None):
+        self.reason = reason
+        self.path = None if path is None else str(path)
+        super().__init__(f"{self.path}: {reason}" if self.path else reason)
+
+
+class SkillConflict(SkillFormatError):
+    """An edit or remove made from a version of a skill that another process has changed."""
+
+
+class SkillNotFound(KeyError):
+    """A skill name or a generation number that the library does not have."""
+
+    def __str__(self) -> str:  # KeyError would show the message with quotes around it
+        return str(self.args[0]) if self.args else "not found"
+
+
+def validate_name(name: str) -> str:
+    """Return ``name`` if it is a valid skill slug, else raise :class:`SkillFormatError`.
+
+    A valid name is 1-64 characters of lowercase letters, digits, ``-`` and ``_``, starting with a
+    letter or digit (so it is always a safe folder name: no ``/``, ``..`` or hidden files).
+    """
+    if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
+        raise SkillFormatError(
+            f"invalid skill name {name!r}: use 1-64 lowercase letters, digits, '-' or '_', "
+            "starting with a letter or digit (e.g. 'backup-before-modify')")
+    return name
+
+
+def _json_safe(value: Any, name: Any = None) -> Any:
+    """Front-matter values as JSON-compatible data (YAML dates become ISO strings).
+
+    NaN and infinities are refused: the store writes them as ``null``, so a skill holding one
+    would never equal its stored version and every process opening the workspace would record
+    it again as a new generation. Nesting deeper than Python's recursion limit is refused too.
+    """
+    try:
+        return json.loads(json.dumps(value, ensure_ascii=False, default=str, allow_nan=False))
+    except ValueError:
+        raise SkillFormatError(f"skill {name!r}: a front-matter value is NaN or infinite, which "
+                               "JSON cannot store; quote it or write a finite number") from None
+    except RecursionError:
+        raise SkillFormatError(f"skill {name!r}: a front-matter value is nested too deeply"
+                               ) from None
+
+
+def _no_surrogates(name: str, field_name: str, text: str) -> None:
+    """Refuse text with a lone surrogate: it cannot be written to SKILL.md nor to the store, so
+    it would fail every write (and every reload of the folder) with a ``UnicodeEncodeError``."""
+    match = _SURROGATE.search(text)
+    if match:
+        raise SkillFormatError(
+            f"skill {name!r}: the {field_name} holds a lone surrogate "
+            f"(U+{ord(match.group()):04X} at character {match.start()}, e.g. half of an emoji), "
+            "which is not valid Unicode; remove it or write the whole character")
+
+
+def _clean_body(body: str) -> str:
+    """Drop leading blank lines and trailing whitespace, so a body round-trips exactly."""
+    lines = body.replace("\r\n", "\n").split("\n")
+    while lines and not lines[0].strip():
+        lines.pop(0)
+    return "\n".join(lines).rstrip()
+
+
+@dataclass(frozen=True)
+class Skill:
+    """One skill. ``extra`` holds any other front-matter keys (kept as JSON-compatible data)."""
+
+    name: str
+    description: str
+    category: str = "general"
+    body: str = ""
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        validate_name(self.name)
+        if not isinstance(self.description, str) or not self.description.strip():
+            raise SkillFormatError(f"skill {self.name!r} needs a non-empty text 'description'")
+        if not isinstance(self.category, str) or not self.category.strip():
+            raise SkillFormatError(f"skill {self.name!r}: 'category' must be a non-empty text")
+        if not isinstance(self.body, str):
+            raise SkillFormatError(f"skill {self.name!r}: the body must be text")
+        if not isinstance(self.extra, dict):
+            raise SkillFormatError(f"skill {self.name!r}: 'extra' must be a dict")
+        clash = set(self.extra) & set(_CORE_KEYS + ("body",))
+        if clash:
+            raise SkillFormatError(
+                f"skill {self.name!r}: move {sorted(clash)} out of 'extra' into the fields")
+        object.__setattr__(self, "description", self.description.strip())
+        object.__setattr__(self, "category", self.category.strip())
+        object.__setattr__(self, "body", _clean_body(self.body))
+        object.__setattr__(self, "extra", _json_safe(self.extra, self.name))
+        for field_name in ("description", "category", "body"):
+            _no_surrogates(self.name, field_name, getattr(self, field_name))
+        _no_surrogates(self.name, "front matter",
+                       json.dumps(self.extra, ensure_ascii=False))
+        metadata = self.extra.get("metadata")
+        if isinstance(metadata, dict) and isinstance(metadata.get("stage"), str):
+            # spelled as turn types are (``stage:Plan`` is recorded as ``stage:plan``)
+            self.extra["metadata"] = {**metadata, "stage": metadata["stage"].strip().lower()}
+        self.stage  # noqa: B018 - a bad 'metadata.stage' is refused here, not at retrieval
+
+    def __hash__(self) -> int:
+        return hash(self.content_hash)
+
+    @functools.cached_property
+    def stage(self) -> str | None:
+        """The stage this skill is scoped to (front matter ``metadata.stage``), or ``None``
+        for a general skill."""
+        metadata = self.extra.get("metadata")
+        stage = metadata.get("stage") if isinstance(metadata, dict) else None
+        if stage is None:
+            return None
+        if not isinstance(stage, str) or not STAGE_NAME.fullmatch(stage):
+            raise SkillFormatError(
+                f"skill {self.name!r}: 'metadata.stage' must be a stage name of 1-64 lowercase "
+                f"letters, digits, '-' or '_' (e.g. 'plan'), not {stage!r}")
+        return stage
+
+    @functools.cached_property
+    def use_when(self) -> str:
+        """When to use this skill, in one line (front matter ``metadata.use-when``; "" when
+        not given). Retrieval matches asks against it."""
+        metadata = self.extra.get("metadata")
+        value = metadata.get(USE_WHEN_KEY) if isinstance(metadata, dict) else None
+        return " ".join(value.split()) if isinstance(value, str) else ""
+
+    @functools.cached_property
+    def example_asks(self) -> tuple[str, ...]:
+        """Asks this skill is for (front matter ``metadata.example-asks``, one per line): the
+        retrieval queries of the failed turns it was written from and of turns it later served
+        well. Retrieval matches new asks against them as well as against the skill's text."""
+        metadata = self.extra.get("metadata")
+        value = metadata.get(EXAMPLE_ASKS_KEY) if isinstance(metadata, dict) else None
+        if isinstance(value, list):  # written by hand as a YAML list: read it all the same
+            value = "\n".join(v for v in value if isinstance(v, str))
+        if not isinstance(value, str):
+            return ()
+        return tuple(line for line in (" ".join(v.split()) for v in value.split("\n")) if line)
+
+    def with_retrieval_keys(self, asks: Iterable[str] = (), *,
+                            use_when: str | None = None) -> "Skill":
+        """This skill with ``asks`` added to its example asks (whitespace folded, cut to
+        :data:`EXAMPLE_ASK_CHARS`, duplicates ignored by case, at most
+        :data:`MAX_EXAMPLE_ASKS` kept: the earliest) and, when given, a new ``use_when`` line.
+        Returns ``self`` when nothing changes (no new generation for nothing)."""
+        kept = list(self.example_asks)
+        seen = {a.casefold() for a in kept}
+        for ask in asks:
+            ask = " ".join(str(ask).split())[:EXAMPLE_ASK_CHARS].strip()
+            if ask and ask.casefold() not in seen and len(kept) < MAX_EXAMPLE_ASKS:
+                kept.append(ask)
+                seen.add(ask.casefold())
+        line = self.use_when if use_when is None else " ".join(use_when.split())[:300]
+        if tuple(kept) == self.example_asks and line == self.use_when:
+            return self
+        metadata = dict(self.extra.get("metadata") or {}) \
+            if isinstance(self.extra.get("metadata"), dict) else {}
+        metadata.pop(USE_WHEN_KEY, None)
+        metadata.pop(EXAMPLE_ASKS_KEY, None)
+        if line:
+            metadata[USE_WHEN_KEY] = line
+        if kept:
+            metadata[EXAMPLE_ASKS_KEY] = "\n".join(kept)
+        extra = {k: v for k, v in self.extra.items() if k != "metadata"}
+        if metadata:
+            extra["metadata"] = metadata
+        return Skill(self.name, self.description, self.category, self.body, extra)
+
+    def with_stage(self, stage: str | None) -> "Skill":
+        """This skill scoped to ``stage`` (``None``: general), other metadata kept."""
+        metadata = dict(self.extra.get("metadata") or {}) \
+            if isinstance(self.extra.get("metadata"), dict) else {}
+        metadata.pop("stage", None)
+        if stage is not None:
+            metadata["stage"] = stage
+        extra = {k: v for k, v in self.extra.items() if k != "metadata"}
+        if metadata:
+            extra["metadata"] = metadata
+        return Skill(self.name, self.description, self.category, self.body, extra)
+
+    # -- SKILL.md ---------------------------------------------------------------------------
+    @classmethod
+    def from_markdown(cls, text: str, *, source: str | None = None) -> "Skill":
+        """Parse ``SKILL.md`` text (front matter + body). ``source`` names the file in errors.
+
+        Raises :class:`SkillFormatError` naming ``source`` and the reason.
+        """
+        if not isinstance(text, str):
+            raise SkillFormatError("SKILL.md content must be text", source)
+        text = text.lstrip("\ufeff").replace("\r\n", "\n")
+        lines = text.split("\n")
+        if not lines or lines[0].strip() != "---":
+            raise SkillFormatError(
+                "missing YAML front matter: the file must start with a '---' line, then "
+                "'name:' and 'description:', then a closing '---' line", source)
+        try:
+            # the closing line starts at the margin: an indented '---' is a line of a value (a
+            # block scalar, or a multi-line quoted string as the library writes it), and
+            # ending there read the rest of the front matter as the body
+            end = next(i for i in range(1, len(lines)) if lines[i].rstrip() in ("---", "..."))
+        except StopIteration:
+            raise SkillFormatError("the YAML front matter has no closing '---' line",
+                                   source) from None
+        try:
+            meta = yaml.load("\n".join(lines[1:end]), Loader=_FrontMatterLoader)
+        except yaml.YAMLError as exc:
+            detail = " ".join(str(exc).split())
+            raise SkillFormatError(f"the front matter is not valid YAML ({detail})",
+                                   source) from None
+        except RecursionError:  # a few KB of '[[[[' would otherwise end the load of the folder
+            raise SkillFormatError("the front matter is nested too deeply", source) from None
+        if not isinstance(meta, dict):
+            raise SkillFormatError("the front matter must be a mapping with 'name' and "
+                                   "'description' keys", source)
+        for key in ("name", "description"):
+            if key not in meta or meta[key] is None or str(meta[key]).strip() == "":
+                raise SkillFormatError(f"the front matter has no '{key}'", source)
+        name = meta["name"]
+        if not isinstance(name, str):
+            raise SkillFormatError(f"'name' must be text, got {name!r}", source)
+        description = meta["description"]
+        if not isinstance(description, str):
+            raise SkillFormatError("'description' must be text", source)
+        category = meta.get("category")
+        category = "general" if category is None or str(category).strip() == "" else category
+        if not isinstance(category, str):
+            category = str(category)
+        extra = {str(k): v for k, v in meta.items() if k not in _CORE_KEYS}
+        if "body" in extra:
+            raise SkillFormatError("'body' is not allowed in the front matter; put the text "
+                                   "after the closing '---'", source)
+        try:
+            return cls(name=name, description=description, category=category,
+                       body="\n".join(lines[end + 1:]), extra=extra)
+        except SkillFormatError as exc:
+            raise SkillFormatError(exc.reason, source) from None
+
+    def to_markdown(self) -> str:
+        """The ``SKILL.md`` text: YAML front matter, a blank line, the body. Round-trips."""
+        return self._markdown
+
+    @functools.cached_property
+    def _markdown(self) -> str:
+        meta = {"name": self.name, "description": self.description, "category": self.category,
+                **self.extra}
+        front = yaml.dump(meta, Dumper=_FrontMatterDumper, sort_keys=False, allow_unicode=True,
+                          default_flow_style=False, width=10_000)
+        text = f"---\n{front}---\n"
+        return f"{text}\n{self.body}\n" if self.body else text
+
+    @functools.cached_property
+    def content_hash(self) -> str:
+        """sha256 hex digest of :meth:`to_markdown`."""
+        return hashlib.sha256(self.to_markdown().encode("utf-8")).hexdigest()
+
+    # -- dict form (what the store keeps) ----------------------------------------------------
+    def to_dict(self) -> dict:
+        """JSON-compatible dict: name, description, category, body, extra."""
+        return {"name": self.name, "description": self.description, "category": self.category,
+                "body": self.body, "extra": dict(self.extra)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Skill":
+        """Inverse of :meth:`to_dict` (unknown keys go to ``extra``)."""
+        if not isinstance(d, dict):
+            raise SkillFormatError(f"a skill dict is expected, got {type(d).__name__}")
+        known = {"name", "description", "category", "body", "extra"}
+        extra = dict(d.get("extra") or {})
+        extra.update({k: v for k, v in d.items() if k not in known})
+        return cls(name=d.get("name"), description=d.get("description"),
+                   category=d.get("category") or "general", body=d.get("body") or "",
+                   extra=extra)
+
+    def _repr_html_(self) -> str:
+        scope = f" · stage {self.stage}" if self.stage else ""
+        return (f"<div><b>{html.escape(self.name)}</b> "
+                f"<i>({html.escape(self.category + scope)})</i>"
+                f"<br>{html.escape(self.description)}"
+                f"<pre style='white-space:pre-wrap'>{html.escape(self.body)}</pre></div>")
+
+
+def offered_to(turn_type: str | None) -> Callable[[Skill], bool]:
+    """Which skills a turn of ``turn_type`` may be offered (a ``keep`` for
+    :func:`metaclaw.skills.retrieval.select`): general skills, and for a ``stage:<name>`` turn also the
+    skills scoped to that stage; never another stage's."""
+    stage = stage_of(turn_type)
+    return lambda skill: skill.stage is None or skill.stage == stage
+
+
+def oversize_reason(skill: Skill) -> str | None:
+    """Why ``skill`` is too large to be a skill (its ``SKILL.md`` over :data:`MAX_SKILL_BYTES`:
+    every request it is injected into would carry it), or ``None``."""
+    size = len(skill.to_markdown().encode("utf-8", "replace"))
+    if size <= MAX_SKILL_BYTES:
+        return None
+    return (f"the skill is {size:,} bytes as SKILL.md, more than a skill may be "
+            f"({MAX_SKILL_BYTES:,})")
+
+
+@dataclass
+class SkillOp:
+    """One operation of a change to the library. ``evidence`` holds turn ids. ``base``: the
+    content hash of the skill an edit or remove was made from; when the skill has changed
+    since (another process edited it), the operation fails with :class:`SkillConflict`
+    instead of silently overwriting that change."""
+
+    op: Literal["add", "edit", "remove"]
+    skill: Skill | None = None
+    name: str = ""
+    reason: str = ""
+    evidence: list[int] = field(default_factory=list)
+    base: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.name and self.skill is not None:
+            self.name = self.skill.name
+
+
+@dataclass
+class LoadProblem:
+    """A skill file that could not be loaded (and was skipped)."""
+
+    path: str
+    reason: str
+    #: The skill the file is for, where known: its stored version keeps serving.
+    name: str | None = None
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.reason}"
+
+
+@dataclass
+class EditedSkill:
+    """A skill present in both generations of a diff, with different content."""
+
+    name: str
+    before: Skill
+    after: Skill
+    unified_diff: str
+
+
+@dataclass
+class SkillDiff:
+    """What changed from generation ``old`` to generation ``new``."""
+
+    old: int
+    new: int
+    added: list[Skill]
+    removed: list[Skill]
+    edited: list[EditedSkill]
+    events: list[dict]
+
+    @property
+    def empty(self) -> bool:
+        return not (self.added or self.removed or self.edited)
+
+    def to_dict(self) -> dict:
+        return {
+            "old": self.old, "new": self.new,
+            "added": [s.to_dict() for s in self.added],
+            "removed": [s.to_dict() for s in self.removed],
+            "edited": [{"name": e.name, "before": e.before.to_dict(), "after": e.after.to_dict(),
+                        "unified_diff": e.unified_diff} for e in self.edited],
+            "events": [dict(e) for e in self.events],
+        }
+
+    def __str__(self) -> str:
+        lines = [f"skills: generation {self.old} -> {self.new}"]
+        if self.empty:
+            lines.append("  no changes")
+        for s in self.added:
+            lines.append(f"  + {s.name}: {s.description}")
+        for s in self.removed:
+            lines.append(f"  - {s.name}: {s.description}")
+        for e in self.edited:
+            lines.append(f"  ~ {e.name}")
+            lines.extend("      " + line for line in e.unified_diff.rstrip("\n").split("\n"))
+        if self.events:
+            lines.append("events:")
+            for ev in self.events:
+                evidence = f" (turns {', '.join(map(str, ev.get('evidence') or []))})" \
+                    if ev.get("evidence") else ""
+                why = f": {ev['reason']}" if ev.get("reason") else ""
+                lines.append(f"  [{ev['generation']}] {ev['op']} {ev['skill_name']}{why}{evidence}")
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        esc = html.escape
+        parts = [f"<div><b>Skills: generation {self.old} &rarr; {self.new}</b>"]
+        if self.empty:
+            parts.append("<p>No changes.</p>")
+        if self.added:
+            parts.append("<p style='color:#1a7f37'>Added: " + ", ".join(
+                f"<b>{esc(s.name)}</b> &mdash; {esc(s.description)}" for s in self.added) + "</p>")
+        if self.removed:
+            parts.append("<p style='color:#cf222e'>Removed: " + ", ".join(
+                f"<b>{esc(s.name)}</b>" for s in self.removed) + "</p>")
+        for e in self.edited:
+            rows = []
+            for line in e.unified_diff.split("\n"):
+                color = ("#1a7f37" if line.startswith("+") and not line.startswith("+++") else
+                         "#cf222e" if line.startswith("-") and not line.startswith("---") else
+                         "inherit")
+                rows.append(f"<span style='color:{color}'>{esc(line)}</span>")
+            parts.append(f"<details open><summary>Edited: <b>{esc(e.name)}</b></summary>"
+                         f"<pre style='white-space:pre-wrap'>{chr(10).join(rows)}</pre></details>")
+        if self.events:
+            parts.append("<table><tr><th>gen</th><th>op</th><th>skill</th><th>reason</th>"
+                         "<th>evidence</th></tr>")
+            for ev in self.events:
+                parts.append(
+                    f"<tr><td>{ev['generation']}</td><td>{esc(ev['op'])}</td>"
+                    f"<td>{esc(ev['skill_name'])}</td><td>{esc(ev.get('reason') or '')}</td>"
+                    f"<td>{esc(', '.join(map(str, ev.get('evidence') or [])))}</td></tr>")
+            parts.append("</table>")
+        parts.append("</div>")
+        return "".join(parts)
+
+
+def starter_skills_dir() -> Path:
+    """The folder of starter skills shipped with the package (``metaclaw/skills/starter_skills``)."""
+    return Path(__file__).resolve().parent / "starter_skills"
+
+
+# -- reading and writing folders -----------------------------------------------------------------
+
+def load_skills_dir(directory: str | os.PathLike[str]) -> tuple[dict[str, Skill], list[LoadProblem]]:
+    """Read every ``<directory>/<name>/SKILL.md``. Returns (skills by name, problems).
+
+    Folders without ``SKILL.md`` and hidden folders are ignored; broken files become problems.
+    """
+    root = Path(directory)
+    skills: dict[str, Skill] = {}
+    problems: list[LoadProblem] = []
+    if not root.is_dir():
+        return skills, problems
+    for folder in sorted(root.iterdir(), key=lambda p: p.name):
+        path = folder / SKILL_FILE
+        if folder.name.startswith(".") or folder.is_file():
+            continue
+        problem = _unreadable(folder, path)
+        if problem is not None:
+            problems.append(LoadProblem(str(path), problem, folder.name))
+            continue
+        if not path.is_file():  # a folder without a skill file
+            continue
+        skill, problem = _read_skill_file(path, folder.name)
+        if problem is not None:
+            problems.append(problem)
+        elif skill is not None:
+            skills[skill.name] = skill
+    return skills, problems
+
+
+def _unreadable(folder: Path, path: Path) -> str | None:
+    """Why a skill folder's file cannot be read (a link loop, a link to nothing, a directory
+    named SKILL.md), or None: such a skill is a problem to report, never a removal."""
+    try:
+        if not folder.is_dir() and folder.is_symlink():
+            folder.stat()  # raises why: a loop, or nothing there
+        if not path.exists():
+            if path.is_symlink():
+                path.stat()
+            return None
+        if not path.is_file():
+            return "is not a regular file"
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror or exc})"
+    return None
+
+
+def _read_skill_file(path: Path, folder_name: str | None) -> tuple[Skill | None, LoadProblem | None]:
+    try:
+        size = path.stat().st_size
+        if size > MAX_SKILL_BYTES:
+            return None, LoadProblem(str(path), f"is {size:,} bytes, more than a skill may be "
+                                                f"({MAX_SKILL_BYTES:,}): a skill is injected into "
+                                                "prompts, keep it short", folder_name)
+        raw = path.read_bytes()
+    except OSError as exc:
+        return None, LoadProblem(str(path), f"cannot be read ({exc.strerror or exc})", folder_name)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return None, LoadProblem(str(path), f"is not UTF-8 text (bad byte at offset {exc.start}); "
+                                            "save it as UTF-8")
+    try:
+        skill = Skill.from_markdown(text, source=str(path))
+    except SkillFormatError as exc:
+        return None, LoadProblem(str(path), exc.reason)
+    if folder_name is not None and skill.name != folder_name:
+        return None, LoadProblem(str(path), f"name {skill.name!r} does not match its folder "
+                                            f"{folder_name!r}; rename one of them", skill.name)
+    return skill, None
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def _snapshot_digest(snapshot: dict[str, Any]) -> str:
+    """A generation's snapshot, as stored, in a few bytes (to tell a committed change)."""
+    return hashlib.sha256(json.dumps(snapshot, sort_keys=True).encode()).hexdigest()
+
+
+def _skills_digest(skills: dict[str, Skill]) -> str:
+    return _snapshot_digest({n: s.to_dict() for n, s in sorted(skills.items())})
+
+
+def _text_digest(text: str | None) -> str | None:
+    return None if text is None else hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def _file_text(path: Path) -> str | None:
+    """A skill file's text (``None``: there is none; undecodable bytes kept as escapes)."""
+    try:
+        return path.read_text(encoding="utf-8", errors="surrogateescape")
+    except FileNotFoundError:
+        return None
+
+
+def _own_folder(folder: Path) -> None:
+    """Turn a skill folder that is a link (to a folder elsewhere, linked in by hand) into a real
+    folder of the library holding a copy of what the link showed, before the library writes
+    the skill: a change (an evolver's edit, a rollback) then stays inside the library instead
+    of writing into the linked folder, which other libraries or people may be using."""
+    if not folder.is_symlink():
+        return
+    copy = folder.with_name(f".{folder.name}.copy-{os.getpid()}")  # hidden: never read as a skill
+    shutil.rmtree(copy, ignore_errors=True)
+    source = os.path.realpath(folder)
+    try:
+        shutil.copytree(source, copy, symlinks=True)  # its files; its links kept as links
+    except shutil.Error as exc:
+        # some entries could not be copied (a named pipe, an unreadable file); copytree copied
+        # all the others, which are kept (dropping them all lost the skill's scripts silently)
+        log.warning("skill library: copied the linked skill folder %s into %s without %s",
+                    source, folder, ", ".join(str(error[0]) for error in exc.args[0]))
+    except OSError:  # a broken or looping link: nothing to keep
+        shutil.rmtree(copy, ignore_errors=True)
+        copy.mkdir()
+    _relink_outside(copy, source)
+    folder.unlink()  # the link only; what it points to is left as it is
+    os.replace(copy, folder)
+
+
+def _relink_outside(copy: str | os.PathLike[str], source: str) -> None:
+    """Make the links in ``copy`` (a copy of the folder ``source``) that point outside it by a
+    relative path absolute, to where they pointed from ``source``: a link such as
+    ``scripts -> ../common`` would otherwise point next to the library's copy (to nothing, or
+    to another skill). Links within the folder stay relative, to the copy's own files."""
+    for dirpath, dirnames, filenames in os.walk(copy):
+        inner = os.path.relpath(dirpath, copy)
+        for name in dirnames + filenames:
+            path = os.path.join(dirpath, name)
+            if not os.path.islink(path):
+                continue
+            target = os.readlink(path)
+            within = os.path.normpath(os.path.join(inner, target))
+            if os.path.isabs(target) or (within != os.pardir
+                                         and not within.startswith(os.pardir + os.sep)):
+                continue
+            os.unlink(path)
+            os.symlink(os.path.join(os.path.normpath(os.path.join(source, inner)), target), path)
+
+
+def _write_skill_file(folder: Path, text: str) -> None:
+    _own_folder(folder)
+    _atomic_write(folder / SKILL_FILE, text)
+
+
+def _remove_skill_folder(folder: Path) -> None:
+    """Remove ``SKILL.md``, and the folder when nothing else (scripts, resources) is left in it.
+    A folder that is a link loses only the link: the library never deletes outside itself."""
+    if folder.is_symlink():
+        folder.unlink()
+        return
+    try:
+        (folder / SKILL_FILE).unlink()
+    except FileNotFoundError:
+        pass
+    try:
+        folder.rmdir()
+    except OSError:
+        pass  # other files remain in the folder: keep them
+
+
+def _stored_skills(generation: int, snapshot: Any) -> dict[str, Skill]:
+    """A stored generation's snapshot as skills by name. A snapshot the library could not have
+    written (damaged in the database, or written by a version with other rules) raises a
+    :class:`SkillFormatError` naming the generation: restored as it is, a skill stored under
+    another name's key was written into that name's folder and recorded again."""
+    def malformed(why: str) -> SkillFormatError:
+        return SkillFormatError(f"skill generation {generation} in the store is malformed "
+                                f"({why}); roll back to another generation")
+
+    if snapshot is None:  # how the store reads a snapshot that is not valid JSON
+        raise malformed("its snapshot is missing or not valid JSON")
+    if not isinstance(snapshot, dict):
+        raise malformed(f"its snapshot is a {type(snapshot).__name__}, not skills by name")
+    skills = {}
+    for name, data in snapshot.items():
+        try:
+            skill = Skill.from_dict(data)
+        except (ValueError, TypeError) as exc:  # SkillFormatError, or an 'extra' not a map
+            raise malformed(f"skill {name!r}: {getattr(exc, 'reason', exc)}") from None
+        if skill.name != name:
+            raise malformed(f"the skill stored as {name!r} is named {skill.name!r}")
+        skills[name] = skill
+    return skills
+
+
+def _changes(old: dict[str, Skill], new: dict[str, Skill], reason: str) -> list[SkillOp]:
+    """Operations turning ``old`` into ``new`` (sorted by name)."""
+    ops: list[SkillOp] = []
+    for name in sorted(set(old) | set(new)):
+        if name not in old:
+            ops.append(SkillOp("add", new[name], name, reason))
+        elif name not in new:
+            ops.append(SkillOp("remove", None, name, reason))
+        elif old[name] != new[name]:
+            ops.append(SkillOp("edit", new[name], name, reason))
+    return ops
+
+
+# -- the library ---------------------------------------------------------------------------------
+
+class SkillLibrary:
+    """The skills in ``directory``, versioned in ``store``. Thread-safe.
+
+    On construction the folder is read (broken files go to :attr:`problems`). When the store has
+    no generation yet, generation 0 (kind ``init``) is created from the folder; when the folder
+    differs from the latest stored generation, a new generation of kind ``disk`` records the
+    difference. A skill whose file is broken keeps its stored version (nothing is lost).
+    """
+
+    def __init__(self, directory: str | os.PathLike[str], store: Store):
+        self.directory = Path(directory)
+        self.store = store
+        self.problems: list[LoadProblem] = []
+        self._lock = threading.RLock()
+        self._skills: dict[str, Skill] = {}
+        self._sorted: tuple[Skill, ...] = ()
+        self._generation = -1
+        self._subscribers: list[Callable[[int], None]] = []
+        self._snapshots: dict[int, dict[str, Skill]] = {}
+        self._watcher: threading.Thread | None = None
+        self._stop_watching = threading.Event()
+        self._journal: Path | None = None  # written by the change in progress, not committed
+        if self.directory.exists() and not self.directory.is_dir():
+            raise SkillFormatError(f"the skills folder {self.directory} is a file; pass a folder "
+                                   "(it is created when missing)")
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.reload()
+
+    # -- reading ----------------------------------------------------------------------------
+    @property
+    def generation(self) -> int:
+        """The current generation number."""
+        with self._lock:
+            return self._generation
+
+    def current(self) -> tuple[int, list[Skill]]:
+        """(generation, skills sorted by name), read atomically; a generation committed by
+        another process is adopted first (see :meth:`sync`)."""
+        self.sync()
+        with self._lock:
+            return self._generation, list(self._sorted)
+
+    def sync(self) -> int:
+        """Adopt the store's latest generation if another process (or library) committed one.
+
+        Cheap when nothing changed (one ``PRAGMA data_version``), so it runs before every
+        request. Subscribers are told about an adopted generation. Returns the generation.
+        """
+        latest = self.store.current_generation()
+        if latest is None or latest == self._generation:
+            return self._generation
+        with self._lock:
+            adopted = self._adopt_latest()
+        if adopted:
+            self._notify(self._generation)
+        return self._generation
+
+    def _adopt_latest(self) -> bool:
+        """Load the store's latest generation into memory (caller holds the lock)."""
+        latest = self.store.latest_generation()
+        if latest is None or latest == self._generation:
+            return False
+        previous = self._generation
+        self._set(latest, self.snapshot(latest))
+        log.info("skill library: adopted generation %d (was %d) from the store", latest, previous)
+        return previous != -1
+
+    def skills(self) -> list[Skill]:
+        """The current skills, sorted by name."""
+        return self.current()[1]
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._skills)
+
+    def __contains__(self, name: object) -> bool:
+        with self._lock:
+            return name in self._skills
+
+    def get(self, name: str) -> Skill:
+        """The current skill called ``name`` (:class:`SkillNotFound`, a ``KeyError``, if absent)."""
+        self.sync()
+        with self._lock:
+            try:
+                return self._skills[name]
+            except KeyError:
+                known = ", ".join(sorted(self._skills)) or "none"
+                raise SkillNotFound(f"no skill named {name!r} in generation {self._generation} "
+                                    f"(skills: {known})") from None
+
+    def snapshot(self, generation: int) -> dict[str, Skill]:
+        """The skills of a stored generation, by name."""
+        with self._lock:
+            if generation in self._snapshots:
+                return dict(self._snapshots[generation])
+        row = self.store.generation(int(generation))
+        if row is None:
+            latest = self.store.latest_generation()
+            raise SkillNotFound(f"skill generation {generation} does not exist; choose one "
+                                f"between 0 and {latest}")
+        skills = _stored_skills(int(generation), row["snapshot"])
+        with self._lock:
+            self._snapshots[int(generation)] = skills
+        return dict(skills)
+
+    def generations(self) -> list[dict]:
+        """Rows of ``skill_generations`` (without the snapshot), with the number of skills and events."""
+        rows = self.store.query(
+            "SELECT g.generation, g.parent, g.created_at, g.kind, g.reason, "
+            # a damaged snapshot (not JSON) lists with no count instead of failing the listing
+            "CASE WHEN json_valid(g.snapshot) THEN (SELECT COUNT(*) FROM json_each(g.snapshot))"
+            " END AS skills, "
+            "(SELECT COUNT(*) FROM skill_events e WHERE e.generation = g.generation) AS events "
+            "FROM skill_generations g ORDER BY g.generation")
+        return rows
+
+    def frame(self, generation: int | None = None):
+        """The skills (of ``generation``; default: the current one) as a ``polars.DataFrame``:
+        name, category, stage (``None``: general), description, chars, hash."""
+        import polars as pl
+
+        skills = self.skills() if generation is None else [
+            skill for _, skill in sorted(self.snapshot(generation).items())]
+        return pl.DataFrame(
+            {"name": [s.name for s in skills], "category": [s.category for s in skills],
+             "stage": [s.stage for s in skills],
+             "description": [s.description for s in skills],
+             "chars": [len(s.to_markdown()) for s in skills],
+             "hash": [s.content_hash[:12] for s in skills]},
+            schema={"name": pl.Utf8, "category": pl.Utf8, "stage": pl.Utf8,
+                    "description": pl.Utf8, "chars": pl.Int64, "hash": pl.Utf8})
+
+    def diff(self, g1: int, g2: int) -> SkillDiff:
+        """What changed from generation ``g1`` to ``g2`` (either order), with the events between."""
+        old, new = self.snapshot(g1), self.snapshot(g2)
+        added = [new[n] for n in sorted(set(new) - set(old))]
+        removed = [old[n] for n in sorted(set(old) - set(new))]
+        edited = []
+        for name in sorted(set(old) & set(new)):
+            if old[name] != new[name]:
+                text = "".join(difflib.unified_diff(
+                    old[name].to_markdown().splitlines(keepends=True),
+                    new[name].to_markdown().splitlines(keepends=True),
+                    fromfile=f"{name}/SKILL.md (generation {g1})",
+                    tofile=f"{name}/SKILL.md (generation {g2})"))
+                edited.append(EditedSkill(name, old[name], new[name], text))
+        lo, hi = sorted((int(g1), int(g2)))
+        events = self.store.query(
+            "SELECT generation, op, skill_name, reason, evidence, created_at FROM skill_events "
+            "WHERE generation > ? AND generation <= ? ORDER BY id", (lo, hi))
+        return SkillDiff(int(g1), int(g2), added, removed, edited, events)
+
+    # -- changing ---------------------------------------------------------------------------
+    def subscribe(self, callback: Callable[[int], None]) -> None:
+        """Call ``callback(generation)`` after every change (errors in it are logged, not raised)."""
+        with self._lock:
+            self._subscribers.append(callback)
+
+    def unsubscribe(self, callback: Callable[[int], None]) -> None:
+        """Stop calling ``callback`` (one added by :meth:`subscribe`; absent: nothing to do)."""
+        with self._lock:
+            if callback in self._subscribers:
+                self._subscribers.remove(callback)
+
+    def add(self, skill: Skill, *, reason: str = "", evidence: Iterable[int] = ()) -> int:
+        """Add a new skill; returns the new generation."""
+        return self.apply([SkillOp("add", skill, getattr(skill, "name", ""), reason,
+                                   list(evidence))], kind="add", reason=reason)
+
+    def edit(self, skill: Skill, *, reason: str = "", evidence: Iterable[int] = (),
+             base: str | None = None) -> int:
+        """Replace the skill of the same name; returns the new generation. ``base``: the
+        content hash of the version the edit was made from (see :class:`SkillOp`)."""
+        return self.apply([SkillOp("edit", skill, getattr(skill, "name", ""), reason,
+                                   list(evidence), base)], kind="edit", reason=reason)
+
+    def remove(self, name: str, *, reason: str = "", evidence: Iterable[int] = (),
+               base: str | None = None) -> int:
+        """Remove a skill; returns the new generation (``base`` as in :meth:`edit`)."""
+        return self.apply([SkillOp("remove", None, name, reason, list(evidence), base)],
+                          kind="remove", reason=reason)
+
+    def apply(self, ops: list[SkillOp], *, kind: str = "edit", reason: str = "",
+              base_generation: int | None = None,
+              then: Callable[[int], None] | None = None) -> int:
+        """Apply several operations as one new generation; returns its number.
+
+        All operations are checked first: an unknown op, an ``add`` of an existing name, an
+        ``edit`` or ``remove`` of a missing one raise :class:`SkillFormatError` and leave the
+        library (and its files) unchanged. ``base_generation``: the generation the operations
+        were made from (an evolver's proposal); a :class:`SkillConflict` if any process has
+        committed another since. ``then(generation)``: writes to :attr:`store` that belong to
+        the change (the buffers it moves, the record of who made it): they run in the
+        generation's transaction, so they commit with it or not at all, and an exception from
+        ``then`` undoes the change and propagates.
+        """
+        ops = list(ops)
+        if not ops:
+            raise SkillFormatError("no operations given; pass at least one SkillOp")
+        with self._exclusive():
+            if base_generation is not None and self._generation != base_generation:
+                raise SkillConflict(f"the library moved from generation {base_generation} to "
+                                    f"{self._generation} since these operations were made "
+                                    "from it; make them again")
+            new = self._validate(ops)
+            generation = self._commit(new, ops, kind=kind, reason=reason, then=then)
+        self._notify(generation)
+        return generation
+
+    def import_dir(self, path: str | os.PathLike[str]) -> int:
+        """Add or update skills from another upstream-style folder (``<path>/<name>/SKILL.md``,
+        or a single skill folder holding ``SKILL.md``). Broken files are added to :attr:`problems`
+        and skipped. Returns the new generation (the current one when nothing changed).
+        """
+        source = Path(path)
+        if not source.is_dir():
+            raise SkillFormatError(f"cannot import skills: {source} is not a folder")
+        if (source / SKILL_FILE).is_file():
+            skill, problem = _read_skill_file(source / SKILL_FILE, None)
+            incoming, problems = ({skill.name: skill} if skill else {}), [problem] if problem else []
+        else:
+            incoming, problems = load_skills_dir(source)
+        why = f"imported from {source}"
+        with self._exclusive():
+            self.problems.extend(problems)
+            merged = {**self._skills, **incoming}
+            ops = _changes(self._skills, merged, why)
+            if not ops:
+                return self._generation
+            generation = self._commit(merged, ops, kind="import", reason=why)
+        self._notify(generation)
+        return generation
+
+    def rollback(self, generation: int) -> int:
+        """Restore an earlier generation as a new generation (kind ``rollback``); returns it."""
+        target = self.snapshot(generation)
+        why = f"rollback to generation {generation}"
+        with self._exclusive():
+            ops = _changes(self._skills, target, why)
+            new_generation = self._commit(target, ops, kind="rollback", reason=why)
+        self._notify(new_generation)
+        return new_generation
+
+    def reload(self) -> int:
+        """Re-read the folder; records a ``disk`` generation if files changed. Returns the generation.
+
+        A folder without a single readable skill, for a workspace whose latest generation has
+        some, is filled from that generation instead (a new checkout, or a wrong folder, must
+        not empty the library for every process; remove skills through the library or a
+        rollback)."""
+        with self._exclusive(adopt=False):
+            previous = self._generation
+            disk, problems = load_skills_dir(self.directory)
+            self.problems = problems
+            latest = self.store.latest_generation()
+            if latest is None:
+                ops = _changes({}, disk, f"initial library from {self.directory}")
+                number = self.store.add_generation(
+                    snapshot={n: disk[n].to_dict() for n in sorted(disk)}, kind="init",
+                    reason=f"initial library from {self.directory}", parent=None,
+                    events=[self._event(op) for op in ops])
+                self._set(number, disk)
+            else:
+                why, damaged = "files changed on disk", False
+                try:
+                    stored = self.snapshot(latest)
+                except SkillFormatError as exc:
+                    # the folder is what is left of the current library: recorded over the
+                    # damaged generation, so that every process can open the workspace again
+                    log.error("skill library: %s; recording the folder %s as a new "
+                              "generation", exc, self.directory)
+                    stored, damaged = {}, True
+                    why = f"{exc.reason.split(';')[0]}; recorded the folder"
+                if stored and not disk:
+                    # not a single readable skill in the folder of a workspace that has some (a
+                    # new checkout, a wrong --skills): filled from the store, never read as
+                    # "every skill removed" (a broken file in it is left as it is, below)
+                    self._fill(latest)
+                    disk, problems = load_skills_dir(self.directory)
+                    self.problems = problems
+                if not damaged:  # stale files are not hand edits: never recorded as such
+                    for name, skill in self._catch_up(latest, stored, problems).items():
+                        if skill is None:
+                            disk.pop(name, None)
+                        else:
+                            disk[name] = skill
+                # a broken file keeps the stored version of its folder's skill, and of the skill
+                # it names (a folder renamed by hand), instead of counting as their removal
+                for problem in problems:
+                    kept = [name for name in dict.fromkeys((Path(problem.path).parent.name,
+                                                            problem.name))
+                            if name in stored and name not in disk]
+                    for name in kept:
+                        disk[name] = stored[name]
+                    if kept:
+                        problem.reason += f" (keeping its version from generation {latest})"
+                ops = _changes(stored, disk, why)
+                if ops or damaged:
+                    number = self.store.add_generation(
+                        snapshot={n: disk[n].to_dict() for n in sorted(disk)}, kind="disk",
+                        reason=why, parent=latest,
+                        events=[self._event(op) for op in ops])
+                    self._set(number, disk)
+                else:
+                    self._set(latest, stored)
+            generation = self._generation
+            changed = previous != -1 and generation != previous
+        for problem in self.problems:
+            log.warning("skipped skill file %s", problem)
+        if changed:
+            self._notify(generation)
+        return generation
+
+    def watch(self, *, debounce_ms: int = 300) -> "SkillLibrary":
+        """Turn hand edits of the folder into generations while the process runs.
+
+        A daemon thread waits on file-system events (``watchfiles``: inotify / FSEvents /
+        ReadDirectoryChanges, polling where none exists) and calls :meth:`reload` when a
+        ``SKILL.md`` changes; broken files are reported (``problems``, the log and a
+        ``skill_file_problem`` event in the store) and keep their stored version. Idempotent;
+        :meth:`unwatch` stops it.
+        """
+        with self._lock:
+            if self._watcher is not None and self._watcher.is_alive():
+                return self
+            self._stop_watching = threading.Event()
+            ready = threading.Event()
+            self._watcher = threading.Thread(target=self._watch_loop, args=(debounce_ms, ready),
+                                             name="metaclaw-skills-watch", daemon=True)
+            self._watcher.start()
+        ready.wait(5.0)  # from here on no edit is missed
+        return self
+
+    def unwatch(self, timeout: float = 5.0) -> None:
+        """Stop the watcher started by :meth:`watch` (no-op when none runs)."""
+        with self._lock:
+            watcher, self._watcher = self._watcher, None
+        if watcher is not None:
+            self._stop_watching.set()
+            watcher.join(timeout)
+
+    @property
+    def watching(self) -> bool:
+        return self._watcher is not None and self._watcher.is_alive()
+
+    def _watch_loop(self, debounce_ms: int, ready: threading.Event) -> None:
+        import watchfiles
+
+        def relevant(change: Any, path: str) -> bool:
+            name = os.path.basename(path)
+            return name == SKILL_FILE or (not name.startswith(".") and "." not in name)
+
+        try:
+            # the first (empty) yield on timeout means the watch is in place: one reload then
+            # catches edits made before it was; later empty yields are skipped
+            for changes in watchfiles.watch(self.directory, watch_filter=relevant,
+                                            debounce=debounce_ms, step=WATCH_STEP_MS,
+                                            stop_event=self._stop_watching,
+                                            rust_timeout=WATCH_STEP_MS, yield_on_timeout=True,
+                                            raise_interrupt=False):
+                if not changes and ready.is_set():
+                    continue
+                try:
+                    known = {(p.path, p.reason) for p in self.problems}
+                    self.reload()
+                    for problem in self.problems:
+                        if (problem.path, problem.reason) not in known:
+                            self.store.record_event(
+                                source="skills", kind="skill_file_problem", level="warning",
+                                message=str(problem), path=problem.path)
+                except Exception:  # keep watching: the next edit may fix it
+                    log.exception("could not reload the skills folder %s", self.directory)
+                ready.set()
+        except Exception:
+            log.exception("the skills folder watcher stopped; hand edits of %s are picked up "
+                          "on the next reload", self.directory)
+        finally:
+            ready.set()
+
+    # -- internals --------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _exclusive(self, adopt: bool = True):
+        """Hold the library lock and the store's write lock (every process), having finished
+        what a process that died mid-change left (:meth:`_recover`), adopted the latest
+        stored generation and brought the folder's stale files to it (:meth:`_catch_up`), so a
+        change is validated against the true latest; on success the folder is marked as
+        holding the new current generation, in the same transaction."""
+        with self._lock:
+            self._journal = journal = None
+            with self.store.transaction():
+                self._recover()
+                if adopt:
+                    self._adopt_latest()
+                    self._catch_up(self._generation, self._skills, self.problems)
+                yield
+                journal, self._journal = self._journal, None
+                self._mark_folder()
+            if journal is not None:  # committed: the files it guarded hold the generation now
+                journal.unlink(missing_ok=True)
+
+    def _marks_path(self) -> Path | None:
+        path = getattr(self.store, "path", None)
+        if path is None or str(path) == ":memory:":
+            return None  # a store of this process only: no other folder can move it
+        return Path(path).with_name(Path(path).name + FOLDER_MARKS)
+
+    def _folder_marks(self) -> dict[str, Any]:
+        path = self._marks_path()
+        try:
+            marks = json.loads(path.read_text(encoding="utf-8")) if path else {}
+        except (OSError, ValueError):
+            return {}
+        return marks if isinstance(marks, dict) else {}
+
+    def _folder_key(self) -> str:
+        return str(self.directory.resolve())
+
+    def _folder_mark(self) -> dict[str, Any] | None:
+        mark = self._folder_marks().get(self._folder_key())
+        return mark if isinstance(mark, dict) else None
+
+    def _mark_folder(self) -> None:
+        """Record that the folder's files hold the current generation (where not edited by
+        hand); the caller holds the store's write lock, so marks are written in commit order.
+        A mark that cannot be written leaves the old one: the folder reads as lagging."""
+        path = self._marks_path()
+        mark = {"generation": self._generation, "snapshot": _skills_digest(self._skills)}
+        if path is None or self._generation < 0:
+            return
+        marks = self._folder_marks()
+        if marks.get(self._folder_key()) == mark:
+            return
+        marks[self._folder_key()] = mark
+        try:
+            _atomic_write(path, json.dumps(marks, sort_keys=True))
+        except OSError as exc:
+            log.warning("skill library: cannot write %s (%s)", path, exc)
+
+    def _catch_up(self, number: int, latest: dict[str, Skill],
+                  problems: list[LoadProblem]) -> dict[str, Skill | None]:
+        """Bring the folder to generation ``number`` (the store's latest, holding ``latest``)
+        where it lags: a skill whose file is still as the generation the folder was last
+        brought to had it (another folder of the workspace changed it since) gets its latest
+        version; a skill edited by hand since, or whose file is broken, is left as it is.
+        Returns the skills brought up (``None``: removed), written or, where the folder cannot
+        be written, to be read as written.
+
+        Without a mark from this workspace nothing is known to be stale, so nothing is done."""
+        mark = self._folder_mark()
+        try:
+            generation = int(mark["generation"])  # type: ignore[index]
+            if generation >= number:
+                return {}
+            base = self.snapshot(generation)
+        except (TypeError, KeyError, ValueError, SkillNotFound):  # no mark, or not readable
+            return {}
+        if _skills_digest(base) != mark.get("snapshot"):
+            return {}  # a mark from before the database was replaced: not this generation
+        broken = {Path(p.path).parent.name for p in problems} | {p.name for p in problems}
+        changed = [name for name in sorted(set(base) | set(latest))
+                   if base.get(name) != latest.get(name)]
+        stale = [name for name in changed
+                 if name not in broken and not self._edited_by_hand(name, base.get(name))]
+        if not stale:
+            return {}
+        kept = [name for name in changed if name not in stale]
+        log.log(logging.WARNING if kept else logging.INFO,
+                "skill library: brought %s in %s from generation %d to %d (changed through "
+                "another folder of the workspace)%s", ", ".join(stale), self.directory,
+                generation, number, f"; kept {', '.join(kept)}, edited here" if kept else "")
+        try:
+            self._write(stale, latest)
+        except OSError as exc:
+            log.warning("skill library: cannot write the folder %s (%s)", self.directory, exc)
+        return {name: latest.get(name) for name in stale}
+
+    def _recover(self) -> None:
+        """Finish what a process that died mid-change left in the folder (caller holds the
+        store's write lock, so no live process is between writing and committing):
+
+        - a change whose generation is not in the store: its files are put back, except those
+          edited since (kept, and logged); a committed change's files were all written before
+          its commit, so its journal is only removed;
+        - an interrupted fill from the store (:meth:`_fill`): completed."""
+        for path in sorted(self.directory.glob(JOURNAL_GLOB)):
+            try:
+                journal = json.loads(path.read_text(encoding="utf-8"))
+                if "fill" in journal:
+                    self._write_missing(self.snapshot(int(journal["fill"])))
+                else:
+                    row = self.store.generation(int(journal["generation"]))
+                    if row is None or _snapshot_digest(row["snapshot"]) != journal["snapshot"]:
+                        self._put_back(journal)
+                path.unlink()
+            except (OSError, ValueError, KeyError, TypeError):
+                log.exception("skill library: cannot finish the journal %s; remove it once the "
+                              "folder is as it should be", path)
+
+    def _put_back(self, journal: dict[str, Any]) -> None:
+        """The files of an uncommitted change as they were before it, where they still hold
+        what it wrote (or it had not written them yet)."""
+        kept = []
+        for name, text in journal["old"].items():
+            folder = self.directory / validate_name(name)
+            current = _file_text(folder / SKILL_FILE)
+            if current == text:
+                continue  # not written yet
+            if _text_digest(current) != journal["new"][name]:
+                kept.append(name)  # edited since the change died: the user's, not the change's
+            elif text is None:
+                _remove_skill_folder(folder)
+            else:
+                _write_skill_file(folder, text)
+        log.warning("skill library: put back the skill files in %s that a change left "
+                    "unfinished (its process stopped before committing generation %s)%s",
+                    self.directory, journal["generation"],
+                    f"; kept {', '.join(kept)}, edited since" if kept else "")
+
+    def _fill(self, generation: int) -> None:
+        """Write the stored generation's skills that the folder lacks, under a journal, so that a
+        fill cut short is completed rather than read as skills removed."""
+        journal = self.directory / f"{JOURNAL_PREFIX}fill-{generation}.json"
+        _atomic_write(journal, json.dumps({"fill": generation}))
+        written = self._write_missing(self.snapshot(generation))
+        journal.unlink()
+        log.info("skill library: wrote generation %d's %d skills into the folder %s, which had "
+                 "none", generation, written, self.directory)
+
+    def _write_missing(self, skills: dict[str, Skill]) -> int:
+        """Write the skills that have neither a folder nor a file (links, even broken, count)."""
+        missing = [name for name in sorted(skills)
+                   if not os.path.lexists(folder := self.directory / name)
+                   or folder.is_dir() and not os.path.lexists(folder / SKILL_FILE)]
+        self._write(missing, skills)
+        return len(missing)
+
+    def _validate(self, ops: list[SkillOp]) -> dict[str, Skill]:
+        new = dict(self._skills)
+        for i, op in enumerate(ops):
+            where = f"operation {i + 1} ({getattr(op, 'op', '?')} {getattr(op, 'name', '')!r})"
+            if not isinstance(op, SkillOp):
+                raise SkillFormatError(f"operation {i + 1} is a {type(op).__name__}; "
+                                       "pass SkillOp objects")
+            if op.op not in OPS:
+                raise SkillFormatError(f"{where}: unknown op {op.op!r}; use add, edit or remove")
+            if op.op in ("add", "edit"):
+                if not isinstance(op.skill, Skill):
+                    raise SkillFormatError(f"{where}: {op.op} needs a Skill in 'skill'")
+                if op.name != op.skill.name:
+                    raise SkillFormatError(f"{where}: name {op.name!r} differs from the "
+                                           f"skill's name {op.skill.name!r}")
+                too_big = oversize_reason(op.skill)
+                if too_big:
+                    raise SkillFormatError(f"{where}: {too_big}")
+            validate_name(op.name)
+            if not all(isinstance(e, int) and not isinstance(e, bool) for e in op.evidence):
+                raise SkillFormatError(f"{where}: evidence must be a list of turn ids (ints)")
+            if op.op == "add" and op.name in new:
+                raise SkillFormatError(f"{where}: a skill named {op.name!r} already exists; "
+                                       "use edit to change it")
+            if op.op in ("edit", "remove") and op.name not in new:
+                raise SkillFormatError(f"{where}: there is no skill named {op.name!r}; "
+                                       "use add to create it")
+            if op.base is not None and op.name in new and new[op.name].content_hash != op.base:
+                raise SkillConflict(f"{where}: the skill changed since this operation was "
+                                    f"made from it (now generation {self._generation}); read "
+                                    "it again and redo the change")
+            if op.op == "remove":
+                del new[op.name]
+            else:
+                new[op.name] = op.skill
+        return new
+
+    @staticmethod
+    def _event(op: SkillOp) -> dict:
+        return {"op": op.op, "skill_name": op.name, "reason": op.reason or "",
+                "evidence": list(op.evidence)}
+
+    def _commit(self, new: dict[str, Skill], ops: list[SkillOp], *, kind: str,
+                reason: str, then: Callable[[int], None] | None = None) -> int:
+        """Write the files, then store the generation (and ``then``'s writes, in the same
+        transaction); on failure restore the files."""
+        old = dict(self._skills)
+        touched = sorted(n for n in set(old) | set(new) if old.get(n) != new.get(n))
+        edited = [name for name in touched if self._edited_by_hand(name, old.get(name))]
+        if edited:  # writing over them would lose a hand edit no generation holds yet
+            raise SkillConflict(f"{', '.join(edited)}: changed in {self.directory} since "
+                                f"generation {self._generation} (an edit not yet recorded, "
+                                "which the folder watcher or a reload records); retry then")
+        snapshot = {n: s.to_dict() for n, s in sorted(new.items())}
+        latest = self.store.latest_generation()
+        number = 0 if latest is None else latest + 1  # what add_generation gives, under the lock
+        journal = self.directory / f"{JOURNAL_PREFIX}{number}.json"
+        _atomic_write(journal, json.dumps({
+            "generation": number, "snapshot": _snapshot_digest(snapshot),
+            "old": {n: old[n].to_markdown() if n in old else None for n in touched},
+            "new": {n: _text_digest(new[n].to_markdown() if n in new else None)
+                    for n in touched}}))
+        try:
+            self._write(touched, new)
+            number = self.store.add_generation(
+                snapshot=snapshot, kind=kind, reason=reason, parent=self._generation,
+                events=[self._event(op) for op in ops])
+            if then is not None:
+                then(number)
+        except BaseException:
+            try:
+                self._write(touched, old)
+                journal.unlink()
+            except OSError:  # the journal stays: the next change or reload puts them back
+                log.exception("could not restore skill files in %s", self.directory)
+            raise
+        self._journal = journal  # removed once the transaction commits (see _exclusive)
+        self._set(number, new)
+        return number
+
+    def _edited_by_hand(self, name: str, stored: Skill | None) -> bool:
+        """Whether the skill's file in the folder differs from its stored version (``None``: no
+        file), so that a change would write over an edit no generation holds."""
+        path = self.directory / validate_name(name) / SKILL_FILE
+        try:
+            current = _file_text(path)
+        except OSError:  # a link loop, a directory: not what the library wrote
+            return True
+        if current is None or stored is None:
+            return (current is None) != (stored is None)
+        if current == stored.to_markdown():
+            return False
+        return _read_skill_file(path, name)[0] != stored  # the same skill, written otherwise
+
+    def _write(self, names: list[str], skills: dict[str, Skill]) -> None:
+        for name in names:
+            folder = self.directory / validate_name(name)
+            if name in skills:
+                _write_skill_file(folder, skills[name].to_markdown())
+            else:
+                _remove_skill_folder(folder)
+
+    def _set(self, generation: int, skills: dict[str, Skill]) -> None:
+        self._skills = dict(skills)
+        self._sorted = tuple(skills[n] for n in sorted(skills))
+        self._generation = int(generation)
+        self._snapshots[int(generation)] = dict(skills)
+
+    def _notify(self, generation: int) -> None:
+        with self._lock:
+            callbacks = list(self._subscribers)
+        for callback in callbacks:
+            try:
+                callback(generation)
+            except Exception:  # a broken listener must not break a change to the library
+                log.exception("skill library listener %r failed", callback)
+
+    def __repr__(self) -> str:
+        return (f"SkillLibrary({str(self.directory)!r}, generation={self.generation}, "
+                f"skills={len(self)}, problems={len(self.problems)})")
+
+    def _repr_html_(self) -> str:
+        generation, skills = self.current()
+        esc = html.escape
+        rows = "".join(
+            f"<tr><td><b>{esc(s.name)}</b></td><td>{esc(s.category)}</td>"
+            f"<td>{esc(s.description)}</td><td>{len(s.to_markdown())}</td></tr>" for s in skills)
+        problems = "".join(f"<li>{esc(str(p))}</li>" for p in self.problems)
+        return (f"<div><b>Skill library</b> {esc(str(self.directory))} &middot; generation "
+                f"{generation} &middot; {len(skills)} skills"
+                "<table><tr><th>name</th><th>category</th><th>description</th><th>chars</th></tr>"
+                f"{rows}</table>"
+                + (f"<p>Skipped files:</p><ul>{problems}</ul>" if problems else "") + "</div>")
