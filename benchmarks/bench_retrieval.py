@@ -50,8 +50,8 @@ from retrieval_clients import CLIENTS, wrap  # noqa: E402
 
 from metaclaw.skills.asks import extract_ask  # noqa: E402
 from metaclaw.skills.library import Skill  # noqa: E402
-from metaclaw.skills.retrieval import (HybridRetriever, LexicalRetriever, augment,
-                                       embeddings_available, make_retriever, select)
+from metaclaw.skills.retrieval import (HybridRetriever, LexicalRetriever, embeddings_available,
+                                       make_retriever, select, select_and_inject)
 
 DATA = Path(__file__).resolve().parent / "data" / "retrieval"
 LABELLED = DATA / "labelled.json"
@@ -186,16 +186,16 @@ def tune(plain: list[Skill], keyed: list[Skill], asks: list[dict], model: str) -
 
 
 def latency(retriever, skills: list[Skill], queries: list[str], n: int) -> float:
-    """p50 ms of :func:`augment` (what the proxy adds for retrieval) over fresh queries."""
+    """p50 ms of :func:`select_and_inject` (what the proxy adds for retrieval) over fresh queries."""
     retriever.warm(skills)
     for q in queries[:5]:
-        augment(retriever, [{"role": "user", "content": q + " warm"}], skills)
+        select_and_inject(retriever, [{"role": "user", "content": q + " warm"}], skills)
     times = []
     for i in range(n):
         messages = [{"role": "system", "content": "You are a helpful agent."},
                     {"role": "user", "content": f"{queries[i % len(queries)]} (request {i})"}]
         start = time.perf_counter()
-        augment(retriever, messages, skills, top_k=3)
+        select_and_inject(retriever, messages, skills, top_k=3)
         times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times)
 
@@ -273,7 +273,7 @@ def main() -> None:
         f"{c} {v['single']:.0%}" for c, v in by_client.items()))
 
     queries = [a["query"] for a in asks]
-    print(f"\nLatency: augment() p50 over fresh queries, {args.queries} each; load average "
+    print(f"\nLatency: select_and_inject() p50 over fresh queries, {args.queries} each; load average "
           f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     for size in (100, 10_000):
         library = keyed + generated(keyed, size - len(keyed)) if size > len(keyed) else keyed

@@ -28,7 +28,7 @@ from pathlib import Path
 
 
 def build(store, turns: int, window: int) -> str:
-    from metaclaw.skills.retrieval import BLOCK_HEADER
+    from metaclaw.skills.block import BLOCK_HEADER
 
     system = ("You are a careful assistant working in a user's files.\n\n" + BLOCK_HEADER
               + "\n\n### backup-before-modify\nCopy a file to .bak before changing it.\n\n"

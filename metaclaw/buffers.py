@@ -47,8 +47,8 @@ import time
 import uuid
 from typing import Any, Iterable
 
-from metaclaw.proxy.sessions import TASK_TURNS_SQL, is_task_turn
 from metaclaw.store import IN_IDS, Store, id_list
+from metaclaw.turns import TASK_TURNS_SQL, is_task_turn
 
 SUPPORT = "support"
 QUERY = "query"

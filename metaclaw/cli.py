@@ -148,7 +148,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
               f"{args.host}:{args.port} can use your upstream key", file=sys.stderr)
     runtime = Runtime.build(runtime_config(args))
     generation, skills = runtime.library.current()
-    from metaclaw.proxy.upstreams import safe_url
+    from metaclaw.redact import safe_url
 
     upstream = safe_url(args.upstream) or (
         f"the local language model {runtime.proxy.responder.model_name} (policy version "
@@ -211,7 +211,7 @@ def _turn_rows(store: Any, where: str, params: list[Any], fields: tuple[str, ...
 
 @command("turns")
 def cmd_turns(args: argparse.Namespace) -> int:
-    from metaclaw.proxy.sessions import IdentityError, turns_filter
+    from metaclaw.turns import IdentityError, turns_filter
 
     if args.action == "import":
         return _import_turns(args)
@@ -387,7 +387,7 @@ def _record_failure(store: Any, role: str, client: Any, error: str,
                     turn_id: int | None = None) -> None:
     """A failed judge or evolver call made from the CLI, in the events table (as the fast loop
     records its own), so that `metaclaw events` and the notebook views count it."""
-    from metaclaw.proxy.upstreams import safe_url
+    from metaclaw.redact import safe_url
 
     endpoint, model = safe_url(client.base_url), client.model
     where = f" for turn {turn_id}" if turn_id is not None else ""

@@ -96,7 +96,7 @@ def settle_killed_part(store: Any, judge: Any, data: Path, days: Any, mode: str,
     ``{"purged": n, "judged": n}``."""
     from metaclaw.bench.data import load_benchmark, select_days
     from metaclaw.bench.runner import finished_days
-    from metaclaw.proxy.sessions import TASK_TURNS_SQL
+    from metaclaw.turns import TASK_TURNS_SQL
 
     chosen = select_days(load_benchmark(data), days)
     kept = finished_days(run_dir / "rounds.jsonl", chosen, mode, model)

@@ -322,7 +322,7 @@ class Runtime:
         return openai.OpenAI(base_url=self.url, api_key=self.token or "metaclaw", **kwargs)
 
     def status(self) -> dict[str, Any]:
-        from metaclaw.proxy.upstreams import safe_url
+        from metaclaw.redact import safe_url
 
         generation, skills = self.library.current()
         counts = self.store.query(
@@ -347,7 +347,7 @@ class Runtime:
         }
 
     def __repr__(self) -> str:
-        from metaclaw.proxy.upstreams import safe_url
+        from metaclaw.redact import safe_url
 
         upstream = ("simulated model" if self.config.simulated else "offline double"
                     if self.offline else safe_url(self.proxy.config.upstream_url))

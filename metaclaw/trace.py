@@ -47,7 +47,7 @@ def _maybe_json(value: Any) -> Any:
 
 def split_skill_block(text: str) -> tuple[str, str | None]:
     """``(prompt, skill_block)``: a system prompt cut where the injected skill block begins."""
-    from metaclaw.skills.retrieval import BLOCK_HEADER
+    from metaclaw.skills.block import BLOCK_HEADER
 
     if not isinstance(text, str) or BLOCK_HEADER not in text:
         return text, None

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from metaclaw.skills import asks
 from metaclaw.skills.asks import Rule, extract_ask
-from metaclaw.skills.retrieval import inject
+from metaclaw.skills.block import inject
 
 FIXTURES = Path(__file__).parent / "fixtures" / "requests"
 

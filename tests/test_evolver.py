@@ -15,9 +15,9 @@ from metaclaw.fastloop.evolver import (EVOLVER_RESPONSE_FORMAT, EVOLVER_RETRY_PR
                                        validate_operations)
 from metaclaw.fastloop.judge import SECTION_REPLY, Judge, parse_judge_prompt
 from metaclaw.offline.double import DoubleServer, Reply
+from metaclaw.skills.block import inject, render_block, strip_skill_block
 from metaclaw.skills.library import Skill, SkillLibrary
-from metaclaw.skills.retrieval import (LexicalRetriever, ScoredSkill, inject, render_block,
-                                       strip_skill_block)
+from metaclaw.skills.retrieval import LexicalRetriever, ScoredSkill
 
 BACKUP = Skill("backup-before-modify", "Keep a copy of a file before changing it.", "safety",
                "Before editing or deleting a file, copy it to a .bak file so the change can be "
@@ -217,9 +217,9 @@ def test_evolver_falls_back_to_plain_json_when_the_schema_is_refused(store, libr
 
 
 def test_evolver_failure_is_retried_then_reported(store, library, monkeypatch):
-    from metaclaw.fastloop import judge
+    from metaclaw.fastloop import llm
 
-    monkeypatch.setattr(judge, "MAX_RETRY_WAIT_S", 0.05)  # the backoff, not its length
+    monkeypatch.setattr(llm, "MAX_RETRY_WAIT_S", 0.05)  # the backoff, not its length
     record(store, library, "q", "bad", reward=-1)
     with DoubleServer([Reply(status=500, content="boom")] * 3) as double:
         with pytest.raises(EvolveError, match="HTTP 500.*tried 3 times"):

@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from metaclaw.fastloop.evolver import (EvolveError, Evolver, EvolveValidationError,
                                        parse_operations_reply, validate_operations)
 from metaclaw.fastloop.gate import Gate
-from metaclaw.fastloop.judge import Judge, answer_error
+from metaclaw.fastloop.judge import Judge
+from metaclaw.fastloop.llm import answer_error
 from metaclaw.proxy.server import BackgroundServer, ServedApp
 from metaclaw.skills.library import Skill, SkillFormatError, SkillLibrary, SkillOp
 from metaclaw.skills.retrieval import LexicalRetriever
@@ -82,9 +83,9 @@ def evolve(url, library, store, **options):
 
 def test_a_200_answer_with_an_error_body_is_reported_with_the_servers_reason(
         store, library, failure, monkeypatch):
-    from metaclaw.fastloop import judge
+    from metaclaw.fastloop import llm
 
-    monkeypatch.setattr(judge, "MAX_RETRY_WAIT_S", 0.01)
+    monkeypatch.setattr(llm, "MAX_RETRY_WAIT_S", 0.01)
     body = {"error": {"message": "maximum context length is 8192 tokens", "code": 400}}
     with RawUpstream(lambda _: (200, body)) as upstream:
         with pytest.raises(EvolveError) as info:

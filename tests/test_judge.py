@@ -518,7 +518,7 @@ def test_a_failed_call_is_explained_without_the_key_or_url_credentials():
     import httpx
     import openai
 
-    from metaclaw.fastloop.judge import LLMClient
+    from metaclaw.fastloop.llm import LLMClient
 
     client = LLMClient("http://team:pw-hunter2@127.0.0.1:9/v1", "sk-live-0123456789", 5.0)
     response = httpx.Response(401, json={"error": {"message": "Incorrect API key provided: "
@@ -534,7 +534,7 @@ def test_a_retry_after_given_as_an_http_date_is_honoured():
     """RFC 9110 lets a server send Retry-After as a date: it is waited for (up to the cap)."""
     import email.utils
 
-    from metaclaw.fastloop.judge import MAX_RETRY_WAIT_S, retry_delay
+    from metaclaw.fastloop.llm import MAX_RETRY_WAIT_S, retry_delay
 
     class Limited(Exception):
         status_code = 429

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from metaclaw import buffers
 from metaclaw.fastloop import labels
-from metaclaw.skills.retrieval import BLOCK_HEADER
+from metaclaw.skills.block import BLOCK_HEADER
 
 
 def judged(add_buffer_turn, store, session, text, reward, response="ok"):

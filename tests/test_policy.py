@@ -13,8 +13,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
+from metaclaw.proxy.upstreams import PolicyRequestError
 from metaclaw.slowloop.backends import Sample
-from metaclaw.slowloop.policy import PolicyRequestError, PolicyResponder, parse_tool_calls
+from metaclaw.slowloop.policy import PolicyResponder, parse_tool_calls
 
 
 @pytest.fixture(scope="module")

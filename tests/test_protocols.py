@@ -13,9 +13,10 @@ import pytest
 from metaclaw.proxy.context_budget import KNOWN_WINDOWS, TokenCounter, context_window, fit_skills
 from metaclaw.proxy.pipeline import identify_session, parse_turn, record_row, retrieval_query
 import metaclaw.protocols
-from metaclaw.protocols import PROTOCOLS, ProxyError, get_protocol, sse_events
+from metaclaw.protocols import ProxyError, sse_events
 from metaclaw.protocols.anthropic_messages import ANTHROPIC, DEFAULT_MAX_TOKENS
 from metaclaw.protocols.openai_chat import OPENAI, StreamAssembler
+from metaclaw.protocols.registry import PROTOCOLS, get_protocol
 
 TOOL_SCHEMA = {"type": "object", "properties": {"path": {"type": "string"}}}
 

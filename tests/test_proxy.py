@@ -21,8 +21,9 @@ import pytest
 from metaclaw.offline.double import DoubleServer, Reply
 from metaclaw.protocols.openai_chat import StreamAssembler
 from metaclaw.proxy.app import Proxy, ProxyConfig
+from metaclaw.skills.block import BLOCK_HEADER, render_block
 from metaclaw.skills.library import Skill, SkillLibrary
-from metaclaw.skills.retrieval import BLOCK_HEADER, ScoredSkill, make_retriever, render_block
+from metaclaw.skills.retrieval import ScoredSkill, make_retriever
 from metaclaw.store import Store
 from waiting import wait_until
 

@@ -16,12 +16,12 @@ import pytest
 
 from metaclaw.offline.double import DoubleServer, Reply
 from metaclaw.offline.double_anthropic import AnthropicDoubleServer, AnthropicReply
-from metaclaw.protocols.registry import get_protocol
 from metaclaw.protocols.openai_responses import RESPONSES, ChatToResponsesStream
+from metaclaw.protocols.registry import get_protocol
 from metaclaw.proxy.app import Proxy, ProxyConfig
 from metaclaw.skills.asks import extract_ask
-from metaclaw.skills.library import Skill, SkillLibrary
 from metaclaw.skills.block import BLOCK_HEADER
+from metaclaw.skills.library import Skill, SkillLibrary
 from metaclaw.store import Store
 
 CAPTURES = Path(__file__).parent / "fixtures" / "requests" / "codex"

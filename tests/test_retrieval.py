@@ -16,11 +16,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from metaclaw.skills.block import BLOCK_HEADER, inject, render_block
 from metaclaw.skills.library import Skill, load_skills_dir, starter_skills_dir
-from metaclaw.skills.retrieval import (BLOCK_HEADER, STATIC_MIN_SCORE, EmbeddingRetriever,
-                                       LexicalRetriever, RetrievalError, Retriever, ScoredSkill,
-                                       augment, default_model_path, inject, make_retriever,
-                                       query_text, render_block, select, tokenize)
+from metaclaw.skills.retrieval import (STATIC_MIN_SCORE, EmbeddingRetriever, LexicalRetriever,
+                                       RetrievalError, Retriever, ScoredSkill, default_model_path,
+                                       make_retriever, query_text, select, select_and_inject,
+                                       tokenize)
 
 BACKUP = Skill(
     name="backup-before-modify", category="safety",
@@ -312,17 +313,20 @@ def test_inject_appends_to_the_first_system_message_string_or_parts():
     assert inject([{"role": "system", "content": None}], "B")[0]["content"] == "B"
 
 
-def test_augment_retrieves_for_the_last_user_message_and_injects(embedder):
+def test_select_and_inject_retrieves_for_the_last_user_message_and_injects(embedder):
     messages = [{"role": "system", "content": "You are an ops assistant."},
                 {"role": "user", "content": "write a haiku about autumn leaves"},
                 {"role": "assistant", "content": "..."},
                 {"role": "user", "content": QUERY}]
     original = copy.deepcopy(messages)
-    out, selected = augment(embedder, messages, SKILLS, top_k=1)
+    out, selected, query, _block = select_and_inject(embedder, messages, SKILLS, top_k=1)
+    assert query == QUERY
     assert [s.skill.name for s in selected] == ["backup-before-modify"]
     assert out[0]["content"] == "You are an ops assistant.\n\n" + render_block(selected)
     assert out[1:] == messages[1:] and messages == original
-    out, selected = augment(embedder, [{"role": "user", "content": "capital of Peru?"}], SKILLS)
+    out, selected, _query, block = select_and_inject(
+        embedder, [{"role": "user", "content": "capital of Peru?"}], SKILLS)
+    assert block == ""
     assert selected == [] and out == [{"role": "user", "content": "capital of Peru?"}]
 
 
@@ -429,7 +433,7 @@ def test_an_embedding_model_that_cannot_load_is_refused_at_once_or_replaced_by_l
     import logging
 
     from metaclaw.skills.retrieval import (LexicalRetriever, RetrievalError, embeddings_available,
-                                           make_retriever)
+        make_retriever)
 
     if not embeddings_available():
         pytest.skip("needs the embeddings extra")

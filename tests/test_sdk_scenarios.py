@@ -15,8 +15,8 @@ anthropic = pytest.importorskip("anthropic", reason="the Anthropic scenarios nee
 
 from metaclaw.offline.double import DoubleServer, Reply  # noqa: E402
 from metaclaw.proxy.app import Proxy, ProxyConfig  # noqa: E402
+from metaclaw.skills.block import BLOCK_HEADER  # noqa: E402
 from metaclaw.skills.library import Skill, SkillLibrary  # noqa: E402
-from metaclaw.skills.retrieval import BLOCK_HEADER  # noqa: E402
 from metaclaw.store import Store  # noqa: E402
 
 MODEL = "double-model"

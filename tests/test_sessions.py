@@ -14,10 +14,11 @@ from hypothesis import strategies as st
 
 from metaclaw.offline.double import DoubleServer, Reply
 from metaclaw.proxy.app import Proxy, ProxyConfig
-from metaclaw.proxy.sessions import (TASK_TURNS_SQL, IdentityError, ReplyThreads, identify,
-                                     is_task_turn, stage_of, turn_type_condition)
+from metaclaw.proxy.sessions import ReplyThreads, identify
 from metaclaw.skills.library import Skill, SkillLibrary
 from metaclaw.skills.retrieval import explain_frame
+from metaclaw.turns import (TASK_TURNS_SQL, IdentityError, is_task_turn, stage_of,
+                            turn_type_condition)
 from test_asks import captured
 
 ASK = [{"role": "user", "content": "hello"}]

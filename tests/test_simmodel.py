@@ -20,8 +20,9 @@ from metaclaw.bench.grading import (feedback_text, run_check, score_choice, stan
                                     with_feedback)
 from metaclaw.bench.workspace import TOOL_SCHEMAS, Workspace, execute_tool
 from metaclaw.offline import simmodel as sm
+from metaclaw.skills.block import render_block
 from metaclaw.skills.library import Skill
-from metaclaw.skills.retrieval import ScoredSkill, render_block
+from metaclaw.skills.retrieval import ScoredSkill
 
 DATA = small_bench_dir()
 

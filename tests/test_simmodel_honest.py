@@ -202,8 +202,9 @@ def _run(kind: str, task: str, system: str) -> tuple[bool, list[dict]]:
 def test_fast_loop_generalises_to_a_task_family_of_our_own():
     from metaclaw.fastloop.evolver import (build_evolver_messages, parse_operations_reply,
                                            validate_operations)
+    from metaclaw.skills.block import render_block
     from metaclaw.skills.library import Skill
-    from metaclaw.skills.retrieval import ScoredSkill, render_block
+    from metaclaw.skills.retrieval import ScoredSkill
 
     system = "You are an assistant for a small shop. Work with the tools on the shop's files."
     baseline = {kind: _run(kind, task, system)[0] for kind, task in TASKS}

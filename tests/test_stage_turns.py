@@ -14,9 +14,9 @@ from metaclaw import buffers
 from metaclaw.fastloop.evolver import Evolver, parse_evolver_prompt, scope_to_stages
 from metaclaw.offline.double import DoubleServer, Reply
 from metaclaw.proxy.app import Proxy, ProxyConfig
-from metaclaw.proxy.sessions import check_turn_type
 from metaclaw.skills.library import Skill, SkillFormatError, SkillLibrary, SkillOp, offered_to
 from metaclaw.skills.retrieval import LexicalRetriever, ScoredSkill, select
+from metaclaw.turns import check_turn_type
 
 GENERAL = Skill("cite-sources", "Cite the sources of every claim in a research report.",
                 "research", "Name the paper and year for each claim.")

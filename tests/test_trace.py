@@ -8,8 +8,8 @@ import pytest
 from metaclaw import buffers
 from metaclaw.fastloop import labels
 from metaclaw.notebook.widgets import TraceWidget
+from metaclaw.skills.block import BLOCK_HEADER
 from metaclaw.skills.library import Skill, SkillLibrary, SkillOp
-from metaclaw.skills.retrieval import BLOCK_HEADER
 from metaclaw.trace import Trace, sessions, split_skill_block
 
 SKILL = Skill("miles-to-km", "Convert miles to kilometers.", "math", "Multiply by 1.609.")

@@ -449,7 +449,7 @@ def test_scheduler_view_renders_and_refreshes(browser, site, store, tmp_path):
 def test_trace_renders_steps_labels_and_jumps(browser, site, store, tmp_path):
     from metaclaw.fastloop import labels
     from metaclaw.notebook.widgets import TraceWidget
-    from metaclaw.skills.retrieval import BLOCK_HEADER
+    from metaclaw.skills.block import BLOCK_HEADER
 
     library = SkillLibrary(tmp_path / "skills", store)
     call = {"id": "c1", "type": "function", "function": {"name": "read_file",

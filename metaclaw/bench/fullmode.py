@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from metaclaw.bench.data import Day, Round, load_benchmark, select_days
-from metaclaw.proxy.sessions import TASK_TURNS_SQL
+from metaclaw.turns import TASK_TURNS_SQL
 
 OVERLONG_PENALTY = 0.1
 

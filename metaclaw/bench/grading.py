@@ -103,9 +103,7 @@ def rewrite_command(command: str, python: str | None = None) -> str:
 
 def _import_paths() -> list[str]:
     """Folders that make this package and the installed packages importable without ``site``."""
-    import metaclaw
-
-    paths = [str(Path(metaclaw.__file__).resolve().parents[1])]
+    paths = [str(Path(__file__).resolve().parents[2])]  # the folder holding the package
     for key in ("purelib", "platlib"):
         path = sysconfig.get_paths().get(key)
         if path and path not in paths:

@@ -39,9 +39,9 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 from metaclaw import jsonlib
-from metaclaw.proxy.sessions import TASK_TURNS_SQL
 from metaclaw.skills.library import Skill, SkillOp
 from metaclaw.store import Store
+from metaclaw.turns import TASK_TURNS_SQL
 
 #: Cosine between two skills' texts at or above which they are flagged as near duplicates.
 NEAR_DUPLICATE = 0.9

@@ -69,15 +69,16 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable
 
 from metaclaw import buffers
-from metaclaw.fastloop.judge import (SECTION_TASK, SECTION_TOOLS, Judge, LLMClient, answer_error,
-                                     check_url, json_objects, next_user_message, render_sections,
-                                     reply_text, retry_delay, run_sync, trim)
+from metaclaw.fastloop.judge import (SECTION_TASK, SECTION_TOOLS, Judge, json_objects,
+                                     next_user_message, render_sections, trim)
+from metaclaw.fastloop.llm import (LLMClient, answer_error, check_url, reply_text, retry_delay,
+                                   run_sync)
 from metaclaw.fastloop.proposals import ProposalError, apply_ops
 from metaclaw.fastloop.replay import Replayer
 from metaclaw.progress import ProgressFn, notify
-from metaclaw.proxy.upstreams import safe_url
+from metaclaw.redact import safe_url
 from metaclaw.skills.library import (OPS, Skill, SkillFormatError, SkillLibrary, SkillOp,
-                                     oversize_reason, validate_name)
+                                     apply_in_memory, oversize_reason, validate_name)
 from metaclaw.store import Store
 
 SECTION_SUPPORT = "Support turns"
@@ -371,7 +372,7 @@ def scope_to_stages(ops: list[SkillOp], turn_types: dict[int, str]) -> list[Skil
 
     ``turn_types``: turn id -> turn type of the support turns. Edits and removes are returned
     as they are (an edit keeps its skill's ``extra``, so its scope)."""
-    from metaclaw.proxy.sessions import stage_of
+    from metaclaw.turns import stage_of
 
     out = []
     for op in ops:
@@ -382,17 +383,6 @@ def scope_to_stages(ops: list[SkillOp], turn_types: dict[int, str]) -> list[Skil
                 op = SkillOp("add", op.skill.with_stage(stage), op.name, op.reason,
                              list(op.evidence), op.base)
         out.append(op)
-    return out
-
-
-def apply_in_memory(skills: dict[str, Skill], ops: Iterable[SkillOp]) -> dict[str, Skill]:
-    """The library ``skills`` after ``ops`` (no files, no store)."""
-    out = dict(skills)
-    for op in ops:
-        if op.op == "remove":
-            out.pop(op.name, None)
-        else:
-            out[op.name] = op.skill
     return out
 
 

@@ -47,9 +47,9 @@ from typing import Any, Iterable
 
 from metaclaw import jsonlib
 from metaclaw.progress import ProgressFn, notify
-from metaclaw.proxy.sessions import TASK_TURNS_SQL
-from metaclaw.skills.library import Skill, SkillNotFound
+from metaclaw.skills.library import Skill, SkillNotFound, apply_in_memory
 from metaclaw.store import IN_IDS, Store, id_list
+from metaclaw.turns import TASK_TURNS_SQL
 
 
 class ExperimentError(ValueError):
@@ -157,7 +157,6 @@ class Variant:
                 raise ExperimentError(f"variant {self.spec!r}: {exc.args[0]}") from None
         else:
             from metaclaw.fastloop import proposals
-            from metaclaw.fastloop.evolver import apply_in_memory
 
             try:
                 proposal = proposals.get(library.store, int(self.base[9:]))
@@ -267,7 +266,7 @@ class Experiment:
         ``max_calls``: the most upstream plus judge calls to spend (the replays beyond it are
         left for a later run); ``concurrency``: replays in flight (each with its judge votes in
         parallel). Returns the plan it ran."""
-        from metaclaw.fastloop.judge import run_sync
+        from metaclaw.fastloop.llm import run_sync
 
         return run_sync(lambda: self.arun(replayer, library, max_calls=max_calls,
                                           concurrency=concurrency, on_progress=on_progress),

@@ -30,10 +30,11 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable
 
-from metaclaw.fastloop.judge import Judge, check_url
+from metaclaw.fastloop.judge import Judge
+from metaclaw.fastloop.llm import check_url
 from metaclaw.fastloop.replay import Replayer
-from metaclaw.proxy.sessions import TASK_TURNS_SQL
-from metaclaw.skills.library import Skill, SkillOp
+from metaclaw.skills.library import Skill, SkillOp, apply_in_memory
+from metaclaw.turns import TASK_TURNS_SQL
 
 # -- safety ---------------------------------------------------------------------------------------
 #: (category, pattern): instructions a skill must never carry. Case-insensitive, on the skill's
@@ -260,8 +261,6 @@ class Gate:
 
         ``support_ids``: the failures the candidate was written for.
         """
-        from metaclaw.fastloop.evolver import apply_in_memory
-
         base = library.generation if base_generation is None else int(base_generation)
         findings = safety_check(ops)
         if findings:

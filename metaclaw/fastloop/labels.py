@@ -309,7 +309,7 @@ def export_records(store: Store, *, turn_ids: Iterable[int] | None = None,
     generation, policy version}}``. ``keep_skills``: keep the injected skill block in the system
     prompt (default: stripped, the prompt as the agent wrote it).
     """
-    from metaclaw.skills.retrieval import strip_skill_block
+    from metaclaw.skills.block import strip_skill_block
 
     if shape not in ("chat", "eval"):
         raise ValueError(f"shape must be 'chat' (fine-tuning) or 'eval', got {shape!r}")

@@ -68,10 +68,10 @@ from metaclaw import buffers
 from metaclaw.fastloop.evolver import EvolveError, Evolver, EvolveResult
 from metaclaw.fastloop.gate import Gate, GateReport, safety_check
 from metaclaw.fastloop.judge import Judge
-from metaclaw.proxy.sessions import TASK_TURNS_SQL, is_task_turn
 from metaclaw.skills.library import SkillConflict, SkillLibrary
 from metaclaw.store import IN_IDS, Store, id_list
 from metaclaw.training_lease import TrainingLease
+from metaclaw.turns import TASK_TURNS_SQL, is_task_turn
 
 log = logging.getLogger("metaclaw.fastloop")
 T = TypeVar("T")
@@ -310,7 +310,7 @@ class FastLoop:
         """A failed judge or evolver call is never silent: it is logged with the endpoint, the
         model and the upstream's message, and recorded in the store's ``events`` table, where
         ``%metaclaw status``, ``metaclaw events`` and the notebook views count it."""
-        from metaclaw.proxy.upstreams import safe_url
+        from metaclaw.redact import safe_url
 
         role = "judge" if event.kind == "judge_failed" else "evolver"
         client = self.judge if role == "judge" else self.evolver

@@ -20,9 +20,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from metaclaw.buffers import message_text
-from metaclaw.fastloop.judge import (Judge, LLMClient, answer_error, check_url, replay_params,
-                                     reply_message)
-from metaclaw.skills.library import Skill, offered_to
+from metaclaw.fastloop.judge import Judge
+from metaclaw.fastloop.llm import LLMClient, answer_error, check_url, replay_params, reply_message
+from metaclaw.skills.library import Skill
 
 
 @dataclass
@@ -80,18 +80,12 @@ class Replayer:
                                                                          list[str]]:
         """The messages a replay of ``turn`` sends with ``skills`` (its own skill block
         removed, the skills the proxy would pick injected), and the names of those skills."""
-        from metaclaw.skills import retrieval
+        from metaclaw.skills.retrieval import select_and_inject
 
-        base = retrieval.strip_skill_block(turn.get("request_messages") or [])
-        query = retrieval.query_text(base)
-        selected = retrieval.select(self._retriever(), query, skills, top_k=self.top_k,
-                                    min_score=self.min_score, budget_chars=self.budget_chars,
-                                    keep=offered_to(turn.get("turn_type"))
-                                    ) if query and skills else []
-        if not selected:
-            return base, []
-        return (retrieval.inject(base, retrieval.render_block(selected)),
-                [s.skill.name for s in selected])
+        done = select_and_inject(self._retriever(), turn.get("request_messages") or [], skills,
+                                 turn_type=turn.get("turn_type"), top_k=self.top_k,
+                                 min_score=self.min_score, budget_chars=self.budget_chars)
+        return done.messages, [s.skill.name for s in done.selected]
 
     async def areplay(self, turn: dict[str, Any], skills: list[Skill], *,
                       model: str | None = None, upstream: LLMClient | None = None,

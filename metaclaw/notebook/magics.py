@@ -313,7 +313,7 @@ class MetaClawMagics(Magics):
                                   "--done without --workspace (e.g. the user's final feedback)")
         turn_type = args.type or ("side" if args.side else "main")
         try:  # a one-line usage error here rather than the proxy's 400 as a traceback
-            from metaclaw.proxy.sessions import check_turn_type
+            from metaclaw.turns import check_turn_type
 
             turn_type = check_turn_type(turn_type, "--type")
         except ValueError as exc:
@@ -750,7 +750,7 @@ class MetaClawMagics(Magics):
     def _do_turns(self, argv: list[str], cell: str | None):
         """%metaclaw turns [--session S] [--type T]: recorded turns as a polars DataFrame (``--type
         stage:plan``: one stage's turns; ``--type stage``: every stage turn)."""
-        from metaclaw.proxy.sessions import turns_filter
+        from metaclaw.turns import turns_filter
 
         parser = _parser("turns", self._do_turns.__doc__)
         parser.add_argument("--session")

@@ -41,8 +41,9 @@ from aiohttp import web
 
 from metaclaw.protocols import error_json
 from metaclaw.proxy.server import BackgroundServer, ServedApp
+from metaclaw.proxy.upstreams import PolicyRequestError
 from metaclaw.slowloop.backends import TokenizerMixin, normalize_messages
-from metaclaw.slowloop.policy import PolicyRequestError, PolicyResponder
+from metaclaw.slowloop.policy import PolicyResponder
 
 log = logging.getLogger(__name__)
 

@@ -184,7 +184,7 @@ class SimulatedResearchModel:
         """The ``sim-evolver`` role: one skill per stage (the support turns' ``turn_type``) from
         their rationales."""
         from metaclaw.fastloop.evolver import parse_evolver_prompt
-        from metaclaw.proxy.sessions import stage_of
+        from metaclaw.turns import stage_of
 
         parsed = parse_evolver_prompt(prompt)
         existing = {s["name"]: s for s in parsed["library"]}
@@ -267,7 +267,7 @@ def run_pipeline(chat: Callable[[str, str, list[dict[str, str]]], tuple[str, int
     ``stage:<stage>``); ``record_verdict(turn_id, passed, message, by)``: store a verdict on the
     turn (``by``: :data:`CHECK` or :data:`REVIEW`).
     """
-    from metaclaw.proxy.sessions import stage_turn_type
+    from metaclaw.turns import stage_turn_type
 
     outputs: dict[str, str] = {}
     stages: list[StageRecord] = []
@@ -319,7 +319,7 @@ def stage_executions(store: Any, runs: Iterable[RunRecord | str]) -> list[dict[s
     A run's turns of type ``stage:<stage>``, in order, are split into executions after each turn
     that passed its check (reward > 0, or a write turn the review failed after its check
     passed); attempts left open at the end are an execution that never passed."""
-    from metaclaw.proxy.sessions import stage_of
+    from metaclaw.turns import stage_of
 
     sessions = [r.run if isinstance(r, RunRecord) else str(r) for r in runs]
     if not sessions:

@@ -81,7 +81,7 @@ DATETIME_RE = re.compile(r"(?<![\w-])(?:\d{4}[-/.]\d{1,2}[-/.]\d{1,2}|\d{1,2}[-/
 class TimeFormat:
     """A timestamp format learned from an example: ``strftime`` pattern + a validator."""
 
-    pattern: str          # e.g. "%Y-%m-%dT%H:%M:%S+08:00"
+    pattern: str          # e.g. "%Y-%m-%dT%H:%M:%S+02:00"
     example: str
 
     def format(self, when: dt.datetime) -> str:

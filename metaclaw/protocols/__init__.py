@@ -15,7 +15,7 @@ pivot), :mod:`metaclaw.protocols.anthropic_messages` (``POST /v1/messages``) and
 Adding a protocol
 -----------------
 Write one module ``metaclaw/protocols/<name>.py`` with a subclass of :class:`WireProtocol` and
-register an instance in :data:`PROTOCOLS` (an import and a name at the bottom of this file). The
+register an instance in :data:`~metaclaw.protocols.registry.PROTOCOLS` (one line in :mod:`metaclaw.protocols.registry`). The
 proxy then serves its routes, answers its errors in its shape, records its turns in the neutral
 form, and reaches both upstream kinds through the pivot. It implements:
 
@@ -42,7 +42,8 @@ from __future__ import annotations
 
 from typing import Any, AsyncIterator
 
-from metaclaw.jsonlib import dumpb, dumps, loads  # noqa: F401  (the request path's JSON)
+from metaclaw.jsonlib import dumpb, loads
+from metaclaw.skills.asks import content_text
 
 Event = tuple[bytes, "dict[str, Any] | None"]
 """One stream event: the bytes to relay as they are, and its parsed JSON data (``None`` for
@@ -76,11 +77,6 @@ class ProxyError(Exception):
         self.headers = headers or {}
         self.upstream = upstream
 
-    def response(self, extra_headers: dict[str, str] | None = None):
-        """The OpenAI-shaped response (kept for callers that predate the protocol adapters)."""
-        from metaclaw.protocols.openai_chat import OPENAI
-
-        return OPENAI.error_response(self, extra_headers)
 
 
 class WireProtocol:
@@ -144,8 +140,6 @@ class WireProtocol:
 
     def reply_columns(self, data: dict[str, Any]) -> dict[str, Any]:
         """Recorded columns (response, tool_calls, finish_reason, usage...) of a reply."""
-        from metaclaw.protocols.openai_chat import summarize_completion
-
         return summarize_completion(self.reply_to_chat(data))
 
     # -- wire encoding --------------------------------------------------------------------
@@ -311,19 +305,26 @@ def _bad_stream(what: str) -> ProxyError:
                       code="bad_upstream_stream")
 
 
-def get_protocol(name: str) -> WireProtocol:
-    """The registered protocol called ``name`` (``ValueError`` naming the choices otherwise)."""
-    try:
-        return PROTOCOLS[name]
-    except KeyError:
-        raise ValueError(f"unknown wire protocol {name!r}; choose one of "
-                         f"{', '.join(sorted(PROTOCOLS))}") from None
+# -- the pivot form's recorded columns ---------------------------------------------------
+def summarize_completion(data: dict[str, Any]) -> dict[str, Any]:
+    """Turn columns (response, tool_calls, finish_reason, usage, tokens) of a chat.completion."""
+    choices = data.get("choices") or [{}]
+    choice = choices[0] if isinstance(choices[0], dict) else {}
+    message = choice.get("message") or {}
+    usage = data.get("usage") or None
+    logprobs = [item.get("logprob") for item in ((choice.get("logprobs") or {}).get("content") or ())]
+    content = message.get("content")
+    return {
+        "response": content if content is None else content_text(content),
+        "tool_calls": message.get("tool_calls") or None,
+        "finish_reason": choice.get("finish_reason"),
+        **usage_columns(usage),
+        **({"completion_logprobs": logprobs} if logprobs else {}),
+    }
 
 
-# the adapters import the base above, so they load after it
-from metaclaw.protocols.anthropic_messages import ANTHROPIC  # noqa: E402
-from metaclaw.protocols.openai_chat import OPENAI  # noqa: E402
-from metaclaw.protocols.openai_responses import RESPONSES  # noqa: E402
-
-#: The protocols by name. A new protocol: import its instance above and add it here.
-PROTOCOLS: dict[str, WireProtocol] = {p.name: p for p in (OPENAI, ANTHROPIC, RESPONSES)}
+def usage_columns(usage: dict[str, Any] | None) -> dict[str, Any]:
+    if not usage:
+        return {"usage": None}
+    return {"usage": usage, "prompt_tokens": usage.get("prompt_tokens"),
+            "completion_tokens": usage.get("completion_tokens")}

@@ -505,7 +505,7 @@ class AnthropicMessages(WireProtocol):
         and their cache_control breakpoints, unchanged in front of it), in place of any block
         an earlier turn left in the system prompt the client resends (a breakpoint the client
         set on that one moves to its replacement). Unchanged when there is nothing to do."""
-        from metaclaw.skills.retrieval import BLOCK_HEADER, strip_skill_block
+        from metaclaw.skills.block import BLOCK_HEADER, strip_skill_block
 
         system = body.get("system")
         resent = BLOCK_HEADER in _text(system)

@@ -11,7 +11,8 @@ import uuid
 from typing import Any
 
 from metaclaw.jsonlib import dumpb
-from metaclaw.protocols import ProxyError, StreamTranslator, WireProtocol
+from metaclaw.protocols import (ProxyError, StreamTranslator, WireProtocol, summarize_completion,
+                                usage_columns)
 from metaclaw.skills.asks import content_text
 
 
@@ -135,30 +136,6 @@ class TranslatedAssembler:
         return self._inner.columns()
 
 
-def summarize_completion(data: dict[str, Any]) -> dict[str, Any]:
-    """Turn columns (response, tool_calls, finish_reason, usage, tokens) of a chat.completion."""
-    choices = data.get("choices") or [{}]
-    choice = choices[0] if isinstance(choices[0], dict) else {}
-    message = choice.get("message") or {}
-    usage = data.get("usage") or None
-    logprobs = [item.get("logprob") for item in ((choice.get("logprobs") or {}).get("content") or ())]
-    content = message.get("content")
-    return {
-        "response": content if content is None else content_text(content),
-        "tool_calls": message.get("tool_calls") or None,
-        "finish_reason": choice.get("finish_reason"),
-        **usage_columns(usage),
-        **({"completion_logprobs": logprobs} if logprobs else {}),
-    }
-
-
-def usage_columns(usage: dict[str, Any] | None) -> dict[str, Any]:
-    if not usage:
-        return {"usage": None}
-    return {"usage": usage, "prompt_tokens": usage.get("prompt_tokens"),
-            "completion_tokens": usage.get("completion_tokens")}
-
-
 class _Identity(StreamTranslator):
     def feed(self, event: dict[str, Any] | None) -> list[dict[str, Any] | None]:
         return [event]
@@ -251,7 +228,7 @@ class OpenAIChat(WireProtocol):
         return chat
 
     def inject(self, body: dict[str, Any], block: str) -> dict[str, Any]:
-        from metaclaw.skills.retrieval import inject
+        from metaclaw.skills.block import inject
 
         messages = inject(body["messages"], block)
         return body if messages == body["messages"] else {**body, "messages": messages}

@@ -58,15 +58,17 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Protocol
 from aiohttp import web
 
 from metaclaw.jsonlib import dumpb, loads
-from metaclaw.protocols import PROTOCOLS, ProxyError, error_json, get_protocol  # noqa: F401
+from metaclaw.protocols import ProxyError
 from metaclaw.protocols.anthropic_messages import ANTHROPIC
-from metaclaw.protocols.openai_chat import OPENAI, StreamAssembler, summarize_completion
+from metaclaw.protocols.openai_chat import OPENAI
+from metaclaw.protocols.registry import PROTOCOLS
 from metaclaw.proxy.context_budget import TokenCounter
 from metaclaw.proxy.edge import EdgeRunner
-from metaclaw.proxy.pipeline import PROXY_FIELDS, Recorder, TurnPipeline
-from metaclaw.proxy.server import BackgroundServer, ServedApp, _base_url  # noqa: F401
-from metaclaw.proxy.sessions import TURN_TYPES, ReplyThreads  # noqa: F401
-from metaclaw.proxy.upstreams import NO_KEY, HTTPUpstream, make_upstream, safe_url  # noqa: F401
+from metaclaw.proxy.pipeline import Recorder, TurnPipeline
+from metaclaw.proxy.server import BackgroundServer, ServedApp, _base_url
+from metaclaw.proxy.sessions import ReplyThreads
+from metaclaw.proxy.upstreams import NO_KEY, HTTPUpstream, make_upstream
+from metaclaw.redact import mask, mask_json, safe_url, secrets_of
 from metaclaw.store import Store
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -360,54 +362,24 @@ class Proxy(ServedApp):
 
     def _secrets(self, *extra: str | None) -> tuple[str, ...]:
         """The secrets the proxy must never relay, store or log: the upstream key, the proxy
-        token and ``extra`` (a caller's own key), each at least 4 characters long."""
+        token and ``extra`` (a caller's own key), masked by the rule of :mod:`metaclaw.redact`."""
         found = (os.environ.get(self.config.api_key_env), self.config.token, *extra)
-        return tuple(s for s in found if s and len(s) >= 4 and s != NO_KEY)
+        return secrets_of(*(s for s in found if s != NO_KEY))
 
     def _scrub(self, text: str | None, *secrets: str | None) -> str | None:
         """``text`` with the upstream key, the proxy token and ``secrets`` masked."""
-        if not text:
-            return text
-        for secret in self._secrets(*secrets):
-            if secret in text:
-                text = text.replace(secret, "***")
-        return text
-
-    @staticmethod
-    def _scrub_bytes(data: bytes, secrets: tuple[bytes, ...]) -> bytes:
-        """``data`` (a reply or stream events as relayed) with ``secrets`` (encoded) masked."""
-        for secret in secrets:
-            if secret in data:
-                data = data.replace(secret, b"***")
-        return data
-
-    @classmethod
-    def _scrub_json(cls, value: Any, secrets: tuple[str, ...]) -> Any:
-        """A JSON value with ``secrets`` masked in every string (keys included)."""
-        if not secrets:
-            return value
-        if isinstance(value, str):
-            for secret in secrets:
-                if secret in value:
-                    value = value.replace(secret, "***")
-            return value
-        if isinstance(value, dict):
-            return {cls._scrub_json(k, secrets): cls._scrub_json(v, secrets)
-                    for k, v in value.items()}
-        if isinstance(value, list):
-            return [cls._scrub_json(v, secrets) for v in value]
-        return value
+        return mask(text, self._secrets(*secrets)) if text else text
 
     def _scrubbed(self, error: ProxyError, caller_key: str | None = None) -> ProxyError:
         """``error`` with every secret masked in its message, payloads and headers."""
         secrets = self._secrets(caller_key)
         if not secrets:
             return error
-        error.message = self._scrub(error.message, caller_key)
-        error.payload = self._scrub_json(error.payload, secrets)
+        error.message = mask(error.message, secrets)
+        error.payload = mask_json(error.payload, secrets)
         if error.upstream is not None:
-            error.upstream = (error.upstream[0], self._scrub_json(error.upstream[1], secrets))
-        error.headers = self._scrub_json(error.headers, secrets)
+            error.upstream = (error.upstream[0], mask_json(error.upstream[1], secrets))
+        error.headers = mask_json(error.headers, secrets)
         return error
 
     async def _on_shutdown(self, app: web.Application) -> None:

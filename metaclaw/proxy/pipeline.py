@@ -34,7 +34,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping, Protocol
 
 from aiohttp import web
 
@@ -43,13 +43,12 @@ from metaclaw.jsonlib import LONE_SURROGATE as _SURROGATE, dumpb, dumps
 from metaclaw.protocols import ProxyError, WireProtocol
 from metaclaw.proxy import context_budget, edge
 from metaclaw.proxy.sessions import FINGERPRINT, Identity, Thread, identify
-from metaclaw.turns import TURN_TYPES, IdentityError, is_task_turn  # noqa: F401
 from metaclaw.proxy.upstreams import ResponderUpstream, Upstream, policy_columns
-from metaclaw.skills import retrieval
-from metaclaw.skills.library import offered_to
+from metaclaw.redact import mask_bytes, mask_json
+from metaclaw.skills import block as skill_block, retrieval
+from metaclaw.turns import IdentityError, is_task_turn
 
 if TYPE_CHECKING:  # pragma: no cover
-    from metaclaw.proxy.app import Proxy
     from metaclaw.store import Store
 
 log = logging.getLogger("metaclaw.proxy")
@@ -64,7 +63,7 @@ PROXY_FIELDS = ("session_id", "turn_type", "session_done")
 INLINE_RETRIEVERS = ("lexical",)
 #: A body holding this may carry an earlier turn's skill block (checked on the raw bytes; the
 #: tag's name alone, as some JSON encoders escape "<" and ">").
-BLOCK_TAG = retrieval.BLOCK_TAG.strip("<>").encode()
+BLOCK_TAG = skill_block.BLOCK_TAG.strip("<>").encode()
 #: Chat fields recorded in their own columns rather than in ``request_params``.
 _OWN_COLUMNS = ("messages", "model", "stream")
 #: Client headers an Anthropic upstream receives as they came (pass-through only).
@@ -175,6 +174,31 @@ def record_row(turn: Turn, policy_version: int) -> dict[str, Any]:
     return row
 
 
+class ProxySide(Protocol):
+    """What the turn pipeline and the recorder use of the proxy that runs them: implemented by
+    :class:`metaclaw.proxy.app.Proxy`, which builds both (this module does not import it)."""
+
+    config: Any
+    store: Store
+    library: Any
+    retriever: Any
+    token_counter: Any
+    threads: Any
+    stopping: bool
+    responder: Any
+    _upstream: Any
+    _recorder: Any
+    _listeners: list[Any]
+    _listener_pool: Any
+    _retrieval_pool: Any
+
+    def _secrets(self, *extra: str | None) -> tuple[str, ...]: ...
+
+    def _scrub(self, text: str | None, *secrets: str | None) -> str | None: ...
+
+    def _scrubbed(self, error: ProxyError, caller_key: str | None = None) -> ProxyError: ...
+
+
 # ---------------------------------------------------------------------------------------------
 # recording
 # ---------------------------------------------------------------------------------------------
@@ -210,7 +234,7 @@ class Recorder:
     #: which is about 200 turns).
     CHECKPOINT_EVERY = 64
 
-    def __init__(self, proxy: "Proxy", fsync: bool = False):
+    def __init__(self, proxy: ProxySide, fsync: bool = False):
         self.proxy = proxy
         self.fsync = fsync
         self.pending: set[asyncio.Future[Any]] = set()
@@ -428,7 +452,7 @@ def _encodable(value: Any) -> Any:
 class TurnPipeline:
     """Runs the steps for one request of any protocol (built and owned by the proxy)."""
 
-    def __init__(self, proxy: "Proxy"):
+    def __init__(self, proxy: ProxySide):
         self.proxy = proxy
         self.config = proxy.config
 
@@ -513,30 +537,34 @@ class TurnPipeline:
 
     # -- retrieve, fit the budget, inject -------------------------------------------------
     def select_and_inject(self, turn: Turn, skills: list[Any]) -> None:
-        """Steps 3-6 for a main or stage turn: query, retrieve (a stage turn: its stage's and
-        general skills), fit the context budget, inject."""
+        """Steps 3-6 for a main or stage turn, by :func:`metaclaw.skills.retrieval.select_and_inject`:
+        query, retrieve (a stage turn: its stage's and general skills), fit the context budget,
+        inject; the same block goes into the wire body."""
         proxy, config = self.proxy, self.config
         try:
             turn.query = retrieval_query(turn)
-            selected = retrieval.select(proxy.retriever, turn.query, skills, top_k=config.top_k,
-                                        min_score=config.min_score,
-                                        budget_chars=config.budget_chars,
-                                        keep=offered_to(turn.turn_type)) if turn.query else []
             window = context_budget.context_window(turn.model, config.context_windows,
                                                    config.context_window)
-            if selected and window is not None:
-                budget = context_budget.fit_skills([s.skill.name for s in selected],
-                                    lambda n: retrieval.render_block(selected[:n]), turn.raw,
-                                    window, turn.protocol.max_output_tokens(turn.body),
-                                    proxy.token_counter)
-                selected, turn.budget = selected[:budget.keep], budget.record
-            block = retrieval.render_block(selected)
+
+            def fit(selected: list[Any], render: Any) -> int:
+                budget = context_budget.fit_skills([s.skill.name for s in selected], render,
+                                                   turn.raw, window,
+                                                   turn.protocol.max_output_tokens(turn.body),
+                                                   proxy.token_counter)
+                turn.budget = budget.record
+                return budget.keep
+
+            done = retrieval.select_and_inject(
+                proxy.retriever, turn.messages, skills, turn_type=turn.turn_type,
+                top_k=config.top_k, min_score=config.min_score, budget_chars=config.budget_chars,
+                query=turn.query, fit=fit if window is not None else None)
+            selected = done.selected
             turn.injected = [s.skill.name for s in selected]
             turn.scores = [s.score for s in selected]
             turn.keys = [(s.skill.use_when, len(s.skill.example_asks)) for s in selected]
-            if block or BLOCK_TAG in turn.raw:  # or a resent earlier block, to take out
-                turn.body = turn.protocol.inject(turn.body, block)
-                turn.messages = retrieval.inject(turn.messages, block)
+            if done.block or BLOCK_TAG in turn.raw:  # or a resent earlier block, to take out
+                turn.body = turn.protocol.inject(turn.body, done.block)
+                turn.messages = done.messages
         except Exception as exc:  # serve the turn without skills rather than fail the agent
             log.exception("skill retrieval failed; serving this turn without skills")
             turn.injected, turn.scores, turn.keys = [], [], []
@@ -578,7 +606,7 @@ class TurnPipeline:
                 # a turn served no skills (a side call, an empty library) that resends an
                 # earlier turn's block: taken out, so the upstream sees no skills here either
                 turn.body = turn.protocol.inject(turn.body, "")
-                turn.messages = retrieval.inject(turn.messages, "")
+                turn.messages = skill_block.inject(turn.messages, "")
         except BaseException:  # cancelled (its client hung up): the session it took is free
             if turn.thread is not None:
                 self.proxy.threads.settle(turn.thread, False)
@@ -766,7 +794,7 @@ class _Relay:
             raise
         except Exception as exc:
             return await self.fail(exc, upstream)
-        payload = self.proxy._scrub_bytes(payload, self.secret_bytes)
+        payload = mask_bytes(payload, self.secret_bytes)
         columns = {**upstream.protocol.reply_columns(data), **policy}
         if request.transport is None or request.transport.is_closing():
             # the client gave up waiting (an SDK timeout): nobody saw this reply, so it is not
@@ -838,7 +866,7 @@ class _Relay:
                         terminal = source.is_terminal(raw, event)
                         ended = ended or terminal
                         if _is_error_event(event):  # an upstream error may quote the key
-                            event = self.proxy._scrub_json(event, self.secrets)
+                            event = mask_json(event, self.secrets)
                         assembler.add(event)
                         if same:  # relayed as it came (one event: no list to build)
                             if terminal:
@@ -853,7 +881,7 @@ class _Relay:
                             elif not client.is_private(out, client_asked):
                                 relayed.append(data)
                     if relayed:  # masked as a whole: an upstream may quote the key anywhere
-                        await self.write(response, self.proxy._scrub_bytes(b"".join(relayed),
+                        await self.write(response, mask_bytes(b"".join(relayed),
                                                                            self.secret_bytes))
                 if not ended and assembler.error is None:
                     raise ProxyError(502, f"the upstream {_where(upstream)} ended its stream "
@@ -897,7 +925,7 @@ class _Relay:
             except ProxyError as exc:
                 held = [client.stream_error_event(exc)]
             with contextlib.suppress(_ClientGone, ConnectionError):  # the end and the last chunk
-                await response.write_eof(self.proxy._scrub_bytes(b"".join(held),
+                await response.write_eof(mask_bytes(b"".join(held),
                                                                   self.secret_bytes))
             return response
 

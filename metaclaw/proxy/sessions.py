@@ -30,19 +30,7 @@ Turn type: ``X-Turn-Type`` / body ``turn_type`` decide when given. Otherwise
 for the conversation, a summary or compaction of it, a quota or health probe, a sub-agent's
 call): they get no skills and never reach the support or query set. Everything else is ``main``.
 
-The turn types:
-
-- ``main``: a turn of the user's task (the default);
-- ``stage:<name>``: a turn of one named stage of a multi-stage task (a pipeline's ``plan``,
-  ``search``, ...), given by the client only; ``<name>`` is 1-64 lowercase letters, digits,
-  ``-`` or ``_``. A stage turn is a main turn with a scope: it gets skills, is judged and
-  enters the support and query sets like ``main``, but it is offered only general skills and
-  the skills of its own stage, and the skills learnt from its failures are scoped to its stage
-  (see :attr:`metaclaw.skills.library.Skill.stage`);
-- ``side``: a call beside the task; no skills, never in the support or query set.
-
-:func:`is_task_turn` (and :data:`TASK_TURNS_SQL`, the same rule in SQL) is the one test of
-"main or a stage", used wherever a turn is served skills, judged or buffered.
+The turn types and the one test of "main or a stage" are :mod:`metaclaw.turns`.
 """
 
 from __future__ import annotations
@@ -61,15 +49,10 @@ import orjson
 
 from metaclaw.protocols.anthropic_messages import tool_input
 from metaclaw.skills.asks import INSTRUCTION_ROLES, content_text
+from metaclaw.turns import IdentityError, check_turn_type
 
 log = logging.getLogger(__name__)
 
-TURN_TYPES = ("main", "side")
-#: ``stage:<name>``: the turn type of one stage of a multi-stage task (see the module docstring).
-STAGE_PREFIX = "stage:"
-STAGE_NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}")
-#: :func:`is_task_turn` in SQL, over the ``turns.turn_type`` column (stored lowercase).
-TASK_TURNS_SQL = "(turn_type = 'main' OR turn_type GLOB 'stage:*')"
 MAX_SESSION_CHARS = 256
 #: Session headers of other frameworks, after ``X-Session-Id`` (first match wins).
 SESSION_HEADERS = ("X-Claude-Code-Session-Id", "X-Conversation-Id", "X-Thread-Id",
@@ -95,14 +78,6 @@ def _metadata_user_session(user_id: str) -> str | None:
 # surrogates (a header's bytes that are not UTF-8 arrive as those: the store cannot hold them,
 # and would write every such id alike)
 _SESSION_OK = re.compile(r"[^\x00-\x1f\x7f-\x9f\ud800-\udfff]+")
-
-
-class IdentityError(ValueError):
-    """A session id or turn type the client gave is not acceptable; ``param`` names it."""
-
-    def __init__(self, param: str, message: str):
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass(frozen=True)
@@ -261,65 +236,6 @@ def session_of(headers: Mapping[str, str], body: dict[str, Any]) -> tuple[str, s
     return "unidentified", "none"
 
 
-def is_task_turn(turn_type: str | None) -> bool:
-    """Whether a turn of this type does the user's task (``main`` or ``stage:<name>``): it is
-    offered skills, judged, and enters the support and query sets. ``side`` calls do not."""
-    return turn_type == "main" or (isinstance(turn_type, str)
-                                   and turn_type.startswith(STAGE_PREFIX))
-
-
-def stage_of(turn_type: str | None) -> str | None:
-    """The stage name of a ``stage:<name>`` turn type; ``None`` for ``main`` and ``side``."""
-    if isinstance(turn_type, str) and turn_type.startswith(STAGE_PREFIX):
-        return turn_type[len(STAGE_PREFIX):]
-    return None
-
-
-def stage_turn_type(stage: str) -> str:
-    """``stage:<stage>``, checked (raises :class:`IdentityError` for an invalid name)."""
-    return check_turn_type(f"{STAGE_PREFIX}{stage}", "stage")
-
-
-def check_turn_type(given: Any, where: str = "header X-Turn-Type") -> str:
-    """A client's turn type, normalised (stripped, lowercase); raises :class:`IdentityError`
-    (``param='turn_type'``) with what to send instead. ``where`` names the field in the error."""
-    value = given.strip().lower() if isinstance(given, str) else None
-    if value in TURN_TYPES or (value is not None and value.startswith(STAGE_PREFIX)
-                               and STAGE_NAME.fullmatch(value[len(STAGE_PREFIX):])):
-        return value
-    shown = repr(given[:80] + "..." if isinstance(given, str) and len(given) > 80 else given)
-    raise IdentityError("turn_type", f"the turn type ({where}) must be 'main', 'side' or "
-                                     f"'stage:<name>' with a name of 1-64 lowercase letters, "
-                                     f"digits, '-' or '_' (e.g. 'stage:plan'), not {shown}")
-
-
-def turn_type_condition(value: str) -> tuple[str, list[str]]:
-    """An SQL condition on ``turns`` for a turn-type filter (``metaclaw turns --type``):
-    ``main``, ``side``, ``stage:<name>``, or ``stage`` for every stage turn. Raises
-    :class:`IdentityError` (a ``ValueError``) for anything else."""
-    if isinstance(value, str) and value.strip().lower() == "stage":
-        return "turn_type GLOB 'stage:*'", []
-    try:
-        return "turn_type = ?", [check_turn_type(value, "filter")]
-    except IdentityError as exc:
-        raise IdentityError("turn_type", f"{exc}; or 'stage' for every stage") from None
-
-
-def turns_filter(session: str | None = None,
-                 turn_type: str | None = None) -> tuple[str, list[str]]:
-    """The SQL condition and parameters selecting turns of ``session`` and of ``turn_type``
-    (as :func:`turn_type_condition` reads it); either may be left out."""
-    where, params = ["1=1"], []
-    if session:
-        where.append("session_id = ?")
-        params.append(session)
-    if turn_type:
-        condition, values = turn_type_condition(turn_type)
-        where.append(condition)
-        params += values
-    return " AND ".join(where), params
-
-
 def turn_type_of(headers: Mapping[str, str], body: dict[str, Any]) -> tuple[str, str]:
     """(``main`` | ``side`` | ``stage:<name>``, which rule decided)."""
     header = _header(headers, "X-Turn-Type")
@@ -459,7 +375,7 @@ class ReplyThreads:
     def resolve(self, fingerprint: str, messages: list[Any]) -> tuple[str, str, Thread]:
         """(session id, how it was decided, the thread to :meth:`settle`) of a task turn whose
         session is the fingerprint ``fingerprint``; ``messages``: as the client sent them."""
-        from metaclaw.skills.retrieval import strip_skill_block
+        from metaclaw.skills.block import strip_skill_block
 
         history, keys, answered = hashlib.blake2b(digest_size=16), [], []
         ask = hashlib.blake2b(digest_size=16)
@@ -656,7 +572,7 @@ class ReplyThreads:
         except Exception:  # noqa: BLE001 - a store that cannot answer: the fingerprint it is
             log.warning("could not read the recorded replies of %s", fingerprint, exc_info=True)
             return
-        from metaclaw.skills.retrieval import strip_skill_block  # the request as the client sent it
+        from metaclaw.skills.block import strip_skill_block  # the request as the client sent it
 
         for row in rows:
             if (_opening(row["session_id"]) or ("",))[0] != fingerprint \

@@ -28,7 +28,9 @@ from typing import Any, AsyncIterator, Mapping
 from yarl import URL
 
 from metaclaw.jsonlib import dumpb, loads
-from metaclaw.protocols import Event, ProxyError, WireProtocol, error_json, get_protocol, sse_events
+from metaclaw.protocols import Event, ProxyError, WireProtocol, error_json, sse_events
+from metaclaw.protocols.registry import get_protocol
+from metaclaw.redact import safe_url
 
 log = logging.getLogger("metaclaw.proxy")
 
@@ -37,15 +39,11 @@ NO_KEY = "sk-no-key"
 ANTHROPIC_VERSION = "2023-06-01"
 
 
-def safe_url(url: str | None) -> str | None:
-    """``url`` without ``user:password@``, query or fragment (for logs, errors and health output)."""
-    from urllib.parse import urlsplit, urlunsplit
+class PolicyRequestError(ValueError):
+    """A chat request a local policy (a responder) cannot serve; ``status`` is the HTTP status to
+    answer with. Raised by the responders (:mod:`metaclaw.slowloop.policy`), answered here."""
 
-    if not url:
-        return url
-    parts = urlsplit(url)
-    return urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[-1], query="", fragment=""))
-
+    status = 400
 
 class Upstream:
     """A model endpoint in one wire protocol. ``complete`` returns ``(payload bytes, reply dict,
@@ -470,8 +468,6 @@ class ResponderUpstream(Upstream):
     def map_error(self, exc: BaseException, midstream: bool = False) -> ProxyError:
         if isinstance(exc, ProxyError):
             return exc
-        from metaclaw.slowloop.policy import PolicyRequestError
-
         if isinstance(exc, PolicyRequestError):  # the local policy cannot serve this request
             return ProxyError(exc.status, str(exc), code="unsupported_by_policy")
         return ProxyError(500, f"the local policy failed: {type(exc).__name__}: {exc}",
@@ -518,22 +514,26 @@ def policy_columns(info: Any) -> dict[str, Any]:
 
 
 def retry_after(headers: Any) -> float | None:
-    """Seconds an upstream asks to wait (``retry-after-ms``, ``Retry-After`` in seconds or as an
-    HTTP date); ``None`` when it says nothing usable."""
+    """Seconds a server asks to wait before a retry (``retry-after-ms``, else ``Retry-After`` in
+    seconds or as an HTTP date); ``None`` when it says nothing usable. The one reader of these
+    headers: the upstream clients here and the fast loop's LLM client use it."""
     import email.utils
 
     try:
-        if headers.get("retry-after-ms"):
-            return max(0.0, float(headers["retry-after-ms"]) / 1000.0)
         value = headers.get("retry-after")
-        if not value:
-            return None
+        given = ((headers.get("retry-after-ms"), 0.001), (value, 1.0))
+    except AttributeError:
+        return None
+    for raw, scale in given:
         try:
-            return max(0.0, float(value))
-        except ValueError:
-            when = email.utils.parsedate_to_datetime(value)
-            return max(0.0, when.timestamp() - time.time())
-    except (TypeError, ValueError, OverflowError):
+            if raw:
+                return max(0.0, float(raw) * scale)
+        except (TypeError, ValueError, OverflowError):
+            continue
+    try:
+        return max(0.0, email.utils.parsedate_to_datetime(value).timestamp() - time.time()) \
+            if value else None
+    except (TypeError, ValueError, IndexError, OverflowError):
         return None
 
 

@@ -72,8 +72,8 @@ from typing import Any, Callable, Iterable, Literal
 import yaml
 
 from metaclaw.jsonlib import LONE_SURROGATE as _SURROGATE
-from metaclaw.proxy.sessions import STAGE_NAME, stage_of
 from metaclaw.store import Store
+from metaclaw.turns import STAGE_NAME, stage_of
 
 log = logging.getLogger(__name__)
 
@@ -594,6 +594,17 @@ class SkillDiff:
             parts.append("</table>")
         parts.append("</div>")
         return "".join(parts)
+
+
+def apply_in_memory(skills: dict[str, Skill], ops: Iterable[SkillOp]) -> dict[str, Skill]:
+    """The library ``skills`` after ``ops`` (no files, no store)."""
+    out = dict(skills)
+    for op in ops:
+        if op.op == "remove":
+            out.pop(op.name, None)
+        else:
+            out[op.name] = op.skill
+    return out
 
 
 def starter_skills_dir() -> Path:

@@ -49,18 +49,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
+from metaclaw.proxy.upstreams import PolicyRequestError
 from metaclaw.slowloop.backends import Sample, render_request
 
 log = logging.getLogger("metaclaw.policy")
 
 TOOL_CALL_RE = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
 TOOL_CALL_OPEN = "<tool_call>"
-
-
-class PolicyRequestError(ValueError):
-    """A chat request the policy cannot serve; ``status`` is the HTTP status to answer with."""
-
-    status = 400
 
 
 class PolicyMismatch(ValueError):

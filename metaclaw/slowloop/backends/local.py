@@ -28,8 +28,8 @@ import warnings
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from metaclaw.slowloop.backends import (DEFAULT_CLIP_HIGH, DEFAULT_CLIP_LOW, BackendError, Datum,
-                                        Sample, TokenizerMixin, check_loss_fn)
+from metaclaw.slowloop.backends.base import (DEFAULT_CLIP_HIGH, DEFAULT_CLIP_LOW, BackendError, Datum,
+    Sample, TokenizerMixin, check_loss_fn)
 
 
 def policy_loss(loss_fn: str, logprobs_B_T, sampling_logprobs_B_T, advantages_B_T, mask_B_T,

@@ -24,8 +24,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from metaclaw.slowloop.backends import (DEFAULT_CLIP_HIGH, DEFAULT_CLIP_LOW, BackendError, Datum,
-                                        Sample, TokenizerMixin, check_loss_fn)
+from metaclaw.slowloop.backends.base import (DEFAULT_CLIP_HIGH, DEFAULT_CLIP_LOW, BackendError, Datum,
+    Sample, TokenizerMixin, check_loss_fn)
 
 
 def preflight(base_url: str | None = None, timeout: float = 3.0) -> str:
