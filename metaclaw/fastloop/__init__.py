@@ -6,6 +6,8 @@
 - :mod:`~metaclaw.fastloop.gate`: an automatic change goes live only when safe and better;
 - :mod:`~metaclaw.fastloop.proposals`: the changes the gate held back, and every promotion;
 - :mod:`~metaclaw.fastloop.labels`: a person's verdicts on turns;
+- :mod:`~metaclaw.fastloop.llm`: the LLM client with retries that the judge, evolver, gate and
+  replay share;
 - :mod:`~metaclaw.fastloop.replay`: a recorded turn replayed with other skills and judged (the
   gate, the evolver's verification and experiments replay through it);
 - :mod:`~metaclaw.fastloop.evidence`: per-skill evidence from the recorded turns;
