@@ -170,7 +170,7 @@ def test_export_then_import_is_a_round_trip(store, tmp_path):
 
 
 def test_a_proxied_turn_exported_comes_back_without_its_skill_block(store, tmp_path):
-    from metaclaw.skills.retrieval import BLOCK_FOOTER, BLOCK_HEADER, inject
+    from metaclaw.skills.block import BLOCK_FOOTER, BLOCK_HEADER, inject
 
     asked = [{"role": "system", "content": "You are helpful."},
              {"role": "user", "content": "Rename notes.txt"}]
