@@ -882,7 +882,7 @@ class _Relay:
                                 relayed.append(data)
                     if relayed:  # masked as a whole: an upstream may quote the key anywhere
                         await self.write(response, mask_bytes(b"".join(relayed),
-                                                                           self.secret_bytes))
+                                                              self.secret_bytes))
                 if not ended and assembler.error is None:
                     raise ProxyError(502, f"the upstream {_where(upstream)} ended its stream "
                                           "before the final event (truncated reply); retry the "
@@ -898,8 +898,8 @@ class _Relay:
                         elif not client.is_private(out, client_asked):
                             relayed.append(data)
                     if relayed:  # one write, masked like the events before it
-                        await self.write(response, self.proxy._scrub_bytes(b"".join(relayed),
-                                                                           self.secret_bytes))
+                        await self.write(response, mask_bytes(b"".join(relayed),
+                                                              self.secret_bytes))
             except _ClientGone:
                 where = "mid-stream" if self.sent else "before the reply's first byte"
                 self.finish(status="client_disconnected", http_status=200,
