@@ -21,15 +21,31 @@ log = logging.getLogger("metaclaw.progress")
 LEVELS = {-1: logging.ERROR, 0: logging.WARNING, 1: logging.INFO, 2: logging.DEBUG}
 
 
+class _Stderr(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is when a record is emitted: a caller that replaces
+    it (a test's capture, a notebook) never leaves this handler holding a closed stream."""
+
+    @property
+    def stream(self) -> Any:  # type: ignore[override]
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass
+
+
 def setup_logging(verbosity: int) -> None:
     """Send the ``metaclaw`` loggers to stderr at the level of ``verbosity`` (-1 quiet, 0
-    warnings, 1 info, 2 debug); other libraries' loggers speak from warnings on (debug at 2)."""
+    warnings, 1 info, 2 debug); other libraries' loggers speak from warnings on (debug at 2).
+    Called again, it changes the levels and adds no second handler; other handlers stay."""
     level = LEVELS[max(-1, min(2, verbosity))]
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(logging.DEBUG if verbosity >= 2 else max(level, logging.WARNING))
+    if not any(isinstance(h, _Stderr) for h in root.handlers):
+        handler = _Stderr()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        root.addHandler(handler)
+    if verbosity >= 2:
+        root.setLevel(logging.DEBUG)
     logging.getLogger("metaclaw").setLevel(level)
 
 

@@ -96,6 +96,23 @@ def test_setup_logging_levels():
     assert logging.getLogger("metaclaw").level == logging.ERROR
     console.setup_logging(0)
     assert logging.getLogger("metaclaw").level == logging.WARNING
+    ours = [h for h in logging.getLogger().handlers if isinstance(h, console._Stderr)]
+    assert len(ours) == 1  # called three times, one handler
+
+
+def test_log_lines_follow_a_replaced_stderr(monkeypatch):
+    """A caller that replaces sys.stderr (a test's capture) never leaves the handler holding a
+    closed stream."""
+    import io
+
+    console.setup_logging(0)
+    first, second = io.StringIO(), io.StringIO()
+    monkeypatch.setattr(sys, "stderr", first)
+    logging.getLogger("metaclaw.test").warning("one")
+    first.close()
+    monkeypatch.setattr(sys, "stderr", second)
+    logging.getLogger("metaclaw.test").warning("two")
+    assert "WARNING metaclaw.test: two" in second.getvalue()
 
 
 def test_progress_outside_a_terminal_is_silent_or_log_lines(caplog):
