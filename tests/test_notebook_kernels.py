@@ -4,6 +4,7 @@ interrupting a long ``%metaclaw`` call with the stop button (SIGINT to the kerne
 import gc
 import json
 import queue
+import signal
 import time
 
 import pytest
@@ -156,10 +157,14 @@ def test_run_sync_cancels_its_work_on_an_interrupt_before_raising_it():
     loop = asyncio.new_event_loop()  # not asyncio.run, whose own SIGINT handler a kernel lacks
     collecting = gc.isenabled()
     gc.disable()  # a gc callback (hypothesis installs one) would swallow the interrupt
+    # code run earlier in this worker may have left SIGINT without Python's own handler, and
+    # interrupt_main then calls that one (or, for SIG_IGN, does nothing) instead of raising
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         started = loop.run_until_complete(cell())
     finally:
         loop.close()
+        signal.signal(signal.SIGINT, handler)
         if collecting:
             gc.enable()
     assert unwound and unwound[0] - started < 5  # cancelled, and unwound before the raise
