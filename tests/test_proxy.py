@@ -657,31 +657,38 @@ def test_responder_seam(proxy, double):
     assert last_turn(proxy)["policy_version"] == 0 and len(double.requests) == 1
 
 
-class SlowRetriever:
-    """A retriever that takes 1.2 s per query (stands in for a heavy embedding model)."""
+class BlockedRetriever:
+    """A retriever that does not answer until released (stands in for a heavy embedding model)."""
 
     kind = "slow"
     default_min_score = 0.0
 
+    def __init__(self):
+        self.entered, self.release = threading.Event(), threading.Event()
+
     def rank(self, query, skills):
-        time.sleep(1.2)
+        self.entered.set()
+        self.release.wait(10)
         return [ScoredSkill(s, 1.0) for s in sorted(skills, key=lambda s: s.name)]
 
 
 def test_retrieval_never_blocks_the_event_loop(double, workspace, upstream_key):
     store, library = workspace
     config = ProxyConfig(upstream_url=double.url, api_key_env=KEY_ENV, top_k=1)
-    with Proxy(config, store, library, SlowRetriever()) as p:
+    retriever = BlockedRetriever()
+    with Proxy(config, store, library, retriever) as p:
         result = {}
         worker = threading.Thread(target=lambda: result.update(out=sync_client(p).chat.completions.create(
             model="m", messages=COMMIT_QUESTION)))
         worker.start()
-        time.sleep(0.2)
-        started = time.perf_counter()
-        assert httpx.get(p.url[:-3] + "/healthz", timeout=5).status_code == 200
-        # answered while retrieval was still running (a blocked loop would answer after it)
-        assert time.perf_counter() - started < 0.8 and worker.is_alive()
-        worker.join(5)
+        try:
+            assert retriever.entered.wait(10)
+            # answered while retrieval is still held (a blocked loop could not answer at all)
+            assert httpx.get(p.url[:-3] + "/healthz", timeout=5).status_code == 200
+            assert worker.is_alive() and not retriever.release.is_set()
+        finally:
+            retriever.release.set()
+        worker.join(10)
         assert result["out"].choices[0].message.content.startswith("echo:")
         assert last_turn(p)["injected_skills"] == ["git-commit-messages"]
 
