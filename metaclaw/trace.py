@@ -71,22 +71,17 @@ def sessions(store: Store, limit: int = 500, threshold: float = 0.0) -> list[dic
         "ORDER BY s.updated_at DESC", (float(threshold), int(limit)))
 
 
-def _index_sql(guarded: bool = False) -> str:
+def _index_sql(store: Store, guarded: bool = False) -> str:
     """The query of :meth:`Trace.rows`; ``guarded``: JSON is looked into only where it is valid
     (anything else shows as NULL), at the cost of validating every value first."""
-    def read(column: str, expression: str, otherwise: str = "NULL") -> str:
-        if not guarded:
-            return expression
-        return f"CASE WHEN json_valid({column}) THEN {expression} ELSE {otherwise} END"
-
-    role = "json_extract(request_messages, '$[#-1].role')"
-    text = f"substr(json_extract(request_messages, '$[#-1].content'), 1, {PREVIEW_CHARS})"
+    role = store.json_text("request_messages", -1, "role", guarded=guarded)
+    text = (f"substr({store.json_text('request_messages', -1, 'content', guarded=guarded)}, "
+            f"1, {PREVIEW_CHARS})")
     return ("SELECT id, turn_index, turn_type, status, created_at, model, skill_generation, "
             "policy_version, reward, human_label, latency_ms, finish_reason, "
-            f"{read('request_messages', 'json_array_length(request_messages)')} AS messages, "
-            f"{read('tool_calls', 'COALESCE(json_array_length(tool_calls), 0)', '0')} "
-            f"AS tool_calls, {read('request_messages', role)} AS last_role, "
-            f"{read('request_messages', text)} AS last_text, "
+            f"{store.json_length('request_messages', guarded=guarded)} AS messages, "
+            f"COALESCE({store.json_length('tool_calls', guarded=guarded)}, 0) AS tool_calls, "
+            f"{role} AS last_role, {text} AS last_text, "
             f"substr(response, 1, {PREVIEW_CHARS}) AS reply "
             "FROM turns WHERE session_id = ? ORDER BY turn_index")
 
@@ -107,7 +102,7 @@ class Trace:
             raise LookupError(f"no session {session_id!r} in the store; list them with "
                               "metaclaw.trace.sessions(store)")
         self.session_id = session_id
-        columns = {r["name"] for r in store.query("PRAGMA table_info(turns)")}
+        columns = set(store.declared_types("turns"))
         self._has_retrieval = {"retrieval_query", "retrieval_scores"} <= columns
         self._index: list[dict[str, Any]] | None = None
 
@@ -116,14 +111,14 @@ class Trace:
         """One small dict per turn, oldest first (cached; ``refresh`` re-reads)."""
         if self._index is None or refresh:
             try:
-                rows = self.store.query(_index_sql(), (self.session_id,))
+                rows = self.store.query(_index_sql(self.store), (self.session_id,))
             except sqlite3.OperationalError as exc:
                 if "malformed JSON" not in str(exc):
                     raise
                 # one corrupt or foreign-written row makes SQLite's JSON functions fail the
                 # whole query: read again looking only into valid JSON (slower: every value is
                 # validated first), so that such a row shows NULL instead
-                rows = self.store.query(_index_sql(guarded=True), (self.session_id,))
+                rows = self.store.query(_index_sql(self.store, guarded=True), (self.session_id,))
             for row in rows:
                 row["failed"] = self.is_failure(row)
                 row["judge"] = self._judge_verdict(row.get("reward"))
@@ -233,7 +228,8 @@ class Trace:
         rows = self.store.query(
             "SELECT e.generation, e.op, e.skill_name, e.reason, g.kind, g.snapshot "
             "FROM skill_events e JOIN skill_generations g ON g.generation = e.generation, "
-            "json_each(e.evidence) j WHERE j.value = ? ORDER BY e.generation, e.id",
+            f"{self.store.json_values('e.evidence', 'j', 'int')} WHERE j.value = ? "
+            "ORDER BY e.generation, e.id",
             (int(turn_id),))
         out = []
         for row in rows:
@@ -247,7 +243,8 @@ class Trace:
                         "skill_name": row["skill_name"], "reason": row["reason"],
                         "skill_markdown": markdown, "proposal_id": None})
         for row in self.store.query(
-                "SELECT p.id, p.status, p.reason FROM proposals p, json_each(p.support_ids) j "
+                "SELECT p.id, p.status, p.reason FROM proposals p, "
+                f"{self.store.json_values('p.support_ids', 'j', 'int')} "
                 "WHERE j.value = ? AND p.status != 'promoted' ORDER BY p.id", (int(turn_id),)):
             out.append({"generation": None, "kind": f"proposal ({row['status']})", "op": "",
                         "skill_name": "", "reason": row["reason"], "skill_markdown": "",

@@ -769,10 +769,9 @@ def import_files(store: Store, paths: Iterable[str | os.PathLike[str]],
 
 def _known_keys(store: Store, session: str) -> set[str]:
     """The content keys of the imported turns of ``session`` already in the store."""
-    rows = store.query(
-        "SELECT json_extract(identified_by, '$.import_key') AS k FROM turns "
-        "WHERE session_id = ? AND json_valid(identified_by) "
-        "AND json_extract(identified_by, '$.import_key') IS NOT NULL", (session,))
+    key = store.json_text("identified_by", "import_key")
+    rows = store.query(f"SELECT {key} AS k FROM turns WHERE session_id = ? AND {key} IS NOT NULL",
+                       (session,))
     return {row["k"] for row in rows}
 
 

@@ -23,7 +23,8 @@ TURN_TYPES = ("main", "side")
 STAGE_PREFIX = "stage:"
 STAGE_NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}")
 #: :func:`is_task_turn` in SQL, over the ``turns.turn_type`` column (stored lowercase).
-TASK_TURNS_SQL = "(turn_type = 'main' OR turn_type GLOB 'stage:*')"
+STAGE_TURNS_SQL = f"substr(turn_type, 1, {len(STAGE_PREFIX)}) = '{STAGE_PREFIX}'"
+TASK_TURNS_SQL = f"(turn_type = 'main' OR {STAGE_TURNS_SQL})"
 
 
 class IdentityError(ValueError):
@@ -71,7 +72,7 @@ def turn_type_condition(value: str) -> tuple[str, list[str]]:
     ``main``, ``side``, ``stage:<name>``, or ``stage`` for every stage turn. Raises
     :class:`IdentityError` (a ``ValueError``) for anything else."""
     if isinstance(value, str) and value.strip().lower() == "stage":
-        return "turn_type GLOB 'stage:*'", []
+        return STAGE_TURNS_SQL, []
     try:
         return "turn_type = ?", [check_turn_type(value, "filter")]
     except IdentityError as exc:

@@ -1,4 +1,14 @@
-"""Fixtures shared by the test modules."""
+"""Fixtures shared by the test modules.
+
+``--store-engine postgresql`` (or ``METACLAW_TEST_ENGINE=postgresql``) runs the tests against a
+throwaway PostgreSQL cluster: every ``Store(path)`` of the test process and of the processes it
+starts opens a database of the cluster standing in for that file (``tests/pgcluster.py``).
+Tests marked ``sqlite_only`` (they look at the SQLite file itself) skip there.
+"""
+
+import os
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -8,6 +18,55 @@ except ImportError:  # pragma: no cover
     pass
 
 from metaclaw.store import Store
+
+
+TESTS = Path(__file__).resolve().parent
+sys.path.insert(0, str(TESTS))
+
+import pgcluster  # noqa: E402
+
+
+def pytest_addoption(parser):
+    parser.addoption("--store-engine", choices=("sqlite", "postgresql"),
+                     default=os.environ.get("METACLAW_TEST_ENGINE", "sqlite"),
+                     help="the workspace store engine the tests run against")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "sqlite_only: looks at the SQLite file; skipped when "
+                                       "the suite runs against PostgreSQL")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--store-engine") == "postgresql":
+        skip = pytest.mark.skip(reason="looks at the SQLite file itself")
+        for item in items:
+            if "sqlite_only" in item.keywords:
+                item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def pg_cluster():
+    """A throwaway PostgreSQL cluster for this test process (skips where none can start)."""
+    cluster = pgcluster.start()
+    if cluster is None:
+        pytest.skip(f"no PostgreSQL: {'; '.join(pgcluster.WHY_NOT)}")
+    yield cluster
+    cluster.remove()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def store_engine(request):
+    """The engine under test; for PostgreSQL, maps every store path to a cluster database."""
+    engine = request.config.getoption("--store-engine")
+    if engine == "postgresql":
+        cluster = request.getfixturevalue("pg_cluster")
+        socket = str(cluster.socket_dir)
+        pgcluster.map_paths(socket)
+        os.environ[pgcluster.MAP_ENV] = socket
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [str(TESTS / "pgmap"), os.environ.get("PYTHONPATH")]))
+    return engine
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -8,9 +8,10 @@ import textwrap
 import polars as pl
 import pytest
 
-from metaclaw.store import SCHEMA_VERSION, TABLES, Store, StoreError
+from metaclaw.store import DB_ERRORS, SCHEMA_VERSION, TABLES, Store, StoreError
 
 
+@pytest.mark.sqlite_only
 def test_fresh_store_is_wal_and_versioned(tmp_path):
     store = Store(tmp_path / "ws" / "metaclaw.db")
     assert store.schema_version == SCHEMA_VERSION
@@ -19,6 +20,7 @@ def test_fresh_store_is_wal_and_versioned(tmp_path):
         assert isinstance(store.frame(table), pl.DataFrame)
 
 
+@pytest.mark.sqlite_only
 def test_newer_schema_is_refused_with_a_clear_error(tmp_path):
     path = tmp_path / "m.db"
     Store(path).close()
@@ -30,6 +32,7 @@ def test_newer_schema_is_refused_with_a_clear_error(tmp_path):
         Store(path)
 
 
+@pytest.mark.sqlite_only
 def test_not_a_database_is_a_store_error(tmp_path):
     path = tmp_path / "m.db"
     path.write_bytes(b"this is not sqlite" * 100)
@@ -65,7 +68,7 @@ def test_generations_are_numbered_and_events_atomic(tmp_path):
                               events=[{"op": "add", "skill_name": "a", "evidence": [1, 2]}])
     assert (g0, g1) == (0, 1) and store.latest_generation() == 1
     assert store.skill_events(1)[0]["evidence"] == [1, 2]
-    with pytest.raises(sqlite3.IntegrityError):
+    with pytest.raises(DB_ERRORS):
         # an event with a missing column aborts the whole generation
         store.add_generation(snapshot={}, kind="edit", events=[{"op": None, "skill_name": "x"}])
     assert store.latest_generation() == 1
@@ -163,6 +166,7 @@ def _v6_workspace(path):
     db.close()
 
 
+@pytest.mark.sqlite_only
 def test_a_v6_workspace_migrates_keeping_its_trained_counts(tmp_path):
     from metaclaw import buffers
 
@@ -176,6 +180,7 @@ def test_a_v6_workspace_migrates_keeping_its_trained_counts(tmp_path):
         assert buffers.is_trained(row) and buffers.consumable(store, [row["id"]]) == []
 
 
+@pytest.mark.sqlite_only
 @pytest.mark.parametrize("trial", range(2))
 def test_processes_opening_a_v6_workspace_at_once_all_migrate_it(tmp_path, trial):
     import time

@@ -111,15 +111,19 @@ def _task_turns(store: Store, columns: str) -> Iterable[list[dict[str, Any]]]:
         last = rows[-1]["id"]
 
 
-#: The *with* side of every skill name, summed by SQLite over the injected skills' JSON lists.
-_WITH_SQL = f"""
+def _with_sql(store: Store) -> str:
+    """The *with* side of every skill name, summed by the database over the injected skills'
+    JSON lists."""
+    def count(condition: str) -> str:
+        return f"COALESCE(SUM(CASE WHEN {condition} THEN 1 ELSE 0 END), 0)"
+
+    return f"""
 SELECT j.value AS skill, COUNT(*) AS turns, COUNT(t.reward) AS judged,
-       TOTAL(t.reward) AS reward, TOTAL(t.reward * t.reward) AS squares,
-       TOTAL(t.reward > ?) AS passed, TOTAL(t.human_label = 'pass') AS label_pass,
-       TOTAL(t.human_label = 'fail') AS label_fail, MIN(t.created_at) AS first,
+       COALESCE(SUM(t.reward), 0.0) AS reward, COALESCE(SUM(t.reward * t.reward), 0.0) AS squares,
+       {count('t.reward > ?')} AS passed, {count("t.human_label = 'pass'")} AS label_pass,
+       {count("t.human_label = 'fail'")} AS label_fail, MIN(t.created_at) AS first,
        MAX(t.created_at) AS last
-FROM turns AS t, json_each(CASE WHEN json_valid(t.injected_skills) THEN t.injected_skills
-                                ELSE '[]' END) AS j
+FROM turns AS t, {store.json_values('t.injected_skills', 'j')}
 WHERE {TASK_TURNS_SQL.replace('turn_type', 't.turn_type')} AND t.status = 'ok'
       AND j.type = 'text'
 GROUP BY j.value
@@ -180,7 +184,7 @@ def collect(store: Store, skills: list[Skill], *, threshold: float = 0.0,
     ``skills``; None without ``compare``), ``first`` / ``last`` use, and the sorted times of the
     task turns."""
     with_, first, last = {}, {}, {}
-    for row in store.query(_WITH_SQL, (threshold,)):
+    for row in store.query(_with_sql(store), (threshold,)):
         with_[row["skill"]] = _Side(row["turns"], row["judged"], row["reward"], row["squares"],
                                     int(row["passed"]), int(row["label_pass"]),
                                     int(row["label_fail"]))
@@ -300,7 +304,8 @@ def propose(store: Store, library: Any, stats: Any) -> list[int]:
         if name in pending or name not in current:
             continue
         evidence = [r["id"] for r in store.query(
-            "SELECT t.id FROM turns t, json_each(t.injected_skills) j WHERE j.value = ? AND "
+            f"SELECT t.id FROM turns t, {store.json_values('t.injected_skills', 'j')} "
+            "WHERE j.value = ? AND "
             "t.reward IS NOT NULL ORDER BY t.id DESC LIMIT 20", (name,))]
         op = SkillOp("remove", name=name, reason=_reason(row), evidence=evidence,
                      base=current[name].content_hash)

@@ -52,6 +52,10 @@ from metaclaw.store import IN_IDS, Store, id_list
 from metaclaw.turns import TASK_TURNS_SQL
 
 
+#: The columns of an experiment result a replay writes (after its key).
+_RESULT_COLUMNS = ("created_at, score, verdict, votes, reply, tool_calls, skills, error, "
+                   "upstream_failed, latency_ms, prompt_tokens, completion_tokens, label_similarity")
+
 class ExperimentError(ValueError):
     """A dataset, a variant or an experiment that cannot be made or run (one sentence why)."""
 
@@ -103,8 +107,10 @@ def dataset(store: Store, name: str, *, turn_ids: Iterable[int] | None = None,
         if exists and not replace:
             raise ExperimentError(f"dataset {name!r} exists; pass replace=True (or another "
                                   "name)")
-        store.execute("INSERT OR REPLACE INTO datasets (name, created_at, description, "
-                      "selection, turn_ids) VALUES (?, ?, ?, ?, ?)",
+        store.execute("INSERT INTO datasets (name, created_at, description, selection, turn_ids) "
+                      "VALUES (?, ?, ?, ?, ?) ON CONFLICT (name) DO UPDATE SET created_at = "
+                      "excluded.created_at, description = excluded.description, selection = "
+                      "excluded.selection, turn_ids = excluded.turn_ids",
                       (name, time.time(), description, jsonlib.dumps(selection),
                        jsonlib.dumps(ids)))
     return ids
@@ -318,10 +324,10 @@ class Experiment:
     def _insert(self, turn_id: int, variant: str, replay: Any, verdict: str | None,
                 similarity: float | None) -> None:
         self.store.execute(
-            "INSERT OR REPLACE INTO experiment_results (experiment_id, turn_id, variant, "
-            "created_at, score, verdict, votes, reply, tool_calls, skills, error, "
-            "upstream_failed, latency_ms, prompt_tokens, completion_tokens, label_similarity) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            f"INSERT INTO experiment_results (experiment_id, turn_id, variant, {_RESULT_COLUMNS}) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
+            "ON CONFLICT (experiment_id, turn_id, variant) DO UPDATE SET "
+            + ", ".join(f"{c} = excluded.{c}" for c in _RESULT_COLUMNS.split(", ")),
             (self.id, turn_id, variant, time.time(), replay.score, verdict,
              jsonlib.dumps(replay.vote_scores or []), replay.reply,
              jsonlib.dumps(replay.tool_calls) if replay.tool_calls else None,

@@ -33,7 +33,6 @@ import json
 import logging
 import os
 import re
-import sqlite3
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
@@ -45,7 +44,7 @@ from metaclaw.fastloop.llm import (LLMClient, answer_error, check_url, reply_tex
                                    run_sync)
 from metaclaw.progress import ProgressFn, notify
 from metaclaw.redact import safe_url
-from metaclaw.store import IN_IDS, Store, id_list
+from metaclaw.store import DB_ERRORS, IN_IDS, Store, id_list
 from metaclaw.turns import TASK_TURNS_SQL
 
 log = logging.getLogger(__name__)
@@ -753,7 +752,7 @@ class Judge:
             await asyncio.sleep(self.lease_s / 3)
             try:
                 held[0] = renew_leases(store, turn_ids, held[0], self.lease_s)
-            except sqlite3.Error as exc:  # busy past the store's timeout: the next round retries
+            except DB_ERRORS as exc:  # busy past the store's timeout: the next round retries
                 log.warning("could not renew the judge's leases: %s", exc)
 
     def _skipped(self, turn_id: int, judged: bool) -> JudgeResult:

@@ -192,8 +192,9 @@ def frame(store: Store):
 def proposed_support(store: Store, base_generation: int) -> set[int]:
     """The failures (support turn ids) any proposal made from ``base_generation`` was written
     for, held, promoted or discarded: the fast loop does not ask again for them alone."""
-    rows = store.query("SELECT DISTINCT value AS id FROM proposals, json_each(support_ids) "
-                       "WHERE base_generation = ?", (int(base_generation),))
+    rows = store.query("SELECT DISTINCT j.value AS id FROM proposals, "
+                       f"{store.json_values('support_ids', 'j', 'int')} "
+                       "WHERE base_generation = ? AND j.value IS NOT NULL", (int(base_generation),))
     return {int(r["id"]) for r in rows}
 
 

@@ -40,6 +40,8 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable
 
+from metaclaw.turns import STAGE_TURNS_SQL
+
 STAGES = ("plan", "search", "experiment", "analyze", "write")
 #: The stages a refine cycle runs again.
 REFINED = ("analyze", "write")
@@ -326,7 +328,7 @@ def stage_executions(store: Any, runs: Iterable[RunRecord | str]) -> list[dict[s
         return []
     rows = store.query(
         "SELECT id, session_id, turn_type, reward, judge_model FROM turns WHERE session_id IN "
-        f"({', '.join('?' * len(sessions))}) AND turn_type GLOB 'stage:*' ORDER BY id", sessions)
+        f"({', '.join('?' * len(sessions))}) AND {STAGE_TURNS_SQL} ORDER BY id", sessions)
     done: list[dict[str, Any]] = []
     open_: dict[tuple[str, str], dict[str, Any]] = {}
     for row in rows:
@@ -392,8 +394,8 @@ def run_table(store: Any, runs: Iterable[RunRecord | str], label: str):
         name = run.run if isinstance(run, RunRecord) else str(run)
         mine = [e for e in executions if e["run"] == name]
         refines = max(0, sum(1 for e in mine if e["stage"] == REFINED[0]) - 1)
-        last = store.query("SELECT reward FROM turns WHERE session_id = ? AND turn_type GLOB "
-                           "'stage:*' ORDER BY id DESC LIMIT 1", (name,))
+        last = store.query(f"SELECT reward FROM turns WHERE session_id = ? AND {STAGE_TURNS_SQL} "
+                           "ORDER BY id DESC LIMIT 1", (name,))
         scores = [_robustness(e) for e in mine] or [0.0]
         done = len({e["stage"] for e in mine if e["passed"]}) / len(STAGES)
         rows.append({"condition": label, "run": name,

@@ -41,7 +41,6 @@ import contextlib
 import json
 import logging
 import re
-import sqlite3
 import threading
 import time
 import uuid
@@ -376,8 +375,9 @@ class PolicyFollower:
     ``proxy`` (nothing is adopted while another responder answers its requests, e.g. a slow loop
     training in this process, which swaps its own) and ``poll_s``.
 
-    :meth:`check` looks once: a ``PRAGMA data_version`` on a private connection (microseconds;
-    it changes only when some connection committed), and only then one primary-key range query
+    :meth:`check` looks once: the store's watcher says whether anything was committed (SQLite:
+    ``PRAGMA data_version`` on a private connection, microseconds; PostgreSQL: always), and only
+    then one primary-key range query
     for versions newer than the one served. The newest version that loads is swapped in; the
     others newer than it are reported once each in the store's events (``policy_not_adopted``:
     another base model or backend, warning; ``policy_load_failed``: a missing or broken
@@ -389,13 +389,13 @@ class PolicyFollower:
 
     def __init__(self, store, responder: PolicyResponder, load, *, proxy=None,
                  poll_s: float = 0.5):
-        if store.path is None or str(store.path) == ":memory:":
-            raise ValueError("following published policies needs a workspace store on disk")
         self.store, self.responder, self.load = store, responder, load
         self.proxy, self.poll_s = proxy, poll_s
-        self._probe = sqlite3.connect(str(store.path), check_same_thread=False,
-                                      isolation_level=None, timeout=30.0)
-        self._data_version: int | None = None
+        try:
+            self._probe = store.watcher()
+        except ValueError:
+            raise ValueError("following published policies needs a workspace store on disk "
+                             "or a database server") from None
         self._settled: set[int] = set()   # versions reported as not servable: never retried
         self._lock = threading.Lock()     # one check at a time (thread and direct callers)
         self._stop = threading.Event()
@@ -407,14 +407,12 @@ class PolicyFollower:
         with self._lock:
             if self.proxy is not None and self.proxy.responder is not self.responder:
                 return None
-            data_version = self._probe.execute("PRAGMA data_version").fetchone()[0]
-            if data_version == self._data_version:
+            if not self._probe.changed():
                 return None
-            self._data_version = data_version
-            rows = self._probe.execute(
+            rows = self._probe.query(
                 "SELECT version, backend, base_model, checkpoint FROM policy_versions "
                 "WHERE version > ? ORDER BY version DESC",
-                (self.responder.policy_version,)).fetchall()
+                (self.responder.policy_version,))
             for version, backend, base_model, checkpoint in rows:
                 if version in self._settled or checkpoint is None:
                     continue

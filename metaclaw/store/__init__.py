@@ -1,4 +1,8 @@
-"""The workspace store: one SQLite file in WAL mode holding everything MetaClaw records.
+"""The workspace store: everything MetaClaw records, in one SQLite file (WAL mode, the embedded
+default that needs nothing) or one PostgreSQL database (a team's workspace shared by processes
+on several machines: :mod:`metaclaw.store.postgres`). ``Store(target)`` picks the engine from
+``target`` (:func:`parse_target`): a path or ``sqlite:///path`` opens SQLite, a
+``postgresql://`` URL PostgreSQL; both serve the same schema, migrations and methods.
 
 Tables (schema version in ``PRAGMA user_version``; migrations are explicit, in ``MIGRATIONS``):
 
@@ -301,7 +305,41 @@ def id_list(ids: Iterable[int]) -> str:
 
 
 class StoreError(RuntimeError):
-    """The store file cannot be opened or is from a newer version of MetaClaw."""
+    """The store cannot be opened (a bad target, an unreachable or refusing database) or is from
+    a newer version of MetaClaw."""
+
+
+class EngineError(Exception):
+    """An error of a database engine other than SQLite, as the store raises it (the driver's own
+    exception is its ``__cause__``). :data:`DB_ERRORS` catches every engine's errors."""
+
+
+#: What a database call of either engine may raise: ``except DB_ERRORS`` where code used to
+#: catch ``sqlite3.Error``.
+DB_ERRORS: tuple[type[BaseException], ...] = (sqlite3.Error, EngineError)
+
+#: URL schemes of PostgreSQL targets.
+POSTGRES_SCHEMES = ("postgresql", "postgres")
+
+
+def parse_target(target: "str | os.PathLike[str]") -> tuple[str, str]:
+    """``(engine, where)`` for a store target: ``("sqlite", path)`` for a path, ``:memory:`` or
+    ``sqlite:///path``; ``("postgresql", url)`` for a ``postgresql://`` or ``postgres://`` URL.
+    Any other ``scheme://`` is a :class:`StoreError` (never taken for a file name)."""
+    text = os.fspath(target)
+    scheme, sep, rest = text.partition("://")
+    if not sep or not scheme or not all(c.isalnum() or c in "+.-" for c in scheme):
+        return "sqlite", text
+    scheme = scheme.lower()
+    if scheme == "sqlite":
+        if not rest.startswith("/") or rest == "/":
+            raise StoreError(f"a SQLite URL names a file: sqlite:///relative/path or "
+                             f"sqlite:////absolute/path, not {text!r}")
+        return "sqlite", rest[1:]
+    if scheme in POSTGRES_SCHEMES or scheme.startswith("postgresql+"):
+        return "postgresql", text
+    raise StoreError(f"the store cannot open {scheme}:// URLs; give a file path, sqlite:///path "
+                     f"or postgresql://user@host/dbname")
 
 
 def this_process() -> str:
@@ -341,6 +379,12 @@ def _dumps(value: Any) -> str:
     return dumps(value)
 
 
+def _encoded(fields: dict[str, Any]) -> list[Any]:
+    """The values of ``fields`` as stored: JSON columns' objects serialised."""
+    return [_dumps(v) if k in JSON_COLUMNS and not isinstance(v, str) and v is not None else v
+            for k, v in fields.items()]
+
+
 #: What a turn's JSON columns hold when present: readers iterate them or look keys up.
 JSON_SHAPES: dict[str, type] = {
     "request_messages": list, "tool_calls": list, "injected_skills": list, "judge_votes": list,
@@ -371,9 +415,28 @@ def _decode(row: sqlite3.Row) -> dict[str, Any]:
 
 
 class Store:
-    """One workspace database. Thread-safe; every write is durable when the method returns."""
+    """One workspace database. Thread-safe; every write is durable when the method returns.
+
+    ``Store(target)`` opens SQLite for a path (this class) and PostgreSQL for a
+    ``postgresql://`` URL (:class:`metaclaw.store.postgres.PostgresStore`, a subclass)."""
+
+    #: The engine's name, as ``metaclaw status`` and the views show it.
+    engine = "sqlite"
+
+    def __new__(cls, path: "str | os.PathLike[str]" = DEFAULT_DB, *args: Any, **kwargs: Any):
+        if cls is Store and parse_target(path)[0] == "postgresql":
+            from metaclaw.store.postgres import PostgresStore
+
+            cls = PostgresStore
+        return super().__new__(cls)
+
+    @property
+    def location(self) -> str:
+        """Where the store is, for messages: the file, or the database URL (password masked)."""
+        return str(self.path)
 
     def __init__(self, path: str | os.PathLike[str] = DEFAULT_DB):
+        path = parse_target(path)[1]
         self.path = Path(path)
         if str(path) != ":memory:":
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -442,7 +505,7 @@ class Store:
     def counts(self) -> dict[str, int]:
         """Rows per table."""
         with self._lock:
-            return {t: self._db.execute(f"SELECT COUNT(*) FROM {t}").fetchone()[0] for t in TABLES}
+            return {t: int(self._scalar(f"SELECT COUNT(*) FROM {t}")) for t in TABLES}
 
     def __repr__(self) -> str:
         return f"Store({str(self.path)!r}, schema v{self.schema_version})"
@@ -469,6 +532,49 @@ class Store:
     def query(self, sql: str, params: Iterable[Any] = ()) -> list[dict[str, Any]]:
         with self._lock:
             return [_decode(r) for r in self._db.execute(sql, tuple(params)).fetchall()]
+
+    def _scalar(self, sql: str, params: Iterable[Any] = ()) -> Any:
+        """The first column of the first row ``sql`` returns (``None`` for no row)."""
+        with self._lock:
+            row = self._db.execute(sql, tuple(params)).fetchone()
+        return None if row is None else row[0]
+
+    # -- dialect: the few SQL forms the engines spell differently -------------------------
+    def json_values(self, expr: str, alias: str, kind: str = "text") -> str:
+        """A FROM item yielding the elements of the JSON array ``expr`` as ``alias.value``
+        (``kind`` ``"int"`` or ``"text"``: what the caller compares them with) and their JSON
+        type as ``alias.type`` (SQLite's names: ``text``, ``integer``, ``real``, ``true``,
+        ``false``, ``null``, ``array``, ``object``); a row whose ``expr`` is not a JSON array
+        yields none."""
+        return (f"json_each(CASE WHEN json_valid({expr}) AND json_type({expr}) = 'array' "
+                f"THEN {expr} ELSE '[]' END) AS {alias}")
+
+    def json_text(self, expr: str, *path: "str | int", guarded: bool = True) -> str:
+        """The value at ``path`` inside the JSON text ``expr`` (keys, or list indexes where
+        ``-1`` is the last element); NULL where absent. ``guarded=False`` skips validating
+        ``expr`` first (faster; SQLite then fails the query on a malformed value)."""
+        steps = "".join(f"[#{p}]" if isinstance(p, int) and p < 0 else
+                        f"[{p}]" if isinstance(p, int) else f".{p}" for p in path)
+        value = f"json_extract({expr}, '${steps}')"
+        return f"(CASE WHEN json_valid({expr}) THEN {value} END)" if guarded else value
+
+    def json_length(self, expr: str, guarded: bool = True) -> str:
+        """The number of elements of the JSON array ``expr`` (0 where it is JSON but not an
+        array, NULL where it is NULL or not JSON; see :meth:`json_text` for ``guarded``)."""
+        if not guarded:
+            return f"json_array_length({expr})"
+        return (f"(CASE WHEN json_valid({expr}) THEN CASE WHEN json_type({expr}) = 'array' "
+                f"THEN json_array_length({expr}) ELSE 0 END END)")
+
+    def json_size(self, expr: str) -> str:
+        """The number of keys of the JSON object (or elements of the array) ``expr``; NULL where
+        ``expr`` is not valid JSON."""
+        return f"(CASE WHEN json_valid({expr}) THEN (SELECT COUNT(*) FROM json_each({expr})) END)"
+
+    @property
+    def in_ids(self) -> str:
+        """``WHERE id {store.in_ids}`` with the one parameter :func:`id_list` (see :data:`IN_IDS`)."""
+        return IN_IDS
 
     def transaction(self, fsync: bool = True, wait: bool = True) -> "_Transaction":
         """``with store.transaction(): ...`` groups writes into one durable commit.
@@ -501,6 +607,15 @@ class Store:
         writer._fsync_by_default = writer._waits_by_default = False
         return writer
 
+    def watcher(self) -> "_Watcher":
+        """A private reader that says cheaply whether anything was committed since its last
+        look (:meth:`_Watcher.changed`) and reads without waiting behind this store's writer
+        (what a follower polling for new rows uses). SQLite: ``PRAGMA data_version`` on its own
+        connection, a few microseconds."""
+        if str(self.path) == ":memory:":
+            raise ValueError("watching a workspace needs a store on disk or a database server")
+        return _Watcher(self.path)
+
     def checkpoint(self) -> None:
         """Copy committed pages from the write-ahead log into the database file now (a passive
         checkpoint: it waits for no reader). SQLite does this itself every 1,000 pages unless
@@ -510,37 +625,33 @@ class Store:
 
     def _insert(self, table: str, fields: dict[str, Any]) -> int:
         cols = list(fields)
-        values = [_dumps(v) if k in JSON_COLUMNS and not isinstance(v, str) and v is not None
-                  else v for k, v in fields.items()]
+        sql = f"INSERT INTO {table} ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})"
+        return self._insert_row(table, sql, _encoded(fields))
+
+    def _insert_row(self, table: str, sql: str, values: list[Any]) -> int:
+        """Run the INSERT ``sql``; the new row's key (its rowid: the integer primary key)."""
         with self._lock:
-            cur = self._db.execute(
-                f"INSERT INTO {table} ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})",
-                values)
-            return int(cur.lastrowid)
+            return int(self._db.execute(sql, values).lastrowid)
 
     def _update(self, table: str, key: str, key_value: Any, fields: dict[str, Any]) -> None:
         if not fields:
             return
-        values = [_dumps(v) if k in JSON_COLUMNS and not isinstance(v, str) and v is not None
-                  else v for k, v in fields.items()]
         sets = ", ".join(f"{k} = ?" for k in fields)
-        with self._lock:
-            self._db.execute(f"UPDATE {table} SET {sets} WHERE {key} = ?", [*values, key_value])
+        self.execute(f"UPDATE {table} SET {sets} WHERE {key} = ?", [*_encoded(fields), key_value])
 
     # -- sessions and turns ---------------------------------------------------------------
     def ensure_session(self, session_id: str, **meta: Any) -> None:
         now = time.time()
-        with self._lock:
-            self._db.execute(
-                "INSERT INTO sessions (id, created_at, updated_at, meta) VALUES (?, ?, ?, ?) "
-                "ON CONFLICT(id) DO UPDATE SET updated_at = excluded.updated_at",
-                (session_id, now, now, _dumps(meta)))
+        self.execute(
+            "INSERT INTO sessions (id, created_at, updated_at, meta) VALUES (?, ?, ?, ?) "
+            "ON CONFLICT(id) DO UPDATE SET updated_at = excluded.updated_at",
+            (session_id, now, now, _dumps(meta)))
 
     def mark_session_done(self, session_id: str) -> None:
-        with self._lock:
+        with self._lock, self.transaction():
             self.ensure_session(session_id)
-            self._db.execute("UPDATE sessions SET done = 1, updated_at = ? WHERE id = ?",
-                             (time.time(), session_id))
+            self.execute("UPDATE sessions SET done = 1, updated_at = ? WHERE id = ?",
+                         (time.time(), session_id))
 
     def session(self, session_id: str) -> dict[str, Any] | None:
         rows = self.query("SELECT * FROM sessions WHERE id = ?", (session_id,))
@@ -555,9 +666,9 @@ class Store:
         """
         with self._lock, self.transaction():
             self.ensure_session(session_id)
-            index = self._db.execute(
+            index = self._scalar(
                 "SELECT COALESCE(MAX(turn_index), -1) + 1 FROM turns WHERE session_id = ?",
-                (session_id,)).fetchone()[0]
+                (session_id,))
             row = {"session_id": session_id, "turn_index": index, "created_at": time.time(),
                    "request_messages": request_messages, "status": status, **fields}
             return self._insert("turns", row)
@@ -580,8 +691,8 @@ class Store:
                        events: Iterable[dict[str, Any]] = ()) -> int:
         """Store a new generation (number = latest + 1) with its events, atomically."""
         with self._lock, self.transaction():
-            number = self._db.execute(
-                "SELECT COALESCE(MAX(generation), -1) + 1 FROM skill_generations").fetchone()[0]
+            number = self._scalar(
+                "SELECT COALESCE(MAX(generation), -1) + 1 FROM skill_generations")
             now = time.time()
             self._insert("skill_generations", {
                 "generation": number, "parent": parent, "created_at": now, "kind": kind,
@@ -591,8 +702,7 @@ class Store:
             return int(number)
 
     def latest_generation(self) -> int | None:
-        with self._lock:
-            value = self._db.execute("SELECT MAX(generation) FROM skill_generations").fetchone()[0]
+        value = self._scalar("SELECT MAX(generation) FROM skill_generations")
         return None if value is None else int(value)
 
     def current_generation(self) -> int | None:
@@ -633,8 +743,8 @@ class Store:
     def add_policy_version(self, *, backend: str, base_model: str, skill_generation: int = 0,
                            checkpoint: str | None = None, **meta: Any) -> int:
         with self._lock, self.transaction():
-            number = self._db.execute(
-                "SELECT COALESCE(MAX(version), 0) + 1 FROM policy_versions").fetchone()[0]
+            number = self._scalar(
+                "SELECT COALESCE(MAX(version), 0) + 1 FROM policy_versions")
             self._insert("policy_versions", {
                 "version": number, "created_at": time.time(), "backend": backend,
                 "base_model": base_model, "skill_generation": skill_generation,
@@ -692,16 +802,67 @@ class Store:
         if table not in TABLES:
             raise ValueError(f"unknown table {table!r}; choose one of {', '.join(TABLES)}")
         with self._lock:
-            declared = {row["name"]: row["type"].upper()
-                        for row in self._db.execute(f"PRAGMA table_info({table})")}
-            cur = self._db.execute(f"SELECT * FROM {table} WHERE {where}", tuple(params))
-            names = [d[0] for d in cur.description]
-            rows = cur.fetchall()
+            declared = self.declared_types(table)
+            names, rows = self._rows(f"SELECT * FROM {table} WHERE {where}", tuple(params))
         columns = {name: [row[i] for row in rows] for i, name in enumerate(names)}
         # the declared types, so that an empty table or an all-null column has the dtype of a
         # full one (frames from two moments concatenate and filter alike)
         schema = {name: _polars_type(declared.get(name, ""), pl) for name in names}
         return pl.DataFrame(columns, schema=schema, strict=False)
+
+
+    def declared_types(self, table: str) -> dict[str, str]:
+        """Column name -> declared type (upper case) of ``table``."""
+        with self._lock:
+            return {row["name"]: row["type"].upper()
+                    for row in self._db.execute(f"PRAGMA table_info({table})")}
+
+    def _rows(self, sql: str, params: tuple[Any, ...]) -> tuple[list[str], list[tuple[Any, ...]]]:
+        """Column names and raw rows (tuples, JSON undecoded) of ``sql``."""
+        with self._lock:
+            cur = self._db.execute(sql, params)
+            return [d[0] for d in cur.description], [tuple(r) for r in cur.fetchall()]
+
+    # -- the engine's transactions (used by :class:`_Transaction`) -------------------------
+    def _in_transaction(self) -> bool:
+        return self._db.in_transaction
+
+    def _begin(self, fsync: bool, wait: bool) -> None:
+        """Open a write transaction holding the workspace's write lock (raise
+        :class:`StoreBusy` when ``wait`` is false and another connection holds it)."""
+        db = self._db
+        if fsync != self._fsync_by_default:
+            db.execute(_synchronous(fsync))
+        switch = wait != self._waits_by_default  # the connection's busy timeout
+        if switch:
+            db.execute(_busy_timeout(wait))
+        try:
+            db.execute("BEGIN IMMEDIATE")
+        except sqlite3.OperationalError as exc:
+            if wait or exc.sqlite_errorcode & 0xFF != sqlite3.SQLITE_BUSY:
+                raise
+            raise StoreBusy(f"another connection holds the store's write lock ({exc})") from None
+        finally:
+            if switch:
+                db.execute(_busy_timeout(self._waits_by_default))
+
+    def _end(self, commit: bool) -> None:
+        """Commit (or roll back) the open transaction; nothing may stay open after a failure."""
+        db = self._db
+        if not db.in_transaction:
+            return
+        try:
+            db.execute("COMMIT" if commit else "ROLLBACK")
+        except BaseException:
+            if db.in_transaction:  # a failed COMMIT leaves it open: nothing may linger
+                with contextlib.suppress(sqlite3.Error):
+                    db.execute("ROLLBACK")
+            raise
+
+    def _after(self, fsync: bool) -> None:
+        """Put back the connection's standing settings after a transaction."""
+        if fsync != self._fsync_by_default:
+            self._db.execute(_synchronous(self._fsync_by_default))
 
 
 def _polars_type(declared: str, pl: Any) -> Any:
@@ -720,56 +881,54 @@ class _Transaction:
         self.fsync = fsync
         self.wait = wait
         self.outer = False
+        self.begun = False
 
     def __enter__(self) -> Store:
         if not self.store._lock.acquire(blocking=self.wait):
             raise StoreBusy("another thread of this process is writing to the store")
         try:
-            db = self.store._db
-            self.outer = not db.in_transaction
+            self.outer = not self.store._in_transaction()
             if not self.outer and not self.wait:  # not waiting means a transaction of its own
                 raise StoreBusy("the store's connection is inside another transaction")
             if self.outer:
-                if self.fsync != self.store._fsync_by_default:
-                    db.execute(_synchronous(self.fsync))
-                self._begin(db)
+                self.begun = True
+                self.store._begin(self.fsync, self.wait)
         except BaseException:  # e.g. another process holds the write lock past the timeout
             with contextlib.suppress(Exception):  # the lock is released whatever happens
                 self.__exit__(None)
             raise
         return self.store
 
-    def _begin(self, db: sqlite3.Connection) -> None:
-        switch = self.wait != self.store._waits_by_default  # the connection's busy timeout
-        if switch:
-            db.execute(_busy_timeout(self.wait))
-        try:
-            db.execute("BEGIN IMMEDIATE")
-        except sqlite3.OperationalError as exc:
-            if self.wait or exc.sqlite_errorcode & 0xFF != sqlite3.SQLITE_BUSY:
-                raise
-            raise StoreBusy(f"another connection holds the store's write lock ({exc})") from None
-        finally:
-            if switch:
-                db.execute(_busy_timeout(self.store._waits_by_default))
-
     def __exit__(self, exc_type: object, *rest: object) -> None:
-        db = self.store._db
         try:
-            if self.outer and db.in_transaction:
-                try:
-                    db.execute("ROLLBACK" if exc_type else "COMMIT")
-                except BaseException:
-                    if db.in_transaction:  # a failed COMMIT leaves it open: nothing may linger
-                        with contextlib.suppress(sqlite3.Error):
-                            db.execute("ROLLBACK")
-                    raise
+            if self.outer:
+                self.store._end(commit=not exc_type)
         finally:
             try:
-                if self.outer and self.fsync != self.store._fsync_by_default:
-                    db.execute(_synchronous(self.store._fsync_by_default))
+                if self.begun:
+                    self.store._after(self.fsync)
             finally:
                 self.store._lock.release()
+
+
+class _Watcher:
+    """:meth:`Store.watcher` for SQLite."""
+
+    def __init__(self, path: Path):
+        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None,
+                                   timeout=BUSY_TIMEOUT_S)
+        self._version: int | None = None
+
+    def changed(self) -> bool:
+        version = self._db.execute("PRAGMA data_version").fetchone()[0]
+        seen, self._version = self._version, version
+        return version != seen
+
+    def query(self, sql: str, params: Iterable[Any] = ()) -> list[tuple[Any, ...]]:
+        return self._db.execute(sql, tuple(params)).fetchall()
+
+    def close(self) -> None:
+        self._db.close()
 
 
 def _split_sql(script: str) -> list[str]:
