@@ -125,7 +125,7 @@ _CREATED: set[str] = set()
 def map_paths(socket_dir: str) -> None:
     """Make every ``Store(path)`` of this process open a database of the cluster instead of the
     SQLite file (the suite's second run, against PostgreSQL). ``:memory:`` stays SQLite."""
-    import metaclaw.store as store
+    import metaclaw.store.base as store
 
     original = getattr(store.parse_target, "original", store.parse_target)
 

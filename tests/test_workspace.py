@@ -352,7 +352,7 @@ def test_a_local_model_runtime_whose_first_policy_check_fails_closes_its_followe
     import threading
 
     pytest.importorskip("torch")
-    from metaclaw import store as store_module
+    from metaclaw.store import base as store_module
     from metaclaw.offline.tinymodel import write_tiny_model
     from metaclaw.runtime import Runtime
 

@@ -42,8 +42,8 @@ import time
 from typing import Any, Iterable
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-import metaclaw.store as base
-from metaclaw.store import (
+import metaclaw.store.base as base
+from metaclaw.store.base import (
     BUSY_TIMEOUT_S, IN_IDS, MIGRATIONS, SCHEMA_VERSION, EngineError, Store, StoreBusy, StoreError,
     _decode, _split_sql,
 )
