@@ -354,7 +354,7 @@ def test_pipeline_steps_on_a_neutral_turn():
     assert "messages" not in row["request_params"] and "model" not in row["request_params"]
     openai_turn = parse_turn(OPENAI, {"model": "m", "messages": [{"role": "user", "content": "q"}]},
                              b"{}")
-    assert "protocol" not in record_row(openai_turn, 0)  # the column's default
+    assert record_row(openai_turn, 0)["protocol"] == "openai"  # no protocol is left implicit
 
 
 def test_context_budget_arithmetic():

@@ -16,39 +16,12 @@ import pytest
 
 from metaclaw import wire
 from metaclaw.offline.double import DoubleServer, Reply
-from metaclaw.proxy.app import Proxy, ProxyConfig
 from metaclaw.skills.block import BLOCK_HEADER
-from metaclaw.skills.library import Skill, SkillLibrary
-from metaclaw.store import Store
+from client_workspace import ASK, BACKUP_CALL, backup_tool, proxy_for, turns_of
+from client_workspace import workspace  # noqa: F401  (the fixture)
 
 CAPTURES = Path(__file__).parent / "fixtures" / "requests" / "opencode"
-BACKUP = Skill("backup-before-modify", "Copy a config file before changing it.", "safety",
-               "Run `cp config.yaml config.yaml.bak` before the first edit.")
-COMMITS = Skill("git-commit-messages", "How to write clear git commit messages.", "coding",
-                "Write the subject in the imperative mood.")
-ASK = "I have to change deploy/config.yaml before tonight's release. What should I do first?"
 ANSWER = "Back it up first: cp deploy/config.yaml deploy/config.yaml.bak"
-
-
-@pytest.fixture()
-def workspace(tmp_path):
-    store = Store(tmp_path / "metaclaw.db")
-    library = SkillLibrary(tmp_path / "skills", store)
-    library.add(BACKUP, reason="test")
-    library.add(COMMITS, reason="test")
-    yield store, library
-    store.close()
-
-
-def _proxy(workspace, upstream) -> Proxy:
-    store, library = workspace
-    return Proxy(ProxyConfig(upstream_url=upstream.url, retrieval="lexical", max_retries=0),
-                 store, library)
-
-
-def _turns(proxy, store):
-    proxy.flush()
-    return store.turns()
 
 
 @pytest.mark.parametrize("name, protocol", [("001", "openai"), ("002", "responses")])
@@ -63,10 +36,10 @@ def test_the_captured_opencode_requests(workspace, name, protocol):
     captured = json.loads((CAPTURES / f"{name}.json").read_text())
     headers = {k: v for k, v in captured["headers"].items()
                if k.lower() in ("x-session-id", "x-session-affinity", "user-agent")}
-    with DoubleServer([Reply(ANSWER)]) as upstream, _proxy(workspace, upstream) as proxy:
+    with DoubleServer([Reply(ANSWER)]) as upstream, proxy_for(workspace, upstream) as proxy:
         answer = httpx.post(f"http://127.0.0.1:{proxy.port}{captured['path']}",
                             json=captured["body"], headers=headers, timeout=30)
-        (turn,) = _turns(proxy, store)
+        (turn,) = turns_of(proxy, store)
     assert answer.status_code == 200 and "Back" in answer.text
     assert turn["protocol"] == protocol and turn["status"] == "ok"
     assert turn["session_id"] == headers["x-session-id"]
@@ -104,7 +77,7 @@ def test_opencode_runs_a_tool_turn_through_the_proxy(workspace, tmp_path, provid
         return Reply(ANSWER) if body["messages"][-1]["role"] == "tool" else Reply(
             None, tool_calls=[read])
 
-    with DoubleServer(reply) as upstream, _proxy(workspace, upstream) as proxy:
+    with DoubleServer(reply) as upstream, proxy_for(workspace, upstream) as proxy:
         config = home / ".config" / "opencode" / "opencode.json"
         config.parent.mkdir(parents=True)
         wire.apply(wire.plan("opencode", config, f"http://127.0.0.1:{proxy.port}/v1",
@@ -121,7 +94,7 @@ def test_opencode_runs_a_tool_turn_through_the_proxy(workspace, tmp_path, provid
                               "XDG_CACHE_HOME": str(home / ".cache"),
                               "XDG_STATE_HOME": str(home / ".local" / "state"),
                               "OPENCODE_DISABLE_MODELS_FETCH": "1"})
-        turns = _turns(proxy, store)
+        turns = turns_of(proxy, store)
     assert done.returncode == 0, done.stderr[-2000:] + done.stdout[-2000:]
     assert ANSWER in done.stdout
     main = [t for t in turns if t["turn_type"] == "main"]
@@ -147,11 +120,9 @@ def test_litellm_responses_mode_through_the_proxy(workspace, monkeypatch):
     tool = {"type": "function", "name": "backup_file", "description": "Copy a file first.",
             "parameters": {"type": "object", "properties": {"path": {"type": "string"}},
                            "required": ["path"]}}
-    call = {"id": "call_b", "function": {"name": "backup_file",
-                                         "arguments": '{"path": "deploy/config.yaml"}'}}
     with DoubleServer([Reply("Make a backup first."), Reply("Streamed: back it up."),
-                       Reply(None, tool_calls=[call]), Reply(ANSWER)]) as upstream, \
-            _proxy(workspace, upstream) as proxy:
+                       Reply(None, tool_calls=[BACKUP_CALL]), Reply(ANSWER)]) as upstream, \
+            proxy_for(workspace, upstream) as proxy:
         options = {"model": "openai/gpt-5.1", "api_base": f"http://127.0.0.1:{proxy.port}/v1",
                    "api_key": "unused"}
         first = litellm.responses(input=ASK, instructions="You change configs carefully.",
@@ -167,7 +138,7 @@ def test_litellm_responses_mode_through_the_proxy(workspace, monkeypatch):
              "arguments": item.arguments},
             {"type": "function_call_output", "call_id": item.call_id,
              "output": "copied to deploy/config.yaml.bak"}], **options)
-        turns = _turns(proxy, store)
+        turns = turns_of(proxy, store)
     assert first.output[0].content[0].text == "Make a backup first."
     assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
     assert "response.output_text.delta" in kinds
@@ -196,19 +167,10 @@ def test_the_chat_completions_modes_of_the_agents_sdk_pydantic_ai_and_langchain(
     from pydantic_ai.providers.openai import OpenAIProvider
 
     store, _ = workspace
-    called = []
-
-    @agents.function_tool
-    def backup_file(path: str) -> str:
-        """Copy a file to path + '.bak' before changing it."""
-        called.append(path)
-        return f"copied {path} to {path}.bak"
-
-    call = {"id": "call_b", "function": {"name": "backup_file",
-                                         "arguments": '{"path": "deploy/config.yaml"}'}}
-    with DoubleServer([Reply(None, tool_calls=[call]), Reply("from the agents sdk"),
+    backup_file, called = backup_tool(agents)
+    with DoubleServer([Reply(None, tool_calls=[BACKUP_CALL]), Reply("from the agents sdk"),
                        Reply("from pydantic-ai"), Reply("from langchain")]) as upstream, \
-            _proxy(workspace, upstream) as proxy:
+            proxy_for(workspace, upstream) as proxy:
         base = f"http://127.0.0.1:{proxy.port}/v1"
         client = openai.AsyncOpenAI(base_url=base, api_key="unused", max_retries=0)
         agent = agents.Agent(name="ops", instructions="You change configs carefully.",
@@ -222,7 +184,7 @@ def test_the_chat_completions_modes_of_the_agents_sdk_pydantic_ai_and_langchain(
         chat = langchain_openai.ChatOpenAI(model="gpt-5.1", base_url=base, api_key="unused",
                                            max_retries=0)
         assert chat.invoke(ASK).text == "from langchain"
-        turns = _turns(proxy, store)
+        turns = turns_of(proxy, store)
     assert result.final_output == "from the agents sdk" and called == ["deploy/config.yaml"]
     assert [t["protocol"] for t in turns] == ["openai"] * 4
     assert [t["status"] for t in turns] == ["ok"] * 4
@@ -240,7 +202,7 @@ def test_litellm_chat_and_anthropic_modes_through_the_proxy(workspace, monkeypat
     litellm = pytest.importorskip("litellm")
     store, _ = workspace
     with DoubleServer([Reply("chat: back it up"), Reply("messages: back it up")]) as upstream, \
-            _proxy(workspace, upstream) as proxy:
+            proxy_for(workspace, upstream) as proxy:
         chat = litellm.completion(model="openai/gpt-5.1", api_key="unused",
                                   api_base=f"http://127.0.0.1:{proxy.port}/v1",
                                   messages=[{"role": "user", "content": ASK}])
@@ -248,7 +210,7 @@ def test_litellm_chat_and_anthropic_modes_through_the_proxy(workspace, monkeypat
                                       api_base=f"http://127.0.0.1:{proxy.port}",
                                       messages=[{"role": "user", "content": ASK}],
                                       max_tokens=100)
-        turns = _turns(proxy, store)
+        turns = turns_of(proxy, store)
     assert chat.choices[0].message.content == "chat: back it up"
     assert messages.choices[0].message.content == "messages: back it up"
     assert [t["protocol"] for t in turns] == ["openai", "anthropic"]

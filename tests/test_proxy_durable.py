@@ -76,13 +76,7 @@ def test_client_leaving_early_is_recorded(served):
 
 
 def test_recorder_commits_in_groups(store):
-    class Owner:  # what the recorder needs from a proxy: a store and listener seams
-        _listeners: list = []
-        _listener_pool = None
-
-    owner = Owner()
-    owner.store = store
-    recorder = Recorder(owner)
+    recorder = Recorder(store)
 
     async def many() -> list:
         futures = [recorder.submit({"session_id": "g", "request_messages": [], "status": "ok"},

@@ -21,36 +21,16 @@ from metaclaw.protocols.registry import get_protocol
 from metaclaw.proxy.app import Proxy, ProxyConfig
 from metaclaw.skills.asks import extract_ask
 from metaclaw.skills.block import BLOCK_HEADER
-from metaclaw.skills.library import Skill, SkillLibrary
+from metaclaw.skills.library import SkillLibrary
 from metaclaw.store import Store
+from client_workspace import ASK, BACKUP_CALL, backup_tool, proxy_for, turns_of
+from client_workspace import workspace  # noqa: F401  (the fixture)
 
 CAPTURES = Path(__file__).parent / "fixtures" / "requests" / "codex"
 MODEL = "double-model"
-BACKUP = Skill("backup-before-modify", "Copy a config file before changing it.", "safety",
-               "Run `cp config.yaml config.yaml.bak` before the first edit.")
-COMMITS = Skill("git-commit-messages", "How to write clear git commit messages.", "coding",
-                "Write the subject in the imperative mood.")
-ASK = "I have to change deploy/config.yaml before tonight's release. What should I do first?"
 RENAME = {"type": "function", "name": "rename_file", "description": "Rename a file.",
           "parameters": {"type": "object", "properties": {"src": {"type": "string"},
                                                           "dst": {"type": "string"}}}}
-
-
-@pytest.fixture()
-def workspace(tmp_path):
-    store = Store(tmp_path / "metaclaw.db")
-    library = SkillLibrary(tmp_path / "skills", store)
-    library.add(BACKUP, reason="test")
-    library.add(COMMITS, reason="test")
-    yield store, library
-    store.close()
-
-
-def _proxy(workspace, upstream, protocol="openai") -> Proxy:
-    store, library = workspace
-    url = upstream.url if protocol == "openai" else upstream.base_url
-    return Proxy(ProxyConfig(upstream_url=url, upstream_protocol=protocol, retrieval="lexical",
-                             max_retries=0), store, library)
 
 
 def _client(proxy) -> openai.OpenAI:
@@ -58,19 +38,14 @@ def _client(proxy) -> openai.OpenAI:
                          max_retries=0)
 
 
-def _turns(proxy, store):
-    proxy.flush()
-    return store.turns()
-
-
 def test_sdk_create_gets_skills_and_is_recorded_in_the_neutral_form(workspace):
     store, _ = workspace
     with DoubleServer([Reply("Back it up first.")]) as upstream, \
-            _proxy(workspace, upstream) as proxy:
+            proxy_for(workspace, upstream) as proxy:
         response = _client(proxy).responses.create(
             model=MODEL, instructions="You are a careful agent.", input=ASK,
             max_output_tokens=50, extra_headers={"session-id": "codex-session-1"})
-        (turn,) = _turns(proxy, store)
+        (turn,) = turns_of(proxy, store)
     assert response.status == "completed" and response.output_text == "Back it up first."
     assert response.usage.input_tokens > 0 and response.usage.output_tokens > 0
     sent = upstream.requests[-1]["body"]
@@ -89,7 +64,7 @@ def test_sdk_tool_round_trip_streaming_and_not(workspace):
     call = {"id": "call_1", "function": {"name": "rename_file",
                                          "arguments": '{"src": "a.txt", "dst": "b.txt"}'}}
     with DoubleServer([Reply(None, tool_calls=[call]), Reply(None, tool_calls=[call]),
-                       Reply("Renamed.")]) as upstream, _proxy(workspace, upstream) as proxy:
+                       Reply("Renamed.")]) as upstream, proxy_for(workspace, upstream) as proxy:
         client = _client(proxy)
         first = client.responses.create(model=MODEL, input="Rename a.txt to b.txt",
                                         tools=[RENAME], tool_choice="auto")
@@ -111,7 +86,7 @@ def test_sdk_tool_round_trip_streaming_and_not(workspace):
              "arguments": item.arguments},
             {"type": "function_call_output", "call_id": item.call_id, "output": "ok"}])
         assert final.output_text == "Renamed."
-        turns = _turns(proxy, store)
+        turns = turns_of(proxy, store)
     sent = upstream.requests[-1]["body"]
     roles = [m["role"] for m in sent["messages"]]
     assert roles[-3:] == ["user", "assistant", "tool"]
@@ -124,11 +99,11 @@ def test_sdk_tool_round_trip_streaming_and_not(workspace):
 def test_streamed_text_through_an_anthropic_upstream(workspace):
     store, _ = workspace
     with AnthropicDoubleServer([AnthropicReply("Copy it to config.yaml.bak.")]) as upstream, \
-            _proxy(workspace, upstream, "anthropic") as proxy:
+            proxy_for(workspace, upstream, "anthropic") as proxy:
         with _client(proxy).responses.stream(model="claude-double", input=ASK) as stream:
             deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
             final = stream.get_final_response()
-        (turn,) = _turns(proxy, store)
+        (turn,) = turns_of(proxy, store)
     assert "".join(deltas) == final.output_text == "Copy it to config.yaml.bak."
     sent = upstream.requests[-1]["body"]
     assert BLOCK_HEADER in sent["system"] and sent["max_tokens"] > 0
@@ -151,10 +126,10 @@ def test_streamed_text_through_an_anthropic_upstream(workspace):
 def test_bad_requests_get_a_400_in_the_openai_error_shape_naming_the_field(workspace, body,
                                                                          param):
     store, _ = workspace
-    with DoubleServer() as upstream, _proxy(workspace, upstream) as proxy:
+    with DoubleServer() as upstream, proxy_for(workspace, upstream) as proxy:
         with pytest.raises(openai.BadRequestError) as caught:
             _client(proxy).post("/responses", body=body, cast_to=object)
-        assert _turns(proxy, store) == []
+        assert turns_of(proxy, store) == []
     error = caught.value.body
     assert caught.value.status_code == 400 and error["param"] == param and error["message"]
 
@@ -259,7 +234,7 @@ def test_codex_cli_exec_through_the_proxy(workspace, tmp_path):
     home.mkdir()
     work.mkdir()
     with DoubleServer([Reply("Make a backup copy of deploy/config.yaml first.")]) as upstream, \
-            _proxy(workspace, upstream) as proxy:
+            proxy_for(workspace, upstream) as proxy:
         (home / "config.toml").write_text(
             'model_provider = "metaclaw"\nmodel = "gpt-5-codex"\n\n'
             '[model_providers.metaclaw]\nname = "MetaClaw"\n'
@@ -269,7 +244,7 @@ def test_codex_cli_exec_through_the_proxy(workspace, tmp_path):
                               env={**os.environ, "CODEX_HOME": str(home),
                                    "METACLAW_PROXY_TOKEN": "unused"},
                               capture_output=True, text=True, timeout=180)
-        turns = _turns(proxy, store)
+        turns = turns_of(proxy, store)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "Make a backup copy of deploy/config.yaml first." in done.stdout
     (turn,) = [t for t in turns if t["turn_type"] == "main"]
@@ -287,7 +262,7 @@ def test_an_unknown_route_says_the_route_is_missing_not_the_model(workspace):
     route the proxy serves, the Responses one among them, in the caller's error shape."""
     import httpx
 
-    with DoubleServer() as upstream, _proxy(workspace, upstream) as proxy:
+    with DoubleServer() as upstream, proxy_for(workspace, upstream) as proxy:
         base = f"http://127.0.0.1:{proxy.port}"
         missing = httpx.post(f"{base}/v1/responses/compact", json={"model": MODEL})
         anthropic_shaped = httpx.post(f"{base}/v1/complete", json={},
@@ -312,18 +287,9 @@ def test_the_agents_sdk_default_model_runs_a_tool_turn_through_the_proxy(workspa
     from agents.models.default_models import get_default_model
 
     store, _ = workspace
-    called = []
-
-    @agents.function_tool
-    def backup_file(path: str) -> str:
-        """Copy a file to path + '.bak' before changing it."""
-        called.append(path)
-        return f"copied {path} to {path}.bak"
-
-    call = {"id": "call_b", "function": {"name": "backup_file",
-                                         "arguments": '{"path": "deploy/config.yaml"}'}}
-    with DoubleServer([Reply(None, tool_calls=[call]), Reply("Backed up; now edit it.")]) \
-            as upstream, _proxy(workspace, upstream) as proxy:
+    backup_file, called = backup_tool(agents)
+    with DoubleServer([Reply(None, tool_calls=[BACKUP_CALL]), Reply("Backed up; now edit it.")]) \
+            as upstream, proxy_for(workspace, upstream) as proxy:
         client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{proxy.port}/v1",
                                     api_key="unused", max_retries=0)
         agent = agents.Agent(name="ops", instructions="You change configs carefully.",
@@ -331,7 +297,7 @@ def test_the_agents_sdk_default_model_runs_a_tool_turn_through_the_proxy(workspa
         result = agents.Runner.run_sync(agent, ASK, run_config=agents.RunConfig(
             model_provider=agents.OpenAIProvider(openai_client=client),
             tracing_disabled=True))
-        turns = _turns(proxy, store)
+        turns = turns_of(proxy, store)
     assert result.final_output == "Backed up; now edit it."
     assert called == ["deploy/config.yaml"]
     assert [r["path"] for r in upstream.requests] == ["/v1/chat/completions"] * 2
@@ -368,7 +334,7 @@ def test_a_responses_upstream_gets_responses_as_sent_and_serves_chat_clients(wor
                 streamed = stream.get_final_response()
             chat = client.chat.completions.create(
                 model=MODEL, messages=[{"role": "user", "content": ASK}])
-            turns = _turns(outer, store)
+            turns = turns_of(outer, store)
         inner.flush()
         inner_turns = inner_store.turns()
     inner_store.close()
@@ -396,7 +362,7 @@ def test_pydantic_ai_and_langchain_in_their_responses_modes(workspace):
 
     store, _ = workspace
     with DoubleServer([Reply("from pydantic-ai"), Reply("from langchain")]) as upstream, \
-            _proxy(workspace, upstream) as proxy:
+            proxy_for(workspace, upstream) as proxy:
         base = f"http://127.0.0.1:{proxy.port}/v1"
         agent = pydantic_ai.Agent(OpenAIResponsesModel(MODEL, provider=OpenAIProvider(
             base_url=base, api_key="unused")), instructions="You change configs carefully.")
@@ -404,7 +370,7 @@ def test_pydantic_ai_and_langchain_in_their_responses_modes(workspace):
         chat = langchain_openai.ChatOpenAI(model=MODEL, base_url=base, api_key="unused",
                                            use_responses_api=True, max_retries=0)
         assert chat.invoke(ASK).text == "from langchain"
-        turns = _turns(proxy, store)
+        turns = turns_of(proxy, store)
     assert [t["protocol"] for t in turns] == ["responses", "responses"]
     assert all(t["injected_skills"][0] == "backup-before-modify" for t in turns)
 

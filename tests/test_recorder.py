@@ -41,14 +41,6 @@ class SpyStore(Store):
         return super().record_turn(**fields)
 
 
-class Owner:  # what the recorder needs from a proxy: a store and the listener seams
-    _listeners: list = []
-    _listener_pool = None
-
-    def __init__(self, store):
-        self.store = store
-
-
 def _turns(path) -> list[tuple]:
     conn = sqlite3.connect(str(path))
     try:
@@ -60,7 +52,7 @@ def _turns(path) -> list[tuple]:
 @pytest.mark.parametrize("fsync", [False, True])
 def test_a_free_store_commits_on_the_loop_unless_fsync_is_asked(tmp_path, fsync):
     store = SpyStore(tmp_path / "m.db")
-    recorder = Recorder(Owner(store), fsync=fsync)
+    recorder = Recorder(store, fsync=fsync)
 
     async def one():
         return await recorder.submit({**ROW, "session_id": "s"}, False), \
@@ -129,7 +121,7 @@ def test_transaction_without_waiting_refuses_a_busy_store_and_writes_nothing(tmp
 
 def test_turns_that_find_the_store_busy_go_to_the_writer_thread_in_order(tmp_path):
     store = SpyStore(tmp_path / "m.db")
-    recorder = Recorder(Owner(store))
+    recorder = Recorder(store)
     other = sqlite3.connect(str(tmp_path / "m.db"), isolation_level=None)
     other.execute("BEGIN IMMEDIATE")
 
@@ -156,7 +148,7 @@ def test_turns_that_find_the_store_busy_go_to_the_writer_thread_in_order(tmp_pat
 
 def test_a_slow_commit_sends_the_next_groups_to_the_writer_thread(tmp_path):
     store = SpyStore(tmp_path / "m.db", delay=Recorder.SLOW_COMMIT_S * 1.5)
-    recorder = Recorder(Owner(store))
+    recorder = Recorder(store)
 
     async def scenario():
         ids = [await recorder.submit({**ROW, "session_id": f"s{i}"}, False) for i in range(3)]
@@ -174,7 +166,7 @@ def test_a_slow_commit_sends_the_next_groups_to_the_writer_thread(tmp_path):
 
 def test_a_row_the_store_refuses_on_the_loop_loses_nothing_of_its_group(tmp_path):
     store = Store(tmp_path / "m.db")
-    recorder = Recorder(Owner(store))
+    recorder = Recorder(store)
     bad = {**ROW, "session_id": "bad", "response": "lone \ud800 surrogate"}
 
     async def scenario():
@@ -196,7 +188,7 @@ def test_a_row_the_store_refuses_on_the_loop_loses_nothing_of_its_group(tmp_path
 
 def test_checkpoints_run_in_the_writer_thread_not_on_the_loop(tmp_path):
     store = SpyStore(tmp_path / "m.db")
-    recorder = Recorder(Owner(store))
+    recorder = Recorder(store)
     recorder.CHECKPOINT_EVERY = 3
 
     async def scenario():
@@ -255,7 +247,7 @@ def _submit_on_a_loop_that_stops(recorder: Recorder, session: str) -> None:
 
 def test_turns_submitted_on_a_loop_that_stopped_are_written_at_stop(tmp_path):
     store = Store(tmp_path / "m.db")
-    recorder = Recorder(Owner(store))
+    recorder = Recorder(store)
     _submit_on_a_loop_that_stops(recorder, "late")
     assert recorder._loop_commits == 0 and not _turns(tmp_path / "m.db")
     recorder.stop()
@@ -265,7 +257,7 @@ def test_turns_submitted_on_a_loop_that_stopped_are_written_at_stop(tmp_path):
 
 def test_a_closed_store_answers_the_turn_instead_of_leaving_it_waiting(tmp_path):
     store = Store(tmp_path / "m.db")
-    recorder = Recorder(Owner(store))
+    recorder = Recorder(store)
     store.close()
 
     async def one():
@@ -279,7 +271,7 @@ def test_a_closed_store_answers_the_turn_instead_of_leaving_it_waiting(tmp_path)
 
 def test_a_failed_loop_transaction_releases_the_probe_lock(tmp_path):
     store = Store(tmp_path / "m.db")
-    recorder = Recorder(Owner(store))
+    recorder = Recorder(store)
 
     async def one(session):
         return await recorder.submit({**ROW, "session_id": session}, False)
@@ -304,7 +296,7 @@ def test_a_failed_loop_transaction_releases_the_probe_lock(tmp_path):
 
 def test_a_recorder_started_again_after_a_leftover_group_commits_on_the_loop(tmp_path):
     store = Store(tmp_path / "m.db")
-    recorder = Recorder(Owner(store))
+    recorder = Recorder(store)
     _submit_on_a_loop_that_stops(recorder, "late")
     recorder.stop()  # writes the leftover group
     recorder.start()  # the same proxy started again
@@ -338,7 +330,7 @@ class _CommitFailsOnce:
 def test_a_failed_commit_on_the_loop_leaves_nothing_open_and_loses_nothing(tmp_path):
     store = Store(tmp_path / "m.db")
     store._db.execute("PRAGMA busy_timeout=2000")  # a writer thread blocked by a leak gives up
-    recorder = Recorder(Owner(store))
+    recorder = Recorder(store)
     writer = store.loop_writer()
     writer._db = _CommitFailsOnce(writer._db)
     recorder._loop_store = writer

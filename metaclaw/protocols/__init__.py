@@ -17,9 +17,21 @@ Adding a protocol
 Write one module ``metaclaw/protocols/<name>.py`` with a subclass of :class:`WireProtocol` and
 register an instance in :data:`~metaclaw.protocols.registry.PROTOCOLS` (one line in :mod:`metaclaw.protocols.registry`). The
 proxy then serves its routes, answers its errors in its shape, records its turns in the neutral
-form, and reaches both upstream kinds through the pivot. It implements:
+form, and reaches both upstream kinds through the pivot. It declares:
 
 - ``routes``: the POST paths it serves (the proxy adds them under ``/v1`` and at the root);
+- ``field_types``: the JSON type of each optional top-level field of its requests, checked at
+  the proxy's edge (:func:`metaclaw.proxy.edge.check_fields`: a 400 naming the field). Required:
+  registering a protocol that does not declare it is an error; :data:`NO_FIELD_CHECKS` says
+  explicitly that none are checked. ``message_field_types``: the same for each message of a
+  chat-shaped ``messages`` list (the OpenAI chat protocol's);
+- optionally ``client_headers`` (request headers that tell its clients apart on the routes no
+  protocol owns, such as ``GET /v1/models``), ``forward_headers`` (client headers an upstream
+  of the same protocol receives as they came) and ``count_tokens_route`` (a POST path answering
+  with the tokens of a request, as Anthropic's ``/messages/count_tokens``);
+
+and implements:
+
 - ``parse_request(body)``: validate a wire body (raise :class:`ProxyError`) and return the model,
   the stream flag and the body to forward;
 - ``to_chat(body)`` / ``from_chat(chat_body)``: the request to and from the OpenAI chat shape;
@@ -40,7 +52,8 @@ in the new protocol as well, add an :class:`~metaclaw.proxy.upstreams.HTTPUpstre
 
 from __future__ import annotations
 
-from typing import Any, AsyncIterator
+from types import MappingProxyType
+from typing import Any, AsyncIterator, Mapping
 
 from metaclaw.jsonlib import dumpb, loads
 from metaclaw.skills.asks import content_text
@@ -79,6 +92,14 @@ class ProxyError(Exception):
 
 
 
+#: The JSON types a field type is made of (a field type is a tuple of them; join with ``+``).
+STRING, INTEGER, NUMBER, BOOLEAN, ARRAY, OBJECT = (("string",), ("integer",), ("number",),
+                                                   ("boolean",), ("array",), ("object",))
+JSON_TYPES = STRING + INTEGER + NUMBER + BOOLEAN + ARRAY + OBJECT
+#: A protocol's ``field_types`` saying, explicitly, that the proxy checks none of its fields.
+NO_FIELD_CHECKS: Mapping[str, tuple[str, ...]] = MappingProxyType({})
+
+
 class WireProtocol:
     """Base of the protocol adapters; see the module docstring for what a protocol implements."""
 
@@ -86,6 +107,21 @@ class WireProtocol:
     routes: tuple[str, ...] = ()
     #: Header that carries the caller's upstream key in this protocol (besides Authorization).
     key_header: str | None = None
+    #: The JSON types of each optional top-level request field (``null`` is always accepted):
+    #: ``{"stream": BOOLEAN, "stop": STRING + ARRAY, ...}``. Every protocol declares it (or
+    #: :data:`NO_FIELD_CHECKS`); :func:`check_declaration` refuses one that does not.
+    field_types: Mapping[str, tuple[str, ...]] | None = None
+    #: The JSON types of the fields of each message in a ``messages`` list (chat-shaped bodies).
+    message_field_types: Mapping[str, tuple[str, ...]] = NO_FIELD_CHECKS
+    #: Request headers by which a client of this protocol is known on a route no protocol owns.
+    client_headers: tuple[str, ...] = ()
+    #: Client headers an upstream of this protocol receives as they came (pass-through only).
+    forward_headers: tuple[str, ...] = ()
+    #: The POST path that counts a request's tokens in this protocol, if it has one.
+    count_tokens_route: str | None = None
+    #: Whether this is the pivot protocol: its requests, replies and stream events are the chat
+    #: shape already (translating them to chat is the identity).
+    pivot = False
 
     # -- requests -------------------------------------------------------------------------
     def parse_request(self, body: dict[str, Any], model: str | None) -> tuple[str, bool]:
@@ -175,6 +211,23 @@ class WireProtocol:
     def models_of(self, payload: Any) -> list[dict[str, Any]]:
         """The models of a list in this protocol's shape (entries without an id skipped)."""
         raise NotImplementedError
+
+
+def check_declaration(protocol: WireProtocol) -> WireProtocol:
+    """``protocol`` if it declares what the proxy needs of every protocol (its name, routes and
+    field types, each made of :data:`JSON_TYPES`); ``TypeError`` naming what is missing."""
+    where = f"{type(protocol).__name__} (protocol {protocol.name!r})"
+    if protocol.field_types is None:
+        raise TypeError(f"{where} declares no field_types: give the JSON type of each optional "
+                        "request field (or NO_FIELD_CHECKS to check none)")
+    if not protocol.routes or protocol.name == WireProtocol.name:
+        raise TypeError(f"{where} needs a name and at least one route")
+    for table in (protocol.field_types, protocol.message_field_types):
+        for field, kinds in table.items():
+            if not kinds or not isinstance(kinds, tuple) or set(kinds) - set(JSON_TYPES):
+                raise TypeError(f"{where}: the type of {field!r} must be a tuple of "
+                                f"{', '.join(JSON_TYPES)}, not {kinds!r}")
+    return protocol
 
 
 class StreamTranslator:

@@ -62,7 +62,8 @@ from datetime import datetime, timezone
 from typing import Any
 
 from metaclaw.jsonlib import dumpb, dumps, loads
-from metaclaw.protocols import ProxyError, StreamTranslator, WireProtocol
+from metaclaw.protocols import (ARRAY, BOOLEAN, INTEGER, NUMBER, OBJECT, STRING, ProxyError,
+                                StreamTranslator, WireProtocol)
 from metaclaw.protocols.openai_chat import ToChatStream, TranslatedAssembler
 
 #: ``max_tokens`` sent to an Anthropic upstream when an OpenAI client gave none.
@@ -437,6 +438,15 @@ class AnthropicMessages(WireProtocol):
     name = "anthropic"
     routes = ("/messages",)
     key_header = "x-api-key"
+    field_types = {
+        "model": STRING, "messages": ARRAY, "max_tokens": INTEGER, "system": STRING + ARRAY,
+        "stream": BOOLEAN, "stop_sequences": ARRAY, "temperature": NUMBER, "top_p": NUMBER,
+        "top_k": INTEGER, "metadata": OBJECT, "tools": ARRAY, "tool_choice": OBJECT,
+        "thinking": OBJECT, "service_tier": STRING,
+    }
+    client_headers = ("anthropic-version",)
+    forward_headers = ("anthropic-version", "anthropic-beta")
+    count_tokens_route = "/messages/count_tokens"
 
     # -- requests -------------------------------------------------------------------------
     def parse_request(self, body: dict[str, Any], model: str | None,

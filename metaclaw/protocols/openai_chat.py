@@ -11,7 +11,8 @@ import uuid
 from typing import Any
 
 from metaclaw.jsonlib import dumpb
-from metaclaw.protocols import (ProxyError, StreamTranslator, WireProtocol, summarize_completion,
+from metaclaw.protocols import (ARRAY, BOOLEAN, INTEGER, NUMBER, OBJECT, STRING, ProxyError,
+                                StreamTranslator, WireProtocol, summarize_completion,
                                 usage_columns)
 from metaclaw.skills.asks import content_text
 
@@ -178,6 +179,20 @@ class OpenAIChat(WireProtocol):
     name = "openai"
     routes = ("/chat/completions",)
     key_header = None
+    pivot = True
+    field_types = {
+        "model": STRING, "messages": ARRAY, "stream": BOOLEAN, "stream_options": OBJECT,
+        "tools": ARRAY, "tool_choice": STRING + OBJECT, "temperature": NUMBER, "top_p": NUMBER,
+        "n": INTEGER, "max_tokens": INTEGER, "max_completion_tokens": INTEGER,
+        "stop": STRING + ARRAY, "presence_penalty": NUMBER, "frequency_penalty": NUMBER,
+        "logprobs": BOOLEAN, "top_logprobs": INTEGER, "user": STRING, "seed": INTEGER,
+        "response_format": OBJECT, "parallel_tool_calls": BOOLEAN, "logit_bias": OBJECT,
+        "metadata": OBJECT, "store": BOOLEAN, "modalities": ARRAY, "reasoning_effort": STRING,
+        "functions": ARRAY, "function_call": STRING + OBJECT, "prediction": OBJECT,
+        "audio": OBJECT, "service_tier": STRING,
+    }
+    message_field_types = {"role": STRING, "content": STRING + ARRAY, "name": STRING,
+                           "tool_calls": ARRAY, "tool_call_id": STRING}
 
     def parse_request(self, body: dict[str, Any], model: str | None) -> tuple[str, bool]:
         def bad(param: str, message: str) -> ProxyError:

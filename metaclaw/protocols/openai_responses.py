@@ -53,7 +53,8 @@ import time
 from typing import Any
 
 from metaclaw.jsonlib import dumpb, dumps, loads
-from metaclaw.protocols import ProxyError, StreamTranslator, WireProtocol
+from metaclaw.protocols import (ARRAY, BOOLEAN, INTEGER, NUMBER, OBJECT, STRING, ProxyError,
+                                StreamTranslator, WireProtocol)
 from metaclaw.protocols.openai_chat import ToChatStream, TranslatedAssembler
 from metaclaw.skills.asks import content_text
 
@@ -621,6 +622,17 @@ class OpenAIResponses(WireProtocol):
     name = "responses"
     routes = ("/responses",)
     key_header = None
+    field_types = {
+        "model": STRING, "input": STRING + ARRAY, "instructions": STRING, "stream": BOOLEAN,
+        "tools": ARRAY, "tool_choice": STRING + OBJECT, "parallel_tool_calls": BOOLEAN,
+        "max_output_tokens": INTEGER, "max_tool_calls": INTEGER, "temperature": NUMBER,
+        "top_p": NUMBER, "top_logprobs": INTEGER, "text": OBJECT, "reasoning": OBJECT,
+        "include": ARRAY, "store": BOOLEAN, "prompt_cache_key": STRING, "metadata": OBJECT,
+        "previous_response_id": STRING, "truncation": STRING, "user": STRING,
+        "service_tier": STRING, "background": BOOLEAN, "safety_identifier": STRING,
+        "client_metadata": OBJECT, "stream_options": OBJECT, "conversation": STRING + OBJECT,
+        "prompt": OBJECT,
+    }
 
     # -- requests -------------------------------------------------------------------------
     def parse_request(self, body: dict[str, Any], model: str | None) -> tuple[str, bool]:

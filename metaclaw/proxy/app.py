@@ -47,10 +47,8 @@ headers.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
-import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Protocol
@@ -59,16 +57,15 @@ from aiohttp import web
 
 from metaclaw.jsonlib import dumpb, loads
 from metaclaw.protocols import ProxyError
-from metaclaw.protocols.anthropic_messages import ANTHROPIC
-from metaclaw.protocols.openai_chat import OPENAI
-from metaclaw.protocols.registry import PROTOCOLS
+from metaclaw.protocols.registry import PROTOCOLS, client_protocol
 from metaclaw.proxy.context_budget import TokenCounter
 from metaclaw.proxy.edge import EdgeRunner
-from metaclaw.proxy.pipeline import Recorder, TurnPipeline
+from metaclaw.proxy.pipeline import (Collaborators, Recorder, Scrubber, TurnListeners,
+                                     TurnPipeline)
 from metaclaw.proxy.server import BackgroundServer, ServedApp, _base_url
 from metaclaw.proxy.sessions import ReplyThreads
-from metaclaw.proxy.upstreams import NO_KEY, HTTPUpstream, make_upstream
-from metaclaw.redact import mask, mask_json, safe_url, secrets_of
+from metaclaw.proxy.upstreams import make_upstream
+from metaclaw.redact import safe_url
 from metaclaw.store import Store
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -163,34 +160,29 @@ class Responder(Protocol):
 
 
 def _protocol_of(request: web.Request) -> Any:
-    """The protocol whose shape errors on ``request`` take: the one its path belongs to; on the
-    other paths (``/v1/models``, an unknown path) Anthropic's when the client sent the
-    ``anthropic-version`` header, as every Anthropic SDK does (an Anthropic client reads only
-    ``{"type": "error", "error": {...}}``), else OpenAI's."""
-    for protocol in PROTOCOLS.values():
-        if any(route in request.path for route in protocol.routes):
-            return protocol
-    return ANTHROPIC if "anthropic-version" in request.headers else OPENAI
+    """The protocol whose shape errors on ``request`` take
+    (:func:`metaclaw.protocols.registry.client_protocol`)."""
+    return client_protocol(request.path, request.headers)
 
 
 class _SecretFilter(logging.Filter):
     """Masks the proxy's secrets in its log records (message, arguments and traceback): an
     upstream exception's text can quote the key it was sent."""
 
-    def __init__(self, proxy: "Proxy"):
+    def __init__(self, scrubber: Scrubber):
         super().__init__()
-        self.proxy = proxy
+        self.scrubber = scrubber
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if not self.proxy._secrets():
+        if not self.scrubber.secrets():
             return True
         message = record.getMessage()
         if record.exc_info:
             record.exc_text = logging.Formatter().formatException(record.exc_info)
             record.exc_info = None
-        record.msg, record.args = self.proxy._scrub(message), None
+        record.msg, record.args = self.scrubber.text(message), None
         if record.exc_text:
-            record.exc_text = self.proxy._scrub(record.exc_text)
+            record.exc_text = self.scrubber.text(record.exc_text)
         return True
 
 
@@ -211,18 +203,18 @@ class Proxy(ServedApp):
         self.library = library
         self.retriever = retriever if retriever is not None else retrieval.make_retriever(
             config.retrieval, config.embedding_model)
-        self._responder: Any = None
-        self._listeners: list[Callable[[int], None]] = []
-        self._upstream: HTTPUpstream | None = None  # its session is created on the server's loop
         self.token_counter = TokenCounter(config.tokenizer)
-        self._recorder = Recorder(self, fsync=config.fsync_acks)
         self.threads = ReplyThreads(store)  # which of alike-opening conversations a turn is
-        self._pipeline = TurnPipeline(self)
-        self._retrieval_pool: ThreadPoolExecutor | None = None
-        self._listener_pool: ThreadPoolExecutor | None = None
-        self._log_filter = _SecretFilter(self)
+        self._listeners = TurnListeners()
+        self._recorder = Recorder(store, fsync=config.fsync_acks, listeners=self._listeners)
+        # what the pipeline works with; upstream, responder, retrieval pool and stopping are
+        # set on it as the proxy starts, swaps its responder and stops
+        self._parts = Collaborators(config, library, self.retriever, self._recorder,
+                                    Scrubber(config.api_key_env, config.token), self.threads,
+                                    self.token_counter)
+        self._pipeline = TurnPipeline(self._parts)
+        self._log_filter = _SecretFilter(self._parts.scrubber)
         self._in_flight: set[asyncio.Task[Any]] = set()  # the handlers serving a turn now
-        self.stopping = False  # set when the server begins to shut down
         # A client that hangs up (an SDK timeout, Ctrl-C) cancels its handler, and with it the
         # upstream request: the upstream stops generating (and billing) a reply nobody reads.
         runner = functools.partial(EdgeRunner, header_timeout=config.header_timeout,
@@ -266,11 +258,10 @@ class Proxy(ServedApp):
     # -- seams for the loops --------------------------------------------------------------
     def add_turn_listener(self, fn: Callable[[int], None]) -> None:
         """Call ``fn(turn_id)`` in a worker thread after each turn is recorded (errors are logged)."""
-        self._listeners.append(fn)
+        self._listeners.add(fn)
 
     def remove_turn_listener(self, fn: Callable[[int], None]) -> None:
-        with contextlib.suppress(ValueError):
-            self._listeners.remove(fn)
+        self._listeners.remove(fn)
 
     def set_responder(self, responder: Any) -> None:
         """Answer from a local policy instead of the upstream (``None`` goes back to upstream).
@@ -288,15 +279,20 @@ class Proxy(ServedApp):
                 raise TypeError("a responder needs async complete(body), stream(body) and a "
                                 f"policy_version attribute; {type(responder).__name__} lacks "
                                 f"{', '.join(missing) or 'policy_version'}")
-        self._responder = responder
+        self._parts.responder = responder
 
     @property
     def responder(self) -> Any:
-        return self._responder
+        return self._parts.responder
+
+    @property
+    def stopping(self) -> bool:
+        """Whether the server has begun to shut down."""
+        return self._parts.stopping
 
     @property
     def policy_version(self) -> int:
-        responder = self._responder
+        responder = self._parts.responder
         return int(getattr(responder, "policy_version", 0)) if responder is not None else 0
 
     # -- application ----------------------------------------------------------------------
@@ -316,7 +312,10 @@ class Proxy(ServedApp):
             for protocol in PROTOCOLS.values():
                 for route in protocol.routes:
                     app.router.add_post(prefix + route, self._handler(protocol))
-            app.router.add_post(prefix + "/messages/count_tokens", self._count_tokens)
+            for protocol in PROTOCOLS.values():
+                if protocol.count_tokens_route:
+                    app.router.add_post(prefix + protocol.count_tokens_route,
+                                        self._count_tokens(protocol))
             app.router.add_get(prefix + "/models", self._models)
             app.router.add_get(prefix + "/models/{model_id:.+}", self._model)
         app.router.add_get("/healthz", self._health)
@@ -335,24 +334,28 @@ class Proxy(ServedApp):
                 self._in_flight.discard(task)
         return handle
 
-    async def _count_tokens(self, request: web.Request) -> web.Response:
-        return await self._pipeline.count_tokens(ANTHROPIC, request)
+    def _count_tokens(self, protocol: Any) -> Callable[[web.Request], Any]:
+        async def count(request: web.Request) -> web.Response:
+            return await self._pipeline.count_tokens(protocol, request)
+        return count
 
     async def _on_startup(self, app: web.Application) -> None:
-        self.stopping = False
-        self._retrieval_pool = ThreadPoolExecutor(8, thread_name_prefix="metaclaw-retrieval")  # embedding queries batch
+        parts = self._parts
+        parts.stopping = False
+        pool = parts.retrieval_pool = ThreadPoolExecutor(  # embedding queries batch
+            8, thread_name_prefix="metaclaw-retrieval")
         # the recorded conversations, read before the first request needs them (not awaited)
-        asyncio.get_running_loop().run_in_executor(self._retrieval_pool, self.threads.load)
+        asyncio.get_running_loop().run_in_executor(pool, self.threads.load)
         self._recorder.start()
-        self._listener_pool = ThreadPoolExecutor(1, thread_name_prefix="metaclaw-listeners")
+        self._listeners.start()
         log.addFilter(self._log_filter)
         if self.config.upstream_url:
-            self._upstream = make_upstream(self.config.upstream_protocol, self.config.upstream_url,
-                                           self.config.api_key_env, self.config.timeout,
-                                           self.config.max_retries)
-            await self._upstream.open()
+            parts.upstream = make_upstream(self.config.upstream_protocol,
+                                           self.config.upstream_url, self.config.api_key_env,
+                                           self.config.timeout, self.config.max_retries)
+            await parts.upstream.open()
         if callable(getattr(self.retriever, "warm", None)):  # load models before the first turn
-            asyncio.get_running_loop().run_in_executor(self._retrieval_pool, self._warm)
+            asyncio.get_running_loop().run_in_executor(pool, self._warm)
 
     def _warm(self) -> None:
         try:
@@ -360,32 +363,10 @@ class Proxy(ServedApp):
         except Exception:
             log.exception("could not prepare the skill retriever; retrieval will retry per turn")
 
-    def _secrets(self, *extra: str | None) -> tuple[str, ...]:
-        """The secrets the proxy must never relay, store or log: the upstream key, the proxy
-        token and ``extra`` (a caller's own key), masked by the rule of :mod:`metaclaw.redact`."""
-        found = (os.environ.get(self.config.api_key_env), self.config.token, *extra)
-        return secrets_of(*(s for s in found if s != NO_KEY))
-
-    def _scrub(self, text: str | None, *secrets: str | None) -> str | None:
-        """``text`` with the upstream key, the proxy token and ``secrets`` masked."""
-        return mask(text, self._secrets(*secrets)) if text else text
-
-    def _scrubbed(self, error: ProxyError, caller_key: str | None = None) -> ProxyError:
-        """``error`` with every secret masked in its message, payloads and headers."""
-        secrets = self._secrets(caller_key)
-        if not secrets:
-            return error
-        error.message = mask(error.message, secrets)
-        error.payload = mask_json(error.payload, secrets)
-        if error.upstream is not None:
-            error.upstream = (error.upstream[0], mask_json(error.upstream[1], secrets))
-        error.headers = mask_json(error.headers, secrets)
-        return error
-
     async def _on_shutdown(self, app: web.Application) -> None:
         # before the server closes the connections: a turn cancelled from now on was stopped
         # by the proxy, not by its client
-        self.stopping = True
+        self._parts.stopping = True
 
     async def _on_cleanup(self, app: web.Application) -> None:
         log.removeFilter(self._log_filter)
@@ -397,13 +378,14 @@ class Proxy(ServedApp):
             task.cancel()
         await asyncio.gather(*orphans, return_exceptions=True)
         await self._drain()
-        if self._upstream is not None:
-            await self._upstream.close()
-            self._upstream = None
+        if self._parts.upstream is not None:
+            await self._parts.upstream.close()
+            self._parts.upstream = None
         self._recorder.stop()  # every answered turn reaches the store
-        for pool in (self._retrieval_pool, self._listener_pool):
-            if pool is not None:  # a model still loading or a slow listener never blocks stop()
-                pool.shutdown(wait=False)
+        # a model still loading or a slow listener never blocks stop()
+        if self._parts.retrieval_pool is not None:
+            self._parts.retrieval_pool.shutdown(wait=False)
+        self._listeners.stop()
 
     async def _drain(self) -> None:
         await self._recorder.drain()
@@ -421,8 +403,9 @@ class Proxy(ServedApp):
                 raise
             served = ", ".join([f"POST /v1{route}" for p in PROTOCOLS.values()
                                 for route in p.routes] + [
-                "POST /v1/messages/count_tokens", "GET /v1/models", "GET /v1/models/{id}",
-                "GET /healthz"])
+                f"POST /v1{p.count_tokens_route}" for p in PROTOCOLS.values()
+                if p.count_tokens_route] + ["GET /v1/models", "GET /v1/models/{id}",
+                                            "GET /healthz"])
             # the route, not a model, is what is missing: said so, as some clients read any 404
             # as "model not found"
             message = {404: f"no route {request.method} {request.path} on this MetaClaw proxy "
@@ -448,7 +431,7 @@ class Proxy(ServedApp):
     # -- handlers -------------------------------------------------------------------------
     async def _health(self, request: web.Request) -> web.Response:
         generation, skills = self.library.current()
-        responder = self._responder
+        responder = self._parts.responder
         ready = responder is not None or bool(self.config.upstream_url)
         return web.json_response({
             "status": "ok" if ready else "no_upstream",
@@ -493,23 +476,23 @@ class Proxy(ServedApp):
         """(the client's protocol, the models in the neutral view, the upstream's own list when
         it is in the client's shape already, else None)."""
         caller_key = self._pipeline.authenticate(request)
-        responder = self._responder
+        responder = self._parts.responder
         name = (getattr(responder, "model", None) or getattr(responder, "model_name", None)
                 if responder is not None else None)
         name = name or self.config.model
-        upstream = self._upstream
+        upstream = self._parts.upstream
         client = _protocol_of(request)  # an Anthropic SDK reads only Anthropic's list
         if name is None and upstream is not None and hasattr(upstream, "models"):
             try:
                 _, payload = await upstream.models(caller_key)
             except Exception as exc:
-                raise self._scrubbed(upstream.map_error(exc), caller_key) from None
+                raise self._parts.scrubber.error(upstream.map_error(exc), caller_key) from None
             try:
                 models = upstream.protocol.models_of(loads(payload))
             except ValueError:
                 if upstream.protocol is client:  # relayed as it came, as before
                     return client, [], payload
-                raise self._scrubbed(ProxyError(
+                raise self._parts.scrubber.error(ProxyError(
                     502, f"the upstream's model list is not JSON: {payload[:200]!r}",
                     type="upstream_error"), caller_key) from None
             return client, models, payload if upstream.protocol is client else None

@@ -13,8 +13,9 @@ protocol naming the field and the reason (a client error is never a 5xx):
 - the body (:func:`decode_body`): JSON only, an object, nested at most :data:`MAX_DEPTH` deep,
   no NaN / Infinity / numbers too large for a double, no lone surrogate code points (SQLite and
   every upstream refuse them);
-- the fields (:func:`check_fields`): the type of each optional field the protocol defines;
-  ``null`` means "not given" (as the OpenAI API reads it) and is dropped before forwarding.
+- the fields (:func:`check_fields`): the type of each optional field the protocol's adapter
+  declares (:attr:`metaclaw.protocols.WireProtocol.field_types`); ``null`` means "not given" (as
+  the OpenAI API reads it) and is dropped before forwarding.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from aiohttp import http_exceptions, web, web_protocol, web_server
 from orjson import loads as loads_fast
 
 from metaclaw.jsonlib import LONE_SURROGATE as _SURROGATE, dumps
-from metaclaw.protocols import ProxyError
+from metaclaw.protocols import BOOLEAN, STRING, ProxyError, WireProtocol
 
 #: Deepest JSON nesting accepted in a request body (tool schemas stay far below it).
 MAX_DEPTH = 100
@@ -68,43 +69,9 @@ ENCODINGS = ("identity", "gzip", "deflate") + ("br",) * bool(_BROTLI) + ("zstd",
 #: copies the rest of its chunk, so a body of thousands of tiny members would cost quadratic time).
 MAX_MEMBERS = 64
 
-_NUMBER, _INT, _BOOL, _STR, _LIST, _OBJ = ("number",), ("integer",), ("boolean",), ("string",), \
-    ("array",), ("object",)
-#: The type of each optional top-level field, per protocol (``null`` is always accepted).
-FIELD_TYPES: dict[str, dict[str, tuple[str, ...]]] = {
-    "openai": {
-        "model": _STR, "messages": _LIST, "stream": _BOOL, "stream_options": _OBJ,
-        "tools": _LIST, "tool_choice": _STR + _OBJ, "temperature": _NUMBER, "top_p": _NUMBER,
-        "n": _INT, "max_tokens": _INT, "max_completion_tokens": _INT, "stop": _STR + _LIST,
-        "presence_penalty": _NUMBER, "frequency_penalty": _NUMBER, "logprobs": _BOOL,
-        "top_logprobs": _INT, "user": _STR, "seed": _INT, "response_format": _OBJ,
-        "parallel_tool_calls": _BOOL, "logit_bias": _OBJ, "metadata": _OBJ, "store": _BOOL,
-        "modalities": _LIST, "reasoning_effort": _STR, "functions": _LIST,
-        "function_call": _STR + _OBJ, "prediction": _OBJ, "audio": _OBJ, "service_tier": _STR,
-    },
-    "anthropic": {
-        "model": _STR, "messages": _LIST, "max_tokens": _INT, "system": _STR + _LIST,
-        "stream": _BOOL, "stop_sequences": _LIST, "temperature": _NUMBER, "top_p": _NUMBER,
-        "top_k": _INT, "metadata": _OBJ, "tools": _LIST, "tool_choice": _OBJ, "thinking": _OBJ,
-        "service_tier": _STR,
-    },
-    "responses": {
-        "model": _STR, "input": _STR + _LIST, "instructions": _STR, "stream": _BOOL,
-        "tools": _LIST, "tool_choice": _STR + _OBJ, "parallel_tool_calls": _BOOL,
-        "max_output_tokens": _INT, "max_tool_calls": _INT, "temperature": _NUMBER,
-        "top_p": _NUMBER, "top_logprobs": _INT, "text": _OBJ, "reasoning": _OBJ,
-        "include": _LIST, "store": _BOOL, "prompt_cache_key": _STR, "metadata": _OBJ,
-        "previous_response_id": _STR, "truncation": _STR, "user": _STR, "service_tier": _STR,
-        "background": _BOOL, "safety_identifier": _STR, "client_metadata": _OBJ,
-        "stream_options": _OBJ, "conversation": _STR + _OBJ, "prompt": _OBJ,
-    },
-}
-#: Fields the proxy itself reads, whatever the protocol.
-PROXY_FIELD_TYPES = {"session_id": _STR, "turn_type": _STR, "session_done": _BOOL + _STR}
-_TYPES = {name: {**types, **PROXY_FIELD_TYPES} for name, types in FIELD_TYPES.items()}
-#: Per-message fields of the OpenAI chat shape.
-OPENAI_MESSAGE_TYPES = {"role": _STR, "content": _STR + _LIST, "name": _STR,
-                        "tool_calls": _LIST, "tool_call_id": _STR}
+#: Fields the proxy itself reads, whatever the protocol (each protocol's own are declared by its
+#: adapter: :attr:`metaclaw.protocols.WireProtocol.field_types`).
+PROXY_FIELD_TYPES = {"session_id": STRING, "turn_type": STRING, "session_done": BOOLEAN + STRING}
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
 _LONG_NUMBER = re.compile(rb"[0-9]{19}")
@@ -234,21 +201,30 @@ def _matches(value: Any, kinds: tuple[str, ...]) -> bool:
     return name in kinds or (name == "integer" and "number" in kinds)
 
 
-def check_fields(protocol: str, body: dict[str, Any]) -> dict[str, Any]:
+@functools.lru_cache(maxsize=None)
+def _field_types(protocol: WireProtocol) -> dict[str, tuple[str, ...]]:
+    """The types of the top-level fields of ``protocol``'s requests: its adapter's declaration
+    and the proxy's own fields (:data:`PROXY_FIELD_TYPES`)."""
+    return {**protocol.field_types, **PROXY_FIELD_TYPES}
+
+
+def check_fields(protocol: WireProtocol, body: dict[str, Any]) -> dict[str, Any]:
     """``body`` without its ``null`` fields, after checking the type of each field the
-    protocol defines (400 naming the field, its type and the expected ones otherwise)."""
-    types = _TYPES.get(protocol, PROXY_FIELD_TYPES)
+    protocol's adapter declares (``field_types``, and ``message_field_types`` for each message
+    of a ``messages`` list): 400 naming the field, its type and the expected ones otherwise."""
+    types = _field_types(protocol)
     for name, value in body.items():
         kinds = types.get(name)
         if value is None or kinds is None or _matches(value, kinds):
             continue
         raise _bad(name, f"'{name}' must be {' or '.join(_a(k) for k in kinds)} (or null), not "
                          f"{_a(_type_name(value))}", code="invalid_type")
-    if protocol == "openai" and isinstance(body.get("messages"), list):
+    message_types = protocol.message_field_types
+    if message_types and isinstance(body.get("messages"), list):
         for i, message in enumerate(body["messages"]):
             if not isinstance(message, dict):
                 continue
-            for name, kinds in OPENAI_MESSAGE_TYPES.items():
+            for name, kinds in message_types.items():
                 value = message.get(name)
                 if value is not None and not _matches(value, kinds):
                     raise _bad(f"messages[{i}].{name}",

@@ -30,11 +30,13 @@ import contextlib
 import itertools
 import hmac
 import logging
+import os
 import queue
 import threading
 import time
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Mapping, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from aiohttp import web
 
@@ -42,9 +44,9 @@ from metaclaw import buffers
 from metaclaw.jsonlib import LONE_SURROGATE as _SURROGATE, dumpb, dumps
 from metaclaw.protocols import ProxyError, WireProtocol
 from metaclaw.proxy import context_budget, edge
-from metaclaw.proxy.sessions import FINGERPRINT, Identity, Thread, identify
-from metaclaw.proxy.upstreams import ResponderUpstream, Upstream, policy_columns
-from metaclaw.redact import mask_bytes, mask_json
+from metaclaw.proxy.sessions import FINGERPRINT, Identity, ReplyThreads, Thread, identify
+from metaclaw.proxy.upstreams import NO_KEY, ResponderUpstream, Upstream, policy_columns
+from metaclaw.redact import mask, mask_bytes, mask_json, secrets_of
 from metaclaw.skills import block as skill_block, retrieval
 from metaclaw.turns import IdentityError, is_task_turn
 
@@ -66,8 +68,6 @@ INLINE_RETRIEVERS = ("lexical",)
 BLOCK_TAG = skill_block.BLOCK_TAG.strip("<>").encode()
 #: Chat fields recorded in their own columns rather than in ``request_params``.
 _OWN_COLUMNS = ("messages", "model", "stream")
-#: Client headers an Anthropic upstream receives as they came (pass-through only).
-_ANTHROPIC_HEADERS = ("anthropic-version", "anthropic-beta")
 
 
 @dataclass
@@ -110,7 +110,7 @@ def parse_turn(protocol: WireProtocol, body: dict[str, Any], raw: bytes,
 
     Field types are checked first (:func:`metaclaw.proxy.edge.check_fields`); ``null`` fields mean
     "not given" and are not forwarded."""
-    body = edge.check_fields(protocol.name, body)
+    body = edge.check_fields(protocol, body)
     model, stream = protocol.parse_request(body, model, **parse)
     forward = {k: v for k, v in body.items() if k not in PROXY_FIELDS}
     forward["model"] = model
@@ -167,36 +167,82 @@ def record_row(turn: Turn, policy_version: int) -> dict[str, Any]:
         "retrieval_scores": [_scored(name, score, keys) for name, score, keys
                              in itertools.zip_longest(turn.injected, turn.scores, turn.keys)],
     }
-    if turn.protocol.name != "openai":
-        row["protocol"] = turn.protocol.name
+    row["protocol"] = turn.protocol.name
     if turn.budget is not None:
         row["context_budget"] = turn.budget
     return row
 
 
-class ProxySide(Protocol):
-    """What the turn pipeline and the recorder use of the proxy that runs them: implemented by
-    :class:`metaclaw.proxy.app.Proxy`, which builds both (this module does not import it)."""
+class Scrubber:
+    """The proxy's secrets, never relayed, stored or logged: the upstream key (read from the
+    environment variable ``key_env`` when used), the proxy ``token`` and a caller's own key,
+    masked by the rule of :mod:`metaclaw.redact`."""
 
-    config: Any
-    store: Store
-    library: Any
-    retriever: Any
-    token_counter: Any
-    threads: Any
-    stopping: bool
-    responder: Any
-    _upstream: Any
-    _recorder: Any
-    _listeners: list[Any]
-    _listener_pool: Any
-    _retrieval_pool: Any
+    def __init__(self, key_env: str, token: str | None = None):
+        self.key_env = key_env
+        self.token = token
 
-    def _secrets(self, *extra: str | None) -> tuple[str, ...]: ...
+    def secrets(self, *extra: str | None) -> tuple[str, ...]:
+        """The secrets to mask: the upstream key, the proxy token and ``extra``."""
+        found = (os.environ.get(self.key_env), self.token, *extra)
+        return secrets_of(*(s for s in found if s != NO_KEY))
 
-    def _scrub(self, text: str | None, *secrets: str | None) -> str | None: ...
+    def text(self, text: str | None, *extra: str | None) -> str | None:
+        """``text`` with the secrets (and ``extra``) masked."""
+        return mask(text, self.secrets(*extra)) if text else text
 
-    def _scrubbed(self, error: ProxyError, caller_key: str | None = None) -> ProxyError: ...
+    def error(self, error: ProxyError, caller_key: str | None = None) -> ProxyError:
+        """``error`` with every secret masked in its message, payloads and headers."""
+        secrets = self.secrets(caller_key)
+        if not secrets:
+            return error
+        error.message = mask(error.message, secrets)
+        error.payload = mask_json(error.payload, secrets)
+        if error.upstream is not None:
+            error.upstream = (error.upstream[0], mask_json(error.upstream[1], secrets))
+        error.headers = mask_json(error.headers, secrets)
+        return error
+
+
+class TurnListeners:
+    """The functions called with each recorded turn's id, in order, in one worker thread
+    (:meth:`start` makes it, :meth:`stop` lets it go); a listener's error is logged."""
+
+    def __init__(self) -> None:
+        self.fns: list[Callable[[int], None]] = []
+        self.pool: ThreadPoolExecutor | None = None
+
+    def add(self, fn: Callable[[int], None]) -> None:
+        self.fns.append(fn)
+
+    def remove(self, fn: Callable[[int], None]) -> None:
+        with contextlib.suppress(ValueError):
+            self.fns.remove(fn)
+
+    def start(self) -> None:
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="metaclaw-listeners")
+
+    def stop(self) -> None:
+        """No new calls; a slow listener is not waited for."""
+        if self.pool is not None:
+            self.pool.shutdown(wait=False)
+
+    def notify(self, ids: list[int | None]) -> None:
+        """Call the listeners with each id of ``ids`` that is not ``None`` (nothing before
+        :meth:`start` or after :meth:`stop`)."""
+        pool = self.pool
+        if self.fns and pool is not None:
+            for turn_id in ids:
+                if turn_id is not None:
+                    with contextlib.suppress(RuntimeError):  # the pool has shut down
+                        pool.submit(self._call, turn_id)
+
+    def _call(self, turn_id: int) -> None:
+        for fn in list(self.fns):
+            try:
+                fn(turn_id)
+            except Exception:
+                log.exception("turn listener %r failed for turn %d", fn, turn_id)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -234,9 +280,11 @@ class Recorder:
     #: which is about 200 turns).
     CHECKPOINT_EVERY = 64
 
-    def __init__(self, proxy: ProxySide, fsync: bool = False):
-        self.proxy = proxy
+    def __init__(self, store: Store, fsync: bool = False,
+                 listeners: TurnListeners | None = None):
+        self.store = store
         self.fsync = fsync
+        self.listeners = listeners if listeners is not None else TurnListeners()
         self.pending: set[asyncio.Future[Any]] = set()
         self._group: list[tuple[Any, ...]] = []  # submitted, not yet flushed
         self._queue: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
@@ -312,7 +360,7 @@ class Recorder:
         started, cpu = time.perf_counter(), time.thread_time()
         try:
             if self._loop_store is None:
-                self._loop_store = self.proxy.store.loop_writer() or self.proxy.store
+                self._loop_store = self.store.loop_writer() or self.store
             store = self._loop_store
             with store.transaction(False, wait=False):
                 ids = self._write_all(store, group)
@@ -349,12 +397,12 @@ class Recorder:
             self._written += len(groups)
             if _CHECKPOINT in items or stopping and self._loop_commits:
                 try:
-                    self.proxy.store.checkpoint()
+                    self.store.checkpoint()
                 except Exception:  # the next one copies these pages as well
                     log.warning("could not checkpoint the store's write-ahead log", exc_info=True)
 
     def _commit(self, group: list[tuple[Any, ...]]) -> None:
-        store, fsync, cpu = self.proxy.store, self.fsync, time.thread_time()
+        store, fsync, cpu = self.store, self.fsync, time.thread_time()
         ids: list[int | None]
         try:
             with store.transaction(fsync):
@@ -388,7 +436,7 @@ class Recorder:
                 continue
             with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits any more
                 loop.call_soon_threadsafe(_resolve, results)
-        self._notify_listeners(ids)
+        self.listeners.notify(ids)
 
     @staticmethod
     def _write_all(store: "Store", group: list[tuple[Any, ...]]) -> list[int]:
@@ -408,21 +456,6 @@ class Recorder:
             if done:
                 store.mark_session_done(row["session_id"])
         return ids
-
-    def _notify_listeners(self, ids: list[int | None]) -> None:
-        pool = self.proxy._listener_pool
-        if self.proxy._listeners and pool is not None:
-            for turn_id in ids:
-                if turn_id is not None:
-                    with contextlib.suppress(RuntimeError):  # the pool has shut down
-                        pool.submit(self._notify, turn_id)
-
-    def _notify(self, turn_id: int) -> None:
-        for fn in list(self.proxy._listeners):
-            try:
-                fn(turn_id)
-            except Exception:
-                log.exception("turn listener %r failed for turn %d", fn, turn_id)
 
 
 #: Queued for the writer thread: checkpoint the write-ahead log.
@@ -449,12 +482,45 @@ def _encodable(value: Any) -> Any:
 # ---------------------------------------------------------------------------------------------
 # the pipeline
 # ---------------------------------------------------------------------------------------------
-class TurnPipeline:
-    """Runs the steps for one request of any protocol (built and owned by the proxy)."""
+@dataclass
+class Collaborators:
+    """What the turn pipeline works with, given to it by whoever runs it: the
+    :class:`~metaclaw.proxy.app.Proxy` builds one, a test can build one without a proxy.
 
-    def __init__(self, proxy: ProxySide):
-        self.proxy = proxy
-        self.config = proxy.config
+    ``config``: a :class:`~metaclaw.proxy.app.ProxyConfig` (the token, caller-auth, the model,
+    the body limits and timeouts, retrieval, context budget, stream usage and durable-ack
+    settings are read from it). ``library``: the skill library whose current generation is
+    injected; ``retriever``: its retriever; ``recorder``: where turns are written (it calls the
+    turn listeners); ``scrubber``: the secrets to mask; ``threads``: which of alike-opening
+    conversations a turn continues; ``token_counter``: the context budget's counter.
+
+    Set by the owner while it serves (a request reads them when it arrives): ``upstream`` (the
+    HTTP upstream, opened on the server's loop; ``None``: none configured), ``responder`` (a
+    local policy answering instead, see :meth:`metaclaw.proxy.app.Proxy.set_responder`),
+    ``retrieval_pool`` (the threads model-based retrieval runs in) and ``stopping`` (the server
+    is shutting down: a turn cancelled now was stopped by the proxy, not by its client).
+    """
+
+    config: Any
+    library: Any
+    retriever: Any
+    recorder: Recorder
+    scrubber: Scrubber
+    threads: ReplyThreads
+    token_counter: context_budget.TokenCounter
+    upstream: Upstream | None = None
+    responder: Any = None
+    retrieval_pool: Executor | None = None
+    stopping: bool = False
+
+
+class TurnPipeline:
+    """Runs the steps for one request of any protocol, with ``parts``
+    (:class:`Collaborators`)."""
+
+    def __init__(self, parts: Collaborators):
+        self.parts = parts
+        self.config = parts.config
 
     # -- checks and parsing ---------------------------------------------------------------
     def authenticate(self, request: web.Request) -> str | None:
@@ -540,7 +606,7 @@ class TurnPipeline:
         """Steps 3-6 for a main or stage turn, by :func:`metaclaw.skills.retrieval.select_and_inject`:
         query, retrieve (a stage turn: its stage's and general skills), fit the context budget,
         inject; the same block goes into the wire body."""
-        proxy, config = self.proxy, self.config
+        parts, config = self.parts, self.config
         try:
             turn.query = retrieval_query(turn)
             window = context_budget.context_window(turn.model, config.context_windows,
@@ -550,12 +616,12 @@ class TurnPipeline:
                 budget = context_budget.fit_skills([s.skill.name for s in selected], render,
                                                    turn.raw, window,
                                                    turn.protocol.max_output_tokens(turn.body),
-                                                   proxy.token_counter)
+                                                   parts.token_counter)
                 turn.budget = budget.record
                 return budget.keep
 
             done = retrieval.select_and_inject(
-                proxy.retriever, turn.messages, skills, turn_type=turn.turn_type,
+                parts.retriever, turn.messages, skills, turn_type=turn.turn_type,
                 top_k=config.top_k, min_score=config.min_score, budget_chars=config.budget_chars,
                 query=turn.query, fit=fit if window is not None else None)
             selected = done.selected
@@ -588,20 +654,20 @@ class TurnPipeline:
                 and not parse.get("count_only")):
             # conversations opening alike are told apart by the replies they continue (a count
             # of tokens is no turn: it would take the session its conversation's turn is due)
-            turn.session_id, how, turn.thread = self.proxy.threads.resolve(
+            turn.session_id, how, turn.thread = self.parts.threads.resolve(
                 identity.session_id, turn.messages)
             turn.identified_by = {**identity.how, "session": how}
         try:
-            turn.generation, skills = self.proxy.library.current()
+            turn.generation, skills = self.parts.library.current()
             if is_task_turn(turn.turn_type) and skills:
-                retriever = self.proxy.retriever
+                retriever = self.parts.retriever
                 indexed = getattr(retriever, "indexed", None)  # not in the Retriever protocol
                 if getattr(retriever, "kind", None) in INLINE_RETRIEVERS and indexed is not None \
                         and indexed(skills):
                     self.select_and_inject(turn, skills)
                 else:
                     await asyncio.get_running_loop().run_in_executor(
-                        self.proxy._retrieval_pool, self.select_and_inject, turn, skills)
+                        self.parts.retrieval_pool, self.select_and_inject, turn, skills)
             elif BLOCK_TAG in turn.raw:
                 # a turn served no skills (a side call, an empty library) that resends an
                 # earlier turn's block: taken out, so the upstream sees no skills here either
@@ -609,20 +675,20 @@ class TurnPipeline:
                 turn.messages = skill_block.inject(turn.messages, "")
         except BaseException:  # cancelled (its client hung up): the session it took is free
             if turn.thread is not None:
-                self.proxy.threads.settle(turn.thread, False)
+                self.parts.threads.settle(turn.thread, False)
             raise
         return turn, caller_key
 
     # -- forwarding -----------------------------------------------------------------------
     def upstream(self) -> Upstream:
-        responder = self.proxy.responder
+        responder = self.parts.responder
         if responder is not None:
             return ResponderUpstream(responder)
-        if self.proxy._upstream is None:
+        if self.parts.upstream is None:
             raise ProxyError(503, "no upstream is configured: start the proxy with an upstream "
                                   "URL (ProxyConfig.upstream_url or metaclaw serve --upstream URL) "
                                   "or set a responder", type="server_error", code="no_upstream")
-        return self.proxy._upstream
+        return self.parts.upstream
 
     def forward_body(self, turn: Turn, upstream: Upstream) -> tuple[dict[str, Any], bool]:
         """The body in the upstream's protocol (translated when the client's differs: from the
@@ -638,15 +704,18 @@ class TurnPipeline:
 
     @staticmethod
     def upstream_headers(turn: Turn, upstream: Upstream, request: web.Request) -> dict[str, str]:
-        if upstream.protocol is turn.protocol and turn.protocol.name == "anthropic":
-            return {k: request.headers[k] for k in _ANTHROPIC_HEADERS if k in request.headers}
+        """The client's headers an upstream of its own protocol receives as they came (the
+        protocol's ``forward_headers``)."""
+        if upstream.protocol is turn.protocol:
+            return {k: request.headers[k] for k in turn.protocol.forward_headers
+                    if k in request.headers}
         return {}
 
     async def serve(self, protocol: WireProtocol, request: web.Request) -> web.StreamResponse:
         """The whole pipeline for one request of ``protocol``."""
         started = time.perf_counter()
         turn, caller_key = await self.prepare(protocol, request)
-        responder = self.proxy.responder
+        responder = self.parts.responder
         policy_version = int(getattr(responder, "policy_version", 0)) if responder else 0
         record = record_row(turn, policy_version)
         headers = {"X-MetaClaw-Skill-Generation": str(turn.generation),
@@ -685,17 +754,17 @@ class TurnPipeline:
         """Tokens of the request as the proxy would forward it (skills injected): the Anthropic
         upstream's own count when it is one, else the proxy's count (module context_budget)."""
         turn, caller_key = await self.prepare(protocol, request, count_only=True)
-        upstream = self.proxy._upstream
-        if (self.proxy.responder is None and upstream is not None
+        upstream = self.parts.upstream
+        if (self.parts.responder is None and upstream is not None
                 and upstream.protocol is protocol and hasattr(upstream, "count_tokens")):
             try:
                 payload = await upstream.count_tokens(
                     turn.body, caller_key, self.upstream_headers(turn, upstream, request))
             except Exception as exc:
-                error = self.proxy._scrubbed(upstream.map_error(exc), caller_key)
+                error = self.parts.scrubber.error(upstream.map_error(exc), caller_key)
                 return protocol.error_response(error)
             return web.Response(body=payload, content_type="application/json")
-        count = self.proxy.token_counter.count(dumps(
+        count = self.parts.token_counter.count(dumps(
             {k: turn.body.get(k) for k in ("system", "messages", "tools") if k in turn.body}))
         return web.json_response({"input_tokens": count})
 
@@ -727,13 +796,13 @@ class _Relay:
     def __init__(self, pipeline: TurnPipeline, turn: Turn, record: dict[str, Any],
                  headers: dict[str, str], caller_key: str | None, started: float):
         self.pipeline = pipeline
-        self.proxy = pipeline.proxy
+        self.parts = pipeline.parts
         self.turn = turn
         self.record = record
         self.headers = headers
         self.caller_key = caller_key
         self.started = started
-        self.secrets = self.proxy._secrets(caller_key)
+        self.secrets = self.parts.scrubber.secrets(caller_key)
         self.secret_bytes = tuple(secret.encode() for secret in self.secrets)
         self.sent = 0  # body bytes written to the client
 
@@ -743,21 +812,21 @@ class _Relay:
                "latency_ms": (time.perf_counter() - self.started) * 1000.0}
         if row.get("status") == "ok":  # a served task turn enters the buffers as it is recorded
             row["buffer_set"], row["buffer_state"] = buffers.classify(
-                row, generation=self.proxy.library.generation)
+                row, generation=self.parts.library.generation)
         if self.secrets:
             for key in ("response", "error"):
                 if isinstance(row.get(key), str):
-                    row[key] = self.proxy._scrub(row[key], self.caller_key)
+                    row[key] = self.parts.scrubber.text(row[key], self.caller_key)
         if self.turn.thread is not None:
-            self.proxy.threads.settle(self.turn.thread, row.get("status") == "ok",
+            self.parts.threads.settle(self.turn.thread, row.get("status") == "ok",
                                       row.get("response"), row.get("tool_calls"))
-        return self.proxy._recorder.submit(row, self.turn.done)
+        return self.parts.recorder.submit(row, self.turn.done)
 
     def error(self, exc: BaseException, upstream: Upstream | None,
               midstream: bool = False) -> ProxyError:
         error = exc if isinstance(exc, ProxyError) or upstream is None else upstream.map_error(
             exc, midstream)
-        return self.proxy._scrubbed(error, self.caller_key)
+        return self.parts.scrubber.error(error, self.caller_key)
 
     async def fail(self, exc: BaseException, upstream: Upstream | None) -> web.Response:
         """Record the turn as failed and answer with the client protocol's error for ``exc``."""
@@ -770,7 +839,7 @@ class _Relay:
     def cancelled(self, **fields: Any) -> None:
         """The turn's handler was cancelled: the proxy is stopping, or the client hung up (the
         server cancels the handler of a closed connection, and with it the upstream call)."""
-        if self.proxy.stopping:
+        if self.parts.stopping:
             self.finish(status="cancelled",
                         error="the proxy stopped while this turn was in flight", **fields)
             return
@@ -840,7 +909,7 @@ class _Relay:
                 return await self.fail(exc, upstream)
             to_chat = None if same else source.stream_to_chat()
             from_chat = None if same else client.stream_from_chat(turn.body)
-            chunks = source.name == "openai"  # a chat upstream's events are chat chunks already
+            chunks = source.pivot  # a chat upstream's events are chat chunks already
 
             def translate(event: dict[str, Any] | None) -> list[dict[str, Any] | None]:
                 if chunks:

@@ -540,8 +540,8 @@ def retry_after(headers: Any) -> float | None:
 def make_upstream(protocol: str, url: str, key_env: str, timeout: float,
                   max_retries: int) -> HTTPUpstream:
     """The HTTP upstream for ``protocol`` (``"openai"``, ``"anthropic"`` or ``"responses"``)."""
-    kinds = {"openai": OpenAIUpstream, "anthropic": AnthropicUpstream,
-             "responses": ResponsesUpstream}
+    kinds = {kind.protocol.name: kind
+             for kind in (OpenAIUpstream, AnthropicUpstream, ResponsesUpstream)}
     if protocol not in kinds:
         raise ValueError(f"unknown upstream protocol {protocol!r}; choose 'openai', 'anthropic' "
                          "or 'responses'")
