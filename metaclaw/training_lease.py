@@ -60,21 +60,28 @@ class TrainingLease:
     it is freed when every acquire has been released, from whichever thread.
     """
 
-    def __init__(self, path: str | os.PathLike[str] | None):
+    def __init__(self, path: str | os.PathLike[str] | None, lock: Any = None):
         self.path = None if path is None else Path(path)
+        #: A database server's lock instead of a file (a workspace on PostgreSQL, shared by
+        #: machines): ``try_acquire(record)``, ``release()``, ``forget()``, ``record()``.
+        self._lock = lock
         self._guard = threading.Lock()
         self._count = 0
         self._handle: Any = None
         _LEASES.add(self)
 
     @classmethod
-    def for_store(cls, store: Any) -> "TrainingLease":
-        """The lease of ``store``'s workspace (a file beside its database)."""
+    def for_store(cls, store: Any, purpose: str = "training") -> "TrainingLease":
+        """The lease ``purpose`` (``training``, ``evolve``) of ``store``'s workspace: a file
+        beside its SQLite database, or the database server's lock for a PostgreSQL workspace
+        (held across machines; the server frees it when its holder's connection ends)."""
+        if getattr(store, "engine", "sqlite") != "sqlite":
+            return cls(None, lock=store.session_lock(purpose))
         path = getattr(store, "path", None)
         if path is None or str(path) == ":memory:":
             return cls(None)
         path = Path(path).resolve()
-        return cls(path.with_name(path.name + ".training.lock"))
+        return cls(path.with_name(f"{path.name}.{purpose}.lock"))
 
     @property
     def held(self) -> bool:
@@ -87,7 +94,10 @@ class TrainingLease:
             if self._count:
                 self._count += 1
                 return True
-            if self.path is not None and fcntl is None:  # pragma: no cover - not POSIX
+            if self._lock is not None:
+                if not self._lock.try_acquire(dumps(self._record(doing))):
+                    return False
+            elif self.path is not None and fcntl is None:  # pragma: no cover - not POSIX
                 with _HELD_GUARD:
                     if str(self.path) in _HELD_HERE:
                         return False
@@ -105,13 +115,16 @@ class TrainingLease:
                     handle.close()
                     raise
                 handle.truncate(0)
-                handle.write(dumps({"process": this_process(), "pid": os.getpid(),
-                                    "host": socket.gethostname(), "doing": doing,
-                                    "since": time.time()}).encode())
+                handle.write(dumps(self._record(doing)).encode())
                 handle.flush()
                 self._handle = handle
             self._count = 1
             return True
+
+    @staticmethod
+    def _record(doing: str) -> dict[str, Any]:
+        return {"process": this_process(), "pid": os.getpid(), "host": socket.gethostname(),
+                "doing": doing, "since": time.time()}
 
     def release(self) -> None:
         """Give back one :meth:`acquire`; the last one frees the lease."""
@@ -120,6 +133,9 @@ class TrainingLease:
                 return
             self._count -= 1
             if self._count:
+                return
+            if self._lock is not None:
+                self._lock.release()
                 return
             if self._handle is None:
                 with _HELD_GUARD:
@@ -172,11 +188,17 @@ class TrainingLease:
         return self._describe(info)
 
     def _holder_record(self) -> dict[str, Any] | None:
-        if self.path is None:
-            return None
         try:
-            with open(self.path, "rb") as handle:
-                info = loads(handle.read(_RECORD_BYTES))
+            if self._lock is not None:
+                raw = self._lock.record()
+                if raw is None:
+                    return None
+                info = loads(raw)
+            elif self.path is None:
+                return None
+            else:
+                with open(self.path, "rb") as handle:
+                    info = loads(handle.read(_RECORD_BYTES))
         except (OSError, ValueError, RecursionError):  # gone, or not a record this wrote
             return None
         if not isinstance(info, dict) or not isinstance(info.get("process"), str):
@@ -191,7 +213,9 @@ class TrainingLease:
         return info["process"][:120] + (f" ({', '.join(details)})" if details else "")
 
     def __repr__(self) -> str:
-        return f"TrainingLease({str(self.path) if self.path else 'in-process'}, held={self.held})"
+        where = "database" if self._lock is not None else str(self.path) if self.path \
+            else "in-process"
+        return f"TrainingLease({where}, held={self.held})"
 
 
 def _forget_in_child() -> None:
@@ -205,6 +229,8 @@ def _forget_in_child() -> None:
         if lease._handle is not None:
             with contextlib.suppress(OSError):
                 lease._handle.close()
+        if lease._lock is not None:
+            lease._lock.forget()
         lease._handle, lease._count = None, 0
     _HELD_HERE.clear()
 

@@ -172,11 +172,8 @@ class FastLoop:
         self._ended: set[str] = set()
         self._last_attempt: frozenset[int] = frozenset()
         self._evolve_lock: asyncio.Lock | None = None
-        # one process of a workspace evolves at a time: a flock the OS frees if its holder dies
-        path = getattr(store, "path", None)
-        self._evolve_lease = TrainingLease(
-            None if path is None or str(path) == ":memory:"
-            else path.resolve().with_name(path.name + ".evolve.lock"))
+        # one process of a workspace evolves at a time: a lock freed if its holder dies
+        self._evolve_lease = TrainingLease.for_store(store, "evolve")
         # turn id -> (judge calls failed, monotonic time before which no sweep retries it)
         self._retries: dict[int, tuple[int, float]] = {}
         self._sweeper: asyncio.Task[Any] | None = None

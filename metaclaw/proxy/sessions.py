@@ -511,7 +511,7 @@ class ReplyThreads:
             # the latest sessions, by the table's own order (an index range sorted by rowid
             # costs seconds in a workspace of millions)
             rows = reader.query("SELECT id FROM (SELECT rowid, id FROM sessions ORDER BY rowid "
-                                "DESC LIMIT ?) WHERE id >= 'conv-' AND id < 'conv.' ORDER BY rowid",
+                                "DESC LIMIT ?) AS s WHERE id >= 'conv-' AND id < 'conv.' ORDER BY rowid",
                                 (self.MAX_ENTRIES,))
             older = bool(reader.query("SELECT 1 FROM sessions ORDER BY rowid DESC LIMIT 1 "
                                       "OFFSET ?", (self.MAX_ENTRIES,)))

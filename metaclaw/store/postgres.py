@@ -60,6 +60,18 @@ POOL_SIZE = 8
 #: Tables whose key is not called ``id`` (what an INSERT returns).
 _KEYS = {"skill_generations": "generation", "policy_versions": "version"}
 
+#: The first half of the two-integer advisory locks of :meth:`PostgresStore.session_lock`.
+LEASE_SPACE = 0x6D636C73  # "mcls"
+
+#: What the engine adds to the shared schema, created if missing at every open: the holders'
+#: records of the session locks (read only while their holder's lock is held).
+_ENGINE_TABLES = """
+CREATE TABLE IF NOT EXISTS metaclaw_leases (
+    name    TEXT PRIMARY KEY,
+    record  TEXT NOT NULL
+)
+"""
+
 #: Functions the queries of :class:`PostgresStore` use; created (or replaced) at every open.
 _FUNCTIONS = """
 CREATE OR REPLACE FUNCTION metaclaw_json(doc TEXT) RETURNS JSONB
@@ -259,6 +271,7 @@ class PostgresStore(Store):
                     for statement in _split_sql(MIGRATIONS[number]):
                         db.execute(ddl(statement))
                     db.execute("UPDATE metaclaw_schema SET version = %s", (number + 1,))
+                db.execute(_ENGINE_TABLES)
                 db.execute(_FUNCTIONS)
 
     @property
@@ -330,6 +343,12 @@ class PostgresStore(Store):
 
     def watcher(self) -> "_Watcher":
         return _Watcher(self)
+
+    def session_lock(self, name: str) -> "SessionLock":
+        """The workspace-wide lock ``name`` (``training``, ``evolve``): held by one process of
+        any machine at a time, freed by the server when its holder's connection ends (``kill
+        -9`` or a lost machine included). See :mod:`metaclaw.training_lease`."""
+        return SessionLock(self, name)
 
     # -- dialect --------------------------------------------------------------------------
     def json_values(self, expr: str, alias: str, kind: str = "text") -> str:
@@ -405,6 +424,61 @@ class PostgresStore(Store):
 
     def _after(self, fsync: bool) -> None:
         """Nothing: a transaction's settings were ``SET LOCAL``."""
+
+
+class SessionLock:
+    """A session-level advisory lock on a connection of its own (``pg_try_advisory_lock``),
+    with its holder's record (who, doing what, since when) in ``metaclaw_leases``."""
+
+    def __init__(self, store: PostgresStore, name: str):
+        import zlib
+
+        self.store, self.name = store, name
+        self.key = zlib.crc32(name.encode()) & 0x7FFFFFFF
+        self._conn: Any = None
+
+    def try_acquire(self, record: str) -> bool:
+        """Take the lock without waiting; ``record`` (JSON text) names the holder."""
+        psycopg = self.store._psycopg
+        try:
+            conn = psycopg.connect(self.store._conninfo, autocommit=True)
+        except psycopg.Error as exc:
+            raise StoreError(f"cannot connect to the PostgreSQL workspace at "
+                             f"{self.store.location}: {_one_line(exc)}") from None
+        try:
+            got = conn.execute("SELECT pg_try_advisory_lock(%s, %s)",
+                               (LEASE_SPACE, self.key)).fetchone()[0]
+            if got:
+                conn.execute("INSERT INTO metaclaw_leases (name, record) VALUES (%s, %s) "
+                             "ON CONFLICT (name) DO UPDATE SET record = excluded.record",
+                             (self.name, record))
+        except BaseException:
+            conn.close()
+            raise
+        if not got:
+            conn.close()
+            return False
+        self._conn = conn
+        return True
+
+    def release(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()  # ending the session frees the lock
+
+    def forget(self) -> None:
+        """In a forked child: drop the parent's connection without closing it (closing would
+        end the parent's session, and with it the parent's lock)."""
+        self._conn = None
+
+    def record(self) -> str | None:
+        """The holder's record while someone holds the lock, else None."""
+        rows = self.store.query(
+            "SELECT r.record FROM metaclaw_leases r WHERE r.name = ? AND EXISTS (SELECT 1 FROM "
+            "pg_locks l WHERE l.locktype = 'advisory' AND l.granted AND l.classid = ? AND "
+            "l.objid = ? AND l.objsubid = 2 AND l.database = (SELECT oid FROM pg_database "
+            "WHERE datname = current_database()))", (self.name, LEASE_SPACE, self.key))
+        return rows[0]["record"] if rows else None
 
 
 class _Rows:

@@ -1,0 +1,199 @@
+"""The PostgreSQL engine: what only a server database has (targets, connection errors, locks
+held across machines, restarts), on a throwaway cluster. The shared behaviour is tested by
+running the other suites with ``--store-engine postgresql``."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from metaclaw.store import SCHEMA_VERSION, Store, StoreError, parse_target
+from metaclaw.training_lease import TrainingLease
+
+pytest.importorskip("psycopg")
+
+
+@pytest.fixture()
+def url(pg_cluster):
+    return pg_cluster.new_database()
+
+
+def run_py(code: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_targets_pick_the_engine_and_unknown_schemes_are_one_sentence(tmp_path):
+    assert parse_target(tmp_path / "w.db") == ("sqlite", str(tmp_path / "w.db"))
+    assert parse_target(f"sqlite:///{tmp_path}/w.db") == ("sqlite", f"{tmp_path}/w.db")
+    assert parse_target("postgresql://u@h/db")[0] == "postgresql"
+    assert parse_target("postgres://u@h/db")[0] == "postgresql"
+    for bad in ("mysql://u@h/db", "http://example.com/x.db", "sqlite://relative.db"):
+        with pytest.raises(StoreError) as err:
+            Store(bad)
+        assert "\n" not in str(err.value) and not (tmp_path / "mysql:").exists()
+    assert not any(p.name.endswith(":") for p in tmp_path.iterdir())
+
+
+def test_an_unreachable_database_fails_fast_with_the_password_masked(tmp_path):
+    started = time.monotonic()
+    target = f"postgresql://bob:s3cret-pw@/nowhere?host={tmp_path}&port=5999"
+    with pytest.raises(StoreError) as err:
+        Store(target)
+    assert time.monotonic() - started < 8
+    message = str(err.value)
+    assert "s3cret-pw" not in message and "bob:***@" in message
+    assert "cannot connect to the PostgreSQL workspace" in message
+
+
+def test_an_unauthorised_user_is_a_clear_error(pg_cluster, url):
+    import psycopg
+
+    with psycopg.connect(pg_cluster.url(), autocommit=True) as conn:
+        conn.execute("CREATE ROLE stranger LOGIN")
+    Store(url).close()  # the schema exists
+    stranger = url.replace("metaclaw@", "stranger:pw@")
+    with pytest.raises(Exception) as err:
+        with Store(stranger) as store:
+            store.turns()
+    assert "pw@" not in str(err.value) and "permission denied" in str(err.value)
+
+
+def test_schema_migrates_once_and_a_newer_schema_is_refused(url):
+    with Store(url) as store:
+        assert store.engine == "postgresql" and store.schema_version == SCHEMA_VERSION
+        store.record_turn(session_id="s", request_messages=[{"role": "user", "content": "hi"}],
+                          status="ok")
+    with Store(url) as store:  # opening again migrates nothing and keeps the rows
+        assert store.counts()["turns"] == 1
+        store.execute("UPDATE metaclaw_schema SET version = ?", (SCHEMA_VERSION + 1,))
+    with pytest.raises(StoreError, match="newer than this MetaClaw"):
+        Store(url)
+
+
+def test_concurrent_writers_on_several_processes_keep_one_linear_history(url):
+    code = """
+        import sys
+        from metaclaw.store import Store
+        with Store(sys.argv[1]) as store:
+            for i in range(15):
+                store.add_generation(snapshot={"k": i}, kind="edit", reason=sys.argv[2])
+                store.record_turn(session_id="shared", request_messages=[], status="ok")
+    """
+    procs = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), url, str(n)])
+             for n in range(4)]
+    assert [p.wait(120) for p in procs] == [0, 0, 0, 0]
+    with Store(url) as store:
+        generations = [r["generation"] for r in store.query(
+            "SELECT generation FROM skill_generations ORDER BY generation")]
+        assert generations == list(range(60))
+        indexes = [r["turn_index"] for r in store.turns("session_id = 'shared'")]
+        assert sorted(indexes) == list(range(60))
+
+
+def test_a_generation_committed_by_one_process_is_current_for_another_at_once(url):
+    with Store(url) as reader:
+        assert reader.current_generation() is None
+        done = run_py("""
+            import sys
+            from metaclaw.store import Store
+            with Store(sys.argv[1]) as store:
+                store.add_generation(snapshot={}, kind="init")
+        """, url)
+        assert done.returncode == 0, done.stderr
+        assert reader.current_generation() == 0
+
+
+def test_acknowledged_turns_survive_kill_9_of_the_writer(url):
+    code = """
+        import sys
+        from metaclaw.store import Store
+        store = Store(sys.argv[1])
+        for i in range(100000):
+            with store.transaction(fsync=False):
+                store.record_turn(session_id="k", request_messages=[], status="ok",
+                                  response=str(i))
+            print(i, flush=True)
+    """
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), url],
+                            stdout=subprocess.PIPE, text=True)
+    acknowledged = -1
+    for line in proc.stdout:
+        acknowledged = int(line)
+        if acknowledged >= 200:
+            break
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(30)
+    with Store(url) as store:
+        responses = {int(r["response"]) for r in store.turns("session_id = 'k'")}
+    assert set(range(acknowledged + 1)) <= responses
+
+
+def test_the_training_lease_is_one_holder_across_processes_and_freed_by_kill_9(url):
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+        import sys, time
+        from metaclaw.store import Store
+        from metaclaw.training_lease import TrainingLease
+        lease = TrainingLease.for_store(Store(sys.argv[1]))
+        assert lease.acquire("idle-window training")
+        print("held", flush=True)
+        time.sleep(600)
+    """), url], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with Store(url) as store:
+            lease = TrainingLease.for_store(store)
+            assert not lease.acquire()
+            assert f"pid {holder.pid}" in lease.holder()
+            assert "idle-window training" in (lease.training_elsewhere() or "")
+            evolve = TrainingLease.for_store(store, "evolve")  # another lease: free
+            assert evolve.acquire() and evolve.held
+            evolve.release()
+            os.kill(holder.pid, signal.SIGKILL)
+            holder.wait(30)
+            deadline = time.monotonic() + 10
+            while not lease.acquire():  # the server notices the dead connection
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+            assert lease.training_elsewhere() is None
+            lease.release()
+    finally:
+        holder.kill()
+
+
+def test_text_with_nul_is_stored_not_refused(url):
+    with Store(url) as store:
+        turn = store.record_turn(session_id="n", request_messages=[{"role": "user",
+                                                                     "content": "a\x00b"}],
+                                 status="ok", response="x\x00y")
+        row = store.turn(turn)
+        assert row["response"] == "x\ufffdy"
+        assert row["request_messages"][0]["content"] == "a\x00b"  # JSON escapes it
+
+
+def test_the_store_comes_back_after_the_server_restarts(pg_cluster, url):
+    with Store(url) as store:
+        store.record_turn(session_id="r", request_messages=[], status="ok")
+        pg_cluster.stop()
+        try:
+            started = time.monotonic()
+            with pytest.raises(Exception) as err:
+                store.record_turn(session_id="r", request_messages=[], status="ok")
+            assert time.monotonic() - started < 40
+            assert "PostgreSQL" in str(err.value)
+        finally:
+            pg_cluster.start()
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                store.record_turn(session_id="r", request_messages=[], status="ok")
+                break
+            except Exception:
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+        assert len(store.turns("session_id = 'r'")) == 2
+        assert store.current_generation() is None
