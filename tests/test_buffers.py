@@ -198,6 +198,7 @@ def test_a_training_claim_counts_only_while_it_lasts_and_once_committed(store, l
     assert store.turn(c)["train_claim_by"] is None and buffers.consumable(store, [c]) == [c]
 
 
+@pytest.mark.sqlite_only  # looks into SQLite's own connection
 def test_a_steps_claims_are_found_through_an_index_that_recording_does_not_write(store):
     """Renewing, committing and releasing a claim read the claimed turns only (they scanned
     every turn under the write lock); a turn without a claim has no entry in that index."""

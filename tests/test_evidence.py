@@ -131,7 +131,7 @@ def test_merge_and_review_suggestions(workspace, monkeypatch):
 
 def test_cli_skills_stats(workspace, tmp_path, capsys):
     store, library = workspace
-    argv = ["skills", "stats", "--db", str(store.path), "--skills", str(tmp_path / "skills")]
+    argv = ["skills", "stats", "--db", str(store.target), "--skills", str(tmp_path / "skills")]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert "iso-dates" in out and "retired-skill (gone)" in out and "observational" in out

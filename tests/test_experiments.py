@@ -168,8 +168,8 @@ def test_upstream_failures_are_kept_and_retried(workspace, sim):
 
 
 def test_cli(workspace, sim, capsys):
-    store, _ = workspace
-    base = ["--db", str(store.path), "--skills", str(store.path.parent / "skills")]
+    store, library = workspace
+    base = ["--db", str(store.target), "--skills", str(library.directory)]
     argv = ["experiment", "run", "cli-exp", "--failures", "--last", "3", "--variant", "none",
             "--variant", "current", "--upstream", sim.url, "--judge-url", sim.url,
             "--judge-model", "sim-judge", "--votes", "1"] + base

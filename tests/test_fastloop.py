@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 
 import openai
 import pytest
@@ -408,7 +409,7 @@ def test_the_failure_rate_counts_human_labels(rig):
 def test_a_candidate_verified_on_an_older_generation_is_held_not_applied(rig):
     """Two processes evolving one workspace: the library moves while this one's gate checks
     its candidate, so the candidate is held for review instead of being applied on top."""
-    other = SkillLibrary(rig.library.directory, Store(rig.store.path))  # the other process
+    other = SkillLibrary(rig.library.directory, Store(rig.store.target))  # the other process
 
     class MovingGate(Gate):
         async def areview(self, *args, **kwargs):
@@ -455,7 +456,7 @@ def test_a_proposal_decided_elsewhere_during_its_promotion_is_not_applied(rig, m
     before, apply = rig.library.generation, rig.library.apply
 
     def discarded_meanwhile(*args, **kwargs):  # another process, before this one's change
-        proposals.discard(Store(rig.store.path), proposal_id, by="carol", reason="no")
+        proposals.discard(Store(rig.store.target), proposal_id, by="carol", reason="no")
         return apply(*args, **kwargs)
 
     monkeypatch.setattr(rig.library, "apply", discarded_meanwhile)
@@ -496,12 +497,12 @@ def test_a_change_killed_before_it_commits_leaves_nothing_behind(rig):
                                     skill_generation=rig.library.generation, reward=-1.0)
     buffers.refresh(rig.store)
     before = rig.library.generation
-    proc = subprocess.run([sys.executable, "-c", KILLED_DURING_APPLY, str(rig.store.path),
+    proc = subprocess.run([sys.executable, "-c", KILLED_DURING_APPLY, str(rig.store.target),
                            str(rig.library.directory), str(failure)], timeout=60)
     assert proc.returncode == -9
     assert rig.store.latest_generation() == before and proposals.all(rig.store) == []
     assert state(rig.store, failure) == ("query", "live")
-    restarted = SkillLibrary(rig.library.directory, Store(rig.store.path))
+    restarted = SkillLibrary(rig.library.directory, Store(rig.store.target))
     restarted.reload()
     assert "miles-to-km" not in restarted and restarted.generation == before
     assert not (rig.library.directory / "miles-to-km" / "SKILL.md").exists()
@@ -552,7 +553,7 @@ def test_a_stop_that_abandons_an_evolution_says_so_and_a_restart_retries_it(rig)
 
 
 def test_turns_another_process_judged_count_towards_the_triggers(rig):
-    other = Store(rig.store.path)  # another process's judge, faster than this one
+    other = Store(rig.store.target)  # another process's judge, faster than this one
     rig.proxy.add_turn_listener(lambda turn_id: other.update_turn(turn_id, reward=-1.0))
     loop = rig.make_loop(every_n=0, failure_rate=0.5, min_judged=2, on_session_end=False,
                          feedback_wait=0, gate=None)
@@ -566,7 +567,7 @@ def test_turns_leased_by_a_judge_that_died_are_judged_once_its_lease_ends(rig, m
     from metaclaw.fastloop.judge import lease_turns
 
     monkeypatch.setattr(FastLoop, "LEASE_RECHECK_S", 0.2)
-    other = Store(rig.store.path)  # a judge process, killed right after leasing
+    other = Store(rig.store.target)  # a judge process, killed right after leasing
     rig.proxy.add_turn_listener(lambda turn_id: lease_turns(other, [turn_id], seconds=0.5))
     loop = rig.make_loop(every_n=0, failure_rate=None, on_session_end=False, feedback_wait=0)
     rig.chat("a", [], "Convert 2 miles to kilometers")
@@ -576,14 +577,18 @@ def test_turns_leased_by_a_judge_that_died_are_judged_once_its_lease_ends(rig, m
 
 def test_a_change_committing_when_the_loop_stops_completes_and_is_reported(rig, monkeypatch):
     """Its thread cannot be stopped halfway: the stop waits for it and the outcome is an event."""
-    other = Store(rig.store.path)  # another process, holding the write lock for a moment
+    other = Store(rig.store.target)  # another process, holding the write lock for a moment
     apply_ops = proposals.apply_ops
     locked = threading.Event()
 
+    def hold_the_write_lock():
+        with other.transaction():
+            locked.set()
+            time.sleep(1.5)
+
     def apply_behind_a_lock(*args, **kwargs):
-        other.execute("BEGIN IMMEDIATE")
-        threading.Timer(1.5, lambda: other.execute("COMMIT")).start()
-        locked.set()
+        threading.Thread(target=hold_the_write_lock, daemon=True).start()
+        locked.wait(10)
         return apply_ops(*args, **kwargs)
 
     monkeypatch.setattr(proposals, "apply_ops", apply_behind_a_lock)

@@ -179,7 +179,7 @@ def test_a_query_turn_whose_request_is_unreadable_is_not_trained_on(backend, tmp
     store.add_generation(snapshot={}, kind="init")
     good, bad = _query_turn(store, 0), _query_turn(store, 0, text="hello")
     with store.transaction():
-        store._db.execute("UPDATE turns SET request_messages = '[{' WHERE id = ?", (bad,))
+        store.execute("UPDATE turns SET request_messages = '[{' WHERE id = ?", (bad,))
     assert [p.turn_id for p in prompts_from_query_set(store, backend)] == [good]
     assert f"query turn {bad} is not trained on" in caplog.text
 

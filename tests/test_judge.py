@@ -59,7 +59,7 @@ def test_a_turn_whose_request_is_unreadable_is_left_unjudged_and_the_others_are_
         judge = Judge(double.url, "judge-model", votes=1)
         good, bad = add_turn(store), add_turn(store, user="second")
         with store.transaction():
-            store._db.execute("UPDATE turns SET request_messages = '[{' WHERE id = ?", (bad,))
+            store.execute("UPDATE turns SET request_messages = '[{' WHERE id = ?", (bad,))
         results = {r.turn_id: r for r in judge.judge_turns(store)}
         calls = len(judge_prompts(double))
     assert results[good].ok and store.turn(good)["reward"] == 1.0
@@ -90,7 +90,7 @@ def test_a_verdict_stored_meanwhile_is_kept_unless_rescoring(store):
 def test_a_judged_turn_or_one_being_judged_elsewhere_is_skipped_without_a_call(store, tmp_path):
     judged, leased, free = add_turn(store), add_turn(store), add_turn(store)
     store.update_turn(judged, reward=1.0)
-    other = Store(store.path)  # another process's connection
+    other = Store(store.target)  # another process's connection
     assert lease_turns(other, [judged, leased]) == {leased}
     with DoubleServer([verdict(1)] * 3) as double:
         results = Judge(double.url, "judge-model", votes=1).judge_turns(
@@ -128,7 +128,7 @@ def test_a_batch_longer_than_its_lease_keeps_its_turns(store):
                                                                                   [turn_id])))
         worker.start()
         time.sleep(1.0)  # past the first lease's end, before the verdict
-        assert lease_turns(Store(store.path), [turn_id]) == set()
+        assert lease_turns(Store(store.target), [turn_id]) == set()
         worker.join(timeout=30)
     assert [r.ok for r in results] == [True]
     assert store.turn(turn_id)["judge_lease_until"] is None
@@ -141,7 +141,7 @@ def test_a_lease_another_process_took_is_neither_renewed_nor_released(store):
     import openai  # noqa: F401 - imported here, not on the judge's loop, where it would stall it
 
     turn_id = add_turn(store)
-    other = Store(store.path)
+    other = Store(store.target)
     with DoubleServer([Reply(content="overloaded", status=500, delay=1.2)]) as double:
         judge = Judge(double.url, "judge-model", votes=1, retries=0, timeout=10)
         judge.lease_s = 0.6
@@ -160,7 +160,7 @@ def test_a_lease_another_process_took_is_neither_renewed_nor_released(store):
         worker.join(timeout=30)
     assert other.turn(turn_id)["reward"] is None  # the first judge's vote failed
     assert other.turn(turn_id)["judge_lease_until"] == until  # still the other's
-    assert lease_turns(Store(store.path), [turn_id]) == set()
+    assert lease_turns(Store(store.target), [turn_id]) == set()
 
 
 def test_a_cancel_as_a_batch_ends_is_not_swallowed(store):
@@ -200,7 +200,7 @@ def test_a_failed_judge_call_releases_its_lease(store):
             store, [turn_id])
     assert result.failed_call and not result.skipped
     assert store.turn(turn_id)["judge_lease_until"] is None
-    assert lease_turns(Store(store.path), [turn_id]) == {turn_id}
+    assert lease_turns(Store(store.target), [turn_id]) == {turn_id}
 
 
 JUDGE_PROCESS = """
@@ -221,7 +221,7 @@ def test_two_processes_judging_one_workspace_call_the_judge_once_per_turn(store)
     turns = [add_turn(store, session=f"s{i}", user=f"question {i}") for i in range(12)]
     with DoubleServer(lambda body: Reply(content=json.dumps({"score": 1, "rationale": "ok"}),
                                          delay=0.05)) as double:
-        procs = [subprocess.Popen([sys.executable, "-c", JUDGE_PROCESS, str(store.path),
+        procs = [subprocess.Popen([sys.executable, "-c", JUDGE_PROCESS, str(store.target),
                                    double.url], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                   text=True) for _ in range(2)]
         for proc in procs:

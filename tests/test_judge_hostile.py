@@ -207,7 +207,7 @@ def test_votes_written_by_another_program_open_in_the_trace(store, votes):
     the session's vote table from opening (AttributeError, or polars refusing a float score)."""
     turn_id = add_turn(store, session="hostile")
     with store.transaction():
-        store._db.execute("UPDATE turns SET judge_votes = ? WHERE id = ?",
+        store.execute("UPDATE turns SET judge_votes = ? WHERE id = ?",
                           (json.dumps(votes), turn_id))
     trace = Trace(store, "hostile")
     frame = trace.votes_frame().filter(turn_id=turn_id)
@@ -227,7 +227,7 @@ def test_a_turn_whose_messages_are_not_messages_is_not_exported(store, caplog):
     fine-tuning service; the turn is left out with a warning naming it."""
     good, odd = add_turn(store, user="good"), add_turn(store, user="odd")
     with store.transaction():
-        store._db.execute("UPDATE turns SET request_messages = ? WHERE id = ?",
+        store.execute("UPDATE turns SET request_messages = ? WHERE id = ?",
                           (json.dumps(["hello", 5, {"role": "user", "content": "q"}]), odd))
     for turn_id in (good, odd):
         labels.label(store, turn_id, "pass")
@@ -251,7 +251,7 @@ def test_a_refresh_waiting_behind_an_evolution_classifies_by_the_new_generation(
         from pathlib import Path
         from metaclaw import buffers
         from metaclaw.store import Store
-        store = Store({str(store.path)!r})
+        store = Store({str(store.target)!r})
         with store.transaction():
             generation = store.add_generation(snapshot={{}}, kind="evolve")
             buffers.advance(store, generation)

@@ -124,7 +124,7 @@ def test_a_turn_whose_request_is_unreadable_is_not_exported(store, add_buffer_tu
     for turn_id in (good, bad):
         labels.label(store, turn_id, "pass", author="alice")
     with store.transaction():
-        store._db.execute("UPDATE turns SET request_messages = '[{' WHERE id = ?", (bad,))
+        store.execute("UPDATE turns SET request_messages = '[{' WHERE id = ?", (bad,))
     [chat] = labels.export_records(store, session="s1", shape="chat")
     assert chat["messages"][-2:] == [{"role": "user", "content": "Say hi"},
                                      {"role": "assistant", "content": "Hi!"}]

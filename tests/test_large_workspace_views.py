@@ -65,6 +65,7 @@ def test_cli_turns_streams_without_the_conversations(workspace, capsys, monkeypa
     assert text.count("\n#") + text.startswith("#") == 10 and "query: -" in text
 
 
+@pytest.mark.sqlite_only  # looks into SQLite's own connection
 def test_trace_sessions_reads_only_the_latest_sessions_turns(workspace):
     def steps() -> int:
         count = [0]

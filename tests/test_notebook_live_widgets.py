@@ -78,7 +78,7 @@ def test_the_training_monitor_keeps_polling_after_stop(ip):
     runtime = line(ip, "start --db {ws}/m.db --skills {ws}/skills --retrieval lexical")
     monitor = TrainingMonitor(runtime.store, poll=0.05)
     line(ip, "stop")
-    with Store(runtime.store.path) as trainer:  # a training process writing its steps
+    with Store(runtime.store.target) as trainer:  # a training process writing its steps
         trainer.record_training_step(run_id="r", step=0, backend="local", policy_version=1,
                                      skill_generation=0, loss=0.5, reward_mean=0.25, groups=4,
                                      skipped_groups=0, tokens=10, wall_time_s=1.0)

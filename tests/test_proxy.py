@@ -560,6 +560,7 @@ def test_a_custom_lexical_retriever_without_an_index_check_still_serves(double, 
 
 
 # -- recording hygiene, listeners, seams --------------------------------------------------------
+@pytest.mark.sqlite_only  # reads the database files' bytes
 def test_no_secret_reaches_the_store_file(proxy, double, workspace):
     store, _ = workspace
     client = sync_client(proxy)

@@ -6,7 +6,6 @@ stream whose client leaves early is still recorded, with a status."""
 from __future__ import annotations
 
 import asyncio
-import sqlite3
 import time
 
 import httpx
@@ -16,12 +15,13 @@ from metaclaw.offline.double import DoubleServer, Reply
 from metaclaw.proxy.app import Proxy, ProxyConfig
 from metaclaw.proxy.pipeline import Recorder
 from metaclaw.skills.library import SkillLibrary
+from metaclaw.store import Store
 
 
 def _committed(db, session: str) -> list[tuple]:
-    with sqlite3.connect(db) as other:  # not the proxy's connection: what is on disk
-        return other.execute("SELECT status, protocol, response FROM turns WHERE session_id = ?",
-                             (session,)).fetchall()
+    with Store(db) as other:  # not the proxy's connection: what is committed
+        return [(r["status"], r["protocol"], r["response"]) for r in other.query(
+            "SELECT status, protocol, response FROM turns WHERE session_id = ?", (session,))]
 
 
 @pytest.fixture()

@@ -327,6 +327,7 @@ class _CommitFailsOnce:
         return self.db.execute(sql, *args)
 
 
+@pytest.mark.sqlite_only  # looks into SQLite's own connection
 def test_a_failed_commit_on_the_loop_leaves_nothing_open_and_loses_nothing(tmp_path):
     store = Store(tmp_path / "m.db")
     store._db.execute("PRAGMA busy_timeout=2000")  # a writer thread blocked by a leak gives up

@@ -438,7 +438,7 @@ def test_reply_threads_answer_openings_while_the_recorded_ones_load(tmp_path):
         path = store.path
 
         def query(self, sql, params=()):
-            if "LIMIT ?) WHERE" in sql:
+            if "LIMIT ?) AS s WHERE" in sql:
                 gate.wait(10)
             return store.query(sql, params)
 

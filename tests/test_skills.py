@@ -332,7 +332,7 @@ def test_add_edit_remove_import_rollback_and_diff(lib, store, tmp_path):
     assert "snapshot" not in rows[0] and rows[4]["skills"] == 2
 
     # a fresh process sees the same library, without a new generation
-    reopened = SkillLibrary(root, Store(store.path))
+    reopened = SkillLibrary(root, Store(store.target))
     assert reopened.generation == 5 and reopened.skills() == lib.skills()
 
 
@@ -384,7 +384,7 @@ def test_files_edited_on_disk_become_a_disk_generation(lib, store):
 def test_refresh_picks_up_changes_made_by_another_process(lib, store):
     seen: list[int] = []
     lib.subscribe(seen.append)
-    other = SkillLibrary(lib.directory, Store(store.path))  # e.g. the `metaclaw skills` command
+    other = SkillLibrary(lib.directory, Store(store.target))  # e.g. the `metaclaw skills` command
     other.add(skill("from-elsewhere"))
     other.rollback(0)
     assert lib.generation == 0 and "from-elsewhere" not in lib
@@ -496,7 +496,7 @@ def test_a_change_whose_process_dies_leaves_no_half_written_skills(lib, store, t
                                              f"\n---\n\nBody {n}.\n")
     before = sorted(p.parent.name for p in lib.directory.glob("*/SKILL.md"))
     proc = subprocess.run([sys.executable, "-c", _CRASHING_IMPORT, str(lib.directory),
-                           str(store.path), str(source), crash.split(",")[0]],
+                           str(store.target), str(source), crash.split(",")[0]],
                           capture_output=True, text=True)
     assert proc.returncode == 9, proc.stderr
     if crash.endswith("a hand edit"):  # the user edits a file the dead change had written
@@ -528,7 +528,7 @@ def test_a_fill_from_the_store_cut_short_is_completed(lib, store, tmp_path):
         lib.add(Skill(name=f"extra-{n}", description=f"Extra {n}.", body=f"Body {n}."))
     checkout = tmp_path / "checkout"
     proc = subprocess.run([sys.executable, "-c", _CRASHING_IMPORT, str(checkout),
-                           str(store.path), str(tmp_path / "none"), "mid-fill"],
+                           str(store.target), str(tmp_path / "none"), "mid-fill"],
                           capture_output=True, text=True)
     assert proc.returncode == 9, proc.stderr
     assert 1 <= len(list(checkout.glob("*/SKILL.md"))) < 5  # cut short

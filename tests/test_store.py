@@ -151,7 +151,7 @@ def test_processes_opening_a_new_workspace_at_once_all_start(tmp_path, trial):
 def _v6_workspace(path):
     """A workspace as MetaClaw with schema version 6 left it: a turn trained twice, a judge's
     lease."""
-    from metaclaw.store import MIGRATIONS, _split_sql
+    from metaclaw.store.base import MIGRATIONS, _split_sql
 
     db = sqlite3.connect(path, isolation_level=None)
     db.execute("PRAGMA journal_mode=WAL")

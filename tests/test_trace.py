@@ -116,7 +116,7 @@ def test_index_survives_a_row_with_malformed_json(store):
     bad = store.record_turn(session_id="m", status="ok", response="yo",
                             request_messages=[{"role": "user", "content": "x"}])
     with store.transaction():
-        store._db.execute("UPDATE turns SET request_messages = 'not json{', "
+        store.execute("UPDATE turns SET request_messages = 'not json{', "
                           "tool_calls = '[broken' WHERE id = ?", (bad,))
     trace = Trace(store, "m")
     frame = trace.index()
@@ -133,7 +133,7 @@ def test_a_turn_with_malformed_json_opens_with_its_columns_named(store, caplog):
                                 request_messages=[{"role": "user", "content": "x"}],
                                 usage={"prompt_tokens": 3})
     with store.transaction():
-        store._db.execute("UPDATE turns SET request_messages = '[{\"role\":', usage = '{1}' "
+        store.execute("UPDATE turns SET request_messages = '[{\"role\":', usage = '{1}' "
                           "WHERE id = ?", (turn_id,))
     turn = Trace(store, "m").turn(turn_id)
     assert turn["response"] == "the reply"
@@ -149,7 +149,7 @@ def test_json_of_another_shape_reads_as_malformed(store, caplog):
     turn_id = store.record_turn(session_id="m", status="ok", response="the reply",
                                 request_messages=[{"role": "user", "content": "x"}])
     with store.transaction():
-        store._db.execute("UPDATE turns SET request_messages = '\"hello\"', usage = '5', "
+        store.execute("UPDATE turns SET request_messages = '\"hello\"', usage = '5', "
                           "tool_calls = 'null' WHERE id = ?", (turn_id,))
     row = store.turn(turn_id)
     assert row["request_messages"] is None and row["usage"] is None

@@ -520,7 +520,7 @@ def test_trace_renders_steps_labels_and_jumps(browser, site, store, tmp_path):
     page.locator(f".mc-trace-row[data-turn='{first}']").click()
     assert r.round_trip() == [{"selected": first}]
     # a turn recorded by another process appears when the refresh button is pressed
-    with Store(store.path) as other:
+    with Store(store.target) as other:
         other.record_turn(session_id="s1", status="ok", response="done", request_messages=[
             {"role": "user", "content": "recorded by another process"}])
     page.locator("button", has_text="refresh").click()

@@ -403,6 +403,8 @@ class Store:
 
     def __init__(self, path: str | os.PathLike[str] = DEFAULT_DB):
         path = parse_target(path)[1]
+        #: What ``Store(...)`` opens this workspace again with (in another process too).
+        self.target = str(path)
         self.path = Path(path)
         if str(path) != ":memory:":
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -788,6 +790,16 @@ class Store:
         with self._lock:
             cur = self._db.execute(sql, params)
             return [d[0] for d in cur.description], [tuple(r) for r in cur.fetchall()]
+
+    def _insert_many(self, table: str, columns: list[str], rows: list[tuple[Any, ...]]) -> None:
+        """Insert raw ``rows`` (values as stored, keys included) into ``table``."""
+        sql = (f"INSERT INTO {table} ({', '.join(columns)}) "
+               f"VALUES ({', '.join('?' * len(columns))})")
+        with self._lock:
+            self._db.executemany(sql, rows)
+
+    def _after_copy(self, table: str) -> None:
+        """After rows were copied in with their keys: nothing (SQLite numbers past them)."""
 
     # -- the engine's transactions (used by :class:`_Transaction`) -------------------------
     def _in_transaction(self) -> bool:

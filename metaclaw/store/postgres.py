@@ -164,7 +164,7 @@ class PostgresStore(Store):
     def __init__(self, url: str):
         psycopg, pool_mod = _driver()
         self._psycopg = psycopg
-        self.url = url = base.parse_target(url)[1]
+        self.url = self.target = url = base.parse_target(url)[1]
         self.path = None  # type: ignore[assignment]  # no file: see location
         self._lock = threading.RLock()
         self._fsync_by_default = True
@@ -320,6 +320,25 @@ class PostgresStore(Store):
         key = _KEYS.get(table, "id")
         cur = self.execute(f"{sql} RETURNING {key}", values)
         return int(cur.fetchone()[key])
+
+    def _insert_many(self, table: str, columns: list[str], rows: list[tuple[Any, ...]]) -> None:
+        sql = translate(f"INSERT INTO {table} ({', '.join(columns)}) "
+                        f"VALUES ({', '.join('?' * len(columns))})")
+        with self._lock:
+            try:
+                with self._conn().cursor() as cur:
+                    cur.executemany(sql, [_params(row) for row in rows])
+            except self._psycopg.Error as exc:
+                raise EngineError(f"PostgreSQL workspace {self.location}: "
+                                  f"{_one_line(exc)}") from exc
+
+    def _after_copy(self, table: str) -> None:
+        """Move the identity column's sequence past the copied keys."""
+        key = _KEYS.get(table, "id")
+        sequence = self._scalar("SELECT pg_get_serial_sequence(?, ?)", (table, key))
+        if sequence is not None:
+            self.execute(f"SELECT setval('{sequence}', COALESCE((SELECT MAX({key}) FROM "
+                         f"{table}), 0) + 1, false)")
 
     def loop_writer(self) -> None:
         """None: an event loop never waits on the network (the proxy records from a thread)."""
