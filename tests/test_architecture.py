@@ -5,7 +5,7 @@ above it; see each package's ``__init__`` docstring and README's *Layout*):
 
 0. the shared modules at the top of the package (``metaclaw/*.py`` below the outer layer:
    ``jsonlib``, ``aio``, ``turns``, ``redact``, ``progress``, ``store``, ``buffers``,
-   ``training_lease``);
+   ``training_lease``, ``fileio``);
 1. ``metaclaw.skills``: the skill format, the library, the skill block, retrieval;
 2. ``metaclaw.protocols``: the wire formats;
 3. ``metaclaw.proxy``: the request path;
@@ -30,7 +30,8 @@ ROOT = Path(metaclaw.__file__).resolve().parent
 WINGS = {"skills": 1, "protocols": 2, "proxy": 3, "fastloop": 4, "slowloop": 5, "offline": 6,
          "bench": 7, "notebook": 7}
 OUTER = {"cli", "console", "argtypes", "runtime", "demo", "wire", "trace", "transcripts", "__main__"}
-SHARED = {"jsonlib", "aio", "turns", "redact", "progress", "store", "buffers", "training_lease"}
+SHARED = {"jsonlib", "aio", "turns", "redact", "progress", "store", "buffers", "training_lease",
+          "fileio"}
 #: ``metaclaw/__init__.py`` defines the ``%load_ext metaclaw`` hooks, which load the notebook
 #: layer when IPython calls them.
 ALLOWED_UP = {("metaclaw", "metaclaw.notebook.magics")}

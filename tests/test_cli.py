@@ -388,7 +388,8 @@ def test_a_locked_workspace_or_an_unwritable_folder_is_a_one_line_error(tmp_path
                                                                          capsys):
     import sqlite3
 
-    from metaclaw import cli, store as store_module
+    from metaclaw import cli
+    from metaclaw.store import base as store_module
 
     skills, db = tmp_path / "skills", tmp_path / "ws.db"
     write_skill(skills, "alpha", "First skill.", "body")

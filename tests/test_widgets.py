@@ -57,9 +57,24 @@ def test_front_end_files_ship_with_the_package():
         assert "model.save_changes()" in source
         for forbidden in ("http://", "https://", "import "):
             assert forbidden not in source, f"{name} must not load anything ({forbidden!r})"
-    assert str(SkillDiffWidget._esm) == (WIDGETS_DIR / "skill_diff.js").read_text()
-    assert str(BufferWidget._esm) == (WIDGETS_DIR / "buffers.js").read_text()
+    common = (WIDGETS_DIR / "common.js").read_text()
+    assert str(SkillDiffWidget._esm) == common + "\n" + (WIDGETS_DIR / "skill_diff.js").read_text()
+    assert str(BufferWidget._esm) == common + "\n" + (WIDGETS_DIR / "buffers.js").read_text()
     assert str(SchedulerView._css) == (WIDGETS_DIR / "metaclaw.css").read_text()
+
+
+def test_the_dom_helper_is_defined_once_and_given_to_every_module():
+    """``h()`` lives in ``common.js`` alone; every widget's module is sent after it."""
+    from metaclaw.notebook.experiment_view import EvidenceView, ExperimentView
+
+    sources = {path.name: path.read_text() for path in WIDGETS_DIR.glob("*.js")}
+    assert [name for name, text in sources.items() if "function h(" in text] == ["common.js"]
+    for forbidden in ("http://", "https://", "import ", "export "):
+        assert forbidden not in sources["common.js"]
+    for widget in (SkillDiffWidget, BufferWidget, TraceWidget, SchedulerView, ExperimentView,
+                   EvidenceView):
+        assert str(widget._esm).startswith(sources["common.js"])
+        assert str(widget._esm).count("function h(") == 1
 
 
 @pytest.mark.skipif(NODE is None, reason="node is not installed")
@@ -453,7 +468,10 @@ def _render(tmp_path, widget, js_name, actions=()):
     state_file.write_text(json.dumps({"values": values, "actions": list(actions)}))
     harness = tmp_path / "harness.cjs"
     harness.write_text(HARNESS)
-    result = subprocess.run([NODE, str(harness), str(WIDGETS_DIR / js_name), str(state_file)],
+    module = tmp_path / f"{js_name}.mjs"  # what the front-end gets: the shared helpers first
+    module.write_text(str(widget._esm))
+    assert str(widget._esm).endswith((WIDGETS_DIR / js_name).read_text())
+    result = subprocess.run([NODE, str(harness), str(module), str(state_file)],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)

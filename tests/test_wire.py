@@ -386,3 +386,36 @@ def test_a_real_openclaw_turn_through_metaclaw_serve(tmp_path):
     assert "rename-files-safely" in system and "OpenClaw" in system
     listed = [json.loads(line) for line in run_cli("turns", "--db", db, "--json").stdout.splitlines()]
     assert any(t["session_id"] == turn["session_id"] for t in listed)  # the notebook/CLI views
+
+
+# -- the one atomic write of the package (metaclaw.fileio), which wire uses ---------------------
+def test_the_atomic_write_leaves_the_old_file_or_the_whole_new_one(tmp_path):
+    from metaclaw.fileio import atomic_folder, atomic_write, write_atomic
+
+    target = tmp_path / "deep" / "config.json"
+    write_atomic(target, "old\n")  # the folder is made
+    with pytest.raises(RuntimeError):
+        with atomic_write(target, "w") as out:
+            out.write("half of the new")
+            raise RuntimeError("the writer failed")
+    assert target.read_text() == "old\n"
+    assert sorted(p.name for p in target.parent.iterdir()) == ["config.json"]  # no temp left
+    write_atomic(target, b"new", durable=True)
+    assert target.read_bytes() == b"new" and os.stat(target).st_mode & 0o777 == 0o600
+
+    shown = tmp_path / "shown.json"
+    shown.write_text("{}")
+    os.chmod(shown, 0o640)
+    write_atomic(target, "like", like=shown)
+    assert os.stat(target).st_mode & 0o777 == 0o640
+
+    link = tmp_path / "link.json"
+    link.symlink_to(target)
+    write_atomic(link.resolve(), "through the link")
+    assert link.is_symlink() and target.read_text() == "through the link"
+
+    folder = tmp_path / "model"
+    with atomic_folder(folder) as staging:
+        (staging / "weights").write_text("w")
+    assert (folder / "weights").read_text() == "w"
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []

@@ -2,21 +2,7 @@
 // timeline of its states (windows) and transitions. Data comes from the synced traitlets;
 // the refresh button asks Python to read the status again.
 
-function h(tag, attrs = {}, ...children) {
-  const node = document.createElement(tag);
-  for (const [key, value] of Object.entries(attrs)) {
-    if (value === null || value === undefined || value === false) continue;
-    if (key === "class") node.className = value;
-    else if (key === "style") node.setAttribute("style", value);
-    else if (key.startsWith("on")) node.addEventListener(key.slice(2), value);
-    else node.setAttribute(key, value === true ? "" : String(value));
-  }
-  for (const child of children.flat()) {
-    if (child === null || child === undefined || child === false) continue;
-    node.append(child instanceof Node ? child : document.createTextNode(String(child)));
-  }
-  return node;
-}
+// h(): widgets/common.js, put before this module (metaclaw/notebook/widgets/base.py esm)
 
 function formatTime(seconds) {
   if (seconds === null || seconds === undefined) return "now";

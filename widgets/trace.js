@@ -4,20 +4,7 @@
 // skill generation written for a failure. Choices go back with model.set + save_changes:
 // selected, session_id, failures_only, offset, step_request, label_request, refresh_requests.
 
-function h(tag, attrs = {}, ...children) {
-  const node = document.createElement(tag);
-  for (const [key, value] of Object.entries(attrs)) {
-    if (value === null || value === undefined || value === false) continue;
-    if (key === "class") node.className = value;
-    else if (key.startsWith("on")) node.addEventListener(key.slice(2), value);
-    else node.setAttribute(key, value === true ? "" : String(value));
-  }
-  for (const child of children.flat()) {
-    if (child === null || child === undefined || child === false) continue;
-    node.append(child instanceof Node ? child : document.createTextNode(String(child)));
-  }
-  return node;
-}
+// h(): widgets/common.js, put before this module (metaclaw/notebook/widgets/base.py esm)
 
 function formatScore(value) {
   if (value === null || value === undefined) return "unjudged";

@@ -4,7 +4,7 @@
         ...   # write the run's files
 
 A run writes a marker file (:data:`MARKER`) into its folder and holds an exclusive lock on it
-(``fcntl.flock``) for as long as it runs. So:
+(:mod:`filelock`) for as long as it runs. So:
 
 - a folder that holds files but no marker was not written by a run: it is refused, untouched;
 - a folder with a marker is an earlier run's output: the entries a run creates (``entries``)
@@ -18,7 +18,6 @@ never leaves a stale lock behind.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import shutil
@@ -55,16 +54,17 @@ def claim_out_dir(out: Path, entries: tuple[str, ...], *, replace: bool = True) 
         raise OutDirError(f"{out} already holds files that no metaclaw run wrote; choose an empty "
                           "or new --out folder (nothing in it was changed)")
     out.mkdir(parents=True, exist_ok=True)
-    fd = os.open(out / MARKER, os.O_RDWR | os.O_CREAT, 0o644)
+    from filelock import FileLock, Timeout
+
+    lock = FileLock(out / MARKER, timeout=0, mode=0o644)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise OutDirError(f"another metaclaw run is writing to {out}; wait for it to finish "
-                              "or choose another --out folder") from None
-        os.ftruncate(fd, 0)
-        os.write(fd, json.dumps({"written_by": "metaclaw run", "pid": os.getpid(),
-                                 "started": time.time()}).encode() + b"\n")
+        lock.acquire()
+    except Timeout:
+        raise OutDirError(f"another metaclaw run is writing to {out}; wait for it to finish "
+                          "or choose another --out folder") from None
+    try:
+        (out / MARKER).write_text(json.dumps({"written_by": "metaclaw run", "pid": os.getpid(),
+                                              "started": time.time()}) + "\n")
         if replace:
             for name in entries:
                 path = out / name
@@ -74,4 +74,4 @@ def claim_out_dir(out: Path, entries: tuple[str, ...], *, replace: bool = True) 
                     path.unlink()
         yield out
     finally:
-        os.close(fd)   # closing the descriptor releases the lock
+        lock.release()

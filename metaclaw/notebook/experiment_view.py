@@ -42,27 +42,15 @@ import threading
 import time
 from typing import Any
 
-import anywidget
 import traitlets
 from ipywidgets import widget_serialization
 
-from metaclaw.notebook.widgets import (
-    WIDGETS_DIR,
-    SourceGone,
-    TraceWidget,
-    _clip_texts,
-    _esc,
-    _fmt_reward,
-    _json_safe,
-    _one_line,
-    _Reader,
-    _ReadsWorkspace,
-    _reports,
-    _short,
-    turn_previews,
-)
+from metaclaw.notebook.widgets.base import (WIDGETS_DIR, SourceGone, _clip_texts, _esc,
+                                            _fmt_reward, _json_safe, _one_line, _reacts, _short,
+                                            _WorkspaceWidget, esm, turn_previews)
+from metaclaw.notebook.widgets.trace import TraceWidget
 
-ESM = WIDGETS_DIR / "experiment.js"
+ESM = esm("experiment.js")
 
 
 def _css() -> str:
@@ -91,7 +79,7 @@ def _fmt_p(value: Any) -> str:
 
 
 # -- experiment ----------------------------------------------------------------------------
-class ExperimentView(_ReadsWorkspace, anywidget.AnyWidget):
+class ExperimentView(_WorkspaceWidget):
     """One stored experiment (see the module's docstring).
 
     ``store``: the :class:`metaclaw.store.Store` the experiment is in; ``name``: the experiment
@@ -120,19 +108,15 @@ class ExperimentView(_ReadsWorkspace, anywidget.AnyWidget):
     trace = traitlets.Instance(TraceWidget, allow_none=True).tag(sync=True,
                                                                    **widget_serialization)
     trace_requests = traitlets.Int(0).tag(sync=True)
-    refresh_requests = traitlets.Int(0).tag(sync=True)
     follow = traitlets.Bool(False).tag(sync=True)
     taken_at = traitlets.Float(0.0).tag(sync=True)
-    error = traitlets.Unicode("").tag(sync=True)
 
     def __init__(self, store: Any, name: str | None = None, *, variant: str | None = None,
                  page_size: int = 50, sort: str = "turn", follow: bool = False,
                  poll: float = 2.0, **kwargs: Any):
         from metaclaw.fastloop import experiments as ex
 
-        self._released = False
-        self._ready = False
-        self._reader = _Reader(self, store)
+        self._read_from(store)
         self._poll = float(poll)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -154,10 +138,6 @@ class ExperimentView(_ReadsWorkspace, anywidget.AnyWidget):
             self.follow = True
 
     # -- reading --------------------------------------------------------------------------
-    @property
-    def _store(self) -> Any:
-        return self._reader.store()
-
     @property
     def experiment(self) -> Any:
         """The :class:`metaclaw.fastloop.experiments.Experiment` shown (read through an open
@@ -346,10 +326,9 @@ class ExperimentView(_ReadsWorkspace, anywidget.AnyWidget):
                 old.close()
         return self.trace
 
-    @traitlets.observe("name")
-    @_reports("cannot open the experiment")
+    @_reacts("name", failing="cannot open the experiment")
     def _on_name(self, change: Any) -> None:
-        if self._ready and change["new"] != change["old"]:
+        if change["new"] != change["old"]:
             self._ready = False
             self.offset = 0
             self.selected = None
@@ -367,11 +346,8 @@ class ExperimentView(_ReadsWorkspace, anywidget.AnyWidget):
                 f"of {', '.join(self.variants[1:])}")
         return value
 
-    @traitlets.observe("variant", "sort", "offset", "page_size")
-    @_reports("cannot show the cases")
+    @_reacts("variant", "sort", "offset", "page_size", failing="cannot show the cases")
     def _on_view_choice(self, change: Any) -> None:
-        if not self._ready:
-            return
         if change["name"] in ("variant", "sort"):
             self._ready = False
             self.offset = 0
@@ -388,23 +364,11 @@ class ExperimentView(_ReadsWorkspace, anywidget.AnyWidget):
         except SourceGone as exc:
             self.error = str(exc)
         except Exception as exc:  # noqa: BLE001 - said in the view; the selection goes back
-            self._ready = False
-            self.selected = change["old"]
-            self._ready = True
-            self.error = (str(exc) if isinstance(exc, LookupError)
-                          else f"cannot show turn #{change['new']}: {_one_line(exc)}")
+            self._selection_failed(change, exc, said=LookupError)
 
-    @traitlets.observe("trace_requests")
-    @_reports("cannot open the case in the trace")
+    @_reacts("trace_requests", failing="cannot open the case in the trace")
     def _on_trace_request(self, _change: Any) -> None:
-        if self._ready:
-            self.open_trace()
-
-    @traitlets.observe("refresh_requests")
-    @_reports("cannot refresh")
-    def _on_refresh_request(self, _change: Any) -> None:
-        if self._ready:
-            self.refresh()
+        self.open_trace()
 
     # -- following ------------------------------------------------------------------------
     @traitlets.observe("follow")
@@ -543,7 +507,7 @@ EVIDENCE_COLUMNS = ("skill", "in_library", "injected", "judged_with", "reward_wi
                     "nearest_cosine", "suggestion")
 
 
-class EvidenceView(_ReadsWorkspace, anywidget.AnyWidget):
+class EvidenceView(_WorkspaceWidget):
     """Per-skill evidence (:func:`metaclaw.fastloop.evidence.skill_stats`): one row per skill, the
     suggestions (retire, merge, review) with their reasons, and :meth:`propose` to file them
     as proposals held for review. ``threshold``, ``retriever``, ``compare``: as for
@@ -557,28 +521,18 @@ class EvidenceView(_ReadsWorkspace, anywidget.AnyWidget):
     suggestions = traitlets.List(traitlets.Dict()).tag(sync=True)
     generation = traitlets.Int(0).tag(sync=True)
     propose_requests = traitlets.Int(0).tag(sync=True)
-    refresh_requests = traitlets.Int(0).tag(sync=True)
     message = traitlets.Unicode("").tag(sync=True)
     taken_at = traitlets.Float(0.0).tag(sync=True)
-    error = traitlets.Unicode("").tag(sync=True)
 
     def __init__(self, store: Any, library: Any, *, threshold: float = 0.0,
                  retriever: Any = None, compare: bool = True, **kwargs: Any):
-        self._released = False
-        self._ready = False
-        self._reader = _Reader(self, store)
+        self._read_from(store)
         self._library = library
         self._options = {"threshold": threshold, "retriever": retriever, "compare": compare}
         self.stats: Any = None
         super().__init__(**kwargs)
         self._ready = True
         self._load()
-
-    def _lib(self) -> Any:
-        store = self._reader.store()
-        if self._library.store is not store:  # its connection was closed: use the reopened one
-            self._library.store = store
-        return self._library
 
     def _load(self) -> None:
         from metaclaw.fastloop import evidence
@@ -622,17 +576,9 @@ class EvidenceView(_ReadsWorkspace, anywidget.AnyWidget):
                         "no new proposal: no suggestion, or each already has a held proposal")
         return ids
 
-    @traitlets.observe("propose_requests")
-    @_reports("the suggestions were not filed")
+    @_reacts("propose_requests", failing="the suggestions were not filed")
     def _on_propose(self, _change: Any) -> None:
-        if self._ready:
-            self.propose()
-
-    @traitlets.observe("refresh_requests")
-    @_reports("cannot refresh")
-    def _on_refresh_request(self, _change: Any) -> None:
-        if self._ready:
-            self.refresh()
+        self.propose()
 
     def _repr_html_(self) -> str:
         head = "".join(f"<th>{c}</th>" for c in (

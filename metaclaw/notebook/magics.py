@@ -71,6 +71,14 @@ def _parser(name: str, doc: str) -> _Parser:
     return _Parser(prog=f"%metaclaw {name}", description=doc, add_help=True)
 
 
+def _start_parser() -> _Parser:
+    """``%metaclaw start``'s options: those of ``metaclaw serve`` (both built from
+    :class:`metaclaw.runtime.RuntimeConfig`), with the library's defaults (port 0: any free)."""
+    parser = _parser("start", MetaClawMagics._do_start.__doc__)
+    cli.add_config_options(parser, serve_defaults=False)
+    return parser
+
+
 #: Secondary text in an output: JupyterLab's theme colour (readable in light and dark themes).
 _MUTED = "color:var(--jp-content-font-color2,#666)"
 
@@ -246,14 +254,11 @@ class MetaClawMagics(Magics):
     # Actions ---------------------------------------------------------------------------------
     def _do_start(self, argv: list[str], cell: str | None):
         """Start the proxy (same options as `metaclaw serve`; port 0 = any free port)."""
-        from metaclaw.runtime import Runtime
+        from metaclaw.runtime import Runtime, RuntimeConfig
 
-        parser = _parser("start", self._do_start.__doc__)
-        cli._add_proxy_options(parser)
-        parser.set_defaults(port=0)
-        args = parser.parse_args(argv)
+        args = _start_parser().parse_args(argv)
         self._shutdown()  # the old one entirely: a failed start below must not leave it in use
-        self.runtime = Runtime.start(cli.runtime_config(args))
+        self.runtime = Runtime.start(RuntimeConfig.from_args(args))
         self.histories.clear()
         return self.runtime
 

@@ -63,7 +63,6 @@ import logging
 import os
 import re
 import shutil
-import tempfile
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -71,6 +70,7 @@ from typing import Any, Callable, Iterable, Literal
 
 import yaml
 
+from metaclaw.fileio import write_atomic
 from metaclaw.jsonlib import LONE_SURROGATE as _SURROGATE
 from metaclaw.store import Store
 from metaclaw.turns import STAGE_NAME, stage_of
@@ -685,20 +685,9 @@ def _read_skill_file(path: Path, folder_name: str | None) -> tuple[Skill | None,
 
 
 def _atomic_write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    """A skill file or a journal written whole (:func:`metaclaw.fileio.write_atomic`; one
+    name for every write of the library, so a test can stop a change between two files)."""
+    write_atomic(path, text, newline="\n")
 
 
 def _snapshot_digest(snapshot: dict[str, Any]) -> str:
@@ -938,8 +927,7 @@ class SkillLibrary:
         rows = self.store.query(
             "SELECT g.generation, g.parent, g.created_at, g.kind, g.reason, "
             # a damaged snapshot (not JSON) lists with no count instead of failing the listing
-            "CASE WHEN json_valid(g.snapshot) THEN (SELECT COUNT(*) FROM json_each(g.snapshot))"
-            " END AS skills, "
+            f"{self.store.json_size('g.snapshot')} AS skills, "
             "(SELECT COUNT(*) FROM skill_events e WHERE e.generation = g.generation) AS events "
             "FROM skill_generations g ORDER BY g.generation")
         return rows

@@ -53,6 +53,7 @@ from collections import Counter, OrderedDict
 from pathlib import Path
 from typing import Any, Callable, NamedTuple, Protocol, Sequence, runtime_checkable
 
+from metaclaw.fileio import atomic_folder
 from metaclaw.skills.asks import extract_ask
 from metaclaw.skills.block import (BLOCK_FOOTER, BLOCK_HEADER, inject, render_block, section,
                                    strip_skill_block)
@@ -425,20 +426,15 @@ def _extract_zip_model(zip_path: Path) -> Path:
 
 
 def _unpack(zip_path: Path, target: Path) -> Path:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".extract-", dir=target.parent))
     try:
-        with zipfile.ZipFile(zip_path) as zf:
-            zf.extractall(staging)
-        if target.exists() and not _complete_model_dir(target):
-            shutil.rmtree(target, ignore_errors=True)
-        try:
-            os.replace(staging, target)
-        except OSError:
-            if not _complete_model_dir(target):  # nobody else finished it either
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        with atomic_folder(target) as staging:
+            with zipfile.ZipFile(zip_path) as zf:
+                zf.extractall(staging)
+            if target.exists() and not _complete_model_dir(target):
+                shutil.rmtree(target, ignore_errors=True)
+    except OSError:
+        if not _complete_model_dir(target):  # nobody else finished it either
+            raise
     return target
 
 

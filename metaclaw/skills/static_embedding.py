@@ -44,6 +44,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
+from metaclaw.fileio import atomic_write
+
 #: Dimensions kept by PCA.
 DIMS = 256
 #: Bumped when the recipe changes, so that older cached tables are not reused.
@@ -224,24 +226,20 @@ def cache_dir() -> Path | None:
 
 @contextlib.contextmanager
 def _exclusive(lock_path: Path) -> Iterator[None]:
-    """Holds an exclusive lock on ``lock_path`` (no-op where ``fcntl`` does not exist, or where
-    the lock file cannot be created: then nothing can be cached there either)."""
+    """Holds an exclusive lock on ``lock_path`` (none where the lock file cannot be created:
+    then nothing can be cached there either)."""
+    from filelock import FileLock
+
+    lock = FileLock(lock_path)
     try:
-        import fcntl
-    except ImportError:  # pragma: no cover - Windows: at worst two processes derive the table
-        yield
-        return
-    try:
-        handle = open(lock_path, "a+b")
+        lock.acquire()
     except OSError:
         yield
         return
-    with handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def _read(path: Path, vocab: int, dims: int, *, warn: bool = True) -> Any:
@@ -272,16 +270,8 @@ def _save(table: Any, folder: Path, key: str, info: dict[str, Any]) -> None:
     import numpy as np
 
     try:
-        fd, staging = tempfile.mkstemp(prefix=f".{key}-", suffix=".npy", dir=folder)
-        try:
-            with os.fdopen(fd, "wb") as handle:
-                np.save(handle, table)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(staging, folder / f"{key}.npy")
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(staging)
+        with atomic_write(folder / f"{key}.npy", "wb") as handle:
+            np.save(handle, table)
         (folder / f"{key}.json").write_text(json.dumps(info))
     except OSError as exc:
         log.warning("cannot cache the static embedding table in %s (%s: %s); it is derived "

@@ -50,10 +50,11 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Iterator, Sequence
+from typing import Any, Awaitable, Callable, Sequence
 
 from metaclaw import buffers
 from metaclaw.aio import run_sync
+from metaclaw.fileio import fsync_path, write_atomic
 from metaclaw.progress import ProgressFn, notify
 from metaclaw.slowloop.backends import Datum, check_loss_fn
 
@@ -329,17 +330,6 @@ def compute_rewards(batch: Sequence[Prompt], texts_P_G: Sequence[list[str]],
     return rewards_P_G
 
 
-def _fsync(path: Path, *, directory: bool = False) -> None:
-    """fsync one file, or one folder's entries (where the OS can open a folder: not Windows)."""
-    if directory and os.name == "nt":
-        return
-    fd = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if directory else 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _raise(exc: OSError) -> None:
     raise exc
 
@@ -350,17 +340,8 @@ def fsync_tree(path: str | os.PathLike[str]) -> None:
     truncated files. Raises OSError where a file or folder cannot be read or synced."""
     for folder, _, files in os.walk(path, topdown=False, onerror=_raise):
         for name in files:
-            _fsync(Path(folder) / name)
-        _fsync(Path(folder), directory=True)
-
-
-def durable_replace(src: Path, dst: Path) -> None:
-    """Replace ``dst`` with the file ``src`` so that, after a crash, ``dst`` is either the old
-    file or the whole new one: ``src``'s data is synced before the rename, and the folder's
-    entry (the rename itself) after it."""
-    _fsync(src)
-    os.replace(src, dst)
-    _fsync(dst.parent, directory=True)
+            fsync_path(Path(folder) / name)
+        fsync_path(Path(folder), directory=True)
 
 
 async def _as_awaitable(value: Any) -> Any:
@@ -580,14 +561,14 @@ class GRPOTrainer:
         lock, so one trainer never prunes a state another is writing.
 
         The saved files, their folder and ``latest.json`` are synced to disk (:func:`fsync_tree`,
-        :func:`durable_replace`) before the version is pointed at the state: after an OS crash
-        or power loss a recorded checkpoint is never empty or truncated files. Where the state
-        cannot be written or synced this raises OSError naming the folder, and the version
-        keeps no checkpoint (it is then not adopted by other processes)."""
+        :func:`metaclaw.fileio.write_atomic` with ``durable``) before the version is pointed at
+        the state: after an OS crash or power loss a recorded checkpoint is never empty or
+        truncated files. Where the state cannot be written or synced this raises OSError naming
+        the folder, and the version keeps no checkpoint (it is then not adopted by other
+        processes)."""
         step = self.next_step - 1 if step is None else step
         if self.state_dir is None or step < 0 or step == self._saved_step:
             return None
-        tmp = self.state_dir / f"latest.json.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
         try:
             with self._state_dir_lock():
                 path = self._new_state_path(step)
@@ -597,10 +578,11 @@ class GRPOTrainer:
                 else:  # a remote state (Tinker): the folder stays unused
                     with contextlib.suppress(OSError):
                         path.rmdir()
-                tmp.write_text(json.dumps({"run_id": self.run_id, "step": step,
-                                           "checkpoint": checkpoint,
-                                           "policy_version": self.backend.policy_version}))
-                durable_replace(tmp, self.state_dir / "latest.json")
+                write_atomic(self.state_dir / "latest.json",
+                             json.dumps({"run_id": self.run_id, "step": step,
+                                         "checkpoint": checkpoint,
+                                         "policy_version": self.backend.policy_version}),
+                             durable=True)
                 if published_version is not None and self.store is not None:
                     self.store.execute("UPDATE policy_versions SET checkpoint = ? "
                                        "WHERE version = ? AND checkpoint IS NULL",
@@ -608,8 +590,6 @@ class GRPOTrainer:
                 self._saved_step = step
                 self._prune_checkpoints()
         except OSError as exc:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
             raise OSError(f"cannot save the training state in {self.state_dir} "
                           f"({type(exc).__name__}: {exc}); make the folder writable, free "
                           "space there, or set state_dir to another folder") from exc
@@ -628,22 +608,13 @@ class GRPOTrainer:
                 continue
         raise AssertionError("unreachable")
 
-    @contextlib.contextmanager
-    def _state_dir_lock(self) -> Iterator[None]:
+    def _state_dir_lock(self) -> Any:
         """An exclusive lock on ``state_dir`` across processes (released by the OS if the
-        process dies); no lock where ``fcntl`` does not exist."""
+        process dies), to hold in a ``with`` block."""
+        from filelock import FileLock
+
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.state_dir / ".lock", "a") as handle:
-            try:
-                import fcntl
-            except ImportError:  # pragma: no cover - not POSIX
-                yield
-                return
-            fcntl.flock(handle, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(handle, fcntl.LOCK_UN)
+        return FileLock(self.state_dir / ".lock")
 
     def step(self) -> dict[str, Any] | None:
         """Run one GRPO step. Out: the step's record (also stored and handed to ``on_step``),

@@ -1,0 +1,113 @@
+"""Files written whole or not at all: the one atomic write of the package.
+
+    write_atomic(path, "text")                       # a reader sees the old file or the new one
+    with atomic_write(path, "wb") as out:            # for writers that want a file object
+        numpy.save(out, table)
+    with atomic_folder(target) as staging:           # a folder filled, then moved into place
+        zipfile.ZipFile(src).extractall(staging)
+    durable_replace(src, dst)                        # a rename that survives a power cut
+
+Every write goes to a temporary file beside the target (created by :func:`tempfile.mkstemp`:
+readable by its owner only unless ``like`` gives another file's mode and owner), is flushed and
+fsynced, then replaces the target with :func:`os.replace`; on any error the temporary file is
+removed and the target is left as it was. ``durable=True`` also syncs the folder's entry after
+the rename, so that after an OS crash the target is the old file or the whole new one.
+
+A shared module: every wing may import it, and it imports nothing of the package.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import stat
+import tempfile
+from pathlib import Path
+from typing import IO, Any, Iterator
+
+
+def fsync_path(path: str | os.PathLike[str], *, directory: bool = False) -> None:
+    """fsync one file, or one folder's entries (where the OS can open a folder: not Windows)."""
+    if directory and os.name == "nt":
+        return
+    fd = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if directory else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def durable_replace(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
+    """Replace ``dst`` with the file ``src`` so that, after a crash, ``dst`` is either the old
+    file or the whole new one: ``src``'s data is synced before the rename, and the folder's
+    entry (the rename itself) after it."""
+    fsync_path(src)
+    os.replace(src, dst)
+    fsync_path(Path(dst).parent, directory=True)
+
+
+def _keep_mode_and_owner(tmp: str, like: Path | None) -> None:
+    """Give ``tmp`` the mode and owner of ``like`` (when it exists)."""
+    like_stat = like.stat() if like is not None and like.exists() else None
+    if like_stat is None:
+        return
+    os.chmod(tmp, stat.S_IMODE(like_stat.st_mode))
+    try:
+        os.chown(tmp, like_stat.st_uid, like_stat.st_gid)
+    except PermissionError:  # only root can give a file away; the user's own stays theirs
+        pass
+
+
+@contextlib.contextmanager
+def atomic_write(path: str | os.PathLike[str], mode: str = "w", *, encoding: str | None = None,
+                 newline: str | None = None, like: str | os.PathLike[str] | None = None,
+                 durable: bool = False, suffix: str = ".tmp") -> Iterator[IO[Any]]:
+    """A file object on a temporary file beside ``path``; when the block ends without an
+    error, the file is flushed, fsynced and replaces ``path`` (pass ``path.resolve()`` to
+    replace the file a symlink points to and keep the link). ``mode``: ``"w"`` (text, UTF-8 unless ``encoding``) or
+    ``"wb"``. ``like``: a file whose mode and owner the new file gets (default: readable by
+    its owner only). ``durable``: also sync the folder's entry after the rename. The parent
+    folder is created when missing."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=suffix, dir=target.parent)
+    try:
+        text = {} if "b" in mode else {"encoding": encoding or "utf-8", "newline": newline}
+        with os.fdopen(fd, mode, **text) as out:
+            yield out
+            out.flush()
+            os.fsync(out.fileno())  # on disk before the rename: a power cut leaves old or new
+        _keep_mode_and_owner(tmp, None if like is None else Path(like))
+        os.replace(tmp, target)
+        if durable:
+            fsync_path(target.parent, directory=True)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def write_atomic(path: str | os.PathLike[str], data: str | bytes, **options: Any) -> None:
+    """Replace ``path`` with ``data`` (text or bytes) atomically; ``options`` as for
+    :func:`atomic_write` (``newline``, ``like``, ``durable``, ...)."""
+    with atomic_write(path, "wb" if isinstance(data, bytes) else "w", **options) as out:
+        out.write(data)
+
+
+@contextlib.contextmanager
+def atomic_folder(target: str | os.PathLike[str]) -> Iterator[Path]:
+    """An empty temporary folder beside ``target``; when the block ends without an error it
+    is renamed to ``target`` (which must then not exist, or be an empty folder: otherwise the
+    rename's OSError is raised). The temporary folder is removed in every case."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".extract-", dir=target.parent))
+    try:
+        yield staging
+        os.replace(staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+__all__ = ["atomic_folder", "atomic_write", "durable_replace", "fsync_path", "write_atomic"]

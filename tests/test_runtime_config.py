@@ -1,0 +1,82 @@
+"""The options of ``metaclaw serve`` and ``%metaclaw start`` are declared once, on
+:class:`metaclaw.runtime.RuntimeConfig`'s fields, and both parsers are built from them."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import fields
+
+import pytest
+
+from metaclaw import cli
+from metaclaw.notebook.magics import MagicUsageError, _start_parser
+from metaclaw.runtime import RuntimeConfig, options
+
+
+def _serve_parser() -> argparse.ArgumentParser:
+    sub = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices["serve"]
+
+
+def _flags(parser: argparse.ArgumentParser) -> set[str]:
+    return {flag for action in parser._actions for flag in action.option_strings
+            if not isinstance(action, argparse._HelpAction)
+            and action.dest not in ("verbose", "quiet")}  # the CLI's common -v / -q
+
+
+def _declared() -> set[str]:
+    flags = {f.metadata["option"]["flag"] for f, _ in options()}
+    # a switch that defaults on is also given as --no-<flag>
+    return flags | {"--no-" + f.metadata["option"]["flag"][2:] for f, _ in options()
+                    if f.metadata["option"].get("action") is argparse.BooleanOptionalAction}
+
+
+def test_the_cli_and_the_magics_accept_the_same_serve_options_as_declared():
+    declared = _declared()
+    assert len(declared) > 25 and "--top-k" in declared and "--no-durable-acks" in declared
+    assert _flags(_serve_parser()) == declared
+    assert _flags(_start_parser()) == declared
+
+
+def test_every_option_reaches_its_field_through_both_parsers(monkeypatch):
+    monkeypatch.delenv("METACLAW_PROXY_TOKEN", raising=False)
+    values = {"--upstream": "http://up.example/v1", "--model": "m", "--host": "0.0.0.0",
+              "--port": "8123", "--skills": "sk", "--db": "w.db", "--token": "t0ken",
+              "--retrieval": "lexical", "--embedding-model": "static", "--top-k": "5",
+              "--min-score": "0.25", "--budget-chars": "900", "--timeout": "7.5",
+              "--upstream-protocol": "anthropic", "--context-window": "4096",
+              "--local-model": "some/folder", "--judge-url": "http://j.example",
+              "--judge-model": "jm", "--evolver-url": "http://e.example",
+              "--evolver-model": "em", "--votes": "2"}
+    switches = ["--caller-auth", "--no-durable-acks", "--fsync-acks", "--starter-skills",
+                "--sim", "--auto-evolve"]
+    argv = [word for flag, value in values.items() for word in (flag, value)] + switches
+    from_cli = RuntimeConfig.from_args(cli.build_parser().parse_args(["serve", *argv]))
+    from_magics = RuntimeConfig.from_args(_start_parser().parse_args(argv))
+    assert from_cli == from_magics
+    defaults = RuntimeConfig()
+    unchanged = {f.name for f in fields(RuntimeConfig)
+                 if getattr(from_cli, f.name) == getattr(defaults, f.name)}
+    assert unchanged == {"api_key_env"}  # the one field that is no option
+    assert (from_cli.upstream_url, from_cli.port, from_cli.top_k, from_cli.durable_acks,
+            from_cli.simulated, from_cli.local_model) == ("http://up.example/v1", 8123, 5,
+                                                          False, True, "some/folder")
+
+
+def test_the_defaults_differ_only_where_declared(monkeypatch):
+    monkeypatch.setenv("METACLAW_PROXY_TOKEN", "from-env")
+    served = RuntimeConfig.from_args(cli.build_parser().parse_args(["serve"]))
+    started = RuntimeConfig.from_args(_start_parser().parse_args([]))
+    assert served.port == 30000 and started.port == 0  # the magics: any free port
+    assert served.token == started.token == "from-env"
+    library = RuntimeConfig()
+    for config in (served, started):
+        config.port, config.token = library.port, library.token
+        assert config == library
+
+
+def test_a_bad_value_is_refused_by_both():
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["serve", "--top-k", "0"])
+    with pytest.raises(MagicUsageError, match="--top-k"):
+        _start_parser().parse_args(["--top-k", "0"])
