@@ -13,7 +13,11 @@ in this process. Printed: turns sent, acknowledged, lost (must be 0), turns reco
 client never saw acknowledged (in flight at the kill: allowed), throughput, and the proxy's
 group-commit batches when available. Exits 1 when a turn is lost.
 
-    python benchmarks/soak_kill9.py [--turns 5000] [--concurrency 48] [--cycles 10]
+    python benchmarks/soak_kill9.py [--turns 5000] [--concurrency 48] [--cycles 10] [--db TARGET]
+
+``--db``: the workspace (default: a new SQLite file); ``--db postgresql://...`` a PostgreSQL
+database, or ``--db postgresql`` a throwaway PostgreSQL cluster started for the run (needs
+``initdb`` on PATH; ``tests/pgcluster.py``).
 """
 
 from __future__ import annotations
@@ -26,7 +30,6 @@ import os
 import random
 import signal
 import socket
-import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -36,6 +39,10 @@ from pathlib import Path
 import httpx
 
 from metaclaw.offline.double import DoubleServer
+from metaclaw.store import Store
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+import pgcluster  # noqa: E402  the throwaway cluster of --db postgresql
 
 KINDS = ("openai", "openai-stream", "anthropic", "anthropic-stream")
 
@@ -46,9 +53,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_proxy(upstream: str, db: Path, port: int, log) -> subprocess.Popen:
-    command = [sys.executable, "-m", "metaclaw", "serve", "--upstream", upstream, "--db", str(db),
-               "--skills", str(db.parent / "skills"), "--retrieval", "lexical", "--port",
+def start_proxy(upstream: str, db: str, skills: Path, port: int, log) -> subprocess.Popen:
+    command = [sys.executable, "-m", "metaclaw", "serve", "--upstream", upstream, "--db", db,
+               "--skills", str(skills), "--retrieval", "lexical", "--port",
                str(port), "--model", "double-model"]
     proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 60
@@ -119,28 +126,32 @@ async def load(base: str, cycle: int, concurrency: int, kill_at: int,
     return sent, acked
 
 
-def recorded_sessions(db: Path) -> set[str]:
+def recorded_sessions(db: str) -> set[str]:
     """Session ids of the recorded turns, read by a fresh connection after the crash."""
-    conn = sqlite3.connect(str(db))
-    try:
-        return {row[0] for row in conn.execute("SELECT DISTINCT session_id FROM turns")}
-    finally:
-        conn.close()
+    with Store(db) as store:
+        return {row["session_id"] for row in store.query("SELECT DISTINCT session_id FROM turns")}
 
 
-def run(turns: int, concurrency: int, cycles: int, seed: int) -> dict[str, float]:
+def run(turns: int, concurrency: int, cycles: int, seed: int,
+        target: str | None = None) -> dict[str, float]:
     rng = random.Random(seed)
     per_cycle = max(1, -(-turns // cycles))
     totals = {"sent": 0, "acknowledged": 0, "lost": 0, "unacknowledged_recorded": 0}
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="metaclaw-soak-") as tmp, \
             DoubleServer(models=("double-model",)) as double:
-        db = Path(tmp) / "metaclaw.db"
+        cluster = None
+        if target == "postgresql":
+            cluster = pgcluster.start(fsync=True)
+            if cluster is None:
+                raise SystemExit(f"no PostgreSQL: {'; '.join(pgcluster.WHY_NOT)}")
+            target = cluster.new_database("soak")
+        db = target or str(Path(tmp) / "metaclaw.db")
         log = open(Path(tmp) / "proxy.log", "w")
         cycle = 0
         while totals["sent"] < turns:
             port = free_port()
-            proc = start_proxy(double.url, db, port, log)
+            proc = start_proxy(double.url, db, Path(tmp) / "skills", port, log)
             left = turns - totals["sent"]
             kill_at = min(left, rng.randint(max(1, per_cycle // 2), per_cycle))
             sent, acked = asyncio.run(load(f"http://127.0.0.1:{port}", cycle, concurrency,
@@ -157,6 +168,8 @@ def run(turns: int, concurrency: int, cycles: int, seed: int) -> dict[str, float
                   f"killed after {kill_at} acknowledged, lost {len(lost)}"
                   + (f" (e.g. {lost[:3]})" if lost else ""), flush=True)
         log.close()
+        if cluster is not None:
+            cluster.remove()
     elapsed = time.perf_counter() - started
     totals["seconds"] = elapsed
     totals["cycles"] = cycle
@@ -171,10 +184,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cycles", type=int, default=10,
                         help="about this many kill -9 / restart cycles")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--db", help="the workspace: a file, postgresql://..., or postgresql "
+                                     "for a throwaway cluster (default: a new SQLite file)")
     args = parser.parse_args(argv)
     if args.turns < 1 or args.concurrency < 1 or args.cycles < 1:
         parser.error("--turns, --concurrency and --cycles must be positive")
-    totals = run(args.turns, args.concurrency, args.cycles, args.seed)
+    totals = run(args.turns, args.concurrency, args.cycles, args.seed, args.db)
     print(f"turns under kill -9: sent {totals['sent']}, acknowledged {totals['acknowledged']}, "
           f"lost {totals['lost']}; recorded but not acknowledged (in flight at the kill): "
           f"{totals['unacknowledged_recorded']}; {totals['sent'] / totals['seconds']:.0f} turns/s "

@@ -6,7 +6,6 @@ import argparse
 import json
 import os
 import re
-import sqlite3
 import sys
 import time
 from pathlib import Path
@@ -15,7 +14,7 @@ from typing import Any, Callable
 from metaclaw import argtypes, console
 from metaclaw.runtime import DEFAULT_SKILLS, RuntimeConfig
 from metaclaw.runtime import options as config_options
-from metaclaw.store import DEFAULT_DB
+from metaclaw.store import DB_ERRORS, default_target, local_dir
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {}
 
@@ -45,10 +44,18 @@ def _print_json(obj: Any) -> None:
     print(json.dumps(obj, ensure_ascii=False, default=str))
 
 
-def _store(path: str):
-    from metaclaw.store import Store
+def add_db(parser: argparse.ArgumentParser, flag: str = "--db", **kwargs: Any) -> None:
+    """The workspace option: a SQLite file or a ``postgresql://`` URL (default ``METACLAW_DB``,
+    else ``.metaclaw/metaclaw.db``)."""
+    parser.add_argument(flag, default=default_target(), help="the workspace: a database file, "
+                        "sqlite:///path or postgresql://user@host/dbname (default: $METACLAW_DB, "
+                        "else .metaclaw/metaclaw.db)", **kwargs)
 
-    if not Path(path).exists():
+
+def _store(path: str):
+    from metaclaw.store import Store, workspace_exists
+
+    if not workspace_exists(path):
         raise CliError(f"no MetaClaw database at {path}; pass --db PATH of an existing workspace")
     return Store(path)
 
@@ -537,14 +544,50 @@ def cmd_buffers(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- db -------------------------------------------------------------------------------------
+@command("db")
+def cmd_db(args: argparse.Namespace) -> int:
+    from metaclaw.store import SCHEMA_VERSION, Store, workspace_exists
+    from metaclaw.store.transfer import copy_store
+
+    if args.action == "migrate":
+        with Store(args.db) as store:  # opening applies what is missing, under the write lock
+            out = {"db": store.location, "engine": store.engine,
+                   "schema_version": store.schema_version, "latest": SCHEMA_VERSION}
+        if args.json:
+            _print_json(out)
+        else:
+            print(f"{out['db']} ({out['engine']}): schema version {out['schema_version']}, "
+                  "up to date")
+        return 0
+    if not args.source or not args.to:
+        raise CliError("db copy needs --from SOURCE and --to DESTINATION")
+    if not workspace_exists(args.source):
+        raise CliError(f"no MetaClaw database at {args.source}")
+    with Store(args.source) as source, Store(args.to) as dest:
+        with console.progress(args.verbosity) as show:
+            verified = copy_store(source, dest, on_progress=show)
+        rows = {table: n for table, (n, _) in verified.items()}
+        if args.json:
+            _print_json({"from": source.location, "to": dest.location, "verified": {
+                table: {"rows": n, "checksum": digest} for table, (n, digest) in
+                verified.items()}})
+        else:
+            print(f"copied {sum(rows.values())} rows from {source.location} to "
+                  f"{dest.location}; every table's row count and checksum match:")
+            for table, n in rows.items():
+                print(f"  {table:<22} {n:>9}")
+    return 0
+
+
 # -- scheduler -------------------------------------------------------------------------------
 @command("scheduler")
 def cmd_scheduler(args: argparse.Namespace) -> int:
     from metaclaw.slowloop.scheduler.machine import from_config, load_config
-    from metaclaw.store import Store
+    from metaclaw.store import Store, workspace_exists
     from metaclaw.training_lease import TrainingLease
 
-    store = Store(args.db) if Path(args.db).exists() else None
+    store = Store(args.db) if workspace_exists(args.db) else None
     scheduler = from_config(load_config(args.config), store=store)
     try:
         status = scheduler.status(refresh=True)
@@ -597,7 +640,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                        f"backend needs a Hugging Face model path, a .gguf file, or smollm2 "
                        f"(`metaclaw tiny-model DIR` writes a tiny one)")
     judge = _judge(args)
-    state_dir = args.state_dir or str(Path(args.db).resolve().parent / "train")
+    state_dir = args.state_dir or str(local_dir(args.db) / "train")
     config = GRPOConfig(steps=args.steps, group_size=args.group_size,
                         groups_per_step=args.groups_per_step, max_tokens=args.max_tokens,
                         learning_rate=args.lr, loss_fn=args.loss, state_dir=state_dir)
@@ -876,7 +919,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "or Claude Code sessions, Codex rollouts, OpenAI chat JSON Lines")
     p.add_argument("--format", choices=["auto", "openclaw", "claude-code", "codex", "openai"],
                    default="auto", help="the transcripts' format (default: told from each file)")
-    p.add_argument("--db", default=str(DEFAULT_DB))
+    add_db(p)
     p.add_argument("--session", help="only this session")
     p.add_argument("--type", help="only turns of this type: main, side, stage:<name>, or stage "
                                   "(every stage turn)")
@@ -886,7 +929,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("export", help="write labelled turns as OpenAI chat JSON Lines")
     p.add_argument("out", metavar="OUT.jsonl")
-    p.add_argument("--db", default=str(DEFAULT_DB))
+    add_db(p)
     p.add_argument("--session", help="only this session")
     p.add_argument("--labelled-only", action="store_true", help="only turns a person labelled")
     p.add_argument("--shape", choices=["chat", "eval"], default="chat",
@@ -898,7 +941,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("action", choices=["list", "diff", "rollback", "import", "stats"])
     p.add_argument("generations", nargs="*", type=int)
     p.add_argument("--skills", default=str(DEFAULT_SKILLS))
-    p.add_argument("--db", default=str(DEFAULT_DB))
+    add_db(p)
     p.add_argument("--from", dest="path", help="folder to import (skills import)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--threshold", type=argtypes.finite_float, default=0.0,
@@ -910,7 +953,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "for review")
 
     p = add("score", help="judge recorded turns with the PRM judge")
-    p.add_argument("--db", default=str(DEFAULT_DB))
+    add_db(p)
     add_config_options(p, "fast loop")
     p.add_argument("--threshold", type=argtypes.finite_float, default=0.0,
                    help="a turn scoring below this is a failure (support set)")
@@ -920,7 +963,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
 
     p = add("evolve", help="turn the support set into new or edited skills")
-    p.add_argument("--db", default=str(DEFAULT_DB))
+    add_db(p)
     p.add_argument("--skills", default=str(DEFAULT_SKILLS))
     add_config_options(p, "fast loop")
     p.add_argument("--dry-run", action="store_true", help="show the operations, change nothing")
@@ -932,7 +975,7 @@ def build_parser() -> argparse.ArgumentParser:
             "models and compare the judged replies")
     p.add_argument("action", choices=["run", "list", "show"])
     p.add_argument("name", nargs="?", help="the experiment's name")
-    p.add_argument("--db", default=str(DEFAULT_DB))
+    add_db(p)
     p.add_argument("--skills", default=str(DEFAULT_SKILLS))
     p.add_argument("--variant", action="append",
                    help="run: current, none, gen:G or proposal:P, optionally ~NAME (without "
@@ -959,7 +1002,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("events", help="what the loops reported: failed judge / evolver calls, "
                                       "broken skill files (every process of the workspace)")
-    p.add_argument("--db", default=str(DEFAULT_DB))
+    add_db(p)
     p.add_argument("--kind", help="only this kind (e.g. judge_failed, evolve_failed)")
     p.add_argument("--level", choices=["info", "warning", "error"])
     p.add_argument("--last", type=argtypes.positive_int, default=50,
@@ -982,7 +1025,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--undo", action="store_true", help="restore the configuration")
 
     p = add("buffers", help="support / query buffers by generation")
-    p.add_argument("--db", default=str(DEFAULT_DB))
+    add_db(p)
     p.add_argument("--threshold", type=argtypes.finite_float, default=0.0)
     p.add_argument("--all", action="store_true", help="also turns in no buffer")
     p.add_argument("--json", action="store_true", help="one JSON object per line per turn")
@@ -992,7 +1035,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
 
     p = add("train", help="GRPO on the query set, in idle windows (or --now)")
-    p.add_argument("--db", default=str(DEFAULT_DB))
+    add_db(p)
     p.add_argument("--backend", choices=["local", "tinker"], default="local")
     p.add_argument("--base-model", required=True,
                    help="local Hugging Face model path, or a Tinker model id")
@@ -1014,15 +1057,25 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds between scheduler checks")
 
     p = add("runs", help="recorded training steps")
-    p.add_argument("--db", default=str(DEFAULT_DB))
+    add_db(p)
     p.add_argument("--run", help="only this run id")
     p.add_argument("--json", action="store_true", help="one JSON object per line per step")
+
+    p = add("db", help="the workspace database: migrate its schema, or copy it to another "
+            "engine (e.g. a personal SQLite workspace into a team's PostgreSQL)")
+    p.add_argument("action", choices=["migrate", "copy"])
+    add_db(p)
+    p.add_argument("--from", dest="source", metavar="SOURCE",
+                   help="copy: the workspace to read (a file, sqlite:///path or postgresql://)")
+    p.add_argument("--to", metavar="DESTINATION",
+                   help="copy: the new, empty workspace to write (postgresql://... or a file)")
+    p.add_argument("--json", action="store_true")
 
     p = add("scheduler", help="the idle-gated training scheduler")
     p.add_argument("action", choices=["status"])
     p.add_argument("--config", help="scheduler settings (YAML/JSON); default: night 23:00-07:00 "
                    "local or 15 min without keyboard input")
-    p.add_argument("--db", default=str(DEFAULT_DB))
+    add_db(p)
     p.add_argument("--json", action="store_true")
 
     p = add("sim-model", help="serve the offline SIMULATED model (agent, judge, "
@@ -1111,8 +1164,8 @@ def main(argv: list[str] | None = None) -> int:
         message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
         print(f"metaclaw {args.command}: {message}", file=sys.stderr)
         return 1
-    except sqlite3.Error as exc:  # e.g. another process held the write lock past the timeout
-        where = getattr(args, "db", None)
+    except DB_ERRORS as exc:  # e.g. another process held the write lock past the timeout
+        where = getattr(args, "db", None) if args.command != "db" else None
         print(f"metaclaw {args.command}: the workspace database"
               f"{f' {where}' if where else ''}: {exc}", file=sys.stderr)
         return 1

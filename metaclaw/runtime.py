@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from metaclaw import argtypes
-from metaclaw.store import DEFAULT_DB, Store
+from metaclaw.store import Store, default_target
 
 DEFAULT_SKILLS = Path(".metaclaw") / "skills"
 
@@ -89,7 +89,9 @@ class RuntimeConfig:
     port: int = option(0, "--port", "port (default 30000; 0 = any free)", type=argtypes.port,
                        serve_default=30000)
     skills_dir: str = option(str(DEFAULT_SKILLS), "--skills", "skill library directory")
-    db_path: str = option(str(DEFAULT_DB), "--db", "workspace database file")
+    db_path: str = option(default_target(), "--db", "the workspace: a database file, "
+                          "sqlite:///path or postgresql://user@host/dbname (default: "
+                          "$METACLAW_DB, else .metaclaw/metaclaw.db)")
     token: str | None = option(
         None, "--token", "require this bearer token from clients (default $METACLAW_PROXY_TOKEN)",
         env="METACLAW_PROXY_TOKEN")
@@ -404,7 +406,7 @@ class Runtime:
             if self.offline else safe_url(self.proxy.config.upstream_url),
             "model": self.proxy.config.model,
             "skills_dir": str(Path(self.config.skills_dir).resolve()),
-            "db": str(Path(self.config.db_path).resolve()),
+            "db": self.store.location,
             "skill_generation": generation,
             "skills": len(skills),
             "turns": counts["turns"],

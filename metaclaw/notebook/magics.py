@@ -25,6 +25,7 @@ from typing import Any
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 
 from metaclaw import argtypes, cli
+from metaclaw.store import local_dir
 
 
 class MagicUsageError(Exception):
@@ -719,7 +720,7 @@ class MetaClawMagics(Magics):
             loop = SlowLoop(runtime.store, make_backend(args.backend, args.base_model),
                             config=config, judge=reward or runtime.judge, proxy=runtime.proxy,
                             serve=not args.no_serve, scheduler_config=scheduler_config,
-                            state_dir=str(Path(runtime.config.db_path).parent / "train"))
+                            state_dir=str(local_dir(runtime.config.db_path) / "train"))
             runtime.extras["slow_loop"] = loop
         elif loop.scheduler is not None:
             loop.stop()

@@ -268,6 +268,26 @@ def id_list(ids: Iterable[int]) -> str:
     return dumps(sorted({int(i) for i in ids}))
 
 
+def default_target() -> str:
+    """The workspace a command opens unless told: ``METACLAW_DB`` (a path or URL), else
+    :data:`DEFAULT_DB`."""
+    return os.environ.get("METACLAW_DB") or str(DEFAULT_DB)
+
+
+def workspace_exists(target: "str | os.PathLike[str]") -> bool:
+    """Whether ``target`` names a workspace that can be opened without creating one: the file
+    exists (SQLite); always for a database server (opening it says if it cannot be reached)."""
+    engine, where = parse_target(target)
+    return engine != "sqlite" or where == ":memory:" or Path(where).exists()
+
+
+def local_dir(target: "str | os.PathLike[str]") -> Path:
+    """The folder for this machine's files of a workspace (training state, checkpoints): beside
+    the SQLite file, or ``.metaclaw`` in the working folder for a database server."""
+    engine, where = parse_target(target)
+    return Path(where).resolve().parent if engine == "sqlite" else DEFAULT_DB.parent.resolve()
+
+
 class StoreError(RuntimeError):
     """The store cannot be opened (a bad target, an unreachable or refusing database) or is from
     a newer version of MetaClaw."""
@@ -798,7 +818,7 @@ class Store:
         with self._lock:
             self._db.executemany(sql, rows)
 
-    def _after_copy(self, table: str) -> None:
+    def _after_copy(self, table: str, key: str) -> None:
         """After rows were copied in with their keys: nothing (SQLite numbers past them)."""
 
     # -- the engine's transactions (used by :class:`_Transaction`) -------------------------

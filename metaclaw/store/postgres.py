@@ -332,9 +332,10 @@ class PostgresStore(Store):
                 raise EngineError(f"PostgreSQL workspace {self.location}: "
                                   f"{_one_line(exc)}") from exc
 
-    def _after_copy(self, table: str) -> None:
+    def _after_copy(self, table: str, key: str) -> None:
         """Move the identity column's sequence past the copied keys."""
-        key = _KEYS.get(table, "id")
+        if self.declared_types(table).get(key) != "BIGINT":
+            return
         sequence = self._scalar("SELECT pg_get_serial_sequence(?, ?)", (table, key))
         if sequence is not None:
             self.execute(f"SELECT setval('{sequence}', COALESCE((SELECT MAX({key}) FROM "

@@ -88,22 +88,22 @@ def copy_store(source: Store, dest: Store, on_progress: ProgressFn | None = None
     counts = source.counts()
     total, done = sum(counts.values()), 0
     columns = {table: _columns(source, dest, table) for table in TABLES}
-    for table in TABLES:
-        cols, key, last = columns[table], _key(table), None
-        while True:
-            where = "1=1" if last is None else f"{key} > ?"
-            names, rows = source._rows(
-                f"SELECT {', '.join(cols)} FROM {table} WHERE {where} ORDER BY {key} "
-                f"LIMIT {BATCH}", () if last is None else (last,))
-            if rows:
-                with dest.transaction():
+    with dest.transaction():  # all or nothing: a failed copy leaves the destination empty
+        for table in TABLES:
+            cols, key, last = columns[table], _key(table), None
+            while True:
+                where = "1=1" if last is None else f"{key} > ?"
+                names, rows = source._rows(
+                    f"SELECT {', '.join(cols)} FROM {table} WHERE {where} ORDER BY {key} "
+                    f"LIMIT {BATCH}", () if last is None else (last,))
+                if rows:
                     dest._insert_many(table, cols, rows)
-                done += len(rows)
-                notify(on_progress, "copy", done, total, table)
-            if len(rows) < BATCH:
-                break
-            last = rows[-1][names.index(key)]
-        dest._after_copy(table)
+                    done += len(rows)
+                    notify(on_progress, "copy", done, total, table)
+                if len(rows) < BATCH:
+                    break
+                last = rows[-1][names.index(key)]
+            dest._after_copy(table, key)
     theirs, ours = checksums(source, columns=columns), checksums(dest, columns=columns)
     wrong = [t for t in TABLES if theirs[t] != ours[t]]
     if wrong:

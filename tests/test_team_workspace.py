@@ -1,0 +1,177 @@
+"""A team's workspace on PostgreSQL, as several machines use it: two proxies with their own skills
+folders and home directories on one database, skills changed from a third process, kill -9 of a
+proxy under load (a throwaway cluster; skipped where PostgreSQL cannot start)."""
+
+import concurrent.futures
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from metaclaw import cli
+from metaclaw.store import Store
+
+pytest.importorskip("psycopg")
+
+ASK = "Round the ledger totals for the quarterly reconciliation report."
+SKILL = """---
+name: ledger-rounding
+description: Round ledger totals to whole cents with banker's rounding in reconciliation reports.
+category: finance
+---
+
+# Ledger rounding
+Round every ledger total in a reconciliation report to whole cents, half to even.
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def serve(url: str, machine) -> tuple[subprocess.Popen, str]:
+    """``metaclaw serve`` as a machine of the team runs it: its own skills folder and home."""
+    (machine / "home").mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    env = {**os.environ, "HOME": str(machine / "home")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "metaclaw", "serve", "--db", url, "--skills",
+         str(machine / "skills"), "--retrieval", "lexical", "--port", str(port)],
+        cwd=machine, env=env, stdout=subprocess.DEVNULL, stderr=open(machine / "serve.log", "w"))
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        assert proc.poll() is None, (machine / "serve.log").read_text()
+        try:
+            if httpx.get(base + "/healthz", timeout=1).status_code == 200:
+                return proc, base
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "the proxy did not start"
+        time.sleep(0.1)
+
+
+def ask(base: str, session: str, text: str = ASK) -> httpx.Response:
+    return httpx.post(base + "/v1/chat/completions", timeout=30, headers={"X-Session-Id": session},
+                      json={"model": "m", "messages": [{"role": "user", "content": text}]})
+
+
+@pytest.fixture()
+def team(pg_cluster, tmp_path):
+    url = pg_cluster.new_database("team")
+    procs = []
+
+    def start(name):
+        proc, base = serve(url, tmp_path / name)
+        procs.append(proc)
+        return proc, base
+
+    yield url, start
+    for proc in procs:
+        proc.kill()
+        proc.wait(10)
+
+
+def test_a_skill_added_on_a_third_machine_reaches_both_proxies(team, tmp_path):
+    url, start = team
+    _, a = start("machine-a")
+    _, b = start("machine-b")
+    before = {ask(base, f"before-{i}").headers["X-MetaClaw-Injected-Skills"]
+              for i, base in enumerate((a, b))}
+    assert not any("ledger-rounding" in h for h in before)
+    source = tmp_path / "machine-c" / "new" / "ledger-rounding"
+    source.mkdir(parents=True)
+    (source / "SKILL.md").write_text(SKILL)
+    assert cli.main(["skills", "import", "--from", str(source.parent), "--db", url,
+                     "--skills", str(tmp_path / "machine-c" / "skills")]) == 0
+    started = time.monotonic()
+    for i, base in enumerate((a, b)):  # the very next request on each machine
+        reply = ask(base, f"after-{i}")
+        assert "ledger-rounding" in reply.headers["X-MetaClaw-Injected-Skills"].split(",")
+    assert time.monotonic() - started < 5
+    with Store(url) as store:
+        generations = {r["skill_generation"] for r in store.turns("session_id LIKE 'after-%'")}
+        assert generations == {store.latest_generation()}
+    # a new machine with an empty folder serves the workspace's generation, files and all
+    _, d = start("machine-d")
+    assert (tmp_path / "machine-d" / "skills" / "ledger-rounding" / "SKILL.md").exists()
+    assert "ledger-rounding" in ask(d, "new-machine").headers["X-MetaClaw-Injected-Skills"]
+
+
+def test_a_hand_edit_on_one_machine_is_a_generation_every_machine_serves(team, tmp_path):
+    url, start = team
+    _, a = start("machine-a")
+    _, b = start("machine-b")
+    with Store(url) as store:
+        first = store.latest_generation()
+    folder = tmp_path / "machine-a" / "skills" / "ledger-rounding"
+    folder.mkdir()
+    (folder / "SKILL.md").write_text(SKILL)  # written by hand on machine a
+    deadline = time.monotonic() + 20
+    while "ledger-rounding" not in ask(b, "edit").headers["X-MetaClaw-Injected-Skills"]:
+        assert time.monotonic() < deadline, "machine b never served the hand edit"
+        time.sleep(0.2)
+    with Store(url) as store:
+        assert store.latest_generation() == first + 1
+        assert store.generation(first + 1)["kind"] == "disk"
+
+
+def test_kill_9_of_one_proxy_under_load_loses_no_acknowledged_turn(team):
+    url, start = team
+    victim, a = start("machine-a")
+    _, b = start("machine-b")
+    acknowledged: list[str] = []
+
+    def one(i: int) -> None:
+        session = f"load-{i}"
+        try:
+            if ask(a if i % 2 else b, session, f"Summarise note {i}.").status_code == 200:
+                acknowledged.append(session)
+        except httpx.HTTPError:
+            pass  # in flight at the kill
+        if len(acknowledged) >= 30 and victim.poll() is None:
+            os.kill(victim.pid, signal.SIGKILL)
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        list(pool.map(one, range(80)))
+    assert victim.wait(10) == -signal.SIGKILL
+    with Store(url) as store:
+        recorded = {r["session_id"] for r in store.query("SELECT session_id FROM turns")}
+    assert len(acknowledged) >= 30 and set(acknowledged) <= recorded
+    assert ask(b, "after-the-kill").status_code == 200  # the other machine serves on
+
+
+def test_db_migrate_and_copy_through_the_cli(pg_cluster, tmp_path, capsys):
+    personal = tmp_path / "personal.db"
+    with Store(personal) as store:
+        for i in range(5):
+            store.record_turn(session_id=f"s{i % 2}", request_messages=[{"role": "user",
+                              "content": f"hi {i}"}], status="ok", reward=0.5 * i)
+        store.add_generation(snapshot={}, kind="init")
+        store.record_event(source="test", kind="note", message="moved")
+    team_url = pg_cluster.new_database("team")
+    assert cli.main(["db", "migrate", "--db", team_url, "--json"]) == 0
+    assert cli.main(["db", "migrate", "--db", team_url]) == 0  # idempotent
+    capsys.readouterr()
+    assert cli.main(["db", "copy", "--from", f"sqlite:///{personal}", "--to", team_url]) == 0
+    out = capsys.readouterr().out
+    assert "row count and checksum match" in out and "turns" in out
+    with Store(team_url) as team:
+        assert team.counts()["turns"] == 5 and team.latest_generation() == 0
+        new = team.record_turn(session_id="s9", request_messages=[], status="ok")
+        assert new == 6  # numbering goes on past the copied keys
+    # a destination with records is refused, and nothing is written to it
+    assert cli.main(["db", "copy", "--from", str(personal), "--to", team_url]) == 1
+    assert "already holds records" in capsys.readouterr().err
+    # a URL scheme the store does not serve is one sentence, and creates no folder
+    assert cli.main(["turns", "--db", "mysql://u@h/db"]) == 1
+    err = capsys.readouterr().err
+    assert "cannot open mysql:// URLs" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "mysql:").exists()
