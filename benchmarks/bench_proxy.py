@@ -45,6 +45,12 @@ ratios from this run, each with PASS or FAIL:
 - CPU per request (user + system, over every measured request, at least 2,000 with the
   defaults), proxy / floor: at most 1.5x.
 
+With ``--db postgresql`` (a throwaway PostgreSQL 15 cluster started for the run, fsync on, on a
+Unix socket; ``tests/pgcluster.py``) or ``--db postgresql://...``, ``proxy[lexical,postgresql]``
+serves the same requests with its workspace on PostgreSQL, beside the SQLite proxy: its added p50
+and CPU per request are printed against the SQLite engine's (target: within 1.5x), with the
+database server's own CPU per request beside them.
+
 Exits 1 when any request fails or a turn is lost (and, with ``--check-targets``, when a target
 fails).
 
@@ -224,19 +230,20 @@ class ProxyProcess:
     name: str
     proc: subprocess.Popen
     url: str
-    db: Path
+    db: Path | str
     log: Path
 
 
 def start_proxy(retrieval: str, upstream: str, workdir: Path, upstream_protocol: str = "openai",
                 name: str | None = None, extra: tuple[str, ...] = (),
-                launcher: tuple[str, ...] = ("-m", "metaclaw")) -> ProxyProcess:
+                launcher: tuple[str, ...] = ("-m", "metaclaw"),
+                db: str | None = None) -> ProxyProcess:
     """``metaclaw serve`` in its own process; returns once ``/healthz`` answers. ``launcher``:
     what runs the CLI (the interpreter's arguments before ``serve``)."""
     workdir.mkdir(parents=True)
     skills = workdir / "skills"
     write_skills(skills)
-    db, log, port = workdir / "bench.db", workdir / "proxy.log", free_port()
+    db, log, port = db or workdir / "bench.db", workdir / "proxy.log", free_port()
     command = [sys.executable, *launcher, "serve", "--upstream", upstream,
                "--retrieval", retrieval, "--skills", str(skills), "--db", str(db),
                "--port", str(port)]
@@ -609,6 +616,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--protocols", default="openai,anthropic",
                         help="client protocols to measure, comma-separated: openai, anthropic, "
                              "responses (default openai,anthropic)")
+    parser.add_argument("--db", help="also measure a proxy whose workspace is on PostgreSQL: "
+                        "postgresql (a throwaway cluster) or postgresql://...")
     parser.add_argument("--check-targets", action="store_true",
                         help="exit 1 when a target against the floor fails")
     args = parser.parse_args(argv)
@@ -632,6 +641,8 @@ def main(argv: list[str] | None = None) -> int:
     floors: list[ProxyProcess] = []  # the floor, and the recording floor with --recording-floor
     tmp = Path(tempfile.mkdtemp(prefix="metaclaw-bench-proxy-"))
     direct = "direct (upstream double)"
+    cluster = None
+    postgres = "proxy[lexical,postgresql]"
     groups: dict[str, list[str]] = {}  # the direct target of a group -> its targets
     try:
         targets: dict[str, str] = {}
@@ -654,6 +665,19 @@ def main(argv: list[str] | None = None) -> int:
                 proxies.append(start_proxy("lexical", double_url, tmp / "fsync", "openai",
                                            "proxy[lexical,fsync-acks]", ("--fsync-acks",)))
                 targets[proxies[-1].name] = proxies[-1].url
+            if args.db:
+                url = args.db
+                if url == "postgresql":
+                    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+                    import pgcluster
+
+                    cluster = pgcluster.start(fsync=True)
+                    if cluster is None:
+                        raise RuntimeError(f"no PostgreSQL: {'; '.join(pgcluster.WHY_NOT)}")
+                    url = cluster.new_database("bench")
+                proxies.append(start_proxy("lexical", double_url, tmp / "postgresql", "openai",
+                                           postgres, db=url))
+                targets[postgres] = proxies[-1].url
             if "responses" in protocols:  # Responses clients, translated to the chat double
                 name = "proxy[lexical] responses->openai"
                 proxies.append(start_proxy("lexical", double_url, tmp / "responses", "openai",
@@ -691,6 +715,7 @@ def main(argv: list[str] | None = None) -> int:
             run_sequential(clients, targets, warmup, seq)  # not measured
             measured = proxies + floors
             cpu_start = {p.name: cpu_seconds(p.proc.pid) for p in measured}
+            server_cpu = cluster_cpu(cluster)
             client_cpu = time.process_time()
             started = time.perf_counter()
             samples = run_sequential(clients, targets, args.requests, seq)
@@ -703,6 +728,7 @@ def main(argv: list[str] | None = None) -> int:
         total_s = time.perf_counter() - started
         client_cpu = time.process_time() - client_cpu
         cpu_used = {p.name: cpu_seconds(p.proc.pid) - cpu_start[p.name] for p in measured}
+        server_cpu = cluster_cpu(cluster) - server_cpu
 
         lines = [f"sequential phase {sequential_s:.1f} s (warm-up {warmup} per target), "
                  f"concurrent phase {total_s - sequential_s:.1f} s"]
@@ -742,6 +768,19 @@ def main(argv: list[str] | None = None) -> int:
                       f"({added[responses] / added[CHECKED]:.2f}x), CPU per request "
                       f"{cpu[responses]:.2f} vs {cpu[CHECKED]:.2f} ms "
                       f"({cpu[responses] / cpu[CHECKED]:.2f}x)"]
+        if postgres in targets and CHECKED in targets:
+            added = {name: statistics.median(samples[name].plain)
+                     - statistics.median(samples[direct].plain) for name in (CHECKED, postgres)}
+            cpu = {name: 1000 * cpu_used[name] / per_proxy for name in (CHECKED, postgres)}
+            p50_ratio, cpu_ratio = added[postgres] / added[CHECKED], cpu[postgres] / cpu[CHECKED]
+            verdict = "PASS" if max(p50_ratio, cpu_ratio) <= 1.5 else "FAIL"
+            lines += ["", "PostgreSQL vs SQLite workspace (same proxy code): added p50 "
+                      f"{added[postgres]:+.2f} vs {added[CHECKED]:+.2f} ms ({p50_ratio:.2f}x), "
+                      f"proxy CPU per request {cpu[postgres]:.2f} vs {cpu[CHECKED]:.2f} ms "
+                      f"({cpu_ratio:.2f}x); target <= 1.5x: {verdict}"]
+            if cluster is not None:
+                lines.append(f"  the PostgreSQL server's own CPU: {1000 * server_cpu / per_proxy:.2f}"
+                             " ms per request (all its processes, this run's requests)")
         failed: list[str] = []
         if floors and CHECKED in targets:
             lines += report_targets(samples, results, cpu_used, direct, per_proxy,
@@ -783,6 +822,36 @@ def main(argv: list[str] | None = None) -> int:
             except subprocess.TimeoutExpired:
                 proc.kill()
         shutil.rmtree(tmp, ignore_errors=True)
+        if cluster is not None:
+            cluster.remove()
+
+
+def cluster_cpu(cluster) -> float:
+    """CPU seconds used so far by the processes of a throwaway PostgreSQL cluster (0 without)."""
+    if cluster is None:
+        return 0.0
+    total = 0.0
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            if b"postgres" in cmdline and str(cluster.folder).encode() in cmdline or \
+                    _parent_is_cluster(int(pid), cluster):
+                total += cpu_seconds(int(pid))
+        except (OSError, ValueError):
+            continue
+    return total
+
+
+def _parent_is_cluster(pid: int, cluster) -> bool:
+    """Whether ``pid`` is a backend of the cluster (its postmaster's child)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    parent = int(stat.rsplit(")", 1)[1].split()[1])
+    try:
+        return str(cluster.folder).encode() in Path(f"/proc/{parent}/cmdline").read_bytes()
+    except OSError:
+        return False
 
 
 if __name__ == "__main__":

@@ -12,6 +12,16 @@ import math
 MAX_INT = 2**63 - 1
 
 
+def principal(text: str) -> str:
+    """A person's or agent's id (:data:`metaclaw.turns.PRINCIPAL_ID`)."""
+    from metaclaw.turns import IdentityError, check_principal
+
+    try:
+        return check_principal(text, "user", "option")
+    except IdentityError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def positive_int(text: str) -> int:
     """An integer of at least 1."""
     value = _whole(text, "1 or more")

@@ -131,7 +131,7 @@ TURN_FIELDS = ("id", "session_id", "turn_index", "turn_type", "created_at", "mod
                "skill_generation", "injected_skills", "policy_version", "response", "tool_calls",
                "finish_reason", "prompt_tokens", "completion_tokens", "latency_ms", "status",
                "http_status", "error", "reward", "buffer_set", "buffer_state", "retrieval_query",
-               "retrieval_scores", "identified_by")
+               "retrieval_scores", "identified_by", "person", "agent")
 
 
 #: Turns read per query by ``metaclaw turns``: the listing streams, so a workspace of any size
@@ -142,7 +142,7 @@ TURN_CHUNK = 1000
 #: What the text listing shows of a turn, and what ``--why`` adds.
 LISTED_FIELDS = ("id", "session_id", "turn_type", "skill_generation", "status",
                  "injected_skills", "response", "error")
-WHY_FIELDS = ("retrieval_query", "retrieval_scores", "identified_by")
+WHY_FIELDS = ("retrieval_query", "retrieval_scores", "identified_by", "person", "agent")
 
 
 def _turn_rows(store: Any, where: str, params: list[Any], fields: tuple[str, ...]):
@@ -190,6 +190,11 @@ def cmd_turns(args: argparse.Namespace) -> int:
             print(_printable(f"       query: {(row.get('retrieval_query') or '-')[:100]}"))
             print(_printable(f"       scores: {scores}; session by {how.get('session', '?')}, "
                              f"turn type by {how.get('turn_type', '?')}"))
+            print(_printable(
+                f"       served: person {row.get('person') or '-'}"
+                + (f" (by {how['person']})" if how.get("person") else "")
+                + f", agent {row.get('agent') or '-'}"
+                + (f" (by {how['agent']})" if how.get("agent") else "")))
             for s in row.get("retrieval_scores") or []:  # the keys the skills were matched on
                 if s.get("use_when") or s.get("example_asks"):
                     print(_printable(f"       {s['name']}: use when {s.get('use_when') or '-'}; "
@@ -242,8 +247,20 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 # -- skills ----------------------------------------------------------------------------------
+def _generation_numbers(args: argparse.Namespace) -> list[int]:
+    numbers = []
+    for given in args.generations:
+        try:
+            numbers.append(int(given))
+        except ValueError:
+            raise CliError(f"skills {args.action}: {given!r} is not a generation number") from None
+    return numbers
+
+
 @command("skills")
 def cmd_skills(args: argparse.Namespace) -> int:
+    if args.action in ("diff", "rollback"):
+        args.generations = _generation_numbers(args)
     library = _library(args)
     if args.action == "list":
         generation, skills = library.current()
@@ -254,6 +271,7 @@ def cmd_skills(args: argparse.Namespace) -> int:
             print(f"skill generation {generation}: {len(skills)} skills in {library.directory}")
             for skill in skills:
                 scope = f" stage:{skill.stage}" if skill.stage else ""
+                scope += f" {skill.scope}" if skill.private else ""
                 print(f"  {skill.name:<32} [{skill.category}{scope}] {skill.description}")
         return 0
     if args.action == "diff":
@@ -276,6 +294,8 @@ def cmd_skills(args: argparse.Namespace) -> int:
         return 0
     if args.action == "stats":
         return _skill_stats(args, library)
+    if args.action == "share":
+        return _share_skill(args, library)
     if args.action == "import":
         if not args.path:
             raise CliError("skills import needs --from DIR (a folder of <name>/SKILL.md)")
@@ -283,6 +303,29 @@ def cmd_skills(args: argparse.Namespace) -> int:
         print(json.dumps({"generation": new}) if args.json else f"imported into generation {new}")
         return 0
     raise CliError(f"unknown skills action {args.action!r}")
+
+
+def _share_skill(args: argparse.Namespace, library: Any) -> int:
+    """`metaclaw skills share NAME`: a private skill promoted to shared, as a recorded
+    generation (:meth:`metaclaw.skills.library.SkillLibrary.share`)."""
+    from metaclaw.skills.library import SkillFormatError, SkillNotFound
+
+    if len(args.generations) != 1:
+        raise CliError("skills share needs one skill name: metaclaw skills share NAME "
+                       "[--by WHO] [--reason TEXT]")
+    name = args.generations[0]
+    try:
+        was = library.get(name).scope
+        new = library.share(name, by=args.by, reason=args.reason)
+    except (SkillNotFound, SkillFormatError) as exc:
+        raise CliError(f"skills share: {exc}") from None
+    event = library.store.skill_events(new)[-1]
+    if args.json:
+        _print_json({"shared": name, "was": was, "generation": new, "reason": event["reason"]})
+    else:
+        print(_printable(f"generation {new}: {name} is shared with the workspace (was {was}); "
+                         f"recorded: {event['reason']}"))
+    return 0
 
 
 def _skill_stats(args: argparse.Namespace, library: Any) -> int:
@@ -386,7 +429,7 @@ def cmd_evolve(args: argparse.Namespace) -> int:
     _store(args.db)
     library = _library(args)
     evolver = Evolver(args.evolver_url, args.evolver_model, library, library.store,
-                      dedupe_threshold=args.dedupe)
+                      dedupe_threshold=args.dedupe, skill_scope=args.skill_scope)
     try:
         with console.progress(args.verbosity) as on_progress:
             result = evolver.evolve(dry_run=args.dry_run, on_progress=on_progress)
@@ -937,12 +980,16 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default); eval: one OpenAI evals sample per turn")
 
     p = add("skills", help="list, diff, roll back or import skill generations; stats: "
-            "per-skill evidence")
-    p.add_argument("action", choices=["list", "diff", "rollback", "import", "stats"])
-    p.add_argument("generations", nargs="*", type=int)
+            "per-skill evidence; share NAME: promote a private skill to the whole workspace")
+    p.add_argument("action", choices=["list", "diff", "rollback", "import", "stats", "share"])
+    p.add_argument("generations", nargs="*", metavar="GENERATION|NAME",
+                   help="diff: two generations; rollback: one; share: the skill's name")
     p.add_argument("--skills", default=str(DEFAULT_SKILLS))
     add_db(p)
     p.add_argument("--from", dest="path", help="folder to import (skills import)")
+    p.add_argument("--by", help="share: who promotes it (default $METACLAW_USER, else the "
+                   "login name)")
+    p.add_argument("--reason", default="", help="share: why it is shared (recorded)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--threshold", type=argtypes.finite_float, default=0.0,
                    help="stats: the reward above which a judged turn passed (default 0)")

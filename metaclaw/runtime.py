@@ -147,6 +147,17 @@ class RuntimeConfig:
                                        "the upstream model)", group="fast loop")
     votes: int | None = option(None, "--votes", "judge votes per turn (default 3)",
                                type=argtypes.positive_int, group="fast loop")
+    user: str | None = option(
+        None, "--user", "the person this proxy serves, recorded on each turn and deciding which "
+        "private skills it gets (a request's X-MetaClaw-User header wins)", type=argtypes.principal)
+    agent: str | None = option(
+        None, "--agent", "the agent this proxy serves, recorded on each turn and deciding which "
+        "private skills it gets (a request's X-MetaClaw-Agent header wins)",
+        type=argtypes.principal)
+    skill_scope: str = option(
+        "private", "--skill-scope", "where the evolver writes a skill learnt from one person's "
+        "failures: private (default: that person's scope, until `metaclaw skills share`) or "
+        "shared (the whole workspace)", choices=["private", "shared"], group="fast loop")
     auto_evolve: bool = option(
         False, "--auto-evolve", "run the fast loop: judge every turn, evolve skills "
         "automatically")
@@ -298,7 +309,8 @@ class Runtime:
             self.extras["evolver"] = Evolver(
                 url, model, self.library, self.store, judge=self.judge,
                 api_key=self._upstream_key_for(url),
-                dedupe_threshold=None if self.config.simulated else 0.85)
+                dedupe_threshold=None if self.config.simulated else 0.85,
+                skill_scope=self.config.skill_scope)
         return self.extras["evolver"]
 
     @property

@@ -67,7 +67,7 @@ def sessions(store: Store, limit: int = 500, threshold: float = 0.0) -> list[dic
         # session's turns read every turn of the workspace (the verdict columns lie past the
         # conversation) at each open and refresh of a trace
         "AS failures FROM (SELECT id, updated_at FROM sessions ORDER BY updated_at DESC "
-        "LIMIT ?) s LEFT JOIN turns t ON t.session_id = s.id GROUP BY s.id "
+        "LIMIT ?) s LEFT JOIN turns t ON t.session_id = s.id GROUP BY s.id, s.updated_at "
         "ORDER BY s.updated_at DESC", (float(threshold), int(limit)))
 
 

@@ -35,6 +35,54 @@ class IdentityError(ValueError):
         self.param = param
 
 
+#: A person's or an agent's id: who a turn served (``X-MetaClaw-User`` / ``X-MetaClaw-Agent``,
+#: ``metaclaw serve --user / --agent``) and whom a private skill is for (``person:<id>``,
+#: ``agent:<id>``): 1-64 letters, digits, ``.``, ``_``, ``@``, ``+`` or ``-``, starting with a
+#: letter or digit (an e-mail address or a login name fits).
+PRINCIPAL_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@+-]{0,63}")
+#: The scopes of a skill: ``shared`` with the workspace, or private to one person or one agent.
+SHARED_SCOPE = "shared"
+SCOPE_KINDS = ("person", "agent")
+
+
+def check_principal(given: Any, param: str, where: str) -> str:
+    """A person's or agent's id as given (surrounding whitespace removed), or
+    :class:`IdentityError` (``param``: ``user`` or ``agent``) saying what to send instead."""
+    value = given.strip() if isinstance(given, str) else None
+    if value is not None and PRINCIPAL_ID.fullmatch(value):
+        return value
+    shown = repr(given[:80] + "..." if isinstance(given, str) and len(given) > 80 else given)
+    raise IdentityError(param, f"the {'person' if param == 'user' else param} id ({where}) must "
+                               "be 1-64 letters, digits, '.', '_', '@', '+' or '-', starting with "
+                               f"a letter or digit (e.g. 'alice' or 'alice@example.com'), not "
+                               f"{shown}")
+
+
+def check_scope(given: Any) -> str:
+    """A skill's scope, checked: ``shared``, ``person:<id>`` or ``agent:<id>``
+    (:data:`PRINCIPAL_ID`); raises ``ValueError`` with what to write instead."""
+    if isinstance(given, str):
+        value = given.strip()
+        if value == SHARED_SCOPE:
+            return value
+        kind, sep, who = value.partition(":")
+        if sep and kind in SCOPE_KINDS and PRINCIPAL_ID.fullmatch(who):
+            return value
+    raise ValueError(f"a scope must be 'shared', 'person:<id>' or 'agent:<id>' (an id of 1-64 "
+                     f"letters, digits, '.', '_', '@', '+' or '-'), not {given!r}")
+
+
+def scope_visible(scope: str, person: str | None, agent: str | None) -> bool:
+    """Whether a skill of ``scope`` may be offered to a turn serving ``person`` through
+    ``agent`` (either ``None`` when unknown): a shared skill always; a private one only to its
+    own person or agent."""
+    if scope == SHARED_SCOPE:
+        return True
+    kind, _, who = scope.partition(":")
+    return (kind == "person" and person is not None and who == person) or \
+        (kind == "agent" and agent is not None and who == agent)
+
+
 def is_task_turn(turn_type: str | None) -> bool:
     """Whether a turn of this type does the user's task (``main`` or ``stage:<name>``): it is
     offered skills, judged, and enters the support and query sets. ``side`` calls do not."""

@@ -3,7 +3,9 @@
 ``--store-engine postgresql`` (or ``METACLAW_TEST_ENGINE=postgresql``) runs the tests against a
 throwaway PostgreSQL cluster: every ``Store(path)`` of the test process and of the processes it
 starts opens a database of the cluster standing in for that file (``tests/pgcluster.py``).
-Tests marked ``sqlite_only`` (they look at the SQLite file itself) skip there.
+Tests marked ``sqlite_only`` (they look at the SQLite file itself) skip there, and only the
+modules of :data:`ENGINE_SUITE` run (the workspace, the fast and slow loops, durability and
+hostile input), unless ``--every-module`` asks for all.
 """
 
 import os
@@ -26,10 +28,21 @@ sys.path.insert(0, str(TESTS))
 import pgcluster  # noqa: E402
 
 
+#: The modules the PostgreSQL run covers: every behaviour that depends on the store engine.
+ENGINE_SUITE = {
+    "test_store", "test_workspace", "test_buffers", "test_sessions", "test_trace",
+    "test_judge", "test_judge_hostile", "test_fastloop", "test_fastloop_crash", "test_evolver",
+    "test_evolver_hostile", "test_gate", "test_labels", "test_evidence",
+    "test_slowloop", "test_training_lease", "test_proxy_durable", "test_proxy_hostile",
+}
+
+
 def pytest_addoption(parser):
     parser.addoption("--store-engine", choices=("sqlite", "postgresql"),
                      default=os.environ.get("METACLAW_TEST_ENGINE", "sqlite"),
                      help="the workspace store engine the tests run against")
+    parser.addoption("--every-module", action="store_true",
+                     help="with --store-engine postgresql: every module, not only ENGINE_SUITE")
 
 
 def pytest_configure(config):
@@ -39,6 +52,10 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     if config.getoption("--store-engine") == "postgresql":
+        if not config.getoption("--every-module"):
+            kept = [i for i in items if Path(str(i.fspath)).stem in ENGINE_SUITE]
+            config.hook.pytest_deselected(items=[i for i in items if i not in kept])
+            items[:] = kept
         skip = pytest.mark.skip(reason="looks at the SQLite file itself")
         for item in items:
             if "sqlite_only" in item.keywords:

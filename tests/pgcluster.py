@@ -39,7 +39,7 @@ class Cluster:
 
         name = f"{prefix}_{uuid.uuid4().hex[:12]}"
         with psycopg.connect(self.url(), autocommit=True) as conn:
-            conn.execute(f'CREATE DATABASE "{name}"')
+            conn.execute(f'CREATE DATABASE "{name}" STRATEGY FILE_COPY')
         return self.url(name)
 
     def pg_ctl(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -112,7 +112,8 @@ def database_url(socket_dir: str, path: str) -> str:
         with psycopg.connect(f"postgresql://{USER}@/postgres?host={socket_dir}",
                              autocommit=True) as conn:
             try:
-                conn.execute(f'CREATE DATABASE "{name}"')
+                conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{_template(conn, socket_dir)}" '
+                             "STRATEGY FILE_COPY")
             except (psycopg.errors.DuplicateDatabase, psycopg.errors.UniqueViolation):
                 pass
         _CREATED.add(name)
@@ -120,6 +121,27 @@ def database_url(socket_dir: str, path: str) -> str:
 
 
 _CREATED: set[str] = set()
+TEMPLATE = "metaclaw_template"
+
+
+def _template(conn, socket_dir: str) -> str:
+    """A database with the current schema, the template of the stand-in databases (a copy is
+    cheaper than migrating each one); made once per cluster, by whichever process is first."""
+    if TEMPLATE in _CREATED:
+        return TEMPLATE
+    conn.execute("SELECT pg_advisory_lock(42)")
+    try:
+        if not conn.execute("SELECT 1 FROM pg_database WHERE datname = %s",
+                            (TEMPLATE,)).fetchone():
+            conn.execute(f'CREATE DATABASE "{TEMPLATE}_new" STRATEGY FILE_COPY')
+            from metaclaw.store.postgres import PostgresStore
+
+            PostgresStore(f"postgresql://{USER}@/{TEMPLATE}_new?host={socket_dir}").close()
+            conn.execute(f'ALTER DATABASE "{TEMPLATE}_new" RENAME TO "{TEMPLATE}"')
+    finally:
+        conn.execute("SELECT pg_advisory_unlock(42)")
+    _CREATED.add(TEMPLATE)
+    return TEMPLATE
 
 
 def map_paths(socket_dir: str) -> None:

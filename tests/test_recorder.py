@@ -12,6 +12,9 @@ import time
 
 import pytest
 
+# the event loop's own SQLite connection (a database server is written from a thread)
+pytestmark = pytest.mark.sqlite_only
+
 from metaclaw.proxy.pipeline import Recorder
 from metaclaw.store import Store, StoreBusy
 

@@ -47,7 +47,8 @@ def test_every_option_reaches_its_field_through_both_parsers(monkeypatch):
               "--upstream-protocol": "anthropic", "--context-window": "4096",
               "--local-model": "some/folder", "--judge-url": "http://j.example",
               "--judge-model": "jm", "--evolver-url": "http://e.example",
-              "--evolver-model": "em", "--votes": "2"}
+              "--evolver-model": "em", "--votes": "2", "--user": "alice",
+              "--agent": "codex-1", "--skill-scope": "shared"}
     switches = ["--caller-auth", "--no-durable-acks", "--fsync-acks", "--starter-skills",
                 "--sim", "--auto-evolve"]
     argv = [word for flag, value in values.items() for word in (flag, value)] + switches

@@ -165,14 +165,18 @@ def test_the_training_lease_is_one_holder_across_processes_and_freed_by_kill_9(u
         holder.kill()
 
 
-def test_text_with_nul_is_stored_not_refused(url):
+def test_text_with_nul_is_stored_exactly(url):
     with Store(url) as store:
         turn = store.record_turn(session_id="n", request_messages=[{"role": "user",
                                                                      "content": "a\x00b"}],
                                  status="ok", response="x\x00y")
         row = store.turn(turn)
-        assert row["response"] == "x\ufffdy"
+        assert row["response"] == "x\x00y"  # escaped in the column, read back exactly
         assert row["request_messages"][0]["content"] == "a\x00b"  # JSON escapes it
+        tricky = "\ufdd0\x00\ufdd00\ufdd0"
+        store.update_turn(turn, response=tricky)
+        assert store.turn(turn)["response"] == tricky
+        assert store.turns("response = ?", (tricky,))[0]["id"] == turn
 
 
 def test_the_store_comes_back_after_the_server_restarts(pg_cluster, url):

@@ -175,3 +175,28 @@ def test_db_migrate_and_copy_through_the_cli(pg_cluster, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "cannot open mysql:// URLs" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "mysql:").exists()
+
+
+def test_a_database_restart_under_load_is_a_clear_error_then_serving_resumes(team, pg_cluster):
+    url, start = team
+    _, a = start("machine-a")
+    assert ask(a, "before").status_code == 200
+    pg_cluster.stop()
+    try:
+        started = time.monotonic()
+        chat = ask(a, "during")
+        messages = httpx.post(a + "/v1/messages", timeout=30, json={
+            "model": "m", "max_tokens": 16, "messages": [{"role": "user", "content": "hi"}]})
+        assert time.monotonic() - started < 25  # no hang: two requests, each within ~6 s
+        assert chat.status_code == 503 and chat.json()["error"]["code"] == "store_unavailable"
+        assert messages.status_code == 503 and messages.json()["type"] == "error"
+        assert "unreachable" in messages.json()["error"]["message"]
+    finally:
+        pg_cluster.start()
+    deadline = time.monotonic() + 30
+    while ask(a, "after").status_code != 200:  # reconnects by itself
+        assert time.monotonic() < deadline, "serving did not resume"
+        time.sleep(0.5)
+    with Store(url) as store:
+        sessions = {r["session_id"] for r in store.query("SELECT session_id FROM turns")}
+    assert {"before", "after"} <= sessions

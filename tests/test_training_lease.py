@@ -279,6 +279,7 @@ def test_a_forked_child_does_not_keep_the_lease_its_parent_gave_back(tmp_path):
     assert os.waitstatus_to_exitcode(status) == 0  # the child did not think it held the lease
 
 
+@pytest.mark.sqlite_only  # the lock file beside a SQLite database
 @pytest.mark.parametrize("content", [
     '{"process": "x", "pid": 1099511627776, "host": "%(host)s"}',  # beyond the OS's pids
     '{"process": "x", "pid": 1}',                                  # no "since"

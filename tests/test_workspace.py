@@ -342,6 +342,7 @@ def test_a_runtime_that_cannot_listen_leaves_nothing_running(tmp_path):
 
 
 
+@pytest.mark.sqlite_only  # holds SQLite's write lock from a raw connection
 def test_a_local_model_runtime_whose_first_policy_check_fails_closes_its_follower(
         tmp_path, monkeypatch):
     """``--local-model``: the build checks the workspace's published policies at once. When that

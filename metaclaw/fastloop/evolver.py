@@ -34,8 +34,19 @@ Stage scope (:func:`scope_to_stages`): the stage a failure happened at is its tu
 whose evidence turns are all turns of one stage is scoped to that stage (front matter
 ``metadata.stage``), any other ``add`` is general; an ``edit`` keeps the skill's scope.
 
+Person scope (:func:`scope_to_people`, the workspace's ``skill_scope`` policy): under
+``private`` (the default) an operation whose evidence turns all served one person stays that
+person's: an ``add`` gets ``metadata.scope: person:<id>``, an ``edit`` of that person's own
+private skill keeps it, an ``edit`` of a shared skill becomes an ``add`` of a private copy
+(``<name>-<person>``; the shared skill is left as everyone else gets it), and a ``remove`` of a
+shared skill is dropped. Operations from turns without a person (a single-user workspace) or
+from several people's turns, and every operation under ``shared``, work on the shared library as
+before. The model is shown only the skills every support turn may see (another person's private
+skills never reach it), and only those can be edited or removed. Promotion to shared is a
+separate, recorded step (``metaclaw skills share``, :meth:`SkillLibrary.share`).
+
 Dedupe: each ``add`` is compared with the library (and the proposal's earlier adds) of the same
-scope (never with another stage's skills) by embedding similarity (all-MiniLM-L6-v2,
+scope (never with another stage's skills, nor across person scopes) by embedding similarity (all-MiniLM-L6-v2,
 ``retrieval.make_retriever("embedding", model="minilm")``, cosine between the skills' texts; the
 static model that serves requests is not used here, as its cosines run high: distinct starter
 skills reach 0.88). At or above ``dedupe_threshold`` a near-duplicate ``add`` of a library
@@ -80,6 +91,10 @@ from metaclaw.redact import safe_url
 from metaclaw.skills.library import (OPS, Skill, SkillFormatError, SkillLibrary, SkillOp,
                                      apply_in_memory, oversize_reason, validate_name)
 from metaclaw.store import Store
+from metaclaw.turns import scope_visible
+
+#: Where the evolver writes what it learns from one person's failures (``skill_scope``).
+SKILL_SCOPE_POLICIES = ("private", "shared")
 
 SECTION_SUPPORT = "Support turns"
 SECTION_LIBRARY = "Current skill library"
@@ -386,6 +401,71 @@ def scope_to_stages(ops: list[SkillOp], turn_types: dict[int, str]) -> list[Skil
     return out
 
 
+def _name_for(name: str, person: str) -> str | None:
+    """``<name>-<person>`` as a skill name (the person's id lowercased, other characters as
+    ``-``, cut to 64 characters), or ``None`` when no valid name comes out."""
+    slug = re.sub(r"[^a-z0-9_-]+", "-", person.lower()).strip("-_")
+    candidate = f"{name}-{slug}"[:64].rstrip("-_") if slug else ""
+    try:
+        return validate_name(candidate)
+    except SkillFormatError:
+        return None
+
+
+def scope_to_people(ops: list[SkillOp], people: dict[int, str | None], policy: str = "private",
+                    library: dict[str, Skill] | None = None
+                    ) -> tuple[list[SkillOp], list[dict[str, Any]]]:
+    """``ops`` kept inside the scope of the person whose failures they come from, and the
+    operations dropped (``{"name", "reason"}``), by the rules in the module docstring.
+
+    ``people``: turn id -> the person the support turn served (``None``: no person);
+    ``policy``: ``private`` or ``shared`` (``shared`` returns ``ops`` unchanged); ``library``:
+    every skill of the library by name (the scope of a skill to remove; private copies must
+    not collide with any name)."""
+    if policy not in SKILL_SCOPE_POLICIES:
+        raise ValueError(f"skill_scope must be one of {', '.join(SKILL_SCOPE_POLICIES)}, "
+                         f"not {policy!r}")
+    if policy == "shared":
+        return list(ops), []
+    library = library or {}
+    names = set(library) | {op.name for op in ops}
+    out: list[SkillOp] = []
+    dropped: list[dict[str, Any]] = []
+    for op in ops:
+        persons = {people.get(i) for i in op.evidence}
+        person = persons.pop() if len(persons) == 1 else None
+        if not person:
+            out.append(op)
+            continue
+        scope = f"person:{person}"
+        if op.op == "add" and op.skill is not None:
+            if op.skill.scope != scope:
+                op = SkillOp("add", op.skill.with_scope(scope), op.name, op.reason,
+                             list(op.evidence), op.base)
+        elif op.op == "edit" and op.skill is not None and op.skill.scope != scope:
+            copy = _name_for(op.name, person)
+            if copy is None or copy in names:
+                dropped.append({"name": op.name, "reason": (
+                    f"an edit of {op.name!r} ({op.skill.scope}) learnt from {person}'s failures "
+                    f"only; its private copy {copy!r} cannot be written (the name is taken or "
+                    "invalid), and the policy keeps it out of everyone else's skills")})
+                continue
+            names.add(copy)
+            skill = Skill(copy, op.skill.description, op.skill.category, op.skill.body,
+                          op.skill.extra).with_scope(scope)
+            reason = (f"{op.reason} (a private copy of {op.name!r} for {person}: the "
+                      f"skill_scope policy is private)").strip()
+            op = SkillOp("add", skill, copy, reason, list(op.evidence))
+        elif op.op == "remove" and (op.name not in library or library[op.name].scope != scope):
+            dropped.append({"name": op.name, "reason": (
+                f"a remove of {op.name!r} learnt from {person}'s failures only; under the "
+                "private skill_scope policy one person's failures never take a skill away "
+                "from others")})
+            continue
+        out.append(op)
+    return out, dropped
+
+
 # -- results ----------------------------------------------------------------------------------
 def _op_dict(op: SkillOp) -> dict[str, Any]:
     return {"op": op.op, "name": op.name, "reason": op.reason, "evidence": list(op.evidence),
@@ -394,7 +474,9 @@ def _op_dict(op: SkillOp) -> dict[str, Any]:
 
 def _scope(op: SkillOp) -> str:
     stage = op.skill.stage if op.skill is not None else None
-    return f" [stage {stage}]" if stage else ""
+    private = op.skill.scope if op.skill is not None and op.skill.private else None
+    return "".join(f" [{text}]" for text in (f"stage {stage}" if stage else None, private)
+                   if text)
 
 
 @dataclass
@@ -553,8 +635,12 @@ class Evolver:
                  verify_url: str | None = None, verify_model: str | None = None,
                  verify_api_key: str | None = None, verify_samples: int = 4,
                  top_k: int = 3, min_score: float | None = None, budget_chars: int = 6000,
-                 threshold: float | None = None, seed: int = 0):
+                 threshold: float | None = None, seed: int = 0, skill_scope: str = "private"):
         check_url("base_url", base_url)
+        if skill_scope not in SKILL_SCOPE_POLICIES:
+            raise ValueError(f"skill_scope must be one of {', '.join(SKILL_SCOPE_POLICIES)}, "
+                             f"not {skill_scope!r}")
+        self.skill_scope = skill_scope
         if not isinstance(model, str) or not model.strip():
             raise ValueError("model must be the evolver model's name, e.g. model='gpt-4o'")
         if not isinstance(library, SkillLibrary):
@@ -678,7 +764,12 @@ class Evolver:
         if not turns:
             raise EvolveError("there are no support turns to learn from; judge some turns first "
                               "(failures below the threshold form the support set)")
-        generation, skills = self.library.current()
+        generation, every_skill = self.library.current()
+        # only what every support turn may see: another person's private skill never reaches
+        # the model, nor can it be edited or removed from someone else's failures
+        audience = {(t.get("person") or None, t.get("agent") or None) for t in turns}
+        skills = [s for s in every_skill
+                  if all(scope_visible(s.scope, person, agent) for person, agent in audience)]
         by_name = {s.name: s for s in skills}
         support_ids = [int(t["id"]) for t in turns]
         items = await asyncio.to_thread(self._support_items, turns)
@@ -706,9 +797,17 @@ class Evolver:
             raise EvolveError(f"the evolver's answer was invalid twice ({error}); the library "
                               "is unchanged", replies, attempts=2)
         ops = scope_to_stages(ops, {int(t["id"]): t.get("turn_type") or "main" for t in turns})
+        ops, dropped = scope_to_people(ops, {int(t["id"]): t.get("person") or None
+                                             for t in turns}, self.skill_scope,
+                                       {s.name: s for s in every_skill})
+        hidden = {s.name for s in every_skill} - set(by_name)  # names of skills not shown
+        for op in [op for op in ops if op.op == "add" and op.name in hidden]:
+            ops.remove(op)
+            dropped.append({"name": op.name, "reason": "a skill of that name exists in a scope "
+                            "these failures' turns may not see; pick another name"})
         ops = with_origin_asks(ops, {int(t["id"]): t.get("retrieval_query") or "" for t in turns})
         proposal = EvolveProposal(ops, support_ids, generation, self.model, attempts=len(replies),
-                                  replies=replies)
+                                  replies=replies, dropped=dropped)
         if ops and self.dedupe_threshold is not None:
             await asyncio.to_thread(self._dedupe, proposal, by_name)
         return proposal
@@ -750,7 +849,8 @@ class Evolver:
             if op.op != "add":
                 out.append(op)
                 continue
-            same_scope = [s for s in pool if s.stage == op.skill.stage]  # never merge across
+            same_scope = [s for s in pool if s.stage == op.skill.stage  # never merge across
+                          and s.scope == op.skill.scope]
             ranked = retriever.rank(skill_text(op.skill), same_scope) if same_scope else []
             best = ranked[0] if ranked else None
             if best is None or best.score < threshold:

@@ -10,6 +10,7 @@ failed, and :meth:`LLMClient.explain` masks the client's secrets in it (:mod:`me
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import weakref
 from typing import Any, Awaitable, Callable, TypeVar
@@ -34,6 +35,11 @@ def _http_client() -> Any:
     try:
         return factory()
     except Exception:  # the aiohttp extra is missing: use the default transport
+        if not getattr(_http_client, "warned", False):  # once per process
+            _http_client.warned = True  # type: ignore[attr-defined]
+            logging.getLogger(__name__).warning(
+                "openai's aiohttp transport is unavailable (pip install 'openai[aiohttp]'): the "
+                "judge and the evolver use the SDK's slower default transport")
         return None
 
 

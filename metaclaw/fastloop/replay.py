@@ -6,7 +6,9 @@ result whoever runs it.
 A replay takes the turn's messages as they were sent, removes the skill block the proxy
 injected, and picks skills from the given set exactly as the proxy does (the query from the
 last user message, the retriever, ``top_k``, ``min_score``, the context budget and the turn
-type's stage filter); the request keeps the turn's model (unless another is given), its tools and
+type's stage filter), among the skills the turn's person and agent may see (a private skill of
+another person or agent is never offered: :func:`metaclaw.skills.library.visible`, as the proxy
+filters); the request keeps the turn's model (unless another is given), its tools and
 its sampling settings. The reply is judged by the PRM (:class:`metaclaw.fastloop.judge.Judge`) like a
 served turn.
 """
@@ -22,7 +24,7 @@ from typing import Any
 from metaclaw.buffers import message_text
 from metaclaw.fastloop.judge import Judge
 from metaclaw.fastloop.llm import LLMClient, answer_error, check_url, replay_params, reply_message
-from metaclaw.skills.library import Skill
+from metaclaw.skills.library import Skill, visible
 
 
 @dataclass
@@ -79,9 +81,11 @@ class Replayer:
     def select(self, turn: dict[str, Any], skills: list[Skill]) -> tuple[list[dict[str, Any]],
                                                                          list[str]]:
         """The messages a replay of ``turn`` sends with ``skills`` (its own skill block
-        removed, the skills the proxy would pick injected), and the names of those skills."""
+        removed, the skills the proxy would pick injected), and the names of those skills.
+        Only the skills the turn's person and agent may see take part (scopes)."""
         from metaclaw.skills.retrieval import select_and_inject
 
+        skills = visible(list(skills), turn.get("person"), turn.get("agent"))
         done = select_and_inject(self._retriever(), turn.get("request_messages") or [], skills,
                                  turn_type=turn.get("turn_type"), top_k=self.top_k,
                                  min_score=self.min_score, budget_chars=self.budget_chars)

@@ -66,7 +66,7 @@ from metaclaw.proxy.server import BackgroundServer, ServedApp, _base_url
 from metaclaw.proxy.sessions import ReplyThreads
 from metaclaw.proxy.upstreams import make_upstream
 from metaclaw.redact import safe_url
-from metaclaw.store import Store
+from metaclaw.store import Store, StoreUnavailable
 
 if TYPE_CHECKING:  # pragma: no cover
     from metaclaw.skills.library import SkillLibrary
@@ -112,7 +112,9 @@ class ProxyConfig:
     take to send a whole request line and headers (and stay idle between requests);
     ``body_timeout``: seconds to receive the request body (408 after); ``max_connections``: open
     client connections beyond it get a 503 and are closed (slow or stuck clients cannot hold the
-    proxy).
+    proxy). ``user`` / ``agent``: the person and the agent a turn serves when its request does
+    not say (headers ``X-MetaClaw-User`` / ``X-MetaClaw-Agent`` win); recorded on the turn, and
+    they decide which private skills it may be offered (see :mod:`metaclaw.proxy.sessions`).
     """
 
     upstream_url: str | None = None
@@ -140,7 +142,21 @@ class ProxyConfig:
     header_timeout: float = 10.0
     body_timeout: float = 30.0
     max_connections: int = 1024
+    user: str | None = None
+    agent: str | None = None
 
+    def __post_init__(self) -> None:
+        from metaclaw.turns import IdentityError, check_principal
+
+        for name in ("user", "agent"):
+            value = getattr(self, name)
+            if value is not None and value != "":
+                try:
+                    setattr(self, name, check_principal(value, name, f"ProxyConfig.{name}"))
+                except IdentityError as exc:
+                    raise ValueError(str(exc)) from None
+            else:
+                setattr(self, name, None)
 
 
 class Responder(Protocol):
@@ -418,6 +434,15 @@ class Proxy(ServedApp):
                 ProxyError(exc.status, message, code=code))
         except (ConnectionResetError, asyncio.CancelledError):
             raise
+        except StoreUnavailable as exc:  # the workspace's database server is down: not a bug
+            log.warning("the workspace database is unreachable: %s", exc)
+            if request.writer is not None and request.writer.output_size > 0:
+                raise ConnectionResetError("the workspace database went away mid-reply") from exc
+            return _protocol_of(request).error_response(ProxyError(
+                503, f"the workspace database is unreachable, so this request was not served "
+                f"(nothing was sent upstream, or its turn could not be recorded); retry when it "
+                f"is back: {exc}", type="server_error", code="store_unavailable"),
+                {"Retry-After": "5"})
         except Exception as exc:  # a bug: answer in the protocol's shape, keep serving
             log.exception("internal error while serving %s", request.path)
             if request.writer is not None and request.writer.output_size > 0:

@@ -48,6 +48,7 @@ from metaclaw.proxy.sessions import FINGERPRINT, Identity, ReplyThreads, Thread,
 from metaclaw.proxy.upstreams import NO_KEY, ResponderUpstream, Upstream, policy_columns
 from metaclaw.redact import mask, mask_bytes, mask_json, secrets_of
 from metaclaw.skills import block as skill_block, retrieval
+from metaclaw.skills.library import visible
 from metaclaw.turns import IdentityError, is_task_turn
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -89,6 +90,9 @@ class Turn:
     turn_type: str = "main"
     done: bool = False
     identified_by: dict[str, str] = field(default_factory=dict)
+    #: whom the turn served: the person and the agent (headers, else the proxy's configuration)
+    person: str | None = None
+    agent: str | None = None
     messages: list[dict[str, Any]] = field(default_factory=list)
     query: str = ""
     generation: int = 0
@@ -168,6 +172,10 @@ def record_row(turn: Turn, policy_version: int) -> dict[str, Any]:
                              in itertools.zip_longest(turn.injected, turn.scores, turn.keys)],
     }
     row["protocol"] = turn.protocol.name
+    if turn.person is not None:
+        row["person"] = turn.person
+    if turn.agent is not None:
+        row["agent"] = turn.agent
     if turn.budget is not None:
         row["context_budget"] = turn.budget
     return row
@@ -521,6 +529,34 @@ class TurnPipeline:
     def __init__(self, parts: Collaborators):
         self.parts = parts
         self.config = parts.config
+        # the skills each (person, agent) may be offered, of one generation (see visible_skills)
+        self._scoped: dict[Any, Any] = {}
+
+    #: Most (person, agent) pairs whose visible skills are kept for the current generation.
+    MAX_SCOPED = 256
+
+    def visible_skills(self, generation: int, skills: list[Any], person: str | None,
+                       agent: str | None) -> list[Any]:
+        """The skills of ``generation`` a turn serving ``person`` through ``agent`` may be
+        offered (:func:`metaclaw.skills.library.visible`: shared ones and its own private
+        ones), filtered before ranking. Kept per generation and pair, so a library without
+        private skills costs one check per generation, and each pair ranks one unchanging list
+        (the retriever's index of it stays cached)."""
+        scoped = self._scoped
+        if scoped.get("generation") != generation:
+            scoped.clear()
+            scoped["generation"] = generation
+            scoped["private"] = any(getattr(s, "private", False) for s in skills)
+        if not scoped["private"]:
+            return skills
+        key = (person, agent)
+        found = scoped.get(key)
+        if found is None:
+            if len(scoped) > self.MAX_SCOPED + 2:
+                for old in [k for k in scoped if isinstance(k, tuple)]:
+                    del scoped[old]
+            found = scoped[key] = visible(skills, person, agent)
+        return found
 
     # -- checks and parsing ---------------------------------------------------------------
     def authenticate(self, request: web.Request) -> str | None:
@@ -650,15 +686,17 @@ class TurnPipeline:
         turn.session_id, turn.turn_type, turn.done = (identity.session_id, identity.turn_type,
                                                       identity.done)
         turn.identified_by = identity.how
+        self.identify_principals(turn, identity)
         if (identity.how["session"] == FINGERPRINT and is_task_turn(turn.turn_type)
                 and not parse.get("count_only")):
             # conversations opening alike are told apart by the replies they continue (a count
             # of tokens is no turn: it would take the session its conversation's turn is due)
             turn.session_id, how, turn.thread = self.parts.threads.resolve(
                 identity.session_id, turn.messages)
-            turn.identified_by = {**identity.how, "session": how}
+            turn.identified_by = {**turn.identified_by, "session": how}
         try:
             turn.generation, skills = self.parts.library.current()
+            skills = self.visible_skills(turn.generation, skills, turn.person, turn.agent)
             if is_task_turn(turn.turn_type) and skills:
                 retriever = self.parts.retriever
                 indexed = getattr(retriever, "indexed", None)  # not in the Retriever protocol
@@ -678,6 +716,21 @@ class TurnPipeline:
                 self.parts.threads.settle(turn.thread, False)
             raise
         return turn, caller_key
+
+    def identify_principals(self, turn: Turn, identity: Identity) -> None:
+        """Whom ``turn`` serves: the person and the agent its headers name
+        (``X-MetaClaw-User`` / ``X-MetaClaw-Agent``), else the proxy's configured ``user`` /
+        ``agent``; which source decided is added to ``identified_by`` (``person`` / ``agent``)
+        when there is one."""
+        how = dict(turn.identified_by)
+        for key, option, given, header in (("person", "user", identity.person, "X-MetaClaw-User"),
+                                           ("agent", "agent", identity.agent, "X-MetaClaw-Agent")):
+            configured = getattr(self.config, option, None)
+            value = given if given is not None else configured or None
+            setattr(turn, key, value)
+            if value is not None:
+                how[key] = f"header:{header}" if given is not None else f"config:{option}"
+        turn.identified_by = how
 
     # -- forwarding -----------------------------------------------------------------------
     def upstream(self) -> Upstream:

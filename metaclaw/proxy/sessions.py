@@ -30,6 +30,11 @@ Turn type: ``X-Turn-Type`` / body ``turn_type`` decide when given. Otherwise
 for the conversation, a summary or compaction of it, a quota or health probe, a sub-agent's
 call): they get no skills and never reach the support or query set. Everything else is ``main``.
 
+Whom a turn served: the ``X-MetaClaw-User`` (the person) and ``X-MetaClaw-Agent`` (the agent)
+headers, each a short identifier (:data:`metaclaw.turns.PRINCIPAL_ID`; anything else is a 400
+naming the header); without them the proxy's configured ``user`` / ``agent``
+(:func:`principals_of`). Private skills are offered only to their own person or agent.
+
 The turn types and the one test of "main or a stage" are :mod:`metaclaw.turns`.
 """
 
@@ -49,7 +54,7 @@ import orjson
 
 from metaclaw.protocols.anthropic_messages import tool_input
 from metaclaw.skills.asks import INSTRUCTION_ROLES, content_text
-from metaclaw.turns import IdentityError, check_turn_type
+from metaclaw.turns import IdentityError, check_principal, check_turn_type
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +94,9 @@ class Identity:
     turn_type: str
     done: bool
     how: dict[str, str]
+    #: the person and the agent the request names in its headers (``None``: not named)
+    person: str | None = None
+    agent: str | None = None
 
 
 @dataclass(frozen=True)
@@ -257,6 +265,20 @@ def turn_type_of(headers: Mapping[str, str], body: dict[str, Any]) -> tuple[str,
 
 
 _TRUE = {"1", "true", "yes", "on"}
+#: The headers naming whom a request serves: the person (``user``) and the agent.
+PRINCIPAL_HEADERS = {"user": "X-MetaClaw-User", "agent": "X-MetaClaw-Agent"}
+
+
+def principals_of(headers: Mapping[str, str]) -> tuple[str | None, str | None]:
+    """(person, agent) the request names in ``X-MetaClaw-User`` / ``X-MetaClaw-Agent``
+    (``None`` where a header is absent or empty); a value that is not a short identifier
+    raises :class:`IdentityError` (``param`` ``user`` or ``agent``) naming the header."""
+    found: list[str | None] = []
+    for param, name in PRINCIPAL_HEADERS.items():
+        value = headers.get(name)
+        found.append(None if value is None or value == ""
+                     else check_principal(value, param, f"header {name}"))
+    return found[0], found[1]
 
 
 def identify(headers: Mapping[str, str], body: dict[str, Any]) -> Identity:
@@ -266,7 +288,9 @@ def identify(headers: Mapping[str, str], body: dict[str, Any]) -> Identity:
     turn_type, type_how = turn_type_of(headers, body)
     done_value = headers.get("X-Session-Done", body.get("session_done", False))
     done = done_value is True or str(done_value).strip().lower() in _TRUE
-    return Identity(session_id, turn_type, done, {"session": session_how, "turn_type": type_how})
+    person, agent = principals_of(headers)
+    return Identity(session_id, turn_type, done, {"session": session_how, "turn_type": type_how},
+                    person, agent)
 
 
 # -- threading by replies ----------------------------------------------------------------------

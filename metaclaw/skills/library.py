@@ -73,7 +73,7 @@ import yaml
 from metaclaw.fileio import write_atomic
 from metaclaw.jsonlib import LONE_SURROGATE as _SURROGATE
 from metaclaw.store import Store
-from metaclaw.turns import STAGE_NAME, stage_of
+from metaclaw.turns import SHARED_SCOPE, STAGE_NAME, check_scope, scope_visible, stage_of
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +105,10 @@ _CORE_KEYS = ("name", "description", "category")
 #: format asks): a one-line "use when", and the example asks, one per line.
 USE_WHEN_KEY = "use-when"
 EXAMPLE_ASKS_KEY = "example-asks"
+#: Who may be offered the skill, in the front matter's ``metadata`` map: ``shared`` (the
+#: default: every skill without the key), ``person:<id>`` or ``agent:<id>`` (see
+#: :attr:`Skill.scope`).
+SCOPE_KEY = "scope"
 #: At most this many example asks are kept per skill (the first ones: those the skill was
 #: written from, then the asks of the first turns it served well), each cut to this many
 #: characters.
@@ -277,6 +281,7 @@ class Skill:
             # spelled as turn types are (``stage:Plan`` is recorded as ``stage:plan``)
             self.extra["metadata"] = {**metadata, "stage": metadata["stage"].strip().lower()}
         self.stage  # noqa: B018 - a bad 'metadata.stage' is refused here, not at retrieval
+        self.scope  # noqa: B018 - and a bad 'metadata.scope' too
 
     def __hash__(self) -> int:
         return hash(self.content_hash)
@@ -294,6 +299,25 @@ class Skill:
                 f"skill {self.name!r}: 'metadata.stage' must be a stage name of 1-64 lowercase "
                 f"letters, digits, '-' or '_' (e.g. 'plan'), not {stage!r}")
         return stage
+
+    @functools.cached_property
+    def scope(self) -> str:
+        """Who may be offered this skill (front matter ``metadata.scope``): ``shared`` (the
+        default) with the whole workspace, ``person:<id>`` only in turns served to that person,
+        ``agent:<id>`` only in turns of that agent (:func:`visible`)."""
+        metadata = self.extra.get("metadata")
+        scope = metadata.get(SCOPE_KEY) if isinstance(metadata, dict) else None
+        if scope is None:
+            return SHARED_SCOPE
+        try:
+            return check_scope(scope)
+        except ValueError as exc:
+            raise SkillFormatError(f"skill {self.name!r}: 'metadata.scope': {exc}") from None
+
+    @property
+    def private(self) -> bool:
+        """Whether the skill is private to one person or agent (not ``shared``)."""
+        return self.scope != SHARED_SCOPE
 
     @functools.cached_property
     def use_when(self) -> str:
@@ -352,6 +376,24 @@ class Skill:
         metadata.pop("stage", None)
         if stage is not None:
             metadata["stage"] = stage
+        extra = {k: v for k, v in self.extra.items() if k != "metadata"}
+        if metadata:
+            extra["metadata"] = metadata
+        return Skill(self.name, self.description, self.category, self.body, extra)
+
+    def with_scope(self, scope: str) -> "Skill":
+        """This skill with scope ``scope`` (``shared``, ``person:<id>`` or ``agent:<id>``),
+        other metadata kept; a shared skill carries no ``scope`` key (as every skill written
+        before scopes existed)."""
+        try:
+            scope = check_scope(scope)
+        except ValueError as exc:
+            raise SkillFormatError(f"skill {self.name!r}: {exc}") from None
+        metadata = dict(self.extra.get("metadata") or {}) \
+            if isinstance(self.extra.get("metadata"), dict) else {}
+        metadata.pop(SCOPE_KEY, None)
+        if scope != SHARED_SCOPE:
+            metadata[SCOPE_KEY] = scope
         extra = {k: v for k, v in self.extra.items() if k != "metadata"}
         if metadata:
             extra["metadata"] = metadata
@@ -452,6 +494,7 @@ class Skill:
 
     def _repr_html_(self) -> str:
         scope = f" · stage {self.stage}" if self.stage else ""
+        scope += f" · {self.scope}" if self.private else ""
         return (f"<div><b>{html.escape(self.name)}</b> "
                 f"<i>({html.escape(self.category + scope)})</i>"
                 f"<br>{html.escape(self.description)}"
@@ -464,6 +507,33 @@ def offered_to(turn_type: str | None) -> Callable[[Skill], bool]:
     skills scoped to that stage; never another stage's."""
     stage = stage_of(turn_type)
     return lambda skill: skill.stage is None or skill.stage == stage
+
+
+def visible(skills: list[Skill], person: str | None = None,
+            agent: str | None = None) -> list[Skill]:
+    """The skills a turn serving ``person`` through ``agent`` may be offered: the shared ones
+    and those private to that person or that agent, never another's. The selection paths (the
+    proxy's, and the replays of the gate, the evolver and experiments) filter with this before
+    ranking, so a private skill never reaches another person's prompt. ``skills`` itself
+    comes back (the same list) when all of it is visible, so a retriever's index of it stays
+    cached."""
+    if not any(s.private for s in skills):
+        return skills
+    kept = [s for s in skills if scope_visible(s.scope, person, agent)]
+    return skills if len(kept) == len(skills) else kept
+
+
+def default_author() -> str:
+    """Who acts from this process: ``$METACLAW_USER``, else the login name."""
+    name = os.environ.get("METACLAW_USER")
+    if name:
+        return name
+    try:
+        import getpass
+
+        return getpass.getuser()
+    except Exception:  # no login name in some containers
+        return "unknown"
 
 
 def oversize_reason(skill: Skill) -> str | None:
@@ -1025,6 +1095,24 @@ class SkillLibrary:
         self._notify(generation)
         return generation
 
+    def share(self, name: str, *, by: str | None = None, reason: str = "") -> int:
+        """Promote the private skill ``name`` to ``shared`` (offered to every person and agent of
+        the workspace): an explicit, recorded step. Returns the new generation, whose single
+        event is an ``edit`` setting the scope to ``shared``, its reason saying who (``by``,
+        default :func:`default_author`), from which scope and why (``reason``). A skill already
+        shared is refused (:class:`SkillFormatError`), as is an unknown name
+        (:class:`SkillNotFound`)."""
+        skill = self.get(name)
+        if not skill.private:
+            raise SkillFormatError(f"skill {name!r} is already shared with the workspace")
+        who = " ".join(str(by).split()) if by is not None and str(by).strip() \
+            else default_author()
+        why = " ".join(str(reason or "").split())
+        text = f"shared with the workspace by {who} (was {skill.scope})" + (
+            f": {why}" if why else "")
+        return self.apply([SkillOp("edit", skill.with_scope(SHARED_SCOPE), name, text, [],
+                                   skill.content_hash)], kind="share", reason=text)
+
     def import_dir(self, path: str | os.PathLike[str]) -> int:
         """Add or update skills from another upstream-style folder (``<path>/<name>/SKILL.md``,
         or a single skill folder holding ``SKILL.md``). Broken files are added to :attr:`problems`
@@ -1218,6 +1306,12 @@ class SkillLibrary:
 
     def _marks_path(self) -> Path | None:
         path = getattr(self.store, "path", None)
+        if path is None and getattr(self.store, "engine", "sqlite") != "sqlite":
+            # a database server's workspace: the folders are this machine's, so their marks
+            # are kept in this user's state folder, one file per workspace
+            state = Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state")
+            key = hashlib.sha256(self.store.location.encode()).hexdigest()[:16]
+            return state / "metaclaw" / f"workspace-{key}{FOLDER_MARKS}"
         if path is None or str(path) == ":memory:":
             return None  # a store of this process only: no other folder can move it
         return Path(path).with_name(Path(path).name + FOLDER_MARKS)
@@ -1250,6 +1344,7 @@ class SkillLibrary:
             return
         marks[self._folder_key()] = mark
         try:
+            path.parent.mkdir(parents=True, exist_ok=True)
             _atomic_write(path, json.dumps(marks, sort_keys=True))
         except OSError as exc:
             log.warning("skill library: cannot write %s (%s)", path, exc)

@@ -134,22 +134,38 @@ def _name_order(names: Sequence[str]) -> tuple[list[int], list[int]]:
 
 
 class _IndexCache:
-    """Remembers the last list of skills an index was built for (same skills -> same index)."""
+    """Remembers the last few lists of skills an index was built for (same skills -> same
+    index): the whole library, and the lists of the people and agents with private skills
+    (:func:`metaclaw.skills.library.visible`), most recently used first."""
+
+    #: Lists kept: a workspace's turns alternate between a few people's views of one library.
+    SIZE = 4
 
     def __init__(self) -> None:
-        self.skills: list[Skill] = []
-        self.index: Any = None
+        self.entries: list[tuple[list[Skill], Any]] = []
+
+    @property
+    def skills(self) -> list[Skill]:  # the most recent list (for callers that peek)
+        return self.entries[0][0] if self.entries else []
+
+    @property
+    def index(self) -> Any:
+        return self.entries[0][1] if self.entries else None
 
     def get(self, skills: list[Skill]) -> Any:
         # list equality compares identities first, in C (30 us for 10,000 skills; an unchanged
         # library passes the same objects); equal but distinct skills index the same anyway
-        if self.index is not None and self.skills == skills:
-            self.skills = skills  # equal but new objects: compare by identity from now on
-            return self.index
+        for i, (kept, index) in enumerate(self.entries):
+            if kept is skills or (len(kept) == len(skills) and kept == skills):
+                if i or kept is not skills:  # equal but new objects: by identity from now on
+                    del self.entries[i]
+                    self.entries.insert(0, (skills, index))
+                return index
         return None
 
     def put(self, skills: Sequence[Skill], index: Any) -> None:
-        self.skills, self.index = list(skills), index
+        self.entries.insert(0, (list(skills), index))
+        del self.entries[self.SIZE:]
 
 
 # -- lexical (BM25) ------------------------------------------------------------------------------

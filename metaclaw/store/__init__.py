@@ -39,7 +39,8 @@ written with orjson (:mod:`metaclaw.jsonlib`).
 
 from metaclaw.store.base import (  # noqa: F401  the store's public names
     BUSY_TIMEOUT_S, DB_ERRORS, DEFAULT_DB, ENGINES, EVENT_LEVELS, IN_IDS, JSON_COLUMNS, MIGRATIONS,
-    SCHEMA_VERSION, TABLES, EngineError, Store, StoreBusy, StoreError, default_target, id_list,
+    SCHEMA_VERSION, TABLES, EngineError, Store, StoreBusy, StoreError, StoreUnavailable,
+    default_target, id_list,
     local_dir, parse_target, this_process, workspace_exists,
 )
 

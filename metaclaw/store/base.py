@@ -246,6 +246,12 @@ MIGRATIONS: list[str] = [
         UNIQUE (experiment_id, turn_id, variant)
     );
     """,
+    # 11: whom a turn served: the agent and the person (X-MetaClaw-Agent / X-MetaClaw-User, else
+    # the proxy's --agent / --user); private skills are offered only to their own (scopes)
+    """
+    ALTER TABLE turns ADD COLUMN agent TEXT;
+    ALTER TABLE turns ADD COLUMN person TEXT;
+    """,
 ]
 
 SCHEMA_VERSION = len(MIGRATIONS)
@@ -296,6 +302,11 @@ class StoreError(RuntimeError):
 class EngineError(Exception):
     """An error of a database engine other than SQLite, as the store raises it (the driver's own
     exception is its ``__cause__``). :data:`DB_ERRORS` catches every engine's errors."""
+
+
+class StoreUnavailable(EngineError):
+    """The workspace's database server cannot be reached now (down, restarting, the network):
+    the call failed after the connect timeout; a later call reconnects by itself."""
 
 
 #: What a database call of either engine may raise: ``except DB_ERRORS`` where code used to
@@ -422,7 +433,10 @@ class Store:
         return str(self.path)
 
     def __init__(self, path: str | os.PathLike[str] = DEFAULT_DB):
-        path = parse_target(path)[1]
+        engine, path = parse_target(path)
+        if engine != "sqlite":  # a subclass of the SQLite engine given another engine's URL
+            raise StoreError(f"{type(self).__name__} is a SQLite store; it cannot open "
+                             f"{engine} workspaces")
         #: What ``Store(...)`` opens this workspace again with (in another process too).
         self.target = str(path)
         self.path = Path(path)
@@ -654,12 +668,14 @@ class Store:
         """
         with self._lock, self.transaction():
             self.ensure_session(session_id)
-            index = self._scalar(
-                "SELECT COALESCE(MAX(turn_index), -1) + 1 FROM turns WHERE session_id = ?",
-                (session_id,))
-            row = {"session_id": session_id, "turn_index": index, "created_at": time.time(),
+            row = {"session_id": session_id, "created_at": time.time(),
                    "request_messages": request_messages, "status": status, **fields}
-            return self._insert("turns", row)
+            cols = list(row)
+            # the next index is computed by the INSERT itself (one statement, under the lock)
+            sql = (f"INSERT INTO turns ({', '.join(cols)}, turn_index) VALUES "
+                   f"({', '.join('?' * len(cols))}, (SELECT COALESCE(MAX(turn_index), -1) + 1 "
+                   "FROM turns WHERE session_id = ?))")
+            return self._insert_row("turns", sql, [*_encoded(row), session_id])
 
     def update_turn(self, turn_id: int, **fields: Any) -> None:
         self._update("turns", "id", turn_id, fields)

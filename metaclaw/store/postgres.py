@@ -27,8 +27,9 @@ How it keeps SQLite's guarantees across machines:
   one-sentence :class:`~metaclaw.store.EngineError` after a short connect timeout (never a hang),
   and the next call reconnects by itself.
 
-Text columns cannot hold the character U+0000 in PostgreSQL: a NUL in a written string is stored
-as U+FFFD (JSON columns are unaffected: JSON escapes it).
+Text columns cannot hold the character U+0000 in PostgreSQL: a string holding it is stored with a
+reversible escape (:data:`ESCAPE`, a Unicode noncharacter, followed by ``0``; the escape
+character itself doubled) and read back exactly.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 import metaclaw.store.base as base
 from metaclaw.store.base import (
     BUSY_TIMEOUT_S, IN_IDS, MIGRATIONS, SCHEMA_VERSION, EngineError, Store, StoreBusy, StoreError,
-    _decode, _split_sql,
+    StoreUnavailable, _decode, _split_sql,
 )
 
 log = logging.getLogger(__name__)
@@ -129,12 +130,35 @@ def translate(sql: str) -> str:
     return "".join(out)
 
 
+#: The escape of U+0000 in text (see the module doc): a noncharacter no text is meant to hold.
+ESCAPE = "\ufdd0"
+
+
 def _param(value: Any) -> Any:
     if isinstance(value, bool):
         return int(value)  # the schema's flags are integers, as in SQLite
-    if isinstance(value, str) and "\x00" in value:
-        return value.replace("\x00", "\ufffd")
+    if isinstance(value, str) and ("\x00" in value or ESCAPE in value):
+        return value.replace(ESCAPE, ESCAPE * 2).replace("\x00", ESCAPE + "0")
     return value
+
+
+def _unescaped(value: str) -> str:
+    out, i = [], 0
+    while True:
+        j = value.find(ESCAPE, i)
+        if j < 0 or j + 1 >= len(value):
+            out.append(value[i:])
+            return "".join(out)
+        out.append(value[i:j] + ("\x00" if value[j + 1] == "0" else ESCAPE))
+        i = j + 2
+
+
+def _row(row: dict[str, Any]) -> dict[str, Any]:
+    """A row read back: escaped text (see :func:`_param`) as it was written."""
+    for key, value in row.items():
+        if isinstance(value, str) and ESCAPE in value:
+            row[key] = _unescaped(value)
+    return row
 
 
 def _params(params: Iterable[Any]) -> tuple[Any, ...]:
@@ -182,7 +206,7 @@ class PostgresStore(Store):
         self._pool = pool_mod.ConnectionPool(
             self._conninfo, min_size=1, max_size=max(1, size), open=True,
             kwargs={"autocommit": True}, configure=self._configure,
-            check=pool_mod.ConnectionPool.check_connection, timeout=BUSY_TIMEOUT_S,
+            timeout=CONNECT_TIMEOUT_S + 1,
             name="metaclaw-store")
 
     # -- connections ----------------------------------------------------------------------
@@ -220,10 +244,23 @@ class PostgresStore(Store):
         """The writer connection, opened again if the server dropped it (a restart)."""
         if self._db.closed or self._db.broken:
             if self._txn_thread is not None:
-                raise EngineError("the connection to the PostgreSQL workspace was lost "
-                                  "inside a transaction")
-            self._db = self._connect()
+                raise StoreUnavailable("the connection to the PostgreSQL workspace was lost "
+                                       "inside a transaction")
+            try:
+                self._db = self._connect()
+            except StoreError as exc:
+                raise StoreUnavailable(str(exc)) from None
         return self._db
+
+    def _failed(self, exc: BaseException) -> EngineError:
+        """The store's error for a driver's ``exc``: :class:`StoreUnavailable` when the server
+        cannot be reached or went away."""
+        state = getattr(exc, "sqlstate", None) or ""
+        lost = exc.__class__.__name__ in ("PoolTimeout", "PoolClosed") or (
+            isinstance(exc, self._psycopg.OperationalError)
+            and (not state or state.startswith(("08", "57P"))))
+        kind = StoreUnavailable if lost else EngineError
+        return kind(f"PostgreSQL workspace {self.location}: {_one_line(exc)}")
 
     def _run(self, conn: Any, sql: str, params: Iterable[Any]) -> Any:
         try:
@@ -231,7 +268,7 @@ class PostgresStore(Store):
         except self._psycopg.errors.LockNotAvailable as exc:
             raise StoreBusy(_one_line(exc)) from None
         except self._psycopg.Error as exc:
-            raise EngineError(f"PostgreSQL workspace {self.location}: {_one_line(exc)}") from exc
+            raise self._failed(exc) from exc
 
     def _mine(self) -> bool:
         """Whether this thread is inside this store's transaction (reads must see its writes)."""
@@ -240,12 +277,19 @@ class PostgresStore(Store):
     def _read(self, sql: str, params: Iterable[Any]) -> list[dict[str, Any]]:
         if self._mine():
             with self._lock:
-                return self._run(self._conn(), sql, params).fetchall()
-        try:
-            with self._pool.connection() as conn:
-                return self._run(conn, sql, params).fetchall()
-        except self._psycopg_pool_errors() as exc:
-            raise EngineError(f"PostgreSQL workspace {self.location}: {_one_line(exc)}") from exc
+                return [_row(r) for r in self._run(self._conn(), sql, params).fetchall()]
+        for attempt in (1, 2):
+            try:
+                with self._pool.connection() as conn:
+                    return [_row(r) for r in self._run(conn, sql, params).fetchall()]
+            except StoreUnavailable:
+                # a pooled connection the server dropped (a restart): the pool discards it;
+                # one more try on another (reads only: nothing was written)
+                if attempt == 2:
+                    raise
+            except self._psycopg_pool_errors() as exc:
+                raise self._failed(exc) from exc
+        raise AssertionError("unreachable")
 
     def _psycopg_pool_errors(self) -> tuple[type[BaseException], ...]:
         import psycopg_pool
@@ -314,7 +358,7 @@ class PostgresStore(Store):
                 cur = self._run(conn, sql, params)
                 rows = cur.fetchall()
                 names = [d.name for d in cur.description]
-        return names, [tuple(r.values()) for r in rows]
+        return names, [tuple(_row(r).values()) for r in rows]
 
     def _insert_row(self, table: str, sql: str, values: list[Any]) -> int:
         key = _KEYS.get(table, "id")
@@ -403,26 +447,29 @@ class PostgresStore(Store):
 
     def _begin(self, fsync: bool, wait: bool) -> None:
         db = self._conn()
+        # one round trip: the statements go as one simple query (no parameters)
+        steps = ["BEGIN"]
+        if not fsync:
+            steps.append("SET LOCAL synchronous_commit = off")
+        if wait:
+            steps.append(f"SET LOCAL lock_timeout = '{int(BUSY_TIMEOUT_S * 1000)}ms'")
+            steps.append(f"SELECT pg_advisory_xact_lock({WRITE_LOCK}), true AS got")
+        else:
+            steps.append(f"SELECT pg_try_advisory_xact_lock({WRITE_LOCK}) AS got")
         try:
-            db.execute("BEGIN")
             self._txn_thread = threading.get_ident()
-            if not fsync:
-                db.execute("SET LOCAL synchronous_commit = off")
-            if wait:
-                db.execute(f"SET LOCAL lock_timeout = '{int(BUSY_TIMEOUT_S * 1000)}ms'")
-                db.execute("SELECT pg_advisory_xact_lock(%s)", (WRITE_LOCK,))
-            else:
-                got = db.execute("SELECT pg_try_advisory_xact_lock(%s) AS got",
-                                 (WRITE_LOCK,)).fetchone()["got"]
-                if not got:
-                    raise StoreBusy("another connection holds the workspace's write lock")
+            cur = db.execute("; ".join(steps))
+            while cur.nextset():
+                pass
+            if not cur.fetchone()["got"]:
+                raise StoreBusy("another connection holds the workspace's write lock")
         except self._psycopg.errors.LockNotAvailable as exc:
             self._end(commit=False)
             raise StoreBusy(f"the workspace's write lock was not free within "
                             f"{BUSY_TIMEOUT_S:.0f} s ({_one_line(exc)})") from None
         except self._psycopg.Error as exc:
             self._end(commit=False)
-            raise EngineError(f"PostgreSQL workspace {self.location}: {_one_line(exc)}") from exc
+            raise self._failed(exc) from exc
         except BaseException:
             self._end(commit=False)
             raise
@@ -440,7 +487,7 @@ class PostgresStore(Store):
                     db.execute("ROLLBACK")
                 except self._psycopg.Error:
                     pass
-            raise EngineError(f"PostgreSQL workspace {self.location}: {_one_line(exc)}") from exc
+            raise self._failed(exc) from exc
 
     def _after(self, fsync: bool) -> None:
         """Nothing: a transaction's settings were ``SET LOCAL``."""
