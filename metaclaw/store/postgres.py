@@ -175,7 +175,7 @@ def _driver():
         import psycopg
         import psycopg_pool
     except ImportError as exc:  # pragma: no cover - depends on the extras installed
-        raise StoreError("a postgresql:// workspace needs psycopg: pip install 'metaclaw[postgres]'"
+        raise StoreError("a postgresql:// workspace needs psycopg: pip install 'metaclaw-jupyter[postgres]'"
                          ) from exc
     return psycopg, psycopg_pool
 
