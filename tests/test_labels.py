@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from metaclaw import buffers
 from metaclaw.fastloop import labels
+from metaclaw.skills import library
 from metaclaw.skills.block import BLOCK_HEADER
 
 
@@ -155,7 +156,7 @@ def test_any_label_text_is_refused_with_a_reason_or_exported_exactly(
     [record] = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
     assert record["metadata"]["note"] == note
     assert record["ideal"] == (corrected if corrected.strip() else "5 km")
-    assert record["metadata"]["author"] == ((author or labels.default_author()).strip()
+    assert record["metadata"]["author"] == ((author or library.default_author()).strip()
                                             or "unknown")
 
 

@@ -29,7 +29,7 @@ from typing import Any, Iterable
 
 from metaclaw import buffers
 from metaclaw.jsonlib import LONE_SURROGATE as _SURROGATE, jsonl_line
-from metaclaw.skills.library import default_author  # noqa: F401  who labels (re-exported)
+from metaclaw.skills.library import default_author
 from metaclaw.store import IN_IDS, Store, id_list
 
 log = logging.getLogger(__name__)

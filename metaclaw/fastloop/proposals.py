@@ -212,7 +212,7 @@ def edit(store: Store, proposal_id: int, name: str, *, body: str | None = None,
          by: str | None = None) -> Proposal:
     """Change the skill an operation of a held proposal would write (the gate's evidence is
     kept; the edit is added to the proposal's history). Returns the updated proposal."""
-    from metaclaw.fastloop.labels import default_author
+    from metaclaw.skills.library import default_author
 
     with store.transaction():  # read and write at once: a concurrent decision or edit waits
         return _edit(store, _require_held(store, proposal_id), name, body=body,
@@ -317,7 +317,7 @@ def promote(store: Store, library: Any, proposal_id: int, *, by: str | None = No
     the row). The safety check runs again on the edited text; a finding refuses the promotion
     unless ``allow_unsafe``. Returns the new generation.
     """
-    from metaclaw.fastloop.labels import default_author
+    from metaclaw.skills.library import default_author
 
     proposal = _require_held(store, proposal_id)
     who = by or default_author()
@@ -363,7 +363,7 @@ def promote(store: Store, library: Any, proposal_id: int, *, by: str | None = No
 def discard(store: Store, proposal_id: int, *, by: str | None = None,
             reason: str = "") -> Proposal:
     """Discard a held proposal (kept on file with who discarded it and why)."""
-    from metaclaw.fastloop.labels import default_author
+    from metaclaw.skills.library import default_author
 
     who = by or default_author()
     with store.transaction():  # read and write at once: a concurrent decision or edit waits
@@ -389,7 +389,7 @@ def revert(library: Any, generation: int, *, by: str | None = None) -> int:
     skills stay): each skill it touched goes back to its version in the generation's parent.
     Refuses when a later generation changed one of those skills again. Returns the new
     generation (kind ``rollback``)."""
-    from metaclaw.fastloop.labels import default_author
+    from metaclaw.skills.library import default_author
 
     row = library.store.generation(int(generation))
     if row is None:

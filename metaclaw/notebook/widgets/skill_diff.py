@@ -165,7 +165,7 @@ class SkillDiffWidget(_WorkspaceWidget):
     def __init__(self, library: Any, old: int | None = None, new: int | None = None, *,
                  mode: str = "unified", follow: bool = False, author: str | None = None,
                  **kwargs: Any):
-        from metaclaw.fastloop.labels import default_author
+        from metaclaw.skills.library import default_author
 
         self._library = library
         self._read_from(library.store)

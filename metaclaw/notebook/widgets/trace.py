@@ -52,7 +52,7 @@ class TraceWidget(_WorkspaceWidget):
     def __init__(self, store: Any, session: str | None = None, *, page_size: int = 100,
                  failures_only: bool = False, author: str | None = None,
                  threshold: float = 0.0, **kwargs: Any):
-        from metaclaw.fastloop.labels import default_author
+        from metaclaw.skills.library import default_author
         from metaclaw.trace import Trace, sessions
 
         self._threshold = float(threshold)
