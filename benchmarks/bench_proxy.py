@@ -51,6 +51,10 @@ serves the same requests with its workspace on PostgreSQL, beside the SQLite pro
 and CPU per request are printed against the SQLite engine's (target: within 1.5x), with the
 database server's own CPU per request beside them.
 
+With ``--baseline-tree DIR`` (another checkout of the project, e.g. ``git worktree add /tmp/before
+<commit>``), ``proxy[lexical,baseline]`` runs that tree's code beside this one's on the same
+requests: a change's effect on the proxy, before and after, measured in one run.
+
 Exits 1 when any request fails or a turn is lost (and, with ``--check-targets``, when a target
 fails).
 
@@ -186,6 +190,9 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
+
+#: The proxy of ``--baseline-tree``.
+BASELINE = "proxy[lexical,baseline]"
 
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time of a process (Linux /proc; 0.0 where unavailable)."""
@@ -618,6 +625,8 @@ def main(argv: list[str] | None = None) -> int:
                              "responses (default openai,anthropic)")
     parser.add_argument("--db", help="also measure a proxy whose workspace is on PostgreSQL: "
                         "postgresql (a throwaway cluster) or postgresql://...")
+    parser.add_argument("--baseline-tree", metavar="DIR",
+                        help="also measure the proxy of another checkout (before a change)")
     parser.add_argument("--check-targets", action="store_true",
                         help="exit 1 when a target against the floor fails")
     args = parser.parse_args(argv)
@@ -678,6 +687,16 @@ def main(argv: list[str] | None = None) -> int:
                 proxies.append(start_proxy("lexical", double_url, tmp / "postgresql", "openai",
                                            postgres, db=url))
                 targets[postgres] = proxies[-1].url
+            if args.baseline_tree:
+                tree = str(Path(args.baseline_tree).resolve())
+                # that tree's package first, ahead of an editable install of this one
+                launcher = ("-c", "import sys; sys.meta_path[:] = [f for f in sys.meta_path if "
+                            "'editable' not in getattr(f, '__module__', '')]; "
+                            f"sys.path.insert(0, {tree!r}); from metaclaw.cli import main; "
+                            "sys.exit(main())")
+                proxies.append(start_proxy("lexical", double_url, tmp / "baseline", "openai",
+                                           BASELINE, launcher=launcher))
+                targets[BASELINE] = proxies[-1].url
             if "responses" in protocols:  # Responses clients, translated to the chat double
                 name = "proxy[lexical] responses->openai"
                 proxies.append(start_proxy("lexical", double_url, tmp / "responses", "openai",
@@ -768,6 +787,15 @@ def main(argv: list[str] | None = None) -> int:
                       f"({added[responses] / added[CHECKED]:.2f}x), CPU per request "
                       f"{cpu[responses]:.2f} vs {cpu[CHECKED]:.2f} ms "
                       f"({cpu[responses] / cpu[CHECKED]:.2f}x)"]
+        if BASELINE in targets and CHECKED in targets:
+            added = {name: statistics.median(samples[name].plain)
+                     - statistics.median(samples[direct].plain) for name in (CHECKED, BASELINE)}
+            cpu = {name: 1000 * cpu_used[name] / per_proxy for name in (CHECKED, BASELINE)}
+            lines += ["", f"this tree vs {args.baseline_tree} (same requests, one run): added p50 "
+                      f"{added[CHECKED]:+.2f} vs {added[BASELINE]:+.2f} ms "
+                      f"({added[CHECKED] / added[BASELINE]:.2f}x), CPU per request "
+                      f"{cpu[CHECKED]:.2f} vs {cpu[BASELINE]:.2f} ms "
+                      f"({cpu[CHECKED] / cpu[BASELINE]:.2f}x)"]
         if postgres in targets and CHECKED in targets:
             added = {name: statistics.median(samples[name].plain)
                      - statistics.median(samples[direct].plain) for name in (CHECKED, postgres)}
