@@ -61,6 +61,24 @@ def mask_json(value: Any, secrets: tuple[str, ...]) -> Any:
     return value
 
 
+def masked_url(url: str) -> str:
+    """``url`` with its passwords replaced by ``***`` (the one in ``user:password@`` and a
+    ``password=`` query parameter), the rest kept: for a database URL, whose user, host and
+    query (a socket folder, ``sslmode``) say which database it is. :func:`safe_url` drops more."""
+    from urllib.parse import parse_qsl, urlencode, urlsplit
+
+    parts = urlsplit(url)
+    netloc, query = parts.netloc, parts.query
+    if parts.password is not None:
+        user, host = netloc.rsplit("@", 1)
+        netloc = f"{user.split(':', 1)[0]}:***@{host}"
+    pairs = parse_qsl(query, keep_blank_values=True)
+    if any(k == "password" for k, _ in pairs):
+        query = urlencode([(k, "***" if k == "password" else v) for k, v in pairs], safe="/*")
+    return (f"{parts.scheme}://{netloc}{parts.path}" + (f"?{query}" if query else "")
+            + (f"#{parts.fragment}" if parts.fragment else ""))
+
+
 def safe_url(url: str | None) -> str | None:
     """``url`` without ``user:password@``, query or fragment (for logs, errors and health output)."""
     from urllib.parse import urlsplit, urlunsplit

@@ -201,3 +201,19 @@ def test_the_store_comes_back_after_the_server_restarts(pg_cluster, url):
                 time.sleep(0.2)
         assert len(store.turns("session_id = 'r'")) == 2
         assert store.current_generation() is None
+
+
+def test_a_url_without_a_host_part_opens_the_socket_named_in_its_query(pg_cluster, url):
+    name = url.split("/")[3].split("?")[0]
+    bare = f"postgresql:///{name}?host={pg_cluster.socket_dir}&user=metaclaw"
+    with Store(bare) as store:
+        assert store.location == bare and store.counts()["turns"] == 0
+
+
+def test_urls_are_shown_with_their_passwords_masked_and_nothing_else_lost():
+    from metaclaw.redact import masked_url
+
+    assert masked_url("postgresql://bob:pw@h:5432/db") == "postgresql://bob:***@h:5432/db"
+    assert masked_url("postgresql://bob@/db?host=/tmp/s") == "postgresql://bob@/db?host=/tmp/s"
+    assert masked_url("postgresql:///db?password=zz&sslmode=require") == \
+        "postgresql:///db?password=***&sslmode=require"

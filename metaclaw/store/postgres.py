@@ -41,7 +41,9 @@ import re
 import threading
 import time
 from typing import Any, Iterable
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlencode
+
+from metaclaw.redact import masked_url as mask
 
 import metaclaw.store.base as base
 from metaclaw.store.base import (
@@ -83,17 +85,6 @@ EXCEPTION WHEN others THEN
     RETURN NULL;
 END $$
 """
-
-
-def mask(url: str) -> str:
-    """``url`` with its password replaced by ``***`` (for every message and log line)."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        query = [(k, "***" if k == "password" else v) for k, v in parse_qsl(parts.query)]
-        return urlunsplit(parts._replace(query=urlencode(query, safe="/"))) if query else url
-    netloc = parts.netloc.rsplit("@", 1)
-    user = netloc[0].split(":", 1)[0]
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc[1]}"))
 
 
 def ddl(statement: str) -> str:
@@ -214,11 +205,11 @@ class PostgresStore(Store):
     def _conninfo_of(url: str) -> str:
         if url.startswith("postgresql+"):  # SQLAlchemy-style driver suffix
             url = "postgresql" + url[url.index("://"):]
-        parts = urlsplit(url)
-        query = dict(parse_qsl(parts.query))
+        base_url, _, query_text = url.partition("?")
+        query = dict(parse_qsl(query_text, keep_blank_values=True))
         query.setdefault("connect_timeout", str(CONNECT_TIMEOUT_S))
         query.setdefault("application_name", "metaclaw")
-        return urlunsplit(parts._replace(query=urlencode(query, safe="/")))
+        return f"{base_url}?{urlencode(query, safe='/')}"
 
     @property
     def location(self) -> str:
