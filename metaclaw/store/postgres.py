@@ -324,7 +324,7 @@ class PostgresStore(Store):
     # -- low level ------------------------------------------------------------------------
     def execute(self, sql: str, params: Iterable[Any] = ()) -> Any:
         head = sql.lstrip()[:6].upper()
-        if head in ("SELECT", "WITH  ") and not self._mine():
+        if head.startswith(("SELECT", "WITH")) and not self._mine():
             rows = self._read(sql, params)
             return _Rows(rows)
         with self.transaction() if not self._mine() and head in ("INSERT", "UPDATE", "DELETE")\
