@@ -217,3 +217,14 @@ def test_urls_are_shown_with_their_passwords_masked_and_nothing_else_lost():
     assert masked_url("postgresql://bob@/db?host=/tmp/s") == "postgresql://bob@/db?host=/tmp/s"
     assert masked_url("postgresql:///db?password=zz&sslmode=require") == \
         "postgresql:///db?password=***&sslmode=require"
+
+
+def test_metaclaw_db_is_the_workspace_when_none_is_given(url, monkeypatch, capsys):
+    from metaclaw import cli
+
+    monkeypatch.setenv("METACLAW_DB", url)
+    with Store() as store:
+        assert store.engine == "postgresql"
+        store.record_turn(session_id="from-env", request_messages=[], status="ok")
+    assert cli.main(["turns", "--json"]) == 0
+    assert "from-env" in capsys.readouterr().out

@@ -422,9 +422,9 @@ class Store:
     #: The engine's name, as ``metaclaw status`` and the views show it.
     engine = "sqlite"
 
-    def __new__(cls, path: "str | os.PathLike[str]" = DEFAULT_DB, *args: Any, **kwargs: Any):
+    def __new__(cls, path: "str | os.PathLike[str] | None" = None, *args: Any, **kwargs: Any):
         if cls is Store:
-            cls = ENGINES[parse_target(path)[0]]()
+            cls = ENGINES[parse_target(default_target() if path is None else path)[0]]()
         return super().__new__(cls)
 
     @property
@@ -432,8 +432,10 @@ class Store:
         """Where the store is, for messages: the file, or the database URL (password masked)."""
         return str(self.path)
 
-    def __init__(self, path: str | os.PathLike[str] = DEFAULT_DB):
-        engine, path = parse_target(path)
+    def __init__(self, path: "str | os.PathLike[str] | None" = None):
+        """``path``: a file, ``sqlite:///path`` or ``postgresql://`` URL; default
+        ``$METACLAW_DB``, else :data:`DEFAULT_DB`."""
+        engine, path = parse_target(default_target() if path is None else path)
         if engine != "sqlite":  # a subclass of the SQLite engine given another engine's URL
             raise StoreError(f"{type(self).__name__} is a SQLite store; it cannot open "
                              f"{engine} workspaces")

@@ -176,9 +176,10 @@ class PostgresStore(Store):
 
     engine = "postgresql"
 
-    def __init__(self, url: str):
+    def __init__(self, url: str | None = None):
         psycopg, pool_mod = _driver()
         self._psycopg = psycopg
+        url = base.default_target() if url is None else url
         self.url = self.target = url = base.parse_target(url)[1]
         self.path = None  # type: ignore[assignment]  # no file: see location
         self._lock = threading.RLock()
