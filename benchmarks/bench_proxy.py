@@ -777,35 +777,26 @@ def main(argv: list[str] | None = None) -> int:
                          "request (all phases)")
         lines.append(f"  client: {1000 * client_cpu / (per_proxy * len(targets)):.2f} ms CPU "
                      "per request")
+
+        def versus(name: str, base: str, title: str, target: float | None = None) -> None:
+            """One line: ``name``'s added p50 and CPU per request against ``base``'s."""
+            added = {n: statistics.median(samples[n].plain) - statistics.median(samples[direct].plain)
+                     for n in (name, base)}
+            cpu = {n: 1000 * cpu_used[n] / per_proxy for n in (name, base)}
+            p50_ratio, cpu_ratio = added[name] / added[base], cpu[name] / cpu[base]
+            verdict = "" if target is None else \
+                f"; target <= {target}x: {'PASS' if max(p50_ratio, cpu_ratio) <= target else 'FAIL'}"
+            lines.extend(["", f"{title}: added p50 {added[name]:+.2f} vs {added[base]:+.2f} ms "
+                          f"({p50_ratio:.2f}x), proxy CPU per request {cpu[name]:.2f} vs "
+                          f"{cpu[base]:.2f} ms ({cpu_ratio:.2f}x){verdict}"])
+
         responses = "proxy[lexical] responses->openai"
         if responses in targets and CHECKED in targets:
-            added = {name: statistics.median(samples[name].plain)
-                     - statistics.median(samples[direct].plain) for name in (CHECKED, responses)}
-            cpu = {name: 1000 * cpu_used[name] / per_proxy for name in (CHECKED, responses)}
-            lines += ["", "Responses vs chat clients (same proxy code, same chat double): "
-                      f"added p50 {added[responses]:+.2f} vs {added[CHECKED]:+.2f} ms "
-                      f"({added[responses] / added[CHECKED]:.2f}x), CPU per request "
-                      f"{cpu[responses]:.2f} vs {cpu[CHECKED]:.2f} ms "
-                      f"({cpu[responses] / cpu[CHECKED]:.2f}x)"]
+            versus(responses, CHECKED, "Responses vs chat clients (same proxy code, same chat double)")
         if BASELINE in targets and CHECKED in targets:
-            added = {name: statistics.median(samples[name].plain)
-                     - statistics.median(samples[direct].plain) for name in (CHECKED, BASELINE)}
-            cpu = {name: 1000 * cpu_used[name] / per_proxy for name in (CHECKED, BASELINE)}
-            lines += ["", f"this tree vs {args.baseline_tree} (same requests, one run): added p50 "
-                      f"{added[CHECKED]:+.2f} vs {added[BASELINE]:+.2f} ms "
-                      f"({added[CHECKED] / added[BASELINE]:.2f}x), CPU per request "
-                      f"{cpu[CHECKED]:.2f} vs {cpu[BASELINE]:.2f} ms "
-                      f"({cpu[CHECKED] / cpu[BASELINE]:.2f}x)"]
+            versus(CHECKED, BASELINE, f"this tree vs {args.baseline_tree} (same requests, one run)")
         if postgres in targets and CHECKED in targets:
-            added = {name: statistics.median(samples[name].plain)
-                     - statistics.median(samples[direct].plain) for name in (CHECKED, postgres)}
-            cpu = {name: 1000 * cpu_used[name] / per_proxy for name in (CHECKED, postgres)}
-            p50_ratio, cpu_ratio = added[postgres] / added[CHECKED], cpu[postgres] / cpu[CHECKED]
-            verdict = "PASS" if max(p50_ratio, cpu_ratio) <= 1.5 else "FAIL"
-            lines += ["", "PostgreSQL vs SQLite workspace (same proxy code): added p50 "
-                      f"{added[postgres]:+.2f} vs {added[CHECKED]:+.2f} ms ({p50_ratio:.2f}x), "
-                      f"proxy CPU per request {cpu[postgres]:.2f} vs {cpu[CHECKED]:.2f} ms "
-                      f"({cpu_ratio:.2f}x); target <= 1.5x: {verdict}"]
+            versus(postgres, CHECKED, "PostgreSQL vs SQLite workspace (same proxy code)", 1.5)
             if cluster is not None:
                 lines.append(f"  the PostgreSQL server's own CPU: {1000 * server_cpu / per_proxy:.2f}"
                              " ms per request (all its processes, this run's requests)")
