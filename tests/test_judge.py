@@ -305,12 +305,12 @@ def test_a_retry_waits_as_the_server_asks_and_a_client_error_is_not_retried(stor
 
 
 def test_each_vote_has_its_own_timeout(store):
-    with DoubleServer(first_request_fails(delay=1.5)) as double:
+    with DoubleServer(first_request_fails(delay=4.0)) as double:
         judge = Judge(double.url, "judge", votes=3, timeout=0.5, retries=0)
         start = time.perf_counter()
         result = judge.judge_turns(store, [add_turn(store)])[0]
         elapsed = time.perf_counter() - start
-    assert elapsed < 1.2, elapsed
+    assert elapsed < 3.0, elapsed  # the slow vote was cut at its 0.5 s timeout, not waited 4 s
     assert result.score == 1 and result.failed == 1
     assert any("timed out" in (v["error"] or "") for v in result.votes)
 
@@ -437,7 +437,7 @@ def test_judge_turns_runs_all_votes_concurrently_and_selects_unjudged(store):
         assert len(double.requests) == 30
     assert [r.turn_id for r in results] == ids
     assert all(r.score == 1 for r in results)
-    assert elapsed < 1.2, elapsed  # 30 requests of 0.4 s, run concurrently
+    assert elapsed < 4.0, elapsed  # 30 requests of 0.4 s: 12 s one after another
     assert store.turns("reward IS NULL AND status = 'ok'") == []
 
 

@@ -493,13 +493,14 @@ def test_a_resent_skill_block_is_replaced_never_doubled(proxy, double):
 def test_building_the_lexical_index_never_stalls_other_requests(double, workspace):
     """The index of a large library takes seconds to build: that happens in the retrieval
     pool, while the event loop keeps answering (here /healthz)."""
-    import threading
-
     from metaclaw.skills.retrieval import LexicalRetriever
+
+    building, release = threading.Event(), threading.Event()
 
     class SlowToBuild(LexicalRetriever):
         def _build(self, skills):
-            time.sleep(1.5)  # as 10,000 skills take
+            building.set()
+            release.wait(10)  # as 10,000 skills take seconds
             return super()._build(skills)
 
     store, library = workspace
@@ -510,10 +511,10 @@ def test_building_the_lexical_index_never_stalls_other_requests(double, workspac
         chat = threading.Thread(target=lambda: sync_client(slow).chat.completions.create(
             model="m", messages=COMMIT_QUESTION))
         chat.start()
-        time.sleep(0.3)  # the chat is building the index now
-        started = time.perf_counter()
+        assert building.wait(10)  # the chat is building the index now
         assert httpx.get(slow.url.removesuffix("/v1") + "/healthz", timeout=5).status_code == 200
-        assert time.perf_counter() - started < 0.5
+        assert not release.is_set() and chat.is_alive()  # answered while the build still runs
+        release.set()
         chat.join(10)
     finally:
         slow.stop()
