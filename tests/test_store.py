@@ -193,3 +193,42 @@ def test_processes_opening_a_v6_workspace_at_once_all_migrate_it(tmp_path, trial
     assert [proc.returncode for proc in procs] == [0] * 4, errors
     with Store(tmp_path / "ws.db") as store:
         assert store.turns()[0]["trained_steps"] == 2
+
+
+# -- a group of turns in one transaction (the proxy's recorder) ------------------------------
+def _turn(session, generation, **fields):
+    return {"session_id": session, "request_messages": [{"role": "user", "content": "q"}],
+            "status": "ok", "buffer_set": "query", "buffer_state": "live",
+            "skill_generation": generation, **fields}
+
+
+def test_record_turns_writes_a_group_and_purges_turns_of_a_superseded_generation(store):
+    """A turn served under generation 0 and written after generation 1 was committed enters
+    the query buffer purged: the check is made by the write itself, under the write lock."""
+    store.add_generation(snapshot={}, kind="initial")
+    store.add_generation(snapshot={}, kind="evolve")
+    ids = store.record_turns([(_turn("a", 0), False), (_turn("a", 1), True),
+                              (_turn("b", 0, buffer_state="consumed"), False)],
+                             fsync=False, wait=False, stale={"live": "purged"})
+    rows = [store.turn(i) for i in ids]
+    assert [r["buffer_state"] for r in rows] == ["purged", "live", "consumed"]
+    assert [(r["session_id"], r["turn_index"]) for r in rows] == [("a", 0), ("a", 1), ("b", 0)]
+    assert store.session("a")["done"] and not store.session("b")["done"]
+    assert store.record_turns([]) == []
+    (plain,) = store.record_turns([(_turn("c", 0), False)])  # no stale rule: as given
+    assert store.turn(plain)["buffer_state"] == "live"
+
+
+def test_record_turns_is_all_or_nothing_and_refuses_a_busy_store_without_waiting(store):
+    from metaclaw.store import StoreBusy
+
+    with pytest.raises(Exception):
+        store.record_turns([(_turn("a", 0), False), (_turn("a", 0, no_such_column=1), False)])
+    assert store.turns() == []
+    with Store(store.target) as other, other.transaction():
+        other.record_turn(**_turn("other", 0))
+        with pytest.raises(StoreBusy):
+            store.record_turns([(_turn("a", 0), False)], wait=False)
+    assert [t["session_id"] for t in store.turns()] == ["other"]
+    store.record_turns([(_turn("a", 0), False)], wait=False)  # free again
+    assert len(store.turns()) == 2

@@ -95,17 +95,57 @@ def test_concurrent_writers_on_several_processes_keep_one_linear_history(url):
         assert sorted(indexes) == list(range(60))
 
 
-def test_a_generation_committed_by_one_process_is_current_for_another_at_once(url):
+def _wait_for(predicate, timeout: float = 5.0) -> float:
+    started = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - started < timeout
+        time.sleep(0.005)
+    return time.monotonic() - started
+
+
+def test_a_generation_committed_by_one_process_is_current_for_another_within_a_second(url):
     with Store(url) as reader:
         assert reader.current_generation() is None
         done = run_py("""
-            import sys
+            import sys, time
             from metaclaw.store import Store
             with Store(sys.argv[1]) as store:
                 store.add_generation(snapshot={}, kind="init")
+                print(time.time())
         """, url)
         assert done.returncode == 0, done.stderr
-        assert reader.current_generation() == 0
+        _wait_for(lambda: reader.current_generation() == 0, timeout=1.0)
+        assert time.time() - float(done.stdout) < 1.0
+
+
+def test_the_generation_is_announced_not_polled_and_survives_a_lost_listener(url, monkeypatch):
+    """Each request's generation check reads no table while the listener is up (a trigger
+    NOTIFYs every new generation); with its connection gone, every call reads the table, and the
+    listener comes back by itself."""
+    import psycopg
+
+    with Store(url) as reader, Store(url) as writer:
+        reader.current_generation()
+        listener = reader._listener
+        _wait_for(lambda: listener.latest is None)
+        reads = []
+        real = type(reader).latest_generation
+        monkeypatch.setattr(type(reader), "latest_generation",
+                            lambda self: reads.append(self) or real(self))
+        writer.add_generation(snapshot={}, kind="init")
+        assert _wait_for(lambda: reader.current_generation() == 0) < 1.0
+        assert [r for r in reads if r is reader] == []  # told, not asked
+        backend = listener._conn.info.backend_pid
+        with psycopg.connect(url, autocommit=True) as admin:
+            admin.execute("SELECT pg_terminate_backend(%s)", (backend,))
+        writer.add_generation(snapshot={}, kind="evolve")
+        assert _wait_for(lambda: reader.current_generation() == 1) < 1.0  # read, or told
+        _wait_for(lambda: listener._conn.info.backend_pid != backend
+                  and listener.latest == 1)  # a new connection, listening again
+        writer.add_generation(snapshot={}, kind="evolve")
+        reads.clear()
+        _wait_for(lambda: reader.current_generation() == 2, timeout=1.0)
+        assert [r for r in reads if r is reader] == []
 
 
 def test_acknowledged_turns_survive_kill_9_of_the_writer(url):

@@ -370,8 +370,7 @@ class Recorder:
             if self._loop_store is None:
                 self._loop_store = self.store.loop_writer() or self.store
             store = self._loop_store
-            with store.transaction(False, wait=False):
-                ids = self._write_all(store, group)
+            ids = self._write_all(store, group, False, wait=False)
         except Exception:  # busy, closed, or a row the store refuses: rolled back, nothing
             return False   # written; the writer thread sorts it out (or answers None)
         finally:
@@ -413,15 +412,13 @@ class Recorder:
         store, fsync, cpu = self.store, self.fsync, time.thread_time()
         ids: list[int | None]
         try:
-            with store.transaction(fsync):
-                ids = self._write_all(store, group)
+            ids = self._write_all(store, group, fsync)
             self._thread_commits += 1
         except Exception:  # one bad row must not lose the others: write them one by one
             ids = []
             for row, done, _, _ in group:
                 try:  # strings cleaned of what SQLite cannot encode (lone surrogates)
-                    with store.transaction(fsync):
-                        ids += self._write_all(store, [(_encodable(row), done)])
+                    ids += self._write_all(store, [(_encodable(row), done)], fsync)
                 except Exception:
                     log.exception("could not record a turn of session %r", row.get("session_id"))
                     ids.append(None)
@@ -447,23 +444,16 @@ class Recorder:
         self.listeners.notify(ids)
 
     @staticmethod
-    def _write_all(store: "Store", group: list[tuple[Any, ...]]) -> list[int]:
-        """Write the turns of ``group`` (its entries start with ``row, done``) in the caller's
+    def _write_all(store: "Store", group: list[tuple[Any, ...]], fsync: bool,
+                   wait: bool = True) -> list[int]:
+        """Write the turns of ``group`` (its entries start with ``row, done``) in one
         transaction. A turn that entered the buffers as live (:func:`metaclaw.buffers.classify`,
         when it was served) but was served under an older generation than the store's latest is
         recorded purged: another process committed that generation after this one last looked,
-        and its purge of older live turns ran before this turn existed. Read here, under the
-        write lock, no generation can land between the check and the write."""
-        latest = store.latest_generation() or 0
-        ids = []
-        for row, done, *_ in group:
-            if row.get("buffer_state") == buffers.LIVE and (row.get("skill_generation")
-                                                             or 0) < latest:
-                row = {**row, "buffer_state": buffers.PURGED}
-            ids.append(store.record_turn(**row))
-            if done:
-                store.mark_session_done(row["session_id"])
-        return ids
+        and its purge of older live turns ran before this turn existed. The store checks as it
+        writes, under the write lock: no generation can land between the check and the write."""
+        return store.record_turns([(row, done) for row, done, *_ in group], fsync=fsync,
+                                  wait=wait, stale={buffers.LIVE: buffers.PURGED})
 
 
 #: Queued for the writer thread: checkpoint the write-ahead log.

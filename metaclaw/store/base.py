@@ -378,6 +378,36 @@ def _dumps(value: Any) -> str:
     return dumps(value)
 
 
+#: Create a session's row (id, created_at, updated_at, meta), or touch its updated_at.
+SESSION_UPSERT = ("INSERT INTO sessions (id, created_at, updated_at, meta) VALUES (?, ?, ?, ?) "
+                  "ON CONFLICT(id) DO UPDATE SET updated_at = excluded.updated_at")
+
+
+def turn_insert(row: dict[str, Any], stale: dict[str, str] | None = None
+                ) -> tuple[str, list[Any]]:
+    """The INSERT of the turn ``row`` and its parameters. Its ``turn_index``, the next of its
+    session, is computed by the statement itself (one statement, under the write lock). With
+    ``stale``, a ``buffer_state`` among its keys is replaced by its value there when a newer
+    generation than the turn's ``skill_generation`` is committed, as the statement runs."""
+    columns, values = list(row), _encoded(row)
+    marks = ["?"] * len(columns)
+    if stale and row.get("buffer_state") in stale:
+        at = columns.index("buffer_state")
+        marks[at] = ("CASE WHEN ? < COALESCE((SELECT MAX(generation) FROM skill_generations), 0)"
+                     " THEN ? ELSE ? END")
+        values[at:at + 1] = [row.get("skill_generation") or 0, stale[row["buffer_state"]],
+                             row["buffer_state"]]
+    return (f"INSERT INTO turns ({', '.join(columns)}, turn_index) VALUES ({', '.join(marks)}, "
+            "(SELECT COALESCE(MAX(turn_index), -1) + 1 FROM turns WHERE session_id = ?))",
+            [*values, row["session_id"]])
+
+
+def _turn_row(session_id: str, request_messages: list[dict[str, Any]], status: str,
+              **fields: Any) -> dict[str, Any]:
+    return {"session_id": session_id, "created_at": time.time(),
+            "request_messages": request_messages, "status": status, **fields}
+
+
 def _encoded(fields: dict[str, Any]) -> list[Any]:
     """The values of ``fields`` as stored: JSON columns' objects serialised."""
     return [_dumps(v) if k in JSON_COLUMNS and not isinstance(v, str) and v is not None else v
@@ -646,10 +676,7 @@ class Store:
     # -- sessions and turns ---------------------------------------------------------------
     def ensure_session(self, session_id: str, **meta: Any) -> None:
         now = time.time()
-        self.execute(
-            "INSERT INTO sessions (id, created_at, updated_at, meta) VALUES (?, ?, ?, ?) "
-            "ON CONFLICT(id) DO UPDATE SET updated_at = excluded.updated_at",
-            (session_id, now, now, _dumps(meta)))
+        self.execute(SESSION_UPSERT, (session_id, now, now, _dumps(meta)))
 
     def mark_session_done(self, session_id: str) -> None:
         with self._lock, self.transaction():
@@ -662,22 +689,36 @@ class Store:
         return rows[0] if rows else None
 
     def record_turn(self, *, session_id: str, request_messages: list[dict[str, Any]],
-                    status: str, **fields: Any) -> int:
+                    status: str, stale: dict[str, str] | None = None, **fields: Any) -> int:
         """Insert one turn (the session row is created if needed); returns the turn id.
 
         ``turn_index`` is assigned as the next index within the session. Other keyword
-        arguments are ``turns`` columns.
+        arguments are ``turns`` columns. ``stale`` maps a ``buffer_state`` to the one recorded
+        instead when a generation newer than the turn's ``skill_generation`` is committed (read
+        by the INSERT itself, under the write lock: none can land between check and write).
         """
         with self._lock, self.transaction():
-            self.ensure_session(session_id)
-            row = {"session_id": session_id, "created_at": time.time(),
-                   "request_messages": request_messages, "status": status, **fields}
-            cols = list(row)
-            # the next index is computed by the INSERT itself (one statement, under the lock)
-            sql = (f"INSERT INTO turns ({', '.join(cols)}, turn_index) VALUES "
-                   f"({', '.join('?' * len(cols))}, (SELECT COALESCE(MAX(turn_index), -1) + 1 "
-                   "FROM turns WHERE session_id = ?))")
-            return self._insert_row("turns", sql, [*_encoded(row), session_id])
+            return self._insert_turn(_turn_row(session_id, request_messages, status, **fields),
+                                     stale)
+
+    def record_turns(self, turns: list[tuple[dict[str, Any], bool]], *, fsync: bool = True,
+                     wait: bool = True, stale: dict[str, str] | None = None) -> list[int]:
+        """Record ``turns``, ``(fields, session_done)`` pairs (``fields`` as
+        :meth:`record_turn`'s keywords), in one transaction (see :meth:`transaction` for
+        ``fsync`` and ``wait``); a true ``session_done`` marks the turn's session done. Returns
+        the turns' ids, in order."""
+        with self._lock, self.transaction(fsync, wait=wait):
+            ids = []
+            for fields, done in turns:
+                ids.append(self.record_turn(**fields, stale=stale))
+                if done:
+                    self.mark_session_done(fields["session_id"])
+            return ids
+
+    def _insert_turn(self, row: dict[str, Any], stale: dict[str, str] | None = None) -> int:
+        """Insert the turn ``row`` and its session's row if missing (caller's transaction)."""
+        self.ensure_session(row["session_id"])
+        return self._insert_row("turns", *turn_insert(row, stale))
 
     def update_turn(self, turn_id: int, **fields: Any) -> None:
         self._update("turns", "id", turn_id, fields)

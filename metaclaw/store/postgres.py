@@ -19,8 +19,10 @@ How it keeps SQLite's guarantees across machines:
   ``synchronous_commit = off`` for that transaction, which survives the death of the writing
   process (the commit is in the server's hands) but not a crash of the database server itself,
   the same promise as SQLite's ``synchronous=NORMAL``.
-- **Every process sees the newest generation** before its next request: one primary-key read of
-  ``MAX(generation)`` (tens of microseconds on the same machine), no cache to go stale.
+- **Every process sees the newest generation** before its next request, without a query per
+  request: a trigger announces each generation as it commits (``NOTIFY``), and a thread of every
+  process that serves ``LISTEN``s and re-reads the number when told (and once a second in any
+  case). While that connection is down, each request reads ``MAX(generation)`` itself.
 - **Readers do not queue behind the writer.** Queries outside this thread's transaction run on a
   connection pool (``psycopg_pool``; ``METACLAW_DB_POOL`` connections, default 8).
 - **A database that went away** (restarted, unreachable) fails the calls made meanwhile with a
@@ -40,6 +42,7 @@ import os
 import re
 import threading
 import time
+import weakref
 from typing import Any, Iterable
 from urllib.parse import parse_qsl, urlencode
 
@@ -75,8 +78,9 @@ CREATE TABLE IF NOT EXISTS metaclaw_leases (
 )
 """
 
-#: Functions the queries of :class:`PostgresStore` use; created (or replaced) at every open.
-_FUNCTIONS = """
+#: Functions the queries of :class:`PostgresStore` use, and the trigger that announces each new
+#: skill generation on :data:`GENERATION_CHANNEL`; created (or replaced) at every open.
+_FUNCTIONS = ["""
 CREATE OR REPLACE FUNCTION metaclaw_json(doc TEXT) RETURNS JSONB
 LANGUAGE plpgsql IMMUTABLE AS $$
 BEGIN
@@ -84,7 +88,40 @@ BEGIN
 EXCEPTION WHEN others THEN
     RETURN NULL;
 END $$
-"""
+""", """
+CREATE OR REPLACE FUNCTION metaclaw_generation_notify() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM pg_notify('metaclaw_generation', NEW.generation::text);
+    RETURN NULL;
+END $$
+""", """
+CREATE OR REPLACE FUNCTION metaclaw_write_lock(lock_key BIGINT, wait BOOLEAN) RETURNS VOID
+LANGUAGE plpgsql AS $$
+BEGIN
+    IF wait THEN
+        PERFORM pg_advisory_xact_lock(lock_key);
+    ELSIF NOT pg_try_advisory_xact_lock(lock_key) THEN
+        RAISE EXCEPTION 'another connection holds the workspace''s write lock'
+            USING ERRCODE = 'lock_not_available';
+    END IF;
+END $$
+""", """
+DO $$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM pg_trigger WHERE tgname = 'metaclaw_generation_notify'
+                   AND tgrelid = 'skill_generations'::regclass) THEN
+        CREATE TRIGGER metaclaw_generation_notify AFTER INSERT ON skill_generations
+        FOR EACH ROW EXECUTE FUNCTION metaclaw_generation_notify();
+    END IF;
+END $$
+"""]
+
+#: The channel on which every committed skill generation is announced (``LISTEN``).
+GENERATION_CHANNEL = "metaclaw_generation"
+
+#: Not read yet (or no longer known): the value of an unknown latest generation.
+_UNKNOWN = object()
 
 
 def ddl(statement: str) -> str:
@@ -187,6 +224,8 @@ class PostgresStore(Store):
         self._waits_by_default = True
         self._txn_thread: int | None = None
         self._probe = None
+        self._listener: _GenerationListener | None = None
+        self._txn_latest: Any = _UNKNOWN  # MAX(generation) as the write lock was taken
         self._conninfo = self._conninfo_of(url)
         self._db = self._connect()
         try:
@@ -255,6 +294,9 @@ class PostgresStore(Store):
         return kind(f"PostgreSQL workspace {self.location}: {_one_line(exc)}")
 
     def _run(self, conn: Any, sql: str, params: Iterable[Any]) -> Any:
+        if self._txn_latest is not _UNKNOWN and "skill_generations" in sql and \
+                not sql.lstrip()[:6].upper().startswith(("SELECT", "WITH")):
+            self._txn_latest = _UNKNOWN  # this transaction writes generations: read them again
         try:
             return conn.execute(translate(sql), _params(params))
         except self._psycopg.errors.LockNotAvailable as exc:
@@ -308,7 +350,8 @@ class PostgresStore(Store):
                         db.execute(ddl(statement))
                     db.execute("UPDATE metaclaw_schema SET version = %s", (number + 1,))
                 db.execute(_ENGINE_TABLES)
-                db.execute(_FUNCTIONS)
+                for statement in _FUNCTIONS:
+                    db.execute(statement)
 
     @property
     def schema_version(self) -> int:
@@ -316,6 +359,8 @@ class PostgresStore(Store):
 
     def close(self) -> None:
         with self._lock:
+            if self._listener is not None:
+                self._listener.stop()
             self._pool.close()
             self._db.close()
 
@@ -357,6 +402,70 @@ class PostgresStore(Store):
         cur = self.execute(f"{sql} RETURNING {key}", values)
         return int(cur.fetchone()[key])
 
+    def _insert_turn(self, row: dict[str, Any], stale: dict[str, str] | None = None) -> int:
+        return self._insert_row("turns", *self._turn_statement(row, stale))
+
+    @staticmethod
+    def _turn_statement(row: dict[str, Any], stale: dict[str, str] | None
+                        ) -> tuple[str, list[Any]]:
+        """The session's row and the turn in one statement: one round trip, not two."""
+        sql, values = base.turn_insert(row, stale)
+        now = row["created_at"]
+        return f"WITH s AS ({base.SESSION_UPSERT}) {sql}", [row["session_id"], now, now, "{}",
+                                                            *values]
+
+    def record_turns(self, turns: list[tuple[dict[str, Any], bool]], *, fsync: bool = True,
+                     wait: bool = True, stale: dict[str, str] | None = None) -> list[int]:
+        """One round trip for the whole transaction (psycopg's pipeline mode): the write lock,
+        the turns, their sessions and the commit are sent together, and the server runs them
+        in order, stopping at the first error (nothing is then written)."""
+        if not turns:
+            return []
+        if not self._lock.acquire(blocking=wait):
+            raise StoreBusy("another thread of this process is writing to the store")
+        try:
+            if self._mine():  # inside this thread's transaction: statements of that one
+                return super().record_turns(turns, fsync=fsync, wait=wait, stale=stale)
+            return self._record_pipelined(turns, fsync, wait, stale)
+        finally:
+            self._lock.release()
+
+    def _record_pipelined(self, turns: list[tuple[dict[str, Any], bool]], fsync: bool,
+                          wait: bool, stale: dict[str, str] | None) -> list[int]:
+        db = self._conn()
+        self._txn_thread = threading.get_ident()
+        try:
+            with db.pipeline():
+                db.execute("BEGIN")
+                if not fsync:
+                    db.execute("SET LOCAL synchronous_commit = off")
+                if wait:
+                    db.execute(f"SET LOCAL lock_timeout = '{int(BUSY_TIMEOUT_S * 1000)}ms'")
+                db.execute("SELECT metaclaw_write_lock(%s, %s)", (WRITE_LOCK, wait))
+                cursors = []
+                for fields, done in turns:
+                    row = base._turn_row(**fields)
+                    sql, values = self._turn_statement(row, stale)
+                    cursors.append(db.execute(translate(f"{sql} RETURNING id"), _params(values)))
+                    if done:
+                        db.execute(translate("UPDATE sessions SET done = 1, updated_at = ? "
+                                             "WHERE id = ?"), (time.time(), row["session_id"]))
+                db.execute("COMMIT")
+            return [int(cur.fetchone()["id"]) for cur in cursors]
+        except self._psycopg.errors.LockNotAvailable as exc:
+            raise self._busy(wait, exc) from None
+        except self._psycopg.Error as exc:
+            raise self._failed(exc) from exc
+        finally:
+            self._end(commit=False)  # after an error: the transaction is rolled back
+
+    @staticmethod
+    def _busy(wait: bool, exc: BaseException) -> StoreBusy:
+        if not wait:
+            return StoreBusy("another connection holds the workspace's write lock")
+        return StoreBusy(f"the workspace's write lock was not free within "
+                         f"{BUSY_TIMEOUT_S:.0f} s ({_one_line(exc)})")
+
     def _insert_many(self, table: str, columns: list[str], rows: list[tuple[Any, ...]]) -> None:
         sql = translate(f"INSERT INTO {table} ({', '.join(columns)}) "
                         f"VALUES ({', '.join('?' * len(columns))})")
@@ -395,7 +504,25 @@ class PostgresStore(Store):
         return frame.drop("rowid") if "rowid" in frame.columns else frame
 
     def current_generation(self) -> int | None:
-        return self.latest_generation()
+        """The latest generation committed on any machine, without a query: a thread of this
+        process ``LISTEN``s on :data:`GENERATION_CHANNEL` (a trigger announces every new
+        generation as it commits) and re-reads the number when told, and once a second in any
+        case. While that connection is down (a restart), every call reads the table."""
+        listener = self._listener
+        if listener is None or listener.pid != os.getpid():  # none yet, or a forked child's
+            with self._lock:
+                if self._listener is listener:
+                    self._listener = listener = _GenerationListener(self)
+        value = listener.latest
+        return self.latest_generation() if value is _UNKNOWN else value
+
+    def latest_generation(self) -> int | None:
+        # inside this thread's write transaction, the number read as its write lock was taken
+        # stands until the transaction adds a generation itself: every generation is added
+        # under that lock
+        if self._mine() and self._txn_latest is not _UNKNOWN:
+            return self._txn_latest
+        return super().latest_generation()
 
     def watcher(self) -> "_Watcher":
         return _Watcher(self)
@@ -445,20 +572,19 @@ class PostgresStore(Store):
             steps.append("SET LOCAL synchronous_commit = off")
         if wait:
             steps.append(f"SET LOCAL lock_timeout = '{int(BUSY_TIMEOUT_S * 1000)}ms'")
-            steps.append(f"SELECT pg_advisory_xact_lock({WRITE_LOCK}), true AS got")
-        else:
-            steps.append(f"SELECT pg_try_advisory_xact_lock({WRITE_LOCK}) AS got")
+        steps.append(f"SELECT metaclaw_write_lock({WRITE_LOCK}, {'true' if wait else 'false'})")
+        # a statement of its own: its snapshot is taken once the lock is held
+        steps.append("SELECT MAX(generation) AS latest FROM skill_generations")
         try:
             self._txn_thread = threading.get_ident()
             cur = db.execute("; ".join(steps))
             while cur.nextset():
                 pass
-            if not cur.fetchone()["got"]:
-                raise StoreBusy("another connection holds the workspace's write lock")
+            latest = cur.fetchone()["latest"]
+            self._txn_latest = None if latest is None else int(latest)
         except self._psycopg.errors.LockNotAvailable as exc:
             self._end(commit=False)
-            raise StoreBusy(f"the workspace's write lock was not free within "
-                            f"{BUSY_TIMEOUT_S:.0f} s ({_one_line(exc)})") from None
+            raise self._busy(wait, exc) from None
         except self._psycopg.Error as exc:
             self._end(commit=False)
             raise self._failed(exc) from exc
@@ -467,7 +593,7 @@ class PostgresStore(Store):
             raise
 
     def _end(self, commit: bool) -> None:
-        db, self._txn_thread = self._db, None
+        db, self._txn_thread, self._txn_latest = self._db, None, _UNKNOWN
         if db.closed or db.info.transaction_status == self._psycopg.pq.TransactionStatus.IDLE:
             return
         try:
@@ -576,6 +702,80 @@ class _Watcher:
 
     def close(self) -> None:
         pass
+
+
+class _GenerationListener:
+    """A daemon thread with a connection of its own that ``LISTEN``s on
+    :data:`GENERATION_CHANNEL` and keeps :attr:`latest`, the newest committed generation
+    (:data:`_UNKNOWN` while it has no live connection). It re-reads the number when notified,
+    and every :data:`CHECK_S` seconds in any case (which also finds a dead connection)."""
+
+    CHECK_S = 1.0
+    RETRY_S = 0.5
+    WAKE_S = 0.1  # how soon a stop is heeded
+
+    def __init__(self, store: PostgresStore):
+        self.store, self.pid = store, os.getpid()
+        self.latest: Any = _UNKNOWN
+        self._conn: Any = None
+        self._stopped = threading.Event()
+        _LISTENERS.add(self)
+        self._thread = threading.Thread(target=self._serve, name="metaclaw-generation-listener",
+                                        daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        psycopg = self.store._psycopg
+        # a dead peer is noticed within seconds, not the kernel's hours
+        conninfo = (f"{self.store._conninfo}&keepalives_idle=5&keepalives_interval=2"
+                    "&keepalives_count=2&tcp_user_timeout=5000")
+        while not self._stopped.is_set():
+            try:
+                self._conn = conn = psycopg.connect(conninfo, autocommit=True)
+                with conn:
+                    conn.execute(f"LISTEN {GENERATION_CHANNEL}")
+                    read_at = 0.0
+                    while not self._stopped.is_set():
+                        if time.monotonic() - read_at >= self.CHECK_S:
+                            value = conn.execute("SELECT MAX(generation) FROM skill_generations"
+                                                 ).fetchone()[0]
+                            self.latest = None if value is None else int(value)
+                            read_at = time.monotonic()
+                        for _ in conn.notifies(timeout=self.WAKE_S, stop_after=1):
+                            read_at = 0.0  # told: read now
+            except psycopg.Error as exc:
+                self.latest = _UNKNOWN
+                if not self._stopped.is_set():
+                    log.debug("generation listener: %s; reconnecting", _one_line(exc))
+                    self._stopped.wait(self.RETRY_S)
+            finally:
+                self.latest = _UNKNOWN
+
+    def stop(self) -> None:
+        self._stopped.set()
+        if self.pid == os.getpid():
+            self._thread.join(timeout=self.CHECK_S + 1)
+
+    def forget(self) -> None:
+        """In a forked child: keep the parent's connection unclosed (closing it would end the
+        parent's session) and never use it."""
+        _INHERITED.append(self._conn)
+        self._conn = None
+
+
+#: Every live listener of this process (for :func:`_forget_in_child`).
+_LISTENERS: "weakref.WeakSet[_GenerationListener]" = weakref.WeakSet()
+#: Connections a forked child inherited: held, never closed, never used.
+_INHERITED: list[Any] = []
+
+
+def _forget_in_child() -> None:
+    for listener in list(_LISTENERS):
+        listener.forget()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def wait_until_reachable(url: str, timeout_s: float = 30.0) -> None:
