@@ -516,6 +516,14 @@ class PostgresStore(Store):
         value = listener.latest
         return self.latest_generation() if value is _UNKNOWN else value
 
+    def add_generation(self, **fields: Any) -> int:
+        number = super().add_generation(**fields)
+        if not self._mine():  # committed: this process's listeners need not wait for the NOTIFY
+            for listener in list(_LISTENERS):
+                if listener.store._conninfo == self._conninfo:
+                    listener.heard(number)
+        return number
+
     def latest_generation(self) -> int | None:
         # inside this thread's write transaction, the number read as its write lock was taken
         # stands until the transaction adds a generation itself: every generation is added
@@ -750,6 +758,12 @@ class _GenerationListener:
                     self._stopped.wait(self.RETRY_S)
             finally:
                 self.latest = _UNKNOWN
+
+    def heard(self, number: int) -> None:
+        """``number`` was committed by this process (its NOTIFY is on its way)."""
+        latest = self.latest
+        if latest is not _UNKNOWN and (latest is None or latest < number):
+            self.latest = number
 
     def stop(self) -> None:
         self._stopped.set()
