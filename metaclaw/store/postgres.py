@@ -470,6 +470,8 @@ class PostgresStore(Store):
         sql = translate(f"INSERT INTO {table} ({', '.join(columns)}) "
                         f"VALUES ({', '.join('?' * len(columns))})")
         with self._lock:
+            if table == "skill_generations":
+                self._txn_latest = _UNKNOWN
             try:
                 with self._conn().cursor() as cur:
                     cur.executemany(sql, [_params(row) for row in rows])
