@@ -154,15 +154,15 @@ def test_turns_are_read_in_batches(workspace, monkeypatch):
     store, library = workspace
     monkeypatch.setattr(evidence, "BATCH", 3)
     seen = []
-    original = store.query
+    original = store.raw
 
-    def query(sql, params=()):
+    def raw(sql, params=()):
         rows = original(sql, params)
         if "FROM turns WHERE" in sql and "LIMIT" in sql:
             seen.append(len(rows))
         return rows
 
-    monkeypatch.setattr(store, "query", query)
+    monkeypatch.setattr(store, "raw", raw)
     big = evidence.skill_stats(store, library)
     assert max(seen) <= 3 and sum(seen) == 13
     monkeypatch.setattr(evidence, "BATCH", 5000)

@@ -570,3 +570,30 @@ def test_lexical_retrieval_reads_thai_written_without_spaces():
         ranked = retriever.rank(query, skills)
         assert ranked[0].skill.name == expected
         assert ranked[1].score * 3 < ranked[0].score, query  # no match by one-letter pieces
+
+
+@pytest.mark.parametrize("n_skills", [5, 300])  # postings as Python pairs, then numpy arrays
+def test_the_bm25_score_matrix_is_each_querys_scores(n_skills, monkeypatch):
+    """Offline analysis (per-skill evidence) scores many asks at once: the block product must
+    give every ask the scores the request path gives it, on a small and a large library, and
+    when the vocabulary is too large for the product (query by query then)."""
+    import random
+
+    import numpy as np
+
+    from metaclaw.skills.library import Skill
+    from metaclaw.skills.retrieval import LexicalRetriever
+
+    rng = random.Random(n_skills)
+    words = [f"w{i}" for i in range(400)] + ["dates", "backup", "commit", "csv"]
+    skills = [Skill(name=f"s-{i:03d}", description=" ".join(rng.choices(words, k=8)),
+                    body=" ".join(rng.choices(words, k=30))) for i in range(n_skills)]
+    queries = [" ".join(rng.choices(words, k=rng.randint(0, 12))) for _ in range(700)]
+    queries += ["", "nothing-in-the-index", "dates dates DATES backup"]
+    lexical = LexicalRetriever()
+    expected = np.array([lexical.scores(q, skills) for q in queries])
+    assert np.allclose(lexical.score_matrix(queries, skills), expected, rtol=1e-12, atol=0)
+    monkeypatch.setattr(LexicalRetriever, "MATRIX_CELLS", 1)
+    assert np.allclose(lexical.score_matrix(queries, skills), expected, rtol=1e-12, atol=0)
+    assert lexical.score_matrix([], skills).shape == (0, n_skills)
+    assert lexical.score_matrix(queries, []).shape == (len(queries), 0)

@@ -98,17 +98,18 @@ def _added_at(store: Store) -> dict[str, float]:
     return {r["skill_name"]: r["at"] for r in rows}
 
 
-def _task_turns(store: Store, columns: str) -> Iterable[list[dict[str, Any]]]:
-    """The successful task turns that have a retrieval query, ``BATCH`` at a time, by id."""
+def _task_turns(store: Store, columns: str) -> Iterable[list[tuple[Any, ...]]]:
+    """The successful task turns that have a retrieval query (rows of ``id, columns``, JSON as
+    stored), ``BATCH`` at a time, by id."""
     last = 0
     while True:
-        rows = store.query(f"SELECT id, {columns} FROM turns WHERE {TASK_TURNS_SQL} AND "
-                           f"status = 'ok' AND retrieval_query IS NOT NULL AND id > ? "
-                           f"ORDER BY id LIMIT {BATCH}", (last,))
+        rows = store.raw(f"SELECT id, {columns} FROM turns WHERE {TASK_TURNS_SQL} AND "
+                         f"status = 'ok' AND retrieval_query IS NOT NULL AND id > ? "
+                         f"ORDER BY id LIMIT {BATCH}", (last,))
         if not rows:
             return
         yield rows
-        last = rows[-1]["id"]
+        last = rows[-1][0]
 
 
 def _with_sql(store: Store) -> str:
@@ -139,20 +140,21 @@ def _without(store: Store, skills: list[Skill], matcher: Any, threshold: float) 
     sums = np.zeros((7, len(skills)))
     floor = matcher.default_min_score
     for rows in _task_turns(store, "injected_skills, reward, human_label, retrieval_query"):
-        queries = sorted({row["retrieval_query"] for row in rows})
+        _, injected, rewards, labels, asked = zip(*rows)
+        queries = sorted(set(asked))
         place = {q: i for i, q in enumerate(queries)}
         scores = (matcher.score_matrix(queries, skills, floor=floor)
                   if hasattr(matcher, "lexical") else matcher.score_matrix(queries, skills))
-        matched = (scores >= floor)[[place[row["retrieval_query"]] for row in rows]]
-        for r, row in enumerate(rows):  # a turn that got the skill is on the other side
-            for name in _names(row["injected_skills"]):
-                if name in index:
-                    matched[r, index[name]] = False
-        reward = np.array([row["reward"] if row["reward"] is not None else np.nan
-                           for row in rows])
+        matched = (scores >= floor)[[place[q] for q in asked]]
+        for r, raw in enumerate(injected):  # a turn that got the skill is on the other side
+            if raw and raw != "[]":
+                for name in _names(raw):
+                    if name in index:
+                        matched[r, index[name]] = False
+        reward = np.array([r if r is not None else np.nan for r in rewards], dtype=np.float64)
         judged = ~np.isnan(reward)
         reward = np.nan_to_num(reward)
-        label = np.array([row["human_label"] or "" for row in rows])
+        label = np.array([lab or "" for lab in labels])
         m = matched.astype(np.float64)
         sums += np.stack([m.sum(axis=0), judged @ m, reward @ m, (reward * reward) @ m,
                           (judged & (reward > threshold)) @ m, (label == "pass") @ m,

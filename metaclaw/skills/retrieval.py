@@ -327,6 +327,51 @@ class LexicalRetriever:
                         scores[i] += w
         return scores
 
+    #: Queries per product in :meth:`score_matrix` (bounds its memory).
+    MATRIX_ROWS = 512
+    #: The largest term-skill weight matrix :meth:`score_matrix` builds (64 MB); a larger
+    #: library's vocabulary is scored query by query instead.
+    MATRIX_CELLS = 8_000_000
+
+    def score_matrix(self, queries: Sequence[str], skills: list[Skill]):
+        """:meth:`scores` of many queries at once (a float64 array ``len(queries) x
+        len(skills)``; for offline analysis, not the request path): each block of queries is a
+        0/1 query-term matrix times the index's term-skill weights, one product instead of a
+        Python loop over every query's terms."""
+        import numpy as np
+
+        skills = list(skills)
+        index = self._index(skills)[0]
+        out = np.zeros((len(queries), len(skills)))
+        if not len(queries) or not skills or not index:
+            return out
+        if len(index) * len(skills) > self.MATRIX_CELLS:
+            for row, query in enumerate(queries):
+                out[row] = self.scores(query, skills)
+            return out
+        column = {term: j for j, term in enumerate(index)}
+        weights = np.zeros((len(column), len(skills)))
+        for term, j in column.items():
+            posting = index[term]
+            if isinstance(posting, tuple):  # numpy arrays (a large library)
+                weights[j, posting[0]] = posting[1]
+            else:
+                for i, w in posting:
+                    weights[j, i] = w
+        for start in range(0, len(queries), self.MATRIX_ROWS):
+            block = queries[start:start + self.MATRIX_ROWS]
+            rows, cols = [], []
+            for r, query in enumerate(block):
+                for term in set(tokenize(query or "")):
+                    j = column.get(term)
+                    if j is not None:
+                        rows.append(r)
+                        cols.append(j)
+            present = np.zeros((len(block), len(column)))
+            present[rows, cols] = 1.0
+            out[start:start + len(block)] = present @ weights
+        return out
+
     def rank(self, query: str, skills: list[Skill], *, limit: int | None = None) -> list[ScoredSkill]:
         """Skills best first (ties by name); ``limit`` keeps only the best ``limit``."""
         skills = list(skills)
@@ -837,12 +882,10 @@ class HybridRetriever:
         import numpy as np
 
         matrix = self.dense.score_matrix(queries, skills)
-        rows = range(len(queries)) if floor is None or not len(skills) else \
+        rows = np.arange(len(queries)) if floor is None or not len(skills) else \
             np.flatnonzero(matrix.max(axis=1) >= floor - self.weight)
-        for row in rows:
-            query = queries[row]
-            bm25 = self.lexical.scores(query, skills)
-            matrix[row] += self.weight * bm25 / (bm25 + self.saturation)
+        bm25 = self.lexical.score_matrix([queries[row] for row in rows], skills)
+        matrix[rows] += self.weight * bm25 / (bm25 + self.saturation)
         return matrix
 
     def rank(self, query: str, skills: list[Skill], *, limit: int | None = None) -> list[ScoredSkill]:

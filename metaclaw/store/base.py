@@ -864,6 +864,11 @@ class Store:
             return {row["name"]: row["type"].upper()
                     for row in self._db.execute(f"PRAGMA table_info({table})")}
 
+    def raw(self, sql: str, params: Iterable[Any] = ()) -> list[tuple[Any, ...]]:
+        """The rows of the query ``sql`` as tuples, JSON columns as stored (text): for bulk
+        reads that decode only what they use (:meth:`query` builds a decoded dict per row)."""
+        return self._rows(sql, tuple(params))[1]
+
     def _rows(self, sql: str, params: tuple[Any, ...]) -> tuple[list[str], list[tuple[Any, ...]]]:
         """Column names and raw rows (tuples, JSON undecoded) of ``sql``."""
         with self._lock:
