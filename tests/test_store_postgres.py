@@ -268,3 +268,17 @@ def test_metaclaw_db_is_the_workspace_when_none_is_given(url, monkeypatch, capsy
         store.record_turn(session_id="from-env", request_messages=[], status="ok")
     assert cli.main(["turns", "--json"]) == 0
     assert "from-env" in capsys.readouterr().out
+
+
+def test_a_store_dropped_without_close_stops_its_listener(url):
+    import gc
+
+    store = Store(url)
+    store.current_generation()
+    thread = store._listener._thread
+    del store
+    deadline = time.monotonic() + 10
+    while thread.is_alive():  # once collected (the read pool's tasks may hold it a moment)
+        assert time.monotonic() < deadline, "the listener outlived its store"
+        gc.collect()
+        thread.join(timeout=0.2)

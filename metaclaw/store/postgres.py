@@ -522,7 +522,7 @@ class PostgresStore(Store):
         number = super().add_generation(**fields)
         if not self._mine():  # committed: this process's listeners need not wait for the NOTIFY
             for listener in list(_LISTENERS):
-                if listener.store._conninfo == self._conninfo:
+                if listener.conninfo == self._conninfo:
                     listener.heard(number)
         return number
 
@@ -725,7 +725,9 @@ class _GenerationListener:
     WAKE_S = 0.1  # how soon a stop is heeded
 
     def __init__(self, store: PostgresStore):
-        self.store, self.pid = store, os.getpid()
+        # no reference to the store: a store dropped without close() is collected, and its
+        # listener stops with it
+        self.conninfo, self.pid, self._psycopg = store._conninfo, os.getpid(), store._psycopg
         self.latest: Any = _UNKNOWN
         self._conn: Any = None
         self._stopped = threading.Event()
@@ -733,11 +735,12 @@ class _GenerationListener:
         self._thread = threading.Thread(target=self._serve, name="metaclaw-generation-listener",
                                         daemon=True)
         self._thread.start()
+        weakref.finalize(store, self._stopped.set)
 
     def _serve(self) -> None:
-        psycopg = self.store._psycopg
+        psycopg = self._psycopg
         # a dead peer is noticed within seconds, not the kernel's hours
-        conninfo = (f"{self.store._conninfo}&keepalives_idle=5&keepalives_interval=2"
+        conninfo = (f"{self.conninfo}&keepalives_idle=5&keepalives_interval=2"
                     "&keepalives_count=2&tcp_user_timeout=5000")
         while not self._stopped.is_set():
             try:
