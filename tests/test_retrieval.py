@@ -593,7 +593,9 @@ def test_the_bm25_score_matrix_is_each_querys_scores(n_skills, monkeypatch):
     lexical = LexicalRetriever()
     expected = np.array([lexical.scores(q, skills) for q in queries])
     assert np.allclose(lexical.score_matrix(queries, skills), expected, rtol=1e-12, atol=0)
-    monkeypatch.setattr(LexicalRetriever, "MATRIX_CELLS", 1)
-    assert np.allclose(lexical.score_matrix(queries, skills), expected, rtol=1e-12, atol=0)
+    terms = len(lexical._index(skills)[0])
+    for cells in (terms * n_skills, 1):  # small blocks of queries; then query by query
+        monkeypatch.setattr(LexicalRetriever, "MATRIX_CELLS", cells)
+        assert np.allclose(lexical.score_matrix(queries, skills), expected, rtol=1e-12, atol=0)
     assert lexical.score_matrix([], skills).shape == (0, n_skills)
     assert lexical.score_matrix(queries, []).shape == (len(queries), 0)

@@ -327,10 +327,11 @@ class LexicalRetriever:
                         scores[i] += w
         return scores
 
-    #: Queries per product in :meth:`score_matrix` (bounds its memory).
+    #: Queries per product in :meth:`score_matrix` (at most; fewer for a large vocabulary).
     MATRIX_ROWS = 512
-    #: The largest term-skill weight matrix :meth:`score_matrix` builds (64 MB); a larger
-    #: library's vocabulary is scored query by query instead.
+    #: The largest term-skill weight matrix :meth:`score_matrix` builds (64 MB; a larger
+    #: library's vocabulary is scored query by query instead); a block's query-term matrix
+    #: holds at most half as many cells.
     MATRIX_CELLS = 8_000_000
 
     def score_matrix(self, queries: Sequence[str], skills: list[Skill]):
@@ -358,8 +359,9 @@ class LexicalRetriever:
             else:
                 for i, w in posting:
                     weights[j, i] = w
-        for start in range(0, len(queries), self.MATRIX_ROWS):
-            block = queries[start:start + self.MATRIX_ROWS]
+        per_block = max(1, min(self.MATRIX_ROWS, self.MATRIX_CELLS // 2 // len(column)))
+        for start in range(0, len(queries), per_block):
+            block = queries[start:start + per_block]
             rows, cols = [], []
             for r, query in enumerate(block):
                 for term in set(tokenize(query or "")):
