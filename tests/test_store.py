@@ -207,13 +207,14 @@ def test_record_turns_writes_a_group_and_purges_turns_of_a_superseded_generation
     the query buffer purged: the check is made by the write itself, under the write lock."""
     store.add_generation(snapshot={}, kind="initial")
     store.add_generation(snapshot={}, kind="evolve")
+    odd = "b\ufdd0"  # the PostgreSQL store's escape character, in an id
     ids = store.record_turns([(_turn("a", 0), False), (_turn("a", 1), True),
-                              (_turn("b", 0, buffer_state="consumed"), False)],
+                              (_turn(odd, 0, buffer_state="consumed"), True)],
                              fsync=False, wait=False, stale={"live": "purged"})
     rows = [store.turn(i) for i in ids]
     assert [r["buffer_state"] for r in rows] == ["purged", "live", "consumed"]
-    assert [(r["session_id"], r["turn_index"]) for r in rows] == [("a", 0), ("a", 1), ("b", 0)]
-    assert store.session("a")["done"] and not store.session("b")["done"]
+    assert [(r["session_id"], r["turn_index"]) for r in rows] == [("a", 0), ("a", 1), (odd, 0)]
+    assert store.session("a")["done"] and store.session(odd)["done"]
     assert store.record_turns([]) == []
     (plain,) = store.record_turns([(_turn("c", 0), False)])  # no stale rule: as given
     assert store.turn(plain)["buffer_state"] == "live"
@@ -231,4 +232,26 @@ def test_record_turns_is_all_or_nothing_and_refuses_a_busy_store_without_waiting
             store.record_turns([(_turn("a", 0), False)], wait=False)
     assert [t["session_id"] for t in store.turns()] == ["other"]
     store.record_turns([(_turn("a", 0), False)], wait=False)  # free again
+    assert len(store.turns()) == 2
+    import threading
+    import time
+
+    held, release = threading.Event(), threading.Event()
+
+    def hold():  # another thread of this process is writing (a slow disk, a long reload)
+        with store._lock:
+            held.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert held.wait(10)
+        started = time.monotonic()
+        with pytest.raises(StoreBusy):
+            store.record_turns([(_turn("a", 0), False)], wait=False)
+        assert time.monotonic() - started < 1.0  # at once, not after the other thread
+    finally:
+        release.set()
+        holder.join()
     assert len(store.turns()) == 2

@@ -106,16 +106,21 @@ def _wait_for(predicate, timeout: float = 5.0) -> float:
 def test_a_generation_committed_by_one_process_is_current_for_another_within_a_second(url):
     with Store(url) as reader:
         assert reader.current_generation() is None
-        done = run_py("""
+        other = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
             import sys, time
             from metaclaw.store import Store
             with Store(sys.argv[1]) as store:
                 store.add_generation(snapshot={}, kind="init")
-                print(time.time())
-        """, url)
-        assert done.returncode == 0, done.stderr
-        _wait_for(lambda: reader.current_generation() == 0, timeout=1.0)
-        assert time.time() - float(done.stdout) < 1.0
+                print(time.time(), flush=True)
+                sys.stdin.read()  # held open until the reader has seen it
+        """), url], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            committed = float(other.stdout.readline())
+            _wait_for(lambda: reader.current_generation() == 0, timeout=5.0)
+            assert time.time() - committed < 1.0  # the target
+        finally:
+            other.stdin.close()
+            assert other.wait(60) == 0
 
 
 def test_the_generation_is_announced_not_polled_and_survives_a_lost_listener(url, monkeypatch):
@@ -282,3 +287,37 @@ def test_a_store_dropped_without_close_stops_its_listener(url):
         assert time.monotonic() < deadline, "the listener outlived its store"
         gc.collect()
         thread.join(timeout=0.2)
+
+
+@pytest.mark.parametrize("isolation", ["read committed", "repeatable read"])
+def test_a_turn_waiting_for_the_write_lock_sees_the_generation_committed_meanwhile(url, isolation):
+    """Whatever the database's default isolation, a live turn whose write waited behind an
+    evolution that committed a newer generation is recorded purged (its write checks the
+    generation after the lock is granted)."""
+    import threading
+
+    import psycopg
+
+    from metaclaw.store.postgres import WRITE_LOCK
+
+    with psycopg.connect(url, autocommit=True) as admin:
+        admin.execute(f"ALTER DATABASE {admin.info.dbname} "
+                      f"SET default_transaction_isolation = '{isolation}'")
+    with Store(url) as store, psycopg.connect(url, autocommit=True) as evolver:
+        store.add_generation(snapshot={}, kind="initial")
+        evolver.execute("BEGIN")
+        evolver.execute("SELECT pg_advisory_xact_lock(%s)", (WRITE_LOCK,))
+        evolver.execute("INSERT INTO skill_generations (generation, created_at, kind, reason, "
+                        "snapshot) VALUES (1, 0, 'evolve', '', '{}')")
+        turn = {"session_id": "a", "request_messages": [], "status": "ok",
+                "buffer_set": "query", "buffer_state": "live", "skill_generation": 0}
+        done = {}
+        writer = threading.Thread(target=lambda: done.update(ids=store.record_turns(
+            [(turn, False)], stale={"live": "purged"})))
+        writer.start()
+        time.sleep(0.5)  # the write waits for the lock
+        evolver.execute("COMMIT")
+        writer.join(30)
+        with store.transaction():  # _begin's cached number is read after the lock, too
+            assert store.latest_generation() == 1
+        assert store.turn(done["ids"][0])["buffer_state"] == "purged"

@@ -707,7 +707,7 @@ class Store:
         :meth:`record_turn`'s keywords), in one transaction (see :meth:`transaction` for
         ``fsync`` and ``wait``); a true ``session_done`` marks the turn's session done. Returns
         the turns' ids, in order."""
-        with self._lock, self.transaction(fsync, wait=wait):
+        with self.transaction(fsync, wait=wait):  # it takes the store's lock (or refuses)
             ids = []
             for fields, done in turns:
                 ids.append(self.record_turn(**fields, stale=stale))

@@ -117,6 +117,10 @@ BEGIN
 END $$
 """]
 
+#: How every write transaction starts: READ COMMITTED whatever the server's default, so that
+#: each statement after the write lock sees what was committed before the lock was granted.
+BEGIN = "BEGIN ISOLATION LEVEL READ COMMITTED"
+
 #: The channel on which every committed skill generation is announced (``LISTEN``).
 GENERATION_CHANNEL = "metaclaw_generation"
 
@@ -225,6 +229,8 @@ class PostgresStore(Store):
         self._txn_thread: int | None = None
         self._probe = None
         self._listener: _GenerationListener | None = None
+        self._listener_lock = threading.Lock()  # not _lock: a writer may hold that for long
+        self._txn_generation: int | None = None  # the newest generation this transaction added
         self._txn_latest: Any = _UNKNOWN  # MAX(generation) as the write lock was taken
         self._conninfo = self._conninfo_of(url)
         self._db = self._connect()
@@ -358,9 +364,10 @@ class PostgresStore(Store):
         return int(self._scalar("SELECT version FROM metaclaw_schema"))
 
     def close(self) -> None:
-        with self._lock:
+        with self._listener_lock:
             if self._listener is not None:
                 self._listener.stop()
+        with self._lock:
             self._pool.close()
             self._db.close()
 
@@ -436,7 +443,7 @@ class PostgresStore(Store):
         self._txn_thread = threading.get_ident()
         try:
             with db.pipeline():
-                db.execute("BEGIN")
+                db.execute(BEGIN)
                 if not fsync:
                     db.execute("SET LOCAL synchronous_commit = off")
                 if wait:
@@ -449,7 +456,8 @@ class PostgresStore(Store):
                     cursors.append(db.execute(translate(f"{sql} RETURNING id"), _params(values)))
                     if done:
                         db.execute(translate("UPDATE sessions SET done = 1, updated_at = ? "
-                                             "WHERE id = ?"), (time.time(), row["session_id"]))
+                                             "WHERE id = ?"),
+                                   _params((time.time(), row["session_id"])))
                 db.execute("COMMIT")
             return [int(cur.fetchone()["id"]) for cur in cursors]
         except self._psycopg.errors.LockNotAvailable as exc:
@@ -512,7 +520,7 @@ class PostgresStore(Store):
         case. While that connection is down (a restart), every call reads the table."""
         listener = self._listener
         if listener is None or listener.pid != os.getpid():  # none yet, or a forked child's
-            with self._lock:
+            with self._listener_lock:
                 if self._listener is listener:
                     self._listener = listener = _GenerationListener(self)
         value = listener.latest
@@ -520,10 +528,8 @@ class PostgresStore(Store):
 
     def add_generation(self, **fields: Any) -> int:
         number = super().add_generation(**fields)
-        if not self._mine():  # committed: this process's listeners need not wait for the NOTIFY
-            for listener in list(_LISTENERS):
-                if listener.conninfo == self._conninfo:
-                    listener.heard(number)
+        if self._mine():  # announced to this process's listeners when the transaction commits
+            self._txn_generation = max(number, self._txn_generation or number)
         return number
 
     def latest_generation(self) -> int | None:
@@ -577,7 +583,7 @@ class PostgresStore(Store):
     def _begin(self, fsync: bool, wait: bool) -> None:
         db = self._conn()
         # one round trip: the statements go as one simple query (no parameters)
-        steps = ["BEGIN"]
+        steps = [BEGIN]
         if not fsync:
             steps.append("SET LOCAL synchronous_commit = off")
         if wait:
@@ -604,10 +610,15 @@ class PostgresStore(Store):
 
     def _end(self, commit: bool) -> None:
         db, self._txn_thread, self._txn_latest = self._db, None, _UNKNOWN
+        added, self._txn_generation = self._txn_generation, None
         if db.closed or db.info.transaction_status == self._psycopg.pq.TransactionStatus.IDLE:
             return
         try:
             db.execute("COMMIT" if commit else "ROLLBACK")
+            if commit and added is not None:  # this process need not wait for the NOTIFY
+                for listener in list(_LISTENERS):
+                    if listener.conninfo == self._conninfo:
+                        listener.heard(added)
         except self._psycopg.Error as exc:
             if not db.closed and not db.broken and \
                     db.info.transaction_status != self._psycopg.pq.TransactionStatus.IDLE:
@@ -729,6 +740,7 @@ class _GenerationListener:
         # listener stops with it
         self.conninfo, self.pid, self._psycopg = store._conninfo, os.getpid(), store._psycopg
         self.latest: Any = _UNKNOWN
+        self._latest_lock = threading.Lock()
         self._conn: Any = None
         self._stopped = threading.Event()
         _LISTENERS.add(self)
@@ -752,23 +764,37 @@ class _GenerationListener:
                         if time.monotonic() - read_at >= self.CHECK_S:
                             value = conn.execute("SELECT MAX(generation) FROM skill_generations"
                                                  ).fetchone()[0]
-                            self.latest = None if value is None else int(value)
+                            self._raise_to(None if value is None else int(value), known=False)
                             read_at = time.monotonic()
                         for _ in conn.notifies(timeout=self.WAKE_S, stop_after=1):
                             read_at = 0.0  # told: read now
             except psycopg.Error as exc:
-                self.latest = _UNKNOWN
                 if not self._stopped.is_set():
                     log.debug("generation listener: %s; reconnecting", _one_line(exc))
+                    self._forget_latest()
                     self._stopped.wait(self.RETRY_S)
             finally:
-                self.latest = _UNKNOWN
+                self._forget_latest()
+
+    def _forget_latest(self) -> None:
+        with self._latest_lock:
+            self.latest = _UNKNOWN
+
+    def _raise_to(self, number: int | None, known: bool) -> None:
+        """Generations only ever grow: a read that began before a newer number was heard must
+        not lower it. ``known``: only while the number is known (a listener without a live
+        connection stays unknown, so that callers read the table)."""
+        with self._latest_lock:
+            latest = self.latest
+            if latest is _UNKNOWN:
+                if not known:
+                    self.latest = number
+            elif number is not None and (latest is None or latest < number):
+                self.latest = number
 
     def heard(self, number: int) -> None:
         """``number`` was committed by this process (its NOTIFY is on its way)."""
-        latest = self.latest
-        if latest is not _UNKNOWN and (latest is None or latest < number):
-            self.latest = number
+        self._raise_to(number, known=True)
 
     def stop(self) -> None:
         self._stopped.set()
