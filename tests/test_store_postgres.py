@@ -321,3 +321,28 @@ def test_a_turn_waiting_for_the_write_lock_sees_the_generation_committed_meanwhi
         with store.transaction():  # _begin's cached number is read after the lock, too
             assert store.latest_generation() == 1
         assert store.turn(done["ids"][0])["buffer_state"] == "purged"
+
+
+def test_first_generation_checks_from_many_threads_share_one_listener(url):
+    import threading
+
+    with Store(url) as store:
+        store.add_generation(snapshot={}, kind="initial")
+        start, seen, errors = threading.Barrier(8), [], []
+
+        def check():
+            start.wait()
+            try:
+                seen.append(store.current_generation())
+            except Exception as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=check) for _ in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        assert errors == [] and seen == [0] * 8
+        listeners = [t for t in threading.enumerate() if t.name == "metaclaw-generation-listener"
+                     and t is store._listener._thread]
+        assert len(listeners) == 1

@@ -521,8 +521,9 @@ class PostgresStore(Store):
         listener = self._listener
         if listener is None or listener.pid != os.getpid():  # none yet, or a forked child's
             with self._listener_lock:
-                if self._listener is listener:
-                    self._listener = listener = _GenerationListener(self)
+                if self._listener is listener:  # not made by another thread meanwhile
+                    self._listener = _GenerationListener(self)
+                listener = self._listener
         value = listener.latest
         return self.latest_generation() if value is _UNKNOWN else value
 
