@@ -78,6 +78,9 @@ CREATE TABLE IF NOT EXISTS metaclaw_leases (
 )
 """
 
+#: The channel on which every committed skill generation is announced (``LISTEN``).
+GENERATION_CHANNEL = "metaclaw_generation"
+
 #: Functions the queries of :class:`PostgresStore` use, and the trigger that announces each new
 #: skill generation on :data:`GENERATION_CHANNEL`; created (or replaced) at every open.
 _FUNCTIONS = ["""
@@ -92,7 +95,7 @@ END $$
 CREATE OR REPLACE FUNCTION metaclaw_generation_notify() RETURNS trigger
 LANGUAGE plpgsql AS $$
 BEGIN
-    PERFORM pg_notify('metaclaw_generation', NEW.generation::text);
+    PERFORM pg_notify('""" + GENERATION_CHANNEL + """', NEW.generation::text);
     RETURN NULL;
 END $$
 """, """
@@ -121,11 +124,20 @@ END $$
 #: each statement after the write lock sees what was committed before the lock was granted.
 BEGIN = "BEGIN ISOLATION LEVEL READ COMMITTED"
 
-#: The channel on which every committed skill generation is announced (``LISTEN``).
-GENERATION_CHANNEL = "metaclaw_generation"
-
 #: Not read yet (or no longer known): the value of an unknown latest generation.
 _UNKNOWN = object()
+
+
+def _opening(fsync: bool, wait: bool) -> list[str]:
+    """The statements that open a write transaction (no parameters): BEGIN, its settings, and
+    the workspace's write lock (waited for, or refused at once with ``lock_not_available``)."""
+    steps = [BEGIN]
+    if not fsync:
+        steps.append("SET LOCAL synchronous_commit = off")
+    if wait:
+        steps.append(f"SET LOCAL lock_timeout = '{int(BUSY_TIMEOUT_S * 1000)}ms'")
+    steps.append(f"SELECT metaclaw_write_lock({WRITE_LOCK}, {'true' if wait else 'false'})")
+    return steps
 
 
 def ddl(statement: str) -> str:
@@ -300,9 +312,6 @@ class PostgresStore(Store):
         return kind(f"PostgreSQL workspace {self.location}: {_one_line(exc)}")
 
     def _run(self, conn: Any, sql: str, params: Iterable[Any]) -> Any:
-        if self._txn_latest is not _UNKNOWN and "skill_generations" in sql and \
-                not sql.lstrip()[:6].upper().startswith(("SELECT", "WITH")):
-            self._txn_latest = _UNKNOWN  # this transaction writes generations: read them again
         try:
             return conn.execute(translate(sql), _params(params))
         except self._psycopg.errors.LockNotAvailable as exc:
@@ -443,12 +452,8 @@ class PostgresStore(Store):
         self._txn_thread = threading.get_ident()
         try:
             with db.pipeline():
-                db.execute(BEGIN)
-                if not fsync:
-                    db.execute("SET LOCAL synchronous_commit = off")
-                if wait:
-                    db.execute(f"SET LOCAL lock_timeout = '{int(BUSY_TIMEOUT_S * 1000)}ms'")
-                db.execute("SELECT metaclaw_write_lock(%s, %s)", (WRITE_LOCK, wait))
+                for statement in _opening(fsync, wait):
+                    db.execute(statement)
                 cursors = []
                 for fields, done in turns:
                     row = base._turn_row(**fields)
@@ -530,13 +535,12 @@ class PostgresStore(Store):
     def add_generation(self, **fields: Any) -> int:
         number = super().add_generation(**fields)
         if self._mine():  # announced to this process's listeners when the transaction commits
-            self._txn_generation = max(number, self._txn_generation or number)
+            self._txn_generation = self._txn_latest = number  # numbers only grow
         return number
 
     def latest_generation(self) -> int | None:
-        # inside this thread's write transaction, the number read as its write lock was taken
-        # stands until the transaction adds a generation itself: every generation is added
-        # under that lock
+        # inside this thread's write transaction: the number read as its write lock was taken,
+        # or the one it added since (every generation is added under that lock)
         if self._mine() and self._txn_latest is not _UNKNOWN:
             return self._txn_latest
         return super().latest_generation()
@@ -584,14 +588,9 @@ class PostgresStore(Store):
     def _begin(self, fsync: bool, wait: bool) -> None:
         db = self._conn()
         # one round trip: the statements go as one simple query (no parameters)
-        steps = [BEGIN]
-        if not fsync:
-            steps.append("SET LOCAL synchronous_commit = off")
-        if wait:
-            steps.append(f"SET LOCAL lock_timeout = '{int(BUSY_TIMEOUT_S * 1000)}ms'")
-        steps.append(f"SELECT metaclaw_write_lock({WRITE_LOCK}, {'true' if wait else 'false'})")
-        # a statement of its own: its snapshot is taken once the lock is held
-        steps.append("SELECT MAX(generation) AS latest FROM skill_generations")
+        # the latest generation in a statement of its own: its snapshot is taken once the lock
+        # is held
+        steps = [*_opening(fsync, wait), "SELECT MAX(generation) AS latest FROM skill_generations"]
         try:
             self._txn_thread = threading.get_ident()
             cur = db.execute("; ".join(steps))
