@@ -599,3 +599,38 @@ def test_the_bm25_score_matrix_is_each_querys_scores(n_skills, monkeypatch):
         assert np.allclose(lexical.score_matrix(queries, skills), expected, rtol=1e-12, atol=0)
     assert lexical.score_matrix([], skills).shape == (0, n_skills)
     assert lexical.score_matrix(queries, []).shape == (len(queries), 0)
+
+
+def test_a_large_librarys_product_runs_on_one_blas_thread_and_restores_the_setting():
+    """Above BLAS_MIN_CELLS a query's product goes to BLAS held to one thread for the call (a
+    product split over threads waits for a descheduled core on a busy machine); the result
+    equals the plain product and the process's BLAS setting is put back."""
+    import numpy as np
+    from threadpoolctl import threadpool_info
+
+    from metaclaw.skills import retrieval
+
+    rng = np.random.default_rng(0)
+    vector = rng.standard_normal(256).astype(np.float32)
+    small = np.ascontiguousarray(rng.standard_normal((256, 100)).astype(np.float32))
+    large = np.ascontiguousarray(
+        rng.standard_normal((256, retrieval.BLAS_MIN_CELLS // 256 + 10)).astype(np.float32))
+    before = [i["num_threads"] for i in threadpool_info()]
+    seen = []
+    original = retrieval._one_blas_thread
+
+    def spy():
+        context = original()
+        seen.append([i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"])
+        return context
+
+    retrieval._one_blas_thread = spy
+    try:
+        for matrix in (small, large):
+            np.testing.assert_allclose(retrieval._products(vector, matrix),
+                                       matrix.T.astype(np.float64) @ vector, rtol=1e-4, atol=1e-4)
+    finally:
+        retrieval._one_blas_thread = original
+    assert len(seen) == 1  # only the large product went through BLAS
+    assert all(n == 1 for n in seen[0])
+    assert [i["num_threads"] for i in threadpool_info()] == before
