@@ -174,3 +174,73 @@ def test_chart(workspace):
     spec = evidence.chart(evidence.skill_stats(store, library)).to_dict()
     sides = {v["side"] for v in spec["data"]["values"]}
     assert sides == {"with the skill", "comparable turns without it"}
+
+
+def test_recorded_ask_features_give_the_same_evidence_as_computing_them(workspace):
+    """The proxy records each ask's features (static embedding, BM25 terms) with its turn;
+    evidence reads them for the distinct asks instead of embedding every ask again. Recorded,
+    missing, damaged or computed with another table: the same numbers."""
+    from metaclaw.skills.retrieval import ask_features, make_retriever
+
+    store, library = workspace
+    computed = evidence.skill_stats(store, library)
+    retriever = make_retriever("auto")
+    for row in store.raw("SELECT id, retrieval_query FROM turns"):
+        store.execute("UPDATE turns SET ask_features = ? WHERE id = ?",
+                      (ask_features(retriever, row[1]), row[0]))
+    assert store.raw("SELECT COUNT(*) FROM turns WHERE ask_features IS NULL")[0][0] == 0
+    assert evidence.skill_stats(store, library).equals(computed)
+    # damaged and foreign records are computed afresh, never trusted
+    first, second, third = [r[0] for r in store.raw("SELECT id FROM turns ORDER BY id LIMIT 3")]
+    store.execute("UPDATE turns SET ask_features = 'static-0-000000000000\tzz\tdate' WHERE id = ?",
+                  (first,))
+    store.execute("UPDATE turns SET ask_features = substr(ask_features, 1, 40) WHERE id = ?",
+                  (second,))
+    (record,) = store.raw("SELECT ask_features FROM turns WHERE id = ?", (third,))[0]
+    tag, vector, terms = record.split("\t")
+    store.execute("UPDATE turns SET ask_features = ? WHERE id = ?",
+                  ("\t".join([tag, "zz" + vector[2:], terms]), third))  # not hex
+    assert evidence.skill_stats(store, library).equals(computed)
+
+
+def test_the_proxy_records_each_asks_features_with_its_turn(workspace):
+    """A task turn served at the default retrieval carries its ask's features, and they read
+    back as the vector and terms the retriever computes for that ask; a retriever with no
+    static embedding records none."""
+    import openai
+
+    from metaclaw.offline.double import DoubleServer, Reply
+    from metaclaw.proxy.app import Proxy, ProxyConfig
+    from metaclaw.skills.retrieval import (ask_features, make_retriever, query_terms,
+                                           read_features)
+
+    store, library = workspace
+    ask = "put the deadline of item 7 into the json file as a date"
+    with DoubleServer([Reply("Done.")]) as upstream, \
+            Proxy(ProxyConfig(upstream_url=upstream.url, retrieval="auto", max_retries=0),
+                  store, library) as proxy:
+        openai.OpenAI(base_url=f"http://127.0.0.1:{proxy.port}/v1", api_key="unused",
+                      max_retries=0).chat.completions.create(
+            model="m", messages=[{"role": "user", "content": ask}])
+        proxy.flush()
+    (recorded,) = [r[0] for r in store.raw(
+        "SELECT ask_features FROM turns WHERE retrieval_query = ?", (ask,))]
+    retriever = make_retriever("auto")
+    (back,) = read_features(retriever, [recorded])
+    assert abs(float(back.vector @ retriever.dense.embed_query(ask)) - 1.0) < 2e-3
+    assert back.terms == query_terms(ask)
+    assert read_features(retriever, [None, "not\tfeatures", recorded.replace("\t", " ")]) == \
+        [None] * 3
+    assert ask_features(retriever, "") is None
+    assert ask_features(make_retriever("lexical"), ask) is None
+
+
+def test_turns_since_each_time_a_skill_was_added_in_scans_of_a_few_times(workspace, monkeypatch):
+    store, _ = workspace
+    times = [r[0] for r in store.raw("SELECT created_at FROM turns ORDER BY id")]
+    monkeypatch.setattr(evidence, "SINCE_PER_SCAN", 2)  # several scans, the total in the first
+    counts = evidence._turns_since(store, times[::3] + times[:2])
+    task = store.raw("SELECT created_at FROM turns WHERE turn_type = 'main' AND status = 'ok'")
+    assert counts[None] == len(task)
+    assert counts == {None: len(task),
+                      **{t: sum(c > t for (c,) in task) for t in set(times[::3] + times[:2])}}

@@ -574,15 +574,16 @@ def test_lexical_retrieval_reads_thai_written_without_spaces():
 
 @pytest.mark.parametrize("n_skills", [5, 300])  # postings as Python pairs, then numpy arrays
 def test_the_bm25_score_matrix_is_each_querys_scores(n_skills, monkeypatch):
-    """Offline analysis (per-skill evidence) scores many asks at once: the block product must
-    give every ask the scores the request path gives it, on a small and a large library, and
-    when the vocabulary is too large for the product (query by query then)."""
+    """Offline analysis (per-skill evidence) scores many asks at once: the weight matrix must
+    give every ask the scores the request path gives it, from the ask or from its recorded
+    terms, on a small and a large library, and when the vocabulary is too large for the matrix
+    (from the postings then)."""
     import random
 
     import numpy as np
 
     from metaclaw.skills.library import Skill
-    from metaclaw.skills.retrieval import LexicalRetriever
+    from metaclaw.skills.retrieval import LexicalRetriever, query_terms
 
     rng = random.Random(n_skills)
     words = [f"w{i}" for i in range(400)] + ["dates", "backup", "commit", "csv"]
@@ -593,6 +594,9 @@ def test_the_bm25_score_matrix_is_each_querys_scores(n_skills, monkeypatch):
     lexical = LexicalRetriever()
     expected = np.array([lexical.scores(q, skills) for q in queries])
     assert np.allclose(lexical.score_matrix(queries, skills), expected, rtol=1e-12, atol=0)
+    known = [query_terms(q) if i % 2 else None for i, q in enumerate(queries)]  # as recorded
+    assert np.allclose(lexical.score_matrix(queries, skills, terms=known), expected,
+                       rtol=1e-12, atol=0)
     terms = len(lexical._index(skills)[0])
     for cells in (terms * n_skills, 1):  # small blocks of queries; then query by query
         monkeypatch.setattr(LexicalRetriever, "MATRIX_CELLS", cells)
@@ -617,20 +621,20 @@ def test_a_large_librarys_product_runs_on_one_blas_thread_and_restores_the_setti
         rng.standard_normal((256, retrieval.BLAS_MIN_CELLS // 256 + 10)).astype(np.float32))
     before = [i["num_threads"] for i in threadpool_info()]
     seen = []
-    original = retrieval._one_blas_thread
+    original = retrieval.one_blas_thread
 
     def spy():
         context = original()
         seen.append([i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"])
         return context
 
-    retrieval._one_blas_thread = spy
+    retrieval.one_blas_thread = spy
     try:
         for matrix in (small, large):
             np.testing.assert_allclose(retrieval._products(vector, matrix),
                                        matrix.T.astype(np.float64) @ vector, rtol=1e-4, atol=1e-4)
     finally:
-        retrieval._one_blas_thread = original
+        retrieval.one_blas_thread = original
     assert len(seen) == 1  # only the large product went through BLAS
     assert all(n == 1 for n in seen[0])
     assert [i["num_threads"] for i in threadpool_info()] == before

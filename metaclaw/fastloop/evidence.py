@@ -33,14 +33,13 @@ their evidence), promoted or discarded by a person like any other (:mod:`metacla
 
 from __future__ import annotations
 
-import bisect
 import math
 from dataclasses import dataclass
 from typing import Any, Iterable
 
 from metaclaw import jsonlib
 from metaclaw.skills.library import Skill, SkillOp
-from metaclaw.store import Store
+from metaclaw.store import IN_IDS, Store, id_list
 from metaclaw.turns import TASK_TURNS_SQL
 
 #: Cosine between two skills' texts at or above which they are flagged as near duplicates.
@@ -49,6 +48,8 @@ NEAR_DUPLICATE = 0.9
 IDLE_TURNS = 200
 #: Turns read per batch when matching asks (bounds the memory).
 BATCH = 5_000
+#: Times a skill was added counted against the turns in one scan (:func:`_turns_since`).
+SINCE_PER_SCAN = 100
 
 COLUMNS = ("skill", "in_library", "injected", "judged_with", "reward_with", "pass_rate_with",
            "labels_pass_with", "labels_fail_with", "comparable", "judged_without",
@@ -136,31 +137,55 @@ def _without(store: Store, skills: list[Skill], matcher: Any, threshold: float) 
     did not get it, summed with numpy a batch of turns at a time."""
     import numpy as np
 
+    from metaclaw.skills.retrieval import one_blas_thread
+
     index = {s.name: i for i, s in enumerate(skills)}
     sums = np.zeros((7, len(skills)))
-    floor = matcher.default_min_score
-    for rows in _task_turns(store, "injected_skills, reward, human_label, retrieval_query"):
-        _, injected, rewards, labels, asked = zip(*rows)
-        queries = sorted(set(asked))
-        place = {q: i for i, q in enumerate(queries)}
-        scores = (matcher.score_matrix(queries, skills, floor=floor)
-                  if hasattr(matcher, "lexical") else matcher.score_matrix(queries, skills))
-        matched = (scores >= floor)[[place[q] for q in asked]]
-        for r, raw in enumerate(injected):  # a turn that got the skill is on the other side
-            if raw and raw != "[]":
-                for name in _names(raw):
-                    if name in index:
-                        matched[r, index[name]] = False
-        reward = np.array([r if r is not None else np.nan for r in rewards], dtype=np.float64)
-        judged = ~np.isnan(reward)
-        reward = np.nan_to_num(reward)
-        label = np.array([lab or "" for lab in labels])
-        m = matched.astype(np.float64)
-        sums += np.stack([m.sum(axis=0), judged @ m, reward @ m, (reward * reward) @ m,
-                          (judged & (reward > threshold)) @ m, (label == "pass") @ m,
-                          (label == "fail") @ m])
+    with one_blas_thread():  # products split over threads wait for busy cores
+        for rows in _task_turns(store, "injected_skills, reward, human_label, retrieval_query"):
+            _add_batch(store, sums, rows, skills, index, matcher, matcher.default_min_score,
+                       threshold)
     return [_Side(int(c[0]), int(c[1]), float(c[2]), float(c[3]), int(c[4]), int(c[5]),
                   int(c[6])) for c in sums.T]
+
+
+def _add_batch(store: Store, sums: Any, rows: list[tuple[Any, ...]], skills: list[Skill],
+               index: dict[str, int], matcher: Any, floor: float, threshold: float) -> None:
+    """Add one batch of turns (``_task_turns`` rows) to the *without* sums of :func:`_without`."""
+    import numpy as np
+
+    from metaclaw.skills.retrieval import read_features
+
+    ids, injected, rewards, labels, asked = zip(*rows)
+    first: dict[str, int] = {}
+    for r, query in enumerate(asked):  # each distinct ask once: the first turn that asked it
+        first.setdefault(query, ids[r])
+    queries = list(first)
+    if hasattr(matcher, "lexical"):
+        # what the proxy recorded of each ask when it served the turn, not computed again
+        # (read for the distinct asks only: an agent's tool loop sends one ask many times)
+        recorded = dict(store.raw(f"SELECT id, ask_features FROM turns WHERE id {IN_IDS}",
+                                  (id_list(first.values()),)))
+        features = read_features(matcher, [recorded.get(i) for i in first.values()])
+        scores = matcher.score_matrix(queries, skills, floor=floor, features=features)
+    else:
+        scores = matcher.score_matrix(queries, skills)
+    place = {q: i for i, q in enumerate(queries)}
+    matched = (scores >= floor)[[place[q] for q in asked]]
+    for r, raw in enumerate(injected):  # a turn that got the skill is on the other side
+        if raw and raw != "[]":
+            for name in _names(raw):
+                if name in index:
+                    matched[r, index[name]] = False
+    reward = np.array([r if r is not None else np.nan for r in rewards], dtype=np.float64)
+    judged = ~np.isnan(reward)
+    reward = np.nan_to_num(reward)
+    # the six per-turn columns summed over each skill's matched turns: one product
+    columns = np.stack([np.ones(len(rows)), judged, reward, reward * reward,
+                        judged & (reward > threshold),
+                        np.fromiter((lab == "pass" for lab in labels), bool, len(rows)),
+                        np.fromiter((lab == "fail" for lab in labels), bool, len(rows))])
+    sums += columns @ matched.astype(np.float64)
 
 
 def _names(raw: Any) -> list[str]:
@@ -183,22 +208,37 @@ def _matcher(retriever: Any) -> Any:
 def collect(store: Store, skills: list[Skill], *, threshold: float = 0.0,
             retriever: Any = None, compare: bool = True) -> dict[str, Any]:
     """The sums behind :func:`skill_stats`: ``with`` (by skill name), ``without`` (by skill of
-    ``skills``; None without ``compare``), ``first`` / ``last`` use, and the sorted times of the
-    task turns."""
+    ``skills``; None without ``compare``), ``first`` / ``last`` use, ``added``: when each skill
+    was last added, and ``since``: the task turns recorded after each of those times."""
     with_, first, last = {}, {}, {}
     for row in store.query(_with_sql(store), (threshold,)):
         with_[row["skill"]] = _Side(row["turns"], row["judged"], row["reward"], row["squares"],
                                     int(row["passed"]), int(row["label_pass"]),
                                     int(row["label_fail"]))
         first[row["skill"]], last[row["skill"]] = row["first"], row["last"]
-    times = [r["created_at"] for r in store.query(
-        f"SELECT created_at FROM turns WHERE {TASK_TURNS_SQL} AND status = 'ok' "
-        "ORDER BY created_at")]
     without = None
     if compare and skills:
         without = dict(zip([s.name for s in skills],
                            _without(store, skills, _matcher(retriever), threshold)))
-    return {"with": with_, "without": without, "first": first, "last": last, "times": times}
+    added = _added_at(store)
+    return {"with": with_, "without": without, "first": first, "last": last, "added": added,
+            "since": _turns_since(store, added.values())}
+
+
+def _turns_since(store: Store, times: Iterable[float]) -> dict[float | None, int]:
+    """How many successful task turns were recorded after each of ``times`` (and under
+    ``None``, all of them): one scan of the turns per :data:`SINCE_PER_SCAN` distinct times."""
+    distinct: list[float | None] = [None, *sorted(set(times))]
+    counts: dict[float | None, int] = {}
+    for start in range(0, len(distinct), SINCE_PER_SCAN):
+        chunk = distinct[start:start + SINCE_PER_SCAN]
+        sums = ", ".join(("COUNT(*)" if t is None else
+                          "COALESCE(SUM(CASE WHEN created_at > ? THEN 1 ELSE 0 END), 0)") +
+                         f" AS n{i}" for i, t in enumerate(chunk))  # (rows are keyed by name)
+        row = store.raw(f"SELECT {sums} FROM turns WHERE {TASK_TURNS_SQL} AND status = 'ok'",
+                        [t for t in chunk if t is not None])[0]
+        counts.update(zip(chunk, (int(n) for n in row)))
+    return counts
 
 
 def _nearest(skills: list[Skill], retriever: Any) -> list[tuple[str | None, float | None]]:
@@ -229,7 +269,7 @@ def skill_stats(store: Store, library: Any, *, threshold: float = 0.0, retriever
     skills = sorted(library.skills(), key=lambda s: s.name)
     sums = collect(store, skills, threshold=threshold, retriever=retriever, compare=compare)
     nearest = _nearest(skills, retriever) if compare else [(None, None)] * len(skills)
-    added = _added_at(store)
+    added = sums["added"]
     gone = sorted(set(sums["with"]) - {s.name for s in skills})
     rows = []
     for name, in_library, near in [(s.name, True, n) for s, n in zip(skills, nearest)] + \
@@ -240,8 +280,7 @@ def skill_stats(store: Store, library: Any, *, threshold: float = 0.0, retriever
         since = None
         if in_library:
             start = added.get(name)
-            since = len(sums["times"]) - (bisect.bisect_right(sums["times"], start)
-                                          if start is not None else 0)
+            since = sums["since"][start]  # (None: all of them)
         suggestion = ""
         if in_library and w.turns == 0 and since is not None and since >= IDLE_TURNS:
             suggestion = "retire"

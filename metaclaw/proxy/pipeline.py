@@ -101,6 +101,8 @@ class Turn:
     #: each injected skill's retrieval keys: (its "use when" line, how many example asks)
     keys: list[tuple[str, int]] = field(default_factory=list)
     budget: dict[str, Any] | None = None
+    #: the ask's features as recorded (:func:`metaclaw.skills.retrieval.ask_features`)
+    features: str | None = None
     retrieval_error: str | None = None
     thread: Thread | None = None  # a fingerprinted task turn's place among its conversations
 
@@ -168,6 +170,7 @@ def record_row(turn: Turn, policy_version: int) -> dict[str, Any]:
         "identified_by": turn.identified_by,
         # why the turn got its skills: the query retrieval used, the selected skills' scores
         "retrieval_query": turn.query or None,
+        "ask_features": turn.features,
         "retrieval_scores": [_scored(name, score, keys) for name, score, keys
                              in itertools.zip_longest(turn.injected, turn.scores, turn.keys)],
     }
@@ -654,6 +657,7 @@ class TurnPipeline:
             turn.injected = [s.skill.name for s in selected]
             turn.scores = [s.score for s in selected]
             turn.keys = [(s.skill.use_when, len(s.skill.example_asks)) for s in selected]
+            turn.features = retrieval.ask_features(parts.retriever, turn.query)
             if done.block or BLOCK_TAG in turn.raw:  # or a resent earlier block, to take out
                 turn.body = turn.protocol.inject(turn.body, done.block)
                 turn.messages = done.messages

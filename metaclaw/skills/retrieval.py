@@ -233,6 +233,12 @@ def tokenize(text: str) -> list[str]:
     return tokens
 
 
+def query_terms(query: str | None) -> list[str]:
+    """A query's BM25 terms: its distinct tokens, sorted (a fixed order: float sums taken in
+    another order differ in their last bit)."""
+    return sorted(set(tokenize(query or "")))
+
+
 def skill_text(skill: Skill, body_chars: int = 1000) -> str:
     """The text a skill is matched on: name (as words), description, its "use when" line, and
     the head of the body."""
@@ -311,13 +317,15 @@ class LexicalRetriever:
                 self._cache.put(skills, built)
         return built
 
-    def scores(self, query: str, skills: list[Skill]):
-        """Each skill's BM25 score for ``query``, in the order of ``skills`` (a numpy vector)."""
+    def scores(self, query: str, skills: list[Skill], *, terms: Sequence[str] | None = None):
+        """Each skill's BM25 score for ``query``, in the order of ``skills`` (a numpy vector);
+        ``terms``: the query's terms where already known (:func:`query_terms`)."""
         import numpy as np
 
         index, _, _, _, use_numpy = self._index(list(skills))
         scores = np.zeros(len(skills))
-        for term in sorted(set(tokenize(query or ""))):  # a fixed order: see rank
+        words = query_terms(query) if terms is None else sorted(set(terms))
+        for term in words:  # a fixed order: see rank
             if term in index:
                 if use_numpy:
                     rows, weights = index[term]
@@ -327,18 +335,18 @@ class LexicalRetriever:
                         scores[i] += w
         return scores
 
-    #: Queries per product in :meth:`score_matrix` (at most; fewer for a large vocabulary).
-    MATRIX_ROWS = 512
     #: The largest term-skill weight matrix :meth:`score_matrix` builds (64 MB; a larger
-    #: library's vocabulary is scored query by query instead); a block's query-term matrix
-    #: holds at most half as many cells.
+    #: library's vocabulary is scored from the index's postings instead).
     MATRIX_CELLS = 8_000_000
 
-    def score_matrix(self, queries: Sequence[str], skills: list[Skill]):
+    def score_matrix(self, queries: Sequence[str], skills: list[Skill], *,
+                     terms: Sequence[Sequence[str] | None] | None = None):
         """:meth:`scores` of many queries at once (a float64 array ``len(queries) x
-        len(skills)``; for offline analysis, not the request path): each block of queries is a
-        0/1 query-term matrix times the index's term-skill weights, one product instead of a
-        Python loop over every query's terms."""
+        len(skills)``; for offline analysis, not the request path): the index as a term-skill
+        weight matrix, each query's scores the sum of its terms' rows (measured faster than a
+        query-term matrix product, or numpy's segmented sums, for a few hundred skills).
+        ``terms``: each query's terms where already known (as the proxy records them,
+        :func:`query_terms`; None: tokenized here)."""
         import numpy as np
 
         skills = list(skills)
@@ -346,9 +354,14 @@ class LexicalRetriever:
         out = np.zeros((len(queries), len(skills)))
         if not len(queries) or not skills or not index:
             return out
+
+        def words(row: int) -> Any:
+            known = terms[row] if terms is not None else None
+            return set(tokenize(queries[row] or "")) if known is None else set(known)
+
         if len(index) * len(skills) > self.MATRIX_CELLS:
             for row, query in enumerate(queries):
-                out[row] = self.scores(query, skills)
+                out[row] = self.scores(query, skills, terms=list(words(row)))
             return out
         column = {term: j for j, term in enumerate(index)}
         weights = np.zeros((len(column), len(skills)))
@@ -359,19 +372,10 @@ class LexicalRetriever:
             else:
                 for i, w in posting:
                     weights[j, i] = w
-        per_block = max(1, min(self.MATRIX_ROWS, self.MATRIX_CELLS // 2 // len(column)))
-        for start in range(0, len(queries), per_block):
-            block = queries[start:start + per_block]
-            rows, cols = [], []
-            for r, query in enumerate(block):
-                for term in set(tokenize(query or "")):
-                    j = column.get(term)
-                    if j is not None:
-                        rows.append(r)
-                        cols.append(j)
-            present = np.zeros((len(block), len(column)))
-            present[rows, cols] = 1.0
-            out[start:start + len(block)] = present @ weights
+        for row in range(len(queries)):
+            present = [j for j in map(column.get, words(row)) if j is not None]
+            if present:
+                out[row] = weights[present].sum(axis=0)
         return out
 
     def rank(self, query: str, skills: list[Skill], *, limit: int | None = None) -> list[ScoredSkill]:
@@ -381,7 +385,7 @@ class LexicalRetriever:
         # summed in a fixed order: a set's order follows the process's string hash seed, and
         # float sums taken in another order differ in their last bit, which reorders skills
         # whose scores are equal on paper from one process to the next
-        terms = sorted(set(tokenize(query or "")))
+        terms = query_terms(query)
         if use_numpy:  # vectorized: fast on large libraries
             import numpy as np
 
@@ -611,8 +615,9 @@ BLAS_MIN_CELLS = 1 << 18
 _BLAS_CONTROLLER: Any = None
 
 
-def _one_blas_thread() -> Any:
-    """A context holding the process's BLAS to one thread (threadpoolctl)."""
+def one_blas_thread() -> Any:
+    """A context holding the process's BLAS to one thread (threadpoolctl): see
+    :func:`_products`; analyses of many turns use it too."""
     global _BLAS_CONTROLLER
     if _BLAS_CONTROLLER is None:
         from threadpoolctl import ThreadpoolController
@@ -635,7 +640,7 @@ def _products(vector: Any, matrix_t: Any) -> Any:
 
     if matrix_t.size < BLAS_MIN_CELLS:
         return np.einsum("j,ji->i", vector, matrix_t)
-    with _one_blas_thread():
+    with one_blas_thread():
         return vector @ matrix_t
 
 
@@ -828,16 +833,28 @@ class EmbeddingRetriever:
             scores[with_examples] = np.maximum(scores[with_examples], products[len(skills):])
         return scores
 
-    def score_matrix(self, queries: Sequence[str], skills: list[Skill]):
+    def score_matrix(self, queries: Sequence[str], skills: list[Skill], *,
+                     vectors: Sequence[Any] | None = None):
         """:meth:`scores` of many queries at once: a float32 array ``len(queries) x
         len(skills)`` (one encoder call for all the queries; for offline analysis, not the
-        request path)."""
+        request path). ``vectors``: each query's embedding where already known (as the proxy
+        records it, :func:`ask_features`; None: encoded here)."""
         import numpy as np
 
         matrix_t, with_examples, _, _ = self._matrix(list(skills))
         if not len(queries):
             return np.zeros((0, len(skills)), dtype=np.float32)
-        products = self._encode(list(queries)) @ matrix_t
+        missing = list(range(len(queries))) if vectors is None else \
+            [i for i, v in enumerate(vectors) if v is None]
+        if len(missing) == len(queries):
+            embedded = self._encode(list(queries))
+        else:
+            embedded = np.empty((len(queries), matrix_t.shape[0]), dtype=np.float32)
+            known = [i for i, v in enumerate(vectors) if v is not None]
+            embedded[known] = np.stack([vectors[i] for i in known])
+            if missing:
+                embedded[missing] = self._encode([queries[i] for i in missing])
+        products = embedded @ matrix_t
         scores = products[:, :len(skills)]
         if len(with_examples):
             scores[:, with_examples] = np.maximum(scores[:, with_examples],
@@ -857,6 +874,7 @@ class EmbeddingRetriever:
     def warm(self, skills: Sequence[Skill] = ()) -> None:
         """Load the model and embed ``skills`` now instead of on the first request."""
         load_model(self.model_id)
+        features_tag(self)  # the static table's digest, once
         if skills:
             self._matrix(list(skills))
 
@@ -911,16 +929,22 @@ class HybridRetriever:
         return self.dense.scores(query, skills) + self.weight * bm25 / (bm25 + self.saturation)
 
     def score_matrix(self, queries: Sequence[str], skills: list[Skill], *,
-                     floor: float | None = None):
+                     floor: float | None = None,
+                     features: Sequence[AskFeatures | None] | None = None):
         """:meth:`scores` of many queries at once (``len(queries) x len(skills)``; for offline
         analysis, not the request path). With ``floor``, only the scores that can reach it are
-        exact: a query whose cosines all stay below ``floor - weight`` gets no BM25 term."""
+        exact: a query whose cosines all stay below ``floor - weight`` gets no BM25 term.
+        ``features``: each query's features where recorded (:func:`read_features`; None: computed
+        here)."""
         import numpy as np
 
-        matrix = self.dense.score_matrix(queries, skills)
+        given = features if features is not None else [None] * len(queries)
+        matrix = self.dense.score_matrix(queries, skills,
+                                         vectors=[f and f.vector for f in given])
         rows = np.arange(len(queries)) if floor is None or not len(skills) else \
             np.flatnonzero(matrix.max(axis=1) >= floor - self.weight)
-        bm25 = self.lexical.score_matrix([queries[row] for row in rows], skills)
+        bm25 = self.lexical.score_matrix([queries[row] for row in rows], skills,
+                                         terms=[given[row] and given[row].terms for row in rows])
         matrix[rows] += self.weight * bm25 / (bm25 + self.saturation)
         return matrix
 
@@ -938,6 +962,83 @@ class HybridRetriever:
         """Load the model and index ``skills`` now instead of on the first request."""
         self.dense.warm(skills)
         self.lexical.warm(skills)
+
+
+# ---------------------------------------------------------------------------------------------
+# an ask's features, recorded with its turn
+# ---------------------------------------------------------------------------------------------
+#: Bump when :func:`tokenize` or the pooling changes: features recorded before then are
+#: computed afresh instead of read.
+FEATURES_VERSION = 1
+
+
+class AskFeatures(NamedTuple):
+    """What the default retrieval computes of an ask: its static embedding (float32, or None)
+    and its BM25 terms (:func:`query_terms`, or None)."""
+
+    vector: Any
+    terms: list[str] | None
+
+
+def features_tag(retriever: Any) -> str | None:
+    """The tag recorded features carry: the features' version and the static table's content
+    digest (features computed with another table or version are not read). None for a
+    retriever whose dense part is not the static table."""
+    dense = getattr(retriever, "dense", retriever)
+    if getattr(retriever, "kind", None) not in ("hybrid", "embedding") or not dense.static:
+        return None
+    encoder = load_model(STATIC_MODEL)
+    tag = getattr(encoder, "features_tag", None)
+    if tag is None:
+        digest = hashlib.sha256(encoder.table.tobytes()).hexdigest()[:12]
+        tag = encoder.features_tag = f"static-{FEATURES_VERSION}-{digest}"
+    return tag
+
+
+def ask_features(retriever: Any, query: str) -> str | None:
+    """The features of ``query`` as a turn records them (column ``ask_features``), so that an
+    analysis over many turns (:mod:`metaclaw.fastloop.evidence`) reads them instead of
+    tokenizing and embedding every ask again: ``TAG<tab>VECTOR<tab>TERMS``, the vector
+    quantized to int8 (its direction kept: cosines within about 0.001) in hex, the terms
+    space-separated. None for an empty query or a retriever that is not the static hybrid or
+    embedding one. The embedding comes from the retriever's query cache (the request just
+    computed it)."""
+    import numpy as np
+
+    tag = features_tag(retriever) if query else None
+    if tag is None:
+        return None
+    vector = getattr(retriever, "dense", retriever).embed_query(query)
+    peak = float(np.abs(vector).max())
+    codes = np.rint(vector * (127 / peak)) if peak > 0 else np.zeros_like(vector)
+    return f"{tag}\t{codes.astype(np.int8).tobytes().hex()}\t" + " ".join(query_terms(query))
+
+
+def read_features(retriever: Any, recorded: Sequence[str | None]) -> list[AskFeatures | None]:
+    """:func:`ask_features`' records read back, one per entry (None where absent, malformed, or
+    computed with another table or version than ``retriever`` uses); vectors of unit length."""
+    import numpy as np
+
+    tag = features_tag(retriever)
+    if tag is None:
+        return [None] * len(recorded)
+    width = 2 * load_model(STATIC_MODEL).dim
+    parts = [text.split("\t") if isinstance(text, str) else () for text in recorded]
+    good = [i for i, p in enumerate(parts) if len(p) == 3 and p[0] == tag and len(p[1]) == width]
+    out: list[AskFeatures | None] = [None] * len(recorded)
+    if not good:
+        return out
+    try:  # one decoding for the batch
+        codes = np.frombuffer(bytes.fromhex("".join(parts[i][1] for i in good)), dtype=np.int8)
+    except ValueError:  # a damaged record: each on its own
+        for i in good:
+            out[i] = read_features(retriever, [recorded[i]])[0] if len(good) > 1 else None
+        return out
+    vectors = codes.reshape(len(good), -1).astype(np.float32)
+    vectors /= np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
+    for row, i in enumerate(good):
+        out[i] = AskFeatures(vectors[row], parts[i][2].split())
+    return out
 
 
 class _Slot:

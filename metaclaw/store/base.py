@@ -252,6 +252,11 @@ MIGRATIONS: list[str] = [
     ALTER TABLE turns ADD COLUMN agent TEXT;
     ALTER TABLE turns ADD COLUMN person TEXT;
     """,
+    # 12: the features the proxy computed of a turn's ask (static embedding and BM25 terms,
+    # metaclaw.skills.retrieval.ask_features), so that per-skill evidence reads them back
+    """
+    ALTER TABLE turns ADD COLUMN ask_features TEXT;
+    """,
 ]
 
 SCHEMA_VERSION = len(MIGRATIONS)
