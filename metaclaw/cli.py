@@ -7,6 +7,7 @@ import json
 import os
 import re
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -113,6 +114,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"MetaClaw proxy on {url} -> {upstream}; skill generation {generation}, "
               f"{len(skills)} skills in {args.skills}; {describe(runtime.proxy.retriever)}",
               flush=True)
+        threading.Thread(target=_say_when_retrieval_is_ready, args=(runtime.proxy,),
+                         daemon=True, name="metaclaw-retrieval-ready").start()
 
     def evolution(event: Any) -> None:  # what the fast loop decided, or why it did nothing
         if event.kind.startswith("evolve") and event.kind != "evolve_started" \
@@ -124,6 +127,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         pass
     return 0
+
+
+#: A retrieval warm-up longer than this (a transformer model loading) is announced, and its end.
+SLOW_WARM_S = 2.0
+
+
+def _say_when_retrieval_is_ready(proxy: Any) -> None:
+    """``serve``: a line when the retriever's models take a while to load after the proxy
+    listens (turns wait for them meanwhile), and one when they are ready."""
+    if proxy.retrieval_ready.wait(SLOW_WARM_S):
+        return
+    print(f"preparing retrieval: loading {getattr(proxy.retriever, 'model_id', 'its model')} "
+          "(turns wait for it) ...", flush=True)
+    proxy.retrieval_ready.wait()
+    print(f"retrieval ready ({proxy.retrieval_warm_s:.1f} s)", flush=True)
 
 
 # -- turns -----------------------------------------------------------------------------------

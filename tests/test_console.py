@@ -178,3 +178,131 @@ def test_judge_and_evolver_report_progress(tmp_path):
         store.close()
     finally:
         sim.stop()
+
+
+def test_score_and_evolve_show_progress_on_a_terminal_and_none_in_a_pipe(tmp_path):
+    """`metaclaw score` draws a bar per judged turn and `metaclaw evolve` one per phase on a
+    terminal; in a pipe they print their results only (the simulated judge and evolver)."""
+    from metaclaw.runtime import Runtime
+
+    db, skills = tmp_path / "ws.db", tmp_path / "skills"
+    runtime = Runtime.start(db_path=str(db), skills_dir=str(skills), simulated=True,
+                            retrieval="lexical")
+    try:
+        client = runtime.client()
+        messages = [{"role": "user", "content": "Write the meeting time 9:30 tomorrow into "
+                                                "notes/standup.json as meeting_time."}]
+        first = client.chat.completions.create(model="m", messages=messages,
+                                               extra_headers={"X-Session-Id": "s1"})
+        messages += [{"role": "assistant", "content": first.choices[0].message.content or ""},
+                     {"role": "user", "content": "[Previous Feedback] incorrect. All time "
+                      "fields must use a full datetime with a timezone offset."}]
+        client.chat.completions.create(model="m", messages=messages, extra_headers={
+            "X-Session-Id": "s1", "X-Session-Done": "true"})
+        runtime.proxy.flush()
+        url = runtime.double.url
+        base = [sys.executable, "-m", "metaclaw"]
+        score = ["score", "--db", str(db), "--judge-url", url, "--judge-model", "sim-judge",
+                 "--votes", "3"]
+        evolve = ["evolve", "--db", str(db), "--skills", str(skills), "--evolver-url", url,
+                  "--evolver-model", "sim-evolver"]
+        piped = subprocess.run(base + score + ["--rescore"], capture_output=True, text=True,
+                               env=_env(), timeout=120)
+        assert piped.returncode == 0, piped.stderr
+        assert "judging turns" not in piped.stdout + piped.stderr
+        assert "\x1b[" not in piped.stdout + piped.stderr
+        status, shown = _run_in_terminal(base + score + ["--rescore"], timeout=120)
+        assert status == 0, shown[-2000:]
+        assert "judging turns" in shown and "2/2" in shown
+        status, shown = _run_in_terminal(base + evolve + ["--dry-run"], timeout=120)
+        assert status == 0, shown[-2000:]
+        assert "evolving" in shown and "proposal ready (dry run)" in shown
+        piped = subprocess.run(base + evolve + ["--dry-run"], capture_output=True, text=True,
+                               env=_env(), timeout=120)
+        assert piped.returncode == 0, piped.stderr
+        assert "evolving" not in piped.stdout + piped.stderr and "\x1b[" not in piped.stderr
+    finally:
+        runtime.stop()
+
+
+def test_bench_and_training_show_progress_on_a_terminal_and_none_in_a_pipe(tmp_path):
+    """`metaclaw bench` draws a bar per round; `metaclaw train` one per step, moving within the
+    step while it samples (the tiny local model, a scripted judge)."""
+    import json
+
+    from metaclaw.fastloop.judge import SECTION_REPLY, parse_judge_prompt
+    from metaclaw.offline.double import DoubleServer, Reply
+    from metaclaw.offline.tinymodel import write_tiny_model
+    from metaclaw.store import Store
+
+    base = [sys.executable, "-m", "metaclaw"]
+    status, shown = _run_in_terminal(base + ["bench", "--days", "day01", "--out",
+                                             str(tmp_path / "bench")])
+    assert status == 0, shown[-2000:]
+    assert "rounds" in shown and "5/5" in shown
+    model = write_tiny_model(tmp_path / "tiny")
+    db = tmp_path / "ws.db"
+    store = Store(db)
+    for text in ("say yes", "answer yes or no"):
+        store.record_turn(session_id="s", request_messages=[{"role": "user", "content": text}],
+                          status="ok", response="no", buffer_set="query", buffer_state="live")
+    store.close()
+
+    def judge(body):
+        reply = parse_judge_prompt(body["messages"][-1]["content"])[SECTION_REPLY]
+        return Reply(json.dumps({"score": 1 if "yes" in reply.split() else -1,
+                                 "rationale": "scripted"}))
+
+    with DoubleServer(judge) as double:
+        train = base + ["train", "--db", str(db), "--backend", "local", "--base-model",
+                        str(model), "--steps", "1", "--now", "--judge-url", double.url,
+                        "--judge-model", "j", "--votes", "1", "--group-size", "2",
+                        "--groups-per-step", "2", "--max-tokens", "4"]
+        status, shown = _run_in_terminal(train, timeout=180)
+        assert status == 0, shown[-2000:]
+        assert "sampled group" in shown or "sampling" in shown
+        assert "updating the weights" in shown or "done" in shown
+        piped = subprocess.run(train, capture_output=True, text=True, env=_env(), timeout=180)
+        assert piped.returncode == 0, piped.stderr
+        assert "sampling" not in piped.stdout + piped.stderr and "\x1b[" not in piped.stderr
+
+
+def test_serve_says_when_a_slow_retrieval_model_is_ready(monkeypatch, capsys):
+    """A retriever whose model loads for a while after the proxy listens (a transformer): a line
+    saying what is loading, then one when it is ready; a quick warm-up says nothing."""
+    import threading
+    import types
+
+    from metaclaw import cli
+
+    monkeypatch.setattr(cli, "SLOW_WARM_S", 0.05)
+    quick = types.SimpleNamespace(retrieval_ready=threading.Event(), retrieval_warm_s=0.01,
+                                  retriever=types.SimpleNamespace(model_id="static"))
+    quick.retrieval_ready.set()
+    cli._say_when_retrieval_is_ready(quick)
+    assert capsys.readouterr().out == ""
+    slow = types.SimpleNamespace(retrieval_ready=threading.Event(), retrieval_warm_s=None,
+                                 retriever=types.SimpleNamespace(model_id="minilm"))
+
+    def finish():
+        time.sleep(0.3)
+        slow.retrieval_warm_s = 0.3
+        slow.retrieval_ready.set()
+
+    threading.Thread(target=finish).start()
+    cli._say_when_retrieval_is_ready(slow)
+    out = capsys.readouterr().out.splitlines()
+    assert out == ["preparing retrieval: loading minilm (turns wait for it) ...",
+                   "retrieval ready (0.3 s)"]
+
+
+def test_the_proxy_marks_its_retriever_ready_after_the_warm_up(tmp_path):
+    from metaclaw.proxy.app import Proxy, ProxyConfig
+    from metaclaw.skills.library import SkillLibrary
+    from metaclaw.store import Store
+
+    store = Store(tmp_path / "ws.db")
+    with Proxy(ProxyConfig(retrieval="auto"), store,
+               SkillLibrary(tmp_path / "skills", store)) as proxy:
+        assert proxy.retrieval_ready.wait(30)
+        assert proxy.retrieval_warm_s is not None and proxy.retrieval_warm_s >= 0

@@ -194,6 +194,10 @@ def _installed_extras(text: str) -> set[str]:
 def test_ci_and_binder_install_extras_that_exist() -> None:
     ci = _installed_extras((ROOT / ".ci" / "run").read_text(encoding="utf-8"))
     assert {"all", "test", "docs"} <= ci and ci <= set(EXTRAS)
+    # the hosted workflow runs that same script rather than an install line of its own
+    workflow = (ROOT / ".github" / "workflows" / "ci.yml").read_text(encoding="utf-8")
+    assert re.search(r"^\s*run: bash \.ci/run\s*$", workflow, flags=re.M)
+    assert not _installed_extras(workflow) and "pytest" not in workflow
     binder = _installed_extras((ROOT / "binder" / "requirements.txt").read_text(encoding="utf-8"))
     assert binder and binder <= set(EXTRAS) - TOOL_EXTRAS
 

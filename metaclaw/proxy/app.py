@@ -49,6 +49,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Protocol
@@ -231,6 +233,10 @@ class Proxy(ServedApp):
         self._pipeline = TurnPipeline(self._parts)
         self._log_filter = _SecretFilter(self._parts.scrubber)
         self._in_flight: set[asyncio.Task[Any]] = set()  # the handlers serving a turn now
+        #: set once the retriever's models are loaded (or failed to load) after start; how long
+        #: that took in ``retrieval_warm_s``
+        self.retrieval_ready = threading.Event()
+        self.retrieval_warm_s: float | None = None
         # A client that hangs up (an SDK timeout, Ctrl-C) cancels its handler, and with it the
         # upstream request: the upstream stops generating (and billing) a reply nobody reads.
         runner = functools.partial(EdgeRunner, header_timeout=config.header_timeout,
@@ -372,12 +378,18 @@ class Proxy(ServedApp):
             await parts.upstream.open()
         if callable(getattr(self.retriever, "warm", None)):  # load models before the first turn
             asyncio.get_running_loop().run_in_executor(pool, self._warm)
+        else:
+            self.retrieval_ready.set()
 
     def _warm(self) -> None:
+        started = time.monotonic()
         try:
             self.retriever.warm(self.library.skills())
         except Exception:
             log.exception("could not prepare the skill retriever; retrieval will retry per turn")
+        finally:
+            self.retrieval_warm_s = time.monotonic() - started
+            self.retrieval_ready.set()
 
     async def _on_shutdown(self, app: web.Application) -> None:
         # before the server closes the connections: a turn cancelled from now on was stopped
