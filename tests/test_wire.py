@@ -419,3 +419,21 @@ def test_the_atomic_write_leaves_the_old_file_or_the_whole_new_one(tmp_path):
         (staging / "weights").write_text("w")
     assert (folder / "weights").read_text() == "w"
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_an_atomic_write_can_give_the_mode_open_gives_and_a_folder_its_own_hidden_name(tmp_path):
+    from metaclaw.fileio import atomic_folder, write_atomic
+
+    old_umask = os.umask(0o022)
+    try:
+        write_atomic(tmp_path / "shared.jsonl", "a\n", private=False)  # as open(path, "w") would
+        (tmp_path / "plain.jsonl").write_text("a\n")
+    finally:
+        os.umask(old_umask)
+    assert os.stat(tmp_path / "shared.jsonl").st_mode & 0o777 == \
+        os.stat(tmp_path / "plain.jsonl").st_mode & 0o777 == 0o644
+    with pytest.raises(RuntimeError):
+        with atomic_folder(tmp_path / "skill", prefix=".skill.copy-") as staging:
+            assert staging.name.startswith(".skill.copy-") and staging.parent == tmp_path
+            raise RuntimeError("the filler failed")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plain.jsonl", "shared.jsonl"]

@@ -54,6 +54,7 @@ from metaclaw.bench.data import Day, load_benchmark, select_days
 from metaclaw.bench.grading import (feedback_text, run_check, score_choice, standalone_feedback,
                                     with_feedback)
 from metaclaw.bench.workspace import Workspace
+from metaclaw.fileio import write_atomic
 from metaclaw.jsonlib import jsonl_line
 
 log = logging.getLogger(__name__)
@@ -313,12 +314,7 @@ class _Writer:
     def __init__(self, path: Path, kept: Iterable[dict] = ()):
         # a resumed run's file starts with the days it keeps, written beside it and swapped in
         # whole, so that a kill at any moment leaves the earlier records there to resume again
-        fresh = path.with_name(path.name + ".new")
-        with fresh.open("w", encoding="utf-8") as fh:
-            fh.write("".join(self.line(record) for record in kept))
-            fh.flush()
-            os.fsync(fh.fileno())
-        fresh.replace(path)
+        write_atomic(path, "".join(self.line(record) for record in kept), private=False)
         self.path = path
         self.fh = path.open("a", encoding="utf-8")
 

@@ -70,7 +70,7 @@ from typing import Any, Callable, Iterable, Literal
 
 import yaml
 
-from metaclaw.fileio import write_atomic
+from metaclaw.fileio import atomic_folder, write_atomic
 from metaclaw.jsonlib import LONE_SURROGATE as _SURROGATE
 from metaclaw.store import Store
 from metaclaw.turns import SHARED_SCOPE, STAGE_NAME, check_scope, scope_visible, stage_of
@@ -788,22 +788,23 @@ def _own_folder(folder: Path) -> None:
     of writing into the linked folder, which other libraries or people may be using."""
     if not folder.is_symlink():
         return
-    copy = folder.with_name(f".{folder.name}.copy-{os.getpid()}")  # hidden: never read as a skill
-    shutil.rmtree(copy, ignore_errors=True)
     source = os.path.realpath(folder)
-    try:
-        shutil.copytree(source, copy, symlinks=True)  # its files; its links kept as links
-    except shutil.Error as exc:
-        # some entries could not be copied (a named pipe, an unreadable file); copytree copied
-        # all the others, which are kept (dropping them all lost the skill's scripts silently)
-        log.warning("skill library: copied the linked skill folder %s into %s without %s",
-                    source, folder, ", ".join(str(error[0]) for error in exc.args[0]))
-    except OSError:  # a broken or looping link: nothing to keep
-        shutil.rmtree(copy, ignore_errors=True)
-        copy.mkdir()
-    _relink_outside(copy, source)
-    folder.unlink()  # the link only; what it points to is left as it is
-    os.replace(copy, folder)
+    # the copy is made in a hidden folder beside the link (never read as a skill) and moved in
+    # with metaclaw.fileio.atomic_folder, once the link is removed: the rename needs the name free
+    with atomic_folder(folder, prefix=f".{folder.name}.copy-") as copy:
+        try:  # its files, with its own mode; its links kept as links
+            shutil.copytree(source, copy, symlinks=True, dirs_exist_ok=True)
+        except shutil.Error as exc:
+            # some entries could not be copied (a named pipe, an unreadable file); copytree
+            # copied all the others, which are kept (dropping them all lost the skill's scripts
+            # silently)
+            log.warning("skill library: copied the linked skill folder %s into %s without %s",
+                        source, folder, ", ".join(str(error[0]) for error in exc.args[0]))
+        except OSError:  # a broken or looping link: nothing to keep (a plain new folder)
+            shutil.rmtree(copy, ignore_errors=True)
+            copy.mkdir()
+        _relink_outside(copy, source)
+        folder.unlink()  # the link only; what it points to is left as it is
 
 
 def _relink_outside(copy: str | os.PathLike[str], source: str) -> None:

