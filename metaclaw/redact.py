@@ -1,14 +1,21 @@
 """Secrets never leave MetaClaw: the one rule for masking them, used by the proxy, the upstream
-clients and the fast loop's LLM client.
+clients, the fast loop's LLM client, ``metaclaw wire`` and the calendar signal.
 
 The rule: every secret of at least :data:`MIN_SECRET_CHARS` characters (an upstream key, the
 proxy's token, a caller's own key, the user and password in a URL) is replaced by :data:`MASK`
 wherever it appears, in text, in bytes as relayed, and in every string of a JSON value (keys
-included); a URL is shown without ``user:password@``, query or fragment (:func:`safe_url`).
+included); a URL is shown without ``user:password@``, query or fragment (:func:`safe_url`), an
+address that is itself a credential (a private calendar's) by its host alone
+(:func:`url_host`). Where the secrets are not known by value (an agent's configuration file,
+shown as a diff), a value is masked by where it stands (:func:`mask_config_line`): under a key
+that names a secret, after ``Bearer``, or as a ``name=value`` list item.
+
+A shared module: every wing may import it, and it imports nothing of the package.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 #: What a secret is replaced by.
@@ -87,3 +94,38 @@ def safe_url(url: str | None) -> str | None:
         return url
     parts = urlsplit(url)
     return urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[-1], query="", fragment=""))
+
+
+def url_host(source: str) -> str:
+    """An ``http``, ``https`` or ``webcal`` address shown as ``scheme://host/...``: its path is
+    hidden with its query, fragment and ``user:password@`` (Google's private calendar address
+    is a credential in its path); any other source (a file's path) is returned as it is."""
+    if not source.startswith(("http://", "https://", "webcal://")):
+        return source
+    scheme, _, rest = source.partition("://")
+    return f"{scheme}://{rest.split('/', 1)[0].rsplit('@', 1)[-1]}/..."
+
+
+# a string value under a key that names a secret (apiKey, token, password, ...), in JSON or JSON5
+_KEYED_SECRET = re.compile(
+    r"""(["']?[\w-]*(?:key|token|secret|password|authorization)["']?\s*[:=]\s*)"""
+    r"""(["'])((?:\\.|(?!\2).)*)\2""", re.IGNORECASE)
+# the same, unquoted (YAML: ``openai-api-key: sk-...``)
+_BARE_KEYED_SECRET = re.compile(
+    r"""^([-+ ]?\s*[\w-]*(?:key|token|secret|password|authorization)\s*:\s*)"""
+    r"""([^\s"'#{\[][^\s#]*)""", re.IGNORECASE)
+# a bearer token anywhere (a header value such as "Authorization: Bearer sk-...")
+_BEARER = re.compile(r"(\bBearer\s+)[^\s\"',]+", re.IGNORECASE)
+# the value of a ``name=value`` list item (aider's ``api-key:`` and ``set-env:`` lists)
+_LIST_ASSIGNMENT = re.compile(r"^([-+ ]?\s*-\s*[\w.-]+\s*=\s*)(\S.*)$")
+
+
+def mask_config_line(line: str) -> str:
+    """One line of a configuration file (JSON, JSON5, YAML; a diff's ``-``/``+``/`` `` prefix
+    allowed) with :data:`MASK` for each value that stands under a key naming a secret (``key``,
+    ``token``, ``secret``, ``password``, ``authorization``: quoted or not), after ``Bearer``,
+    or as the value of a ``- name=value`` list item."""
+    line = _KEYED_SECRET.sub(lambda m: f"{m.group(1)}{m.group(2)}{MASK}{m.group(2)}", line)
+    line = _BEARER.sub(lambda m: f"{m.group(1)}{MASK}", line)
+    line = _LIST_ASSIGNMENT.sub(lambda m: f"{m.group(1)}{MASK}", line)
+    return _BARE_KEYED_SECRET.sub(lambda m: f"{m.group(1)}{MASK}", line)

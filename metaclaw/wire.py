@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from metaclaw.fileio import write_atomic
+from metaclaw.redact import mask_config_line
 
 PROVIDER = "metaclaw"
 BACKUP_SUFFIX = ".metaclaw-backup"
@@ -50,27 +51,6 @@ STATE_SUFFIX = ".metaclaw-wire.json"
 LOCK_SUFFIX = ".metaclaw.lock"
 #: Seconds a change waits for another ``metaclaw wire`` on the same config to finish.
 LOCK_TIMEOUT = 10.0
-# a string value under a key that names a secret (apiKey, token, password, ...), in JSON or JSON5
-_SECRET = re.compile(r"""(["']?[\w-]*(?:key|token|secret|password|authorization)["']?\s*[:=]\s*)"""
-                     r"""(["'])((?:\\.|(?!\2).)*)\2""", re.IGNORECASE)
-# the same, unquoted (YAML: ``openai-api-key: sk-...``)
-_BARE_SECRET = re.compile(r"""^([-+ ]?\s*[\w-]*(?:key|token|secret|password|authorization)\s*:\s*)"""
-                          r"""([^\s"'#{\[][^\s#]*)""", re.IGNORECASE)
-
-
-# a bearer token anywhere (a header value such as "Authorization: Bearer sk-..."), and the value
-# of a ``name=value`` list item (aider's ``api-key:`` and ``set-env:`` lists)
-_BEARER = re.compile(r"(\bBearer\s+)[^\s\"',]+", re.IGNORECASE)
-_LIST_ASSIGNMENT = re.compile(r"^([-+ ]?\s*-\s*[\w.-]+\s*=\s*)(\S.*)$")
-
-
-def _redact(line: str) -> str:
-    line = _SECRET.sub(lambda m: f"{m.group(1)}{m.group(2)}***{m.group(2)}", line)
-    line = _BEARER.sub(lambda m: f"{m.group(1)}***", line)
-    line = _LIST_ASSIGNMENT.sub(lambda m: f"{m.group(1)}***", line)
-    return _BARE_SECRET.sub(lambda m: f"{m.group(1)}***", line)
-
-
 class WireError(RuntimeError):
     """The agent's configuration cannot be wired; the message says what to change."""
 
@@ -95,7 +75,7 @@ class WirePlan:
     @property
     def diff(self) -> str:
         """The change, with the proxy token and API keys masked (it is shown on the terminal)."""
-        return "".join(_redact(line) for line in difflib.unified_diff(
+        return "".join(mask_config_line(line) for line in difflib.unified_diff(
             self.before.splitlines(keepends=True), self.after.splitlines(keepends=True),
             fromfile=f"{self.path} (now)", tofile=f"{self.path} (wired)"))
 

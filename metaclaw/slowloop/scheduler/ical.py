@@ -10,6 +10,7 @@ from datetime import date, datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any, Iterable
 
+from metaclaw.redact import url_host
 from metaclaw.slowloop.scheduler.signals import (Clock, Signal, SignalReading, _seconds, _short,
                                                  _zone, now_ts)
 
@@ -216,7 +217,7 @@ class CalendarBusy(Signal):
             # their recurrence rules (see _Series.starts)
             series = self.series if data == self._data else parse_calendar(data, self.tz)
         except Exception as exc:  # noqa: BLE001 - reported, and the last good calendar is kept
-            self.last_error = (f"could not load the calendar from {_redact(self.source)}: "
+            self.last_error = (f"could not load the calendar from {url_host(self.source)}: "
                                f"{_short(exc)}")
             return False
         self.series, self._data = series, data
@@ -244,11 +245,3 @@ class CalendarBusy(Signal):
         if self.last_error:
             detail += f"; using the last good calendar, {self.last_error}"
         return self._read(True, bool(events), detail)
-
-
-def _redact(source: str) -> str:
-    """Hide the secret part of a calendar URL (Google's private address is a credential)."""
-    if source.startswith(("http://", "https://", "webcal://")):
-        scheme, _, rest = source.partition("://")
-        return f"{scheme}://{rest.split('/', 1)[0]}/..."
-    return source

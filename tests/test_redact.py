@@ -1,0 +1,39 @@
+"""metaclaw.redact, the one masking rule: secrets known by value, addresses, and the values a
+configuration file keeps under a secret's name (as ``metaclaw wire`` shows its diff)."""
+
+from __future__ import annotations
+
+import pytest
+
+from metaclaw.redact import mask, mask_config_line, masked_url, safe_url, url_host
+
+
+@pytest.mark.parametrize("line, shown", [
+    ('+      "apiKey": "sk-live-123",\n', '+      "apiKey": "***",\n'),
+    ("-  apiKey: 'sk-live-123', // JSON5\n", "-  apiKey: '***', // JSON5\n"),
+    ('   "token" = "a\\"b"\n', '   "token" = "***"\n'),
+    ("+openai-api-key: sk-live-123  # aider\n", "+openai-api-key: ***  # aider\n"),
+    ('+  "headers": {"Authorization": "Bearer sk-live-123"}\n',
+     '+  "headers": {"Authorization": "***"}\n'),
+    ("+  X-Upstream: bearer sk-live-123, more\n", "+  X-Upstream: bearer ***, more\n"),
+    ("+  - OPENAI_API_BASE=http://127.0.0.1:8080/v1\n", "+  - OPENAI_API_BASE=***\n"),
+    ('+      "baseUrl": "http://127.0.0.1:8080/v1",\n', '+      "baseUrl": "http://127.0.0.1:8080/v1",\n'),
+    ("+  model: gpt-4o\n", "+  model: gpt-4o\n"),
+])
+def test_a_config_line_shows_no_value_kept_under_a_secrets_name(line, shown):
+    assert mask_config_line(line) == shown
+
+
+def test_a_calendar_address_is_shown_by_its_host_alone():
+    secret = "https://calendar.google.com/calendar/ical/me%40x.org/private-abc123/basic.ics?x=1"
+    assert url_host(secret) == "https://calendar.google.com/..."
+    assert url_host("webcal://user:pw@cal.example.org/feed.ics") == "webcal://cal.example.org/..."
+    assert url_host("http://cal.example.org") == "http://cal.example.org/..."
+    assert url_host("~/calendars/work.ics") == "~/calendars/work.ics"  # a file: nothing secret
+
+
+def test_known_secrets_and_urls_keep_their_rules():
+    assert mask("key sk-live-123 and sk-live-123", ("sk-live-123",)) == "key *** and ***"
+    assert safe_url("https://u:p@host/v1?key=k#f") == "https://host/v1"
+    assert masked_url("postgresql://me:pw@db/x?password=q&sslmode=require") == \
+        "postgresql://me:***@db/x?password=***&sslmode=require"
