@@ -12,6 +12,19 @@ message another process shows while it waits.
 
 Where ``fcntl`` does not exist (Windows) the lease is held within the process only. A store in
 memory (``:memory:``) is one process's alone, so its lease is too.
+
+Why ``flock`` by hand, where the package's other file locks use :mod:`filelock`: the holder's
+record is kept in the lock file itself, and filelock owns that file's contents. The 3.x releases
+this package accepts (``filelock>=3.12``) open the lock file with ``O_TRUNC`` on every attempt,
+a failed non-blocking one included, so a process that only tried would erase the name it is
+about to show; 4.x writes its own marker into the file where the file system has no ``flock``,
+and on Windows it locks the file across processes (where the record then cannot be read) and
+removes it on release. The lease also needs what filelock's defaults do not give: release from
+another thread than the acquiring one, and a forked child that closes its copy of the
+descriptor (:func:`_forget_in_child`) on every filelock version accepted.
+
+A shared module: every wing may import it; it imports :mod:`metaclaw.jsonlib` and
+:mod:`metaclaw.store` of the package.
 """
 
 from __future__ import annotations
