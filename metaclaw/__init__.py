@@ -3,6 +3,9 @@
 ``import metaclaw`` is light: heavy parts (torch, sentence-transformers, tinker, altair) are
 imported only by the code that needs them. In a notebook, ``%load_ext metaclaw`` registers the
 ``%metaclaw`` magics.
+
+May import: nothing of the package when imported; the ``%load_ext metaclaw`` hooks load
+:mod:`metaclaw.notebook.magics` when IPython calls them (checked by ``tests/test_architecture.py``).
 """
 
 __version__ = "0.1.0"

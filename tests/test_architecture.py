@@ -155,7 +155,66 @@ def test_only_the_notebook_layer_imports_the_command_line():
     assert users == ["metaclaw.__main__", "metaclaw.notebook.magics"]
 
 
-def test_every_wing_says_what_lives_there_and_what_it_may_import():
-    for wing in WINGS:
-        doc = ast.get_docstring(ast.parse((ROOT / wing / "__init__.py").read_text()))
-        assert doc, f"metaclaw/{wing}/__init__.py has no docstring"
+#: The sentence every package's ``__init__`` docstring has: a paragraph that starts with it and
+#: says what the package may import (and what never), e.g. "May import: the shared modules and
+#: :mod:`metaclaw.skills`. Never the proxy, ... (checked by ``tests/test_architecture.py``)."
+MAY_IMPORT = "May import:"
+
+#: What the packages inside a wing or an outer layer import besides themselves, as their
+#: docstrings say, where the wings' order above allows more: the allowed prefixes ...
+ONLY = {"metaclaw.store": (), "metaclaw.slowloop.scheduler": (),
+        "metaclaw.slowloop.backends": ("metaclaw.slowloop.causal_lm",)}
+#: ... or the forbidden ones.
+NEVER = {"metaclaw.bench": ("metaclaw.notebook", "metaclaw.cli", "metaclaw.demo",
+                            "metaclaw.runtime"),
+         "metaclaw.notebook.widgets": ("metaclaw.notebook.magics", "metaclaw.cli")}
+
+
+def _packages() -> list[Path]:
+    return sorted(p for p in ROOT.rglob("__init__.py") if "data" not in p.relative_to(ROOT).parts)
+
+
+def _within(mod: str, package: str) -> bool:
+    return mod == package or mod.startswith(package + ".")
+
+
+def test_every_package_says_what_lives_there_and_what_it_may_import():
+    missing = []
+    for init in _packages():
+        name = init.relative_to(ROOT.parent).as_posix()
+        doc = ast.get_docstring(ast.parse(init.read_text(encoding="utf-8")))
+        assert doc, f"{name} has no docstring"
+        if not any(line.startswith(MAY_IMPORT) for line in doc.splitlines()):
+            missing.append(name)
+    assert missing == [], (f"these package docstrings have no paragraph starting {MAY_IMPORT!r} "
+                           "that says what the package may import")
+
+
+def test_packages_import_what_their_docstrings_say():
+    graph = import_graph()
+    shared = tuple(f"metaclaw.{name}" for name in SHARED)
+    wrong = []
+    for package, allowed in ONLY.items():
+        wrong += [f"{mod} -> {target}" for mod, targets in sorted(graph.items())
+                  if _within(mod, package) for target in sorted(targets)
+                  if not _within(target, package)
+                  and not any(_within(target, ok) for ok in shared + allowed)]
+    for package, forbidden in NEVER.items():
+        wrong += [f"{mod} -> {target}" for mod, targets in sorted(graph.items())
+                  if _within(mod, package) for target in sorted(targets)
+                  if any(_within(target, no) for no in forbidden)]
+    # the notebook layer is imported by nothing but the %load_ext hooks of metaclaw/__init__.py
+    wrong += [f"{mod} -> {target}" for mod, targets in sorted(graph.items())
+              if not _within(mod, "metaclaw.notebook") for target in targets
+              if _within(target, "metaclaw.notebook") and (mod, target) not in ALLOWED_UP]
+    assert wrong == []
+
+
+def test_the_package_itself_and_the_bench_checkers_import_almost_nothing():
+    top = ast.parse((ROOT / "__init__.py").read_text(encoding="utf-8"))
+    at_import = [node for node in top.body if isinstance(node, (ast.Import, ast.ImportFrom))]
+    assert [ast.unparse(node) for node in at_import] == []  # the hooks import inside functions
+    for script in sorted((ROOT / "bench" / "scripts").glob("*.py")):
+        for _, name, _ in _imports(ast.parse(script.read_text(encoding="utf-8"))):
+            assert not name.startswith("metaclaw") or name == "metaclaw.bench.graders", \
+                f"{script.name} imports {name}"

@@ -12,6 +12,10 @@ choice), ``agent`` (the built-in tool-calling agent), ``runner`` (``run_bench``,
 
 The names below are imported on first use, so the checker scripts (``metaclaw.bench.scripts``)
 start without loading the agent or the ``openai`` SDK.
+
+May import: the shared modules and every wing (skills, protocols, proxy, fast and slow loop, the
+offline doubles): the benchmark is an outer layer. Never the notebook layer, the command line,
+the demo (which import it) or the runtime (checked by ``tests/test_architecture.py``).
 """
 
 _EXPORTS = {

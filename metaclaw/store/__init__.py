@@ -35,6 +35,10 @@ process, but an OS crash or power loss may roll back the last such commits (neve
 file); the proxy records turns this way unless told otherwise. One connection is shared behind a
 lock; every table is readable as a ``polars.DataFrame`` with :meth:`Store.frame`. JSON columns are
 written with orjson (:mod:`metaclaw.jsonlib`).
+
+May import: the shared modules it is built on (:mod:`metaclaw.jsonlib`, :mod:`metaclaw.progress`,
+:mod:`metaclaw.redact`). Never a wing or an outer layer: the store is itself a shared module,
+which every wing may import (checked by ``tests/test_architecture.py``).
 """
 
 from metaclaw.store.base import (  # noqa: F401  the store's public names

@@ -18,6 +18,11 @@ there.
     TraceWidget(store, session=None)
     TrainingMonitor(store, run_id=None, poll=1.0)     # live altair chart (JupyterChart)
     SchedulerView(scheduler_or_status_fn, store=None)
+
+May import: the shared modules, the wings whose objects the widgets show (the skill library, the
+fast loop's gate, labels and proposals, the slow loop's scheduler), :mod:`metaclaw.trace` and
+:mod:`metaclaw.notebook.charts`. Never the magics or the command line: the magics create the
+widgets (checked by ``tests/test_architecture.py``).
 """
 
 

@@ -25,6 +25,10 @@ Make a backend with :func:`make_backend`::
 
     backend = make_backend("local", "/path/to/hf-model", lora_rank=8)
     backend = make_backend("tinker", "Qwen/Qwen3-4B-Instruct-2507", lora_rank=32)
+
+May import: the shared modules and :mod:`metaclaw.slowloop.causal_lm` (loading a model). Never
+the rest of the slow loop (GRPO, the policy server and the scheduler use the backends, not the
+other way round) nor a wing above it (checked by ``tests/test_architecture.py``).
 """
 
 from __future__ import annotations

@@ -50,6 +50,10 @@ Example::
                                          "keyboard": {"threshold_s": 600}}},
                             train_step=trainer.step, store=store)
     scheduler.run(poll_s=5)       # background thread; scheduler.stop() pauses training
+
+May import: the shared modules (:mod:`metaclaw.redact` hides a calendar's address). Never the
+rest of the slow loop or any other wing: the trainer's step, the store and the lease are handed
+to it (checked by ``tests/test_architecture.py``).
 """
 
 from metaclaw.slowloop.scheduler.ical import CalendarBusy, busy_events, parse_calendar
