@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import fields
+from dataclasses import MISSING, fields
+from typing import Any
 
 import pytest
 
 from metaclaw import cli
 from metaclaw.notebook.magics import MagicUsageError, _start_parser
+from metaclaw.proxy.app import ProxyConfig
 from metaclaw.runtime import RuntimeConfig, options
 
 
@@ -81,3 +83,22 @@ def test_a_bad_value_is_refused_by_both():
         cli.build_parser().parse_args(["serve", "--top-k", "0"])
     with pytest.raises(MagicUsageError, match="--top-k"):
         _start_parser().parse_args(["--top-k", "0"])
+
+
+def _default(field: Any) -> Any:
+    return field.default_factory() if field.default is MISSING else field.default
+
+
+def test_the_proxy_config_declares_the_runtime_configs_fields_alike():
+    # ProxyConfig (the request path) cannot import RuntimeConfig (an outer layer), so the fields
+    # both declare are written twice: they must keep one default and one type
+    runtime = {f.name: f for f in fields(RuntimeConfig)}
+    proxy = {f.name: f for f in fields(ProxyConfig)}
+    both = sorted(set(runtime) & set(proxy))
+    assert {"upstream_url", "port", "top_k", "durable_acks", "upstream_protocol"} <= set(both)
+    drifted = [f"{name}: RuntimeConfig {_default(runtime[name])!r} ({runtime[name].type}), "
+               f"ProxyConfig {_default(proxy[name])!r} ({proxy[name].type})" for name in both
+               if (_default(runtime[name]), runtime[name].type)
+               != (_default(proxy[name]), proxy[name].type)]
+    assert drifted == [], "fields whose default or type differ between the two: " + \
+        "; ".join(drifted)

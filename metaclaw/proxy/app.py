@@ -117,6 +117,10 @@ class ProxyConfig:
     proxy). ``user`` / ``agent``: the person and the agent a turn serves when its request does
     not say (headers ``X-MetaClaw-User`` / ``X-MetaClaw-Agent`` win); recorded on the turn, and
     they decide which private skills it may be offered (see :mod:`metaclaw.proxy.sessions`).
+
+    The fields :class:`metaclaw.runtime.RuntimeConfig` also declares (the ``serve`` options)
+    are written in both, as the proxy cannot import that outer layer; they keep one default and
+    one type (checked by ``tests/test_runtime_config.py``).
     """
 
     upstream_url: str | None = None
