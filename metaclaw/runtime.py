@@ -74,6 +74,24 @@ def option(default: Any, flag: str, help: str, *, group: str = "serve", **add_ar
                                                        "group": group, **add_argument}})
 
 
+class UpstreamProtocols:
+    """The choices of ``--upstream-protocol``: the registered wire protocols the proxy forwards
+    in (:func:`metaclaw.protocols.registry.upstream_protocols`), read from the registry when a
+    parser first checks a value or prints its help, so that building a parser does not import
+    the protocol adapters (and a protocol registered later is a choice too)."""
+
+    def __iter__(self):
+        from metaclaw.protocols.registry import upstream_protocols
+
+        return iter(upstream_protocols())
+
+    def __contains__(self, name: object) -> bool:
+        return name in list(self)
+
+    def __repr__(self) -> str:
+        return f"[{', '.join(map(repr, self))}]"
+
+
 @dataclass
 class RuntimeConfig:
     """Everything ``metaclaw serve`` / ``%metaclaw start`` accept (see
@@ -111,9 +129,9 @@ class RuntimeConfig:
     timeout: float = option(120.0, "--timeout", "upstream timeout in seconds",
                             type=argtypes.positive_float)
     upstream_protocol: str = option(
-        "openai", "--upstream-protocol", "wire protocol of the upstream (default openai: chat "
-        "completions; anthropic: a Messages API; responses: an OpenAI Responses API)",
-        choices=["openai", "anthropic", "responses"])
+        "openai", "--upstream-protocol", "wire protocol of the upstream, one of %(choices)s "
+        "(default openai: chat completions; anthropic: a Messages API; responses: an OpenAI "
+        "Responses API)", choices=UpstreamProtocols(), metavar="PROTOCOL")
     caller_auth: bool = option(
         False, "--caller-auth", "forward each caller's own API key upstream instead of the "
         "server key (the proxy token then comes in X-MetaClaw-Token)")

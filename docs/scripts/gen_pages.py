@@ -53,7 +53,8 @@ def _options_table(parser: argparse.ArgumentParser) -> list[str]:
         default = action.default
         shown = "" if default in (None, False, argparse.SUPPRESS) or action.nargs == 0 \
             else f"`{default}`"
-        help_text = (action.help or "").replace("%(default)s", str(default))
+        help_text = (action.help or "").replace("%(default)s", str(default)).replace(
+            "%(choices)s", ", ".join(map(str, action.choices or ())))
         if help_text == argparse.SUPPRESS:
             continue
         rows.append(f"| {name} | {_cell(shown)} | {_cell(help_text)} |")

@@ -10,14 +10,24 @@ and stream events pass through byte for byte.
 
 Protocols shipped: :mod:`metaclaw.protocols.openai_chat` (``POST /v1/chat/completions``, also the
 pivot), :mod:`metaclaw.protocols.anthropic_messages` (``POST /v1/messages``) and
-:mod:`metaclaw.protocols.openai_responses` (``POST /v1/responses``).
+:mod:`metaclaw.protocols.openai_responses` (``POST /v1/responses``). Each can be served to clients
+and forwarded to: the proxy's one HTTP upstream (:class:`metaclaw.proxy.upstreams.HTTPUpstream`)
+reads everything protocol-specific (path, key headers, model list) from the adapter.
+
+May import: the shared modules at the top of the package (``metaclaw.jsonlib``, ...) and
+:mod:`metaclaw.skills` (the message readers of :mod:`metaclaw.skills.asks`). Never the proxy,
+the loops, the offline stand-ins or the outer layers (checked by ``tests/test_architecture.py``).
 
 Adding a protocol
 -----------------
 Write one module ``metaclaw/protocols/<name>.py`` with a subclass of :class:`WireProtocol` and
-register an instance in :data:`~metaclaw.protocols.registry.PROTOCOLS` (one line in :mod:`metaclaw.protocols.registry`). The
-proxy then serves its routes, answers its errors in its shape, records its turns in the neutral
-form, and reaches both upstream kinds through the pivot. It declares:
+register an instance: one entry in :data:`~metaclaw.protocols.registry.PROTOCOLS` (the
+``register(...)`` line of :mod:`metaclaw.protocols.registry`), or, from code outside the
+package (a plug-in, a test), one call of :func:`metaclaw.protocols.registry.add`. Nothing else
+changes: the proxy then serves its routes, answers its errors in its shape, records its turns in
+the neutral form, reaches every upstream through the pivot, and, when the protocol declares an
+``upstream_path``, forwards to upstreams of it (``ProxyConfig.upstream_protocol`` /
+``metaclaw serve --upstream-protocol`` take its name). It declares:
 
 - ``routes``: the POST paths it serves (the proxy adds them under ``/v1`` and at the root);
 - ``field_types``: the JSON type of each optional top-level field of its requests, checked at
@@ -27,8 +37,15 @@ form, and reaches both upstream kinds through the pivot. It declares:
   chat-shaped ``messages`` list (the OpenAI chat protocol's);
 - optionally ``client_headers`` (request headers that tell its clients apart on the routes no
   protocol owns, such as ``GET /v1/models``), ``forward_headers`` (client headers an upstream
-  of the same protocol receives as they came) and ``count_tokens_route`` (a POST path answering
-  with the tokens of a request, as Anthropic's ``/messages/count_tokens``);
+  of the same protocol receives as they came), ``key_header`` (the header its clients and
+  upstreams carry a key in, besides ``Authorization: Bearer``) and ``count_tokens_route`` (a
+  POST path answering with the tokens of a request, as Anthropic's ``/messages/count_tokens``);
+- to be forwarded to: ``upstream_path`` (the POST path after the upstream's base URL; ``None``,
+  the default, means clients only), optionally ``upstream_models_path`` and
+  ``upstream_count_tokens_path`` (the upstream's model list and token count), and the methods
+  ``upstream_base_url(url)``, ``upstream_server_headers(key)`` (what every request carries: the
+  server key, a version header) and ``upstream_request_headers(key, headers)`` (a request's own
+  headers: the caller's key under caller-auth); the defaults are OpenAI's;
 
 and implements:
 
@@ -41,13 +58,14 @@ and implements:
   (``feed(event) -> [out events]``, ``close() -> [out events]``);
 - ``assembler()``: accumulates the protocol's stream events into the recorded reply columns;
 - ``encode_event(event)``, ``is_terminal(event)``, ``error_payload(error)``,
-  ``stream_error_event(error)``: the wire encoding of events and errors.
+  ``stream_error_event(error)``: the wire encoding of events and errors; ``upstream_events``
+  reads an upstream's stream (server-sent events unless overridden).
 
 The tests for a new protocol are its own round trips (``from_chat(to_chat(x))``, as in
 ``tests/test_protocols.py``) and an SDK of that protocol against a running proxy (as in
-``tests/test_proxy_anthropic.py``); nothing else in the proxy changes. To let the proxy *forward*
-in the new protocol as well, add an :class:`~metaclaw.proxy.upstreams.HTTPUpstream` subclass for it in
-:mod:`metaclaw.proxy.upstreams` (its path, how it sends the key, its SDK's error classes).
+``tests/test_proxy_anthropic.py``). ``tests/test_protocol_registry.py`` shows the whole of it:
+a protocol defined and registered inside the test is served to its clients and forwarded to an
+upstream of its own, with no other change.
 """
 
 from __future__ import annotations
@@ -122,6 +140,13 @@ class WireProtocol:
     #: Whether this is the pivot protocol: its requests, replies and stream events are the chat
     #: shape already (translating them to chat is the identity).
     pivot = False
+    #: The POST path of a request to an upstream of this protocol, after its base URL;
+    #: ``None``: the proxy serves this protocol's clients but does not forward in it.
+    upstream_path: str | None = None
+    #: The GET path of an upstream's model list (``None``: it has none the proxy reads).
+    upstream_models_path: str | None = None
+    #: The POST path counting a request's tokens at an upstream (``None``: it has none).
+    upstream_count_tokens_path: str | None = None
 
     # -- requests -------------------------------------------------------------------------
     def parse_request(self, body: dict[str, Any], model: str | None) -> tuple[str, bool]:
@@ -201,6 +226,34 @@ class WireProtocol:
 
     def stream_error_event(self, error: ProxyError) -> bytes:
         raise NotImplementedError
+
+    # -- as an upstream (the proxy forwards to it; see ``upstream_path``) --------------------
+    def upstream_base_url(self, url: str) -> str:
+        """The base URL the upstream paths are appended to, from the configured ``url``."""
+        return url.rstrip("/")
+
+    def upstream_server_headers(self, key: str) -> dict[str, str]:
+        """Headers every request to the upstream carries: the server's ``key`` (a placeholder
+        when none is configured) and whatever else the API requires of every request."""
+        return {"Authorization": f"Bearer {key}"}
+
+    def upstream_request_headers(self, key: str | None,
+                                 headers: dict[str, str]) -> dict[str, str]:
+        """One request's headers: ``headers`` (the client's :attr:`forward_headers`) and,
+        under caller-auth, the caller's ``key``, replacing the server key (as ``Authorization:
+        Bearer`` and in :attr:`key_header`)."""
+        if not key:
+            return headers
+        out = {**headers, "Authorization": f"Bearer {key}"}
+        if self.key_header:
+            out[self.key_header] = key
+        return out
+
+    def upstream_events(self, chunks: AsyncIterator[bytes],
+                        timeout: float | None) -> AsyncIterator[list[Event]]:
+        """The events of an upstream's streamed reply, batched as they arrived (see
+        :func:`sse_events`, the framing of every protocol shipped)."""
+        return sse_events(chunks, timeout)
 
     # -- the model list (``GET /v1/models``) -----------------------------------------------
     # A model in the neutral view: ``{"id", "name", "created"}`` (a display name, Unix seconds).
@@ -374,6 +427,19 @@ def summarize_completion(data: dict[str, Any]) -> dict[str, Any]:
         **usage_columns(usage),
         **({"completion_logprobs": logprobs} if logprobs else {}),
     }
+
+
+def tool_input(value: Any) -> dict[str, Any]:
+    """A chat tool call's ``arguments`` (JSON text, or an object already) as a JSON object, the
+    form Anthropic clients get (a ``tool_use`` block's ``input``) and resend: none as ``{}``,
+    text that is not a JSON object wrapped (``{"_raw": text}``, ``{"_value": other JSON}``)."""
+    if isinstance(value, dict):
+        return value
+    try:
+        parsed = loads(value or "{}")
+    except (ValueError, TypeError, RecursionError):  # RecursionError: nested too deep to read
+        return {"_raw": value}
+    return parsed if isinstance(parsed, dict) else {"_value": parsed}
 
 
 def usage_columns(usage: dict[str, Any] | None) -> dict[str, Any]:

@@ -63,9 +63,12 @@ from typing import Any
 
 from metaclaw.jsonlib import dumpb, dumps, loads
 from metaclaw.protocols import (ARRAY, BOOLEAN, INTEGER, NUMBER, OBJECT, STRING, ProxyError,
-                                StreamTranslator, WireProtocol)
+                                StreamTranslator, WireProtocol, tool_input)
 from metaclaw.protocols.openai_chat import ToChatStream, TranslatedAssembler
 
+#: The Anthropic API version sent to an upstream when the client names none (the anthropic
+#: SDK's own default).
+ANTHROPIC_VERSION = "2023-06-01"
 #: ``max_tokens`` sent to an Anthropic upstream when an OpenAI client gave none.
 DEFAULT_MAX_TOKENS = 4096
 
@@ -200,18 +203,6 @@ def _part_from_chat(part: dict[str, Any]) -> dict[str, Any] | None:
 def _tool_result_text(block: dict[str, Any]) -> str:
     text = _text(block.get("content"))
     return f"[error] {text}" if block.get("is_error") else text
-
-
-def tool_input(value: Any) -> dict[str, Any]:
-    """A chat tool call's ``arguments`` as the ``input`` object an Anthropic client gets (and
-    resends): none as ``{}``, text that is not a JSON object wrapped."""
-    if isinstance(value, dict):
-        return value
-    try:
-        parsed = loads(value or "{}")
-    except (ValueError, TypeError, RecursionError):  # RecursionError: nested too deep to read
-        return {"_raw": value}
-    return parsed if isinstance(parsed, dict) else {"_value": parsed}
 
 
 def _chat_usage(usage: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -447,6 +438,18 @@ class AnthropicMessages(WireProtocol):
     client_headers = ("anthropic-version",)
     forward_headers = ("anthropic-version", "anthropic-beta")
     count_tokens_route = "/messages/count_tokens"
+    # an upstream: its base URL with or without ``/v1``; an Anthropic client's
+    # ``anthropic-version`` and ``anthropic-beta`` go to it as they came (forward_headers)
+    upstream_path = "/v1/messages"
+    upstream_models_path = "/v1/models?limit=1000"  # the longest page: the proxy answers one list
+    upstream_count_tokens_path = "/v1/messages/count_tokens"
+
+    def upstream_base_url(self, url: str) -> str:
+        url = url.rstrip("/")
+        return url[:-3] if url.endswith("/v1") else url
+
+    def upstream_server_headers(self, key: str) -> dict[str, str]:
+        return {"x-api-key": key, "anthropic-version": ANTHROPIC_VERSION}
 
     # -- requests -------------------------------------------------------------------------
     def parse_request(self, body: dict[str, Any], model: str | None,

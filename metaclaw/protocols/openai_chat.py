@@ -180,6 +180,8 @@ class OpenAIChat(WireProtocol):
     routes = ("/chat/completions",)
     key_header = None
     pivot = True
+    upstream_path = "/chat/completions"  # after any OpenAI-compatible base URL (``.../v1``)
+    upstream_models_path = "/models"
     field_types = {
         "model": STRING, "messages": ARRAY, "stream": BOOLEAN, "stream_options": OBJECT,
         "tools": ARRAY, "tool_choice": STRING + OBJECT, "temperature": NUMBER, "top_p": NUMBER,

@@ -622,6 +622,8 @@ class OpenAIResponses(WireProtocol):
     name = "responses"
     routes = ("/responses",)
     key_header = None
+    upstream_path = "/responses"  # OpenAI's own, or any server that speaks it
+    upstream_models_path = "/models"
     field_types = {
         "model": STRING, "input": STRING + ARRAY, "instructions": STRING, "stream": BOOLEAN,
         "tools": ARRAY, "tool_choice": STRING + OBJECT, "parallel_tool_calls": BOOLEAN,

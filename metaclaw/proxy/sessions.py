@@ -52,7 +52,7 @@ from typing import Any, Callable, Mapping
 
 import orjson
 
-from metaclaw.protocols.anthropic_messages import tool_input
+from metaclaw.protocols import tool_input
 from metaclaw.skills.asks import INSTRUCTION_ROLES, content_text
 from metaclaw.turns import IdentityError, check_principal, check_turn_type
 
@@ -318,8 +318,8 @@ class Thread:
 
 def _arguments(value: Any) -> str:
     """A tool call's arguments in one spelling, read as an Anthropic client gets and resends
-    them (:func:`~metaclaw.protocols.anthropic_messages.tool_input`) and written with sorted
-    keys: clients re-serialise the JSON they got."""
+    them (:func:`~metaclaw.protocols.tool_input`) and written with sorted keys: clients
+    re-serialise the JSON they got."""
     try:
         return orjson.dumps(tool_input(value), option=orjson.OPT_SORT_KEYS).decode()
     except TypeError:  # nested deeper than orjson writes, a lone surrogate: kept as it came

@@ -1,18 +1,22 @@
-"""Where the proxy forwards a turn: an OpenAI-compatible upstream, an Anthropic upstream, or a
+"""Where the proxy forwards a turn: an HTTP upstream speaking any registered wire protocol, or a
 local policy (the slow loop's responder).
 
 Each upstream speaks one wire protocol (:attr:`Upstream.protocol`); the pipeline translates the
-client's request into it when they differ. Both HTTP upstreams post the body with one pooled
-``aiohttp.ClientSession`` (the framework the proxy serves with) and take the reply as bytes: a
-proxy relays bytes, so the official SDKs' typed request and response models would only add work
-to every turn (through them a turn cost about three times the CPU). What the SDKs gave is kept:
-the key in each protocol's header, ``anthropic-version``, timeouts, retries of what is safe to
-retry (honouring Retry-After), the upstream's own error status and body relayed to the client,
-and ``HTTPS_PROXY`` / ``NO_PROXY`` from the environment.
+client's request into it when they differ. There is one HTTP upstream, :class:`HTTPUpstream`, for
+every protocol: what differs between them (the path, how the key is sent, headers every request
+needs such as ``anthropic-version``, the model list, the token count) is declared by the
+protocol's adapter (:mod:`metaclaw.protocols`), so this module names no protocol. It posts the
+body with one pooled ``aiohttp.ClientSession`` (the framework the proxy serves with) and takes
+the reply as bytes: a proxy relays bytes, so the official SDKs' typed request and response
+models would only add work to every turn (through them a turn cost about three times the CPU).
+What the SDKs gave is kept: the key in each protocol's header, the protocol's version header,
+timeouts, retries of what is safe to retry (honouring Retry-After), the upstream's own error
+status and body relayed to the client, and ``HTTPS_PROXY`` / ``NO_PROXY`` from the environment.
 
 Keys: the upstream key comes from the environment variable ``ProxyConfig.api_key_env``; with
-caller-auth, ``key`` is the caller's own key, sent instead (as ``Authorization: Bearer`` to an
-OpenAI upstream, ``x-api-key`` to an Anthropic one). Keys never reach logs, errors or the store.
+caller-auth, ``key`` is the caller's own key, sent instead (as ``Authorization: Bearer``, and in
+the protocol's :attr:`~metaclaw.protocols.WireProtocol.key_header` when it has one, such as
+Anthropic's ``x-api-key``). Keys never reach logs, errors or the store.
 """
 
 from __future__ import annotations
@@ -28,15 +32,13 @@ from typing import Any, AsyncIterator, Mapping
 from yarl import URL
 
 from metaclaw.jsonlib import dumpb, loads
-from metaclaw.protocols import Event, ProxyError, WireProtocol, error_json, sse_events
-from metaclaw.protocols.registry import get_protocol
+from metaclaw.protocols import Event, ProxyError, WireProtocol, error_json
+from metaclaw.protocols.registry import PIVOT, get_protocol, upstream_protocols
 from metaclaw.redact import safe_url
 
 log = logging.getLogger("metaclaw.proxy")
 
 NO_KEY = "sk-no-key"
-#: The Anthropic API version sent when the client names none (the anthropic SDK's own default).
-ANTHROPIC_VERSION = "2023-06-01"
 
 
 class PolicyRequestError(ValueError):
@@ -125,42 +127,43 @@ async def _read_body(response: Any, limit: int | None = None) -> bytes:
 
 
 class HTTPUpstream(Upstream):
-    """Shared by the two HTTP upstreams: one pooled session, raw posts, retries, error mapping.
+    """An upstream at an HTTP base URL speaking ``protocol`` (a registered protocol that declares
+    an ``upstream_path``): one pooled session, raw posts, retries, error mapping.
 
     ``url``: the base URL (``user:password@`` in it becomes Basic authentication, as HTTP
     clients read it); ``key_env``: the environment variable with the server's key; ``timeout``:
     seconds for a whole non-streaming reply, for connecting, and between a stream's events;
     ``max_retries``: further attempts after a connection error or a 408/409/429/5xx.
+
+    :meth:`models` and :meth:`count_tokens` exist (``hasattr``) only when the protocol declares
+    the upstream's model list or token count.
     """
 
-    path = "/chat/completions"
-
-    def __init__(self, url: str, key_env: str, timeout: float, max_retries: int):
+    def __init__(self, protocol: WireProtocol, url: str, key_env: str, timeout: float,
+                 max_retries: int):
         from urllib.parse import unquote, urlsplit
 
+        if not protocol.upstream_path:
+            raise ValueError(f"the wire protocol {protocol.name!r} declares no upstream_path: "
+                             "the proxy cannot forward in it")
+        self.protocol = protocol
+        self.kind = protocol.name
+        self.path = protocol.upstream_path
         self.url = url
         self.key_env = key_env
         self.timeout = timeout
         self.max_retries = max_retries
         parts = urlsplit(url)
-        self._base = safe_url(self.base_url(url)) or ""
+        self._base = safe_url(protocol.upstream_base_url(url)) or ""
         self._basic = ((unquote(parts.username or ""), unquote(parts.password or ""))
                        if parts.username or parts.password else None)
         self._session: Any = None
         self._proxy: str | None = None
         self._urls: dict[str, Any] = {}
 
-    @staticmethod
-    def base_url(url: str) -> str:
-        return url.rstrip("/")
-
-    def _server_headers(self, key: str) -> dict[str, str]:
-        """Headers every request carries (the server's key)."""
-        return {"Authorization": f"Bearer {key}"}
-
     def _headers(self, key: str | None, headers: dict[str, str]) -> dict[str, str]:
         """Per-request headers: ``headers`` and, under caller-auth, the caller's ``key``."""
-        return headers
+        return self.protocol.upstream_request_headers(key, headers)
 
     async def open(self) -> None:
         """Create the pooled session (on the loop that will use it)."""
@@ -169,8 +172,9 @@ class HTTPUpstream(Upstream):
 
         import aiohttp
 
+        key = os.environ.get(self.key_env) or NO_KEY
         headers = {"Content-Type": "application/json", "Accept": "application/json",
-                   **self._server_headers(os.environ.get(self.key_env) or NO_KEY)}
+                   **self.protocol.upstream_server_headers(key)}
         if self._basic is not None:  # credentials in the URL win, as in other HTTP clients
             headers["Authorization"] = aiohttp.BasicAuth(*self._basic).encode()
         # the environment's proxy, looked up once (aiohttp's trust_env would look per request)
@@ -178,7 +182,7 @@ class HTTPUpstream(Upstream):
         if not proxy_bypass(parts.hostname or ""):
             self._proxy = getproxies().get(parts.scheme)
         # a whole reply is timed by the caller (asyncio.timeout); a stream's reads are timed
-        # here, its events by sse_events
+        # here, its events by the protocol's event reader (sse_events)
         self._whole_timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.timeout)
         self._stream_timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.timeout,
                                                      sock_read=self.timeout)
@@ -306,18 +310,19 @@ class HTTPUpstream(Upstream):
             try:
                 data = loads(payload)
             except ValueError:  # events under the wrong Content-Type: read as events
-                return sse_events(_once(payload), self.timeout)
+                return self.protocol.upstream_events(_once(payload), self.timeout)
             self._raise_error_object(data, payload)
             raise ProxyError(502, f"the upstream {safe_url(self.url)} answered a streaming "
                                   "request with one JSON body, not server-sent events: it does "
                                   "not stream; send the request without stream, or use an "
                                   "upstream that streams", type="upstream_error",
                              code="upstream_not_streaming")
-        return sse_events(response.content.iter_any(), self.timeout)
+        return self.protocol.upstream_events(response.content.iter_any(), self.timeout)
 
     def _raise_error_object(self, data: Any, payload: bytes) -> None:
         """Raise the upstream's own error when ``data`` (a body answered with HTTP 200) is an
-        error object of either protocol, so that the client reads the upstream's message."""
+        error object (``{"error": {...}}``, the shape the protocols share), so that the client
+        reads the upstream's message."""
         if isinstance(data, dict) and isinstance(data.get("error"), dict):
             raise self._relayed_status_error(UpstreamStatusError(502, {}, payload))
 
@@ -377,67 +382,34 @@ class HTTPUpstream(Upstream):
                           headers=headers)
 
 
-class OpenAIUpstream(HTTPUpstream):
-    """Any OpenAI-compatible base URL (``.../v1``)."""
+    # -- what the protocol may declare of its upstreams ----------------------------------------
+    @property
+    def models(self):
+        """``async models(key=None) -> (status, body)``: the upstream's model list (the
+        protocol's ``upstream_models_path``); absent when the protocol declares none."""
+        if not self.protocol.upstream_models_path:
+            raise AttributeError(f"a {self.protocol.name} upstream has no model list")
+        return self._models
 
-    protocol = get_protocol("openai")
-    kind = "openai"
-
-    def _headers(self, key: str | None, headers: dict[str, str]) -> dict[str, str]:
-        return {"Authorization": f"Bearer {key}"} if key else {}
-
-    async def models(self, key: str | None = None) -> tuple[int, bytes]:
-        """``GET /models`` of the upstream: its status and body."""
+    async def _models(self, key: str | None = None) -> tuple[int, bytes]:
         async with asyncio.timeout(self.timeout):
-            return 200, await self._request("GET", "/models", None, self._headers(key, {}))
-
-
-class ResponsesUpstream(OpenAIUpstream):
-    """An OpenAI Responses endpoint (``.../v1/responses``: OpenAI's own, or any server that
-    speaks it). A Responses client's requests and replies pass through byte for byte; other
-    clients' are translated through the chat pivot."""
-
-    protocol = get_protocol("responses")
-    kind = "responses"
-    path = "/responses"
-
-
-class AnthropicUpstream(HTTPUpstream):
-    """An Anthropic Messages endpoint (its base URL with or without ``/v1``).
-    ``anthropic-version`` and ``anthropic-beta`` headers of an Anthropic client are forwarded as
-    they came; ``anthropic-version`` defaults to :data:`ANTHROPIC_VERSION`."""
-
-    protocol = get_protocol("anthropic")
-    kind = "anthropic"
-    path = "/v1/messages"
-
-    @staticmethod
-    def base_url(url: str) -> str:
-        url = url.rstrip("/")
-        return url[:-3] if url.endswith("/v1") else url
-
-    def _server_headers(self, key: str) -> dict[str, str]:
-        return {"x-api-key": key, "anthropic-version": ANTHROPIC_VERSION}
-
-    def _headers(self, key: str | None, headers: dict[str, str]) -> dict[str, str]:
-        out = dict(headers)
-        if key:  # both ways Anthropic endpoints take a key, replacing the server key
-            out["Authorization"] = f"Bearer {key}"
-            out["x-api-key"] = key
-        return out
-
-    async def models(self, key: str | None = None) -> tuple[int, bytes]:
-        """``GET /v1/models`` of the upstream (its base URL has no ``/v1``), the longest page
-        Anthropic serves: the proxy answers with one list."""
-        async with asyncio.timeout(self.timeout):
-            return 200, await self._request("GET", "/v1/models?limit=1000", None,
+            return 200, await self._request("GET", self.protocol.upstream_models_path, None,
                                             self._headers(key, {}))
 
-    async def count_tokens(self, body: dict[str, Any], key: str | None,
-                           headers: dict[str, str]) -> bytes:
+    @property
+    def count_tokens(self):
+        """``async count_tokens(body, key, headers) -> bytes``: the upstream's count of a
+        request's tokens (the protocol's ``upstream_count_tokens_path``); absent when the
+        protocol declares none."""
+        if not self.protocol.upstream_count_tokens_path:
+            raise AttributeError(f"a {self.protocol.name} upstream does not count tokens")
+        return self._count_tokens
+
+    async def _count_tokens(self, body: dict[str, Any], key: str | None,
+                            headers: dict[str, str]) -> bytes:
         async with asyncio.timeout(self.timeout):
-            return await self._request("POST", "/v1/messages/count_tokens", dumpb(body),
-                                       self._headers(key, headers))
+            return await self._request("POST", self.protocol.upstream_count_tokens_path,
+                                       dumpb(body), self._headers(key, headers))
 
 
 class ResponderUpstream(Upstream):
@@ -447,7 +419,7 @@ class ResponderUpstream(Upstream):
     record and never reaches the client.
     """
 
-    protocol = get_protocol("openai")
+    protocol = PIVOT
     kind = "responder"
 
     def __init__(self, responder: Any):
@@ -539,10 +511,10 @@ def retry_after(headers: Any) -> float | None:
 
 def make_upstream(protocol: str, url: str, key_env: str, timeout: float,
                   max_retries: int) -> HTTPUpstream:
-    """The HTTP upstream for ``protocol`` (``"openai"``, ``"anthropic"`` or ``"responses"``)."""
-    kinds = {kind.protocol.name: kind
-             for kind in (OpenAIUpstream, AnthropicUpstream, ResponsesUpstream)}
-    if protocol not in kinds:
-        raise ValueError(f"unknown upstream protocol {protocol!r}; choose 'openai', 'anthropic' "
-                         "or 'responses'")
-    return kinds[protocol](url, key_env, timeout, max_retries)
+    """The HTTP upstream at ``url`` speaking the registered protocol called ``protocol`` (one of
+    :func:`~metaclaw.protocols.registry.upstream_protocols`)."""
+    names = upstream_protocols()
+    if protocol not in names:
+        raise ValueError(f"unknown upstream protocol {protocol!r}; choose one of "
+                         f"{', '.join(repr(name) for name in names)}")
+    return HTTPUpstream(get_protocol(protocol), url, key_env, timeout, max_retries)
