@@ -65,9 +65,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Awaitable, Callable, TypeVar
 
 from metaclaw import buffers
+from metaclaw.fastloop import proposals
 from metaclaw.fastloop.evolver import EvolveError, Evolver, EvolveResult
 from metaclaw.fastloop.gate import Gate, GateReport, safety_check
 from metaclaw.fastloop.judge import Judge
+from metaclaw.redact import safe_url
 from metaclaw.skills.library import SkillConflict, SkillLibrary
 from metaclaw.store import IN_IDS, Store, id_list
 from metaclaw.training_lease import TrainingLease
@@ -307,8 +309,6 @@ class FastLoop:
         """A failed judge or evolver call is never silent: it is logged with the endpoint, the
         model and the upstream's message, and recorded in the store's ``events`` table, where
         ``%metaclaw status``, ``metaclaw events`` and the notebook views count it."""
-        from metaclaw.redact import safe_url
-
         role = "judge" if event.kind == "judge_failed" else "evolver"
         client = self.judge if role == "judge" else self.evolver
         endpoint, model = safe_url(getattr(client, "base_url", None)), getattr(client, "model", None)
@@ -600,8 +600,6 @@ class FastLoop:
 
     async def _evolve_alone(self, trigger: str, *, manual: bool,
                             dry_run: bool) -> EvolveResult | None:
-        from metaclaw.fastloop import proposals
-
         self.library.sync()  # a generation another process committed while this waited
         buffers.refresh(self.store, threshold=self.judge.threshold)
         support = buffers.support_set(self.store, threshold=self.judge.threshold)
@@ -662,8 +660,6 @@ class FastLoop:
 
     async def _gated_evolve(self, support: list[dict[str, Any]]) -> EvolveResult:
         """The automatic path: propose, check with the gate, then promote or hold back."""
-        from metaclaw.fastloop import proposals
-
         proposal = await self.evolver.apropose(support)
         parent = proposal.base_generation
         if not proposal.ops:

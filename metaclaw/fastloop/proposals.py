@@ -29,7 +29,8 @@ from typing import Any, Callable, Iterable
 
 from metaclaw import buffers
 from metaclaw.fastloop.gate import GateReport, cases_html, safety_check
-from metaclaw.skills.library import Skill, SkillConflict, SkillFormatError, SkillOp, oversize_reason
+from metaclaw.skills.library import (Skill, SkillConflict, SkillFormatError, SkillOp, default_author,
+                                     oversize_reason)
 from metaclaw.store import Store
 
 HELD, PROMOTED, DISCARDED = "held", "promoted", "discarded"
@@ -212,8 +213,6 @@ def edit(store: Store, proposal_id: int, name: str, *, body: str | None = None,
          by: str | None = None) -> Proposal:
     """Change the skill an operation of a held proposal would write (the gate's evidence is
     kept; the edit is added to the proposal's history). Returns the updated proposal."""
-    from metaclaw.skills.library import default_author
-
     with store.transaction():  # read and write at once: a concurrent decision or edit waits
         return _edit(store, _require_held(store, proposal_id), name, body=body,
                      description=description, category=category, by=by or default_author())
@@ -317,8 +316,6 @@ def promote(store: Store, library: Any, proposal_id: int, *, by: str | None = No
     the row). The safety check runs again on the edited text; a finding refuses the promotion
     unless ``allow_unsafe``. Returns the new generation.
     """
-    from metaclaw.skills.library import default_author
-
     proposal = _require_held(store, proposal_id)
     who = by or default_author()
     findings = safety_check(proposal.ops)
@@ -363,8 +360,6 @@ def promote(store: Store, library: Any, proposal_id: int, *, by: str | None = No
 def discard(store: Store, proposal_id: int, *, by: str | None = None,
             reason: str = "") -> Proposal:
     """Discard a held proposal (kept on file with who discarded it and why)."""
-    from metaclaw.skills.library import default_author
-
     who = by or default_author()
     with store.transaction():  # read and write at once: a concurrent decision or edit waits
         proposal = _require_held(store, proposal_id)
@@ -389,8 +384,6 @@ def revert(library: Any, generation: int, *, by: str | None = None) -> int:
     skills stay): each skill it touched goes back to its version in the generation's parent.
     Refuses when a later generation changed one of those skills again. Returns the new
     generation (kind ``rollback``)."""
-    from metaclaw.skills.library import default_author
-
     row = library.store.generation(int(generation))
     if row is None:
         raise ProposalError(f"there is no skill generation {generation}")

@@ -43,7 +43,7 @@ from metaclaw.protocols import error_json
 from metaclaw.proxy.server import BackgroundServer, ServedApp
 from metaclaw.proxy.upstreams import PolicyRequestError
 from metaclaw.slowloop.backends import TokenizerMixin, normalize_messages
-from metaclaw.slowloop.policy import PolicyResponder
+from metaclaw.slowloop.policy import PolicyMismatch, PolicyResponder
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +121,6 @@ class ServedModel(TokenizerMixin):
         Slow (copies and merges the weights): call it off the event loop."""
         from metaclaw.slowloop.backends.local import LocalSampler, merged_policy
         from metaclaw.slowloop.causal_lm import model_identity
-        from metaclaw.slowloop.policy import PolicyMismatch
 
         if backend != "local":
             raise PolicyMismatch(f"policy version {version} was trained with the {backend} "

@@ -40,7 +40,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable
 
-from metaclaw.turns import STAGE_TURNS_SQL
+from metaclaw.turns import STAGE_TURNS_SQL, stage_of, stage_turn_type
 
 STAGES = ("plan", "search", "experiment", "analyze", "write")
 #: The stages a refine cycle runs again.
@@ -186,7 +186,6 @@ class SimulatedResearchModel:
         """The ``sim-evolver`` role: one skill per stage (the support turns' ``turn_type``) from
         their rationales."""
         from metaclaw.fastloop.evolver import parse_evolver_prompt
-        from metaclaw.turns import stage_of
 
         parsed = parse_evolver_prompt(prompt)
         existing = {s["name"]: s for s in parsed["library"]}
@@ -269,8 +268,6 @@ def run_pipeline(chat: Callable[[str, str, list[dict[str, str]]], tuple[str, int
     ``stage:<stage>``); ``record_verdict(turn_id, passed, message, by)``: store a verdict on the
     turn (``by``: :data:`CHECK` or :data:`REVIEW`).
     """
-    from metaclaw.turns import stage_turn_type
-
     outputs: dict[str, str] = {}
     stages: list[StageRecord] = []
     refines = 0
@@ -321,8 +318,6 @@ def stage_executions(store: Any, runs: Iterable[RunRecord | str]) -> list[dict[s
     A run's turns of type ``stage:<stage>``, in order, are split into executions after each turn
     that passed its check (reward > 0, or a write turn the review failed after its check
     passed); attempts left open at the end are an execution that never passed."""
-    from metaclaw.turns import stage_of
-
     sessions = [r.run if isinstance(r, RunRecord) else str(r) for r in runs]
     if not sessions:
         return []

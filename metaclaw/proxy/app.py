@@ -68,7 +68,9 @@ from metaclaw.proxy.server import BackgroundServer, ServedApp, _base_url
 from metaclaw.proxy.sessions import ReplyThreads
 from metaclaw.proxy.upstreams import make_upstream
 from metaclaw.redact import safe_url
+from metaclaw.skills import retrieval
 from metaclaw.store import Store, StoreUnavailable
+from metaclaw.turns import IdentityError, check_principal
 
 if TYPE_CHECKING:  # pragma: no cover
     from metaclaw.skills.library import SkillLibrary
@@ -95,12 +97,14 @@ class ProxyConfig:
     client, waiting as the upstream's Retry-After says (a longer wait than 20 s is relayed instead).
     ``stream_usage``: ask the upstream for the usage chunk on every stream so the turn's token
     counts are recorded (the chunk is relayed only to clients that asked for it).
-    ``upstream_protocol``: the wire protocol of the upstream, ``"openai"`` (any OpenAI-compatible
-    server) or ``"anthropic"`` (an Anthropic Messages endpoint; its base URL with or without
-    ``/v1``). ``caller_auth``: forward each caller's own key (``x-api-key`` or ``Authorization:
-    Bearer``) to the upstream instead of the server key; the proxy token, when set, then comes in
-    ``X-MetaClaw-Token``. ``context_window``/``context_windows``/``tokenizer``: the context
-    budget (see :mod:`metaclaw.proxy.context_budget`): the window for models not otherwise known, the
+    ``upstream_protocol``: the wire protocol of the upstream, the name of a registered protocol
+    that declares an upstream path (:func:`metaclaw.protocols.registry.upstream_protocols`:
+    ``"openai"`` for any OpenAI-compatible server, ``"responses"``, ``"anthropic"`` for an
+    Anthropic Messages endpoint, its base URL with or without ``/v1``). ``caller_auth``:
+    forward each caller's own key (``x-api-key`` or ``Authorization: Bearer``) to the upstream
+    instead of the server key; the proxy token, when set, then comes in ``X-MetaClaw-Token``.
+    ``context_window``/``context_windows``/``tokenizer``: the context budget (see
+    :mod:`metaclaw.proxy.context_budget`): the window for models not otherwise known, the
     windows per model name, and a ``tokenizer.json`` path (or ``str -> int`` callable) to count
     with instead of the estimate. ``durable_acks`` (default on): send the end of each reply only
     once its turn is committed to the store (group commit, see :mod:`metaclaw.proxy.pipeline`), so an
@@ -152,8 +156,6 @@ class ProxyConfig:
     agent: str | None = None
 
     def __post_init__(self) -> None:
-        from metaclaw.turns import IdentityError, check_principal
-
         for name in ("user", "agent"):
             value = getattr(self, name)
             if value is not None and value != "":
@@ -218,8 +220,6 @@ class Proxy(ServedApp):
 
     def __init__(self, config: ProxyConfig, store: Store, library: "SkillLibrary",
                  retriever: Any = None):
-        from metaclaw.skills import retrieval
-
         self.config = config
         self.store = store
         self.library = library

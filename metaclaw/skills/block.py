@@ -8,7 +8,8 @@ or leave a Markdown block open over what follows. :func:`render_block` writes it
 one, and :func:`strip_skill_block` removes it from recorded or resent messages.
 
 The protocols, the sessions, the trace and the labels read the block; retrieval writes it. It
-imports only the message readers (:mod:`metaclaw.skills.asks`) and :class:`~metaclaw.skills.library.Skill`.
+imports only the message readers (:mod:`metaclaw.skills.asks`); :class:`~metaclaw.skills.library.Skill`
+is named in annotations only, so that reading the block does not load the library (nor yaml).
 """
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ from __future__ import annotations
 import functools
 import logging
 import re
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from metaclaw.skills.asks import INSTRUCTION_ROLES, content_text
-from metaclaw.skills.library import Skill
+
+if TYPE_CHECKING:  # pragma: no cover
+    from metaclaw.skills.library import Skill
 
 log = logging.getLogger(__name__)
 

@@ -56,7 +56,7 @@ from metaclaw import buffers
 from metaclaw.aio import run_sync
 from metaclaw.fileio import fsync_path, write_atomic
 from metaclaw.progress import ProgressFn, notify
-from metaclaw.slowloop.backends import Datum, check_loss_fn
+from metaclaw.slowloop.backends import BackendError, Datum, check_loss_fn, render_request
 
 log = logging.getLogger(__name__)
 ADVANTAGE_MODES = ("group", "batch", "none")
@@ -193,8 +193,6 @@ def prompts_from_query_set(store, backend, generation: int | None = None, *,
     ``reward_for(turn)``: a programmatic reward for a turn's completions (e.g. the benchmark's
     graders), or None to leave the turn to the judge.
     """
-    from metaclaw.slowloop.backends import render_request
-
     prompts = []
     for turn in select_query_turns(store, generation):
         unreadable = {"request_messages", "request_params"} & set(turn.get("malformed_columns", ()))
@@ -444,8 +442,6 @@ class GRPOTrainer:
         serve under its number), of another backend or base model, or whose saved state is
         gone or unreadable; the backend keeps its weights under their own number. Returns the
         version."""
-        from metaclaw.slowloop.backends import BackendError
-
         backend = self.backend
         rows = self.store.query("SELECT version, backend, base_model, checkpoint "
                                 "FROM policy_versions ORDER BY version DESC LIMIT 1")

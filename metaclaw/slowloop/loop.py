@@ -36,6 +36,8 @@ import threading
 import time
 from typing import Any, Callable
 
+from metaclaw import buffers
+from metaclaw.buffers import message_text
 from metaclaw.progress import ProgressFn
 from metaclaw.slowloop.grpo import (GRPOConfig, GRPOResult, GRPOTrainer, Prompt, current_generation,
                                     prompts_from_query_set, select_query_turns)
@@ -50,7 +52,6 @@ def turn_evidence(store, turn: dict[str, Any] | None) -> str | None:
     """The recorded consequence of a served turn, as the judge's evidence: the results of its
     tool calls and the user's next message (both read from the session's next turns), and an
     explicit label when the turn has one. None when nothing is known yet."""
-    from metaclaw.buffers import message_text
     from metaclaw.fastloop.judge import next_user_message
 
     if store is None or not turn or turn.get("id") is None:
@@ -212,8 +213,6 @@ class SlowLoop:
         recorded unclassified (by another program, or before the proxy classified what it
         records) would otherwise never train, and live turns of a generation another process
         replaced are purged rather than shown live."""
-        from metaclaw import buffers
-
         buffers.refresh(self.store)
         if isinstance(self.reward, JudgeReward):
             self.reward.new_step()
@@ -221,8 +220,6 @@ class SlowLoop:
 
     def _release_orphaned_claims(self) -> None:
         """Under the lease: drop the claims a trainer killed mid-step left behind."""
-        from metaclaw import buffers
-
         dropped = buffers.release_orphaned_claims(self.store)
         if dropped:
             self.store.record_event(
