@@ -515,18 +515,14 @@ def test_prompt_builder_round_trips():
 
 def test_a_failed_call_is_explained_without_the_key_or_url_credentials():
     """A server's error may quote the key it was sent, and a URL may carry user:password."""
-    import httpx
-    import openai
-
-    from metaclaw.fastloop.llm import LLMClient
+    from metaclaw.fastloop.llm import LLMClient, LLMStatusError
 
     client = LLMClient("http://team:pw-hunter2@127.0.0.1:9/v1", "sk-live-0123456789", 5.0)
-    response = httpx.Response(401, json={"error": {"message": "Incorrect API key provided: "
-                                                              "sk-live-0123456789 (pw-hunter2)"}},
-                              request=httpx.Request("POST", "http://127.0.0.1:9/v1"))
-    error = openai.AuthenticationError("denied", response=response, body=None)
+    error = LLMStatusError(401, {}, json.dumps({"error": {
+        "message": "Incorrect API key provided: sk-live-0123456789 (pw-hunter2)"}}).encode())
     text = client.explain(error)
-    assert text.startswith("HTTP 401") and "sk-live" not in text and "hunter2" not in text
+    assert text.startswith("HTTP 401: Incorrect API key") and "sk-live" not in text
+    assert "hunter2" not in text
     assert "hunter2" not in repr(Judge("http://team:pw-hunter2@127.0.0.1:9/v1", "m"))
 
 
