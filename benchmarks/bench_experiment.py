@@ -2,10 +2,13 @@
 
 Measured side by side in one run, against the offline double answering every request after a
 fixed latency (a simulated upstream and judge, not models; the double runs in its own process,
-as in ``bench_judge.py``):
+as in ``bench_judge.py``, the same one for every measurement, but on the same machine: its CPU,
+about 0.6 ms a request, shares the cores with the client, as a remote judge's would not, so on a
+small machine the ratio moves with the machine's load):
 
-- single: the wall time of one case of one variant (one upstream call, then ``--votes`` judge
-  calls in parallel), the slowest of ``--repeat``;
+- single: the wall time of one case of one variant (``current``: its skills selected, one
+  upstream call, then ``--votes`` judge calls in parallel), the slowest of ``--repeat`` after one
+  that warms the process (the retrieval model loads once per process, about 0.3 s);
 - experiment: ``Experiment.run`` over ``--cases`` cases x 2 variants, reading the cases and
   storing every result.
 
@@ -47,9 +50,10 @@ def workspace(folder: Path, cases: int):
     return store, library
 
 
-def prepared(url: str, store, name: str, latency: float, votes: int, dataset: str = "cases"):
-    """A new experiment ``name`` over ``dataset`` (variants none and current), and the replayer
-    that runs it against the double at ``latency``."""
+def prepared(url: str, store, name: str, latency: float, votes: int, dataset: str = "cases",
+             variants: tuple[str, ...] = ("none", "current")):
+    """A new experiment ``name`` over ``dataset`` (``variants``), and the replayer that runs it
+    against the double at ``latency``."""
     from metaclaw.fastloop import experiments as ex
     from metaclaw.fastloop.judge import Judge
     from metaclaw.fastloop.replay import Replayer
@@ -57,7 +61,7 @@ def prepared(url: str, store, name: str, latency: float, votes: int, dataset: st
     model = f"judge-{latency:g}"
     replayer = Replayer(Judge(url, model, votes=votes, timeout=30 + latency), url, model,
                         timeout=30 + latency)
-    return ex.Experiment.create(store, name, dataset, ["none", "current"]), replayer
+    return ex.Experiment.create(store, name, dataset, list(variants)), replayer
 
 
 def check_scored(experiment) -> None:
@@ -94,8 +98,9 @@ def main(argv: list[str] | None = None) -> int:
             runs = []  # one case of one variant each
             for i in range(args.repeat + 1):
                 ex.dataset(store, f"one{i}", turn_ids=[ids[args.cases + i - 1]])
-                runs.append(prepared(url, store, f"s{i}", args.latency, args.votes, f"one{i}"))
-            single, _median = slowest(  # the first warms the connection pools
+                runs.append(prepared(url, store, f"s{i}", args.latency, args.votes, f"one{i}",
+                                     ("current", "none")))  # max_calls: current only
+            single, _median = slowest(  # the first warms the process
                 lambda i: runs[i][0].run(runs[i][1], library, concurrency=1,
                                          max_calls=1 + args.votes), args.repeat)
             for experiment, _replayer in runs:

@@ -189,3 +189,62 @@ def test_cli(workspace, sim, capsys):
                      "--upstream", sim.url, "--judge-url", sim.url, "--judge-model", "j"]
                     + base) == 2
     assert "variant 'gen:'" in capsys.readouterr().err
+
+
+def test_every_case_variant_is_in_flight_at_once_within_the_open_file_limit(tmp_path,
+                                                                            monkeypatch):
+    """At the default concurrency the replays of a moderate experiment all go out in one wave
+    (every upstream request arrives before the first reply leaves); with a low open-file limit
+    fewer replays are in flight, each holding one connection per call."""
+    import resource
+    import threading
+    import time
+
+    from metaclaw.offline.double import DoubleServer, Reply
+    from metaclaw.skills.library import Skill
+
+    store = Store(tmp_path / "metaclaw.db")
+    library = SkillLibrary(tmp_path / "skills", store)
+    library.add(Skill(name="iso-dates", description="Write dates as ISO 8601",
+                      body="Every date you write uses YYYY-MM-DD."), reason="test")
+    ids = [store.record_turn(session_id="s", status="ok", response=f"answer {i}",
+                             request_messages=[{"role": "user", "content": f"date {i}"}])
+           for i in range(60)]
+    ex.dataset(store, "cases", turn_ids=ids)
+    arrivals: list[float] = []
+    delay = [1.0]
+    lock = threading.Lock()
+
+    def reply(body: dict) -> Reply:
+        if body.get("model") == "judge":
+            return Reply(content='{"score": 1, "rationale": "fine"}')
+        with lock:
+            arrivals.append(time.monotonic())
+        return Reply(content="2026-01-01", delay=delay[0])
+
+    assert ex.CONCURRENCY >= 400  # 200 cases x 2 variants in one wave
+    import gc
+
+    thresholds = gc.get_threshold()
+    with DoubleServer(reply) as double:
+        replayer = Replayer(Judge(double.url, "judge", votes=1), double.url, "upstream")
+        experiment = ex.Experiment.create(store, "wave", "cases", ["none", "current"])
+        experiment.run(replayer, library)
+        assert gc.get_threshold() == thresholds  # collected less often only while it ran
+        assert len(arrivals) == 120 and max(arrivals) - min(arrivals) < 1.0
+        assert experiment.frame()["score"].null_count() == 0
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        monkeypatch.setattr(resource, "getrlimit", lambda which: (256 + 40, hard))
+        assert ex.replays_in_flight(2) == 20 and ex.replays_in_flight(1 + 3) == 10
+        monkeypatch.setattr(resource, "getrlimit", lambda which: (100, hard))
+        assert ex.replays_in_flight(4) == 1  # never none
+        monkeypatch.setattr(resource, "getrlimit", lambda which: (256 + 40, hard))
+        arrivals.clear()
+        delay[0] = 0.4
+        experiment = ex.Experiment.create(store, "bounded", "cases", ["none", "current"])
+        started = time.monotonic()
+        experiment.run(replayer, library)
+        # 120 replays, 20 at a time, 0.4 s each: six waves
+        assert len(arrivals) == 120 and time.monotonic() - started >= 6 * 0.4
+    store.close()
