@@ -448,3 +448,43 @@ def test_tls_is_verified_against_the_system_authorities_or_ssl_cert_file(tmp_pat
         assert reply["choices"][0]["message"]["content"] == "over TLS"
     finally:
         server.stop()
+
+
+def test_complete_is_the_one_retry_loop_of_the_judge_and_the_evolver():
+    """A refused schema is asked once more as text (a try not counted); a retryable status is
+    retried up to ``retries``; a client error stops at once; every failure says its kind."""
+    import asyncio
+
+    from metaclaw.fastloop.llm import CallFailed, LLMClient
+    from metaclaw.offline.double import DoubleServer, Reply
+
+    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+    params = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+    def call(replies, **options):
+        with DoubleServer(replies) as double:
+            client = LLMClient(double.url, "sk-test", 5.0)
+
+            async def main():
+                try:
+                    return await client.complete(params, timeout=5.0, **options)
+                finally:
+                    await client.aclose()
+
+            try:
+                return asyncio.run(main()), double.requests
+            except CallFailed as failed:
+                return failed, double.requests
+
+    (response, structured), sent = call([Reply("no schema here", status=400), Reply("{}")],
+                                        retries=0, schema=schema)
+    assert not structured and response["choices"][0]["message"]["content"] == "{}"
+    assert "response_format" in sent[0]["body"] and "response_format" not in sent[1]["body"]
+    (response, structured), _ = call([Reply("{}")], retries=0, schema=schema)
+    assert structured
+    failed, sent = call([Reply("busy", status=503), Reply("busy", status=503)], retries=1)
+    assert isinstance(failed, CallFailed) and failed.kind == "error" and failed.attempts == 2
+    assert failed.retryable and "HTTP 503" in failed.detail and len(sent) == 2
+    failed, sent = call([Reply("bad key sk-test", status=401)], retries=3)
+    assert failed.kind == "error" and failed.attempts == 1 and not failed.retryable
+    assert "sk-test" not in failed.detail and len(sent) == 1

@@ -82,8 +82,7 @@ from typing import Any, Iterable
 from metaclaw import buffers
 from metaclaw.fastloop.judge import (SECTION_TASK, SECTION_TOOLS, Judge, json_objects,
                                      next_user_message, render_sections, trim)
-from metaclaw.fastloop.llm import (LLMClient, answer_error, check_url, reply_text, retry_delay,
-                                   run_sync)
+from metaclaw.fastloop.llm import CallFailed, LLMClient, check_url, reply_text, run_sync
 from metaclaw.fastloop.proposals import ProposalError, apply_ops
 from metaclaw.fastloop.replay import Replayer
 from metaclaw.progress import ProgressFn, notify
@@ -701,43 +700,27 @@ class Evolver:
             params["temperature"] = self.temperature
         if self.max_tokens is not None:
             params["max_tokens"] = self.max_tokens
-        where = f"the evolver model {self.model!r} at {safe_url(self.base_url)}"
-        structured, attempt = self.structured, 0
-        while True:
-            if structured:
-                params["response_format"] = EVOLVER_RESPONSE_FORMAT
+        try:
+            response, structured = await self._client.complete(
+                params, timeout=self.timeout, retries=self.retries,
+                schema=EVOLVER_RESPONSE_FORMAT if self.structured else None)
+        except CallFailed as failed:
+            where = f"the evolver model {self.model!r} at {safe_url(self.base_url)}"
+            tried = f"tried {failed.attempts} times"
+            if failed.kind == "timeout":
+                message = (f"{where} did not answer within {self.timeout:g} s ({tried}); raise "
+                           "timeout or check the server")
+            elif failed.kind == "no_reply":  # status 200 with an error body, not a reply
+                message = (f"{where} answered without a reply ({failed.detail}, {tried}); check "
+                           "evolver_url and evolver_model")
             else:
-                params.pop("response_format", None)
-            try:
-                response = await asyncio.wait_for(self._client.chat(params), self.timeout)
-            except asyncio.TimeoutError:
-                delay = retry_delay(None, attempt)
-                failure = (f"{where} did not answer within {self.timeout:g} s (tried "
-                           f"{attempt + 1} times); raise timeout or check the server")
-            except Exception as exc:
-                if structured and getattr(exc, "status_code", None) in (400, 422):
-                    structured = False  # maybe no JSON-schema support: ask for plain JSON
-                    continue
-                delay = retry_delay(exc, attempt)
-                failure = (f"{where} failed ({self._client.explain(exc)}"
-                           + (f", tried {attempt + 1} times" if delay is not None else "")
+                message = (f"{where} failed ({failed.detail}"
+                           + (f", {tried}" if failed.retryable else "")
                            + "); check evolver_url and evolver_model")
-            else:
-                if self.structured and not structured:
-                    self.structured = False  # text worked where the schema was refused
-                refusal = answer_error(response)
-                if refusal is None:
-                    return reply_text(response), response["choices"][0].get("finish_reason")
-                # some servers and gateways report a failure with status 200 and an error
-                # body: read as a reply it would be "empty" twice, hiding the server's reason
-                delay = retry_delay(None, attempt)
-                refusal = self._client.explain(ValueError(refusal)).removeprefix("ValueError: ")
-                failure = (f"{where} answered without a reply ({refusal}, tried {attempt + 1} "
-                           "times); check evolver_url and evolver_model")
-            if delay is None or attempt >= self.retries:
-                raise EvolveError(failure)
-            attempt += 1
-            await asyncio.sleep(delay)
+            raise EvolveError(message) from None
+        if self.structured and not structured:
+            self.structured = False  # text worked where the schema was refused
+        return reply_text(response), response["choices"][0].get("finish_reason")
 
     # support ----------------------------------------------------------------------------
     def _support_items(self, turns: list[dict[str, Any]]) -> list[dict[str, Any]]:

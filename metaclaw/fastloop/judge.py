@@ -40,8 +40,7 @@ from typing import Any, Iterable
 
 from metaclaw import buffers
 from metaclaw.buffers import message_text
-from metaclaw.fastloop.llm import (LLMClient, answer_error, check_url, reply_text, retry_delay,
-                                   run_sync)
+from metaclaw.fastloop.llm import CallFailed, LLMClient, check_url, reply_text, run_sync
 from metaclaw.progress import ProgressFn, notify
 from metaclaw.redact import safe_url
 from metaclaw.store import DB_ERRORS, IN_IDS, Store, id_list
@@ -572,49 +571,22 @@ class Judge:
     # one vote ---------------------------------------------------------------------------
     async def _vote(self, messages: list[dict[str, str]],
                     semaphore: asyncio.Semaphore | None) -> dict[str, Any]:
-        error = "no attempt made"
-        structured = self.structured
-        attempts = self.retries + 1
-        self._client.get()  # create the client (first use imports the SDK) outside the timeout
-        while attempts > 0:
-            attempts -= 1
-            params: dict[str, Any] = {"model": self.model, "messages": messages}
-            if self.temperature is not None:
-                params["temperature"] = self.temperature
-            if self.max_tokens is not None:
-                params["max_tokens"] = self.max_tokens
-            if structured:
-                params["response_format"] = JUDGE_RESPONSE_FORMAT
-            try:
-                if semaphore is None:
-                    response = await asyncio.wait_for(self._client.chat(params), self.timeout)
-                else:
-                    async with semaphore:
-                        response = await asyncio.wait_for(self._client.chat(params), self.timeout)
-            except asyncio.TimeoutError:
-                error = f"timed out after {self.timeout:g} s"
-                delay = retry_delay(None, self.retries - attempts)
-            except Exception as exc:  # transport or status error: counted, retried
-                error = self._client.explain(exc)
-                if structured and getattr(exc, "status_code", None) in (400, 422):
-                    structured = False  # maybe no JSON-schema support: one extra try as text
-                    attempts += 1
-                    continue
-                delay = retry_delay(exc, self.retries - attempts)
-            else:
-                failure = answer_error(response)
-                if failure is None:
-                    if self.structured and not structured:
-                        self.structured = False  # text worked where the schema was refused
-                    return self._verdict(response)
-                # a gateway's error answered with status 200 is a failed call, retried like
-                # one, and reported with its message, not read as an empty verdict
-                error = self._client.mask(f"HTTP 200 without a reply: {failure}")
-                delay = retry_delay(None, self.retries - attempts)
-            if delay is None or attempts == 0:  # a client error: another try would fail alike
-                break
-            await asyncio.sleep(delay)
-        return {"score": None, "rationale": "", "error": error}
+        params: dict[str, Any] = {"model": self.model, "messages": messages}
+        if self.temperature is not None:
+            params["temperature"] = self.temperature
+        if self.max_tokens is not None:
+            params["max_tokens"] = self.max_tokens
+        try:
+            response, structured = await self._client.complete(
+                params, timeout=self.timeout, retries=self.retries,
+                schema=JUDGE_RESPONSE_FORMAT if self.structured else None, semaphore=semaphore)
+        except CallFailed as failed:
+            error = (f"HTTP 200 without a reply: {failed.detail}" if failed.kind == "no_reply"
+                     else failed.detail)
+            return {"score": None, "rationale": "", "error": error}
+        if self.structured and not structured:
+            self.structured = False  # text worked where the schema was refused
+        return self._verdict(response)
 
     def _verdict(self, response: dict[str, Any]) -> dict[str, Any]:
         """One vote from a chat.completion JSON. What the judge wrote is kept with any key of

@@ -77,6 +77,18 @@ class LLMConnectionError(LLMError):
         self.retryable = retryable
 
 
+class CallFailed(LLMError):
+    """Every attempt of :meth:`LLMClient.complete` failed. ``kind``: ``"timeout"``, ``"error"``
+    (a status, connection or reply error) or ``"no_reply"`` (status 200 without a reply);
+    ``detail``: why the last attempt failed, one line, the client's secrets masked;
+    ``attempts``: how many were made; ``retryable``: False when another try would fail alike (a
+    client error), so fewer attempts than allowed were made."""
+
+    def __init__(self, kind: str, detail: str, attempts: int, retryable: bool):
+        super().__init__(detail)
+        self.kind, self.detail, self.attempts, self.retryable = kind, detail, attempts, retryable
+
+
 class LLMResponseError(LLMError, ValueError):
     """The server answered 2xx with a body that is no chat.completion JSON object (not JSON,
     cannot be decoded, too large, not HTTP)."""
@@ -250,6 +262,48 @@ class LLMClient:
                                    f"with chat.completion JSON ({len(body)} bytes, "
                                    f"{response.content_type})")
         return reply
+
+    async def complete(self, params: dict[str, Any], *, timeout: float, retries: int,
+                       schema: dict[str, Any] | None = None,
+                       semaphore: asyncio.Semaphore | None = None) -> tuple[dict[str, Any], bool]:
+        """One chat completion of ``params``, tried up to ``retries`` more times after a timeout
+        (``timeout`` seconds for each whole call), a retryable error or an answer with status
+        200 and no reply, waiting :func:`retry_delay` between tries. With ``schema`` (a
+        ``response_format``), the schema is asked for first; a server that refuses it (400 or
+        422) is asked once more in plain text, a try not counted. ``semaphore``: held for each
+        call. Returns the reply's JSON and whether the schema was used; raises
+        :class:`CallFailed` when no attempt gave a reply. The one retry loop of the fast loop's
+        callers (the judge's votes, the evolver's requests)."""
+        structured, attempt = schema is not None, 0
+        self.get()  # the session exists before the first call's time starts
+        while True:
+            body = {**params, "response_format": schema} if structured else params
+            try:
+                if semaphore is None:
+                    response = await asyncio.wait_for(self.chat(body), timeout)
+                else:
+                    async with semaphore:
+                        response = await asyncio.wait_for(self.chat(body), timeout)
+            except asyncio.TimeoutError:
+                kind, detail = "timeout", f"timed out after {timeout:g} s"
+                delay = retry_delay(None, attempt)
+            except Exception as exc:  # a status, connection or reply error: maybe retried
+                if structured and getattr(exc, "status_code", None) in (400, 422):
+                    structured = False  # maybe no JSON-schema support: once more as text
+                    continue
+                kind, detail, delay = "error", self.explain(exc), retry_delay(exc, attempt)
+            else:
+                refusal = answer_error(response)
+                if refusal is None:
+                    return response, structured
+                # a gateway's error answered with status 200 is a failed call, retried like
+                # one, and reported with its message, not read as an empty reply
+                kind, detail = "no_reply", self.mask(" ".join(refusal.split())[:300])
+                delay = retry_delay(None, attempt)
+            if delay is None or attempt >= retries:
+                raise CallFailed(kind, detail, attempt + 1, delay is not None)
+            attempt += 1
+            await asyncio.sleep(delay)
 
     def _redirect(self, location: str | None) -> str:
         """What a redirect's error says: where it points (the base URL to configure, when it
