@@ -254,13 +254,12 @@ def test_score_skips_a_turn_another_process_is_judging(tmp_path):
     assert store.query("SELECT * FROM events WHERE kind = 'judge_failed'") == []
 
 
-def test_train_now_then_runs_json(tmp_path):
-    """`metaclaw train --now` on the query set with the local backend on the tiny model, judged
-    by an OpenAI-compatible judge double; `metaclaw runs --json` shows the recorded steps."""
+def training_workspace(tmp_path):
+    """The tiny local model, a workspace with two query-set turns, and a scripted judge (a
+    ``DoubleServer`` handler) that rewards replies saying "yes"."""
     from metaclaw.fastloop.judge import SECTION_REPLY, parse_judge_prompt
     from metaclaw.offline.tinymodel import write_tiny_model
     from metaclaw.store import Store
-    from metaclaw.training_lease import TrainingLease
 
     model = write_tiny_model(tmp_path / "tiny")
     db = tmp_path / "ws.db"
@@ -270,11 +269,21 @@ def test_train_now_then_runs_json(tmp_path):
                           status="ok", response="no", buffer_set="query", buffer_state="live")
     store.close()
 
-    def judge(body):  # a scripted judge: reward replies that say "yes"
+    def judge(body):
         reply = parse_judge_prompt(body["messages"][-1]["content"])[SECTION_REPLY]
         return Reply(json.dumps({"score": 1 if "yes" in reply.split() else -1,
                                  "rationale": "scripted"}))
 
+    return model, db, judge
+
+
+def test_train_now_then_runs_json(tmp_path):
+    """`metaclaw train --now` on the query set with the local backend on the tiny model, judged
+    by an OpenAI-compatible judge double; `metaclaw runs --json` shows the recorded steps."""
+    from metaclaw.store import Store
+    from metaclaw.training_lease import TrainingLease
+
+    model, db, judge = training_workspace(tmp_path)
     args = ("train", "--db", db, "--backend", "local", "--base-model", model, "--steps", 2,
             "--now", "--judge-url", "http://127.0.0.1:9", "--judge-model", "j", "--votes", 1,
             "--group-size", 4, "--groups-per-step", 2, "--max-tokens", 6, "--lr", "0.01")

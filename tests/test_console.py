@@ -228,31 +228,15 @@ def test_score_and_evolve_show_progress_on_a_terminal_and_none_in_a_pipe(tmp_pat
 def test_bench_and_training_show_progress_on_a_terminal_and_none_in_a_pipe(tmp_path):
     """`metaclaw bench` draws a bar per round; `metaclaw train` one per step, moving within the
     step while it samples (the tiny local model, a scripted judge)."""
-    import json
-
-    from metaclaw.fastloop.judge import SECTION_REPLY, parse_judge_prompt
-    from metaclaw.offline.double import DoubleServer, Reply
-    from metaclaw.offline.tinymodel import write_tiny_model
-    from metaclaw.store import Store
+    from metaclaw.offline.double import DoubleServer
+    from test_cli import training_workspace
 
     base = [sys.executable, "-m", "metaclaw"]
     status, shown = _run_in_terminal(base + ["bench", "--days", "day01", "--out",
                                              str(tmp_path / "bench")])
     assert status == 0, shown[-2000:]
     assert "rounds" in shown and "5/5" in shown
-    model = write_tiny_model(tmp_path / "tiny")
-    db = tmp_path / "ws.db"
-    store = Store(db)
-    for text in ("say yes", "answer yes or no"):
-        store.record_turn(session_id="s", request_messages=[{"role": "user", "content": text}],
-                          status="ok", response="no", buffer_set="query", buffer_state="live")
-    store.close()
-
-    def judge(body):
-        reply = parse_judge_prompt(body["messages"][-1]["content"])[SECTION_REPLY]
-        return Reply(json.dumps({"score": 1 if "yes" in reply.split() else -1,
-                                 "rationale": "scripted"}))
-
+    model, db, judge = training_workspace(tmp_path)
     with DoubleServer(judge) as double:
         train = base + ["train", "--db", str(db), "--backend", "local", "--base-model",
                         str(model), "--steps", "1", "--now", "--judge-url", double.url,

@@ -82,7 +82,8 @@ from typing import Any, Iterable
 from metaclaw import buffers
 from metaclaw.fastloop.judge import (SECTION_TASK, SECTION_TOOLS, Judge, json_objects,
                                      next_user_message, render_sections, trim)
-from metaclaw.fastloop.llm import CallFailed, LLMClient, check_url, reply_text, run_sync
+from metaclaw.fastloop.llm import (CallFailed, LLMClient, chat_params, check_url, reply_text,
+                                   run_sync)
 from metaclaw.fastloop.proposals import ProposalError, apply_ops
 from metaclaw.fastloop.replay import Replayer
 from metaclaw.progress import ProgressFn, notify
@@ -695,11 +696,8 @@ class Evolver:
     # model call -------------------------------------------------------------------------
     async def _ask(self, messages: list[dict[str, str]]) -> tuple[str, str | None]:
         """The model's reply text and its ``finish_reason``."""
-        params: dict[str, Any] = {"model": self.model, "messages": messages}
-        if self.temperature is not None:
-            params["temperature"] = self.temperature
-        if self.max_tokens is not None:
-            params["max_tokens"] = self.max_tokens
+        params = chat_params(self.model, messages, temperature=self.temperature,
+                             max_tokens=self.max_tokens)
         try:
             response, structured = await self._client.complete(
                 params, timeout=self.timeout, retries=self.retries,

@@ -40,7 +40,8 @@ from typing import Any, Iterable
 
 from metaclaw import buffers
 from metaclaw.buffers import message_text
-from metaclaw.fastloop.llm import CallFailed, LLMClient, check_url, reply_text, run_sync
+from metaclaw.fastloop.llm import (CallFailed, LLMClient, chat_params, check_url, reply_text,
+                                   run_sync)
 from metaclaw.progress import ProgressFn, notify
 from metaclaw.redact import safe_url
 from metaclaw.store import DB_ERRORS, IN_IDS, Store, id_list
@@ -571,11 +572,8 @@ class Judge:
     # one vote ---------------------------------------------------------------------------
     async def _vote(self, messages: list[dict[str, str]],
                     semaphore: asyncio.Semaphore | None) -> dict[str, Any]:
-        params: dict[str, Any] = {"model": self.model, "messages": messages}
-        if self.temperature is not None:
-            params["temperature"] = self.temperature
-        if self.max_tokens is not None:
-            params["max_tokens"] = self.max_tokens
+        params = chat_params(self.model, messages, temperature=self.temperature,
+                             max_tokens=self.max_tokens)
         try:
             response, structured = await self._client.complete(
                 params, timeout=self.timeout, retries=self.retries,

@@ -345,6 +345,17 @@ def run_sync(factory: Callable[[], Awaitable[T]], *closers: LLMClient) -> T:
     return aio.run_sync(main)
 
 
+def chat_params(model: str, messages: list[dict[str, Any]], *, temperature: float | None = None,
+                max_tokens: int | None = None) -> dict[str, Any]:
+    """A chat request's body: ``model`` and ``messages``, and the sampling settings given."""
+    params: dict[str, Any] = {"model": model, "messages": messages}
+    if temperature is not None:
+        params["temperature"] = temperature
+    if max_tokens is not None:
+        params["max_tokens"] = max_tokens
+    return params
+
+
 def answer_error(response: Any) -> str | None:
     """Why a chat.completion JSON answered with status 200 holds no reply (an ``error`` body,
     no ``choices``), or ``None`` when it holds one. Some servers and gateways report a failure
