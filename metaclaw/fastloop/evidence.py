@@ -196,7 +196,8 @@ def _add_batch(store: Store, sums: Any, rows: list[tuple[Any, ...]], skills: lis
     reward = np.array([r if r is not None else np.nan for r in rewards], dtype=np.float64)
     judged = ~np.isnan(reward)
     reward = np.nan_to_num(reward)
-    # the six per-turn columns summed over each skill's matched turns: one product
+    # per turn: 1, judged, reward, its square, passed, labelled pass, labelled fail; summed over
+    # each skill's matched turns in one product
     columns = np.stack([np.ones(len(rows)), judged, reward, reward * reward,
                         judged & (reward > threshold),
                         np.fromiter((lab == "pass" for lab in labels), bool, len(rows)),
