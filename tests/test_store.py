@@ -220,6 +220,28 @@ def test_record_turns_writes_a_group_and_purges_turns_of_a_superseded_generation
     assert store.turn(plain)["buffer_state"] == "live"
 
 
+def test_record_turns_goes_on_after_refusals_once_its_statements_are_prepared(store):
+    """A driver that prepares statements it runs often (psycopg, after five uses) must not be
+    left believing in one the server never made when a write is refused part-way (a busy lock
+    aborts the rest of PostgreSQL's pipeline): every later write failed with "prepared
+    statement ... does not exist" on a team proxy under load."""
+    from metaclaw.store import StoreBusy
+
+    for i in range(12):  # the group's statements are prepared by now
+        store.record_turns([(_turn(f"warm-{i % 3}", 0), i % 2 == 0)], wait=False)
+    for round_ in range(3):
+        with Store(store.target) as other, other.transaction():
+            other.record_turn(**_turn(f"other-{round_}", 0))
+            for attempt in range(3):
+                with pytest.raises(StoreBusy):
+                    store.record_turns([(_turn("refused", 0), True)], wait=False)
+        for i in range(8):
+            store.record_turns([(_turn(f"after-{round_}-{i % 2}", 0), i % 2 == 1)],
+                               wait=i % 2 == 0)
+    assert len(store.turns()) == 12 + 3 + 3 * 8
+    assert not store.turns("session_id = 'refused'")
+
+
 def test_record_turns_is_all_or_nothing_and_refuses_a_busy_store_without_waiting(store):
     from metaclaw.store import StoreBusy
 

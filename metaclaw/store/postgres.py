@@ -36,6 +36,7 @@ character itself doubled) and read back exactly.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -450,6 +451,7 @@ class PostgresStore(Store):
                           wait: bool, stale: dict[str, str] | None) -> list[int]:
         db = self._conn()
         self._txn_thread = threading.get_ident()
+        written = False
         try:
             with db.pipeline():
                 for statement in _opening(fsync, wait):
@@ -464,13 +466,19 @@ class PostgresStore(Store):
                                              "WHERE id = ?"),
                                    _params((time.time(), row["session_id"])))
                 db.execute("COMMIT")
-            return [int(cur.fetchone()["id"]) for cur in cursors]
+            ids = [int(cur.fetchone()["id"]) for cur in cursors]
+            written = True
+            return ids
         except self._psycopg.errors.LockNotAvailable as exc:
             raise self._busy(wait, exc) from None
         except self._psycopg.Error as exc:
             raise self._failed(exc) from exc
         finally:
-            self._end(commit=False)  # after an error: the transaction is rolled back
+            try:
+                self._end(commit=False)  # after an error: the transaction is rolled back
+            finally:
+                if not written:
+                    _forget_prepared(db)
 
     @staticmethod
     def _busy(wait: bool, exc: BaseException) -> StoreBusy:
@@ -630,6 +638,20 @@ class PostgresStore(Store):
 
     def _after(self, fsync: bool) -> None:
         """Nothing: a transaction's settings were ``SET LOCAL``."""
+
+
+def _forget_prepared(db: Any) -> None:
+    """After an aborted pipeline: the driver may believe in a prepared statement the server
+    never made (its PREPARE was skipped with the rest of the pipeline), and every later use
+    fails ("prepared statement ... does not exist"). Its cache is emptied, so the next
+    statement deallocates all on the server first (psycopg's own maintenance); a driver without
+    that cache gets a fresh connection instead."""
+    prepared = getattr(db, "_prepared", None)
+    if prepared is not None and callable(getattr(prepared, "clear", None)):
+        prepared.clear()
+    else:  # pragma: no cover - another psycopg layout
+        with contextlib.suppress(Exception):
+            db.close()
 
 
 class SessionLock:
