@@ -5,7 +5,7 @@ above it; see each package's ``__init__`` docstring and README's *Layout*):
 
 0. the shared modules at the top of the package (``metaclaw/*.py`` below the outer layer:
    ``jsonlib``, ``aio``, ``turns``, ``redact``, ``progress``, ``store``, ``buffers``,
-   ``training_lease``, ``fileio``);
+   ``training_lease``, ``fileio``, ``gctune``);
 1. ``metaclaw.skills``: the skill format, the library, the skill block, retrieval;
 2. ``metaclaw.protocols``: the wire formats;
 3. ``metaclaw.proxy``: the request path;
@@ -31,7 +31,7 @@ WINGS = {"skills": 1, "protocols": 2, "proxy": 3, "fastloop": 4, "slowloop": 5, 
          "bench": 7, "notebook": 7}
 OUTER = {"cli", "console", "argtypes", "runtime", "demo", "wire", "trace", "transcripts", "__main__"}
 SHARED = {"jsonlib", "aio", "turns", "redact", "progress", "store", "buffers", "training_lease",
-          "fileio"}
+          "fileio", "gctune"}
 #: ``metaclaw/__init__.py`` defines the ``%load_ext metaclaw`` hooks, which load the notebook
 #: layer when IPython calls them.
 ALLOWED_UP = {("metaclaw", "metaclaw.notebook.magics")}

@@ -235,12 +235,18 @@ def test_the_proxy_records_each_asks_features_with_its_turn(workspace):
     assert ask_features(make_retriever("lexical"), ask) is None
 
 
-def test_turns_since_each_time_a_skill_was_added_in_scans_of_a_few_times(workspace, monkeypatch):
-    store, _ = workspace
+def test_one_scan_counts_the_turns_after_each_time_a_skill_was_added(workspace):
+    store, library = workspace
     times = [r[0] for r in store.raw("SELECT created_at FROM turns ORDER BY id")]
-    monkeypatch.setattr(evidence, "SINCE_PER_SCAN", 2)  # several scans, the total in the first
-    counts = evidence._turns_since(store, times[::3] + times[:2])
+    library.add(Skill(name="late", description="a late skill", body="added last"), reason="t")
+    added_times = times[::3] + times[:2]
+    scan = evidence._Scan([], 0.0, added_times, None)
+    for rows in evidence._task_turns(store, "created_at, injected_skills, reward, human_label, "
+                                            "retrieval_query"):
+        scan.add(store, rows)
+    counts = scan.result()["since"]
     task = store.raw("SELECT created_at FROM turns WHERE turn_type = 'main' AND status = 'ok'")
-    assert counts[None] == len(task)
     assert counts == {None: len(task),
-                      **{t: sum(c > t for (c,) in task) for t in set(times[::3] + times[:2])}}
+                      **{t: sum(c > t for (c,) in task) for t in set(added_times)}}
+    stats = evidence.skill_stats(store, library, compare=False)
+    assert dict(zip(stats["skill"], stats["turns_since_added"]))["late"] == 0

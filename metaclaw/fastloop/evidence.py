@@ -33,13 +33,12 @@ their evidence), promoted or discarded by a person like any other (:mod:`metacla
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import math
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable
 
 from metaclaw import jsonlib
+from metaclaw.gctune import fewer_collections
 from metaclaw.skills.library import Skill, SkillOp
 from metaclaw.store import IN_IDS, Store, id_list
 from metaclaw.turns import TASK_TURNS_SQL
@@ -50,8 +49,6 @@ NEAR_DUPLICATE = 0.9
 IDLE_TURNS = 200
 #: Turns read per batch when matching asks (bounds the memory).
 BATCH = 5_000
-#: Times a skill was added counted against the turns in one scan (:func:`_turns_since`).
-SINCE_PER_SCAN = 100
 
 COLUMNS = ("skill", "in_library", "injected", "judged_with", "reward_with", "pass_rate_with",
            "labels_pass_with", "labels_fail_with", "comparable", "judged_without",
@@ -102,107 +99,153 @@ def _added_at(store: Store) -> dict[str, float]:
 
 
 def _task_turns(store: Store, columns: str) -> Iterable[list[tuple[Any, ...]]]:
-    """The successful task turns that have a retrieval query (rows of ``id, columns``, JSON as
-    stored), ``BATCH`` at a time, by id."""
+    """The successful task turns (rows of ``id, columns``, JSON as stored), ``BATCH`` at a
+    time, by id."""
     last = 0
     while True:
         rows = store.raw(f"SELECT id, {columns} FROM turns WHERE {TASK_TURNS_SQL} AND "
-                         f"status = 'ok' AND retrieval_query IS NOT NULL AND id > ? "
-                         f"ORDER BY id LIMIT {BATCH}", (last,))
+                         f"status = 'ok' AND id > ? ORDER BY id LIMIT {BATCH}", (last,))
         if not rows:
             return
         yield rows
         last = rows[-1][0]
 
 
-def _with_sql(store: Store) -> str:
-    """The *with* side of every skill name, summed by the database over the injected skills'
-    JSON lists."""
-    def count(condition: str) -> str:
-        return f"COALESCE(SUM(CASE WHEN {condition} THEN 1 ELSE 0 END), 0)"
-
-    return f"""
-SELECT j.value AS skill, COUNT(*) AS turns, COUNT(t.reward) AS judged,
-       COALESCE(SUM(t.reward), 0.0) AS reward, COALESCE(SUM(t.reward * t.reward), 0.0) AS squares,
-       {count('t.reward > ?')} AS passed, {count("t.human_label = 'pass'")} AS label_pass,
-       {count("t.human_label = 'fail'")} AS label_fail, MIN(t.created_at) AS first,
-       MAX(t.created_at) AS last
-FROM turns AS t, {store.json_values('t.injected_skills', 'j')}
-WHERE {TASK_TURNS_SQL.replace('turn_type', 't.turn_type')} AND t.status = 'ok'
-      AND j.type = 'text'
-GROUP BY j.value
-"""
+#: The sums kept per skill and side, in this order (rows of :class:`_Scan`'s arrays).
+_SUMS = ("turns", "judged", "reward", "squares", "passed", "label_pass", "label_fail")
 
 
-def _without(store: Store, skills: list[Skill], matcher: Any, threshold: float) -> list[_Side]:
-    """The *without* side of each of ``skills``: the turns whose query it matches but which
-    did not get it, summed with numpy a batch of turns at a time."""
-    import numpy as np
+class _Scan:
+    """What one scan of the task turns adds up, a batch of turns at a time (:func:`collect`):
 
-    from metaclaw.skills.retrieval import one_blas_thread
+    - ``with``: per skill name a turn was given (the library's skills first, then the names
+      that have left it), the sums of :data:`_SUMS` and the first and last time;
+    - ``without`` (with a ``matcher``): per skill of the library, the same sums over the turns
+      whose ask the matcher scores at or above its injection threshold but which did not get it;
+    - ``after``: how many turns were recorded after each of ``times`` (the times skills were
+      added).
+    """
 
-    index = {s.name: i for i, s in enumerate(skills)}
-    sums = np.zeros((7, len(skills)))
-    # products split over threads wait for busy cores; the cyclic collector would scan the
-    # batches' many row tuples over and over (none is in a cycle): about 15% of the time
-    with one_blas_thread(), _no_cyclic_gc():
-        for rows in _task_turns(store, "injected_skills, reward, human_label, retrieval_query"):
-            _add_batch(store, sums, rows, skills, index, matcher, matcher.default_min_score,
-                       threshold)
-    return [_Side(int(c[0]), int(c[1]), float(c[2]), float(c[3]), int(c[4]), int(c[5]),
-                  int(c[6])) for c in sums.T]
+    def __init__(self, skills: list[Skill], threshold: float, times: Iterable[float],
+                 matcher: Any):
+        import numpy as np
 
+        self.skills, self.threshold, self.matcher = skills, threshold, matcher
+        self.column = {s.name: i for i, s in enumerate(skills)}
+        self.with_sums = np.zeros((len(_SUMS), len(skills)))
+        self.first = np.full(len(skills), np.inf)
+        self.last = np.full(len(skills), -np.inf)
+        self.without = np.zeros((len(_SUMS), len(skills))) if matcher is not None else None
+        self.times = np.array(sorted(set(times)), dtype=np.float64)
+        self.after = np.zeros(len(self.times) + 1, dtype=np.int64)
+        self._names: dict[str, list[int]] = {}  # an injected list as stored: its columns
 
-@contextlib.contextmanager
-def _no_cyclic_gc() -> Iterator[None]:
-    """The cyclic garbage collector paused (process-wide) for the duration, if it was on."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
-
-
-def _add_batch(store: Store, sums: Any, rows: list[tuple[Any, ...]], skills: list[Skill],
-               index: dict[str, int], matcher: Any, floor: float, threshold: float) -> None:
-    """Add one batch of turns (``_task_turns`` rows) to the *without* sums of :func:`_without`."""
-    import numpy as np
-
-    from metaclaw.skills.retrieval import read_features
-
-    ids, injected, rewards, labels, asked = zip(*rows)
-    first: dict[str, int] = {}
-    for r, query in enumerate(asked):  # each distinct ask once: the first turn that asked it
-        first.setdefault(query, ids[r])
-    queries = list(first)
-    if hasattr(matcher, "lexical"):
-        # what the proxy recorded of each ask when it served the turn, not computed again
-        # (read for the distinct asks only: an agent's tool loop sends one ask many times)
-        recorded = dict(store.raw(f"SELECT id, ask_features FROM turns WHERE id {IN_IDS}",
-                                  (id_list(first.values()),)))
-        features = read_features(matcher, [recorded.get(i) for i in first.values()])
-        scores = matcher.score_matrix(queries, skills, floor=floor, features=features)
-    else:
-        scores = matcher.score_matrix(queries, skills)
-    place = {q: i for i, q in enumerate(queries)}
-    matched = (scores >= floor)[[place[q] for q in asked]]
-    for r, raw in enumerate(injected):  # a turn that got the skill is on the other side
-        if raw and raw != "[]":
+    def _columns(self, raw: str) -> list[int]:
+        columns = self._names.get(raw)
+        if columns is None:
+            columns = []
             for name in _names(raw):
-                if name in index:
-                    matched[r, index[name]] = False
-    reward = np.array([r if r is not None else np.nan for r in rewards], dtype=np.float64)
-    judged = ~np.isnan(reward)
-    reward = np.nan_to_num(reward)
-    # per turn: 1, judged, reward, its square, passed, labelled pass, labelled fail; summed over
-    # each skill's matched turns in one product
-    columns = np.stack([np.ones(len(rows)), judged, reward, reward * reward,
-                        judged & (reward > threshold),
-                        np.fromiter((lab == "pass" for lab in labels), bool, len(rows)),
-                        np.fromiter((lab == "fail" for lab in labels), bool, len(rows))])
-    sums += columns @ matched.astype(np.float64)
+                if name not in self.column:
+                    self.column[name] = len(self.column)
+                columns.append(self.column[name])
+            if len(self._names) < 10_000:
+                self._names[raw] = columns
+        return columns
+
+    def add(self, store: Store, rows: list[tuple[Any, ...]]) -> None:
+        """Add one batch of turns (rows of ``id, created_at, injected_skills, reward,
+        human_label, retrieval_query``)."""
+        import numpy as np
+
+        ids, created, injected, rewards, labels, asked = zip(*rows)
+        created = np.array(created, dtype=np.float64)
+        # turns after each time: a turn counts for every time before its own
+        self.after += np.bincount(np.searchsorted(self.times, created, side="left"),
+                                  minlength=len(self.after))
+        reward = np.array([r if r is not None else np.nan for r in rewards], dtype=np.float64)
+        judged = ~np.isnan(reward)
+        reward = np.nan_to_num(reward)
+        values = np.stack([np.ones(len(rows)), judged, reward, reward * reward,
+                           judged & (reward > self.threshold),
+                           np.fromiter((lab == "pass" for lab in labels), bool, len(rows)),
+                           np.fromiter((lab == "fail" for lab in labels), bool, len(rows))])
+        turn, column = [], []  # one pair per skill a turn was given
+        for r, raw in enumerate(injected):
+            if raw and raw != "[]":
+                for c in self._columns(raw):
+                    turn.append(r)
+                    column.append(c)
+        turn, column = np.array(turn, dtype=np.intp), np.array(column, dtype=np.intp)
+        self._grow(len(self.column))
+        for k in range(len(_SUMS)):
+            self.with_sums[k] += np.bincount(column, weights=values[k, turn],
+                                             minlength=len(self.column))
+        np.minimum.at(self.first, column, created[turn])
+        np.maximum.at(self.last, column, created[turn])
+        if self.without is not None:
+            matched = self._matched(store, ids, asked)
+            mine = column < len(self.skills)  # a turn that got the skill is on the other side
+            matched[turn[mine], column[mine]] = False
+            self.without += values @ matched.astype(np.float64)
+
+    def _grow(self, width: int) -> None:
+        import numpy as np
+
+        extra = width - self.with_sums.shape[1]
+        if extra > 0:
+            self.with_sums = np.hstack([self.with_sums, np.zeros((len(_SUMS), extra))])
+            self.first = np.concatenate([self.first, np.full(extra, np.inf)])
+            self.last = np.concatenate([self.last, np.full(extra, -np.inf)])
+
+    def _matched(self, store: Store, ids: tuple[int, ...], asked: tuple[str | None, ...]):
+        """Per turn and skill of the library: does the matcher score the turn's ask at or
+        above its injection threshold (each distinct ask scored once)."""
+        import numpy as np
+
+        from metaclaw.skills.retrieval import read_features
+
+        first: dict[str, int] = {}
+        for r, query in enumerate(asked):  # each distinct ask once: the first turn that asked it
+            if query is not None:
+                first.setdefault(query, ids[r])
+        queries = list(first)
+        floor = self.matcher.default_min_score
+        if not queries:
+            scores = np.zeros((0, len(self.skills)), dtype=np.float32)
+        elif hasattr(self.matcher, "lexical"):
+            # what the proxy recorded of each ask when it served the turn, not computed again
+            # (read for the distinct asks only: an agent's tool loop sends one ask many times)
+            recorded = dict(store.raw(f"SELECT id, ask_features FROM turns WHERE id {IN_IDS}",
+                                      (id_list(first.values()),)))
+            features = read_features(self.matcher, [recorded.get(i) for i in first.values()])
+            scores = self.matcher.score_matrix(queries, self.skills, floor=floor,
+                                               features=features)
+        else:
+            scores = self.matcher.score_matrix(queries, self.skills)
+        # a last row of no match, for the turns without an ask
+        table = np.vstack([scores >= floor, np.zeros((1, len(self.skills)), dtype=bool)])
+        place = {q: i for i, q in enumerate(queries)}
+        return table[[place.get(q, -1) for q in asked]]
+
+    def result(self) -> dict[str, Any]:
+        names = sorted(self.column, key=self.column.get)
+        sides = {name: _side(self.with_sums[:, c]) for name, c in self.column.items()
+                 if self.with_sums[0, c]}
+        used = {n: c for n, c in self.column.items() if n in sides}
+        after = self.after[::-1].cumsum()[::-1]  # after[k]: turns after times[k - 1]
+        since: dict[float | None, int] = {None: int(after[0])}
+        since.update((float(t), int(after[k + 1])) for k, t in enumerate(self.times))
+        return {"with": sides,
+                "without": None if self.without is None else
+                dict(zip(names, (_side(c) for c in self.without.T))),
+                "first": {n: float(self.first[c]) for n, c in used.items()},
+                "last": {n: float(self.last[c]) for n, c in used.items()},
+                "since": since}
+
+
+def _side(sums: Any) -> _Side:
+    return _Side(int(sums[0]), int(sums[1]), float(sums[2]), float(sums[3]), int(sums[4]),
+                 int(sums[5]), int(sums[6]))
 
 
 def _names(raw: Any) -> list[str]:
@@ -224,38 +267,22 @@ def _matcher(retriever: Any) -> Any:
 
 def collect(store: Store, skills: list[Skill], *, threshold: float = 0.0,
             retriever: Any = None, compare: bool = True) -> dict[str, Any]:
-    """The sums behind :func:`skill_stats`: ``with`` (by skill name), ``without`` (by skill of
-    ``skills``; None without ``compare``), ``first`` / ``last`` use, ``added``: when each skill
-    was last added, and ``since``: the task turns recorded after each of those times."""
-    with_, first, last = {}, {}, {}
-    for row in store.query(_with_sql(store), (threshold,)):
-        with_[row["skill"]] = _Side(row["turns"], row["judged"], row["reward"], row["squares"],
-                                    int(row["passed"]), int(row["label_pass"]),
-                                    int(row["label_fail"]))
-        first[row["skill"]], last[row["skill"]] = row["first"], row["last"]
-    without = None
-    if compare and skills:
-        without = dict(zip([s.name for s in skills],
-                           _without(store, skills, _matcher(retriever), threshold)))
+    """The sums behind :func:`skill_stats`, from one scan of the task turns: ``with`` (by skill
+    name), ``without`` (by skill of ``skills``; None without ``compare``), ``first`` / ``last``
+    use, ``added``: when each skill was last added, and ``since``: the task turns recorded after
+    each of those times (under ``None``: all of them)."""
+    from metaclaw.skills.retrieval import one_blas_thread
+
     added = _added_at(store)
-    return {"with": with_, "without": without, "first": first, "last": last, "added": added,
-            "since": _turns_since(store, added.values())}
-
-
-def _turns_since(store: Store, times: Iterable[float]) -> dict[float | None, int]:
-    """How many successful task turns were recorded after each of ``times`` (and under
-    ``None``, all of them): one scan of the turns per :data:`SINCE_PER_SCAN` distinct times."""
-    distinct: list[float | None] = [None, *sorted(set(times))]
-    counts: dict[float | None, int] = {}
-    for start in range(0, len(distinct), SINCE_PER_SCAN):
-        chunk = distinct[start:start + SINCE_PER_SCAN]
-        sums = ", ".join(("COUNT(*)" if t is None else
-                          "COALESCE(SUM(CASE WHEN created_at > ? THEN 1 ELSE 0 END), 0)") +
-                         f" AS n{i}" for i, t in enumerate(chunk))  # (rows are keyed by name)
-        row = store.raw(f"SELECT {sums} FROM turns WHERE {TASK_TURNS_SQL} AND status = 'ok'",
-                        [t for t in chunk if t is not None])[0]
-        counts.update(zip(chunk, (int(n) for n in row)))
-    return counts
+    scan = _Scan(skills, threshold, added.values(),
+                 _matcher(retriever) if compare and skills else None)
+    # products split over threads wait for busy cores; the batches' many row tuples would make
+    # the cyclic collector run over and over
+    with one_blas_thread(), fewer_collections():
+        for rows in _task_turns(store, "created_at, injected_skills, reward, human_label, "
+                                       "retrieval_query"):
+            scan.add(store, rows)
+    return {**scan.result(), "added": added}
 
 
 def _nearest(skills: list[Skill], retriever: Any) -> list[tuple[str | None, float | None]]:

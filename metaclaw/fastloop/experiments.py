@@ -38,16 +38,15 @@ pass / fail (reward above the judge's threshold) McNemar's exact test on the dis
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import difflib
-import gc
 import random
 import re
 import time
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable
 
 from metaclaw import jsonlib
+from metaclaw.gctune import fewer_collections
 from metaclaw.progress import ProgressFn, notify
 from metaclaw.skills.library import Skill, SkillNotFound, apply_in_memory
 from metaclaw.store import IN_IDS, Store, id_list
@@ -63,30 +62,6 @@ _RESULT_COLUMNS = ("created_at, score, verdict, votes, reply, tool_calls, skills
 #: connections (512 x 4 sockets fit the connection limit of the clients,
 #: :data:`metaclaw.fastloop.llm.MAX_CONNECTIONS`).
 CONCURRENCY = 512
-
-
-#: While :meth:`Experiment.run` runs, the collector's youngest generation is collected every
-#: this many allocations (Python's default: 700).
-YOUNG_COLLECTION_OBJECTS = 20_000
-
-
-@contextlib.contextmanager
-def _fewer_collections() -> Iterator[None]:
-    """Collect the youngest generation less often while a run lasts, then restore the
-    thresholds. A run keeps thousands of connections, tasks and replies alive for a few seconds:
-    at the default threshold 400 replays made the collector run about 200 times, promoting them
-    into full collections (0.25 to 0.45 s of the client's CPU in the benchmark, 0.11 to 0.13 s
-    here). Left alone where the collector is off or already set to collect less often."""
-    first, *older = gc.get_threshold()
-    if first == 0 or first >= YOUNG_COLLECTION_OBJECTS:
-        yield
-        return
-    gc.set_threshold(YOUNG_COLLECTION_OBJECTS, *older)
-    try:
-        yield
-    finally:
-        if gc.get_threshold()[0] == YOUNG_COLLECTION_OBJECTS:  # nobody else changed it since
-            gc.set_threshold(first, *older)
 
 
 def replays_in_flight(per_replay: int, reserve: int = 256) -> int:
@@ -323,7 +298,7 @@ class Experiment:
         connections, :func:`replays_in_flight`). Returns the plan it ran."""
         from metaclaw.fastloop.llm import run_sync
 
-        with _fewer_collections():
+        with fewer_collections():
             return run_sync(lambda: self.arun(replayer, library, max_calls=max_calls,
                                               concurrency=concurrency, on_progress=on_progress),
                             replayer.upstream, replayer.judge._client)
