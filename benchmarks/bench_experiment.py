@@ -7,7 +7,8 @@ about 0.6 ms a request, shares the cores with the client, as a remote judge's wo
 small machine the ratio moves with the machine's load):
 
 - single: the wall time of one case of one variant (``current``: its skills selected, one
-  upstream call, then ``--votes`` judge calls in parallel), the slowest of ``--repeat`` after one
+  upstream call, then one judge call for its ``--votes`` votes: ``n`` choices, the judge's
+  default, which the double honours), the slowest of ``--repeat`` after one
   that warms the process (the retrieval model loads once per process, about 0.3 s);
 - experiment: ``Experiment.run`` over ``--cases`` cases x 2 variants, reading the cases and
   storing every result.
@@ -119,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     replays = 2 * args.cases
     ratio = batch / single
     print(f"experiment: {args.cases} cases x 2 variants x {args.votes} votes = {replays} "
-          f"upstream + {replays * args.votes} judge calls, simulated latency {args.latency:g} s")
+          f"upstream calls + {replays} judge calls of {args.votes} choices ({replays * args.votes} "
+          f"votes), simulated latency {args.latency:g} s")
     print(f"  one case, one variant (slowest of {args.repeat}): {single:.2f} s")
     print(f"  the whole experiment: {batch:.2f} s; ratio {ratio:.2f} (must be <= {MAX_RATIO}): "
           f"{'PASS' if ratio <= MAX_RATIO else 'FAIL'}")

@@ -4,10 +4,10 @@ Measured side by side in one run, against the offline double answering every jud
 a fixed latency (a simulated judge, not a model; the double runs in its own process so its event
 loop does not share the interpreter with the judge):
 
-- single: the wall time of judging one turn (its ``--votes`` requests in parallel), the slowest
-  of ``--repeat`` runs;
-- batch:  the wall time of ``Judge.judge_turns`` on ``--turns`` turns (``turns x votes``
-  requests), including reading the turns and storing the verdicts; once with a cold connection
+- single: the wall time of judging one turn (its ``--votes`` votes: one request of that many
+  choices, the judge's default, which the double honours), the slowest of ``--repeat`` runs;
+- batch:  the wall time of ``Judge.judge_turns`` on ``--turns`` turns (``turns`` requests of
+  ``votes`` choices), including reading the turns and storing the verdicts; once with a cold connection
   pool (connections opened during the batch) and once warm (as in a long-running fast loop).
 
 PASS when batch (warm) / single <= 1.5 at the ``--latency`` of the run (default 1 s, a typical
@@ -133,9 +133,8 @@ def main(argv: list[str] | None = None) -> int:
                                     args.repeat))
             store.close()
 
-    requests = args.turns * args.votes
-    print(f"judge_turns: {args.turns} turns x {args.votes} votes = {requests} requests against "
-          "a simulated judge with fixed latency")
+    print(f"judge_turns: {args.turns} turns x {args.votes} votes ({args.turns} requests of "
+          f"{args.votes} choices) against a simulated judge with fixed latency")
     print(f"{'latency':>8} {'single (slowest)':>17} {'batch cold':>11} {'batch warm':>11} "
           f"{'ratio cold':>11} {'ratio warm':>11} {'sequential':>11}")
     ok = True

@@ -62,6 +62,22 @@ def test_function_replies_see_the_body():
         assert out.choices[0].message.content == "2 messages, model x"
 
 
+def test_n_choices_one_reply_each_and_bad_n_refused(double):
+    double.add(Reply("one"), Reply("two three"), Reply(status=429), Reply("after"))
+    c = client(double)
+    out = c.chat.completions.create(model="m", messages=USER, n=2)
+    assert [ch.message.content for ch in out.choices] == ["one", "two three"]
+    assert [ch.index for ch in out.choices] == [0, 1]
+    assert out.usage.prompt_tokens == 5 and out.usage.completion_tokens == 3  # prompt once
+    with pytest.raises(openai.RateLimitError):  # a failed choice fails the request
+        c.chat.completions.create(model="m", messages=USER, n=2)
+    for bad in (0, 17, "2"):
+        with pytest.raises(openai.BadRequestError, match="'n' must be an integer"):
+            c.chat.completions.create(model="m", messages=USER, n=bad)
+    with pytest.raises(openai.BadRequestError, match="streams one choice"):
+        c.chat.completions.create(model="m", messages=USER, n=2, stream=True)
+
+
 def test_stream_chunks_arrive_over_time_with_usage(double):
     double.add(Reply("one two three four five", chunk_delay=0.1))
     start = time.perf_counter()

@@ -286,7 +286,7 @@ def test_tool_loop_calls_wait_together_for_the_users_next_message(rig):
     wait_until(lambda: rig.store.turn(first)["reward"] is not None, what="judging")
     prompts = [parse_judge_prompt(r["body"]["messages"][-1]["content"])
                for r in rig.double.requests if r["body"]["model"] == "judge"]
-    assert len(prompts) == 6  # 2 turns x 3 votes, all with the feedback
+    assert len(prompts) == 2  # 2 turns, their 3 votes asked in one request each, with feedback
     assert all(p[SECTION_FEEDBACK] == "That's wrong! Convert 10 miles to kilometers"
                for p in prompts)
     client.close()

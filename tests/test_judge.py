@@ -231,7 +231,7 @@ def test_two_processes_judging_one_workspace_call_the_judge_once_per_turn(store)
         calls = len([r for r in double.requests if r["path"].endswith("/chat/completions")])
     assert all(proc.returncode == 0 for proc in procs)
     judged = sum(int(out[0]) for out in outputs)
-    assert judged == len(turns) and calls == 2 * len(turns)  # two votes per turn, once
+    assert judged == len(turns) and calls == len(turns)  # both votes in one request, once
     assert all(store.turn(t)["reward"] == 1.0 for t in turns)
 
 
@@ -268,8 +268,8 @@ def first_request_fails(status: int = 500, delay: float = 0.0):
 
 
 def test_failed_vote_is_counted_not_zero(store):
-    with DoubleServer(first_request_fails(500)) as double:
-        result = Judge(double.url, "judge", votes=3, retries=0).judge_turns(
+    with DoubleServer(first_request_fails(500)) as double:  # a request per vote
+        result = Judge(double.url, "judge", votes=3, retries=0, one_request=False).judge_turns(
             store, [add_turn(store)])[0]
     assert result.score == 1
     assert result.failed == 1 and result.unparsable == 0
@@ -279,13 +279,67 @@ def test_failed_vote_is_counted_not_zero(store):
 
 
 def test_failed_vote_is_retried(store):
-    with DoubleServer(first_request_fails(500)) as double:
-        result = Judge(double.url, "judge", votes=3, retries=1).judge_turns(
+    with DoubleServer(first_request_fails(500)) as double:  # a request per vote
+        result = Judge(double.url, "judge", votes=3, retries=1, one_request=False).judge_turns(
             store, [add_turn(store)])[0]
         requests = len(double.requests)
     assert result.score == 1 and result.failed == 0
     assert [v["score"] for v in result.votes] == [1, 1, 1]
     assert requests == 4
+
+
+def test_the_votes_of_a_turn_are_asked_in_one_request(store):
+    """One prompt, sent and billed once: ``n`` choices are the votes; a failed request is
+    retried whole, and fails all its votes only after its retries."""
+    with DoubleServer([verdict(1), verdict(-1), verdict(1)]) as double:
+        result = Judge(double.url, "judge", votes=3).judge_turns(store, [add_turn(store)])[0]
+        bodies = [r["body"] for r in double.requests]
+    assert [b["n"] for b in bodies] == [3]
+    assert [v["score"] for v in result.votes] == [1, -1, 1] and result.score == 1
+    with DoubleServer(first_request_fails(500)) as double:
+        result = Judge(double.url, "judge", votes=3, retries=1).judge_turns(
+            store, [add_turn(store)])[0]
+        assert len(double.requests) == 2  # the failed request, then its retry
+    assert result.score == 1 and result.failed == 0 and len(result.votes) == 3
+    with DoubleServer([verdict(1)]) as double:
+        Judge(double.url, "judge", votes=1).judge_turns(store, [add_turn(store)])
+        assert "n" not in double.requests[0]["body"]  # one vote: a plain request
+
+
+def test_a_server_that_refuses_n_gets_a_request_per_vote_from_then_on(store):
+    def reply(body):
+        if body.get("n", 1) > 1:
+            return Reply(status=400, content="n must be 1 for this model")
+        return verdict(1)
+
+    with DoubleServer(reply) as double:
+        judge = Judge(double.url, "judge", votes=3, retries=0)
+        first = judge.judge_turns(store, [add_turn(store)])[0]
+        assert judge.one_request is False and judge.structured is True
+        before = len(double.requests)
+        second = judge.judge_turns(store, [add_turn(store)])[0]
+        later = [r["body"] for r in double.requests[before:]]
+    assert first.score == 1 and first.failed == 0 and len(first.votes) == 3
+    assert second.score == 1 and len(later) == 3 and all("n" not in b for b in later)
+
+
+class _OneChoiceDouble(DoubleServer):
+    """A server that ignores ``n`` (answers one choice), as some OpenAI-compatible ones do."""
+
+    def _completion(self, body, replies):
+        return super()._completion(body, replies[:1])
+
+
+def test_a_server_that_ignores_n_gets_the_missing_votes_asked_one_by_one(store):
+    with _OneChoiceDouble(lambda body: verdict(1)) as double:
+        judge = Judge(double.url, "judge", votes=3, retries=0)
+        first = judge.judge_turns(store, [add_turn(store)])[0]
+        asked = [r["body"].get("n") for r in double.requests]
+        assert judge.one_request is False
+        second = judge.judge_turns(store, [add_turn(store)])[0]
+        later = [r["body"].get("n") for r in double.requests[len(asked):]]
+    assert asked == [3, None, None] and first.score == 1 and len(first.votes) == 3
+    assert later == [None] * 3 and second.score == 1 and len(second.votes) == 3
 
 
 def test_a_retry_waits_as_the_server_asks_and_a_client_error_is_not_retried(store):
@@ -306,7 +360,7 @@ def test_a_retry_waits_as_the_server_asks_and_a_client_error_is_not_retried(stor
 
 def test_each_vote_has_its_own_timeout(store):
     with DoubleServer(first_request_fails(delay=4.0)) as double:
-        judge = Judge(double.url, "judge", votes=3, timeout=0.5, retries=0)
+        judge = Judge(double.url, "judge", votes=3, timeout=0.5, retries=0, one_request=False)
         start = time.perf_counter()
         result = judge.judge_turns(store, [add_turn(store)])[0]
         elapsed = time.perf_counter() - start
@@ -319,7 +373,7 @@ def test_all_votes_failing_leaves_the_turn_unjudged_and_reports_why(store):
     with DoubleServer(lambda body: Reply(status=503, content="judge overloaded")) as double:
         turn_id = add_turn(store)
         result = Judge(double.url, "judge", votes=3, retries=1).judge_turns(store, [turn_id])[0]
-        assert len(double.requests) == 6  # 3 votes x (1 + 1 retry)
+        assert len(double.requests) == 2  # the 3 votes' request, and 1 retry
     assert result.score is None and not result.ok
     assert result.failed == 3
     assert "all 3 judge votes failed" in result.error and "503" in result.error
@@ -358,8 +412,8 @@ def test_judge_sees_tool_calls_results_reply_and_next_user_message(store):
         [result] = Judge(double.url, "judge", votes=3).judge_turns(store, [first])
         prompts = judge_prompts(double)
         bodies = [r["body"] for r in double.requests]
-    assert result.score == -1
-    assert len(prompts) == 3 and len(set(prompts)) == 1
+    assert result.score == -1 and len(result.votes) == 3
+    assert len(prompts) == 1 and bodies[0]["n"] == 3  # the votes in one request
     sections = parse_judge_prompt(prompts[0])
     assert sections[SECTION_TASK] == "[1] Rename report.txt to final.txt"
     assert 'move_file({"src": "report.txt", "dst": "final.txt"})' in sections[SECTION_TOOLS]
@@ -419,7 +473,7 @@ def test_falls_back_to_text_when_json_schema_is_rejected(store):
         result = judge.judge_turns(store, [add_turn(store)])[0]
         assert judge.structured is False
         judge.judge_turns(store, [add_turn(store)])
-        later = [r["body"] for r in double.requests[-3:]]
+        later = [r["body"] for r in double.requests[-1:]]
     assert result.score == 1 and result.failed == 0
     assert all("response_format" not in body for body in later)
 
@@ -434,7 +488,7 @@ def test_judge_turns_runs_all_votes_concurrently_and_selects_unjudged(store):
         start = time.perf_counter()
         results = Judge(double.url, "judge", votes=3).judge_turns(store)  # unjudged ok main turns
         elapsed = time.perf_counter() - start
-        assert len(double.requests) == 30
+        assert len(double.requests) == 10  # each turn's 3 votes in one request
     assert [r.turn_id for r in results] == ids
     assert all(r.score == 1 for r in results)
     assert elapsed < 4.0, elapsed  # 30 requests of 0.4 s: 12 s one after another

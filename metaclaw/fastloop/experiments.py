@@ -203,7 +203,8 @@ class Variant:
 @dataclass
 class Plan:
     """What a run will do: ``cases`` x ``variants`` replays still to make, each one upstream
-    call and ``votes`` judge calls."""
+    call and at most ``votes`` judge calls (one, for all its votes, where the judge's server
+    gives several choices: :class:`metaclaw.fastloop.judge.Judge`)."""
 
     replays: int
     upstream_calls: int

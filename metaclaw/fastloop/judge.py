@@ -19,8 +19,12 @@ What the judge model answers: JSON ``{"score": -1|0|1, "rationale": "..."}`` (1 
 anywhere in the text, or a line such as ``Score: -1``; a reasoning model's ``<think>`` block is
 skipped; a reply giving two different scores, or 0.8 or 1/5, is unparsable, never rounded).
 
-Voting: ``votes`` requests run in parallel, each with its own timeout and retries. The score is
-the majority of the valid votes; a tie is 0. Failed votes (transport errors, timeouts, error
+Voting: the ``votes`` are asked for in one request (``n`` choices: one prompt sent and billed
+once), falling back by itself to one request per vote, all in parallel, where the server refuses
+``n`` (HTTP 400/422) or answers fewer choices (then the missing votes are asked for one by one,
+and every later turn gets a request per vote). Each request has its own timeout and retries; a
+request that fails after its retries fails every vote it asked for. The score is the majority
+of the valid votes; a tie is 0. Failed votes (transport errors, timeouts, error
 statuses, after retries) and unparsable votes are counted in :class:`JudgeResult`, never
 counted as 0. When every vote fails the turn stays unjudged and the result carries the error.
 """
@@ -533,6 +537,8 @@ class Judge:
     of a failed vote (errors and timeouts; an unparsable reply is not retried). ``threshold``:
     rewards below it are failures (support set). ``structured``: request the JSON schema; when
     the server rejects it (HTTP 400/422) the judge falls back to text parsing by itself.
+    ``one_request``: ask for all votes of a turn in one request (``n``; see the module's
+    docstring); False sends one request per vote from the start.
     """
 
     #: Seconds :meth:`ajudge_turns` leases the turns it scores for (:func:`lease_turns`).
@@ -542,7 +548,7 @@ class Judge:
                  timeout: float = 30.0, retries: int = 1, threshold: float = 0.0,
                  structured: bool = True, *, temperature: float | None = 0.7,
                  max_tokens: int | None = 400, budgets: dict[str, int] | None = None,
-                 api_key_env: str = "METACLAW_JUDGE_API_KEY"):
+                 api_key_env: str = "METACLAW_JUDGE_API_KEY", one_request: bool = True):
         check_url("base_url", base_url)
         if not isinstance(model, str) or not model.strip():
             raise ValueError("model must be the judge model's name, e.g. model='gpt-4o-mini'")
@@ -559,6 +565,7 @@ class Judge:
         self.retries = int(retries)
         self.threshold = float(threshold)
         self.structured = bool(structured)
+        self.one_request = bool(one_request)
         self.temperature = temperature
         self.max_tokens = max_tokens
         self.budgets = dict(budgets or {})
@@ -569,22 +576,54 @@ class Judge:
                 f"timeout={self.timeout:g}, retries={self.retries}, threshold={self.threshold:g}, "
                 f"structured={self.structured})")
 
-    # one vote ---------------------------------------------------------------------------
-    async def _vote(self, messages: list[dict[str, str]],
-                    semaphore: asyncio.Semaphore | None) -> dict[str, Any]:
+    # votes ------------------------------------------------------------------------------
+    async def _ask(self, messages: list[dict[str, str]], semaphore: asyncio.Semaphore | None,
+                   choices: int = 1) -> dict[str, Any] | CallFailed:
+        """One request for ``choices`` votes: the chat.completion JSON, or why it failed."""
         params = chat_params(self.model, messages, temperature=self.temperature,
                              max_tokens=self.max_tokens)
+        if choices > 1:
+            params["n"] = choices
         try:
             response, structured = await self._client.complete(
                 params, timeout=self.timeout, retries=self.retries,
                 schema=JUDGE_RESPONSE_FORMAT if self.structured else None, semaphore=semaphore)
         except CallFailed as failed:
-            error = (f"HTTP 200 without a reply: {failed.detail}" if failed.kind == "no_reply"
-                     else failed.detail)
-            return {"score": None, "rationale": "", "error": error}
+            return failed
         if self.structured and not structured:
             self.structured = False  # text worked where the schema was refused
-        return self._verdict(response)
+        return response
+
+    @staticmethod
+    def _failed(failed: CallFailed) -> dict[str, Any]:
+        error = (f"HTTP 200 without a reply: {failed.detail}" if failed.kind == "no_reply"
+                 else failed.detail)
+        return {"score": None, "rationale": "", "error": error}
+
+    async def _vote(self, messages: list[dict[str, str]],
+                    semaphore: asyncio.Semaphore | None) -> dict[str, Any]:
+        answer = await self._ask(messages, semaphore)
+        return self._failed(answer) if isinstance(answer, CallFailed) else self._verdict(answer)
+
+    async def _votes(self, messages: list[dict[str, str]],
+                     semaphore: asyncio.Semaphore | None) -> list[dict[str, Any]]:
+        """Every vote of one turn: in one request where the server gives ``n`` choices, else
+        (and for the votes a server left out) one request each, in parallel."""
+        votes: list[dict[str, Any]] = []
+        if self.votes > 1 and self.one_request:
+            answer = await self._ask(messages, semaphore, self.votes)
+            if isinstance(answer, CallFailed):
+                if answer.status not in (400, 422):
+                    return [self._failed(answer) for _ in range(self.votes)]
+                self.one_request = False  # ``n`` refused: a request per vote from now on
+            else:
+                choices = [c for c in answer["choices"][:self.votes] if isinstance(c, dict)]
+                votes = [self._verdict({**answer, "choices": [c]}) for c in choices]
+                if len(votes) < self.votes:
+                    self.one_request = False  # ``n`` ignored: a request per vote from now on
+        rest = await asyncio.gather(*(self._vote(messages, semaphore)
+                                      for _ in range(self.votes - len(votes))))
+        return votes + list(rest)
 
     def _verdict(self, response: dict[str, Any]) -> dict[str, Any]:
         """One vote from a chat.completion JSON. What the judge wrote is kept with any key of
@@ -621,8 +660,8 @@ class Judge:
                                f"turn {turn_id} cannot be judged: its stored "
                                f"{' and '.join(unreadable)} are not valid JSON")
         messages = build_judge_messages(turn, next_user, budgets=self.budgets)
-        votes = await asyncio.gather(*(self._vote(messages, semaphore) for _ in range(self.votes)))
-        score, rationale, failed, unparsable, error = aggregate(list(votes))
+        votes = await self._votes(messages, semaphore)
+        score, rationale, failed, unparsable, error = aggregate(votes)
         return JudgeResult(score, list(votes), failed, unparsable, rationale, self.model,
                            turn_id, error)
 

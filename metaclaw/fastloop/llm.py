@@ -82,11 +82,14 @@ class CallFailed(LLMError):
     (a status, connection or reply error) or ``"no_reply"`` (status 200 without a reply);
     ``detail``: why the last attempt failed, one line, the client's secrets masked;
     ``attempts``: how many were made; ``retryable``: False when another try would fail alike (a
-    client error), so fewer attempts than allowed were made."""
+    client error), so fewer attempts than allowed were made; ``status``: the last attempt's HTTP
+    status, where the server answered one."""
 
-    def __init__(self, kind: str, detail: str, attempts: int, retryable: bool):
+    def __init__(self, kind: str, detail: str, attempts: int, retryable: bool,
+                 status: int | None = None):
         super().__init__(detail)
         self.kind, self.detail, self.attempts, self.retryable = kind, detail, attempts, retryable
+        self.status = status
 
 
 class LLMResponseError(LLMError, ValueError):
@@ -278,6 +281,7 @@ class LLMClient:
         self.get()  # the session exists before the first call's time starts
         while True:
             body = {**params, "response_format": schema} if structured else params
+            status = None
             try:
                 if semaphore is None:
                     response = await asyncio.wait_for(self.chat(body), timeout)
@@ -292,6 +296,7 @@ class LLMClient:
                     structured = False  # maybe no JSON-schema support: once more as text
                     continue
                 kind, detail, delay = "error", self.explain(exc), retry_delay(exc, attempt)
+                status = getattr(exc, "status_code", None)
             else:
                 refusal = answer_error(response)
                 if refusal is None:
@@ -301,7 +306,7 @@ class LLMClient:
                 kind, detail = "no_reply", self.mask(" ".join(refusal.split())[:300])
                 delay = retry_delay(None, attempt)
             if delay is None or attempt >= retries:
-                raise CallFailed(kind, detail, attempt + 1, delay is not None)
+                raise CallFailed(kind, detail, attempt + 1, delay is not None, status)
             attempt += 1
             await asyncio.sleep(delay)
 

@@ -6,7 +6,8 @@
 generated: a queue of :class:`Reply` objects consumed in order (once empty, it echoes the last user
 message) or a function of the request body. Replies can inject failures: an error status, a delay
 before answering (to trigger timeouts), a delay between stream chunks, or a connection dropped after
-N chunks. Every request it receives is kept in :attr:`DoubleServer.requests` for assertions.
+N chunks. A non-streaming request with ``n`` gets one choice per reply (``n`` replies consumed or
+computed). Every request it receives is kept in :attr:`DoubleServer.requests` for assertions.
 
 Token counts in ``usage`` are whitespace word counts unless the reply gives its own: they are
 stand-ins, not a tokenizer's output.
@@ -29,6 +30,9 @@ from aiohttp import web
 
 from metaclaw.protocols import error_json
 from metaclaw.proxy.server import BackgroundServer, ServedApp
+
+#: The most choices (``n``) one request may ask for.
+MAX_CHOICES = 16
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                 403: "permission_error", 404: "not_found_error", 429: "rate_limit_error"}
@@ -140,10 +144,23 @@ class DoubleServer(ServedApp):
         if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
             return web.json_response(error_json("the double needs a JSON body with 'messages'"),
                                      status=400)
-        reply = self._next_reply(body)
-        if reply.delay:
-            await asyncio.sleep(reply.delay)
-        if reply.status != 200:
+        n = body.get("n", 1)
+        if n is None:
+            n = 1
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_CHOICES:
+            return web.json_response(error_json(
+                f"'n' must be an integer from 1 to {MAX_CHOICES}, got {n!r}", param="n"),
+                status=400)
+        if n > 1 and body.get("stream"):
+            return web.json_response(error_json(
+                "the double streams one choice: 'n' above 1 needs a non-streaming request",
+                param="n"), status=400)
+        replies = [self._next_reply(body) for _ in range(n)]  # one per choice
+        delay = max(r.delay for r in replies)
+        if delay:
+            await asyncio.sleep(delay)
+        reply = next((r for r in replies if r.status != 200), replies[0])
+        if reply.status != 200:  # one failed choice fails the request, as on a real server
             message = reply.content or f"injected upstream error (HTTP {reply.status})"
             return web.json_response(
                 error_json(message, _ERROR_TYPES.get(reply.status, "server_error"), None,
@@ -151,10 +168,11 @@ class DoubleServer(ServedApp):
                 status=reply.status, headers=reply.headers)
         if body.get("stream"):
             return await self._stream(request, body, reply)
-        if reply.disconnect_after is not None:
+        if any(r.disconnect_after is not None for r in replies):
             _drop(request)
             return web.Response()
-        return web.json_response(self._completion(body, reply), headers=reply.headers)
+        headers = {k: v for r in replies for k, v in r.headers.items()}
+        return web.json_response(self._completion(body, replies), headers=headers)
 
     # -- reply shapes ---------------------------------------------------------------------
     @staticmethod
@@ -182,19 +200,31 @@ class DoubleServer(ServedApp):
         return {"prompt_tokens": prompt, "completion_tokens": completion,
                 "total_tokens": prompt + completion}
 
-    def _completion(self, body: dict[str, Any], reply: Reply) -> dict[str, Any]:
-        calls = self._tool_calls(reply)
-        message: dict[str, Any] = {"role": "assistant", "content": reply.content}
-        if calls:
-            message["tool_calls"] = calls
+    def _completion(self, body: dict[str, Any], replies: list[Reply]) -> dict[str, Any]:
+        """A chat.completion of one choice per reply (the usage of the first reply's prompt
+        counted once, as a real server bills ``n`` choices)."""
+        choices, usage = [], None
+        for index, reply in enumerate(replies):
+            calls = self._tool_calls(reply)
+            message: dict[str, Any] = {"role": "assistant", "content": reply.content}
+            if calls:
+                message["tool_calls"] = calls
+            choices.append({"index": index, "message": message, "logprobs": None,
+                            "finish_reason": reply.finish_reason or
+                            ("tool_calls" if calls else "stop")})
+            one = self._usage(body, reply, calls)
+            if usage is None:
+                usage = dict(one)
+            else:
+                usage["completion_tokens"] += one.get("completion_tokens", 0)
+                usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
         return {
             "id": f"chatcmpl-double-{uuid.uuid4().hex[:12]}",
             "object": "chat.completion",
             "created": int(time.time()),
             "model": body.get("model") or self.models[0],
-            "choices": [{"index": 0, "message": message, "logprobs": None,
-                         "finish_reason": reply.finish_reason or ("tool_calls" if calls else "stop")}],
-            "usage": self._usage(body, reply, calls),
+            "choices": choices,
+            "usage": usage,
         }
 
     def _chunks(self, body: dict[str, Any], reply: Reply) -> list[dict[str, Any]]:
