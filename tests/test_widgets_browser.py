@@ -560,7 +560,7 @@ def test_held_proposal_is_reviewed_edited_and_promoted_from_the_widget(browser, 
 
     card = page.locator(f"details.mc-proposal[data-proposal='{pid}']")
     assert card.get_attribute("open") is not None
-    assert "12 judge calls" in card.locator(":scope > summary").inner_text()
+    assert "12 judge votes" in card.locator(":scope > summary").inner_text()
     assert "+Multiply by 1.609. SHOUT the answer." in card.locator(".mc-diff-unified").inner_text()
     rows = card.locator("tr.mc-case")
     assert rows.count() == 2

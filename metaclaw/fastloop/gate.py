@@ -158,7 +158,7 @@ class GateReport:
                           ("fixed", "still failing", "kept", "regressed", "unscored")
                           if self.count(o))
         return (f"gate: {self.decision} — {self.reason} ({tally or 'no replays'}; "
-                f"{self.judge_calls} judge calls)")
+                f"{self.judge_calls} judge votes)")
 
     def _repr_html_(self) -> str:
         return cases_html(self.to_dict())
@@ -177,7 +177,7 @@ def cases_html(report: dict[str, Any]) -> str:
     safety = "".join(f"<li>{esc(f['skill'])}: {esc(f['category'])} — "
                      f"<code>{esc(f['excerpt'])}</code></li>" for f in report.get("safety", []))
     return (f"<div><b>Verification gate: {esc(str(report.get('decision')))}</b> — "
-            f"{esc(str(report.get('reason', '')))} · {report.get('judge_calls', 0)} judge calls"
+            f"{esc(str(report.get('reason', '')))} · {report.get('judge_calls', 0)} judge votes"
             + (f"<p>Safety findings:</p><ul>{safety}</ul>" if safety else "")
             + ("<table><tr><th>turn</th><th>case</th><th>before</th><th>after</th>"
                "<th>outcome</th><th>reply before</th><th>reply after</th></tr>"

@@ -10,7 +10,7 @@ promotion.
 
 A row of ``proposals`` holds the operations (``ops``: ``{"op", "name", "reason", "evidence",
 "skill"}``), the failures they were written for (``support_ids``), the gate's per-case evidence
-(``evidence``: a :class:`metaclaw.fastloop.gate.GateReport` dict), safety findings, the judge calls the
+(``evidence``: a :class:`metaclaw.fastloop.gate.GateReport` dict), safety findings, the judge votes the
 decision cost, its ``origin`` (``auto``: the fast loop; ``manual``: a person) and ``status``
 (``held`` | ``promoted`` | ``discarded``), who decided and when, and the generation a promotion
 created. Automatic promotions are recorded here too (``decided_by = 'gate'``), so every
@@ -116,7 +116,7 @@ class Proposal:
         by = f" by {self.decided_by}" if self.decided_by else ""
         gen = f" -> generation {self.generation}" if self.generation is not None else ""
         return (f"proposal #{self.id} ({self.origin}, {self.status}{by}{gen}): {ops} — "
-                f"{self.reason} [{self.judge_calls} judge calls]")
+                f"{self.reason} [{self.judge_calls} judge votes]")
 
     def _repr_html_(self) -> str:
         esc = html.escape

@@ -403,7 +403,7 @@ class SkillDiffWidget(_WorkspaceWidget):
             parts.append(f"<details {'open' if p['status'] == 'held' else ''}><summary><b>Proposal "
                          f"#{p['id']}</b> ({_esc(p['origin'])}, {_esc(p['status'])}"
                          f"{' by ' + _esc(p['decided_by']) if p['decided_by'] else ''}) &mdash; "
-                         f"{_esc(p['reason'])} &middot; {p['judge_calls']} judge calls</summary>"
+                         f"{_esc(p['reason'])} &middot; {p['judge_calls']} judge votes</summary>"
                          f"{diffs}{cases_html({'decision': p['decision'], 'reason': p['reason'], 'cases': p['cases'], 'safety': p['safety'], 'judge_calls': p['judge_calls']})}"
                          "</details>")
         return "".join(parts)
