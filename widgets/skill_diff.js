@@ -222,7 +222,7 @@ function proposalCard(model, p, mode) {
   const card = h("details", { class: `mc-card mc-proposal mc-proposal-${p.status}`, open: held, "data-proposal": p.id },
     h("summary", {}, h("span", { class: "mc-badge" }, `${p.origin} · ${p.status}${by}${gen}`), " ",
       h("b", {}, `Proposal #${p.id}`), h("span", { class: "mc-muted" }, ` — ${p.reason}`), " ",
-      h("span", { class: "mc-badge mc-judge-calls" }, `${p.judge_calls} judge calls`)));
+      h("span", { class: "mc-badge mc-judge-calls" }, `${p.judge_calls} judge votes`)));
   const side = h("div", { class: "mc-proposal-body" });
   const edits = {};
   for (const d of p.diffs || []) {
