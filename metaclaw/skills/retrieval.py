@@ -270,6 +270,7 @@ class LexicalRetriever:
         self._lock = threading.Lock()
         self._cache = _IndexCache()
         self._tokens: dict[str, Counter] = {}
+        self._weights: tuple[Any, ...] = (None, None, None)  # index, term columns, matrix
 
     def _build(self, skills: Sequence[Skill]) -> tuple[Any, ...]:
         """Inverted index: term -> (skill indices, BM25 weights of the term in those skills),
@@ -364,15 +365,7 @@ class LexicalRetriever:
             for row, query in enumerate(queries):
                 out[row] = self.scores(query, skills, terms=list(words(row)))
             return out
-        column = {term: j for j, term in enumerate(index)}
-        weights = np.zeros((len(column), len(skills)), dtype=np.float32)
-        for term, j in column.items():
-            posting = index[term]
-            if isinstance(posting, tuple):  # numpy arrays (a large library)
-                weights[j, posting[0]] = posting[1]
-            else:
-                for i, w in posting:
-                    weights[j, i] = w
+        column, weights = self._weight_matrix(index, len(skills))
         present = [[j for j in map(column.get, words(row)) if j is not None]
                    for row in range(len(queries))]
         by_count: dict[int, list[int]] = {}
@@ -386,6 +379,26 @@ class LexicalRetriever:
                 gathered = weights[np.array([present[r] for r in chunk], dtype=np.intp)]
                 out[chunk] = gathered.sum(axis=1)
         return out
+
+    def _weight_matrix(self, index: dict[str, Any], width: int) -> tuple[dict[str, int], Any]:
+        """The index as a term-skill weight matrix (float32) and each term's row, built once
+        per index (the last one kept: a batch analysis scores many queries against one)."""
+        import numpy as np
+
+        built, column, weights = self._weights
+        if built is index:
+            return column, weights
+        column = {term: j for j, term in enumerate(index)}
+        weights = np.zeros((len(column), width), dtype=np.float32)
+        for term, j in column.items():
+            posting = index[term]
+            if isinstance(posting, tuple):  # numpy arrays (a large library)
+                weights[j, posting[0]] = posting[1]
+            else:
+                for i, w in posting:
+                    weights[j, i] = w
+        self._weights = (index, column, weights)
+        return column, weights
 
     def rank(self, query: str, skills: list[Skill], *, limit: int | None = None) -> list[ScoredSkill]:
         """Skills best first (ties by name); ``limit`` keeps only the best ``limit``."""
@@ -1032,13 +1045,20 @@ def read_features(retriever: Any, recorded: Sequence[str | None]) -> list[AskFea
     if tag is None:
         return [None] * len(recorded)
     width = 2 * load_model(STATIC_MODEL).dim
-    parts = [text.split("\t") if isinstance(text, str) else () for text in recorded]
-    good = [i for i, p in enumerate(parts) if len(p) == 3 and p[0] == tag and len(p[1]) == width]
+    # read at fixed places (TAG, tab, WIDTH hex digits, tab, terms): no split of the vector
+    start, end = len(tag) + 1, len(tag) + 1 + width
+    head = tag + "\t"
+    good = [i for i, text in enumerate(recorded) if isinstance(text, str)
+            and text.startswith(head) and text[end:end + 1] == "\t"
+            and "\t" not in text[start:end] and "\t" not in text[end + 1:]]
     out: list[AskFeatures | None] = [None] * len(recorded)
     if not good:
         return out
     try:  # one decoding for the batch
-        codes = np.frombuffer(bytes.fromhex("".join(parts[i][1] for i in good)), dtype=np.int8)
+        codes = np.frombuffer(bytes.fromhex("".join([recorded[i][start:end] for i in good])),
+                              dtype=np.int8)
+        if len(codes) != len(good) * (width // 2):
+            raise ValueError("a vector with whitespace")  # fromhex skips it
     except ValueError:  # a damaged record: each on its own
         for i in good:
             out[i] = read_features(retriever, [recorded[i]])[0] if len(good) > 1 else None
@@ -1046,7 +1066,7 @@ def read_features(retriever: Any, recorded: Sequence[str | None]) -> list[AskFea
     vectors = codes.reshape(len(good), -1).astype(np.float32)
     vectors /= np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
     for row, i in enumerate(good):
-        out[i] = AskFeatures(vectors[row], parts[i][2].split())
+        out[i] = AskFeatures(vectors[row], recorded[i][end + 1:].split())
     return out
 
 
