@@ -323,6 +323,15 @@ def test_a_server_that_refuses_n_gets_a_request_per_vote_from_then_on(store):
     assert second.score == 1 and len(later) == 3 and all("n" not in b for b in later)
 
 
+def test_a_client_error_not_about_n_keeps_the_votes_in_one_request(store):
+    with DoubleServer(lambda body: Reply(status=400, content="the prompt is too long")) as double:
+        judge = Judge(double.url, "judge", votes=3, retries=0, structured=False)
+        result = judge.judge_turns(store, [add_turn(store)])[0]
+        asked = [r["body"].get("n") for r in double.requests]
+    assert result.score is None and result.failed == 3 and "too long" in result.error
+    assert asked == [3, None, None, None] and judge.one_request is True
+
+
 class _OneChoiceDouble(DoubleServer):
     """A server that ignores ``n`` (answers one choice), as some OpenAI-compatible ones do."""
 

@@ -228,7 +228,6 @@ class _Scan:
         return table[[place.get(q, -1) for q in asked]]
 
     def result(self) -> dict[str, Any]:
-        names = sorted(self.column, key=self.column.get)
         sides = {name: _side(self.with_sums[:, c]) for name, c in self.column.items()
                  if self.with_sums[0, c]}
         used = {n: c for n, c in self.column.items() if n in sides}
@@ -237,7 +236,7 @@ class _Scan:
         since.update((float(t), int(after[k + 1])) for k, t in enumerate(self.times))
         return {"with": sides,
                 "without": None if self.without is None else
-                dict(zip(names, (_side(c) for c in self.without.T))),
+                {s.name: _side(c) for s, c in zip(self.skills, self.without.T)},
                 "first": {n: float(self.first[c]) for n, c in used.items()},
                 "last": {n: float(self.last[c]) for n, c in used.items()},
                 "since": since}

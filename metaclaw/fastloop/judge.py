@@ -21,8 +21,8 @@ skipped; a reply giving two different scores, or 0.8 or 1/5, is unparsable, neve
 
 Voting: the ``votes`` are asked for in one request (``n`` choices: one prompt sent and billed
 once), falling back by itself to one request per vote, all in parallel, where the server refuses
-``n`` (HTTP 400/422) or answers fewer choices (then the missing votes are asked for one by one,
-and every later turn gets a request per vote). Each request has its own timeout and retries; a
+``n`` (HTTP 400/422 to a request it answers without ``n``) or answers fewer choices (then the
+missing votes are asked for one by one); every later turn then gets a request per vote. Each request has its own timeout and retries; a
 request that fails after its retries fails every vote it asked for. The score is the majority
 of the valid votes; a tie is 0. Failed votes (transport errors, timeouts, error
 statuses, after retries) and unparsable votes are counted in :class:`JudgeResult`, never
@@ -600,30 +600,29 @@ class Judge:
                  else failed.detail)
         return {"score": None, "rationale": "", "error": error}
 
-    async def _vote(self, messages: list[dict[str, str]],
-                    semaphore: asyncio.Semaphore | None) -> dict[str, Any]:
-        answer = await self._ask(messages, semaphore)
-        return self._failed(answer) if isinstance(answer, CallFailed) else self._verdict(answer)
-
     async def _votes(self, messages: list[dict[str, str]],
                      semaphore: asyncio.Semaphore | None) -> list[dict[str, Any]]:
         """Every vote of one turn: in one request where the server gives ``n`` choices, else
         (and for the votes a server left out) one request each, in parallel."""
         votes: list[dict[str, Any]] = []
+        refused = False
         if self.votes > 1 and self.one_request:
             answer = await self._ask(messages, semaphore, self.votes)
             if isinstance(answer, CallFailed):
                 if answer.status not in (400, 422):
                     return [self._failed(answer) for _ in range(self.votes)]
-                self.one_request = False  # ``n`` refused: a request per vote from now on
+                refused = True  # maybe ``n``: asked again without it
             else:
                 choices = [c for c in answer["choices"][:self.votes] if isinstance(c, dict)]
                 votes = [self._verdict({**answer, "choices": [c]}) for c in choices]
                 if len(votes) < self.votes:
                     self.one_request = False  # ``n`` ignored: a request per vote from now on
-        rest = await asyncio.gather(*(self._vote(messages, semaphore)
-                                      for _ in range(self.votes - len(votes))))
-        return votes + list(rest)
+        answers = await asyncio.gather(*(self._ask(messages, semaphore)
+                                         for _ in range(self.votes - len(votes))))
+        if refused and any(not isinstance(a, CallFailed) for a in answers):
+            self.one_request = False  # answered without ``n``: a request per vote from now on
+        return votes + [self._failed(a) if isinstance(a, CallFailed) else self._verdict(a)
+                        for a in answers]
 
     def _verdict(self, response: dict[str, Any]) -> dict[str, Any]:
         """One vote from a chat.completion JSON. What the judge wrote is kept with any key of
