@@ -144,7 +144,7 @@ class _Scan:
         columns = self._names.get(raw)
         if columns is None:
             columns = []
-            for name in _names(raw):
+            for name in dict.fromkeys(_names(raw)):  # a name listed twice counts once
                 if name not in self.column:
                     self.column[name] = len(self.column)
                 columns.append(self.column[name])
@@ -183,10 +183,18 @@ class _Scan:
         np.minimum.at(self.first, column, created[turn])
         np.maximum.at(self.last, column, created[turn])
         if self.without is not None:
-            matched = self._matched(store, ids, asked)
-            mine = column < len(self.skills)  # a turn that got the skill is on the other side
-            matched[turn[mine], column[mine]] = False
-            self.without += values @ matched.astype(np.float64)
+            # summed per distinct ask, then multiplied by which skills each ask matches
+            matched, ask = self._matched(store, ids, asked)
+            per_ask = np.stack([np.bincount(ask, weights=values[k], minlength=len(matched))
+                                for k in range(len(_SUMS))])
+            self.without += per_ask @ matched.astype(np.float64)
+            # a turn that got a skill its ask matches is on the other side: taken out again
+            mine = column < len(self.skills)
+            hit = matched[ask[turn[mine]], column[mine]]
+            took, skill = turn[mine][hit], column[mine][hit]
+            for k in range(len(_SUMS)):
+                self.without[k] -= np.bincount(skill, weights=values[k, took],
+                                               minlength=len(self.skills))
 
     def _grow(self, width: int) -> None:
         import numpy as np
@@ -198,8 +206,9 @@ class _Scan:
             self.last = np.concatenate([self.last, np.full(extra, -np.inf)])
 
     def _matched(self, store: Store, ids: tuple[int, ...], asked: tuple[str | None, ...]):
-        """Per turn and skill of the library: does the matcher score the turn's ask at or
-        above its injection threshold (each distinct ask scored once)."""
+        """Per distinct ask and skill of the library: does the matcher score the ask at or
+        above its injection threshold (a bool matrix whose last row, for the turns without
+        an ask, matches nothing); and each turn's row in it."""
         import numpy as np
 
         from metaclaw.skills.retrieval import read_features
@@ -222,10 +231,9 @@ class _Scan:
                                                features=features)
         else:
             scores = self.matcher.score_matrix(queries, self.skills)
-        # a last row of no match, for the turns without an ask
         table = np.vstack([scores >= floor, np.zeros((1, len(self.skills)), dtype=bool)])
         place = {q: i for i, q in enumerate(queries)}
-        return table[[place.get(q, -1) for q in asked]]
+        return table, np.array([place.get(q, len(queries)) for q in asked], dtype=np.intp)
 
     def result(self) -> dict[str, Any]:
         sides = {name: _side(self.with_sums[:, c]) for name, c in self.column.items()
