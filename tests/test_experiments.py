@@ -239,7 +239,16 @@ def test_every_case_variant_is_in_flight_at_once_within_the_open_file_limit(tmp_
         assert ex.replays_in_flight(2) == 20 and ex.replays_in_flight(1 + 3) == 10
         monkeypatch.setattr(resource, "getrlimit", lambda which: (100, hard))
         assert ex.replays_in_flight(4) == 1  # never none
-        monkeypatch.setattr(resource, "getrlimit", lambda which: (256 + 40, hard))
+        # a soft limit too low for the replays wanted is raised as far as the hard one allows
+        raised = []
+        monkeypatch.setattr(resource, "setrlimit", lambda which, limits: raised.append(limits))
+        monkeypatch.setattr(resource, "getrlimit", lambda which: (256 + 40, 256 + 400))
+        assert ex.replays_in_flight(4, wanted=60) == 60 and raised == [(256 + 240, 256 + 400)]
+        assert ex.replays_in_flight(4, wanted=500) == 100 and raised[-1] == (256 + 400, 256 + 400)
+        assert ex.replays_in_flight(4, wanted=5) == 10  # enough already: left alone
+        assert len(raised) == 2
+        # where the hard limit allows no more, the replays run in waves
+        monkeypatch.setattr(resource, "getrlimit", lambda which: (256 + 40, 256 + 40))
         arrivals.clear()
         delay[0] = 0.4
         experiment = ex.Experiment.create(store, "bounded", "cases", ["none", "current"])

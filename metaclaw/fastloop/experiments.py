@@ -64,19 +64,31 @@ _RESULT_COLUMNS = ("created_at, score, verdict, votes, reply, tool_calls, skills
 CONCURRENCY = 512
 
 
-def replays_in_flight(per_replay: int, reserve: int = 256) -> int:
+def replays_in_flight(per_replay: int, wanted: int | None = None, reserve: int = 256) -> int:
     """How many replays of ``per_replay`` concurrent calls (one connection each) fit in the
     process's open-file limit, ``reserve`` descriptors left for the store and the rest (at least
-    one; no bound where the platform has no such limit)."""
+    one; no bound where the platform has no such limit). With ``wanted`` replays, a soft limit
+    too low for them is first raised as far as the hard limit allows (the usual defaults, 256 on
+    macOS and 1,024 on many Linux desktops, would run a moderate experiment in waves)."""
     try:
         import resource
 
-        soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     except (ImportError, OSError, ValueError):
         return 1 << 30
     if soft == resource.RLIM_INFINITY:
         return 1 << 30
-    return max(1, (soft - reserve) // max(1, per_replay))
+    per_replay = max(1, per_replay)
+    if wanted is not None:
+        needed = reserve + int(wanted) * per_replay
+        raised = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+        if raised > soft:
+            try:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
+                soft = raised
+            except (OSError, ValueError):
+                pass  # kept as it was: fewer replays in flight
+    return max(1, (soft - reserve) // per_replay)
 
 
 class ExperimentError(ValueError):
@@ -295,8 +307,9 @@ class Experiment:
         the :class:`metaclaw.skills.library.SkillLibrary` the variants' generations come from;
         ``max_calls``: the most upstream plus judge calls to spend (the replays beyond it are
         left for a later run); ``concurrency``: replays in flight at most (each with its judge
-        votes in parallel; fewer where the process's open-file limit would not hold their
-        connections, :func:`replays_in_flight`). Returns the plan it ran."""
+        votes; the process's open-file limit is raised for their connections where the hard
+        limit allows, and fewer run where it would not hold them, :func:`replays_in_flight`).
+        Returns the plan it ran."""
         from metaclaw.fastloop.llm import run_sync
 
         with fewer_collections():
@@ -336,8 +349,8 @@ class Experiment:
 
         workers: list[asyncio.Future] = []
         try:
-            for _ in range(min(max(1, int(concurrency)), len(todo),
-                               replays_in_flight(per_replay))):
+            wanted = min(max(1, int(concurrency)), len(todo))
+            for _ in range(min(wanted, replays_in_flight(per_replay, wanted))):
                 workers.append(asyncio.ensure_future(worker()))
                 # a loop turn between starts: the workers started earlier move on and their
                 # requests go out at once, rather than after every case has been prepared (the
