@@ -25,11 +25,11 @@ from hypothesis import strategies as st
 from metaclaw import jsonlib
 from metaclaw.fastloop.judge import Judge
 from metaclaw.fastloop.llm import (MAX_REPLY_BYTES, LLMClient, LLMConnectionError, LLMError,
-                                   LLMResponseError, LLMStatusError, error_text, retry_delay,
-                                   tls_context)
+                                   LLMResponseError, LLMStatusError, error_text, retry_delay)
 from metaclaw.fastloop.replay import Replayer
 from metaclaw.offline.double import DoubleServer, Reply
 from metaclaw.proxy.server import BackgroundServer, ServedApp
+from metaclaw.proxy.upstreams import environment_proxy, tls_context
 
 KEY = "sk-llm-0123456789abcdef"
 REPLY = {"id": "c", "object": "chat.completion", "choices": [
@@ -365,6 +365,18 @@ def test_the_environments_proxy_carries_the_calls_and_no_proxy_is_honoured(monke
         client = LLMClient("http://metaclaw-test.invalid/v1", KEY, 5.0)
         error = failure(client)  # straight to a host that does not resolve
         assert isinstance(error, LLMConnectionError) and len(proxy.requests) == seen
+
+
+def test_a_proxy_the_http_client_cannot_use_is_not_taken(monkeypatch):
+    """One lookup for the proxy's upstreams and this client: a SOCKS proxy is left out (calls go
+    direct, as before the lookup was shared), a proxy without a scheme is an HTTP one."""
+    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY", "http_proxy",
+                 "https_proxy", "all_proxy", "no_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("ALL_PROXY", "socks5://127.0.0.1:1080")
+    assert environment_proxy("https://api.example.com/v1") is None
+    monkeypatch.setenv("HTTPS_PROXY", "corp-proxy:3128")
+    assert environment_proxy("https://api.example.com/v1") == "http://corp-proxy:3128"
 
 
 # -- TLS ---------------------------------------------------------------------------------------

@@ -24,16 +24,14 @@ proxy does (:func:`metaclaw.proxy.upstreams.retry_after`). A failed call raises 
 from __future__ import annotations
 
 import asyncio
-import functools
-import os
 import threading
 import weakref
 from typing import Any, Awaitable, Callable, Mapping, TypeVar
 
 from metaclaw.buffers import message_text
 from metaclaw.jsonlib import dumpb, loads
-from metaclaw.proxy.upstreams import (MAX_ERROR_BODY, UpstreamBodyError, _read_body,
-                                      retry_after)
+from metaclaw.proxy.upstreams import (MAX_ERROR_BODY, UpstreamBodyError, environment_proxy,
+                                      read_body, retry_after, tls_context)
 from metaclaw.redact import mask, safe_url, secrets_of, url_credentials
 
 T = TypeVar("T")
@@ -118,47 +116,6 @@ def server_message(body: bytes) -> str:
 
 
 # -- client and event-loop plumbing -----------------------------------------------------------
-@functools.lru_cache(maxsize=8)
-def _tls_context(cafile: str | None, capath: str | None) -> Any:
-    import ssl
-
-    if cafile or capath:
-        return ssl.create_default_context(cafile=cafile, capath=capath)
-    context = ssl.create_default_context()  # the system's certificate authorities
-    paths = ssl.get_default_verify_paths()
-    if os.name != "nt" and not (paths.cafile or paths.capath):
-        # the system has none (python.org builds on macOS, slim containers): certifi's bundle
-        try:
-            import certifi
-
-            context.load_verify_locations(certifi.where())
-        except ImportError:
-            pass
-    return context
-
-
-def tls_context() -> Any:
-    """The ``ssl.SSLContext`` HTTPS calls verify servers with (one per process and setting):
-    ``SSL_CERT_FILE`` / ``SSL_CERT_DIR`` when set, else the system's certificate authorities,
-    else certifi's bundle."""
-    return _tls_context(os.environ.get("SSL_CERT_FILE") or None,
-                        os.environ.get("SSL_CERT_DIR") or None)
-
-
-def environment_proxy(url: str) -> str | None:
-    """The proxy the environment names for ``url`` (``HTTPS_PROXY`` / ``HTTP_PROXY`` by its
-    scheme, else ``ALL_PROXY``; none for a host in ``NO_PROXY``)."""
-    from urllib.parse import urlsplit
-    from urllib.request import getproxies, proxy_bypass
-
-    parts = urlsplit(url)
-    proxies = getproxies()
-    proxy = proxies.get(parts.scheme) or proxies.get("all")
-    if not proxy or proxy_bypass(parts.hostname or ""):
-        return None
-    return proxy if "://" in proxy else f"http://{proxy}"
-
-
 class LLMClient:
     """Chat calls to an OpenAI-compatible endpoint: one pooled ``aiohttp.ClientSession`` per
     event loop (a session is bound to the loop that made it), created on first use. ``timeout``:
@@ -231,12 +188,12 @@ class LLMClient:
                                           allow_redirects=False)
             if response.status >= 400:
                 raise LLMStatusError(response.status, response.headers,
-                                     await _read_body(response, MAX_ERROR_BODY))
+                                     await read_body(response, MAX_ERROR_BODY))
             if response.status >= 300:  # not followed: a POST must not move
                 response.release()
                 raise LLMStatusError(response.status, response.headers, b"",
                                      self._redirect(response.headers.get("Location")))
-            body = await _read_body(response, MAX_REPLY_BYTES + 1)
+            body = await read_body(response, MAX_REPLY_BYTES + 1)
         except (TimeoutError, LLMError):
             raise
         except UpstreamBodyError as exc:

@@ -11,7 +11,9 @@ the reply as bytes: a proxy relays bytes, so the official SDKs' typed request an
 models would only add work to every turn (through them a turn cost about three times the CPU).
 What the SDKs gave is kept: the key in each protocol's header, the protocol's version header,
 timeouts, retries of what is safe to retry (honouring Retry-After), the upstream's own error
-status and body relayed to the client, and ``HTTPS_PROXY`` / ``NO_PROXY`` from the environment.
+status and body relayed to the client, ``HTTPS_PROXY`` / ``HTTP_PROXY`` / ``ALL_PROXY`` /
+``NO_PROXY`` from the environment (:func:`environment_proxy`), and TLS verified against the
+system's certificate authorities or certifi's bundle (:func:`tls_context`).
 
 Keys: the upstream key comes from the environment variable ``ProxyConfig.api_key_env``; with
 caller-auth, ``key`` is the caller's own key, sent instead (as ``Authorization: Bearer``, and in
@@ -22,6 +24,7 @@ Anthropic's ``x-api-key``). Keys never reach logs, errors or the store.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import random
@@ -99,7 +102,51 @@ class UpstreamBodyError(Exception):
 MAX_ERROR_BODY = 64 * 1024
 
 
-async def _read_body(response: Any, limit: int | None = None) -> bytes:
+@functools.lru_cache(maxsize=8)
+def _tls_context(cafile: str | None, capath: str | None) -> Any:
+    import ssl
+
+    if cafile or capath:
+        return ssl.create_default_context(cafile=cafile, capath=capath)
+    context = ssl.create_default_context()  # the system's certificate authorities
+    paths = ssl.get_default_verify_paths()
+    if os.name != "nt" and not (paths.cafile or paths.capath):
+        # the system has none (python.org builds on macOS, slim containers): certifi's bundle
+        try:
+            import certifi
+
+            context.load_verify_locations(certifi.where())
+        except ImportError:
+            pass
+    return context
+
+
+def tls_context() -> Any:
+    """The ``ssl.SSLContext`` HTTPS calls verify servers with (one per process and setting):
+    ``SSL_CERT_FILE`` / ``SSL_CERT_DIR`` when set, else the system's certificate authorities,
+    else certifi's bundle. The proxy's upstreams and the fast loop's LLM client use it."""
+    return _tls_context(os.environ.get("SSL_CERT_FILE") or None,
+                        os.environ.get("SSL_CERT_DIR") or None)
+
+
+def environment_proxy(url: str) -> str | None:
+    """The proxy the environment names for ``url`` (``HTTPS_PROXY`` / ``HTTP_PROXY`` by its
+    scheme, else ``ALL_PROXY``; none for a host in ``NO_PROXY``, and none where it is not an
+    HTTP proxy, such as ``socks5://``, which the HTTP client cannot use). The one lookup of the
+    proxy's upstreams and the fast loop's LLM client."""
+    from urllib.parse import urlsplit
+    from urllib.request import getproxies, proxy_bypass
+
+    parts = urlsplit(url)
+    proxies = getproxies()
+    proxy = proxies.get(parts.scheme) or proxies.get("all")
+    if not proxy or proxy_bypass(parts.hostname or ""):
+        return None
+    proxy = proxy if "://" in proxy else f"http://{proxy}"
+    return proxy if proxy.startswith(("http://", "https://")) else None
+
+
+async def read_body(response: Any, limit: int | None = None) -> bytes:
     """The reply's body (its first ``limit`` bytes when given), the response released after;
     a body that breaks off or cannot be decoded raises :class:`UpstreamBodyError`."""
     from aiohttp import ClientPayloadError
@@ -167,9 +214,6 @@ class HTTPUpstream(Upstream):
 
     async def open(self) -> None:
         """Create the pooled session (on the loop that will use it)."""
-        from urllib.parse import urlsplit
-        from urllib.request import getproxies, proxy_bypass
-
         import aiohttp
 
         key = os.environ.get(self.key_env) or NO_KEY
@@ -178,9 +222,7 @@ class HTTPUpstream(Upstream):
         if self._basic is not None:  # credentials in the URL win, as in other HTTP clients
             headers["Authorization"] = aiohttp.BasicAuth(*self._basic).encode()
         # the environment's proxy, looked up once (aiohttp's trust_env would look per request)
-        parts = urlsplit(self._base)
-        if not proxy_bypass(parts.hostname or ""):
-            self._proxy = getproxies().get(parts.scheme)
+        self._proxy = environment_proxy(self._base)
         # a whole reply is timed by the caller (asyncio.timeout); a stream's reads are timed
         # here, its events by the protocol's event reader (sse_events)
         self._whole_timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.timeout)
@@ -188,7 +230,9 @@ class HTTPUpstream(Upstream):
                                                      sock_read=self.timeout)
         self._session = aiohttp.ClientSession(
             headers=headers, cookie_jar=aiohttp.DummyCookieJar(),  # no state between callers
-            connector=aiohttp.TCPConnector(limit=1000), timeout=self._stream_timeout)
+            connector=aiohttp.TCPConnector(
+                limit=1000, ssl=tls_context() if self._base.startswith("https:") else True),
+            timeout=self._stream_timeout)
 
     async def close(self) -> None:
         if self._session is not None:
@@ -213,13 +257,13 @@ class HTTPUpstream(Upstream):
             timeout=self._stream_timeout if stream else self._whole_timeout)
         if response.status >= 400:
             raise UpstreamStatusError(response.status, response.headers,
-                                      await _read_body(response, MAX_ERROR_BODY))
+                                      await read_body(response, MAX_ERROR_BODY))
         if 300 <= response.status < 400:  # redirects are not followed (a POST must not move)
             response.release()
             raise self._redirect_error(response.status, url, response.headers.get("Location"))
         if stream:
             return response
-        return await _read_body(response)
+        return await read_body(response)
 
     def _redirect_error(self, status: int, url: URL, location: str | None) -> ProxyError:
         """A 502 naming where the upstream redirects (an ``http://`` URL of an ``https://``
@@ -306,7 +350,7 @@ class HTTPUpstream(Upstream):
             # gateways do) or a server that does not stream; either is an error status for the
             # client, before any byte of a stream that could only break off
             async with asyncio.timeout(self.timeout):
-                payload = await _read_body(response)
+                payload = await read_body(response)
             try:
                 data = loads(payload)
             except ValueError:  # events under the wrong Content-Type: read as events
