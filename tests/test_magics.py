@@ -36,6 +36,7 @@ def test_quickstart_flow(ip, capsys):
     assert isinstance(skills, pl.DataFrame) and "backup-before-modify" in skills["name"].to_list()
     turns = line(ip, "turns")
     assert turns.height == 2 and set(turns["turn_type"]) == {"main", "side"}
+    assert "ask_features" not in turns.columns  # an encoded vector: nothing for a reader
     status = line(ip, "status")
     assert status is runtime and "<td style='text-align:left'>2</td>" in status._repr_html_()
     line(ip, "stop")

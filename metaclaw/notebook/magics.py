@@ -755,7 +755,9 @@ class MetaClawMagics(Magics):
 
     def _do_turns(self, argv: list[str], cell: str | None):
         """%metaclaw turns [--session S] [--type T]: recorded turns as a polars DataFrame (``--type
-        stage:plan``: one stage's turns; ``--type stage``: every stage turn)."""
+        stage:plan``: one stage's turns; ``--type stage``: every stage turn). The ask's recorded
+        retrieval features, an encoded vector for per-skill evidence, are left out
+        (``runtime.store.frame("turns")`` has every column)."""
         from metaclaw.turns import turns_filter
 
         parser = _parser("turns", self._do_turns.__doc__)
@@ -768,7 +770,7 @@ class MetaClawMagics(Magics):
             where, params = turns_filter(args.session, args.type)
         except ValueError as exc:
             raise MagicUsageError(str(exc)) from None
-        return runtime.store.frame("turns", where, params)
+        return runtime.store.frame("turns", where, params).drop("ask_features", strict=False)
 
 
 def _cell_progress() -> Any:
