@@ -23,7 +23,12 @@ retriever's own thresholds):
   the ranking);
 - precision: of all skills injected into on-topic asks, the share that are labelled relevant;
 - off-topic: the share of off-topic asks given any skill;
-- with and without the skills' example asks (the asks they were written from).
+- for three states of the same skills: without retrieval keys (a skill folder imported as it
+  is), with the asks they were written from (example asks), and as the evolver writes them:
+  those asks plus the evolver's "use when" line and three anticipated asks
+  (``benchmarks/data/retrieval/evolver_keys.json``, written from each skill alone, without sight
+  of the set's asks). The targets are read on the last: the library the proxy serves after
+  the evolver wrote it.
 
 Then retrieval latency (query extraction, ranking, selection, rendering, injection: what the
 proxy adds) p50 over 100 and 10,000 skills with fresh queries.
@@ -55,6 +60,7 @@ from metaclaw.skills.retrieval import (HybridRetriever, LexicalRetriever, embedd
 
 DATA = Path(__file__).resolve().parent / "data" / "retrieval"
 LABELLED = DATA / "labelled.json"
+EVOLVER_KEYS = DATA / "evolver_keys.json"
 SPLIT = DATA / "split.json"
 SPLIT_SEED = 20261126
 TARGETS = {"single": 0.90, "two_top3": 0.75, "off_topic": 0.10}
@@ -81,17 +87,22 @@ def load_split() -> dict:
     return record
 
 
-def load_set(split_name: str) -> tuple[list[Skill], list[Skill], list[dict]]:
-    """(skills without example asks, the same with their origin asks, the split's asks with
-    their ``query`` as the proxy extracts it from the client's request)."""
+def load_set(split_name: str) -> tuple[dict[str, list[Skill]], list[dict]]:
+    """(the skills in each of :data:`LIBRARIES`' states, by name; the split's asks with their
+    ``query`` as the proxy extracts it from the client's request)."""
     data = json.loads(LABELLED.read_text())
+    keys = json.loads(EVOLVER_KEYS.read_text())["skills"]
     split = load_split()
-    plain, keyed = [], []
+    libraries: dict[str, list[Skill]] = {name: [] for name in LIBRARIES}
     for s in data["skills"]:
         skill = Skill(name=s["name"], description=s["description"],
                       category=s.get("category") or "general", body=s.get("body") or "")
-        plain.append(skill)
-        keyed.append(skill.with_retrieval_keys(s.get("origin_asks") or []))
+        keyed = skill.with_retrieval_keys(s.get("origin_asks") or [])
+        written = keys[s["name"]]
+        libraries["plain"].append(skill)
+        libraries["example asks"].append(keyed)
+        libraries["evolver keys"].append(keyed.with_retrieval_keys(
+            use_when=written["use_when"], anticipated=written["anticipated_asks"]))
     wanted = set(split[split_name])
     asks = []
     for a in data["asks"]:
@@ -99,7 +110,18 @@ def load_set(split_name: str) -> tuple[list[Skill], list[Skill], list[dict]]:
             messages = wrap(split["clients"][a["id"]], a["ask"])
             asks.append({**a, "client": split["clients"][a["id"]],
                          "query": extract_ask(messages).text, "messages": messages})
-    return plain, keyed, asks
+    return libraries, asks
+
+
+#: The states of the set's skills the figures are given for (:func:`load_set`).
+LIBRARIES = {
+    "plain": "skills without retrieval keys (a skill folder imported as it is)",
+    "example asks": "skills with the asks they were written from (example asks)",
+    "evolver keys": "skills as the evolver writes them: example asks, a \"use when\" line and "
+                    "three anticipated asks",
+}
+#: The state the targets are read on: the library the proxy serves once the evolver wrote it.
+SERVED = "evolver keys"
 
 
 def evaluate(retriever, skills: list[Skill], asks: list[dict], **select_args) -> dict:
@@ -138,15 +160,15 @@ HEADER = (f"  {'retriever (at its defaults)':<44} {'single':>7} {'two':>7} {'two
           f"{'precision':>9} {'off-topic':>9}")
 
 
-def tune(plain: list[Skill], keyed: list[Skill], asks: list[dict], model: str) -> None:
-    """Grid search of the hybrid's constants on these (dev) asks, over both libraries (with and
-    without example asks): among the settings whose off-topic rate is at most the target, the
+def tune(libraries: dict[str, list[Skill]], asks: list[dict], model: str) -> None:
+    """Grid search of the hybrid's constants on these (dev) asks, over every library state
+    (:data:`LIBRARIES`) together: among the settings whose off-topic rate is at most the target, the
     best by single-skill hits + two-skill hits + precision (a skill injected for nothing costs
     the user tokens and attention). Both retrievers' scores are computed once per ask; the
     selection (top 3, ``min_score``, ``margin``) is replayed for each setting."""
     retriever = HybridRetriever(model)
     cases = []
-    for library in (plain, keyed):
+    for library in libraries.values():
         names = [s.name for s in library]
         for a in asks:
             cases.append((retriever.dense.scores(a["query"], library),
@@ -178,8 +200,8 @@ def tune(plain: list[Skill], keyed: list[Skill], asks: list[dict], model: str) -
                         single / n1, two / n2, right / max(injected, 1), off / n0))
     ok = [r for r in results if r[4] <= TARGETS["off_topic"]]
     ok.sort(key=lambda r: -(r[1] + r[2] + r[3]))
-    print(f"best on dev for model {model!r} (weight, saturation, min_score, margin), both "
-          "libraries together:")
+    print(f"best on dev for model {model!r} (weight, saturation, min_score, margin), every "
+          "library state together:")
     for params, single, two, precision, off in ok[:12]:
         print(f"  {params}: single {single:.1%} two {two:.1%} precision {precision:.1%} "
               f"off-topic {off:.1%}")
@@ -228,16 +250,17 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
     if args.tune:
-        plain, keyed, asks = load_set("dev")
-        tune(plain, keyed, asks, args.tune)
+        libraries, asks = load_set("dev")
+        tune(libraries, asks, args.tune)
         return
-    plain, keyed, asks = load_set(args.split)
+    libraries, asks = load_set(args.split)
+    served = libraries[SERVED]
     n_single = sum(len(a["relevant"]) == 1 for a in asks)
     n_two = sum(len(a["relevant"]) == 2 for a in asks)
     n_off = sum(not a["relevant"] for a in asks)
     kinds = {k: sum(a["kind"] == k for a in asks) for k in sorted({a["kind"] for a in asks})}
     print(f"{args.split} split: {len(asks)} asks ({n_single} single-skill, {n_two} two-skill, "
-          f"{n_off} off-topic; {kinds}) over {len(plain)} skills; each sent as one of "
+          f"{n_off} off-topic; {kinds}) over {len(served)} skills; each sent as one of "
           f"{', '.join(CLIENTS)} sends it")
     retrievers = {"hybrid BM25 + static (default)": make_retriever("auto"),
                   "static embedding alone, cosine >= 0.5": make_retriever("embedding"),
@@ -248,35 +271,33 @@ def main() -> None:
             retrievers["hybrid BM25 + minilm"] = make_retriever("hybrid", "minilm")
         except Exception as exc:  # noqa: BLE001 - report and go on without it
             print(f"  (minilm left out: {exc})")
-    for label, library in (("skills without example asks", plain),
-                           ("skills with their example asks (the asks they were written from)",
-                            keyed)):
-        print(f"\n{label}:")
+    for state, library in libraries.items():
+        print(f"\n{LIBRARIES[state]}:")
         print(HEADER)
         for name, retriever in retrievers.items():
             print(row(name, evaluate(retriever, library, asks)))
     default = retrievers["hybrid BM25 + static (default)"]
-    m = evaluate(default, keyed, asks)
-    print(f"\ntargets at the default, with example asks: single {m['single']:.1%} (>= 90%), "
+    m = evaluate(default, served, asks)
+    print(f"\ntargets at the default, skills as the evolver writes them: single {m['single']:.1%} (>= 90%), "
           f"two-skill both in top 3 {m['two_top3']:.1%} (>= 75%), off-topic "
           f"{m['off_topic']:.1%} (<= 10%)")
     by_kind = {}
     for kind in kinds:
         sub = [a for a in asks if a["kind"] == kind]
-        by_kind[kind] = evaluate(default, keyed, sub)
-    print("by kind (default, with example asks): " + ", ".join(
+        by_kind[kind] = evaluate(default, served, sub)
+    print("by kind (default, skills as the evolver writes them): " + ", ".join(
         f"{k} {v['off_topic' if k == 'off-topic' else ('two' if k == 'two-skill' else 'single')]:.0%}"
         for k, v in by_kind.items()))
-    by_client = {c: evaluate(default, keyed, [a for a in asks if a["client"] == c and a["relevant"]])
+    by_client = {c: evaluate(default, served, [a for a in asks if a["client"] == c and a["relevant"]])
                  for c in CLIENTS}
-    print("single-skill hit by client (default, with example asks): " + ", ".join(
+    print("single-skill hit by client (default, skills as the evolver writes them): " + ", ".join(
         f"{c} {v['single']:.0%}" for c, v in by_client.items()))
 
     queries = [a["query"] for a in asks]
     print(f"\nLatency: select_and_inject() p50 over fresh queries, {args.queries} each; load average "
           f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     for size in (100, 10_000):
-        library = keyed + generated(keyed, size - len(keyed)) if size > len(keyed) else keyed
+        library = served + generated(served, size - len(served)) if size > len(served) else served
         for name, retriever in (("hybrid (default)", make_retriever("auto")),
                                 ("lexical (BM25)", LexicalRetriever())):
             p50 = latency(retriever, library, queries, args.queries)

@@ -214,9 +214,10 @@ def cmd_turns(args: argparse.Namespace) -> int:
                 + f", agent {row.get('agent') or '-'}"
                 + (f" (by {how['agent']})" if how.get("agent") else "")))
             for s in row.get("retrieval_scores") or []:  # the keys the skills were matched on
-                if s.get("use_when") or s.get("example_asks"):
+                if s.get("use_when") or s.get("example_asks") or s.get("anticipated_asks"):
                     print(_printable(f"       {s['name']}: use when {s.get('use_when') or '-'}; "
-                                     f"{s.get('example_asks', 0)} example asks"))
+                                     f"{s.get('example_asks', 0)} example asks, "
+                                     f"{s.get('anticipated_asks', 0)} anticipated"))
     return 0
 
 

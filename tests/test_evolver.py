@@ -114,6 +114,26 @@ def test_evolve_applies_with_lineage_and_moves_the_buffers(store, library):
     assert item["turn_type"] == "main" and all(s["stage"] is None for s in prompt["library"])
 
 
+def test_an_added_skill_keeps_the_evolvers_retrieval_keys_on_disk(store, library):
+    """The "use when" line and the anticipated asks the evolver writes reach the skill's SKILL.md
+    (metadata map) through a real HTTP round trip."""
+    fail = record(store, library, "Convert 5 miles to km", "5 miles is 5 km.", reward=-1,
+                  rationale="wrong conversion factor")
+    buffers.refresh(store)
+    new = {**op("add", "unit-conversion", "Convert units with the exact factor.",
+                "One mile is 1.609 km.", "miles were treated as km", [fail], category="math"),
+           "use_when": "converting distances, weights or temperatures",
+           "anticipated_asks": ["how far is 10k in miles?", "my running app and my watch "
+                                "disagree about today's distance"]}
+    with DoubleServer([ops_reply(new)]) as double:
+        assert Evolver(double.url, "evolver", library, store, dedupe_threshold=None).evolve().applied
+    skill = library.get("unit-conversion")
+    assert skill.use_when == "converting distances, weights or temperatures"
+    assert skill.anticipated_asks == tuple(new["anticipated_asks"])
+    text = (library.directory / "unit-conversion" / "SKILL.md").read_text()
+    assert "anticipated-asks:" in text and "how far is 10k in miles?" in text
+
+
 def test_edit_and_remove_keep_unspecified_fields(store, library):
     fail = record(store, library, "Edit config.yaml", "Edited it in place.", reward=-1)
     buffers.refresh(store)

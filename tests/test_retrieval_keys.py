@@ -1,7 +1,8 @@
 """Skills learn their own retrieval keys: the asks they were written from and the asks they later
 served well become example asks (front matter ``metadata.example-asks``), the evolver writes a
-"use when" line, retrieval matches new asks against both, and the keys are shown where a person
-looks (``metaclaw turns --why``, the trace, the diff). No timing and no quality figures here:
+"use when" line and anticipated asks (asks in a user's words, front matter
+``metadata.anticipated-asks``), retrieval matches new asks against all of them, and the keys are
+shown where a person looks (``metaclaw turns --why``, the trace, the diff). No timing and no quality figures here:
 ``benchmarks/bench_retrieval.py`` measures those on the labelled set."""
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ import pytest
 from metaclaw import buffers
 from metaclaw.fastloop.evolver import validate_operations, with_origin_asks
 from metaclaw.fastloop.proposals import apply_ops
-from metaclaw.skills.library import MAX_EXAMPLE_ASKS, Skill, SkillLibrary, SkillOp
+from metaclaw.skills.library import (MAX_ANTICIPATED_ASKS, MAX_EXAMPLE_ASKS, Skill, SkillLibrary,
+                                    SkillOp)
 from metaclaw.skills.retrieval import (EmbeddingRetriever, HybridRetriever, LexicalRetriever,
                                        keys_text, make_retriever, select)
 
@@ -38,6 +40,29 @@ def test_example_asks_and_use_when_round_trip_through_skill_md():
     assert again.use_when == "writing dates, times or deadlines into files"
     text = skill.to_markdown()
     assert "metadata:" in text and "example-asks:" in text and "use-when:" in text
+
+
+def test_anticipated_asks_round_trip_are_replaced_not_merged_and_stay_apart_from_example_asks():
+    skill = DATES.with_retrieval_keys([ASK], anticipated=["when is the call, in my time?",
+                                                          " when is the call,  in my time? ",
+                                                          *(f"ask {i}" for i in range(9))])
+    assert skill.example_asks == (ASK,)
+    assert skill.anticipated_asks[0] == "when is the call, in my time?"
+    assert len(skill.anticipated_asks) == MAX_ANTICIPATED_ASKS  # deduped, then bounded
+    assert skill.retrieval_asks == (ASK, *skill.anticipated_asks)
+    again = Skill.from_markdown(skill.to_markdown())
+    assert again == skill and "anticipated-asks:" in skill.to_markdown()
+    assert skill.with_retrieval_keys(["another seen ask"]).anticipated_asks == \
+        skill.anticipated_asks  # adding example asks keeps them
+    replaced = skill.with_retrieval_keys(anticipated=["the deadline field is unreadable"])
+    assert replaced.anticipated_asks == ("the deadline field is unreadable",)
+    assert replaced.example_asks == (ASK,)
+    assert skill.with_retrieval_keys(anticipated=list(skill.anticipated_asks)) is skill
+    cleared = skill.with_retrieval_keys(anticipated=[])
+    assert cleared.anticipated_asks == () and "anticipated-asks" not in cleared.to_markdown()
+    listed = Skill.from_markdown("---\nname: a\ndescription: A.\nmetadata:\n"
+                                 "  anticipated-asks:\n    - one\n    - two\n---\n\nBody.\n")
+    assert listed.anticipated_asks == ("one", "two")
 
 
 def test_example_asks_are_folded_deduped_bounded_and_unchanged_skills_stay_the_same_object():
@@ -75,6 +100,18 @@ def test_retrieval_matches_an_ask_against_the_example_asks(kind):
     assert "standup.json" in keys_text(keyed[0])
 
 
+@pytest.mark.parametrize("kind", ["lexical", "embedding", "hybrid"])
+def test_retrieval_matches_an_ask_against_the_anticipated_asks(kind):
+    retriever = make_retriever(kind)
+    anticipated = [DATES.with_retrieval_keys(anticipated=[
+        "write the standup slot and action item deadlines into standup.json"]), *OTHERS]
+    before = {r.skill.name: r.score for r in retriever.rank(ASK, [DATES, *OTHERS])}
+    after = {r.skill.name: r.score for r in retriever.rank(ASK, anticipated)}
+    assert after["iso-dates"] > before["iso-dates"]
+    assert retriever.rank(ASK, anticipated)[0].skill.name == "iso-dates"
+    assert "standup.json" in keys_text(anticipated[0])
+
+
 def test_the_hybrid_is_the_default_and_its_threshold_is_relative_to_the_best_skill():
     retriever = make_retriever("auto")
     assert isinstance(retriever, HybridRetriever) and retriever.dense.static
@@ -104,6 +141,29 @@ def test_the_evolver_keeps_the_use_when_line_and_the_asks_of_the_failures_it_lea
     no_line = {"operations": [{k: v for k, v in answer["operations"][0].items()
                                if k != "use_when"}]}
     assert validate_operations(no_line, {}, [7])[0].skill.use_when == ""
+
+
+def test_the_evolver_writes_anticipated_asks_and_an_edit_without_them_keeps_the_old_ones():
+    from metaclaw.fastloop.evolver import EVOLVER_OP_SCHEMA, EVOLVER_SYSTEM_PROMPT
+
+    assert "anticipated_asks" in EVOLVER_OP_SCHEMA["required"]  # strict structured outputs
+    assert '"anticipated_asks"' in EVOLVER_SYSTEM_PROMPT
+    op = {"op": "add", "name": "iso-dates", "description": DATES.description,
+          "category": "data", "body": DATES.body, "use_when": "dates in files",
+          "anticipated_asks": ["what date format goes in the feed?", "  ", "deadline looks odd"],
+          "reason": "dates were ambiguous", "evidence": [7]}
+    skill = validate_operations({"operations": [op]}, {}, [7])[0].skill
+    assert skill.anticipated_asks == ("what date format goes in the feed?", "deadline looks odd")
+    library = {"iso-dates": skill}
+    edit = {**op, "op": "edit", "body": DATES.body + "\nAlso dates in CSV.", "anticipated_asks": []}
+    edited = validate_operations({"operations": [edit]}, library, [9])[0].skill
+    assert edited.anticipated_asks == skill.anticipated_asks  # []: not given, kept
+    renewed = validate_operations({"operations": [{**edit, "anticipated_asks": ["csv dates?"]}]},
+                                  library, [9])[0].skill
+    assert renewed.anticipated_asks == ("csv dates?",)
+    for bad in ("one ask", [1, 2], {"a": 1}):
+        with pytest.raises(Exception, match="'anticipated_asks' must be a list of strings"):
+            validate_operations({"operations": [{**op, "anticipated_asks": bad}]}, {}, [7])
 
 
 def test_asks_a_skill_served_well_become_its_example_asks_with_the_next_generation(store,
@@ -188,7 +248,8 @@ def test_serve_says_how_it_retrieves_and_why_shows_the_keys(tmp_path):
 
     skills = tmp_path / "skills"
     keyed = DATES.with_retrieval_keys(["write the standup slot and action item deadlines into "
-                                       "standup.json"], use_when="dates or deadlines in files")
+                                       "standup.json"], use_when="dates or deadlines in files",
+                                      anticipated=["what format for the due dates?"])
     for skill in (keyed, *OTHERS):
         (skills / skill.name).mkdir(parents=True)
         (skills / skill.name / "SKILL.md").write_text(skill.to_markdown())
@@ -222,10 +283,11 @@ def test_serve_says_how_it_retrieves_and_why_shows_the_keys(tmp_path):
     scores = rows[0]["retrieval_scores"]
     assert scores[0]["name"] == "iso-dates"
     assert scores[0]["use_when"] == "dates or deadlines in files"
-    assert scores[0]["example_asks"] == 1
+    assert scores[0]["example_asks"] == 1 and scores[0]["anticipated_asks"] == 1
     why = subprocess.run([sys.executable, "-m", "metaclaw", "turns", "--db", str(db), "--why"],
                          capture_output=True, text=True).stdout
-    assert "iso-dates: use when dates or deadlines in files; 1 example asks" in why
+    assert ("iso-dates: use when dates or deadlines in files; 1 example asks, 1 anticipated"
+            in why)
 
 
 def test_the_trace_and_the_diff_show_the_keys(store, tmp_path):
@@ -233,12 +295,15 @@ def test_the_trace_and_the_diff_show_the_keys(store, tmp_path):
 
     library = SkillLibrary(tmp_path / "skills", store)
     first = library.generation
-    keyed = DATES.with_retrieval_keys([ASK], use_when="dates or deadlines in files")
+    keyed = DATES.with_retrieval_keys([ASK], use_when="dates or deadlines in files",
+                                      anticipated=["what format for the due dates?"])
     library.apply([SkillOp("add", keyed)], kind="import")
     payload = diff_payload(library.diff(first, library.generation), store)
     assert payload["added"][0]["use_when"] == "dates or deadlines in files"
     assert payload["added"][0]["example_asks"] == [ASK]
+    assert payload["added"][0]["anticipated_asks"] == ["what format for the due dates?"]
     html = _trace_turn_html({"id": 1, "retrieval": {"query": ASK, "scores": [
         {"name": "iso-dates", "score": 0.8, "use_when": "dates or deadlines in files",
-         "example_asks": 1}]}, "messages": []})
+         "example_asks": 1, "anticipated_asks": 3}]}, "messages": []})
     assert "use when: dates or deadlines in files" in html and "1 example asks" in html
+    assert "3 anticipated asks" in html

@@ -238,7 +238,10 @@ def library(tmp_path, store, add_buffer_turn):
     lib.apply([SkillOp("edit", edited, reason="time zone slip", evidence=[t2]),
                SkillOp("remove", name="cite-sources", reason="too noisy"),
                SkillOp("add", Skill(name="ask-first", description="Ask before acting",
-                                    body="Ask.\n"), reason="acted too early")],
+                                    body="Ask.\n").with_retrieval_keys(
+                                        ["delete the old branches"], use_when="risky changes",
+                                        anticipated=["clean up the repo", "is it safe to drop?"]),
+                       reason="acted too early")],
               kind="edit", reason="second lessons")
     lib.test_turns = (t1, t2)  # type: ignore[attr-defined]
     return lib
@@ -275,6 +278,11 @@ def test_skill_diff_renders_and_round_trips(browser, site, library, tmp_path):
     assert turn.locator(".mc-reward.mc-bad").inner_text() == "-1"
     assert "remove generation 2 — too noisy" in page.locator(".mc-card-remove").inner_text()
     assert "+Ask." in page.locator(".mc-card-add .mc-diff-unified").inner_text()
+    # what retrieval matches the skill on; each count's tooltip lists its asks
+    keys = page.locator(".mc-card-add .mc-keys")
+    assert keys.inner_text() == "use when: risky changes · 1 example ask · 2 anticipated asks"
+    assert keys.locator("span").nth(1).get_attribute("title") == \
+        "clean up the repo\nis it safe to drop?"
 
     # switch to side-by-side: the page redraws at once, the choice is sent to Python
     page.select_option("select[aria-label='diff mode']", "side-by-side")

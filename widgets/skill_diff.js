@@ -158,11 +158,15 @@ function skillCard(diff, kind, item, mode, open, opened) {
     if (card.open) opened.add(name);
     else opened.delete(name);
   });
-  const asks = item.example_asks || [];
-  if (item.use_when || asks.length) {  // what retrieval matches this skill on, besides its text
-    card.append(h("div", { class: "mc-muted mc-keys" },
-      item.use_when ? `use when: ${item.use_when}` : "",
-      asks.length ? h("span", { title: asks.join("\n") }, `${item.use_when ? " · " : ""}${asks.length} example ask${asks.length === 1 ? "" : "s"}`) : null));
+  // what retrieval matches this skill on, besides its text (each count's tooltip lists the asks)
+  const keys = [item.use_when ? `use when: ${item.use_when}` : null];
+  for (const [asks, label] of [[item.example_asks || [], "example ask"],
+    [item.anticipated_asks || [], "anticipated ask"]]) {
+    if (asks.length) keys.push(h("span", { title: asks.join("\n") }, `${asks.length} ${label}${asks.length === 1 ? "" : "s"}`));
+  }
+  const shown = keys.filter(Boolean);
+  if (shown.length) {
+    card.append(h("div", { class: "mc-muted mc-keys" }, ...shown.flatMap((k, i) => (i ? [" · ", k] : [k]))));
   }
   if (kind === "edit") {
     card.append(mode === "side-by-side" ? sideBySideView(item.unified_diff) : unifiedView(item.unified_diff));

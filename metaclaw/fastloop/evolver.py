@@ -112,11 +112,12 @@ EVOLVER_OP_SCHEMA: dict[str, Any] = {
         "category": {"type": "string"},
         "body": {"type": "string"},
         "use_when": {"type": "string"},
+        "anticipated_asks": {"type": "array", "items": {"type": "string"}},
         "reason": {"type": "string"},
         "evidence": {"type": "array", "items": {"type": "integer"}},
     },
-    "required": ["op", "name", "description", "category", "body", "use_when", "reason",
-                 "evidence"],
+    "required": ["op", "name", "description", "category", "body", "use_when",
+                 "anticipated_asks", "reason", "evidence"],
     "additionalProperties": False,
 }
 
@@ -155,13 +156,18 @@ Names are slugs: 1-64 lowercase letters, digits, '-' or '_' (e.g. "check-units-f
 "use_when" is one short line naming the requests the skill is for, in the words a user would \
 use (e.g. "writing dates, times or deadlines into files or messages"): the skill is retrieved \
 for a request by matching it against this line, its description and the failed tasks it cites.
+"anticipated_asks" are three requests a user might send that need the skill, written as \
+different users would write them, in a user's own words rather than the skill's: one short, one \
+with the situation around it, one that describes the problem without naming the topic. They are \
+matched like "use_when".
 Each operation cites the ids of the failed turns it addresses in "evidence" and says why in \
-"reason". Use "" for fields that do not apply (e.g. the body of a remove).
+"reason". Use "" (or [] for "anticipated_asks") for fields that do not apply (e.g. the body of \
+a remove).
 
 Answer with JSON only:
 {"operations": [{"op": "add" | "edit" | "remove", "name": "<slug>", "description": "<one line>", \
-"category": "<word>", "body": "<markdown>", "use_when": "<one line>", "reason": "<why>", \
-"evidence": [<turn ids>]}]}
+"category": "<word>", "body": "<markdown>", "use_when": "<one line>", \
+"anticipated_asks": ["<ask>", "<ask>", "<ask>"], "reason": "<why>", "evidence": [<turn ids>]}]}
 Answer {"operations": []} when no change would help."""
 
 #: Character budgets of the fields of one support turn and of one skill body in the prompt.
@@ -317,6 +323,12 @@ def validate_operations(data: Any, library: dict[str, Skill],
             problems.append(f"{where}: 'use_when' must be a string")
             continue
         use_when = " ".join((use_when or "").split()) or None  # "": not given
+        anticipated = raw.get("anticipated_asks")
+        if anticipated is not None and (not isinstance(anticipated, list) or not all(
+                isinstance(a, str) for a in anticipated)):
+            problems.append(f"{where}: 'anticipated_asks' must be a list of strings")
+            continue
+        anticipated = [a for a in anticipated or () if a.strip()] or None  # []: not given
         if op == "add":
             if name in library:
                 problems.append(f"{where}: a skill named {name!r} already exists; use edit")
@@ -327,7 +339,8 @@ def validate_operations(data: Any, library: dict[str, Skill],
             try:
                 skill = Skill(name=name, description=text_fields["description"],
                               category=text_fields["category"].strip() or "general",
-                              body=text_fields["body"]).with_retrieval_keys(use_when=use_when)
+                              body=text_fields["body"]).with_retrieval_keys(
+                                  use_when=use_when, anticipated=anticipated)
             except SkillFormatError as exc:
                 problems.append(f"{where}: {exc.reason}")
                 continue
@@ -345,7 +358,8 @@ def validate_operations(data: Any, library: dict[str, Skill],
                               description=text_fields["description"].strip() or old.description,
                               category=text_fields["category"].strip() or old.category,
                               body=text_fields["body"] if text_fields["body"].strip() else old.body,
-                              extra=old.extra).with_retrieval_keys(use_when=use_when)
+                              extra=old.extra).with_retrieval_keys(
+                                  use_when=use_when, anticipated=anticipated)
             except SkillFormatError as exc:
                 problems.append(f"{where}: {exc.reason}")
                 continue

@@ -98,8 +98,9 @@ class Turn:
     generation: int = 0
     injected: list[str] = field(default_factory=list)
     scores: list[float] = field(default_factory=list)
-    #: each injected skill's retrieval keys: (its "use when" line, how many example asks)
-    keys: list[tuple[str, int]] = field(default_factory=list)
+    #: each injected skill's retrieval keys: (its "use when" line, how many example asks, how
+    #: many anticipated asks)
+    keys: list[tuple[str, int, int]] = field(default_factory=list)
     budget: dict[str, Any] | None = None
     #: the ask's features as recorded (:func:`metaclaw.skills.retrieval.ask_features`)
     features: str | None = None
@@ -135,15 +136,18 @@ def identify_session(headers: Mapping[str, str], body: Mapping[str, Any]) -> Ide
         raise ProxyError(400, str(exc), param=exc.param) from None
 
 
-def _scored(name: str, score: float, keys: tuple[str, int] | None) -> dict[str, Any]:
+def _scored(name: str, score: float, keys: tuple[str, int, int] | None) -> dict[str, Any]:
     """One injected skill as recorded in ``retrieval_scores``: its name and score, and the
-    retrieval keys it carried (``use_when``, ``example_asks``: how many) where it had any."""
+    retrieval keys it carried (``use_when``; ``example_asks``, ``anticipated_asks``: how many)
+    where it had any."""
     entry: dict[str, Any] = {"name": name, "score": round(float(score), 4)}
-    use_when, examples = keys or ("", 0)
+    use_when, examples, anticipated = keys or ("", 0, 0)
     if use_when:
         entry["use_when"] = use_when
     if examples:
         entry["example_asks"] = examples
+    if anticipated:
+        entry["anticipated_asks"] = anticipated
     return entry
 
 
@@ -656,7 +660,8 @@ class TurnPipeline:
             selected = done.selected
             turn.injected = [s.skill.name for s in selected]
             turn.scores = [s.score for s in selected]
-            turn.keys = [(s.skill.use_when, len(s.skill.example_asks)) for s in selected]
+            turn.keys = [(s.skill.use_when, len(s.skill.example_asks),
+                          len(s.skill.anticipated_asks)) for s in selected]
             turn.features = retrieval.ask_features(parts.retriever, turn.query)
             if done.block or BLOCK_TAG in turn.raw:  # or a resent earlier block, to take out
                 turn.body = turn.protocol.inject(turn.body, done.block)

@@ -102,9 +102,11 @@ MAX_SKILL_BYTES = 256 * 1024
 WATCH_STEP_MS = 250
 _CORE_KEYS = ("name", "description", "category")
 #: Retrieval keys in the front matter's ``metadata`` map (string values, as the Agent Skills
-#: format asks): a one-line "use when", and the example asks, one per line.
+#: format asks): a one-line "use when", the example asks (asks seen in turns), and the
+#: anticipated asks (asks the evolver wrote, in a user's words), one per line.
 USE_WHEN_KEY = "use-when"
 EXAMPLE_ASKS_KEY = "example-asks"
+ANTICIPATED_ASKS_KEY = "anticipated-asks"
 #: Who may be offered the skill, in the front matter's ``metadata`` map: ``shared`` (the
 #: default: every skill without the key), ``person:<id>`` or ``agent:<id>`` (see
 #: :attr:`Skill.scope`).
@@ -114,6 +116,8 @@ SCOPE_KEY = "scope"
 #: characters.
 MAX_EXAMPLE_ASKS = 8
 EXAMPLE_ASK_CHARS = 300
+#: At most this many anticipated asks are kept per skill (the evolver writes three).
+MAX_ANTICIPATED_ASKS = 5
 
 
 class _FrontMatterDumper(yaml.SafeDumper):
@@ -170,6 +174,19 @@ def _expanded_size(node: yaml.Node, sizes: dict[int, int], open_nodes: set[int])
     open_nodes.discard(key)
     sizes[key] = size
     return size
+
+
+def _bounded(kept: Iterable[str], more: Iterable[str], limit: int) -> list[str]:
+    """``kept`` followed by the asks of ``more`` (whitespace folded, cut to
+    :data:`EXAMPLE_ASK_CHARS`, duplicates ignored by case) up to ``limit`` asks in all."""
+    out = list(kept)
+    seen = {a.casefold() for a in out}
+    for ask in more:
+        ask = " ".join(str(ask).split())[:EXAMPLE_ASK_CHARS].strip()
+        if ask and ask.casefold() not in seen and len(out) < limit:
+            out.append(ask)
+            seen.add(ask.casefold())
+    return out
 
 
 class SkillFormatError(ValueError):
@@ -332,38 +349,52 @@ class Skill:
         """Asks this skill is for (front matter ``metadata.example-asks``, one per line): the
         retrieval queries of the failed turns it was written from and of turns it later served
         well. Retrieval matches new asks against them as well as against the skill's text."""
+        return self._asks(EXAMPLE_ASKS_KEY)
+
+    @functools.cached_property
+    def anticipated_asks(self) -> tuple[str, ...]:
+        """Asks the evolver expects this skill to be needed for, written in a user's words rather
+        than the skill's (front matter ``metadata.anticipated-asks``, one per line). Retrieval
+        matches them like :attr:`example_asks`; unlike those, no user sent them."""
+        return self._asks(ANTICIPATED_ASKS_KEY)
+
+    @property
+    def retrieval_asks(self) -> tuple[str, ...]:
+        """Every ask retrieval matches new asks against: the example asks, then the anticipated
+        ones."""
+        return self.example_asks + self.anticipated_asks
+
+    def _asks(self, key: str) -> tuple[str, ...]:
         metadata = self.extra.get("metadata")
-        value = metadata.get(EXAMPLE_ASKS_KEY) if isinstance(metadata, dict) else None
+        value = metadata.get(key) if isinstance(metadata, dict) else None
         if isinstance(value, list):  # written by hand as a YAML list: read it all the same
             value = "\n".join(v for v in value if isinstance(v, str))
         if not isinstance(value, str):
             return ()
         return tuple(line for line in (" ".join(v.split()) for v in value.split("\n")) if line)
 
-    def with_retrieval_keys(self, asks: Iterable[str] = (), *,
-                            use_when: str | None = None) -> "Skill":
+    def with_retrieval_keys(self, asks: Iterable[str] = (), *, use_when: str | None = None,
+                            anticipated: Iterable[str] | None = None) -> "Skill":
         """This skill with ``asks`` added to its example asks (whitespace folded, cut to
         :data:`EXAMPLE_ASK_CHARS`, duplicates ignored by case, at most
-        :data:`MAX_EXAMPLE_ASKS` kept: the earliest) and, when given, a new ``use_when`` line.
-        Returns ``self`` when nothing changes (no new generation for nothing)."""
-        kept = list(self.example_asks)
-        seen = {a.casefold() for a in kept}
-        for ask in asks:
-            ask = " ".join(str(ask).split())[:EXAMPLE_ASK_CHARS].strip()
-            if ask and ask.casefold() not in seen and len(kept) < MAX_EXAMPLE_ASKS:
-                kept.append(ask)
-                seen.add(ask.casefold())
+        :data:`MAX_EXAMPLE_ASKS` kept: the earliest) and, when given, a new ``use_when`` line
+        and new ``anticipated`` asks (replacing the old ones; at most
+        :data:`MAX_ANTICIPATED_ASKS`). Returns ``self`` when nothing changes (no new generation
+        for nothing)."""
+        kept = _bounded(self.example_asks, asks, MAX_EXAMPLE_ASKS)
         line = self.use_when if use_when is None else " ".join(use_when.split())[:300]
-        if tuple(kept) == self.example_asks and line == self.use_when:
+        foreseen = self.anticipated_asks if anticipated is None else \
+            _bounded((), anticipated, MAX_ANTICIPATED_ASKS)
+        if (tuple(kept) == self.example_asks and line == self.use_when
+                and tuple(foreseen) == self.anticipated_asks):
             return self
         metadata = dict(self.extra.get("metadata") or {}) \
             if isinstance(self.extra.get("metadata"), dict) else {}
-        metadata.pop(USE_WHEN_KEY, None)
-        metadata.pop(EXAMPLE_ASKS_KEY, None)
-        if line:
-            metadata[USE_WHEN_KEY] = line
-        if kept:
-            metadata[EXAMPLE_ASKS_KEY] = "\n".join(kept)
+        for key, value in ((USE_WHEN_KEY, line), (EXAMPLE_ASKS_KEY, "\n".join(kept)),
+                           (ANTICIPATED_ASKS_KEY, "\n".join(foreseen))):
+            metadata.pop(key, None)
+            if value:
+                metadata[key] = value
         extra = {k: v for k, v in self.extra.items() if k != "metadata"}
         if metadata:
             extra["metadata"] = metadata

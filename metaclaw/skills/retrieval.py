@@ -18,8 +18,9 @@ Three retrievers share one small interface (:class:`Retriever`):
   no dependency beyond the standard library.
 
 Every retriever matches an ask against a skill's text (name, description, "use when" line, body
-head) and its example asks (:attr:`metaclaw.skills.library.Skill.example_asks`: the asks it was written
-from and asks it served well): a skill learns its own retrieval keys.
+head) and its asks (:attr:`metaclaw.skills.library.Skill.retrieval_asks`: the asks it was written
+from and asks it served well, and the asks the evolver anticipated in a user's words): a skill
+learns its own retrieval keys.
 
 :func:`select` turns a ranking into the skills to inject (top-k, minimum score, margin below the
 best, size budget, deterministic order); :func:`select_and_inject`, the one path every caller
@@ -251,8 +252,9 @@ def _skill_title(skill: Skill) -> str:
 
 
 def keys_text(skill: Skill) -> str:
-    """What lexical ranking indexes for ``skill``: :func:`skill_text` and its example asks."""
-    return "\n".join([skill_text(skill), *skill.example_asks])
+    """What lexical ranking indexes for ``skill``: :func:`skill_text` and its example and
+    anticipated asks (:attr:`Skill.retrieval_asks`)."""
+    return "\n".join([skill_text(skill), *skill.retrieval_asks])
 
 
 class LexicalRetriever:
@@ -462,8 +464,9 @@ TRANSFORMER_MIN_SCORE = 0.25
 #: min_score, margin), chosen on the dev split of ``benchmarks/data/retrieval/labelled.json`` by
 #: ``benchmarks/bench_retrieval.py --tune static|minilm`` (the best single-skill hits, two-skill
 #: hits and precision with at most 10% of off-topic asks given a skill), reported on its test
-#: split. The transformer's are MiniLM's.
-HYBRID_CONSTANTS = {"static": (0.1, 6.0, 0.525, 0.15), "transformer": (0.2, 6.0, 0.4, 0.15)}
+#: split, over three states of its skills: without keys, with example asks, and with the keys
+#: the evolver writes (a "use when" line and anticipated asks). The transformer's are MiniLM's.
+HYBRID_CONSTANTS = {"static": (0.2, 6.0, 0.55, 0.2), "transformer": (0.2, 6.0, 0.4, 0.15)}
 
 _MODELS: dict[str, Any] = {}
 _MODELS_LOCK = threading.Lock()
@@ -743,9 +746,9 @@ class EmbeddingRetriever:
         return np.asarray(vectors, dtype=np.float32)
 
     def _matrix(self, skills: list[Skill]):
-        """(vectors, indices of the skills with example asks, names, name ranks) of ``skills``:
-        ``vectors`` holds one column per skill, then one per skill with example asks (the
-        normalized mean of its example asks' embeddings), in the order of the indices: stored
+        """(vectors, indices of the skills with asks, names, name ranks) of ``skills``:
+        ``vectors`` holds one column per skill, then one per skill with asks (the normalized
+        mean of the embeddings of its :attr:`~metaclaw.skills.library.Skill.retrieval_asks`), in the order of the indices: stored
         transposed (dimensions x columns), the layout in which one query's product is fastest
         (see :func:`_products`)."""
         import numpy as np
@@ -760,14 +763,14 @@ class EmbeddingRetriever:
                     missing[s.content_hash] = s
         if missing:
             texts = [t for s in missing.values() for t in (_skill_title(s), skill_text(s))]
-            asks = [a for s in missing.values() for a in s.example_asks]
+            asks = [a for s in missing.values() for a in s.retrieval_asks]
             vectors = self._encode(texts + asks)
             combined = vectors[0:len(texts):2] + vectors[1:len(texts):2]
             combined /= np.maximum(np.linalg.norm(combined, axis=1, keepdims=True), 1e-12)
             examples = np.zeros_like(combined)
             start = len(texts)
             for row, skill in enumerate(missing.values()):
-                count = len(skill.example_asks)
+                count = len(skill.retrieval_asks)
                 if count:
                     mean = vectors[start:start + count].sum(axis=0)
                     examples[row] = mean / max(float(np.linalg.norm(mean)), 1e-12)
@@ -786,7 +789,7 @@ class EmbeddingRetriever:
                 matrix = examples = np.zeros((0, dim), dtype=np.float32)
             # the example-ask vectors of the skills that have some, under the skills' own:
             # one product scores both (rows n.. belong to the skills at ``with_examples``)
-            with_examples = np.flatnonzero([bool(s.example_asks) for s in skills])
+            with_examples = np.flatnonzero([bool(s.retrieval_asks) for s in skills])
             if len(with_examples):
                 matrix = np.vstack([matrix, examples[with_examples]])
             matrix = np.ascontiguousarray(matrix.T)
@@ -844,8 +847,8 @@ class EmbeddingRetriever:
 
     def scores(self, query: str, skills: list[Skill]):
         """Each skill's score for ``query`` (a numpy vector in the order of ``skills``): the
-        cosine with the skill's text, or with the mean of its example asks where that is
-        higher."""
+        cosine with the skill's text, or with the mean of its asks (example and anticipated)
+        where that is higher."""
         import numpy as np
 
         matrix_t, with_examples, _, _ = self._matrix(skills)
@@ -907,7 +910,7 @@ class HybridRetriever:
 
         score = cosine + weight * bm25 / (bm25 + saturation)
 
-    ``cosine`` is :meth:`EmbeddingRetriever.scores` (the skill's text, or its example asks where
+    ``cosine`` is :meth:`EmbeddingRetriever.scores` (the skill's text, or its asks where
     they match better); the BM25 term, saturated to at most ``weight``, lifts skills that share
     rare words with the ask, which the static table alone ranks too low (a file name, a tool, a
     format). A skill is injected when its score is at least ``min_score`` and within ``margin``

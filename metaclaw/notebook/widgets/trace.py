@@ -301,6 +301,8 @@ def _trace_turn_html(d: dict[str, Any]) -> str:
                               if s.get("use_when") else "")
                            + (f" <small>{int(s['example_asks'])} example asks</small>"
                               if s.get("example_asks") else "")
+                           + (f" <small>{int(s['anticipated_asks'])} anticipated asks</small>"
+                              if s.get("anticipated_asks") else "")
                            for s in retrieval.get("scores") or [])
         parts.append(f"<p><i>Retrieval</i>: {_esc(retrieval.get('query') or '')} &rarr; "
                      f"{scores or 'no skill'}</p>")
