@@ -73,13 +73,16 @@ def _library(args: argparse.Namespace):
 
 # -- serve -----------------------------------------------------------------------------------
 def add_config_options(p: argparse.ArgumentParser, group: str | None = None, *,
-                       serve_defaults: bool = True) -> None:
-    """Add the options of :class:`metaclaw.runtime.RuntimeConfig` (of ``group``, or all) to
-    ``p``, as its fields declare them (:func:`metaclaw.runtime.option`); ``serve_defaults``:
-    with the defaults of ``metaclaw serve`` where they differ from the library's (``%metaclaw
-    start`` keeps the library's: port 0, any free port)."""
+                       serve_defaults: bool = True, only: tuple[str, ...] | None = None) -> None:
+    """Add the options of :class:`metaclaw.runtime.RuntimeConfig` (of ``group``, or all; with
+    ``only``, just those flags) to ``p``, as its fields declare them
+    (:func:`metaclaw.runtime.option`); ``serve_defaults``: with the defaults of ``metaclaw
+    serve`` where they differ from the library's (``%metaclaw start`` keeps the library's: port
+    0, any free port)."""
     for f, _dest in config_options(group):
         spec = {k: v for k, v in f.metadata["option"].items() if k != "group"}
+        if only is not None and spec["flag"] not in only:
+            continue
         flag, env = spec.pop("flag"), spec.pop("env", None)
         serve_default = spec.pop("serve_default", f.default)
         default = serve_default if serve_defaults else f.default
@@ -315,6 +318,8 @@ def cmd_skills(args: argparse.Namespace) -> int:
         return _skill_stats(args, library)
     if args.action == "share":
         return _share_skill(args, library)
+    if args.action == "keys":
+        return _write_keys(args, library)
     if args.action == "import":
         if not args.path:
             raise CliError("skills import needs --from DIR (a folder of <name>/SKILL.md)")
@@ -322,6 +327,30 @@ def cmd_skills(args: argparse.Namespace) -> int:
         print(json.dumps({"generation": new}) if args.json else f"imported into generation {new}")
         return 0
     raise CliError(f"unknown skills action {args.action!r}")
+
+
+def _write_keys(args: argparse.Namespace, library: Any) -> int:
+    """`metaclaw skills keys [NAME ...]`: the evolver model writes the "use when" line and the
+    anticipated asks of skills that have none (:mod:`metaclaw.fastloop.keys`)."""
+    from metaclaw.fastloop.evolver import Evolver
+    from metaclaw.skills.library import SkillFormatError, SkillNotFound
+
+    if not args.evolver_url or not args.evolver_model:
+        raise CliError("skills keys needs the evolver: --evolver-url URL --evolver-model M (key "
+                       "from $METACLAW_EVOLVER_API_KEY)")
+    evolver = Evolver(args.evolver_url, args.evolver_model, library, library.store,
+                      dedupe_threshold=None)
+    try:
+        with console.progress(args.verbosity) as on_progress:
+            result = evolver.write_keys(args.generations or None, rewrite=args.rewrite,
+                                        on_progress=on_progress)
+    except (SkillNotFound, SkillFormatError) as exc:
+        raise CliError(f"skills keys: {exc}") from None
+    if args.json:
+        _print_json(result.to_dict())
+    else:
+        print(_printable(str(result)))
+    return 1 if result.failed and not result.written else 0
 
 
 def _share_skill(args: argparse.Namespace, library: Any) -> int:
@@ -999,10 +1028,14 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default); eval: one OpenAI evals sample per turn")
 
     p = add("skills", help="list, diff, roll back or import skill generations; stats: "
-            "per-skill evidence; share NAME: promote a private skill to the whole workspace")
-    p.add_argument("action", choices=["list", "diff", "rollback", "import", "stats", "share"])
+            "per-skill evidence; share NAME: promote a private skill to the whole workspace; "
+            "keys [NAME ...]: have the evolver model write the retrieval keys of skills that "
+            "have none")
+    p.add_argument("action", choices=["list", "diff", "rollback", "import", "stats", "share",
+                                      "keys"])
     p.add_argument("generations", nargs="*", metavar="GENERATION|NAME",
-                   help="diff: two generations; rollback: one; share: the skill's name")
+                   help="diff: two generations; rollback: one; share: the skill's name; keys: "
+                   "the skills' names (default: every skill without keys)")
     p.add_argument("--skills", default=str(DEFAULT_SKILLS))
     add_db(p)
     p.add_argument("--from", dest="path", help="folder to import (skills import)")
@@ -1017,6 +1050,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--propose", action="store_true",
                    help="stats: file the suggestions (retire, merge, review) as proposals held "
                    "for review")
+    add_config_options(p, "fast loop", only=("--evolver-url", "--evolver-model"))
+    p.add_argument("--rewrite", action="store_true",
+                   help="keys: write them again for skills that have some")
 
     p = add("score", help="judge recorded turns with the PRM judge")
     add_db(p)

@@ -331,6 +331,22 @@ class Runtime:
                 skill_scope=self.config.skill_scope)
         return self.extras["evolver"]
 
+    def write_keys(self, names: Any = None, *, rewrite: bool = False,
+                   on_progress: Any = None):
+        """The evolver model writes the retrieval keys of skills that have none
+        (:meth:`metaclaw.fastloop.evolver.Evolver.write_keys`); no judge is needed."""
+        from metaclaw.fastloop.evolver import Evolver
+
+        url, model = self._endpoint("evolver", self.config.evolver_url, self.config.evolver_model)
+        if model.startswith("sim-"):
+            raise ValueError("retrieval keys need a language model as the evolver; the "
+                             "SIMULATED evolver (rule-based) writes none: give --evolver-url "
+                             "and --evolver-model")
+        evolver = self.extras.get("evolver") or Evolver(
+            url, model, self.library, self.store, api_key=self._upstream_key_for(url),
+            dedupe_threshold=None)
+        return evolver.write_keys(names, rewrite=rewrite, on_progress=on_progress)
+
     @property
     def fast_loop(self):
         """The background fast loop (judge each turn, evolve automatically), attached to the

@@ -272,3 +272,24 @@ def test_experiment_and_evidence_magics_and_cell_progress(ip, capsys, monkeypatc
     assert len(shown) == 1  # one bar per call, updated in place
     verdicts = line(ip, "score")  # draws its own bar while judging
     assert len(verdicts) == 1
+
+
+def test_keys_are_written_by_a_real_evolver_model_and_refused_by_the_simulated_one(ip, capsys):
+    import json
+
+    from metaclaw.offline.double import DoubleServer, Reply
+
+    line(ip, "start --db {ws}/sim.db --skills {ws}/sim-skills --sim --retrieval lexical")
+    assert line(ip, "keys") is None
+    assert "the SIMULATED evolver (rule-based) writes none" in capsys.readouterr().out
+    line(ip, "stop")
+    keys = {"use_when": "changing files", "anticipated_asks": ["tidy up config.yaml"]}
+    with DoubleServer(lambda body: Reply(json.dumps(keys))) as evolver:
+        line(ip, f"start --db {{ws}}/m.db --skills {{ws}}/skills --starter-skills "
+                 f"--retrieval lexical --evolver-url {evolver.url} --evolver-model e")
+        result = line(ip, "keys backup-before-modify")
+    assert result.written == ["backup-before-modify"] and result.failed == {}
+    skills = line(ip, "skills")
+    assert "backup-before-modify" in skills["name"].to_list()
+    runtime = ip.magics_manager.registry["MetaClawMagics"].runtime
+    assert runtime.library.get("backup-before-modify").anticipated_asks == ("tidy up config.yaml",)

@@ -82,6 +82,7 @@ from typing import Any, Iterable
 from metaclaw import buffers
 from metaclaw.fastloop.judge import (SECTION_TASK, SECTION_TOOLS, Judge, json_objects,
                                      next_user_message, render_sections, trim)
+from metaclaw.fastloop.keys import ANTICIPATED_RULE, USE_WHEN_RULE, KeysResult, awrite_keys
 from metaclaw.fastloop.llm import (CallFailed, LLMClient, chat_params, check_url, reply_text,
                                    run_sync)
 from metaclaw.fastloop.proposals import ProposalError, apply_ops
@@ -134,7 +135,7 @@ EVOLVER_RESPONSE_FORMAT: dict[str, Any] = {
     "json_schema": {"name": "skill_operations", "strict": True, "schema": EVOLVER_SCHEMA},
 }
 
-EVOLVER_SYSTEM_PROMPT = """\
+EVOLVER_SYSTEM_PROMPT = f"""\
 You maintain a library of skills for an AI assistant. A skill is a short Markdown guide that is \
 added to the assistant's system prompt when it is relevant to a request. You receive turns where \
 the assistant failed (the task, its tool calls and results, its reply, a judge's rationale and \
@@ -153,22 +154,18 @@ A turn_type "stage:<name>" marks a turn of one stage of a multi-stage task: a sk
 citing only failures of one stage is offered to that stage alone, so write it for that stage.
 
 Names are slugs: 1-64 lowercase letters, digits, '-' or '_' (e.g. "check-units-first").
-"use_when" is one short line naming the requests the skill is for, in the words a user would \
-use (e.g. "writing dates, times or deadlines into files or messages"): the skill is retrieved \
-for a request by matching it against this line, its description and the failed tasks it cites.
-"anticipated_asks" are three requests a user might send that need the skill, written as \
-different users would write them, in a user's own words rather than the skill's: one short, one \
-with the situation around it, one that describes the problem without naming the topic. They are \
-matched like "use_when".
+{USE_WHEN_RULE}: the skill is retrieved for a request by matching it against this line, its \
+description and the failed tasks it cites.
+{ANTICIPATED_RULE} They are matched like "use_when".
 Each operation cites the ids of the failed turns it addresses in "evidence" and says why in \
 "reason". Use "" (or [] for "anticipated_asks") for fields that do not apply (e.g. the body of \
 a remove).
 
 Answer with JSON only:
-{"operations": [{"op": "add" | "edit" | "remove", "name": "<slug>", "description": "<one line>", \
-"category": "<word>", "body": "<markdown>", "use_when": "<one line>", \
-"anticipated_asks": ["<ask>", "<ask>", "<ask>"], "reason": "<why>", "evidence": [<turn ids>]}]}
-Answer {"operations": []} when no change would help."""
+{{"operations": [{{"op": "add" | "edit" | "remove", "name": "<slug>", "description": \
+"<one line>", "category": "<word>", "body": "<markdown>", "use_when": "<one line>", \
+"anticipated_asks": ["<ask>", "<ask>", "<ask>"], "reason": "<why>", "evidence": [<turn ids>]}}]}}
+Answer {{"operations": []}} when no change would help."""
 
 #: Character budgets of the fields of one support turn and of one skill body in the prompt.
 SUPPORT_BUDGETS = {"task": 1500, "tools": 1500, "reply": 1500, "rationale": 600, "feedback": 600}
@@ -708,14 +705,17 @@ class Evolver:
                 f"dedupe_threshold={self.dedupe_threshold}, verify={self.verify})")
 
     # model call -------------------------------------------------------------------------
-    async def _ask(self, messages: list[dict[str, str]]) -> tuple[str, str | None]:
-        """The model's reply text and its ``finish_reason``."""
+    async def _ask(self, messages: list[dict[str, str]],
+                   response_format: dict[str, Any] = EVOLVER_RESPONSE_FORMAT
+                   ) -> tuple[str, str | None]:
+        """The model's reply text and its ``finish_reason`` (structured to ``response_format``
+        while the server accepts a schema)."""
         params = chat_params(self.model, messages, temperature=self.temperature,
                              max_tokens=self.max_tokens)
         try:
             response, structured = await self._client.complete(
                 params, timeout=self.timeout, retries=self.retries,
-                schema=EVOLVER_RESPONSE_FORMAT if self.structured else None)
+                schema=response_format if self.structured else None)
         except CallFailed as failed:
             where = f"the evolver model {self.model!r} at {safe_url(self.base_url)}"
             tried = f"tried {failed.attempts} times"
@@ -1025,6 +1025,26 @@ class Evolver:
     def apply(self, proposal: EvolveProposal) -> EvolveResult:
         """Synchronous :meth:`aapply`: promote a reviewed (dry-run) proposal."""
         return run_sync(lambda: self.aapply(proposal), *self._closers())
+
+    # retrieval keys of skills that have none ----------------------------------------------
+    async def awrite_keys(self, names: Iterable[str] | None = None, *, rewrite: bool = False,
+                          on_progress: ProgressFn | None = None) -> KeysResult:
+        """Have this evolver's model write the "use when" line and anticipated asks of the
+        skills ``names`` (default: every skill) that have none (``rewrite``: all), applied as
+        one generation (:func:`metaclaw.fastloop.keys.awrite_keys`)."""
+        async def ask(messages: list[dict[str, str]], response_format: dict[str, Any]) -> str:
+            return (await self._ask(messages, response_format))[0]
+
+        async with self._lock():
+            return await awrite_keys(self.library, ask, names, rewrite=rewrite,
+                                     by=f"the evolver model {self.model}",
+                                     on_progress=on_progress)
+
+    def write_keys(self, names: Iterable[str] | None = None, *, rewrite: bool = False,
+                   on_progress: ProgressFn | None = None) -> KeysResult:
+        """Synchronous :meth:`awrite_keys` (usable in a notebook cell)."""
+        return run_sync(lambda: self.awrite_keys(names, rewrite=rewrite, on_progress=on_progress),
+                        *self._closers())
 
     async def aclose(self) -> None:
         """Close the HTTP clients bound to the running event loop."""

@@ -385,6 +385,17 @@ class MetaClawMagics(Magics):
         args = parser.parse_args(argv)
         return self._require_runtime().library.frame(args.generation)
 
+    def _do_keys(self, argv: list[str], cell: str | None):
+        """%metaclaw keys [NAME ...] [--rewrite]: the evolver model writes the "use when" line
+        and anticipated asks of the skills that have none (--rewrite: again), as one generation."""
+        parser = _parser("keys", self._do_keys.__doc__)
+        parser.add_argument("names", nargs="*")
+        parser.add_argument("--rewrite", action="store_true")
+        args = parser.parse_args(argv)
+        runtime = self._require_runtime()
+        return self._library_change(runtime, lambda: runtime.write_keys(
+            args.names or None, rewrite=args.rewrite, on_progress=_cell_progress()))
+
     def _do_diff(self, argv: list[str], cell: str | None):
         """%metaclaw diff [G1 G2] [--follow]: the SkillDiffWidget (default: previous vs current
         generation), pinned to those generations; --follow moves it to each new generation."""

@@ -1,0 +1,127 @@
+"""Retrieval keys for skills that have none (``metaclaw skills keys``, ``Evolver.write_keys``): the
+evolver model writes a skill's "use when" line and anticipated asks from the skill alone, over
+real HTTP (the offline double answers per skill), and the skills change as one generation."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from metaclaw.fastloop.evolver import Evolver
+from metaclaw.fastloop.keys import (KEYS_RESPONSE_FORMAT, RETRY_PREFIX, KeysValidationError,
+                                    validate_keys)
+from metaclaw.offline.double import DoubleServer, Reply
+from metaclaw.skills.library import Skill, SkillLibrary, SkillNotFound, SkillOp
+
+DATES = Skill("iso-dates", "Write every date as an ISO 8601 datetime with the user's offset.",
+              "data", "Use `2026-03-16T09:30:00+08:00`, never `3/16` or `9:30am`.")
+BACKUP = Skill("backup-first", "Copy a file before changing it.", "safety",
+               "`cp config.yaml config.yaml.bak` before any edit.")
+KEYED = Skill("commit-messages", "Write commit messages with an imperative subject.", "coding",
+              "Subject under 60 characters.").with_retrieval_keys(
+                  use_when="writing commit messages", anticipated=["what do I call this commit?"])
+
+
+def keys_for(name: str) -> dict:
+    return {"use_when": f"requests about {name}",
+            "anticipated_asks": [f"short ask about {name}", f"a longer ask about {name}, with a "
+                                 "situation", f"a symptom of {name}"]}
+
+
+def answer(body: dict) -> Reply:
+    """The double as an evolver model: keys for the skill in the request; for ``backup-first``,
+    an unusable first answer (it is asked again)."""
+    text = body["messages"][-1]["content"]
+    retried = text.startswith(RETRY_PREFIX)
+    skill = json.loads(re.search(r"=== Skill ===\n(.*)\n=== End ===",
+                                 body["messages"][1]["content"], re.S).group(1))
+    if skill["name"] == "backup-first" and not retried:
+        return Reply("I think this skill is about backups.")
+    return Reply(json.dumps(keys_for(skill["name"])))
+
+
+@pytest.fixture()
+def library(tmp_path, store):
+    lib = SkillLibrary(tmp_path / "skills", store)
+    lib.apply([SkillOp("add", s) for s in (DATES, BACKUP, KEYED)], kind="import")
+    return lib
+
+
+def test_keys_are_written_for_the_skills_without_them_as_one_generation(library, store):
+    before = library.generation
+    with DoubleServer(answer) as double:
+        result = Evolver(double.url, "evolver", library, store,
+                         dedupe_threshold=None).write_keys()
+        bodies = [r["body"] for r in double.requests]
+    assert sorted(result.written) == ["backup-first", "iso-dates"]
+    assert result.skipped == ["commit-messages"] and result.failed == {}
+    assert result.generation == before + 1 == library.generation
+    assert store.generation(result.generation)["kind"] == "keys"
+    for name in ("backup-first", "iso-dates"):
+        skill = library.get(name)
+        assert skill.use_when == f"requests about {name}"
+        assert skill.anticipated_asks[0] == f"short ask about {name}"
+        text = (library.directory / name / "SKILL.md").read_text()
+        assert "anticipated-asks:" in text and "use-when:" in text
+    assert library.get("commit-messages") == KEYED  # it had keys
+    # one request per skill, with the schema; the unusable answer was asked again once
+    assert len(bodies) == 3
+    assert all(b["response_format"] == KEYS_RESPONSE_FORMAT for b in bodies)
+    assert sum(b["messages"][-1]["content"].startswith(RETRY_PREFIX) for b in bodies) == 1
+    assert '"anticipated_asks" are three requests' in bodies[0]["messages"][0]["content"]
+    events = {e["skill_name"]: e for e in store.skill_events(result.generation)}
+    assert set(events) == {"backup-first", "iso-dates"}
+    assert "retrieval keys written by the evolver model evolver" in events["iso-dates"]["reason"]
+
+
+def test_named_skills_rewrite_and_failures_are_reported_without_losing_the_others(library,
+                                                                                  store):
+    def flaky(body: dict) -> Reply:
+        if "iso-dates" in body["messages"][1]["content"]:
+            return Reply("the model is overloaded", status=400)
+        return answer(body)
+
+    with DoubleServer(flaky) as double:
+        evolver = Evolver(double.url, "evolver", library, store, dedupe_threshold=None,
+                          retries=0)
+        result = evolver.write_keys(["iso-dates", "commit-messages"], rewrite=True)
+        with pytest.raises(SkillNotFound, match="no skill named 'ghost'"):
+            evolver.write_keys(["ghost"])
+    assert result.written == ["commit-messages"]
+    assert "iso-dates" in result.failed and "400" in result.failed["iso-dates"]
+    assert library.get("commit-messages").use_when == "requests about commit-messages"
+    assert library.get("iso-dates") == DATES and library.get("backup-first") == BACKUP
+    assert "iso-dates: " in str(result)
+
+
+@pytest.mark.parametrize("reply, problem", [
+    ("no json here", "no JSON object"),
+    ('{"use_when": "", "anticipated_asks": ["a"]}', "'use_when' must be a non-empty"),
+    ('{"use_when": "x", "anticipated_asks": "a"}', "must be a list of strings"),
+    ('{"use_when": "x", "anticipated_asks": [" ", ""]}', "at least one ask"),
+])
+def test_unusable_replies_say_what_is_wrong(reply, problem):
+    with pytest.raises(KeysValidationError, match=problem):
+        validate_keys(reply)
+    assert validate_keys('Sure: {"use_when": " dates\\n in files ", "anticipated_asks": '
+                         '["a", " b ", "c", "d", "e", "f"]}') == ("dates in files",
+                                                                  ["a", "b", "c", "d", "e"])
+
+
+def test_the_cli_writes_keys_and_asks_for_the_evolver(library, store, tmp_path):
+    db, skills = str(store.path), str(library.directory)
+    store.close()
+    cli = [sys.executable, "-m", "metaclaw", "skills", "keys", "--db", db, "--skills", skills]
+    missing = subprocess.run(cli, capture_output=True, text=True)
+    assert missing.returncode == 2 and "--evolver-url URL --evolver-model M" in missing.stderr
+    with DoubleServer(answer) as double:
+        out = subprocess.run([*cli, "--evolver-url", double.url, "--evolver-model", "e",
+                              "--json"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert sorted(result["written"]) == ["backup-first", "iso-dates"]
+    assert result["skipped"] == ["commit-messages"]
