@@ -111,12 +111,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
         else "the SIMULATED model (rule-based, not a language model)" if args.sim
         else "the offline double (scripted, not a model)")
 
+    from metaclaw.fastloop.keys import has_keys
     from metaclaw.skills.retrieval import describe
 
     def ready(url: str) -> None:  # once listening: the real port, also with --port 0
         print(f"MetaClaw proxy on {url} -> {upstream}; skill generation {generation}, "
               f"{len(skills)} skills in {args.skills}; {describe(runtime.proxy.retriever)}",
               flush=True)
+        keyless = sum(not has_keys(s) for s in skills)
+        if keyless and getattr(runtime.proxy.retriever, "kind", "") != "lexical":
+            print(f"note: {keyless} of {len(skills)} skills have no retrieval keys (a \"use "
+                  "when\" line and anticipated asks) and are found far less often; `metaclaw "
+                  "skills keys --evolver-url URL --evolver-model M` writes them",
+                  file=sys.stderr, flush=True)
         threading.Thread(target=_say_when_retrieval_is_ready, args=(runtime.proxy,),
                          daemon=True, name="metaclaw-retrieval-ready").start()
 

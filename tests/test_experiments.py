@@ -17,6 +17,7 @@ from metaclaw.fastloop.judge import Judge
 from metaclaw.fastloop.replay import Replayer
 from metaclaw.offline.simmodel import serve_sim_model
 from metaclaw.skills.library import SkillLibrary, SkillOp
+from metaclaw.skills.retrieval import LexicalRetriever
 from metaclaw.store import Store
 
 
@@ -50,7 +51,9 @@ def workspace(recorded, tmp_path):
 
 
 def _replayer(sim) -> Replayer:
-    return Replayer(Judge(sim.url, "sim-judge", votes=1), sim.url, retriever=None)
+    # the retrieval the recorded run used, so that every replay of a variant with skills gets some
+    return Replayer(Judge(sim.url, "sim-judge", votes=1), sim.url,
+                    retriever=LexicalRetriever(), min_score=0.0)
 
 
 def test_datasets(workspace):

@@ -258,7 +258,7 @@ def test_serve_says_how_it_retrieves_and_why_shows_the_keys(tmp_path):
         proc = subprocess.Popen([sys.executable, "-m", "metaclaw", "serve", "--upstream",
                                  upstream.url, "--db", str(db), "--skills", str(skills),
                                  "--port", "0"], stdout=subprocess.PIPE,
-                                stderr=subprocess.DEVNULL, text=True,
+                                stderr=subprocess.PIPE, text=True,
                                 env={**__import__("os").environ,
                                      "METACLAW_UPSTREAM_API_KEY": "k"})
         try:
@@ -271,7 +271,10 @@ def test_serve_says_how_it_retrieves_and_why_shows_the_keys(tmp_path):
             assert "iso-dates" in upstream.requests[-1]["body"]["messages"][0]["content"]
         finally:
             proc.terminate()
-            proc.wait(timeout=30)
+            _, errors = proc.communicate(timeout=30)
+    # the three skills without keys are named in a note, with the command that writes them
+    assert "note: 3 of 4 skills have no retrieval keys" in errors, errors
+    assert "metaclaw skills keys" in errors
     deadline = time.time() + 10
     while time.time() < deadline:
         rows = [json.loads(line) for line in subprocess.run(

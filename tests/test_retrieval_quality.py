@@ -54,4 +54,7 @@ def test_the_default_injects_a_relevant_skill_and_stays_quiet_off_topic(labelled
         assert select(default, ask, skills) == [], ask
     hits = [bool({s.skill.name for s in select(default, ask, skills)} & set(relevant))
             for ask, relevant in asks if relevant]
-    assert sum(hits) / len(hits) >= 0.4, sum(hits)  # 30 of 68 when written
+    # 21 of 68: the fixture's own skills carry no retrieval keys (only the starter skills do),
+    # and without keys the default injects only where the ask also shares words with the skill
+    # (docs/explanation/retrieval.md); 30 of 68 under the earlier, more permissive constants
+    assert sum(hits) / len(hits) >= 21 / 68 - TOLERANCE, sum(hits)

@@ -456,17 +456,20 @@ STATIC_MODEL = "static"
 MINILM_MODEL = "minilm"
 #: Default ``min_score`` of the static model alone (``retrieval="embedding"``): the lowest round
 #: value at which at most 10% of the off-topic asks of the dev split of
-#: ``benchmarks/data/retrieval/labelled.json`` get a skill (5%).
-STATIC_MIN_SCORE = 0.5
+#: ``benchmarks/data/retrieval/`` get a skill, whatever keys the skills carry (3-7%).
+STATIC_MIN_SCORE = 0.6
 #: Default ``min_score`` of transformer models (calibrated on all-MiniLM-L6-v2).
 TRANSFORMER_MIN_SCORE = 0.25
 #: The hybrid's constants (:class:`HybridRetriever`) per kind of model: (weight, saturation,
-#: min_score, margin), chosen on the dev split of ``benchmarks/data/retrieval/labelled.json`` by
-#: ``benchmarks/bench_retrieval.py --tune static|minilm`` (the best single-skill hits, two-skill
-#: hits and precision with at most 10% of off-topic asks given a skill), reported on its test
-#: split, over three states of its skills: without keys, with example asks, and with the keys
-#: the evolver writes (a "use when" line and anticipated asks). The transformer's are MiniLM's.
-HYBRID_CONSTANTS = {"static": (0.2, 6.0, 0.55, 0.2), "transformer": (0.2, 6.0, 0.4, 0.15)}
+#: min_score, margin), chosen by ``benchmarks/bench_retrieval.py --tune static|minilm`` on the
+#: dev split of ``benchmarks/data/retrieval/`` (the labelled set's dev split and the dev half of
+#: the second set, whose off-topic asks are mostly ordinary agent work no skill covers): the best
+#: single-skill hits, two-skill hits and precision with at most 10% of off-topic asks given a
+#: skill, over three states of the skills together (without keys, with example asks, and with
+#: the keys the evolver writes), reported on the test split and the second set's test half. With
+#: the static model no setting reaches that off-topic rate on cosine alone: a skill is injected
+#: only where the ask also shares words with its text or keys. The transformer's are MiniLM's.
+HYBRID_CONSTANTS = {"static": (1.0, 3.0, 1.275, 0.2), "transformer": (0.45, 6.0, 0.6, 0.15)}
 
 _MODELS: dict[str, Any] = {}
 _MODELS_LOCK = threading.Lock()
