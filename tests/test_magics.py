@@ -287,7 +287,8 @@ def test_keys_are_written_by_a_real_evolver_model_and_refused_by_the_simulated_o
     with DoubleServer(lambda body: Reply(json.dumps(keys))) as evolver:
         line(ip, f"start --db {{ws}}/m.db --skills {{ws}}/skills --starter-skills "
                  f"--retrieval lexical --evolver-url {evolver.url} --evolver-model e")
-        result = line(ip, "keys backup-before-modify")
+        assert line(ip, "keys backup-before-modify").skipped == ["backup-before-modify"]
+        result = line(ip, "keys backup-before-modify --rewrite")  # the starter skills have keys
     assert result.written == ["backup-before-modify"] and result.failed == {}
     skills = line(ip, "skills")
     assert "backup-before-modify" in skills["name"].to_list()

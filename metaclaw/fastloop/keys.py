@@ -1,8 +1,8 @@
 """Retrieval keys for skills that have none: the evolver model writes a skill's "use when" line and
 its anticipated asks (:attr:`metaclaw.skills.library.Skill.anticipated_asks`) from the skill alone,
 as it does for every skill it adds or edits. Skills from elsewhere (an imported folder, a
-hand-written or starter skill) otherwise match asks on their text alone, which reaches far fewer
-of the asks that need them (``docs/explanation/retrieval.md`` has the figures).
+hand-written skill) otherwise match asks on their text alone, which reaches far fewer of the
+asks that need them (``docs/explanation/retrieval.md`` has the figures).
 
     evolver.write_keys()                          # every skill without keys: one new generation
     metaclaw skills keys --evolver-url URL --evolver-model M [NAME ...] [--rewrite]
