@@ -82,7 +82,8 @@ from typing import Any, Iterable
 from metaclaw import buffers
 from metaclaw.fastloop.judge import (SECTION_TASK, SECTION_TOOLS, Judge, json_objects,
                                      next_user_message, render_sections, trim)
-from metaclaw.fastloop.keys import ANTICIPATED_RULE, USE_WHEN_RULE, KeysResult, awrite_keys
+from metaclaw.fastloop.keys import (ANTICIPATED_RULE, RETRY_PREFIX, USE_WHEN_RULE, KeysResult,
+                                    awrite_keys)
 from metaclaw.fastloop.llm import (CallFailed, LLMClient, chat_params, check_url, reply_text,
                                    run_sync)
 from metaclaw.fastloop.proposals import ProposalError, apply_ops
@@ -100,7 +101,7 @@ SKILL_SCOPE_POLICIES = ("private", "shared")
 SECTION_SUPPORT = "Support turns"
 SECTION_LIBRARY = "Current skill library"
 EVOLVER_SECTIONS = (SECTION_SUPPORT, SECTION_LIBRARY)
-EVOLVER_RETRY_PREFIX = "Your previous reply was invalid:"
+EVOLVER_RETRY_PREFIX = RETRY_PREFIX  # the keys writer asks again in the same words
 
 #: JSON schema of one operation (every field required so it works in strict mode; an empty
 #: string means "not given").
