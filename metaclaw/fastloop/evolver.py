@@ -83,7 +83,7 @@ from metaclaw import buffers
 from metaclaw.fastloop.judge import (SECTION_TASK, SECTION_TOOLS, Judge, json_objects,
                                      next_user_message, render_sections, trim)
 from metaclaw.fastloop.keys import (ANTICIPATED_RULE, RETRY_PREFIX, USE_WHEN_RULE, KeysResult,
-                                    awrite_keys)
+                                    KeysValidationError, anticipated_of, awrite_keys)
 from metaclaw.fastloop.llm import (CallFailed, LLMClient, chat_params, check_url, reply_text,
                                    run_sync)
 from metaclaw.fastloop.proposals import ProposalError, apply_ops
@@ -322,11 +322,11 @@ def validate_operations(data: Any, library: dict[str, Skill],
             continue
         use_when = " ".join((use_when or "").split()) or None  # "": not given
         anticipated = raw.get("anticipated_asks")
-        if anticipated is not None and (not isinstance(anticipated, list) or not all(
-                isinstance(a, str) for a in anticipated)):
-            problems.append(f"{where}: 'anticipated_asks' must be a list of strings")
+        try:  # absent or []: not given
+            anticipated = None if anticipated is None else anticipated_of(anticipated) or None
+        except KeysValidationError as exc:
+            problems.append(f"{where}: {exc}")
             continue
-        anticipated = [a for a in anticipated or () if a.strip()] or None  # []: not given
         if op == "add":
             if name in library:
                 problems.append(f"{where}: a skill named {name!r} already exists; use edit")

@@ -22,8 +22,8 @@ from typing import Any, Awaitable, Callable, Iterable
 
 from metaclaw.fastloop.judge import json_objects, trim
 from metaclaw.progress import ProgressFn, notify
-from metaclaw.skills.library import (MAX_ANTICIPATED_ASKS, Skill, SkillConflict, SkillLibrary,
-                                     SkillNotFound, SkillOp)
+from metaclaw.skills.library import (MAX_ANTICIPATED_ASKS, USE_WHEN_CHARS, Skill, SkillConflict,
+                                     SkillLibrary, SkillNotFound, SkillOp, bounded_asks)
 
 #: How the evolver is told to write each key (the same words in its skill-writing prompt).
 USE_WHEN_RULE = ('"use_when" is one short line naming the requests the skill is for, in the '
@@ -61,7 +61,6 @@ KEYS_RESPONSE_FORMAT: dict[str, Any] = {
 CONCURRENCY = 8
 RETRY_PREFIX = "Your previous reply was invalid:"
 _BODY_BUDGET = 3000
-_USE_WHEN_CHARS = 300
 
 #: ``ask(messages, response_format)`` -> the model's reply text (raises on a failed call).
 AskFn = Callable[[list[dict[str, str]], dict[str, Any]], Awaitable[str]]
@@ -85,21 +84,28 @@ def build_keys_messages(skill: Skill) -> list[dict[str, str]]:
     return [{"role": "system", "content": KEYS_SYSTEM_PROMPT}, {"role": "user", "content": text}]
 
 
+def anticipated_of(value: Any) -> list[str]:
+    """The asks of an ``anticipated_asks`` value as a skill keeps them (folded, empty and
+    repeated ones dropped, at most :data:`MAX_ANTICIPATED_ASKS`); raises
+    :class:`KeysValidationError` unless it is a list of strings."""
+    if not isinstance(value, list) or not all(isinstance(a, str) for a in value):
+        raise KeysValidationError("'anticipated_asks' must be a list of strings")
+    return bounded_asks((), value, MAX_ANTICIPATED_ASKS)
+
+
 def validate_keys(text: str) -> tuple[str, list[str]]:
     """(use_when, anticipated asks) from a model reply; raises :class:`KeysValidationError`."""
     found = next((obj for obj in json_objects(text or "") if "anticipated_asks" in obj), None)
     if found is None:
         raise KeysValidationError('the reply holds no JSON object with "use_when" and '
                                   '"anticipated_asks"')
-    use_when, asks = found.get("use_when"), found.get("anticipated_asks")
+    use_when = found.get("use_when")
     if not isinstance(use_when, str) or not use_when.split():
         raise KeysValidationError("'use_when' must be a non-empty string of one line")
-    if not isinstance(asks, list) or not all(isinstance(a, str) for a in asks):
-        raise KeysValidationError("'anticipated_asks' must be a list of strings")
-    asks = [" ".join(a.split()) for a in asks if a.split()]
+    asks = anticipated_of(found.get("anticipated_asks"))
     if not asks:
         raise KeysValidationError("'anticipated_asks' must hold at least one ask")
-    return " ".join(use_when.split())[:_USE_WHEN_CHARS], asks[:MAX_ANTICIPATED_ASKS]
+    return " ".join(use_when.split())[:USE_WHEN_CHARS], asks
 
 
 @dataclass

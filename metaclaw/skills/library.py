@@ -118,6 +118,8 @@ MAX_EXAMPLE_ASKS = 8
 EXAMPLE_ASK_CHARS = 300
 #: At most this many anticipated asks are kept per skill (the evolver writes three).
 MAX_ANTICIPATED_ASKS = 5
+#: A "use when" line is cut to this many characters.
+USE_WHEN_CHARS = 300
 
 
 class _FrontMatterDumper(yaml.SafeDumper):
@@ -176,7 +178,7 @@ def _expanded_size(node: yaml.Node, sizes: dict[int, int], open_nodes: set[int])
     return size
 
 
-def _bounded(kept: Iterable[str], more: Iterable[str], limit: int) -> list[str]:
+def bounded_asks(kept: Iterable[str], more: Iterable[str], limit: int) -> list[str]:
     """``kept`` followed by the asks of ``more`` (whitespace folded, cut to
     :data:`EXAMPLE_ASK_CHARS`, duplicates ignored by case) up to ``limit`` asks in all."""
     out = list(kept)
@@ -381,10 +383,10 @@ class Skill:
         and new ``anticipated`` asks (replacing the old ones; at most
         :data:`MAX_ANTICIPATED_ASKS`). Returns ``self`` when nothing changes (no new generation
         for nothing)."""
-        kept = _bounded(self.example_asks, asks, MAX_EXAMPLE_ASKS)
-        line = self.use_when if use_when is None else " ".join(use_when.split())[:300]
+        kept = bounded_asks(self.example_asks, asks, MAX_EXAMPLE_ASKS)
+        line = self.use_when if use_when is None else " ".join(use_when.split())[:USE_WHEN_CHARS]
         foreseen = self.anticipated_asks if anticipated is None else \
-            _bounded((), anticipated, MAX_ANTICIPATED_ASKS)
+            bounded_asks((), anticipated, MAX_ANTICIPATED_ASKS)
         if (tuple(kept) == self.example_asks and line == self.use_when
                 and tuple(foreseen) == self.anticipated_asks):
             return self

@@ -751,7 +751,8 @@ class EmbeddingRetriever:
     def _matrix(self, skills: list[Skill]):
         """(vectors, indices of the skills with asks, names, name ranks) of ``skills``:
         ``vectors`` holds one column per skill, then one per skill with asks (the normalized
-        mean of the embeddings of its :attr:`~metaclaw.skills.library.Skill.retrieval_asks`), in the order of the indices: stored
+        mean of the embeddings of its :attr:`~metaclaw.skills.library.Skill.retrieval_asks`),
+        in the order of the indices: stored
         transposed (dimensions x columns), the layout in which one query's product is fastest
         (see :func:`_products`)."""
         import numpy as np
