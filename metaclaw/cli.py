@@ -120,16 +120,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
               flush=True)
         keyless = sum(not has_keys(s) for s in skills)
         if keyless and getattr(runtime.proxy.retriever, "kind", "") != "lexical":
+            loop = runtime.extras.get("fast_loop")
             print(f"note: {keyless} of {len(skills)} skills have no retrieval keys (a \"use "
-                  "when\" line and anticipated asks) and are found far less often; `metaclaw "
-                  "skills keys --evolver-url URL --evolver-model M` writes them",
+                  "when\" line and anticipated asks) and are found far less often; " + (
+                      "the fast loop has the evolver model write them now"
+                      if loop is not None and loop.auto_keys else
+                      "`metaclaw skills keys --evolver-url URL --evolver-model M` writes them"),
                   file=sys.stderr, flush=True)
         threading.Thread(target=_say_when_retrieval_is_ready, args=(runtime.proxy,),
                          daemon=True, name="metaclaw-retrieval-ready").start()
 
     def evolution(event: Any) -> None:  # what the fast loop decided, or why it did nothing
         if event.kind.startswith("evolve") and event.kind != "evolve_started" \
-                or event.kind == "generation":
+                or event.kind in ("generation", "keys_written", "keys_failed"):
             print(_printable(f"fast loop: {event}"), flush=True)
 
     try:

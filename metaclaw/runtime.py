@@ -74,6 +74,11 @@ def option(default: Any, flag: str, help: str, *, group: str = "serve", **add_ar
                                                        "group": group, **add_argument}})
 
 
+def _simulated(model: str) -> bool:
+    """Whether ``model`` names a role of the offline SIMULATED model (``sim-judge``, ...)."""
+    return model.startswith("sim-")
+
+
 class UpstreamProtocols:
     """The choices of ``--upstream-protocol``: the registered wire protocols the proxy forwards
     in (:func:`metaclaw.protocols.registry.upstream_protocols`), read from the registry when a
@@ -179,6 +184,11 @@ class RuntimeConfig:
     auto_evolve: bool = option(
         False, "--auto-evolve", "run the fast loop: judge every turn, evolve skills "
         "automatically")
+    auto_keys: bool = option(
+        True, "--auto-keys", "with --auto-evolve, the evolver model writes the retrieval keys "
+        "(a \"use when\" line, anticipated asks) of skills that have none, once each (default; "
+        "not with the simulated evolver; --no-auto-keys leaves them to `metaclaw skills keys`)",
+        action=argparse.BooleanOptionalAction)
     api_key_env: str = "METACLAW_UPSTREAM_API_KEY"  # not an option: where the upstream key is
 
     @classmethod
@@ -338,7 +348,7 @@ class Runtime:
         from metaclaw.fastloop.evolver import Evolver
 
         url, model = self._endpoint("evolver", self.config.evolver_url, self.config.evolver_model)
-        if model.startswith("sim-"):
+        if _simulated(model):
             raise ValueError("retrieval keys need a language model as the evolver; the "
                              "SIMULATED evolver (rule-based) writes none: give --evolver-url "
                              "and --evolver-model")
@@ -362,8 +372,11 @@ class Runtime:
                         retriever=self.proxy.retriever, top_k=self.proxy.config.top_k,
                         min_score=self.proxy.config.min_score,
                         budget_chars=self.proxy.config.budget_chars)
-            self.extras["fast_loop"] = FastLoop(self.store, self.library, self.judge,
-                                                self.evolver, gate=gate).attach(self.proxy)
+            evolver = self.evolver
+            self.extras["fast_loop"] = FastLoop(
+                self.store, self.library, self.judge, evolver, gate=gate,
+                auto_keys=self.config.auto_keys and not _simulated(evolver.model),
+            ).attach(self.proxy)
         return self.extras["fast_loop"]
 
     @classmethod

@@ -19,6 +19,7 @@ from metaclaw.fastloop import proposals
 from metaclaw.fastloop.evolver import Evolver, parse_evolver_prompt
 from metaclaw.fastloop.gate import Gate
 from metaclaw.fastloop.judge import SECTION_FEEDBACK, SECTION_REPLY, Judge, parse_judge_prompt
+from metaclaw.fastloop.keys import KEYS_SYSTEM_PROMPT
 from metaclaw.fastloop.loop import FastLoop
 from metaclaw.offline.double import DoubleServer, Reply
 from metaclaw.proxy.app import Proxy, ProxyConfig
@@ -42,6 +43,8 @@ class Models:
         self.evolver_failures = 0  # the next N evolver calls fail
         self.refuse_with_skill = ""  # other requests carrying this text get a 400
         self.evolver_delay = 0.0  # seconds the next evolver answer takes
+        self.keys_failures = 0  # the next N requests for retrieval keys fail
+        self.keys_asked: list[str] = []  # the skills whose keys were asked for
         self.lock = threading.Lock()
 
     def __call__(self, body: dict) -> Reply:
@@ -58,6 +61,17 @@ class Models:
             if self.evolver_failures:
                 self.evolver_failures -= 1
                 return Reply(status=401, content="invalid evolver key")
+            if messages[0]["content"] == KEYS_SYSTEM_PROMPT:
+                skill = json.loads(re.search(r"=== Skill ===\n(.*)\n=== End ===",
+                                             messages[1]["content"], re.S)[1])
+                with self.lock:
+                    self.keys_asked.append(skill["name"])
+                    if self.keys_failures:
+                        self.keys_failures -= 1
+                        return Reply(status=503, content="evolver overloaded")
+                return Reply(content=json.dumps({
+                    "use_when": f"requests about {skill['name']}",
+                    "anticipated_asks": [f"hi, {skill['name']}?", f"help me {skill['name']}"]}))
             delay, self.evolver_delay = self.evolver_delay, 0.0  # the next call only
             prompt = parse_evolver_prompt(messages[-1]["content"])
             ids = [item["id"] for item in prompt["support"]]
@@ -602,3 +616,60 @@ def test_a_change_committing_when_the_loop_stops_completes_and_is_reported(rig, 
     evolved = [e for e in loop.events if e.kind == "evolved"]
     assert evolved and evolved[0].generation == rig.store.latest_generation()
     assert proposals.all(rig.store)[0].status == "promoted"
+
+
+def test_auto_keys_writes_the_keys_of_skills_without_them_once_as_one_generation(rig):
+    keyed = Skill("commit-messages", "Write imperative commit subjects.", body="Under 60 chars."
+                  ).with_retrieval_keys(use_when="writing commits", anticipated=["name this?"])
+    rig.library.add(keyed)
+    loop = rig.make_loop(every_n=0, failure_rate=None, auto_keys=True).start()
+    assert loop.wait_idle()
+    assert rig.models.keys_asked == ["greet-warmly"]  # the skill with keys is left alone
+    skill = rig.library.get("greet-warmly")
+    assert skill.use_when == "requests about greet-warmly"
+    assert skill.anticipated_asks == ("hi, greet-warmly?", "help me greet-warmly")
+    [event] = [e for e in loop.events if e.kind == "keys_written"]
+    assert event.detail["written"] == ["greet-warmly"] and event.generation == rig.library.generation
+    assert rig.store.generation(event.generation)["kind"] == "keys"
+    # the next sweeps find nothing to write: nothing is asked again
+    loop._call(loop._sweep(), 10)
+    assert rig.models.keys_asked == ["greet-warmly"]
+
+
+def test_auto_keys_off_or_failing_never_changes_a_skill_and_failures_are_retried(rig):
+    loop = rig.make_loop(every_n=0, failure_rate=None).start()  # auto_keys off by default
+    assert loop.wait_idle()
+    loop.stop()
+    assert rig.models.keys_asked == [] and not rig.library.get("greet-warmly").use_when
+
+    rig.models.keys_failures = 3  # the client's three tries in the first sweep
+    generation = rig.library.generation
+    loop = rig.make_loop(every_n=0, failure_rate=None, auto_keys=True)
+    loop.SWEEP_S = 0.05
+    loop.start()
+    wait_until(lambda: any(e.kind == "keys_written" for e in loop.events), timeout=20)
+    failed = [e for e in loop.events if e.kind == "keys_failed"]
+    assert len(failed) == 1 and failed[0].detail["skills"] == ["greet-warmly"]
+    assert "HTTP 503: evolver overloaded" in failed[0].detail["error"]
+    assert failed[0].generation == generation  # nothing changed while it failed
+    # a failed evolver call is never silent: recorded where every process and view counts it
+    [recorded] = rig.store.events(kind="keys_failed", level="error")
+    assert "evolver call failed: model 'evolver'" in recorded["message"]
+    assert rig.library.get("greet-warmly").use_when == "requests about greet-warmly"
+
+
+def test_two_loops_of_one_workspace_write_a_skills_keys_once(rig, tmp_path):
+    other = SkillLibrary(tmp_path / "skills", rig.store)  # what a second process sees
+    evolver = Evolver(rig.double.url, "evolver", other, rig.store, judge=rig.judge,
+                      dedupe_threshold=None)
+    first = rig.make_loop(every_n=0, failure_rate=None, auto_keys=True)
+    second = FastLoop(rig.store, other, rig.judge, evolver, every_n=0, failure_rate=None,
+                      auto_keys=True)
+    rig.loops.append(second)
+    first.start(), second.start()
+    assert first.wait_idle() and second.wait_idle()
+    for loop in (first, second):
+        loop._call(loop._sweep(), 10)
+    assert rig.models.keys_asked == ["greet-warmly"]
+    kinds_of = [g["kind"] for g in rig.store.query("SELECT kind FROM skill_generations")]
+    assert kinds_of.count("keys") == 1

@@ -52,7 +52,7 @@ def test_every_option_reaches_its_field_through_both_parsers(monkeypatch):
               "--evolver-model": "em", "--votes": "2", "--user": "alice",
               "--agent": "codex-1", "--skill-scope": "shared"}
     switches = ["--caller-auth", "--no-durable-acks", "--fsync-acks", "--starter-skills",
-                "--sim", "--auto-evolve"]
+                "--sim", "--auto-evolve", "--no-auto-keys"]
     argv = [word for flag, value in values.items() for word in (flag, value)] + switches
     from_cli = RuntimeConfig.from_args(cli.build_parser().parse_args(["serve", *argv]))
     from_magics = RuntimeConfig.from_args(_start_parser().parse_args(argv))

@@ -125,3 +125,24 @@ def test_the_cli_writes_keys_and_asks_for_the_evolver(library, store, tmp_path):
     result = json.loads(out.stdout)
     assert sorted(result["written"]) == ["backup-first", "iso-dates"]
     assert result["skipped"] == ["commit-messages"]
+
+
+REAL = {"upstream_url": "http://127.0.0.1:9/v1", "model": "m", "judge_url": "http://127.0.0.1:9/v1",
+        "judge_model": "j", "evolver_url": "http://127.0.0.1:9/v1", "evolver_model": "e"}
+
+
+@pytest.mark.parametrize("options, expected", [
+    ({"simulated": True}, False),  # the rule-based evolver writes no keys
+    (REAL, True),
+    ({**REAL, "auto_keys": False}, False),
+])
+def test_the_fast_loop_writes_missing_keys_only_with_a_language_model_as_evolver(
+        tmp_path, options, expected):
+    from metaclaw.runtime import Runtime
+
+    runtime = Runtime.start(db_path=str(tmp_path / "ws.db"), skills_dir=str(tmp_path / "skills"),
+                            retrieval="lexical", **options)
+    try:
+        assert runtime.fast_loop.auto_keys is expected
+    finally:
+        runtime.stop()

@@ -31,7 +31,13 @@ never on the proxy's. For each recorded turn:
    automatic candidate is held back. A manual :meth:`FastLoop.evolve_now` applies directly;
 6. a new generation marks the support turns that produced it ``consumed`` and purges older query
    turns, on this automatic path exactly as on the manual one. Any other change of the library
-   (a manual edit, a rollback) purges the older live turns as well.
+   (a manual edit, a rollback) purges the older live turns as well;
+7. with ``auto_keys``, skills that have no retrieval keys (an imported folder, a hand-written
+   skill) get them from the evolver model (:mod:`metaclaw.fastloop.keys`), as one generation of
+   kind ``keys``: without keys a skill reaches far fewer of the asks that need it. The keys only
+   decide which asks retrieve a skill, not what it says, so no gate replays them. Each sweep
+   looks for such skills; a skill whose keys could not be written is tried again after 1, 2, 4,
+   ... sweeps, ``MAX_RETRIES`` times.
 
 What waits lives in memory, so the store is swept too (:meth:`FastLoop._sweep`): on start and
 every ``SWEEP_S`` seconds the loop judges the current generation's turns that have no verdict
@@ -69,6 +75,7 @@ from metaclaw.fastloop import proposals
 from metaclaw.fastloop.evolver import EvolveError, Evolver, EvolveResult
 from metaclaw.fastloop.gate import Gate, GateReport, safety_check
 from metaclaw.fastloop.judge import Judge
+from metaclaw.fastloop.keys import KeysResult, has_keys
 from metaclaw.redact import safe_url
 from metaclaw.skills.library import SkillConflict, SkillLibrary
 from metaclaw.store import IN_IDS, Store, id_list
@@ -81,11 +88,11 @@ T = TypeVar("T")
 #: Kinds of :class:`FastLoopEvent`.
 EVENT_KINDS = ("turn", "judged", "judge_failed", "evolve_started", "evolved", "evolve_skipped",
                "evolve_no_change", "evolve_rejected", "evolve_held", "evolve_failed",
-               "generation", "error")
+               "keys_written", "keys_failed", "generation", "error")
 
 
 #: Kinds that mean a judge or evolver call failed (logged and recorded in the store).
-FAILURE_KINDS = ("judge_failed", "evolve_failed")
+FAILURE_KINDS = ("judge_failed", "evolve_failed", "keys_failed")
 
 
 @dataclass
@@ -128,6 +135,8 @@ class FastLoop:
     judging a turn without feedback (0 judges at once). ``concurrency``: votes in flight at most.
     ``on_event``: a callback for every :class:`FastLoopEvent`. ``gate``: the
     :class:`metaclaw.fastloop.gate.Gate` automatic candidates must pass (``None``: all are held back).
+    ``auto_keys``: the evolver model writes the retrieval keys of skills that have none (step 7
+    above; give it only for an evolver that is a language model).
     """
 
     #: Seconds between two looks at turns another process is judging (see :meth:`_judge`).
@@ -144,7 +153,7 @@ class FastLoop:
                  every_n: int = 5, failure_rate: float | None = 0.5, min_judged: int = 3,
                  on_session_end: bool = True, *, feedback_wait: float = 30.0,
                  concurrency: int = 64, on_event: Callable[[FastLoopEvent], None] | None = None,
-                 max_events: int = 10_000, gate: Gate | None = None):
+                 max_events: int = 10_000, gate: Gate | None = None, auto_keys: bool = False):
         if every_n < 0:
             raise ValueError(f"every_n must be 0 (off) or more, got {every_n}")
         if failure_rate is not None and not 0.0 <= failure_rate <= 1.0:
@@ -161,6 +170,9 @@ class FastLoop:
         self.feedback_wait = float(feedback_wait)
         self.concurrency = int(concurrency)
         self.max_events = int(max_events)
+        self.auto_keys = bool(auto_keys)
+        # skill name -> (keys requests failed, monotonic time before which no sweep retries it)
+        self._keys_retries: dict[str, tuple[int, float]] = {}
         self.events: list[FastLoopEvent] = []
         self._callbacks: list[Callable[[FastLoopEvent], None]] = [on_event] if on_event else []
         self._events_lock = threading.Lock()
@@ -490,6 +502,8 @@ class FastLoop:
             trigger = self._trigger_in_store()
             if trigger is not None:
                 await self._evolve(trigger)
+        if self.auto_keys:
+            await self._write_missing_keys()
 
     def _trigger_in_store(self) -> str | None:
         """A trigger that holds in the store now, as :meth:`_check_triggers` and the session-end
@@ -582,6 +596,62 @@ class FastLoop:
             if judged >= self.min_judged and failed / judged > self.failure_rate:
                 await self._evolve(f"failure rate {failed}/{judged} of the current generation "
                                    f"exceeds {self.failure_rate:g}")
+
+    # -- retrieval keys -------------------------------------------------------------------
+    def _keyless(self) -> list[str]:
+        """The skills of the current generation without retrieval keys that are due: not
+        failed, or failed and waited out, at most ``MAX_RETRIES`` times."""
+        clock = time.monotonic()
+        _base, skills = self.library.current()
+        due = []
+        for skill in skills:
+            failures, after = self._keys_retries.get(skill.name, (0, 0.0))
+            if not has_keys(skill) and failures <= self.MAX_RETRIES and after <= clock:
+                due.append(skill.name)
+        return due
+
+    async def _write_missing_keys(self) -> None:
+        """Step 7: the evolver writes the keys of the skills :meth:`_keyless` finds, as one
+        generation, while this process holds the workspace's evolve lock (a process that
+        finds it taken leaves the skills to the next sweep)."""
+        if not self._keyless():
+            return
+        if self._evolve_lock is None:
+            self._evolve_lock = asyncio.Lock()
+        async with self._evolve_lock:
+            if not self._evolve_lease.acquire("writing retrieval keys"):
+                return
+            try:
+                self.library.sync()  # another process may have written them meanwhile
+                names = self._keyless()
+                if not names:
+                    return
+                generation = self.library.generation
+                try:
+                    result = await self.evolver.awrite_keys(names)
+                except SkillConflict:  # the library changed meanwhile: the next sweep retries
+                    return
+                except Exception as exc:  # noqa: BLE001 - reported, the loop keeps running
+                    result = KeysResult(None, failed=dict.fromkeys(
+                        names, f"{type(exc).__name__}: {exc}"))
+            finally:
+                self._evolve_lease.release()
+        clock = time.monotonic()
+        for name in result.written:
+            self._keys_retries.pop(name, None)
+        for name in result.failed:
+            failures = self._keys_retries.get(name, (0, 0.0))[0] + 1
+            self._keys_retries[name] = (failures, clock + self.SWEEP_S * 2 ** (failures - 1))
+        if result.written:
+            self._emit("keys_written", generation=result.generation, written=result.written,
+                       failed=result.failed)
+        if result.failed:
+            reasons = sorted(set(result.failed.values()))
+            self._emit("keys_failed", generation=generation if result.generation is None
+                       else result.generation, skills=sorted(result.failed),
+                       error=f"retrieval keys not written for {len(result.failed)} skill(s): "
+                             f"{reasons[0]}" + (f" (and {len(reasons) - 1} other reasons)"
+                                                if len(reasons) > 1 else ""))
 
     # -- evolving -------------------------------------------------------------------------
     async def _evolve(self, trigger: str, *, manual: bool = False,
