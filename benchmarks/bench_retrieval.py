@@ -17,7 +17,9 @@ stratified by kind. Constants are chosen on dev (``--tune``); figures are report
 A second set (``benchmarks/data/retrieval/heldout.json``), written later by another writer who saw
 only the skills, adds off-topic asks of the kind an agent mostly gets: near-domain ones (ordinary
 agent work that no skill covers), harder than trivia. Its dev half joins the dev split; its test
-half is reported with ``--split heldout``.
+half is reported with ``--split heldout``. A third set (``benchmarks/data/retrieval/third.json``),
+written after the constants were chosen by a third writer who also saw only the skills, is a test
+set alone: nothing is chosen on it (``--split third``).
 
 What it prints, per retriever, at the proxy's defaults (``select`` with top_k=3 and the
 retriever's own thresholds):
@@ -37,7 +39,7 @@ retriever's own thresholds):
 Then retrieval latency (query extraction, ranking, selection, rendering, injection: what the
 proxy adds) p50 over 100 and 10,000 skills with fresh queries.
 
-    python benchmarks/bench_retrieval.py [--split test|dev|heldout] [--tune] [--queries 300]
+    python benchmarks/bench_retrieval.py [--split test|dev|heldout|third] [--tune] [--queries 300]
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ DATA = Path(__file__).resolve().parent / "data" / "retrieval"
 LABELLED = DATA / "labelled.json"
 EVOLVER_KEYS = DATA / "evolver_keys.json"
 HELDOUT = DATA / "heldout.json"
+THIRD = DATA / "third.json"
 SPLIT = DATA / "split.json"
 SPLIT_SEED = 20261126
 TARGETS = {"single": 0.90, "two_top3": 0.75, "off_topic": 0.10}
@@ -109,12 +112,14 @@ def load_set(split_name: str) -> tuple[dict[str, list[Skill]], list[dict]]:
         libraries["evolver keys"].append(keyed.with_retrieval_keys(
             use_when=written["use_when"], anticipated=written["anticipated_asks"]))
     heldout = json.loads(HELDOUT.read_text())
+    third = json.loads(THIRD.read_text())
     # dev: the labelled set's dev split and the second set's dev half; test: the labelled set's
-    # test split; heldout: the second set's test half
+    # test split; heldout: the second set's test half; third: the third set, all of it
     pools = {"dev": [(data["asks"], split["clients"], set(split["dev"])),
                      (heldout["asks"], heldout["clients"], set(heldout["dev"]))],
              "test": [(data["asks"], split["clients"], set(split["test"]))],
-             "heldout": [(heldout["asks"], heldout["clients"], set(heldout["test"]))]}
+             "heldout": [(heldout["asks"], heldout["clients"], set(heldout["test"]))],
+             "third": [(third["asks"], third["clients"], set(third["clients"]))]}
     asks = []
     for pool, clients, wanted in pools[split_name]:
         for a in pool:
@@ -253,9 +258,10 @@ def generated(skills: list[Skill], n: int, seed: int = 0) -> list[Skill]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--split", choices=["dev", "test", "heldout"], default="test",
-                        help="test (default), dev (where constants are chosen), or heldout: the "
-                        "test half of the second set, with near-domain off-topic asks")
+    parser.add_argument("--split", choices=["dev", "test", "heldout", "third"], default="test",
+                        help="test (default), dev (where constants are chosen), heldout: the "
+                        "test half of the second set, with near-domain off-topic asks, or "
+                        "third: the third set, written after the constants were chosen")
     parser.add_argument("--tune", metavar="MODEL", nargs="?", const="static",
                         help="grid-search the hybrid's constants on dev (for 'static' or "
                         "'minilm') and print the best settings")
