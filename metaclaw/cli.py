@@ -123,7 +123,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
             loop = runtime.extras.get("fast_loop")
             print(f"note: {keyless} of {len(skills)} skills have no retrieval keys (a \"use "
                   "when\" line and anticipated asks) and are found far less often; " + (
-                      "the fast loop has the evolver model write them now"
+                      "the fast loop has the evolver model write them once their generation "
+                      "purges no live turn (at once on a workspace without any, else after the "
+                      "next change of the skills)"
                       if loop is not None and loop.auto_keys else
                       "`metaclaw skills keys --evolver-url URL --evolver-model M` writes them"),
                   file=sys.stderr, flush=True)

@@ -26,6 +26,7 @@ from metaclaw.proxy.app import Proxy, ProxyConfig
 from metaclaw.skills.library import Skill, SkillLibrary, SkillOp
 from metaclaw.skills.retrieval import LexicalRetriever
 from metaclaw.store import Store
+from metaclaw.training_lease import TrainingLease
 from waiting import wait_until
 
 SKILL_BODY = "Multiply miles by 1.609 to get kilometers."
@@ -656,6 +657,60 @@ def test_auto_keys_off_or_failing_never_changes_a_skill_and_failures_are_retried
     [recorded] = rig.store.events(kind="keys_failed", level="error")
     assert "evolver call failed: model 'evolver'" in recorded["message"]
     assert rig.library.get("greet-warmly").use_when == "requests about greet-warmly"
+
+
+def test_auto_keys_never_purges_live_turns_and_writes_right_after_an_evolution(rig):
+    loop = rig.make_loop(every_n=0, failure_rate=None, on_session_end=False, feedback_wait=0)
+    loop.SWEEP_S = 0.05
+    history: list = []
+    rig.chat("s1", history, "Convert 5 miles to kilometers")  # a failure the evolver awaits
+    failure = rig.store.turns(order="id")[-1]["id"]
+    wait_until(lambda: rig.store.turn(failure)["reward"] is not None, what="judging")
+    loop.auto_keys = True
+    time.sleep(0.3)  # several sweeps
+    # a keys generation would purge the failure the evolver has not learned from yet
+    assert rig.models.keys_asked == [] and state(rig.store, failure) == ("query", "live")
+    loop.evolve_now()  # the evolution's generation starts with no live turn: keys follow it
+    assert loop.wait_idle()
+    assert sorted(rig.models.keys_asked) == ["greet-warmly", "miles-to-km"]
+    assert state(rig.store, failure) == ("support", "consumed")
+    assert [e.kind for e in loop.events if e.kind in ("evolved", "keys_written")] == \
+        ["evolved", "keys_written"]
+    assert rig.library.get("miles-to-km").use_when == "requests about miles-to-km"
+
+
+def test_an_import_is_followed_by_keys_and_held_proposals_keep_their_skills(rig):
+    held = Skill("greet-warmly", "Greet the user warmly.", body="Say hello twice.")
+    proposals.record(rig.store, [SkillOp("edit", held, base=rig.library.get(
+        "greet-warmly").content_hash)], origin="auto", status=proposals.HELD,
+        base_generation=rig.library.generation)
+    loop = rig.make_loop(every_n=0, failure_rate=None, auto_keys=True).start()
+    assert loop.wait_idle()
+    assert rig.models.keys_asked == []  # new keys would make the held edit unpromotable
+    history: list = []
+    rig.chat("s1", history, "Hi there")  # a live query turn
+    rig.library.add(Skill("plain-words", "Prefer plain words.", body="Short words."))
+    wait_until(lambda: "keys_written" in kinds(loop), what="keys after the import")
+    assert rig.models.keys_asked == ["plain-words"]
+
+
+def test_keys_wait_for_the_evolve_lock_and_give_up_after_the_retries(rig):
+    lease = TrainingLease.for_store(rig.store, "evolve")
+    assert lease.acquire("another process evolving")
+    loop = rig.make_loop(every_n=0, failure_rate=None, auto_keys=True)
+    loop.SWEEP_S, loop.MAX_RETRIES = 0.05, 1
+    rig.models.keys_failures = 100
+    loop.start()
+    time.sleep(0.3)
+    assert rig.models.keys_asked == []  # the lock holder decides; nothing is asked meanwhile
+    lease.release()
+    wait_until(lambda: sum(e.kind == "keys_failed" for e in loop.events) == 2, timeout=20)
+    failed = [e for e in loop.events if e.kind == "keys_failed"]
+    assert failed[0].detail["retry"] == "at a later sweep"
+    assert failed[1].detail["retry"] == "no more retries here for greet-warmly"
+    asked = len(rig.models.keys_asked)
+    time.sleep(0.5)
+    assert len(rig.models.keys_asked) == asked  # given up: no more requests
 
 
 def test_two_loops_of_one_workspace_write_a_skills_keys_once(rig, tmp_path):

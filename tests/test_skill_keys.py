@@ -16,6 +16,7 @@ from metaclaw.fastloop.keys import (KEYS_RESPONSE_FORMAT, RETRY_PREFIX, KeysVali
                                     validate_keys)
 from metaclaw.offline.double import DoubleServer, Reply
 from metaclaw.skills.library import Skill, SkillLibrary, SkillNotFound, SkillOp
+from metaclaw.store import Store
 
 DATES = Skill("iso-dates", "Write every date as an ISO 8601 datetime with the user's offset.",
               "data", "Use `2026-03-16T09:30:00+08:00`, never `3/16` or `9:30am`.")
@@ -146,3 +147,33 @@ def test_the_fast_loop_writes_missing_keys_only_with_a_language_model_as_evolver
         assert runtime.fast_loop.auto_keys is expected
     finally:
         runtime.stop()
+
+
+def test_serve_with_the_fast_loop_writes_the_missing_keys_and_says_so(library, store, tmp_path):
+    """`metaclaw serve --auto-evolve` in a process of its own: the note names the fast loop, the
+    evolver model (here the upstream, as by default) is asked for the skills without keys, and
+    the new generation reaches the skill folders and every process."""
+    db, skills = str(store.path), str(library.directory)
+    store.close()
+    with DoubleServer(answer) as double:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "metaclaw", "serve", "--upstream", double.url, "--model", "m",
+             "--db", db, "--skills", skills, "--port", "0", "--auto-evolve"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            lines = []
+            while not any("keys_written" in line for line in lines):
+                line = proc.stdout.readline()
+                assert line, f"serve exited: {lines} {proc.stderr.read()}"
+                lines.append(line)
+        finally:
+            proc.terminate()
+            _, errors = proc.communicate(timeout=30)
+    assert "2 of 3 skills have no retrieval keys" in errors and "fast loop has the evolver" in errors
+    assert "backup-first" in lines[-1] and "iso-dates" in lines[-1]
+    with Store(db) as other:  # what any other process of the workspace sees
+        fresh = SkillLibrary(skills, other)
+        assert fresh.get("iso-dates").anticipated_asks == tuple(
+            keys_for("iso-dates")["anticipated_asks"])
+        assert other.generation(fresh.generation)["kind"] == "keys"
+    assert "anticipated-asks" in (tmp_path / "skills" / "backup-first" / "SKILL.md").read_text()

@@ -35,9 +35,12 @@ never on the proxy's. For each recorded turn:
 7. with ``auto_keys``, skills that have no retrieval keys (an imported folder, a hand-written
    skill) get them from the evolver model (:mod:`metaclaw.fastloop.keys`), as one generation of
    kind ``keys``: without keys a skill reaches far fewer of the asks that need it. The keys only
-   decide which asks retrieve a skill, not what it says, so no gate replays them. Each sweep
-   looks for such skills; a skill whose keys could not be written is tried again after 1, 2, 4,
-   ... sweeps, ``MAX_RETRIES`` times.
+   decide which asks retrieve a skill, not what it says, so no gate replays them. Like any
+   change of the library, that generation purges the older live turns, so it is made only
+   while there are none: right after any other change of the library (an import, a hand edit,
+   an evolution: each starts a generation with none) and at a sweep that finds none; a turn
+   recorded during the keys requests (seconds) is purged. Skills a held proposal edits wait for its review. A skill whose keys
+   could not be written is tried again after 1, 2, 4, ... sweeps, ``MAX_RETRIES`` times.
 
 What waits lives in memory, so the store is swept too (:meth:`FastLoop._sweep`): on start and
 every ``SWEEP_S`` seconds the loop judges the current generation's turns that have no verdict
@@ -77,7 +80,7 @@ from metaclaw.fastloop.gate import Gate, GateReport, safety_check
 from metaclaw.fastloop.judge import Judge
 from metaclaw.fastloop.keys import KeysResult, has_keys
 from metaclaw.redact import safe_url
-from metaclaw.skills.library import SkillConflict, SkillLibrary
+from metaclaw.skills.library import Skill, SkillConflict, SkillLibrary
 from metaclaw.store import IN_IDS, Store, id_list
 from metaclaw.training_lease import TrainingLease
 from metaclaw.turns import TASK_TURNS_SQL, is_task_turn
@@ -148,6 +151,8 @@ class FastLoop:
     #: Times a sweep retries a turn whose judge call failed (after 1, 2, 4, ... ``SWEEP_S``);
     #: then it is left to ``metaclaw score`` or a restarted loop.
     MAX_RETRIES = 6
+    #: Skills whose retrieval keys one generation of kind ``keys`` writes at most.
+    KEYS_BATCH = 16
 
     def __init__(self, store: Store, library: SkillLibrary, judge: Judge, evolver: Evolver,
                  every_n: int = 5, failure_rate: float | None = 0.5, min_judged: int = 3,
@@ -171,8 +176,9 @@ class FastLoop:
         self.concurrency = int(concurrency)
         self.max_events = int(max_events)
         self.auto_keys = bool(auto_keys)
-        # skill name -> (keys requests failed, monotonic time before which no sweep retries it)
-        self._keys_retries: dict[str, tuple[int, float]] = {}
+        # (skill name, content hash) -> (keys requests failed, monotonic time before which no
+        # sweep retries it)
+        self._keys_retries: dict[tuple[str, str], tuple[int, float]] = {}
         self.events: list[FastLoopEvent] = []
         self._callbacks: list[Callable[[FastLoopEvent], None]] = [on_event] if on_event else []
         self._events_lock = threading.Lock()
@@ -598,23 +604,34 @@ class FastLoop:
                                    f"exceeds {self.failure_rate:g}")
 
     # -- retrieval keys -------------------------------------------------------------------
-    def _keyless(self) -> list[str]:
-        """The skills of the current generation without retrieval keys that are due: not
-        failed, or failed and waited out, at most ``MAX_RETRIES`` times."""
+    def _keyless(self) -> list[Skill]:
+        """The skills of the current generation without retrieval keys that are due (never
+        failed, or failed and waited out, at most ``MAX_RETRIES`` times in their present
+        form), leaving out those a proposal held for review edits (new keys would change the
+        skill it was made from, and its promotion would be refused); at most ``KEYS_BATCH``."""
         clock = time.monotonic()
-        _base, skills = self.library.current()
         due = []
-        for skill in skills:
-            failures, after = self._keys_retries.get(skill.name, (0, 0.0))
+        for skill in self.library.current()[1]:
+            failures, after = self._keys_retries.get((skill.name, skill.content_hash), (0, 0.0))
             if not has_keys(skill) and failures <= self.MAX_RETRIES and after <= clock:
-                due.append(skill.name)
-        return due
+                due.append(skill)
+        if due:
+            held = {op.name for proposal in proposals.held(self.store) for op in proposal.ops}
+            due = [skill for skill in due if skill.name not in held]
+        return due[:self.KEYS_BATCH]
+
+    def _live_turns(self) -> int:
+        """Live buffer turns a new generation would purge (the current generation's query set
+        and the failures waiting for the evolver)."""
+        return int(self.store.query("SELECT COUNT(*) AS n FROM turns WHERE buffer_state = 'live'"
+                                    )[0]["n"])
 
     async def _write_missing_keys(self) -> None:
         """Step 7: the evolver writes the keys of the skills :meth:`_keyless` finds, as one
-        generation, while this process holds the workspace's evolve lock (a process that
-        finds it taken leaves the skills to the next sweep)."""
-        if not self._keyless():
+        generation, while this process holds the workspace's evolve lock (a process that finds
+        it taken leaves them to a later sweep), and only while no live buffer turn would be
+        purged by that generation (on a fresh workspace, and right after an evolution)."""
+        if not self._keyless() or self._live_turns():
             return
         if self._evolve_lock is None:
             self._evolve_lock = asyncio.Lock()
@@ -623,25 +640,28 @@ class FastLoop:
                 return
             try:
                 self.library.sync()  # another process may have written them meanwhile
-                names = self._keyless()
-                if not names:
+                todo = self._keyless()
+                if not todo or self._live_turns():
                     return
                 generation = self.library.generation
                 try:
-                    result = await self.evolver.awrite_keys(names)
-                except SkillConflict:  # the library changed meanwhile: the next sweep retries
-                    return
+                    result = await self.evolver.awrite_keys([s.name for s in todo])
                 except Exception as exc:  # noqa: BLE001 - reported, the loop keeps running
+                    # (a conflict too: the library changed during the requests)
                     result = KeysResult(None, failed=dict.fromkeys(
-                        names, f"{type(exc).__name__}: {exc}"))
+                        (s.name for s in todo), f"{type(exc).__name__}: {exc}"))
             finally:
                 self._evolve_lease.release()
-        clock = time.monotonic()
-        for name in result.written:
-            self._keys_retries.pop(name, None)
-        for name in result.failed:
-            failures = self._keys_retries.get(name, (0, 0.0))[0] + 1
-            self._keys_retries[name] = (failures, clock + self.SWEEP_S * 2 ** (failures - 1))
+        clock, exhausted = time.monotonic(), []
+        for skill in todo:
+            key = (skill.name, skill.content_hash)
+            if skill.name not in result.failed:
+                self._keys_retries.pop(key, None)
+                continue
+            failures = self._keys_retries.get(key, (0, 0.0))[0] + 1
+            self._keys_retries[key] = (failures, clock + self.SWEEP_S * 2 ** (failures - 1))
+            if failures > self.MAX_RETRIES:
+                exhausted.append(skill.name)
         if result.written:
             self._emit("keys_written", generation=result.generation, written=result.written,
                        failed=result.failed)
@@ -651,7 +671,9 @@ class FastLoop:
                        else result.generation, skills=sorted(result.failed),
                        error=f"retrieval keys not written for {len(result.failed)} skill(s): "
                              f"{reasons[0]}" + (f" (and {len(reasons) - 1} other reasons)"
-                                                if len(reasons) > 1 else ""))
+                                                if len(reasons) > 1 else ""),
+                       retry=(f"no more retries here for {', '.join(exhausted)}" if exhausted
+                              else "at a later sweep"))
 
     # -- evolving -------------------------------------------------------------------------
     async def _evolve(self, trigger: str, *, manual: bool = False,
@@ -664,9 +686,12 @@ class FastLoop:
             while not self._evolve_lease.acquire("evolving skills"):
                 await asyncio.sleep(0.2)
             try:
-                return await self._evolve_alone(trigger, manual=manual, dry_run=dry_run)
+                result = await self._evolve_alone(trigger, manual=manual, dry_run=dry_run)
             finally:
                 self._evolve_lease.release()
+        if self.auto_keys and result is not None and result.applied:
+            await self._write_missing_keys()  # the new generation has nothing to purge yet
+        return result
 
     async def _evolve_alone(self, trigger: str, *, manual: bool,
                             dry_run: bool) -> EvolveResult | None:
@@ -791,6 +816,10 @@ class FastLoop:
         row = self.store.generation(generation) if self.running else None
         if row is not None and row["kind"] != "evolve":
             self._generation_changed(generation)
+            loop = self._loop
+            if self.auto_keys and row["kind"] != "keys" and loop is not None \
+                    and not loop.is_closed():  # e.g. an import: nothing live is left to purge
+                loop.call_soon_threadsafe(lambda: self._spawn(self._write_missing_keys()))
 
     # -- helpers --------------------------------------------------------------------------
     def _call(self, coro: Any, timeout: float | None) -> Any:
