@@ -186,8 +186,8 @@ class RuntimeConfig:
         "automatically")
     auto_keys: bool = option(
         True, "--auto-keys", "with --auto-evolve, the evolver model writes the retrieval keys "
-        "(a \"use when\" line, anticipated asks) of skills that have none, once each (default; "
-        "not with the simulated evolver; --no-auto-keys leaves them to `metaclaw skills keys`)",
+        "(a \"use when\" line, anticipated asks) of skills that have none (default; not with "
+        "the simulated evolver; --no-auto-keys leaves them to `metaclaw skills keys`)",
         action=argparse.BooleanOptionalAction)
     api_key_env: str = "METACLAW_UPSTREAM_API_KEY"  # not an option: where the upstream key is
 

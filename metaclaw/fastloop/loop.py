@@ -39,8 +39,9 @@ never on the proxy's. For each recorded turn:
    change of the library, that generation purges the older live turns, so it is made only
    while there are none: right after any other change of the library (an import, a hand edit,
    an evolution: each starts a generation with none) and at a sweep that finds none; a turn
-   recorded during the keys requests (seconds) is purged. Skills a held proposal edits wait for its review. A skill whose keys
-   could not be written is tried again after 1, 2, 4, ... sweeps, ``MAX_RETRIES`` times.
+   recorded during the keys requests (seconds) is purged. Skills a held proposal edits wait for
+   its review. A skill whose keys could not be written is tried again after 1, 2, 4, ...
+   sweeps, ``MAX_RETRIES`` times.
 
 What waits lives in memory, so the store is swept too (:meth:`FastLoop._sweep`): on start and
 every ``SWEEP_S`` seconds the loop judges the current generation's turns that have no verdict
@@ -630,7 +631,8 @@ class FastLoop:
         """Step 7: the evolver writes the keys of the skills :meth:`_keyless` finds, as one
         generation, while this process holds the workspace's evolve lock (a process that finds
         it taken leaves them to a later sweep), and only while no live buffer turn would be
-        purged by that generation (on a fresh workspace, and right after an evolution)."""
+        purged by that generation (right after another change of the library, or at a sweep
+        that finds none)."""
         if not self._keyless() or self._live_turns():
             return
         if self._evolve_lock is None:
