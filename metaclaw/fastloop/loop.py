@@ -688,12 +688,9 @@ class FastLoop:
             while not self._evolve_lease.acquire("evolving skills"):
                 await asyncio.sleep(0.2)
             try:
-                result = await self._evolve_alone(trigger, manual=manual, dry_run=dry_run)
+                return await self._evolve_alone(trigger, manual=manual, dry_run=dry_run)
             finally:
                 self._evolve_lease.release()
-        if self.auto_keys and result is not None and result.applied:
-            await self._write_missing_keys()  # the new generation has nothing to purge yet
-        return result
 
     async def _evolve_alone(self, trigger: str, *, manual: bool,
                             dry_run: bool) -> EvolveResult | None:
@@ -814,14 +811,15 @@ class FastLoop:
     def _on_generation(self, generation: int) -> None:
         """Library listener: purge the buffers of older generations on any change. Generations
         made by the evolver are left to it: it advances the buffers itself, marking the support
-        turns it learned from consumed (not purged)."""
+        turns it learned from consumed (not purged). With ``auto_keys``, then write the keys of
+        skills that have none (step 7), after any change but the keys' own."""
         row = self.store.generation(generation) if self.running else None
         if row is not None and row["kind"] != "evolve":
             self._generation_changed(generation)
-            loop = self._loop
-            if self.auto_keys and row["kind"] != "keys" and loop is not None \
-                    and not loop.is_closed():  # e.g. an import: nothing live is left to purge
-                loop.call_soon_threadsafe(lambda: self._spawn(self._write_missing_keys()))
+        loop = self._loop
+        if self.auto_keys and row is not None and row["kind"] != "keys" and loop is not None \
+                and not loop.is_closed():  # a new generation starts with nothing live to purge
+            loop.call_soon_threadsafe(lambda: self._spawn(self._write_missing_keys()))
 
     # -- helpers --------------------------------------------------------------------------
     def _call(self, coro: Any, timeout: float | None) -> Any:
