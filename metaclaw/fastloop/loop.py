@@ -621,11 +621,12 @@ class FastLoop:
             due = [skill for skill in due if skill.name not in held]
         return due[:self.KEYS_BATCH]
 
-    def _live_turns(self) -> int:
-        """Live buffer turns a new generation would purge (the current generation's query set
-        and the failures waiting for the evolver)."""
-        return int(self.store.query("SELECT COUNT(*) AS n FROM turns WHERE buffer_state = 'live'"
-                                    )[0]["n"])
+    def _any_live_turn(self) -> bool:
+        """Whether a new generation would purge a live buffer turn (of the current generation's
+        query set, or a failure waiting for the evolver). Newest first: where there is one, it
+        is found among the last turns."""
+        return bool(self.store.query(
+            "SELECT id FROM turns WHERE buffer_state = 'live' ORDER BY id DESC LIMIT 1"))
 
     async def _write_missing_keys(self) -> None:
         """Step 7: the evolver writes the keys of the skills :meth:`_keyless` finds, as one
@@ -633,7 +634,7 @@ class FastLoop:
         it taken leaves them to a later sweep), and only while no live buffer turn would be
         purged by that generation (right after another change of the library, or at a sweep
         that finds none)."""
-        if not self._keyless() or self._live_turns():
+        if not self._keyless() or self._any_live_turn():
             return
         if self._evolve_lock is None:
             self._evolve_lock = asyncio.Lock()
@@ -643,7 +644,7 @@ class FastLoop:
             try:
                 self.library.sync()  # another process may have written them meanwhile
                 todo = self._keyless()
-                if not todo or self._live_turns():
+                if not todo or self._any_live_turn():
                     return
                 generation = self.library.generation
                 try:
