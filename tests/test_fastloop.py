@@ -694,6 +694,21 @@ def test_an_import_is_followed_by_keys_and_held_proposals_keep_their_skills(rig)
     assert rig.models.keys_asked == ["plain-words"]
 
 
+def test_a_large_import_gets_its_keys_a_batch_per_generation_in_one_go(rig):
+    loop = rig.make_loop(every_n=0, failure_rate=None, auto_keys=True)
+    loop.KEYS_BATCH = 2
+    assert loop.wait_idle()
+    rig.library.apply([SkillOp("add", Skill(f"imported-{i}", f"Imported skill {i}.",
+                                            body="Do it well.")) for i in range(5)],
+                      kind="import")
+    wait_until(lambda: sum(e.kind == "keys_written" for e in loop.events) == 4, timeout=20)
+    assert loop.wait_idle()
+    assert sorted(rig.models.keys_asked) == sorted(["greet-warmly"] + [f"imported-{i}"
+                                                                      for i in range(5)])
+    assert [len(e.detail["written"]) for e in loop.events if e.kind == "keys_written"] == \
+        [1, 2, 2, 1]
+
+
 def test_keys_wait_for_the_evolve_lock_and_give_up_after_the_retries(rig):
     lease = TrainingLease.for_store(rig.store, "evolve")
     assert lease.acquire("another process evolving")

@@ -38,8 +38,9 @@ never on the proxy's. For each recorded turn:
    decide which asks retrieve a skill, not what it says, so no gate replays them. Like any
    change of the library, that generation purges the older live turns, so it is made only
    while there are none: right after any other change of the library (an import, a hand edit,
-   an evolution: each starts a generation with none) and at a sweep that finds none; a turn
-   recorded during the keys requests (seconds) is purged. Skills a held proposal edits wait for
+   an evolution: each starts a generation with none) and at a sweep that finds none, a batch
+   of ``KEYS_BATCH`` skills a generation while none appears; a turn recorded during the keys
+   requests (seconds, minutes for a slow evolver) is purged. Skills a held proposal edits wait for
    its review. A skill whose keys could not be written is tried again after 1, 2, 4, ...
    sweeps, ``MAX_RETRIES`` times.
 
@@ -177,6 +178,7 @@ class FastLoop:
         self.concurrency = int(concurrency)
         self.max_events = int(max_events)
         self.auto_keys = bool(auto_keys)
+        self._stopping = False
         # (skill name, content hash) -> (keys requests failed, monotonic time before which no
         # sweep retries it)
         self._keys_retries: dict[tuple[str, str], tuple[int, float]] = {}
@@ -211,6 +213,7 @@ class FastLoop:
         """Start the background thread and its event loop (no-op when running)."""
         if self.running:
             return self
+        self._stopping = False
         loop = asyncio.new_event_loop()
         ready = threading.Event()
 
@@ -283,13 +286,14 @@ class FastLoop:
         self._tasks, self._waiting = set(), {}
 
     async def _shutdown(self) -> None:
+        self._stopping = True  # no new keys run (a listener may still fire while this waits)
         if self._sweeper is not None:  # no new sweep; one in flight is in _tasks
             self._sweeper.cancel()
             self._sweeper = None
         for _ids, handle, _users in self._waiting.values():
             handle.cancel()
         self._waiting.clear()
-        if self._tasks:
+        while self._tasks:  # and the tasks they started meanwhile
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
         await self.judge.aclose()
         await self.evolver.aclose()
@@ -629,12 +633,12 @@ class FastLoop:
             "SELECT id FROM turns WHERE buffer_state = 'live' ORDER BY id DESC LIMIT 1"))
 
     async def _write_missing_keys(self) -> None:
-        """Step 7: the evolver writes the keys of the skills :meth:`_keyless` finds, as one
-        generation, while this process holds the workspace's evolve lock (a process that finds
-        it taken leaves them to a later sweep), and only while no live buffer turn would be
-        purged by that generation (right after another change of the library, or at a sweep
-        that finds none)."""
-        if not self._keyless() or self._any_live_turn():
+        """Step 7: the evolver writes the keys of the skills :meth:`_keyless` finds, a batch
+        at a time, each batch one generation, while this process holds the workspace's evolve
+        lock (a process that finds it taken leaves them to a later sweep), and only while no
+        live buffer turn would be purged by that generation (right after another change of the
+        library, or at a sweep that finds none)."""
+        if self._stopping or not self._keyless() or self._any_live_turn():
             return
         if self._evolve_lock is None:
             self._evolve_lock = asyncio.Lock()
@@ -643,18 +647,24 @@ class FastLoop:
                 return
             try:
                 self.library.sync()  # another process may have written them meanwhile
-                todo = self._keyless()
-                if not todo or self._any_live_turn():
-                    return
-                generation = self.library.generation
-                try:
-                    result = await self.evolver.awrite_keys([s.name for s in todo])
-                except Exception as exc:  # noqa: BLE001 - reported, the loop keeps running
-                    # (a conflict too: the library changed during the requests)
-                    result = KeysResult(None, failed=dict.fromkeys(
-                        (s.name for s in todo), f"{type(exc).__name__}: {exc}"))
+                while not self._stopping and not self._any_live_turn():
+                    todo = self._keyless()
+                    if not todo:
+                        break
+                    generation = self.library.generation
+                    try:
+                        result = await self.evolver.awrite_keys([s.name for s in todo])
+                    except Exception as exc:  # noqa: BLE001 - reported, the loop keeps running
+                        # (a conflict too: the library changed during the requests)
+                        result = KeysResult(None, failed=dict.fromkeys(
+                            (s.name for s in todo), f"{type(exc).__name__}: {exc}"))
+                    self._keys_done(todo, result, generation)
             finally:
                 self._evolve_lease.release()
+
+    def _keys_done(self, todo: list[Skill], result: KeysResult, generation: int) -> None:
+        """Record a batch's outcome: its failures wait 1, 2, 4, ... sweeps before the next try
+        (the last one says so); the events say what was written and what failed."""
         clock, exhausted = time.monotonic(), []
         for skill in todo:
             key = (skill.name, skill.content_hash)
@@ -819,8 +829,9 @@ class FastLoop:
             self._generation_changed(generation)
         loop = self._loop
         if self.auto_keys and row is not None and row["kind"] != "keys" and loop is not None \
-                and not loop.is_closed():  # a new generation starts with nothing live to purge
-            loop.call_soon_threadsafe(lambda: self._spawn(self._write_missing_keys()))
+                and not self._stopping:  # a new generation starts with nothing live to purge
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(lambda: self._spawn(self._write_missing_keys()))
 
     # -- helpers --------------------------------------------------------------------------
     def _call(self, coro: Any, timeout: float | None) -> Any:
