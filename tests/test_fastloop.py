@@ -630,7 +630,8 @@ def test_auto_keys_writes_the_keys_of_skills_without_them_once_as_one_generation
     assert skill.use_when == "requests about greet-warmly"
     assert skill.anticipated_asks == ("hi, greet-warmly?", "help me greet-warmly")
     [event] = [e for e in loop.events if e.kind == "keys_written"]
-    assert event.detail["written"] == ["greet-warmly"] and event.generation == rig.library.generation
+    assert event.detail["written"] == ["greet-warmly"]
+    assert event.generation == rig.library.generation
     assert rig.store.generation(event.generation)["kind"] == "keys"
     # the next sweeps find nothing to write: nothing is asked again
     loop._call(loop._sweep(), 10)

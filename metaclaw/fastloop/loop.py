@@ -40,8 +40,8 @@ never on the proxy's. For each recorded turn:
    while there are none: right after any other change of the library (an import, a hand edit,
    an evolution: each starts a generation with none) and at a sweep that finds none, a batch
    of ``KEYS_BATCH`` skills a generation while none appears; a turn recorded during the keys
-   requests (seconds, minutes for a slow evolver) is purged. Skills a held proposal edits wait for
-   its review. A skill whose keys could not be written is tried again after 1, 2, 4, ...
+   requests (seconds, minutes for a slow evolver) is purged. Skills a held proposal edits wait
+   for its review. A skill whose keys could not be written is tried again after 1, 2, 4, ...
    sweeps, ``MAX_RETRIES`` times.
 
 What waits lives in memory, so the store is swept too (:meth:`FastLoop._sweep`): on start and
