@@ -638,7 +638,8 @@ def test_auto_keys_writes_the_keys_of_skills_without_them_once_as_one_generation
     assert rig.models.keys_asked == ["greet-warmly"]
 
 
-def test_auto_keys_off_or_failing_never_changes_a_skill_and_failures_are_retried(rig):
+def test_auto_keys_off_or_failing_never_changes_a_skill_and_failures_are_retried(rig,
+                                                                               monkeypatch):
     loop = rig.make_loop(every_n=0, failure_rate=None).start()  # auto_keys off by default
     assert loop.wait_idle()
     loop.stop()
@@ -646,9 +647,8 @@ def test_auto_keys_off_or_failing_never_changes_a_skill_and_failures_are_retried
 
     rig.models.keys_failures = 3  # the client's three tries in the first sweep
     generation = rig.library.generation
+    monkeypatch.setattr(FastLoop, "SWEEP_S", 0.05)  # before the loop starts (and sleeps)
     loop = rig.make_loop(every_n=0, failure_rate=None, auto_keys=True)
-    loop.SWEEP_S = 0.05
-    loop.start()
     wait_until(lambda: any(e.kind == "keys_written" for e in loop.events), timeout=20)
     failed = [e for e in loop.events if e.kind == "keys_failed"]
     assert len(failed) == 1 and failed[0].detail["skills"] == ["greet-warmly"]
@@ -660,9 +660,10 @@ def test_auto_keys_off_or_failing_never_changes_a_skill_and_failures_are_retried
     assert rig.library.get("greet-warmly").use_when == "requests about greet-warmly"
 
 
-def test_auto_keys_never_purges_live_turns_and_writes_right_after_an_evolution(rig):
+def test_auto_keys_never_purges_live_turns_and_writes_right_after_an_evolution(rig,
+                                                                             monkeypatch):
+    monkeypatch.setattr(FastLoop, "SWEEP_S", 0.05)
     loop = rig.make_loop(every_n=0, failure_rate=None, on_session_end=False, feedback_wait=0)
-    loop.SWEEP_S = 0.05
     history: list = []
     rig.chat("s1", history, "Convert 5 miles to kilometers")  # a failure the evolver awaits
     failure = rig.store.turns(order="id")[-1]["id"]
@@ -695,9 +696,9 @@ def test_an_import_is_followed_by_keys_and_held_proposals_keep_their_skills(rig)
     assert rig.models.keys_asked == ["plain-words"]
 
 
-def test_a_large_import_gets_its_keys_a_batch_per_generation_in_one_go(rig):
+def test_a_large_import_gets_its_keys_a_batch_per_generation_in_one_go(rig, monkeypatch):
+    monkeypatch.setattr(FastLoop, "KEYS_BATCH", 2)
     loop = rig.make_loop(every_n=0, failure_rate=None, auto_keys=True)
-    loop.KEYS_BATCH = 2
     assert loop.wait_idle()
     rig.library.apply([SkillOp("add", Skill(f"imported-{i}", f"Imported skill {i}.",
                                             body="Do it well.")) for i in range(5)],
@@ -710,13 +711,13 @@ def test_a_large_import_gets_its_keys_a_batch_per_generation_in_one_go(rig):
         [1, 2, 2, 1]
 
 
-def test_keys_wait_for_the_evolve_lock_and_give_up_after_the_retries(rig):
+def test_keys_wait_for_the_evolve_lock_and_give_up_after_the_retries(rig, monkeypatch):
     lease = TrainingLease.for_store(rig.store, "evolve")
     assert lease.acquire("another process evolving")
-    loop = rig.make_loop(every_n=0, failure_rate=None, auto_keys=True)
-    loop.SWEEP_S, loop.MAX_RETRIES = 0.05, 1
+    monkeypatch.setattr(FastLoop, "SWEEP_S", 0.05)  # before the loop starts (and sleeps)
+    monkeypatch.setattr(FastLoop, "MAX_RETRIES", 1)
     rig.models.keys_failures = 100
-    loop.start()
+    loop = rig.make_loop(every_n=0, failure_rate=None, auto_keys=True)
     time.sleep(0.3)
     assert rig.models.keys_asked == []  # the lock holder decides; nothing is asked meanwhile
     lease.release()
