@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 
 from metaclaw import buffers
-from metaclaw.fastloop.evolver import (EVOLVER_RESPONSE_FORMAT, EVOLVER_RETRY_PREFIX, EvolveError,
+from metaclaw.fastloop.evolver import (EVOLVER_RESPONSE_FORMAT, EvolveError,
                                        Evolver, EvolveValidationError, parse_evolver_prompt,
                                        validate_operations)
 from metaclaw.fastloop.judge import SECTION_REPLY, Judge, parse_judge_prompt
+from metaclaw.fastloop.keys import RETRY_PREFIX
 from metaclaw.offline.double import DoubleServer, Reply
 from metaclaw.skills.block import inject, render_block, strip_skill_block
 from metaclaw.skills.library import Skill, SkillLibrary
@@ -194,7 +195,7 @@ def test_invalid_output_is_retried_once_with_the_error(store, library):
     assert result.applied and result.proposal.attempts == 2
     assert second[-2] == {"role": "assistant",
                           "content": "Sure! I think we should add a skill about units."}
-    assert second[-1]["content"].startswith(EVOLVER_RETRY_PREFIX)
+    assert second[-1]["content"].startswith(RETRY_PREFIX)
     assert '"operations"' in second[-1]["content"]
 
 

@@ -23,7 +23,7 @@ and a name that does not exist yet; ``edit`` and ``remove`` must name an existin
 fields of an ``edit`` keep the current value); one operation per name. Evidence ids that are not
 support turns are dropped; an operation without valid evidence cites the whole support set.
 Invalid output is retried once, with the validation error in a follow-up message that starts with
-:data:`EVOLVER_RETRY_PREFIX`; a second invalid answer raises :class:`EvolveError` and the library
+:data:`~metaclaw.fastloop.keys.RETRY_PREFIX` (the keys writer's too); a second invalid answer raises :class:`EvolveError` and the library
 stays unchanged. Validation is all or nothing: one invalid operation refuses the whole answer. A
 reply cut at ``max_tokens`` (``finish_reason`` ``length``) is reported as cut, not as malformed;
 an answer with status 200 that holds an error body instead of a reply is a failed call, retried
@@ -101,7 +101,6 @@ SKILL_SCOPE_POLICIES = ("private", "shared")
 SECTION_SUPPORT = "Support turns"
 SECTION_LIBRARY = "Current skill library"
 EVOLVER_SECTIONS = (SECTION_SUPPORT, SECTION_LIBRARY)
-EVOLVER_RETRY_PREFIX = RETRY_PREFIX  # the keys writer asks again in the same words
 
 #: JSON schema of one operation (every field required so it works in strict mode; an empty
 #: string means "not given").
@@ -787,7 +786,7 @@ class Evolver:
                              "or shorter operations, or raise max_tokens")
                 messages = [*messages, {"role": "assistant", "content": reply},
                             {"role": "user", "content": (
-                                f"{EVOLVER_RETRY_PREFIX} {error}. Answer again with JSON only, "
+                                f"{RETRY_PREFIX} {error}. Answer again with JSON only, "
                                 'in the same {"operations": [...]} format, fixing this.')}]
         if ops is None:
             raise EvolveError(f"the evolver's answer was invalid twice ({error}); the library "

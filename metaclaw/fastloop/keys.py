@@ -22,8 +22,8 @@ from typing import Any, Awaitable, Callable, Iterable
 
 from metaclaw.fastloop.judge import json_objects, trim
 from metaclaw.progress import ProgressFn, notify
-from metaclaw.skills.library import (MAX_ANTICIPATED_ASKS, USE_WHEN_CHARS, Skill, SkillConflict,
-                                     SkillLibrary, SkillNotFound, SkillOp, bounded_asks)
+from metaclaw.skills.library import (MAX_ANTICIPATED_ASKS, Skill, SkillConflict, SkillLibrary,
+                                     SkillNotFound, SkillOp, bounded_asks)
 
 #: How the evolver is told to write each key (the same words in its skill-writing prompt).
 USE_WHEN_RULE = ('"use_when" is one short line naming the requests the skill is for, in the '
@@ -105,7 +105,7 @@ def validate_keys(text: str) -> tuple[str, list[str]]:
     asks = anticipated_of(found.get("anticipated_asks"))
     if not asks:
         raise KeysValidationError("'anticipated_asks' must hold at least one ask")
-    return " ".join(use_when.split())[:USE_WHEN_CHARS], asks
+    return " ".join(use_when.split()), asks  # the skill cuts it to USE_WHEN_CHARS
 
 
 @dataclass
