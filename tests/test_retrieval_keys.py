@@ -43,9 +43,10 @@ def test_example_asks_and_use_when_round_trip_through_skill_md():
 
 
 def test_anticipated_asks_round_trip_are_replaced_not_merged_and_stay_apart_from_example_asks():
+    many = [f"ask {i}" for i in range(MAX_ANTICIPATED_ASKS + 2)]
     skill = DATES.with_retrieval_keys([ASK], anticipated=["when is the call, in my time?",
                                                           " when is the call,  in my time? ",
-                                                          *(f"ask {i}" for i in range(9))])
+                                                          *many])
     assert skill.example_asks == (ASK,)
     assert skill.anticipated_asks[0] == "when is the call, in my time?"
     assert len(skill.anticipated_asks) == MAX_ANTICIPATED_ASKS  # deduped, then bounded

@@ -15,7 +15,8 @@ from metaclaw.fastloop.evolver import Evolver
 from metaclaw.fastloop.keys import (KEYS_RESPONSE_FORMAT, RETRY_PREFIX, KeysValidationError,
                                     validate_keys)
 from metaclaw.offline.double import DoubleServer, Reply
-from metaclaw.skills.library import Skill, SkillLibrary, SkillNotFound, SkillOp
+from metaclaw.skills.library import (MAX_ANTICIPATED_ASKS, Skill, SkillLibrary, SkillNotFound,
+                                     SkillOp)
 from metaclaw.store import Store
 
 DATES = Skill("iso-dates", "Write every date as an ISO 8601 datetime with the user's offset.",
@@ -73,7 +74,7 @@ def test_keys_are_written_for_the_skills_without_them_as_one_generation(library,
     assert len(bodies) == 3
     assert all(b["response_format"] == KEYS_RESPONSE_FORMAT for b in bodies)
     assert sum(b["messages"][-1]["content"].startswith(RETRY_PREFIX) for b in bodies) == 1
-    assert '"anticipated_asks" are three requests' in bodies[0]["messages"][0]["content"]
+    assert '"anticipated_asks" are nine requests' in bodies[0]["messages"][0]["content"]
     events = {e["skill_name"]: e for e in store.skill_events(result.generation)}
     assert set(events) == {"backup-first", "iso-dates"}
     assert "retrieval keys written by the evolver model evolver" in events["iso-dates"]["reason"]
@@ -108,9 +109,10 @@ def test_named_skills_rewrite_and_failures_are_reported_without_losing_the_other
 def test_unusable_replies_say_what_is_wrong(reply, problem):
     with pytest.raises(KeysValidationError, match=problem):
         validate_keys(reply)
+    asks = [f" ask {i} " for i in range(MAX_ANTICIPATED_ASKS + 1)]
     assert validate_keys('Sure: {"use_when": " dates\\n in files ", "anticipated_asks": '
-                         '["a", " b ", "c", "d", "e", "f"]}') == ("dates in files",
-                                                                  ["a", "b", "c", "d", "e"])
+                         + json.dumps(asks) + "}") == \
+        ("dates in files", [a.strip() for a in asks[:MAX_ANTICIPATED_ASKS]])
 
 
 def test_the_cli_writes_keys_and_asks_for_the_evolver(library, store, tmp_path):

@@ -116,8 +116,8 @@ SCOPE_KEY = "scope"
 #: characters.
 MAX_EXAMPLE_ASKS = 8
 EXAMPLE_ASK_CHARS = 300
-#: At most this many anticipated asks are kept per skill (the evolver writes three).
-MAX_ANTICIPATED_ASKS = 5
+#: At most this many anticipated asks are kept per skill (the evolver writes nine).
+MAX_ANTICIPATED_ASKS = 12
 #: A "use when" line is cut to this many characters.
 USE_WHEN_CHARS = 300
 
