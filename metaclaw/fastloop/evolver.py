@@ -164,7 +164,8 @@ a remove).
 Answer with JSON only:
 {{"operations": [{{"op": "add" | "edit" | "remove", "name": "<slug>", "description": \
 "<one line>", "category": "<word>", "body": "<markdown>", "use_when": "<one line>", \
-"anticipated_asks": ["<ask 1>", ..., "<ask 9>"], "reason": "<why>", "evidence": [<turn ids>]}}]}}
+"anticipated_asks": ["<ask>", "<ask>", "<ask>", "<ask>", "<ask>", "<ask>", "<ask>", "<ask>", \
+"<ask>"], "reason": "<why>", "evidence": [<turn ids>]}}]}}
 Answer {{"operations": []}} when no change would help."""
 
 #: Character budgets of the fields of one support turn and of one skill body in the prompt.
