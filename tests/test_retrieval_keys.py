@@ -146,9 +146,12 @@ def test_the_evolver_keeps_the_use_when_line_and_the_asks_of_the_failures_it_lea
 
 def test_the_evolver_writes_anticipated_asks_and_an_edit_without_them_keeps_the_old_ones():
     from metaclaw.fastloop.evolver import EVOLVER_OP_SCHEMA, EVOLVER_SYSTEM_PROMPT
+    from metaclaw.fastloop.keys import ANTICIPATED_RULE
 
     assert "anticipated_asks" in EVOLVER_OP_SCHEMA["required"]  # strict structured outputs
     assert '"anticipated_asks"' in EVOLVER_SYSTEM_PROMPT
+    assert ANTICIPATED_RULE in EVOLVER_SYSTEM_PROMPT and '"anticipated_asks" are nine' in \
+        ANTICIPATED_RULE and EVOLVER_SYSTEM_PROMPT.count('"<ask>"') == 9 <= MAX_ANTICIPATED_ASKS
     op = {"op": "add", "name": "iso-dates", "description": DATES.description,
           "category": "data", "body": DATES.body, "use_when": "dates in files",
           "anticipated_asks": ["what date format goes in the feed?", "  ", "deadline looks odd"],

@@ -12,8 +12,8 @@ import sys
 import pytest
 
 from metaclaw.fastloop.evolver import Evolver
-from metaclaw.fastloop.keys import (KEYS_RESPONSE_FORMAT, RETRY_PREFIX, KeysValidationError,
-                                    validate_keys)
+from metaclaw.fastloop.keys import (KEYS_RESPONSE_FORMAT, KEYS_SYSTEM_PROMPT, RETRY_PREFIX,
+                                    KeysValidationError, validate_keys)
 from metaclaw.offline.double import DoubleServer, Reply
 from metaclaw.skills.library import (MAX_ANTICIPATED_ASKS, Skill, SkillLibrary, SkillNotFound,
                                      SkillOp)
@@ -105,10 +105,16 @@ def test_named_skills_rewrite_and_failures_are_reported_without_losing_the_other
     ('{"use_when": "", "anticipated_asks": ["a"]}', "'use_when' must be a non-empty"),
     ('{"use_when": "x", "anticipated_asks": "a"}', "must be a list of strings"),
     ('{"use_when": "x", "anticipated_asks": [" ", ""]}', "at least one ask"),
+    ('{"use_when": "x", "anticipated_asks": ["<ask>", "<ask>"]}', "at least one ask"),
+    (KEYS_SYSTEM_PROMPT.rsplit("\n", 1)[-1], "repeats the template's placeholders"),
 ])
 def test_unusable_replies_say_what_is_wrong(reply, problem):
     with pytest.raises(KeysValidationError, match=problem):
         validate_keys(reply)
+    # a copy of the template before the real answer is passed over; placeholders are dropped
+    template = KEYS_SYSTEM_PROMPT.rsplit("\n", 1)[-1]
+    assert validate_keys(template + ' {"use_when": "dates in files", "anticipated_asks": '
+                         '["<ask>", "csv dates?"]}') == ("dates in files", ["csv dates?"])
     asks = [f" ask {i} " for i in range(MAX_ANTICIPATED_ASKS + 1)]
     assert validate_keys('Sure: {"use_when": " dates\\n in files ", "anticipated_asks": '
                          + json.dumps(asks) + "}") == \

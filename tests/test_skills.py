@@ -11,9 +11,9 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from metaclaw.skills.library import (LoadProblem, Skill, SkillConflict, SkillDiff, SkillFormatError,
-                                     SkillLibrary, SkillNotFound, SkillOp, load_skills_dir,
-                                     starter_skills_dir, validate_name)
+from metaclaw.skills.library import (EXAMPLE_ASK_CHARS, LoadProblem, Skill, SkillConflict,
+                                     SkillDiff, SkillFormatError, SkillLibrary, SkillNotFound,
+                                     SkillOp, load_skills_dir, starter_skills_dir, validate_name)
 from metaclaw.store import Store
 
 BACKUP_MD = """---
@@ -258,6 +258,9 @@ def test_starter_skills_are_well_formed():
     for s in skills.values():
         assert s.category != "general" and len(s.description) > 30 and len(s.body) > 300
         assert Skill.from_markdown(s.to_markdown()) == s
+        # they ship with the keys the evolver writes: a "use when" line and nine asks, none cut
+        assert s.use_when and len(s.anticipated_asks) == 9
+        assert all(len(a) < EXAMPLE_ASK_CHARS for a in s.anticipated_asks)
 
 
 # -- generations ---------------------------------------------------------------------------------

@@ -83,7 +83,7 @@ from metaclaw import buffers
 from metaclaw.fastloop.judge import (SECTION_TASK, SECTION_TOOLS, Judge, json_objects,
                                      next_user_message, render_sections, trim)
 from metaclaw.fastloop.keys import (ANTICIPATED_RULE, RETRY_PREFIX, USE_WHEN_RULE, KeysResult,
-                                    KeysValidationError, anticipated_of, awrite_keys)
+                                    KeysValidationError, anticipated_of, awrite_keys, placeholder)
 from metaclaw.fastloop.llm import (CallFailed, LLMClient, chat_params, check_url, reply_text,
                                    run_sync)
 from metaclaw.fastloop.proposals import ProposalError, apply_ops
@@ -321,6 +321,8 @@ def validate_operations(data: Any, library: dict[str, Skill],
             problems.append(f"{where}: 'use_when' must be a string")
             continue
         use_when = " ".join((use_when or "").split()) or None  # "": not given
+        if use_when and placeholder(use_when):  # the template's "<one line>", copied
+            use_when = None
         anticipated = raw.get("anticipated_asks")
         try:  # absent or []: not given
             anticipated = None if anticipated is None else anticipated_of(anticipated) or None

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Iterable
 
@@ -86,21 +87,37 @@ def build_keys_messages(skill: Skill) -> list[dict[str, str]]:
     return [{"role": "system", "content": KEYS_SYSTEM_PROMPT}, {"role": "user", "content": text}]
 
 
+_PLACEHOLDER = re.compile(r"<[^<>]{1,40}>")
+
+
+def placeholder(text: str) -> bool:
+    """Whether ``text`` is a placeholder of a reply template (``<ask>``, ``<one line>``) that a
+    model copied instead of filling it in."""
+    return bool(_PLACEHOLDER.fullmatch(text.strip()))
+
+
 def anticipated_of(value: Any) -> list[str]:
-    """The asks of an ``anticipated_asks`` value as a skill keeps them (folded, empty and
-    repeated ones dropped, at most :data:`MAX_ANTICIPATED_ASKS`); raises
+    """The asks of an ``anticipated_asks`` value as a skill keeps them (folded; empty, repeated
+    and template placeholder ones dropped; at most :data:`MAX_ANTICIPATED_ASKS`); raises
     :class:`KeysValidationError` unless it is a list of strings."""
     if not isinstance(value, list) or not all(isinstance(a, str) for a in value):
         raise KeysValidationError("'anticipated_asks' must be a list of strings")
-    return bounded_asks((), value, MAX_ANTICIPATED_ASKS)
+    return bounded_asks((), [a for a in value if not placeholder(a)], MAX_ANTICIPATED_ASKS)
 
 
 def validate_keys(text: str) -> tuple[str, list[str]]:
-    """(use_when, anticipated asks) from a model reply; raises :class:`KeysValidationError`."""
-    found = next((obj for obj in json_objects(text or "") if "anticipated_asks" in obj), None)
-    if found is None:
+    """(use_when, anticipated asks) from a model reply; raises :class:`KeysValidationError`.
+    A copy of the reply template (its placeholders) is passed over for the object after it."""
+    found = [obj for obj in json_objects(text or "") if "anticipated_asks" in obj]
+    if not found:
         raise KeysValidationError('the reply holds no JSON object with "use_when" and '
                                   '"anticipated_asks"')
+    found = [obj for obj in found
+             if not (isinstance(obj.get("use_when"), str) and placeholder(obj["use_when"]))]
+    if not found:
+        raise KeysValidationError('the reply repeats the template\'s placeholders ("<one line>", '
+                                  '"<ask>") instead of the skill\'s keys')
+    found = found[0]
     use_when = found.get("use_when")
     if not isinstance(use_when, str) or not use_when.split():
         raise KeysValidationError("'use_when' must be a non-empty string of one line")

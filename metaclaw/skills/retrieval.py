@@ -470,7 +470,7 @@ TRANSFORMER_MIN_SCORE = 0.25
 #: and the third set. With the static model no setting reaches that off-topic rate on cosine
 #: alone: a skill is injected only where the ask also shares words with its text or keys. The
 #: transformer's are MiniLM's.
-HYBRID_CONSTANTS = {"static": (1.0, 6.0, 1.2, 0.15), "transformer": (1.0, 6.0, 1.025, 0.2)}
+HYBRID_CONSTANTS = {"static": (1.0, 6.0, 1.175, 0.2), "transformer": (1.0, 6.0, 0.975, 0.2)}
 
 _MODELS: dict[str, Any] = {}
 _MODELS_LOCK = threading.Lock()
