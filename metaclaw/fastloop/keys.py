@@ -108,16 +108,15 @@ def anticipated_of(value: Any) -> list[str]:
 def validate_keys(text: str) -> tuple[str, list[str]]:
     """(use_when, anticipated asks) from a model reply; raises :class:`KeysValidationError`.
     A copy of the reply template (its placeholders) is passed over for the object after it."""
-    found = [obj for obj in json_objects(text or "") if "anticipated_asks" in obj]
-    if not found:
+    objects = [obj for obj in json_objects(text or "") if "anticipated_asks" in obj]
+    if not objects:
         raise KeysValidationError('the reply holds no JSON object with "use_when" and '
                                   '"anticipated_asks"')
-    found = [obj for obj in found
-             if not (isinstance(obj.get("use_when"), str) and placeholder(obj["use_when"]))]
-    if not found:
+    found = next((obj for obj in objects if not (isinstance(obj.get("use_when"), str)
+                                                 and placeholder(obj["use_when"]))), None)
+    if found is None:
         raise KeysValidationError('the reply repeats the template\'s placeholders ("<one line>", '
                                   '"<ask>") instead of the skill\'s keys')
-    found = found[0]
     use_when = found.get("use_when")
     if not isinstance(use_when, str) or not use_when.split():
         raise KeysValidationError("'use_when' must be a non-empty string of one line")
