@@ -193,7 +193,7 @@ def test_a_wired_codex_runs_through_metaclaw_serve(tmp_path):
             done = subprocess.run(
                 [os.environ.get("METACLAW_CODEX") or shutil.which("codex"), "exec",
                  "--skip-git-repo-check", "I have to change deploy/config.yaml before tonight's "
-                 "release. What should I do first?"], cwd=tmp_path, capture_output=True,
+                 "release; it isn't in git. What first?"], cwd=tmp_path, capture_output=True,
                 text=True, timeout=180, env={**os.environ, "CODEX_HOME": str(home),
                                              "METACLAW_PROXY_TOKEN": "tok-secret"})
         finally:
