@@ -187,10 +187,10 @@ def tune(libraries: dict[str, list[Skill]], asks: list[dict], model: str) -> Non
     retriever = HybridRetriever(model)
     states = list(libraries)
     cases = []
-    for state, library in libraries.items():
+    for state, library in enumerate(libraries.values()):
         names = [s.name for s in library]
         for a in asks:
-            cases.append((states.index(state), retriever.dense.scores(a["query"], library),
+            cases.append((state, retriever.dense.scores(a["query"], library),
                           retriever.lexical.scores(a["query"], library),
                           {names.index(n) for n in a["relevant"]}))
     results = []
@@ -340,7 +340,7 @@ def main() -> None:
                   f"{'PASS' if p50 <= target else 'FAIL'})")
     if "hybrid BM25 + minilm" in retrievers:  # the transformer runs per query: 100 skills only
         library = served + generated(served, 100 - len(served))
-        p50 = latency(make_retriever("hybrid", "minilm"), library, queries, args.queries)
+        p50 = latency(retrievers["hybrid BM25 + minilm"], library, queries, args.queries)
         print(f"  {'hybrid + minilm':<20} {100:>6,} skills: p50 {p50:.3f} ms "
               "(--embedding-model minilm; the transformer encodes each new ask)")
 

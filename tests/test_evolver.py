@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from metaclaw import buffers
-from metaclaw.fastloop.evolver import (EVOLVER_RESPONSE_FORMAT, EvolveError,
-                                       Evolver, EvolveValidationError, parse_evolver_prompt,
+from metaclaw.fastloop.evolver import (EVOLVER_RESPONSE_FORMAT, EvolveError, Evolver,
+                                       EvolveValidationError, parse_evolver_prompt,
                                        validate_operations)
 from metaclaw.fastloop.judge import SECTION_REPLY, Judge, parse_judge_prompt
 from metaclaw.fastloop.keys import RETRY_PREFIX

@@ -15,7 +15,8 @@ and the answer format, and one user message with two delimited JSON sections
 What it answers (:data:`EVOLVER_SCHEMA`, requested as a JSON schema when ``structured=True``)::
 
     {"operations": [{"op": "add" | "edit" | "remove", "name": "<slug>", "description": "...",
-                     "category": "...", "body": "<markdown>", "reason": "...",
+                     "category": "...", "body": "<markdown>", "use_when": "...",
+                     "anticipated_asks": ["...", ...], "reason": "...",
                      "evidence": [<turn ids>]}]}
 
 Validation (:func:`validate_operations`): names are slugs; ``add`` needs a description and a body
@@ -23,11 +24,12 @@ and a name that does not exist yet; ``edit`` and ``remove`` must name an existin
 fields of an ``edit`` keep the current value); one operation per name. Evidence ids that are not
 support turns are dropped; an operation without valid evidence cites the whole support set.
 Invalid output is retried once, with the validation error in a follow-up message that starts with
-:data:`~metaclaw.fastloop.keys.RETRY_PREFIX` (the keys writer's too); a second invalid answer raises :class:`EvolveError` and the library
-stays unchanged. Validation is all or nothing: one invalid operation refuses the whole answer. A
-reply cut at ``max_tokens`` (``finish_reason`` ``length``) is reported as cut, not as malformed;
-an answer with status 200 that holds an error body instead of a reply is a failed call, retried
-like a server error and reported with the server's message.
+:data:`~metaclaw.fastloop.keys.RETRY_PREFIX` (the keys writer's too); a second invalid answer
+raises :class:`EvolveError` and the library stays unchanged. Validation is all or nothing: one
+invalid operation refuses the whole answer. A reply cut at ``max_tokens`` (``finish_reason``
+``length``) is reported as cut, not as malformed; an answer with status 200 that holds an error
+body instead of a reply is a failed call, retried like a server error and reported with the
+server's message.
 
 Stage scope (:func:`scope_to_stages`): the stage a failure happened at is its turn type
 (``stage:<name>``), so the evolver, not the model, decides a new skill's scope: an ``add``
