@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -131,6 +132,8 @@ def test_kill_9_of_one_proxy_under_load_loses_no_acknowledged_turn(team):
     victim, a = start("machine-a")
     _, b = start("machine-b")
     acknowledged: list[str] = []
+    killed = threading.Event()
+    kill_once = threading.Lock()
 
     def one(i: int) -> None:
         session = f"load-{i}"
@@ -139,8 +142,11 @@ def test_kill_9_of_one_proxy_under_load_loses_no_acknowledged_turn(team):
                 acknowledged.append(session)
         except httpx.HTTPError:
             pass  # in flight at the kill
-        if len(acknowledged) >= 30 and victim.poll() is None:
-            os.kill(victim.pid, signal.SIGKILL)
+        # one thread kills, once: a second kill could reach a pid another thread's poll reaped
+        with kill_once:
+            if len(acknowledged) >= 30 and not killed.is_set():
+                os.kill(victim.pid, signal.SIGKILL)
+                killed.set()
 
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         list(pool.map(one, range(80)))
