@@ -29,12 +29,14 @@ retriever's own thresholds):
   the ranking);
 - precision: of all skills injected into on-topic asks, the share that are labelled relevant;
 - off-topic: the share of off-topic asks given any skill;
-- for three states of the same skills: without retrieval keys (a skill folder imported as it
+- for four states of the same skills, three in one library: without retrieval keys (a skill folder imported as it
   is), with the asks they were written from (example asks), and as the evolver writes them:
   those asks plus the evolver's "use when" line and nine anticipated asks
   (``benchmarks/data/retrieval/evolver_keys.json``, written from each skill alone, without sight
   of the set's asks). The targets are read on the last: the library the proxy serves after
-  the evolver wrote it.
+  the evolver wrote it. The fourth: the same skills in a library of 8, per ask: its own skills and
+  others drawn at random (seeded by the split's seed and the ask's id), as a new user's library
+  is, and the default's hits and off-topic rate by library size (4 to 32 skills and all).
 
 Then retrieval latency (query extraction, ranking, selection, rendering, injection: what the
 proxy adds) p50 over 100 and 10,000 skills with fresh queries.
@@ -53,6 +55,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -101,7 +104,7 @@ def load_set(split_name: str) -> tuple[dict[str, list[Skill]], list[dict]]:
     data = json.loads(LABELLED.read_text())
     keys = json.loads(EVOLVER_KEYS.read_text())["skills"]
     split = load_split()
-    libraries: dict[str, list[Skill]] = {name: [] for name in LIBRARIES}
+    libraries: dict[str, Any] = {name: [] for name in ("plain", "example asks", SERVED)}
     for s in data["skills"]:
         skill = Skill(name=s["name"], description=s["description"],
                       category=s.get("category") or "general", body=s.get("body") or "")
@@ -127,7 +130,21 @@ def load_set(split_name: str) -> tuple[dict[str, list[Skill]], list[dict]]:
                 messages = wrap(clients[a["id"]], a["ask"])
                 asks.append({**a, "client": clients[a["id"]],
                              "query": extract_ask(messages).text, "messages": messages})
+    libraries[SMALL] = small_libraries(libraries[SERVED], asks, SMALL_SIZE)
     return libraries, asks
+
+
+def small_libraries(library: list[Skill], asks: list[dict], size: int) -> dict[str, list[Skill]]:
+    """Per ask, a library of ``size`` skills of ``library``: the ask's own skills and others
+    drawn at random (seeded by the split's seed and the ask's id), as a new user's library is:
+    a few skills, most of them about something else."""
+    out = {}
+    for a in asks:
+        own = [s for s in library if s.name in a["relevant"]]
+        others = [s for s in library if s.name not in a["relevant"]]
+        drawn = random.Random(f"{SPLIT_SEED}-{a['id']}").sample(others, size - len(own))
+        out[a["id"]] = sorted(own + drawn, key=lambda s: s.name)
+    return out
 
 
 #: The states of the set's skills the figures are given for (:func:`load_set`).
@@ -136,16 +153,27 @@ LIBRARIES = {
     "example asks": "skills with the asks they were written from (example asks)",
     "evolver keys": "skills as the evolver writes them: example asks, a \"use when\" line and "
                     "nine anticipated asks",
+    "evolver keys, 8 skills": "skills as the evolver writes them, in a library of 8: each ask's "
+                              "own skills and others drawn at random (a new user's library)",
 }
 #: The state the targets are read on: the library the proxy serves once the evolver wrote it.
 SERVED = "evolver keys"
+#: The same skills in a small library (:func:`small_libraries`).
+SMALL, SMALL_SIZE = "evolver keys, 8 skills", 8
 
 
-def evaluate(retriever, skills: list[Skill], asks: list[dict], **select_args) -> dict:
+def library_of(library: list[Skill] | dict[str, list[Skill]], ask: dict) -> list[Skill]:
+    """The library ``ask`` is matched against: the state's one library, or the ask's own."""
+    return library[ask["id"]] if isinstance(library, dict) else library
+
+
+def evaluate(retriever, library: list[Skill] | dict[str, list[Skill]], asks: list[dict],
+             **select_args) -> dict:
     """The figures above for ``retriever`` at its defaults (or ``select_args``)."""
     single = two_all = two_top3 = off_any = injected = right = 0
     n_single = n_two = n_off = 0
     for a in asks:
+        skills = library_of(library, a)
         relevant = set(a["relevant"])
         chosen = {s.skill.name for s in select(retriever, a["query"], skills, top_k=3,
                                                **select_args)}
@@ -177,52 +205,54 @@ HEADER = (f"  {'retriever (at its defaults)':<44} {'single':>7} {'two':>7} {'two
           f"{'precision':>9} {'off-topic':>9}")
 
 
-def tune(libraries: dict[str, list[Skill]], asks: list[dict], model: str) -> None:
-    """Grid search of the hybrid's constants on these (dev) asks, over every library state
-    (:data:`LIBRARIES`) together: among the settings whose off-topic rate is at most the target in
-    each state (the served one included: the targets are read there), the best by single-skill
-    hits + two-skill hits + precision of all states together (a skill injected for nothing costs
-    the user tokens and attention). Both retrievers' scores are computed once per ask; the
-    selection (top 3, ``min_score``, ``margin``) is replayed for each setting."""
+def tune(libraries: dict[str, Any], asks: list[dict], model: str) -> None:
+    """Grid search of the hybrid's constants and the lexical retriever's ``absent`` on these
+    (dev) asks, over every library state (:data:`LIBRARIES`) together: among the settings whose
+    off-topic rate is at most the target in each state (the served one included: the targets are
+    read there), the best by single-skill hits + two-skill hits + precision of all states
+    together (a skill injected for nothing costs the user tokens and attention). The scores are
+    computed once per ask and setting of ``absent``, the ranking once per weight and saturation;
+    the selection (top 3, ``min_score``, ``margin``) is replayed for each setting."""
     retriever = HybridRetriever(model)
     states = list(libraries)
-    cases = []
-    for state, library in enumerate(libraries.values()):
-        names = [s.name for s in library]
-        for a in asks:
-            cases.append((state, retriever.dense.scores(a["query"], library),
-                          retriever.lexical.scores(a["query"], library),
-                          {names.index(n) for n in a["relevant"]}))
+    cases = [(state, a) for state in states for a in asks]
+    width = max(len(library_of(libraries[state], a)) for state, a in cases)
+    dense = np.full((len(cases), width), -np.inf)
+    relevant = np.zeros((len(cases), width), dtype=bool)
+    for row, (state, a) in enumerate(cases):
+        skills = library_of(libraries[state], a)
+        dense[row, :len(skills)] = retriever.dense.scores(a["query"], skills)
+        relevant[row, :len(skills)] = [s.name in a["relevant"] for s in skills]
+    n_relevant = relevant.sum(axis=1)
+    state_of = np.array([states.index(state) for state, _ in cases])
+    off_rows = [(n_relevant == 0) & (state_of == i) for i in range(len(states))]
+    single_rows, two_rows = n_relevant == 1, n_relevant == 2
+    rows = np.arange(len(cases))[:, None]
     results = []
-    grid = itertools.product([0.0, 0.1, 0.2, 0.3, 0.45, 0.6, 0.8, 1.0], [1.0, 3.0, 6.0],
-                             list(np.arange(0.3, 1.3, 0.025)), [0.02, 0.05, 0.1, 0.15, 0.2, 9.0])
-    for weight, saturation, min_score, margin in grid:
-        single = two = injected = right = n1 = n2 = 0
-        off, n0 = [0] * len(states), [0] * len(states)
-        for state, dense, bm25, relevant in cases:
+    for absent in (0, 25, 35, 50, 75):
+        lexical = LexicalRetriever(absent=absent)
+        bm25 = np.zeros_like(dense)
+        for row, (state, a) in enumerate(cases):
+            skills = library_of(libraries[state], a)
+            bm25[row, :len(skills)] = lexical.scores(a["query"], skills)
+        for weight, saturation in itertools.product([0.6, 0.8, 1.0, 1.2, 1.5], [3.0, 6.0, 8.0, 10.0, 15.0]):
             fused = dense + weight * bm25 / (bm25 + saturation)
-            top = np.argsort(-fused)[:3]
-            chosen = {int(i) for i in top
-                      if fused[i] >= min_score and fused[i] >= fused[top[0]] - margin}
-            if not relevant:
-                n0[state] += 1
-                off[state] += bool(chosen)
-                continue
-            injected += len(chosen)
-            right += len(chosen & relevant)
-            if len(relevant) == 1:
-                n1 += 1
-                single += bool(chosen & relevant)
-            else:
-                n2 += 1
-                two += relevant <= chosen
-        results.append(((weight, saturation, round(float(min_score), 3), margin),
-                        single / n1, two / n2, right / max(injected, 1),
-                        [o / max(n, 1) for o, n in zip(off, n0)]))
+            top = np.argsort(-fused, axis=1, kind="stable")[:, :3]
+            value, hit = fused[rows, top], relevant[rows, top]
+            for min_score, margin in itertools.product(np.arange(0.8, 1.6, 0.025),
+                                                       [0.1, 0.15, 0.2, 0.25, 0.3]):
+                chosen = (value >= min_score) & (value >= value[:, :1] - margin)
+                right = (chosen & hit).sum(axis=1)
+                on_topic = n_relevant > 0
+                results.append((
+                    (absent, weight, saturation, round(float(min_score), 3), margin),
+                    (right[single_rows] > 0).mean(), (right[two_rows] == 2).mean(),
+                    right[on_topic].sum() / max(chosen[on_topic].sum(), 1),
+                    [chosen[o].any(axis=1).mean() for o in off_rows]))
     ok = [r for r in results if max(r[4]) <= TARGETS["off_topic"]]
     ok.sort(key=lambda r: -(r[1] + r[2] + r[3]))
-    print(f"best on dev for model {model!r} (weight, saturation, min_score, margin), every "
-          f"library state together (off-topic per state: {', '.join(states)}):")
+    print(f"best on dev for model {model!r} (absent, weight, saturation, min_score, margin), "
+          f"every library state together (off-topic per state: {', '.join(states)}):")
     for params, single, two, precision, off in ok[:12]:
         print(f"  {params}: single {single:.1%} two {two:.1%} precision {precision:.1%} "
               f"off-topic {' / '.join(f'{o:.1%}' for o in off)}")
@@ -319,6 +349,14 @@ def main() -> None:
                  for c in CLIENTS}
     print("single-skill hit by client (default, skills as the evolver writes them): " + ", ".join(
         f"{c} {v['single']:.0%}" for c, v in by_client.items()))
+
+    sizes = [size for size in (4, 8, 16, 32) if size < len(served)]
+    print("single-skill hit and off-topic by library size (default, skills as the evolver "
+          "writes them, the ask's own skills and others drawn at random): " + ", ".join(
+              f"{size} skills {m['single']:.0%} / {m['off_topic']:.0%}" for size, m in (
+                  (size, evaluate(default, small_libraries(served, asks, size), asks))
+                  for size in sizes)) + f", all {len(served)} {m['single']:.0%} / "
+          f"{m['off_topic']:.0%}")
 
     off_kinds = sorted({a["off_topic_kind"] for a in asks if a.get("off_topic_kind")})
     if off_kinds:

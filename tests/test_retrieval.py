@@ -217,14 +217,30 @@ def test_bm25_scores_match_the_formula():
     docs = [Skill(name="d1", description="apple banana apple"),
             Skill(name="d2", description="banana cherry"),
             Skill(name="d3", description="cherry date elderberry fig")]
-    ranked = {r.skill.name: r.score for r in LexicalRetriever().rank("apple", docs)}
     lengths = [len(tokenize(f"{d.name}: {d.description}\n")) for d in docs]
     avgdl = sum(lengths) / 3
-    idf = math.log(1 + (3 - 1 + 0.5) / (1 + 0.5))
     tf, k1, b = 2, 1.5, 0.75
-    expected = idf * tf * (k1 + 1) / (tf + k1 * (1 - b + b * lengths[0] / avgdl))
-    assert ranked["d1"] == pytest.approx(expected)
-    assert ranked["d2"] == ranked["d3"] == 0.0
+    for absent in (0, LexicalRetriever.ABSENT):  # plain BM25, and the default's IDF: the
+        # library counted with ABSENT more skills that lack the word
+        ranked = {r.skill.name: r.score
+                  for r in LexicalRetriever(absent=absent).rank("apple", docs)}
+        idf = math.log(1 + (3 + absent - 1 + 0.5) / (1 + 0.5))
+        expected = idf * tf * (k1 + 1) / (tf + k1 * (1 - b + b * lengths[0] / avgdl))
+        assert ranked["d1"] == pytest.approx(expected)
+        assert ranked["d2"] == ranked["d3"] == 0.0
+
+
+def test_a_word_weighs_about_the_same_in_a_small_library_as_in_a_large_one():
+    """The default IDF's absent skills: a word in one skill of 8 weighs within a factor 1.3 of
+    one in one skill of 67 (plain BM25: less than half), so an ask that reaches its skill in a
+    grown library also does in a new user's."""
+    def weight(n: int, absent: int | None = None) -> float:
+        docs = [Skill(name="target", description="rotate the ledger")] + [
+            Skill(name=f"other-{i}", description=f"topic{i} notes") for i in range(n - 1)]
+        return LexicalRetriever(absent=absent).rank("ledger", docs)[0].score
+
+    assert weight(67) / weight(8) < 1.3
+    assert weight(67, absent=0) / weight(8, absent=0) > 2
 
 
 def test_tokenizer_drops_stopwords_and_stems():
