@@ -377,11 +377,21 @@ def _check_chart(page, chart, where: str) -> None:
           f"{where}: the chart widget was not drawn: {' '.join(chart.inner_text().split())}")
 
 
+def _check_progress(page, bar, where: str) -> None:
+    """A long magic's progress bar (an ipywidgets bar and label) shows its work done: the bar
+    full, the label naming the last step."""
+    _wait(page, "b => { const p = b.querySelector('.progress-bar');"
+          " return p && p.style.width === '100%'; }", bar.element_handle(),
+          f"{where}: the progress bar did not reach its end")
+    label = bar.locator("xpath=following-sibling::*[contains(@class, 'widget-label')]")
+    assert label.count() and label.first.inner_text().strip(), f"{where}: the bar has no label"
+
+
 #: The widgets by the class their front-end gives them, and how to use their controls.
 CONTROLS = {".metaclaw-skill-diff": _check_skill_diff, ".metaclaw-buffers": _check_buffers,
             ".metaclaw-trace": _check_trace, ".metaclaw-scheduler": _check_scheduler,
             ".metaclaw-experiment": _check_experiment, ".metaclaw-evidence": _check_refresh,
-            ".vega-embed": _check_chart}
+            ".vega-embed": _check_chart, ".widget-hprogress": _check_progress}
 
 
 def _check_controls(page, notebook: Path, theme: str) -> int:
