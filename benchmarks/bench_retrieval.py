@@ -142,7 +142,7 @@ def small_libraries(library: list[Skill], asks: list[dict], size: int) -> dict[s
     for a in asks:
         own = [s for s in library if s.name in a["relevant"]]
         others = [s for s in library if s.name not in a["relevant"]]
-        drawn = random.Random(f"{SPLIT_SEED}-{a['id']}").sample(others, size - len(own))
+        drawn = random.Random(f"{SPLIT_SEED}-{a['id']}").sample(others, max(0, size - len(own)))
         out[a["id"]] = sorted(own + drawn, key=lambda s: s.name)
     return out
 
@@ -216,20 +216,25 @@ def tune(libraries: dict[str, Any], asks: list[dict], model: str) -> None:
     retriever = HybridRetriever(model)
     states = list(libraries)
     cases = [(state, a) for state in states for a in asks]
+    # one lexical retriever serves every model: its ``absent`` is chosen with the default's
+    absents = (0, 25, 35, 50, 75) if model == "static" else (LexicalRetriever.ABSENT,)
     width = max(len(library_of(libraries[state], a)) for state, a in cases)
     dense = np.full((len(cases), width), -np.inf)
     relevant = np.zeros((len(cases), width), dtype=bool)
+    name_rank = np.full((len(cases), width), width)  # ties broken by name, as select() does
     for row, (state, a) in enumerate(cases):
         skills = library_of(libraries[state], a)
         dense[row, :len(skills)] = retriever.dense.scores(a["query"], skills)
         relevant[row, :len(skills)] = [s.name in a["relevant"] for s in skills]
+        order = sorted(range(len(skills)), key=lambda i: skills[i].name)
+        name_rank[row, order] = np.arange(len(skills))
     n_relevant = relevant.sum(axis=1)
     state_of = np.array([states.index(state) for state, _ in cases])
     off_rows = [(n_relevant == 0) & (state_of == i) for i in range(len(states))]
-    single_rows, two_rows = n_relevant == 1, n_relevant == 2
+    single_rows, two_rows = n_relevant == 1, n_relevant >= 2
     rows = np.arange(len(cases))[:, None]
     results = []
-    for absent in (0, 25, 35, 50, 75):
+    for absent in absents:
         lexical = LexicalRetriever(absent=absent)
         bm25 = np.zeros_like(dense)
         for row, (state, a) in enumerate(cases):
@@ -237,16 +242,17 @@ def tune(libraries: dict[str, Any], asks: list[dict], model: str) -> None:
             bm25[row, :len(skills)] = lexical.scores(a["query"], skills)
         for weight, saturation in itertools.product([0.6, 0.8, 1.0, 1.2, 1.5], [3.0, 6.0, 8.0, 10.0, 15.0]):
             fused = dense + weight * bm25 / (bm25 + saturation)
-            top = np.argsort(-fused, axis=1, kind="stable")[:, :3]
+            top = np.lexsort((name_rank, -fused), axis=1)[:, :3]
             value, hit = fused[rows, top], relevant[rows, top]
-            for min_score, margin in itertools.product(np.arange(0.8, 1.6, 0.025),
+            for min_score, margin in itertools.product(np.round(np.arange(0.8, 1.6, 0.025), 3),
                                                        [0.1, 0.15, 0.2, 0.25, 0.3]):
                 chosen = (value >= min_score) & (value >= value[:, :1] - margin)
                 right = (chosen & hit).sum(axis=1)
                 on_topic = n_relevant > 0
                 results.append((
                     (absent, weight, saturation, round(float(min_score), 3), margin),
-                    (right[single_rows] > 0).mean(), (right[two_rows] == 2).mean(),
+                    (right[single_rows] > 0).mean(),
+                    (right[two_rows] == n_relevant[two_rows]).mean(),
                     right[on_topic].sum() / max(chosen[on_topic].sum(), 1),
                     [chosen[o].any(axis=1).mean() for o in off_rows]))
     ok = [r for r in results if max(r[4]) <= TARGETS["off_topic"]]

@@ -228,6 +228,9 @@ def test_bm25_scores_match_the_formula():
         expected = idf * tf * (k1 + 1) / (tf + k1 * (1 - b + b * lengths[0] / avgdl))
         assert ranked["d1"] == pytest.approx(expected)
         assert ranked["d2"] == ranked["d3"] == 0.0
+    for bad in (-1, 1.5, True, "35"):
+        with pytest.raises(ValueError, match="absent must be a whole number"):
+            LexicalRetriever(absent=bad)
 
 
 def test_a_word_weighs_about_the_same_in_a_small_library_as_in_a_large_one():

@@ -280,7 +280,9 @@ class LexicalRetriever:
 
     def __init__(self, k1: float = 1.5, b: float = 0.75, absent: int | None = None):
         self.k1, self.b = k1, b
-        self.absent = self.ABSENT if absent is None else int(absent)
+        if absent is not None and (type(absent) is not int or absent < 0):
+            raise ValueError(f"absent must be a whole number of skills >= 0, not {absent!r}")
+        self.absent = self.ABSENT if absent is None else absent
         self._lock = threading.Lock()
         self._cache = _IndexCache()
         self._tokens: dict[str, Counter] = {}
@@ -479,9 +481,11 @@ TRANSFORMER_MIN_SCORE = 0.25
 #: mostly ordinary agent work no skill covers): the best single-skill hits, two-skill hits and
 #: precision over four states of the skills together (without keys, with example asks, with the
 #: keys the evolver writes, and those in a library of 8) with at most 10% of off-topic asks given
-#: a skill in each, reported on the test split, the second set's test half and the third set. With the static model no setting reaches that off-topic rate on cosine
-#: alone: a skill is injected only where the ask also shares words with its text or keys. The
-#: transformer's are MiniLM's.
+#: a skill in each, reported on the test split, the second set's test half and the third set.
+#: With the static model no setting reaches that off-topic rate on cosine alone: a skill is
+#: injected only where the ask also shares words with its text or keys. The transformer's are
+#: MiniLM's, chosen with the static model's :attr:`LexicalRetriever.ABSENT` (one lexical
+#: retriever serves both).
 HYBRID_CONSTANTS = {"static": (1.0, 8.0, 1.15, 0.25), "transformer": (1.0, 8.0, 0.95, 0.2)}
 
 _MODELS: dict[str, Any] = {}
