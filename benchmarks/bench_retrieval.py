@@ -29,9 +29,9 @@ retriever's own thresholds):
   the ranking);
 - precision: of all skills injected into on-topic asks, the share that are labelled relevant;
 - off-topic: the share of off-topic asks given any skill;
-- for four states of the same skills, three in one library: without retrieval keys (a skill folder imported as it
-  is), with the asks they were written from (example asks), and as the evolver writes them:
-  those asks plus the evolver's "use when" line and nine anticipated asks
+- for four states of the same skills, three in one library: without retrieval keys (a skill
+  folder imported as it is), with the asks they were written from (example asks), and as the
+  evolver writes them: those asks plus the evolver's "use when" line and nine anticipated asks
   (``benchmarks/data/retrieval/evolver_keys.json``, written from each skill alone, without sight
   of the set's asks). The targets are read on the last: the library the proxy serves after
   the evolver wrote it. The fourth: the same skills in a library of 8, per ask: its own skills and
@@ -240,7 +240,8 @@ def tune(libraries: dict[str, Any], asks: list[dict], model: str) -> None:
         for row, (state, a) in enumerate(cases):
             skills = library_of(libraries[state], a)
             bm25[row, :len(skills)] = lexical.scores(a["query"], skills)
-        for weight, saturation in itertools.product([0.6, 0.8, 1.0, 1.2, 1.5], [3.0, 6.0, 8.0, 10.0, 15.0]):
+        for weight, saturation in itertools.product([0.6, 0.8, 1.0, 1.2, 1.5],
+                                                    [3.0, 6.0, 8.0, 10.0, 15.0]):
             fused = dense + weight * bm25 / (bm25 + saturation)
             top = np.lexsort((name_rank, -fused), axis=1)[:, :3]
             value, hit = fused[rows, top], relevant[rows, top]

@@ -263,8 +263,8 @@ class LexicalRetriever:
 
     A word's IDF counts :attr:`ABSENT` more skills that lack it than the library holds, so a
     word's weight does not collapse in a small library: with plain BM25 a word found in one
-    skill of 8 weighs log 6 = 1.8 against 3.8 in one of 67, and the same ask scored well under
-    the hybrid's threshold in a new user's library that it passed in a grown one. On the
+    skill of 8 weighs log 6 = 1.8 against 3.8 in one of 67, and the same ask would score well
+    under the hybrid's threshold in a new user's library that it passes in a grown one. On the
     retrieval benchmark's dev split the default's single-skill hits ranged from 60% (4 skills)
     to 86% (67 skills) without it, and stay at 87-89% at every size with it (``benchmarks/
     bench_retrieval.py``). In a library of thousands it changes next to nothing."""
