@@ -84,8 +84,9 @@ from typing import Any, Iterable
 from metaclaw import buffers
 from metaclaw.fastloop.judge import (SECTION_TASK, SECTION_TOOLS, Judge, json_objects,
                                      next_user_message, render_sections, trim)
-from metaclaw.fastloop.keys import (ANTICIPATED_RULE, RETRY_PREFIX, USE_WHEN_RULE, KeysResult,
-                                    KeysValidationError, anticipated_of, awrite_keys, placeholder)
+from metaclaw.fastloop.keys import (ANTICIPATED_RULE, ANTICIPATED_TEMPLATE, RETRY_PREFIX,
+                                    USE_WHEN_RULE, KeysResult, KeysValidationError,
+                                    anticipated_of, awrite_keys, placeholder)
 from metaclaw.fastloop.llm import (CallFailed, LLMClient, chat_params, check_url, reply_text,
                                    run_sync)
 from metaclaw.fastloop.proposals import ProposalError, apply_ops
@@ -166,8 +167,7 @@ a remove).
 Answer with JSON only:
 {{"operations": [{{"op": "add" | "edit" | "remove", "name": "<slug>", "description": \
 "<one line>", "category": "<word>", "body": "<markdown>", "use_when": "<one line>", \
-"anticipated_asks": ["<ask>", "<ask>", "<ask>", "<ask>", "<ask>", "<ask>", "<ask>", "<ask>", \
-"<ask>"], "reason": "<why>", "evidence": [<turn ids>]}}]}}
+"anticipated_asks": {ANTICIPATED_TEMPLATE}, "reason": "<why>", "evidence": [<turn ids>]}}]}}
 Answer {{"operations": []}} when no change would help."""
 
 #: Character budgets of the fields of one support turn and of one skill body in the prompt.
