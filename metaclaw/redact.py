@@ -10,6 +10,9 @@ address that is itself a credential (a private calendar's) by its host alone
 shown as a diff), a value is masked by where it stands (:func:`mask_config_line`): under a key
 that names a secret, after ``Bearer``, or as a ``name=value`` list item.
 
+Where a secret may go: an upstream key is sent only to the upstream's own origin
+(:func:`same_origin`); a judge or evolver elsewhere gets its own key.
+
 A shared module: every wing may import it, and it imports nothing of the package.
 """
 
@@ -27,6 +30,18 @@ MIN_SECRET_CHARS = 4
 def secrets_of(*values: str | None) -> tuple[str, ...]:
     """The values that are secrets to mask: given and at least :data:`MIN_SECRET_CHARS` long."""
     return tuple(v for v in values if v and len(v) >= MIN_SECRET_CHARS)
+
+
+def same_origin(a: str, b: str) -> bool:
+    """Whether two URLs share scheme, host and port (where a secret for one may go)."""
+    from urllib.parse import urlsplit
+
+    def origin(url: str) -> tuple[str, str, int | None]:
+        parts = urlsplit(url)
+        port = parts.port or {"http": 80, "https": 443}.get(parts.scheme)
+        return parts.scheme.lower(), (parts.hostname or "").lower(), port
+
+    return origin(a) == origin(b)
 
 
 def url_credentials(url: str | None) -> tuple[str, str]:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from metaclaw import argtypes
+from metaclaw.redact import same_origin
 from metaclaw.store import Store, default_target
 
 DEFAULT_SKILLS = Path(".metaclaw") / "skills"
@@ -37,18 +38,6 @@ def offline_reply(body: dict[str, Any]):
     listed = ", ".join(skills) if skills else "none"
     return Reply(f"[offline double: a scripted reply, not a model] I received your {words}-word "
                  f"message. Skills injected into my system prompt: {listed}.")
-
-
-def same_origin(a: str, b: str) -> bool:
-    """Whether two URLs share scheme, host and port (where a secret for one may go)."""
-    from urllib.parse import urlsplit
-
-    def origin(url: str) -> tuple[str, str, int | None]:
-        parts = urlsplit(url)
-        port = parts.port or {"http": 80, "https": 443}.get(parts.scheme)
-        return parts.scheme.lower(), (parts.hostname or "").lower(), port
-
-    return origin(a) == origin(b)
 
 
 def failure_summary(store: Store) -> dict[str, Any]:

@@ -5,7 +5,8 @@ import os
 import subprocess
 
 from metaclaw.offline.double import DoubleServer, Reply
-from metaclaw.runtime import Runtime, same_origin
+from metaclaw.redact import same_origin
+from metaclaw.runtime import Runtime
 from test_cli import CLI, free_port, wait_for_port
 
 CANARY = "sk-canary-0f9e8d7c6b5a"
@@ -59,3 +60,23 @@ def test_serve_prints_the_upstream_without_its_password(tmp_path):
             proc.terminate()
             out, err = proc.communicate(timeout=20)
     assert agent.url in out and CANARY not in out + err
+
+
+def test_bench_sends_the_upstream_key_to_the_upstream_only(tmp_path, monkeypatch):
+    """``metaclaw demo`` / ``bench`` with a judge and an evolver on another origin: they get their
+    own keys, never the upstream's."""
+    from metaclaw.demo import run_demo
+
+    monkeypatch.setenv("METACLAW_UPSTREAM_API_KEY", CANARY)
+    monkeypatch.setenv("METACLAW_JUDGE_API_KEY", "judge-key-1234")
+    monkeypatch.setenv("METACLAW_EVOLVER_API_KEY", "evolver-key-5678")
+    with DoubleServer() as agent, DoubleServer(_verdict) as judge:
+        elsewhere = judge.url.replace("127.0.0.1", "localhost")
+        run_demo(days="day01", out_dir=tmp_path / "run", upstream=agent.url, model="m",
+                 judge_url=elsewhere, judge_model="j", evolver_url=elsewhere,
+                 evolver_model="e", votes=1, parallel=2, echo=None)
+    upstream_keys = {r["headers"].get("Authorization") for r in agent.requests}
+    judge_keys = {r["headers"].get("Authorization") for r in judge.requests}
+    assert upstream_keys == {f"Bearer {CANARY}"}
+    assert judge.requests and judge_keys <= {"Bearer judge-key-1234", "Bearer evolver-key-5678"}
+    assert "Bearer judge-key-1234" in judge_keys
