@@ -883,7 +883,7 @@ def _fast_loop_endpoints(args: argparse.Namespace) -> dict[str, Any]:
 @command("demo")
 def cmd_demo(args: argparse.Namespace) -> int:
     from metaclaw.bench.data import small_bench_dir
-    from metaclaw.bench.runner import all_rounds_failed
+    from metaclaw.bench.runner import all_rounds_failed, judge_never_worked
     from metaclaw.demo import run_demo
     from metaclaw.offline.localmodel import LocalModelError, check_available
 
@@ -905,7 +905,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         _print_json({k: v for k, v in result.items() if k not in ("baseline", "skills")}
                     | {"baseline": _summary_keys(result["baseline"]),
                        "skills": _summary_keys(result["skills"])})
-    failed = all_rounds_failed(result["baseline"]) or all_rounds_failed(result["skills"])
+    failed = (all_rounds_failed(result["baseline"]) or all_rounds_failed(result["skills"])
+              or judge_never_worked(result["skills"]))
     if failed:
         print(f"metaclaw demo: {failed}", file=sys.stderr)
         return 1
@@ -927,14 +928,15 @@ def _summary_keys(summary: dict[str, Any]) -> dict[str, Any]:
     keys = ("rounds", "file_check_rounds", "multi_choice_rounds", "accuracy",
             "file_check_completion", "multi_choice_score", "per_day", "skill_generation", "skills",
             "model", "served_by", "nights", "policy_version", "resumed_days", "duration_s",
-            "earlier_duration_s", "resumed_duration_s", "earlier_part_note", "evolve_events_note")
+            "earlier_duration_s", "resumed_duration_s", "earlier_part_note", "evolve_events_note",
+            "judge")
     return {k: summary[k] for k in keys if k in summary}
 
 
 @command("bench")
 def cmd_bench(args: argparse.Namespace) -> int:
     from metaclaw.bench.data import small_bench_dir
-    from metaclaw.bench.runner import all_rounds_failed, format_table
+    from metaclaw.bench.runner import all_rounds_failed, format_table, judge_never_worked
     from metaclaw.demo import run_mode
 
     problem = argtypes.check_min_score(args.min_score, args.retrieval)
@@ -989,7 +991,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         _print_json(_summary_keys(summary))
     else:
         print(format_table(summary))
-    failed = all_rounds_failed(summary)
+    failed = all_rounds_failed(summary) or judge_never_worked(summary)
     if failed:
         print(f"metaclaw bench: {failed}", file=sys.stderr)
         return 1

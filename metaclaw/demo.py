@@ -137,6 +137,15 @@ def _key_for(url: str | None, upstream: str, api_key_env: str) -> str | None:
     return None
 
 
+def judge_tally(events: list[Any]) -> dict[str, Any]:
+    """How the judge fared in a run: turns judged, turns it failed on (never judged), and the
+    first failure's message."""
+    judged = {e.turn_id for e in events if e.kind == "judged"}
+    failed = [e for e in events if e.kind == "judge_failed" and e.turn_id not in judged]
+    return {"judged": len(judged), "failed": len({e.turn_id for e in failed}),
+            "first_error": failed[0].detail.get("error") if failed else None}
+
+
 def run_mode(mode: str, data: Path, days: Any, out: Path, upstream: str, model: str, *,
               api_key_env: str, retrieval: str, top_k: int, min_score: float | None,
               budget_chars: int, parallel: int, judge_url: str | None,
@@ -249,6 +258,7 @@ def run_mode(mode: str, data: Path, days: Any, out: Path, upstream: str, model: 
                                 **local)
             if loop is not None:
                 events = [e.to_dict() for e in loop.events if e.kind in ("evolved", "evolve_failed")]
+                summary["judge"] = judge_tally(loop.events)
             summary["skill_generation"] = library.generation
             summary["skills"] = [{"name": s.name, "description": s.description} for s in library.skills()]
             summary["evolve_events"] = events

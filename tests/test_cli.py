@@ -187,6 +187,19 @@ def test_bench_json_summary_keys(tmp_path):
     assert proc.returncode == 2 and "--model" in proc.stderr
 
 
+def test_bench_fails_loudly_when_the_judge_never_worked(tmp_path):
+    """A skills run whose judge failed on every turn learned nothing: its scores are the
+    baseline's, so it says so and exits 1 instead of printing a table as if it had run."""
+    proc = run_cli("bench", "--mode", "skills", "--days", "day01", "--judge-url",
+                   "http://127.0.0.1:9/v1", "--judge-model", "j", "--out", tmp_path / "b",
+                   check=False)
+    assert proc.returncode == 1, proc.stderr
+    assert "judge: 0 turns judged" in proc.stdout
+    assert "the judge failed on every turn" in proc.stderr and "127.0.0.1" in proc.stderr
+    ok = run_cli("bench", "--mode", "skills", "--days", "day01", "--out", tmp_path / "c", "--json")
+    assert json.loads(ok.stdout)["judge"]["failed"] == 0
+
+
 def _failed_then_feedback(runtime):
     """Two turns of one session: a task, then the user's feedback that it was wrong."""
     client = runtime.client()

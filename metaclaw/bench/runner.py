@@ -123,6 +123,18 @@ def all_rounds_failed(summary: dict) -> str | None:
     return None
 
 
+def judge_never_worked(summary: dict) -> str | None:
+    """One sentence when a skills or full run's judge failed on every turn it was given: no
+    failure reached the evolver, so no skill was learned and the scores are the baseline's
+    under another name. None otherwise."""
+    tally = summary.get("judge") or {}
+    if tally.get("failed") and not tally.get("judged"):
+        return (f"the judge failed on every turn ({tally['failed']}), so no skill was learned "
+                f"and the scores measure the baseline; the first error was "
+                f"{tally.get('first_error')}")
+    return None
+
+
 def _fmt(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:5.1f}%"
 
@@ -146,6 +158,11 @@ def format_table(summary: dict) -> str:
     lines.append(f"accuracy over {summary['rounds']} rounds; file-check completion over "
                  f"{summary['file_check_rounds']} file_check rounds; multi-choice mean score over "
                  f"{summary['multi_choice_rounds']} rounds")
+    if summary.get("judge"):
+        tally = summary["judge"]
+        lines.append(f"judge: {tally['judged']} turns judged"
+                     + (f", {tally['failed']} failed ({tally['first_error']})" if tally["failed"]
+                        else ""))
     if summary.get("resumed_days"):
         kept = ", ".join(summary["resumed_days"])
         lines.append(f"resumed run: the totals and day lines include {kept}, kept from the "
