@@ -72,17 +72,30 @@ def _library(args: argparse.Namespace):
 
 
 # -- serve -----------------------------------------------------------------------------------
+#: The fast loop's endpoints in a command that has no upstream to default to.
+NO_UPSTREAM_HELP = {
+    "--judge-url": "PRM judge base URL (required here; key from $METACLAW_JUDGE_API_KEY)",
+    "--judge-model": "PRM judge model (required here)",
+    "--evolver-url": "skill evolver base URL (required here; key from $METACLAW_EVOLVER_API_KEY)",
+    "--evolver-model": "skill evolver model (required here)",
+}
+
+
 def add_config_options(p: argparse.ArgumentParser, group: str | None = None, *,
-                       serve_defaults: bool = True, only: tuple[str, ...] | None = None) -> None:
+                       serve_defaults: bool = True, only: tuple[str, ...] | None = None,
+                       no_upstream: bool = False) -> None:
     """Add the options of :class:`metaclaw.runtime.RuntimeConfig` (of ``group``, or all; with
     ``only``, just those flags) to ``p``, as its fields declare them
     (:func:`metaclaw.runtime.option`); ``serve_defaults``: with the defaults of ``metaclaw
     serve`` where they differ from the library's (``%metaclaw start`` keeps the library's: port
-    0, any free port)."""
+    0, any free port); ``no_upstream``: the command has no upstream, so the judge's and the
+    evolver's endpoints say they are required (:data:`NO_UPSTREAM_HELP`)."""
     for f, _dest in config_options(group):
         spec = {k: v for k, v in f.metadata["option"].items() if k != "group"}
         if only is not None and spec["flag"] not in only:
             continue
+        if no_upstream and spec["flag"] in NO_UPSTREAM_HELP:
+            spec["help"] = NO_UPSTREAM_HELP[spec["flag"]]
         flag, env = spec.pop("flag"), spec.pop("env", None)
         serve_default = spec.pop("serve_default", f.default)
         default = serve_default if serve_defaults else f.default
@@ -1064,13 +1077,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--propose", action="store_true",
                    help="stats: file the suggestions (retire, merge, review) as proposals held "
                    "for review")
-    add_config_options(p, "fast loop", only=("--evolver-url", "--evolver-model"))
+    add_config_options(p, "fast loop", only=("--evolver-url", "--evolver-model"), no_upstream=True)
     p.add_argument("--rewrite", action="store_true",
                    help="keys: write them again for skills that have some")
 
     p = add("score", help="judge recorded turns with the PRM judge")
     add_db(p)
-    add_config_options(p, "fast loop")
+    add_config_options(p, "fast loop", only=("--judge-url", "--judge-model", "--votes"),
+                       no_upstream=True)
     p.add_argument("--threshold", type=argtypes.finite_float, default=0.0,
                    help="a turn scoring below this is a failure (support set)")
     p.add_argument("--session", help="only this session")
@@ -1081,7 +1095,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("evolve", help="turn the support set into new or edited skills")
     add_db(p)
     p.add_argument("--skills", default=str(DEFAULT_SKILLS))
-    add_config_options(p, "fast loop")
+    add_config_options(p, "fast loop", only=("--evolver-url", "--evolver-model", "--skill-scope"),
+                       no_upstream=True)
     p.add_argument("--dry-run", action="store_true", help="show the operations, change nothing")
     p.add_argument("--dedupe", type=argtypes.finite_float, default=0.85,
                    help="embedding similarity at which an added skill counts as a duplicate")
@@ -1159,7 +1174,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=["auto", "cpu", "cuda", "mps"], default="auto",
                    help="local backend: where the model trains (auto: a GPU when there is one)")
     p.add_argument("--now", action="store_true", help="train now, ignoring the idle signals")
-    add_config_options(p, "fast loop")
+    add_config_options(p, "fast loop", only=("--judge-url", "--judge-model", "--votes"),
+                       no_upstream=True)
     p.add_argument("--threshold", type=argtypes.finite_float, default=0.0)
     p.add_argument("--group-size", type=int, default=8, help="samples per prompt (G)")
     p.add_argument("--groups-per-step", type=int, default=4, help="prompts per step (P)")
