@@ -132,6 +132,15 @@ class RuntimeConfig:
     context_window: int | None = option(
         None, "--context-window", "context window in tokens for models the proxy does not know "
         "(skills are cut to fit)", type=argtypes.positive_int)
+    max_output_tokens: int | None = option(
+        None, "--max-output-tokens", "the most output tokens the upstream model gives in one "
+        "reply, for models the proxy does not know (e.g. 16384 for gpt-4o): a request "
+        "translated from another protocol asks for no more (Claude Code asks for 128000)",
+        type=argtypes.positive_int)
+    max_body_bytes: int = option(
+        32 * 2**20, "--max-body-bytes", "the largest request body accepted, in bytes, as sent "
+        "and once decompressed (default 32 MiB, Anthropic's own limit; larger ones get 413)",
+        type=argtypes.positive_int)
     durable_acks: bool = option(
         True, "--durable-acks", "end each reply only once its turn is committed to the store "
         "(default; --no-durable-acks commits right after the reply instead)",

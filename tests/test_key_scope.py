@@ -80,3 +80,54 @@ def test_bench_sends_the_upstream_key_to_the_upstream_only(tmp_path, monkeypatch
     assert upstream_keys == {f"Bearer {CANARY}"}
     assert judge.requests and judge_keys <= {"Bearer judge-key-1234", "Bearer evolver-key-5678"}
     assert "Bearer judge-key-1234" in judge_keys
+
+
+def test_a_401_says_when_the_proxy_sent_no_key(tmp_path, monkeypatch):
+    """Without $METACLAW_UPSTREAM_API_KEY a provider's 401 would read as the agent's own key
+    being wrong: the relayed error says the proxy sent none. Not so with a key, or when callers'
+    own keys are forwarded."""
+    import openai
+
+    for env_key, caller_auth, hinted in ((None, False, True), (CANARY, False, False),
+                                         (None, True, False)):
+        if env_key is None:
+            monkeypatch.delenv("METACLAW_UPSTREAM_API_KEY", raising=False)
+        else:
+            monkeypatch.setenv("METACLAW_UPSTREAM_API_KEY", env_key)
+        with DoubleServer([Reply(status=401, content="Incorrect API key provided")]) as up:
+            runtime = Runtime.start(upstream_url=up.url, model="m", caller_auth=caller_auth,
+                                    db_path=str(tmp_path / f"{hinted}{caller_auth}.db"),
+                                    skills_dir=str(tmp_path / "skills"), retrieval="lexical")
+            try:
+                client = openai.OpenAI(base_url=runtime.url, api_key="caller-key-9876",
+                                       max_retries=0)
+                try:
+                    client.chat.completions.create(
+                        model="m", messages=[{"role": "user", "content": "hi"}])
+                except openai.AuthenticationError as exc:
+                    message = exc.message
+                else:
+                    raise AssertionError("the upstream's 401 was not relayed")
+            finally:
+                runtime.stop()
+        assert "Incorrect API key provided" in message
+        assert ("METACLAW_UPSTREAM_API_KEY is unset" in message) is hinted, message
+
+
+def test_serve_warns_of_a_remote_upstream_without_a_key(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "METACLAW_UPSTREAM_API_KEY"}
+    for upstream, warned in (("https://api.example.com/v1", True),
+                             ("http://127.0.0.1:9/v1", False)):
+        port = free_port()
+        proc = subprocess.Popen([str(a) for a in [
+            *CLI, "serve", "--upstream", upstream, "--model", "m", "--port", port,
+            "--db", tmp_path / "ws.db", "--skills", tmp_path / "skills",
+            "--retrieval", "lexical"]],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        try:
+            wait_for_port(proc, port)
+        finally:
+            proc.terminate()
+            out, err = proc.communicate(timeout=20)
+        assert ("METACLAW_UPSTREAM_API_KEY is unset" in err) is warned, err
+        assert "metaclaw serve: stopped" in err

@@ -304,7 +304,7 @@ def test_bearer_token_required(proxy, double):
     with pytest.raises(openai.AuthenticationError) as err:
         sync_client(proxy, api_key="wrong-token").chat.completions.create(
             model="m", messages=COMMIT_QUESTION)
-    assert err.value.status_code == 401 and "invalid bearer token" in err.value.message
+    assert err.value.status_code == 401 and "invalid token" in err.value.message
     missing = httpx.post(proxy.url + "/chat/completions", json={"model": "m", "messages": COMMIT_QUESTION},
                          timeout=5)
     assert missing.status_code == 401
@@ -397,17 +397,22 @@ def test_upstream_timeout_gets_504(strict, double):
     assert (row["status"], row["http_status"]) == ("error", 504)
 
 
-def test_unreachable_upstream_gets_502_and_no_upstream_503(workspace, upstream_key):
+def test_unreachable_upstream_gets_502_and_no_upstream_503(workspace, upstream_key, caplog):
     store, library = workspace
     with socket.socket() as sock:  # a port that nothing listens on
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     config = ProxyConfig(upstream_url=f"http://127.0.0.1:{port}/v1", max_retries=0, timeout=2)
     with Proxy(config, store, library, make_retriever("lexical")) as p:
-        with pytest.raises(openai.APIStatusError) as err:
-            sync_client(p).chat.completions.create(model="m", messages=COMMIT_QUESTION)
-        assert err.value.status_code == 502 and err.value.code == "upstream_unreachable"
+        for _ in range(3):
+            with pytest.raises(openai.APIStatusError) as err:
+                sync_client(p).chat.completions.create(model="m", messages=COMMIT_QUESTION)
+            assert err.value.status_code == 502 and err.value.code == "upstream_unreachable"
         assert last_turn(p)["http_status"] == 502
+    # whoever runs the proxy sees it too: one warning line, not one per turn
+    lines = [r.getMessage() for r in caplog.records
+             if r.name == "metaclaw.proxy" and "a turn failed (HTTP 502)" in r.getMessage()]
+    assert len(lines) == 1 and "cannot reach the upstream" in lines[0]
     with Proxy(ProxyConfig(), store, library, make_retriever("lexical")) as p:
         for stream in (False, True):
             with pytest.raises(openai.APIStatusError) as err:
@@ -953,3 +958,20 @@ def test_a_retry_after_a_client_timeout_stays_in_its_run(proxy, double):
     assert [r["status"] for r in rows() if r["response"] is None] == ["client_disconnected"]
     assert sessions["B: retried"] == sessions[None] == sessions["B: renamed"]
     assert sessions["B: renamed"] != sessions["A: renamed"]
+
+
+def test_the_failure_log_says_each_kind_once_a_minute_and_counts_the_rest(caplog, monkeypatch):
+    from metaclaw.proxy.pipeline import FailureLog
+
+    now = [1000.0]
+    monkeypatch.setattr("metaclaw.proxy.pipeline.time.monotonic", lambda: now[0])
+    failures = FailureLog()
+    with caplog.at_level("WARNING", logger="metaclaw.proxy"):
+        for _ in range(3):
+            failures.warn(502, "cannot reach the upstream")
+        failures.warn(401, "Incorrect API key provided")
+        now[0] += FailureLog.EVERY_S
+        failures.warn(502, "cannot reach the upstream")
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 3 and "HTTP 401" in lines[1]
+    assert lines[2].endswith("(2 more turns failed with it since the last such line)")

@@ -548,6 +548,43 @@ def test_context_budget_cuts_skills_first(workspace, openai_double):
     assert COMMIT_BODY in openai_double.requests[0]["body"]["messages"][0]["content"]
 
 
+def test_claude_codes_output_ask_is_cut_to_the_chat_models_limit(workspace, openai_double):
+    """Claude Code asks for 128,000 output tokens, what Claude gives. In front of gpt-4o-mini
+    (16,384 at most; a larger ask is a 400) the translated request asks for 16,384, and only
+    that much is reserved, so the skills still fit its 128,000-token window."""
+    store, _ = workspace
+    with _proxy(workspace, openai_double, "openai", model="gpt-4o-mini") as proxy:
+        with _client(proxy).messages.stream(  # as Claude Code asks: streamed
+                model="claude-sonnet-4-5", max_tokens=128_000,
+                messages=[{"role": "user", "content": QUESTION}]) as stream:
+            stream.get_final_message()
+        _client(proxy).messages.create(model="claude-sonnet-4-5", max_tokens=2_000,
+                                       messages=[{"role": "user", "content": QUESTION}])
+    cut, kept = (r["body"] for r in openai_double.requests)
+    assert cut["model"] == "gpt-4o-mini" and cut["max_tokens"] == 16_384
+    assert kept["max_tokens"] == 2_000
+    first, second = _turns(proxy, store)
+    assert "git-commit-messages" in first["injected_skills"]
+    assert first["context_budget"]["reserved_output"] == 16_384
+    assert first["context_budget"]["asked_output"] == 128_000
+    assert "asked_output" not in second["context_budget"]
+    # an unknown model: the operator says its limit
+    with _proxy(workspace, openai_double, "openai", model="local-llama",
+                max_output_tokens=4_096) as proxy:
+        _client(proxy).messages.create(model="claude-sonnet-4-5", max_tokens=128_000,
+                                       messages=[{"role": "user", "content": QUESTION}],
+                                       timeout=30)
+    assert openai_double.requests[-1]["body"]["max_tokens"] == 4_096
+
+
+def test_a_client_of_the_upstreams_own_protocol_keeps_its_output_ask(workspace, openai_double):
+    with _proxy(workspace, openai_double, "openai") as proxy:
+        openai.OpenAI(base_url=proxy.url, api_key="unused", max_retries=0).chat.completions.create(
+            model="gpt-4o-mini", max_tokens=100_000,
+            messages=[{"role": "user", "content": QUESTION}])
+    assert openai_double.requests[-1]["body"]["max_tokens"] == 100_000  # its own model: as sent
+
+
 def test_request_already_over_the_window_passes_untouched(workspace, anthropic_double, caplog):
     store, _ = workspace
     request = {"model": MODEL, "max_tokens": 50, "system": "Be brief.",

@@ -418,3 +418,34 @@ def test_translation_corners_found_in_review():
             {"index": 0, "function": {"name": "weather", "arguments": "{}"}}]}}]})
         for e in split.feed(chunk)] + split.close()
     assert events[-1]["response"]["output"][0]["name"] == "get_weather"  # a name in pieces
+
+
+def _sse(raw: bytes) -> list[dict]:
+    return [json.loads(line[6:]) for line in raw.decode().splitlines()
+            if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+def test_a_stream_cut_mid_way_ends_with_a_numbered_error_and_response_failed(workspace):
+    """Codex reads a bare ``error`` event as a dropped stream (it retries, then says only
+    "stream disconnected"): the proxy's error is numbered after the last event and followed by
+    ``response.failed`` carrying the message, the terminal event Codex shows."""
+    import httpx
+
+    store, _ = workspace
+    with DoubleServer([Reply("one two three four five six", disconnect_after=4)]) as upstream, \
+            proxy_for(workspace, upstream) as proxy:
+        raw = httpx.post(f"http://127.0.0.1:{proxy.port}/v1/responses", timeout=30, json={
+            "model": MODEL, "stream": True, "input": ASK}).content
+        (turn,) = turns_of(proxy, store)
+    events = _sse(raw)
+    kinds = [e["type"] for e in events]
+    assert kinds[-2:] == ["error", "response.failed"], kinds
+    numbers = [e["sequence_number"] for e in events]
+    assert numbers == list(range(len(events)))  # one count, no restart at the error
+    error, failed = events[-2:]
+    assert error["code"] == "upstream_disconnected" and "mid-stream" in error["message"]
+    assert failed["response"]["status"] == "failed"
+    assert failed["response"]["id"] == events[0]["response"]["id"]
+    assert failed["response"]["error"] == {"code": "upstream_disconnected",
+                                           "message": error["message"]}
+    assert turn["status"] == "error" and "mid-stream" in turn["error"]

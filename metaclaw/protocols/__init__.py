@@ -58,7 +58,7 @@ and implements:
   (``feed(event) -> [out events]``, ``close() -> [out events]``);
 - ``assembler()``: accumulates the protocol's stream events into the recorded reply columns;
 - ``encode_event(event)``, ``is_terminal(event)``, ``error_payload(error)``,
-  ``stream_error_event(error)``: the wire encoding of events and errors; ``upstream_events``
+  ``stream_error_event(error, first, last)``: the wire encoding of events and errors; ``upstream_events``
   reads an upstream's stream (server-sent events unless overridden).
 
 The tests for a new protocol are its own round trips (``from_chat(to_chat(x))``, as in
@@ -224,7 +224,11 @@ class WireProtocol:
                             headers={**error.headers, **(extra_headers or {})},
                             content_type="application/json")
 
-    def stream_error_event(self, error: ProxyError) -> bytes:
+    def stream_error_event(self, error: ProxyError, first: dict[str, Any] | None = None,
+                           last: dict[str, Any] | None = None) -> bytes:
+        """The wire bytes that end a stream with ``error``; ``first`` and ``last``: the first and
+        the last event the client got (for protocols whose events are numbered or name their
+        response)."""
         raise NotImplementedError
 
     # -- as an upstream (the proxy forwards to it; see ``upstream_path``) --------------------

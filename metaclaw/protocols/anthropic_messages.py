@@ -28,8 +28,9 @@ Anthropic client -> OpenAI-compatible upstream
     not reason would refuse ``reasoning_effort``), the ``anthropic-beta`` header and server tools
     (tools without ``input_schema``) are dropped; ``output_config.format`` (a JSON schema the
     reply must follow) becomes ``response_format``; ``metadata.user_id`` becomes ``user``;
-  - ``max_tokens`` is forwarded as it is (Claude Code asks for 128,000): an upstream model with a
-    smaller output limit answers with its own 400, relayed;
+  - ``max_tokens`` is forwarded, cut to the upstream model's output limit where the proxy knows
+    it (Claude Code asks for 128,000, which gpt-4o refuses; see
+    :func:`metaclaw.proxy.context_budget.output_limit` and ``--max-output-tokens``);
   - base64 PDF documents become OpenAI ``file`` parts; other documents and search-result blocks
     become text; images keep their data (as data URLs or URLs);
   - a tool_result's images are dropped (a chat ``tool`` message holds text only); ``is_error``
@@ -780,7 +781,8 @@ class AnthropicMessages(WireProtocol):
             kind = "authentication_error"
         return {"type": "error", "error": {"type": kind, "message": error.message}}
 
-    def stream_error_event(self, error: ProxyError) -> bytes:
+    def stream_error_event(self, error: ProxyError, first: dict[str, Any] | None = None,
+                           last: dict[str, Any] | None = None) -> bytes:
         payload = self.error_payload(error)
         return b"event: error\ndata: " + dumpb(payload) + b"\n\n"
 

@@ -307,7 +307,8 @@ class OpenAIChat(WireProtocol):
     def error_payload(self, error: ProxyError) -> dict[str, Any]:
         return error.payload  # an upstream's own error is already in this shape
 
-    def stream_error_event(self, error: ProxyError) -> bytes:
+    def stream_error_event(self, error: ProxyError, first: dict[str, Any] | None = None,
+                           last: dict[str, Any] | None = None) -> bytes:
         return b"data: " + dumpb(self.error_payload(error)) + b"\n\n"
 
     def models_payload(self, models: list[dict[str, Any]]) -> dict[str, Any]:

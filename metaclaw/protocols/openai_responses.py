@@ -950,13 +950,28 @@ class OpenAIResponses(WireProtocol):
     def error_payload(self, error: ProxyError) -> dict[str, Any]:
         return error.payload  # the Responses API answers errors in the chat API's shape
 
-    def stream_error_event(self, error: ProxyError) -> bytes:
+    def stream_error_event(self, error: ProxyError, first: dict[str, Any] | None = None,
+                           last: dict[str, Any] | None = None) -> bytes:
+        """An ``error`` event, then ``response.failed`` with the error: the terminal event
+        clients wait for (Codex shows its ``response.error.message``; it reads a bare
+        ``error`` event as a dropped stream and retries). Numbered after ``last``, for the
+        response ``first`` opened."""
         detail = error.payload.get("error") if isinstance(error.payload, dict) else None
         detail = detail if isinstance(detail, dict) else {}
-        event = {"type": "error", "code": detail.get("code") or error.code or error.type,
-                 "message": detail.get("message") or error.message,
-                 "param": detail.get("param", error.param), "sequence_number": 0}
-        return b"event: error\ndata: " + dumpb(event) + b"\n\n"
+        code = detail.get("code") or error.code or error.type
+        message = detail.get("message") or error.message
+        seq = last.get("sequence_number") if isinstance(last, dict) else None
+        seq = seq + 1 if isinstance(seq, int) and not isinstance(seq, bool) else 0
+        started = first.get("response") if isinstance(first, dict) else None
+        response_id = (started.get("id") if isinstance(started, dict) else None) or \
+            _new_id("resp")
+        failed = {"type": "response.failed", "sequence_number": seq + 1, "response": {
+            "id": response_id, "object": "response", "status": "failed", "output": [],
+            "error": {"code": code, "message": message}}}
+        event = {"type": "error", "code": code, "message": message,
+                 "param": detail.get("param", error.param), "sequence_number": seq}
+        return (b"event: error\ndata: " + dumpb(event) + b"\n\n"
+                + b"event: response.failed\ndata: " + dumpb(failed) + b"\n\n")
 
     def models_payload(self, models: list[dict[str, Any]]) -> dict[str, Any]:
         from metaclaw.protocols.openai_chat import OPENAI

@@ -106,7 +106,9 @@ class ProxyConfig:
     ``context_window``/``context_windows``/``tokenizer``: the context budget (see
     :mod:`metaclaw.proxy.context_budget`): the window for models not otherwise known, the
     windows per model name, and a ``tokenizer.json`` path (or ``str -> int`` callable) to count
-    with instead of the estimate. ``durable_acks`` (default on): send the end of each reply only
+    with instead of the estimate. ``max_output_tokens``: the most output tokens the upstream
+    model gives in a reply (default: known by model name, else unknown): a request translated
+    from another protocol asks for no more, and no more is reserved in the budget. ``durable_acks`` (default on): send the end of each reply only
     once its turn is committed to the store (group commit, see :mod:`metaclaw.proxy.pipeline`), so an
     acknowledged turn survives ``kill -9``; off, the turn is committed right after the reply is
     sent (:meth:`Proxy.flush` waits for it). ``fsync_acks`` (default off): fsync each group commit
@@ -139,7 +141,7 @@ class ProxyConfig:
     min_score: float | None = None
     budget_chars: int = 6000
     timeout: float = 120.0
-    max_body_bytes: int = 8 * 2**20
+    max_body_bytes: int = 32 * 2**20
     max_retries: int = 2
     stream_usage: bool = True
     upstream_protocol: str = "openai"
@@ -148,6 +150,7 @@ class ProxyConfig:
     caller_auth: bool = False
     context_window: int | None = None
     context_windows: dict[str, int] | None = None
+    max_output_tokens: int | None = None
     tokenizer: Any = None
     header_timeout: float = 10.0
     body_timeout: float = 30.0
@@ -379,6 +382,7 @@ class Proxy(ServedApp):
             parts.upstream = make_upstream(self.config.upstream_protocol,
                                            self.config.upstream_url, self.config.api_key_env,
                                            self.config.timeout, self.config.max_retries)
+            parts.upstream.caller_auth = self.config.caller_auth
             await parts.upstream.open()
         if callable(getattr(self.retriever, "warm", None)):  # load models before the first turn
             asyncio.get_running_loop().run_in_executor(pool, self._warm)
@@ -399,6 +403,10 @@ class Proxy(ServedApp):
         # before the server closes the connections: a turn cancelled from now on was stopped
         # by the proxy, not by its client
         self._parts.stopping = True
+        busy = sum(not task.done() for task in self._in_flight)
+        if busy:
+            log.warning("stopping: %d request(s) in flight get a few seconds to finish; those "
+                        "still running then are cut off and recorded as cancelled", busy)
 
     async def _on_cleanup(self, app: web.Application) -> None:
         log.removeFilter(self._log_filter)

@@ -40,9 +40,35 @@ KNOWN_WINDOWS: dict[str, int] = {
     "SmolLM2": 8_192,
     "smollm2": 8_192,
 }
+#: The most output tokens a model produces in one reply, by model-name prefix (longest prefix
+#: wins; the providers' published limits). A request translated from another protocol asks for
+#: what its client's own model allows (Claude Code: 128,000), which a model with a lower limit
+#: refuses with a 400: the proxy asks for at most this much instead, and reserves no more in the
+#: budget. Configure others with ``ProxyConfig.max_output_tokens``.
+KNOWN_OUTPUT_LIMITS: dict[str, int] = {
+    "gpt-4o": 16_384,
+    "gpt-4.1": 32_768,
+    "gpt-4-turbo": 4_096,
+    "gpt-3.5-turbo": 4_096,
+    "o1": 100_000,
+    "o1-mini": 65_536,
+    "o3": 100_000,
+    "o4-mini": 100_000,
+    "claude-3-haiku": 4_096,
+    "claude-3-opus": 4_096,
+    "claude-3-5-": 8_192,
+    "claude-3-7-sonnet": 64_000,
+    "claude-sonnet-4": 64_000,
+    "claude-opus-4": 32_000,
+}
 #: Tokens counted for the wrapping of the injected block (a system block or message).
 BLOCK_OVERHEAD = 8
 ESTIMATE_BYTES_PER_TOKEN = 3
+
+
+def _by_prefix(table: dict[str, int], model: str) -> int | None:
+    best = max((p for p in table if model.startswith(p)), key=len, default=None)
+    return table[best] if best else None
 
 
 def context_window(model: str, configured: dict[str, int] | None,
@@ -51,8 +77,15 @@ def context_window(model: str, configured: dict[str, int] | None,
     ``default`` (``None``: unknown, no budget check)."""
     if configured and model in configured:
         return configured[model]
-    best = max((p for p in KNOWN_WINDOWS if model.startswith(p)), key=len, default=None)
-    return KNOWN_WINDOWS[best] if best else default
+    known = _by_prefix(KNOWN_WINDOWS, model)
+    return known if known is not None else default
+
+
+def output_limit(model: str, default: int | None) -> int | None:
+    """The most output tokens ``model`` gives in one reply: ``default`` when set (the
+    operator's word), else the longest known prefix (:data:`KNOWN_OUTPUT_LIMITS`), else
+    ``None`` (unknown)."""
+    return default if default is not None else _by_prefix(KNOWN_OUTPUT_LIMITS, model)
 
 
 class TokenCounter:

@@ -244,7 +244,8 @@ def too_large(limit: int, decompressed: bool = False) -> ProxyError:
     """The 413 for a body beyond ``limit`` bytes (as sent, or once decompressed)."""
     what = "decompresses to more than" if decompressed else "is larger than"
     return ProxyError(413, f"request body {what} the proxy's limit of {limit} bytes; send a "
-                           "smaller request or raise max_body_bytes", code="request_too_large")
+                           "smaller request, or raise the limit (metaclaw serve --max-body-bytes N, "
+                           "ProxyConfig.max_body_bytes)", code="request_too_large")
 
 
 #: zlib's terse reasons, said plainly.

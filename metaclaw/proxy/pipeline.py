@@ -484,6 +484,30 @@ def _encodable(value: Any) -> Any:
     return value
 
 
+class FailureLog:
+    """A warning in the proxy's log when turns fail (an unreachable upstream, a relayed 401, a
+    stream cut): whoever runs ``metaclaw serve`` sees that the agent is failing, not only the
+    agent. At most one line per HTTP status every :attr:`EVERY_S` seconds; the next one counts
+    those left out."""
+
+    EVERY_S = 60.0
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._last: dict[Any, tuple[float, int]] = {}
+
+    def warn(self, status: Any, message: str) -> None:
+        now = time.monotonic()
+        with self._lock:
+            last, left_out = self._last.get(status, (float("-inf"), 0))
+            if now - last < self.EVERY_S:
+                self._last[status] = (last, left_out + 1)
+                return
+            self._last[status] = (now, 0)
+        more = f" ({left_out} more turns failed with it since the last such line)" if left_out else ""
+        log.warning("a turn failed (HTTP %s): %s%s", status, message[:300], more)
+
+
 # ---------------------------------------------------------------------------------------------
 # the pipeline
 # ---------------------------------------------------------------------------------------------
@@ -517,6 +541,7 @@ class Collaborators:
     responder: Any = None
     retrieval_pool: Executor | None = None
     stopping: bool = False
+    failures: FailureLog = field(default_factory=FailureLog)
 
 
 class TurnPipeline:
@@ -579,17 +604,19 @@ class TurnPipeline:
             where = "the header 'X-MetaClaw-Token: <token>'"
         else:
             given = bearer or api_key
-            where = "the header 'Authorization: Bearer <token>' (the OpenAI client's api_key)"
+            where = ("the header 'Authorization: Bearer <token>' or 'x-api-key: <token>' (the "
+                     "OpenAI or Anthropic client's api_key)")
         token = config.token
         if not token:
             return caller_key
         if not given:
-            raise ProxyError(401, f"missing bearer token: this proxy requires {where}",
+            raise ProxyError(401, f"missing token: this proxy requires {where}",
                              type="authentication_error", code="missing_token")
         # a header's bytes that are not UTF-8 arrive as lone surrogates: compared as sent
         if not hmac.compare_digest(given.encode("utf-8", "surrogateescape"), token.encode()):
-            raise ProxyError(401, "invalid bearer token: set the client's api_key to the proxy's "
-                                  "token", type="authentication_error", code="invalid_token")
+            raise ProxyError(401, "invalid token: set the client's api_key (sent as "
+                                  "'Authorization: Bearer' or 'x-api-key') to the proxy's token",
+                             type="authentication_error", code="invalid_token")
         return caller_key
 
     def too_large(self) -> ProxyError:
@@ -646,11 +673,13 @@ class TurnPipeline:
                                                    config.context_window)
 
             def fit(selected: list[Any], render: Any) -> int:
+                asked, allowed = self.output_tokens(turn)
                 budget = context_budget.fit_skills([s.skill.name for s in selected], render,
-                                                   turn.raw, window,
-                                                   turn.protocol.max_output_tokens(turn.body),
+                                                   turn.raw, window, allowed,
                                                    parts.token_counter)
                 turn.budget = budget.record
+                if allowed != asked:  # the model gives no more: none more is reserved
+                    turn.budget["asked_output"] = asked
                 return budget.keep
 
             done = retrieval.select_and_inject(
@@ -742,13 +771,32 @@ class TurnPipeline:
                                   "or set a responder", type="server_error", code="no_upstream")
         return self.parts.upstream
 
+    def output_tokens(self, turn: Turn) -> tuple[int | None, int | None]:
+        """(the output tokens the client asked for, what the upstream model gives at most of
+        them): the ask cut to the model's output limit where it is known
+        (:func:`metaclaw.proxy.context_budget.output_limit`)."""
+        asked = turn.protocol.max_output_tokens(turn.body)
+        limit = context_budget.output_limit(turn.model, self.config.max_output_tokens)
+        return asked, (min(asked, limit) if asked and limit else asked)
+
     def forward_body(self, turn: Turn, upstream: Upstream) -> tuple[dict[str, Any], bool]:
         """The body in the upstream's protocol (translated when the client's differs: from the
         chat form the turn already holds, its messages with the skills, which is what the
-        client protocol's ``to_chat`` of the injected body gives)."""
+        client protocol's ``to_chat`` of the injected body gives). A translated request asks
+        for at most the output the upstream model gives (:meth:`output_tokens`): its client
+        asked with another model's limit in mind (Claude Code asks for 128,000 tokens, which
+        a gpt-4o refuses)."""
         target = upstream.protocol
-        body = turn.body if target is turn.protocol else target.from_chat(
-            {**turn.chat, "messages": turn.messages})
+        if target is turn.protocol:
+            body = turn.body
+        else:
+            chat = {**turn.chat, "messages": turn.messages}
+            asked, allowed = self.output_tokens(turn)
+            if allowed != asked:
+                for key in ("max_completion_tokens", "max_tokens"):
+                    if chat.get(key):
+                        chat[key] = allowed
+            body = target.from_chat(chat)
         forward, client_asked = target.prepare_forward(body, self.config.stream_usage)
         if target is not turn.protocol:  # what the client asked for, in its own protocol
             client_asked = turn.protocol.asks_for_usage(turn.body)
@@ -869,6 +917,8 @@ class _Relay:
             for key in ("response", "error"):
                 if isinstance(row.get(key), str):
                     row[key] = self.parts.scrubber.text(row[key], self.caller_key)
+        if row.get("status") == "error":
+            self.parts.failures.warn(row.get("http_status"), str(row.get("error") or ""))
         if self.turn.thread is not None:
             self.parts.threads.settle(self.turn.thread, row.get("status") == "ok",
                                       row.get("response"), row.get("tool_calls"))
@@ -973,6 +1023,9 @@ class _Relay:
                 "X-Accel-Buffering": "no"})
             status, failure = "ok", None
             held: list[bytes] = []  # the terminal event goes out after the record is committed
+            # the first and the last event sent: an error event follows them
+            first: dict[str, Any] | None = None
+            last: dict[str, Any] | None = None
             try:
                 if request.transport is None or request.transport.is_closing():
                     raise _ClientGone()
@@ -994,6 +1047,8 @@ class _Relay:
                                 held.append(raw)
                             elif not client.is_private(event, client_asked):
                                 relayed.append(raw)
+                                last = event if isinstance(event, dict) else last
+                                first = first or last
                             continue
                         for out in translate(event):
                             data = client.encode_event(out)
@@ -1001,6 +1056,8 @@ class _Relay:
                                 held.append(data)
                             elif not client.is_private(out, client_asked):
                                 relayed.append(data)
+                                last = out if isinstance(out, dict) else last
+                                first = first or last
                     if relayed:  # masked as a whole: an upstream may quote the key anywhere
                         await self.write(response, mask_bytes(b"".join(relayed),
                                                               self.secret_bytes))
@@ -1018,6 +1075,8 @@ class _Relay:
                             held.append(data)
                         elif not client.is_private(out, client_asked):
                             relayed.append(data)
+                            last = out if isinstance(out, dict) else last
+                            first = first or last
                     if relayed:  # one write, masked like the events before it
                         await self.write(response, mask_bytes(b"".join(relayed),
                                                               self.secret_bytes))
@@ -1033,7 +1092,7 @@ class _Relay:
                 error = self.error(exc, upstream, midstream=True)
                 status, failure, held = "error", error.message, []
                 with contextlib.suppress(_ClientGone):
-                    await self.write(response, client.stream_error_event(error))
+                    await self.write(response, client.stream_error_event(error, first, last))
             if failure is None and assembler.error is not None:
                 status = "error"
                 failure = ("upstream stream error: "
@@ -1044,7 +1103,7 @@ class _Relay:
             try:
                 await self.pipeline.acknowledge(recorded)
             except ProxyError as exc:
-                held = [client.stream_error_event(exc)]
+                held = [client.stream_error_event(exc, first, last)]
             with contextlib.suppress(_ClientGone, ConnectionError):  # the end and the last chunk
                 await response.write_eof(mask_bytes(b"".join(held),
                                                                   self.secret_bytes))

@@ -67,7 +67,7 @@ class BackgroundServer:
         except OSError as exc:
             await self._runner.cleanup()
             raise OSError(exc.errno, f"cannot listen on {self.host}:{self.port}: {exc.strerror}; "
-                                     "choose another port (port=0 picks a free one)") from exc
+                                     "choose another port (0 picks a free one)") from exc
         self.port = int(self._runner.addresses[0][1])
 
     async def _close(self) -> None:

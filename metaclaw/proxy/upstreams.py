@@ -207,6 +207,9 @@ class HTTPUpstream(Upstream):
         self._session: Any = None
         self._proxy: str | None = None
         self._urls: dict[str, Any] = {}
+        self._keyless = False
+        #: set by the proxy when callers' own keys are forwarded (``--caller-auth``)
+        self.caller_auth = False
 
     def _headers(self, key: str | None, headers: dict[str, str]) -> dict[str, str]:
         """Per-request headers: ``headers`` and, under caller-auth, the caller's ``key``."""
@@ -217,6 +220,8 @@ class HTTPUpstream(Upstream):
         import aiohttp
 
         key = os.environ.get(self.key_env) or NO_KEY
+        # a 401 / 403 then says why (unless each caller's own key is forwarded instead)
+        self._keyless = key == NO_KEY and self._basic is None and not self.caller_auth
         headers = {"Content-Type": "application/json", "Accept": "application/json",
                    **self.protocol.upstream_server_headers(key)}
         if self._basic is not None:  # credentials in the URL win, as in other HTTP clients
@@ -413,15 +418,18 @@ class HTTPUpstream(Upstream):
             body = None
         headers = {k: v for k, v in exc.headers.items()
                    if k.lower() in ("retry-after", "retry-after-ms")}
+        hint = (f" [the proxy sent no key: ${self.key_env} is unset where `metaclaw serve` "
+                "runs]" if status in (401, 403) and self._keyless else "")
         if isinstance(body, dict) and isinstance(body.get("error"), dict):
             error = body["error"]
-            message = str(error.get("message") or f"upstream error {status}")
+            message = str(error.get("message") or f"upstream error {status}") + hint
             payload = error_json(message, error.get("type") or "upstream_error",
                                  error.get("param"), error.get("code"))
             return ProxyError(status, message, type=payload["error"]["type"], payload=payload,
-                              headers=headers, upstream=(self.protocol.name, body))
+                              headers=headers,
+                              upstream=None if hint else (self.protocol.name, body))
         text = exc.body.decode("utf-8", "replace").strip()[:500]
-        message = f"the upstream answered HTTP {status}" + (f": {text}" if text else "")
+        message = f"the upstream answered HTTP {status}" + (f": {text}" if text else "") + hint
         return ProxyError(status, message, type="upstream_error", code=str(status),
                           headers=headers)
 
