@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -61,11 +62,16 @@ def _store(path: str):
     return Store(path)
 
 
-def _library(args: argparse.Namespace):
+def _library(args: argparse.Namespace, *, create: bool = False):
+    """The skill library of ``args.skills`` in the workspace ``args.db``. Where neither exists
+    yet, a reader (run in the wrong folder, say) is told so instead of getting a new empty
+    workspace; ``create`` (``skills import``) makes one. A skill folder without a workspace
+    gets one: its generations are recorded from now on."""
     from metaclaw.skills.library import SkillLibrary
     from metaclaw.store import Store
 
-    library = SkillLibrary(args.skills, Store(args.db))
+    create = create or Path(args.skills).is_dir()
+    library = SkillLibrary(args.skills, Store(args.db) if create else _store(args.db))
     for problem in library.problems:
         print(f"warning: skipped {problem.path}: {problem.reason}", file=sys.stderr)
     return library
@@ -106,6 +112,26 @@ def add_config_options(p: argparse.ArgumentParser, group: str | None = None, *,
         p.add_argument(flag, default=default, **spec)
 
 
+def _upstream_host(url: str) -> str:
+    from urllib.parse import urlsplit
+
+    return urlsplit(url).hostname or url
+
+
+def _keyless_remote_upstream(args: argparse.Namespace) -> bool:
+    """Whether ``serve`` would send a remote upstream no key: none in the environment, none in
+    the URL, callers' own keys not forwarded. A server on this machine (vLLM, Ollama, a
+    double) often wants none."""
+    from urllib.parse import urlsplit
+
+    if not args.upstream or args.caller_auth or os.environ.get("METACLAW_UPSTREAM_API_KEY"):
+        return False
+    parts = urlsplit(args.upstream)
+    host = (parts.hostname or "").lower()
+    local = host in ("localhost", "::1") or host.startswith("127.") or host.endswith(".local")
+    return not local and not parts.username and not parts.password
+
+
 @command("serve")
 def cmd_serve(args: argparse.Namespace) -> int:
     from metaclaw.runtime import Runtime
@@ -113,6 +139,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.token:
         print("warning: listening beyond localhost without --token; anyone who can reach "
               f"{args.host}:{args.port} can use your upstream key", file=sys.stderr)
+    if _keyless_remote_upstream(args):
+        print(f"warning: $METACLAW_UPSTREAM_API_KEY is unset, so requests go to "
+              f"{_upstream_host(args.upstream)} without a key and a provider answers 401 "
+              "(an agent then reports its own key as wrong); export it before `metaclaw "
+              "serve`, or pass --caller-auth to forward each caller's own key", file=sys.stderr)
     runtime = Runtime.build(RuntimeConfig.from_args(args))
     generation, skills = runtime.library.current()
     from metaclaw.redact import safe_url
@@ -154,6 +185,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         runtime.serve_forever(on_ready=ready, on_loop_event=evolution)
     except KeyboardInterrupt:
         pass
+    print("metaclaw serve: stopped; every turn it answered is recorded", file=sys.stderr,
+          flush=True)
     return 0
 
 
@@ -187,7 +220,7 @@ TURN_CHUNK = 1000
 
 #: What the text listing shows of a turn, and what ``--why`` adds.
 LISTED_FIELDS = ("id", "session_id", "turn_type", "skill_generation", "status",
-                 "injected_skills", "response", "error")
+                 "injected_skills", "response", "tool_calls", "error")
 WHY_FIELDS = ("retrieval_query", "retrieval_scores", "identified_by", "person", "agent")
 
 
@@ -224,11 +257,14 @@ def cmd_turns(args: argparse.Namespace) -> int:
         for row in rows:
             _print_json({k: row[k] for k in TURN_FIELDS})
         return 0
+    listed = 0
     for row in rows:
-        reply = (row["response"] or row["error"] or "").replace("\n", " ")
-        print(_printable(f"#{row['id']:<5} {row['session_id'][:16]:<16} {row['turn_type']:<5} "
-                         f"gen {row['skill_generation']:<3} {row['status']:<5} "
-                         f"skills={','.join(row['injected_skills']) or '-'}  {reply[:60]}"))
+        if not listed:
+            print(f"{'turn':<6} {'session':<20} {'type':<5} {'gen':<3} {'status':<9} skills  reply")
+        listed += 1
+        print(_printable(f"#{row['id']:<5} {row['session_id']:<20} {row['turn_type']:<5} "
+                         f"{row['skill_generation']:<3} {row['status']:<9} "
+                         f"{','.join(row['injected_skills']) or '-'}  {_reply_text(row)[:60]}"))
         if args.why:  # why these skills: the query retrieval used and the scores it got
             scores = ", ".join(f"{s['name']} {s['score']:.3f}"
                                for s in row.get("retrieval_scores") or []) or "none"
@@ -246,7 +282,22 @@ def cmd_turns(args: argparse.Namespace) -> int:
                     print(_printable(f"       {s['name']}: use when {s.get('use_when') or '-'}; "
                                      f"{s.get('example_asks', 0)} example asks, "
                                      f"{s.get('anticipated_asks', 0)} anticipated"))
+    if not listed:
+        which = " of session " + repr(args.session) if args.session else ""
+        which += " of type " + repr(args.type) if args.type else ""
+        print(f"no turns{which} in {args.db}", file=sys.stderr)
     return 0
+
+
+def _reply_text(row: dict[str, Any]) -> str:
+    """A turn's reply on one line: its text, else the tools it called, else its error."""
+    if row["response"]:
+        return row["response"].replace("\n", " ")
+    names = [(call.get("function") or {}).get("name") or call.get("name") or "?"
+             for call in row.get("tool_calls") or [] if isinstance(call, dict)]
+    if names:
+        return f"[tool call: {', '.join(names)}]"
+    return (row["error"] or "").replace("\n", " ")
 
 
 def _import_turns(args: argparse.Namespace) -> int:
@@ -308,7 +359,13 @@ def _generation_numbers(args: argparse.Namespace) -> list[int]:
 def cmd_skills(args: argparse.Namespace) -> int:
     if args.action in ("diff", "rollback"):
         args.generations = _generation_numbers(args)
-    library = _library(args)
+        wanted = 2 if args.action == "diff" else 1
+        if len(args.generations) != wanted:
+            raise CliError(f"skills {args.action} needs {'two generations' if wanted == 2 else 'one generation'}: "
+                           f"metaclaw skills {args.action} {'G1 G2' if wanted == 2 else 'G'}")
+    if args.action == "import" and not args.path:
+        raise CliError("skills import needs --from DIR (a folder of <name>/SKILL.md)")
+    library = _library(args, create=args.action == "import")
     if args.action == "list":
         generation, skills = library.current()
         if args.json:
@@ -322,8 +379,6 @@ def cmd_skills(args: argparse.Namespace) -> int:
                 print(f"  {skill.name:<32} [{skill.category}{scope}] {skill.description}")
         return 0
     if args.action == "diff":
-        if len(args.generations) != 2:
-            raise CliError("skills diff needs two generations: metaclaw skills diff G1 G2")
         diff = library.diff(*args.generations)
         if args.json:
             _print_json(diff.to_dict())
@@ -331,8 +386,6 @@ def cmd_skills(args: argparse.Namespace) -> int:
             print(diff)
         return 0
     if args.action == "rollback":
-        if len(args.generations) != 1:
-            raise CliError("skills rollback needs one generation: metaclaw skills rollback G")
         new = library.rollback(args.generations[0])
         if args.json:
             _print_json({"rolled_back_to": args.generations[0], "generation": new})
@@ -346,8 +399,6 @@ def cmd_skills(args: argparse.Namespace) -> int:
     if args.action == "keys":
         return _write_keys(args, library)
     if args.action == "import":
-        if not args.path:
-            raise CliError("skills import needs --from DIR (a folder of <name>/SKILL.md)")
         new = library.import_dir(args.path)
         print(json.dumps({"generation": new}) if args.json else f"imported into generation {new}")
         return 0
@@ -655,8 +706,17 @@ def cmd_buffers(args: argparse.Namespace) -> int:
     if args.json:
         for row in frame.iter_rows(named=True):
             _print_json(row)
-    else:
-        print(frame)
+        return 0
+    import polars as pl
+
+    shown = frame.with_columns(  # a time a person reads, every column and row, one line each
+        pl.from_epoch((pl.col("created_at") * 1000).cast(pl.Int64), time_unit="ms")
+        .dt.strftime("%Y-%m-%d %H:%M:%S").alias("created_at"))
+    with pl.Config(tbl_cols=-1, tbl_rows=-1, fmt_str_lengths=48, tbl_width_chars=200,
+                   tbl_hide_dataframe_shape=True, tbl_hide_column_data_types=True):
+        print(shown)
+    print(f"{frame.height} turn{'' if frame.height == 1 else 's'}"
+          f"{'' if args.all else ' in a buffer'}; --json for every field in full")
     return 0
 
 
@@ -1058,8 +1118,9 @@ def build_parser() -> argparse.ArgumentParser:
             "per-skill evidence; share NAME: promote a private skill to the whole workspace; "
             "keys [NAME ...]: have the evolver model write the retrieval keys of skills that "
             "have none")
-    p.add_argument("action", choices=["list", "diff", "rollback", "import", "stats", "share",
-                                      "keys"])
+    p.add_argument("action", nargs="?", default="list",
+                   choices=["list", "diff", "rollback", "import", "stats", "share", "keys"],
+                   help="list (default), diff, rollback, import, stats, share or keys")
     p.add_argument("generations", nargs="*", metavar="GENERATION|NAME",
                    help="diff: two generations; rollback: one; share: the skill's name; keys: "
                    "the skills' names (default: every skill without keys)")
@@ -1261,11 +1322,13 @@ def build_parser() -> argparse.ArgumentParser:
                            help="days run at once (baseline)")
             p.add_argument("--votes", type=argtypes.positive_int, help="judge votes per turn")
             p.add_argument("--retrieval", choices=["auto", "hybrid", "embedding", "lexical"],
-                           default="lexical")
+                           default="lexical", help="default lexical, with --top-k 5, --min-score "
+                           "0 and --budget-chars 12000: every learned skill is injected, best "
+                           "first; `metaclaw serve` runs auto, 3, 1.15 and 6000")
             p.add_argument("--top-k", type=argtypes.positive_int, default=5)
             p.add_argument("--min-score", type=argtypes.finite_float, default=0.0,
                            help="0 or more for lexical (BM25) scores, -1..1 for embedding cosines, "
-                           "-1..2 for hybrid scores")
+                           "-1..2 for hybrid scores (default 0)")
             p.add_argument("--budget-chars", type=argtypes.positive_int, default=12000)
             p.add_argument("--backend", choices=["local", "tinker"], default="local",
                            help="mode full: the training backend that serves the agent")
@@ -1287,6 +1350,10 @@ def main(argv: list[str] | None = None) -> int:
     except CliError as exc:
         print(f"metaclaw {args.command}: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader stopped early (`metaclaw turns | head`): not an error
+        with contextlib.suppress(OSError):  # nor is the flush of what it did not read
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, as a tool killed by the signal reports
     except KeyboardInterrupt:  # Ctrl-C is the user's choice: say what is kept, no traceback
         kept = (f"; the rounds it finished are kept in {args.out}, and the same command with "
                 "--resume goes on from them" if args.command == "bench" else "")

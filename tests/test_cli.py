@@ -104,8 +104,11 @@ def test_serve_then_turns_and_skills(served):
     assert row["injected_skills"] == ["backup-before-modify"]
     assert row["skill_generation"] == 0 and row["status"] == "ok"
     assert row["response"] == "done, with a backup"
-    assert run_cli("turns", "--db", served["db"], "--type", "stage:plan").stdout == ""
-    assert run_cli("turns", "--db", served["db"], "--type", "main").stdout.startswith("#")
+    none = run_cli("turns", "--db", served["db"], "--type", "stage:plan")
+    assert none.stdout == "" and "no turns of type 'stage:plan'" in none.stderr
+    head, line = run_cli("turns", "--db", served["db"], "--type", "main").stdout.splitlines()
+    assert head.split()[:6] == ["turn", "session", "type", "gen", "status", "skills"]
+    assert line.startswith("#") and " cli-s1 " in line and "backup-before-modify" in line
     bad = run_cli("turns", "--db", served["db"], "--type", "stage:Plan!", check=False)
     assert bad.returncode != 0 and "'stage:<name>'" in bad.stderr
     assert b"sk-secret-upstream-key" not in served["db"].read_bytes()
@@ -148,6 +151,10 @@ def test_clear_errors(tmp_path):
     proc = run_cli("skills", "diff", 0, "--skills", tmp_path / "s", "--db", tmp_path / "d.db",
                    check=False)
     assert proc.returncode == 2 and "two generations" in proc.stderr
+    proc = run_cli("skills", "rollback", 7, "--skills", tmp_path / "s", "--db", tmp_path / "d.db",
+                   check=False)
+    assert proc.returncode == 2 and "no MetaClaw database" in proc.stderr
+    write_skill(tmp_path / "s", "alpha", "First skill.", "body")
     proc = run_cli("skills", "rollback", 7, "--skills", tmp_path / "s", "--db", tmp_path / "d.db",
                    check=False)
     assert proc.returncode == 1 and "7" in proc.stderr and "Traceback" not in proc.stderr
@@ -232,6 +239,12 @@ def test_score_buffers_evolve_commands(tmp_path):
         rows = [json.loads(l) for l in run_cli("buffers", "--db", db, "--json").stdout.splitlines()]
         assert [(r["set"], r["state"], r["skill_generation"], r["reward"]) for r in rows] == [
             ("query", "live", 0, -1.0), ("query", "live", 0, 0.0)]
+        table = run_cli("buffers", "--db", db).stdout  # every column, a readable time
+        header = table.splitlines()[1]
+        assert all(name in header for name in ("id", "session_id", "turn_type", "set", "state",
+                                                "skill_generation", "reward", "created_at", "task"))
+        assert re.search(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d", table)
+        assert table.rstrip().endswith("2 turns in a buffer; --json for every field in full")
 
         dry = json.loads(run_cli("evolve", "--db", db, "--skills", skills, "--evolver-url", url,
                                  "--evolver-model", "sim-evolver", "--dry-run", "--json").stdout)
@@ -504,3 +517,23 @@ def test_train_refuses_a_learning_rate_that_cannot_train(tmp_path, capsys, value
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "--lr" in err and says in err
+
+
+def test_a_turn_that_called_tools_lists_them_as_its_reply():
+    from metaclaw.cli import _reply_text
+
+    row = {"response": "", "error": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "shell", "arguments": "{}"}},
+        {"type": "function_call", "name": "apply_patch"}]}
+    assert _reply_text(row) == "[tool call: shell, apply_patch]"
+    assert _reply_text({"response": "a\nb", "error": None, "tool_calls": []}) == "a b"
+    assert _reply_text({"response": None, "error": "upstream 502", "tool_calls": None}) == "upstream 502"
+
+
+def test_skills_lists_by_default_and_readers_do_not_create_a_workspace(tmp_path):
+    missing = tmp_path / "none" / "metaclaw.db"
+    for action in ([], ["list"], ["stats"], ["diff", "0", "1"]):
+        proc = run_cli("skills", *action, "--db", missing, "--skills", tmp_path / "skills",
+                       check=False)
+        assert proc.returncode == 2 and "no MetaClaw database" in proc.stderr, proc.stderr
+    assert not missing.parent.exists() and not (tmp_path / "skills").exists()
