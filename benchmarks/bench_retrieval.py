@@ -38,10 +38,15 @@ retriever's own thresholds):
   others drawn at random (seeded by the split's seed and the ask's id), as a new user's library
   is, and the default's hits and off-topic rate by library size (4 to 32 skills and all).
 
+Where MiniLM is installed (the ``minilm`` extra), its rows too, and one option measured here and
+not offered by the proxy: the static hybrid, with MiniLM's hybrid deciding the asks the static
+one is unsure of (:class:`MinilmWhereUnsure`; ``--tune unsure`` chooses the band on dev), and the
+share of asks that pay MiniLM's encode.
+
 Then retrieval latency (query extraction, ranking, selection, rendering, injection: what the
 proxy adds) p50 over 100 and 10,000 skills with fresh queries.
 
-    python benchmarks/bench_retrieval.py [--split test|dev|heldout|third] [--tune] [--queries 300]
+    python benchmarks/bench_retrieval.py [--split test|dev|heldout|third] [--tune [static|minilm|unsure]] [--queries 300]
 """
 
 from __future__ import annotations
@@ -64,8 +69,9 @@ from retrieval_clients import CLIENTS, wrap  # noqa: E402
 
 from metaclaw.skills.asks import extract_ask  # noqa: E402
 from metaclaw.skills.library import Skill  # noqa: E402
-from metaclaw.skills.retrieval import (HybridRetriever, LexicalRetriever, embeddings_available,
-                                       make_retriever, select, select_and_inject)
+from metaclaw.skills.retrieval import (HybridRetriever, LexicalRetriever, ScoredSkill,
+                                       embeddings_available, make_retriever, select,
+                                       select_and_inject)
 
 DATA = Path(__file__).resolve().parent / "data" / "retrieval"
 LABELLED = DATA / "labelled.json"
@@ -75,6 +81,9 @@ THIRD = DATA / "third.json"
 SPLIT = DATA / "split.json"
 SPLIT_SEED = 20261126
 TARGETS = {"single": 0.90, "two_top3": 0.75, "off_topic": 0.10}
+#: Where the default (static) hybrid's best score falls in this band, MiniLM's hybrid decides
+#: instead (:class:`MinilmWhereUnsure`): chosen on dev in the served library (``--tune unsure``).
+UNSURE_BAND = (1.0, 1.3)
 
 
 def load_split() -> dict:
@@ -265,6 +274,68 @@ def tune(libraries: dict[str, Any], asks: list[dict], model: str) -> None:
               f"off-topic {' / '.join(f'{o:.1%}' for o in off)}")
 
 
+class MinilmWhereUnsure:
+    """An option measured here, not shipped: the static hybrid decides where it is sure (its best
+    score at least ``band[1]``: it injects; under ``band[0]``: nothing comes near its threshold);
+    in between, MiniLM's hybrid decides. The transformer then encodes only the asks in the band.
+    Scores are each retriever's own, rescaled so that its threshold is 0 and its margin 1, so
+    :func:`select` applies the deciding retriever's thresholds."""
+
+    default_min_score, default_margin = 0.0, 1.0
+
+    def __init__(self, static: HybridRetriever, minilm: HybridRetriever,
+                 band: tuple[float, float] = UNSURE_BAND):
+        self.static, self.minilm, self.band = static, minilm, band
+
+    def unsure(self, query: str, skills: list[Skill]) -> bool:
+        return bool(skills) and self.band[0] <= self.static.scores(query, skills).max() < self.band[1]
+
+    def rank(self, query: str, skills: list[Skill]) -> list:
+        decider = self.minilm if self.unsure(query, skills) else self.static
+        scores = (decider.scores(query, skills) - decider.default_min_score) / decider.default_margin
+        order = sorted(range(len(skills)), key=lambda i: (-scores[i], skills[i].name))
+        return [ScoredSkill(skills[i], float(scores[i])) for i in order]
+
+
+def tune_unsure(libraries: dict[str, Any], asks: list[dict]) -> None:
+    """The band of :class:`MinilmWhereUnsure` on these (dev) asks, in the served library: among
+    the bands whose off-topic rate is at most the target, the most single-skill hits, then the
+    fewest asks given to MiniLM."""
+    library = libraries[SERVED]
+    queries = [a["query"] for a in asks]
+    static, minilm = HybridRetriever(), HybridRetriever("minilm")
+    name_rank = np.argsort(np.argsort([s.name for s in library], kind="stable"))
+    decisions = {}
+    for key, retriever in (("static", static), ("minilm", minilm)):
+        scores = retriever.score_matrix(queries, library)
+        top = np.lexsort((np.broadcast_to(name_rank, scores.shape), -scores), axis=1)[:, :3]
+        value = np.take_along_axis(scores, top, axis=1)
+        chosen = (value >= retriever.default_min_score) & (
+            value >= value[:, :1] - retriever.default_margin)
+        decisions[key] = [{library[i].name for i, c in zip(t, ch) if c}
+                          for t, ch in zip(top, chosen)]
+        if key == "static":
+            best = scores.max(axis=1)
+    results = []
+    for lo, hi in itertools.product(np.round(np.arange(0.6, 1.3, 0.05), 2),
+                                    np.round(np.arange(1.1, 1.6, 0.05), 2)):
+        band = (best >= lo) & (best < hi)
+        hits = singles = off = offs = 0
+        for a, unsure, s, m in zip(asks, band, decisions["static"], decisions["minilm"]):
+            chosen, relevant = (m if unsure else s), set(a["relevant"])
+            if not relevant:
+                offs, off = offs + 1, off + bool(chosen)
+            elif len(relevant) == 1:
+                singles, hits = singles + 1, hits + bool(chosen & relevant)
+        if lo < hi and off / max(offs, 1) <= TARGETS["off_topic"]:
+            results.append((hits / max(singles, 1), -band.mean(), (float(lo), float(hi)),
+                            off / max(offs, 1)))
+    results.sort(reverse=True)
+    print("best bands on dev for MiniLM where the static hybrid is unsure (served library):")
+    for single, share, band, off in results[:8]:
+        print(f"  {band}: single {single:.1%} off-topic {off:.1%} asks given to MiniLM {-share:.0%}")
+
+
 def latency(retriever, skills: list[Skill], queries: list[str], n: int) -> float:
     """p50 ms of :func:`select_and_inject` (what the proxy adds for retrieval) over fresh queries."""
     retriever.warm(skills)
@@ -305,14 +376,18 @@ def main() -> None:
                         "third: the third set, never used to choose")
     parser.add_argument("--tune", metavar="MODEL", nargs="?", const="static",
                         help="grid-search the hybrid's constants on dev (for 'static' or "
-                        "'minilm') and print the best settings")
+                        "'minilm'; 'unsure': the band of MiniLM where the static is "
+                        "unsure) and print the best settings")
     parser.add_argument("--queries", type=int, default=300, help="timed queries per size")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
     if args.tune:
         libraries, asks = load_set("dev")
-        tune(libraries, asks, args.tune)
+        if args.tune == "unsure":
+            tune_unsure(libraries, asks)
+        else:
+            tune(libraries, asks, args.tune)
         return
     libraries, asks = load_set(args.split)
     served = libraries[SERVED]
@@ -333,6 +408,8 @@ def main() -> None:
             minilm = make_retriever("embedding", "minilm")
             retrievers[f"minilm embedding, cosine >= {minilm.default_min_score:g}"] = minilm
             retrievers["hybrid BM25 + minilm"] = make_retriever("hybrid", "minilm")
+            retrievers["static hybrid, minilm where unsure"] = MinilmWhereUnsure(
+                make_retriever("auto"), retrievers["hybrid BM25 + minilm"])
         except Exception as exc:  # noqa: BLE001 - report and go on without it
             print(f"  (minilm left out: {exc})")
     for state, library in libraries.items():
@@ -383,6 +460,11 @@ def main() -> None:
             target = 1.0 if size == 100 else 3.0
             print(f"  {name:<20} {size:>6,} skills: p50 {p50:.3f} ms (target <= {target} ms: "
                   f"{'PASS' if p50 <= target else 'FAIL'})")
+    if "static hybrid, minilm where unsure" in retrievers:
+        unsure = retrievers["static hybrid, minilm where unsure"]
+        share = np.mean([unsure.unsure(a["query"], served) for a in asks])
+        print(f"static hybrid, minilm where unsure (static best in {UNSURE_BAND}): {share:.0%} of "
+              "the asks are given to MiniLM, in the served library")
     if "hybrid BM25 + minilm" in retrievers:  # the transformer runs per query: 100 skills only
         library = served + generated(served, 100 - len(served))
         p50 = latency(retrievers["hybrid BM25 + minilm"], library, queries, args.queries)
