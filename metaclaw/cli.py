@@ -120,15 +120,22 @@ def _upstream_host(url: str) -> str:
 
 def _keyless_remote_upstream(args: argparse.Namespace) -> bool:
     """Whether ``serve`` would send a remote upstream no key: none in the environment, none in
-    the URL, callers' own keys not forwarded. A server on this machine (vLLM, Ollama, a
-    double) often wants none."""
+    the URL, callers' own keys not forwarded. A server on this machine or a private network
+    (vLLM, Ollama, a double; 0.0.0.0 as vLLM prints it) often wants none."""
     from urllib.parse import urlsplit
 
     if not args.upstream or args.caller_auth or os.environ.get("METACLAW_UPSTREAM_API_KEY"):
         return False
+    import ipaddress
+
     parts = urlsplit(args.upstream)
     host = (parts.hostname or "").lower()
-    local = host in ("localhost", "::1") or host.startswith("127.") or host.endswith(".local")
+    try:
+        address = ipaddress.ip_address(host)
+        address = getattr(address, "ipv4_mapped", None) or address
+        local = address.is_loopback or address.is_unspecified or address.is_private
+    except ValueError:  # a name
+        local = host.split(".")[0] == "localhost" or host.endswith(".local")
     return not local and not parts.username and not parts.password
 
 

@@ -195,3 +195,19 @@ def test_only_short_asks_before_it_take_the_nearest_as_context():
                          {"role": "assistant", "content": "Done."},
                          {"role": "user", "content": "go"}])
     assert found.context == "yes please" and found.text == "yes please\ngo"
+
+
+@pytest.mark.parametrize("name", ["001", "002"])
+def test_codexs_context_messages_are_not_a_short_asks_context(name):
+    """Codex sends its environment (``<environment_context>``) and the repository's AGENTS.md
+    (``# AGENTS.md instructions for ...`` + ``<INSTRUCTIONS>``) as user messages before the
+    ask: a short ask ("list files") must not take them as its task context."""
+    from metaclaw.protocols.registry import get_protocol
+
+    messages = get_protocol("responses").to_chat(captured("codex", name)["body"])["messages"]
+    messages[-1] = {"role": "user", "content": "list files"}
+    found = extract_ask(messages)
+    assert found.text == found.ask == "list files" and not found.context
+    # a user's own text that merely mentions the words keeps them
+    text = "Update AGENTS.md: add <environment> notes for the build"
+    assert extract_ask([{"role": "user", "content": text}]).ask == text

@@ -131,3 +131,24 @@ def test_serve_warns_of_a_remote_upstream_without_a_key(tmp_path):
             out, err = proc.communicate(timeout=20)
         assert ("METACLAW_UPSTREAM_API_KEY is unset" in err) is warned, err
         assert "metaclaw serve: stopped" in err
+
+
+def test_only_a_remote_upstream_without_a_key_is_warned_of(monkeypatch):
+    import argparse
+
+    from metaclaw.cli import _keyless_remote_upstream
+
+    monkeypatch.delenv("METACLAW_UPSTREAM_API_KEY", raising=False)
+
+    def warned(url, caller_auth=False):
+        return _keyless_remote_upstream(argparse.Namespace(upstream=url, caller_auth=caller_auth))
+
+    assert warned("https://api.openai.com/v1") and warned("http://8.8.8.8:8000/v1")
+    for local in ("http://127.0.0.1:8000/v1", "http://0.0.0.0:8000/v1", "http://[::1]:8000/v1",
+                  "http://[::ffff:127.0.0.1]:8000/v1", "http://localhost.localdomain:8000/v1",
+                  "http://192.168.1.5:8000/v1", "http://gpu-box.local:8000/v1"):
+        assert not warned(local), local
+    assert not warned("https://user:pass@api.example.com/v1")
+    assert not warned("https://api.openai.com/v1", caller_auth=True)
+    monkeypatch.setenv("METACLAW_UPSTREAM_API_KEY", CANARY)
+    assert not warned("https://api.openai.com/v1")

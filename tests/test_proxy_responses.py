@@ -449,3 +449,79 @@ def test_a_stream_cut_mid_way_ends_with_a_numbered_error_and_response_failed(wor
     assert failed["response"]["error"] == {"code": "upstream_disconnected",
                                            "message": error["message"]}
     assert turn["status"] == "error" and "mid-stream" in turn["error"]
+
+
+def test_an_upstreams_own_failure_reaches_a_responses_client_as_response_failed(workspace,
+                                                                                 tmp_path):
+    """A chat upstream's error event mid-stream, translated for a Responses client, ends with
+    ``error`` and ``response.failed`` (the terminal event Codex waits for). One proxy in front
+    of another: the outer one passes that Responses stream through, ``response.failed``
+    included (it used to drop the terminal event of a stream that errored)."""
+    import httpx
+    from fault_upstream import FaultUpstream
+
+    outer_store = Store(tmp_path / "outer.db")
+    outer_library = SkillLibrary(str(tmp_path / "outer-skills"), outer_store)
+    try:
+        with FaultUpstream() as chat, proxy_for(workspace, chat) as inner:
+            outer = Proxy(ProxyConfig(upstream_url=f"http://127.0.0.1:{inner.port}/v1",
+                                      upstream_protocol="responses", retrieval="lexical",
+                                      max_retries=0), outer_store, outer_library)
+            with outer:
+                for port in (inner.port, outer.port):
+                    raw = httpx.post(f"http://127.0.0.1:{port}/v1/responses", timeout=30, json={
+                        "model": MODEL, "stream": True,
+                        "input": "say three words fault=error_event"}).content
+                    events = _sse(raw)
+                    assert [e["type"] for e in events][-2:] == ["error", "response.failed"]
+                    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+                    failed = events[-1]["response"]
+                    assert failed["status"] == "failed" and failed["error"]["message"]
+                    assert failed["id"] == events[0]["response"]["id"]
+                (outer_turn,) = turns_of(outer, outer_store)
+        assert outer_turn["status"] == "error"
+    finally:
+        outer_store.close()
+
+
+def test_a_protocol_with_the_one_argument_error_event_still_records_the_turn(workspace):
+    """An adapter written to ``stream_error_event(error)`` (before it took the first and the
+    last event) still ends a cut stream with its error, and the turn is recorded."""
+    import httpx
+    from metaclaw.protocols.openai_chat import OpenAIChat
+
+    class OneArgument(OpenAIChat):
+        def stream_error_event(self, error):
+            return b"data: " + json.dumps({"error": {"message": error.message}}).encode() + b"\n\n"
+
+    store, _ = workspace
+    with DoubleServer([Reply("one two three four five six", disconnect_after=4)]) as upstream, \
+            proxy_for(workspace, upstream) as proxy:
+        import metaclaw.proxy.pipeline as pipeline
+
+        legacy = OneArgument()
+        raw = pipeline._error_event(legacy, pipeline.ProxyError(502, "cut"), None, None)
+        assert b'"cut"' in raw
+        httpx.post(f"http://127.0.0.1:{proxy.port}/v1/chat/completions", timeout=30, json={
+            "model": MODEL, "stream": True, "messages": [{"role": "user", "content": ASK}]})
+        (turn,) = turns_of(proxy, store)
+    assert turn["status"] == "error" and "mid-stream" in turn["error"]
+
+
+def test_a_stream_that_failed_gets_one_terminal_event_even_if_its_record_fails(workspace,
+                                                                              monkeypatch):
+    import httpx
+    from metaclaw.protocols import ProxyError
+    from metaclaw.proxy.pipeline import TurnPipeline
+
+    async def refuse(self, recorded):
+        raise ProxyError(503, "the store is down", code="record_failed")
+
+    monkeypatch.setattr(TurnPipeline, "acknowledge", refuse)
+    with DoubleServer([Reply("one two three four five six", disconnect_after=4)]) as upstream, \
+            proxy_for(workspace, upstream) as proxy:
+        raw = httpx.post(f"http://127.0.0.1:{proxy.port}/v1/responses", timeout=30, json={
+            "model": MODEL, "stream": True, "input": ASK}).content
+    kinds = [e["type"] for e in _sse(raw)]
+    assert kinds.count("error") == 1 and kinds.count("response.failed") == 1
+    assert kinds[-2:] == ["error", "response.failed"]

@@ -210,6 +210,11 @@ class WireProtocol:
     def is_terminal(self, raw: bytes, event: dict[str, Any] | None) -> bool:
         raise NotImplementedError
 
+    def ends_failed(self, event: dict[str, Any] | None) -> bool:
+        """Whether a terminal event says the response failed (the client then gets it even
+        though the stream errored; default: no terminal event does)."""
+        return False
+
     def is_private(self, event: dict[str, Any] | None, client_asked: bool) -> bool:
         """Whether an upstream event was asked for by the proxy only (never relayed)."""
         return False

@@ -480,11 +480,15 @@ class ChatToResponsesStream(StreamTranslator):
     def feed(self, chunk: dict[str, Any] | None) -> list[dict[str, Any] | None]:
         if chunk is None:
             return []
-        if chunk.get("error"):
+        if chunk.get("error"):  # an error, then the terminal event clients wait for
             error = chunk["error"] if isinstance(chunk["error"], dict) else {
                 "message": str(chunk["error"])}
-            return [self._event("error", code=error.get("code") or "upstream_error",
-                                message=str(error.get("message", error)), param=None)]
+            code = error.get("code") or "upstream_error"
+            message = str(error.get("message", error))
+            out = [] if self.started else self._start()
+            failed = {**self._snapshot("failed"), "error": {"code": code, "message": message}}
+            return [*out, self._event("error", code=code, message=message, param=None),
+                    self._event("response.failed", response=failed)]
         out: list[dict[str, Any]] = [] if self.started else self._start()
         if not self.model:
             self.model = chunk.get("model") or ""
@@ -947,6 +951,9 @@ class OpenAIResponses(WireProtocol):
         return event is not None and event.get("type") in (
             "response.completed", "response.incomplete", "response.failed")
 
+    def ends_failed(self, event: dict[str, Any] | None) -> bool:
+        return isinstance(event, dict) and event.get("type") == "response.failed"
+
     def error_payload(self, error: ProxyError) -> dict[str, Any]:
         return error.payload  # the Responses API answers errors in the chat API's shape
 
@@ -963,11 +970,10 @@ class OpenAIResponses(WireProtocol):
         seq = last.get("sequence_number") if isinstance(last, dict) else None
         seq = seq + 1 if isinstance(seq, int) and not isinstance(seq, bool) else 0
         started = first.get("response") if isinstance(first, dict) else None
-        response_id = (started.get("id") if isinstance(started, dict) else None) or \
-            _new_id("resp")
+        response = started if isinstance(started, dict) and started.get("id") else \
+            _response(None, "", [], "failed", None)
         failed = {"type": "response.failed", "sequence_number": seq + 1, "response": {
-            "id": response_id, "object": "response", "status": "failed", "output": [],
-            "error": {"code": code, "message": message}}}
+            **response, "status": "failed", "error": {"code": code, "message": message}}}
         event = {"type": "error", "code": code, "message": message,
                  "param": detail.get("param", error.param), "sequence_number": seq}
         return (b"event: error\ndata: " + dumpb(event) + b"\n\n"

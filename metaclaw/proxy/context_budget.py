@@ -47,20 +47,22 @@ KNOWN_WINDOWS: dict[str, int] = {
 #: budget. Configure others with ``ProxyConfig.max_output_tokens``.
 KNOWN_OUTPUT_LIMITS: dict[str, int] = {
     "gpt-4o": 16_384,
+    "gpt-4o-2024-05-13": 4_096,
     "gpt-4.1": 32_768,
     "gpt-4-turbo": 4_096,
     "gpt-3.5-turbo": 4_096,
     "o1": 100_000,
     "o1-mini": 65_536,
+    "o1-preview": 32_768,
     "o3": 100_000,
     "o4-mini": 100_000,
     "claude-3-haiku": 4_096,
+    "claude-3-sonnet": 4_096,
     "claude-3-opus": 4_096,
-    "claude-3-5-": 8_192,
-    "claude-3-7-sonnet": 64_000,
-    "claude-sonnet-4": 64_000,
-    "claude-opus-4": 32_000,
-}
+    "claude-3-5-haiku": 8_192,
+    "claude-3-5-sonnet": 8_192,
+    "claude-3-5-sonnet-20240620": 4_096,
+}  # newer Claude models differ by minor version (and give more): --max-output-tokens
 #: Tokens counted for the wrapping of the injected block (a system block or message).
 BLOCK_OVERHEAD = 8
 ESTIMATE_BYTES_PER_TOKEN = 3
@@ -82,10 +84,11 @@ def context_window(model: str, configured: dict[str, int] | None,
 
 
 def output_limit(model: str, default: int | None) -> int | None:
-    """The most output tokens ``model`` gives in one reply: ``default`` when set (the
-    operator's word), else the longest known prefix (:data:`KNOWN_OUTPUT_LIMITS`), else
-    ``None`` (unknown)."""
-    return default if default is not None else _by_prefix(KNOWN_OUTPUT_LIMITS, model)
+    """The most output tokens ``model`` gives in one reply: the longest known prefix
+    (:data:`KNOWN_OUTPUT_LIMITS`), else ``default`` (``None``: unknown), as
+    :func:`context_window` reads windows."""
+    known = _by_prefix(KNOWN_OUTPUT_LIMITS, model)
+    return known if known is not None else default
 
 
 class TokenCounter:

@@ -497,6 +497,8 @@ class FailureLog:
         self._last: dict[Any, tuple[float, int]] = {}
 
     def warn(self, status: Any, message: str) -> None:
+        """``status``: the turn's HTTP status; 200 is a stream that failed after it began."""
+        status = "200, mid-stream" if status == 200 else status
         now = time.monotonic()
         with self._lock:
             last, left_out = self._last.get(status, (float("-inf"), 0))
@@ -672,13 +674,14 @@ class TurnPipeline:
             window = context_budget.context_window(turn.model, config.context_windows,
                                                    config.context_window)
 
+            asked, allowed = self.output_tokens(turn)
+
             def fit(selected: list[Any], render: Any) -> int:
-                asked, allowed = self.output_tokens(turn)
                 budget = context_budget.fit_skills([s.skill.name for s in selected], render,
                                                    turn.raw, window, allowed,
                                                    parts.token_counter)
                 turn.budget = budget.record
-                if allowed != asked:  # the model gives no more: none more is reserved
+                if allowed != asked:  # asked upstream for less: no more is reserved
                     turn.budget["asked_output"] = asked
                 return budget.keep
 
@@ -692,6 +695,8 @@ class TurnPipeline:
             turn.keys = [(s.skill.use_when, len(s.skill.example_asks),
                           len(s.skill.anticipated_asks)) for s in selected]
             turn.features = retrieval.ask_features(parts.retriever, turn.query)
+            if window is None and allowed != asked:  # no budget to record it in: the cut alone
+                turn.budget = {"asked_output": asked, "reserved_output": allowed}
             if done.block or BLOCK_TAG in turn.raw:  # or a resent earlier block, to take out
                 turn.body = turn.protocol.inject(turn.body, done.block)
                 turn.messages = done.messages
@@ -772,12 +777,16 @@ class TurnPipeline:
         return self.parts.upstream
 
     def output_tokens(self, turn: Turn) -> tuple[int | None, int | None]:
-        """(the output tokens the client asked for, what the upstream model gives at most of
-        them): the ask cut to the model's output limit where it is known
-        (:func:`metaclaw.proxy.context_budget.output_limit`)."""
+        """(the output tokens the client asked for, what the upstream is asked for): a request
+        translated to another protocol asks for at most the model's output limit where it is
+        known (:func:`metaclaw.proxy.context_budget.output_limit`); one in the upstream's own
+        protocol asks for what its client asked, as sent."""
         asked = turn.protocol.max_output_tokens(turn.body)
+        upstream = None if self.parts.responder is not None else self.parts.upstream
+        if upstream is None or upstream.protocol is turn.protocol or not asked:
+            return asked, asked
         limit = context_budget.output_limit(turn.model, self.config.max_output_tokens)
-        return asked, (min(asked, limit) if asked and limit else asked)
+        return asked, (min(asked, limit) if limit else asked)
 
     def forward_body(self, turn: Turn, upstream: Upstream) -> tuple[dict[str, Any], bool]:
         """The body in the upstream's protocol (translated when the client's differs: from the
@@ -1023,6 +1032,7 @@ class _Relay:
                 "X-Accel-Buffering": "no"})
             status, failure = "ok", None
             held: list[bytes] = []  # the terminal event goes out after the record is committed
+            ends_failed = False  # that terminal event says the response failed (it then stays)
             # the first and the last event sent: an error event follows them
             first: dict[str, Any] | None = None
             last: dict[str, Any] | None = None
@@ -1045,6 +1055,7 @@ class _Relay:
                         if same:  # relayed as it came (one event: no list to build)
                             if terminal:
                                 held.append(raw)
+                                ends_failed = ends_failed or client.ends_failed(event)
                             elif not client.is_private(event, client_asked):
                                 relayed.append(raw)
                                 last = event if isinstance(event, dict) else last
@@ -1054,6 +1065,7 @@ class _Relay:
                             data = client.encode_event(out)
                             if client.is_terminal(data, out):
                                 held.append(data)
+                                ends_failed = ends_failed or client.ends_failed(out)
                             elif not client.is_private(out, client_asked):
                                 relayed.append(data)
                                 last = out if isinstance(out, dict) else last
@@ -1090,24 +1102,41 @@ class _Relay:
                 raise
             except Exception as exc:
                 error = self.error(exc, upstream, midstream=True)
-                status, failure, held = "error", error.message, []
+                status, failure, held, ends_failed = "error", error.message, [], True
                 with contextlib.suppress(_ClientGone):
-                    await self.write(response, client.stream_error_event(error, first, last))
+                    await self.write(response, _error_event(client, error, first, last))
             if failure is None and assembler.error is not None:
                 status = "error"
                 failure = ("upstream stream error: "
                            f"{assembler.error.get('message', assembler.error)}")
-                held = []  # an errored stream does not also end as if complete
+                if not ends_failed:  # an errored stream does not also end as if complete;
+                    held = []        # one whose last event says it failed ends with that
+                ends_failed = True
             recorded = self.finish(status=status, http_status=200,
                                    error=failure or self.record.get("error"), **columns())
             try:
                 await self.pipeline.acknowledge(recorded)
-            except ProxyError as exc:
-                held = [client.stream_error_event(exc, first, last)]
+            except ProxyError as exc:  # the client already has this stream's failure, or this
+                held = [] if ends_failed and not held else [_error_event(client, exc, first, last)]
             with contextlib.suppress(_ClientGone, ConnectionError):  # the end and the last chunk
                 await response.write_eof(mask_bytes(b"".join(held),
                                                                   self.secret_bytes))
             return response
+
+
+def _error_event(client: WireProtocol, error: ProxyError, first: dict[str, Any] | None,
+                 last: dict[str, Any] | None) -> bytes:
+    """``client.stream_error_event`` for ``error`` after the events ``first`` .. ``last``; a
+    protocol written to the one-argument form is called with ``error`` alone, and one that
+    cannot say it at all ends the stream without it: the turn is recorded either way."""
+    try:
+        try:
+            return client.stream_error_event(error, first, last)
+        except TypeError:
+            return client.stream_error_event(error)
+    except Exception:  # noqa: BLE001 - the record must not be lost to a protocol's bug
+        log.exception("the %s protocol could not write a stream's error event", client.name)
+        return b""
 
 
 def _where(upstream: Upstream) -> str:

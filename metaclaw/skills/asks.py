@@ -72,7 +72,8 @@ def _remove_blocks(tags: tuple[str, ...]) -> Callable[[str], str]:
 
 
 #: Tagged context blocks that frameworks put beside the ask.
-CONTEXT_TAGS = ("system-reminder", "environment_details", "environment", "env", "context",
+CONTEXT_TAGS = ("system-reminder", "environment_details", "environment_context", "environment",
+                "env", "context", "user_instructions",
                 "workspace", "workspace_files", "files", "file", "tools", "available_tools",
                 "skills", "available_skills", "memory", "memories", "user-prompt-submit-hook",
                 "local-command-stdout", "local-command-caveat", "local-command-stderr",
@@ -94,6 +95,9 @@ _METADATA = re.compile(r"^[^\n]{0,80}\((?:untrusted )?metadata\):\s*\n```[^\n]*\
 # leading "Current time: ..." / "Sender: ..." lines (only at the very start of the text)
 _HEADER_LINES = re.compile(r"\A\s*(?:(?:Current (?:time|date)|Timestamp|Sender|Channel|"
                            r"Session(?: id)?|Message id|Chat id)\s*:[^\n]*\n\s*)+", re.I)
+# Codex: "# AGENTS.md instructions for /repo\n\n<INSTRUCTIONS>...</INSTRUCTIONS>", a user message
+_AGENTS_MD = re.compile(r"^#\s*AGENTS\.md instructions for [^\n]*\n\s*<INSTRUCTIONS>.*?</INSTRUCTIONS>",
+                        re.S | re.M)
 # OpenClaw: "<<<BEGIN_OPENCLAW_INTERNAL_CONTEXT>>> ... <<<END_OPENCLAW_INTERNAL_CONTEXT>>>"
 _FENCED_CONTEXT = re.compile(r"<<<BEGIN_([A-Z0-9_]+)>>>.*?<<<END_\1>>>", re.S)
 # OpenClaw: "Runtime: agent=main | session=agent:main:main | sessionId=... | host=..." lines
@@ -127,6 +131,7 @@ def _command_args(text: str) -> str:
 RULES: list[Rule] = [
     Rule("command-args", _command_args, "<command-args>"),
     Rule("context-blocks", _remove_blocks(CONTEXT_TAGS), "</"),
+    Rule("agents-md", lambda text: _AGENTS_MD.sub("", text), "AGENTS.md"),
     Rule("fenced-context", lambda text: _FENCED_CONTEXT.sub("", text), "<<<BEGIN_"),
     Rule("runtime-line", lambda text: _RUNTIME_LINE.sub("", text), "Runtime:"),
     Rule("metadata-sections", lambda text: _METADATA.sub("", text), "```"),
