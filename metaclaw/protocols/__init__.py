@@ -57,9 +57,11 @@ and implements:
 - ``stream_to_chat()`` / ``stream_from_chat()``: stateful translators of stream events
   (``feed(event) -> [out events]``, ``close() -> [out events]``);
 - ``assembler()``: accumulates the protocol's stream events into the recorded reply columns;
-- ``encode_event(event)``, ``is_terminal(event)``, ``error_payload(error)``,
-  ``stream_error_event(error, first, last)``: the wire encoding of events and errors; ``upstream_events``
-  reads an upstream's stream (server-sent events unless overridden).
+- ``encode_event(event)``, ``is_terminal(event)``, ``ends_failed(event)`` (a terminal event
+  that says the response failed, relayed even though the stream errored; default none),
+  ``error_payload(error)``, ``stream_error_event(error, first, last)`` (the first and the last
+  event the client got, for numbered events): the wire encoding of events and errors;
+  ``upstream_events`` reads an upstream's stream (server-sent events unless overridden).
 
 The tests for a new protocol are its own round trips (``from_chat(to_chat(x))``, as in
 ``tests/test_protocols.py``) and an SDK of that protocol against a running proxy (as in
