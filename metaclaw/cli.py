@@ -687,9 +687,11 @@ def cmd_wire(args: argparse.Namespace) -> int:
             return 0
         plan = wire.plan(args.agent, path, f"http://{args.host}:{args.port}/v1",
                          token=args.token, model=args.model)
+        typed_token = bool(args.token) and args.token != os.environ.get("METACLAW_PROXY_TOKEN")
         if args.dry_run:
             print(plan.diff or f"{path}: nothing would change", end="")
-            print(f"\n(dry run: nothing written; then run: {plan.serve_command(args.port)})")
+            print(f"\n(dry run: nothing written; then run: "
+                  f"{plan.serve_command(args.port, typed_token)})")
             return 0
         wire.apply(plan)
     except wire.WireError as exc:
@@ -699,7 +701,7 @@ def cmd_wire(args: argparse.Namespace) -> int:
              "agent runs." if args.agent == "codex" and args.token else "")
     print(f"wired {args.agent} ({path}) to the proxy at http://{args.host}:{args.port}/v1 "
           f"({model}the original is kept, `metaclaw wire {args.agent} --undo` restores "
-          f"it).\nNow run: {plan.serve_command(args.port)}{token}")
+          f"it).\nNow run: {plan.serve_command(args.port, typed_token)}{token}")
     return 0
 
 

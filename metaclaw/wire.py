@@ -79,13 +79,21 @@ class WirePlan:
             self.before.splitlines(keepends=True), self.after.splitlines(keepends=True),
             fromfile=f"{self.path} (now)", tofile=f"{self.path} (wired)"))
 
-    def serve_command(self, port: int) -> str:
+    def serve_command(self, port: int, token: bool = False) -> str:
+        """The ``metaclaw serve`` line this wiring needs; ``token``: with the proxy token given
+        to ``wire`` on its command line (one read from ``$METACLAW_PROXY_TOKEN`` serve reads
+        too)."""
         upstream = self.upstream or "<your provider's OpenAI-compatible base URL>"
         protocol = ("" if self.upstream_protocol == "openai"
                     else f" --upstream-protocol {self.upstream_protocol}")
         model = f" --model {self.model}" if self.model else ""
-        return (f"METACLAW_UPSTREAM_API_KEY=<the provider's key> metaclaw serve --upstream "
-                f"{upstream}{protocol}{model} --port {port}")
+        token_flag = " --token <the token given to metaclaw wire>" if token else ""
+        line = (f"METACLAW_UPSTREAM_API_KEY=<the provider's key> metaclaw serve --upstream "
+                f"{upstream}{protocol}{model} --port {port}{token_flag}")
+        if self.agent == "claude-code":
+            line += ("\n(in front of another provider's model: --upstream <its OpenAI-compatible "
+                     "base URL> --model <its model>, without --upstream-protocol)")
+        return line
 
 
 def openclaw_config_path(explicit: str | os.PathLike[str] | None = None) -> Path:

@@ -69,6 +69,10 @@ def test_dry_run_apply_and_undo_to_the_exact_bytes(agent, tmp_path):
     assert config.read_text() == original
     done = run_cli("wire", agent, "--config", config, "--port", 31000, "--token", "tok-secret")
     assert "Now run: METACLAW_UPSTREAM_API_KEY=" in done.stdout
+    # the serve line asks for the token the agent now sends, without showing it
+    assert "--token <the token given to metaclaw wire>" in done.stdout
+    assert "tok-secret" not in done.stdout
+    assert ("in front of another provider's model" in done.stdout) is (agent == "claude-code")
     wired = _read(agent, config)
     if agent == "codex":
         assert wired["model_provider"] == "metaclaw"
