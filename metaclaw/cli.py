@@ -217,7 +217,7 @@ TURN_FIELDS = ("id", "session_id", "turn_index", "turn_type", "created_at", "mod
                "skill_generation", "injected_skills", "policy_version", "response", "tool_calls",
                "finish_reason", "prompt_tokens", "completion_tokens", "latency_ms", "status",
                "http_status", "error", "reward", "buffer_set", "buffer_state", "retrieval_query",
-               "retrieval_scores", "identified_by", "person", "agent")
+               "retrieval_scores", "identified_by", "person", "agent", "context_budget")
 
 
 #: Turns read per query by ``metaclaw turns``: the listing streams, so a workspace of any size
@@ -228,7 +228,8 @@ TURN_CHUNK = 1000
 #: What the text listing shows of a turn, and what ``--why`` adds.
 LISTED_FIELDS = ("id", "session_id", "turn_type", "skill_generation", "status",
                  "injected_skills", "response", "tool_calls", "error")
-WHY_FIELDS = ("retrieval_query", "retrieval_scores", "identified_by", "person", "agent")
+WHY_FIELDS = ("retrieval_query", "retrieval_scores", "identified_by", "person", "agent",
+              "context_budget")
 
 
 def _turn_rows(store: Any, where: str, params: list[Any], fields: tuple[str, ...]):
@@ -284,6 +285,9 @@ def cmd_turns(args: argparse.Namespace) -> int:
                 + (f" (by {how['person']})" if how.get("person") else "")
                 + f", agent {row.get('agent') or '-'}"
                 + (f" (by {how['agent']})" if how.get("agent") else "")))
+            said = _budget_said(row.get("context_budget") or {})
+            if said:
+                print(_printable(f"       context budget: {said}"))
             for s in row.get("retrieval_scores") or []:  # the keys the skills were matched on
                 if s.get("use_when") or s.get("example_asks") or s.get("anticipated_asks"):
                     print(_printable(f"       {s['name']}: use when {s.get('use_when') or '-'}; "
@@ -294,6 +298,21 @@ def cmd_turns(args: argparse.Namespace) -> int:
         which += " of type " + repr(args.type) if args.type else ""
         print(f"no turns{which} in {args.db}", file=sys.stderr)
     return 0
+
+
+def _budget_said(budget: dict[str, Any]) -> str:
+    """What a turn's context budget changed, in one line ("" where it changed nothing)."""
+    parts = []
+    if budget.get("over_window"):
+        parts.append(f"the request alone was over the {budget.get('window')}-token window, so "
+                     "no skills")
+    elif budget.get("cut"):
+        parts.append(f"cut {', '.join(map(str, budget['cut']))} to fit the "
+                     f"{budget.get('window')}-token window")
+    if "asked_output" in budget:
+        parts.append(f"output asked {budget['asked_output']}, asked upstream "
+                     f"{budget.get('reserved_output')} (the model's limit)")
+    return "; ".join(parts)
 
 
 def _reply_text(row: dict[str, Any]) -> str:

@@ -537,3 +537,15 @@ def test_skills_lists_by_default_and_readers_do_not_create_a_workspace(tmp_path)
                        check=False)
         assert proc.returncode == 2 and "no MetaClaw database" in proc.stderr, proc.stderr
     assert not missing.parent.exists() and not (tmp_path / "skills").exists()
+
+
+def test_why_says_what_the_context_budget_changed():
+    from metaclaw.cli import _budget_said
+
+    assert _budget_said({}) == "" and _budget_said({"window": 100, "cut": []}) == ""
+    assert _budget_said({"window": 400, "cut": ["git-branch-names"]}) == (
+        "cut git-branch-names to fit the 400-token window")
+    assert _budget_said({"window": 200, "over_window": True, "cut": ["a"]}).startswith(
+        "the request alone was over the 200-token window")
+    assert _budget_said({"asked_output": 128000, "reserved_output": 16384}) == (
+        "output asked 128000, asked upstream 16384 (the model's limit)")
