@@ -47,6 +47,7 @@ def test_every_option_reaches_its_field_through_both_parsers(monkeypatch):
               "--retrieval": "lexical", "--embedding-model": "static", "--top-k": "5",
               "--min-score": "0.25", "--budget-chars": "900", "--timeout": "7.5",
               "--upstream-protocol": "anthropic", "--context-window": "4096",
+              "--max-output-tokens": "8000", "--max-body-bytes": "1048576",
               "--local-model": "some/folder", "--judge-url": "http://j.example",
               "--judge-model": "jm", "--evolver-url": "http://e.example",
               "--evolver-model": "em", "--votes": "2", "--user": "alice",
