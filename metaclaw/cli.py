@@ -80,10 +80,12 @@ def _library(args: argparse.Namespace, *, create: bool = False):
 # -- serve -----------------------------------------------------------------------------------
 #: The fast loop's endpoints in a command that has no upstream to default to.
 NO_UPSTREAM_HELP = {
-    "--judge-url": "PRM judge base URL (required here; key from $METACLAW_JUDGE_API_KEY)",
-    "--judge-model": "PRM judge model (required here)",
-    "--evolver-url": "skill evolver base URL (required here; key from $METACLAW_EVOLVER_API_KEY)",
-    "--evolver-model": "skill evolver model (required here)",
+    "--judge-url": "PRM judge base URL (no default: this command has no upstream; key from "
+                   "$METACLAW_JUDGE_API_KEY)",
+    "--judge-model": "PRM judge model (no default)",
+    "--evolver-url": "skill evolver base URL (no default: this command has no upstream; key "
+                     "from $METACLAW_EVOLVER_API_KEY)",
+    "--evolver-model": "skill evolver model (no default)",
 }
 
 
@@ -95,7 +97,7 @@ def add_config_options(p: argparse.ArgumentParser, group: str | None = None, *,
     (:func:`metaclaw.runtime.option`); ``serve_defaults``: with the defaults of ``metaclaw
     serve`` where they differ from the library's (``%metaclaw start`` keeps the library's: port
     0, any free port); ``no_upstream``: the command has no upstream, so the judge's and the
-    evolver's endpoints say they are required (:data:`NO_UPSTREAM_HELP`)."""
+    evolver's endpoints say they have no default (:data:`NO_UPSTREAM_HELP`)."""
     for f, _dest in config_options(group):
         spec = {k: v for k, v in f.metadata["option"].items() if k != "group"}
         if only is not None and spec["flag"] not in only:
@@ -385,10 +387,11 @@ def _generation_numbers(args: argparse.Namespace) -> list[int]:
 def cmd_skills(args: argparse.Namespace) -> int:
     if args.action in ("diff", "rollback"):
         args.generations = _generation_numbers(args)
-        wanted = 2 if args.action == "diff" else 1
-        if len(args.generations) != wanted:
-            raise CliError(f"skills {args.action} needs {'two generations' if wanted == 2 else 'one generation'}: "
-                           f"metaclaw skills {args.action} {'G1 G2' if wanted == 2 else 'G'}")
+        needs, usage = (("two generations", "G1 G2") if args.action == "diff"
+                        else ("one generation", "G"))
+        if len(args.generations) != (2 if args.action == "diff" else 1):
+            raise CliError(f"skills {args.action} needs {needs}: metaclaw skills {args.action} "
+                           f"{usage}")
     if args.action == "import" and not args.path:
         raise CliError("skills import needs --from DIR (a folder of <name>/SKILL.md)")
     library = _library(args, create=args.action == "import")

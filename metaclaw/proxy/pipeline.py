@@ -1116,7 +1116,8 @@ class _Relay:
                                    error=failure or self.record.get("error"), **columns())
             try:
                 await self.pipeline.acknowledge(recorded)
-            except ProxyError as exc:  # the client already has this stream's failure, or this
+            except ProxyError as exc:  # one failure said per stream: a stream that already
+                # ended in its failure gets nothing more; else this error is its end
                 held = [] if ends_failed and not held else [_error_event(client, exc, first, last)]
             with contextlib.suppress(_ClientGone, ConnectionError):  # the end and the last chunk
                 await response.write_eof(mask_bytes(b"".join(held),
