@@ -456,12 +456,11 @@ class Runtime:
         generation, skills = self.library.current()
         counts = self.store.query(
             "SELECT COUNT(*) AS turns, COUNT(DISTINCT session_id) AS sessions FROM turns")[0]
+        responder = self.proxy.responder
         return {
             "url": self.url,
-            "upstream": ("SIMULATED model (rule-based, not a language model)"
-                         if self.config.simulated else "offline double (scripted, not a model)")
-            if self.offline else safe_url(self.proxy.config.upstream_url),
-            "model": self.proxy.config.model,
+            "upstream": self._upstream_label(long=True),
+            "model": responder.model_name if responder is not None else self.proxy.config.model,
             "skills_dir": str(Path(self.config.skills_dir).resolve()),
             "db": self.store.location,
             "skill_generation": generation,
@@ -475,12 +474,23 @@ class Runtime:
             **failure_summary(self.store),
         }
 
-    def __repr__(self) -> str:
+    def _upstream_label(self, long: bool = False) -> str:
+        """What answers the agent: a local language model, the simulated model, the offline
+        double or the upstream's URL."""
         from metaclaw.redact import safe_url
 
-        upstream = ("simulated model" if self.config.simulated else "offline double"
-                    if self.offline else safe_url(self.proxy.config.upstream_url))
-        return f"<MetaClaw runtime at {self.url} -> {upstream}>"
+        responder = self.proxy.responder
+        if responder is not None:
+            return f"local language model {responder.model_name}"
+        if self.config.simulated:
+            return "SIMULATED model (rule-based, not a language model)" if long else \
+                "simulated model"
+        if self.offline:
+            return "offline double (scripted, not a model)" if long else "offline double"
+        return safe_url(self.proxy.config.upstream_url) or ""
+
+    def __repr__(self) -> str:
+        return f"<MetaClaw runtime at {self.url} -> {self._upstream_label()}>"
 
     def _repr_html_(self) -> str:
         import html

@@ -73,6 +73,22 @@ def test_usage_errors_are_one_line_not_tracebacks(ip, capsys):
     assert "--sim" in capsys.readouterr().out
     assert line(ip, "promote") is None
     assert "evolve --dry-run first" in capsys.readouterr().out
+    assert line(ip, "chat hello there") is None  # a cell magic used as a line
+    assert "put %%metaclaw chat on the cell's first line" in capsys.readouterr().out
+    assert line(ip, "train --base-model nowhere") is None  # no judge: a reward would do
+    assert "--reward NAME" in capsys.readouterr().out
+
+
+def test_a_comment_after_a_magic_is_ignored_as_in_python(ip, capsys):
+    """The README's lines, comments included, as a reader pastes them."""
+    runtime = line(ip, "start --db {ws}/m.db --skills {ws}/skills --starter-skills "
+                       "--retrieval lexical   # no --upstream: an offline double answers")
+    assert runtime is not None and runtime.offline
+    skills = line(ip, "skills      # the library as a table")
+    assert isinstance(skills, pl.DataFrame) and skills.height == 8
+    assert line(ip, "diff 0 1    # SkillDiffWidget") is not None
+    assert "unrecognized" not in capsys.readouterr().out
+    assert repr(runtime).endswith("-> offline double>")
 
 
 def test_odd_arguments_interrupts_and_failed_starts_leave_a_usable_session(ip, tmp_path,
@@ -150,7 +166,7 @@ def test_chat_with_a_workspace_runs_the_tool_loop(ip, tmp_path):
     assert turn.turn_ids == [t["id"] for t in turns] and turn.turn == turns[-1]
 
 
-def test_train_in_the_background_then_serve_the_new_policy(ip, tmp_path):
+def test_train_in_the_background_then_serve_the_new_policy(ip, tmp_path, capsys):
     import time
 
     import torch
@@ -181,6 +197,11 @@ def test_train_in_the_background_then_serve_the_new_policy(ip, tmp_path):
     turn = cell(ip, "chat --new", "say yes")
     assert turn.turn["policy_version"] == loop.status()["policy_version"] >= 2
     monitor.stop()
+    # a second train keeps the loop's model and settings, and says so
+    capsys.readouterr()
+    line(ip, "train --steps 1 --lr 0.5 --base-model elsewhere").stop()
+    assert runtime.extras["slow_loop"] is loop and loop.config.learning_rate == 0.01
+    assert "--base-model, --lr did nothing" in capsys.readouterr().out
 
 
 def test_trace_label_agreement_and_export_magics(ip, tmp_path, capsys):

@@ -161,7 +161,11 @@ def test_versions_it_cannot_serve_are_reported_once_and_it_keeps_serving(tmp_pat
     db = str(tmp_path / "ws.db")
     runtime = Runtime.start(local_model=tiny_model, db_path=db,
                             skills_dir=str(tmp_path / "skills"), retrieval="lexical")
-    try:
+    try:  # what answers is named: the local model, not the double it is served through
+        served = runtime.proxy.responder.model_name
+        assert repr(runtime).endswith(f"-> local language model {served}>")
+        assert runtime.status()["upstream"] == f"local language model {served}"
+        assert runtime.status()["model"] == served
         store, client = Store(db), runtime.client()
         other = write_tiny_model(tmp_path / "other-tiny", seed=1)
         backend, good = _trained_state(tiny_model, tmp_path / "good")

@@ -28,6 +28,28 @@ from metaclaw import argtypes, cli
 from metaclaw.store import local_dir
 
 
+def _without_comment(line: str) -> str:
+    """``line`` up to a ``#`` that starts a word outside quotes (``%metaclaw start  # note``, as
+    in Python); a ``#`` inside a word or quotes (a token, a URL fragment) is kept."""
+    quote, escaped, word_start = None, False, True
+    for i, char in enumerate(line):
+        starts = word_start
+        word_start = False
+        if escaped:
+            escaped = False
+        elif char == "\\" and quote != "'":
+            escaped = True
+        elif quote:
+            quote = None if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif char.isspace():
+            word_start = True
+        elif char == "#" and starts:
+            return line[:i]
+    return line
+
+
 class MagicUsageError(Exception):
     """Raised for bad magic arguments; shown as one line, not a traceback."""
 
@@ -201,7 +223,7 @@ class MetaClawMagics(Magics):
     @line_cell_magic
     def metaclaw(self, line: str, cell: str | None = None) -> Any:
         try:
-            words = shlex.split(line)
+            words = shlex.split(_without_comment(line))
         except ValueError as exc:  # an unclosed quote
             print(f"%metaclaw: cannot read the arguments ({exc}); close the quote")
             return None
@@ -311,6 +333,9 @@ class MetaClawMagics(Magics):
         parser.add_argument("--workspace", help="offer file tools confined to this folder")
         parser.add_argument("--max-steps", type=_positive, default=12, help="tool-loop limit")
         parser.add_argument("--max-tokens", type=_positive, help="limit the reply's length")
+        if cell is None:  # `%metaclaw chat hello` as a line
+            raise MagicUsageError("chat is a cell magic: put %%metaclaw chat on the cell's first "
+                                  "line and the message below it")
         args = parser.parse_args(argv)
         if not cell or not cell.strip():
             raise MagicUsageError("%%metaclaw chat needs the message in the cell body")
@@ -728,13 +753,27 @@ class MetaClawMagics(Magics):
                                 groups_per_step=args.groups_per_step,
                                 max_tokens=args.max_tokens, learning_rate=args.lr)
             scheduler_config = _notebook_scheduler_config(args.scheduler_config)
+            try:
+                judge = reward or runtime.judge
+            except ValueError as exc:  # no judge model: a reward function does instead
+                raise MagicUsageError(f"{exc}; or pass --reward NAME, a function (prompt, "
+                                      "text) -> float defined in the notebook") from None
             loop = SlowLoop(runtime.store, make_backend(args.backend, args.base_model),
-                            config=config, judge=reward or runtime.judge, proxy=runtime.proxy,
+                            config=config, judge=judge, proxy=runtime.proxy,
                             serve=not args.no_serve, scheduler_config=scheduler_config,
                             state_dir=str(local_dir(runtime.config.db_path) / "train"))
             runtime.extras["slow_loop"] = loop
-        elif loop.scheduler is not None:
-            loop.stop()
+        else:
+            kept = [f"--{name.replace('_', '-')}" for name in (
+                "backend", "base_model", "group_size", "groups_per_step", "max_tokens", "lr",
+                "no_serve", "scheduler_config", "reward")
+                if getattr(args, name) != parser.get_default(name)]
+            if kept:
+                print(f"%metaclaw train: this session's slow loop keeps its model and settings, "
+                      f"so {', '.join(kept)} did nothing (only --steps and --now apply); "
+                      "%metaclaw stop, then %metaclaw start, to train with others")
+            if loop.scheduler is not None:
+                loop.stop()
         self._attach_notebook_signal(loop.start(now=args.now, steps=args.steps))
         return TrainingMonitor(runtime.store)
 
