@@ -114,12 +114,6 @@ def add_config_options(p: argparse.ArgumentParser, group: str | None = None, *,
         p.add_argument(flag, default=default, **spec)
 
 
-def _upstream_host(url: str) -> str:
-    from urllib.parse import urlsplit
-
-    return urlsplit(url).hostname or url
-
-
 def _keyless_remote_upstream(args: argparse.Namespace) -> bool:
     """Whether ``serve`` would send a remote upstream no key: none in the environment, none in
     the URL, callers' own keys not forwarded. A server on this machine or a private network
@@ -149,8 +143,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print("warning: listening beyond localhost without --token; anyone who can reach "
               f"{args.host}:{args.port} can use your upstream key", file=sys.stderr)
     if _keyless_remote_upstream(args):
+        from metaclaw.redact import safe_url
+
         print(f"warning: $METACLAW_UPSTREAM_API_KEY is unset, so requests go to "
-              f"{_upstream_host(args.upstream)} without a key and a provider answers 401 "
+              f"{safe_url(args.upstream)} without a key and a provider answers 401 "
               "(an agent then reports its own key as wrong); export it before `metaclaw "
               "serve`, or pass --caller-auth to forward each caller's own key", file=sys.stderr)
     runtime = Runtime.build(RuntimeConfig.from_args(args))

@@ -28,14 +28,13 @@ replaced, other files kept); a run holds it locked, so a second run on it fails 
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 from metaclaw.bench.outdir import DEMO_ENTRIES, claim_out_dir
-from metaclaw.redact import same_origin
+from metaclaw.redact import upstream_key_for
 
 SIM_NOTE = ("SIMULATED model (offline, rule-based stand-in; not a language model): it follows a "
             "convention only when the injected skills or the user's feedback state it")
@@ -129,14 +128,6 @@ def settle_killed_part(store: Any, judge: Any, data: Path, days: Any, mode: str,
     return {"purged": purged, "judged": judged}
 
 
-def _key_for(url: str | None, upstream: str, api_key_env: str) -> str | None:
-    """The upstream key for a judge or evolver on the upstream's own origin; elsewhere None: the
-    client reads its own ($METACLAW_JUDGE_API_KEY / $METACLAW_EVOLVER_API_KEY)."""
-    if url and upstream and same_origin(url, upstream):
-        return os.environ.get(api_key_env)
-    return None
-
-
 def judge_tally(events: list[Any]) -> dict[str, Any]:
     """How the judge fared in a run: turns judged, turns it failed on (never judged), and the
     first failure's message."""
@@ -198,10 +189,10 @@ def run_mode(mode: str, data: Path, days: Any, out: Path, upstream: str, model: 
                 from metaclaw.fastloop.judge import Judge
                 from metaclaw.fastloop.loop import FastLoop
 
-                judge = Judge(judge_url, judge_model, api_key=_key_for(judge_url, upstream, api_key_env),
-                              votes=votes)
+                judge = Judge(judge_url, judge_model, votes=votes,
+                              api_key=upstream_key_for(judge_url, upstream, api_key_env))
                 evolver = Evolver(evolver_url, evolver_model, library, store,
-                                  api_key=_key_for(evolver_url, upstream, api_key_env),
+                                  api_key=upstream_key_for(evolver_url, upstream, api_key_env),
                                   dedupe_threshold=None)
                 if resume:  # before the fast loop starts: its first sweep would judge the
                     # turns of a day that runs again, which this purges

@@ -11,7 +11,7 @@ shown as a diff), a value is masked by where it stands (:func:`mask_config_line`
 that names a secret, after ``Bearer``, or as a ``name=value`` list item.
 
 Where a secret may go: an upstream key is sent only to the upstream's own origin
-(:func:`same_origin`); a judge or evolver elsewhere gets its own key.
+(:func:`same_origin`, :func:`upstream_key_for`); a judge or evolver elsewhere gets its own key.
 
 A shared module: every wing may import it, and it imports nothing of the package.
 """
@@ -42,6 +42,17 @@ def same_origin(a: str, b: str) -> bool:
         return parts.scheme.lower(), (parts.hostname or "").lower(), port
 
     return origin(a) == origin(b)
+
+
+def upstream_key_for(url: str | None, upstream: str | None, key_env: str) -> str | None:
+    """The upstream's key (from the environment variable ``key_env``) for a judge or evolver at
+    ``url`` on the upstream's own origin; elsewhere ``None``: that client reads its own key
+    ($METACLAW_JUDGE_API_KEY / $METACLAW_EVOLVER_API_KEY)."""
+    import os
+
+    if url and upstream and same_origin(url, upstream):
+        return os.environ.get(key_env)
+    return None
 
 
 def url_credentials(url: str | None) -> tuple[str, str]:

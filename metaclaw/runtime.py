@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from metaclaw import argtypes
-from metaclaw.redact import same_origin
+from metaclaw.redact import upstream_key_for
 from metaclaw.store import Store, default_target
 
 DEFAULT_SKILLS = Path(".metaclaw") / "skills"
@@ -304,14 +304,10 @@ class Runtime:
                              f"--{role}-url and --{role}-model)")
         return url, model
 
-    def _upstream_key_for(self, url: str) -> str | None:
-        """The upstream key, for the upstream's own origin (scheme, host, port) only: a judge
-        or evolver elsewhere gets its own key ($METACLAW_JUDGE_API_KEY /
-        $METACLAW_EVOLVER_API_KEY, read by the client when this returns None)."""
-        upstream = self.proxy.config.upstream_url
-        if upstream and same_origin(url, upstream):
-            return os.environ.get(self.config.api_key_env)
-        return None
+    def _key_for(self, url: str) -> str | None:
+        """The upstream key for a judge or evolver at ``url``
+        (:func:`metaclaw.redact.upstream_key_for`)."""
+        return upstream_key_for(url, self.proxy.config.upstream_url, self.config.api_key_env)
 
     @property
     def judge(self):
@@ -321,7 +317,7 @@ class Runtime:
 
             url, model = self._endpoint("judge", self.config.judge_url, self.config.judge_model)
             votes = self.config.votes or (1 if self.config.simulated else 3)
-            self.extras["judge"] = Judge(url, model, votes=votes, api_key=self._upstream_key_for(url))
+            self.extras["judge"] = Judge(url, model, votes=votes, api_key=self._key_for(url))
         return self.extras["judge"]
 
     @property
@@ -334,7 +330,7 @@ class Runtime:
                                         self.config.evolver_model)
             self.extras["evolver"] = Evolver(
                 url, model, self.library, self.store, judge=self.judge,
-                api_key=self._upstream_key_for(url),
+                api_key=self._key_for(url),
                 dedupe_threshold=None if self.config.simulated else 0.85,
                 skill_scope=self.config.skill_scope)
         return self.extras["evolver"]
@@ -351,7 +347,7 @@ class Runtime:
                              "SIMULATED evolver (rule-based) writes none: give --evolver-url "
                              "and --evolver-model")
         evolver = self.extras.get("evolver") or Evolver(
-            url, model, self.library, self.store, api_key=self._upstream_key_for(url),
+            url, model, self.library, self.store, api_key=self._key_for(url),
             dedupe_threshold=None)
         return evolver.write_keys(names, rewrite=rewrite, on_progress=on_progress)
 

@@ -1036,6 +1036,11 @@ class _Relay:
             # the first and the last event sent: an error event follows them
             first: dict[str, Any] | None = None
             last: dict[str, Any] | None = None
+
+            def note_sent(event: Any) -> None:
+                nonlocal first, last
+                if isinstance(event, dict):
+                    first, last = first or event, event
             try:
                 if request.transport is None or request.transport.is_closing():
                     raise _ClientGone()
@@ -1058,8 +1063,7 @@ class _Relay:
                                 ends_failed = ends_failed or client.ends_failed(event)
                             elif not client.is_private(event, client_asked):
                                 relayed.append(raw)
-                                last = event if isinstance(event, dict) else last
-                                first = first or last
+                                note_sent(event)
                             continue
                         for out in translate(event):
                             data = client.encode_event(out)
@@ -1068,8 +1072,7 @@ class _Relay:
                                 ends_failed = ends_failed or client.ends_failed(out)
                             elif not client.is_private(out, client_asked):
                                 relayed.append(data)
-                                last = out if isinstance(out, dict) else last
-                                first = first or last
+                                note_sent(out)
                     if relayed:  # masked as a whole: an upstream may quote the key anywhere
                         await self.write(response, mask_bytes(b"".join(relayed),
                                                               self.secret_bytes))
@@ -1087,8 +1090,7 @@ class _Relay:
                             held.append(data)
                         elif not client.is_private(out, client_asked):
                             relayed.append(data)
-                            last = out if isinstance(out, dict) else last
-                            first = first or last
+                            note_sent(out)
                     if relayed:  # one write, masked like the events before it
                         await self.write(response, mask_bytes(b"".join(relayed),
                                                               self.secret_bytes))
