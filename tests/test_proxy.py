@@ -811,6 +811,33 @@ def test_serve_forever_in_the_foreground_stops_cleanly_on_sigterm(double, tmp_pa
         assert row["injected_skills"][0] == "git-commit-messages"
 
 
+EARLY_SIGTERM_SCRIPT = """
+import asyncio, os, signal
+from metaclaw.proxy.server import BackgroundServer
+
+class Server(BackgroundServer):  # SIGTERM lands while the socket opens, as from a supervisor
+    async def _open(self):
+        await super()._open()
+        os.kill(os.getpid(), signal.SIGTERM)
+        await asyncio.sleep(0.2)
+
+Server(lambda: __import__("aiohttp").web.Application()).serve_forever(
+    on_ready=lambda: print("ready", flush=True))
+print("stopped", flush=True)
+"""
+
+
+def test_a_sigterm_while_the_socket_opens_is_kept_and_stops_the_server():
+    """A stop that arrives between listening and serving is not lost (the server would then
+    serve on until killed) and does not end in a traceback."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", EARLY_SIGTERM_SCRIPT], capture_output=True,
+                          text=True, timeout=30)
+    assert (done.returncode, done.stdout.split(), done.stderr) == (0, ["ready", "stopped"], "")
+
+
 def test_runs_of_one_task_without_a_session_id_are_kept_apart_by_their_replies(proxy, double):
     """A harness runs one task twice at once, without a session id: both runs open with the same
     message, so one fingerprint. Each later turn resends the reply it answers, and joins the

@@ -127,21 +127,34 @@ class BackgroundServer:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def serve_forever(self, on_ready: Callable[[], None] | None = None) -> None:
-        """Serve in the calling thread until Ctrl-C or SIGTERM, then shut down cleanly."""
+        """Serve in the calling thread until Ctrl-C or SIGTERM, then shut down cleanly.
+
+        One coroutine opens, reports ready and waits for the stop: a SIGTERM that arrives while
+        the socket is being opened (a supervisor that stops what it just started) is kept, not
+        lost in the gap between opening and serving."""
         loop = new_event_loop()
         asyncio.set_event_loop(loop)
+        stop = asyncio.Event()
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-            loop.add_signal_handler(signal.SIGTERM, loop.stop)  # main thread, POSIX only
-        try:
-            loop.run_until_complete(self._open())
+            loop.add_signal_handler(signal.SIGTERM, stop.set)  # main thread, POSIX only
+
+        async def serve() -> None:
+            await self._open()
             self.loop = loop
             if on_ready is not None:
                 on_ready()
-            loop.run_forever()
+            await stop.wait()
+
+        main = loop.create_task(serve())
+        try:
+            loop.run_until_complete(main)
         except KeyboardInterrupt:
             pass
         finally:
             self.loop = None
+            main.cancel()
+            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+                loop.remove_signal_handler(signal.SIGTERM)
             loop.run_until_complete(self._close())
             loop.run_until_complete(loop.shutdown_asyncgens())
             loop.close()
