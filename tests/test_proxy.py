@@ -811,6 +811,43 @@ def test_serve_forever_in_the_foreground_stops_cleanly_on_sigterm(double, tmp_pa
         assert row["injected_skills"][0] == "git-commit-messages"
 
 
+@pytest.mark.parametrize("path, body, ends", [
+    ("/chat/completions", {"messages": COMMIT_QUESTION},
+     lambda text: '"code":"proxy_stopped"' in text.split("data: ")[-1]),
+    ("/responses", {"input": COMMIT_QUESTION[-1]["content"]},
+     lambda text: "event: error" in text and text.rstrip().split("\n\n")[-1].startswith(
+         "event: response.failed") and "proxy_stopped" in text.split("event: error")[-1]),
+])
+def test_a_stream_still_open_when_the_proxy_stops_ends_with_an_error_event(
+        double, workspace, upstream_key, path, body, ends):
+    """Stopped with a reply still streaming, the proxy waits its grace period, then ends the
+    stream with the client protocol's error event (Responses: numbered ``error`` and
+    ``response.failed``), so the agent says why, and records the turn as cancelled."""
+    p = _proxy(double, workspace)
+    double.add(Reply("one two three four five six seven eight nine ten eleven twelve",
+                     chunk_delay=0.6))
+    got: list[bytes] = []
+    try:
+        with httpx.stream("POST", p.url + path, json={"model": "m", "stream": True, **body},
+                          timeout=30) as reply:
+            stopper = None
+            try:
+                for chunk in reply.iter_raw():
+                    got.append(chunk)
+                    if stopper is None:
+                        stopper = threading.Thread(target=p.stop)
+                        stopper.start()
+            except httpx.HTTPError:  # the connection closes after the error event
+                pass
+            stopper.join(20)
+    finally:
+        p.stop()
+    text = b"".join(got).decode()
+    assert ends(text), text[-600:]
+    row = p.store.turns(order="id")[-1]  # recorded before the proxy stopped
+    assert row["status"] == "cancelled" and "the proxy stopped" in row["error"], row
+
+
 EARLY_SIGTERM_SCRIPT = """
 import asyncio, os, signal
 from metaclaw.proxy.server import BackgroundServer

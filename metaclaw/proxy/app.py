@@ -404,10 +404,18 @@ class Proxy(ServedApp):
         # before the server closes the connections: a turn cancelled from now on was stopped
         # by the proxy, not by its client
         self._parts.stopping = True
-        busy = sum(not task.done() for task in self._in_flight)
-        if busy:
-            log.warning("stopping: %d request(s) in flight get a few seconds to finish; those "
-                        "still running then are cut off and recorded as cancelled", busy)
+        busy = [task for task in self._in_flight if not task.done()]
+        if not busy:
+            return
+        grace = self._server.shutdown_timeout
+        log.warning("stopping: %d request(s) in flight get %g s to finish; those still running "
+                    "then are cut off and recorded as cancelled", len(busy), grace)
+        _, late = await asyncio.wait(busy, timeout=grace)
+        # cut off here, while their connections are open: a stream ends with its protocol's
+        # error event (the agent says why), not with a closed socket
+        for task in late:
+            task.cancel()
+        await asyncio.gather(*late, return_exceptions=True)
 
     async def _on_cleanup(self, app: web.Application) -> None:
         log.removeFilter(self._log_filter)

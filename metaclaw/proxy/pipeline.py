@@ -1101,6 +1101,10 @@ class _Relay:
                 return response
             except asyncio.CancelledError:
                 self.cancelled(http_status=200, **columns())
+                if self.parts.stopping and response.prepared:  # the agent is told why it ended
+                    with contextlib.suppress(Exception, asyncio.CancelledError):
+                        await asyncio.wait_for(response.write(_error_event(
+                            client, STOPPED, first, last)), STOPPED_WRITE_S)
                 raise
             except Exception as exc:
                 error = self.error(exc, upstream, midstream=True)
@@ -1125,6 +1129,15 @@ class _Relay:
                 await response.write_eof(mask_bytes(b"".join(held),
                                                                   self.secret_bytes))
             return response
+
+
+#: The error a stream still open when the proxy stops ends with (after its grace period), so the
+#: agent says why the reply ended and may retry, instead of "stream closed" without a reason.
+STOPPED = ProxyError(503, "the MetaClaw proxy stopped while this reply was streaming; the reply "
+                          "is incomplete: retry the request once the proxy is back",
+                     type="server_error", code="proxy_stopped")
+#: How long the proxy waits to write :data:`STOPPED` (a client that reads nothing gets none).
+STOPPED_WRITE_S = 1.0
 
 
 def _error_event(client: WireProtocol, error: ProxyError, first: dict[str, Any] | None,
