@@ -848,6 +848,26 @@ def test_a_stream_still_open_when_the_proxy_stops_ends_with_an_error_event(
     assert row["status"] == "cancelled" and "the proxy stopped" in row["error"], row
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_waiting_on_the_upstream_when_the_proxy_stops_gets_a_503(
+        double, workspace, upstream_key, stream):
+    """Before the reply's first byte, a request cut off by the stop gets a 503 in its protocol's
+    error shape (SDKs retry it), not a dropped connection."""
+    p = _proxy(double, workspace)
+    double.add(Reply("too late", delay=8))
+    replies: list[httpx.Response] = []
+    asking = threading.Thread(target=lambda: replies.append(httpx.post(
+        p.url + "/chat/completions", json={"model": "m", "stream": stream,
+                                           "messages": COMMIT_QUESTION}, timeout=30)))
+    seen = len(double.requests)
+    asking.start()
+    wait_until(lambda: len(double.requests) > seen, what="the request at the upstream")
+    p.stop()
+    asking.join(20)
+    (reply,) = replies
+    assert reply.status_code == 503 and reply.json()["error"]["code"] == "proxy_stopped"
+
+
 EARLY_SIGTERM_SCRIPT = """
 import asyncio, os, signal
 from metaclaw.proxy.server import BackgroundServer

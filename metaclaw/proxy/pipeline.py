@@ -971,6 +971,8 @@ class _Relay:
                     upstream.protocol.reply_to_chat(data), turn.body))
         except asyncio.CancelledError:
             self.cancelled()
+            if self.parts.stopping:  # cut off by the proxy's stop: a 503 the client may retry
+                return client.error_response(STOPPED, self.headers)
             raise
         except Exception as exc:
             return await self.fail(exc, upstream)
@@ -1015,6 +1017,8 @@ class _Relay:
                     stack, captured)
             except asyncio.CancelledError:
                 self.cancelled()
+                if self.parts.stopping:  # before the first byte: a 503 the client may retry
+                    return client.error_response(STOPPED, self.headers)
                 raise
             except Exception as exc:
                 return await self.fail(exc, upstream)
@@ -1131,8 +1135,9 @@ class _Relay:
             return response
 
 
-#: The error a stream still open when the proxy stops ends with (after its grace period), so the
-#: agent says why the reply ended and may retry, instead of "stream closed" without a reason.
+#: What a request still running when the proxy stops gets after its grace period: a 503 (a client
+#: may retry it) before the reply's first byte, else its stream's error event; so the agent says
+#: why the reply ended instead of "connection closed".
 STOPPED = ProxyError(503, "the MetaClaw proxy stopped while this reply was streaming; the reply "
                           "is incomplete: retry the request once the proxy is back",
                      type="server_error", code="proxy_stopped")
