@@ -1138,8 +1138,8 @@ class _Relay:
 #: What a request still running when the proxy stops gets after its grace period: a 503 (a client
 #: may retry it) before the reply's first byte, else its stream's error event; so the agent says
 #: why the reply ended instead of "connection closed".
-STOPPED = ProxyError(503, "the MetaClaw proxy stopped while this reply was streaming; the reply "
-                          "is incomplete: retry the request once the proxy is back",
+STOPPED = ProxyError(503, "the MetaClaw proxy stopped before this reply was complete; retry the "
+                          "request once the proxy is back",
                      type="server_error", code="proxy_stopped")
 #: How long the proxy waits to write :data:`STOPPED` (a client that reads nothing gets none).
 STOPPED_WRITE_S = 1.0
