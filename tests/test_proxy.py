@@ -831,14 +831,11 @@ def test_a_stream_still_open_when_the_proxy_stops_ends_with_an_error_event(
         with httpx.stream("POST", p.url + path, json={"model": "m", "stream": True, **body},
                           timeout=30) as reply:
             stopper = None
-            try:
-                for chunk in reply.iter_raw():
-                    got.append(chunk)
-                    if stopper is None:
-                        stopper = threading.Thread(target=p.stop)
-                        stopper.start()
-            except httpx.HTTPError:  # the connection closes after the error event
-                pass
+            for chunk in reply.iter_raw():  # a whole reply: no transport error at its end
+                got.append(chunk)
+                if stopper is None:
+                    stopper = threading.Thread(target=p.stop)
+                    stopper.start()
             stopper.join(20)
     finally:
         p.stop()
@@ -866,6 +863,42 @@ def test_a_request_waiting_on_the_upstream_when_the_proxy_stops_gets_a_503(
     asking.join(20)
     (reply,) = replies
     assert reply.status_code == 503 and reply.json()["error"]["code"] == "proxy_stopped"
+    row = p.store.turns(order="id")[-1]
+    assert (row["status"], row["http_status"]) == ("cancelled", 503)
+
+
+def test_a_second_ctrl_c_while_stopping_waits_for_the_turns_in_flight_to_be_recorded(
+        double, tmp_path):
+    """Ctrl-C pressed twice (a habit): the second one is said to wait, and the turn cut off by
+    the stop is still recorded as cancelled; the client's stream ends whole."""
+    import signal
+    import subprocess
+    import sys
+
+    db = tmp_path / "serve.db"
+    double.add(Reply("one two three four five six seven eight nine ten", chunk_delay=0.5))
+    process = subprocess.Popen([sys.executable, "-c", SERVE_SCRIPT, double.url, str(db),
+                                _skill_dir(tmp_path)], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        url = process.stdout.readline().strip()
+        with httpx.stream("POST", url + "/chat/completions", timeout=30, json={
+                "model": "m", "stream": True, "messages": COMMIT_QUESTION}) as reply:
+            chunks = reply.iter_raw()
+            next(chunks)
+            process.send_signal(signal.SIGINT)
+            time.sleep(0.5)
+            process.send_signal(signal.SIGINT)
+            text = b"".join(chunks).decode()
+        out, err = process.communicate(timeout=20)
+        assert process.returncode == 0 and out.strip() == "stopped", err
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert "proxy_stopped" in text.split("data: ")[-1] and "still stopping" in err, err
+    with Store(db) as store:
+        (row,) = store.turns()
+        assert row["status"] == "cancelled"
 
 
 EARLY_SIGTERM_SCRIPT = """

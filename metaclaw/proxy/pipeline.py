@@ -970,10 +970,11 @@ class _Relay:
                 payload = dumpb(client.reply_from_chat(
                     upstream.protocol.reply_to_chat(data), turn.body))
         except asyncio.CancelledError:
-            self.cancelled()
-            if self.parts.stopping:  # cut off by the proxy's stop: a 503 the client may retry
-                return client.error_response(STOPPED, self.headers)
-            raise
+            if not self.parts.stopping:
+                self.cancelled()
+                raise
+            self.cancelled(http_status=STOPPED.status)  # cut off by the proxy's stop: a 503
+            return client.error_response(STOPPED, self.headers)  # the client may retry
         except Exception as exc:
             return await self.fail(exc, upstream)
         payload = mask_bytes(payload, self.secret_bytes)
@@ -1016,10 +1017,11 @@ class _Relay:
                     body, self.caller_key, self.pipeline.upstream_headers(turn, upstream, request),
                     stack, captured)
             except asyncio.CancelledError:
-                self.cancelled()
-                if self.parts.stopping:  # before the first byte: a 503 the client may retry
-                    return client.error_response(STOPPED, self.headers)
-                raise
+                if not self.parts.stopping:
+                    self.cancelled()
+                    raise
+                self.cancelled(http_status=STOPPED.status)  # before the first byte: a 503
+                return client.error_response(STOPPED, self.headers)  # the client may retry
             except Exception as exc:
                 return await self.fail(exc, upstream)
             to_chat = None if same else source.stream_to_chat()
@@ -1105,9 +1107,9 @@ class _Relay:
                 return response
             except asyncio.CancelledError:
                 self.cancelled(http_status=200, **columns())
-                if self.parts.stopping and response.prepared:  # the agent is told why it ended
-                    with contextlib.suppress(Exception, asyncio.CancelledError):
-                        await asyncio.wait_for(response.write(_error_event(
+                if self.parts.stopping and response.prepared:  # the agent is told why it ended,
+                    with contextlib.suppress(Exception, asyncio.CancelledError):  # in a whole reply
+                        await asyncio.wait_for(response.write_eof(_error_event(
                             client, STOPPED, first, last)), STOPPED_WRITE_S)
                 raise
             except Exception as exc:

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import signal
 import threading
 from typing import Any, Awaitable, Callable
 
 from aiohttp import web
+
+log = logging.getLogger(__name__)
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
@@ -129,14 +132,23 @@ class BackgroundServer:
     def serve_forever(self, on_ready: Callable[[], None] | None = None) -> None:
         """Serve in the calling thread until Ctrl-C or SIGTERM, then shut down cleanly.
 
-        One coroutine opens, reports ready and waits for the stop: a SIGTERM that arrives while
-        the socket is being opened (a supervisor that stops what it just started) is kept, not
-        lost in the gap between opening and serving."""
+        One coroutine opens, reports ready and waits for the stop. Both signals are taken by the
+        loop, never raised inside a request's code: a stop that arrives while the socket opens is
+        kept, and one during the shutdown (Ctrl-C pressed twice) is said to wait, so the
+        requests in flight are always recorded."""
         loop = new_event_loop()
         asyncio.set_event_loop(loop)
         stop = asyncio.Event()
+
+        def stopping() -> None:
+            if stop.is_set():
+                log.warning("%s is still stopping: the requests in flight are being recorded "
+                            "(a few seconds; kill -9 loses nothing acknowledged)", self.name)
+            stop.set()
+
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-            loop.add_signal_handler(signal.SIGTERM, stop.set)  # main thread, POSIX only
+            for signum in (signal.SIGINT, signal.SIGTERM):  # main thread, POSIX only
+                loop.add_signal_handler(signum, stopping)
 
         async def serve() -> None:
             await self._open()
@@ -148,13 +160,12 @@ class BackgroundServer:
         main = loop.create_task(serve())
         try:
             loop.run_until_complete(main)
-        except KeyboardInterrupt:
+        except KeyboardInterrupt:  # where the loop cannot take signals
             pass
         finally:
             self.loop = None
+            stop.set()
             main.cancel()
-            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-                loop.remove_signal_handler(signal.SIGTERM)
             loop.run_until_complete(self._close())
             loop.run_until_complete(loop.shutdown_asyncgens())
             loop.close()
