@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 from metaclaw import argtypes, console
 from metaclaw.runtime import DEFAULT_SKILLS, RuntimeConfig
+from metaclaw.turns import TURN_STATUSES
 from metaclaw.runtime import options as config_options
 from metaclaw.store import DB_ERRORS, default_target, local_dir
 
@@ -66,12 +67,16 @@ def _library(args: argparse.Namespace, *, create: bool = False):
     """The skill library of ``args.skills`` in the workspace ``args.db``. Where neither exists
     yet, a reader (run in the wrong folder, say) is told so instead of getting a new empty
     workspace; ``create`` (``skills import``) makes one. A skill folder without a workspace
-    gets one: its generations are recorded from now on."""
-    from metaclaw.skills.library import SkillLibrary
+    gets one: its generations are recorded from now on. Without ``--skills`` and away from the
+    default folder, the folder the workspace is served through is used (not a new copy)."""
+    from metaclaw.skills.library import SkillLibrary, workspace_folders
     from metaclaw.store import Store
 
     create = create or Path(args.skills).is_dir()
-    library = SkillLibrary(args.skills, Store(args.db) if create else _store(args.db))
+    store = Store(args.db) if create else _store(args.db)
+    if not create and args.skills == str(DEFAULT_SKILLS):  # run away from the served folder:
+        args.skills = str(next(iter(workspace_folders(store)), args.skills))  # read it there
+    library = SkillLibrary(args.skills, store)
     for problem in library.problems:
         print(f"warning: skipped {problem.path}: {problem.reason}", file=sys.stderr)
     return library
@@ -257,18 +262,30 @@ def cmd_turns(args: argparse.Namespace) -> int:
         where, params = turns_filter(args.session, args.type)
     except IdentityError as exc:
         raise CliError(f"--type: {exc}") from None
+    if args.id is not None:
+        where, params = f"{where} AND id = ?", [*params, args.id]
+    if args.status:
+        where, params = f"{where} AND status = ?", [*params, args.status]
+    if args.last is not None:  # the newest N: from the Nth newest id on
+        nth = store.query(f"SELECT id FROM turns WHERE ({where}) ORDER BY id DESC LIMIT 1 "
+                          "OFFSET ?", [*params, args.last - 1])
+        if nth:
+            where, params = f"{where} AND id >= ?", [*params, nth[0]["id"]]
     rows = _turn_rows(store, where, params, TURN_FIELDS if args.json else
                       LISTED_FIELDS + WHY_FIELDS if args.why else LISTED_FIELDS)
     if args.json:
         for row in rows:
             _print_json({k: row[k] for k in TURN_FIELDS})
         return 0
-    listed = 0
+    listed = width = 0
     for row in rows:
-        if not listed:
-            print(f"{'turn':<6} {'session':<20} {'type':<5} {'gen':<3} {'status':<9} skills  reply")
+        if not listed:  # as wide as the longest session id listed (Codex's are 36 characters)
+            width = store.query(f"SELECT MAX(LENGTH(session_id)) AS n FROM turns WHERE ({where})",
+                                params)[0]["n"] or 7
+            print(f"{'turn':<6} {'session':<{width}} {'type':<5} {'gen':<3} {'status':<9} "
+                  "skills  reply")
         listed += 1
-        print(_printable(f"#{row['id']:<5} {row['session_id']:<20} {row['turn_type']:<5} "
+        print(_printable(f"#{row['id']:<5} {row['session_id']:<{width}} {row['turn_type']:<5} "
                          f"{row['skill_generation']:<3} {row['status']:<9} "
                          f"{','.join(row['injected_skills']) or '-'}  {_reply_text(row)[:60]}"))
         if args.why:  # why these skills: the query retrieval used and the scores it got
@@ -292,8 +309,10 @@ def cmd_turns(args: argparse.Namespace) -> int:
                                      f"{s.get('example_asks', 0)} example asks, "
                                      f"{s.get('anticipated_asks', 0)} anticipated"))
     if not listed:
-        which = " of session " + repr(args.session) if args.session else ""
+        which = f" #{args.id}" if args.id is not None else ""
+        which += " of session " + repr(args.session) if args.session else ""
         which += " of type " + repr(args.type) if args.type else ""
+        which += " with status " + repr(args.status) if args.status else ""
         print(f"no turns{which} in {args.db}", file=sys.stderr)
     return 0
 
@@ -690,7 +709,12 @@ def cmd_events(args: argparse.Namespace) -> int:
             print(f"{when}  {row['level']:<7}  {row['kind']:<20}  {_printable(row['message'])}")
     if not args.json:
         summary = failure_summary(store)
-        print(f"failures: {summary['failures']}")
+        print(f"loop failures (judge, evolver, skill files): {summary['failures']}")
+        failed = store.query("SELECT status, COUNT(*) AS n FROM turns WHERE status <> 'ok' "
+                             "GROUP BY status ORDER BY status")
+        print("turns not served whole: " + (", ".join(f"{r['status']} {r['n']}" for r in failed)
+                                            + " (metaclaw turns --status STATUS --why)"
+                                            if failed else "none"))
     return 0
 
 
@@ -1128,6 +1152,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--session", help="only this session")
     p.add_argument("--type", help="only turns of this type: main, side, stage:<name>, or stage "
                                   "(every stage turn)")
+    p.add_argument("--status", choices=TURN_STATUSES,
+                   help="only turns of this status (cancelled: cut off by the proxy's stop)")
+    p.add_argument("--id", type=int, metavar="N", help="only turn N (the number listed as #N)")
+    p.add_argument("--last", type=argtypes.positive_int, metavar="N",
+                   help="only the newest N turns")
     p.add_argument("--why", action="store_true", help="also the retrieval query, the skills' "
                                                      "scores and how the session was found")
     p.add_argument("--json", action="store_true", help="one JSON object per line")

@@ -19,6 +19,10 @@ import re
 from typing import Any
 
 TURN_TYPES = ("main", "side")
+#: A recorded turn's status: served whole (``ok``), answered with an error (``error``), its
+#: client gone before the reply ended (``client_disconnected``), or cut off by the proxy's stop
+#: (``cancelled``).
+TURN_STATUSES = ("ok", "error", "client_disconnected", "cancelled")
 #: ``stage:<name>``: the turn type of one stage of a multi-stage task (see the module docstring).
 STAGE_PREFIX = "stage:"
 STAGE_NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}")

@@ -262,6 +262,37 @@ def test_score_buffers_evolve_commands(tmp_path):
         runtime.stop()
 
 
+def test_turns_picks_by_status_id_and_newest_and_events_counts_turns_not_served_whole(
+        tmp_path):
+    from metaclaw.store import Store
+
+    db = tmp_path / "ws.db"
+    store = Store(db)
+    codex = "019a6f3e-3c1d-7b42-9e0f-5a8c2d4b6e10"  # a Codex session id: 36 characters
+    ids = [store.record_turn(session_id=session, request_messages=[
+        {"role": "user", "content": f"ask {n}"}], status=status, response=f"reply {n}",
+        error=None if status == "ok" else "the proxy stopped while this turn was in flight")
+        for n, (session, status) in enumerate([("s1", "ok"), (codex, "cancelled"),
+                                               ("s1", "error"), ("s1", "ok")])]
+
+    def listed(*options):
+        return run_cli("turns", "--db", db, *options).stdout.splitlines()
+
+    head, *rows = listed()
+    assert [row.split()[0] for row in rows] == [f"#{i}" for i in ids]
+    assert {row.index(" main ") for row in rows} == {head.index(" type ")}  # lined up past
+    # the long id
+    assert [r.split()[0] for r in listed("--status", "cancelled")[1:]] == [f"#{ids[1]}"]
+    assert [r.split()[0] for r in listed("--last", "2")[1:]] == [f"#{ids[2]}", f"#{ids[3]}"]
+    assert [r.split()[0] for r in listed("--id", ids[2])[1:]] == [f"#{ids[2]}"]
+    assert [r.split()[0] for r in listed("--status", "ok", "--last", "1")[1:]] == [f"#{ids[3]}"]
+    none = run_cli("turns", "--db", db, "--id", "999")
+    assert none.stdout == "" and "no turns #999" in none.stderr
+    events = run_cli("events", "--db", db).stdout
+    assert "loop failures (judge, evolver, skill files): none" in events
+    assert "turns not served whole: cancelled 1, error 1 (metaclaw turns --status" in events
+
+
 def test_score_skips_a_turn_another_process_is_judging(tmp_path):
     from metaclaw.fastloop.judge import lease_turns
     from metaclaw.offline.double import DoubleServer, Reply
@@ -537,6 +568,22 @@ def test_skills_lists_by_default_and_readers_do_not_create_a_workspace(tmp_path)
                        check=False)
         assert proc.returncode == 2 and "no MetaClaw database" in proc.stderr, proc.stderr
     assert not missing.parent.exists() and not (tmp_path / "skills").exists()
+
+
+def test_a_reader_away_from_the_served_folder_reads_it_there_and_writes_nothing_where_it_runs(
+        tmp_path):
+    """`cd ~/repo && metaclaw skills` with $METACLAW_DB set: the library is read from the folder
+    the workspace is served through, not copied into ./.metaclaw/skills."""
+    from metaclaw.skills.library import starter_skills_dir
+
+    served, repo, db = tmp_path / "ws" / "skills", tmp_path / "repo", tmp_path / "ws" / "w.db"
+    run_cli("skills", "import", "--from", starter_skills_dir(), "--db", db, "--skills", served)
+    repo.mkdir()
+    listed = subprocess.run([*CLI, "skills"], capture_output=True, text=True, timeout=120,
+                            cwd=repo, env={**os.environ, "METACLAW_DB": str(db)})
+    assert listed.returncode == 0, listed.stderr
+    assert f"8 skills in {served}" in listed.stdout
+    assert list(repo.iterdir()) == []
 
 
 def test_why_says_what_the_context_budget_changed():

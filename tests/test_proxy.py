@@ -901,6 +901,21 @@ def test_a_second_ctrl_c_while_stopping_waits_for_the_turns_in_flight_to_be_reco
         assert row["status"] == "cancelled"
 
 
+def test_a_server_that_cannot_listen_says_whether_the_host_or_the_port_is_wrong():
+    from aiohttp import web
+
+    from metaclaw.proxy.server import BackgroundServer
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(OSError, match=f"127.0.0.1:{port}: .*choose another port"):
+            BackgroundServer(web.Application, "127.0.0.1", port).start()
+    with pytest.raises(OSError, match="192.0.2.1:0: .*pass a --host address of this machine"):
+        BackgroundServer(web.Application, "192.0.2.1", 0).start()  # TEST-NET: not this host's
+
+
 EARLY_SIGTERM_SCRIPT = """
 import asyncio, os, signal
 from metaclaw.proxy.server import BackgroundServer
@@ -1055,13 +1070,14 @@ def test_a_retry_after_a_client_timeout_stays_in_its_run(proxy, double):
     """The SDK times out on a slow turn and resends it (the first attempt is cancelled with its
     connection): the retry continues the same reply, so it joins the same run, not the run
     whose session is the fingerprint's."""
-    client = openai.OpenAI(base_url=proxy.url, api_key=TOKEN, max_retries=1, timeout=0.5)
+    client = openai.OpenAI(base_url=proxy.url, api_key=TOKEN, max_retries=1, timeout=30)
     opening = [{"role": "user", "content": "Rename the helpers in retry-alike-3."}]
     double.add(Reply("A: renamed"), Reply("B: renamed"), Reply("B: slow", delay=1.5),
                Reply("B: retried"))
     client.chat.completions.create(model="m", messages=opening)
     b = client.chat.completions.create(model="m", messages=opening)
-    reply = client.chat.completions.create(model="m", messages=[
+    # only the slow call times out (a fast one slowed by a loaded machine must not be retried)
+    reply = client.with_options(timeout=0.5).chat.completions.create(model="m", messages=[
         *opening, {"role": "assistant", "content": b.choices[0].message.content},
         {"role": "user", "content": "Now the tests."}])
     assert reply.choices[0].message.content == "B: retried"
@@ -1089,6 +1105,10 @@ def test_the_failure_log_says_each_kind_once_a_minute_and_counts_the_rest(caplog
         failures.warn(401, "Incorrect API key provided")
         now[0] += FailureLog.EVERY_S
         failures.warn(502, "cannot reach the upstream")
+        failures.warn(502, "cannot reach the upstream")
+        failures.close()  # the proxy stops: the one no line counted yet is said
+        failures.close()
     lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == 3 and "HTTP 401" in lines[1]
+    assert len(lines) == 4 and "HTTP 401" in lines[1]
     assert lines[2].endswith("(2 more turns failed with it since the last such line)")
+    assert lines[3].startswith("1 more turn failed (HTTP 502) since the last such line")

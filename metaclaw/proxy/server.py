@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import signal
 import threading
@@ -69,8 +70,12 @@ class BackgroundServer:
             await site.start()
         except OSError as exc:
             await self._runner.cleanup()
+            advice = ("pass a --host address of this machine (127.0.0.1 here only, 0.0.0.0 "
+                      "every interface)" if exc.errno == errno.EADDRNOTAVAIL else
+                      "choose another port (0 picks a free one)" if exc.errno == errno.EADDRINUSE
+                      else "check --host and --port")
             raise OSError(exc.errno, f"cannot listen on {self.host}:{self.port}: {exc.strerror}; "
-                                     "choose another port (0 picks a free one)") from exc
+                                     f"{advice}") from exc
         self.port = int(self._runner.addresses[0][1])
 
     async def _close(self) -> None:

@@ -921,6 +921,47 @@ def _changes(old: dict[str, Skill], new: dict[str, Skill], reason: str) -> list[
 
 # -- the library ---------------------------------------------------------------------------------
 
+def _marks_path(store: Store) -> Path | None:
+    """Where the folder marks of ``store``'s workspace are kept (:data:`FOLDER_MARKS`)."""
+    path = getattr(store, "path", None)
+    if path is None and getattr(store, "engine", "sqlite") != "sqlite":
+        # a database server's workspace: the folders are this machine's, so their marks are
+        # kept in this user's state folder, one file per workspace
+        state = Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state")
+        key = hashlib.sha256(store.location.encode()).hexdigest()[:16]
+        return state / "metaclaw" / f"workspace-{key}{FOLDER_MARKS}"
+    if path is None or str(path) == ":memory:":
+        return None  # a store of this process only: no other folder can move it
+    return Path(path).with_name(Path(path).name + FOLDER_MARKS)
+
+
+def _folder_marks(store: Store) -> dict[str, Any]:
+    path = _marks_path(store)
+    try:
+        marks = json.loads(path.read_text(encoding="utf-8")) if path else {}
+    except (OSError, ValueError):
+        return {}
+    return marks if isinstance(marks, dict) else {}
+
+
+def workspace_folders(store: Store) -> list[Path]:
+    """The skill folders on this machine that ``store``'s workspace has been used through (as
+    ``metaclaw serve --skills`` gave them), those still there, the most up to date first: a
+    command run from another directory reads the library there instead of writing a copy of
+    it where it runs."""
+    marks = _folder_marks(store)
+
+    def generation(folder: str) -> int:
+        mark = marks[folder]
+        try:
+            return int(mark["generation"]) if isinstance(mark, dict) else -1
+        except (KeyError, TypeError, ValueError):
+            return -1
+
+    return [Path(folder) for folder in sorted(marks, key=generation, reverse=True)
+            if Path(folder).is_dir()]
+
+
 class SkillLibrary:
     """The skills in ``directory``, versioned in ``store``. Thread-safe.
 
@@ -1339,24 +1380,10 @@ class SkillLibrary:
                 journal.unlink(missing_ok=True)
 
     def _marks_path(self) -> Path | None:
-        path = getattr(self.store, "path", None)
-        if path is None and getattr(self.store, "engine", "sqlite") != "sqlite":
-            # a database server's workspace: the folders are this machine's, so their marks
-            # are kept in this user's state folder, one file per workspace
-            state = Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state")
-            key = hashlib.sha256(self.store.location.encode()).hexdigest()[:16]
-            return state / "metaclaw" / f"workspace-{key}{FOLDER_MARKS}"
-        if path is None or str(path) == ":memory:":
-            return None  # a store of this process only: no other folder can move it
-        return Path(path).with_name(Path(path).name + FOLDER_MARKS)
+        return _marks_path(self.store)
 
     def _folder_marks(self) -> dict[str, Any]:
-        path = self._marks_path()
-        try:
-            marks = json.loads(path.read_text(encoding="utf-8")) if path else {}
-        except (OSError, ValueError):
-            return {}
-        return marks if isinstance(marks, dict) else {}
+        return _folder_marks(self.store)
 
     def _folder_key(self) -> str:
         return str(self.directory.resolve())
