@@ -740,7 +740,11 @@ def cmd_wire(args: argparse.Namespace) -> int:
         raise CliError(str(exc)) from None
     model = f"model {plan.model}; " if plan.model else ""
     token = ("\nThe agent reads the proxy token from $METACLAW_PROXY_TOKEN: export it where the "
-             "agent runs." if args.agent == "codex" and args.token else "")
+             "agent runs." if args.agent == "codex" and args.token else
+             "\nClaude Code asks for a login unless it has a key: where it is not logged in, "
+             "export ANTHROPIC_AUTH_TOKEN=metaclaw where it runs (the proxy sends the upstream "
+             "its own key), or wire with --token." if args.agent == "claude-code"
+             and not args.token else "")
     print(f"wired {args.agent} ({path}) to the proxy at http://{args.host}:{args.port}/v1 "
           f"({model}the original is kept, `metaclaw wire {args.agent} --undo` restores "
           f"it).\nNow run: {plan.serve_command(args.port, typed_token)}{token}")

@@ -140,6 +140,9 @@ _KEYED_SECRET = re.compile(
 _BARE_KEYED_SECRET = re.compile(
     r"""^([-+ ]?\s*[\w-]*(?:key|token|secret|password|authorization)\s*:\s*)"""
     r"""([^\s"'#{\[][^\s#]*)""", re.IGNORECASE)
+# a key whose value names the environment variable holding the secret (Codex's ``env_key``):
+# the name is what a reader must see to know what to export
+_NAMES_A_VARIABLE = re.compile(r"env_?key|key_?env", re.IGNORECASE)
 # a bearer token anywhere (a header value such as "Authorization: Bearer sk-...")
 _BEARER = re.compile(r"(\bBearer\s+)[^\s\"',]+", re.IGNORECASE)
 # the value of a ``name=value`` list item (aider's ``api-key:`` and ``set-env:`` lists)
@@ -151,7 +154,8 @@ def mask_config_line(line: str) -> str:
     allowed) with :data:`MASK` for each value that stands under a key naming a secret (``key``,
     ``token``, ``secret``, ``password``, ``authorization``: quoted or not), after ``Bearer``,
     or as the value of a ``- name=value`` list item."""
-    line = _KEYED_SECRET.sub(lambda m: f"{m.group(1)}{m.group(2)}{MASK}{m.group(2)}", line)
+    line = _KEYED_SECRET.sub(lambda m: m.group(0) if _NAMES_A_VARIABLE.search(m.group(1)) else
+                             f"{m.group(1)}{m.group(2)}{MASK}{m.group(2)}", line)
     line = _BEARER.sub(lambda m: f"{m.group(1)}{MASK}", line)
     line = _LIST_ASSIGNMENT.sub(lambda m: f"{m.group(1)}{MASK}", line)
     return _BARE_KEYED_SECRET.sub(lambda m: f"{m.group(1)}{MASK}", line)

@@ -19,6 +19,9 @@ from metaclaw.redact import mask, mask_config_line, masked_url, safe_url, url_ho
     ("+  - OPENAI_API_BASE=http://127.0.0.1:8080/v1\n", "+  - OPENAI_API_BASE=***\n"),
     ('+      "baseUrl": "http://127.0.0.1:8080/v1",\n', '+      "baseUrl": "http://127.0.0.1:8080/v1",\n'),
     ("+  model: gpt-4o\n", "+  model: gpt-4o\n"),
+    # Codex's env_key names the variable that holds the token: the name is shown, not a secret
+    ('+env_key = "METACLAW_PROXY_TOKEN"\n', '+env_key = "METACLAW_PROXY_TOKEN"\n'),
+    ('+experimental_bearer_token = "t0k"\n', '+experimental_bearer_token = "***"\n'),
 ])
 def test_a_config_line_shows_no_value_kept_under_a_secrets_name(line, shown):
     assert mask_config_line(line) == shown

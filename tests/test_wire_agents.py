@@ -73,6 +73,7 @@ def test_dry_run_apply_and_undo_to_the_exact_bytes(agent, tmp_path):
     assert "--token <the token given to metaclaw wire>" in done.stdout
     assert "tok-secret" not in done.stdout
     assert ("in front of another provider's model" in done.stdout) is (agent == "claude-code")
+    assert "ANTHROPIC_AUTH_TOKEN=metaclaw" not in done.stdout  # the token is the key
     wired = _read(agent, config)
     if agent == "codex":
         assert wired["model_provider"] == "metaclaw"
@@ -140,7 +141,9 @@ def _write(path, text):
 
 def test_a_missing_config_is_created_and_undo_removes_it(tmp_path):
     config = tmp_path / "fresh" / "settings.json"
-    run_cli("wire", "claude-code", "--config", config, "--port", 31000)
+    done = run_cli("wire", "claude-code", "--config", config, "--port", 31000)
+    # no token wired: a Claude Code that is not logged in needs a key of some kind
+    assert "export ANTHROPIC_AUTH_TOKEN=metaclaw" in done.stdout
     assert json.loads(config.read_text()) == {"env": {
         "ANTHROPIC_BASE_URL": "http://127.0.0.1:31000"}}
     assert "there was none before" in run_cli("wire", "claude-code", "--config", config,
