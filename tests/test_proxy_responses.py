@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import openai
@@ -25,6 +26,7 @@ from metaclaw.skills.library import SkillLibrary
 from metaclaw.store import Store
 from client_workspace import ASK, BACKUP_CALL, backup_tool, proxy_for, turns_of
 from client_workspace import workspace  # noqa: F401  (the fixture)
+from waiting import wait_until
 
 CAPTURES = Path(__file__).parent / "fixtures" / "requests" / "codex"
 MODEL = "double-model"
@@ -255,6 +257,37 @@ def test_codex_cli_exec_through_the_proxy(workspace, tmp_path):
     sent = upstream.requests[-1]["body"]
     assert sent["stream"] is True and BLOCK_HEADER in sent["messages"][0]["content"]
     assert "Codex" in sent["messages"][0]["content"]  # its instructions, then the skills
+
+
+@pytest.mark.skipif(_codex() is None, reason="the Codex CLI is not installed (npm install "
+                    "@openai/codex, or set METACLAW_CODEX to its binary)")
+def test_codex_says_why_its_reply_ended_when_the_proxy_stops(workspace, tmp_path):
+    """The proxy stopped mid-reply: the real Codex CLI prints the proxy's reason (the stream's
+    ``error`` and ``response.failed`` in a whole reply), not a transport error."""
+    home, work = tmp_path / "codex-home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    with DoubleServer([Reply(" ".join(f"word{i}" for i in range(40)), chunk_delay=0.5)]) \
+            as upstream, proxy_for(workspace, upstream) as proxy:
+        (home / "config.toml").write_text(
+            'model_provider = "metaclaw"\nmodel = "gpt-5-codex"\n\n'
+            '[model_providers.metaclaw]\nname = "MetaClaw"\n'
+            f'base_url = "http://127.0.0.1:{proxy.port}/v1"\n'
+            'env_key = "METACLAW_PROXY_TOKEN"\nwire_api = "responses"\n'
+            'stream_max_retries = 0\nrequest_max_retries = 0\n')
+        codex = subprocess.Popen([_codex(), "exec", "--skip-git-repo-check", ASK], cwd=work,
+                                 env={**os.environ, "CODEX_HOME": str(home),
+                                      "METACLAW_PROXY_TOKEN": "unused"},
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            wait_until(lambda: upstream.requests, timeout=120, what="Codex's request upstream")
+            time.sleep(1.0)  # a few words streamed
+            proxy.stop()
+            said, _ = codex.communicate(timeout=60)
+        finally:
+            if codex.poll() is None:
+                codex.kill()
+    assert "the MetaClaw proxy stopped before this reply was complete" in said, said[-2000:]
 
 
 def test_an_unknown_route_says_the_route_is_missing_not_the_model(workspace):
