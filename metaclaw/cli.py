@@ -280,8 +280,8 @@ def cmd_turns(args: argparse.Namespace) -> int:
     listed = width = 0
     for row in rows:
         if not listed:  # as wide as the longest session id listed (Codex's are 36 characters)
-            width = store.query(f"SELECT MAX(LENGTH(session_id)) AS n FROM turns WHERE ({where})",
-                                params)[0]["n"] or 7
+            width = max(7, store.query(f"SELECT MAX(LENGTH(session_id)) AS n FROM turns "
+                                       f"WHERE ({where})", params)[0]["n"] or 0)
             print(f"{'turn':<6} {'session':<{width}} {'type':<5} {'gen':<3} {'status':<9} "
                   "skills  reply")
         listed += 1

@@ -134,7 +134,7 @@ def url_host(source: str) -> str:
 
 # a string value under a key that names a secret (apiKey, token, password, ...), in JSON or JSON5
 _KEYED_SECRET = re.compile(
-    r"""(["']?[\w-]*(?:key|token|secret|password|authorization)["']?\s*[:=]\s*)"""
+    r"""(["']?[\w-]*(?:key|token|secret|password|authorization)(?:_?env)?["']?\s*[:=]\s*)"""
     r"""(["'])((?:\\.|(?!\2).)*)\2""", re.IGNORECASE)
 # the same, unquoted (YAML: ``openai-api-key: sk-...``)
 _BARE_KEYED_SECRET = re.compile(
@@ -143,6 +143,8 @@ _BARE_KEYED_SECRET = re.compile(
 # a key whose value names the environment variable holding the secret (Codex's ``env_key``):
 # the name is what a reader must see to know what to export
 _NAMES_A_VARIABLE = re.compile(r"env_?key|key_?env", re.IGNORECASE)
+# ... where the value is a variable's name indeed (the key itself put there by mistake is masked)
+_VARIABLE_NAME = re.compile(r"[A-Z_][A-Z0-9_]*")
 # a bearer token anywhere (a header value such as "Authorization: Bearer sk-...")
 _BEARER = re.compile(r"(\bBearer\s+)[^\s\"',]+", re.IGNORECASE)
 # the value of a ``name=value`` list item (aider's ``api-key:`` and ``set-env:`` lists)
@@ -154,7 +156,8 @@ def mask_config_line(line: str) -> str:
     allowed) with :data:`MASK` for each value that stands under a key naming a secret (``key``,
     ``token``, ``secret``, ``password``, ``authorization``: quoted or not), after ``Bearer``,
     or as the value of a ``- name=value`` list item."""
-    line = _KEYED_SECRET.sub(lambda m: m.group(0) if _NAMES_A_VARIABLE.search(m.group(1)) else
+    line = _KEYED_SECRET.sub(lambda m: m.group(0) if _NAMES_A_VARIABLE.search(m.group(1))
+                             and _VARIABLE_NAME.fullmatch(m.group(3)) else
                              f"{m.group(1)}{m.group(2)}{MASK}{m.group(2)}", line)
     line = _BEARER.sub(lambda m: f"{m.group(1)}{MASK}", line)
     line = _LIST_ASSIGNMENT.sub(lambda m: f"{m.group(1)}{MASK}", line)

@@ -281,7 +281,9 @@ def test_turns_picks_by_status_id_and_newest_and_events_counts_turns_not_served_
     head, *rows = listed()
     assert [row.split()[0] for row in rows] == [f"#{i}" for i in ids]
     assert {row.index(" main ") for row in rows} == {head.index(" type ")}  # lined up past
-    # the long id
+    # the long id, and with short ids only
+    head, *rows = listed("--session", "s1")
+    assert {row.index(" main ") for row in rows} == {head.index(" type ")}
     assert [r.split()[0] for r in listed("--status", "cancelled")[1:]] == [f"#{ids[1]}"]
     assert [r.split()[0] for r in listed("--last", "2")[1:]] == [f"#{ids[2]}", f"#{ids[3]}"]
     assert [r.split()[0] for r in listed("--id", ids[2])[1:]] == [f"#{ids[2]}"]

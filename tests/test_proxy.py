@@ -14,6 +14,8 @@ import socket
 import threading
 import time
 
+from typing import Any
+
 import httpx
 import openai
 import pytest
@@ -916,6 +918,74 @@ def test_a_server_that_cannot_listen_says_whether_the_host_or_the_port_is_wrong(
         BackgroundServer(web.Application, "192.0.2.1", 0).start()  # TEST-NET: not this host's
 
 
+def test_a_request_still_in_retrieval_when_the_proxy_stops_gets_a_503(
+        double, workspace, upstream_key):
+    """Retrieval in the pool (a cold embedding model, a large index) when the stop comes: the
+    request is cut off with the 503 ``proxy_stopped`` too, not a dropped connection."""
+    from metaclaw.skills.retrieval import LexicalRetriever
+
+    building = threading.Event()
+
+    class SlowToBuild(LexicalRetriever):
+        def _build(self, skills):
+            building.set()
+            time.sleep(4)  # past the grace period
+            return super()._build(skills)
+
+    store, library = workspace
+    config = ProxyConfig(upstream_url=double.url, api_key_env=KEY_ENV, retrieval="lexical")
+    p = Proxy(config, store, library, SlowToBuild()).start()
+    replies: list[httpx.Response] = []
+    asking = threading.Thread(target=lambda: replies.append(httpx.post(
+        p.url + "/chat/completions", json={"model": "m", "messages": COMMIT_QUESTION},
+        timeout=30)))
+    asking.start()
+    assert building.wait(10)  # the warm-up or the request: either way the request waits for it
+    wait_until(lambda: p._in_flight, what="the request in flight")
+    p.stop()
+    asking.join(20)
+    (reply,) = replies
+    assert reply.status_code == 503 and reply.json()["error"]["code"] == "proxy_stopped"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_reply_waiting_for_its_record_when_the_proxy_stops_is_still_delivered(
+        double, workspace, upstream_key, stream):
+    """The reply is done but its record waits for the store (another process holds the write
+    lock) when the stop cuts requests off: the record is kept, so the reply goes out whole, not
+    a turn recorded as served that its client never got."""
+    import sqlite3
+
+    store, _ = workspace
+    if getattr(store, "path", None) is None:
+        pytest.skip("holds a SQLite workspace's write lock")
+    p = _proxy(double, workspace)
+    double.add(Reply("one two three"))
+    lock = sqlite3.connect(store.path, timeout=10, check_same_thread=False)
+    lock.execute("BEGIN IMMEDIATE")  # another process writing
+    got: dict[str, Any] = {}
+
+    def ask() -> None:
+        with httpx.stream("POST", p.url + "/chat/completions", timeout=30, json={
+                "model": "m", "stream": stream, "messages": COMMIT_QUESTION}) as reply:
+            got["status"], got["text"] = reply.status_code, b"".join(reply.iter_raw()).decode()
+
+    seen = len(double.requests)
+    asking = threading.Thread(target=ask)
+    asking.start()
+    try:
+        wait_until(lambda: len(double.requests) > seen, what="the request at the upstream")
+        time.sleep(0.5)  # the reply is done; its acknowledgement waits for the commit
+        threading.Timer(3.0, lock.rollback).start()  # the lock goes after the grace period
+        p.stop()
+    finally:
+        asking.join(20)
+        lock.close()
+    assert got["status"] == 200 and "three" in got["text"], got
+    assert ("[DONE]" in got["text"]) is stream
+    assert store.turns(order="id")[-1]["status"] == "ok"
+
+
 EARLY_SIGTERM_SCRIPT = """
 import asyncio, os, signal
 from metaclaw.proxy.server import BackgroundServer
@@ -929,6 +999,9 @@ class Server(BackgroundServer):  # SIGTERM lands while the socket opens, as from
 Server(lambda: __import__("aiohttp").web.Application()).serve_forever(
     on_ready=lambda: print("ready", flush=True))
 print("stopped", flush=True)
+# Ctrl-C and SIGTERM are the process's again (uvloop leaves its own handlers behind)
+print(signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+      signal.getsignal(signal.SIGTERM) == signal.SIG_DFL)
 """
 
 
@@ -940,7 +1013,8 @@ def test_a_sigterm_while_the_socket_opens_is_kept_and_stops_the_server():
 
     done = subprocess.run([sys.executable, "-c", EARLY_SIGTERM_SCRIPT], capture_output=True,
                           text=True, timeout=30)
-    assert (done.returncode, done.stdout.split(), done.stderr) == (0, ["ready", "stopped"], "")
+    assert (done.returncode, done.stdout.split(), done.stderr) == (
+        0, ["ready", "stopped", "True", "True"], "")
 
 
 def test_runs_of_one_task_without_a_session_id_are_kept_apart_by_their_replies(proxy, double):
@@ -1091,6 +1165,20 @@ def test_a_retry_after_a_client_timeout_stays_in_its_run(proxy, double):
     assert [r["status"] for r in rows() if r["response"] is None] == ["client_disconnected"]
     assert sessions["B: retried"] == sessions[None] == sessions["B: renamed"]
     assert sessions["B: renamed"] != sessions["A: renamed"]
+
+
+def test_with_v_each_recorded_turn_is_a_log_line(proxy, double, caplog):
+    """``metaclaw -v serve``: one line per turn, as recorded (its number, session, status,
+    time and skills), for whoever watches the proxy through the day."""
+    double.add(Reply("done"))
+    with caplog.at_level("INFO", logger="metaclaw.proxy"):
+        sync_client(proxy).chat.completions.create(model="m", messages=COMMIT_QUESTION,
+                                                   extra_headers={"X-Session-Id": "log-line-1"})
+        proxy.flush()
+    (line,) = [r.getMessage() for r in caplog.records if "session log-line-1" in r.getMessage()]
+    turn = proxy.store.turns(order="id")[-1]
+    assert line.startswith(f"turn #{turn['id']} ") and ": ok in " in line
+    assert line.endswith("skills: " + ", ".join(turn["injected_skills"]))
 
 
 def test_the_failure_log_says_each_kind_once_a_minute_and_counts_the_rest(caplog, monkeypatch):

@@ -22,6 +22,9 @@ from metaclaw.redact import mask, mask_config_line, masked_url, safe_url, url_ho
     # Codex's env_key names the variable that holds the token: the name is shown, not a secret
     ('+env_key = "METACLAW_PROXY_TOKEN"\n', '+env_key = "METACLAW_PROXY_TOKEN"\n'),
     ('+experimental_bearer_token = "t0k"\n', '+experimental_bearer_token = "***"\n'),
+    ('  env_key = "sk-proj-123"\n', '  env_key = "***"\n'),  # the key put there by mistake
+    ('  "api_key_env": "sk-ant-123",\n', '  "api_key_env": "***",\n'),
+    ('  "api_key_env": "OPENAI_API_KEY",\n', '  "api_key_env": "OPENAI_API_KEY",\n'),
 ])
 def test_a_config_line_shows_no_value_kept_under_a_secrets_name(line, shown):
     assert mask_config_line(line) == shown

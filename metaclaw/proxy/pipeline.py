@@ -434,7 +434,13 @@ class Recorder:
 
     def _deliver(self, group: list[tuple[Any, ...]], ids: list[int | None]) -> None:
         """Resolve each turn's future on its own loop (at once on the running one), then tell
-        the listeners."""
+        the listeners. With ``-v`` (INFO), a line per recorded turn."""
+        if log.isEnabledFor(logging.INFO):
+            for (row, *_), turn_id in zip(group, ids):
+                log.info("turn #%s %s, session %s: %s in %.1f s; skills: %s", turn_id,
+                         row.get("protocol"), row.get("session_id"), row.get("status"),
+                         (row.get("latency_ms") or 0) / 1000,
+                         ", ".join(row.get("injected_skills") or []) or "none")
         try:
             running = asyncio.get_running_loop()
         except RuntimeError:  # the writer thread
@@ -832,7 +838,12 @@ class TurnPipeline:
     async def serve(self, protocol: WireProtocol, request: web.Request) -> web.StreamResponse:
         """The whole pipeline for one request of ``protocol``."""
         started = time.perf_counter()
-        turn, caller_key = await self.prepare(protocol, request)
+        try:
+            turn, caller_key = await self.prepare(protocol, request)
+        except asyncio.CancelledError:
+            if not self.parts.stopping:
+                raise
+            return protocol.error_response(STOPPED)
         responder = self.parts.responder
         policy_version = int(getattr(responder, "policy_version", 0)) if responder else 0
         record = record_row(turn, policy_version)
@@ -860,7 +871,13 @@ class TurnPipeline:
         found by :meth:`Proxy.flush`)."""
         if not self.config.durable_acks:
             return None
-        turn_id = await asyncio.shield(recorded)
+        while True:
+            try:
+                turn_id = await asyncio.shield(recorded)
+                break
+            except asyncio.CancelledError:  # the stop's cut-off: this turn is recorded (the
+                if not self.parts.stopping:  # stop drains it), so its client gets its reply
+                    raise
         if turn_id is None:
             raise ProxyError(500, "the proxy could not record this turn in its store (see the "
                                   "proxy log), so it does not acknowledge the reply; retry the "

@@ -151,9 +151,12 @@ class BackgroundServer:
                             "(a few seconds; kill -9 loses nothing acknowledged)", self.name)
             stop.set()
 
+        taken: dict[int, Any] = {}
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
             for signum in (signal.SIGINT, signal.SIGTERM):  # main thread, POSIX only
+                previous = signal.getsignal(signum)
                 loop.add_signal_handler(signum, stopping)
+                taken[signum] = previous
 
         async def serve() -> None:
             await self._open()
@@ -174,6 +177,8 @@ class BackgroundServer:
             loop.run_until_complete(self._close())
             loop.run_until_complete(loop.shutdown_asyncgens())
             loop.close()
+            for signum, previous in taken.items():  # uvloop leaves its own handler behind
+                signal.signal(signum, previous)
 
 
 def _base_url(host: str, port: int) -> str:
