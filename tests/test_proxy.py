@@ -986,6 +986,37 @@ def test_a_reply_waiting_for_its_record_when_the_proxy_stops_is_still_delivered(
     assert store.turns(order="id")[-1]["status"] == "ok"
 
 
+def test_a_cancel_while_a_streams_error_event_goes_out_still_records_the_turn(
+        double, workspace, upstream_key, monkeypatch):
+    """The upstream cut its stream; as the proxy writes the error event, the handler is
+    cancelled (the client left, or the proxy stopped): the failed turn is recorded anyway."""
+    from metaclaw.proxy import pipeline
+
+    real = pipeline._Relay.write
+
+    async def write(self, response, data):
+        if b"upstream_truncated" in data or b'"error"' in data:
+            raise asyncio.CancelledError()
+        return await real(self, response, data)
+
+    monkeypatch.setattr(pipeline._Relay, "write", write)
+    p = _proxy(double, workspace)
+    try:
+        double.add(Reply("one two three four five", disconnect_after=2))
+        with pytest.raises(httpx.HTTPError):
+            with httpx.stream("POST", p.url + "/chat/completions", timeout=30,
+                              headers={"X-Session-Id": "cut-as-it-failed"}, json={
+                    "model": "m", "stream": True, "messages": COMMIT_QUESTION}) as reply:
+                b"".join(reply.iter_raw())
+        p.flush()
+        wait_until(lambda: [t for t in p.store.turns(order="id")
+                            if t["session_id"] == "cut-as-it-failed"], what="the turn's record")
+        (row,) = [t for t in p.store.turns(order="id") if t["session_id"] == "cut-as-it-failed"]
+        assert row["status"] == "error" and row["error"]
+    finally:
+        p.stop()
+
+
 EARLY_SIGTERM_SCRIPT = """
 import asyncio, os, signal
 from metaclaw.proxy.server import BackgroundServer

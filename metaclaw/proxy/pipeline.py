@@ -1141,8 +1141,13 @@ class _Relay:
             except Exception as exc:
                 error = self.error(exc, upstream, midstream=True)
                 status, failure, held, ends_failed = "error", error.message, [], True
-                with contextlib.suppress(_ClientGone):
-                    await self.write(response, _error_event(client, error, first, last))
+                try:
+                    with contextlib.suppress(_ClientGone):
+                        await self.write(response, _error_event(client, error, first, last))
+                except asyncio.CancelledError:  # cut off (its client left, the proxy stopped)
+                    self.finish(status=status, http_status=200, error=failure,  # as it said
+                                **columns())  # why: the failed turn is recorded all the same
+                    raise
             if failure is None and assembler.error is not None:
                 status = "error"
                 failure = ("upstream stream error: "
