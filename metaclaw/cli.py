@@ -15,9 +15,9 @@ from typing import Any, Callable
 
 from metaclaw import argtypes, console
 from metaclaw.runtime import DEFAULT_SKILLS, RuntimeConfig
-from metaclaw.turns import TURN_STATUSES
 from metaclaw.runtime import options as config_options
 from metaclaw.store import DB_ERRORS, default_target, local_dir
+from metaclaw.turns import TURN_STATUSES
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {}
 

@@ -70,10 +70,13 @@ class BackgroundServer:
             await site.start()
         except OSError as exc:
             await self._runner.cleanup()
-            advice = ("pass a --host address of this machine (127.0.0.1 here only, 0.0.0.0 "
-                      "every interface)" if exc.errno == errno.EADDRNOTAVAIL else
-                      "choose another port (0 picks a free one)" if exc.errno == errno.EADDRINUSE
-                      else "check --host and --port")
+            if exc.errno == errno.EADDRNOTAVAIL:
+                advice = (f"{self.host} is not an address of this machine (127.0.0.1: this "
+                          "machine only; 0.0.0.0: every interface)")
+            elif exc.errno == errno.EADDRINUSE:
+                advice = "choose another port (0 picks a free one)"
+            else:
+                advice = "check the host and the port"
             raise OSError(exc.errno, f"cannot listen on {self.host}:{self.port}: {exc.strerror}; "
                                      f"{advice}") from exc
         self.port = int(self._runner.addresses[0][1])
