@@ -1133,8 +1133,9 @@ class _Relay:
                 return response
             except asyncio.CancelledError:
                 self.cancelled(http_status=200, **columns())
-                if self.parts.stopping and response.prepared:  # the agent is told why it ended,
-                    with contextlib.suppress(Exception, asyncio.CancelledError):  # in a whole reply
+                if self.parts.stopping and response.prepared:  # the agent is told why the
+                    # reply ended, in a whole reply (a cut chunked body reads as a network error)
+                    with contextlib.suppress(Exception, asyncio.CancelledError):
                         await asyncio.wait_for(response.write_eof(_error_event(
                             client, STOPPED, first, last)), STOPPED_WRITE_S)
                 raise
@@ -1144,9 +1145,9 @@ class _Relay:
                 try:
                     with contextlib.suppress(_ClientGone):
                         await self.write(response, _error_event(client, error, first, last))
-                except asyncio.CancelledError:  # cut off (its client left, the proxy stopped)
-                    self.finish(status=status, http_status=200, error=failure,  # as it said
-                                **columns())  # why: the failed turn is recorded all the same
+                except asyncio.CancelledError:  # cut off as it says why (its client left,
+                    # the proxy stopped): the failed turn is recorded all the same
+                    self.finish(status=status, http_status=200, error=failure, **columns())
                     raise
             if failure is None and assembler.error is not None:
                 status = "error"
