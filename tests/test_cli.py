@@ -269,9 +269,12 @@ def test_turns_picks_by_status_id_and_newest_and_events_counts_turns_not_served_
     db = tmp_path / "ws.db"
     store = Store(db)
     codex = "019a6f3e-3c1d-7b42-9e0f-5a8c2d4b6e10"  # a Codex session id: 36 characters
+    judged = {"reward": -1.0, "judge_rationale": "The date is not\nin ISO form.",
+              "retrieval_query": "ask 0\nsecond line"}  # the first turn's
     ids = [store.record_turn(session_id=session, request_messages=[
         {"role": "user", "content": f"ask {n}"}], status=status, response=f"reply {n}",
-        error=None if status == "ok" else "the proxy stopped while this turn was in flight")
+        error=None if status == "ok" else "the proxy stopped while this turn was in flight",
+        **(judged if n == 0 else {}))
         for n, (session, status) in enumerate([("s1", "ok"), (codex, "cancelled"),
                                                ("s1", "error"), ("s1", "ok")])]
 
@@ -289,7 +292,12 @@ def test_turns_picks_by_status_id_and_newest_and_events_counts_turns_not_served_
     assert [r.split()[0] for r in listed("--id", ids[2])[1:]] == [f"#{ids[2]}"]
     assert [r.split()[0] for r in listed("--status", "ok", "--last", "1")[1:]] == [f"#{ids[3]}"]
     none = run_cli("turns", "--db", db, "--id", "999")
-    assert none.stdout == "" and "no turns #999" in none.stderr
+    assert none.stdout == "" and "no turns numbered 999" in none.stderr
+    why = run_cli("turns", "--db", db, "--id", ids[0], "--why").stdout
+    assert "judged: reward -1.00: The date is not in ISO form." in why  # why the judge failed it
+    assert "query: ask 0 second line" in why  # on one line
+    (row,) = [json.loads(line) for line in listed("--id", ids[0], "--json")]
+    assert row["judge_rationale"] == "The date is not\nin ISO form." and "judge_votes" in row
     events = run_cli("events", "--db", db).stdout
     assert "loop failures (judge, evolver, skill files): none" in events
     assert "turns not served whole: cancelled 1, error 1 (metaclaw turns --status" in events
