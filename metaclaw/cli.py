@@ -657,15 +657,29 @@ def _experiment_run(args: argparse.Namespace, store: Any, ex: Any) -> int:
         raise CliError("give the upstream the replays go to: --upstream URL (key from "
                        "$METACLAW_UPSTREAM_API_KEY); `metaclaw sim-model` serves an offline "
                        "simulated one")
+    for spec in args.variant or []:  # a bad one before anything is stored
+        ex.Variant.parse(spec)
+    turn_ids = [int(t) for t in args.turns.split(",")] if args.turns else None
+    selected = bool(turn_ids or args.session or args.failures or args.labelled)
     names = {r["name"] for r in store.query("SELECT name FROM experiments")}
     if args.name in names:
         experiment = ex.Experiment.open(store, args.name)
+        first = experiment.variants[0].spec if experiment.variants else None
+        if args.variant and first and ex.Variant.parse(args.variant[0]).spec != first:
+            print(f"note: experiment {experiment.name} compares with its first variant "
+                  f"{first!r}, set when it was created; --variant adds the others",
+                  file=sys.stderr)
         if args.variant:
             experiment.add_variants(args.variant)
+        if selected:  # more cases: the run replays the new ones
+            before = len(ex.dataset_ids(store, experiment.dataset))
+            ids = ex.dataset(store, experiment.dataset, turn_ids=turn_ids, session=args.session,
+                             failures=args.failures, labelled=args.labelled, last=args.last,
+                             extend=True)
+            print(f"dataset {experiment.dataset}: {len(ids)} turns ({len(ids) - before} added)")
     else:
         dataset = args.dataset or args.name
-        if args.turns or args.session or args.failures or args.labelled or not args.dataset:
-            turn_ids = ([int(t) for t in args.turns.split(",")] if args.turns else None)
+        if selected or not args.dataset:
             ids = ex.dataset(store, dataset, turn_ids=turn_ids, session=args.session,
                              failures=args.failures, labelled=args.labelled, last=args.last,
                              replace=bool(args.dataset is None))
@@ -1244,7 +1258,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--turns", help="run: the cases are these turn ids (comma-separated)")
     p.add_argument("--session", help="run: the cases are this session's task turns")
     p.add_argument("--failures", action="store_true",
-                   help="run: the cases are the judged or labelled failures")
+                   help="run: the cases are the judged or labelled failures (judged at or "
+                        "below 0: an unclear verdict counts)")
     p.add_argument("--labelled", action="store_true", help="run: the cases are labelled turns")
     p.add_argument("--last", type=argtypes.positive_int, help="run: only the latest N cases")
     p.add_argument("--upstream", help="run: the upstream the replays go to (OpenAI-compatible)")

@@ -192,6 +192,21 @@ def test_cli(workspace, sim, capsys):
                      "--upstream", sim.url, "--judge-url", sim.url, "--judge-model", "j"]
                     + base) == 2
     assert "variant 'gen:'" in capsys.readouterr().err
+    assert not store.query("SELECT 1 FROM datasets WHERE name = 'x'")  # nothing left behind
+    # run again with more cases: the dataset grows and only the new cases are replayed; the
+    # variant compared with stays the first one, as the note says
+    more = ex.dataset_ids(store, "cli-exp")
+    others = [r["id"] for r in store.query("SELECT id FROM turns WHERE status = 'ok' AND "
+                                           "turn_type = 'main' ORDER BY id")
+              if r["id"] not in more][:1]
+    assert cli.main(["experiment", "run", "cli-exp", "--turns", ",".join(map(str, others)),
+                     "--variant", "current", "--variant", "none", "--upstream", sim.url,
+                     "--judge-url", sim.url, "--judge-model", "sim-judge", "--votes", "1"]
+                    + base) == 0
+    captured = capsys.readouterr()
+    assert "dataset cli-exp: 4 turns (1 added)" in captured.out
+    assert "2 replays to make (6 done already)" in captured.out
+    assert "compares with its first variant 'none'" in captured.err
 
 
 def test_every_case_variant_is_in_flight_at_once_within_the_open_file_limit(tmp_path,

@@ -99,13 +99,15 @@ class ExperimentError(ValueError):
 def dataset(store: Store, name: str, *, turn_ids: Iterable[int] | None = None,
             session: str | None = None, failures: bool = False, labelled: bool = False,
             where: str | None = None, params: Iterable[Any] = (), last: int | None = None,
-            description: str = "", replace: bool = False) -> list[int]:
+            description: str = "", replace: bool = False, extend: bool = False) -> list[int]:
     """Store the turns selected by the arguments as dataset ``name``; returns their ids.
 
     ``turn_ids``: an explicit list; otherwise the successful task turns, narrowed by
     ``session``, ``failures`` (judged at or below 0, or labelled fail), ``labelled`` (with a
     human label), ``where`` (an SQL condition on ``turns`` with ``params``), and ``last`` (the
-    most recent N). An existing name is an error unless ``replace``."""
+    most recent N). An existing name is an error unless ``replace`` (the selection replaces its
+    turns) or ``extend`` (the selection is added to them: an experiment on it then replays the
+    new cases when run again)."""
     if not isinstance(name, str) or not re.fullmatch(r"[\w.-]{1,80}", name):
         raise ExperimentError(f"dataset name {name!r}: use 1-80 letters, digits, '_', '.', '-'")
     selection: dict[str, Any] = {"session": session, "failures": failures,
@@ -138,10 +140,14 @@ def dataset(store: Store, name: str, *, turn_ids: Iterable[int] | None = None,
         raise ExperimentError(f"dataset {name!r} would be empty: no turn matches "
                               f"{ {k: v for k, v in selection.items() if v} or 'the selection'}")
     with store.transaction():
-        exists = store.query("SELECT 1 FROM datasets WHERE name = ?", (name,))
-        if exists and not replace:
-            raise ExperimentError(f"dataset {name!r} exists; pass replace=True (or another "
-                                  "name)")
+        exists = store.query("SELECT selection, turn_ids FROM datasets WHERE name = ?", (name,))
+        if exists and not (replace or extend):
+            raise ExperimentError(f"dataset {name!r} exists; pass replace=True, extend=True "
+                                  "(or another name)")
+        if exists and extend:
+            ids = sorted(set(jsonlib.loads(exists[0]["turn_ids"])) | set(ids))
+            selection = {"earlier": jsonlib.loads(exists[0]["selection"] or "null"),
+                         "added": selection}
         store.execute("INSERT INTO datasets (name, created_at, description, selection, turn_ids) "
                       "VALUES (?, ?, ?, ?, ?) ON CONFLICT (name) DO UPDATE SET created_at = "
                       "excluded.created_at, description = excluded.description, selection = "
