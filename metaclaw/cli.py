@@ -589,7 +589,10 @@ def cmd_score(args: argparse.Namespace) -> int:
         print(f"judged {len(results) - failed - skipped} of {len(ids)} turns with {judge.model} "
               f"({judge.votes} votes each)" + (f"; {failed} could not be judged" if failed else "")
               + (f"; {skipped} skipped (judged meanwhile or being judged by another process)"
-                 if skipped else ""))
+                 if skipped else "")
+              + ("" if ids or args.rescore else
+                 " (none left to judge: turns judged already are left alone; --rescore "
+                 "judges them again)"))
     return 1 if failed and failed == len(results) - skipped else 0
 
 

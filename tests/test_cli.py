@@ -236,6 +236,9 @@ def test_score_buffers_evolve_commands(tmp_path):
             "--json").stdout.splitlines()]
         assert [s["score"] for s in scored] == [-1, 0]
         assert all(len(s["votes"]) == 3 and s["failed"] == 0 for s in scored)
+        again = run_cli("score", "--db", db, "--judge-url", url, "--judge-model", "sim-judge")
+        assert "judged 0 of 0 turns" in again.stdout and "--rescore judges them again" in \
+            again.stdout  # not a silent nothing
         rows = [json.loads(l) for l in run_cli("buffers", "--db", db, "--json").stdout.splitlines()]
         assert [(r["set"], r["state"], r["skill_generation"], r["reward"]) for r in rows] == [
             ("query", "live", 0, -1.0), ("query", "live", 0, 0.0)]
