@@ -516,7 +516,7 @@ def _skill_stats(args: argparse.Namespace, library: Any) -> int:
         if args.propose:
             _print_json({"proposals_filed": filed})
         return 0
-    print(f"{'skill':<32}{'injected':>9}{'reward with':>13}{'without':>9}{'delta [95%]':>22}"
+    print(f"{'skill':<32}{'injected':>9}{'reward with':>13}{'without':>15}{'delta [95%]':>22}"
           f"{'last used':>18}  suggestion")
     fmt = lambda x: "-" if x is None else f"{x:+.2f}"  # noqa: E731
     for row in stats.iter_rows(named=True):
@@ -527,7 +527,8 @@ def _skill_stats(args: argparse.Namespace, library: Any) -> int:
         name = row["skill"] + ("" if row["in_library"] else " (gone)")
         print(_printable(f"{name[:31]:<32}{row['injected']:>9}"
                          f"{fmt(row['reward_with']):>8} n={row['judged_with']:<3}"
-                         f"{fmt(row['reward_without']):>9}{interval:>22}{last:>18}  "
+                         f"{fmt(row['reward_without']):>9} n={row['judged_without'] or 0:<3}"
+                         f"{interval:>22}{last:>18}  "
                          f"{row['suggestion'] or '-'}"))
     print("reward: mean judged reward of the task turns with the skill, and of comparable turns "
           "without it (asks it matches that did not get it); observational, see "

@@ -138,6 +138,10 @@ def test_cli_skills_stats(workspace, tmp_path, capsys):
     assert cli.main(argv + ["--json"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert {r["skill"] for r in rows} >= {"iso-dates", "backup-first", "haiku-replies"}
+    iso = next(r for r in rows if r["skill"] == "iso-dates")
+    (line,) = [line for line in out.splitlines() if line.startswith("iso-dates ")]
+    # both sample sizes, with and without the skill
+    assert line.count(" n=") == 2 and f"n={iso['judged_without'] or 0}" in line.split()
 
 
 def test_empty_workspace(tmp_path):
