@@ -717,6 +717,11 @@ def _show_experiment(experiment: Any, as_json: bool) -> None:
         print(_printable(f"{row['variant'][:27]:<28}{row['cases']:>6}{row['scored']:>7}"
                          f"{fmt(row['mean_reward']):>8}{fmt(row['pass_rate'], '.0%'):>7}"
                          f"{versus:>24}{fmt(row['mcnemar_p'], '.3f'):>11}"))
+    scores = experiment.frame()["score"].drop_nulls()
+    if len(scores) and (scores == 0).all():
+        print("note: the judge found every reply unclear (0), so this cannot tell the variants "
+              "apart; a judge that scores the reply itself can (the offline simulated judge "
+              "scores the user's reaction, which a replay has none of)")
 
 
 @command("events")

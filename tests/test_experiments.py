@@ -209,6 +209,29 @@ def test_cli(workspace, sim, capsys):
     assert "compares with its first variant 'none'" in captured.err
 
 
+def test_the_summary_says_when_the_judge_could_not_tell_the_variants_apart(capsys):
+    import polars as pl
+
+    class Judged:
+        def __init__(self, scores):
+            self.scores = scores
+
+        def summary(self):
+            return pl.DataFrame({"variant": ["none", "current"], "cases": [2, 2],
+                                 "scored": [2, 2], "mean_reward": [0.0, 0.0],
+                                 "pass_rate": [0.0, 0.0], "diff_vs_first": [None, 0.0],
+                                 "diff_low": [None, 0.0], "diff_high": [None, 0.0],
+                                 "mcnemar_p": [None, 1.0]})
+
+        def frame(self):
+            return pl.DataFrame({"score": self.scores}, schema={"score": pl.Float64})
+
+    cli._show_experiment(Judged([0.0, 0.0, 0.0, None]), as_json=False)
+    assert "the judge found every reply unclear (0)" in capsys.readouterr().out
+    cli._show_experiment(Judged([0.0, -1.0, 1.0, 0.0]), as_json=False)
+    assert "unclear" not in capsys.readouterr().out
+
+
 def test_every_case_variant_is_in_flight_at_once_within_the_open_file_limit(tmp_path,
                                                                             monkeypatch):
     """At the default concurrency the replays of a moderate experiment all go out in one wave
