@@ -156,14 +156,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
               "serve`, or pass --caller-auth to forward each caller's own key", file=sys.stderr)
     runtime = Runtime.build(RuntimeConfig.from_args(args))
     generation, skills = runtime.library.current()
-    from metaclaw.redact import safe_url
-
-    upstream = safe_url(args.upstream) or (
-        f"the local language model {runtime.proxy.responder.model_name} (policy version "
-        f"{runtime.proxy.policy_version}, following the versions trained on it)"
-        if args.local_model
-        else "the SIMULATED model (rule-based, not a language model)" if args.sim
-        else "the offline double (scripted, not a model)")
+    upstream = runtime.upstream_label(long=True)
+    if runtime.proxy.responder is not None:
+        upstream += (f" (policy version {runtime.proxy.policy_version}, following the versions "
+                     "trained on it)")
 
     from metaclaw.fastloop.keys import has_keys
     from metaclaw.skills.retrieval import describe
@@ -260,13 +256,11 @@ def cmd_turns(args: argparse.Namespace) -> int:
         raise CliError("files are read by `metaclaw turns import FILE...`")
     store = _store(args.db)
     try:
-        where, params = turns_filter(args.session, args.type)
+        where, params = turns_filter(args.session, args.type, args.status)
     except IdentityError as exc:
         raise CliError(f"--type: {exc}") from None
     if args.id is not None:
         where, params = f"{where} AND id = ?", [*params, args.id]
-    if args.status:
-        where, params = f"{where} AND status = ?", [*params, args.status]
     if args.last is not None:  # the newest N: from the Nth newest id on
         nth = store.query(f"SELECT id FROM turns WHERE ({where}) ORDER BY id DESC LIMIT 1 "
                           "OFFSET ?", [*params, args.last - 1])
@@ -768,12 +762,14 @@ def cmd_wire(args: argparse.Namespace) -> int:
     except wire.WireError as exc:
         raise CliError(str(exc)) from None
     model = f"model {plan.model}; " if plan.model else ""
-    token = ("\nThe agent reads the proxy token from $METACLAW_PROXY_TOKEN: export it where the "
-             "agent runs." if args.agent == "codex" and args.token else
-             "\nClaude Code asks for a login unless it has a key: where it is not logged in, "
-             "export ANTHROPIC_AUTH_TOKEN=metaclaw where it runs (the proxy sends the upstream "
-             "its own key), or wire with --token." if args.agent == "claude-code"
-             and not args.token else "")
+    token = ""
+    if args.agent == "codex" and args.token:
+        token = ("\nThe agent reads the proxy token from $METACLAW_PROXY_TOKEN: export it where "
+                 "the agent runs.")
+    elif args.agent == "claude-code" and not args.token:
+        token = ("\nClaude Code asks for a login unless it has a key: where it is not logged "
+                 "in, export ANTHROPIC_AUTH_TOKEN=metaclaw where it runs (the proxy sends the "
+                 "upstream its own key), or wire with --token.")
     print(f"wired {args.agent} ({path}) to the proxy at http://{args.host}:{args.port}/v1 "
           f"({model}the original is kept, `metaclaw wire {args.agent} --undo` restores "
           f"it).\nNow run: {plan.serve_command(args.port, typed_token)}{token}")

@@ -455,7 +455,7 @@ class Runtime:
         responder = self.proxy.responder
         return {
             "url": self.url,
-            "upstream": self._upstream_label(long=True),
+            "upstream": self.upstream_label(long=True),
             "model": responder.model_name if responder is not None else self.proxy.config.model,
             "skills_dir": str(Path(self.config.skills_dir).resolve()),
             "db": self.store.location,
@@ -470,7 +470,7 @@ class Runtime:
             **failure_summary(self.store),
         }
 
-    def _upstream_label(self, long: bool = False) -> str:
+    def upstream_label(self, long: bool = False) -> str:
         """What answers the agent: a local language model, the simulated model, the offline
         double or the upstream's URL."""
         from metaclaw.redact import safe_url
@@ -486,7 +486,7 @@ class Runtime:
         return safe_url(self.proxy.config.upstream_url) or ""
 
     def __repr__(self) -> str:
-        return f"<MetaClaw runtime at {self.url} -> {self._upstream_label()}>"
+        return f"<MetaClaw runtime at {self.url} -> {self.upstream_label()}>"
 
     def _repr_html_(self) -> str:
         import html

@@ -131,14 +131,18 @@ def turn_type_condition(value: str) -> tuple[str, list[str]]:
         raise IdentityError("turn_type", f"{exc}; or 'stage' for every stage") from None
 
 
-def turns_filter(session: str | None = None,
-                 turn_type: str | None = None) -> tuple[str, list[str]]:
-    """The SQL condition and parameters selecting turns of ``session`` and of ``turn_type``
-    (as :func:`turn_type_condition` reads it); either may be left out."""
+def turns_filter(session: str | None = None, turn_type: str | None = None,
+                 status: str | None = None) -> tuple[str, list[str]]:
+    """The SQL condition and parameters selecting turns of ``session``, of ``turn_type`` (as
+    :func:`turn_type_condition` reads it) and of ``status`` (:data:`TURN_STATUSES`); any may be
+    left out."""
     where, params = ["1=1"], []
     if session:
         where.append("session_id = ?")
         params.append(session)
+    if status:
+        where.append("status = ?")
+        params.append(status)
     if turn_type:
         condition, values = turn_type_condition(turn_type)
         where.append(condition)

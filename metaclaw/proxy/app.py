@@ -111,8 +111,8 @@ class ProxyConfig:
     (:func:`metaclaw.proxy.context_budget.output_limit`): a request translated from another
     protocol asks for no more, and no more is reserved in the budget. ``durable_acks`` (default
     on): send the end of each reply only once its turn is committed to the store (group commit,
-    see :mod:`metaclaw.proxy.pipeline`), so an acknowledged turn survives ``kill -9``; off, the turn is committed right after the reply is
-    sent (:meth:`Proxy.flush` waits for it). ``fsync_acks`` (default off): fsync each group commit
+    see :mod:`metaclaw.proxy.pipeline`), so an acknowledged turn survives ``kill -9``; off, the
+    turn is committed right after the reply is sent (:meth:`Proxy.flush` waits for it). ``fsync_acks`` (default off): fsync each group commit
     too (SQLite ``synchronous=FULL``), so that an acknowledged turn also survives an OS crash or
     a power loss, for about one fsync of latency per group (milliseconds on many disks);
     off, a commit is written to the operating system without the fsync (``synchronous=NORMAL``):

@@ -984,6 +984,12 @@ class _Relay:
         self.finish(status="client_disconnected", error=f"the client disconnected {where}; "
                     "the upstream request was cancelled", **fields)
 
+    def stopped(self) -> web.Response:
+        """The proxy's stop cut this turn off before its reply's first byte: recorded as
+        cancelled, answered with a 503 ``proxy_stopped`` the client may retry."""
+        self.cancelled(http_status=STOPPED.status)
+        return self.turn.protocol.error_response(STOPPED, self.headers)
+
     async def complete(self, request: web.Request, upstream: Upstream) -> web.Response:
         turn, client = self.turn, self.turn.protocol
         try:
@@ -999,8 +1005,7 @@ class _Relay:
             if not self.parts.stopping:
                 self.cancelled()
                 raise
-            self.cancelled(http_status=STOPPED.status)  # cut off by the proxy's stop: a 503
-            return client.error_response(STOPPED, self.headers)  # the client may retry
+            return self.stopped()
         except Exception as exc:
             return await self.fail(exc, upstream)
         payload = mask_bytes(payload, self.secret_bytes)
@@ -1046,8 +1051,7 @@ class _Relay:
                 if not self.parts.stopping:
                     self.cancelled()
                     raise
-                self.cancelled(http_status=STOPPED.status)  # before the first byte: a 503
-                return client.error_response(STOPPED, self.headers)  # the client may retry
+                return self.stopped()
             except Exception as exc:
                 return await self.fail(exc, upstream)
             to_chat = None if same else source.stream_to_chat()

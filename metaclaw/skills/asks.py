@@ -96,8 +96,8 @@ _METADATA = re.compile(r"^[^\n]{0,80}\((?:untrusted )?metadata\):\s*\n```[^\n]*\
 _HEADER_LINES = re.compile(r"\A\s*(?:(?:Current (?:time|date)|Timestamp|Sender|Channel|"
                            r"Session(?: id)?|Message id|Chat id)\s*:[^\n]*\n\s*)+", re.I)
 # Codex: "# AGENTS.md instructions for /repo\n\n<INSTRUCTIONS>...</INSTRUCTIONS>", a user message
-_AGENTS_MD = re.compile(r"^#\s*AGENTS\.md instructions for [^\n]*\n\s*<INSTRUCTIONS>.*?</INSTRUCTIONS>",
-                        re.S | re.M)
+_AGENTS_MD = re.compile(
+    r"^#\s*AGENTS\.md instructions for [^\n]*\n\s*<INSTRUCTIONS>.*?</INSTRUCTIONS>", re.S | re.M)
 # OpenClaw: "<<<BEGIN_OPENCLAW_INTERNAL_CONTEXT>>> ... <<<END_OPENCLAW_INTERNAL_CONTEXT>>>"
 _FENCED_CONTEXT = re.compile(r"<<<BEGIN_([A-Z0-9_]+)>>>.*?<<<END_\1>>>", re.S)
 # OpenClaw: "Runtime: agent=main | session=agent:main:main | sessionId=... | host=..." lines
