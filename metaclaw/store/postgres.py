@@ -692,7 +692,12 @@ class SessionLock:
     def release(self) -> None:
         conn, self._conn = self._conn, None
         if conn is not None:
-            conn.close()  # ending the session frees the lock
+            # unlocked before it returns: the server ends a closed session (and frees its
+            # locks) a moment after the client has gone, so another process trying at once
+            # could still find the lock held
+            with contextlib.suppress(Exception):
+                conn.execute("SELECT pg_advisory_unlock(%s, %s)", (LEASE_SPACE, self.key))
+            conn.close()  # ending the session frees the lock in any case
 
     def forget(self) -> None:
         """In a forked child: drop the parent's connection without closing it (closing would
