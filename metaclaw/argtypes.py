@@ -22,6 +22,18 @@ def principal(text: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def token(text: str) -> str:
+    """A secret clients must send: not empty (``--token "$UNSET"`` would turn authentication
+    off without a word), no white space or control character (no header could carry it)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("the token is empty (an unset variable?): give a token, "
+                                         "or leave --token out to serve without one")
+    if any(c.isspace() or not c.isprintable() for c in text):
+        raise argparse.ArgumentTypeError("the token holds white space or a control character, "
+                                         "which no Authorization header can carry")
+    return text
+
+
 def positive_int(text: str) -> int:
     """An integer of at least 1."""
     value = _whole(text, "1 or more")

@@ -112,8 +112,8 @@ def add_config_options(p: argparse.ArgumentParser, group: str | None = None, *,
         flag, env = spec.pop("flag"), spec.pop("env", None)
         serve_default = spec.pop("serve_default", f.default)
         default = serve_default if serve_defaults else f.default
-        if env is not None:
-            default = os.environ.get(env, default)
+        if env is not None:  # an empty variable is an unset one
+            default = os.environ.get(env) or default
         if default is False and "action" not in spec:
             spec["action"] = "store_true"
         p.add_argument(flag, default=default, **spec)
@@ -313,7 +313,7 @@ def cmd_turns(args: argparse.Namespace) -> int:
         which += " of session " + repr(args.session) if args.session else ""
         which += " of type " + repr(args.type) if args.type else ""
         which += " with status " + repr(args.status) if args.status else ""
-        print(f"no turns{which} in {args.db}", file=sys.stderr)
+        print(f"no turns{which} in {store.location}", file=sys.stderr)
     return 0
 
 
@@ -359,11 +359,12 @@ def _import_turns(args: argparse.Namespace) -> int:
     if args.json:
         _print_json({"imported": result.imported, "skipped": result.skipped,
                      "turn_ids": result.turn_ids, "formats": result.formats,
-                     "sessions": result.sessions, "db": args.db})
+                     "sessions": result.sessions, "db": store.location})
         return 0
     for path, kind in result.formats.items():
         print(_printable(f"{path}: {kind}"))
-    print(f"imported {result.imported} turns in {len(result.sessions)} sessions into {args.db}"
+    print(f"imported {result.imported} turns in {len(result.sessions)} sessions into "
+          f"{store.location}"
           + (f"; {result.skipped} were already there" if result.skipped else "")
           + " (marked imported: judged, labelled and evolved from, never trained on)")
     return 0

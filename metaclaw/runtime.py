@@ -106,7 +106,7 @@ class RuntimeConfig:
                           "$METACLAW_DB, else .metaclaw/metaclaw.db)")
     token: str | None = option(
         None, "--token", "require this bearer token from clients (default $METACLAW_PROXY_TOKEN)",
-        env="METACLAW_PROXY_TOKEN")
+        env="METACLAW_PROXY_TOKEN", type=argtypes.token)
     retrieval: str = option(
         "auto", "--retrieval", "how skills are chosen (default auto: hybrid, i.e. BM25 fused "
         "with embeddings, where numpy and tokenizers are installed, else lexical)",
@@ -148,7 +148,7 @@ class RuntimeConfig:
     fsync_acks: bool = option(
         False, "--fsync-acks", "fsync each commit before acknowledging, so acknowledged turns "
         "survive an OS crash or power loss too (default: they survive kill -9 of the proxy; "
-        "costs about one fsync per group of turns)")
+        "costs about one fsync per group of turns; on PostgreSQL always on)")
     starter_skills: bool = option(
         False, "--starter-skills", "import the bundled starter skills into an empty library")
     simulated: bool = option(

@@ -522,12 +522,23 @@ def test_failed_judge_and_evolver_calls_from_the_cli_are_recorded(tmp_path, caps
     ("--timeout", "nan", "not a finite number"), ("--top-k", "-1", "too small"),
     ("--budget-chars", "-5", "too small"), ("--context-window", "-5", "too small"),
     ("--min-score", "nan", "not a finite number"), ("--votes", "0", "too small"),
+    ("--token", "", "the token is empty (an unset variable?)"),
+    ("--token", "a b", "white space"),
 ])
 def test_serve_refuses_impossible_numbers(tmp_path, option, value, says):
     """A value that would make every request fail, or inject nothing, is a usage error."""
     proc = run_cli("serve", "--db", tmp_path / "ws.db", option, value, check=False)
     assert proc.returncode == 2 and option in proc.stderr and says in proc.stderr
     assert not (tmp_path / "ws.db").exists()
+
+
+def test_an_empty_token_variable_is_no_token_not_a_refusal(monkeypatch):
+    from metaclaw import cli
+
+    monkeypatch.setenv("METACLAW_PROXY_TOKEN", "")
+    assert cli.build_parser().parse_args(["serve"]).token is None
+    monkeypatch.setenv("METACLAW_PROXY_TOKEN", "s3cret")
+    assert cli.build_parser().parse_args(["serve"]).token == "s3cret"
 
 
 def test_events_refuses_a_count_beyond_sqlite_integers(tmp_path):

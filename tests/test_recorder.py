@@ -362,3 +362,67 @@ def test_without_waiting_a_connection_inside_a_transaction_is_busy(tmp_path):
         store.record_turn(session_id="kept", **ROW)  # the outer transaction is untouched
     assert [s for _, s in _turns(tmp_path / "m.db")] == ["kept"]
     store.close()
+
+
+class UnreachableStore(Store):
+    """A workspace whose database server went away: every write fails as unreachable."""
+
+    def __init__(self, path):
+        super().__init__(path)
+        self.attempts = 0
+
+    def record_turns(self, turns, **kwargs):
+        from metaclaw.store import StoreUnavailable
+
+        self.attempts += 1
+        raise StoreUnavailable("PostgreSQL workspace postgresql://u:***@h/db: connection refused")
+
+
+def test_turns_an_unreachable_store_cannot_take_get_a_503_to_retry_not_a_500(tmp_path):
+    from types import SimpleNamespace
+
+    from metaclaw.protocols import ProxyError
+    from metaclaw.proxy.pipeline import UNREACHABLE, TurnPipeline
+
+    store = UnreachableStore(tmp_path / "m.db")
+    recorder = Recorder(store)
+    pipeline = SimpleNamespace(config=SimpleNamespace(durable_acks=True),
+                               parts=SimpleNamespace(stopping=False))
+
+    async def three():
+        futures = [recorder.submit(dict(ROW, session_id=f"s{i}"), False) for i in range(3)]
+        results = await asyncio.gather(*futures)
+        with pytest.raises(ProxyError) as err:
+            await TurnPipeline.acknowledge(pipeline, futures[0])
+        return results, err.value
+
+    try:
+        results, error = asyncio.run(three())
+    finally:
+        recorder.stop()
+    assert results == [UNREACHABLE] * 3
+    assert store.attempts <= 2  # the group, not each turn again, once the store is unreachable
+    assert error.status == 503 and error.code == "store_unavailable"
+    assert error.headers == {"Retry-After": "5"}
+
+
+def test_a_commit_the_store_never_confirms_withholds_the_reply_with_a_503(monkeypatch):
+    from types import SimpleNamespace
+
+    from metaclaw.protocols import ProxyError
+    from metaclaw.proxy import pipeline as module
+
+    monkeypatch.setattr(module, "ACK_TIMEOUT_S", 0.2)
+    pipeline = SimpleNamespace(config=SimpleNamespace(durable_acks=True),
+                               parts=SimpleNamespace(stopping=False))
+
+    async def never_confirmed():
+        started = time.monotonic()
+        with pytest.raises(ProxyError) as err:
+            await module.TurnPipeline.acknowledge(pipeline,
+                                                  asyncio.get_running_loop().create_future())
+        return time.monotonic() - started, err.value
+
+    waited, error = asyncio.run(never_confirmed())
+    assert 0.2 <= waited < 2 and error.status == 503 and error.code == "store_unavailable"
+    assert "did not confirm" in error.message

@@ -39,6 +39,45 @@ def test_targets_pick_the_engine_and_unknown_schemes_are_one_sentence(tmp_path):
     assert not any(p.name.endswith(":") for p in tmp_path.iterdir())
 
 
+def test_a_libpq_key_value_string_is_refused_never_echoed_nor_made_a_file(tmp_path, monkeypatch,
+                                                                          capsys):
+    from metaclaw import cli
+
+    monkeypatch.chdir(tmp_path)
+    conninfo = "host=127.0.0.1 port=5432 user=bob password=s3cret-pw dbname=team"
+    with pytest.raises(StoreError, match="named by a URL") as err:
+        Store(conninfo)
+    assert "s3cret-pw" not in str(err.value)
+    assert cli.main(["turns", "--db", conninfo]) == 1
+    assert cli.main(["turns", "--db", " USER=bob"]) == 1
+    assert "s3cret-pw" not in capsys.readouterr().err and not list(tmp_path.iterdir())
+    assert parse_target("hosts.db") == ("sqlite", "hosts.db")  # a file name is still one
+
+
+def test_turn_listings_and_imports_name_the_workspace_with_its_password_masked(
+        pg_cluster, url, tmp_path, capsys):
+    import json
+
+    from metaclaw import cli
+
+    import psycopg
+
+    with psycopg.connect(pg_cluster.url(), autocommit=True) as conn:
+        conn.execute("ALTER ROLE metaclaw PASSWORD 's3cret-pw'")
+    secret = url.replace("metaclaw@", "metaclaw:s3cret-pw@")
+    assert cli.main(["turns", "--db", secret, "--session", "nope"]) == 0
+    said = capsys.readouterr()
+    assert "no turns of session 'nope'" in said.err and "metaclaw:***@" in said.err
+    transcript = tmp_path / "t.jsonl"
+    transcript.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                                   {"role": "assistant", "content": "hello"}]})
+                          + "\n")
+    assert cli.main(["turns", "import", str(transcript), "--db", secret]) == 0
+    assert cli.main(["turns", "import", str(transcript), "--db", secret, "--json"]) == 0
+    said = capsys.readouterr()
+    assert "s3cret-pw" not in said.out + said.err and "metaclaw:***@" in said.out
+
+
 def test_an_unreachable_database_fails_fast_with_the_password_masked(tmp_path):
     started = time.monotonic()
     target = f"postgresql://bob:s3cret-pw@/nowhere?host={tmp_path}&port=5999"
@@ -346,3 +385,50 @@ def test_first_generation_checks_from_many_threads_share_one_listener(url):
         listeners = [t for t in threading.enumerate() if t.name == "metaclaw-generation-listener"
                      and t is store._listener._thread]
         assert len(listeners) == 1
+
+
+def test_the_proxy_records_on_postgresql_from_its_thread_with_the_servers_flush(url):
+    import asyncio
+
+    from metaclaw.proxy.pipeline import Recorder
+
+    seen = []
+
+    from metaclaw.store.postgres import PostgresStore
+
+    class Spy(PostgresStore):
+        def record_turns(self, turns, *, fsync=True, wait=True, stale=None):
+            seen.append((fsync, __import__("threading").current_thread().name))
+            return super().record_turns(turns, fsync=fsync, wait=wait, stale=stale)
+
+    store = Spy(url)
+    recorder = Recorder(store)  # no fsync asked: a server database flushes all the same
+
+    async def one():
+        return await recorder.submit({"session_id": "s", "status": "ok",
+                                      "request_messages": []}, False)
+
+    try:
+        assert isinstance(asyncio.run(one()), int)
+    finally:
+        recorder.stop()
+        store.close()
+    assert seen and all(fsync and name == "metaclaw-record" for fsync, name in seen)
+
+
+def test_the_generation_a_proxy_serves_needs_no_database_once_known(pg_cluster, url):
+    with Store(url) as store:
+        store.add_generation(snapshot={}, kind="init", reason="", parent=None, events=[])
+        deadline = time.monotonic() + 10
+        while store._listener is None or store._listener.latest != 0:
+            store.current_generation()
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        pg_cluster.stop()
+        try:
+            started = time.monotonic()
+            for _ in range(20):
+                assert store.current_generation() == 0  # the last known: no wait
+            assert time.monotonic() - started < 0.5
+        finally:
+            pg_cluster.start()

@@ -117,7 +117,8 @@ class ProxyConfig:
     a power loss, for about one fsync of latency per group (milliseconds on many disks);
     off, a commit is written to the operating system without the fsync (``synchronous=NORMAL``):
     it survives ``kill -9`` of the proxy, and an OS crash or power loss may lose the last turns
-    (never the database). ``header_timeout``: seconds a client connection may
+    (never the database). On PostgreSQL every acknowledged turn is flushed by the server
+    (``synchronous_commit`` on) whatever ``fsync_acks`` says. ``header_timeout``: seconds a client connection may
     take to send a whole request line and headers (and stay idle between requests);
     ``body_timeout``: seconds to receive the request body (408 after); ``max_connections``: open
     client connections beyond it get a 503 and are closed (slow or stuck clients cannot hold the

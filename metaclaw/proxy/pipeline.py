@@ -49,12 +49,18 @@ from metaclaw.proxy.upstreams import NO_KEY, ResponderUpstream, Upstream, policy
 from metaclaw.redact import mask, mask_bytes, mask_json, secrets_of
 from metaclaw.skills import block as skill_block, retrieval
 from metaclaw.skills.library import visible
+from metaclaw.store import StoreUnavailable
 from metaclaw.turns import IdentityError, is_task_turn
 
 if TYPE_CHECKING:  # pragma: no cover
     from metaclaw.store import Store
 
 log = logging.getLogger("metaclaw.proxy")
+
+#: Longest wait for a turn's commit before its reply is withheld with a 503: longer than a
+#: write may wait for the store's lock (``BUSY_TIMEOUT_S``) and for a connection, so only a
+#: store that stopped answering reaches it.
+ACK_TIMEOUT_S = 45.0
 
 #: Body fields understood by the proxy itself; removed before forwarding.
 PROXY_FIELDS = ("session_id", "turn_type", "session_done")
@@ -243,12 +249,12 @@ class TurnListeners:
             self.pool.shutdown(wait=False)
 
     def notify(self, ids: list[int | None]) -> None:
-        """Call the listeners with each id of ``ids`` that is not ``None`` (nothing before
+        """Call the listeners with each id of ``ids`` that is a turn's (nothing before
         :meth:`start` or after :meth:`stop`)."""
         pool = self.pool
         if self.fns and pool is not None:
             for turn_id in ids:
-                if turn_id is not None:
+                if isinstance(turn_id, int):
                     with contextlib.suppress(RuntimeError):  # the pool has shut down
                         pool.submit(self._call, turn_id)
 
@@ -270,7 +276,10 @@ class Recorder:
     one transaction (one commit for the whole group), so waiting for durability costs a request
     about one commit however many requests are in flight. The commit survives ``kill -9`` of the
     proxy; with ``fsync`` (``ProxyConfig.fsync_acks``) it is also fsynced (``synchronous=FULL``:
-    it survives an OS crash or power loss too, for about one fsync per group).
+    it survives an OS crash or power loss too, for about one fsync per group). On a database
+    server (PostgreSQL) every commit waits for the server's flush (``synchronous_commit`` on),
+    so that a crash of the server loses nothing acknowledged either, and every group is written
+    by the writer thread: the event loop never waits on the network.
 
     Where a group is written: a commit without fsync takes a fraction of a millisecond, less than
     handing it to a thread costs (the interpreter lock passed back and forth, two wake-ups), so
@@ -298,13 +307,15 @@ class Recorder:
     def __init__(self, store: Store, fsync: bool = False,
                  listeners: TurnListeners | None = None):
         self.store = store
-        self.fsync = fsync
+        # a database server's crash (an out-of-memory kill restarts all its backends) must not
+        # lose what the proxy acknowledged: its commits wait for the server's flush always
+        self.fsync = fsync or getattr(store, "engine", "sqlite") != "sqlite"
         self.listeners = listeners if listeners is not None else TurnListeners()
         self.pending: set[asyncio.Future[Any]] = set()
         self._group: list[tuple[Any, ...]] = []  # submitted, not yet flushed
         self._queue: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
-        self._loop_store: "Store | None" = None  # the store's connection for the loop's writes
+        self._loop_store: "Store | bool | None" = None  # what the loop writes on (_loop_writer)
         self._handed = 0  # groups handed to the writer thread (counted on the loop)
         self._written = 0  # groups the writer thread has finished (counted by the thread)
         self._thread_until = 0.0  # monotonic time before which groups go to the thread
@@ -375,8 +386,10 @@ class Recorder:
         started, cpu = time.perf_counter(), time.thread_time()
         try:
             if self._loop_store is None:
-                self._loop_store = self.store.loop_writer() or self.store
+                self._loop_store = self._loop_writer(self.store)
             store = self._loop_store
+            if store is False:  # a database server: its writes wait on the network
+                return False
             ids = self._write_all(store, group, False, wait=False)
         except Exception:  # busy, closed, or a row the store refuses: rolled back, nothing
             return False   # written; the writer thread sorts it out (or answers None)
@@ -392,6 +405,14 @@ class Recorder:
             self.start()
             self._queue.put(_CHECKPOINT)
         return True
+
+    @staticmethod
+    def _loop_writer(store: Store) -> "Store | bool":
+        """The store the loop writes on: its loop writer, the store itself where it has none
+        and is in memory, ``False`` (never on the loop) for a database server."""
+        if getattr(store, "engine", "sqlite") != "sqlite":
+            return False
+        return store.loop_writer() or store
 
     # -- the writer thread ----------------------------------------------------------------
     def _run(self) -> None:
@@ -417,10 +438,13 @@ class Recorder:
 
     def _commit(self, group: list[tuple[Any, ...]]) -> None:
         store, fsync, cpu = self.store, self.fsync, time.thread_time()
-        ids: list[int | None]
+        ids: list[Any]  # a turn id, None (refused) or UNREACHABLE
         try:
             ids = self._write_all(store, group, fsync)
             self._thread_commits += 1
+        except StoreUnavailable as exc:  # the database is down: one by one would fail alike
+            log.warning("could not record %d turns: %s", len(group), exc)
+            ids = [UNREACHABLE] * len(group)
         except Exception:  # one bad row must not lose the others: write them one by one
             ids = []
             for row, done, _, _ in group:
@@ -468,6 +492,10 @@ class Recorder:
         return store.record_turns([(row, done) for row, done, *_ in group], fsync=fsync,
                                   wait=wait, stale={buffers.LIVE: buffers.PURGED})
 
+
+#: A turn's record when the store could not be reached (its future's result, like ``None`` for
+#: a turn the store refused): answered with a 503 the client may retry.
+UNREACHABLE = "unreachable"
 
 #: Queued for the writer thread: checkpoint the write-ahead log.
 _CHECKPOINT = "checkpoint"
@@ -739,8 +767,20 @@ class TurnPipeline:
                 and not parse.get("count_only")):
             # conversations opening alike are told apart by the replies they continue (a count
             # of tokens is no turn: it would take the session its conversation's turn is due)
-            turn.session_id, how, turn.thread = self.parts.threads.resolve(
-                identity.session_id, turn.messages)
+            threads = self.parts.threads
+            if threads.reads_network:  # it may look up the recorded sessions: off the loop
+                resolving = asyncio.get_running_loop().run_in_executor(
+                    None, threads.resolve, identity.session_id, turn.messages)
+                try:
+                    turn.session_id, how, turn.thread = await asyncio.shield(resolving)
+                except asyncio.CancelledError:  # the session it takes is freed once taken
+                    resolving.add_done_callback(
+                        lambda done: done.cancelled() or done.exception() is not None
+                        or threads.settle(done.result()[2], False))
+                    raise
+            else:
+                turn.session_id, how, turn.thread = threads.resolve(identity.session_id,
+                                                                    turn.messages)
             turn.identified_by = {**turn.identified_by, "session": how}
         try:
             turn.generation, skills = self.parts.library.current()
@@ -871,13 +911,26 @@ class TurnPipeline:
         found by :meth:`Proxy.flush`)."""
         if not self.config.durable_acks:
             return None
+        deadline = asyncio.get_running_loop().time() + ACK_TIMEOUT_S
         while True:
             try:
-                turn_id = await asyncio.shield(recorded)
+                turn_id = await asyncio.wait_for(asyncio.shield(recorded),
+                                                 deadline - asyncio.get_running_loop().time())
                 break
+            except asyncio.TimeoutError:  # a database that takes the commit and never answers
+                raise ProxyError(503, f"the workspace's store did not confirm this turn's "
+                                      f"record within {ACK_TIMEOUT_S:.0f} s, so the proxy does "
+                                      "not acknowledge the reply; retry the request (the turn "
+                                      "may still be recorded once the store answers)",
+                                 type="server_error", code="store_unavailable") from None
             except asyncio.CancelledError:  # the stop's cut-off: this turn is recorded (the
                 if not self.parts.stopping:  # stop drains it), so its client gets its reply
                     raise
+        if turn_id is UNREACHABLE:
+            raise ProxyError(503, "the workspace database is unreachable, so this turn could not "
+                                  "be recorded and the proxy does not acknowledge the reply; "
+                                  "retry the request when it is back", type="server_error",
+                             code="store_unavailable", headers={"Retry-After": "5"})
         if turn_id is None:
             raise ProxyError(500, "the proxy could not record this turn in its store (see the "
                                   "proxy log), so it does not acknowledge the reply; retry the "

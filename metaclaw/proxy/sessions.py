@@ -396,6 +396,12 @@ class ReplyThreads:
         self._forgot = False    # _openings lost some (bounded): a new one is looked up
         self._lock = threading.Lock()
 
+    @property
+    def reads_network(self) -> bool:
+        """Whether a look-up in the workspace may wait on the network (a database server): then
+        :meth:`resolve` is called off the event loop."""
+        return self.store is not None and getattr(self.store, "engine", "sqlite") != "sqlite"
+
     def resolve(self, fingerprint: str, messages: list[Any]) -> tuple[str, str, Thread]:
         """(session id, how it was decided, the thread to :meth:`settle`) of a task turn whose
         session is the fingerprint ``fingerprint``; ``messages``: as the client sent them."""

@@ -8,6 +8,7 @@ import copy
 import json
 import logging
 import os
+import re
 import socket
 import sqlite3
 import threading
@@ -326,12 +327,22 @@ ENGINES: dict[str, Any] = {"sqlite": lambda: Store}
 POSTGRES_SCHEMES = ("postgresql", "postgres")
 
 
+#: A libpq connection string of key=value settings ("host=db user=me password=..."), which is
+#: not a file name.
+_CONNINFO = re.compile(r"\s*(host|hostaddr|port|dbname|user|password|passfile|service|sslmode)"
+                       r"\s*=", re.IGNORECASE)
+
+
 def parse_target(target: "str | os.PathLike[str]") -> tuple[str, str]:
     """``(engine, where)`` for a store target: ``("sqlite", path)`` for a path, ``:memory:`` or
     ``sqlite:///path``; ``("postgresql", url)`` for a ``postgresql://`` or ``postgres://`` URL.
     Any other ``scheme://`` is a :class:`StoreError` (never taken for a file name)."""
     text = os.fspath(target)
     scheme, sep, rest = text.partition("://")
+    if not sep and _CONNINFO.match(text):  # never echoed: it may hold a password
+        raise StoreError("a PostgreSQL workspace is named by a URL, postgresql://user@host:port/"
+                         "dbname (the password in ~/.pgpass or PGPASSWORD), not by key=value "
+                         "connection settings")
     if not sep or not scheme or not all(c.isalnum() or c in "+.-" for c in scheme):
         return "sqlite", text
     scheme = scheme.lower()

@@ -63,6 +63,10 @@ WRITE_LOCK = 0x6D63_7772  # "mcwr"
 CONNECT_TIMEOUT_S = 5
 #: Connections of the read pool, unless ``METACLAW_DB_POOL`` says otherwise.
 POOL_SIZE = 8
+#: libpq's TCP settings every connection gets unless the URL sets them: keepalive probes after
+#: 5 s idle, 2 s apart, 2 unanswered end it; data unacknowledged for 10 s ends it (Linux).
+TCP_TIMEOUTS = {"keepalives": "1", "keepalives_idle": "5", "keepalives_interval": "2",
+                "keepalives_count": "2", "tcp_user_timeout": "10000"}
 
 #: Tables whose key is not called ``id`` (what an INSERT returns).
 _KEYS = {"skill_generations": "generation", "policy_versions": "version"}
@@ -268,6 +272,10 @@ class PostgresStore(Store):
         query = dict(parse_qsl(query_text, keep_blank_values=True))
         query.setdefault("connect_timeout", str(CONNECT_TIMEOUT_S))
         query.setdefault("application_name", "metaclaw")
+        # a peer that went away (a lost machine, a cut network) is noticed within seconds, not
+        # the kernel's minutes to hours: the calls made meanwhile fail instead of hanging
+        for key, value in TCP_TIMEOUTS.items():
+            query.setdefault(key, value)
         return f"{base_url}?{urlencode(query, safe='/')}"
 
     @property
@@ -530,7 +538,11 @@ class PostgresStore(Store):
         """The latest generation committed on any machine, without a query: a thread of this
         process ``LISTEN``s on :data:`GENERATION_CHANNEL` (a trigger announces every new
         generation as it commits) and re-reads the number when told, and once a second in any
-        case. While that connection is down (a restart), every call reads the table."""
+        case. While that connection is down (the database restarting or unreachable), the
+        number it last knew, without waiting for the network: the proxy calls this before every
+        request on its event loop, which must not hang on a database that went away (turns
+        cannot be recorded meanwhile anyway; the listener reads the number again as soon as it
+        is back). Before the listener ever connected, the table is read."""
         listener = self._listener
         if listener is None or listener.pid != os.getpid():  # none yet, or a forked child's
             with self._listener_lock:
@@ -538,6 +550,8 @@ class PostgresStore(Store):
                     self._listener = _GenerationListener(self)
                 listener = self._listener
         value = listener.latest
+        if value is _UNKNOWN:
+            value = listener.last
         return self.latest_generation() if value is _UNKNOWN else value
 
     def add_generation(self, **fields: Any) -> int:
@@ -767,6 +781,7 @@ class _GenerationListener:
         # listener stops with it
         self.conninfo, self.pid, self._psycopg = store._conninfo, os.getpid(), store._psycopg
         self.latest: Any = _UNKNOWN
+        self.last: Any = _UNKNOWN  # the newest number known, kept while the connection is down
         self._latest_lock = threading.Lock()
         self._conn: Any = None
         self._stopped = threading.Event()
@@ -778,9 +793,7 @@ class _GenerationListener:
 
     def _serve(self) -> None:
         psycopg = self._psycopg
-        # a dead peer is noticed within seconds, not the kernel's hours
-        conninfo = (f"{self.conninfo}&keepalives_idle=5&keepalives_interval=2"
-                    "&keepalives_count=2&tcp_user_timeout=5000")
+        conninfo = self.conninfo  # with TCP_TIMEOUTS: a dead peer is noticed within seconds
         while not self._stopped.is_set():
             try:
                 self._conn = conn = psycopg.connect(conninfo, autocommit=True)
@@ -818,6 +831,9 @@ class _GenerationListener:
                     self.latest = number
             elif number is not None and (latest is None or latest < number):
                 self.latest = number
+            last = self.last
+            if last is _UNKNOWN or last is None or number is not None and last < number:
+                self.last = number
 
     def heard(self, number: int) -> None:
         """``number`` was committed by this process (its NOTIFY is on its way)."""
