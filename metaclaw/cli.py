@@ -373,18 +373,26 @@ def _import_turns(args: argparse.Namespace) -> int:
 @command("export")
 def cmd_export(args: argparse.Namespace) -> int:
     """``metaclaw export OUT.jsonl``: labelled turns as OpenAI chat JSON Lines (or eval
-    samples), the file ``metaclaw turns import`` reads back."""
-    from metaclaw.fastloop.labels import export_jsonl
+    samples), the file ``metaclaw turns import`` reads back; ``OUT.parquet``: the turns with
+    their labels as a table."""
+    from metaclaw.fastloop.labels import EXPORT_SUFFIXES, export_file
 
+    if Path(args.out).suffix.lower() not in EXPORT_SUFFIXES:
+        raise CliError(f"export: write to a file ending in {' or '.join(EXPORT_SUFFIXES)}, not "
+                       f"{Path(args.out).name!r}")
     store = _store(args.db)
     try:
-        count = export_jsonl(store, args.out, session=args.session, shape=args.shape,
-                             labelled_only=args.labelled_only)
+        count = export_file(store, args.out, session=args.session, shape=args.shape,
+                            labelled_only=args.labelled_only)
     finally:
         store.close()
-    which = ("turns labelled pass or with a corrected answer" if args.shape == "chat"
-             else "labelled turns" if args.labelled_only else "turns")
-    print(_printable(f"wrote {count} records to {args.out} ({args.shape} shape: {which})"))
+    if Path(args.out).suffix.lower() == ".parquet":
+        which = "a table of " + ("labelled turns" if args.labelled_only else "turns")
+    else:
+        which = (f"{args.shape} shape: " + (
+            "turns labelled pass or with a corrected answer" if args.shape == "chat"
+            else "labelled turns" if args.labelled_only else "turns"))
+    print(_printable(f"wrote {count} records to {args.out} ({which})"))
     return 0
 
 
@@ -403,9 +411,10 @@ def _generation_numbers(args: argparse.Namespace) -> list[int]:
 def cmd_skills(args: argparse.Namespace) -> int:
     if args.action in ("diff", "rollback"):
         args.generations = _generation_numbers(args)
-        needs, usage = (("two generations", "G1 G2") if args.action == "diff"
+        needs, usage = (("at most two generations", "[[G1] G2]") if args.action == "diff"
                         else ("one generation", "G"))
-        if len(args.generations) != (2 if args.action == "diff" else 1):
+        if (len(args.generations) > 2 if args.action == "diff"
+                else len(args.generations) != 1):
             raise CliError(f"skills {args.action} needs {needs}: metaclaw skills {args.action} "
                            f"{usage}")
     if args.action == "import" and not args.path:
@@ -423,8 +432,14 @@ def cmd_skills(args: argparse.Namespace) -> int:
                 scope += f" {skill.scope}" if skill.private else ""
                 print(f"  {skill.name:<32} [{skill.category}{scope}] {skill.description}")
         return 0
-    if args.action == "diff":
-        diff = library.diff(*args.generations)
+    if args.action == "diff":  # G2 alone: what it changed; nothing: what the latest changed
+        numbers = args.generations or [library.generation]
+        if len(numbers) == 1:
+            if numbers[0] < 1:
+                raise CliError(f"skills diff: generation {numbers[0]} has none before it; "
+                               "give two: metaclaw skills diff G1 G2")
+            numbers = [numbers[0] - 1, numbers[0]]
+        diff = library.diff(*numbers)
         if args.json:
             _print_json(diff.to_dict())
         else:
@@ -459,6 +474,9 @@ def _write_keys(args: argparse.Namespace, library: Any) -> int:
     if not args.evolver_url or not args.evolver_model:
         raise CliError("skills keys needs the evolver: --evolver-url URL --evolver-model M (key "
                        "from $METACLAW_EVOLVER_API_KEY)")
+    if args.evolver_model.startswith("sim-"):
+        raise CliError("skills keys: the SIMULATED evolver writes no retrieval keys (it is not a "
+                       "language model); give a real evolver model")
     evolver = Evolver(args.evolver_url, args.evolver_model, library, library.store,
                       dedupe_threshold=None)
     try:
@@ -470,7 +488,7 @@ def _write_keys(args: argparse.Namespace, library: Any) -> int:
     if args.json:
         _print_json(result.to_dict())
     else:
-        print(_printable(str(result)))
+        print("\n".join(_printable(line) for line in str(result).splitlines()))
     return 1 if result.failed and not result.written else 0
 
 
@@ -1191,8 +1209,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                      "scores and how the session was found")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
 
-    p = add("export", help="write labelled turns as OpenAI chat JSON Lines")
-    p.add_argument("out", metavar="OUT.jsonl")
+    p = add("export", help="write labelled turns as OpenAI chat JSON Lines (OUT.jsonl), or "
+            "the turns with their labels as a table (OUT.parquet)")
+    p.add_argument("out", metavar="OUT.jsonl|OUT.parquet")
     add_db(p)
     p.add_argument("--session", help="only this session")
     p.add_argument("--labelled-only", action="store_true", help="only turns a person labelled")
@@ -1208,7 +1227,8 @@ def build_parser() -> argparse.ArgumentParser:
                    choices=["list", "diff", "rollback", "import", "stats", "share", "keys"],
                    help="list (default), diff, rollback, import, stats, share or keys")
     p.add_argument("generations", nargs="*", metavar="GENERATION|NAME",
-                   help="diff: two generations; rollback: one; share: the skill's name; keys: "
+                   help="diff: two generations (one: what it changed; none: what the latest "
+                   "changed); rollback: one; share: the skill's name; keys: "
                    "the skills' names (default: every skill without keys)")
     p.add_argument("--skills", default=str(DEFAULT_SKILLS))
     add_db(p)

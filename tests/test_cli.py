@@ -137,6 +137,11 @@ def test_skills_list_diff_rollback(tmp_path):
     assert "+line 2 edited" in diff["edited"][0]["unified_diff"]
     text = run_cli("skills", "diff", 0, 1, "--skills", skills, "--db", db).stdout
     assert "beta" in text and "alpha" in text
+    # one generation: what it changed; none: what the latest changed
+    assert run_cli("skills", "diff", 1, "--skills", skills, "--db", db).stdout == text
+    assert run_cli("skills", "diff", "--skills", skills, "--db", db).stdout == text
+    proc = run_cli("skills", "diff", 0, "--skills", skills, "--db", db, check=False)
+    assert proc.returncode == 2 and "none before it" in proc.stderr
 
     out = json.loads(run_cli("skills", "rollback", 0, "--skills", skills, "--db", db,
                              "--json").stdout)
@@ -148,9 +153,9 @@ def test_skills_list_diff_rollback(tmp_path):
 def test_clear_errors(tmp_path):
     proc = run_cli("turns", "--db", tmp_path / "missing.db", check=False)
     assert proc.returncode == 2 and "no MetaClaw database" in proc.stderr
-    proc = run_cli("skills", "diff", 0, "--skills", tmp_path / "s", "--db", tmp_path / "d.db",
-                   check=False)
-    assert proc.returncode == 2 and "two generations" in proc.stderr
+    proc = run_cli("skills", "diff", 0, 1, 2, "--skills", tmp_path / "s", "--db",
+                   tmp_path / "d.db", check=False)
+    assert proc.returncode == 2 and "at most two generations" in proc.stderr
     proc = run_cli("skills", "rollback", 7, "--skills", tmp_path / "s", "--db", tmp_path / "d.db",
                    check=False)
     assert proc.returncode == 2 and "no MetaClaw database" in proc.stderr

@@ -235,7 +235,7 @@ def test_trace_label_agreement_and_export_magics(ip, tmp_path, capsys):
     line(ip, f"export {tmp_path}/all.parquet --labelled")
     assert "2 turns written" in capsys.readouterr().out.splitlines()[-1]
     line(ip, "export out.csv")
-    assert ".jsonl or a .parquet" in capsys.readouterr().out
+    assert "ending in .jsonl or .parquet" in capsys.readouterr().out
 
 
 def test_a_held_proposal_is_edited_and_promoted_from_magics(ip, capsys):

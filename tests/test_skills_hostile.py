@@ -210,6 +210,70 @@ def test_a_hand_edit_in_a_lagging_folder_is_recorded_and_nothing_else_is_undone(
     assert ops == [("edit", "style")]
 
 
+STEPS = "---\nname: steps\ndescription: Steps.\n---\n\n{0}\n\n{1}\n\n{2}\n"
+
+
+def _two_folders(tmp_path: Path) -> tuple[Path, SkillLibrary, Path, SkillLibrary]:
+    """Two folders of one workspace (two machines' checkouts): ``steps`` has three lines."""
+    db = tmp_path / "ws.db"
+    here, there = tmp_path / "here", tmp_path / "there"
+    write_skill(here, "steps", STEPS.format("Read the file.", "Back it up.", "Then edit."))
+    mine = SkillLibrary(here, Store(db))
+    theirs = SkillLibrary(there, Store(db))  # filled from the workspace
+    return here, mine, there, theirs
+
+
+def _body(library: SkillLibrary) -> str:
+    return library.get("steps").body
+
+
+def test_a_running_folder_follows_changes_made_through_another(tmp_path):
+    """A proxy's folder used to keep its old files while it served a newer generation in
+    memory, so a person opening a file there edited a stale one."""
+    here, mine, there, theirs = _two_folders(tmp_path)
+    mine.watch()
+    try:
+        theirs.edit(Skill.from_markdown(STEPS.format("Read the file.", "Back it up first.",
+                                                     "Then edit.")))
+        deadline = time.monotonic() + 10
+        while "Back it up first." not in (here / "steps" / "SKILL.md").read_text():
+            assert time.monotonic() < deadline, "the folder did not follow the library"
+            time.sleep(0.05)
+        assert mine.current()[0] == theirs.generation
+    finally:
+        mine.unwatch()
+    assert [g["kind"] for g in mine.generations()][-1] == "edit"  # nothing recorded back
+
+
+def test_an_edit_of_a_stale_file_merges_with_the_change_it_missed(tmp_path):
+    here, mine, there, theirs = _two_folders(tmp_path)
+    theirs.edit(Skill.from_markdown(STEPS.format("Read the whole file.", "Back it up.",
+                                                 "Then edit.")))
+    write_skill(here, "steps", STEPS.format("Read the file.", "Back it up.", "Then edit once."))
+    mine.reload()  # what the watcher calls on the edit
+    assert _body(mine) == "Read the whole file.\n\nBack it up.\n\nThen edit once."
+    assert "Read the whole file." in (here / "steps" / "SKILL.md").read_text()
+    assert not list(here.glob("*.conflict.md"))
+
+
+def test_an_edit_of_a_stale_file_that_overlaps_the_change_is_set_aside_not_recorded_over_it(
+        tmp_path):
+    """It was recorded as the folder's edit, silently undoing the other folder's change."""
+    here, mine, there, theirs = _two_folders(tmp_path)
+    theirs.edit(Skill.from_markdown(STEPS.format("Read the file.", "Back it up to .bak.",
+                                                 "Then edit.")))
+    edited = STEPS.format("Read the file.", "Back it up to git.", "Then edit.")
+    write_skill(here, "steps", edited)
+    generation = theirs.generation
+    assert mine.reload() == generation  # nothing recorded: the other change stands
+    assert "Back it up to .bak." in _body(mine)
+    assert "Back it up to .bak." in (here / "steps" / "SKILL.md").read_text()
+    assert (here / "steps.conflict.md").read_text() == edited  # the edit is not lost
+    events = [e for e in mine.store.events() if e["kind"] == "skill_edit_conflict"]
+    assert len(events) == 1 and "merge it into" in events[0]["message"]
+    assert mine.reload() == generation and sorted(mine.problems) == []  # not a skill
+
+
 def test_a_change_made_through_a_lagging_folder_applies_on_the_latest_generation(tmp_path):
     """The proxy evolves after the CLI did through another folder: its files of the skills the
     CLI changed are stale, not hand edits, so the change goes through (it was refused as

@@ -432,3 +432,23 @@ def test_the_generation_a_proxy_serves_needs_no_database_once_known(pg_cluster, 
             assert time.monotonic() - started < 0.5
         finally:
             pg_cluster.start()
+
+
+def test_a_folder_lagging_behind_is_known_by_its_workspace_not_by_the_url_spelling(
+        url, tmp_path, monkeypatch):
+    """The folder marks were named after the URL: the same database reached with the password
+    moved to ~/.pgpass, or another option, found none, and the lagging folder's old files were
+    recorded as changes, undoing the other machine's."""
+    from metaclaw.skills.library import Skill, SkillLibrary
+
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    skill = Skill(name="steps", description="Steps.", body="Back it up.")
+    mine = SkillLibrary(tmp_path / "mine", Store(url))
+    mine.add(skill)
+    theirs = SkillLibrary(tmp_path / "theirs", Store(url + "&application_name=elsewhere"))
+    edited = theirs.edit(Skill(name="steps", description="Steps.", body="Back it up first."))
+    reopened = SkillLibrary(tmp_path / "mine", Store(url + "&connect_timeout=3"))
+    assert reopened.generation == edited
+    assert reopened.get("steps").body == "Back it up first."
+    assert "Back it up first." in (tmp_path / "mine" / "steps" / "SKILL.md").read_text()
+    assert [g["kind"] for g in reopened.generations()][-1] != "disk"

@@ -391,6 +391,15 @@ def test_turns_import_and_export_on_the_command_line(tmp_path, capsys):
     store.close()
     assert cli.main(["export", str(out), "--db", str(db)]) == 0
     assert "wrote 4 records" in capsys.readouterr().out
+    table = tmp_path / "out.parquet"  # was JSON Lines under a .parquet name
+    assert cli.main(["export", str(table), "--db", str(db)]) == 0
+    assert "a table of turns" in capsys.readouterr().out
+    import polars as pl
+
+    assert pl.read_parquet(table).height == 4
+    assert cli.main(["export", str(tmp_path / "out.csv"), "--db", str(db)]) == 2
+    assert "ending in .jsonl or .parquet" in capsys.readouterr().err
+    assert not (tmp_path / "out.csv").exists()
     assert cli.main(["turns", "import", str(out), "--db", str(fresh)]) == 0
     assert "imported 4 turns in 2 sessions" in capsys.readouterr().out
     bad = tmp_path / "bad.jsonl"

@@ -386,6 +386,24 @@ def export_frame(store: Store, *, turn_ids: Iterable[int] | None = None,
     return pl.DataFrame(data, schema=schema)
 
 
+#: The files turns are exported to, by ending: JSON Lines (a shape), or Parquet (a table).
+EXPORT_SUFFIXES = (".jsonl", ".parquet")
+
+
+def export_file(store: Store, path: str | os.PathLike[str], *, shape: str = "chat",
+                **selection: Any) -> int:
+    """Write the selected turns to ``path`` as its ending says: ``.jsonl`` (:func:`export_jsonl`
+    in ``shape``) or ``.parquet`` (:func:`export_parquet`, a table whatever the shape);
+    another ending is a :class:`ValueError`. Returns the count."""
+    suffix = Path(path).suffix.lower()
+    if suffix == ".parquet":
+        return export_parquet(store, path, **selection)
+    if suffix == ".jsonl":
+        return export_jsonl(store, path, shape=shape, **selection)
+    raise ValueError(f"export to a file ending in {' or '.join(EXPORT_SUFFIXES)}, not "
+                     f"{Path(path).name!r}")
+
+
 def export_parquet(store: Store, path: str | os.PathLike[str], **selection: Any) -> int:
     """Write :func:`export_frame` (same keyword arguments) as Parquet; returns the row count."""
     table = export_frame(store, **selection)

@@ -702,12 +702,10 @@ class MetaClawMagics(Magics):
             raise MagicUsageError("--turns takes turn ids separated by commas: --turns 3,4,9")
         selection = {"turn_ids": turn_ids, "session": args.session,
                      "labelled_only": args.labelled, "threshold": self._threshold(runtime)}
-        if args.path.endswith(".parquet"):
-            n = labels.export_parquet(runtime.store, args.path, **selection)
-        elif args.path.endswith(".jsonl"):
-            n = labels.export_jsonl(runtime.store, args.path, shape=args.shape, **selection)
-        else:
-            raise MagicUsageError("export to a .jsonl or a .parquet file")
+        try:
+            n = labels.export_file(runtime.store, args.path, shape=args.shape, **selection)
+        except ValueError as exc:
+            raise MagicUsageError(str(exc)) from None
         print(f"{n} turns written to {args.path}")
         return None
 

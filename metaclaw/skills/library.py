@@ -72,7 +72,7 @@ import yaml
 
 from metaclaw.fileio import atomic_folder, write_atomic
 from metaclaw.jsonlib import LONE_SURROGATE as _SURROGATE
-from metaclaw.store import Store
+from metaclaw.store import Store, StoreBusy
 from metaclaw.turns import SHARED_SCOPE, STAGE_NAME, check_scope, scope_visible, stage_of
 
 log = logging.getLogger(__name__)
@@ -921,27 +921,58 @@ def _changes(old: dict[str, Skill], new: dict[str, Skill], reason: str) -> list[
 
 # -- the library ---------------------------------------------------------------------------------
 
-def _marks_path(store: Store) -> Path | None:
-    """Where the folder marks of ``store``'s workspace are kept (:data:`FOLDER_MARKS`)."""
+def _marks_path(store: Store, key: str | None = None) -> Path | None:
+    """Where the folder marks of ``store``'s workspace are kept (:data:`FOLDER_MARKS`).
+
+    A database server's workspace: the folders are this machine's, so their marks are kept in
+    this user's state folder, one file per workspace, named after the workspace itself (when
+    its first generation was made), not after the URL it was reached by: a password moved to
+    ``~/.pgpass``, ``localhost`` for ``127.0.0.1`` or another option find the same marks.
+    ``key``: another name (the URL's, as marks were named before)."""
     path = getattr(store, "path", None)
     if path is None and getattr(store, "engine", "sqlite") != "sqlite":
-        # a database server's workspace: the folders are this machine's, so their marks are
-        # kept in this user's state folder, one file per workspace
         state = Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state")
-        key = hashlib.sha256(store.location.encode()).hexdigest()[:16]
+        key = key or _workspace_key(store)
+        if key is None:
+            return None
         return state / "metaclaw" / f"workspace-{key}{FOLDER_MARKS}"
     if path is None or str(path) == ":memory:":
         return None  # a store of this process only: no other folder can move it
     return Path(path).with_name(Path(path).name + FOLDER_MARKS)
 
 
+def _workspace_key(store: Store) -> str | None:
+    """A server workspace's own name: a digest of when its generation 0 was made (None before
+    it has one), read once per store."""
+    key = getattr(store, "_metaclaw_workspace_key", None)
+    if key is None:
+        first = store.generation(0)
+        if first is None:
+            return None
+        key = hashlib.sha256(f"{first['created_at']!r} {first['reason']}".encode()
+                             ).hexdigest()[:16]
+        store._metaclaw_workspace_key = key  # type: ignore[attr-defined]
+    return key
+
+
 def _folder_marks(store: Store) -> dict[str, Any]:
-    path = _marks_path(store)
-    try:
-        marks = json.loads(path.read_text(encoding="utf-8")) if path else {}
-    except (OSError, ValueError):
-        return {}
-    return marks if isinstance(marks, dict) else {}
+    for path in (_marks_path(store), _legacy_marks_path(store)):
+        try:
+            marks = json.loads(path.read_text(encoding="utf-8")) if path else None
+        except FileNotFoundError:
+            continue
+        except (OSError, ValueError):
+            return {}
+        return marks if isinstance(marks, dict) else {}
+    return {}
+
+
+def _legacy_marks_path(store: Store) -> Path | None:
+    """The marks of a server workspace as they were named before (after its URL): read where
+    the workspace's own have not been written yet."""
+    if getattr(store, "engine", "sqlite") == "sqlite":
+        return None
+    return _marks_path(store, hashlib.sha256(store.location.encode()).hexdigest()[:16])
 
 
 def workspace_folders(store: Store) -> list[Path]:
@@ -984,6 +1015,7 @@ class SkillLibrary:
         self._watcher: threading.Thread | None = None
         self._stop_watching = threading.Event()
         self._journal: Path | None = None  # written by the change in progress, not committed
+        self._folder_generation = -1  # the generation the folder was last brought to (marked)
         if self.directory.exists() and not self.directory.is_dir():
             raise SkillFormatError(f"the skills folder {self.directory} is a file; pass a folder "
                                    "(it is created when missing)")
@@ -1340,6 +1372,10 @@ class SkillLibrary:
                                             rust_timeout=WATCH_STEP_MS, yield_on_timeout=True,
                                             raise_interrupt=False):
                 if not changes and ready.is_set():
+                    try:  # between edits: the folder follows the library
+                        self._bring_folder_up()
+                    except Exception:  # the store is down: tried again at the next step
+                        log.debug("could not bring %s up to date", self.directory, exc_info=True)
                     continue
                 try:
                     known = {(p.path, p.reason) for p in self.problems}
@@ -1359,8 +1395,22 @@ class SkillLibrary:
             ready.set()
 
     # -- internals --------------------------------------------------------------------------
+    def _bring_folder_up(self) -> None:
+        """Adopt a generation another process committed and, where the folder lags behind it,
+        bring the folder to it (:meth:`_catch_up`), so the files a person opens next are the
+        library's; a busy store is tried again at the next call (the watcher calls this every
+        :data:`WATCH_STEP_MS` between edits)."""
+        self.sync()
+        if self._folder_generation >= self._generation or self._marks_path() is None:
+            return
+        try:
+            with self._exclusive(wait=False):
+                pass
+        except StoreBusy:
+            return
+
     @contextlib.contextmanager
-    def _exclusive(self, adopt: bool = True):
+    def _exclusive(self, adopt: bool = True, wait: bool = True):
         """Hold the library lock and the store's write lock (every process), having finished
         what a process that died mid-change left (:meth:`_recover`), adopted the latest
         stored generation and brought the folder's stale files to it (:meth:`_catch_up`), so a
@@ -1368,7 +1418,7 @@ class SkillLibrary:
         holding the new current generation, in the same transaction."""
         with self._lock:
             self._journal = journal = None
-            with self.store.transaction():
+            with self.store.transaction(wait=wait):
                 self._recover()
                 if adopt:
                     self._adopt_latest()
@@ -1400,6 +1450,7 @@ class SkillLibrary:
         mark = {"generation": self._generation, "snapshot": _skills_digest(self._skills)}
         if path is None or self._generation < 0:
             return
+        self._folder_generation = self._generation
         marks = self._folder_marks()
         if marks.get(self._folder_key()) == mark:
             return
@@ -1435,18 +1486,73 @@ class SkillLibrary:
                    if base.get(name) != latest.get(name)]
         stale = [name for name in changed
                  if name not in broken and not self._edited_by_hand(name, base.get(name))]
-        if not stale:
+        # edited here on the folder's old version while another folder changed it: both kept
+        # where the two changes touch different lines, else the other's and the edit set aside
+        edited = [name for name in changed if name not in stale and name not in broken]
+        if not stale and not edited:
             return {}
-        kept = [name for name in changed if name not in stale]
-        log.log(logging.WARNING if kept else logging.INFO,
-                "skill library: brought %s in %s from generation %d to %d (changed through "
-                "another folder of the workspace)%s", ", ".join(stale), self.directory,
-                generation, number, f"; kept {', '.join(kept)}, edited here" if kept else "")
+        brought: dict[str, Skill | None] = {}
         try:
-            self._write(stale, latest)
+            if stale:
+                log.info("skill library: brought %s in %s from generation %d to %d (changed "
+                         "through another folder of the workspace)", ", ".join(stale),
+                         self.directory, generation, number)
+                self._write(stale, latest)
+                brought.update((name, latest.get(name)) for name in stale)
+            for name in edited:
+                brought[name] = self._merge(name, base.get(name), latest.get(name), number,
+                                            generation)
         except OSError as exc:
             log.warning("skill library: cannot write the folder %s (%s)", self.directory, exc)
-        return {name: latest.get(name) for name in stale}
+        return brought
+
+    def _merge(self, name: str, base: Skill | None, latest: Skill | None, number: int,
+               since: int) -> Skill | None:
+        """The skill ``name`` of a lagging folder (last brought to generation ``since``), edited
+        here on the version ``base`` while
+        generation ``number`` made it ``latest``: the two changes merged line by line (three-way,
+        as version control merges) where they touch different lines and the result is a valid
+        skill, written into the folder and read as this folder's edit; otherwise ``latest`` is
+        written and the edit is kept beside the skill folders as ``<name>.conflict.md`` (never
+        read as a skill), with a warning and a ``skill_edit_conflict`` event. Nothing is lost
+        and nothing edited elsewhere is silently undone."""
+        import merge3
+
+        folder = self.directory / validate_name(name)
+        path = folder / SKILL_FILE
+        mine = _file_text(path)
+        theirs = latest.to_markdown() if latest is not None else None
+        if mine == theirs:
+            return latest
+        if base is not None and mine is not None and theirs is not None:
+            merge = merge3.Merge3(base.to_markdown().splitlines(True), mine.splitlines(True),
+                                  theirs.splitlines(True))
+            if not any(region[0] == "conflict" for region in merge.merge_regions()):
+                text = "".join(merge.merge_lines())
+                try:
+                    merged = Skill.from_markdown(text, source=str(path))
+                except SkillFormatError:
+                    merged = None
+                if merged is not None and merged.name == name:
+                    _write_skill_file(folder, text)
+                    log.info("skill library: merged the edit of %s in %s with generation %d's "
+                             "change of it", name, self.directory, number)
+                    return merged
+        aside = self.directory / f"{name}.conflict.md"
+        if mine is not None:
+            _atomic_write(aside, mine)
+        self._write([name], {name: latest} if latest is not None else {})
+        said = (f"{name} was edited in {self.directory} on its version of generation {since} "
+                f"while generation {number} {'changed' if latest else 'removed'} it through "
+                f"another folder, and the two changes overlap: the folder holds generation "
+                f"{number}'s version"
+                + (f"; the edit is kept in {aside}: merge it into {path} and save"
+                   if mine is not None else ""))
+        log.warning("skill library: %s", said)
+        with contextlib.suppress(Exception):  # the warning above stands where it cannot
+            self.store.record_event(source="skills", kind="skill_edit_conflict", level="warning",
+                                    message=said, path=str(aside))
+        return latest
 
     def _recover(self) -> None:
         """Finish what a process that died mid-change left in the folder (caller holds the
