@@ -751,7 +751,8 @@ def cmd_events(args: argparse.Namespace) -> int:
             print(f"{when}  {row['level']:<7}  {row['kind']:<20}  {_printable(row['message'])}")
     if not args.json:
         summary = failure_summary(store)
-        print(f"loop failures (judge, evolver, skill files): {summary['failures']}")
+        print(f"loop failures (judge, evolver, training rewards, skill files): "
+              f"{summary['failures']}")
         failed = store.query("SELECT status, COUNT(*) AS n FROM turns WHERE status <> 'ok' "
                              "GROUP BY status ORDER BY status")
         print("turns not served whole: " + (", ".join(f"{r['status']} {r['n']}" for r in failed)
@@ -930,6 +931,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"step {record['step']:>4}  policy v{record['policy_version']}  loss {loss:>10}  "
               f"reward {record['reward_mean']:+.3f}  skipped {record['skipped_groups']}/"
               f"{record['groups']}  tokens {record['tokens']}", flush=True)
+        why = _skipped_why(record.get("metrics") or {})
+        if why:
+            print(_printable(f"           skipped: {why}"), flush=True)
 
     loop.add_step_listener(show)
     try:
@@ -942,12 +946,34 @@ def cmd_train(args: argparse.Namespace) -> int:
         loop.close()
 
 
+def _skipped_why(metrics: dict[str, Any]) -> str:
+    """Why a training step's groups did not train, in one line ("" where all did)."""
+    parts = []
+    if metrics.get("reward_failures"):
+        errors = metrics.get("reward_errors") or []
+        parts.append(f"{metrics['reward_failures']} whose reward call failed"
+                     + (f" ({errors[0]})" if errors else ""))
+    if metrics.get("zero_variance_groups"):
+        parts.append(f"{metrics['zero_variance_groups']} whose samples were all rewarded "
+                     "alike (no signal to learn from)")
+    if metrics.get("stale_groups"):
+        parts.append(f"{metrics['stale_groups']} made stale by a new skill generation")
+    return "; ".join(parts)
+
+
 def _train(args: argparse.Namespace, loop: Any, state_dir: str) -> int:
-    """`metaclaw train`'s steps: now, or in the scheduler's idle windows."""
+    """`metaclaw train`'s steps: now, or in the scheduler's idle windows. ``--now`` whose steps
+    trained nothing because every reward call failed exits 1."""
     if args.now:
         result = loop.train_now(args.steps)
         print(f"{result.steps_done} steps ({result.reason}); policy version "
               f"{result.policy_version}")
+        steps = loop.trainer.history[-result.steps_done:] if result.steps_done else []
+        if steps and all(step["loss"] is None and (step["metrics"] or {}).get("reward_failures")
+                         for step in steps):
+            print("nothing trained: every step's reward calls failed (see above; the judge is "
+                  "down or answers what is not a reward)", file=sys.stderr)
+            return 1
         return 0
     scheduler = loop.start(steps=args.steps, poll_s=args.poll)
     print(f"waiting for an idle window ({scheduler.status(refresh=True)['reason']}); "

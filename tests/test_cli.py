@@ -384,6 +384,19 @@ def test_train_now_then_runs_json(tmp_path):
     assert proc.returncode == 2 and "not a local model folder" in proc.stderr
 
 
+def test_train_now_with_a_judge_that_cannot_be_reached_says_so_and_fails(tmp_path):
+    """It printed `skipped 1/1` and exited 0, `events` said no failures."""
+    model, db, _ = training_workspace(tmp_path)
+    proc = run_cli("train", "--db", db, "--backend", "local", "--base-model", model, "--steps",
+                   1, "--now", "--judge-url", "http://127.0.0.1:9/v1", "--judge-model", "j",
+                   "--votes", 1, "--group-size", 2, "--groups-per-step", 2, "--max-tokens", 4,
+                   check=False)
+    assert proc.returncode == 1 and "every step's reward calls failed" in proc.stderr
+    assert "skipped: 2 whose reward call failed (" in proc.stdout
+    events = run_cli("events", "--db", db).stdout
+    assert "reward_failed: 1" in events and "training rewards" in events
+
+
 def test_bench_full_mode_trains_and_serves_the_policy_between_days(tmp_path):
     """Mode full on two days with the tiny local model as the agent (it cannot do the tasks: the
     point is the wiring): the skills loop runs, every night with query data publishes at least

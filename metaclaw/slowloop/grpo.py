@@ -277,7 +277,7 @@ def _reward_values(prompt: Prompt, texts_G: list[str], judge) -> list[Any]:
 
 
 def compute_rewards(batch: Sequence[Prompt], texts_P_G: Sequence[list[str]],
-                    judge) -> list[list[float] | None]:
+                    judge, errors: list[str] | None = None) -> list[list[float] | None]:
     """Rewards of a step's groups: for each prompt its programmatic reward, else ``judge``.
 
     In: P prompts and P lists of G completion texts; ``judge(prompt, text)`` returns a float or
@@ -285,13 +285,20 @@ def compute_rewards(batch: Sequence[Prompt], texts_P_G: Sequence[list[str]],
     judge with an ``aclose()`` coroutine method is closed on that loop afterwards).
     Out: ``rewards_P_G``, P lists of G finite floats, with ``None`` for a group whose reward
     call failed or gave a value that is not a finite number (a failing judge costs that group,
-    never the step).
+    never the step). ``errors``: where given, why each failed group failed, one line each.
     """
+    said = errors if errors is not None else []
+
+    def failed(exc: BaseException) -> None:
+        lines = str(exc).strip().splitlines()
+        said.append(f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__)
+
     values_P_G: list[list[Any] | None] = []
     for prompt, texts_G in zip(batch, texts_P_G):
         try:
             values_P_G.append(_reward_values(prompt, texts_G, judge))
-        except Exception:
+        except Exception as exc:
+            failed(exc)
             values_P_G.append(None)
 
     if any(inspect.isawaitable(v) for values_G in values_P_G if values_G for v in values_G):
@@ -300,7 +307,8 @@ def compute_rewards(batch: Sequence[Prompt], texts_P_G: Sequence[list[str]],
                 return None
             try:
                 return list(await asyncio.gather(*[_as_awaitable(v) for v in values_G]))
-            except Exception:
+            except Exception as exc:
+                failed(exc)
                 return None
 
         async def settle_all() -> list[list[Any] | None]:
@@ -318,11 +326,13 @@ def compute_rewards(batch: Sequence[Prompt], texts_P_G: Sequence[list[str]],
         try:
             rewards_G = None if values_G is None else [float(v) for v in values_G]
         except (TypeError, ValueError):  # a judge that answered something that is no number
+            said.append(f"a reward that is not a number: {values_G!r:.80}")
             rewards_G = None
         if rewards_G is not None and not all(map(math.isfinite, rewards_G)):
             # NaN or inf (a 0/0 in a reward function, a judge answering "NaN") has no
             # advantage: kept, it read as a zero-variance group and made the step's reward
             # mean NaN or inf; it is a failed reward call
+            said.append(f"a reward that is not a finite number: {rewards_G!r:.80}")
             rewards_G = None
         rewards_P_G.append(rewards_G)
     return rewards_P_G
@@ -657,9 +667,19 @@ class GRPOTrainer:
         notify(self.on_progress, task, len(batch), phases, "rewarding the samples")
         as_text = getattr(backend, "reward_text", backend.decode)  # special tokens visible
         texts_P_G = [[as_text(s.tokens) for s in samples_G] for samples_G in samples_P_G]
-        rewarded_P_G = compute_rewards(batch, texts_P_G, self.judge)
+        reward_errors: list[str] = []
+        rewarded_P_G = compute_rewards(batch, texts_P_G, self.judge, reward_errors)
         notify(self.on_progress, task, len(batch) + 1, phases, "updating the weights")
         reward_failures = sum(1 for rewards_G in rewarded_P_G if rewards_G is None)
+        if reward_failures:
+            said = (f"training step {step}: the reward of {reward_failures} of {len(batch)} "
+                    f"groups failed, so they do not train: "
+                    f"{reward_errors[0] if reward_errors else 'no reason given'}")
+            log.warning("%s", said)
+            if store is not None:
+                with contextlib.suppress(Exception):  # the step goes on; the log holds it
+                    store.record_event(source="slowloop", kind="reward_failed", level="error",
+                                       message=said, groups=reward_failures, step=step)
         if config.overlong_penalty:  # a completion cut at max_tokens never finished its answer
             rewarded_P_G = [None if rewards_G is None else
                             [r - (config.overlong_penalty if s.stop_reason != "stop" else 0.0)
@@ -706,6 +726,7 @@ class GRPOTrainer:
             trained = backend.train_step(datums, config.loss_fn, config.learning_rate) \
                 if datums else None
             loss, metrics = None, {"reward_failures": reward_failures,
+                                   "reward_errors": list(dict.fromkeys(reward_errors))[:3],
                                    "stale_groups": len(stale),
                                    "zero_variance_groups": len(zero_variance),
                                    "zero_variance": zero_variance}
