@@ -625,6 +625,9 @@ def cmd_evolve(args: argparse.Namespace) -> int:
         with console.progress(args.verbosity) as on_progress:
             result = evolver.evolve(dry_run=args.dry_run, on_progress=on_progress)
     except EvolveError as exc:
+        if exc.kind != "failed":  # another process evolved meanwhile, or nothing to learn from
+            print(f"metaclaw evolve: library unchanged: {exc}", file=sys.stderr)
+            return 1
         _record_failure(library.store, "evolver", evolver, str(exc))
         print(f"metaclaw evolve: the evolver's answer was not usable, library unchanged: {exc}",
               file=sys.stderr)

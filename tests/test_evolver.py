@@ -179,8 +179,9 @@ def test_a_dry_run_proposal_can_be_applied_later_unless_the_library_moved(store,
         assert len(evolver_requests(double)) == 2
     assert result.applied and result.generation == library.generation == 1
     assert "reviewed" in library and store.turn(fail)["buffer_state"] == "consumed"
-    with pytest.raises(EvolveError, match="library changed"):
+    with pytest.raises(EvolveError, match="library changed") as err:
         evolver.apply(second)
+    assert err.value.kind == "conflict"  # not a failed call: `metaclaw evolve` records none
     assert library.generation == 1
 
 

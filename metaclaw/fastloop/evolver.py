@@ -178,13 +178,17 @@ SKILL_BODY_BUDGET = 3000
 class EvolveError(RuntimeError):
     """The evolver could not produce a valid change; the library is unchanged.
 
-    ``reason``: what went wrong (one sentence); ``replies``: the raw model replies.
+    ``reason``: what went wrong (one sentence); ``replies``: the raw model replies; ``kind``:
+    ``failed`` (the call or its answer), ``conflict`` (another process changed the library
+    since the proposal was made: nothing failed, run again) or ``nothing`` (no support turns).
     """
 
-    def __init__(self, reason: str, replies: Iterable[str] = (), attempts: int = 0):
+    def __init__(self, reason: str, replies: Iterable[str] = (), attempts: int = 0,
+                 kind: str = "failed"):
         self.reason = reason
         self.replies = list(replies)
         self.attempts = attempts
+        self.kind = kind
         super().__init__(reason)
 
 
@@ -763,7 +767,8 @@ class Evolver:
         turns = sorted(support_turns, key=lambda t: t["id"])[-self.max_support:]
         if not turns:
             raise EvolveError("there are no support turns to learn from; judge some turns first "
-                              "(failures below the threshold form the support set)")
+                              "(failures below the threshold form the support set)",
+                              kind="nothing")
         generation, every_skill = self.library.current()
         # only what every support turn may see: another person's private skill never reaches
         # the model, nor can it be edited or removed from someone else's failures
@@ -983,7 +988,8 @@ class Evolver:
         if parent != proposal.base_generation:
             raise EvolveError(
                 f"the library changed (generation {proposal.base_generation} -> {parent}) since "
-                "the proposal was made; run evolve again", proposal.replies, proposal.attempts)
+                "the proposal was made; run evolve again", proposal.replies, proposal.attempts,
+                kind="conflict")
         if not proposal.ops:
             return EvolveResult("no_change", parent, proposal=proposal,
                                 reason="the evolver proposed no change")
@@ -1000,7 +1006,7 @@ class Evolver:
                 raise EvolveError(
                     f"the library changed (generation {proposal.base_generation} -> "
                     f"{self.library.generation}) during verification; run evolve again",
-                    proposal.replies, proposal.attempts)
+                    proposal.replies, proposal.attempts, kind="conflict")
         summary = "; ".join(f"{op.op} {op.name}" for op in proposal.ops)
         notify(on_progress, "evolving", done, phases or None, "writing the new generation")
         try:  # the generation and the buffers it moves commit together

@@ -739,7 +739,10 @@ class FastLoop:
         except Exception as exc:  # noqa: BLE001 - reported, the loop keeps running
             # a failed call decided nothing about these failures: the next trigger retries
             self._last_attempt = attempted_before
-            if isinstance(exc, EvolveError):
+            if isinstance(exc, EvolveError) and exc.kind != "failed":  # nothing failed
+                self._emit("evolve_skipped", generation=generation, trigger=trigger,
+                           reason=exc.reason)
+            elif isinstance(exc, EvolveError):
                 self._emit("evolve_failed", generation=generation, trigger=trigger,
                            error=exc.reason, attempts=exc.attempts)
             else:
