@@ -307,7 +307,7 @@ def test_turns_picks_by_status_id_and_newest_and_events_counts_turns_not_served_
     (row,) = [json.loads(line) for line in listed("--id", ids[0], "--json")]
     assert row["judge_rationale"] == "The date is not\nin ISO form." and "judge_votes" in row
     events = run_cli("events", "--db", db).stdout
-    assert "loop failures (judge, evolver, skill files): none" in events
+    assert "loop failures (judge, evolver, training rewards, skill files): none" in events
     assert "turns not served whole: cancelled 1, error 1 (metaclaw turns --status" in events
 
 
