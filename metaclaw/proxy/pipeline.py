@@ -927,9 +927,9 @@ class TurnPipeline:
                 if not self.parts.stopping:  # stop drains it), so its client gets its reply
                     raise
         if turn_id is UNREACHABLE:
-            raise ProxyError(503, "the workspace database is unreachable, so this turn could not "
-                                  "be recorded and the proxy does not acknowledge the reply; "
-                                  "retry the request when it is back", type="server_error",
+            raise ProxyError(503, "the workspace database is unreachable, so this turn's record "
+                                  "was not confirmed and the proxy does not acknowledge the "
+                                  "reply; retry the request when it is back", type="server_error",
                              code="store_unavailable", headers={"Retry-After": "5"})
         if turn_id is None:
             raise ProxyError(500, "the proxy could not record this turn in its store (see the "
