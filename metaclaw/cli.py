@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import re
+import signal
 import sys
 import threading
 import time
@@ -878,6 +879,12 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
         status["transitions"] = list(reversed(recent))
         status["state"] = recent[0]["to_state"] if recent else "waiting"
         status["training"] = TrainingLease.for_store(store).training_elsewhere()
+        if status["state"] in ("training", "pausing") and not status["training"]:
+            # the last transition a trainer wrote, but no process trains: it stopped unsaid
+            status["state"] = "waiting"
+            status["note"] = (f"the last trainer's state was {recent[0]['to_state']}, but no "
+                              "process holds the training lease: it stopped without saying so "
+                              "(killed); its claims are released when training starts again")
     if args.json:
         _print_json(status)
         return 0
@@ -885,6 +892,8 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
           f"{status['reason']})")
     if status.get("training"):
         print(f"training this workspace now: {_printable(status['training'])}")
+    if status.get("note"):
+        print(status["note"])
     for reading in status["signals"]:
         value = "idle" if reading["idle"] else "active" if reading["available"] else "unavailable"
         print(f"  {reading['name']:<10} {value:<12} {reading['detail']}")
@@ -939,6 +948,9 @@ def cmd_train(args: argparse.Namespace) -> int:
             print(_printable(f"           skipped: {why}"), flush=True)
 
     loop.add_step_listener(show)
+    # SIGTERM (systemd, docker stop) stops as Ctrl-C does: at a step boundary, state saved
+    previous = signal.signal(signal.SIGTERM, _interrupt) \
+        if threading.current_thread() is threading.main_thread() else None
     try:
         with console.progress(args.verbosity) as on_progress:
             loop.set_progress(on_progress)
@@ -947,6 +959,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 0
     finally:
         loop.close()
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
 
 
 def _skipped_why(metrics: dict[str, Any]) -> str:
@@ -982,7 +1000,7 @@ def _train(args: argparse.Namespace, loop: Any, state_dir: str) -> int:
     print(f"waiting for an idle window ({scheduler.status(refresh=True)['reason']}); "
           f"Ctrl-C stops (training pauses at a step boundary, state kept in {state_dir})",
           flush=True)
-    seen, waiting_for = 0, None
+    seen, waiting_for, said_nothing = 0, None, False
     while scheduler.steps < args.steps:
         time.sleep(args.poll)
         for t in scheduler.transitions[seen:]:
@@ -993,10 +1011,11 @@ def _train(args: argparse.Namespace, loop: Any, state_dir: str) -> int:
             if waiting_for:
                 print(f"scheduler: window open, waiting for {_printable(waiting_for)} to "
                       f"finish training this workspace", flush=True)
-        if loop.status()["nothing_to_train"] and scheduler.state == "waiting":
-            print("nothing to train: no live query-set turns of the current skill "
-                  "generation", flush=True)
-            return 0
+        nothing = loop.status()["nothing_to_train"] and scheduler.state == "waiting"
+        if nothing and not said_nothing:  # said once; turns served later train when they come
+            print("nothing to train yet: no live query-set turns of the current skill "
+                  "generation; waiting for them (Ctrl-C stops)", flush=True)
+        said_nothing = nothing
     return 0
 
 

@@ -245,7 +245,13 @@ class Runtime:
                 from metaclaw.offline.simmodel import sim_model_server
 
                 double = sim_model_server()
-                config.model = config.model or "sim-agent"
+                if config.local_model:  # its replies are the local model's, named as it is
+                    from metaclaw.offline.localmodel import model_name
+
+                    config.model = config.model or model_name(
+                        None if config.local_model == "packaged" else config.local_model)
+                else:
+                    config.model = config.model or "sim-agent"
             elif not upstream:
                 from metaclaw.offline.double import DoubleServer
 

@@ -384,6 +384,50 @@ def test_train_now_then_runs_json(tmp_path):
     assert proc.returncode == 2 and "not a local model folder" in proc.stderr
 
 
+def test_train_waits_for_turns_and_stops_on_sigterm_as_on_ctrl_c(tmp_path):
+    """It ended by itself when there was nothing to train yet (turns served later never
+    trained), and SIGTERM (systemd, docker stop) killed it mid-step, after which `scheduler
+    status` said `training` for good."""
+    import signal
+
+    from metaclaw.offline.tinymodel import write_tiny_model
+    from metaclaw.store import Store
+
+    model, db = write_tiny_model(tmp_path / "tiny"), tmp_path / "ws.db"
+    Store(db).close()
+    config = tmp_path / "always.yaml"
+    config.write_text("mode: any\nmin_window_s: 0\nsignals:\n  sleep: {start: '00:00', "
+                      "end: '24:00'}\n")
+    proc = subprocess.Popen([*CLI, "train", "--db", str(db), "--backend", "local",
+                             "--base-model", str(model), "--scheduler-config", str(config),
+                             "--judge-url", "http://127.0.0.1:9/v1", "--judge-model", "j",
+                             "--poll", "0.2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        said = ""
+        deadline = time.monotonic() + 90
+        while "nothing to train yet" not in said:
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, said
+            said += proc.stdout.readline()
+        time.sleep(1.0)
+        assert proc.poll() is None  # still waiting for turns
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0 and "Traceback" not in err
+    status = json.loads(run_cli("scheduler", "status", "--db", db, "--config", config,
+                                "--json").stdout)
+    assert status["state"] != "training" and not status["training"]
+    with Store(db) as store:  # a trainer killed mid-step (kill -9) leaves `training` last
+        store.execute("INSERT INTO scheduler_transitions (at, from_state, to_state, reason, "
+                      "process) VALUES (?, 'waiting', 'training', 'window open', 'pid 1')",
+                      (time.time(),))
+    status = run_cli("scheduler", "status", "--db", db, "--config", config).stdout
+    assert status.startswith("state: waiting") and "no process holds the training lease" in status
+
+
 def test_train_now_with_a_judge_that_cannot_be_reached_says_so_and_fails(tmp_path):
     """It printed `skipped 1/1` and exited 0, `events` said no failures."""
     model, db, _ = training_workspace(tmp_path)

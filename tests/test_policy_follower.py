@@ -167,6 +167,9 @@ def test_versions_it_cannot_serve_are_reported_once_and_it_keeps_serving(tmp_pat
         assert runtime.status()["upstream"] == f"local language model {served}"
         assert runtime.status()["model"] == served
         store, client = Store(db), runtime.client()
+        reply = client.chat.completions.create(  # was labelled the simulated model's
+            model="whatever", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+        assert reply.model == served != "sim-agent"
         other = write_tiny_model(tmp_path / "other-tiny", seed=1)
         backend, good = _trained_state(tiny_model, tmp_path / "good")
         bad = {

@@ -207,6 +207,14 @@ class LocalModelResponder(PolicyResponder):
             yield chunk
 
 
+def model_name(path: str | None = None) -> str:
+    """The name a local model is served and recorded under: the packaged model's, else its file
+    or folder name (without ``.gguf``)."""
+    if path is None:
+        return DEFAULT_NAME
+    return str(path).rstrip("/").rsplit("/", 1)[-1].rsplit(".gguf", 1)[0]
+
+
 def load_responder(path: str | None = None, *, device: str = "auto", dtype: str = "auto",
                    name: str | None = None, max_tokens: int = 256,
                    temperature: float = 0.0) -> LocalModelResponder:
@@ -225,9 +233,8 @@ def load_responder(path: str | None = None, *, device: str = "auto", dtype: str 
         model, tokenizer = load_causal_lm(path, device=device, dtype=dtype)
     except (ValueError, FileNotFoundError) as exc:
         raise LocalModelError(str(exc)) from None
-    if name is None:
-        name = DEFAULT_NAME if path is None else str(path).rstrip("/").rsplit("/", 1)[-1].rsplit(".gguf", 1)[0]
-    served = ServedModel(model, tokenizer, name, source=None if path is None else str(path))
+    served = ServedModel(model, tokenizer, name or model_name(path),
+                         source=None if path is None else str(path))
     return LocalModelResponder(served, max_tokens=max_tokens, temperature=temperature)
 
 
