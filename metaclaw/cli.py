@@ -17,6 +17,7 @@ from typing import Any, Callable
 from metaclaw import argtypes, console
 from metaclaw.runtime import DEFAULT_SKILLS, RuntimeConfig
 from metaclaw.runtime import options as config_options
+from metaclaw.slowloop import TRAIN_DEFAULTS
 from metaclaw.store import DB_ERRORS, default_target, local_dir
 from metaclaw.turns import TURN_STATUSES
 
@@ -927,7 +928,15 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise CliError(f"--base-model {args.base_model} is not a local model folder; the local "
                        f"backend needs a Hugging Face model path, a .gguf file, or smollm2 "
                        f"(`metaclaw tiny-model DIR` writes a tiny one)")
-    judge = _judge(args)
+    if args.reward:
+        from metaclaw.slowloop.grpo import load_reward
+
+        try:
+            judge = load_reward(args.reward)
+        except ValueError as exc:
+            raise CliError(str(exc)) from None
+    else:
+        judge = _judge(args)
     state_dir = args.state_dir or str(local_dir(args.db) / "train")
     config = GRPOConfig(steps=args.steps, group_size=args.group_size,
                         groups_per_step=args.groups_per_step, max_tokens=args.max_tokens,
@@ -1386,17 +1395,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=["local", "tinker"], default="local")
     p.add_argument("--base-model", required=True,
                    help="local Hugging Face model path, or a Tinker model id")
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--steps", type=int, default=TRAIN_DEFAULTS["steps"])
     p.add_argument("--device", choices=["auto", "cpu", "cuda", "mps"], default="auto",
                    help="local backend: where the model trains (auto: a GPU when there is one)")
     p.add_argument("--now", action="store_true", help="train now, ignoring the idle signals")
     add_config_options(p, "fast loop", only=("--judge-url", "--judge-model", "--votes"),
                        no_upstream=True)
     p.add_argument("--threshold", type=argtypes.finite_float, default=0.0)
-    p.add_argument("--group-size", type=int, default=8, help="samples per prompt (G)")
-    p.add_argument("--groups-per-step", type=int, default=4, help="prompts per step (P)")
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--lr", type=argtypes.positive_float, default=4e-5, help="learning rate")
+    p.add_argument("--reward", metavar="MODULE:FUNCTION",
+                   help="a programmatic reward instead of the judge: function(prompt, "
+                   "completion_text) -> float in an importable module or a file.py")
+    p.add_argument("--group-size", type=int, default=TRAIN_DEFAULTS["group_size"],
+                   help="samples per prompt (G)")
+    p.add_argument("--groups-per-step", type=int, default=TRAIN_DEFAULTS["groups_per_step"],
+                   help="prompts per step (P)")
+    p.add_argument("--max-tokens", type=int, default=TRAIN_DEFAULTS["max_tokens"])
+    p.add_argument("--lr", type=argtypes.positive_float, default=TRAIN_DEFAULTS["learning_rate"],
+                   help="learning rate")
     p.add_argument("--loss", choices=["importance_sampling", "ppo", "cispo"],
                    default="importance_sampling")
     p.add_argument("--state-dir", help="training state (resume) folder; default: next to --db")

@@ -384,6 +384,24 @@ def test_train_now_then_runs_json(tmp_path):
     assert proc.returncode == 2 and "not a local model folder" in proc.stderr
 
 
+def test_train_with_a_programmatic_reward_trains_without_a_judge(tmp_path):
+    model, db, _ = training_workspace(tmp_path)
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text("def longer(prompt, text):\n    return float(len(text))\n")
+    common = ("train", "--db", db, "--backend", "local", "--base-model", model, "--steps", 1,
+              "--now", "--group-size", 4, "--groups-per-step", 2, "--max-tokens", 6,
+              "--lr", "0.01")
+    out = run_cli(*common, "--reward", f"{rewards}:longer").stdout
+    assert "1 steps" in out
+    steps = [json.loads(l) for l in run_cli("runs", "--db", db, "--json").stdout.splitlines()]
+    assert steps[-1]["loss"] is not None  # trained: the reward told the samples apart
+    for bad, says in ((f"{rewards}:shorter", "has no function shorter"),
+                      ("no_such_module_xyz:f", "cannot load no_such_module_xyz"),
+                      ("longer", "module:function")):
+        proc = run_cli(*common, "--reward", bad, check=False)
+        assert proc.returncode == 2 and says in proc.stderr and "Traceback" not in proc.stderr
+
+
 def test_train_waits_for_turns_and_stops_on_sigterm_as_on_ctrl_c(tmp_path):
     """It ended by itself when there was nothing to train yet (turns served later never
     trained), and SIGTERM (systemd, docker stop) killed it mid-step, after which `scheduler

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from metaclaw.slowloop.backends import Datum
+from metaclaw.slowloop.backends import BackendError, Datum
 from metaclaw.slowloop.grpo import (GRPOConfig, Prompt, Task, compute_advantages,
                                     prompts_from_query_set, prompts_from_tasks, select_query_turns,
                                     train_grpo)
@@ -702,3 +702,34 @@ def test_a_remote_state_is_recorded_without_local_files(tmp_path):
     assert not list((tmp_path / "state").glob("step-*"))
     assert json.loads((tmp_path / "state" / "latest.json").read_text())["checkpoint"] == \
         "tinker://run/weights/step-000000"
+
+
+def test_a_damaged_latest_state_resumes_from_the_newest_one_that_loads(tiny_model, tmp_path,
+                                                                        caplog):
+    """It stopped training for good ("restore it, or start afresh") though an older state was
+    intact, and starting afresh threw the trained lineage away."""
+    from metaclaw.slowloop.backends import make_backend
+
+    state_dir = tmp_path / "state"
+    config = GRPOConfig(steps=2, groups_per_step=1, group_size=4, max_tokens=4,
+                        state_dir=str(state_dir), save_every=1)
+    first = make_backend("local", tiny_model, lora_rank=8, seed=0)
+    prompts = prompts_from_tasks(first, YES_TASKS)
+    done = train_grpo(first, prompts, config=config)
+    saved = json.loads((state_dir / "latest.json").read_text())
+    assert saved["step"] == 1
+    weights = Path(saved["checkpoint"]) / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])  # truncated, as by a full disk
+    second = make_backend("local", tiny_model, lora_rank=8, seed=1)
+    with caplog.at_level("WARNING"):
+        resumed = train_grpo(second, prompts, config=GRPOConfig(**{**config.__dict__,
+                                                                   "steps": 1}))
+    assert resumed.run_id == done.run_id and [h["step"] for h in resumed.history] == [1]
+    assert "resumed from the newest one that loads" in caplog.text and "step-000000" in caplog.text
+    for path in state_dir.glob("step-*"):  # nothing loads: the error says what to do
+        if (path / "adapter_model.safetensors").is_file():
+            (path / "adapter_model.safetensors").write_bytes(b"")
+    (state_dir / "latest.json").write_text(json.dumps(saved))
+    with pytest.raises(BackendError, match="start afresh"):
+        train_grpo(make_backend("local", tiny_model, lora_rank=8, seed=2), prompts,
+                   config=config)

@@ -717,6 +717,7 @@ class MetaClawMagics(Magics):
         from metaclaw.notebook.widgets import TrainingMonitor
         from metaclaw.slowloop.backends import make_backend
         from metaclaw.slowloop.grpo import GRPOConfig
+        from metaclaw.slowloop import TRAIN_DEFAULTS
         from metaclaw.slowloop.loop import SlowLoop
 
         parser = _parser("train", self._do_train.__doc__)
@@ -724,11 +725,13 @@ class MetaClawMagics(Magics):
         parser.add_argument("--base-model", help="local model path or Tinker model id "
                             "(needed the first time)")
         parser.add_argument("--now", action="store_true", help="train now, ignore idle signals")
-        parser.add_argument("--steps", type=int, default=20)
-        parser.add_argument("--group-size", type=int, default=8)
-        parser.add_argument("--groups-per-step", type=int, default=4)
-        parser.add_argument("--max-tokens", type=int, default=64)
-        parser.add_argument("--lr", type=argtypes.positive_float, default=1e-4)
+        parser.add_argument("--steps", type=int, default=TRAIN_DEFAULTS["steps"])
+        parser.add_argument("--group-size", type=int, default=TRAIN_DEFAULTS["group_size"])
+        parser.add_argument("--groups-per-step", type=int,
+                            default=TRAIN_DEFAULTS["groups_per_step"])
+        parser.add_argument("--max-tokens", type=int, default=TRAIN_DEFAULTS["max_tokens"])
+        parser.add_argument("--lr", type=argtypes.positive_float,
+                            default=TRAIN_DEFAULTS["learning_rate"])
         parser.add_argument("--no-serve", action="store_true",
                             help="keep answering from the upstream, only train")
         parser.add_argument("--scheduler-config", help="scheduler settings file (YAML/JSON)")

@@ -11,3 +11,9 @@ May import: the shared modules, :mod:`metaclaw.skills`, :mod:`metaclaw.protocols
 :mod:`metaclaw.proxy` and :mod:`metaclaw.fastloop`. Never the offline stand-ins or the outer
 layers (checked by ``tests/test_architecture.py``).
 """
+
+#: The defaults of ``metaclaw train`` and ``%metaclaw train``: LoRA on a real model (the
+#: library's own :class:`~metaclaw.slowloop.grpo.GRPOConfig` defaults suit the tiny offline
+#: model of the tests and tutorials, which pass their own).
+TRAIN_DEFAULTS = {"steps": 20, "group_size": 8, "groups_per_step": 4, "max_tokens": 256,
+                  "learning_rate": 4e-5}

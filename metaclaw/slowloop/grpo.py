@@ -276,6 +276,37 @@ def _reward_values(prompt: Prompt, texts_G: list[str], judge) -> list[Any]:
     return values
 
 
+def load_reward(spec: str) -> Any:
+    """The reward function ``spec`` names: ``package.module:function`` (importable) or
+    ``path/to/file.py:function``; it is called as ``function(prompt, completion_text) -> float``
+    (``prompt.messages``: the turn's messages, ``prompt.turn_id``: its turn). A
+    :class:`ValueError` in one sentence where it cannot be found."""
+    import importlib
+    import importlib.util
+
+    where, sep, name = spec.rpartition(":")
+    if not sep or not where or not name.isidentifier():
+        raise ValueError(f"--reward {spec!r}: name it as module:function or file.py:function")
+    try:
+        if where.endswith(".py"):
+            loader = importlib.util.spec_from_file_location(f"metaclaw_reward_{name}", where)
+            if loader is None or not os.path.isfile(where):
+                raise ValueError(f"--reward {spec!r}: no file {where}")
+            module = importlib.util.module_from_spec(loader)
+            loader.loader.exec_module(module)  # type: ignore[union-attr]
+        else:
+            module = importlib.import_module(where)
+    except ValueError:
+        raise
+    except Exception as exc:  # the user's module failed to import: say why in one line
+        raise ValueError(f"--reward {spec!r}: cannot load {where}: {type(exc).__name__}: "
+                         f"{exc}") from None
+    function = getattr(module, name, None)
+    if not callable(function):
+        raise ValueError(f"--reward {spec!r}: {where} has no function {name}")
+    return function
+
+
 def compute_rewards(batch: Sequence[Prompt], texts_P_G: Sequence[list[str]],
                     judge, errors: list[str] | None = None) -> list[list[float] | None]:
     """Rewards of a step's groups: for each prompt its programmatic reward, else ``judge``.
@@ -435,14 +466,39 @@ class GRPOTrainer:
                 raise ValueError(f"cannot resume from {latest}: it is not a training state "
                                  f"record ({type(exc).__name__}: {exc}); remove it to start "
                                  "afresh") from None
-            backend.load_state(checkpoint)
-            backend.policy_version = int(saved.get("policy_version", backend.policy_version))
+            step = int(saved["step"])
+            try:
+                backend.load_state(checkpoint)
+                backend.policy_version = int(saved.get("policy_version",
+                                                       backend.policy_version))
+            except BackendError as exc:  # damaged or gone: the newest older state that loads
+                step = self._resume_older(checkpoint, exc)
             backend.sampler().policy_version = backend.policy_version
-            self.start_step, self.run_id = int(saved["step"]) + 1, saved["run_id"]
+            self.start_step, self.run_id = step + 1, saved["run_id"]
         if store is not None:  # the store is the truth: serve its latest published version
             self.sync_with_store()
         self.next_step = self.start_step          # the number of the next step to run
         self._saved_step: int | None = self.start_step - 1 if self.start_step else None
+
+    def _resume_older(self, checkpoint: str, error: BackendError) -> int:
+        """The latest saved state ``checkpoint`` cannot be loaded (``error``): load the newest
+        older state of the folder that can (its policy version is the one it was saved with;
+        the store's newer versions are adopted only where their state loads, see
+        :meth:`sync_with_store`), saying which was skipped. Returns its step; re-raises
+        ``error`` where none loads."""
+        older = sorted((p for p in self.state_dir.glob("step-*")
+                        if p.is_dir() and str(p) != str(checkpoint)
+                        and (p / "metaclaw_state.json").is_file()),
+                       key=lambda p: p.name, reverse=True)
+        for path in older:
+            try:
+                self.backend.load_state(str(path))
+            except BackendError:
+                continue
+            log.warning("cannot resume from the latest training state (%s); resumed from the "
+                        "newest one that loads, %s", error, path)
+            return int(path.name.split("-")[1].split(".")[0])
+        raise error
 
     def sync_with_store(self) -> int:
         """Make the backend's policy the store's latest published version (the store is shared
@@ -853,5 +909,5 @@ def train_grpo(backend, prompts: Sequence[Prompt] | Callable[[], Sequence[Prompt
 
 
 __all__ = ["ADVANTAGE_MODES", "GRPOConfig", "GRPOResult", "GRPOTrainer", "Prompt", "Task",
-           "compute_advantages", "compute_rewards", "current_generation",
+           "compute_advantages", "compute_rewards", "current_generation", "load_reward",
            "prompts_from_query_set", "prompts_from_tasks", "select_query_turns", "train_grpo"]
