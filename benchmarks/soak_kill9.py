@@ -14,10 +14,14 @@ client never saw acknowledged (in flight at the kill: allowed), throughput, and 
 group-commit batches when available. Exits 1 when a turn is lost.
 
     python benchmarks/soak_kill9.py [--turns 5000] [--concurrency 48] [--cycles 10] [--db TARGET]
+        [--crash proxy|database]
 
 ``--db``: the workspace (default: a new SQLite file); ``--db postgresql://...`` a PostgreSQL
 database, or ``--db postgresql`` a throwaway PostgreSQL cluster started for the run (needs
-``initdb`` on PATH; ``tests/pgcluster.py``).
+``initdb`` on PATH; ``tests/pgcluster.py``). With that cluster, ``--crash database`` crashes the
+database server instead (``pg_ctl stop -m immediate``, as an out-of-memory kill of a backend
+restarts them all, then started again) while the proxy serves on, then kills the proxy to end
+the cycle: what the server acknowledged before its crash must be there after it.
 """
 
 from __future__ import annotations
@@ -99,13 +103,23 @@ async def one_turn(client: httpx.AsyncClient, base: str, kind: str, session: str
 
 
 async def load(base: str, cycle: int, concurrency: int, kill_at: int,
-               proc: subprocess.Popen) -> tuple[list[str], list[str]]:
-    """Drive requests until ``kill_at`` are acknowledged, then SIGKILL the proxy mid-load."""
+               proc: subprocess.Popen, crash=None) -> tuple[list[str], list[str]]:
+    """Drive requests until ``kill_at`` are acknowledged, then SIGKILL the proxy mid-load; with
+    ``crash`` (a function), call it instead while the load goes on, then (a second later) kill
+    the proxy."""
     sent: list[str] = []
     acked: list[str] = []
     queue = itertools.count()
     killed = asyncio.Event()
+    triggered: list[asyncio.Task] = []
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+
+    async def crash_then_kill() -> None:
+        await asyncio.get_running_loop().run_in_executor(None, crash)
+        await asyncio.sleep(1.0)
+        os.kill(proc.pid, signal.SIGKILL)
+        killed.set()
+
     async with httpx.AsyncClient(timeout=30, limits=limits) as client:
         async def worker() -> None:
             for i in queue:
@@ -115,11 +129,16 @@ async def load(base: str, cycle: int, concurrency: int, kill_at: int,
                 sent.append(session)
                 if await one_turn(client, base, KINDS[i % len(KINDS)], session):
                     acked.append(session)
-                    if len(acked) >= kill_at and not killed.is_set():
-                        os.kill(proc.pid, signal.SIGKILL)
-                        killed.set()
+                    if len(acked) >= kill_at and not triggered and not killed.is_set():
+                        if crash is None:
+                            os.kill(proc.pid, signal.SIGKILL)
+                            killed.set()
+                        else:
+                            triggered.append(asyncio.create_task(crash_then_kill()))
 
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        await asyncio.gather(*(worker() for _ in range(concurrency)), *triggered)
+        for task in triggered:  # created while the workers ran
+            await task
     if not killed.is_set():
         os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
@@ -133,7 +152,7 @@ def recorded_sessions(db: str) -> set[str]:
 
 
 def run(turns: int, concurrency: int, cycles: int, seed: int,
-        target: str | None = None) -> dict[str, float]:
+        target: str | None = None, crash_database: bool = False) -> dict[str, float]:
     rng = random.Random(seed)
     per_cycle = max(1, -(-turns // cycles))
     totals = {"sent": 0, "acknowledged": 0, "lost": 0, "unacknowledged_recorded": 0}
@@ -154,8 +173,13 @@ def run(turns: int, concurrency: int, cycles: int, seed: int,
             proc = start_proxy(double.url, db, Path(tmp) / "skills", port, log)
             left = turns - totals["sent"]
             kill_at = min(left, rng.randint(max(1, per_cycle // 2), per_cycle))
+            crash = None
+            if crash_database:
+                def crash() -> None:
+                    cluster.stop("immediate")
+                    cluster.start()
             sent, acked = asyncio.run(load(f"http://127.0.0.1:{port}", cycle, concurrency,
-                                           kill_at, proc))
+                                           kill_at, proc, crash))
             have = recorded_sessions(db)
             lost = [s for s in acked if s not in have]
             extra = [s for s in sent if s in have and s not in set(acked)]
@@ -186,14 +210,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--db", help="the workspace: a file, postgresql://..., or postgresql "
                                      "for a throwaway cluster (default: a new SQLite file)")
+    parser.add_argument("--crash", choices=["proxy", "database"], default="proxy",
+                        help="what each cycle crashes: the proxy (kill -9), or, with --db "
+                        "postgresql, the database server (then the proxy)")
     args = parser.parse_args(argv)
     if args.turns < 1 or args.concurrency < 1 or args.cycles < 1:
         parser.error("--turns, --concurrency and --cycles must be positive")
-    totals = run(args.turns, args.concurrency, args.cycles, args.seed, args.db)
-    print(f"turns under kill -9: sent {totals['sent']}, acknowledged {totals['acknowledged']}, "
+    if args.crash == "database" and args.db != "postgresql":
+        parser.error("--crash database needs --db postgresql (a throwaway cluster to crash)")
+    totals = run(args.turns, args.concurrency, args.cycles, args.seed, args.db,
+                 crash_database=args.crash == "database")
+    what = "database crashes" if args.crash == "database" else "kill -9"
+    print(f"turns under {what}: sent {totals['sent']}, acknowledged {totals['acknowledged']}, "
           f"lost {totals['lost']}; recorded but not acknowledged (in flight at the kill): "
           f"{totals['unacknowledged_recorded']}; {totals['sent'] / totals['seconds']:.0f} turns/s "
-          f"over {totals['seconds']:.1f} s including {totals['cycles']} kills and restarts")
+          f"over {totals['seconds']:.1f} s including {totals['cycles']} crashes and restarts")
     return 1 if totals["lost"] else 0
 
 
