@@ -18,16 +18,19 @@ How it keeps SQLite's guarantees across machines:
   (``synchronous_commit`` on); ``transaction(fsync=False)`` commits with
   ``synchronous_commit = off`` for that transaction, which survives the death of the writing
   process (the commit is in the server's hands) but not a crash of the database server itself,
-  the same promise as SQLite's ``synchronous=NORMAL``.
+  the same promise as SQLite's ``synchronous=NORMAL`` (the proxy's turns never use it on
+  PostgreSQL: :class:`metaclaw.proxy.pipeline.Recorder`).
 - **Every process sees the newest generation** before its next request, without a query per
   request: a trigger announces each generation as it commits (``NOTIFY``), and a thread of every
   process that serves ``LISTEN``s and re-reads the number when told (and once a second in any
-  case). While that connection is down, each request reads ``MAX(generation)`` itself.
+  case). While that connection is down, the number it last knew (a database that went away
+  must not hold up a request); before it first connected, ``MAX(generation)`` is read.
 - **Readers do not queue behind the writer.** Queries outside this thread's transaction run on a
   connection pool (``psycopg_pool``; ``METACLAW_DB_POOL`` connections, default 8).
 - **A database that went away** (restarted, unreachable) fails the calls made meanwhile with a
-  one-sentence :class:`~metaclaw.store.EngineError` after a short connect timeout (never a hang),
-  and the next call reconnects by itself.
+  one-sentence :class:`~metaclaw.store.EngineError` after a short connect timeout (never a hang;
+  TCP keepalives and ``tcp_user_timeout`` end a connection whose peer went silent, see
+  :data:`TCP_TIMEOUTS`), and the next call reconnects by itself.
 
 Text columns cannot hold the character U+0000 in PostgreSQL: a string holding it is stored with a
 reversible escape (:data:`ESCAPE`, a Unicode noncharacter, followed by ``0``; the escape
