@@ -880,7 +880,8 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
         status["transitions"] = list(reversed(recent))
         status["state"] = recent[0]["to_state"] if recent else "waiting"
         status["training"] = TrainingLease.for_store(store).training_elsewhere()
-        if status["state"] in ("training", "pausing") and not status["training"]:
+        if status["state"] in ("training", "pausing") and not status["training"] \
+                and _gone(recent[0].get("process")):
             # the last transition a trainer wrote, but no process trains: it stopped unsaid
             status["state"] = "waiting"
             status["note"] = (f"the last trainer's state was {recent[0]['to_state']}, but no "
@@ -957,7 +958,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             print(_printable(f"           skipped: {why}"), flush=True)
 
     loop.add_step_listener(show)
-    # SIGTERM (systemd, docker stop) stops as Ctrl-C does: at a step boundary, state saved
+    # SIGTERM (systemd, docker stop) stops as Ctrl-C does, state saved (in the scheduler's
+    # windows at a step boundary)
     previous = signal.signal(signal.SIGTERM, _interrupt) \
         if threading.current_thread() is threading.main_thread() else None
     try:
@@ -970,6 +972,23 @@ def cmd_train(args: argparse.Namespace) -> int:
         loop.close()
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+
+
+def _gone(process: str | None) -> bool:
+    """Whether ``process`` (``pid N on HOST``, as the store names it) is of this machine and no
+    longer runs (of another machine: not known here, so False)."""
+    import socket
+
+    match = re.fullmatch(r"pid (\d+) on (.+)", process or "")
+    if match is None or match.group(2) != socket.gethostname():
+        return False
+    try:
+        os.kill(int(match.group(1)), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # another user's process: it runs
+        return False
+    return False
 
 
 def _interrupt(signum: int, frame: Any) -> None:
@@ -999,7 +1018,8 @@ def _train(args: argparse.Namespace, loop: Any, state_dir: str) -> int:
         print(f"{result.steps_done} steps ({result.reason}); policy version "
               f"{result.policy_version}")
         steps = loop.trainer.history[-result.steps_done:] if result.steps_done else []
-        if steps and all(step["loss"] is None and (step["metrics"] or {}).get("reward_failures")
+        if steps and all(step["loss"] is None and step["groups"]
+                         and (step["metrics"] or {}).get("reward_failures") == step["groups"]
                          for step in steps):
             print("nothing trained: every step's reward calls failed (see above; the judge is "
                   "down or answers what is not a reward)", file=sys.stderr)

@@ -438,10 +438,11 @@ def test_train_waits_for_turns_and_stops_on_sigterm_as_on_ctrl_c(tmp_path):
     status = json.loads(run_cli("scheduler", "status", "--db", db, "--config", config,
                                 "--json").stdout)
     assert status["state"] != "training" and not status["training"]
+    gone = subprocess.Popen(["true"])
+    gone.wait()
     with Store(db) as store:  # a trainer killed mid-step (kill -9) leaves `training` last
-        store.execute("INSERT INTO scheduler_transitions (at, from_state, to_state, reason, "
-                      "process) VALUES (?, 'waiting', 'training', 'window open', 'pid 1')",
-                      (time.time(),))
+        store.record_transition(from_state="waiting", to_state="training", reason="window open",
+                                process=f"pid {gone.pid} on {socket.gethostname()}")
     status = run_cli("scheduler", "status", "--db", db, "--config", config).stdout
     assert status.startswith("state: waiting") and "no process holds the training lease" in status
 

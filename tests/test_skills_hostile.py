@@ -253,7 +253,7 @@ def test_an_edit_of_a_stale_file_merges_with_the_change_it_missed(tmp_path):
     mine.reload()  # what the watcher calls on the edit
     assert _body(mine) == "Read the whole file.\n\nBack it up.\n\nThen edit once."
     assert "Read the whole file." in (here / "steps" / "SKILL.md").read_text()
-    assert not list(here.glob("*.conflict.md"))
+    assert not list(here.glob("*.conflict*"))
 
 
 def test_an_edit_of_a_stale_file_that_overlaps_the_change_is_set_aside_not_recorded_over_it(
@@ -268,10 +268,41 @@ def test_an_edit_of_a_stale_file_that_overlaps_the_change_is_set_aside_not_recor
     assert mine.reload() == generation  # nothing recorded: the other change stands
     assert "Back it up to .bak." in _body(mine)
     assert "Back it up to .bak." in (here / "steps" / "SKILL.md").read_text()
-    assert (here / "steps.conflict.md").read_text() == edited  # the edit is not lost
+    assert (here / f"steps.conflict-{generation}.md").read_text() == edited  # not lost
     events = [e for e in mine.store.events() if e["kind"] == "skill_edit_conflict"]
     assert len(events) == 1 and "merge it into" in events[0]["message"]
     assert mine.reload() == generation and sorted(mine.problems) == []  # not a skill
+    # a second overlapping edit of the same generation's file never writes over the first
+    write_skill(here, "steps", STEPS.format("Read the file.", "Back it up to svn.", "Then edit."))
+    mark = json.loads((tmp_path / ("ws.db" + FOLDER_MARKS)).read_text())
+    mark[str(here.resolve())]["generation"] = 0  # as if the folder lagged again
+    mark[str(here.resolve())]["snapshot"] = __import__(
+        "metaclaw.skills.library", fromlist=["_skills_digest"])._skills_digest(mine.snapshot(0))
+    (tmp_path / ("ws.db" + FOLDER_MARKS)).write_text(json.dumps(mark))
+    assert mine.reload() == generation
+    assert (here / f"steps.conflict-{generation}.md").read_text() == edited
+    assert "svn" in (here / f"steps.conflict-{generation}.2.md").read_text()
+
+
+def test_a_folder_that_cannot_be_written_never_records_its_stale_files_back(tmp_path,
+                                                                            monkeypatch):
+    """Its stale files were recorded as a generation, undoing the other folder's change."""
+    import metaclaw.skills.library as module
+
+    here, mine, there, theirs = _two_folders(tmp_path)
+    changed = theirs.edit(Skill.from_markdown(STEPS.format("Read the file.", "Back it up.",
+                                                           "Then edit twice.")))
+
+    def refuse(path, text):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(module, "_write_skill_file", refuse)
+    reopened = SkillLibrary(here, Store(tmp_path / "ws.db"))
+    assert reopened.generation == changed and "twice" in _body(reopened)
+    monkeypatch.undo()
+    again = SkillLibrary(here, Store(tmp_path / "ws.db"))  # still lagging: brought up now
+    assert again.generation == changed
+    assert "twice" in (here / "steps" / "SKILL.md").read_text()
 
 
 def test_a_change_made_through_a_lagging_folder_applies_on_the_latest_generation(tmp_path):

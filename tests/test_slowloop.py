@@ -427,3 +427,18 @@ def test_checkpoint_retention_and_the_store_is_the_truth_across_restarts(world, 
         got = backend.sampler().sample(prompt, 2, 6, 1.0, seed=5)
         assert [s.tokens for s in got] == [s.tokens for s in expected]
         again.close()
+
+
+def test_a_reward_named_on_the_command_line_loads_as_the_user_wrote_it(tmp_path, monkeypatch):
+    from metaclaw.slowloop.grpo import load_reward
+
+    (tmp_path / "graded.py").write_text(
+        "from __future__ import annotations\nfrom dataclasses import dataclass\n\n"
+        "@dataclass\nclass Rubric:\n    words: int = 3\n\n"
+        "def short(prompt, text):\n    return -abs(len(text.split()) - Rubric().words)\n")
+    (tmp_path / "broken.py").write_text("raise ValueError('missing API key for grader')\n")
+    assert load_reward(f"{tmp_path / 'graded.py'}:short")(None, "a b c") == 0
+    monkeypatch.chdir(tmp_path)  # a module beside the user, as `python -m` finds it
+    assert load_reward("graded:short")(None, "a b") == -1
+    with pytest.raises(ValueError, match="cannot load broken.py: ValueError: missing API key"):
+        load_reward("broken.py:anything")

@@ -922,7 +922,8 @@ class TurnPipeline:
                                       f"record within {ACK_TIMEOUT_S:.0f} s, so the proxy does "
                                       "not acknowledge the reply; retry the request (the turn "
                                       "may still be recorded once the store answers)",
-                                 type="server_error", code="store_unavailable") from None
+                                 type="server_error", code="store_unavailable",
+                                 headers={"Retry-After": "5"}) from None
             except asyncio.CancelledError:  # the stop's cut-off: this turn is recorded (the
                 if not self.parts.stopping:  # stop drains it), so its client gets its reply
                     raise

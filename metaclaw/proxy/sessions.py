@@ -495,7 +495,8 @@ class ReplyThreads:
         if opened is None:  # new here: looked up unless the recorded ones are loaded
             count = self._recorded_count(fingerprint) \
                 if self._forgot or not self._numbered else 0
-            opened = self._openings[fingerprint] = [count, []]
+            # (another thread may have opened it while a look-up let go of the lock)
+            opened = self._openings.setdefault(fingerprint, [count, []])
             self._forgot |= _bound(self._openings, self.MAX_ENTRIES)
         self._openings.move_to_end(fingerprint)
         if opened[1]:
@@ -528,7 +529,15 @@ class ReplyThreads:
         # waits behind a transaction of the writer thread (the main connection's lock).
         if self._reader is None:
             self._reader = self.store.loop_writer() or self.store
-        return self._reader.query(sql, params)
+        if not self.reads_network:
+            return self._reader.query(sql, params)
+        # called with the lock held: a read over the network (made off the loop) lets go of it
+        # meanwhile, so that settle() on the loop never waits for the database
+        self._lock.release()
+        try:
+            return self._reader.query(sql, params)
+        finally:
+            self._lock.acquire()
 
     def _recorded_openings(self, reader: Any) -> tuple[dict[str, int], bool] | None:
         """The highest number each fingerprint's recorded openings took, among the

@@ -58,6 +58,7 @@ import difflib
 import functools
 import hashlib
 import html
+import itertools
 import json
 import logging
 import os
@@ -1009,6 +1010,9 @@ class SkillLibrary:
         self._lock = threading.RLock()
         self._skills: dict[str, Skill] = {}
         self._sorted: tuple[Skill, ...] = ()
+        self._view: tuple[int, tuple[Skill, ...]] = (-1, ())  # (generation, sorted skills)
+        self._catch_up_failed = False  # the folder could not be brought up: not marked
+        self._pending_events: list[dict[str, Any]] = []  # recorded once a change is over
         self._generation = -1
         self._subscribers: list[Callable[[int], None]] = []
         self._snapshots: dict[int, dict[str, Skill]] = {}
@@ -1033,8 +1037,8 @@ class SkillLibrary:
         """(generation, skills sorted by name), read atomically; a generation committed by
         another process is adopted first (see :meth:`sync`)."""
         self.sync()
-        with self._lock:
-            return self._generation, list(self._sorted)
+        generation, skills = self._view  # set whole by _set: no lock (a change in progress
+        return generation, list(skills)  # must not hold up a request)
 
     def sync(self) -> int:
         """Adopt the store's latest generation if another process (or library) committed one.
@@ -1400,7 +1404,7 @@ class SkillLibrary:
         bring the folder to it (:meth:`_catch_up`), so the files a person opens next are the
         library's; a busy store is tried again at the next call (the watcher calls this every
         :data:`WATCH_STEP_MS` between edits)."""
-        self.sync()
+        before = self.sync()
         if self._folder_generation >= self._generation or self._marks_path() is None:
             return
         try:
@@ -1408,6 +1412,8 @@ class SkillLibrary:
                 pass
         except StoreBusy:
             return
+        if self._generation != before:  # adopted a newer one on the way: its listeners hear
+            self._notify(self._generation)
 
     @contextlib.contextmanager
     def _exclusive(self, adopt: bool = True, wait: bool = True):
@@ -1418,14 +1424,22 @@ class SkillLibrary:
         holding the new current generation, in the same transaction."""
         with self._lock:
             self._journal = journal = None
-            with self.store.transaction(wait=wait):
-                self._recover()
-                if adopt:
-                    self._adopt_latest()
-                    self._catch_up(self._generation, self._skills, self.problems)
-                yield
-                journal, self._journal = self._journal, None
-                self._mark_folder()
+            self._catch_up_failed = False
+            try:
+                with self.store.transaction(wait=wait):
+                    self._recover()
+                    if adopt:
+                        self._adopt_latest()
+                        self._catch_up(self._generation, self._skills, self.problems)
+                    yield
+                    journal, self._journal = self._journal, None
+                    if not self._catch_up_failed:  # else the folder still lags: said so
+                        self._mark_folder()
+            finally:  # said whether the change went through or not (the files changed)
+                events, self._pending_events = self._pending_events, []
+                for event in events:
+                    with contextlib.suppress(Exception):  # the log holds it as well
+                        self.store.record_event(**event)
             if journal is not None:  # committed: the files it guarded hold the generation now
                 journal.unlink(missing_ok=True)
 
@@ -1491,19 +1505,22 @@ class SkillLibrary:
         edited = [name for name in changed if name not in stale and name not in broken]
         if not stale and not edited:
             return {}
-        brought: dict[str, Skill | None] = {}
+        # read as brought up even where the folder cannot be written: its stale files must
+        # never be recorded as changes back (an edit there stays in its file)
+        brought: dict[str, Skill | None] = {name: latest.get(name) for name in stale + edited}
         try:
             if stale:
                 log.info("skill library: brought %s in %s from generation %d to %d (changed "
                          "through another folder of the workspace)", ", ".join(stale),
                          self.directory, generation, number)
                 self._write(stale, latest)
-                brought.update((name, latest.get(name)) for name in stale)
             for name in edited:
                 brought[name] = self._merge(name, base.get(name), latest.get(name), number,
                                             generation)
         except OSError as exc:
-            log.warning("skill library: cannot write the folder %s (%s)", self.directory, exc)
+            self._catch_up_failed = True
+            log.warning("skill library: cannot write the folder %s (%s); it still holds "
+                        "generation %d's files", self.directory, exc, generation)
         return brought
 
     def _merge(self, name: str, base: Skill | None, latest: Skill | None, number: int,
@@ -1513,8 +1530,9 @@ class SkillLibrary:
         generation ``number`` made it ``latest``: the two changes merged line by line (three-way,
         as version control merges) where they touch different lines and the result is a valid
         skill, written into the folder and read as this folder's edit; otherwise ``latest`` is
-        written and the edit is kept beside the skill folders as ``<name>.conflict.md`` (never
-        read as a skill), with a warning and a ``skill_edit_conflict`` event. Nothing is lost
+        written and the edit is kept beside the skill folders as ``<name>.conflict-<number>.md``
+        (never read as a skill, never written over), with a warning and a
+        ``skill_edit_conflict`` event (recorded once the change is over, whatever its outcome). Nothing is lost
         and nothing edited elsewhere is silently undone."""
         import merge3
 
@@ -1538,7 +1556,11 @@ class SkillLibrary:
                     log.info("skill library: merged the edit of %s in %s with generation %d's "
                              "change of it", name, self.directory, number)
                     return merged
-        aside = self.directory / f"{name}.conflict.md"
+        aside = self.directory / f"{name}.conflict-{number}.md"
+        for k in itertools.count(2):  # never over an earlier one (it may hold another edit)
+            if not os.path.lexists(aside):
+                break
+            aside = self.directory / f"{name}.conflict-{number}.{k}.md"
         if mine is not None:
             _atomic_write(aside, mine)
         self._write([name], {name: latest} if latest is not None else {})
@@ -1549,9 +1571,8 @@ class SkillLibrary:
                 + (f"; the edit is kept in {aside}: merge it into {path} and save"
                    if mine is not None else ""))
         log.warning("skill library: %s", said)
-        with contextlib.suppress(Exception):  # the warning above stands where it cannot
-            self.store.record_event(source="skills", kind="skill_edit_conflict", level="warning",
-                                    message=said, path=str(aside))
+        self._pending_events.append({"source": "skills", "kind": "skill_edit_conflict",
+                                     "level": "warning", "message": said, "path": str(aside)})
         return latest
 
     def _recover(self) -> None:
@@ -1719,6 +1740,7 @@ class SkillLibrary:
     def _set(self, generation: int, skills: dict[str, Skill]) -> None:
         self._skills = dict(skills)
         self._sorted = tuple(skills[n] for n in sorted(skills))
+        self._view = (int(generation), self._sorted)
         self._generation = int(generation)
         self._snapshots[int(generation)] = dict(skills)
 

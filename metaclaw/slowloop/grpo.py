@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import inspect
 import itertools
 import json
@@ -284,20 +285,29 @@ def load_reward(spec: str) -> Any:
     import importlib
     import importlib.util
 
+    import sys
+
     where, sep, name = spec.rpartition(":")
     if not sep or not where or not name.isidentifier():
         raise ValueError(f"--reward {spec!r}: name it as module:function or file.py:function")
+    if where.endswith(".py") and not os.path.isfile(where):
+        raise ValueError(f"--reward {spec!r}: no file {where}")
     try:
-        if where.endswith(".py"):
-            loader = importlib.util.spec_from_file_location(f"metaclaw_reward_{name}", where)
-            if loader is None or not os.path.isfile(where):
-                raise ValueError(f"--reward {spec!r}: no file {where}")
-            module = importlib.util.module_from_spec(loader)
-            loader.loader.exec_module(module)  # type: ignore[union-attr]
+        if where.endswith(".py"):  # imported as a module of its own (dataclasses need that)
+            module_name = "metaclaw_reward_" + hashlib.sha256(
+                os.path.abspath(where).encode()).hexdigest()[:12]
+            found = importlib.util.spec_from_file_location(module_name, where)
+            module = importlib.util.module_from_spec(found)  # type: ignore[arg-type]
+            sys.modules[module_name] = module
+            try:
+                found.loader.exec_module(module)  # type: ignore[union-attr]
+            except BaseException:
+                sys.modules.pop(module_name, None)
+                raise
         else:
+            if os.getcwd() not in sys.path:  # a module beside the user, as `python -m` finds
+                sys.path.insert(0, os.getcwd())
             module = importlib.import_module(where)
-    except ValueError:
-        raise
     except Exception as exc:  # the user's module failed to import: say why in one line
         raise ValueError(f"--reward {spec!r}: cannot load {where}: {type(exc).__name__}: "
                          f"{exc}") from None

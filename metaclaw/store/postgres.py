@@ -142,6 +142,9 @@ def _opening(fsync: bool, wait: bool) -> list[str]:
     steps = [BEGIN]
     if not fsync:
         steps.append("SET LOCAL synchronous_commit = off")
+    else:  # a server, database or role set weaker must not weaken an acknowledgement
+        steps.append("SELECT set_config('synchronous_commit', 'on', true) "
+                     "WHERE current_setting('synchronous_commit') IN ('off', 'local')")
     if wait:
         steps.append(f"SET LOCAL lock_timeout = '{int(BUSY_TIMEOUT_S * 1000)}ms'")
     steps.append(f"SELECT metaclaw_write_lock({WRITE_LOCK}, {'true' if wait else 'false'})")
