@@ -1526,10 +1526,10 @@ class SkillLibrary:
     def _merge(self, name: str, base: Skill | None, latest: Skill | None, number: int,
                since: int) -> Skill | None:
         """The skill ``name`` of a lagging folder (last brought to generation ``since``), edited
-        here on the version ``base`` while
-        generation ``number`` made it ``latest``: the two changes merged line by line (three-way,
-        as version control merges) where they touch different lines and the result is a valid
-        skill, written into the folder and read as this folder's edit; otherwise ``latest`` is
+        here on the version ``base`` while generation ``number`` made it ``latest``: the two
+        changes merged line by line (three-way, as version control merges) where they touch
+        different lines and the result is a valid skill, written into the folder and read as
+        this folder's edit; otherwise ``latest`` is
         written and the edit is kept beside the skill folders as ``<name>.conflict-<number>.md``
         (never read as a skill, never written over), with a warning and a
         ``skill_edit_conflict`` event (recorded once the change is over, whatever its outcome). Nothing is lost
