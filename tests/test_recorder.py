@@ -426,3 +426,39 @@ def test_a_commit_the_store_never_confirms_withholds_the_reply_with_a_503(monkey
     waited, error = asyncio.run(never_confirmed())
     assert 0.2 <= waited < 2 and error.status == 503 and error.code == "store_unavailable"
     assert "did not confirm" in error.message
+
+
+class LockedStore(Store):
+    """Another process holds the write lock past the busy timeout: every write says so."""
+
+    def record_turns(self, turns, **kwargs):
+        error = sqlite3.OperationalError("database is locked")
+        error.sqlite_errorcode = sqlite3.SQLITE_BUSY  # as SQLite sets it
+        raise error
+
+
+def test_a_write_lock_that_stays_taken_answers_the_group_at_once_not_turn_by_turn(tmp_path):
+    """Each turn was tried again alone, each waiting the busy timeout (30 s) once more."""
+    from types import SimpleNamespace
+
+    from metaclaw.protocols import ProxyError
+    from metaclaw.proxy.pipeline import BUSY, TurnPipeline
+
+    store = LockedStore(tmp_path / "m.db")
+    recorder = Recorder(store, fsync=True)  # the writer thread
+    pipeline = SimpleNamespace(config=SimpleNamespace(durable_acks=True),
+                               parts=SimpleNamespace(stopping=False))
+
+    async def three():
+        futures = [recorder.submit(dict(ROW, session_id=f"s{i}"), False) for i in range(3)]
+        results = await asyncio.gather(*futures)
+        with pytest.raises(ProxyError) as err:
+            await TurnPipeline.acknowledge(pipeline, futures[0])
+        return results, err.value
+
+    try:
+        results, err = asyncio.run(three())
+    finally:
+        recorder.stop()
+    assert results == [BUSY] * 3
+    assert err.status == 503 and err.code == "store_busy" and err.headers == {"Retry-After": "5"}

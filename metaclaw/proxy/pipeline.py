@@ -49,7 +49,7 @@ from metaclaw.proxy.upstreams import NO_KEY, ResponderUpstream, Upstream, policy
 from metaclaw.redact import mask, mask_bytes, mask_json, secrets_of
 from metaclaw.skills import block as skill_block, retrieval
 from metaclaw.skills.library import visible
-from metaclaw.store import StoreUnavailable
+from metaclaw.store import BUSY_TIMEOUT_S, StoreBusy, StoreUnavailable
 from metaclaw.turns import IdentityError, is_task_turn
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -438,23 +438,33 @@ class Recorder:
 
     def _commit(self, group: list[tuple[Any, ...]]) -> None:
         store, fsync, cpu = self.store, self.fsync, time.thread_time()
-        ids: list[Any]  # a turn id, None (refused) or UNREACHABLE
+        ids: list[Any]  # a turn id, None (refused), UNREACHABLE or BUSY
         try:
             ids = self._write_all(store, group, fsync)
             self._thread_commits += 1
         except StoreUnavailable as exc:  # the database is down: one by one would fail alike
             log.warning("could not record %d turns: %s", len(group), exc)
             ids = [UNREACHABLE] * len(group)
-        except Exception:  # one bad row must not lose the others: write them one by one
-            ids = []
-            for row, done, _, _ in group:
-                try:  # strings cleaned of what SQLite cannot encode (lone surrogates)
-                    ids += self._write_all(store, [(_encodable(row), done)], fsync)
-                except Exception:
-                    log.exception("could not record a turn of session %r", row.get("session_id"))
-                    ids.append(None)
+        except Exception as exc:
+            if not _lock_busy(exc):
+                ids = self._one_by_one(store, group, fsync)
+            else:  # the write lock stayed taken: one by one would wait as long for each turn
+                log.warning("could not record %d turns: another process held the store's write "
+                            "lock for %.0f s (%s)", len(group), BUSY_TIMEOUT_S, exc)
+                ids = [BUSY] * len(group)
         self._thread_cpu_s += time.thread_time() - cpu
         self._deliver(group, ids)
+
+    def _one_by_one(self, store: Store, group: list[tuple[Any, ...]], fsync: bool) -> list[Any]:
+        """One bad row must not lose the others: the group's turns written one by one."""
+        ids: list[Any] = []
+        for row, done, _, _ in group:
+            try:  # strings cleaned of what SQLite cannot encode (lone surrogates)
+                ids += self._write_all(store, [(_encodable(row), done)], fsync)
+            except Exception:
+                log.exception("could not record a turn of session %r", row.get("session_id"))
+                ids.append(None)
+        return ids
 
     def _deliver(self, group: list[tuple[Any, ...]], ids: list[int | None]) -> None:
         """Resolve each turn's future on its own loop (at once on the running one), then tell
@@ -496,6 +506,22 @@ class Recorder:
 #: A turn's record when the store could not be reached (its future's result, like ``None`` for
 #: a turn the store refused): answered with a 503 the client may retry.
 UNREACHABLE = "unreachable"
+
+#: A turn's record when another process held the store's write lock past its busy timeout:
+#: answered with a 503 the client may retry.
+BUSY = "busy"
+
+
+def _lock_busy(exc: BaseException) -> bool:
+    """Whether ``exc`` says the store's write lock stayed taken (SQLite's busy timeout, or
+    PostgreSQL's lock timeout as :class:`StoreBusy`)."""
+    if isinstance(exc, StoreBusy):
+        return True
+    import sqlite3
+
+    return isinstance(exc, sqlite3.OperationalError) and \
+        getattr(exc, "sqlite_errorcode", 0) & 0xFF == sqlite3.SQLITE_BUSY
+
 
 #: Queued for the writer thread: checkpoint the write-ahead log.
 _CHECKPOINT = "checkpoint"
@@ -932,6 +958,12 @@ class TurnPipeline:
                                   "was not confirmed and the proxy does not acknowledge the "
                                   "reply; retry the request when it is back", type="server_error",
                              code="store_unavailable", headers={"Retry-After": "5"})
+        if turn_id is BUSY:
+            raise ProxyError(503, f"another process held the workspace's write lock for over "
+                                  f"{BUSY_TIMEOUT_S:.0f} s, so this turn was not recorded and "
+                                  "the proxy does not acknowledge the reply; retry the request",
+                             type="server_error", code="store_busy",
+                             headers={"Retry-After": "5"})
         if turn_id is None:
             raise ProxyError(500, "the proxy could not record this turn in its store (see the "
                                   "proxy log), so it does not acknowledge the reply; retry the "
