@@ -284,6 +284,15 @@ def test_an_edit_of_a_stale_file_that_overlaps_the_change_is_set_aside_not_recor
     assert "svn" in (here / f"steps.conflict-{generation}.2.md").read_text()
 
 
+def test_the_same_edit_made_in_both_folders_written_otherwise_is_no_conflict(tmp_path):
+    here, mine, there, theirs = _two_folders(tmp_path)
+    edited = STEPS.format("Read the file.", "Back it up first.", "Then edit.")
+    generation = theirs.edit(Skill.from_markdown(edited))
+    write_skill(here, "steps", edited.replace("name: steps\n", "name: 'steps'\n"))
+    assert mine.reload() == generation and "first" in _body(mine)
+    assert not list(here.glob("*.conflict*"))
+
+
 def test_a_folder_that_cannot_be_written_never_records_its_stale_files_back(tmp_path,
                                                                             monkeypatch):
     """Its stale files were recorded as a generation, undoing the other folder's change."""

@@ -1540,8 +1540,9 @@ class SkillLibrary:
         path = folder / SKILL_FILE
         mine = _file_text(path)
         theirs = latest.to_markdown() if latest is not None else None
-        if mine == theirs:
-            return latest
+        if mine == theirs or (mine is not None and latest is not None
+                              and _read_skill_file(path, name)[0] == latest):
+            return latest  # the same skill, written alike or otherwise: nothing to merge
         if base is not None and mine is not None and theirs is not None:
             merge = merge3.Merge3(base.to_markdown().splitlines(True), mine.splitlines(True),
                                   theirs.splitlines(True))
@@ -1551,7 +1552,7 @@ class SkillLibrary:
                     merged = Skill.from_markdown(text, source=str(path))
                 except SkillFormatError:
                     merged = None
-                if merged is not None and merged.name == name:
+                if merged is not None and merged.name == name and not oversize_reason(merged):
                     _write_skill_file(folder, text)
                     log.info("skill library: merged the edit of %s in %s with generation %d's "
                              "change of it", name, self.directory, number)
