@@ -378,14 +378,13 @@ class UnreachableStore(Store):
         raise StoreUnavailable("PostgreSQL workspace postgresql://u:***@h/db: connection refused")
 
 
-def test_turns_an_unreachable_store_cannot_take_get_a_503_to_retry_not_a_500(tmp_path):
+def _three_turns_refused(recorder):
+    """Three turns submitted together, then the first one's acknowledgement: (results, error)."""
     from types import SimpleNamespace
 
     from metaclaw.protocols import ProxyError
-    from metaclaw.proxy.pipeline import UNREACHABLE, TurnPipeline
+    from metaclaw.proxy.pipeline import TurnPipeline
 
-    store = UnreachableStore(tmp_path / "m.db")
-    recorder = Recorder(store)
     pipeline = SimpleNamespace(config=SimpleNamespace(durable_acks=True),
                                parts=SimpleNamespace(stopping=False))
 
@@ -397,9 +396,16 @@ def test_turns_an_unreachable_store_cannot_take_get_a_503_to_retry_not_a_500(tmp
         return results, err.value
 
     try:
-        results, error = asyncio.run(three())
+        return asyncio.run(three())
     finally:
         recorder.stop()
+
+
+def test_turns_an_unreachable_store_cannot_take_get_a_503_to_retry_not_a_500(tmp_path):
+    from metaclaw.proxy.pipeline import UNREACHABLE
+
+    store = UnreachableStore(tmp_path / "m.db")
+    results, error = _three_turns_refused(Recorder(store))
     assert results == [UNREACHABLE] * 3
     assert store.attempts <= 2  # the group, not each turn again, once the store is unreachable
     assert error.status == 503 and error.code == "store_unavailable"
@@ -439,26 +445,8 @@ class LockedStore(Store):
 
 def test_a_write_lock_that_stays_taken_answers_the_group_at_once_not_turn_by_turn(tmp_path):
     """Each turn was tried again alone, each waiting the busy timeout (30 s) once more."""
-    from types import SimpleNamespace
+    from metaclaw.proxy.pipeline import BUSY
 
-    from metaclaw.protocols import ProxyError
-    from metaclaw.proxy.pipeline import BUSY, TurnPipeline
-
-    store = LockedStore(tmp_path / "m.db")
-    recorder = Recorder(store, fsync=True)  # the writer thread
-    pipeline = SimpleNamespace(config=SimpleNamespace(durable_acks=True),
-                               parts=SimpleNamespace(stopping=False))
-
-    async def three():
-        futures = [recorder.submit(dict(ROW, session_id=f"s{i}"), False) for i in range(3)]
-        results = await asyncio.gather(*futures)
-        with pytest.raises(ProxyError) as err:
-            await TurnPipeline.acknowledge(pipeline, futures[0])
-        return results, err.value
-
-    try:
-        results, err = asyncio.run(three())
-    finally:
-        recorder.stop()
+    results, err = _three_turns_refused(Recorder(LockedStore(tmp_path / "m.db"), fsync=True))
     assert results == [BUSY] * 3
     assert err.status == 503 and err.code == "store_busy" and err.headers == {"Retry-After": "5"}
