@@ -438,6 +438,65 @@ def test_a_trainer_killed_in_its_gradient_step_leaves_its_turns_untrained(tiny_m
         assert row["train_claim_by"] is None and row["train_claim_until"] is None
 
 
+KILLED_BEFORE_RECORDING = """
+import sys, time
+from metaclaw.slowloop.backends import make_backend
+from metaclaw.slowloop.grpo import GRPOConfig, GRPOTrainer, prompts_from_query_set
+from metaclaw.store import Store
+
+store = Store(sys.argv[1])
+backend = make_backend("local", sys.argv[2], lora_rank=4, seed=0)
+
+def add_policy_version(**fields):
+    print("saved, recording", flush=True)
+    time.sleep(600)  # killed here: the weights are saved, the version not yet recorded
+
+store.add_policy_version = add_policy_version
+trainer = GRPOTrainer(backend, lambda: prompts_from_query_set(store, backend), store=store,
+                      judge=lambda prompt, text: float(len(text) % 3),
+                      config=GRPOConfig(steps=1, groups_per_step=2, group_size=4, max_tokens=6,
+                                        state_dir=sys.argv[3]))
+trainer.claim_lease_s = 1.0
+trainer.step()
+"""
+
+
+def test_a_trainer_killed_between_saving_and_recording_loses_no_weights(tiny_model, tmp_path):
+    """kill -9 after a step saved its weights but before it recorded their version: no version
+    is left without weights, the turns are not counted as trained into lost weights, and the
+    restarted trainer resumes the saved weights and records them with its next version."""
+    import subprocess
+    import sys
+    import time
+
+    from metaclaw.slowloop.backends import make_backend
+    from metaclaw.slowloop.grpo import GRPOTrainer
+
+    path, state_dir = tmp_path / "db.sqlite", tmp_path / "state"
+    store = Store(path)
+    store.add_generation(snapshot={}, kind="init")
+    turns = [_query_turn(store, 0), _query_turn(store, 0, text="hello")]
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_BEFORE_RECORDING, str(path),
+                             tiny_model, str(state_dir)], stdout=subprocess.PIPE, text=True)
+    kill_once_it_says(proc, "saved, recording")
+    assert store.query("SELECT version FROM policy_versions") == []
+    time.sleep(max(0.0, max(store.turn(t)["train_claim_until"] for t in turns) - time.time())
+               + 0.1)
+    assert all(store.turn(t)["trained_steps"] == 0 for t in turns)  # to be trained again
+
+    backend = make_backend("local", tiny_model, lora_rank=4, seed=0)
+    trainer = GRPOTrainer(backend, lambda: prompts_from_query_set(store, backend), store=store,
+                          judge=lambda prompt, text: float(len(text) % 3),
+                          config=GRPOConfig(steps=1, groups_per_step=2, group_size=4,
+                                            max_tokens=6, state_dir=str(state_dir)))
+    assert trainer.start_step == 1 and backend.policy_version == 1  # the saved weights
+    assert trainer.step()["metrics"]["published_version"] == 1
+    rows = store.query("SELECT version, checkpoint FROM policy_versions")
+    assert [r["version"] for r in rows] == [1] and (Path(rows[0]["checkpoint"]) /
+                                                    "metaclaw_state.json").is_file()
+    assert json.loads((state_dir / "latest.json").read_text())["policy_version"] == 1
+
+
 class _EvolvesAfterLeases(_EvolvesDuringTraining):
     """The backend, with a gradient step that outlasts several claim leases before an evolution
     lands in it."""
@@ -603,7 +662,7 @@ def test_a_saved_state_is_synced_before_its_version_points_at_it(tiny_model, tmp
     state_dir = tmp_path / "state"
     trainer, store = _published_step_trainer(tiny_model, tmp_path, state_dir)
     events: list[tuple[str, object]] = []
-    real_fsync, real_replace, real_execute = os.fsync, os.replace, store.execute
+    real_fsync, real_replace, real_add = os.fsync, os.replace, store.add_policy_version
 
     def identity(stat: os.stat_result) -> tuple[int, int]:
         return stat.st_dev, stat.st_ino
@@ -616,14 +675,13 @@ def test_a_saved_state_is_synced_before_its_version_points_at_it(tiny_model, tmp
         events.append(("replace", identity(os.stat(src))))
         real_replace(src, dst, **kw)
 
-    def execute(sql, params=()):
-        if sql.startswith("UPDATE policy_versions SET checkpoint"):
-            events.append(("record", params[0]))
-        return real_execute(sql, params)
+    def add_policy_version(**fields):
+        events.append(("record", fields["checkpoint"]))
+        return real_add(**fields)
 
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "replace", replace)
-    monkeypatch.setattr(store, "execute", execute)
+    monkeypatch.setattr(store, "add_policy_version", add_policy_version)
     assert trainer.step()["metrics"]["published_version"] == 1
 
     checkpoint = store.query("SELECT checkpoint FROM policy_versions")[0]["checkpoint"]
@@ -639,6 +697,30 @@ def test_a_saved_state_is_synced_before_its_version_points_at_it(tiny_model, tmp
     assert json.loads((state_dir / "latest.json").read_text())["checkpoint"] == checkpoint
 
 
+def test_saved_weights_whose_number_another_writer_took_resume_under_their_recorded_one(
+        tiny_model, tmp_path):
+    """Another trainer records a version while this one saves: this one's weights are recorded
+    as the next number, and ``latest.json`` says that number, so a resumed trainer does not
+    serve them labelled as the other trainer's version."""
+    from metaclaw.slowloop.backends import make_backend
+    from metaclaw.slowloop.grpo import GRPOTrainer
+
+    state_dir = tmp_path / "state"
+    trainer, store = _published_step_trainer(tiny_model, tmp_path, state_dir)
+    real_add = store.add_policy_version
+
+    def add_policy_version(**fields):  # the other writer's version lands first
+        real_add(backend="tinker", base_model="other", checkpoint="tinker://other")
+        return real_add(**fields)
+
+    store.add_policy_version = add_policy_version
+    assert trainer.step()["metrics"]["published_version"] == 2
+    assert json.loads((state_dir / "latest.json").read_text())["policy_version"] == 2
+    resumed = make_backend("local", tiny_model, lora_rank=4, seed=0)
+    GRPOTrainer(resumed, [], config=GRPOConfig(state_dir=str(state_dir)), store=store)
+    assert resumed.policy_version == 2
+
+
 @pytest.mark.parametrize("failure", [
     "fsync fails", "under a file",
     pytest.param("read-only folder", marks=pytest.mark.skipif(
@@ -648,8 +730,8 @@ def test_a_saved_state_is_synced_before_its_version_points_at_it(tiny_model, tmp
 def test_a_state_that_cannot_be_written_or_synced_is_never_recorded(tiny_model, tmp_path,
                                                                     monkeypatch, failure):
     """A failing fsync (e.g. EIO) or a folder that cannot be written is one clear error naming
-    the folder, and the published version keeps no checkpoint: no process adopts weights that
-    may not be on disk."""
+    the folder, and no version is recorded: no process adopts weights that may not be on
+    disk."""
     from metaclaw.slowloop.backends import make_backend
     from metaclaw.slowloop.grpo import GRPOTrainer
 
@@ -673,15 +755,14 @@ def test_a_state_that_cannot_be_written_or_synced_is_never_recorded(tiny_model, 
     finally:
         if failure == "read-only folder":
             state_dir.chmod(0o700)
-    rows = store.query("SELECT version, checkpoint FROM policy_versions")
-    assert rows == [{"version": 1, "checkpoint": None}]
+    assert store.query("SELECT version FROM policy_versions") == []
     if state_dir.is_dir():
         assert not (state_dir / "latest.json").exists()
         assert not list(state_dir.glob("latest.json.*"))  # no temporary file left
     monkeypatch.undo()
     fresh = make_backend("local", tiny_model, lora_rank=4, seed=0)
     GRPOTrainer(fresh, [], store=store)
-    assert fresh.policy_version == 0  # the version without saved weights is not adopted
+    assert fresh.policy_version == 0
 
 
 def test_a_remote_state_is_recorded_without_local_files(tmp_path):

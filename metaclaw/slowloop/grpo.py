@@ -460,9 +460,7 @@ class GRPOTrainer:
         self.history: list[dict[str, Any]] = []   # records of the steps run by this trainer
         self.claim_lease_s = buffers.TRAIN_CLAIM_S  # how long a step's claim lasts unrenewed
         self.last_reason = ""                     # why the last step() returned None
-        # published versions not adopted (the reason logged once), with the checkpoint they had:
-        # a version published without one may get it moments later (its process saves after
-        # publishing), and is then looked at again
+        # published versions not adopted (the reason logged once), with the checkpoint they had
         self._declined: set[tuple[int, str | None]] = set()
 
         # Resume: load the latest saved state of this state_dir (weights, optimizer, counters).
@@ -526,7 +524,7 @@ class GRPOTrainer:
         version, checkpoint = int(rows[0]["version"]), rows[0]["checkpoint"]
         if (version, checkpoint) in self._declined:  # said once: this runs before every step
             return backend.policy_version
-        if not checkpoint:  # published, its weights not saved (yet, or the process died saving)
+        if not checkpoint:  # published without saved weights (a trainer without a state_dir)
             log.warning("policy version %d has no saved weights; serving version %d", version,
                         backend.policy_version)
             self._declined.add((version, checkpoint))
@@ -617,13 +615,10 @@ class GRPOTrainer:
                 log.warning("GRPO step %s lost its claim on turns %s before it was recorded",
                             claim_id, sorted(lost))
 
-    def save(self, step: int | None = None,
-             published_version: int | None = None) -> str | None:
+    def save(self, step: int | None = None) -> str | None:
         """Save the training state after ``step`` (default: the last completed step) in
         ``state_dir``; returns the checkpoint path, or None without a ``state_dir`` or when
-        nothing new was trained. ``published_version``: the policy version these weights
-        were published as; its ``policy_versions.checkpoint`` is set to the saved state (if
-        the backend did not record one of its own).
+        nothing new was trained.
 
         Each save writes a new directory (``step-NNNNNN``, or ``step-NNNNNN.K`` when that name
         is taken), never into an existing one: a published version's checkpoint keeps the
@@ -633,11 +628,10 @@ class GRPOTrainer:
         lock, so one trainer never prunes a state another is writing.
 
         The saved files, their folder and ``latest.json`` are synced to disk (:func:`fsync_tree`,
-        :func:`metaclaw.fileio.write_atomic` with ``durable``) before the version is pointed at
-        the state: after an OS crash or power loss a recorded checkpoint is never empty or
-        truncated files. Where the state cannot be written or synced this raises OSError naming
-        the folder, and the version keeps no checkpoint (it is then not adopted by other
-        processes)."""
+        :func:`metaclaw.fileio.write_atomic` with ``durable``) before this returns, and a step
+        records its published version only after: after an OS crash or power loss a recorded
+        checkpoint is never empty or truncated files. Where the state cannot be written or
+        synced this raises OSError naming the folder (a step then records no version)."""
         step = self.next_step - 1 if step is None else step
         if self.state_dir is None or step < 0 or step == self._saved_step:
             return None
@@ -655,10 +649,6 @@ class GRPOTrainer:
                                          "checkpoint": checkpoint,
                                          "policy_version": self.backend.policy_version}),
                              durable=True)
-                if published_version is not None and self.store is not None:
-                    self.store.execute("UPDATE policy_versions SET checkpoint = ? "
-                                       "WHERE version = ? AND checkpoint IS NULL",
-                                       (checkpoint, published_version))
                 self._saved_step = step
                 self._prune_checkpoints()
         except OSError as exc:
@@ -666,6 +656,17 @@ class GRPOTrainer:
                           f"({type(exc).__name__}: {exc}); make the folder writable, free "
                           "space there, or set state_dir to another folder") from exc
         return checkpoint
+
+    def _renumber_saved(self, checkpoint: str, version: int) -> None:
+        """The weights saved as ``checkpoint`` were recorded as policy ``version`` (another
+        writer took the number they were published with): ``latest.json``, where it still
+        points at them, says so, so a resumed trainer serves them under their recorded number."""
+        with self._state_dir_lock():
+            latest = self.state_dir / "latest.json"
+            saved = json.loads(latest.read_text())
+            if saved.get("checkpoint") == checkpoint:
+                write_atomic(latest, json.dumps(dict(saved, policy_version=version)),
+                             durable=True)
 
     def _new_state_path(self, step: int) -> Path:
         """A directory for the state after ``step`` that did not exist (created here)."""
@@ -808,11 +809,16 @@ class GRPOTrainer:
             if datums and (step + 1 - self.start_step) % config.publish_every == 0:
                 published = backend.publish(backend.policy_version + 1)
                 if store is not None:
+                    # The weights are saved before their version is recorded: a process killed
+                    # in between leaves a saved state and a claim that expires (the turns are
+                    # trained again), never a version without weights, nor turns counted as
+                    # trained into weights that were lost.
+                    saved = self.save(step) if self.state_dir is not None else None
                     with store.transaction():  # the published weights trained on the turns
                         recorded = store.add_policy_version(
                             backend=backend.kind, base_model=backend.base_model,
                             skill_generation=gen,
-                            checkpoint=getattr(backend, "last_sampler_path", None),
+                            checkpoint=getattr(backend, "last_sampler_path", None) or saved,
                             run_id=self.run_id, step=step)
                         self._commit_claim(claim_id, claimed, metrics)
                     claimed = set()  # counted: nothing left to give back
@@ -820,8 +826,8 @@ class GRPOTrainer:
                         backend.policy_version = recorded
                         backend.sampler().policy_version = recorded
                         published = recorded
-                    if self.state_dir is not None:  # published weights, restorable by version
-                        self.save(step, published_version=published)
+                        if saved is not None:
+                            self._renumber_saved(saved, recorded)
                 if self.on_publish is not None:
                     self.on_publish(backend.sampler(), published)
 
