@@ -70,14 +70,19 @@ def _library(args: argparse.Namespace, *, create: bool = False):
     yet, a reader (run in the wrong folder, say) is told so instead of getting a new empty
     workspace; ``create`` (``skills import``) makes one. A skill folder without a workspace
     gets one: its generations are recorded from now on. Without ``--skills`` and away from the
-    default folder, the folder the workspace is served through is used (not a new copy)."""
-    from metaclaw.skills.library import SkillLibrary, workspace_folders
+    default folder, the folder the workspace is served through is used (not a new copy); on a
+    machine with none, this user's folder of a database server's workspace (``own_folder``)."""
+    from metaclaw.skills.library import SkillLibrary, own_folder, workspace_folders
     from metaclaw.store import Store
 
     create = create or Path(args.skills).is_dir()
     store = Store(args.db) if create else _store(args.db)
     if not create and args.skills == str(DEFAULT_SKILLS):  # run away from the served folder:
-        args.skills = str(next(iter(workspace_folders(store)), args.skills))  # read it there
+        served = next(iter(workspace_folders(store)), None)  # read it there
+        if served is None and (served := own_folder(store)) is not None:
+            print(f"note: no folder of this workspace on this machine; its skills are in "
+                  f"{served}", file=sys.stderr)
+        args.skills = str(served or args.skills)
     library = SkillLibrary(args.skills, store)
     for problem in library.problems:
         print(f"warning: skipped {problem.path}: {problem.reason}", file=sys.stderr)

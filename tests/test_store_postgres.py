@@ -452,3 +452,28 @@ def test_a_folder_lagging_behind_is_known_by_its_workspace_not_by_the_url_spelli
     assert reopened.get("steps").body == "Back it up first."
     assert "Back it up first." in (tmp_path / "mine" / "steps" / "SKILL.md").read_text()
     assert [g["kind"] for g in reopened.generations()][-1] != "disk"
+
+
+def test_skill_commands_on_a_machine_serving_no_folder_keep_one_of_their_own(
+        url, tmp_path, monkeypatch, capsys):
+    """On a machine that only has the workspace's URL, `metaclaw skills` wrote a new
+    .metaclaw/skills wherever it was run; now this user's folder of the workspace is used,
+    said once, and found again from any directory."""
+    from metaclaw import cli
+    from metaclaw.skills.library import Skill, SkillLibrary
+
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    SkillLibrary(tmp_path / "served", Store(url)).add(
+        Skill(name="steps", description="Steps.", body="Back it up."))
+    (tmp_path / "served-machine-marks").mkdir()
+    for mark in (tmp_path / "state" / "metaclaw").glob("*.json"):  # the other machine's
+        mark.rename(tmp_path / "served-machine-marks" / mark.name)
+    for here in ("a", "b"):
+        (tmp_path / here).mkdir()
+        monkeypatch.chdir(tmp_path / here)
+        assert cli.main(["skills", "--db", url]) == 0
+        out, err = capsys.readouterr()
+        assert "steps" in out and not (tmp_path / here / ".metaclaw").exists()
+        assert ("no folder of this workspace on this machine" in err) == (here == "a")
+    folder, = (tmp_path / "state" / "metaclaw").glob("workspace-*-skills")
+    assert (folder / "steps" / "SKILL.md").is_file()

@@ -976,6 +976,18 @@ def _legacy_marks_path(store: Store) -> Path | None:
     return _marks_path(store, hashlib.sha256(store.location.encode()).hexdigest()[:16])
 
 
+def own_folder(store: Store) -> Path | None:
+    """This user's folder of a database server's workspace (None for a file workspace): where
+    a command run on a machine that serves none of the workspace's folders reads and writes
+    its library, instead of a new ``.metaclaw/skills`` wherever it runs. Kept beside the
+    workspace's folder marks (:func:`_marks_path`), so it is found again as a folder of the
+    workspace (:func:`workspace_folders`)."""
+    marks = _marks_path(store)
+    if marks is None or getattr(store, "path", None) is not None:
+        return None
+    return marks.with_name(marks.name.removesuffix(FOLDER_MARKS) + "-skills")
+
+
 def workspace_folders(store: Store) -> list[Path]:
     """The skill folders on this machine that ``store``'s workspace has been used through (as
     ``metaclaw serve --skills`` gave them), those still there, the most up to date first: a
