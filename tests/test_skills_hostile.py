@@ -284,6 +284,24 @@ def test_an_edit_of_a_stale_file_that_overlaps_the_change_is_set_aside_not_recor
     assert "svn" in (here / f"steps.conflict-{generation}.2.md").read_text()
 
 
+def test_a_skill_removed_from_a_stale_folder_that_another_changed_comes_back_said_so(tmp_path):
+    """The removal met a change made elsewhere: the change stands and the folder gets the skill
+    back, with a warning event that says so (it came back with only a log line)."""
+    import shutil
+
+    write_skill(tmp_path / "here", "tone", "---\nname: tone\ndescription: Tone.\n---\nBe kind.\n")
+    here, mine, there, theirs = _two_folders(tmp_path)  # the folder keeps a skill (not emptied)
+    generation = theirs.edit(Skill.from_markdown(STEPS.format("Read the file.",
+                                                              "Back it up first.", "Then edit.")))
+    shutil.rmtree(here / "steps")
+    assert mine.reload() == generation and "first" in _body(mine)
+    assert "first" in (here / "steps" / "SKILL.md").read_text()
+    events = [e for e in mine.store.events() if e["kind"] == "skill_edit_conflict"]
+    assert len(events) == 1 and "was removed from" in events[0]["message"]
+    assert "remove it once more" in events[0]["message"]
+    assert not list(here.glob("*.conflict*"))
+
+
 def test_the_same_edit_made_in_both_folders_written_otherwise_is_no_conflict(tmp_path):
     here, mine, there, theirs = _two_folders(tmp_path)
     edited = STEPS.format("Read the file.", "Back it up first.", "Then edit.")

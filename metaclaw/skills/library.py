@@ -1577,15 +1577,21 @@ class SkillLibrary:
         if mine is not None:
             _atomic_write(aside, mine)
         self._write([name], {name: latest} if latest is not None else {})
-        said = (f"{name} was edited in {self.directory} on its version of generation {since} "
-                f"while generation {number} {'changed' if latest else 'removed'} it through "
-                f"another folder, and the two changes overlap: the folder holds generation "
-                f"{number}'s version"
-                + (f"; the edit is kept in {aside}: merge it into {path} and save"
-                   if mine is not None else ""))
+        if mine is None:  # removed here, changed there: the change stands, not the removal
+            said = (f"{name} was removed from {self.directory} on its version of generation "
+                    f"{since} while generation {number} changed it through another folder: "
+                    f"the folder holds generation {number}'s version again; remove it once "
+                    "more to remove it from the workspace")
+        else:
+            said = (f"{name} was edited in {self.directory} on its version of generation "
+                    f"{since} while generation {number} "
+                    f"{'changed' if latest else 'removed'} it through another folder, and the "
+                    f"two changes overlap: the folder holds generation {number}'s version; the "
+                    f"edit is kept in {aside}: merge it into {path} and save")
         log.warning("skill library: %s", said)
         self._pending_events.append({"source": "skills", "kind": "skill_edit_conflict",
-                                     "level": "warning", "message": said, "path": str(aside)})
+                                     "level": "warning", "message": said,
+                                     "path": str(aside if mine is not None else path)})
         return latest
 
     def _recover(self) -> None:
