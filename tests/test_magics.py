@@ -2,6 +2,7 @@
 
 import polars as pl
 import pytest
+from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 
 
@@ -22,6 +23,14 @@ def line(ip, text):
 
 def cell(ip, args, body):
     return ip.run_cell_magic("metaclaw", ip.var_expand(args), body)
+
+
+def fails(ip, text, body=None):
+    """The one line a failing call says: IPython's UsageError (shown without a traceback), so
+    that Run All stops and nbmake fails the cell."""
+    with pytest.raises(UsageError) as err:
+        line(ip, text) if body is None else cell(ip, text, body)
+    return str(err.value)
 
 
 def test_quickstart_flow(ip, capsys):
@@ -53,30 +62,26 @@ def test_stage_turns_from_chat_and_turns_filtered_by_type(ip, capsys):
     assert line(ip, "turns --type stage --session run1")["turn_type"].to_list() == [
         "stage:plan", "stage:write"]
     assert line(ip, "turns --type main").height == 1
-    assert cell(ip, "chat --type stage:Bad!", "hi") is None
-    assert "'stage:<name>'" in capsys.readouterr().out
-    assert line(ip, "turns --type planning") is None
-    assert "'stage' for every stage" in capsys.readouterr().out
+    assert "'stage:<name>'" in fails(ip, "chat --type stage:Bad!", "hi")
+    assert "'stage' for every stage" in fails(ip, "turns --type planning")
 
 
 def test_usage_errors_are_one_line_not_tracebacks(ip, capsys):
-    assert line(ip, "status") is None
-    assert "run %metaclaw start first" in capsys.readouterr().out
-    assert line(ip, "frobnicate") is None
-    assert "unknown action 'frobnicate'" in capsys.readouterr().out
-    line(ip, "start --db {ws}/m.db --skills {ws}/skills --retrieval lexical --top-k nope")
-    assert "--top-k: 'nope' is not a whole number" in capsys.readouterr().out
+    assert "run %metaclaw start first" in fails(ip, "status")
+    assert "unknown action 'frobnicate'" in fails(ip, "frobnicate")
+    assert "--top-k: 'nope' is not a whole number" in fails(
+        ip, "start --db {ws}/m.db --skills {ws}/skills --retrieval lexical --top-k nope")
     line(ip, "start --db {ws}/m.db --skills {ws}/skills --retrieval lexical")
-    assert cell(ip, "chat", "   ") is None
-    assert "needs the message" in capsys.readouterr().out
-    assert line(ip, "score") is None  # the offline double cannot judge
-    assert "--sim" in capsys.readouterr().out
-    assert line(ip, "promote") is None
-    assert "evolve --dry-run first" in capsys.readouterr().out
-    assert line(ip, "chat hello there") is None  # a cell magic used as a line
-    assert "put %%metaclaw chat on the cell's first line" in capsys.readouterr().out
-    assert line(ip, "train --base-model nowhere") is None  # no judge: a reward would do
-    assert "--reward NAME" in capsys.readouterr().out
+    assert "needs the message" in fails(ip, "chat", "   ")
+    assert "--sim" in fails(ip, "score")  # the offline double cannot judge
+    assert "evolve --dry-run first" in fails(ip, "promote")
+    # a cell magic used as a line
+    assert "put %%metaclaw chat on the cell's first line" in fails(ip, "chat hello there")
+    assert "--reward NAME" in fails(ip, "train --base-model nowhere")  # a reward would do
+    assert capsys.readouterr().out == ""  # said once, as the cell's error
+    # the cell stops there, as Run All and nbmake do
+    assert not ip.run_cell("%metaclaw frobnicate\nreached = True").success
+    assert "reached" not in ip.user_ns
 
 
 def test_a_comment_after_a_magic_is_ignored_as_in_python(ip, capsys):
@@ -93,11 +98,10 @@ def test_a_comment_after_a_magic_is_ignored_as_in_python(ip, capsys):
 
 def test_odd_arguments_interrupts_and_failed_starts_leave_a_usable_session(ip, tmp_path,
                                                                           capsys, monkeypatch):
-    assert line(ip, 'chat "unclosed') is None
-    assert "close the quote" in capsys.readouterr().out
+    assert "close the quote" in fails(ip, 'chat "unclosed')
     runtime = line(ip, "start --db {ws}/m.db --skills {ws}/skills --starter-skills "
                        "--retrieval lexical")
-    assert line(ip, "events --last -1") is None and "0 or more" in capsys.readouterr().out
+    assert "0 or more" in fails(ip, "events --last -1")
     current = line(ip, f"skills --generation {runtime.library.generation}")
     assert current.equals(line(ip, "skills")) and current.height > 0
     assert line(ip, "skills --generation 0").schema == current.schema  # even with no skills
@@ -114,10 +118,10 @@ def test_odd_arguments_interrupts_and_failed_starts_leave_a_usable_session(ip, t
     assert magics.histories.get("s", []) == []  # the interrupted exchange is rolled back
 
     (tmp_path / "broken.db").write_bytes(b"not a database" * 100)
-    assert line(ip, "start --db {ws}/broken.db --skills {ws}/skills --retrieval lexical") is None
-    assert "broken.db" in capsys.readouterr().out
+    assert "broken.db" in fails(ip, "start --db {ws}/broken.db --skills {ws}/skills "
+                                    "--retrieval lexical")
     assert magics.runtime is None and runtime.proxy.base_url  # the stopped one is not kept
-    assert line(ip, "status") is None and "run %metaclaw start first" in capsys.readouterr().out
+    assert "run %metaclaw start first" in fails(ip, "status")
 
 
 def test_fast_loop_magics_with_the_simulated_model(ip):
@@ -162,7 +166,7 @@ def test_chat_with_a_workspace_runs_the_tool_loop(ip, tmp_path):
     calls = [m for m in history if m["role"] == "assistant"]
     assert len(calls) >= 2 and len(turns) == len(calls)  # one recorded turn per model call
     assert [m["role"] for m in history].count("tool") == len(turn.tool_calls)
-    assert cell(ip, f"chat --done --workspace {work}", "thanks") is None
+    assert "--done without --workspace" in fails(ip, f"chat --done --workspace {work}", "thanks")
     assert turn.turn_ids == [t["id"] for t in turns] and turn.turn == turns[-1]
 
 
@@ -182,7 +186,7 @@ def test_train_in_the_background_then_serve_the_new_policy(ip, tmp_path, capsys)
         cell(ip, "chat --new", text)
     runtime.proxy.flush()
     buffers.refresh(runtime.store)
-    assert line(ip, "train --reward nope --base-model {tiny}") is None  # clear usage error
+    assert "--reward" in fails(ip, "train --reward nope --base-model {tiny}")
     monitor = line(ip, "train --base-model {tiny} --now --steps 2 --group-size 4 "
                        "--groups-per-step 2 --max-tokens 6 --lr 0.01 --reward longer")
     loop = runtime.extras["slow_loop"]
@@ -234,8 +238,7 @@ def test_trace_label_agreement_and_export_magics(ip, tmp_path, capsys):
     assert [r["messages"][-1]["content"] for r in records][-1] == "Renamed it."
     line(ip, f"export {tmp_path}/all.parquet --labelled")
     assert "2 turns written" in capsys.readouterr().out.splitlines()[-1]
-    line(ip, "export out.csv")
-    assert "ending in .jsonl or .parquet" in capsys.readouterr().out
+    assert "ending in .jsonl or .parquet" in fails(ip, "export out.csv")
 
 
 def test_a_held_proposal_is_edited_and_promoted_from_magics(ip, capsys):
@@ -257,8 +260,7 @@ def test_a_held_proposal_is_edited_and_promoted_from_magics(ip, capsys):
     widget = line(ip, "proposals")
     assert [p["id"] for p in widget.proposals] == [pid]
     assert line(ip, "proposals --all")["status"].to_list() == ["held"]
-    line(ip, f"promote {pid} --by alice")
-    assert "unsafe instructions" in capsys.readouterr().out
+    assert "unsafe instructions" in fails(ip, f"promote {pid} --by alice")
     cell(ip, f"edit-proposal {pid} miles-to-km --by alice", "Multiply by 1.609.")
     done = line(ip, f"promote {pid} --by alice --note reviewed")
     assert (done.status, done.decided_by) == ("promoted", "alice")
@@ -267,8 +269,7 @@ def test_a_held_proposal_is_edited_and_promoted_from_magics(ip, capsys):
     line(ip, f"revert {done.generation} --by alice")
     assert "miles-to-km" not in runtime.library
     assert "reverted" in capsys.readouterr().out
-    line(ip, "revert")
-    assert "no automatic generation" in capsys.readouterr().out
+    assert "no automatic generation" in fails(ip, "revert")
 
 
 def test_experiment_and_evidence_magics_and_cell_progress(ip, capsys, monkeypatch):
@@ -278,8 +279,7 @@ def test_experiment_and_evidence_magics_and_cell_progress(ip, capsys, monkeypatc
     line(ip, "start --sim --db {ws}/m.db --skills {ws}/skills --retrieval lexical")
     cell(ip, "chat --session s1", "Write the meeting time 9:30 tomorrow into day01/standup.json "
                                   "as meeting_time.")
-    assert line(ip, "experiment") is None
-    assert "no experiment" in capsys.readouterr().out
+    assert "no experiment" in fails(ip, "experiment")
     assert isinstance(line(ip, "evidence"), EvidenceView)
     shown = []
     monkeypatch.setattr("IPython.display.display", shown.append)
@@ -301,8 +301,7 @@ def test_keys_are_written_by_a_real_evolver_model_and_refused_by_the_simulated_o
     from metaclaw.offline.double import DoubleServer, Reply
 
     line(ip, "start --db {ws}/sim.db --skills {ws}/sim-skills --sim --retrieval lexical")
-    assert line(ip, "keys") is None
-    assert "the SIMULATED evolver (rule-based) writes none" in capsys.readouterr().out
+    assert "the SIMULATED evolver (rule-based) writes none" in fails(ip, "keys")
     line(ip, "stop")
     keys = {"use_when": "changing files", "anticipated_asks": ["tidy up config.yaml"]}
     with DoubleServer(lambda body: Reply(json.dumps(keys))) as evolver:
@@ -315,3 +314,21 @@ def test_keys_are_written_by_a_real_evolver_model_and_refused_by_the_simulated_o
     assert "backup-before-modify" in skills["name"].to_list()
     runtime = ip.magics_manager.registry["MetaClawMagics"].runtime
     assert runtime.library.get("backup-before-modify").anticipated_asks == ("tidy up config.yaml",)
+
+
+def test_last_zero_is_no_turn_not_every_turn(ip):
+    """`%metaclaw score --last 0` judged every unjudged turn (a paid call each) and `why --last
+    0` listed them all, while `events --last 0` listed none."""
+    from metaclaw.fastloop.judge import turns_to_score
+    from metaclaw.skills.retrieval import explain_frame
+
+    runtime = line(ip, "start --sim --db {ws}/m.db --skills {ws}/skills --retrieval lexical")
+    for text in ("hello", "convert 5 miles to km"):
+        cell(ip, "chat --new", text)
+    runtime.proxy.flush()
+    assert turns_to_score(runtime.store, last=0) == [] and len(turns_to_score(runtime.store)) == 2
+    assert len(turns_to_score(runtime.store, last=1)) == 1
+    assert explain_frame(runtime.store, last=0).height == 0
+    assert line(ip, "score --last 0").height == 0 and line(ip, "why --last 0").height == 0
+    assert runtime.store.query("SELECT COUNT(*) AS n FROM turns WHERE reward IS NOT NULL"
+                               )[0]["n"] == 0

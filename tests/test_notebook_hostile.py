@@ -15,7 +15,7 @@ import pytest
 from metaclaw.notebook.widgets import (MAX_CHART_STEPS, MAX_TEXT_CHARS, BufferWidget,
                                        SkillDiffWidget, TraceWidget, TrainingMonitor)
 from metaclaw.store import Store
-from test_magics import cell, ip, line  # noqa: F401  (ip: the shell fixture)
+from test_magics import cell, fails, ip, line  # noqa: F401  (ip: the shell fixture)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -37,24 +37,22 @@ def test_start_twice_and_reload_ext_release_the_old_store(ip):
     assert _closed(second.store)
 
 
-def test_a_chat_cell_against_a_dead_upstream_records_one_turn(ip, capsys):
+def test_a_chat_cell_against_a_dead_upstream_records_one_turn(ip):
     with socket.socket() as probe:  # a port nothing listens on
         probe.bind(("127.0.0.1", 0))
         dead = probe.getsockname()[1]
     runtime = line(ip, f"start --upstream http://127.0.0.1:{dead}/v1 --model m --db {{ws}}/m.db "
                        "--skills {ws}/skills --retrieval lexical")
-    assert cell(ip, "chat", "hello") is None
-    out = capsys.readouterr().out
-    assert "cannot reach the upstream" in out and "Traceback" not in out
+    said = fails(ip, "chat", "hello")
+    assert "cannot reach the upstream" in said and "Traceback" not in said
     runtime.proxy.flush()
     assert [t["status"] for t in runtime.store.turns()] == ["error"]  # not one per client retry
 
 
 @pytest.mark.parametrize("option", ["--max-tokens 0", "--max-tokens -5", "--max-steps 0"])
-def test_chat_limits_below_one_are_usage_errors(ip, capsys, option):
+def test_chat_limits_below_one_are_usage_errors(ip, option):
     runtime = line(ip, "start --db {ws}/m.db --skills {ws}/skills --retrieval lexical")
-    assert cell(ip, f"chat {option}", "hello") is None
-    assert "give a whole number, 1 or more" in capsys.readouterr().out
+    assert "give a whole number, 1 or more" in fails(ip, f"chat {option}", "hello")
     runtime.proxy.flush()
     assert runtime.store.turns() == []
 

@@ -470,12 +470,13 @@ def turns_to_score(store: Store, *, session: str | None = None, last: int | None
         params.append(session)
     ids = [row["id"] for row in store.query(f"SELECT id FROM turns WHERE {where} ORDER BY id",
                                             params)]
-    return ids[-last:] if last else ids
+    return ids if last is None else ids[-last:] if last > 0 else []  # --last 0: none
 
 
-#: Seconds a judge's lease on the turns it is scoring lasts (it is released when it finishes;
-#: this bounds how long the turns of a killed process wait).
-JUDGE_LEASE_S = 600.0
+#: Seconds a judge's lease on the turns it is scoring lasts (renewed every third of it while
+#: the judge works, released when it finishes): how long the turns of a process that was
+#: killed, or a notebook kernel restarted mid-score, wait before another judge takes them.
+JUDGE_LEASE_S = 60.0
 
 
 def lease_turns(store: Store, turn_ids: Iterable[int], seconds: float = JUDGE_LEASE_S) -> set[int]:
@@ -766,7 +767,7 @@ class Judge:
     def _skipped(self, turn_id: int, judged: bool) -> JudgeResult:
         why = ("judged meanwhile (pass rescore=True to judge it again)" if judged else
                "another process is judging it (its lease ends within "
-               f"{self.lease_s:g} s if that process stopped)")
+               f"{self.lease_s:g} s if that process stopped; rescore judges it now)")
         return JudgeResult(score=None, votes=[], failed=0, unparsable=0, rationale="",
                            model=self.model, turn_id=turn_id, error=why,
                            skipped="judged" if judged else "leased")

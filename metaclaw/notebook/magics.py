@@ -22,6 +22,7 @@ from pathlib import Path
 from dataclasses import dataclass
 from typing import Any
 
+from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 
 from metaclaw import argtypes, cli
@@ -222,27 +223,30 @@ class MetaClawMagics(Magics):
     # The dispatcher -------------------------------------------------------------------------
     @line_cell_magic
     def metaclaw(self, line: str, cell: str | None = None) -> Any:
+        # A call that fails or is stopped raises IPython's own UsageError (that class, not a
+        # subclass): shown as one line, not a traceback, and, being the cell's error, it stops
+        # Run All and fails the cell under nbconvert and nbmake instead of letting the next
+        # cells run on what it did not do.
         try:
             words = shlex.split(_without_comment(line))
         except ValueError as exc:  # an unclosed quote
-            print(f"%metaclaw: cannot read the arguments ({exc}); close the quote")
-            return None
+            raise UsageError(f"%metaclaw: cannot read the arguments ({exc}); close the "
+                             "quote") from None
         if not words:
             return self._help()
         action, rest = words[0], words[1:]
         handler = getattr(self, f"_do_{action.replace('-', '_')}", None)
         if handler is None:
-            print(f"%metaclaw: unknown action {action!r}. {self._actions()}")
-            return None
+            raise UsageError(f"%metaclaw: unknown action {action!r}. {self._actions()}")
         try:
             return handler(rest, cell)
         except MagicUsageError as exc:
-            print(str(exc).strip())
+            said = str(exc).strip()
         except MagicInterrupted as exc:
-            print(f"%metaclaw {action}: {exc}")
-        except Exception as exc:  # show a clear sentence, keep the kernel alive
-            print(f"%metaclaw {action}: {type(exc).__name__}: {exc}")
-        return None
+            said = f"%metaclaw {action}: {exc}"
+        except Exception as exc:  # a clear sentence; the kernel stays alive
+            said = f"%metaclaw {action}: {type(exc).__name__}: {exc}"
+        raise UsageError(said)
 
     def _actions(self) -> str:
         names = sorted(n[4:].replace("_", "-") for n in dir(self) if n.startswith("_do_"))

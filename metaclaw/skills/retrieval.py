@@ -1309,7 +1309,8 @@ def explain_frame(store: Any, *, session: str | None = None, last: int | None = 
     where, params = ("session_id = ?", [session]) if session else ("1=1", [])
     rows = store.query(f"SELECT id, session_id, turn_type, retrieval_query, injected_skills, "
                        f"retrieval_scores, identified_by FROM turns WHERE {where} "
-                       f"ORDER BY id DESC" + (f" LIMIT {int(last)}" if last else ""), params)
+                       f"ORDER BY id DESC"
+                       + (f" LIMIT {max(0, int(last))}" if last is not None else ""), params)
     rows.reverse()
     return pl.DataFrame({
         "id": [r["id"] for r in rows], "session_id": [r["session_id"] for r in rows],
