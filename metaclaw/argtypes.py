@@ -42,6 +42,15 @@ def positive_int(text: str) -> int:
     return value
 
 
+def group_size(text: str) -> int:
+    """An integer of at least 2: GRPO compares the samples of a group with each other."""
+    value = _whole(text, "2 or more")
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"{value} is too small; give 2 or more (GRPO compares "
+                                         "the samples of a group with each other)")
+    return value
+
+
 def non_negative_int(text: str) -> int:
     """An integer of at least 0."""
     value = _whole(text, "0 or more")

@@ -1420,7 +1420,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=["local", "tinker"], default="local")
     p.add_argument("--base-model", required=True,
                    help="local Hugging Face model path, or a Tinker model id")
-    p.add_argument("--steps", type=int, default=TRAIN_DEFAULTS["steps"])
+    p.add_argument("--steps", type=argtypes.positive_int, default=TRAIN_DEFAULTS["steps"])
     p.add_argument("--device", choices=["auto", "cpu", "cuda", "mps"], default="auto",
                    help="local backend: where the model trains (auto: a GPU when there is one)")
     p.add_argument("--now", action="store_true", help="train now, ignoring the idle signals")
@@ -1430,11 +1430,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reward", metavar="MODULE:FUNCTION",
                    help="a programmatic reward instead of the judge: function(prompt, "
                    "completion_text) -> float in an importable module or a file.py")
-    p.add_argument("--group-size", type=int, default=TRAIN_DEFAULTS["group_size"],
+    p.add_argument("--group-size", type=argtypes.group_size,
+                   default=TRAIN_DEFAULTS["group_size"],
                    help="samples per prompt (G)")
-    p.add_argument("--groups-per-step", type=int, default=TRAIN_DEFAULTS["groups_per_step"],
+    p.add_argument("--groups-per-step", type=argtypes.positive_int,
+                   default=TRAIN_DEFAULTS["groups_per_step"],
                    help="prompts per step (P)")
-    p.add_argument("--max-tokens", type=int, default=TRAIN_DEFAULTS["max_tokens"])
+    p.add_argument("--max-tokens", type=argtypes.positive_int, default=TRAIN_DEFAULTS["max_tokens"])
     p.add_argument("--lr", type=argtypes.positive_float, default=TRAIN_DEFAULTS["learning_rate"],
                    help="learning rate")
     p.add_argument("--loss", choices=["importance_sampling", "ppo", "cispo"],

@@ -78,6 +78,10 @@ def test_usage_errors_are_one_line_not_tracebacks(ip, capsys):
     # a cell magic used as a line
     assert "put %%metaclaw chat on the cell's first line" in fails(ip, "chat hello there")
     assert "--reward NAME" in fails(ip, "train --base-model nowhere")  # a reward would do
+    # refused before any model is loaded, naming the option
+    assert "--steps: 0 is too small" in fails(ip, "train --base-model nowhere --steps 0")
+    assert "--group-size: 1 is too small; give 2 or more" in fails(
+        ip, "train --base-model nowhere --group-size 1")
     assert capsys.readouterr().out == ""  # said once, as the cell's error
     # the cell stops there, as Run All and nbmake do
     assert not ip.run_cell("%metaclaw frobnicate\nreached = True").success

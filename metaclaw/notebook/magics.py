@@ -729,11 +729,13 @@ class MetaClawMagics(Magics):
         parser.add_argument("--base-model", help="local model path or Tinker model id "
                             "(needed the first time)")
         parser.add_argument("--now", action="store_true", help="train now, ignore idle signals")
-        parser.add_argument("--steps", type=int, default=TRAIN_DEFAULTS["steps"])
-        parser.add_argument("--group-size", type=int, default=TRAIN_DEFAULTS["group_size"])
-        parser.add_argument("--groups-per-step", type=int,
+        parser.add_argument("--steps", type=argtypes.positive_int, default=TRAIN_DEFAULTS["steps"])
+        parser.add_argument("--group-size", type=argtypes.group_size,
+                            default=TRAIN_DEFAULTS["group_size"])
+        parser.add_argument("--groups-per-step", type=argtypes.positive_int,
                             default=TRAIN_DEFAULTS["groups_per_step"])
-        parser.add_argument("--max-tokens", type=int, default=TRAIN_DEFAULTS["max_tokens"])
+        parser.add_argument("--max-tokens", type=argtypes.positive_int,
+                            default=TRAIN_DEFAULTS["max_tokens"])
         parser.add_argument("--lr", type=argtypes.positive_float,
                             default=TRAIN_DEFAULTS["learning_rate"])
         parser.add_argument("--no-serve", action="store_true",
