@@ -178,8 +178,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         keyless = sum(not has_keys(s) for s in skills)
         if keyless and getattr(runtime.proxy.retriever, "kind", "") != "lexical":
             loop = runtime.extras.get("fast_loop")
-            print(f"note: {keyless} of {len(skills)} skills have no retrieval keys (a \"use "
-                  "when\" line and anticipated asks) and are found far less often; " + (
+            print(f"note: {keyless} of {len(skills)} skills lack retrieval keys (a \"use "
+                  "when\" line, anticipated asks, or both) and are found less often; " + (
                       "the fast loop has the evolver model write them once their generation "
                       "purges no live turn (at once on a workspace without any, else after the "
                       "next change of the skills)"
@@ -800,7 +800,7 @@ def cmd_wire(args: argparse.Namespace) -> int:
         token = ("\nClaude Code asks for a login unless it has a key: where it is not logged "
                  "in, export ANTHROPIC_AUTH_TOKEN=metaclaw where it runs (the proxy sends the "
                  "upstream its own key), or wire with --token.")
-    print(f"wired {args.agent} ({path}) to the proxy at http://{args.host}:{args.port}/v1 "
+    print(f"wired {args.agent} ({path}) to the proxy at http://{args.host}:{args.port} "
           f"({model}the original is kept, `metaclaw wire {args.agent} --undo` restores "
           f"it).\nNow run: {plan.serve_command(args.port, typed_token)}{token}")
     return 0

@@ -211,3 +211,44 @@ def test_codexs_context_messages_are_not_a_short_asks_context(name):
     # a user's own text that merely mentions the words keeps them
     text = "Update AGENTS.md: add <environment> notes for the build"
     assert extract_ask([{"role": "user", "content": text}]).ask == text
+
+
+CODEX_HANDOFF = ("Another language model started to solve this problem and produced a summary of "
+                 "its thinking process. You also have access to the state of the tools that were "
+                 "used by that language model. Use this to build on the work that has already "
+                 "been done and avoid duplicating work. Here is the summary produced by the "
+                 "other language model, use the information in this summary to assist with your "
+                 "own analysis:\n")
+OPENCODE_CONTINUE = ("Continue if you have next steps, or stop and ask for clarification if you "
+                     "are unsure how to proceed.")
+
+
+def test_after_a_compaction_the_ask_is_the_users_not_the_frameworks_handoff():
+    """The ask became Codex's handoff text or opencode's "Continue if you have next steps", so
+    no skill was injected for the rest of a compacted conversation."""
+    ask = "Write a JSON summary of notes/todo.txt into summary.json"
+    codex = [{"role": "user", "content": ask},
+             {"role": "user", "content": CODEX_HANDOFF + "I read notes/todo.txt; next: write."}]
+    assert extract_ask(codex).ask == ask  # Codex keeps the user's messages
+    alone = extract_ask(codex[1:])  # none kept: the summary stands for the ask
+    assert alone.ask == "I read notes/todo.txt; next: write." and \
+        alone.rules == ["compaction-handoff"]
+    opencode = [{"role": "user", "content": "What did we do so far?"},
+                {"role": "assistant", "content": "## Objective\n- Turn notes/todo.txt into a "
+                 "JSON summary in summary.json.\n\n## Important Details\n- (none)\n\n"
+                 "## Work State\n### Completed\n- read the notes"},
+                {"role": "user", "content": OPENCODE_CONTINUE}]
+    assert extract_ask(opencode).ask == "Turn notes/todo.txt into a JSON summary in summary.json."
+    replayed = opencode + [{"role": "user", "content": ask}]  # opencode replays it on overflow
+    assert extract_ask(replayed).ask == ask
+    claude_code = [{"role": "user", "content": "This session is being continued from a previous "
+                    "conversation that ran out of context. The summary below covers the earlier "
+                    "portion of the conversation.\n\nSummary:\n1. Primary Request and Intent:\n"
+                    "   The user asked for a JSON summary of notes/todo.txt.\n\n2. Key Technical "
+                    "Concepts:\n   - JSON"},
+                   {"role": "assistant", "content": "Writing it."},
+                   {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t",
+                                                 "content": "ok"}]}]
+    assert extract_ask(claude_code).ask == "The user asked for a JSON summary of notes/todo.txt."
+    # the user's own question of that wording, with nothing after it, finds no summary
+    assert extract_ask([{"role": "user", "content": "What did we do so far?"}]).ask == ""

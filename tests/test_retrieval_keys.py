@@ -277,7 +277,7 @@ def test_serve_says_how_it_retrieves_and_why_shows_the_keys(tmp_path):
             proc.terminate()
             _, errors = proc.communicate(timeout=30)
     # the three skills without keys are named in a note, with the command that writes them
-    assert "note: 3 of 4 skills have no retrieval keys" in errors, errors
+    assert "note: 3 of 4 skills lack retrieval keys" in errors, errors
     assert "metaclaw skills keys" in errors
     deadline = time.time() + 10
     while time.time() < deadline:

@@ -273,6 +273,17 @@ def test_a_shared_prompt_cache_key_is_not_a_session():
            "history.\n### Guidelines:\n- The title should clearly represent the main theme"),
     (None, "Please generate a concise, 5-word-or-less title for the conversation, using its "
            "same language, with no punctuation."),                                # LibreChat
+    (None, "You are performing a CONTEXT CHECKPOINT COMPACTION. Create a handoff summary for "
+           "another LLM that will resume the task.\n\nInclude:\n- Current progress"),  # Codex
+    ("You are a context summarization agent. You are given a conversation between a user and "
+     "an agent. Your goal is to produce a structured summary matching the format specified so "
+     "another coding agent can continue the work.",                              # opencode
+     "Here is the conversation so far:\n\n<conversation>\n" + "[User]: tidy it up\n" * 300
+     + "</conversation>\n\nCreate a new anchored summary from the conversation history in the "
+       "<conversation> tags above so another coding agent can continue the work."),
+    (None, "Here is the conversation so far:\n\n<conversation>\n[User]: fix it\n</conversation>"
+           "\n\nCreate a new anchored summary from the conversation history in the "
+           "<conversation> tags above so another coding agent can continue the work."),
 ])
 def test_frameworks_title_and_summary_calls_are_side_calls(system, last):
     messages = ([{"role": "system", "content": system}] if system else []) + [

@@ -177,7 +177,7 @@ def test_serve_with_the_fast_loop_writes_the_missing_keys_and_says_so(library, s
         finally:
             proc.terminate()
             _, errors = proc.communicate(timeout=30)
-    assert "2 of 3 skills have no retrieval keys" in errors and "fast loop has the evolver" in errors
+    assert "2 of 3 skills lack retrieval keys" in errors and "fast loop has the evolver" in errors
     assert "backup-first" in lines[-1] and "iso-dates" in lines[-1]
     with Store(db) as other:  # what any other process of the workspace sees
         fresh = SkillLibrary(skills, other)

@@ -28,6 +28,10 @@ what this module does about it (every rule lives in :data:`RULES` or in :func:`e
 - **Feedback prefixes.** A ``[Previous Feedback] ...`` block (the MetaClaw-Bench protocol, and a
   common way to pass a grader's verdict) is the outcome of the previous turn, not the new ask:
   it is split off into :attr:`Ask.feedback`.
+- **After a compaction.** Codex, opencode and Claude Code replace the work they compacted with
+  messages of their own (a summary, "What did we do so far?", "Continue if you have next
+  steps, ..."): none is the ask. The ask is the last message of the user's that is left (Codex
+  keeps them), else what the summary says the user is after (its objective section).
 - **Short follow-ups.** "yes", "go on", "do it": when the ask has fewer than
   :data:`SHORT_ASK_WORDS` words, the nearest earlier ask that is not short itself is prepended
   as task context (the nearest short one where there is none).
@@ -115,6 +119,27 @@ _COMMAND_ARGS = re.compile(r"<command-args>(.*?)</command-args>", re.S)
 _QUOTED = re.compile(r'\A\s*"((?:[^"\\]|\\.)*)"\s*\Z', re.S)
 
 
+# After a compaction, frameworks send messages of their own where the work they summarised
+# was: none of them is the user's ask. Codex opens a user message with this sentence, its
+# summary after it (the user's own messages are kept before it); opencode asks "What did we do
+# so far?", answered by the summary (an assistant message), and may add "Continue if you have
+# next steps, ..."; Claude Code opens the conversation again with its summary, whose first
+# section is the user's request.
+_CODEX_HANDOFF = ("Another language model started to solve this problem and produced a summary "
+                  "of its thinking process.")
+_OPENCODE_ASKS_SUMMARY = "What did we do so far?"
+_CLAUDE_CODE_HANDOFF = "This session is being continued from a previous conversation"
+_HANDOFF = re.compile(
+    r"\A\s*(?:%s|%s\s*\Z|Continue if you have next steps, or stop and ask for clarification if "
+    r"you are unsure how to proceed\.\s*\Z|%s)" % (re.escape(_CODEX_HANDOFF),
+                                               re.escape(_OPENCODE_ASKS_SUMMARY),
+                                               re.escape(_CLAUDE_CODE_HANDOFF)))
+# where a summary states what the user is after: opencode's "## Objective", Claude Code's
+# "1. Primary Request and Intent:" (up to the next heading or numbered section)
+_OBJECTIVE = re.compile(r"(?:^#+\s*(?:Objective|Goal)\s*$|Primary Request and Intent:)"
+                        r"(.*?)(?=^\s*#|^\s*\d+\.\s+\w[^\n]*:|\Z)", re.S | re.M | re.I)
+
+
 def _unquote(text: str) -> str:
     found = _QUOTED.match(text)
     return text if found is None else found.group(1).replace('\\"', '"')
@@ -129,6 +154,7 @@ def _command_args(text: str) -> str:
 
 #: The rules, applied in order to every candidate user text.
 RULES: list[Rule] = [
+    Rule("compaction-handoff", lambda text: "" if _HANDOFF.match(text) else text),
     Rule("command-args", _command_args, "<command-args>"),
     Rule("context-blocks", _remove_blocks(CONTEXT_TAGS), "</"),
     Rule("agents-md", lambda text: _AGENTS_MD.sub("", text), "AGENTS.md"),
@@ -232,14 +258,42 @@ def _last_ask(messages: list[Any], end: int) -> Ask:
     return found
 
 
+def _handoff_objective(messages: list[Any]) -> Ask:
+    """No ask of the user's is left (a compaction replaced them): what the latest compaction
+    summary says the user is after (its objective section, else its start)."""
+    for index in range(len(messages) - 1, -1, -1):
+        message = messages[index]
+        if not isinstance(message, dict) or message.get("role") != "user":
+            continue
+        text = content_text(message.get("content")).strip()
+        if text.startswith(_CODEX_HANDOFF):  # its instructions end where the summary starts
+            summary = text.partition("to assist with your own analysis:")[2] or text
+        elif text.startswith(_CLAUDE_CODE_HANDOFF):
+            summary = text
+        elif text == _OPENCODE_ASKS_SUMMARY and index + 1 < len(messages) \
+                and isinstance(messages[index + 1], dict) \
+                and messages[index + 1].get("role") == "assistant":
+            summary = content_text(messages[index + 1].get("content"))
+        else:
+            continue
+        objective = _OBJECTIVE.search(summary)
+        ask = " ".join((objective.group(1) if objective else summary).split()).strip(" -")
+        if ask:
+            return Ask(ask, ask, index, rules=["compaction-handoff"])
+    return Ask()
+
+
 def extract_ask(messages: list[dict[str, Any]] | None) -> Ask:
     """The user's real ask in an OpenAI-style message list (see the module docstring).
 
     A short follow-up ("ok", "continue") takes as context the nearest earlier ask that is not
     short itself: the scan goes on backwards from where the last one was found, so the whole
-    search reads each message at most once (linear in the conversation's length)."""
+    search reads each message at most once (linear in the conversation's length). Where a
+    compaction left no ask of the user's, the summary's objective is the ask."""
     messages = messages if isinstance(messages, list) else []
     found = _last_ask(messages, len(messages))
+    if found.message_index is None:
+        found = _handoff_objective(messages)
     if found.message_index is not None and len(found.ask.split()) < SHORT_ASK_WORDS:
         previous = nearest = _last_ask(messages, found.message_index)
         while previous.message_index is not None and \
