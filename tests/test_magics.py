@@ -285,8 +285,17 @@ def test_experiment_and_evidence_magics_and_cell_progress(ip, capsys, monkeypatc
                                   "as meeting_time.")
     assert "no experiment" in fails(ip, "experiment")
     assert isinstance(line(ip, "evidence"), EvidenceView)
-    shown = []
-    monkeypatch.setattr("IPython.display.display", shown.append)
+    shown, updated = [], []
+
+    class Handle:
+        def update(self, obj):
+            updated.append(repr(obj))
+
+    def display(obj, display_id=False):
+        shown.append(obj)
+        return Handle()
+
+    monkeypatch.setattr("IPython.display.display", display)
     on_progress = magics._cell_progress()
     from metaclaw.progress import Progress
 
@@ -295,6 +304,8 @@ def test_experiment_and_evidence_magics_and_cell_progress(ip, capsys, monkeypatc
     bar, label = shown[0].children
     assert (bar.value, bar.max) == (2, 2) and label.value == "judging turns: 2/2 (turn #2: reward +1)"
     assert len(shown) == 1  # one bar per call, updated in place
+    # where widgets are not drawn (nbconvert, GitHub), the saved text is where it ended
+    assert updated == ["judging turns: 2/2 (turn #2: reward +1)"]
     verdicts = line(ip, "score")  # draws its own bar while judging
     assert len(verdicts) == 1
 
@@ -336,3 +347,19 @@ def test_last_zero_is_no_turn_not_every_turn(ip):
     assert line(ip, "score --last 0").height == 0 and line(ip, "why --last 0").height == 0
     assert runtime.store.query("SELECT COUNT(*) AS n FROM turns WHERE reward IS NOT NULL"
                                )[0]["n"] == 0
+
+
+def test_a_write_lock_held_elsewhere_is_said_in_words_not_as_a_sqlite_error(ip, monkeypatch):
+    import sqlite3
+
+    magics = ip.magics_manager.registry["MetaClawMagics"]
+
+    def locked(argv, cell):
+        error = sqlite3.OperationalError("database is locked")
+        error.sqlite_errorcode = sqlite3.SQLITE_BUSY  # as SQLite sets it, after 30 s
+        raise error
+
+    monkeypatch.setattr(magics, "_do_label", locked)
+    said = fails(ip, "label 1 fail")
+    assert "another process held the workspace's write lock" in said
+    assert "OperationalError" not in said and "nothing was changed" in said

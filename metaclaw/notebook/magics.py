@@ -26,7 +26,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 
 from metaclaw import argtypes, cli
-from metaclaw.store import local_dir
+from metaclaw.store import BUSY_TIMEOUT_S, local_dir, lock_busy
 
 
 def _without_comment(line: str) -> str:
@@ -246,6 +246,10 @@ class MetaClawMagics(Magics):
             said = f"%metaclaw {action}: {exc}"
         except Exception as exc:  # a clear sentence; the kernel stays alive
             said = f"%metaclaw {action}: {type(exc).__name__}: {exc}"
+            if lock_busy(exc):
+                said = (f"%metaclaw {action}: another process held the workspace's write lock "
+                        f"for over {BUSY_TIMEOUT_S:.0f} s, so nothing was changed; run it again "
+                        "once that process is done (a long evolve, a bulk import)")
         raise UsageError(said)
 
     def _actions(self) -> str:
@@ -840,15 +844,22 @@ def _cell_progress() -> Any:
         return None
     bar = ipywidgets.IntProgress(value=0, min=0, max=1, layout={"width": "320px"})
     label = ipywidgets.Label("")
-    shown: list[bool] = []
+
+    class ProgressBox(ipywidgets.HBox):
+        def __repr__(self) -> str:  # a frontend without widgets (nbconvert, GitHub) shows it
+            return label.value or "starting"
+
+    box = ProgressBox([bar, label])
+    shown: list[Any] = []  # the display's handle
 
     def on_progress(event: Any) -> None:
         if not shown:
-            display(ipywidgets.HBox([bar, label]))
-            shown.append(True)
+            shown.append(display(box, display_id=True))
         bar.max = max(1, event.total or event.done or 1)
         bar.value = min(event.done, bar.max)
         label.value = str(event)
+        if event.total and event.done >= event.total and shown[0] is not None:
+            shown[0].update(box)  # the saved text says where it ended, not where it began
 
     return on_progress
 

@@ -49,7 +49,7 @@ from metaclaw.proxy.upstreams import NO_KEY, ResponderUpstream, Upstream, policy
 from metaclaw.redact import mask, mask_bytes, mask_json, secrets_of
 from metaclaw.skills import block as skill_block, retrieval
 from metaclaw.skills.library import visible
-from metaclaw.store import BUSY_TIMEOUT_S, StoreBusy, StoreUnavailable
+from metaclaw.store import BUSY_TIMEOUT_S, StoreUnavailable, lock_busy
 from metaclaw.turns import IdentityError, is_task_turn
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -446,7 +446,7 @@ class Recorder:
             log.warning("could not record %d turns: %s", len(group), exc)
             ids = [UNREACHABLE] * len(group)
         except Exception as exc:
-            if not _lock_busy(exc):
+            if not lock_busy(exc):
                 ids = self._one_by_one(store, group, fsync)
             else:  # the write lock stayed taken: one by one would wait as long for each turn
                 log.warning("could not record %d turns: another process held the store's write "
@@ -510,17 +510,6 @@ UNREACHABLE = "unreachable"
 #: A turn's record when another process held the store's write lock past its busy timeout:
 #: answered with a 503 the client may retry.
 BUSY = "busy"
-
-
-def _lock_busy(exc: BaseException) -> bool:
-    """Whether ``exc`` says the store's write lock stayed taken (SQLite's busy timeout, or
-    PostgreSQL's lock timeout as :class:`StoreBusy`)."""
-    if isinstance(exc, StoreBusy):
-        return True
-    import sqlite3
-
-    return isinstance(exc, sqlite3.OperationalError) and \
-        getattr(exc, "sqlite_errorcode", 0) & 0xFF == sqlite3.SQLITE_BUSY
 
 
 #: Queued for the writer thread: checkpoint the write-ahead log.

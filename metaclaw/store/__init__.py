@@ -45,7 +45,7 @@ from metaclaw.store.base import (  # noqa: F401  the store's public names
     BUSY_TIMEOUT_S, DB_ERRORS, DEFAULT_DB, ENGINES, EVENT_LEVELS, IN_IDS, JSON_COLUMNS, MIGRATIONS,
     SCHEMA_VERSION, TABLES, EngineError, Store, StoreBusy, StoreError, StoreUnavailable,
     default_target, id_list,
-    local_dir, parse_target, this_process, workspace_exists,
+    local_dir, lock_busy, parse_target, this_process, workspace_exists,
 )
 
 

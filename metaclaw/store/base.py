@@ -390,6 +390,15 @@ class StoreBusy(RuntimeError):
     """``transaction(wait=False)``: another thread or process holds the write lock right now."""
 
 
+def lock_busy(exc: BaseException) -> bool:
+    """Whether ``exc`` says the store's write lock stayed taken (SQLite's busy timeout, or
+    PostgreSQL's lock timeout as :class:`StoreBusy`)."""
+    if isinstance(exc, StoreBusy):
+        return True
+    return isinstance(exc, sqlite3.OperationalError) and \
+        getattr(exc, "sqlite_errorcode", 0) & 0xFF == sqlite3.SQLITE_BUSY
+
+
 def _dumps(value: Any) -> str:
     return dumps(value)
 
