@@ -252,3 +252,28 @@ def test_after_a_compaction_the_ask_is_the_users_not_the_frameworks_handoff():
     assert extract_ask(claude_code).ask == "The user asked for a JSON summary of notes/todo.txt."
     # the user's own question of that wording, with nothing after it, finds no summary
     assert extract_ask([{"role": "user", "content": "What did we do so far?"}]).ask == ""
+
+
+@pytest.mark.parametrize("client, protocol, ask", [
+    ("codex", "responses", "Write a JSON summary of notes/todo.txt into summary.json"),
+    ("opencode", "openai", "Write a JSON summary of notes/todo.txt into summary.json."),
+    ("claude-code", "anthropic", "Now also count the items in notes/todo.txt"),
+])
+def test_real_compactions_are_side_calls_and_the_ask_survives_them(client, protocol, ask):
+    """Captured from the real CLIs, each compacting once on its own: the summary request is a
+    side call, and the next request's ask is the user's (Codex keeps it; opencode keeps only
+    its summary, whose objective it is; Claude Code's next prompt follows its summary)."""
+    from metaclaw.protocols.registry import get_protocol
+    from metaclaw.proxy.sessions import identify
+
+    def chat(name):
+        captured_request = captured(client, name)
+        body = captured_request["body"]
+        return captured_request["headers"], (body if protocol == "openai" else
+                                             get_protocol(protocol).to_chat(body))
+
+    headers, compaction = chat("compaction")
+    assert identify(headers, compaction).turn_type == "side"
+    headers, after = chat("after-compaction")
+    assert identify(headers, after).turn_type == "main"
+    assert extract_ask(after["messages"]).ask == ask
