@@ -81,6 +81,16 @@ def test_one_turn_in_full(store, session):
     assert split_skill_block("plain") == ("plain", None)
 
 
+def test_a_jump_from_a_failure_whose_generation_served_no_turn_yet_says_so(store, session):
+    _library, ids = session
+    widget = TraceWidget(store, "s1")
+    widget.step(1)
+    widget.detail = {**widget.detail, "after": []}  # generation 1 written, no turn served since
+    widget.jump("after")
+    assert widget.message == "no turn has been served with generation 1, written for this " \
+                             "turn, yet" and widget.selected == ids[1]
+
+
 def test_widget_steps_filters_jumps_and_labels(store, session):
     _library, ids = session
     widget = TraceWidget(store, "s1", page_size=2, author="alice")

@@ -167,7 +167,11 @@ class TraceWidget(_WorkspaceWidget):
             return written[0] if written else {}
         after = self.detail.get("after") or []
         if not after:
-            self.message = "no skill generation was written for this turn yet"
+            generations = [w["generation"] for w in written if w["generation"] is not None]
+            self.message = (f"no turn has been served with generation {generations[0]}, "
+                            "written for this turn, yet" if generations else
+                            "no skill generation was written for this turn yet" + (
+                                " (a proposal citing it is held for review)" if written else ""))
             return self.detail
         if self.failures_only and not after[0]["failed"]:
             self._ready = False
