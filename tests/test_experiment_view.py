@@ -119,8 +119,11 @@ def test_picking_a_variant_sorting_and_paging(workspace):
     with pytest.raises(traitlets.TraitError, match="variant 'gen:0' is not compared .*"
                                                    "choose one of gen:1, none"):
         view.variant = "gen:0"  # the baseline is not compared with itself
-    with pytest.raises(ValueError, match="variant 'gen:9'"):
+    with pytest.raises(ValueError, match="variant 'gen:9' is not in experiment"):
         view.pick("gen:9")
+    with pytest.raises(ValueError, match="variant 'gen:0' is the baseline the others are "
+                                         "compared with; choose one of gen:1, none"):
+        view.pick("gen:0")
     assert view.variant == "gen:1"
 
 

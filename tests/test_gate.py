@@ -44,3 +44,11 @@ def test_the_starter_library_is_clean_and_removes_are_never_flagged():
     skills, _problems = load_skills_dir(starter_skills_dir())
     assert skills and all(safety_check_skill(s) == [] for s in skills.values())
     assert safety_check([SkillOp("remove", None, "anything", "why")]) == []
+
+
+def test_a_report_the_gate_never_made_says_so_not_none():
+    from metaclaw.fastloop.gate import cases_html
+
+    shown = cases_html({"decision": None, "reason": "", "cases": [], "safety": [],
+                        "judge_calls": 0})
+    assert "None" not in shown and "Not run through the verification gate" in shown

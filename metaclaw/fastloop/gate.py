@@ -176,6 +176,9 @@ def cases_html(report: dict[str, Any]) -> str:
         for c in report.get("cases", []))
     safety = "".join(f"<li>{esc(f['skill'])}: {esc(f['category'])} — "
                      f"<code>{esc(f['excerpt'])}</code></li>" for f in report.get("safety", []))
+    if report.get("decision") is None and not report.get("cases"):
+        return "<div>Not run through the verification gate.</div>" \
+            if not report.get("safety") else f"<div><p>Safety findings:</p><ul>{safety}</ul></div>"
     return (f"<div><b>Verification gate: {esc(str(report.get('decision')))}</b> — "
             f"{esc(str(report.get('reason', '')))} · {report.get('judge_calls', 0)} judge votes"
             + (f"<p>Safety findings:</p><ul>{safety}</ul>" if safety else "")

@@ -177,8 +177,10 @@ class ExperimentView(_WorkspaceWidget):
         chosen = variant if variant is not None else self.variant
         if chosen not in specs[1:]:
             if variant is not None:
-                raise ValueError(f"variant {variant!r} is not in experiment {self.name!r}; "
-                                 f"choose one of {', '.join(specs[1:])}")
+                what = ("is the baseline the others are compared with" if specs
+                        and variant == specs[0] else f"is not in experiment {self.name!r}")
+                raise ValueError(f"variant {variant!r} {what}; choose one of "
+                                 f"{', '.join(specs[1:])}")
             chosen = specs[1] if len(specs) > 1 else (specs[0] if specs else "")
         self._ready = False
         try:
