@@ -116,10 +116,10 @@ def test_picking_a_variant_sorting_and_paging(workspace):
     view.pick("gen:1")
     assert [r["turn_id"] for r in view.case_rows()] == [ids[0], ids[1], ids[2], ids[3]]
     assert [r["difference"] for r in view.case_rows()] == [2.0, 2.0, 0.0, 0.0]
-    with pytest.raises(traitlets.TraitError, match="variant 'gen:0' is not compared .*"
+    with pytest.raises(traitlets.TraitError, match="variant 'gen:0' is the baseline .*"
                                                    "choose one of gen:1, none"):
         view.variant = "gen:0"  # the baseline is not compared with itself
-    with pytest.raises(ValueError, match="variant 'gen:9' is not in experiment"):
+    with pytest.raises(ValueError, match="variant 'gen:9' is not compared in experiment"):
         view.pick("gen:9")
     with pytest.raises(ValueError, match="variant 'gen:0' is the baseline the others are "
                                          "compared with; choose one of gen:1, none"):

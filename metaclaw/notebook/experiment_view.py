@@ -79,6 +79,14 @@ def _fmt_p(value: Any) -> str:
 
 
 # -- experiment ----------------------------------------------------------------------------
+def _not_compared(variant: str, name: str, variants: list[str]) -> str:
+    """Why ``variant`` cannot be compared in experiment ``name`` (its ``variants``, the first
+    the baseline), and what can."""
+    what = ("is the baseline the others are compared with" if variants and variant == variants[0]
+            else f"is not compared in experiment {name!r}")
+    return f"variant {variant!r} {what}; choose one of {', '.join(variants[1:])}"
+
+
 class ExperimentView(_WorkspaceWidget):
     """One stored experiment (see the module's docstring).
 
@@ -177,10 +185,7 @@ class ExperimentView(_WorkspaceWidget):
         chosen = variant if variant is not None else self.variant
         if chosen not in specs[1:]:
             if variant is not None:
-                what = ("is the baseline the others are compared with" if specs
-                        and variant == specs[0] else f"is not in experiment {self.name!r}")
-                raise ValueError(f"variant {variant!r} {what}; choose one of "
-                                 f"{', '.join(specs[1:])}")
+                raise ValueError(_not_compared(variant, self.name, specs))
             chosen = specs[1] if len(specs) > 1 else (specs[0] if specs else "")
         self._ready = False
         try:
@@ -295,8 +300,7 @@ class ExperimentView(_WorkspaceWidget):
     def pick(self, variant: str) -> "ExperimentView":
         """Compare ``variant`` with the first variant; returns the view."""
         if variant not in self.variants[1:]:
-            raise ValueError(f"variant {variant!r} is not compared in experiment {self.name!r};"
-                             f" choose one of {', '.join(self.variants[1:])}")
+            raise ValueError(_not_compared(variant, self.name, self.variants))
         self.variant = variant
         return self
 
@@ -343,9 +347,7 @@ class ExperimentView(_WorkspaceWidget):
     def _check_variant(self, proposal: Any) -> str:
         value = proposal["value"]
         if self._ready and self.variants and value not in self.variants[1:]:
-            raise traitlets.TraitError(
-                f"variant {value!r} is not compared in experiment {self.name!r}; choose one "
-                f"of {', '.join(self.variants[1:])}")
+            raise traitlets.TraitError(_not_compared(value, self.name, self.variants))
         return value
 
     @_reacts("variant", "sort", "offset", "page_size", failing="cannot show the cases")
