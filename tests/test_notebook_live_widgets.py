@@ -127,6 +127,25 @@ def test_a_closed_store_is_reopened_and_a_deleted_one_is_said_in_one_line(tmp_pa
         widget.close()
 
 
+def test_a_workspace_deleted_while_still_open_is_said_too(tmp_path):
+    """`%metaclaw stop` keeps the store open while widgets show it: deleting the workspace then
+    left every widget showing the deleted data as current, with no word of it."""
+    store = Store(tmp_path / "m.db")
+    store.record_turn(session_id="s", status="ok", response="reply",
+                      request_messages=[{"role": "user", "content": "ask"}])
+    library = SkillLibrary(tmp_path / "skills", store)
+    library.add(_skill("a"))
+    widgets = [BufferWidget(store), TraceWidget(store), SkillDiffWidget(library, 0, 1)]
+    for path in tmp_path.glob("m.db*"):
+        path.unlink()
+    gone = f"the workspace {tmp_path / 'm.db'} was deleted"
+    for widget in widgets:
+        widget.refresh()
+        assert gone in widget.error, widget.error
+        widget.close()
+    store.close()
+
+
 # -- 2 · a widget shows what the text beside it says -------------------------------------------
 def test_a_diff_made_for_one_step_stays_on_it_until_asked_to_follow(ip):
     runtime, _, _ = _session(ip)

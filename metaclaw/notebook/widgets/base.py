@@ -129,16 +129,17 @@ class _Reader:
             _readers.setdefault(store, weakref.WeakSet()).add(widget)
 
     def store(self) -> Any:
+        held = getattr(self.held, "path", None)  # None: a database server's workspace
+        path = None if held is None or str(held) == ":memory:" else Path(str(held))
+        if path is not None and not path.exists():  # an open connection reads on regardless
+            raise SourceGone(f"the workspace {path} was deleted: what is shown is what this "
+                             f"widget read last")
         for store in (self.own, self.held):
             if store is not None and not _is_closed(store):
                 return store
-        path = Path(str(self.held.path))
-        if str(self.held.path) == ":memory:":
+        if path is None:
             raise SourceGone("the workspace was an in-memory store and it was closed: what is "
                              "shown is all that is left of it")
-        if not path.exists():
-            raise SourceGone(f"the workspace {path} was deleted: what is shown is what this "
-                             f"widget read last")
         from metaclaw.store import Store
 
         self.own = Store(path)

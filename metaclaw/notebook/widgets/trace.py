@@ -7,8 +7,8 @@ from typing import Any
 
 import traitlets
 
-from metaclaw.notebook.widgets.base import (CSS, _clip_texts, _esc, _fmt_reward, _json_safe,
-                                            _reacts, _short, _WorkspaceWidget, esm)
+from metaclaw.notebook.widgets.base import (CSS, SourceGone, _clip_texts, _esc, _fmt_reward,
+                                            _json_safe, _reacts, _short, _WorkspaceWidget, esm)
 
 class TraceWidget(_WorkspaceWidget):
     """One session turn by turn: each turn as the upstream saw it (the injected skill block
@@ -254,8 +254,11 @@ class TraceWidget(_WorkspaceWidget):
         """Re-read the session (new turns, verdicts, labels); returns the widget."""
         from metaclaw.trace import sessions
 
-        self.sessions = _json_safe(sessions(self._store, 200, self._threshold))
-        self._reload()
+        try:
+            self.sessions = _json_safe(sessions(self._store, 200, self._threshold))
+            self._reload()
+        except SourceGone as exc:
+            self.error = str(exc)
         return self
 
     # -- display ------------------------------------------------------------------------------
