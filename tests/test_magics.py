@@ -363,3 +363,11 @@ def test_a_write_lock_held_elsewhere_is_said_in_words_not_as_a_sqlite_error(ip, 
     said = fails(ip, "label 1 fail")
     assert "another process held the workspace's write lock" in said
     assert "OperationalError" not in said and "nothing was changed" in said
+
+
+def test_a_chat_turn_kept_by_name_survives_other_cells(ip):
+    line(ip, "start --db {ws}/m.db --skills {ws}/skills --starter-skills --retrieval lexical")
+    turn = cell(ip, "chat --as first", "Before editing config.yaml keep a backup copy")
+    line(ip, "skills")  # another cell: `_` is no longer the turn
+    assert ip.user_ns["first"] is turn and "backup-before-modify" in turn.injected_skills
+    assert "not a Python variable name" in fails(ip, "chat --as class", "hi")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import html
+import keyword
 import shlex
 from pathlib import Path
 from dataclasses import dataclass
@@ -328,9 +329,11 @@ class MetaClawMagics(Magics):
         print("MetaClaw proxy stopped.")
 
     def _do_chat(self, argv: list[str], cell: str | None) -> ChatTurn:
-        """%%metaclaw chat [--session S] [--side | --type T] [--new] [--done] [--workspace DIR]:
-        the cell is a user message. With --workspace the model gets file tools confined to DIR
-        (read, write, list, copy, append) and the tool calls run until it answers."""
+        """%%metaclaw chat [--session S] [--side | --type T] [--new] [--done] [--workspace DIR]
+        [--as NAME]: the cell is a user message. With --workspace the model gets file tools
+        confined to DIR (read, write, list, copy, append) and the tool calls run until it
+        answers. --as NAME also keeps the turn in the notebook variable NAME (``_`` is only the
+        last cell's value, and no longer this turn once another cell has run)."""
         parser = _parser("chat", self._do_chat.__doc__)
         parser.add_argument("--session", default="notebook")
         parser.add_argument("--side", action="store_true", help="a side turn (no skills)")
@@ -341,10 +344,15 @@ class MetaClawMagics(Magics):
         parser.add_argument("--workspace", help="offer file tools confined to this folder")
         parser.add_argument("--max-steps", type=_positive, default=12, help="tool-loop limit")
         parser.add_argument("--max-tokens", type=_positive, help="limit the reply's length")
+        parser.add_argument("--as", dest="name", metavar="NAME",
+                            help="also keep the turn in the notebook variable NAME")
         if cell is None:  # `%metaclaw chat hello` as a line
             raise MagicUsageError("chat is a cell magic: put %%metaclaw chat on the cell's first "
                                   "line and the message below it")
         args = parser.parse_args(argv)
+        if args.name is not None and not (args.name.isidentifier()
+                                          and not keyword.iskeyword(args.name)):
+            raise MagicUsageError(f"chat --as: {args.name!r} is not a Python variable name")
         if not cell or not cell.strip():
             raise MagicUsageError("%%metaclaw chat needs the message in the cell body")
         if args.done and args.workspace:
@@ -409,7 +417,10 @@ class MetaClawMagics(Magics):
             raise
         runtime.proxy.flush()  # turns are recorded off the request path; wait for these
         rows = runtime.store.turns("session_id = ? AND id > ?", (args.session, before))
-        return ChatTurn(args.session, cell.strip(), message.content or "", calls or made, rows)
+        turn = ChatTurn(args.session, cell.strip(), message.content or "", calls or made, rows)
+        if args.name is not None and self.shell is not None:
+            self.shell.user_ns[args.name] = turn
+        return turn
 
     def _do_skills(self, argv: list[str], cell: str | None):
         """%metaclaw skills [--generation G]: the skill library as a table."""
