@@ -112,6 +112,8 @@ def test_a_401_says_when_the_proxy_sent_no_key(tmp_path, monkeypatch):
                 runtime.stop()
         assert "Incorrect API key provided" in message
         assert ("METACLAW_UPSTREAM_API_KEY is unset" in message) is hinted, message
+        # with a key of the proxy's own, it is that key the upstream refused, not the agent's
+        assert ("refused the key the proxy sends" in message) is (env_key is not None), message
 
 
 def test_serve_warns_of_a_remote_upstream_without_a_key(tmp_path):

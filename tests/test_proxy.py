@@ -576,7 +576,8 @@ def test_no_secret_reaches_the_store_file(proxy, double, workspace):
     double.add(Reply(status=401, content=f"Incorrect API key provided: {UPSTREAM_KEY}."))
     with pytest.raises(openai.AuthenticationError) as err:  # an upstream echoing the key
         client.chat.completions.create(model="m", messages=COMMIT_QUESTION)
-    assert err.value.message.endswith("Incorrect API key provided: ***.")
+    assert "Incorrect API key provided: ***. [the upstream" in err.value.message
+    assert "refused the key the proxy sends ($METACLAW_TEST_UPSTREAM_KEY" in err.value.message
     client.chat.completions.create(model="m", messages=COMMIT_QUESTION)
     list(client.chat.completions.create(model="m", messages=COMMIT_QUESTION, stream=True))
     with pytest.raises(openai.AuthenticationError):

@@ -418,8 +418,13 @@ class HTTPUpstream(Upstream):
             body = None
         headers = {k: v for k, v in exc.headers.items()
                    if k.lower() in ("retry-after", "retry-after-ms")}
-        hint = (f" [the proxy sent no key: ${self.key_env} is unset where `metaclaw serve` "
-                "runs]" if status in (401, 403) and self._keyless else "")
+        hint = ""
+        if status in (401, 403) and self._keyless:
+            hint = (f" [the proxy sent no key: ${self.key_env} is unset where `metaclaw serve` "
+                    "runs]")
+        elif status in (401, 403) and not self.caller_auth:  # the agent's own key is not used
+            hint = (f" [the upstream {safe_url(self.url)} refused the key the proxy sends "
+                    f"(${self.key_env} where `metaclaw serve` runs), not the agent's]")
         if isinstance(body, dict) and isinstance(body.get("error"), dict):
             error = body["error"]
             message = str(error.get("message") or f"upstream error {status}") + hint
