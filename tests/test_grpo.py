@@ -15,7 +15,7 @@ from metaclaw.slowloop.backends import BackendError, Datum
 from metaclaw.slowloop.grpo import (GRPOConfig, Prompt, Task, compute_advantages,
                                     prompts_from_query_set, prompts_from_tasks, select_query_turns,
                                     train_grpo)
-from metaclaw.store import Store
+from metaclaw.store import Store, StoreBusy
 from waiting import kill_once_it_says
 
 
@@ -464,7 +464,8 @@ trainer.step()
 def test_a_trainer_killed_between_saving_and_recording_loses_no_weights(tiny_model, tmp_path):
     """kill -9 after a step saved its weights but before it recorded their version: no version
     is left without weights, the turns are not counted as trained into lost weights, and the
-    restarted trainer resumes the saved weights and records them with its next version."""
+    restarted trainer resumes the state before, under its own number, and records its next
+    version with its weights."""
     import subprocess
     import sys
     import time
@@ -489,7 +490,9 @@ def test_a_trainer_killed_between_saving_and_recording_loses_no_weights(tiny_mod
                           judge=lambda prompt, text: float(len(text) % 3),
                           config=GRPOConfig(steps=1, groups_per_step=2, group_size=4,
                                             max_tokens=6, state_dir=str(state_dir)))
-    assert trainer.start_step == 1 and backend.policy_version == 1  # the saved weights
+    # the state before (none here): no number the store never recorded, no weights under it
+    assert trainer.start_step == 0 and backend.policy_version == 0
+    assert not (state_dir / "latest.json").exists()
     assert trainer.step()["metrics"]["published_version"] == 1
     rows = store.query("SELECT version, checkpoint FROM policy_versions")
     assert [r["version"] for r in rows] == [1] and (Path(rows[0]["checkpoint"]) /
@@ -687,13 +690,15 @@ def test_a_saved_state_is_synced_before_its_version_points_at_it(tiny_model, tmp
     checkpoint = store.query("SELECT checkpoint FROM policy_versions")[0]["checkpoint"]
     record = events.index(("record", checkpoint))
     synced = [key for kind, key in events[:record] if kind == "fsync"]
-    state = [p for p in Path(checkpoint).rglob("*")] + [Path(checkpoint)]
+    state = [p for p in Path(checkpoint).rglob("*") if p.name != "metaclaw_state.json"] + [
+        Path(checkpoint)]
     assert any(p.name == "adapter_model.safetensors" for p in state)
     assert {identity(p.stat()) for p in state} <= set(synced)  # files and folder, all synced
+    # latest.json points at the state only once its version is recorded, under that number
     latest = identity((state_dir / "latest.json").stat())
     replaced = events.index(("replace", latest))
-    assert ("fsync", latest) in events[:replaced]  # its data, before the rename
-    assert ("fsync", identity(state_dir.stat())) in events[replaced:record]  # the rename
+    assert record < replaced and ("fsync", latest) in events[record:replaced]  # its data first
+    assert ("fsync", identity(state_dir.stat())) in events[replaced:]  # then the rename
     assert json.loads((state_dir / "latest.json").read_text())["checkpoint"] == checkpoint
 
 
@@ -715,10 +720,39 @@ def test_saved_weights_whose_number_another_writer_took_resume_under_their_recor
 
     store.add_policy_version = add_policy_version
     assert trainer.step()["metrics"]["published_version"] == 2
-    assert json.loads((state_dir / "latest.json").read_text())["policy_version"] == 2
+    latest = json.loads((state_dir / "latest.json").read_text())
+    assert latest["policy_version"] == 2
+    # the state itself says so too (what a resume falling back to it reads)
+    assert json.loads((Path(latest["checkpoint"]) / "metaclaw_state.json").read_text())[
+        "policy_version"] == 2
     resumed = make_backend("local", tiny_model, lora_rank=4, seed=0)
     GRPOTrainer(resumed, [], config=GRPOConfig(state_dir=str(state_dir)), store=store)
     assert resumed.policy_version == 2
+
+
+def test_a_step_tried_again_after_its_version_could_not_be_recorded_saves_its_weights(
+        tiny_model, tmp_path):
+    """The store refused the record (busy, a dropped connection) and the scheduler ran the step
+    again: it recorded its version without a checkpoint (the state counted as saved already)."""
+    state_dir = tmp_path / "state"
+    trainer, store = _published_step_trainer(tiny_model, tmp_path, state_dir)
+    real_add, refusals = store.add_policy_version, [1]
+
+    def add_policy_version(**fields):
+        if refusals:
+            refusals.pop()
+            raise StoreBusy("another process holds the write lock")
+        return real_add(**fields)
+
+    store.add_policy_version = add_policy_version
+    with pytest.raises(StoreBusy):
+        trainer.step()
+    assert not (state_dir / "latest.json").exists()  # the unrecorded state is not resumed
+    assert trainer.step()["metrics"]["published_version"] == 1
+    [row] = store.query("SELECT version, checkpoint FROM policy_versions")
+    assert row["checkpoint"] and (Path(row["checkpoint"]) / "adapter_model.safetensors").is_file()
+    latest = json.loads((state_dir / "latest.json").read_text())
+    assert (latest["checkpoint"], latest["policy_version"]) == (row["checkpoint"], 1)
 
 
 @pytest.mark.parametrize("failure", [

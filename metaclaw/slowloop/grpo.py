@@ -51,7 +51,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Any, Awaitable, Callable, Iterator, Sequence
 
 from metaclaw import buffers
 from metaclaw.aio import run_sync
@@ -617,56 +617,69 @@ class GRPOTrainer:
 
     def save(self, step: int | None = None) -> str | None:
         """Save the training state after ``step`` (default: the last completed step) in
-        ``state_dir``; returns the checkpoint path, or None without a ``state_dir`` or when
-        nothing new was trained.
+        ``state_dir`` and point ``latest.json`` at it; returns the checkpoint path, or None
+        without a ``state_dir`` or when nothing new was trained. (A step that publishes saves
+        its own state before recording the version, see :meth:`step`.)
 
         Each save writes a new directory (``step-NNNNNN``, or ``step-NNNNNN.K`` when that name
         is taken), never into an existing one: a published version's checkpoint keeps the
         weights it was published with, even when a run restarted afresh (``resume=False``) or
-        a second trainer (another process) saves into the same folder. Saving, pointing
-        ``latest.json`` and the version at the state, and pruning happen under the folder's
-        lock, so one trainer never prunes a state another is writing.
+        a second trainer (another process) saves into the same folder. Writing a state, and
+        pointing ``latest.json`` at it and pruning, each happen under the folder's lock, so one
+        trainer never prunes a state another is writing.
 
         The saved files, their folder and ``latest.json`` are synced to disk (:func:`fsync_tree`,
-        :func:`metaclaw.fileio.write_atomic` with ``durable``) before this returns, and a step
-        records its published version only after: after an OS crash or power loss a recorded
-        checkpoint is never empty or truncated files. Where the state cannot be written or
-        synced this raises OSError naming the folder (a step then records no version)."""
+        :func:`metaclaw.fileio.write_atomic` with ``durable``): after an OS crash or power loss
+        a recorded checkpoint is never empty or truncated files. Where the state cannot be
+        written or synced this raises OSError naming the folder."""
         step = self.next_step - 1 if step is None else step
         if self.state_dir is None or step < 0 or step == self._saved_step:
             return None
+        checkpoint = self._save_state(step)
+        self._point_latest(step, checkpoint, self.backend.policy_version)
+        return checkpoint
+
+    @contextlib.contextmanager
+    def _writing_state(self) -> Iterator[None]:
+        """The folder's lock, and an OSError that names the folder and what to do."""
         try:
             with self._state_dir_lock():
-                path = self._new_state_path(step)
-                checkpoint = self.backend.save_state(str(path))
-                if checkpoint == str(path):
-                    fsync_tree(path)
-                else:  # a remote state (Tinker): the folder stays unused
-                    with contextlib.suppress(OSError):
-                        path.rmdir()
-                write_atomic(self.state_dir / "latest.json",
-                             json.dumps({"run_id": self.run_id, "step": step,
-                                         "checkpoint": checkpoint,
-                                         "policy_version": self.backend.policy_version}),
-                             durable=True)
-                self._saved_step = step
-                self._prune_checkpoints()
+                yield
         except OSError as exc:
             raise OSError(f"cannot save the training state in {self.state_dir} "
                           f"({type(exc).__name__}: {exc}); make the folder writable, free "
                           "space there, or set state_dir to another folder") from exc
+
+    def _save_state(self, step: int) -> str:
+        """The training state after ``step`` written and synced into a new folder of
+        ``state_dir``, which nothing points at yet; returns its checkpoint."""
+        with self._writing_state():
+            path = self._new_state_path(step)
+            checkpoint = self.backend.save_state(str(path))
+            if checkpoint == str(path):
+                fsync_tree(path)
+            else:  # a remote state (Tinker): the folder stays unused
+                with contextlib.suppress(OSError):
+                    path.rmdir()
         return checkpoint
 
-    def _renumber_saved(self, checkpoint: str, version: int) -> None:
-        """The weights saved as ``checkpoint`` were recorded as policy ``version`` (another
-        writer took the number they were published with): ``latest.json``, where it still
-        points at them, says so, so a resumed trainer serves them under their recorded number."""
-        with self._state_dir_lock():
-            latest = self.state_dir / "latest.json"
-            saved = json.loads(latest.read_text())
-            if saved.get("checkpoint") == checkpoint:
-                write_atomic(latest, json.dumps(dict(saved, policy_version=version)),
-                             durable=True)
+    def _point_latest(self, step: int, checkpoint: str, version: int) -> None:
+        """Make ``checkpoint`` the state a resumed trainer loads, as policy ``version`` (for a
+        published state: the number the store recorded, also written into the state itself
+        where it holds another), then prune."""
+        with self._writing_state():
+            state = Path(checkpoint) / "metaclaw_state.json"  # a local state names its version
+            if state.is_file():
+                meta = json.loads(state.read_text())
+                if meta.get("policy_version") != version:
+                    write_atomic(state, json.dumps({**meta, "policy_version": version}),
+                                 durable=True)
+            write_atomic(self.state_dir / "latest.json",
+                         json.dumps({"run_id": self.run_id, "step": step,
+                                     "checkpoint": checkpoint, "policy_version": version}),
+                         durable=True)
+            self._saved_step = step
+            self._prune_checkpoints()
 
     def _new_state_path(self, step: int) -> Path:
         """A directory for the state after ``step`` that did not exist (created here)."""
@@ -809,11 +822,12 @@ class GRPOTrainer:
             if datums and (step + 1 - self.start_step) % config.publish_every == 0:
                 published = backend.publish(backend.policy_version + 1)
                 if store is not None:
-                    # The weights are saved before their version is recorded: a process killed
-                    # in between leaves a saved state and a claim that expires (the turns are
-                    # trained again), never a version without weights, nor turns counted as
-                    # trained into weights that were lost.
-                    saved = self.save(step) if self.state_dir is not None else None
+                    # The weights are saved before their version is recorded, and become the
+                    # state to resume from only after, under the number recorded: a process
+                    # killed in between resumes the state before and its claim expires (the
+                    # turns are trained again), never a version without weights, nor turns
+                    # counted as trained into weights that were lost.
+                    saved = self._save_state(step) if self.state_dir is not None else None
                     with store.transaction():  # the published weights trained on the turns
                         recorded = store.add_policy_version(
                             backend=backend.kind, base_model=backend.base_model,
@@ -826,8 +840,8 @@ class GRPOTrainer:
                         backend.policy_version = recorded
                         backend.sampler().policy_version = recorded
                         published = recorded
-                        if saved is not None:
-                            self._renumber_saved(saved, recorded)
+                    if saved is not None:
+                        self._point_latest(step, saved, published)
                 if self.on_publish is not None:
                     self.on_publish(backend.sampler(), published)
 
