@@ -252,6 +252,31 @@ def test_after_a_compaction_the_ask_is_the_users_not_the_frameworks_handoff():
     assert extract_ask(claude_code).ask == "The user asked for a JSON summary of notes/todo.txt."
     # the user's own question of that wording, with nothing after it, finds no summary
     assert extract_ask([{"role": "user", "content": "What did we do so far?"}]).ask == ""
+    # a numbered list inside the objective is part of it, not the next section
+    listed = [{"role": "user", "content": "This session is being continued from a previous "
+               "conversation that ran out of context.\n\nSummary:\n1. Primary Request and "
+               "Intent:\n   The user made two requests:\n   1. Add a --verbose flag to cli.py: "
+               "print more\n   2. Fix the tests: they fail\n\n2. Key Technical Concepts:\n   - x"}]
+    assert extract_ask(listed).ask == ("The user made two requests: 1. Add a --verbose flag to "
+                                       "cli.py: print more 2. Fix the tests: they fail")
+
+
+@pytest.mark.parametrize("messages", [
+    [{"role": "user", "content": "This session is being continued from a previous conversation"
+                                 "\nPrimary Request and Intent:x" + "\n" * 1_000_000 + "y"}],
+    [{"role": "user", "content": "What did we do so far?"},
+     {"role": "assistant", "content": "## Objective\nx" + " \n" * 500_000},
+     {"role": "user", "content": OPENCODE_CONTINUE}],
+    [{"role": "user", "content": CODEX_HANDOFF + "1. a:\n" * 200_000}],
+])
+def test_a_megabyte_of_summary_is_read_in_linear_time(messages):
+    """The objective's pattern rescanned the whitespace after every line start: a 40,000-line
+    summary took 14 s, a megabyte hours, on the proxy's event loop."""
+    import time
+
+    started = time.perf_counter()
+    extract_ask(messages)
+    assert time.perf_counter() - started < 2
 
 
 @pytest.mark.parametrize("client, protocol, ask", [

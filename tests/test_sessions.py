@@ -237,6 +237,12 @@ def test_claude_codes_metadata_and_openclaws_cache_key_carry_the_session():
     [{"role": "system", "content": "You are a blogging assistant. Always suggest a title for "
                                    "the conversation topic at the end of your post."},
      {"role": "user", "content": "write a post about sourdough"}],
+    [{"role": "user", "content": "Create a short summary of the customer chat transcript in "
+                                 "support/today.txt"}],
+    [{"role": "user", "content": "Create an executive summary from the sales conversation notes "
+                                 "in crm/q3.md"}],
+    [{"role": "system", "content": "You are a summarization agent for our legal team."},
+     {"role": "user", "content": "Condense contracts/nda.pdf into five bullet points"}],
 ])
 def test_tasks_that_mention_summaries_or_titles_are_main_turns(messages):
     """A user's own task, or an agent's standing prompt mentioning a summary or a title in

@@ -169,9 +169,10 @@ SIDE_CALL_RULES: list[SideCallRule] = [
         needles=("title", "naming"))),
     SideCallRule("title-schema", _title_schema),
     SideCallRule("summary", _says(
-        r"(?:summari[sz]e|create an? (?:[\w-]+ ){0,2}summary (?:of|from)|compact)\b[^.\n]{0,40}"
-        rf"\b(?:{_THE_CONVERSATION}|the prefix\b)",
-        r"an? (?:context )?summari[sz]ation (?:assistant|agent)\b",
+        r"(?:summari[sz]e|create a (?:detailed |new anchored )?summary (?:of|from)|compact)\b"
+        rf"[^.\n]{{0,40}}\b(?:{_THE_CONVERSATION}|the prefix\b)",
+        r"an? (?:context )?summari[sz]ation assistant\b",
+        r"an? context summari[sz]ation agent\b",  # opencode
         r"performing a context checkpoint compaction\b",  # Codex
         needles=("summar", "compact"))),
     SideCallRule("quota-probe", _tiny_probe),

@@ -135,9 +135,21 @@ _HANDOFF = re.compile(
                                                re.escape(_OPENCODE_ASKS_SUMMARY),
                                                re.escape(_CLAUDE_CODE_HANDOFF)))
 # where a summary states what the user is after: opencode's "## Objective", Claude Code's
-# "1. Primary Request and Intent:" (up to the next heading or numbered section)
-_OBJECTIVE = re.compile(r"(?:^#+\s*(?:Objective|Goal)\s*$|Primary Request and Intent:)"
-                        r"(.*?)(?=^\s*#|^\s*\d+\.\s+\w[^\n]*:|\Z)", re.S | re.M | re.I)
+# "1. Primary Request and Intent:", up to the next heading or numbered section (at the start of
+# a line: an indented "1. ...:" inside the section is part of it)
+_OBJECTIVE = re.compile(r"^#+[ \t]*(?:Objective|Goal)[ \t]*$|Primary Request and Intent:",
+                        re.M | re.I)
+_SECTION_END = re.compile(r"^(?:[ \t]*#|\d+\.[ \t]+\w[^\n]*:)", re.M)
+
+
+def _objective(summary: str) -> str:
+    """The objective section of a compaction summary, else the whole summary."""
+    head = _OBJECTIVE.search(summary)
+    if head is None:
+        return summary
+    section = summary[head.end():]
+    end = _SECTION_END.search(section)
+    return section if end is None else section[:end.start()]
 
 
 def _unquote(text: str) -> str:
@@ -276,8 +288,7 @@ def _handoff_objective(messages: list[Any]) -> Ask:
             summary = content_text(messages[index + 1].get("content"))
         else:
             continue
-        objective = _OBJECTIVE.search(summary)
-        ask = " ".join((objective.group(1) if objective else summary).split()).strip(" -")
+        ask = " ".join(_objective(summary).split()).strip(" -")
         if ask:
             return Ask(ask, ask, index, rules=["compaction-handoff"])
     return Ask()
@@ -287,9 +298,10 @@ def extract_ask(messages: list[dict[str, Any]] | None) -> Ask:
     """The user's real ask in an OpenAI-style message list (see the module docstring).
 
     A short follow-up ("ok", "continue") takes as context the nearest earlier ask that is not
-    short itself: the scan goes on backwards from where the last one was found, so the whole
-    search reads each message at most once (linear in the conversation's length). Where a
-    compaction left no ask of the user's, the summary's objective is the ask."""
+    short itself: the scan goes on backwards from where the last one was found, so the search
+    reads each message at most once. Where a compaction left no ask of the user's, one more
+    backward pass finds the summary, whose objective is the ask (linear in the conversation's
+    length either way)."""
     messages = messages if isinstance(messages, list) else []
     found = _last_ask(messages, len(messages))
     if found.message_index is None:
