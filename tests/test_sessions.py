@@ -585,3 +585,15 @@ def test_aider_runs_through_the_proxy(tmp_path):
     assert [t["retrieval_query"] for t in turns] == [
         "Add a --verbose flag to cli.py", "write the standup notes into notes.md"]
     assert [t["injected_skills"][0] for t in turns] == ["cli-flags", "standup-notes"]
+
+
+def test_a_prompt_of_many_blank_lines_is_read_in_linear_time():
+    """A line's lead-in could run across the blank lines after it, so every line start rescanned
+    them all: 20,000 blank lines after "summary" took a minute on the proxy's event loop."""
+    import time
+
+    body = {"messages": [{"role": "system", "content": "summary\n" + "\n" * 200_000},
+                         {"role": "user", "content": "title\n" + "\n" * 200_000}]}
+    started = time.perf_counter()
+    assert identify({}, body).turn_type == "main"
+    assert time.perf_counter() - started < 2

@@ -110,7 +110,7 @@ class SideCallRule:
 #: Where a side call's instruction starts: at the start of a line (a system prompt's block, a
 #: paragraph), as the request's own purpose. The same words in the middle of a sentence of an
 #: agent's standing prompt ("If the user asks, summarize the conversation") are not one.
-_LEAD = r"^\W*(?:you are |your task is to |please |now )?(?:[*_]*\w+ly[*_]* )?"
+_LEAD = r"^[^\w\n]*(?:you are |your task is to |please |now )?(?:[*_]*\w+ly[*_]* )?"
 #: "this conversation", "the partial conversation", "the lines of conversation", ...
 _THE_CONVERSATION = r"(?:this|the)(?: [\w-]+){0,3} (?:conversation|chat)\b|(?:the )?chat history"
 
