@@ -75,9 +75,9 @@ def _library(args: argparse.Namespace, *, create: bool = False):
     from metaclaw.skills.library import SkillLibrary, own_folder, workspace_folders
     from metaclaw.store import Store
 
-    create = create or Path(args.skills).is_dir()
-    store = Store(args.db) if create else _store(args.db)
-    if not create and args.skills == str(DEFAULT_SKILLS):  # run away from the served folder:
+    here = Path(args.skills).is_dir()
+    store = Store(args.db) if create or here else _store(args.db)
+    if not here and args.skills == str(DEFAULT_SKILLS):  # run away from the served folder:
         served = next(iter(workspace_folders(store)), None)  # read it there
         if served is None and (served := own_folder(store)) is not None:
             print(f"note: no folder of this workspace on this machine; its skills are in "

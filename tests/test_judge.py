@@ -155,7 +155,7 @@ def test_a_lease_another_process_took_is_neither_renewed_nor_released(store):
                       (time.time() - 1, turn_id))
         assert lease_turns(other, [turn_id], seconds=100.0) == {turn_id}
         until = other.turn(turn_id)["judge_lease_until"]
-        time.sleep(0.5)  # two renewal rounds of the first judge (every 0.2 s)
+        time.sleep(0.5)  # renewal rounds of the first judge (every 0.15 s)
         assert other.turn(turn_id)["judge_lease_until"] == until
         worker.join(timeout=30)
     assert other.turn(turn_id)["reward"] is None  # the first judge's vote failed

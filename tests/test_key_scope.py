@@ -4,6 +4,8 @@ import json
 import os
 import subprocess
 
+import pytest
+
 from metaclaw.offline.double import DoubleServer, Reply
 from metaclaw.redact import same_origin
 from metaclaw.runtime import Runtime
@@ -114,6 +116,20 @@ def test_a_401_says_when_the_proxy_sent_no_key(tmp_path, monkeypatch):
         assert ("METACLAW_UPSTREAM_API_KEY is unset" in message) is hinted, message
         # with a key of the proxy's own, it is that key the upstream refused, not the agent's
         assert ("refused the key the proxy sends" in message) is (env_key is not None), message
+    monkeypatch.delenv("METACLAW_UPSTREAM_API_KEY", raising=False)
+    with DoubleServer([Reply(status=401, content="Incorrect API key provided")]) as up:
+        with_credentials = up.url.replace("http://", "http://team:s3cret-pw@")
+        runtime = Runtime.start(upstream_url=with_credentials, model="m",
+                                db_path=str(tmp_path / "basic.db"),
+                                skills_dir=str(tmp_path / "skills"), retrieval="lexical")
+        try:
+            with pytest.raises(openai.AuthenticationError) as err:
+                openai.OpenAI(base_url=runtime.url, api_key="x", max_retries=0).chat.completions \
+                    .create(model="m", messages=[{"role": "user", "content": "hi"}])
+        finally:
+            runtime.stop()
+    assert "refused the credentials in its URL" in err.value.message
+    assert "s3cret-pw" not in err.value.message and "is unset" not in err.value.message
 
 
 def test_serve_warns_of_a_remote_upstream_without_a_key(tmp_path):

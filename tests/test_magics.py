@@ -83,6 +83,8 @@ def test_usage_errors_are_one_line_not_tracebacks(ip, capsys):
     assert "--group-size: 1 is too small; give 2 or more" in fails(
         ip, "train --base-model nowhere --group-size 1")
     assert capsys.readouterr().out == ""  # said once, as the cell's error
+    assert line(ip, "score --help") is None  # asked for: printed, and the cell goes on
+    assert "--last" in capsys.readouterr().out
     # the cell stops there, as Run All and nbmake do
     assert not ip.run_cell("%metaclaw frobnicate\nreached = True").success
     assert "reached" not in ip.user_ns

@@ -146,6 +146,23 @@ def test_a_workspace_deleted_while_still_open_is_said_too(tmp_path):
     store.close()
 
 
+def test_a_workspace_named_by_a_relative_path_is_found_after_the_notebook_moves(
+        tmp_path, monkeypatch):
+    """`%metaclaw start` names .metaclaw/metaclaw.db relative to the notebook's folder: after a
+    `%cd` every widget said the workspace was deleted."""
+    monkeypatch.chdir(tmp_path)
+    store = Store("m.db")
+    store.record_turn(session_id="s", status="ok", response="reply",
+                      request_messages=[{"role": "user", "content": "ask"}])
+    trace = TraceWidget(store)
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    trace.refresh()
+    assert trace.error == "" and trace.total == 1
+    trace.close()
+    store.close()
+
+
 # -- 2 · a widget shows what the text beside it says -------------------------------------------
 def test_a_diff_made_for_one_step_stays_on_it_until_asked_to_follow(ip):
     runtime, _, _ = _session(ip)

@@ -473,10 +473,12 @@ def turns_to_score(store: Store, *, session: str | None = None, last: int | None
     return ids if last is None else ids[-last:] if last > 0 else []  # --last 0: none
 
 
-#: Seconds a judge's lease on the turns it is scoring lasts (renewed every third of it while
+#: Seconds a judge's lease on the turns it is scoring lasts (renewed every quarter of it while
 #: the judge works, released when it finishes): how long the turns of a process that was
-#: killed, or a notebook kernel restarted mid-score, wait before another judge takes them.
-JUDGE_LEASE_S = 60.0
+#: killed, or a notebook kernel restarted mid-score, wait before another judge takes them. A
+#: renewal that waited out the store's busy timeout (30 s) and failed leaves the next one in
+#: time.
+JUDGE_LEASE_S = 90.0
 
 
 def lease_turns(store: Store, turn_ids: Iterable[int], seconds: float = JUDGE_LEASE_S) -> set[int]:
@@ -754,11 +756,11 @@ class Judge:
         return sorted([*results, *skipped.values()], key=lambda r: r.turn_id)
 
     async def _renew_leases(self, store: Store, turn_ids: list[int], held: list[float]) -> None:
-        """Renew this batch's leases every third of a lease until cancelled: a batch may take
+        """Renew this batch's leases every quarter of a lease until cancelled: a batch may take
         longer than one lease (a slow judge, thousands of turns). ``held[0]``: the end the
         leases were last given, updated here."""
         while True:
-            await asyncio.sleep(self.lease_s / 3)
+            await asyncio.sleep(self.lease_s / 4)
             try:
                 held[0] = renew_leases(store, turn_ids, held[0], self.lease_s)
             except DB_ERRORS as exc:  # busy past the store's timeout: the next round retries

@@ -66,7 +66,13 @@ class _Parser(argparse.ArgumentParser):
         raise MagicUsageError(f"{self.prog}: {message}")
 
     def exit(self, status: int = 0, message: str | None = None) -> None:
+        if status == 0:  # --help, already printed: the call is over, and did not fail
+            raise _HelpShown
         raise MagicUsageError(message or self.format_help())
+
+
+class _HelpShown(Exception):
+    """``--help`` printed the action's help: the magic returns nothing, the cell succeeds."""
 
 
 def _count(text: str) -> int:
@@ -241,6 +247,8 @@ class MetaClawMagics(Magics):
             raise UsageError(f"%metaclaw: unknown action {action!r}. {self._actions()}")
         try:
             return handler(rest, cell)
+        except _HelpShown:
+            return None
         except MagicUsageError as exc:
             said = str(exc).strip()
         except MagicInterrupted as exc:

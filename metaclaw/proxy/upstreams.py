@@ -423,8 +423,9 @@ class HTTPUpstream(Upstream):
             hint = (f" [the proxy sent no key: ${self.key_env} is unset where `metaclaw serve` "
                     "runs]")
         elif status in (401, 403) and not self.caller_auth:  # the agent's own key is not used
-            hint = (f" [the upstream {safe_url(self.url)} refused the key the proxy sends "
-                    f"(${self.key_env} where `metaclaw serve` runs), not the agent's]")
+            sent = ("the credentials in its URL" if self._basic is not None else
+                    f"the key the proxy sends (${self.key_env} where `metaclaw serve` runs)")
+            hint = f" [the upstream {safe_url(self.url)} refused {sent}, not the agent's]"
         if isinstance(body, dict) and isinstance(body.get("error"), dict):
             error = body["error"]
             message = str(error.get("message") or f"upstream error {status}") + hint

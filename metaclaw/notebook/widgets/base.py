@@ -124,19 +124,25 @@ class _Reader:
     def __init__(self, widget: Any, store: Any):
         self.held = store
         self.own: Any = None
+        held = getattr(store, "path", None)  # None: a database server's workspace
+        # resolved now: a notebook that changes its directory later reads the same file
+        self.path = None if held is None or str(held) == ":memory:" else Path(
+            str(held)).resolve()
         self._widget = weakref.ref(widget)
         with _readers_lock:
             _readers.setdefault(store, weakref.WeakSet()).add(widget)
 
     def store(self) -> Any:
-        held = getattr(self.held, "path", None)  # None: a database server's workspace
-        path = None if held is None or str(held) == ":memory:" else Path(str(held))
+        path = self.path
         if path is not None and not path.exists():  # an open connection reads on regardless
             raise SourceGone(f"the workspace {path} was deleted: what is shown is what this "
                              f"widget read last")
         for store in (self.own, self.held):
             if store is not None and not _is_closed(store):
                 return store
+        if path is None and getattr(self.held, "path", None) is None:  # a server's, closed
+            raise SourceGone(f"the workspace {self.held.location} was closed: what is shown is "
+                             "what this widget read last")
         if path is None:
             raise SourceGone("the workspace was an in-memory store and it was closed: what is "
                              "shown is all that is left of it")
