@@ -255,6 +255,7 @@ def _turn_rows(store: Any, where: str, params: list[Any], fields: tuple[str, ...
 
 @command("turns")
 def cmd_turns(args: argparse.Namespace) -> int:
+    from metaclaw.skills.retrieval import scored_text
     from metaclaw.turns import IdentityError, turns_filter
 
     if args.action == "import":
@@ -291,8 +292,8 @@ def cmd_turns(args: argparse.Namespace) -> int:
                          f"{row['skill_generation']:<3} {row['status']:<9} "
                          f"{','.join(row['injected_skills']) or '-'}  {_reply_text(row)[:60]}"))
         if args.why:  # why these skills: the query retrieval used and the scores it got
-            scores = ", ".join(f"{s['name']} {s['score']:.3f}"
-                               for s in row.get("retrieval_scores") or []) or "none"
+            scores = ", ".join(scored_text(s) for s in row.get("retrieval_scores") or []
+                               ) or "none"
             how = row.get("identified_by") or {}
             query = " ".join((row.get("retrieval_query") or "-").split())  # on one line
             print(_printable(f"       query: {query[:100]}"))

@@ -17,8 +17,9 @@ A turn *failed* when a person labelled it ``fail``, or, without a label, when th
 below the threshold, or when the request itself did not succeed (``status != 'ok'``).
 
 Retrieval columns: ``retrieval_query`` (text) and ``retrieval_scores`` (JSON list of ``{"name",
-"score"}``) are read when the store has them; otherwise the scores fall back to the injected skill
-names without scores.
+"score"}``, the injected skills', then the nearest miss, marked ``"injected": false`` with the
+floor it was ``"below"``) are read when the store has them; otherwise the scores fall back to
+the injected skill names without scores.
 """
 
 from __future__ import annotations

@@ -342,12 +342,12 @@ def test_select_and_inject_retrieves_for_the_last_user_message_and_injects(embed
                 {"role": "assistant", "content": "..."},
                 {"role": "user", "content": QUERY}]
     original = copy.deepcopy(messages)
-    out, selected, query, _block = select_and_inject(embedder, messages, SKILLS, top_k=1)
+    out, selected, query, _block, _missed = select_and_inject(embedder, messages, SKILLS, top_k=1)
     assert query == QUERY
     assert [s.skill.name for s in selected] == ["backup-before-modify"]
     assert out[0]["content"] == "You are an ops assistant.\n\n" + render_block(selected)
     assert out[1:] == messages[1:] and messages == original
-    out, selected, _query, block = select_and_inject(
+    out, selected, _query, block, _missed = select_and_inject(
         embedder, [{"role": "user", "content": "capital of Peru?"}], SKILLS)
     assert block == ""
     assert selected == [] and out == [{"role": "user", "content": "capital of Peru?"}]
@@ -661,3 +661,28 @@ def test_a_large_librarys_product_runs_on_one_blas_thread_and_restores_the_setti
     assert len(seen) == 1  # only the large product went through BLAS
     assert all(n == 1 for n in seen[0])
     assert [i["num_threads"] for i in threadpool_info()] == before
+
+
+def test_the_nearest_miss_is_recorded_and_shown_beside_what_was_injected(tmp_path):
+    """Nothing injected read "scores: none": a person could not tell that the skill they
+    expected scored 1.129 against a floor of 1.15."""
+    from metaclaw.protocols.registry import get_protocol
+    from metaclaw.proxy.pipeline import Turn, record_row
+    from metaclaw.skills.retrieval import scored_text
+
+    retriever = make_retriever("lexical")
+    skills = [Skill(name="iso-dates", description="Write dates as ISO 8601",
+                    body="Always write dates as YYYY-MM-DD.")]
+    ask = [{"role": "user", "content": "which dates should I use in the report"}]
+    done = select_and_inject(retriever, ask, skills, min_score=50.0)
+    assert done.selected == [] and done.missed is not None
+    near, below = done.missed
+    assert near.skill.name == "iso-dates" and 0 < near.score < below == 50.0
+    turn = Turn(protocol=get_protocol("openai"), body={}, chat={}, raw=b"", model="m",
+                stream=False, messages=ask, missed=(near.skill.name, near.score, below))
+    [entry] = record_row(turn, 0)["retrieval_scores"]
+    assert entry["injected"] is False and entry["below"] == 50.0
+    assert scored_text(entry) == f"iso-dates {near.score:.3f} (not injected: below 50.000)"
+    # a skill injected is not the miss, and all of them injected leaves none
+    done = select_and_inject(retriever, ask, skills, min_score=1e-9)
+    assert [s.skill.name for s in done.selected] == ["iso-dates"] and done.missed is None

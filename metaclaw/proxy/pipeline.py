@@ -107,6 +107,8 @@ class Turn:
     #: each injected skill's retrieval keys: (its "use when" line, how many example asks, how
     #: many anticipated asks)
     keys: list[tuple[str, int, int]] = field(default_factory=list)
+    #: the nearest miss: the best skill offered that scored too low, and the floor it missed
+    missed: tuple[str, float, float] | None = None
     budget: dict[str, Any] | None = None
     #: the ask's features as recorded (:func:`metaclaw.skills.retrieval.ask_features`)
     features: str | None = None
@@ -184,6 +186,10 @@ def record_row(turn: Turn, policy_version: int) -> dict[str, Any]:
         "retrieval_scores": [_scored(name, score, keys) for name, score, keys
                              in itertools.zip_longest(turn.injected, turn.scores, turn.keys)],
     }
+    if turn.missed is not None:  # why a skill the person may expect was not injected
+        name, score, below = turn.missed
+        row["retrieval_scores"].append({"name": name, "score": round(float(score), 4),
+                                        "injected": False, "below": round(float(below), 4)})
     row["protocol"] = turn.protocol.name
     if turn.person is not None:
         row["person"] = turn.person
@@ -752,6 +758,9 @@ class TurnPipeline:
             turn.scores = [s.score for s in selected]
             turn.keys = [(s.skill.use_when, len(s.skill.example_asks),
                           len(s.skill.anticipated_asks)) for s in selected]
+            if done.missed is not None:
+                near, below = done.missed
+                turn.missed = (near.skill.name, near.score, below)
             turn.features = retrieval.ask_features(parts.retriever, turn.query)
             if window is None and allowed != asked:  # no budget to record it in: the cut alone
                 turn.budget = {"asked_output": asked, "reserved_output": allowed}

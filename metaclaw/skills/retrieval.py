@@ -1198,7 +1198,8 @@ def _rank(retriever: Retriever, query: str, skills: list[Skill], limit: int) -> 
 def select(retriever: Retriever, query: str, skills: list[Skill], *, top_k: int = 3,
            min_score: float | None = None, budget_chars: int = 6000,
            keep: Callable[[Skill], bool] | None = None,
-           margin: float | None = None) -> list[ScoredSkill]:
+           margin: float | None = None,
+           missed: list[tuple[ScoredSkill, float]] | None = None) -> list[ScoredSkill]:
     """The skills to inject: at most ``top_k``, each scoring at least ``min_score`` (``None``:
     the retriever's ``default_min_score``) and at most ``margin`` below the best skill offered
     (``None``: the retriever's ``default_margin``, where it has one; else no such limit), best
@@ -1208,6 +1209,10 @@ def select(retriever: Retriever, query: str, skills: list[Skill], *, top_k: int 
     ``keep``: when given, only skills it accepts are selected (e.g. a stage turn's scope,
     :func:`metaclaw.skills.library.offered_to`). It filters the ranking, not the list that is ranked,
     so the retriever's index of the whole library stays cached across turn types.
+
+    ``missed``: when given, the nearest miss is appended to it, ``(skill, floor)``: the best
+    skill offered that scored below the floor it had to reach (the threshold, or the margin
+    under the best), so that a person can see why it was not injected.
     """
     skills = list(skills)
     if top_k <= 0 or not skills or not (query or "").strip() or budget_chars <= 0:
@@ -1223,8 +1228,11 @@ def select(retriever: Retriever, query: str, skills: list[Skill], *, top_k: int 
         used = len(BLOCK_HEADER) + 2 + len(BLOCK_FOOTER)
         exhausted = True
         floor, best = threshold, None
-        for item in ranked:
+        for index, item in enumerate(ranked):
             if item.score < floor:
+                if missed is not None:
+                    missed.extend((near, floor) for near in itertools.islice(
+                        (r for r in ranked[index:] if keep is None or keep(r.skill)), 1))
                 break
             if keep is not None and not keep(item.skill):
                 continue
@@ -1268,6 +1276,8 @@ class Injection(NamedTuple):
     selected: list[ScoredSkill]  #: the skills injected, best first
     query: str  #: the ask retrieved for
     block: str  #: the rendered block ("" when nothing was selected)
+    #: the best skill offered that scored too low, with the floor it missed (see :func:`select`)
+    missed: tuple[ScoredSkill, float] | None = None
 
 
 def select_and_inject(retriever: Retriever, messages: list[dict], skills: list[Skill], *,
@@ -1289,14 +1299,24 @@ def select_and_inject(retriever: Retriever, messages: list[dict], skills: list[S
     base = strip_skill_block(messages)
     if query is None:
         query = query_text(base)
+    missed: list[tuple[ScoredSkill, float]] = []
     selected = select(retriever, query, skills, top_k=top_k, min_score=min_score,
-                      budget_chars=budget_chars, keep=offered_to(turn_type)
+                      budget_chars=budget_chars, keep=offered_to(turn_type), missed=missed
                       ) if query and skills else []
     if selected and fit is not None:
         chosen = selected
         selected = selected[:fit(chosen, lambda n: render_block(chosen[:n]))]
     block = render_block(selected)
-    return Injection(inject(base, block), selected, query, block)
+    return Injection(inject(base, block), selected, query, block, missed[0] if missed else None)
+
+
+def scored_text(entry: dict[str, Any]) -> str:
+    """One entry of a turn's ``retrieval_scores`` as text: ``name 0.812``, or for the nearest
+    miss ``name 1.129 (not injected: below 1.150)``."""
+    text = f"{entry['name']} {entry['score']:.3f}"
+    if entry.get("injected") is False:
+        text += f" (not injected: below {entry['below']:.3f})"
+    return text
 
 
 def explain_frame(store: Any, *, session: str | None = None, last: int | None = None):
@@ -1317,7 +1337,7 @@ def explain_frame(store: Any, *, session: str | None = None, last: int | None = 
         "turn_type": [r["turn_type"] for r in rows],
         "retrieval_query": [r["retrieval_query"] for r in rows],
         "injected_skills": [", ".join(r["injected_skills"] or []) for r in rows],
-        "scores": [", ".join(f"{s['name']} {s['score']:.3f}" for s in r["retrieval_scores"] or [])
+        "scores": [", ".join(scored_text(s) for s in r["retrieval_scores"] or [])
                    for r in rows],
         "session_by": [(r["identified_by"] or {}).get("session") for r in rows],
         "turn_type_by": [(r["identified_by"] or {}).get("turn_type") for r in rows],

@@ -304,6 +304,8 @@ def _trace_turn_html(d: dict[str, Any]) -> str:
     if retrieval.get("query") or retrieval.get("scores"):
         scores = ", ".join(f"{_esc(s['name'])}"
                            + (f" ({s['score']:.2f})" if s.get("score") is not None else "")
+                           + (f" <small>not injected: below {s['below']:.2f}</small>"
+                              if s.get("injected") is False else "")
                            + (f" <small>use when: {_esc(s['use_when'])}</small>"
                               if s.get("use_when") else "")
                            + (f" <small>{int(s['example_asks'])} example asks</small>"
