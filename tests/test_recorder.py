@@ -222,8 +222,8 @@ def test_the_loop_writer_still_waits_and_fsyncs_when_asked_then_goes_back(tmp_pa
                             check_same_thread=False)
     other.execute("BEGIN IMMEDIATE")
     release = threading.Timer(0.3, lambda: other.execute("COMMIT"))
+    started = time.monotonic()  # before the timer: this thread may be paused after starting it
     release.start()
-    started = time.monotonic()
     with writer.transaction(True, wait=True):  # waits for the lock, then commits with fsync
         assert writer.execute("PRAGMA synchronous").fetchone()[0] == 2
         writer.record_turn(session_id="waited", **ROW)
