@@ -381,7 +381,7 @@ def _use_write_ahead_log(db: sqlite3.Connection) -> None:
             db.execute("PRAGMA journal_mode=WAL")
             return
         except sqlite3.OperationalError as exc:
-            if exc.sqlite_errorcode & 0xFF != sqlite3.SQLITE_BUSY or time.monotonic() > deadline:
+            if not lock_busy(exc) or time.monotonic() > deadline:
                 raise
             time.sleep(0.01)
 
@@ -797,7 +797,7 @@ class Store:
             except sqlite3.OperationalError as exc:
                 # the probe waits for no lock once it writes for an event loop (loop_writer):
                 # a read refused during another connection's recovery is retried next call
-                if exc.sqlite_errorcode & 0xFF != sqlite3.SQLITE_BUSY:
+                if not lock_busy(exc):
                     raise
             return self._probe_latest
 
@@ -926,7 +926,7 @@ class Store:
         try:
             db.execute("BEGIN IMMEDIATE")
         except sqlite3.OperationalError as exc:
-            if wait or exc.sqlite_errorcode & 0xFF != sqlite3.SQLITE_BUSY:
+            if wait or not lock_busy(exc):
                 raise
             raise StoreBusy(f"another connection holds the store's write lock ({exc})") from None
         finally:
