@@ -122,6 +122,11 @@ class RuntimeConfig:
                                type=argtypes.positive_int)
     timeout: float = option(120.0, "--timeout", "upstream timeout in seconds",
                             type=argtypes.positive_float)
+    max_retries: int = option(
+        2, "--upstream-retries", "further attempts after an upstream 408/409/429/5xx, before "
+        "any byte reached the client (default 2; serve: 0, since agents retry on their own and "
+        "retries would multiply: the error and its Retry-After go to the agent)",
+        type=argtypes.non_negative_int, serve_default=0, metavar="N")
     upstream_protocol: str = option(
         "openai", "--upstream-protocol", "wire protocol of the upstream, one of %(choices)s "
         "(default openai: chat completions; anthropic: a Messages API; responses: an OpenAI "

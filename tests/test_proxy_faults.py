@@ -168,6 +168,29 @@ def test_failures_before_any_byte_are_retried_honouring_retry_after(env, client,
 
 
 @pytest.mark.parametrize("stream", [False, True])
+def test_without_retries_a_status_goes_to_the_agent_and_a_dropped_connection_is_tried_again(
+        env, stream):
+    """``metaclaw serve`` makes no retries (the agent retries on its own, and each of its
+    attempts would cost three upstream calls): a 503 reaches the client at once with its
+    Retry-After, after one upstream call. A connection dropped before the upstream answered is
+    tried once more all the same: no upstream call was charged."""
+    upstream, _, store, root = env
+    library = SkillLibrary(f"{root}/skills", store)
+    proxy = Proxy(ProxyConfig(upstream_url=upstream.url, api_key_env=KEY_ENV, retrieval="lexical",
+                              timeout=TIMEOUT, max_retries=0), store, library).start()
+    try:
+        for fault, status in (("flaky_503", 503), ("flaky_reset", 200)):
+            text = f"say hi fault={fault} {uuid.uuid4().hex}"
+            reply = _request(proxy, "openai", text, stream, f"no-retries-{fault}-{int(stream)}")
+            assert reply.status_code == status, reply.text
+            if status == 503:
+                assert reply.headers["retry-after"] == "1"
+            assert upstream._attempts[text] == (1 if status == 503 else 2)
+    finally:
+        proxy.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True])
 def test_reply_with_a_lone_surrogate_is_still_recorded(env, stream):
     """SQLite cannot store a lone surrogate: the turn is recorded with U+FFFD in its place."""
     _, proxies, store, _ = env

@@ -46,6 +46,7 @@ def test_every_option_reaches_its_field_through_both_parsers(monkeypatch):
               "--port": "8123", "--skills": "sk", "--db": "w.db", "--token": "t0ken",
               "--retrieval": "lexical", "--embedding-model": "static", "--top-k": "5",
               "--min-score": "0.25", "--budget-chars": "900", "--timeout": "7.5",
+              "--upstream-retries": "4",
               "--upstream-protocol": "anthropic", "--context-window": "4096",
               "--max-output-tokens": "8000", "--max-body-bytes": "1048576",
               "--local-model": "some/folder", "--judge-url": "http://j.example",
@@ -73,9 +74,13 @@ def test_the_defaults_differ_only_where_declared(monkeypatch):
     started = RuntimeConfig.from_args(_start_parser().parse_args([]))
     assert served.port == 30000 and started.port == 0  # the magics: any free port
     assert served.token == started.token == "from-env"
+    # agents retry on their own, so serve relays an upstream 429/5xx at once (each of their
+    # attempts would cost three upstream calls); the notebook's chat client does not retry
+    assert served.max_retries == 0 and started.max_retries == 2
     library = RuntimeConfig()
     for config in (served, started):
         config.port, config.token = library.port, library.token
+        config.max_retries = library.max_retries
         assert config == library
 
 
@@ -103,3 +108,4 @@ def test_the_proxy_config_declares_the_runtime_configs_fields_alike():
                != (_default(proxy[name]), proxy[name].type)]
     assert drifted == [], "fields whose default or type differ between the two: " + \
         "; ".join(drifted)
+

@@ -93,8 +93,11 @@ class ProxyConfig:
     :func:`metaclaw.skills.retrieval.make_retriever`. ``top_k``/``min_score``/``budget_chars``: passed
     to :func:`metaclaw.skills.retrieval.select`. ``timeout``: seconds to wait for the upstream (per read
     while streaming). ``max_body_bytes``: larger request bodies get 413. ``max_retries``: retries
-    of upstream calls on connection errors and 408/409/429/5xx, only before any byte reached the
-    client, waiting as the upstream's Retry-After says (a longer wait than 20 s is relayed instead).
+    of upstream calls on 408/409/429/5xx, only before any byte reached the client, waiting as the
+    upstream's Retry-After says (a longer wait than 20 s is relayed instead); 0 where the client
+    retries on its own (``metaclaw serve``'s default), or each of its attempts would cost up to
+    ``max_retries + 1`` upstream calls. A connection that failed before the upstream answered is
+    tried once more even at 0 (a pooled connection the upstream had closed).
     ``stream_usage``: ask the upstream for the usage chunk on every stream so the turn's token
     counts are recorded (the chunk is relayed only to clients that asked for it).
     ``upstream_protocol``: the wire protocol of the upstream, the name of a registered protocol

@@ -180,7 +180,8 @@ class HTTPUpstream(Upstream):
     ``url``: the base URL (``user:password@`` in it becomes Basic authentication, as HTTP
     clients read it); ``key_env``: the environment variable with the server's key; ``timeout``:
     seconds for a whole non-streaming reply, for connecting, and between a stream's events;
-    ``max_retries``: further attempts after a connection error or a 408/409/429/5xx.
+    ``max_retries``: further attempts after a 408/409/429/5xx or a connection error (a
+    connection error is tried once more even at 0).
 
     :meth:`models` and :meth:`count_tokens` exist (``hasattr``) only when the protocol declares
     the upstream's model list or token count.
@@ -299,7 +300,7 @@ class HTTPUpstream(Upstream):
         import aiohttp
 
         data, request_headers = dumpb(body), self._headers(key, headers)
-        for attempt in range(self.max_retries + 1):
+        for attempt in range(max(self.max_retries, 1) + 1):
             try:
                 # a non-streaming reply must be whole within the timeout (an upstream trickling
                 # its body never trips the per-read timeout); a stream's events are timed apart
@@ -311,8 +312,12 @@ class HTTPUpstream(Upstream):
                     OSError) as exc:
                 status = getattr(exc, "status", None) if isinstance(
                     exc, UpstreamStatusError) else None
-                if attempt == self.max_retries or (status is not None
-                                                   and status not in self.retry_statuses):
+                # a connection that failed before the upstream answered (a pooled one it had
+                # closed, say) costs nothing upstream: tried once more even at max_retries 0
+                answered = status is not None or isinstance(exc, UpstreamBodyError)
+                allowed = self.max_retries if answered else max(self.max_retries, 1)
+                if attempt >= allowed or (status is not None
+                                          and status not in self.retry_statuses):
                     raise
                 # a body cut off in transit may arrive whole next time (the SDKs retry it too);
                 # a body that cannot be decoded is how the upstream (or a gateway before it)
@@ -326,7 +331,7 @@ class HTTPUpstream(Upstream):
                     raise
                 log.info("upstream %s answered %s; retrying in %.2f s (attempt %d of %d)",
                          safe_url(self.url), status or type(exc).__name__, wait, attempt + 2,
-                         self.max_retries + 1)
+                         allowed + 1)
                 await asyncio.sleep(wait)
         raise AssertionError("unreachable")  # pragma: no cover
 
