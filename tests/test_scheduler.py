@@ -430,6 +430,47 @@ def test_proxy_idle_from_callable_and_from_store(tmp_path):
         assert from_store.reading().idle
 
 
+def test_a_reply_still_running_is_proxy_activity_in_every_process(tmp_path, monkeypatch):
+    """A turn is recorded when its reply ends. A reply that runs longer than the idle threshold
+    must not read as idle time: the proxy reports a request in flight to the workspace every few
+    seconds, and the signal (on another connection, as another process has it) reads it."""
+    import openai
+
+    from metaclaw.offline.double import DoubleServer, Reply
+    from metaclaw.proxy.app import Proxy, ProxyConfig
+    from metaclaw.skills.library import SkillLibrary
+
+    monkeypatch.setattr(Proxy, "ACTIVITY_EVERY_S", 0.1)
+    db = tmp_path / "ws.db"
+    double = DoubleServer().start()
+    store = Store(db)
+    proxy = Proxy(ProxyConfig(upstream_url=double.url, retrieval="lexical", max_retries=0),
+                  store, SkillLibrary(tmp_path / "skills", store)).start()
+    try:
+        with Store(db) as other:
+            signal = ProxyIdle.from_store(other, 1.0)
+            store.record_turn(session_id="earlier", request_messages=[], status="ok")
+            store.execute("UPDATE turns SET created_at = created_at - 120")
+            assert signal.reading().idle  # the last turn ended two minutes ago
+            double.add(Reply("a long answer", delay=2.5))
+            client = openai.OpenAI(base_url=proxy.url, api_key="k", max_retries=0, timeout=30)
+            answer = threading.Thread(target=client.chat.completions.create, kwargs={
+                "model": "m", "messages": [{"role": "user", "content": "think long"}]})
+            answer.start()
+            time.sleep(1.6)  # past the threshold, the reply still running
+            reading = signal.reading()
+            assert answer.is_alive() and not reading.idle, reading.detail
+            answer.join(30)
+            proxy.flush()
+            assert len(other.query("SELECT id FROM turns")) == 2
+        proxy.stop()
+        assert store.query("SELECT * FROM proxy_activity") == []  # a stopped proxy's row goes
+    finally:
+        proxy.stop()
+        double.stop()
+        store.close()
+
+
 # -- combination ----------------------------------------------------------------------------------
 def test_combination_rules_any_and_all():
     clock = FakeClock(utc(2026, 11, 22, 23, 30))

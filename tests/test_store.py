@@ -277,3 +277,19 @@ def test_record_turns_is_all_or_nothing_and_refuses_a_busy_store_without_waiting
         release.set()
         holder.join()
     assert len(store.turns()) == 2
+
+
+def test_proxy_activity_is_the_newest_turn_or_a_request_in_flight(store):
+    """What the scheduler's proxy signal reads: the newest turn, or a later report of a request
+    still in flight (a turn is recorded only when its reply ends); a stopped proxy's row goes."""
+    assert store.last_proxy_activity() is None
+    store.record_turn(session_id="s", request_messages=[], status="ok")
+    ended = store.query("SELECT created_at FROM turns")[0]["created_at"]
+    assert store.last_proxy_activity() == pytest.approx(ended)
+    store.mark_proxy_busy("host:1:a", at=ended + 100)
+    store.mark_proxy_busy("host:2:b", at=ended + 50)
+    store.mark_proxy_busy("host:1:a", at=ended + 200)  # one row per proxy, moved on
+    assert store.last_proxy_activity() == pytest.approx(ended + 200)
+    assert len(store.query("SELECT * FROM proxy_activity")) == 2
+    store.forget_proxy("host:1:a")
+    assert store.last_proxy_activity() == pytest.approx(ended + 50)

@@ -49,8 +49,11 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
+import socket
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Protocol
@@ -245,6 +248,9 @@ class Proxy(ServedApp):
         self._pipeline = TurnPipeline(self._parts)
         self._log_filter = _SecretFilter(self._parts.scrubber)
         self._in_flight: set[asyncio.Task[Any]] = set()  # the handlers serving a turn now
+        # this process's row of the workspace's proxy_activity (see _report_activity)
+        self._activity_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self._activity: asyncio.Task[Any] | None = None
         #: set once the retriever's models are loaded (or failed to load) after start; how long
         #: that took in ``retrieval_warm_s``
         self.retrieval_ready = threading.Event()
@@ -393,6 +399,30 @@ class Proxy(ServedApp):
             asyncio.get_running_loop().run_in_executor(pool, self._warm)
         else:
             self.retrieval_ready.set()
+        self._activity = asyncio.create_task(self._report_activity())
+
+    #: Seconds between two reports of a request in flight (:meth:`_report_activity`).
+    ACTIVITY_EVERY_S = 5.0
+
+    async def _report_activity(self) -> None:
+        """While a request is in flight, tell the workspace every :data:`ACTIVITY_EVERY_S`
+        seconds (:meth:`~metaclaw.store.Store.mark_proxy_busy`): a turn is recorded when its
+        reply ends, so without this the scheduler's proxy signal would read a reply that runs
+        longer than its idle threshold as idle time and train through it. Nothing is written
+        while the proxy is idle, and nothing on the request path."""
+        failed = False
+        while True:
+            await asyncio.sleep(self.ACTIVITY_EVERY_S)
+            if not any(not task.done() for task in self._in_flight):
+                continue
+            try:
+                await asyncio.to_thread(self.store.mark_proxy_busy, self._activity_id)
+                failed = False
+            except Exception as exc:  # noqa: BLE001 - a busy store: the next report is soon
+                if not failed:
+                    log.warning("could not report a request in flight to the workspace (the "
+                                "scheduler may read the proxy as idle meanwhile): %s", exc)
+                failed = True
 
     def _warm(self) -> None:
         started = time.monotonic()
@@ -423,6 +453,13 @@ class Proxy(ServedApp):
 
     async def _on_cleanup(self, app: web.Application) -> None:
         log.removeFilter(self._log_filter)
+        if self._activity is not None:
+            self._activity.cancel()
+            self._activity = None
+            try:
+                await asyncio.to_thread(self.store.forget_proxy, self._activity_id)
+            except Exception:  # noqa: BLE001 - a stale row only reads as an older request
+                log.debug("could not drop this proxy's activity row", exc_info=True)
         # handlers whose client hung up while the upstream was still answering: the server
         # stops tracking a lost connection, so its shutdown neither waits for nor cancels them;
         # left alone they would be destroyed pending with the loop, their turns never recorded

@@ -258,6 +258,14 @@ MIGRATIONS: list[str] = [
     """
     ALTER TABLE turns ADD COLUMN ask_features TEXT;
     """,
+    # 13: when each proxy process last had a request in flight (a turn is recorded when its
+    # reply ends), so that the scheduler's proxy signal counts a long reply as activity
+    """
+    CREATE TABLE proxy_activity (
+        proxy    TEXT PRIMARY KEY,
+        busy_at  REAL NOT NULL
+    );
+    """,
 ]
 
 SCHEMA_VERSION = len(MIGRATIONS)
@@ -404,6 +412,8 @@ def _dumps(value: Any) -> str:
 
 
 #: Create a session's row (id, created_at, updated_at, meta), or touch its updated_at.
+PROXY_BUSY_UPSERT = ("INSERT INTO proxy_activity (proxy, busy_at) VALUES (?, ?) "
+                     "ON CONFLICT(proxy) DO UPDATE SET busy_at = excluded.busy_at")
 SESSION_UPSERT = ("INSERT INTO sessions (id, created_at, updated_at, meta) VALUES (?, ?, ?, ?) "
                   "ON CONFLICT(id) DO UPDATE SET updated_at = excluded.updated_at")
 
@@ -702,6 +712,22 @@ class Store:
     def ensure_session(self, session_id: str, **meta: Any) -> None:
         now = time.time()
         self.execute(SESSION_UPSERT, (session_id, now, now, _dumps(meta)))
+
+    def mark_proxy_busy(self, proxy: str, at: float | None = None) -> None:
+        """Record that the proxy process ``proxy`` has a request in flight at ``at`` (now)."""
+        self.execute(PROXY_BUSY_UPSERT, (proxy, time.time() if at is None else at))
+
+    def forget_proxy(self, proxy: str) -> None:
+        """Drop the activity row of ``proxy`` (a proxy that stopped)."""
+        self.execute("DELETE FROM proxy_activity WHERE proxy = ?", (proxy,))
+
+    def last_proxy_activity(self) -> float | None:
+        """Epoch seconds of the latest proxied request: the newest turn's, or later, the last
+        time a proxy reported a request still in flight (:meth:`mark_proxy_busy`); None before
+        any."""
+        value = self._scalar("SELECT MAX(t) FROM (SELECT MAX(created_at) AS t FROM turns "
+                             "UNION ALL SELECT MAX(busy_at) AS t FROM proxy_activity) AS latest")
+        return None if value is None else float(value)
 
     def mark_session_done(self, session_id: str) -> None:
         with self._lock, self.transaction():

@@ -370,7 +370,8 @@ class ProxyIdle(Signal):
 
     ``last_request`` returns the epoch seconds of the latest proxied request, or None if there
     was none yet (then the time since this signal was created counts). Without ``last_request``
-    the signal is unavailable. :meth:`from_store` reads the latest turn of a workspace store.
+    the signal is unavailable. :meth:`from_store` reads a workspace store: its latest turn, or a
+    request still in flight there (every proxy reports one every few seconds while it runs).
     """
 
     def __init__(self, threshold_s: float = 600.0, last_request: Callable[[], float | None] | None
@@ -381,9 +382,10 @@ class ProxyIdle(Signal):
 
     @classmethod
     def from_store(cls, store: Any, threshold_s: float = 600.0, **kwargs: Any) -> "ProxyIdle":
-        """A proxy signal reading the newest ``turns.created_at`` of a :class:`Store`."""
+        """A proxy signal reading :meth:`~metaclaw.store.Store.last_proxy_activity` of a
+        :class:`Store`: its newest turn, or a request in flight since."""
         def last_request() -> float | None:
-            return store.query("SELECT MAX(created_at) AS t FROM turns")[0]["t"]
+            return store.last_proxy_activity()
 
         return cls(threshold_s, last_request, **kwargs)
 
