@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from metaclaw.fastloop import proposals
 from metaclaw.skills.library import (FOLDER_MARKS, Skill, SkillFormatError, SkillLibrary, SkillOp,
-                                     load_skills_dir)
+                                     load_skills_dir, this_machine)
 from metaclaw.store import Store
 
 
@@ -193,8 +193,9 @@ def test_a_restart_on_a_folder_another_folder_moved_past_keeps_the_workspace(tmp
     assert restarted.generation == evolved and _evolved(restarted) == EVOLVED
     assert [g["kind"] for g in restarted.generations()][-1] != "disk"
     assert {n: Skill.from_markdown(t).body for n, t in files(skills).items()} == EVOLVED
-    marks = json.loads(db.with_name(db.name + FOLDER_MARKS).read_text())
+    marks = restarted.store.folder_marks(this_machine())  # kept in the workspace
     assert marks[str(skills.resolve())]["generation"] == evolved
+    assert not db.with_name(db.name + FOLDER_MARKS).exists()
     assert sorted(p.name for p in skills.iterdir()) == ["dates", "units"]  # skills only
 
 
@@ -274,11 +275,8 @@ def test_an_edit_of_a_stale_file_that_overlaps_the_change_is_set_aside_not_recor
     assert mine.reload() == generation and sorted(mine.problems) == []  # not a skill
     # a second overlapping edit of the same generation's file never writes over the first
     write_skill(here, "steps", STEPS.format("Read the file.", "Back it up to svn.", "Then edit."))
-    mark = json.loads((tmp_path / ("ws.db" + FOLDER_MARKS)).read_text())
-    mark[str(here.resolve())]["generation"] = 0  # as if the folder lagged again
-    mark[str(here.resolve())]["snapshot"] = __import__(
-        "metaclaw.skills.library", fromlist=["_skills_digest"])._skills_digest(mine.snapshot(0))
-    (tmp_path / ("ws.db" + FOLDER_MARKS)).write_text(json.dumps(mark))
+    mine.store.mark_folder(this_machine(), str(here.resolve()), 0, __import__(  # lagging again
+        "metaclaw.skills.library", fromlist=["_skills_digest"])._skills_digest(mine.snapshot(0)))
     assert mine.reload() == generation
     assert (here / f"steps.conflict-{generation}.md").read_text() == edited
     assert "svn" in (here / f"steps.conflict-{generation}.2.md").read_text()
@@ -414,3 +412,22 @@ def test_a_revert_never_writes_over_a_change_committed_while_it_waits(tmp_path):
     assert other.returncode == 0, err
     assert library.get("units").body == "Edited by a person."
     assert [g["generation"] for g in library.generations()] == [0, 1, 2, 3]
+
+
+def test_a_folder_marked_in_the_file_of_before_is_still_brought_up(tmp_path):
+    """Marks were kept in a file beside the database before the workspace kept them: a folder
+    marked there only (a workspace from before) is still known to lag, and brought up."""
+    from metaclaw.skills.library import _skills_digest
+
+    here, mine, there, theirs = _two_folders(tmp_path)
+    db = tmp_path / "ws.db"
+    mine.store.execute("DELETE FROM skill_folders")  # as a workspace from before had none
+    (tmp_path / ("ws.db" + FOLDER_MARKS)).write_text(json.dumps(
+        {str(here.resolve()): {"generation": 0, "snapshot": _skills_digest(mine.snapshot(0))}}))
+    generation = theirs.edit(Skill.from_markdown(STEPS.format("Read the file.",
+                                                              "Back it up first.", "Then edit.")))
+    reopened = SkillLibrary(here, Store(db))
+    assert reopened.generation == generation and "first" in _body(reopened)
+    assert "first" in (here / "steps" / "SKILL.md").read_text()
+    assert reopened.store.folder_marks(this_machine())[str(here.resolve())]["generation"] == \
+        generation  # marked in the workspace from now on

@@ -454,6 +454,27 @@ def test_a_folder_lagging_behind_is_known_by_its_workspace_not_by_the_url_spelli
     assert [g["kind"] for g in reopened.generations()][-1] != "disk"
 
 
+def test_a_lagging_folder_is_known_to_every_user_of_the_machine(url, tmp_path, monkeypatch):
+    """The folder marks were kept in each user's state folder: the proxy's service user marked
+    its folder, a person (another HOME) opening the same folder after another machine changed a
+    skill found no mark, and the folder's old files were recorded as changes back, undoing the
+    other machine's. The workspace keeps the marks now, per machine and folder."""
+    from metaclaw.skills.library import Skill, SkillLibrary
+
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "service-user"))
+    served = SkillLibrary(tmp_path / "served", Store(url))
+    served.add(Skill(name="steps", description="Steps.", body="Back it up."))
+    monkeypatch.setenv("METACLAW_MACHINE", "another-machine")
+    edited = SkillLibrary(tmp_path / "elsewhere", Store(url)).edit(
+        Skill(name="steps", description="Steps.", body="Back it up first."))
+    monkeypatch.setenv("METACLAW_MACHINE", "")  # back on this machine, as another user
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "person"))
+    opened = SkillLibrary(tmp_path / "served", Store(url))
+    assert opened.generation == edited and opened.get("steps").body == "Back it up first."
+    assert "Back it up first." in (tmp_path / "served" / "steps" / "SKILL.md").read_text()
+    assert [g["kind"] for g in opened.generations()][-1] != "disk"
+
+
 def test_skill_commands_on_a_machine_serving_no_folder_keep_one_of_their_own(
         url, tmp_path, monkeypatch, capsys):
     """On a machine that only has the workspace's URL, `metaclaw skills` wrote a new
@@ -463,11 +484,10 @@ def test_skill_commands_on_a_machine_serving_no_folder_keep_one_of_their_own(
     from metaclaw.skills.library import Skill, SkillLibrary
 
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    monkeypatch.setenv("METACLAW_MACHINE", "the-serving-machine")
     SkillLibrary(tmp_path / "served", Store(url)).add(
         Skill(name="steps", description="Steps.", body="Back it up."))
-    (tmp_path / "served-machine-marks").mkdir()
-    for mark in (tmp_path / "state" / "metaclaw").glob("*.json"):  # the other machine's
-        mark.rename(tmp_path / "served-machine-marks" / mark.name)
+    monkeypatch.setenv("METACLAW_MACHINE", "this-machine")
     for here in ("a", "b"):
         (tmp_path / here).mkdir()
         monkeypatch.chdir(tmp_path / here)

@@ -86,13 +86,20 @@ OPS = ("add", "edit", "remove")
 #: dies before committing leaves it, and the next to take the write lock puts the files back.
 JOURNAL_PREFIX = ".metaclaw-change-"
 JOURNAL_GLOB = f"{JOURNAL_PREFIX}*.json"
-#: Next to the workspace's database (``<db>-skill-folders.json``): the generation each folder's
-#: files were last brought to. A workspace may be used through several folders (``metaclaw
-#: evolve`` run from another directory), so the folder of one process can lag the store; its
-#: skills still as that generation had them are stale, not edited by hand, and are brought up
-#: to date instead of being recorded as a change back. Kept out of the folder, which holds
-#: skills only (and may be under version control, where a checkout would bring back old marks).
+#: Folder marks: the generation each skill folder's files were last brought to, in the
+#: workspace's ``skill_folders`` table, per machine (:func:`this_machine`) and folder. A
+#: workspace may be used through several folders (``metaclaw evolve`` run from another
+#: directory, another machine), so the folder of one process can lag the store; its skills still
+#: as that generation had them are stale, not edited by hand, and are brought up to date instead
+#: of being recorded as a change back. Kept in the workspace, where every user and process of the
+#: machine finds them (they were kept in files per user before: a service user with another HOME
+#: found none), and out of the folder, which holds skills only (and may be under version
+#: control, where a checkout would bring back old marks). The files they were kept in before
+#: (``<db>-skill-folders.json``, or this user's state folder for a database server) are still
+#: read for a folder the workspace has no mark of.
 FOLDER_MARKS = "-skill-folders.json"
+#: The name this machine's skill folders are marked under (default: :func:`this_machine`).
+MACHINE_ENV = "METACLAW_MACHINE"
 #: Largest SKILL.md read (bytes): every generation stores every skill again, and a skill is
 #: injected into prompts whose budget is a few thousand characters.
 MAX_SKILL_BYTES = 256 * 1024
@@ -923,10 +930,12 @@ def _changes(old: dict[str, Skill], new: dict[str, Skill], reason: str) -> list[
 # -- the library ---------------------------------------------------------------------------------
 
 def _marks_path(store: Store, key: str | None = None) -> Path | None:
-    """Where the folder marks of ``store``'s workspace are kept (:data:`FOLDER_MARKS`).
+    """The file where the folder marks of ``store``'s workspace were kept before the workspace
+    kept them (:data:`FOLDER_MARKS`), read for a folder it has no mark of; its name also places
+    this user's own folder of a database server's workspace (:func:`own_folder`).
 
-    A database server's workspace: the folders are this machine's, so their marks are kept in
-    this user's state folder, one file per workspace, named after the workspace itself (when
+    A database server's workspace: the marks were kept in this user's state folder, one file
+    per workspace, named after the workspace itself (when
     its first generation was made), not after the URL it was reached by: a password moved to
     ``~/.pgpass``, ``localhost`` for ``127.0.0.1`` or another option find the same marks.
     ``key``: another name (the URL's, as marks were named before)."""
@@ -956,7 +965,33 @@ def _workspace_key(store: Store) -> str | None:
     return key
 
 
-def _folder_marks(store: Store) -> dict[str, Any]:
+def this_machine() -> str:
+    """The name this machine's skill folders are marked under in a workspace: ``$METACLAW_MACHINE``,
+    else its host name and machine id (containers of one image share the id, not the name)."""
+    given = os.environ.get(MACHINE_ENV, "").strip()
+    if given:
+        return given
+    import socket
+
+    machine_id = ""
+    for path in ("/etc/machine-id", "/var/lib/dbus/machine-id"):
+        try:
+            machine_id = Path(path).read_text(encoding="ascii").strip()[:64]
+        except (OSError, ValueError):
+            continue
+        if machine_id:
+            break
+    return f"{socket.gethostname()}/{machine_id}" if machine_id else socket.gethostname()
+
+
+def _marks_kept(store: Store) -> bool:
+    """Whether folder marks are kept for ``store``: not for a store of this process only (in
+    memory), whose folder no other process can move."""
+    return str(getattr(store, "path", "")) != ":memory:"
+
+
+def _file_marks(store: Store) -> dict[str, Any]:
+    """The marks kept in files before they were kept in the workspace."""
     for path in (_marks_path(store), _legacy_marks_path(store)):
         try:
             marks = json.loads(path.read_text(encoding="utf-8")) if path else None
@@ -966,6 +1001,14 @@ def _folder_marks(store: Store) -> dict[str, Any]:
             return {}
         return marks if isinstance(marks, dict) else {}
     return {}
+
+
+def _folder_marks(store: Store) -> dict[str, Any]:
+    """This machine's folders of ``store``'s workspace and the generation each was last brought
+    to (:data:`FOLDER_MARKS`)."""
+    if not _marks_kept(store):
+        return {}
+    return {**_file_marks(store), **store.folder_marks(this_machine())}
 
 
 def _legacy_marks_path(store: Store) -> Path | None:
@@ -1417,7 +1460,7 @@ class SkillLibrary:
         library's; a busy store is tried again at the next call (the watcher calls this every
         :data:`WATCH_STEP_MS` between edits)."""
         before = self.sync()
-        if self._folder_generation >= self._generation or self._marks_path() is None:
+        if self._folder_generation >= self._generation or not _marks_kept(self.store):
             return
         try:
             with self._exclusive(wait=False):
@@ -1455,9 +1498,6 @@ class SkillLibrary:
             if journal is not None:  # committed: the files it guarded hold the generation now
                 journal.unlink(missing_ok=True)
 
-    def _marks_path(self) -> Path | None:
-        return _marks_path(self.store)
-
     def _folder_marks(self) -> dict[str, Any]:
         return _folder_marks(self.store)
 
@@ -1470,22 +1510,16 @@ class SkillLibrary:
 
     def _mark_folder(self) -> None:
         """Record that the folder's files hold the current generation (where not edited by
-        hand); the caller holds the store's write lock, so marks are written in commit order.
-        A mark that cannot be written leaves the old one: the folder reads as lagging."""
-        path = self._marks_path()
+        hand), in the transaction of the change the caller holds: the mark and the generation
+        commit together."""
         mark = {"generation": self._generation, "snapshot": _skills_digest(self._skills)}
-        if path is None or self._generation < 0:
+        if not _marks_kept(self.store) or self._generation < 0:
             return
         self._folder_generation = self._generation
-        marks = self._folder_marks()
-        if marks.get(self._folder_key()) == mark:
+        if self._folder_marks().get(self._folder_key()) == mark:
             return
-        marks[self._folder_key()] = mark
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            _atomic_write(path, json.dumps(marks, sort_keys=True))
-        except OSError as exc:
-            log.warning("skill library: cannot write %s (%s)", path, exc)
+        self.store.mark_folder(this_machine(), self._folder_key(), mark["generation"],
+                               mark["snapshot"])
 
     def _catch_up(self, number: int, latest: dict[str, Skill],
                   problems: list[LoadProblem]) -> dict[str, Skill | None]:

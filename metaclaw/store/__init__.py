@@ -26,6 +26,8 @@ Tables (schema version in ``PRAGMA user_version``; migrations are explicit, in `
 - ``datasets``               one row per named selection of turns (:mod:`metaclaw.fastloop.experiments`)
 - ``experiments``            one row per experiment: its dataset, its variants, its settings
 - ``experiment_results``     one row per case and variant of an experiment: the judged replay
+- ``skill_folders``          one row per skill folder of each machine: the generation its files
+                             were last brought to (see :mod:`metaclaw.skills.library`)
 - ``proxy_activity``         one row per proxy process: the last time it had a request in flight
                              (written every few seconds while it has one; the scheduler's proxy
                              signal reads it), dropped when the proxy stops

@@ -259,11 +259,20 @@ MIGRATIONS: list[str] = [
     ALTER TABLE turns ADD COLUMN ask_features TEXT;
     """,
     # 13: when each proxy process last had a request in flight (a turn is recorded when its
-    # reply ends), so that the scheduler's proxy signal counts a long reply as activity
+    # reply ends), so that the scheduler's proxy signal counts a long reply as activity; and
+    # the generation each skill folder of each machine was last brought to (kept in files per
+    # user before: another user of the same folder found none)
     """
     CREATE TABLE proxy_activity (
         proxy    TEXT PRIMARY KEY,
         busy_at  REAL NOT NULL
+    );
+    CREATE TABLE skill_folders (
+        machine     TEXT NOT NULL,
+        folder      TEXT NOT NULL,
+        generation  INTEGER NOT NULL,
+        digest      TEXT NOT NULL,
+        PRIMARY KEY (machine, folder)
     );
     """,
 ]
@@ -412,6 +421,9 @@ def _dumps(value: Any) -> str:
 
 
 #: Create a session's row (id, created_at, updated_at, meta), or touch its updated_at.
+FOLDER_MARK_UPSERT = ("INSERT INTO skill_folders (machine, folder, generation, digest) "
+                      "VALUES (?, ?, ?, ?) ON CONFLICT(machine, folder) DO UPDATE SET "
+                      "generation = excluded.generation, digest = excluded.digest")
 PROXY_BUSY_UPSERT = ("INSERT INTO proxy_activity (proxy, busy_at) VALUES (?, ?) "
                      "ON CONFLICT(proxy) DO UPDATE SET busy_at = excluded.busy_at")
 SESSION_UPSERT = ("INSERT INTO sessions (id, created_at, updated_at, meta) VALUES (?, ?, ?, ?) "
@@ -712,6 +724,18 @@ class Store:
     def ensure_session(self, session_id: str, **meta: Any) -> None:
         now = time.time()
         self.execute(SESSION_UPSERT, (session_id, now, now, _dumps(meta)))
+
+    def folder_marks(self, machine: str) -> dict[str, dict[str, Any]]:
+        """The skill folders of ``machine`` and the generation each was last brought to:
+        ``{folder: {"generation": n, "snapshot": digest}}``."""
+        return {r["folder"]: {"generation": r["generation"], "snapshot": r["digest"]}
+                for r in self.query("SELECT folder, generation, digest FROM skill_folders "
+                                    "WHERE machine = ?", (machine,))}
+
+    def mark_folder(self, machine: str, folder: str, generation: int, digest: str) -> None:
+        """Record that ``machine``'s skill folder ``folder`` holds ``generation`` (whose skills
+        have the digest ``digest``)."""
+        self.execute(FOLDER_MARK_UPSERT, (machine, folder, generation, digest))
 
     def mark_proxy_busy(self, proxy: str, at: float | None = None) -> None:
         """Record that the proxy process ``proxy`` has a request in flight at ``at`` (now)."""
