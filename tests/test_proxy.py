@@ -574,7 +574,7 @@ def test_no_secret_reaches_the_store_file(proxy, double, workspace):
     store, _ = workspace
     client = sync_client(proxy)
     double.add(Reply(status=401, content=f"Incorrect API key provided: {UPSTREAM_KEY}."))
-    with pytest.raises(openai.AuthenticationError) as err:  # an upstream echoing the key
+    with pytest.raises(openai.PermissionDeniedError) as err:  # an upstream echoing the key
         client.chat.completions.create(model="m", messages=COMMIT_QUESTION)
     assert "Incorrect API key provided: ***. [the upstream" in err.value.message
     assert "refused the key the proxy sends ($METACLAW_TEST_UPSTREAM_KEY" in err.value.message

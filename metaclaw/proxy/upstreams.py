@@ -431,6 +431,12 @@ class HTTPUpstream(Upstream):
             sent = ("the credentials in its URL" if self._basic is not None else
                     f"the key the proxy sends (${self.key_env} where `metaclaw serve` runs)")
             hint = f" [the upstream {safe_url(self.url)} refused {sent}, not the agent's]"
+        if hint and status == 401:
+            # not the agent's key: a 401 tells an agent to ask its user for a new one (Claude
+            # Code retries it ten times, then says "Invalid API key · Fix external API key");
+            # a 403 is shown with this message at once. The proxy's own 401 stays the one for
+            # a wrong proxy token.
+            status = 403
         if isinstance(body, dict) and isinstance(body.get("error"), dict):
             error = body["error"]
             message = str(error.get("message") or f"upstream error {status}") + hint
