@@ -437,41 +437,34 @@ def test_reply_threads_number_openings_after_the_recorded_sessions(tmp_path):
     assert small.resolve(other, opening)[0] == f"{other}.9"  # forgotten, then looked up
 
 
-def test_reply_threads_answer_openings_while_the_recorded_ones_load(tmp_path):
-    """The proxy reads the recorded openings at start, in a thread: an opening arriving
-    meanwhile is numbered at once from its own fingerprint's sessions, not after the read."""
-    import threading
-    import time
+def test_two_proxies_keep_apart_two_runs_that_open_alike_one_after_the_other(tmp_path):
+    """Two proxies on one workspace, a harness that sends no session id: a run through the
+    second proxy that opens with the message an earlier run through the first opened with is
+    another session. The second proxy had numbered its openings from what was recorded when it
+    started, and put the run into the first's session, with its turns and its judge context."""
+    import openai
 
     from metaclaw.store import Store
 
-    fp, other = "conv-0123456789ab", "conv-fedcba987654"
-    store = Store(tmp_path / "metaclaw.db")
-    store.ensure_session(f"{fp}.3")
-    store.ensure_session(other)
-    gate = threading.Event()
-
-    class SlowStore:  # the start-up read of every recorded session takes long
-        path = store.path
-
-        def query(self, sql, params=()):
-            if "LIMIT ?) AS s WHERE" in sql:
-                gate.wait(10)
-            return store.query(sql, params)
-
-        def loop_writer(self):
-            return None
-
-    threads = ReplyThreads(SlowStore())
-    loading = threading.Thread(target=threads.load)
-    loading.start()
-    opening = [{"role": "user", "content": "hi"}]
-    started = time.monotonic()
-    assert threads.resolve(fp, opening)[0] == f"{fp}.4"
-    assert time.monotonic() - started < 5  # not after the read
-    gate.set()
-    loading.join(10)
-    assert [threads.resolve(name, opening)[0] for name in (fp, other)] == [f"{fp}.5", f"{other}.2"]
+    db = tmp_path / "ws.db"
+    opening = [{"role": "user", "content": "Tidy the imports in utils.py"}]
+    with DoubleServer() as upstream:
+        proxies = [Proxy(ProxyConfig(upstream_url=upstream.url, retrieval="lexical"),
+                         Store(db), SkillLibrary(tmp_path / "skills", Store(db))).start()
+                   for _ in range(2)]
+        try:
+            for proxy in (*proxies, proxies[0]):
+                upstream.add(Reply("Done."))
+                openai.OpenAI(base_url=proxy.url, api_key="k", max_retries=0).chat \
+                    .completions.create(model="m", messages=opening)
+                proxy.flush()
+        finally:
+            for proxy in proxies:
+                proxy.stop()
+    with Store(db) as store:
+        sessions = [t["session_id"] for t in store.turns()]
+    assert len(set(sessions)) == 3 and sessions[1] == sessions[0] + ".2" \
+        and sessions[2] == sessions[0] + ".3", sessions
 
 
 def test_a_client_that_edits_the_replies_it_resends_stays_in_its_conversation():

@@ -384,8 +384,6 @@ class Proxy(ServedApp):
         parts.stopping = False
         pool = parts.retrieval_pool = ThreadPoolExecutor(  # embedding queries batch
             8, thread_name_prefix="metaclaw-retrieval")
-        # the recorded conversations, read before the first request needs them (not awaited)
-        asyncio.get_running_loop().run_in_executor(pool, self.threads.load)
         self._recorder.start()
         self._listeners.start()
         log.addFilter(self._log_filter)

@@ -361,8 +361,9 @@ class ReplyThreads:
     Kept in memory, per proxy process; at most :attr:`MAX_ENTRIES` fingerprints and replies are
     remembered (the least recently used are forgotten). With the workspace ``store``, what this
     process does not remember is read from what was recorded (after a restart, from another
-    proxy, or forgotten): an opening's number follows the fingerprint's recorded sessions, so
-    a new run never joins an earlier run's session, and a continuation of a reply found as the
+    proxy, or forgotten): an opening's number follows the fingerprint's recorded sessions,
+    read at each opening (one indexed read), so a new run never joins an earlier run's
+    session, this process's or another proxy's; and a continuation of a reply found as the
     latest turn of a recorded session (of the :attr:`RECORDED_SESSIONS` latest) joins it. A
     continuation of a reply found nowhere (the client edited the history, or continues an
     earlier reply than its session's latest) falls back to the fingerprint.
@@ -395,8 +396,6 @@ class ReplyThreads:
         # the first reply of clients' fixed preambles (after its history) -> True
         self._preambles: OrderedDict[tuple[str, str], bool] = OrderedDict()
         self._looked_up: set[str] = set()  # fingerprints whose recorded replies were read
-        self._numbered = False  # the recorded openings are in _openings
-        self._forgot = False    # _openings lost some (bounded): a new one is looked up
         self._lock = threading.Lock()
 
     @property
@@ -483,8 +482,7 @@ class ReplyThreads:
         Holds the lock."""
         if first in self._preambles:
             return True
-        known = fingerprint in self._openings or (
-            (self._forgot or not self._numbered) and self._recorded_count(fingerprint) > 0)
+        known = fingerprint in self._openings or self._recorded_count(fingerprint) > 0
         if known:
             return False
         self._preambles[first] = True
@@ -495,12 +493,14 @@ class ReplyThreads:
         """A conversation's first turn: the fingerprint for the first opening, ``.N`` after it
         for the N-th (an opening a failed turn left free is taken again). Holds the lock."""
         opened = self._openings.get(fingerprint)
-        if opened is None:  # new here: looked up unless the recorded ones are loaded
-            count = self._recorded_count(fingerprint) \
-                if self._forgot or not self._numbered else 0
+        if opened is None or not opened[1]:
+            # the openings recorded so far, by every proxy of the workspace: another proxy may
+            # have opened this fingerprint since this one last looked (one indexed read)
+            recorded = self._recorded_count(fingerprint)
             # (another thread may have opened it while a look-up let go of the lock)
-            opened = self._openings.setdefault(fingerprint, [count, []])
-            self._forgot |= _bound(self._openings, self.MAX_ENTRIES)
+            opened = self._openings.setdefault(fingerprint, [0, []])
+            opened[0] = max(opened[0], recorded)
+            _bound(self._openings, self.MAX_ENTRIES)
         self._openings.move_to_end(fingerprint)
         if opened[1]:
             session_id = opened[1].pop(0)
@@ -509,17 +509,6 @@ class ReplyThreads:
             session_id = fingerprint if opened[0] == 1 else f"{fingerprint}.{opened[0]}"
         how = FINGERPRINT if session_id == fingerprint else REPEATED_OPENING
         return session_id, how, Thread(fingerprint, session_id, history, opening=True, ask=ask)
-
-    def load(self) -> None:
-        """Read the recorded openings (the proxy does it at start, in a thread), so that a new
-        opening is numbered without a query. Until then each new fingerprint is looked up on
-        its own; the read happens outside the lock, so no request waits for it."""
-        if self._numbered:
-            return
-        recorded = self._recorded_openings(self.store)
-        with self._lock:
-            if not self._numbered:
-                self._number_openings(recorded)
 
     # -- what the workspace recorded ----------------------------------------------------------
     def _family(self, fingerprint: str) -> tuple[str, str]:
@@ -541,45 +530,6 @@ class ReplyThreads:
             return self._reader.query(sql, params)
         finally:
             self._lock.acquire()
-
-    def _recorded_openings(self, reader: Any) -> tuple[dict[str, int], bool] | None:
-        """The highest number each fingerprint's recorded openings took, among the
-        :attr:`MAX_ENTRIES` latest sessions (the latest last), and whether there are older
-        ones; None where the store cannot answer. Read once, not at every opening: a query on
-        the request path costs more than the rest of the threading together."""
-        if reader is None:
-            return None
-        try:
-            # the latest sessions, by the table's own order (an index range sorted by rowid
-            # costs seconds in a workspace of millions)
-            rows = reader.query("SELECT id FROM (SELECT rowid, id FROM sessions ORDER BY rowid "
-                                "DESC LIMIT ?) AS s WHERE id >= 'conv-' AND id < 'conv.' ORDER BY rowid",
-                                (self.MAX_ENTRIES,))
-            older = bool(reader.query("SELECT 1 FROM sessions ORDER BY rowid DESC LIMIT 1 "
-                                      "OFFSET ?", (self.MAX_ENTRIES,)))
-        except Exception:  # noqa: BLE001 - a store that cannot answer: number from scratch
-            log.warning("could not read the recorded sessions", exc_info=True)
-            return None
-        numbers: dict[str, int] = {}
-        for row in rows:
-            opening = _opening(row["id"])
-            if opening is not None:
-                fingerprint, number = opening
-                numbers[fingerprint] = max(numbers.pop(fingerprint, 0), number)
-        return numbers, older
-
-    def _number_openings(self, recorded: tuple[dict[str, int], bool] | None) -> None:
-        """Number this process's openings after the recorded ones (with the lock held)."""
-        self._numbered = True
-        if recorded is None:
-            return
-        numbers, older = recorded
-        self._forgot |= older
-        for fingerprint, number in numbers.items():  # the latest last: forgotten last
-            opened = self._openings.setdefault(fingerprint, [0, []])
-            opened[0] = max(opened[0], number)
-            self._openings.move_to_end(fingerprint)
-        self._forgot |= _bound(self._openings, self.MAX_ENTRIES)
 
     def _recorded_count(self, fingerprint: str) -> int:
         """How many openings of ``fingerprint`` the workspace recorded (the highest number among
