@@ -333,6 +333,24 @@ def test_client_errors_in_anthropic_shape(workspace, openai_double):
     assert "system messages alone" in cases[2][0].json()["error"]["message"]
 
 
+def test_an_upstream_refusing_the_proxys_key_is_no_wrong_key_of_the_agents(
+        workspace, anthropic_double, monkeypatch):
+    """Anthropic's 401 says "invalid x-api-key". Relayed as it was, Claude Code retried it ten
+    times (three minutes), then said "Invalid API key · Fix external API key" (it reads any
+    error naming that header as its user's own key). The key refused is the proxy's: the agent
+    gets a 403 permission_error, naming neither the header nor a key of its own."""
+    monkeypatch.setenv("METACLAW_UPSTREAM_API_KEY", "sk-ant-proxy-key")
+    anthropic_double.replies.append(AnthropicReply(status=401, message="invalid x-api-key"))
+    with _proxy(workspace, anthropic_double, "anthropic") as proxy:
+        with pytest.raises(anthropic.PermissionDeniedError) as caught:
+            _client(proxy).messages.create(model=MODEL, max_tokens=10,
+                                           messages=[{"role": "user", "content": "hi"}])
+    error = caught.value.body["error"]
+    assert error["type"] == "permission_error" and "x-api-key" not in error["message"].lower()
+    assert error["message"].startswith("invalid API key [the upstream ")
+    assert "refused the key the proxy sends ($METACLAW_UPSTREAM_API_KEY" in error["message"]
+
+
 def test_anthropic_sdk_gets_its_error_shape_on_every_path(workspace, openai_double):
     """/v1/models and unknown paths belong to no protocol: an Anthropic SDK (it sends
     anthropic-version) gets Anthropic's error shape there too, an OpenAI SDK OpenAI's."""

@@ -28,6 +28,7 @@ import functools
 import logging
 import os
 import random
+import re
 import time
 from contextlib import AsyncExitStack
 from typing import Any, AsyncIterator, Mapping
@@ -40,6 +41,9 @@ from metaclaw.protocols.registry import PIVOT, get_protocol, upstream_protocols
 from metaclaw.redact import safe_url
 
 log = logging.getLogger("metaclaw.proxy")
+#: The Anthropic key header, named in its 401 message ("invalid x-api-key"): Claude Code shows
+#: any error naming it as "Invalid API key · Fix external API key", its user's own key.
+_X_API_KEY = re.compile(r"x-api-key", re.IGNORECASE)
 
 NO_KEY = "sk-no-key"
 
@@ -431,24 +435,31 @@ class HTTPUpstream(Upstream):
             sent = ("the credentials in its URL" if self._basic is not None else
                     f"the key the proxy sends (${self.key_env} where `metaclaw serve` runs)")
             hint = f" [the upstream {safe_url(self.url)} refused {sent}, not the agent's]"
-        if hint and status == 401:
-            # not the agent's key: a 401 tells an agent to ask its user for a new one (Claude
-            # Code retries it ten times, then says "Invalid API key · Fix external API key");
-            # a 403 is shown with this message at once. The proxy's own 401 stays the one for
-            # a wrong proxy token.
+        refused = bool(hint) and status == 401
+        if refused:
+            # not the agent's key: a 401 (or an authentication_error) tells an agent to ask its
+            # user for a new one (Claude Code retries it ten times, then says "Invalid API key
+            # · Fix external API key"); a 403 permission_error is shown with this message at
+            # once. The proxy's own 401 stays the one for a wrong proxy token.
             status = 403
         if isinstance(body, dict) and isinstance(body.get("error"), dict):
             error = body["error"]
-            message = str(error.get("message") or f"upstream error {status}") + hint
-            payload = error_json(message, error.get("type") or "upstream_error",
+            message = str(error.get("message") or f"upstream error {status}")
+            if refused:  # Claude Code reads any message naming the header as its own key wrong
+                message = _X_API_KEY.sub("API key", message)
+            message += hint
+            payload = error_json(message, "permission_error" if refused else
+                                 error.get("type") or "upstream_error",
                                  error.get("param"), error.get("code"))
             return ProxyError(status, message, type=payload["error"]["type"], payload=payload,
                               headers=headers,
                               upstream=None if hint else (self.protocol.name, body))
         text = exc.body.decode("utf-8", "replace").strip()[:500]
-        message = f"the upstream answered HTTP {status}" + (f": {text}" if text else "") + hint
-        return ProxyError(status, message, type="upstream_error", code=str(status),
-                          headers=headers)
+        if refused:
+            text = _X_API_KEY.sub("API key", text)
+        message = f"the upstream answered HTTP {exc.status}" + (f": {text}" if text else "") + hint
+        return ProxyError(status, message, type="permission_error" if refused else
+                          "upstream_error", code=str(exc.status), headers=headers)
 
 
     # -- what the protocol may declare of its upstreams ----------------------------------------
