@@ -168,26 +168,47 @@ def test_failures_before_any_byte_are_retried_honouring_retry_after(env, client,
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_without_retries_a_status_goes_to_the_agent_and_a_dropped_connection_is_tried_again(
-        env, stream):
+def test_without_retries_an_upstream_error_goes_to_the_agent_after_one_call(env, stream):
     """``metaclaw serve`` makes no retries (the agent retries on its own, and each of its
     attempts would cost three upstream calls): a 503 reaches the client at once with its
-    Retry-After, after one upstream call. A connection dropped before the upstream answered is
-    tried once more all the same: no upstream call was charged."""
+    Retry-After, and so does a connection the upstream dropped after receiving the request (it
+    may have been charged), each after one upstream call."""
     upstream, _, store, root = env
     library = SkillLibrary(f"{root}/skills", store)
     proxy = Proxy(ProxyConfig(upstream_url=upstream.url, api_key_env=KEY_ENV, retrieval="lexical",
                               timeout=TIMEOUT, max_retries=0), store, library).start()
     try:
-        for fault, status in (("flaky_503", 503), ("flaky_reset", 200)):
+        for fault, status in (("flaky_503", 503), ("flaky_reset", 502)):
             text = f"say hi fault={fault} {uuid.uuid4().hex}"
             reply = _request(proxy, "openai", text, stream, f"no-retries-{fault}-{int(stream)}")
             assert reply.status_code == status, reply.text
             if status == 503:
                 assert reply.headers["retry-after"] == "1"
-            assert upstream._attempts[text] == (1 if status == 503 else 2)
+            assert upstream._attempts[text] == 1
     finally:
         proxy.stop()
+
+
+def test_without_retries_a_connection_that_could_not_be_opened_is_tried_once_more(
+        env, caplog):
+    """Nothing reached the upstream: one more try costs nothing (an upstream restarting)."""
+    import socket
+
+    _, _, store, root = env
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    proxy = Proxy(ProxyConfig(upstream_url=f"http://127.0.0.1:{port}/v1", retrieval="lexical",
+                              timeout=TIMEOUT, max_retries=0),
+                  store, SkillLibrary(f"{root}/skills", store)).start()
+    try:
+        with caplog.at_level(logging.INFO, logger="metaclaw.proxy"):
+            reply = _request(proxy, "openai", "say hi", False, "no-retries-unreachable")
+    finally:
+        proxy.stop()
+    assert reply.status_code == 502 and "cannot reach the upstream" in reply.text
+    retried = [r for r in caplog.records if "retrying in" in r.getMessage()]
+    assert len(retried) == 1 and "attempt 2 of 2" in retried[0].getMessage()
 
 
 @pytest.mark.parametrize("stream", [False, True])

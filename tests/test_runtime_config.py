@@ -108,4 +108,3 @@ def test_the_proxy_config_declares_the_runtime_configs_fields_alike():
                != (_default(proxy[name]), proxy[name].type)]
     assert drifted == [], "fields whose default or type differ between the two: " + \
         "; ".join(drifted)
-

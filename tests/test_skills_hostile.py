@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from metaclaw.fastloop import proposals
 from metaclaw.skills.library import (FOLDER_MARKS, Skill, SkillFormatError, SkillLibrary, SkillOp,
-                                     load_skills_dir, this_machine)
+                                     load_skills_dir)
 from metaclaw.store import Store
 
 
@@ -193,7 +193,7 @@ def test_a_restart_on_a_folder_another_folder_moved_past_keeps_the_workspace(tmp
     assert restarted.generation == evolved and _evolved(restarted) == EVOLVED
     assert [g["kind"] for g in restarted.generations()][-1] != "disk"
     assert {n: Skill.from_markdown(t).body for n, t in files(skills).items()} == EVOLVED
-    marks = restarted.store.folder_marks(this_machine())  # kept in the workspace
+    marks = restarted.store.folder_marks("")  # kept in the workspace (a file: any host name)
     assert marks[str(skills.resolve())]["generation"] == evolved
     assert not db.with_name(db.name + FOLDER_MARKS).exists()
     assert sorted(p.name for p in skills.iterdir()) == ["dates", "units"]  # skills only
@@ -275,7 +275,7 @@ def test_an_edit_of_a_stale_file_that_overlaps_the_change_is_set_aside_not_recor
     assert mine.reload() == generation and sorted(mine.problems) == []  # not a skill
     # a second overlapping edit of the same generation's file never writes over the first
     write_skill(here, "steps", STEPS.format("Read the file.", "Back it up to svn.", "Then edit."))
-    mine.store.mark_folder(this_machine(), str(here.resolve()), 0, __import__(  # lagging again
+    mine.store.mark_folder("", str(here.resolve()), 0, __import__(  # lagging again
         "metaclaw.skills.library", fromlist=["_skills_digest"])._skills_digest(mine.snapshot(0)))
     assert mine.reload() == generation
     assert (here / f"steps.conflict-{generation}.md").read_text() == edited
@@ -429,5 +429,32 @@ def test_a_folder_marked_in_the_file_of_before_is_still_brought_up(tmp_path):
     reopened = SkillLibrary(here, Store(db))
     assert reopened.generation == generation and "first" in _body(reopened)
     assert "first" in (here / "steps" / "SKILL.md").read_text()
-    assert reopened.store.folder_marks(this_machine())[str(here.resolve())]["generation"] == \
+    assert reopened.store.folder_marks("")[str(here.resolve())]["generation"] == \
         generation  # marked in the workspace from now on
+
+
+def test_a_workspace_files_folder_marks_hold_whatever_the_host_is_called(tmp_path, monkeypatch):
+    """A workspace file is on this machine's disk: its folders are known by their paths. Keyed
+    by the host's name, the marks were lost when it changed (a recreated container, a laptop on
+    another network), and the lagging folder's stale files were recorded back as edits."""
+    here, mine, there, theirs = _two_folders(tmp_path)
+    monkeypatch.setenv("METACLAW_MACHINE", "renamed-host")
+    generation = theirs.edit(Skill.from_markdown(STEPS.format("Read the file.",
+                                                              "Back it up first.", "Then edit.")))
+    monkeypatch.setenv("METACLAW_MACHINE", "renamed-again")
+    reopened = SkillLibrary(here, Store(tmp_path / "ws.db"))
+    assert reopened.generation == generation and "first" in _body(reopened)
+    assert [g["kind"] for g in reopened.generations()][-1] != "disk"
+
+
+def test_a_folder_whose_path_is_not_utf8_is_marked(tmp_path):
+    """A folder name with bytes that are no UTF-8 (kept by Python as escapes) is marked like
+    any other: writing its path as text failed, and with it the change."""
+    import os
+
+    folder = Path(os.fsdecode(bytes(tmp_path) + b"/caf\xe9"))
+    library = SkillLibrary(folder, Store(tmp_path / "ws.db"))
+    generation = library.add(Skill(name="steps", description="Steps.", body="Back it up."))
+    (key,) = library.store.folder_marks("")
+    assert key.endswith("caf\\xe9") and library.generation == generation
+    assert SkillLibrary(folder, Store(tmp_path / "ws.db")).generation == generation

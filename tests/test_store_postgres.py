@@ -475,6 +475,59 @@ def test_a_lagging_folder_is_known_to_every_user_of_the_machine(url, tmp_path, m
     assert [g["kind"] for g in opened.generations()][-1] != "disk"
 
 
+def test_a_folder_marked_before_the_workspace_kept_marks_is_marked_there_when_opened(
+        url, tmp_path, monkeypatch):
+    """A proxy upgraded from when marks were kept in its user's state folder: opening its folder
+    (nothing changed) writes the mark into the workspace, where another user finds it. It was
+    written only on the next change, so a person opening the folder meanwhile, after another
+    machine's edit, recorded the stale files back."""
+    import json
+
+    from metaclaw.skills.library import (FOLDER_MARKS, Skill, SkillLibrary, _skills_digest,
+                                         this_machine)
+
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "service-user"))
+    served = SkillLibrary(tmp_path / "served", Store(url))
+    served.add(Skill(name="steps", description="Steps.", body="Back it up."))
+    store = Store(url)
+    store.execute("DELETE FROM skill_folders")  # as before the upgrade: in a file of the user's
+    marks = tmp_path / "service-user" / "metaclaw"
+    marks.mkdir(parents=True)
+    key = __import__("metaclaw.skills.library", fromlist=["_workspace_key"])._workspace_key(store)
+    (marks / f"workspace-{key}{FOLDER_MARKS}").write_text(json.dumps({
+        str((tmp_path / "served").resolve()): {"generation": served.generation,
+                                               "snapshot": _skills_digest(served.snapshot(
+                                                   served.generation))}}))
+    SkillLibrary(tmp_path / "served", Store(url))  # the upgraded proxy opens its folder
+    assert str((tmp_path / "served").resolve()) in store.folder_marks(this_machine())
+    monkeypatch.setenv("METACLAW_MACHINE", "another-machine")
+    edited = SkillLibrary(tmp_path / "elsewhere", Store(url)).edit(
+        Skill(name="steps", description="Steps.", body="Back it up first."))
+    monkeypatch.delenv("METACLAW_MACHINE")
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "person"))
+    opened = SkillLibrary(tmp_path / "served", Store(url))
+    assert opened.generation == edited and opened.get("steps").body == "Back it up first."
+
+
+def test_another_users_own_folder_is_not_offered(url, tmp_path, monkeypatch, capsys):
+    """Marks are kept per machine, but a user's own folder of the workspace (in their state
+    folder) is theirs: another user's command does not read or write it."""
+    from metaclaw import cli
+    from metaclaw.skills.library import Skill, SkillLibrary, own_folder, workspace_folders
+
+    monkeypatch.setenv("METACLAW_MACHINE", "the-serving-machine")
+    SkillLibrary(tmp_path / "served", Store(url)).add(
+        Skill(name="steps", description="Steps.", body="Back it up."))
+    monkeypatch.setenv("METACLAW_MACHINE", "this-machine")
+    monkeypatch.chdir(tmp_path)
+    for user in ("alice", "bob"):
+        monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / user))
+        assert cli.main(["skills", "--db", url]) == 0
+        capsys.readouterr()
+        assert workspace_folders(Store(url)) == [own_folder(Store(url))]
+        assert str(tmp_path / user) in str(own_folder(Store(url)))
+
+
 def test_skill_commands_on_a_machine_serving_no_folder_keep_one_of_their_own(
         url, tmp_path, monkeypatch, capsys):
     """On a machine that only has the workspace's URL, `metaclaw skills` wrote a new

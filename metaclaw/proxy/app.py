@@ -99,8 +99,8 @@ class ProxyConfig:
     of upstream calls on 408/409/429/5xx, only before any byte reached the client, waiting as the
     upstream's Retry-After says (a longer wait than 20 s is relayed instead); 0 where the client
     retries on its own (``metaclaw serve``'s default), or each of its attempts would cost up to
-    ``max_retries + 1`` upstream calls. A connection that failed before the upstream answered is
-    tried once more even at 0 (a pooled connection the upstream had closed).
+    ``max_retries + 1`` upstream calls. A connection that could not be opened is tried once more
+    even at 0 (it reached no upstream).
     ``stream_usage``: ask the upstream for the usage chunk on every stream so the turn's token
     counts are recorded (the chunk is relayed only to clients that asked for it).
     ``upstream_protocol``: the wire protocol of the upstream, the name of a registered protocol
@@ -251,6 +251,7 @@ class Proxy(ServedApp):
         # this process's row of the workspace's proxy_activity (see _report_activity)
         self._activity_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._activity: asyncio.Task[Any] | None = None
+        self._reported = False  # a row of this proxy's is in proxy_activity
         #: set once the retriever's models are loaded (or failed to load) after start; how long
         #: that took in ``retrieval_warm_s``
         self.retrieval_ready = threading.Event()
@@ -415,7 +416,7 @@ class Proxy(ServedApp):
                 continue
             try:
                 await asyncio.to_thread(self.store.mark_proxy_busy, self._activity_id)
-                failed = False
+                self._reported, failed = True, False
             except Exception as exc:  # noqa: BLE001 - a busy store: the next report is soon
                 if not failed:
                     log.warning("could not report a request in flight to the workspace (the "
@@ -454,10 +455,8 @@ class Proxy(ServedApp):
         if self._activity is not None:
             self._activity.cancel()
             self._activity = None
-            try:
-                await asyncio.to_thread(self.store.forget_proxy, self._activity_id)
-            except Exception:  # noqa: BLE001 - a stale row only reads as an older request
-                log.debug("could not drop this proxy's activity row", exc_info=True)
+        if self._reported:  # its row goes, unless the write lock is taken (it only ages)
+            await asyncio.to_thread(self._forget_activity)
         # handlers whose client hung up while the upstream was still answering: the server
         # stops tracking a lost connection, so its shutdown neither waits for nor cancels them;
         # left alone they would be destroyed pending with the loop, their turns never recorded
@@ -475,6 +474,14 @@ class Proxy(ServedApp):
         if self._parts.retrieval_pool is not None:
             self._parts.retrieval_pool.shutdown(wait=False)
         self._listeners.stop()
+
+    def _forget_activity(self) -> None:
+        try:
+            with self.store.transaction(fsync=False, wait=False):
+                self.store.forget_proxy(self._activity_id)
+            self._reported = False
+        except Exception:  # noqa: BLE001 - a stale row only reads as an older request
+            log.debug("could not drop this proxy's activity row", exc_info=True)
 
     async def _drain(self) -> None:
         await self._recorder.drain()

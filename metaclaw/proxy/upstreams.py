@@ -185,7 +185,7 @@ class HTTPUpstream(Upstream):
     clients read it); ``key_env``: the environment variable with the server's key; ``timeout``:
     seconds for a whole non-streaming reply, for connecting, and between a stream's events;
     ``max_retries``: further attempts after a 408/409/429/5xx or a connection error (a
-    connection error is tried once more even at 0).
+    connection that could not be opened is tried once more even at 0).
 
     :meth:`models` and :meth:`count_tokens` exist (``hasattr``) only when the protocol declares
     the upstream's model list or token count.
@@ -316,10 +316,10 @@ class HTTPUpstream(Upstream):
                     OSError) as exc:
                 status = getattr(exc, "status", None) if isinstance(
                     exc, UpstreamStatusError) else None
-                # a connection that failed before the upstream answered (a pooled one it had
-                # closed, say) costs nothing upstream: tried once more even at max_retries 0
-                answered = status is not None or isinstance(exc, UpstreamBodyError)
-                allowed = self.max_retries if answered else max(self.max_retries, 1)
+                # a connection that could not be opened reached no upstream: tried once more
+                # even at max_retries 0 (one dropped later may have been received, and charged)
+                unsent = isinstance(exc, aiohttp.ClientConnectorError)
+                allowed = max(self.max_retries, 1) if unsent else self.max_retries
                 if attempt >= allowed or (status is not None
                                           and status not in self.retry_statuses):
                     raise

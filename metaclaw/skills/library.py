@@ -966,22 +966,59 @@ def _workspace_key(store: Store) -> str | None:
 
 
 def this_machine() -> str:
-    """The name this machine's skill folders are marked under in a workspace: ``$METACLAW_MACHINE``,
-    else its host name and machine id (containers of one image share the id, not the name)."""
+    """The name this machine's skill folders are marked under in a database server's workspace:
+    ``$METACLAW_MACHINE``, else the machine's own id (Linux's machine id, a Mac's hardware UUID,
+    Windows' machine GUID), which stays when the host name changes, else the host name."""
     given = os.environ.get(MACHINE_ENV, "").strip()
-    if given:
-        return given
-    import socket
+    return given or _machine_id()
 
-    machine_id = ""
+
+@functools.lru_cache(maxsize=1)
+def _machine_id() -> str:
+    import socket
+    import sys
+
+    found = ""
     for path in ("/etc/machine-id", "/var/lib/dbus/machine-id"):
         try:
-            machine_id = Path(path).read_text(encoding="ascii").strip()[:64]
+            found = Path(path).read_text(encoding="ascii").strip()[:64]
         except (OSError, ValueError):
             continue
-        if machine_id:
-            break
-    return f"{socket.gethostname()}/{machine_id}" if machine_id else socket.gethostname()
+        if found:
+            return f"machine-id:{found}"
+    if sys.platform == "darwin":
+        import subprocess
+
+        try:
+            out = subprocess.run(["ioreg", "-rd1", "-c", "IOPlatformExpertDevice"],
+                                 capture_output=True, text=True, timeout=5).stdout
+            match = re.search(r'"IOPlatformUUID" = "([^"]+)"', out)
+            found = match.group(1) if match else ""
+        except (OSError, subprocess.SubprocessError):
+            found = ""
+    elif sys.platform == "win32":
+        try:
+            import winreg
+
+            with winreg.OpenKey(winreg.HKEY_LOCAL_MACHINE,
+                                r"SOFTWARE\Microsoft\Cryptography") as key:
+                found = str(winreg.QueryValueEx(key, "MachineGuid")[0])
+        except OSError:
+            found = ""
+    return f"machine-id:{found}" if found else f"host:{socket.gethostname()}"
+
+
+def _as_text(path: Path) -> str:
+    """``path`` as text a store can hold: bytes of a name that are no UTF-8 (which Python keeps
+    as escapes) written as ``\\xNN``."""
+    return str(path).encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
+def _machine_of(store: Store) -> str:
+    """The machine a folder mark of ``store`` is kept under: ``""`` for a workspace file (it is
+    on this machine's disk: folder paths name its folders, whatever the host is called), else
+    :func:`this_machine`."""
+    return "" if getattr(store, "path", None) is not None else this_machine()
 
 
 def _marks_kept(store: Store) -> bool:
@@ -1008,7 +1045,7 @@ def _folder_marks(store: Store) -> dict[str, Any]:
     to (:data:`FOLDER_MARKS`)."""
     if not _marks_kept(store):
         return {}
-    return {**_file_marks(store), **store.folder_marks(this_machine())}
+    return {**_file_marks(store), **store.folder_marks(_machine_of(store))}
 
 
 def _legacy_marks_path(store: Store) -> Path | None:
@@ -1045,8 +1082,14 @@ def workspace_folders(store: Store) -> list[Path]:
         except (KeyError, TypeError, ValueError):
             return -1
 
+    own = own_folder(store)
+
+    def someone_elses(folder: Path) -> bool:  # another user's own folder (own_folder)
+        return folder != own and folder.parent.name == "metaclaw" \
+            and folder.name.startswith("workspace-") and folder.name.endswith("-skills")
+
     return [Path(folder) for folder in sorted(marks, key=generation, reverse=True)
-            if Path(folder).is_dir()]
+            if not someone_elses(Path(folder)) and Path(folder).is_dir()]
 
 
 class SkillLibrary:
@@ -1326,10 +1369,10 @@ class SkillLibrary:
             self.problems = problems
             latest = self.store.latest_generation()
             if latest is None:
-                ops = _changes({}, disk, f"initial library from {self.directory}")
+                ops = _changes({}, disk, f"initial library from {_as_text(self.directory)}")
                 number = self.store.add_generation(
                     snapshot={n: disk[n].to_dict() for n in sorted(disk)}, kind="init",
-                    reason=f"initial library from {self.directory}", parent=None,
+                    reason=f"initial library from {_as_text(self.directory)}", parent=None,
                     events=[self._event(op) for op in ops])
                 self._set(number, disk)
             else:
@@ -1502,7 +1545,7 @@ class SkillLibrary:
         return _folder_marks(self.store)
 
     def _folder_key(self) -> str:
-        return str(self.directory.resolve())
+        return _as_text(self.directory.resolve())
 
     def _folder_mark(self) -> dict[str, Any] | None:
         mark = self._folder_marks().get(self._folder_key())
@@ -1516,10 +1559,10 @@ class SkillLibrary:
         if not _marks_kept(self.store) or self._generation < 0:
             return
         self._folder_generation = self._generation
-        if self._folder_marks().get(self._folder_key()) == mark:
-            return
-        self.store.mark_folder(this_machine(), self._folder_key(), mark["generation"],
-                               mark["snapshot"])
+        machine = _machine_of(self.store)
+        if self.store.folder_marks(machine).get(self._folder_key()) == mark:
+            return  # (a mark of the files of before is written here all the same)
+        self.store.mark_folder(machine, self._folder_key(), mark["generation"], mark["snapshot"])
 
     def _catch_up(self, number: int, latest: dict[str, Skill],
                   problems: list[LoadProblem]) -> dict[str, Skill | None]:
@@ -1612,16 +1655,16 @@ class SkillLibrary:
             _atomic_write(aside, mine)
         self._write([name], {name: latest} if latest is not None else {})
         if mine is None:  # removed here, changed there: the change stands, not the removal
-            said = (f"{name} was removed from {self.directory} on its version of generation "
-                    f"{since} while generation {number} changed it through another folder: "
-                    f"the folder holds generation {number}'s version again; remove it once "
+            said = (f"{name} was removed from {_as_text(self.directory)} on its version of "
+                    f"generation {since} while generation {number} changed it through another "
+                    f"folder: the folder holds generation {number}'s version again; remove it once "
                     "more to remove it from the workspace")
         else:
-            said = (f"{name} was edited in {self.directory} on its version of generation "
-                    f"{since} while generation {number} "
+            said = (f"{name} was edited in {_as_text(self.directory)} on its version of "
+                    f"generation {since} while generation {number} "
                     f"{'changed' if latest else 'removed'} it through another folder, and the "
                     f"two changes overlap: the folder holds generation {number}'s version; the "
-                    f"edit is kept in {aside}: merge it into {path} and save")
+                    f"edit is kept in {_as_text(aside)}: merge it into {_as_text(path)} and save")
         log.warning("skill library: %s", said)
         self._pending_events.append({"source": "skills", "kind": "skill_edit_conflict",
                                      "level": "warning", "message": said,

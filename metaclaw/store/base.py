@@ -279,6 +279,8 @@ MIGRATIONS: list[str] = [
 
 SCHEMA_VERSION = len(MIGRATIONS)
 
+#: The tables of the workspace's records (``metaclaw db copy`` copies them; ``skill_folders``
+#: and ``proxy_activity`` hold the state of the machines and proxies using it).
 TABLES = ("sessions", "turns", "skill_generations", "skill_events", "policy_versions",
           "training_steps", "scheduler_transitions", "events", "labels", "proposals", "datasets",
           "experiments", "experiment_results")
@@ -420,12 +422,14 @@ def _dumps(value: Any) -> str:
     return dumps(value)
 
 
-#: Create a session's row (id, created_at, updated_at, meta), or touch its updated_at.
+#: A folder mark (see :meth:`Store.mark_folder`) and a proxy's report of a request in flight
+#: (:meth:`Store.mark_proxy_busy`), written over the row before.
 FOLDER_MARK_UPSERT = ("INSERT INTO skill_folders (machine, folder, generation, digest) "
                       "VALUES (?, ?, ?, ?) ON CONFLICT(machine, folder) DO UPDATE SET "
                       "generation = excluded.generation, digest = excluded.digest")
 PROXY_BUSY_UPSERT = ("INSERT INTO proxy_activity (proxy, busy_at) VALUES (?, ?) "
                      "ON CONFLICT(proxy) DO UPDATE SET busy_at = excluded.busy_at")
+#: Create a session's row (id, created_at, updated_at, meta), or touch its updated_at.
 SESSION_UPSERT = ("INSERT INTO sessions (id, created_at, updated_at, meta) VALUES (?, ?, ?, ?) "
                   "ON CONFLICT(id) DO UPDATE SET updated_at = excluded.updated_at")
 
