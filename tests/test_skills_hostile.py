@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from metaclaw.fastloop import proposals
 from metaclaw.skills.library import (FOLDER_MARKS, Skill, SkillFormatError, SkillLibrary, SkillOp,
-                                     load_skills_dir)
+                                     load_skills_dir, workspace_folders)
 from metaclaw.store import Store
 
 
@@ -456,5 +456,10 @@ def test_a_folder_whose_path_is_not_utf8_is_marked(tmp_path):
     library = SkillLibrary(folder, Store(tmp_path / "ws.db"))
     generation = library.add(Skill(name="steps", description="Steps.", body="Back it up."))
     (key,) = library.store.folder_marks("")
-    assert key.endswith("caf\\xe9") and library.generation == generation
+    assert key.startswith("hex:") and library.generation == generation
     assert SkillLibrary(folder, Store(tmp_path / "ws.db")).generation == generation
+    # a folder named with those characters written out is another folder, with its own mark
+    SkillLibrary(tmp_path / "caf\\xe9", Store(tmp_path / "ws.db"))
+    assert len(library.store.folder_marks("")) == 2
+    assert sorted(map(str, workspace_folders(library.store))) == sorted(
+        [str(folder), str(tmp_path / "caf\\xe9")])

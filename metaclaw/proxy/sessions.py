@@ -482,7 +482,7 @@ class ReplyThreads:
         Holds the lock."""
         if first in self._preambles:
             return True
-        known = fingerprint in self._openings or self._recorded_count(fingerprint) > 0
+        known = fingerprint in self._openings or self._recorded(fingerprint)
         if known:
             return False
         self._preambles[first] = True
@@ -495,8 +495,9 @@ class ReplyThreads:
         opened = self._openings.get(fingerprint)
         if opened is None or not opened[1]:
             # the openings recorded so far, by every proxy of the workspace: another proxy may
-            # have opened this fingerprint since this one last looked (one indexed read)
-            recorded = self._recorded_count(fingerprint)
+            # have opened this fingerprint since this one last looked (all its sessions read
+            # once; after that, the next number looked up, one key at a time)
+            recorded = self._recorded_count(fingerprint, None if opened is None else opened[0])
             # (another thread may have opened it while a look-up let go of the lock)
             opened = self._openings.setdefault(fingerprint, [0, []])
             opened[0] = max(opened[0], recorded)
@@ -531,11 +532,30 @@ class ReplyThreads:
         finally:
             self._lock.acquire()
 
-    def _recorded_count(self, fingerprint: str) -> int:
+    #: Most session ids looked up one at a time past the number known, before all are read.
+    PROBES = 32
+
+    def _recorded(self, session_id: str) -> bool:
+        """Whether the workspace recorded the session ``session_id`` (False when it cannot say)."""
+        if self.store is None:
+            return False
+        try:
+            return bool(self._read("SELECT 1 AS found FROM sessions WHERE id = ?", (session_id,)))
+        except Exception:  # noqa: BLE001 - a store that cannot answer: not known there
+            log.warning("could not read the recorded session %s", session_id, exc_info=True)
+            return False
+
+    def _recorded_count(self, fingerprint: str, known: int | None = None) -> int:
         """How many openings of ``fingerprint`` the workspace recorded (the highest number among
-        its sessions), so this process numbers the next one after them."""
+        its sessions), so this process numbers the next one after them. ``known``: the number
+        this process already knows of: the next ids are looked up one key at a time (a
+        fingerprint with thousands of sessions is not read whole at each opening)."""
         if self.store is None:
             return 0
+        if known is not None:
+            for number in range(known + 1, known + 1 + self.PROBES):
+                if not self._recorded(fingerprint if number == 1 else f"{fingerprint}.{number}"):
+                    return number - 1
         try:
             rows = self._read("SELECT id FROM sessions WHERE id >= ? AND id < ?",
                               self._family(fingerprint))

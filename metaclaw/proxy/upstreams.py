@@ -444,7 +444,7 @@ class HTTPUpstream(Upstream):
             status = 403
         if isinstance(body, dict) and isinstance(body.get("error"), dict):
             error = body["error"]
-            message = str(error.get("message") or f"upstream error {status}")
+            message = str(error.get("message") or f"upstream error {exc.status}")
             if refused:  # Claude Code reads any message naming the header as its own key wrong
                 message = _X_API_KEY.sub("API key", message)
             message += hint

@@ -967,8 +967,8 @@ def _workspace_key(store: Store) -> str | None:
 
 def this_machine() -> str:
     """The name this machine's skill folders are marked under in a database server's workspace:
-    ``$METACLAW_MACHINE``, else the machine's own id (Linux's machine id, a Mac's hardware UUID,
-    Windows' machine GUID), which stays when the host name changes, else the host name."""
+    ``$METACLAW_MACHINE``, else its host name and machine id (Linux's machine id, a Mac's
+    hardware UUID, Windows' machine GUID): containers of one image share the id, not the name."""
     given = os.environ.get(MACHINE_ENV, "").strip()
     return given or _machine_id()
 
@@ -985,8 +985,8 @@ def _machine_id() -> str:
         except (OSError, ValueError):
             continue
         if found:
-            return f"machine-id:{found}"
-    if sys.platform == "darwin":
+            break
+    if not found and sys.platform == "darwin":
         import subprocess
 
         try:
@@ -996,7 +996,7 @@ def _machine_id() -> str:
             found = match.group(1) if match else ""
         except (OSError, subprocess.SubprocessError):
             found = ""
-    elif sys.platform == "win32":
+    elif not found and sys.platform == "win32":
         try:
             import winreg
 
@@ -1005,12 +1005,30 @@ def _machine_id() -> str:
                 found = str(winreg.QueryValueEx(key, "MachineGuid")[0])
         except OSError:
             found = ""
-    return f"machine-id:{found}" if found else f"host:{socket.gethostname()}"
+    host = socket.gethostname()
+    return f"{host}/{found}" if found else host
+
+
+def _folder_text(path: Path) -> str:
+    """The key a folder is marked under: its path, or where the path has bytes that are no
+    UTF-8 (which Python keeps as escapes), ``hex:`` and its bytes (no absolute path starts so:
+    two folders never share a key)."""
+    text = str(path)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return "hex:" + os.fsencode(text).hex()
+    return text
+
+
+def _folder_of(key: str) -> Path:
+    """The folder marked under ``key`` (:func:`_folder_text`)."""
+    return Path(os.fsdecode(bytes.fromhex(key[4:]))) if key.startswith("hex:") else Path(key)
 
 
 def _as_text(path: Path) -> str:
-    """``path`` as text a store can hold: bytes of a name that are no UTF-8 (which Python keeps
-    as escapes) written as ``\\xNN``."""
+    """``path`` as text to show and record in messages: bytes of a name that are no UTF-8 as
+    ``\\xNN``."""
     return str(path).encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
@@ -1083,13 +1101,14 @@ def workspace_folders(store: Store) -> list[Path]:
             return -1
 
     own = own_folder(store)
+    own = own.resolve() if own is not None else None
 
     def someone_elses(folder: Path) -> bool:  # another user's own folder (own_folder)
         return folder != own and folder.parent.name == "metaclaw" \
             and folder.name.startswith("workspace-") and folder.name.endswith("-skills")
 
-    return [Path(folder) for folder in sorted(marks, key=generation, reverse=True)
-            if not someone_elses(Path(folder)) and Path(folder).is_dir()]
+    folders = (_folder_of(key) for key in sorted(marks, key=generation, reverse=True))
+    return [folder for folder in folders if not someone_elses(folder) and folder.is_dir()]
 
 
 class SkillLibrary:
@@ -1545,7 +1564,7 @@ class SkillLibrary:
         return _folder_marks(self.store)
 
     def _folder_key(self) -> str:
-        return _as_text(self.directory.resolve())
+        return _folder_text(self.directory.resolve())
 
     def _folder_mark(self) -> dict[str, Any] | None:
         mark = self._folder_marks().get(self._folder_key())
