@@ -590,3 +590,42 @@ def test_a_prompt_of_many_blank_lines_is_read_in_linear_time():
     started = time.perf_counter()
     assert identify({}, body).turn_type == "main"
     assert time.perf_counter() - started < 2
+
+
+def test_runs_of_a_preamble_client_stay_apart_across_proxies_and_restarts(tmp_path):
+    """A client that opens every run with the same example exchange (aider) and sends no
+    session id: a run through a second proxy, or after a restart, is a new session. It joined
+    the first run's session: the fingerprint was known from the store, and the preamble only
+    to the process that had seen it."""
+    from metaclaw.store import Store
+
+    db = tmp_path / "ws.db"
+    fingerprint = "conv-0123456789ab"  # of the example ask, the same for every run
+    preamble = [{"role": "system", "content": "You are a coding assistant."},
+                {"role": "user", "content": "Change get_factorial() to use math.factorial"},
+                {"role": "assistant", "content": "To make this change we need to modify ..."}]
+    store = Store(db)
+
+    def run(threads: ReplyThreads, task: str) -> str:
+        messages = [*preamble, {"role": "user", "content": task}]
+        session, _, thread = threads.resolve(fingerprint, messages)
+        threads.settle(thread, True, f"done: {task}", None)
+        store.record_turn(session_id=session, request_messages=messages, status="ok",
+                          response=f"done: {task}")
+        return session
+
+    first, second = ReplyThreads(Store(db)), ReplyThreads(Store(db))
+    sessions = [run(first, "fix the parser"), run(first, "add a flag"),
+                run(second, "rename a module"), run(second, "write the docs")]
+    assert sessions == [fingerprint, *(f"{fingerprint}.{n}" for n in (2, 3, 4))]
+    # a conversation that opened without a preamble is continued, not taken for a new run
+    plain = ReplyThreads(Store(db))
+    opening = [{"role": "user", "content": "hello"}]
+    session, _, thread = plain.resolve("conv-fedcba987654", opening)
+    plain.settle(thread, True, "hi there", None)
+    store.record_turn(session_id=session, request_messages=opening, status="ok",
+                      response="hi there")
+    later = ReplyThreads(Store(db))
+    edited = [*opening, {"role": "assistant", "content": "hi (edited)"},
+              {"role": "user", "content": "go on"}]
+    assert later.resolve("conv-fedcba987654", edited)[0] == "conv-fedcba987654"

@@ -393,8 +393,10 @@ class ReplyThreads:
         # a reply after the user message it answered (whatever else the client moved around
         # them) -> the session that gave it: for clients that rebuild their context each turn
         self._answered: OrderedDict[tuple[str, str], str | None] = OrderedDict()
-        # the first reply of clients' fixed preambles (after its history) -> True
+        # the first reply of clients' fixed preambles (after its history) -> True; and first
+        # replies found not to be one of the recorded openings' (looked up once)
         self._preambles: OrderedDict[tuple[str, str], bool] = OrderedDict()
+        self._not_preambles: OrderedDict[tuple[str, str], bool] = OrderedDict()
         self._looked_up: set[str] = set()  # fingerprints whose recorded replies were read
         self._lock = threading.Lock()
 
@@ -482,12 +484,45 @@ class ReplyThreads:
         Holds the lock."""
         if first in self._preambles:
             return True
-        known = fingerprint in self._openings or self._recorded(fingerprint)
-        if known:
+        if fingerprint in self._openings:
+            return False
+        if self._recorded(fingerprint) and not self._recorded_preamble(fingerprint, first):
             return False
         self._preambles[first] = True
         _bound(self._preambles, self.MAX_ENTRIES)
         return True
+
+    def _recorded_preamble(self, fingerprint: str, first: tuple[str, str]) -> bool:
+        """Whether the recorded opening of ``fingerprint`` (its first session's first turn,
+        recorded by another proxy or before a restart) began with the same first assistant
+        message after the same history: a client's fixed preamble, so a request beginning so is
+        another run's first turn, not the continuation of a conversation this process does not
+        remember. Looked up once per preamble (holds the lock)."""
+        if first in self._not_preambles:
+            return False
+        from metaclaw.skills.block import strip_skill_block
+
+        found = False
+        try:
+            rows = self._read("SELECT request_messages FROM turns WHERE session_id = ? "
+                              "ORDER BY turn_index LIMIT 1", (fingerprint,))
+        except Exception:  # noqa: BLE001 - a store that cannot answer: not known there
+            log.warning("could not read the recorded opening of %s", fingerprint, exc_info=True)
+            rows = []
+        messages = rows[0]["request_messages"] if rows else None
+        if isinstance(messages, list):
+            history = hashlib.blake2b(digest_size=16)
+            for message in strip_skill_block(messages):
+                message = message if isinstance(message, dict) else {}
+                add_message(history, message.get("role"), message.get("content"),
+                            message.get("tool_calls"))
+                if message.get("role") == "assistant":
+                    found = (fingerprint, history.hexdigest()) == first
+                    break
+        if not found:
+            self._not_preambles[first] = True
+            _bound(self._not_preambles, self.MAX_ENTRIES)
+        return found
 
     def _open(self, fingerprint: str, history: Any, ask: Any) -> tuple[str, str, Thread]:
         """A conversation's first turn: the fingerprint for the first opening, ``.N`` after it
