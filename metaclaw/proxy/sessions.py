@@ -362,8 +362,9 @@ class ReplyThreads:
     remembered (the least recently used are forgotten). With the workspace ``store``, what this
     process does not remember is read from what was recorded (after a restart, from another
     proxy, or forgotten): an opening's number follows the fingerprint's recorded sessions,
-    read at each opening (one indexed read), so a new run never joins an earlier run's
-    session, this process's or another proxy's; and a continuation of a reply found as the
+    looked up at each opening (read whole the first time, then the next ids one key at a time),
+    so a new run never joins an earlier run's session, this process's or another proxy's; a
+    client's fixed preamble is known from the fingerprint's recorded opening; and a continuation of a reply found as the
     latest turn of a recorded session (of the :attr:`RECORDED_SESSIONS` latest) joins it. A
     continuation of a reply found nowhere (the client edited the history, or continues an
     earlier reply than its session's latest) falls back to the fingerprint.

@@ -87,7 +87,8 @@ OPS = ("add", "edit", "remove")
 JOURNAL_PREFIX = ".metaclaw-change-"
 JOURNAL_GLOB = f"{JOURNAL_PREFIX}*.json"
 #: Folder marks: the generation each skill folder's files were last brought to, in the
-#: workspace's ``skill_folders`` table, per machine (:func:`this_machine`) and folder. A
+#: workspace's ``skill_folders`` table, per folder (and for a database server's workspace, per
+#: machine: :func:`this_machine`). A
 #: workspace may be used through several folders (``metaclaw evolve`` run from another
 #: directory, another machine), so the folder of one process can lag the store; its skills still
 #: as that generation had them are stale, not edited by hand, and are brought up to date instead
