@@ -124,8 +124,9 @@ class RuntimeConfig:
                             type=argtypes.positive_float)
     max_retries: int = option(
         2, "--upstream-retries", "further attempts after an upstream 408/409/429/5xx, before "
-        "any byte reached the client (default 2; serve: 0, since agents retry on their own and "
-        "retries would multiply: the error and its Retry-After go to the agent)",
+        "any byte reached the client (serve: 0, since agents retry on their own and retries "
+        "would multiply: the error and its Retry-After go to the agent; %%metaclaw start: 2); "
+        "a connection that could not be opened is tried again even at 0",
         type=argtypes.non_negative_int, serve_default=0, metavar="N")
     upstream_protocol: str = option(
         "openai", "--upstream-protocol", "wire protocol of the upstream, one of %(choices)s "

@@ -349,6 +349,13 @@ def test_an_upstream_refusing_the_proxys_key_is_no_wrong_key_of_the_agents(
     assert error["type"] == "permission_error" and "x-api-key" not in error["message"].lower()
     assert error["message"].startswith("invalid API key [the upstream ")
     assert "refused the key the proxy sends ($METACLAW_UPSTREAM_API_KEY" in error["message"]
+    # an upstream's own 403 to that key is relayed as it is, the header named so as well
+    anthropic_double.replies.append(AnthropicReply(status=403, message="x-api-key lacks scope"))
+    with _proxy(workspace, anthropic_double, "anthropic") as proxy:
+        with pytest.raises(anthropic.PermissionDeniedError) as caught:
+            _client(proxy).messages.create(model=MODEL, max_tokens=10,
+                                           messages=[{"role": "user", "content": "hi"}])
+    assert caught.value.body["error"]["message"].startswith("API key lacks scope [the upstream ")
 
 
 def test_anthropic_sdk_gets_its_error_shape_on_every_path(workspace, openai_double):

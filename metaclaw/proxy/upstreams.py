@@ -445,7 +445,7 @@ class HTTPUpstream(Upstream):
         if isinstance(body, dict) and isinstance(body.get("error"), dict):
             error = body["error"]
             message = str(error.get("message") or f"upstream error {exc.status}")
-            if refused:  # Claude Code reads any message naming the header as its own key wrong
+            if hint:  # Claude Code reads any message naming the header as its own key wrong
                 message = _X_API_KEY.sub("API key", message)
             message += hint
             payload = error_json(message, "permission_error" if refused else
@@ -455,7 +455,7 @@ class HTTPUpstream(Upstream):
                               headers=headers,
                               upstream=None if hint else (self.protocol.name, body))
         text = exc.body.decode("utf-8", "replace").strip()[:500]
-        if refused:
+        if hint:
             text = _X_API_KEY.sub("API key", text)
         message = f"the upstream answered HTTP {exc.status}" + (f": {text}" if text else "") + hint
         return ProxyError(status, message, type="permission_error" if refused else
