@@ -834,6 +834,7 @@ def cmd_buffers(args: argparse.Namespace) -> int:
 # -- db -------------------------------------------------------------------------------------
 @command("db")
 def cmd_db(args: argparse.Namespace) -> int:
+    from metaclaw.skills.library import carry_folder_marks
     from metaclaw.store import SCHEMA_VERSION, Store, workspace_exists
     from metaclaw.store.transfer import copy_store
 
@@ -854,16 +855,20 @@ def cmd_db(args: argparse.Namespace) -> int:
     with Store(args.source) as source, Store(args.to) as dest:
         with console.progress(args.verbosity) as show:
             verified = copy_store(source, dest, on_progress=show)
+        marks = carry_folder_marks(source, dest)
         rows = {table: n for table, (n, _) in verified.items()}
         if args.json:
             _print_json({"from": source.location, "to": dest.location, "verified": {
                 table: {"rows": n, "checksum": digest} for table, (n, digest) in
-                verified.items()}})
+                verified.items()}, "folder_marks": marks})
         else:
             print(f"copied {sum(rows.values())} rows from {source.location} to "
                   f"{dest.location}; every table's row count and checksum match:")
             for table, n in rows.items():
                 print(f"  {table:<22} {n:>9}")
+            if marks:
+                print(f"and the marks of {marks} skill folder(s), so that a folder that lags "
+                      "is brought up to date on the copy")
     return 0
 
 

@@ -463,3 +463,18 @@ def test_a_folder_whose_path_is_not_utf8_is_marked(tmp_path):
     assert len(library.store.folder_marks("")) == 2
     assert sorted(map(str, workspace_folders(library.store))) == sorted(
         [str(folder), str(tmp_path / "caf\\xe9")])
+
+
+def test_a_copied_workspace_file_brings_a_lagging_folder_up(tmp_path, capsys):
+    """`metaclaw db copy` to another file keeps the folders' marks: a folder that lagged is
+    brought up on the copy, not recorded back into it."""
+    from metaclaw import cli
+
+    here, mine, there, theirs = _two_folders(tmp_path)
+    generation = theirs.edit(Skill.from_markdown(STEPS.format("Read the file.",
+                                                              "Back it up first.", "Then edit.")))
+    assert cli.main(["db", "copy", "--from", str(tmp_path / "ws.db"),
+                     "--to", str(tmp_path / "copy.db")]) == 0
+    capsys.readouterr()
+    opened = SkillLibrary(here, Store(tmp_path / "copy.db"))
+    assert opened.generation == generation and "first" in _body(opened)

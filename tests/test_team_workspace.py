@@ -218,3 +218,24 @@ def test_a_database_restart_under_load_is_a_clear_error_then_serving_resumes(tea
     with Store(url) as store:
         sessions = {r["session_id"] for r in store.query("SELECT session_id FROM turns")}
     assert {"before", "after"} <= sessions
+
+
+def test_a_copy_keeps_the_folders_marks_so_a_lagging_folder_is_brought_up(pg_cluster, tmp_path,
+                                                                           capsys):
+    """Moving a personal workspace to the team's database: a folder that lagged behind the
+    other folder's change when the copy was made is brought up on the copy. Without its mark
+    there, its stale file was recorded back into the copy, undoing the change."""
+    from metaclaw.skills.library import Skill, SkillLibrary
+
+    personal = tmp_path / "personal.db"
+    here = SkillLibrary(tmp_path / "here", Store(personal))
+    here.add(Skill(name="steps", description="Steps.", body="v1"))
+    SkillLibrary(tmp_path / "there", Store(personal)).edit(
+        Skill(name="steps", description="Steps.", body="v2"))  # "here" lags at v1
+    team_url = pg_cluster.new_database("team")
+    assert cli.main(["db", "copy", "--from", str(personal), "--to", team_url]) == 0
+    assert "the marks of 2 skill folder(s)" in capsys.readouterr().out
+    opened = SkillLibrary(tmp_path / "here", Store(team_url))
+    assert opened.get("steps").body == "v2"
+    assert "v2" in (tmp_path / "here" / "steps" / "SKILL.md").read_text()
+    assert [g["kind"] for g in opened.generations()][-1] != "disk"

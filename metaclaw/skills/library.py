@@ -1067,6 +1067,31 @@ def _folder_marks(store: Store) -> dict[str, Any]:
     return {**_file_marks(store), **store.folder_marks(_machine_of(store))}
 
 
+def carry_folder_marks(source: Store, dest: Store) -> int:
+    """Write the folder marks of ``source`` into ``dest``, a copy of it (``metaclaw db copy``:
+    the copy keeps the source's generation numbers), under the machine names ``dest`` keeps them
+    by, so that a folder that lagged when the copy was made is brought up there instead of its
+    stale files being recorded back. This machine's marks move to this machine's name (a
+    workspace file's are this machine's folders); other machines' marks go only to a database
+    server's workspace. Returns how many were written."""
+    if not (_marks_kept(source) and _marks_kept(dest)):
+        return 0
+    here, there = _machine_of(source), _machine_of(dest)
+    rows = source.query("SELECT machine, folder, generation, digest FROM skill_folders")
+    marks = {(there if r["machine"] == here else r["machine"], r["folder"]):
+             (r["generation"], r["digest"]) for r in rows if r["machine"] == here or there != ""}
+    for folder, mark in _file_marks(source).items():  # kept in a file before: this machine's
+        if isinstance(mark, dict) and (there, folder) not in marks:
+            try:
+                marks[there, folder] = (int(mark["generation"]), str(mark["snapshot"]))
+            except (KeyError, TypeError, ValueError):
+                continue
+    with dest.transaction():
+        for (machine, folder), (generation, digest) in marks.items():
+            dest.mark_folder(machine, folder, generation, digest)
+    return len(marks)
+
+
 def _legacy_marks_path(store: Store) -> Path | None:
     """The marks of a server workspace as they were named before (after its URL): read where
     the workspace's own have not been written yet."""

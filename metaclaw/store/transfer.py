@@ -1,8 +1,10 @@
 """Moving a workspace between stores: ``metaclaw db copy --from sqlite:///... --to postgresql://...``.
 
 :func:`copy_store` copies every table of :data:`~metaclaw.store.TABLES`, row for row with its
-keys (not ``skill_folders`` and ``proxy_activity``: the state of the machines using the
-workspace, written again as they use the copy), into a destination that has no records yet (a new team database, or a new file), then proves the copy: for each table the
+keys (not ``skill_folders`` and ``proxy_activity``, the state of the machines using the
+workspace: ``metaclaw db copy`` carries the folder marks over with
+:func:`metaclaw.skills.library.carry_folder_marks`), into a destination that has no records
+yet (a new team database, or a new file), then proves the copy: for each table the
 row count and a checksum over every shared column of every row, in key order, must be the
 same on both sides (:func:`checksums`). The source is only read. A destination that already
 holds records is refused (its ids would collide with the source's; merge two workspaces by
