@@ -1077,19 +1077,21 @@ def carry_folder_marks(source: Store, dest: Store) -> int:
     if not (_marks_kept(source) and _marks_kept(dest)):
         return 0
     here, there = _machine_of(source), _machine_of(dest)
-    rows = source.query("SELECT machine, folder, generation, digest FROM skill_folders")
-    marks = {(there if r["machine"] == here else r["machine"], r["folder"]):
-             (r["generation"], r["digest"]) for r in rows if r["machine"] == here or there != ""}
+    marks = {(there if machine == here else machine, folder): mark
+             for (machine, folder), mark in source.folder_marks(None).items()
+             if machine == here or there != ""}
     for folder, mark in _file_marks(source).items():  # kept in a file before: this machine's
-        if isinstance(mark, dict) and (there, folder) not in marks:
-            try:
-                marks[there, folder] = (int(mark["generation"]), str(mark["snapshot"]))
-            except (KeyError, TypeError, ValueError):
-                continue
+        marks.setdefault((there, folder), mark)
+    written = 0
     with dest.transaction():
-        for (machine, folder), (generation, digest) in marks.items():
+        for (machine, folder), mark in marks.items():
+            try:
+                generation, digest = int(mark["generation"]), str(mark["snapshot"])
+            except (KeyError, TypeError, ValueError):  # a damaged mark of a file
+                continue
             dest.mark_folder(machine, folder, generation, digest)
-    return len(marks)
+            written += 1
+    return written
 
 
 def _legacy_marks_path(store: Store) -> Path | None:

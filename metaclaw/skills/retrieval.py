@@ -1230,9 +1230,10 @@ def select(retriever: Retriever, query: str, skills: list[Skill], *, top_k: int 
         floor, best = threshold, None
         for index, item in enumerate(ranked):
             if item.score < floor:
-                if missed is not None:
-                    missed.extend((near, floor) for near in itertools.islice(
-                        (r for r in ranked[index:] if keep is None or keep(r.skill)), 1))
+                near = missed is not None and next(  # the best of the rest it may be offered
+                    (r for r in ranked[index:] if keep is None or keep(r.skill)), None)
+                if near:
+                    missed.append((near, floor))
                 break
             if keep is not None and not keep(item.skill):
                 continue

@@ -729,12 +729,15 @@ class Store:
         now = time.time()
         self.execute(SESSION_UPSERT, (session_id, now, now, _dumps(meta)))
 
-    def folder_marks(self, machine: str) -> dict[str, dict[str, Any]]:
+    def folder_marks(self, machine: str | None) -> dict[Any, dict[str, Any]]:
         """The skill folders of ``machine`` and the generation each was last brought to:
-        ``{folder: {"generation": n, "snapshot": digest}}``."""
-        return {r["folder"]: {"generation": r["generation"], "snapshot": r["digest"]}
-                for r in self.query("SELECT folder, generation, digest FROM skill_folders "
-                                    "WHERE machine = ?", (machine,))}
+        ``{folder: {"generation": n, "snapshot": digest}}``; ``None``: every machine's, keyed
+        ``(machine, folder)``."""
+        rows = self.query("SELECT machine, folder, generation, digest FROM skill_folders"
+                          + ("" if machine is None else " WHERE machine = ?"),
+                          () if machine is None else (machine,))
+        return {(r["folder"] if machine is not None else (r["machine"], r["folder"])):
+                {"generation": r["generation"], "snapshot": r["digest"]} for r in rows}
 
     def mark_folder(self, machine: str, folder: str, generation: int, digest: str) -> None:
         """Record that ``machine``'s skill folder ``folder`` holds ``generation`` (whose skills
