@@ -57,9 +57,9 @@ def split_skill_block(text: str) -> tuple[str, str | None]:
 
 
 def sessions(store: Store, limit: int = 500, threshold: float = 0.0) -> list[dict[str, Any]]:
-    """The most recent sessions: ``[{id, turns, failures, updated_at}]``, newest first; a
-    failure as :class:`Trace` counts one (a reward below the judge's ``threshold``, a human
-    label ``fail``, a request that did not succeed)."""
+    """The most recent sessions with a turn: ``[{id, turns, failures, updated_at}]``, newest
+    first; a failure as :class:`Trace` counts one (a reward below the judge's ``threshold``, a
+    human label ``fail``, a request that did not succeed)."""
     return store.query(
         "SELECT s.id, s.updated_at, COUNT(t.id) AS turns, "
         "COALESCE(SUM(CASE WHEN t.human_label = 'fail' OR (COALESCE(t.human_label, '') NOT IN "
@@ -67,7 +67,10 @@ def sessions(store: Store, limit: int = 500, threshold: float = 0.0) -> list[dic
         # the latest sessions are picked first and only their turns are read: counting every
         # session's turns read every turn of the workspace (the verdict columns lie past the
         # conversation) at each open and refresh of a trace
-        "AS failures FROM (SELECT id, updated_at FROM sessions ORDER BY updated_at DESC "
+        # (a session with no turn yet, claimed by a conversation's first turn still in flight,
+        # is not listed)
+        "AS failures FROM (SELECT id, updated_at FROM sessions WHERE EXISTS (SELECT 1 FROM "
+        "turns WHERE turns.session_id = sessions.id) ORDER BY updated_at DESC "
         "LIMIT ?) s LEFT JOIN turns t ON t.session_id = s.id GROUP BY s.id, s.updated_at "
         "ORDER BY s.updated_at DESC", (float(threshold), int(limit)))
 

@@ -17,6 +17,7 @@ from metaclaw.proxy.app import Proxy, ProxyConfig
 from metaclaw.proxy.sessions import ReplyThreads, identify
 from metaclaw.skills.library import Skill, SkillLibrary
 from metaclaw.skills.retrieval import explain_frame
+from metaclaw.trace import sessions as trace_sessions
 from metaclaw.turns import (TASK_TURNS_SQL, IdentityError, is_task_turn, stage_of,
                             turn_type_condition)
 from test_asks import captured
@@ -258,6 +259,19 @@ def test_a_later_message_quoting_session_id_code_stays_in_its_session():
     assert after.session_id == before and after.how["session"].startswith("fingerprint")
 
 
+def test_a_short_session_id_given_to_openclaw_names_the_session():
+    """``openclaw agent --session-id down2`` sends ``prompt_cache_key: "down2:0"`` and the
+    runtime line ``sessionId=down2``: the session is ``down2``. A name under six characters
+    was ignored, and one run was split by the timestamp of its first message."""
+    body = {"prompt_cache_key": "down2:0", "messages": [
+        {"role": "system", "content": "## Runtime\nRuntime: agent=main | "
+                                      "session=agent:main:explicit:down2 | sessionId=down2 | "
+                                      "host=vm | repo=/w"},
+        {"role": "user", "content": "[Sat 2026-11-28 16:27 UTC] say hello"}]}
+    found = identify({}, body)
+    assert (found.session_id, found.how["session"]) == ("down2", "message:sessionId")
+
+
 def test_a_shared_prompt_cache_key_is_not_a_session():
     def session(key, text):
         return identify({}, {"prompt_cache_key": key,
@@ -465,6 +479,70 @@ def test_two_proxies_keep_apart_two_runs_that_open_alike_one_after_the_other(tmp
         sessions = [t["session_id"] for t in store.turns()]
     assert len(set(sessions)) == 3 and sessions[1] == sessions[0] + ".2" \
         and sessions[2] == sessions[0] + ".3", sessions
+
+
+def test_two_proxies_keep_apart_two_runs_that_open_alike_at_the_same_time(tmp_path):
+    """Two proxies on one workspace get the same first message at once, before either reply
+    is recorded (a turn is recorded when its reply ends): two sessions. Each proxy numbered
+    the opening from what was recorded, found nothing, and both took the fingerprint's id."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import openai
+
+    from metaclaw.store import Store
+
+    db = tmp_path / "ws.db"
+    opening = [{"role": "user", "content": "Summarise the open pull requests"}]
+    with DoubleServer() as upstream:
+        proxies = [Proxy(ProxyConfig(upstream_url=upstream.url, retrieval="lexical"),
+                         Store(db), SkillLibrary(tmp_path / "skills", Store(db))).start()
+                   for _ in range(2)]
+        try:
+            for _ in proxies:
+                upstream.add(Reply("Two are open.", delay=1.0))
+
+            def ask(proxy: Proxy) -> None:
+                openai.OpenAI(base_url=proxy.url, api_key="k", max_retries=0).chat \
+                    .completions.create(model="m", messages=opening)
+                proxy.flush()
+
+            with ThreadPoolExecutor(2) as pool:
+                list(pool.map(ask, proxies))
+        finally:
+            for proxy in proxies:
+                proxy.stop()
+    with Store(db) as store:
+        sessions = sorted(t["session_id"] for t in store.turns())
+        listed = {row["id"] for row in trace_sessions(store)}
+    assert len(sessions) == 2 and sessions[1] == sessions[0] + ".2", sessions
+    assert listed == set(sessions)
+
+
+def test_an_opening_claims_its_session_before_its_reply(tmp_path):
+    """The claim is in the workspace at once: a second process's opening takes the next
+    number; a failed opening's id goes to this process's next opening (no gap), and a
+    session claimed but with no turn yet is not listed. A claim never waits for the write
+    lock: SQLite's is skipped while another connection holds it; PostgreSQL's goes without
+    it (the key keeps it unique)."""
+    from metaclaw.store import Store
+
+    fp = "conv-0123456789ab"
+    opening = [{"role": "user", "content": "hi"}]
+    store = Store(tmp_path / "ws.db")
+    first, second = ReplyThreads(Store(tmp_path / "ws.db")), ReplyThreads(Store(tmp_path / "ws.db"))
+    taken, _, thread = first.resolve(fp, opening)
+    assert taken == fp and store.session(fp) is not None
+    assert second.resolve(fp, opening)[0] == f"{fp}.2"
+    first.settle(thread, False)  # its turn failed: the id is this process's to give again
+    assert first.resolve(fp, opening)[0] == fp
+    assert first.resolve(fp, opening)[0] == f"{fp}.3"
+    assert trace_sessions(store) == []
+    assert store.claim_session(f"{fp}.3") is False and store.claim_session("conv-x") is True
+    other = Store(tmp_path / "ws.db")
+    sqlite = getattr(store, "engine", "sqlite") == "sqlite"
+    with store.transaction():  # another connection holds the write lock
+        assert other.claim_session("conv-y") is (None if sqlite else True)
+    assert (store.session("conv-y") is None) is sqlite
 
 
 def test_a_client_that_edits_the_replies_it_resends_stays_in_its_conversation():

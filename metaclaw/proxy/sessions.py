@@ -62,8 +62,9 @@ MAX_SESSION_CHARS = 256
 #: Session headers of other frameworks, after ``X-Session-Id`` (first match wins).
 SESSION_HEADERS = ("X-Claude-Code-Session-Id", "X-Conversation-Id", "X-Thread-Id",
                    "Session-Id", "Conversation-Id")
-#: A session id embedded in message text (OpenClaw's runtime line: ``sessionId=<uuid>``).
-EMBEDDED_SESSION = re.compile(r"\bsessionId=([A-Za-z0-9][A-Za-z0-9._:-]{5,127})")
+#: A session id embedded in message text (OpenClaw's runtime line: ``sessionId=<uuid>``, or
+#: the name given with ``openclaw agent --session-id``, however short).
+EMBEDDED_SESSION = re.compile(r"\bsessionId=([A-Za-z0-9][A-Za-z0-9._:-]{0,127})")
 _METADATA_SESSION = re.compile(r"session_([A-Za-z0-9-]{6,128})")
 _ID_TOKEN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{5,127}")
 
@@ -362,10 +363,12 @@ class ReplyThreads:
     remembered (the least recently used are forgotten). With the workspace ``store``, what this
     process does not remember is read from what was recorded (after a restart, from another
     proxy, or forgotten): an opening's number follows the fingerprint's recorded sessions,
-    looked up at each opening (read whole the first time, then the next ids one key at a time),
-    so a new run never joins an earlier run's session, this process's or another proxy's; a
-    client's fixed preamble is known from the fingerprint's recorded opening; and a continuation of a reply found as the
-    latest turn of a recorded session (of the :attr:`RECORDED_SESSIONS` latest) joins it. A
+    looked up at each opening (read whole the first time, then the next ids one key at a time)
+    and claimed there before the reply (:meth:`Store.claim_session`), so a new run never joins
+    an earlier run's session, or one opening at the same moment, this process's or another
+    proxy's; a client's fixed preamble is known from the fingerprint's recorded opening; and a
+    continuation of a reply found as the latest turn of a recorded session (of the
+    :attr:`RECORDED_SESSIONS` latest) joins it. A
     continuation of a reply found nowhere (the client edited the history, or continues an
     earlier reply than its session's latest) falls back to the fingerprint.
 
@@ -510,6 +513,10 @@ class ReplyThreads:
         except Exception:  # noqa: BLE001 - a store that cannot answer: not known there
             log.warning("could not read the recorded opening of %s", fingerprint, exc_info=True)
             rows = []
+        if not rows and self._recorded(fingerprint):
+            # claimed by an opening whose first reply is still on its way (another proxy's):
+            # nothing can continue it yet, so this is another run's first turn
+            return True
         messages = rows[0]["request_messages"] if rows else None
         if isinstance(messages, list):
             history = hashlib.blake2b(digest_size=16)
@@ -542,8 +549,14 @@ class ReplyThreads:
         if opened[1]:
             session_id = opened[1].pop(0)
         else:
-            opened[0] += 1
-            session_id = fingerprint if opened[0] == 1 else f"{fingerprint}.{opened[0]}"
+            for _ in range(self.CLAIMS):
+                opened[0] += 1
+                session_id = fingerprint if opened[0] == 1 else f"{fingerprint}.{opened[0]}"
+                # taken in the workspace before its first reply: another proxy numbering the
+                # same opening meanwhile finds it taken and takes the next (unclaimed when the
+                # write lock is held at that instant: numbered from what was recorded)
+                if self._claim(session_id) is not False:
+                    break
         how = FINGERPRINT if session_id == fingerprint else REPEATED_OPENING
         return session_id, how, Thread(fingerprint, session_id, history, opening=True, ask=ask)
 
@@ -554,22 +567,37 @@ class ReplyThreads:
         return fingerprint, fingerprint + "/"
 
     def _read(self, sql: str, params: tuple[Any, ...]) -> list[dict[str, Any]]:
-        # On the connection the proxy's loop records turns with: a read on the loop never
-        # waits behind a transaction of the writer thread (the main connection's lock).
+        return self._on_store(lambda store: store.query(sql, params))
+
+    def _claim(self, session_id: str) -> bool | None:
+        """:meth:`Store.claim_session` (None without a store, or when it cannot be written)."""
+        if self.store is None:
+            return None
+        try:
+            return self._on_store(lambda store: store.claim_session(session_id))
+        except Exception:  # noqa: BLE001 - a store that cannot answer: numbered as recorded
+            log.warning("could not claim the session %s", session_id, exc_info=True)
+            return None
+
+    def _on_store(self, call: Callable[[Any], Any]) -> Any:
+        # On the connection the proxy's loop records turns with: a read or a claim on the loop
+        # never waits behind a transaction of the writer thread (the main connection's lock).
         if self._reader is None:
             self._reader = self.store.loop_writer() or self.store
         if not self.reads_network:
-            return self._reader.query(sql, params)
-        # called with the lock held: a read over the network (made off the loop) lets go of it
-        # meanwhile, so that settle() on the loop never waits for the database
+            return call(self._reader)
+        # called with the lock held: a round trip over the network (made off the loop) lets go
+        # of it meanwhile, so that settle() on the loop never waits for the database
         self._lock.release()
         try:
-            return self._reader.query(sql, params)
+            return call(self._reader)
         finally:
             self._lock.acquire()
 
     #: Most session ids looked up one at a time past the number known, before all are read.
     PROBES = 32
+    #: Most numbers an opening tries when the workspace has each taken (claimed elsewhere).
+    CLAIMS = 64
 
     def _recorded(self, session_id: str) -> bool:
         """Whether the workspace recorded the session ``session_id`` (False when it cannot say)."""

@@ -432,6 +432,9 @@ PROXY_BUSY_UPSERT = ("INSERT INTO proxy_activity (proxy, busy_at) VALUES (?, ?) 
 #: Create a session's row (id, created_at, updated_at, meta), or touch its updated_at.
 SESSION_UPSERT = ("INSERT INTO sessions (id, created_at, updated_at, meta) VALUES (?, ?, ?, ?) "
                   "ON CONFLICT(id) DO UPDATE SET updated_at = excluded.updated_at")
+#: Create a session's row unless there is one (:meth:`Store.claim_session`).
+SESSION_CLAIM = ("INSERT INTO sessions (id, created_at, updated_at, meta) VALUES (?, ?, ?, ?) "
+                 "ON CONFLICT(id) DO NOTHING")
 
 
 def turn_insert(row: dict[str, Any], stale: dict[str, str] | None = None
@@ -728,6 +731,20 @@ class Store:
     def ensure_session(self, session_id: str, **meta: Any) -> None:
         now = time.time()
         self.execute(SESSION_UPSERT, (session_id, now, now, _dumps(meta)))
+
+    def claim_session(self, session_id: str) -> bool | None:
+        """Create the row of ``session_id`` unless there is one, without waiting for the write
+        lock: what a proxy does when a conversation opens, before its first reply, so that
+        another proxy of the workspace numbering the same opening finds the id taken. True: this
+        call created it; False: it was there (taken elsewhere); None: the write lock was held
+        and nothing was written."""
+        now = time.time()
+        try:
+            with self.transaction(fsync=False, wait=False):
+                created = self.execute(SESSION_CLAIM, (session_id, now, now, "{}")).rowcount
+        except StoreBusy:
+            return None
+        return created == 1
 
     def folder_marks(self, machine: str | None) -> dict[Any, dict[str, Any]]:
         """The skill folders of ``machine`` and the generation each was last brought to:

@@ -13,7 +13,9 @@ How it keeps SQLite's guarantees across machines:
   transaction-scoped advisory lock (``pg_advisory_xact_lock``): numbering (the next skill
   generation, the next turn of a session) and read-then-write steps (judge leases, training
   claims) stay linear under concurrent writers on any machine, as SQLite's single writer keeps
-  them. A single write statement outside a transaction is wrapped in one.
+  them. A single write statement outside a transaction is wrapped in one. One write goes
+  without it: a proxy's claim of a new conversation's session id
+  (:meth:`PostgresStore.claim_session`), kept unique by the key alone.
 - **Durable acknowledgement.** A commit returns after PostgreSQL has flushed it
   (``synchronous_commit`` on); ``transaction(fsync=False)`` commits with
   ``synchronous_commit = off`` for that transaction, which survives the death of the writing
@@ -444,6 +446,20 @@ class PostgresStore(Store):
         now = row["created_at"]
         return f"WITH s AS ({base.SESSION_UPSERT}) {sql}", [row["session_id"], now, now, "{}",
                                                             *values]
+
+    def claim_session(self, session_id: str) -> bool | None:
+        """:meth:`Store.claim_session`, outside the workspace's write lock: one INSERT on a
+        pooled connection, which the session's key alone keeps unique (nothing is numbered
+        from it), committed without waiting for the flush. So a claim does not fail while
+        another proxy records a turn, as two proxies opening alike at once do."""
+        now = time.time()
+        try:
+            with self._pool.connection() as conn, conn.transaction():
+                conn.execute("SET LOCAL synchronous_commit = off")
+                cursor = self._run(conn, base.SESSION_CLAIM, (session_id, now, now, "{}"))
+        except self._psycopg_pool_errors() as exc:
+            raise self._failed(exc) from exc
+        return cursor.rowcount == 1
 
     def record_turns(self, turns: list[tuple[dict[str, Any], bool]], *, fsync: bool = True,
                      wait: bool = True, stale: dict[str, str] | None = None) -> list[int]:
