@@ -671,6 +671,30 @@ def test_claude_code_agent_through_the_proxy(workspace, anthropic_double, tmp_pa
     assert isinstance(sent["system"], list) and sent["system"][-1]["text"].startswith(BLOCK_HEADER)
 
 
+def test_a_wrong_proxy_token_is_a_403_naming_claude_codes_setting_for_claude_code(
+        workspace, anthropic_double):
+    """To Claude Code (its User-Agent) a missing or wrong proxy token is a 403 naming the
+    setting to fix, without the x-api-key header's name: it took the 401 for its login
+    expiring (ten retries over three minutes, then "Not logged in"). Other clients keep the 401."""
+    import httpx
+
+    claude = {"User-Agent": "claude-cli/2.1.328 (external, cli)", "anthropic-version": "2023-06-01"}
+    body = {"model": "claude-x", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+    with _proxy(workspace, anthropic_double, "anthropic", token="right") as proxy:
+        for key, code in (("wrong", "invalid_token"), ("", "missing_token")):
+            refused = httpx.post(f"{proxy.base_url}/v1/messages", json=body,
+                                 headers={**claude, **({"x-api-key": key} if key else {})})
+            error = refused.json()["error"]
+            assert refused.status_code == 403 and error["type"] == "permission_error"
+            assert "ANTHROPIC_AUTH_TOKEN" in error["message"]
+            assert "x-api-key" not in error["message"].lower()
+            assert error["message"].startswith(code.split("_")[0])
+        with pytest.raises(anthropic.AuthenticationError):
+            _client(proxy, api_key="wrong").messages.create(
+                model="claude-x", max_tokens=8, messages=[{"role": "user", "content": "hi"}])
+    assert not anthropic_double.requests
+
+
 def test_claude_code_system_messages_in_the_conversation_translate_in_place():
     """Claude Code sends ``role: "system"`` messages inside ``messages`` (its environment and
     reminders): accepted, and kept as system messages where they are in the chat form (they were
@@ -720,6 +744,23 @@ def test_claude_code_agent_on_a_chat_upstream(workspace, openai_double, tmp_path
     sent = next(r["body"] for r in openai_double.requests
                 if r["path"].endswith("/chat/completions") and r["body"].get("tools"))
     assert sent["messages"][0]["role"] == "system" and BLOCK_HEADER in sent["messages"][0]["content"]
+
+
+@pytest.mark.skipif(_claude_code() is None, reason="the Claude Code CLI is not installed (npm "
+                    "install @anthropic-ai/claude-code, or set METACLAW_CLAUDE_CODE to its binary)")
+def test_claude_code_shows_a_wrong_proxy_token_at_once(workspace, anthropic_double, tmp_path):
+    """The real Claude Code with a key that is not the proxy's token: it stops at once and
+    shows what to set (it said "Not logged in · Please run /login" after three minutes)."""
+    import time
+
+    with _proxy(workspace, anthropic_double, "anthropic", token="the-proxy-token") as proxy:
+        started = time.monotonic()
+        done = _run_claude_code(proxy, tmp_path, "--model", "claude-sonnet-4-5")
+        took = time.monotonic() - started
+    shown = done.stdout + done.stderr
+    assert done.returncode != 0 and took < 60, (took, shown[-2000:])
+    assert "invalid proxy token" in shown and "ANTHROPIC_AUTH_TOKEN" in shown, shown[-2000:]
+    assert "sk-ant-offline" not in shown and not anthropic_double.requests
 
 
 # ---------------------------------------------------------------------------------------------

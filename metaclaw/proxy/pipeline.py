@@ -610,6 +610,25 @@ class Collaborators:
     failures: FailureLog = field(default_factory=FailureLog)
 
 
+
+#: Claude Code's User-Agent (``claude-cli/<version> ...``).
+CLAUDE_CODE_AGENT = "claude-cli/"
+
+
+def token_refused(headers: Any, message: str, code: str) -> ProxyError:
+    """The answer to a missing or wrong proxy token: a 401 ``authentication_error``; to Claude
+    Code a 403 ``permission_error`` with its own settings named. Claude Code takes a 401 for its
+    login expiring (it retried ten times over three minutes, then said "Not logged in · Please
+    run /login") and any message naming the x-api-key header for its user's key being wrong; a
+    403's message it shows at once."""
+    if not headers.get("User-Agent", "").startswith(CLAUDE_CODE_AGENT):
+        return ProxyError(401, message, type="authentication_error", code=code)
+    what = "missing" if code == "missing_token" else "invalid"
+    return ProxyError(403, f"{what} proxy token: set ANTHROPIC_AUTH_TOKEN (or ANTHROPIC_API_KEY) "
+                           "where Claude Code runs to the token `metaclaw serve` was given "
+                           "(--token or $METACLAW_PROXY_TOKEN)", type="permission_error", code=code)
+
+
 class TurnPipeline:
     """Runs the steps for one request of any protocol, with ``parts``
     (:class:`Collaborators`)."""
@@ -676,13 +695,13 @@ class TurnPipeline:
         if not token:
             return caller_key
         if not given:
-            raise ProxyError(401, f"missing token: this proxy requires {where}",
-                             type="authentication_error", code="missing_token")
+            raise token_refused(headers, f"missing token: this proxy requires {where}",
+                                "missing_token")
         # a header's bytes that are not UTF-8 arrive as lone surrogates: compared as sent
         if not hmac.compare_digest(given.encode("utf-8", "surrogateescape"), token.encode()):
-            raise ProxyError(401, "invalid token: set the client's api_key (sent as "
-                                  "'Authorization: Bearer' or 'x-api-key') to the proxy's token",
-                             type="authentication_error", code="invalid_token")
+            raise token_refused(headers, "invalid token: set the client's api_key (sent as "
+                                "'Authorization: Bearer' or 'x-api-key') to the proxy's token",
+                                "invalid_token")
         return caller_key
 
     def too_large(self) -> ProxyError:
