@@ -220,3 +220,50 @@ def test_upstream_gets_basic_auth_from_its_url_and_anthropic_version(tmp_path):
         sent = {k.lower(): v for k, v in anthropic.requests[-1]["headers"].items()}
         assert sent["anthropic-version"] == "2023-06-01" and sent["x-api-key"]
     store.close()
+
+
+def test_a_query_in_the_upstream_url_goes_with_every_request_and_is_never_shown(tmp_path, caplog):
+    """Azure OpenAI's ``...?api-version=...``: the query of the ``--upstream`` URL is sent with
+    each request (it was dropped without a word); like a key it is not shown in the health
+    answer or the logs."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    import httpx
+
+    seen: list[str] = []
+
+    class Azure(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - http.server's name
+            self.rfile.read(int(self.headers["Content-Length"]))
+            seen.append(self.path)
+            body = json.dumps({"id": "c", "object": "chat.completion", "created": 0, "model": "m",
+                               "choices": [{"index": 0, "finish_reason": "stop", "message": {
+                                   "role": "assistant", "content": "hi"}}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Azure)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    store = Store(tmp_path / "m.db")
+    url = (f"http://127.0.0.1:{server.server_port}/openai/deployments/d1"
+           "?api-version=2024-10-21&key=s3cret")
+    try:
+        with Proxy(ProxyConfig(upstream_url=url, retrieval="lexical"), store,
+                   SkillLibrary(tmp_path / "skills", store)) as proxy:
+            for _ in range(2):
+                reply = httpx.post(proxy.url + "/chat/completions", json={
+                    "model": "m", "messages": [{"role": "user", "content": "hi"}]})
+                assert reply.status_code == 200, reply.text
+            health = httpx.get(proxy.base_url + "/healthz").text
+    finally:
+        server.shutdown()
+        store.close()
+    assert seen == ["/openai/deployments/d1/chat/completions?api-version=2024-10-21&key=s3cret"] * 2
+    assert "s3cret" not in health and "s3cret" not in caplog.text

@@ -193,7 +193,7 @@ class HTTPUpstream(Upstream):
 
     def __init__(self, protocol: WireProtocol, url: str, key_env: str, timeout: float,
                  max_retries: int):
-        from urllib.parse import unquote, urlsplit
+        from urllib.parse import unquote, urlsplit, urlunsplit
 
         if not protocol.upstream_path:
             raise ValueError(f"the wire protocol {protocol.name!r} declares no upstream_path: "
@@ -206,7 +206,11 @@ class HTTPUpstream(Upstream):
         self.timeout = timeout
         self.max_retries = max_retries
         parts = urlsplit(url)
-        self._base = safe_url(protocol.upstream_base_url(url)) or ""
+        self._base = safe_url(protocol.upstream_base_url(
+            urlunsplit(parts._replace(query="", fragment="")))) or ""
+        # a query in the URL (Azure OpenAI's ``api-version``) goes with every request; like
+        # credentials in the URL it is never shown (it may carry a key)
+        self._query = f"?{parts.query}" if parts.query else ""
         self._basic = ((unquote(parts.username or ""), unquote(parts.password or ""))
                        if parts.username or parts.password else None)
         self._session: Any = None
@@ -261,7 +265,7 @@ class HTTPUpstream(Upstream):
         An error status raises :class:`UpstreamStatusError`."""
         url = self._urls.get(path)
         if url is None:  # parsed once per path, not per request
-            url = self._urls[path] = URL(self._base + path)
+            url = self._urls[path] = URL(self._base + path + self._query)
         response = await self._session.request(
             method, url, data=data, headers=headers, proxy=self._proxy, allow_redirects=False,
             timeout=self._stream_timeout if stream else self._whole_timeout)
