@@ -17,7 +17,7 @@ import openai
 import pytest
 
 anthropic = pytest.importorskip("anthropic", reason="the Anthropic tests need the anthropic SDK "
-                                                    "(pip install 'metaclaw-jupyter[anthropic]')")
+                                                    "(pip install -e '.[anthropic]')")
 
 from metaclaw.offline.double import DoubleServer, Reply  # noqa: E402
 from metaclaw.offline.double_anthropic import AnthropicDoubleServer, AnthropicReply  # noqa: E402

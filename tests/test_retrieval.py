@@ -449,22 +449,25 @@ def test_lexical_ranking_is_the_same_in_plain_python_and_numpy(docs, query, limi
         small.rank(text, skills), key=lambda s: (-s.score, s.skill.name))][:limit]
 
 
-def test_an_embedding_model_that_cannot_load_is_refused_at_once_or_replaced_by_lexical(caplog):
+def test_an_embedding_model_that_cannot_load_is_refused_at_once_or_replaced_by_the_default(
+        caplog):
     """Offline, a Hugging Face id that is not in the local cache cannot load: explicit embedding
-    retrieval refuses to start with the reason; auto falls back to lexical with one warning
-    (never a proxy serving every turn without skills, a traceback each)."""
+    retrieval refuses to start with the reason; auto falls back to the default hybrid (the
+    packaged static table) with one warning, not to BM25 alone, which gives a skill to most
+    off-topic asks (never a proxy serving every turn without skills, a traceback each)."""
     import logging
 
-    from metaclaw.skills.retrieval import (LexicalRetriever, RetrievalError, embeddings_available,
-        make_retriever)
+    from metaclaw.skills.retrieval import (STATIC_MODEL, HybridRetriever, RetrievalError,
+        embeddings_available, make_retriever)
 
     if not embeddings_available():
         pytest.skip("needs the embeddings extra")
     with pytest.raises(RetrievalError, match="cannot load embedding model 'nobody/no-such-model'"):
         make_retriever("embedding", model="nobody/no-such-model")
     with caplog.at_level(logging.WARNING, logger="metaclaw.retrieval"):
-        assert isinstance(make_retriever("auto", model="nobody/no-such-model"), LexicalRetriever)
-    assert "using lexical retrieval" in caplog.text
+        fallback = make_retriever("auto", model="nobody/no-such-model")
+    assert isinstance(fallback, HybridRetriever) and fallback.model_id == STATIC_MODEL
+    assert "using the default retrieval" in caplog.text and "no-such-model" in caplog.text
 
 
 @pytest.mark.parametrize("query, expected", [
@@ -543,11 +546,11 @@ def test_lexical_ranking_is_the_same_in_every_process():
     assert len(outputs) == 1
 
 
-def test_a_model_zip_that_cannot_be_unpacked_gives_a_clear_error_or_lexical(tmp_path, monkeypatch,
-                                                                           caplog):
+def test_a_model_zip_that_cannot_be_unpacked_gives_a_clear_error_or_the_default(
+        tmp_path, monkeypatch, caplog):
     """Where neither ``~/.cache`` nor the temp folder takes the unpacked all-MiniLM-L6-v2 (a
     read-only or full disk, a file in the way), the unpacking raised a bare OSError: ``auto``
-    crashed instead of falling back to lexical retrieval. The temp folder is per user. (The
+    crashed instead of falling back to the default retrieval. The temp folder is per user. (The
     default static table ships in the package: it needs no unpacking.)"""
     import importlib.util
     import logging
@@ -565,7 +568,8 @@ def test_a_model_zip_that_cannot_be_unpacked_gives_a_clear_error_or_lexical(tmp_
                                              "use retrieval='lexical'"):
         make_retriever("embedding", model="minilm")
     with caplog.at_level(logging.WARNING, logger="metaclaw.retrieval"):
-        assert isinstance(make_retriever("auto", model="minilm"), LexicalRetriever)
+        fallback = make_retriever("auto", model="minilm")
+    assert fallback.kind == "hybrid" and fallback.model_id == "static"
     assert "cannot unpack" in caplog.text
     assert make_retriever("auto").kind == "hybrid"  # the packaged table needs no unpacking
 

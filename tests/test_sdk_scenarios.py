@@ -11,7 +11,7 @@ import openai
 import pytest
 
 anthropic = pytest.importorskip("anthropic", reason="the Anthropic scenarios need the anthropic "
-                                                    "SDK (pip install 'metaclaw-jupyter[anthropic]')")
+                                                    "SDK (pip install -e '.[anthropic]')")
 
 from metaclaw.offline.double import DoubleServer, Reply  # noqa: E402
 from metaclaw.proxy.app import Proxy, ProxyConfig  # noqa: E402

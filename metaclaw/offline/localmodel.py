@@ -47,8 +47,8 @@ from metaclaw.slowloop.policy import PolicyMismatch, PolicyResponder
 
 log = logging.getLogger(__name__)
 
-EXTRA = ("the local model needs torch, transformers and gguf: pip install "
-         "'metaclaw-jupyter[local-model]' (CPU-only torch first: pip install torch --index-url "
+EXTRA = ("the local model needs torch, transformers and gguf: pip install -e '.[local-model]' "
+         "in the MetaClaw checkout (CPU-only torch first: pip install torch --index-url "
          "https://download.pytorch.org/whl/cpu)")
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
 

@@ -2,7 +2,7 @@
 
 :class:`BackgroundServer` runs one application in a daemon thread or in the foreground;
 :class:`ServedApp` is the start / stop / context-manager / URL lifecycle the servers share.
-The loop is uvloop's where it is installed (``pip install 'metaclaw-jupyter[fast]'``), asyncio's
+The loop is uvloop's where it is installed (the ``fast`` extra), asyncio's
 otherwise (:func:`new_event_loop`).
 """
 

