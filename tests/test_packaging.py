@@ -214,3 +214,30 @@ def test_binder_badge_is_one_line_and_never_a_placeholder() -> None:
     else:
         assert (ROOT / target).is_file(), target
     assert "OWNER" not in readme
+
+
+def test_readmes_offline_proxy_block_runs_as_pasted(tmp_path):
+    """README's "try it offline first" block, pasted whole into a shell (on a free port): the
+    proxy starts in the background, curl waits for it to listen and shows the injected skill,
+    ``metaclaw turns --why`` shows the turn's ask, and ``kill %1`` stops the proxy. Pasted whole,
+    curl met a proxy not yet listening and the block printed nothing."""
+    import os
+    import socket
+    import subprocess
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    start = "metaclaw serve --starter-skills &"
+    block = start + readme.split(start, 1)[1].split("```", 1)[0]
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    assert ":30000" in block and "kill %1" in block
+    script = block.replace(start, f"{start[:-2]} --port {port} &").replace(":30000", f":{port}")
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    done = subprocess.run(["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=120)
+    shown = done.stdout + done.stderr
+    assert "X-MetaClaw-Injected-Skills: backup-before-modify" in shown, shown[-3000:]
+    assert "query: Edit deploy/config.yaml" in shown and "stopped" in shown, shown[-3000:]
+    with socket.socket() as probe:  # the proxy is gone
+        assert probe.connect_ex(("127.0.0.1", port)) != 0
