@@ -784,23 +784,23 @@ def cmd_wire(args: argparse.Namespace) -> int:
         plan = wire.plan(args.agent, path, f"http://{args.host}:{args.port}/v1",
                          token=args.token, model=args.model)
         typed_token = bool(args.token) and args.token != os.environ.get("METACLAW_PROXY_TOKEN")
+        token = ""
+        if args.agent == "codex" and args.token:
+            token = ("\nCodex reads the proxy token from $METACLAW_PROXY_TOKEN: export "
+                     "METACLAW_PROXY_TOKEN=<the token> where Codex runs.")
+        elif args.agent == "claude-code" and not args.token:
+            token = ("\nClaude Code asks for a login unless it has a key: where it is not "
+                     "logged in, export ANTHROPIC_AUTH_TOKEN=metaclaw where it runs (the proxy "
+                     "sends the upstream its own key), or wire with --token.")
         if args.dry_run:
             print(plan.diff or f"{path}: nothing would change", end="")
             print(f"\n(dry run: nothing written; then run: "
-                  f"{plan.serve_command(args.port, typed_token)})")
+                  f"{plan.serve_command(args.port, typed_token)}){token}")
             return 0
         wire.apply(plan)
     except wire.WireError as exc:
         raise CliError(str(exc)) from None
     model = f"model {plan.model}; " if plan.model else ""
-    token = ""
-    if args.agent == "codex" and args.token:
-        token = ("\nThe agent reads the proxy token from $METACLAW_PROXY_TOKEN: export it where "
-                 "the agent runs.")
-    elif args.agent == "claude-code" and not args.token:
-        token = ("\nClaude Code asks for a login unless it has a key: where it is not logged "
-                 "in, export ANTHROPIC_AUTH_TOKEN=metaclaw where it runs (the proxy sends the "
-                 "upstream its own key), or wire with --token.")
     print(f"wired {args.agent} ({path}) to the proxy at http://{args.host}:{args.port} "
           f"({model}the original is kept, `metaclaw wire {args.agent} --undo` restores "
           f"it).\nNow run: {plan.serve_command(args.port, typed_token)}{token}")

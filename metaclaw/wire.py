@@ -90,7 +90,7 @@ class WirePlan:
         token_flag = " --token <the token given to metaclaw wire>" if token else ""
         line = (f"METACLAW_UPSTREAM_API_KEY=<the provider's key> metaclaw serve --upstream "
                 f"{upstream}{protocol}{model} --port {port}{token_flag}")
-        if self.agent == "claude-code":
+        if self.agent == "claude-code" and self.upstream_protocol == "anthropic":
             line += ("\n(in front of another provider's model: --upstream <its OpenAI-compatible "
                      "base URL> --model <its model>, without --upstream-protocol)")
         return line
@@ -397,10 +397,14 @@ def plan_claude_code(path: Path, proxy_url: str, *, token: str | None = None,
         _set(wired, ["env", "ANTHROPIC_AUTH_TOKEN"], token, restore)
     if model:
         _set(wired, ["env", "ANTHROPIC_MODEL"], model, restore)
-    upstream = env.get("ANTHROPIC_BASE_URL") or "https://api.anthropic.com"
+    upstream, protocol = env.get("ANTHROPIC_BASE_URL") or "https://api.anthropic.com", "anthropic"
+    if model and not model.lower().startswith("claude") and "ANTHROPIC_BASE_URL" not in env:
+        # another provider's model (gpt-4o-mini): Claude Code in front of an OpenAI-compatible
+        # upstream, its requests translated (no Anthropic model is named so)
+        upstream, protocol = "https://api.openai.com/v1", "openai"
     return WirePlan(path, before, _json_text(wired, before), upstream, model or "", None,
                     original, agent="claude-code", restore={"keys": restore},
-                    upstream_protocol="anthropic")
+                    upstream_protocol=protocol)
 
 
 def plan_opencode(path: Path, proxy_url: str, *, token: str | None = None,
@@ -415,8 +419,9 @@ def plan_opencode(path: Path, proxy_url: str, *, token: str | None = None,
                         "`metaclaw wire opencode --undo` first to re-wire")
     model = model or current_model
     if not model:
-        raise WireError(f"{path} names no model (\"model\": \"provider/model\"); pass --model "
-                        "NAME (the model the proxy should serve)")
+        where = (f"{path} names no model (\"model\": \"provider/model\")" if original is not None
+                 else f"there is no {path} yet to name a model")
+        raise WireError(f"{where}; pass --model NAME (the model the proxy should serve)")
     wired, restore = json.loads(json.dumps(config)), []
     _set(wired, ["provider", PROVIDER], {
         "npm": "@ai-sdk/openai-compatible", "name": "MetaClaw",

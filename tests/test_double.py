@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import logging
+import socket
+import struct
+import threading
 import time
 
 import httpx
@@ -199,3 +203,46 @@ def test_last_user_text_handles_parts():
     # text parts whose text is missing or no string are skipped, not joined (a TypeError: 500)
     assert last_user_text([{"role": "user", "content": [
         {"type": "text", "text": None}, {"type": "text"}, {"type": "text", "text": "kept"}]}]) == "kept"
+
+
+class _WatchedDouble(DoubleServer):
+    """A double that says when a streamed answer has finished (cleanly or not)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.streams_done = threading.Event()
+
+    async def _stream(self, request, body, reply):
+        try:
+            return await super()._stream(request, body, reply)
+        finally:
+            self.streams_done.set()
+
+
+def _hang_up(url: str, read_first: bool) -> None:
+    """POST a streaming request over a raw socket and hang up (with a reset) before the answer
+    starts, or after its first bytes."""
+    host, port = url.split("//")[1].split("/")[0].split(":")
+    body = json.dumps({"model": "m", "messages": USER, "stream": True}).encode()
+    sock = socket.create_connection((host, int(port)), timeout=5)
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    if read_first:
+        assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()
+
+
+@pytest.mark.parametrize("when", ["before the answer", "mid-stream"])
+def test_client_hang_up_ends_the_stream_quietly(when, caplog):
+    # curl -m 0.05 against `metaclaw serve --sim`: aiohttp logged "Error handling request ...
+    # ClientConnectionResetError: Cannot write to closing transport"
+    reply = Reply("a b c d e f g h", delay=0.3) if when == "before the answer" else \
+        Reply("a b c d e f g h", chunk_delay=0.1)
+    with caplog.at_level(logging.DEBUG, logger="aiohttp.server"), _WatchedDouble([reply]) as server:
+        _hang_up(server.url, read_first=when == "mid-stream")
+        assert server.streams_done.wait(5)
+        time.sleep(0.2)  # aiohttp finishes the response after the handler returns
+        assert httpx.get(server.url + "/models", timeout=5).status_code == 200  # still serving
+    errors = [r for r in caplog.records if r.name.startswith("aiohttp") and r.levelno >= logging.ERROR]
+    assert errors == [], [r.getMessage() for r in errors]

@@ -58,6 +58,27 @@ def _read(agent, path):
     return json5.loads(text)
 
 
+def test_claude_code_wired_with_another_providers_model_serves_it_from_an_openai_upstream(
+        tmp_path):
+    """``wire claude-code --model gpt-4o-mini`` (README's model): the serve line puts the proxy
+    in front of an OpenAI-compatible upstream, not Anthropic's API with an OpenAI model name; a
+    Claude model keeps the Anthropic upstream. Codex's dry run says where its token is read."""
+    config = tmp_path / "settings.json"
+    config.write_text("{}")
+    gpt = run_cli("wire", "claude-code", "--config", config, "--model", "gpt-4o-mini",
+                  "--dry-run").stdout
+    assert "--upstream https://api.openai.com/v1 --model gpt-4o-mini" in gpt, gpt
+    assert "--upstream-protocol" not in gpt
+    claude = run_cli("wire", "claude-code", "--config", config, "--model", "claude-sonnet-4-5",
+                     "--dry-run").stdout
+    assert "--upstream https://api.anthropic.com --upstream-protocol anthropic" in claude
+    codex = tmp_path / "config.toml"
+    codex.write_text(CODEX)
+    dry = run_cli("wire", "codex", "--config", codex, "--token", "tok-secret", "--dry-run").stdout
+    assert "export METACLAW_PROXY_TOKEN=<the token> where Codex runs" in dry
+    assert "tok-secret" not in dry
+
+
 @pytest.mark.parametrize("agent", sorted(ORIGINALS))
 def test_dry_run_apply_and_undo_to_the_exact_bytes(agent, tmp_path):
     name, original = ORIGINALS[agent]

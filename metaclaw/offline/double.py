@@ -264,8 +264,8 @@ class DoubleServer(ServedApp):
                       reply: Reply) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                "Cache-Control": "no-cache", **reply.headers})
-        await response.prepare(request)
         try:
+            await response.prepare(request)  # sends the headers: the client may be gone already
             for sent, chunk in enumerate(self._chunks(body, reply)):
                 if reply.disconnect_after is not None and sent >= reply.disconnect_after:
                     _drop(request)
@@ -275,8 +275,10 @@ class DoubleServer(ServedApp):
                 await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
             await response.write(b"data: [DONE]\n\n")
             await response.write_eof()
-        except ConnectionResetError:
-            pass  # the client went away
+        except ConnectionError:
+            # the client hung up (aiohttp's ClientConnectionResetError "Cannot write to closing
+            # transport" is a ConnectionResetError): end the stream quietly, nothing to answer
+            pass
         return response
 
 

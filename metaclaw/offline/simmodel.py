@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from metaclaw.offline.simrules import DATETIME_RE, KINDS, Rules, read_rules, rule_sentences
+from metaclaw.skills.asks import clean as clean_ask
 from metaclaw.skills.asks import content_text
 
 #: Model ids served by the simulated model server (the ``sim-`` prefix marks them as simulated).
@@ -60,7 +61,9 @@ MONTHS = ("january", "february", "march", "april", "may", "june", "july", "augus
 # Reading the conversation
 # --------------------------------------------------------------------------------------------
 
-_LABEL_BLOCK = re.compile(r"^\s*\[[^\]\n]{2,40}\]")
+# (a bracket with a clock time is a chat gateway's envelope, ``[Sat 2026-11-28 16:19 UTC] ...``,
+# not a label: the request follows it)
+_LABEL_BLOCK = re.compile(r"^\s*\[(?![^\]\n]*\b\d{1,2}:\d{2})[^\]\n]{2,40}\]")
 
 
 def split_feedback(text: str) -> tuple[str, str]:
@@ -107,10 +110,28 @@ class Conversation:
         return self.history_steps + self.steps
 
 
+def _user_own_text(message: dict) -> bool:
+    """Whether a user message carries text of the user's own: not one made only of tool results
+    (Anthropic-style ``tool_result`` parts), and not framework context alone (OpenClaw's
+    ``<<<BEGIN_OPENCLAW_INTERNAL_CONTEXT>>>`` message, reminders, envelopes): something is left
+    after the proxy's own ask cleaner (:func:`metaclaw.skills.asks.clean`), an ask or a remark."""
+    content = message.get("content")
+    if isinstance(content, list) and content and all(
+            isinstance(p, dict) and p.get("type") == "tool_result" for p in content):
+        return False
+    ask, remark, _ = clean_ask(content_text(content))
+    return bool(ask or remark)
+
+
 def parse_conversation(messages: list[dict]) -> Conversation:
-    """Chat messages -> :class:`Conversation` (system text, remarks, question, tool steps)."""
+    """Chat messages -> :class:`Conversation` (system text, remarks, question, tool steps).
+
+    The question is the last user message that carries text of the user's own
+    (:func:`_user_own_text`); user messages after it (tool results, framework context) do not
+    restart the task: the tool steps after the question are this task's steps."""
     conv = Conversation()
-    last_user = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=-1)
+    own = {i for i, m in enumerate(messages) if m.get("role") == "user" and _user_own_text(m)}
+    last_user = max(own, default=-1)
     results: dict[str, str] = {}
     for m in messages:
         if m.get("role") == "tool":
@@ -120,6 +141,8 @@ def parse_conversation(messages: list[dict]) -> Conversation:
         if role in ("system", "developer"):
             conv.system += content_text(m.get("content")) + "\n"
         elif role == "user":
+            if i not in own:
+                continue  # framework context or tool results: not the user's words
             fb, q = split_feedback(content_text(m.get("content")))
             if fb:
                 conv.feedback.append(fb)
@@ -168,17 +191,32 @@ class ToolSet:
     """Maps the request's tool schemas to the five file operations the simulated agent uses."""
 
     KINDS = ("append", "copy", "list", "read", "write")
+    #: Words of a parameter name that make a tool fit a kind: a file operation takes a path
+    #: (``todowrite``'s ``todos`` or ``TodoWrite``'s list is no file to write).
+    PATH_WORDS = {"copy": ("path", "file", "src", "source", "dst", "dest", "target"),
+                  "list": ("path", "dir", "folder", "file", "name")}
+    DEFAULT_PATH_WORDS = ("path", "file", "dir", "name")
 
     def __init__(self, tools: list[dict] | None):
         self.tools: dict[str, tuple[str, list[str]]] = {}
         for t in tools or []:
             fn = t.get("function", t) if isinstance(t, dict) else {}
             name = str(fn.get("name", ""))
-            props = list(((fn.get("parameters") or {}).get("properties") or {}).keys())
+            params = fn.get("parameters") if isinstance(fn, dict) else None
+            if not isinstance(params, dict):   # Anthropic-style tools: input_schema
+                params = fn.get("input_schema") if isinstance(fn, dict) else None
+            properties = params.get("properties") if isinstance(params, dict) else None
+            props = list(properties.keys()) if isinstance(properties, dict) else []
             for kind in self.KINDS:
-                if kind in name.lower() and kind not in self.tools:
+                if kind in name.lower() and kind not in self.tools and self._fits(kind, props):
                     self.tools[kind] = (name, props)
                     break
+
+    @classmethod
+    def _fits(cls, kind: str, props: list[str]) -> bool:
+        """Whether a tool with these parameter names can do ``kind``: it takes a path-like one."""
+        words = cls.PATH_WORDS.get(kind, cls.DEFAULT_PATH_WORDS)
+        return any(w in str(p).lower() for p in props for w in words)
 
     @staticmethod
     def path_hint(call: dict) -> str | None:
@@ -1014,13 +1052,26 @@ def _modify_target(conv: Conversation) -> str | None:
     return None
 
 
+#: "create hello.py", "write a file named notes.md", "save it as report.csv": a bare file name
+#: (no folder) the request asks to create or write.
+_BARE_TARGET = re.compile(
+    r"\b(?:save[ds]?|create|store|write)\s+(?:it\s+|them\s+|the results\s+)?(?:(?:as|to|in|into)\s+)?"
+    r"(?:(?:a|an|the|new)\s+){0,2}(?:[\w-]+\s+){0,2}?(?:(?:called|named)\s+)?"
+    r"(?<![\w/.\-])([A-Za-z0-9_][\w\-]*(?:\.[\w\-]+)*\.(?:[A-Za-z][A-Za-z0-9]{1,5}|[chr]))(?![\w/\-]|\.[A-Za-z0-9])",
+    re.I)
+
+
 def _new_target(ctx: _Ctx, conv: Conversation) -> str:
     q = conv.question
-    m = re.search(rf"\b(?:save[ds]?|saved|create|store|write)\s+(?:it\s+|them\s+|the results\s+)?(?:as|to|in)?\s*"
+    m = re.search(rf"\b(?:save[ds]?|saved|create|store|write)\s+(?:it\s+|them\s+|the results\s+)?(?:(?:as|to|in)\b\s*)?"
                   rf"({_PATH})", q, re.I)
     if m:
         return m.group(1).rstrip(".")
     folder = work_dir(conv)
+    if folder == "." and ctx.rules.naming is None:
+        bare = _BARE_TARGET.search(q)
+        if bare:   # "create hello.py that prints hi": no folder, no naming rule -> that file
+            return bare.group(1)
     ext = output_format(q)
     words = describe(q)
     name = ctx.rules.naming.name(words, ext, ctx.today) if ctx.rules.naming else f"{'_'.join(words)}.{ext}"
@@ -1245,7 +1296,7 @@ def agent_reply(body: dict, seed: int = DEFAULT_SEED) -> dict:
 
     In: an OpenAI chat-completions request body (messages, tools). Out: ``{"content": str|None,
     "tool_calls": list|None}``. Stateless: the step is re-derived from the tool calls already made
-    since the last user message.
+    since the user's last message of their own (see :func:`parse_conversation`).
     """
     conv = parse_conversation(body.get("messages") or [])
     tools = ToolSet(body.get("tools"))
