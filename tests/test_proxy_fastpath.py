@@ -267,3 +267,22 @@ def test_a_query_in_the_upstream_url_goes_with_every_request_and_is_never_shown(
         store.close()
     assert seen == ["/openai/deployments/d1/chat/completions?api-version=2024-10-21&key=s3cret"] * 2
     assert "s3cret" not in health and "s3cret" not in caplog.text
+
+
+def test_a_turn_records_its_ask_when_the_library_is_empty(tmp_path):
+    """A new user's first turns, before any skill exists: ``turns --why`` shows each turn's ask
+    (it showed ``query: -``: the ask was only found to choose skills)."""
+    import httpx
+
+    store = Store(tmp_path / "m.db")
+    with DoubleServer() as double, Proxy(ProxyConfig(upstream_url=double.url), store,
+                                         SkillLibrary(tmp_path / "empty", store)) as proxy:
+        reply = httpx.post(proxy.url + "/chat/completions", json={"model": "m", "messages": [
+            {"role": "system", "content": "You are helpful."},
+            {"role": "user", "content": "hello there, tidy the imports in utils.py"}]})
+        assert reply.status_code == 200
+        proxy.flush()
+        turns = store.turns()
+    store.close()
+    assert turns[0]["retrieval_query"] == "hello there, tidy the imports in utils.py"
+    assert not turns[0]["injected_skills"]

@@ -837,11 +837,17 @@ class TurnPipeline:
                 else:
                     await asyncio.get_running_loop().run_in_executor(
                         self.parts.retrieval_pool, self.select_and_inject, turn, skills)
-            elif BLOCK_TAG in turn.raw:
-                # a turn served no skills (a side call, an empty library) that resends an
-                # earlier turn's block: taken out, so the upstream sees no skills here either
-                turn.body = turn.protocol.inject(turn.body, "")
-                turn.messages = skill_block.inject(turn.messages, "")
+            else:
+                if is_task_turn(turn.turn_type):  # no skill to choose: the ask is still shown
+                    try:  # (turns --why, the trace)
+                        turn.query = retrieval_query(turn)
+                    except Exception:  # noqa: BLE001 - served all the same
+                        log.exception("could not find the ask of a turn")
+                if BLOCK_TAG in turn.raw:
+                    # a turn served no skills (a side call, an empty library) that resends an
+                    # earlier turn's block: taken out, so the upstream sees no skills here either
+                    turn.body = turn.protocol.inject(turn.body, "")
+                    turn.messages = skill_block.inject(turn.messages, "")
         except BaseException:  # cancelled (its client hung up): the session it took is free
             if turn.thread is not None:
                 self.parts.threads.settle(turn.thread, False)
