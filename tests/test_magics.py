@@ -265,6 +265,8 @@ def test_a_held_proposal_is_edited_and_promoted_from_magics(ip, capsys):
                            support_ids=[failure], report=report)
     widget = line(ip, "proposals")
     assert [p["id"] for p in widget.proposals] == [pid]
+    # its text form (nbconvert, CI logs) names the held proposal, not only an empty diff
+    assert repr(widget).endswith(f"; proposal #{pid} held: add miles-to-km)"), repr(widget)
     assert line(ip, "proposals --all")["status"].to_list() == ["held"]
     assert "unsafe instructions" in fails(ip, f"promote {pid} --by alice")
     cell(ip, f"edit-proposal {pid} miles-to-km --by alice", "Multiply by 1.609.")

@@ -412,9 +412,16 @@ class SkillDiffWidget(_WorkspaceWidget):
 
     def __repr__(self) -> str:
         s = self.diff.get("summary", {})
+        # the held proposals too: the text form (nbconvert, CI logs, a terminal) of a widget
+        # made to review one read as an empty diff
+        held = [p for p in self.proposals if p.get("status") == "held"]
+        proposals = "".join(
+            f"; proposal #{p['id']} held: " + (", ".join(f"{d['op']} {d['name']}"
+                                                        for d in p.get("diffs") or []) or "no change")
+            for p in held)
         return (f"SkillDiffWidget(generation {self.old} -> {self.new}: +{s.get('added', 0)} added, "
                 f"~{s.get('edited', 0)} edited, -{s.get('removed', 0)} removed"
-                f"{', following' if self.follow else ''})")
+                f"{', following' if self.follow else ''}{proposals})")
 
 
 def generation_label(row: dict[str, Any]) -> str:
