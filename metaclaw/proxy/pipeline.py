@@ -610,7 +610,6 @@ class Collaborators:
     failures: FailureLog = field(default_factory=FailureLog)
 
 
-
 #: Claude Code's User-Agent (``claude-cli/<version> ...``).
 CLAUDE_CODE_AGENT = "claude-cli/"
 
@@ -694,12 +693,14 @@ class TurnPipeline:
         token = config.token
         if not token:
             return caller_key
+        # (under caller-auth the token comes in its own header: the answer names that one)
+        client = {} if config.caller_auth else headers
         if not given:
-            raise token_refused(headers, f"missing token: this proxy requires {where}",
+            raise token_refused(client, f"missing token: this proxy requires {where}",
                                 "missing_token")
         # a header's bytes that are not UTF-8 arrive as lone surrogates: compared as sent
         if not hmac.compare_digest(given.encode("utf-8", "surrogateescape"), token.encode()):
-            raise token_refused(headers, "invalid token: set the client's api_key (sent as "
+            raise token_refused(client, "invalid token: set the client's api_key (sent as "
                                 "'Authorization: Bearer' or 'x-api-key') to the proxy's token",
                                 "invalid_token")
         return caller_key
