@@ -2,6 +2,7 @@
 OpenClaw requests, side-call rules, hostile session ids, and a captured request replayed
 through the proxy."""
 
+import contextlib
 import json
 import os
 import shutil
@@ -451,31 +452,45 @@ def test_reply_threads_number_openings_after_the_recorded_sessions(tmp_path):
     assert small.resolve(other, opening)[0] == f"{other}.9"  # forgotten, then looked up
 
 
-def test_two_proxies_keep_apart_two_runs_that_open_alike_one_after_the_other(tmp_path):
-    """Two proxies on one workspace, a harness that sends no session id: a run through the
-    second proxy that opens with the message an earlier run through the first opened with is
-    another session. The second proxy had numbered its openings from what was recorded when it
-    started, and put the run into the first's session, with its turns and its judge context."""
+@contextlib.contextmanager
+def _two_proxies(tmp_path: Path, *replies: Reply):
+    """Two proxies on one workspace (``tmp_path / "ws.db"``) in front of a double answering
+    ``replies``: yields ``ask(proxy, messages)``, a chat request through one of them (its turn
+    recorded when it returns)."""
     import openai
 
     from metaclaw.store import Store
 
     db = tmp_path / "ws.db"
-    opening = [{"role": "user", "content": "Tidy the imports in utils.py"}]
-    with DoubleServer() as upstream:
+    with DoubleServer(list(replies)) as upstream:
         proxies = [Proxy(ProxyConfig(upstream_url=upstream.url, retrieval="lexical"),
                          Store(db), SkillLibrary(tmp_path / "skills", Store(db))).start()
                    for _ in range(2)]
+
+        def ask(proxy: Proxy, messages: list[dict]) -> None:
+            openai.OpenAI(base_url=proxy.url, api_key="k", max_retries=0).chat \
+                .completions.create(model="m", messages=messages)
+            proxy.flush()
+
         try:
-            for proxy in (*proxies, proxies[0]):
-                upstream.add(Reply("Done."))
-                openai.OpenAI(base_url=proxy.url, api_key="k", max_retries=0).chat \
-                    .completions.create(model="m", messages=opening)
-                proxy.flush()
+            yield proxies, ask
         finally:
             for proxy in proxies:
                 proxy.stop()
-    with Store(db) as store:
+
+
+def test_two_proxies_keep_apart_two_runs_that_open_alike_one_after_the_other(tmp_path):
+    """Two proxies on one workspace, a harness that sends no session id: a run through the
+    second proxy that opens with the message an earlier run through the first opened with is
+    another session. The second proxy had numbered its openings from what was recorded when it
+    started, and put the run into the first's session, with its turns and its judge context."""
+    from metaclaw.store import Store
+
+    opening = [{"role": "user", "content": "Tidy the imports in utils.py"}]
+    with _two_proxies(tmp_path, *[Reply("Done.")] * 3) as (proxies, ask):
+        for proxy in (*proxies, proxies[0]):
+            ask(proxy, opening)
+    with Store(tmp_path / "ws.db") as store:
         sessions = [t["session_id"] for t in store.turns()]
     assert len(set(sessions)) == 3 and sessions[1] == sessions[0] + ".2" \
         and sessions[2] == sessions[0] + ".3", sessions
@@ -487,31 +502,13 @@ def test_two_proxies_keep_apart_two_runs_that_open_alike_at_the_same_time(tmp_pa
     the opening from what was recorded, found nothing, and both took the fingerprint's id."""
     from concurrent.futures import ThreadPoolExecutor
 
-    import openai
-
     from metaclaw.store import Store
 
-    db = tmp_path / "ws.db"
     opening = [{"role": "user", "content": "Summarise the open pull requests"}]
-    with DoubleServer() as upstream:
-        proxies = [Proxy(ProxyConfig(upstream_url=upstream.url, retrieval="lexical"),
-                         Store(db), SkillLibrary(tmp_path / "skills", Store(db))).start()
-                   for _ in range(2)]
-        try:
-            for _ in proxies:
-                upstream.add(Reply("Two are open.", delay=1.0))
-
-            def ask(proxy: Proxy) -> None:
-                openai.OpenAI(base_url=proxy.url, api_key="k", max_retries=0).chat \
-                    .completions.create(model="m", messages=opening)
-                proxy.flush()
-
-            with ThreadPoolExecutor(2) as pool:
-                list(pool.map(ask, proxies))
-        finally:
-            for proxy in proxies:
-                proxy.stop()
-    with Store(db) as store:
+    with _two_proxies(tmp_path, *[Reply("Two are open.", delay=1.0)] * 2) as (proxies, ask), \
+            ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda proxy: ask(proxy, opening), proxies))
+    with Store(tmp_path / "ws.db") as store:
         sessions = sorted(t["session_id"] for t in store.turns())
         listed = {row["id"] for row in trace_sessions(store)}
     assert len(sessions) == 2 and sessions[1] == sessions[0] + ".2", sessions
