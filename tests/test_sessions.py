@@ -534,11 +534,15 @@ def test_an_opening_claims_its_session_before_its_reply(tmp_path):
     assert first.resolve(fp, opening)[0] == fp
     assert first.resolve(fp, opening)[0] == f"{fp}.3"
     assert trace_sessions(store) == []
+    store.ensure_session(f"{fp}.4")
     assert store.claim_session(f"{fp}.3") is False and store.claim_session("conv-x") is True
     other = Store(tmp_path / "ws.db")
     sqlite = getattr(store, "engine", "sqlite") == "sqlite"
     with store.transaction():  # another connection holds the write lock
         assert other.claim_session("conv-y") is (None if sqlite else True)
+        # an opening whose claim is not written is still numbered after what was recorded
+        # (fp.4 by another process since this one looked)
+        assert first.resolve(fp, opening)[0] == f"{fp}.5"
     assert (store.session("conv-y") is None) is sqlite
 
 

@@ -362,9 +362,10 @@ class ReplyThreads:
     Kept in memory, per proxy process; at most :attr:`MAX_ENTRIES` fingerprints and replies are
     remembered (the least recently used are forgotten). With the workspace ``store``, what this
     process does not remember is read from what was recorded (after a restart, from another
-    proxy, or forgotten): an opening's number follows the fingerprint's recorded sessions,
-    looked up at each opening (read whole the first time, then the next ids one key at a time)
-    and claimed there before the reply (:meth:`Store.claim_session`), so a new run never joins
+    proxy, or forgotten): an opening's number follows the fingerprint's recorded sessions
+    (read whole the first time; after that the number is claimed there before the reply,
+    :meth:`Store.claim_session`, and the ids recorded since are read only when it is taken),
+    so a new run never joins
     an earlier run's session, or one opening at the same moment, this process's or another
     proxy's; a client's fixed preamble is known from the fingerprint's recorded opening; and a
     continuation of a reply found as the latest turn of a recorded session (of the
@@ -536,29 +537,44 @@ class ReplyThreads:
         """A conversation's first turn: the fingerprint for the first opening, ``.N`` after it
         for the N-th (an opening a failed turn left free is taken again). Holds the lock."""
         opened = self._openings.get(fingerprint)
-        if opened is None or not opened[1]:
-            # the openings recorded so far, by every proxy of the workspace: another proxy may
-            # have opened this fingerprint since this one last looked (all its sessions read
-            # once; after that, the next number looked up, one key at a time)
-            recorded = self._recorded_count(fingerprint, None if opened is None else opened[0])
-            # (another thread may have opened it while a look-up let go of the lock)
-            opened = self._openings.setdefault(fingerprint, [0, []])
-            opened[0] = max(opened[0], recorded)
+        new = opened is None
+        if new:
+            opened = self._openings[fingerprint] = [0, []]
             _bound(self._openings, self.MAX_ENTRIES)
         self._openings.move_to_end(fingerprint)
-        if opened[1]:
-            session_id = opened[1].pop(0)
-        else:
-            for _ in range(self.CLAIMS):
-                opened[0] += 1
-                session_id = fingerprint if opened[0] == 1 else f"{fingerprint}.{opened[0]}"
-                # taken in the workspace before its first reply: another proxy numbering the
-                # same opening meanwhile finds it taken and takes the next (unclaimed when the
-                # write lock is held at that instant: numbered from what was recorded)
-                if self._claim(session_id) is not False:
-                    break
+        session_id = opened[1].pop(0) if opened[1] else self._take(fingerprint, opened, new)
         how = FINGERPRINT if session_id == fingerprint else REPEATED_OPENING
         return session_id, how, Thread(fingerprint, session_id, history, opening=True, ask=ask)
+
+    def _take(self, fingerprint: str, opened: list[Any], new: bool) -> str:
+        """The next opening's session id, numbered after the openings recorded by every proxy
+        of the workspace (all of a fingerprint new here read once) and claimed there before its
+        first reply (:meth:`Store.claim_session`), so that another proxy numbering the same
+        opening meanwhile takes the next. For a fingerprint this process knows, the claim is
+        the look-up: the ids recorded since are read (one key at a time) only when the next one
+        is taken. A claim not written (no store, the write lock held at that instant) leaves
+        the opening numbered after what was recorded. Holds the lock (a round trip over the
+        network lets go of it meanwhile)."""
+        if new:
+            opened[0] = max(opened[0], self._recorded_count(fingerprint))
+        for _ in range(self.CLAIMS):
+            opened[0] += 1  # this process's before the claim: another thread takes the next
+            number = opened[0]
+            session_id = fingerprint if number == 1 else f"{fingerprint}.{number}"
+            claimed = self._claim(session_id)
+            if claimed:
+                break
+            if claimed is None:
+                if not new:  # not claimed: after the ones recorded since this process looked
+                    recorded = self._recorded_count(fingerprint, number - 1)
+                    if recorded >= number:
+                        opened[0] = max(opened[0], recorded + 1)
+                        number = opened[0]
+                        session_id = f"{fingerprint}.{number}"
+                break
+            # taken elsewhere: past the ones recorded since this process looked
+            opened[0] = max(opened[0], self._recorded_count(fingerprint, number))
+        return session_id
 
     # -- what the workspace recorded ----------------------------------------------------------
     def _family(self, fingerprint: str) -> tuple[str, str]:
