@@ -433,3 +433,25 @@ def test_the_result_reports_only_the_support_turns_it_consumed(store, library):
         result = Evolver(double.url, "evolver", library, store, dedupe_threshold=None).evolve()
     assert result.applied and result.consumed == [ids[1]]
     assert [t["id"] for t in store.turns("buffer_state = 'consumed'")] == [ids[1]]
+
+
+def test_a_support_turns_long_tool_calls_keep_their_names():
+    """A turn that read a long file and then wrote one: the evolver's tools section (1,500
+    characters) still names the write. Cut as one text, the middle went, with the write's name,
+    and the evolved skill said the turn "wrote nothing"."""
+    from metaclaw.fastloop.evolver import SUPPORT_BUDGETS, support_item
+
+    def call(ident: str, name: str, **args: str) -> dict:
+        return {"id": ident, "type": "function",
+                "function": {"name": name, "arguments": json.dumps(args)}}
+
+    turn = {"id": 2, "response": "", "request_messages": [
+        {"role": "user", "content": "Please organize the standup notes"},
+        {"role": "assistant", "content": None,
+         "tool_calls": [call("c1", "read_file", path="day01/raw.txt")]},
+        {"role": "tool", "tool_call_id": "c1", "content": "note " * 800}],
+        "tool_calls": [call("c2", "write_file", path="day01/out.json", content="y" * 3000)]}
+    tools = support_item(turn)["tools"]
+    assert len(tools) <= SUPPORT_BUDGETS["tools"] + 100
+    assert 'call read_file({"path": "day01/raw.txt"})' in tools
+    assert 'call in this reply: write_file({"path": "day01/out.json"' in tools

@@ -172,6 +172,9 @@ Answer {{"operations": []}} when no change would help."""
 
 #: Character budgets of the fields of one support turn and of one skill body in the prompt.
 SUPPORT_BUDGETS = {"task": 1500, "tools": 1500, "reply": 1500, "rationale": 600, "feedback": 600}
+#: Each tool call and result of a support turn is cut to about this many characters first, so
+#: that the tools section, cut to its budget, still names the calls at its end (the turn's own).
+SUPPORT_TOOL_ENTRY = 300
 SKILL_BODY_BUDGET = 3000
 
 
@@ -199,7 +202,7 @@ class EvolveValidationError(ValueError):
 # -- prompt -----------------------------------------------------------------------------------
 def support_item(turn: dict[str, Any], feedback: str | None = None) -> dict[str, Any]:
     """One support turn as shown to the evolver (fields trimmed to :data:`SUPPORT_BUDGETS`)."""
-    sections = render_sections(turn)
+    sections = render_sections(turn, tool_entry_chars=SUPPORT_TOOL_ENTRY)
     return {
         "id": turn.get("id"),
         "turn_type": turn.get("turn_type") or "main",

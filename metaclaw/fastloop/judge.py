@@ -122,11 +122,15 @@ def _call_line(call: dict[str, Any], prefix: str) -> str:
     return f"{prefix}{fn.get('name', '?')}({args}){ident}"
 
 
-def render_sections(turn: dict[str, Any], next_user: str | None = None) -> dict[str, str]:
+def render_sections(turn: dict[str, Any], next_user: str | None = None, *,
+                    tool_entry_chars: int | None = None) -> dict[str, str]:
     """The (untrimmed) text of each judge prompt section for a turn row.
 
     ``turn`` needs ``request_messages`` and ``response``; ``tool_calls`` (the reply's own tool
     calls) is optional. The feedback section is present only when ``next_user`` is given.
+    ``tool_entry_chars``: each tool call and result cut in its middle to about that many
+    characters (its tool's name and the start of its arguments kept), for a tools section whose
+    budget is smaller than one long call: cut as one text, a long call lost its name.
     """
     messages = turn.get("request_messages") or []
     users = [message_text(m.get("content")) for m in messages
@@ -147,6 +151,8 @@ def render_sections(turn: dict[str, Any], next_user: str | None = None) -> dict[
             tool_lines.append(f"result [{m.get('name')}]: {message_text(m.get('content'))}")
     for call in turn.get("tool_calls") or []:
         tool_lines.append(_call_line(call, "call in this reply: "))
+    if tool_entry_chars is not None:
+        tool_lines = [trim(line, tool_entry_chars) for line in tool_lines]
     tools = "\n".join(tool_lines) or "(no tool calls)"
 
     reply = turn.get("response") or ""
