@@ -83,7 +83,7 @@ SPLIT_SEED = 20261126
 TARGETS = {"single": 0.90, "two_top3": 0.75, "off_topic": 0.10}
 #: Where the default (static) hybrid's best score falls in this band, MiniLM's hybrid decides
 #: instead (:class:`MinilmWhereUnsure`): chosen on dev in the served library (``--tune unsure``).
-UNSURE_BAND = (1.0, 1.3)
+UNSURE_BAND = (0.7, 1.0)
 
 
 def load_split() -> dict:
@@ -215,18 +215,19 @@ HEADER = (f"  {'retriever (at its defaults)':<44} {'single':>7} {'two':>7} {'two
 
 
 def tune(libraries: dict[str, Any], asks: list[dict], model: str) -> None:
-    """Grid search of the hybrid's constants and the lexical retriever's ``absent`` on these
-    (dev) asks, over every library state (:data:`LIBRARIES`) together: among the settings whose
+    """Grid search of the hybrid's constants on these (dev) asks, over every library state (:data:`LIBRARIES`) together: among the settings whose
     off-topic rate is at most the target in each state (the served one included: the targets are
     read there), the best by single-skill hits + two-skill hits + precision of all states
     together (a skill injected for nothing costs the user tokens and attention). The scores are
-    computed once per ask and setting of ``absent``, the ranking once per weight and saturation;
+    computed once per ask, the ranking once per weight and saturation;
     the selection (top 3, ``min_score``, ``margin``) is replayed for each setting."""
     retriever = HybridRetriever(model)
     states = list(libraries)
     cases = [(state, a) for state in states for a in asks]
-    # one lexical retriever serves every model: its ``absent`` is chosen with the default's
-    absents = (0, 25, 35, 50, 75) if model == "static" else (LexicalRetriever.ABSENT,)
+    # one lexical retriever serves every model and BM25 alone: its ``absent`` was chosen with
+    # the distilled static table's hybrid and is held since, so that a new table (or model)
+    # does not move lexical retrieval
+    absents = (LexicalRetriever.ABSENT,)
     width = max(len(library_of(libraries[state], a)) for state, a in cases)
     dense = np.full((len(cases), width), -np.inf)
     relevant = np.zeros((len(cases), width), dtype=bool)
@@ -250,12 +251,12 @@ def tune(libraries: dict[str, Any], asks: list[dict], model: str) -> None:
             skills = library_of(libraries[state], a)
             bm25[row, :len(skills)] = lexical.scores(a["query"], skills)
         for weight, saturation in itertools.product([0.6, 0.8, 1.0, 1.2, 1.5],
-                                                    [3.0, 6.0, 8.0, 10.0, 15.0]):
+                                                    [3.0, 6.0, 8.0, 10.0, 15.0, 25.0, 40.0]):
             fused = dense + weight * bm25 / (bm25 + saturation)
             top = np.lexsort((name_rank, -fused), axis=1)[:, :3]
             value, hit = fused[rows, top], relevant[rows, top]
-            for min_score, margin in itertools.product(np.round(np.arange(0.8, 1.6, 0.025), 3),
-                                                       [0.1, 0.15, 0.2, 0.25, 0.3]):
+            for min_score, margin in itertools.product(np.round(np.arange(0.6, 1.6, 0.025), 3),
+                                                       [0.1, 0.15, 0.2, 0.25, 0.3, 0.4]):
                 chosen = (value >= min_score) & (value >= value[:, :1] - margin)
                 right = (chosen & hit).sum(axis=1)
                 on_topic = n_relevant > 0
@@ -317,8 +318,8 @@ def tune_unsure(libraries: dict[str, Any], asks: list[dict]) -> None:
         if key == "static":
             best = scores.max(axis=1)
     results = []
-    for lo, hi in itertools.product(np.round(np.arange(0.6, 1.3, 0.05), 2),
-                                    np.round(np.arange(1.1, 1.6, 0.05), 2)):
+    for lo, hi in itertools.product(np.round(np.arange(0.5, 1.3, 0.05), 2),
+                                    np.round(np.arange(0.8, 1.6, 0.05), 2)):
         band = (best >= lo) & (best < hi)
         hits = singles = off = offs = 0
         for a, unsure, s, m in zip(asks, band, decisions["static"], decisions["minilm"]):
@@ -368,6 +369,18 @@ def generated(skills: list[Skill], n: int, seed: int = 0) -> list[Skill]:
     return out
 
 
+def use_static_table(folder: Path) -> None:
+    """Serve the static model from ``folder`` in this process (the model cache is filled with it
+    before anything loads the packaged table)."""
+    from metaclaw.skills import retrieval, static_embedding
+
+    table = static_embedding.packaged(folder)
+    if table is None:
+        raise SystemExit(f"no usable static table in {folder}")
+    retrieval._MODELS[retrieval.STATIC_MODEL] = table
+    print(f"static table: {table.source}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--split", choices=["dev", "test", "heldout", "third"], default="test",
@@ -379,8 +392,13 @@ def main() -> None:
                         "'minilm'; 'unsure': the band of MiniLM where the static is "
                         "unsure) and print the best settings")
     parser.add_argument("--queries", type=int, default=300, help="timed queries per size")
+    parser.add_argument("--static-table", metavar="FOLDER", type=Path,
+                        help="read the static table from FOLDER instead of the packaged one "
+                        "(a table written by benchmarks/train_static_table.py)")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.static_table:
+        use_static_table(args.static_table)
 
     if args.tune:
         libraries, asks = load_set("dev")

@@ -26,25 +26,28 @@ the retrieval benchmark.
    written as a packaged folder (``table.npz`` int8 rows and scales, ``tokenizer.json``,
    ``info.json``, ``NOTICE``) that :func:`metaclaw.skills.static_embedding.packaged` reads unchanged.
 
-Sizes and times on a two-core machine shared with other work (load 6-10): see ``RESULTS`` at
-the end of this docstring.
+The packaged table (``metaclaw/skills/data/static-minilm``) was written by this script with its
+defaults. Sizes and times: see ``RESULTS`` at the end of this docstring.
 
     python benchmarks/train_static_table.py --out FOLDER [--work DIR] [--sentences N]
 
-Then the retrieval benchmark's dev split, with the table read from ``FOLDER``, says whether it is
-better (the hybrid's constants need tuning again with a new table: ``--tune static``).
+Then ``python benchmarks/bench_retrieval.py --static-table FOLDER --tune static`` chooses the
+hybrid's constants for the new table on the dev split (a table moves every score: the
+constants of another table do not carry over), and ``--static-table FOLDER --split dev`` with
+them says whether it is better.
 
-RESULTS. Sources found: 854,603 man-page sentences from 22,169 pages (283,759 unique), 131,768
-from 1,108 ``/usr/share/doc`` files (93,537 unique), 101,562 from 4,000 Python files (82,281
-unique), 7,871 from 226 package descriptions (7,368 unique); a 60,000-sentence draw. On the
-shared two-core machine, gathering takes about 4 minutes and MiniLM encodes 10-16 sentences a
-second, so only the first 14,336 sentences of the draw were encoded (about 25 minutes) and
-trained on (``--use 14336``): 8,978 tokens occur in them; ten epochs take about 2.5 minutes and
-raise the held-out cosine with MiniLM's sentence vectors from 0.53 (distilled table) to 0.81
-(0.73 for the half-and-half blend written by default). On the dev split (hybrid constants
-tuned for each table, off-topic at most 7%, both skill libraries) the blend gives single 66.0%,
-two-skill 52.6%, precision 54.1%, against 67.0%, 57.9% and 44.5% for the distilled table: more
-precise, not more hits. More sentences (the whole draw, on an idle machine) may do better.
+RESULTS (2026-11-28, two idle cores). Sources found: 854,603 man-page sentences from 22,169
+pages (283,758 unique), 131,768 from 1,108 ``/usr/share/doc`` files (93,536 unique), 94,785
+from 4,000 Python files (77,348 unique), 8,648 from 255 package descriptions (8,127 unique);
+a 150,000-sentence draw, gathered in 37 s. MiniLM encodes about 220 sentences a second (11
+minutes); six epochs take 26 s, 14,769 tokens occur in the sentences, and the held-out cosine
+with MiniLM's sentence vectors rises from 0.54 (distilled table) to 0.86 (0.77 for the
+half-and-half blend written by default). On the retrieval benchmark's dev split, the hybrid's
+constants chosen for each table by ``--tune static`` with BM25's ``absent`` held at 35: the
+blend gives one-skill hits 73.7%, two-skill 54.3%, precision 72.8% over the four states of the
+skills together (87.0 -> 88.5% one-skill in the served library, off-topic 9.9% in both),
+against 71.0%, 55.2% and 68.3% for the distilled table; the learned rows alone 73.5%, 52.6%,
+73.9%. An earlier run on 14,336 sentences (a loaded machine) gave no more hits.
 """
 
 from __future__ import annotations
@@ -392,22 +395,12 @@ These derived files are distributed under the same Apache License, Version 2.0.
 """
 
 
-def write(table: np.ndarray, model_path: Path, folder: Path, info: dict) -> None:
-    folder.mkdir(parents=True, exist_ok=True)
-    rows, scale = se.quantize(table)
-    np.savez_compressed(folder / "table.npz", rows=rows, scale=scale)
-    (folder / "tokenizer.json").write_bytes((model_path / "tokenizer.json").read_bytes())
-    (folder / "info.json").write_text(json.dumps(info, indent=1) + "\n")
-    corpus = "; ".join(info["corpus"])
-    (folder / "NOTICE").write_text(NOTICE.format(corpus=corpus, used=info["training"]["sentences"]))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, type=Path, help="the packaged folder to write")
     parser.add_argument("--work", type=Path, default=Path("train-static-work"),
                         help="where the corpus, teacher vectors and token outputs are cached")
-    parser.add_argument("--sentences", type=int, default=60_000,
+    parser.add_argument("--sentences", type=int, default=SENTENCES,
                         help="sentences drawn (MiniLM encodes them; that is most of the time)")
     parser.add_argument("--use", type=int, default=0,
                         help="train on the first N drawn sentences only (0: all)")
@@ -444,18 +437,21 @@ def main() -> None:
         np.save(hidden_file, token_outputs(model_path))
     rows, summary = train(sentences, teacher, np.load(hidden_file), tokenizer,
                           epochs=args.epochs, lr=args.lr, blend=args.blend)
-    write(finish(rows, tokenizer), model_path, args.out, {
+    info = {
         "model": "sentence-transformers/all-MiniLM-L6-v2", "recipe": RECIPE, "dims": se.DIMS,
         "quantization": "int8 per row (row = rows * scale)",
         "training": {"epochs": args.epochs, "lr": args.lr, "blend": args.blend, **summary},
         "corpus": {name: dict(zip(("found", "unique", "drawn"), counts[name]))
                    for name in counts},
         "sentences_used": f"the first {len(sentences):,} of the "
-                          f"{sum(c[2] for c in counts.values()):,} drawn (shuffled)"})
+                          f"{sum(c[2] for c in counts.values()):,} drawn (shuffled)"}
+    notice = NOTICE.format(corpus="; ".join(info["corpus"]), used=info["training"]["sentences"])
+    se.write_table(finish(rows, tokenizer), model_path, args.out, info, notice)
     print(f"wrote {args.out}")
 
 
-EPOCHS = 10
+SENTENCES = 150_000
+EPOCHS = 6
 LR = 0.01
 BLEND = 0.5
 RECIPE = se.RECIPE.replace("-v2", "") + "-tokenlearn-v1"

@@ -1534,7 +1534,7 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--retrieval", choices=["auto", "hybrid", "embedding", "lexical"],
                            default="lexical", help="default lexical, with --top-k 5, --min-score "
                            "0 and --budget-chars 12000: every learned skill is injected, best "
-                           "first; `metaclaw serve` runs auto, 3, 1.15 and 6000")
+                           "first; `metaclaw serve` runs auto, 3, 0.825 and 6000")
             p.add_argument("--top-k", type=argtypes.positive_int, default=5)
             p.add_argument("--min-score", type=argtypes.finite_float, default=0.0,
                            help="0 or more for lexical (BM25) scores, -1..1 for embedding cosines, "

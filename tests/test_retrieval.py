@@ -690,3 +690,14 @@ def test_the_nearest_miss_is_recorded_and_shown_beside_what_was_injected(tmp_pat
     # a skill injected is not the miss, and all of them injected leaves none
     done = select_and_inject(retriever, ask, skills, min_score=1e-9)
     assert [s.skill.name for s in done.selected] == ["iso-dates"] and done.missed is None
+
+
+def test_bench_help_states_the_minimum_score_serve_runs():
+    """``metaclaw bench --help`` names serve's retrieval settings as numbers (the CLI does not
+    import retrieval to print them): they must be the hybrid's own."""
+    from metaclaw.cli import build_parser
+    from metaclaw.skills.retrieval import HYBRID_CONSTANTS
+
+    bench = build_parser()._subparsers._group_actions[0].choices["bench"]
+    help_text = next(a.help for a in bench._actions if "--retrieval" in a.option_strings)
+    assert f"auto, 3, {HYBRID_CONSTANTS['static'][2]:g} and 6000" in help_text

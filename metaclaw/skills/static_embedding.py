@@ -19,10 +19,18 @@ one tokenizer call and a gather over a few dozen rows (tens of microseconds; no 
 cost does not grow with model depth, which is why retrieval uses it by default.
 
 The table of all-MiniLM-L6-v2 ships with the package (:data:`PACKAGED`: the table quantized to
-int8 with one scale per row, 7.8 MB, and the model's tokenizer; :func:`packaged`): the default
+int8 with one scale per row, 6.9 MB, and the model's tokenizer; :func:`packaged`): the default
 embeddings need neither torch nor a distillation, only numpy and tokenizers, and load in a
-fraction of a second. ``python -m metaclaw.skills.static_embedding`` writes that folder again from the
-model (it needs the ``embeddings`` extra).
+fraction of a second. That table went one step further than the recipe above, Model2Vec's
+"Tokenlearn" step: its rows were trained so that the weighted sum of a sentence's token rows
+points where MiniLM's own embedding of that sentence points, on 150,000 English sentences of
+technical text (man pages, package documentation, Python docstrings; none from the retrieval
+benchmark), raising the mean cosine with MiniLM's sentence vectors on held-out sentences from
+0.54 to 0.77 (half learned rows, half distilled; the details are in its ``info.json`` and
+``NOTICE``). ``python benchmarks/train_static_table.py --out FOLDER`` writes such a folder
+(it needs the ``minilm`` extra; the sentences are drawn from the machine's own man pages and
+packages, so another machine's table differs slightly); ``python benchmarks/bench_retrieval.py
+--static-table FOLDER`` measures it.
 
 For any other model the table is derived once per model and cached on disk, keyed by the model's files (30,522 x 256
 float16: 16 MB for all-MiniLM-L6-v2, under ``~/.cache/metaclaw/static-embeddings``). Deriving it
@@ -344,25 +352,18 @@ def packaged(folder: str | os.PathLike = PACKAGED) -> StaticEmbedding | None:
     return StaticEmbedding(table, tokenizer, source=f"packaged all-MiniLM-L6-v2 ({folder.name})")
 
 
-def write_packaged(model_path: str | os.PathLike, folder: str | os.PathLike = PACKAGED) -> Path:
-    """Distil ``model_path`` (:func:`distill`) and write the packaged folder: ``table.npz``
-    (int8 rows and scales, :func:`quantize`), ``tokenizer.json`` and ``info.json``."""
+def write_table(table: Any, model_path: str | os.PathLike, folder: str | os.PathLike,
+                info: dict[str, Any], notice: str) -> Path:
+    """Write ``table`` (float, ``vocab x dims``, already weighted) as a folder :func:`packaged`
+    reads: ``table.npz`` (int8 rows and scales, :func:`quantize`), the model's
+    ``tokenizer.json``, ``info.json`` (``info``) and ``NOTICE`` (``notice``)."""
     import numpy as np
 
     model_path, folder = Path(model_path), Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    rows, scale = quantize(distill(model_path))
+    rows, scale = quantize(table)
     np.savez_compressed(folder / "table.npz", rows=rows, scale=scale)
     (folder / "tokenizer.json").write_bytes((model_path / "tokenizer.json").read_bytes())
-    (folder / "info.json").write_text(json.dumps(
-        {"model": "sentence-transformers/all-MiniLM-L6-v2", "recipe": RECIPE, "dims": DIMS,
-         "quantization": "int8 per row (row = rows * scale)"}, indent=1) + "\n")
+    (folder / "info.json").write_text(json.dumps(info, indent=1) + "\n")
+    (folder / "NOTICE").write_text(notice)
     return folder
-
-
-if __name__ == "__main__":  # python -m metaclaw.skills.static_embedding [MODEL_FOLDER]
-    import sys
-
-    from metaclaw.skills.retrieval import minilm_model_path
-
-    print(write_packaged(sys.argv[1] if len(sys.argv) > 1 else minilm_model_path()))
