@@ -112,7 +112,7 @@ class RuntimeConfig:
         "with embeddings, where numpy and tokenizers are installed, else lexical)",
         choices=["auto", "hybrid", "embedding", "lexical"])
     embedding_model: str | None = option(
-        None, "--embedding-model", "'static' (default: the packaged token table distilled from "
+        None, "--embedding-model", "'static' (default: the packaged token table of "
         "all-MiniLM-L6-v2), 'minilm' (the transformer, loaded in the background), or a "
         "sentence-transformers model path or id")
     top_k: int = option(3, "--top-k", "skills injected per turn", type=argtypes.positive_int)

@@ -7,8 +7,8 @@ Three retrievers share one small interface (:class:`Retriever`):
   score; its constants were chosen on the dev split of ``benchmarks/data/retrieval/
   labelled.json`` and are reported on its test split (``benchmarks/bench_retrieval.py``).
 - :class:`EmbeddingRetriever` (``kind="embedding"``): cosine similarity between text vectors.
-  The default model (``"static"``) is a static token-embedding table distilled from
-  all-MiniLM-L6-v2 that ships with the package (:mod:`metaclaw.skills.static_embedding`): a query
+  The default model (``"static"``) is a static token-embedding table of all-MiniLM-L6-v2
+  (distilled, then trained towards its sentence vectors) that ships with the package (:mod:`metaclaw.skills.static_embedding`): a query
   costs a tokenizer call and a gather, tens of microseconds, no torch. ``"minilm"`` runs
   all-MiniLM-L6-v2 itself through sentence-transformers (milliseconds per query; it loads in
   :meth:`~EmbeddingRetriever.warm`, which servers run after they listen); any local model folder
@@ -464,7 +464,7 @@ class LexicalRetriever:
 
 # -- embeddings ----------------------------------------------------------------------------------
 
-#: The default embedding model: static token vectors distilled from all-MiniLM-L6-v2.
+#: The default embedding model: the packaged static token vectors of all-MiniLM-L6-v2.
 STATIC_MODEL = "static"
 #: all-MiniLM-L6-v2 itself, a 6-layer transformer run by sentence-transformers.
 MINILM_MODEL = "minilm"
@@ -599,8 +599,8 @@ def _quiet_progress():
 
 def load_model(model: str | None = None) -> Any:
     """The encoder for ``model``: a :class:`~metaclaw.skills.static_embedding.StaticEmbedding` for
-    :data:`STATIC_MODEL` (distilled from all-MiniLM-L6-v2 on first use, then read from the disk
-    cache), else a ``SentenceTransformer`` (:data:`MINILM_MODEL`, a local folder or a Hugging
+    :data:`STATIC_MODEL` (the packaged table; where its files are unusable, distilled from
+    all-MiniLM-L6-v2 on first use, then read from the disk cache), else a ``SentenceTransformer`` (:data:`MINILM_MODEL`, a local folder or a Hugging
     Face id; default :func:`default_model_path`).
 
     Loaded once per process and shared (thread-safe). ``HF_HUB_OFFLINE=1`` is set unless the
