@@ -215,12 +215,13 @@ HEADER = (f"  {'retriever (at its defaults)':<44} {'single':>7} {'two':>7} {'two
 
 
 def tune(libraries: dict[str, Any], asks: list[dict], model: str) -> None:
-    """Grid search of the hybrid's constants on these (dev) asks, over every library state (:data:`LIBRARIES`) together: among the settings whose
-    off-topic rate is at most the target in each state (the served one included: the targets are
-    read there), the best by single-skill hits + two-skill hits + precision of all states
-    together (a skill injected for nothing costs the user tokens and attention). The scores are
-    computed once per ask, the ranking once per weight and saturation;
-    the selection (top 3, ``min_score``, ``margin``) is replayed for each setting."""
+    """Grid search of the hybrid's constants on these (dev) asks, over every library state
+    (:data:`LIBRARIES`) together: among the settings whose off-topic rate is at most the target
+    in each state (the served one included: the targets are read there), the best by
+    single-skill hits + two-skill hits + precision of all states together (a skill injected for
+    nothing costs the user tokens and attention). The scores are computed once per ask, the
+    ranking once per weight and saturation; the selection (top 3, ``min_score``, ``margin``) is
+    replayed for each setting."""
     retriever = HybridRetriever(model)
     states = list(libraries)
     cases = [(state, a) for state in states for a in asks]

@@ -7,7 +7,7 @@ MiniLM's own sentence embedding of that sentence points, over a corpus of senten
 the retrieval benchmark.
 
 1. Corpus: English sentences (4-60 words, mostly words, deduplicated case-insensitively) from
-   text on a Debian machine with the ``embeddings`` extra installed: the docstrings and comments
+   text on a Debian machine with the ``minilm`` extra installed: the docstrings and comments
    of 4,000 Python files of site-packages (a seeded sample, test folders left out), the package
    descriptions in site-packages' ``*.dist-info/METADATA``, the man pages of
    ``/usr/share/man/man[1-8]`` (groff markup stripped) and the READMEs and text files of

@@ -151,3 +151,27 @@ def test_the_temp_fallback_is_per_user(no_home_cache, tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     assert static_embedding.cache_dir() == (
         tmp_path / "tmp" / f"metaclaw-cache-{os.getuid()}" / "static-embeddings")
+
+
+def test_a_written_table_is_read_back_as_the_packaged_one_is(tiny_bert, tmp_path):
+    """``write_table`` (what benchmarks/train_static_table.py writes the packaged folder with)
+    gives a folder ``packaged`` reads: the rows within int8's half step, the notice beside."""
+    table = np.random.default_rng(0).normal(size=(30522, 8)).astype(np.float32)
+    folder = static_embedding.write_table(table, tiny_bert, tmp_path / "table", {"dims": 8},
+                                          "NOTICE text\n")
+    read = static_embedding.packaged(folder)
+    assert read is not None and read.table.shape == table.shape
+    step = np.abs(table).max(axis=1, keepdims=True) / 127
+    assert (np.abs(read.table - table) <= step / 2 + 1e-6).all()
+    assert (folder / "NOTICE").read_text() == "NOTICE text\n"
+    assert '"dims": 8' in (folder / "info.json").read_text()
+
+
+def test_the_packaged_table_carries_its_notice_and_how_it_was_made():
+    import json
+
+    info = json.loads((static_embedding.PACKAGED / "info.json").read_text())
+    assert info["model"] == "sentence-transformers/all-MiniLM-L6-v2"
+    assert info["training"]["sentences"] >= 100_000 and "corpus" in info
+    notice = (static_embedding.PACKAGED / "NOTICE").read_text()
+    assert "Apache License, Version 2.0" in notice and "train_static_table.py" in notice

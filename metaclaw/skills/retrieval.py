@@ -6,14 +6,14 @@ Three retrievers share one small interface (:class:`Retriever`):
   saturated BM25 bonus, injected above an absolute floor and within a margin of the best skill's
   score; its constants were chosen on the dev split of ``benchmarks/data/retrieval/
   labelled.json`` and are reported on its test split (``benchmarks/bench_retrieval.py``).
-- :class:`EmbeddingRetriever` (``kind="embedding"``): cosine similarity between text vectors.
-  The default model (``"static"``) is a static token-embedding table of all-MiniLM-L6-v2
-  (distilled, then trained towards its sentence vectors) that ships with the package (:mod:`metaclaw.skills.static_embedding`): a query
-  costs a tokenizer call and a gather, tens of microseconds, no torch. ``"minilm"`` runs
-  all-MiniLM-L6-v2 itself through sentence-transformers (milliseconds per query; it loads in
-  :meth:`~EmbeddingRetriever.warm`, which servers run after they listen); any local model folder
-  or Hugging Face id also works. Skill embeddings are cached by content hash and query
-  embeddings by text hash, so an unchanged library is never re-embedded.
+- :class:`EmbeddingRetriever` (``kind="embedding"``): cosine similarity between text vectors. The
+  default model (``"static"``) is a static token-embedding table of all-MiniLM-L6-v2 (distilled,
+  then trained towards its sentence vectors) that ships with the package
+  (:mod:`metaclaw.skills.static_embedding`): a query costs a tokenizer call and a gather, tens of
+  microseconds, no torch. ``"minilm"`` runs all-MiniLM-L6-v2 itself through sentence-transformers
+  (milliseconds per query; it loads in :meth:`~EmbeddingRetriever.warm`, which servers run after
+  they listen); any local model folder or Hugging Face id also works. Skill embeddings are cached
+  by content hash and query embeddings by text hash, so an unchanged library is never re-embedded.
 - :class:`LexicalRetriever` (``kind="lexical"``): BM25 (k1=1.5, b=0.75) over a simple tokenizer,
   no dependency beyond the standard library.
 
@@ -600,8 +600,9 @@ def _quiet_progress():
 def load_model(model: str | None = None) -> Any:
     """The encoder for ``model``: a :class:`~metaclaw.skills.static_embedding.StaticEmbedding` for
     :data:`STATIC_MODEL` (the packaged table; where its files are unusable, distilled from
-    all-MiniLM-L6-v2 on first use, then read from the disk cache), else a ``SentenceTransformer`` (:data:`MINILM_MODEL`, a local folder or a Hugging
-    Face id; default :func:`default_model_path`).
+    all-MiniLM-L6-v2 on first use, then read from the disk cache), else a
+    ``SentenceTransformer`` (:data:`MINILM_MODEL`, a local folder or a Hugging Face id; default
+    :func:`default_model_path`).
 
     Loaded once per process and shared (thread-safe). ``HF_HUB_OFFLINE=1`` is set unless the
     environment already says otherwise.
