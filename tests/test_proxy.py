@@ -378,6 +378,7 @@ def test_upstream_429_and_500_are_relayed_and_recorded(strict, double):
     with pytest.raises(openai.InternalServerError) as err:
         client.chat.completions.create(model="m", messages=COMMIT_QUESTION, stream=True)
     assert err.value.status_code == 500 and "upstream exploded" in err.value.message
+    assert "x-should-retry" not in err.value.response.headers  # the client may try again
     row = last_turn(strict)
     assert (row["status"], row["http_status"], row["stream"]) == ("error", 500, 1)
 
@@ -423,6 +424,29 @@ def test_unreachable_upstream_gets_502_and_no_upstream_503(workspace, upstream_k
             assert err.value.status_code == 503 and "no upstream is configured" in err.value.message
         row = last_turn(p)
         assert (row["status"], row["http_status"]) == ("error", 503)
+
+
+def test_an_unreachable_upstream_tells_clients_not_to_retry(workspace, upstream_key):
+    """The proxy tried the unreachable upstream again itself: its 502 says ``x-should-retry:
+    false``, so an SDK with retries on asks once and shows the message at once (Claude Code
+    retried for minutes, saying nothing)."""
+    store, library = workspace
+    with socket.socket() as sock:  # a port that nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    config = ProxyConfig(upstream_url=f"http://127.0.0.1:{port}/v1", max_retries=0, timeout=2)
+    with Proxy(config, store, library, make_retriever("lexical")) as p:
+        p.flush()
+        before = len(store.turns())  # the workspace is the module's
+        client = openai.OpenAI(base_url=p.url, api_key=TOKEN, max_retries=3, timeout=10)
+        for stream in (False, True):
+            with pytest.raises(openai.APIStatusError) as err:
+                client.chat.completions.create(model="m", messages=COMMIT_QUESTION,
+                                               stream=stream)
+            assert err.value.code == "upstream_unreachable"
+            assert err.value.response.headers["x-should-retry"] == "false"
+        p.flush()
+        assert len(store.turns()) == before + 2  # one request each, no retry
 
 
 def test_upstream_disconnect_mid_stream_ends_with_error_event(strict, double):

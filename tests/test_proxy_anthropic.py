@@ -763,6 +763,32 @@ def test_claude_code_shows_a_wrong_proxy_token_at_once(workspace, anthropic_doub
     assert "sk-ant-offline" not in shown and not anthropic_double.requests
 
 
+@pytest.mark.skipif(_claude_code() is None, reason="the Claude Code CLI is not installed (npm "
+                    "install @anthropic-ai/claude-code, or set METACLAW_CLAUDE_CODE to its binary)")
+def test_claude_code_shows_an_unreachable_upstream_at_once(workspace, tmp_path):
+    """The real Claude Code in front of an upstream that is down: the proxy's 502 (after its own
+    retry) says not to retry, so Claude Code shows the proxy's message at once; it retried for
+    minutes, saying nothing."""
+    import socket
+    import time
+    from types import SimpleNamespace
+
+    store, _ = workspace
+    with socket.socket() as sock:  # a port that nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        down = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    with _proxy(workspace, SimpleNamespace(base_url=down), "anthropic") as proxy:
+        before = len(_turns(proxy, store))
+        started = time.monotonic()
+        done = _run_claude_code(proxy, tmp_path, "--model", "claude-sonnet-4-5")
+        took = time.monotonic() - started
+        turns = _turns(proxy, store)[before:]
+    shown = done.stdout + done.stderr
+    assert done.returncode != 0 and took < 60, (took, shown[-2000:])
+    assert "cannot reach the upstream" in shown, shown[-2000:]
+    assert [t["http_status"] for t in turns] == [502]
+
+
 # ---------------------------------------------------------------------------------------------
 # a local policy (the slow loop's responder) serving Anthropic clients
 # ---------------------------------------------------------------------------------------------

@@ -415,9 +415,14 @@ class HTTPUpstream(Upstream):
                               type="upstream_error", code="upstream_disconnected")
         if isinstance(exc, (aiohttp.ClientError, OSError)):
             cause = getattr(exc, "os_error", None) or exc.__cause__ or exc
+            # the proxy tried again itself (a connection not opened always once more): a client
+            # retrying at once would only repeat the wait, and Claude Code would say nothing for
+            # minutes; the SDKs (openai, anthropic, Claude Code's) read this header
+            retried = isinstance(exc, aiohttp.ClientConnectorError) or self.max_retries > 0
             return ProxyError(502, f"cannot reach the upstream {upstream} ({type(cause).__name__}: "
                                    f"{cause}); check that it is running and the URL is right",
-                              type="upstream_error", code="upstream_unreachable")
+                              type="upstream_error", code="upstream_unreachable",
+                              headers={"x-should-retry": "false"} if retried else None)
         log.exception("unexpected upstream failure", exc_info=exc)
         return ProxyError(502, f"upstream request failed: {type(exc).__name__}: {exc}",
                           type="upstream_error", code="upstream_error")
