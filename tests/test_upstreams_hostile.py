@@ -143,6 +143,7 @@ def test_an_upstream_redirect_is_a_502_naming_it_before_any_byte(env, location, 
     if client == "anthropic":
         assert reply.json()["error"]["type"] == "api_error"
     assert "redirect" in message and "retry the request" not in message
+    assert reply.headers["x-should-retry"] == "false"  # nor by the client's SDK
     assert SECRET not in reply.text
     assert len(upstream.requests) - before == 1  # a redirect is not retried
     turn = _turn(store, session)

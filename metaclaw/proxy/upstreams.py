@@ -297,7 +297,8 @@ class HTTPUpstream(Upstream):
             where = " to " + "".join(c for c in target[:300] if c.isprintable())
         return ProxyError(502, f"the upstream {safe_url(self.url)} answered HTTP {status}, a "
                                f"redirect{where}; set the upstream URL to where it redirects",
-                          type="upstream_error", code="upstream_redirect")
+                          type="upstream_error", code="upstream_redirect",
+                          headers={"x-should-retry": "false"})  # a setting, not a passing fault
 
     async def _post(self, body: dict[str, Any], key: str | None, headers: dict[str, str],
                     stream: bool = False) -> Any:
