@@ -266,8 +266,9 @@ class LexicalRetriever:
     skill of 8 weighs log 6 = 1.8 against 3.8 in one of 67, and the same ask would score well
     under the hybrid's threshold in a new user's library that it passes in a grown one. On the
     retrieval benchmark's dev split the default's single-skill hits ranged from 60% (4 skills)
-    to 86% (67 skills) without it, and stay at 87-89% at every size with it (``benchmarks/
-    bench_retrieval.py``). In a library of thousands it changes next to nothing."""
+    to 86% (67 skills) without it when it was chosen (with the distilled table), and stay at
+    89-92% at every size with it now (``benchmarks/bench_retrieval.py``). In a library of
+    thousands it changes next to nothing."""
 
     kind = "lexical"
     default_min_score = 1e-9  # any matching word
