@@ -33,8 +33,10 @@ defaults. Sizes and times: see ``RESULTS`` at the end of this docstring.
 
 Then ``python benchmarks/bench_retrieval.py --static-table FOLDER --tune static`` chooses the
 hybrid's constants for the new table on the dev split (a table moves every score: the
-constants of another table do not carry over), and ``--static-table FOLDER --split dev`` with
-them says whether it is better.
+constants of another table do not carry over), and ``--static-table FOLDER --split dev``, with
+them set as ``HYBRID_CONSTANTS["static"]`` in ``metaclaw/skills/retrieval.py``, says whether it
+is better (a table without training in its ``info.json`` is scored with the distilled table's
+constants, ``HYBRID_CONSTANTS["distilled"]``).
 
 RESULTS (2026-11-28, two idle cores). Sources found: 854,603 man-page sentences from 22,169
 pages (283,758 unique), 131,768 from 1,108 ``/usr/share/doc`` files (93,536 unique), 94,785
@@ -44,10 +46,10 @@ minutes); six epochs take 26 s, 14,769 tokens occur in the sentences, and the he
 with MiniLM's sentence vectors rises from 0.54 (distilled table) to 0.86 (0.77 for the
 half-and-half blend written by default). On the retrieval benchmark's dev split, the hybrid's
 constants chosen for each table by ``--tune static`` with BM25's ``absent`` held at 35: the
-blend gives one-skill hits 73.7%, two-skill 54.3%, precision 72.8% over the four states of the
+blend gives one-skill hits 73.9%, two-skill 51.7%, precision 75.8% over the four states of the
 skills together (87.0 -> 88.5% one-skill in the served library, off-topic 9.9% in both),
-against 71.0%, 55.2% and 68.3% for the distilled table; the learned rows alone 73.5%, 52.6%,
-73.9%. An earlier run on 14,336 sentences (a loaded machine) gave no more hits.
+against 71.0%, 55.2% and 68.3% for the distilled table; the learned rows alone 73.1%, 51.7%,
+75.1%. An earlier run on 14,336 sentences (a loaded machine) gave no more hits.
 """
 
 from __future__ import annotations
@@ -386,7 +388,7 @@ sentence-transformers authors, licensed under the Apache License, Version 2.0
 - table.npz is derived from the model's weights: every vocabulary token was run through the
   model alone, and the rows were then trained so that the rarity-weighted sum of a sentence's
   token rows matches the model's embedding of that sentence (Model2Vec's Tokenlearn step), on
-  {used:,} English sentences drawn from {corpus}.
+  {used:,} English sentences (5% of them held out to measure it) drawn from {corpus}.
   The rows were reduced to 256 dimensions by PCA, weighted by token rarity (SIF, function words
   at 0) and quantized to int8 with one scale per row
   (benchmarks/train_static_table.py).

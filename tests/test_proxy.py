@@ -447,6 +447,10 @@ def test_an_unreachable_upstream_tells_clients_not_to_retry(workspace, upstream_
             assert err.value.response.headers["x-should-retry"] == "false"
         p.flush()
         assert len(store.turns()) == before + 2  # one request each, no retry
+        # the model list is asked once, not retried by the proxy: the client may retry it
+        models = httpx.get(p.url + "/models", headers={"Authorization": f"Bearer {TOKEN}"},
+                           timeout=10)
+        assert models.status_code == 502 and "x-should-retry" not in models.headers
 
 
 def test_upstream_disconnect_mid_stream_ends_with_error_event(strict, double):

@@ -62,7 +62,7 @@ def embedder() -> EmbeddingRetriever:
 
 @pytest.fixture(scope="module")
 def static() -> EmbeddingRetriever:
-    """The default embedding model: static token vectors distilled from all-MiniLM-L6-v2."""
+    """The default embedding model: the packaged static token vectors of all-MiniLM-L6-v2."""
     retriever = make_retriever("embedding")
     assert isinstance(retriever, EmbeddingRetriever) and retriever.static
     retriever.warm(SKILLS)
@@ -669,7 +669,7 @@ def test_a_large_librarys_product_runs_on_one_blas_thread_and_restores_the_setti
 
 def test_the_nearest_miss_is_recorded_and_shown_beside_what_was_injected(tmp_path):
     """Nothing injected read "scores: none": a person could not tell that the skill they
-    expected scored 1.129 against a floor of 1.15."""
+    expected scored just under the floor."""
     from metaclaw.protocols.registry import get_protocol
     from metaclaw.proxy.pipeline import Turn, record_row
     from metaclaw.skills.retrieval import scored_text
@@ -701,3 +701,21 @@ def test_bench_help_states_the_minimum_score_serve_runs():
     bench = build_parser()._subparsers._group_actions[0].choices["bench"]
     help_text = next(a.help for a in bench._actions if "--retrieval" in a.option_strings)
     assert f"auto, 3, {HYBRID_CONSTANTS['static'][2]:g} and 6000" in help_text
+
+
+def test_a_distilled_table_gets_the_constants_chosen_for_it(monkeypatch):
+    """The constants were chosen per table: where the packaged (trained) table cannot be used
+    and a distilled one stands in, retrieval uses the distilled table's constants, not the
+    trained table's (which give a distilled table's scores too many off-topic skills)."""
+    from metaclaw.skills import retrieval
+    from metaclaw.skills.static_embedding import StaticEmbedding
+
+    trained = retrieval.load_model(retrieval.STATIC_MODEL)
+    assert trained.trained and make_retriever("auto").default_min_score == \
+        retrieval.HYBRID_CONSTANTS["static"][2]
+    distilled = StaticEmbedding(trained.table, trained.tokenizer, source="distilled")
+    monkeypatch.setitem(retrieval._MODELS, retrieval.STATIC_MODEL, distilled)
+    hybrid, alone = make_retriever("auto"), make_retriever("embedding")
+    assert (hybrid.weight, hybrid.saturation, hybrid.default_min_score,
+            hybrid.default_margin) == retrieval.HYBRID_CONSTANTS["distilled"]
+    assert alone.default_min_score == retrieval.DISTILLED_MIN_SCORE

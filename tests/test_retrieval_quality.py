@@ -54,9 +54,8 @@ def test_the_default_injects_a_relevant_skill_and_stays_quiet_off_topic(labelled
         assert select(default, ask, skills) == [], ask
     hits = [bool({s.skill.name for s in select(default, ask, skills)} & set(relevant))
             for ask, relevant in asks if relevant]
-    # 17 of 68: the fixture's own skills carry no retrieval keys (only the starter skills do),
-    # and without keys the default injects only where the ask also shares words with the skill
-    # (docs/explanation/retrieval.md); the constants hold the off-topic target in every state of
-    # the skills on the dev split, which costs hits here: 21 and 30 of 68 under earlier, more
-    # permissive ones
-    assert sum(hits) / len(hits) >= 16 / 68 - TOLERANCE, sum(hits)
+    # 22 of 68: the fixture's own skills carry no retrieval keys (only the starter skills do),
+    # and without keys the default injects mostly where the ask also shares words with the
+    # skill (docs/explanation/retrieval.md); the constants hold the off-topic target in every
+    # state of the skills on the dev split, which costs hits here
+    assert sum(hits) / len(hits) >= 21 / 68 - TOLERANCE, sum(hits)

@@ -165,6 +165,10 @@ def test_a_written_table_is_read_back_as_the_packaged_one_is(tiny_bert, tmp_path
     assert (np.abs(read.table - table) <= step / 2 + 1e-6).all()
     assert (folder / "NOTICE").read_text() == "NOTICE text\n"
     assert '"dims": 8' in (folder / "info.json").read_text()
+    assert not read.trained  # its info says no training: retrieval uses a distilled table's
+    static_embedding.write_table(table, tiny_bert, folder, {"training": {"epochs": 1}}, "")
+    assert static_embedding.packaged(folder).trained
+    assert static_embedding.packaged().trained  # the packaged table is the trained one
 
 
 def test_the_packaged_table_carries_its_notice_and_how_it_was_made():

@@ -319,6 +319,7 @@ class HTTPUpstream(Upstream):
                 raise
             except (UpstreamStatusError, UpstreamBodyError, aiohttp.ClientError,
                     OSError) as exc:
+                exc.proxy_attempts = attempt + 1  # read by map_error when this one is raised
                 status = getattr(exc, "status", None) if isinstance(
                     exc, UpstreamStatusError) else None
                 # a connection that could not be opened reached no upstream: tried once more
@@ -416,10 +417,10 @@ class HTTPUpstream(Upstream):
                               type="upstream_error", code="upstream_disconnected")
         if isinstance(exc, (aiohttp.ClientError, OSError)):
             cause = getattr(exc, "os_error", None) or exc.__cause__ or exc
-            # the proxy tried again itself (a connection not opened always once more): a client
-            # retrying at once would only repeat the wait, and Claude Code would say nothing for
-            # minutes; the SDKs (openai, anthropic, Claude Code's) read this header
-            retried = isinstance(exc, aiohttp.ClientConnectorError) or self.max_retries > 0
+            # where the proxy tried again itself (a request, not a model list or a token
+            # count), a client retrying at once would only repeat the wait, and Claude Code would
+            # say nothing for minutes; the SDKs (openai, anthropic, Claude Code's) read this header
+            retried = getattr(exc, "proxy_attempts", 1) > 1
             return ProxyError(502, f"cannot reach the upstream {upstream} ({type(cause).__name__}: "
                                    f"{cause}); check that it is running and the URL is right",
                               type="upstream_error", code="upstream_unreachable",

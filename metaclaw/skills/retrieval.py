@@ -471,8 +471,11 @@ STATIC_MODEL = "static"
 MINILM_MODEL = "minilm"
 #: Default ``min_score`` of the static model alone (``retrieval="embedding"``): the lowest round
 #: value (in steps of 0.05) at which at most 10% of the off-topic asks of the dev split of
-#: ``benchmarks/data/retrieval/`` get a skill, whatever keys the skills carry (0-4%).
+#: ``benchmarks/data/retrieval/`` get a skill, whatever keys the skills carry (0-4%), with the
+#: packaged (trained) table; 0.6 with a table only distilled (where the packaged files are
+#: unusable, or another model's).
 STATIC_MIN_SCORE = 0.55
+DISTILLED_MIN_SCORE = 0.6
 #: Default ``min_score`` of transformer models (calibrated on all-MiniLM-L6-v2).
 TRANSFORMER_MIN_SCORE = 0.25
 #: The hybrid's constants (:class:`HybridRetriever`) per kind of model: (weight, saturation,
@@ -485,8 +488,10 @@ TRANSFORMER_MIN_SCORE = 0.25
 #: second set's test half and the third set. Both were chosen with
 #: :attr:`LexicalRetriever.ABSENT` at 35 (one lexical retriever serves both and BM25 alone); the
 #: static model's for the packaged table (:mod:`~metaclaw.skills.static_embedding`: its rows
-#: trained towards MiniLM's sentence vectors), the transformer's for all-MiniLM-L6-v2.
-HYBRID_CONSTANTS = {"static": (1.2, 25.0, 0.825, 0.25), "transformer": (1.0, 8.0, 0.95, 0.2)}
+#: trained towards MiniLM's sentence vectors; ``"distilled"``: a static table only distilled,
+#: where the packaged files are unusable), the transformer's for all-MiniLM-L6-v2.
+HYBRID_CONSTANTS = {"static": (1.2, 25.0, 0.825, 0.25), "distilled": (1.0, 8.0, 1.15, 0.25),
+                    "transformer": (1.0, 8.0, 0.95, 0.2)}
 
 _MODELS: dict[str, Any] = {}
 _MODELS_LOCK = threading.Lock()
@@ -722,6 +727,7 @@ class EmbeddingRetriever:
         self.query_cache_size = query_cache_size
         self.batch_size = batch_size
         self._checked = False  # model_id resolved and its package found
+        self._table: str | None = None  # see table
         self._lock = threading.RLock()
         self._encode_lock = threading.Lock()
         self._batch_lock = threading.Lock()
@@ -749,8 +755,19 @@ class EmbeddingRetriever:
         return self.model_id == STATIC_MODEL
 
     @property
+    def table(self) -> str:
+        """Whose scores these are, for the constants chosen for them: ``"static"`` (the packaged
+        trained table), ``"distilled"`` (a static table only distilled) or ``"transformer"``."""
+        kind = self._table
+        if kind is None:  # read once: the process keeps the model it loaded
+            kind = self._table = "transformer" if not self.static else (
+                "static" if getattr(load_model(STATIC_MODEL), "trained", False) else "distilled")
+        return kind
+
+    @property
     def default_min_score(self) -> float:
-        return STATIC_MIN_SCORE if self.static else TRANSFORMER_MIN_SCORE
+        return {"static": STATIC_MIN_SCORE, "distilled": DISTILLED_MIN_SCORE}.get(
+            self.table, TRANSFORMER_MIN_SCORE)
 
     def __repr__(self) -> str:
         return f"EmbeddingRetriever(model={self.model or 'default'!r})"
@@ -955,7 +972,7 @@ class HybridRetriever:
         given = self._given[i]
         if given is not None:
             return float(given)
-        return HYBRID_CONSTANTS["static" if self.dense.static else "transformer"][i]
+        return HYBRID_CONSTANTS[self.dense.table][i]
 
     @property
     def model_id(self) -> str:
@@ -1320,7 +1337,7 @@ def select_and_inject(retriever: Retriever, messages: list[dict], skills: list[S
 
 def scored_text(entry: dict[str, Any]) -> str:
     """One entry of a turn's ``retrieval_scores`` as text: ``name 0.812``, or for the nearest
-    miss ``name 1.129 (not injected: below 1.150)``."""
+    miss ``name 0.791 (not injected: below 0.825)``."""
     text = f"{entry['name']} {entry['score']:.3f}"
     if entry.get("injected") is False:
         text += f" (not injected: below {entry['below']:.3f})"

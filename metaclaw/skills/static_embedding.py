@@ -23,11 +23,11 @@ int8 with one scale per row, 6.9 MB, and the model's tokenizer; :func:`packaged`
 embeddings need neither torch nor a distillation, only numpy and tokenizers, and load in a
 fraction of a second. That table went one step further than the recipe above, Model2Vec's
 "Tokenlearn" step: its rows were trained so that the weighted sum of a sentence's token rows
-points where MiniLM's own embedding of that sentence points, on 150,000 English sentences of
+points where MiniLM's own embedding of that sentence points, on 142,500 English sentences of
 technical text (man pages, package documentation, Python docstrings; none from the retrieval
-benchmark), raising the mean cosine with MiniLM's sentence vectors on held-out sentences from
-0.54 to 0.77 (half learned rows, half distilled; the details are in its ``info.json`` and
-``NOTICE``). ``python benchmarks/train_static_table.py --out FOLDER`` writes such a folder
+benchmark), raising the mean cosine with MiniLM's sentence vectors on 7,500 held-out sentences
+from 0.54 to 0.77 (half learned rows, half distilled, before PCA; the details are in its
+``info.json`` and ``NOTICE``). ``python benchmarks/train_static_table.py --out FOLDER`` writes such a folder
 (it needs the ``minilm`` extra; the sentences are drawn from the machine's own man pages and
 packages, so another machine's table differs slightly); ``python benchmarks/bench_retrieval.py
 --static-table FOLDER`` measures it.
@@ -80,7 +80,7 @@ class StaticEmbedding:
     ``tokenizers.Tokenizer`` (padding and truncation are turned off here).
     """
 
-    def __init__(self, table: Any, tokenizer: Any, *, source: str = ""):
+    def __init__(self, table: Any, tokenizer: Any, *, source: str = "", trained: bool = False):
         import numpy as np
 
         self.table = np.ascontiguousarray(table, dtype=np.float32)
@@ -88,6 +88,9 @@ class StaticEmbedding:
         tokenizer.no_truncation()
         self.tokenizer = tokenizer
         self.source = source
+        #: rows trained towards the model's sentence vectors (the packaged table; its
+        #: ``info.json`` says so), not only distilled: retrieval's constants differ
+        self.trained = trained
 
     @property
     def dim(self) -> int:
@@ -349,7 +352,12 @@ def packaged(folder: str | os.PathLike = PACKAGED) -> StaticEmbedding | None:
         log.warning("the packaged static embedding table in %s does not match its tokenizer "
                     "(%d rows, %d tokens)", folder, table.shape[0], tokenizer.get_vocab_size())
         return None
-    return StaticEmbedding(table, tokenizer, source=f"packaged all-MiniLM-L6-v2 ({folder.name})")
+    try:
+        trained = "training" in json.loads((folder / "info.json").read_text())
+    except (OSError, ValueError, TypeError):  # no readable info: taken for a distilled table
+        trained = False
+    return StaticEmbedding(table, tokenizer, trained=trained,
+                           source=f"packaged all-MiniLM-L6-v2 ({folder.name})")
 
 
 def write_table(table: Any, model_path: str | os.PathLike, folder: str | os.PathLike,
