@@ -400,13 +400,19 @@ def test_upstream_timeout_gets_504(strict, double):
     assert (row["status"], row["http_status"]) == ("error", 504)
 
 
-def test_unreachable_upstream_gets_502_and_no_upstream_503(workspace, upstream_key, caplog):
+def unreachable_proxy(workspace) -> Proxy:
+    """A proxy whose upstream is a port that nothing listens on."""
     store, library = workspace
-    with socket.socket() as sock:  # a port that nothing listens on
+    with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     config = ProxyConfig(upstream_url=f"http://127.0.0.1:{port}/v1", max_retries=0, timeout=2)
-    with Proxy(config, store, library, make_retriever("lexical")) as p:
+    return Proxy(config, store, library, make_retriever("lexical"))
+
+
+def test_unreachable_upstream_gets_502_and_no_upstream_503(workspace, upstream_key, caplog):
+    store, library = workspace
+    with unreachable_proxy(workspace) as p:
         for _ in range(3):
             with pytest.raises(openai.APIStatusError) as err:
                 sync_client(p).chat.completions.create(model="m", messages=COMMIT_QUESTION)
@@ -430,12 +436,8 @@ def test_an_unreachable_upstream_tells_clients_not_to_retry(workspace, upstream_
     """The proxy tried the unreachable upstream again itself: its 502 says ``x-should-retry:
     false``, so an SDK with retries on asks once and shows the message at once (Claude Code
     retried for minutes, saying nothing)."""
-    store, library = workspace
-    with socket.socket() as sock:  # a port that nothing listens on
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    config = ProxyConfig(upstream_url=f"http://127.0.0.1:{port}/v1", max_retries=0, timeout=2)
-    with Proxy(config, store, library, make_retriever("lexical")) as p:
+    store, _ = workspace
+    with unreachable_proxy(workspace) as p:
         p.flush()
         before = len(store.turns())  # the workspace is the module's
         client = openai.OpenAI(base_url=p.url, api_key=TOKEN, max_retries=3, timeout=10)
