@@ -18,19 +18,19 @@ A text's vector is the mean of its tokens' rows, normalized to unit length. Enco
 one tokenizer call and a gather over a few dozen rows (tens of microseconds; no torch), and its
 cost does not grow with model depth, which is why retrieval uses it by default.
 
-The table of all-MiniLM-L6-v2 ships with the package (:data:`PACKAGED`: the table quantized to
-int8 with one scale per row, 6.9 MB, and the model's tokenizer; :func:`packaged`): the default
-embeddings need neither torch nor a distillation, only numpy and tokenizers, and load in a
-fraction of a second. That table went one step further than the recipe above, Model2Vec's
-"Tokenlearn" step: its rows were trained so that the weighted sum of a sentence's token rows
-points where MiniLM's own embedding of that sentence points, on 142,500 English sentences of
-technical text (man pages, package documentation, Python docstrings; none from the retrieval
-benchmark), raising the mean cosine with MiniLM's sentence vectors on 7,500 held-out sentences
-from 0.54 to 0.77 (half learned rows, half distilled, before PCA; the details are in its
-``info.json`` and ``NOTICE``). ``python benchmarks/train_static_table.py --out FOLDER`` writes such a folder
-(it needs the ``minilm`` extra; the sentences are drawn from the machine's own man pages and
-packages, so another machine's table differs slightly); ``python benchmarks/bench_retrieval.py
---static-table FOLDER`` measures it.
+The table of all-MiniLM-L6-v2 ships with the package (:data:`PACKAGED`: the table quantized to int8
+with one scale per row, 6.9 MB, and the model's tokenizer; :func:`packaged`): the default
+embeddings need neither torch nor a distillation, only numpy and tokenizers, and load in a fraction
+of a second. That table went one step further than the recipe above, Model2Vec's "Tokenlearn" step:
+its rows were trained so that the weighted sum of a sentence's token rows points where MiniLM's own
+embedding of that sentence points, on 142,500 English sentences of technical text (man pages,
+package documentation, Python docstrings; none from the retrieval benchmark), raising the mean
+cosine with MiniLM's sentence vectors on 7,500 held-out sentences from 0.54 to 0.77 (half learned
+rows, half distilled, before PCA; the details are in its ``info.json`` and ``NOTICE``). ``python
+benchmarks/train_static_table.py --out FOLDER`` writes such a folder (it needs the ``minilm``
+extra; the sentences are drawn from the machine's own man pages and packages, so another machine's
+table differs slightly); ``python benchmarks/bench_retrieval.py --static-table FOLDER`` measures
+it.
 
 For any other model the table is derived once per model and cached on disk, keyed by the model's files (30,522 x 256
 float16: 16 MB for all-MiniLM-L6-v2, under ``~/.cache/metaclaw/static-embeddings``). Deriving it
