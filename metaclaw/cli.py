@@ -383,7 +383,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     """``metaclaw export OUT.jsonl``: labelled turns as OpenAI chat JSON Lines (or eval
     samples), the file ``metaclaw turns import`` reads back; ``OUT.parquet``: the turns with
     their labels as a table."""
-    from metaclaw.fastloop.labels import EXPORT_SUFFIXES, export_file
+    from metaclaw.fastloop.labels import EXPORT_SUFFIXES, export_file, export_summary
 
     if Path(args.out).suffix.lower() not in EXPORT_SUFFIXES:
         raise CliError(f"export: write to a file ending in {' or '.join(EXPORT_SUFFIXES)}, not "
@@ -394,13 +394,8 @@ def cmd_export(args: argparse.Namespace) -> int:
                             labelled_only=args.labelled_only)
     finally:
         store.close()
-    if Path(args.out).suffix.lower() == ".parquet":
-        which = "a table of " + ("labelled turns" if args.labelled_only else "turns")
-    else:
-        which = (f"{args.shape} shape: " + (
-            "turns labelled pass or with a corrected answer" if args.shape == "chat"
-            else "labelled turns" if args.labelled_only else "turns"))
-    print(_printable(f"wrote {count} records to {args.out} ({which})"))
+    print(_printable(export_summary(count, args.out, shape=args.shape,
+                                    labelled_only=args.labelled_only)))
     return 0
 
 
@@ -572,23 +567,10 @@ def _judge(args: argparse.Namespace):
                  threshold=args.threshold)
 
 
-def _record_failure(store: Any, role: str, client: Any, error: str,
-                    turn_id: int | None = None) -> None:
-    """A failed judge or evolver call made from the CLI, in the events table (as the fast loop
-    records its own), so that `metaclaw events` and the notebook views count it."""
-    from metaclaw.redact import safe_url
-
-    endpoint, model = safe_url(client.base_url), client.model
-    where = f" for turn {turn_id}" if turn_id is not None else ""
-    kind = "judge_failed" if role == "judge" else "evolve_failed"  # the fast loop's kinds
-    store.record_event(source="cli", kind=kind, level="error",
-                       message=f"{role} call failed{where}: model {model!r} at {endpoint}: {error}",
-                       endpoint=endpoint, model=model, error=error, turn_id=turn_id)
-
-
 @command("score")
 def cmd_score(args: argparse.Namespace) -> int:
     from metaclaw.fastloop.judge import turns_to_score
+    from metaclaw.fastloop.llm import record_call_failure
 
     store = _store(args.db)
     judge = _judge(args)
@@ -605,8 +587,9 @@ def cmd_score(args: argparse.Namespace) -> int:
     skipped = sum(1 for r in results if r.skipped)
     for r in results:
         if r.failed_call:
-            _record_failure(store, "judge", judge, r.error or r.rationale or "no usable vote",
-                            turn_id=r.turn_id)
+            record_call_failure(store, "judge_failed", judge,
+                                r.error or r.rationale or "no usable vote", source="cli",
+                                turn_id=r.turn_id)
     if not args.json:
         print(f"judged {len(results) - failed - skipped} of {len(ids)} turns with {judge.model} "
               f"({judge.votes} votes each)" + (f"; {failed} could not be judged" if failed else "")
@@ -621,6 +604,7 @@ def cmd_score(args: argparse.Namespace) -> int:
 @command("evolve")
 def cmd_evolve(args: argparse.Namespace) -> int:
     from metaclaw.fastloop.evolver import EvolveError, Evolver
+    from metaclaw.fastloop.llm import record_call_failure
 
     if not args.evolver_url or not args.evolver_model:
         raise CliError("give the evolver: --evolver-url URL --evolver-model M (key from "
@@ -636,7 +620,7 @@ def cmd_evolve(args: argparse.Namespace) -> int:
         if exc.kind != "failed":  # another process evolved meanwhile, or nothing to learn from
             print(f"metaclaw evolve: library unchanged: {exc}", file=sys.stderr)
             return 1
-        _record_failure(library.store, "evolver", evolver, str(exc))
+        record_call_failure(library.store, "evolve_failed", evolver, str(exc), source="cli")
         print(f"metaclaw evolve: the evolver's answer was not usable, library unchanged: {exc}",
               file=sys.stderr)
         return 1

@@ -388,19 +388,23 @@ class Runtime:
     @classmethod
     def start(cls, config: RuntimeConfig | None = None, **options: Any) -> "Runtime":
         """Build and start in background threads; returns when the proxy is listening."""
-        runtime = cls.build(config, **options)
+        return cls.build(config, **options).launch()
+
+    def launch(self) -> "Runtime":
+        """Start a runtime :meth:`build` made, in background threads; returns it when the proxy
+        is listening."""
         try:
-            runtime._start_double()
-            runtime.library.watch()  # hand edits of the skills folder become generations
-            runtime._follow_policies()
-            runtime.proxy.start()
-            if runtime.config.auto_evolve:
-                runtime.fast_loop  # noqa: B018 - builds and attaches it
+            self._start_double()
+            self.library.watch()  # hand edits of the skills folder become generations
+            self._follow_policies()
+            self.proxy.start()
+            if self.config.auto_evolve:
+                self.fast_loop  # noqa: B018 - builds and attaches it
         except BaseException:  # e.g. the port is taken: nothing of the half-started runtime
-            runtime.stop()     # (the double's and the watcher's threads, the store) lives on
-            runtime.store.close()
+            self.stop()        # (the double's and the watcher's threads, the store) lives on
+            self.store.close()
             raise
-        return runtime
+        return self
 
     def _follow_policies(self) -> None:
         follower = self.extras.get("policy_follower")

@@ -296,15 +296,12 @@ def _reply_text(reply: dict[str, Any]) -> str | None:
 
 
 def _session_id(path: Path, line: int, value: Any, what: str) -> str:
-    from metaclaw.proxy.sessions import MAX_SESSION_CHARS
+    from metaclaw.turns import IdentityError, check_session_id
 
-    if not isinstance(value, str) or not value.strip():
-        raise TranscriptError(path, line, f"{what} must be a non-empty string")
-    value = value.strip()
-    if len(value) > MAX_SESSION_CHARS or any(ord(c) < 32 or 127 <= ord(c) < 160 for c in value):
-        raise TranscriptError(path, line, f"{what} must be at most {MAX_SESSION_CHARS} "
-                              "printable characters")
-    return value
+    try:
+        return check_session_id(value, what)
+    except IdentityError as exc:
+        raise TranscriptError(path, line, str(exc)) from None
 
 
 def _check(path: Path, line: int, validate: Callable[[], Any], what: str) -> None:

@@ -39,6 +39,28 @@ class IdentityError(ValueError):
         self.param = param
 
 
+#: The longest session id a client may give.
+MAX_SESSION_CHARS = 256
+# printable characters only: a session id is shown in tables and terminals; and no lone
+# surrogates (a header's bytes that are not UTF-8 arrive as those: the store cannot hold them,
+# and would write every such id alike)
+_SESSION_OK = re.compile(r"[^\x00-\x1f\x7f-\x9f\ud800-\udfff]+")
+
+
+def check_session_id(value: Any, where: str) -> str:
+    """A session id as given (surrounding whitespace removed), or :class:`IdentityError`
+    (``where``: where it was given) saying what to send instead: a non-empty string of at most
+    :data:`MAX_SESSION_CHARS` printable characters."""
+    if not isinstance(value, str) or not value.strip():
+        raise IdentityError("session_id", f"the session id ({where}) must be a non-empty string")
+    value = value.strip()
+    if len(value) > MAX_SESSION_CHARS or not _SESSION_OK.fullmatch(value):
+        raise IdentityError("session_id", f"the session id ({where}) must be at most "
+                                          f"{MAX_SESSION_CHARS} printable characters of UTF-8 text "
+                                          "(no control characters)")
+    return value
+
+
 #: A person's or an agent's id: who a turn served (``X-MetaClaw-User`` / ``X-MetaClaw-Agent``,
 #: ``metaclaw serve --user / --agent``) and whom a private skill is for (``person:<id>``,
 #: ``agent:<id>``): 1-64 letters, digits, ``.``, ``_``, ``@``, ``+`` or ``-``, starting with a

@@ -47,7 +47,10 @@ def test_quickstart_flow(ip, capsys):
     assert turns.height == 2 and set(turns["turn_type"]) == {"main", "side"}
     assert "ask_features" not in turns.columns  # an encoded vector: nothing for a reader
     status = line(ip, "status")
-    assert status is runtime and "<td style='text-align:left'>2</td>" in status._repr_html_()
+    assert status.runtime is runtime and "<td style='text-align:left'>2</td>" in \
+        status._repr_html_()
+    # the text form (nbconvert, CI logs) says as much as the table
+    assert "skill_generation" in repr(status) and "sessions" in repr(status)
     line(ip, "stop")
     assert "stopped" in capsys.readouterr().out
 
@@ -119,15 +122,94 @@ def test_odd_arguments_interrupts_and_failed_starts_leave_a_usable_session(ip, t
     magics = ip.magics_manager.registry["MetaClawMagics"]
     with monkeypatch.context() as patched:
         patched.setattr(completions.Completions, "create", interrupted)
-        with pytest.raises(KeyboardInterrupt):
-            magics.metaclaw("chat --session s", "first question")
+        # one line, as a stopped score or evolve says, not the client's traceback
+        assert "interrupted: the message was not added" in fails(ip, "chat --session s",
+                                                                   "first question")
     assert magics.histories.get("s", []) == []  # the interrupted exchange is rolled back
 
+    # a configuration refused (a broken workspace, a skills path that is a file) leaves the
+    # running proxy as it was, and says so
     (tmp_path / "broken.db").write_bytes(b"not a database" * 100)
-    assert "broken.db" in fails(ip, "start --db {ws}/broken.db --skills {ws}/skills "
-                                    "--retrieval lexical")
+    (tmp_path / "afile").write_text("not a folder")
+    for db, skills in (("broken.db", "skills"), ("m.db", "afile")):
+        said = fails(ip, f"start --db {{ws}}/{db} --skills {{ws}}/{skills} --retrieval lexical")
+        assert f"{db if db != 'm.db' else skills}" in said
+        assert f"the proxy at {runtime.url} is still running" in said
+        assert magics.runtime is runtime
+    assert cell(ip, "chat --session s", "still there?").turn is not None
+    # one that fails once the old proxy is stopped (its port taken) says that it was stopped
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        said = fails(ip, f"start --db {{ws}}/m.db --skills {{ws}}/skills --retrieval lexical "
+                         f"--port {taken.getsockname()[1]}")
+    assert f"the proxy at {runtime.url} was stopped" in said
     assert magics.runtime is None and runtime.proxy.base_url  # the stopped one is not kept
     assert "run %metaclaw start first" in fails(ip, "status")
+
+
+def test_restarts_sessions_stops_and_exports_say_what_they_did(ip, capsys):
+    """A second start says it stopped the first and reset the chats; any session name works
+    (sent in the body: a header is ASCII only), an empty one is refused; --side and --type
+    together are refused; a second stop succeeds; an export that kept nothing says why; a
+    review of proposals with none held says so."""
+    first = line(ip, "start --db {ws}/m.db --skills {ws}/skills --starter-skills "
+                     "--retrieval lexical")
+    magics = ip.magics_manager.registry["MetaClawMagics"]
+    turn = cell(ip, "chat --session café", "Keep a backup of config.yaml before editing it")
+    assert turn.session_id == "café" and turn.turns and turn.turn["session_id"] == "café"
+    assert turn.turn["identified_by"]["session"] == "body:session_id"
+    assert "non-empty" in fails(ip, 'chat --session ""', "hello")
+    assert "not both" in fails(ip, "chat --side --type main", "hello")
+    capsys.readouterr()
+    second = line(ip, "start --db {ws}/m.db --skills {ws}/skills --retrieval lexical")
+    said = capsys.readouterr().out
+    assert f"stopped the proxy at {first.url}" in said and "start afresh" in said
+    assert second is not first and magics.histories == {}
+
+    line(ip, "export {ws}/out.jsonl")
+    said = capsys.readouterr().out
+    assert "wrote 0 records" in said and "eval shape" in said
+    line(ip, "export {ws}/all.jsonl --shape eval")
+    assert "wrote 1 records" in capsys.readouterr().out
+
+    review = line(ip, "proposals")
+    assert "no proposal held for review" in repr(review)
+    assert "no proposal held for review" in review._repr_html_()
+    assert "added" not in repr(review)  # the starter skills' import is no pending proposal
+
+    line(ip, "stop")
+    line(ip, "stop")  # a clean-up cell run twice
+    assert "nothing to stop" in capsys.readouterr().out
+
+
+def test_failed_judge_and_evolver_calls_from_magics_are_recorded(ip, tmp_path):
+    """As the fast loop's and the CLI's are: counted by %metaclaw status and events."""
+    import socket
+
+    with socket.socket() as sock:  # a port that nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        down = f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
+    line(ip, f"start --sim --db {{ws}}/m.db --skills {{ws}}/skills --retrieval lexical "
+             f"--judge-url {down} --judge-model j --votes 1")
+    cell(ip, "chat --session s0", "Write the meeting time 9:30 tomorrow into standup.json.")
+    assert line(ip, "score")["failed"].to_list() == [1]
+    events = line(ip, "events")
+    assert events["kind"].to_list() == ["judge_failed"]
+    assert "turn" in events["message"][0] and down in events["message"][0]
+    # the simulated judge, an evolver that is down: a failed turn to learn from, and no answer
+    line(ip, f"start --sim --db {{ws}}/m.db --skills {{ws}}/skills --retrieval lexical "
+             f"--evolver-url {down} --evolver-model e")
+    cell(ip, "chat --session s1", "Write the meeting time 9:30 tomorrow into day01/standup.json "
+                                  "as meeting_time.")
+    cell(ip, "chat --session s1 --done", "[Previous Feedback] incorrect. All time fields must use "
+         "a full datetime with timezone offset, e.g. 2026-03-16T09:30:00+08:00.")
+    assert -1 in line(ip, "score")["score"].to_list()
+    assert "library unchanged" in fails(ip, "evolve")
+    kinds = line(ip, "events")["kind"].to_list()
+    assert sorted(kinds) == ["evolve_failed", "judge_failed"]
 
 
 def test_fast_loop_magics_with_the_simulated_model(ip):
@@ -243,7 +325,7 @@ def test_trace_label_agreement_and_export_magics(ip, tmp_path, capsys):
     records = [json.loads(x) for x in (tmp_path / "ft.jsonl").read_text().splitlines()]
     assert [r["messages"][-1]["content"] for r in records][-1] == "Renamed it."
     line(ip, f"export {tmp_path}/all.parquet --labelled")
-    assert "2 turns written" in capsys.readouterr().out.splitlines()[-1]
+    assert "wrote 2 records" in capsys.readouterr().out.splitlines()[-1]
     assert "ending in .jsonl or .parquet" in fails(ip, "export out.csv")
 
 

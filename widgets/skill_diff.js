@@ -366,6 +366,8 @@ function render({ model, el }) {
       section.append(h("div", { class: "mc-subtitle" }, `Proposals (${held} held for review)`));
       if (model.get("message")) section.append(h("div", { class: "mc-muted mc-message" }, model.get("message")));
       for (const p of proposals) section.append(proposalCard(model, p, mode));
+    } else if (model.get("old") === model.get("new")) {  // a review of proposals: say there is none
+      section.append(h("div", { class: "mc-muted mc-no-proposals" }, "No proposal held for review."));
     }
     el.replaceChildren(header, body, section);
   };

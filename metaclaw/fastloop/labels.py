@@ -159,7 +159,8 @@ def frame(store: Store, *, session: str | None = None, threshold: float = 0.0):
     schema = {"turn_id": pl.Int64, "session_id": pl.Utf8, "verdict": pl.Utf8, "note": pl.Utf8,
               "corrected": pl.Utf8, "author": pl.Utf8, "labelled_at": pl.Float64,
               "reward": pl.Float64, "judge_verdict": pl.Utf8, "agree": pl.Boolean}
-    return pl.DataFrame({k: [r[k] for r in rows] for k in schema}, schema=schema)
+    return pl.DataFrame({k: [r[k] for r in rows] for k in schema}, schema=schema).with_columns(
+        pl.from_epoch((pl.col("labelled_at") * 1000).cast(pl.Int64), time_unit="ms"))
 
 
 def _kappa(pairs: list[tuple[str, str]]) -> float | None:
@@ -402,6 +403,25 @@ def export_file(store: Store, path: str | os.PathLike[str], *, shape: str = "cha
         return export_jsonl(store, path, shape=shape, **selection)
     raise ValueError(f"export to a file ending in {' or '.join(EXPORT_SUFFIXES)}, not "
                      f"{Path(path).name!r}")
+
+
+def export_summary(count: int, path: str | os.PathLike[str], *, shape: str = "chat",
+                   labelled_only: bool = False) -> str:
+    """One line saying what :func:`export_file` wrote to ``path``: the count and which turns it
+    keeps; where a chat-shape file kept none, what to do (it keeps only turns fit to learn
+    from: labelled pass, or with a corrected answer)."""
+    if Path(path).suffix.lower() == ".parquet":
+        which = "a table of " + ("labelled turns" if labelled_only else "turns")
+    else:
+        which = f"{shape} shape: " + ("turns labelled pass or with a corrected answer"
+                                      if shape == "chat" else
+                                      "labelled turns" if labelled_only else "turns")
+    line = f"wrote {count} records to {path} ({which})"
+    if count == 0 and shape == "chat" and Path(path).suffix.lower() == ".jsonl":
+        line += ("; label turns pass or give a corrected answer (%metaclaw label, the trace "
+                 "view, metaclaw.fastloop.labels.label), or export the eval shape, which keeps "
+                 "every selected turn")
+    return line
 
 
 def export_parquet(store: Store, path: str | os.PathLike[str], **selection: Any) -> int:

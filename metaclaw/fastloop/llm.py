@@ -411,3 +411,23 @@ def error_text(exc: BaseException) -> str:
     else:
         text = f"{type(exc).__name__}: {exc}"
     return " ".join(text.split())[:300]
+
+
+def record_call_failure(store: Any, kind: str, client: Any, error: str, *, source: str,
+                        session_id: str | None = None, turn_id: int | None = None,
+                        generation: int | None = None) -> str:
+    """A failed judge or evolver call in the store's ``events`` table (``kind``:
+    ``judge_failed``, ``evolve_failed`` or ``keys_failed``), where ``%metaclaw status``,
+    ``%metaclaw events``, ``metaclaw events`` and the notebook views count it, whoever made the
+    call: the fast loop, the CLI or a magic. Returns the event's message (the endpoint with its
+    secrets masked, the model, the error)."""
+    role = "judge" if kind == "judge_failed" else "evolver"
+    endpoint, model = safe_url(getattr(client, "base_url", None)), getattr(client, "model", None)
+    where = " ".join(x for x in (f"session {session_id}" if session_id else "",
+                                 f"turn {turn_id}" if turn_id is not None else "") if x)
+    message = (f"{role} call failed{' for ' + where if where else ''}: model {model!r} at "
+               f"{endpoint}: {error}")
+    store.record_event(source=source, kind=kind, level="error", message=message,
+                       endpoint=endpoint, model=model, error=error, session_id=session_id,
+                       turn_id=turn_id, generation=generation)
+    return message

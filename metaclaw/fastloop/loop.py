@@ -81,7 +81,7 @@ from metaclaw.fastloop.evolver import EvolveError, Evolver, EvolveResult
 from metaclaw.fastloop.gate import Gate, GateReport, safety_check
 from metaclaw.fastloop.judge import Judge
 from metaclaw.fastloop.keys import KeysResult, has_keys
-from metaclaw.redact import safe_url
+from metaclaw.fastloop.llm import record_call_failure
 from metaclaw.skills.library import Skill, SkillConflict, SkillLibrary
 from metaclaw.store import IN_IDS, Store, id_list
 from metaclaw.training_lease import TrainingLease
@@ -332,24 +332,16 @@ class FastLoop:
         """A failed judge or evolver call is never silent: it is logged with the endpoint, the
         model and the upstream's message, and recorded in the store's ``events`` table, where
         ``%metaclaw status``, ``metaclaw events`` and the notebook views count it."""
-        role = "judge" if event.kind == "judge_failed" else "evolver"
-        client = self.judge if role == "judge" else self.evolver
-        endpoint, model = safe_url(getattr(client, "base_url", None)), getattr(client, "model", None)
+        client = self.judge if event.kind == "judge_failed" else self.evolver
         error = str(event.detail.get("error") or event.detail.get("reason") or "unknown error")
-        where = " ".join(x for x in (f"session {event.session_id}" if event.session_id else "",
-                                     f"turn {event.turn_id}" if event.turn_id is not None else "")
-                         if x)
-        message = (f"{role} call failed{' for ' + where if where else ''}: model {model!r} at "
-                   f"{endpoint}: {error}")
-        log.warning("fast loop: %s", message)
         try:
-            self.store.record_event(source="fast_loop", kind=event.kind,
-                                    level="error",
-                                    message=message, endpoint=endpoint, model=model, error=error,
-                                    session_id=event.session_id, turn_id=event.turn_id,
-                                    generation=event.generation)
-        except Exception:  # the store may be closing; the log line above still tells
+            message = record_call_failure(
+                self.store, event.kind, client, error, source="fast_loop",
+                session_id=event.session_id, turn_id=event.turn_id, generation=event.generation)
+        except Exception:  # the store may be closing: the log line still tells
             log.exception("could not record the fast loop failure")
+            message = f"{event.kind}: {error}"
+        log.warning("fast loop: %s", message)
 
     def events_frame(self):
         """The events as a ``polars.DataFrame``: kind, at, session_id, turn_id, generation,

@@ -187,7 +187,8 @@ def frame(store: Store):
         "reason": [p.reason for p in rows], "judge_calls": [p.judge_calls for p in rows],
         "decided_by": [p.decided_by for p in rows], "generation": [p.generation for p in rows],
         "created_at": [p.created_at for p in rows]}
-    return pl.DataFrame(data, schema=schema)
+    return pl.DataFrame(data, schema=schema).with_columns(  # a time a person reads
+        pl.from_epoch((pl.col("created_at") * 1000).cast(pl.Int64), time_unit="ms"))
 
 
 def proposed_support(store: Store, base_generation: int) -> set[int]:

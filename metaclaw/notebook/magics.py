@@ -168,6 +168,22 @@ class ChatTurn:
         return (f"{self.reply}\n-- injected skills: {', '.join(self.injected_skills) or 'none'}")
 
 
+class _Status:
+    """``%metaclaw status``: the runtime's status as a table, and as text where no HTML is shown
+    (nbconvert, CI logs), read when shown."""
+
+    def __init__(self, runtime: Any):
+        self.runtime = runtime
+
+    def _repr_html_(self) -> str:
+        return self.runtime._repr_html_()
+
+    def __repr__(self) -> str:
+        rows = self.runtime.status()
+        width = max(map(len, rows))
+        return "MetaClaw runtime\n" + "\n".join(f"  {k:<{width}}  {v}" for k, v in rows.items())
+
+
 def _pretty(text: Any) -> str:
     """A tool call's arguments or result: indented JSON when it is JSON, else the text."""
     import json
@@ -297,14 +313,32 @@ class MetaClawMagics(Magics):
         from metaclaw.runtime import Runtime, RuntimeConfig
 
         args = _start_parser().parse_args(argv)
-        self._shutdown()  # the old one entirely: a failed start below must not leave it in use
-        self.runtime = Runtime.start(RuntimeConfig.from_args(args))
+        previous = self.runtime.url if self.runtime is not None else None
+        try:  # a configuration refused here (a skills path that is a file, a model that
+            # cannot load) leaves the running proxy as it was
+            runtime = Runtime.build(RuntimeConfig.from_args(args))
+        except Exception as exc:
+            if previous:
+                raise MagicUsageError(f"%metaclaw start: {type(exc).__name__}: {exc} (the "
+                                      f"proxy at {previous} is still running)") from None
+            raise
+        self._shutdown()  # the old one entirely, its port and watcher among them
+        try:
+            self.runtime = runtime.launch()
+        except Exception as exc:
+            if previous:
+                raise MagicUsageError(f"%metaclaw start: {type(exc).__name__}: {exc} (the "
+                                      f"proxy at {previous} was stopped)") from None
+            raise
         self.histories.clear()
+        if previous:
+            print(f"stopped the proxy at {previous}; the chat sessions start afresh")
         return self.runtime
 
     def _do_status(self, argv: list[str], cell: str | None):
         """Show the running proxy: URL, upstream, skill generation, counts."""
-        return self._require_runtime()
+        _parser("status", self._do_status.__doc__).parse_args(argv)
+        return _Status(self._require_runtime())
 
     def _do_why(self, argv: list[str], cell: str | None):
         """%metaclaw why [--session S] [--last N]: why each turn got its skills (the ask found
@@ -331,8 +365,12 @@ class MetaClawMagics(Magics):
         return store.frame("events", where, params).sort("id", descending=True).head(args.last)
 
     def _do_stop(self, argv: list[str], cell: str | None) -> None:
-        """Stop the proxy (and the offline double); the widgets shown keep working."""
-        self._require_runtime()
+        """Stop the proxy (and the offline double); the widgets shown keep working. With none
+        running it says so and the cell succeeds (a clean-up cell may run twice)."""
+        _parser("stop", self._do_stop.__doc__).parse_args(argv)
+        if self.runtime is None:
+            print("no MetaClaw proxy is running: nothing to stop")
+            return
         self._shutdown()
         print("MetaClaw proxy stopped.")
 
@@ -366,11 +404,14 @@ class MetaClawMagics(Magics):
         if args.done and args.workspace:
             raise MagicUsageError("end a session with a message of its own: %%metaclaw chat "
                                   "--done without --workspace (e.g. the user's final feedback)")
+        if args.side and args.type:
+            raise MagicUsageError("give --side or --type, not both (--side is --type side)")
         turn_type = args.type or ("side" if args.side else "main")
         try:  # a one-line usage error here rather than the proxy's 400 as a traceback
-            from metaclaw.turns import check_turn_type
+            from metaclaw.turns import check_session_id, check_turn_type
 
             turn_type = check_turn_type(turn_type, "--type")
+            session = check_session_id(args.session, "--session")
         except ValueError as exc:
             raise MagicUsageError(str(exc)) from None
         runtime = self._require_runtime()
@@ -379,7 +420,7 @@ class MetaClawMagics(Magics):
             from metaclaw.bench.workspace import TOOL_SCHEMAS, Workspace
 
             workspace, tools = Workspace(args.workspace), TOOL_SCHEMAS
-        history = self.histories.setdefault(args.session, [])
+        history = self.histories.setdefault(session, [])
         if args.new:
             history.clear()
         start = len(history)
@@ -390,18 +431,20 @@ class MetaClawMagics(Magics):
         history.append({"role": "user", "content": cell.strip()})
         runtime.proxy.flush()  # earlier turns are in the store, so only this exchange's are new
         before = runtime.store.query("SELECT COALESCE(MAX(id), 0) AS id FROM turns")[0]["id"]
-        headers = {"X-Session-Id": args.session, "X-Turn-Type": turn_type}
+        # the proxy's fields go in the body, not in headers: a session named in any language
+        # (a header carries ASCII only)
+        fields: dict[str, Any] = {"session_id": session, "turn_type": turn_type}
         # no client retries: the proxy already retries the upstream, and every attempt the client
         # made would be recorded as one more turn of this one message
         client = runtime.client(max_retries=0)
         calls: list[dict[str, Any]] = []
         try:
             if args.done:
-                headers["X-Session-Done"] = "true"
+                fields["session_done"] = True
             for _ in range(args.max_steps):
                 completion = client.chat.completions.create(
                     model=runtime.config.model or "default", messages=history,
-                    extra_headers=headers, **({"tools": tools} if tools else {}),
+                    extra_body=fields, **({"tools": tools} if tools else {}),
                     **({"max_tokens": args.max_tokens} if args.max_tokens else {}))
                 message = completion.choices[0].message
                 made = [c.model_dump() for c in (message.tool_calls or [])]
@@ -420,12 +463,17 @@ class MetaClawMagics(Magics):
             else:
                 raise MagicUsageError(f"the model was still calling tools after {args.max_steps} "
                                       f"steps; raise --max-steps")
-        except BaseException:  # an interrupted one too (KeyboardInterrupt)
+        except KeyboardInterrupt:
             del history[start:]  # a failed exchange leaves the conversation as it was
+            raise MagicInterrupted(
+                "interrupted: the message was not added to this session's history; what the "
+                "proxy had served is recorded (%metaclaw turns)") from None
+        except BaseException:
+            del history[start:]
             raise
         runtime.proxy.flush()  # turns are recorded off the request path; wait for these
-        rows = runtime.store.turns("session_id = ? AND id > ?", (args.session, before))
-        turn = ChatTurn(args.session, cell.strip(), message.content or "", calls or made, rows)
+        rows = runtime.store.turns("session_id = ? AND id > ?", (session, before))
+        turn = ChatTurn(session, cell.strip(), message.content or "", calls or made, rows)
         if args.name is not None and self.shell is not None:
             self.shell.user_ns[args.name] = turn
         return turn
@@ -504,6 +552,7 @@ class MetaClawMagics(Magics):
         import polars as pl
 
         from metaclaw.fastloop.judge import turns_to_score
+        from metaclaw.fastloop.llm import record_call_failure
 
         parser = _parser("score", self._do_score.__doc__)
         parser.add_argument("--session")
@@ -523,6 +572,11 @@ class MetaClawMagics(Magics):
                 "interrupted: the judge calls still running were cancelled and their turns "
                 "left free to judge again (%metaclaw score); verdicts already stored stay"
             ) from None
+        for r in results:  # counted where the fast loop's and the CLI's failures are
+            if r.failed_call:
+                record_call_failure(runtime.store, "judge_failed", judge,
+                                    r.error or r.rationale or "no usable vote", source="notebook",
+                                    turn_id=r.turn_id)
         return pl.DataFrame([{
             "turn_id": r.turn_id, "score": r.score, "votes": len(r.votes), "failed": r.failed,
             "unparsable": r.unparsable, "rationale": r.rationale or r.error or "",
@@ -534,13 +588,22 @@ class MetaClawMagics(Magics):
     def _do_evolve(self, argv: list[str], cell: str | None):
         """%metaclaw evolve [--dry-run]: distill the support set into skill operations
         (--dry-run keeps the proposal for %metaclaw promote)."""
+        from metaclaw.fastloop.evolver import EvolveError
+        from metaclaw.fastloop.llm import record_call_failure
         parser = _parser("evolve", self._do_evolve.__doc__)
         parser.add_argument("--dry-run", action="store_true")
         args = parser.parse_args(argv)
         runtime = self._require_runtime()
         runtime.proxy.flush()
-        result = self._library_change(runtime, lambda: runtime.evolver.evolve(
-            dry_run=args.dry_run, on_progress=_cell_progress()))
+        evolver = runtime.evolver
+        try:
+            result = self._library_change(runtime, lambda: evolver.evolve(
+                dry_run=args.dry_run, on_progress=_cell_progress()))
+        except EvolveError as exc:
+            if exc.kind == "failed":  # the call failed or its answer was not usable: recorded
+                record_call_failure(runtime.store, "evolve_failed", evolver, str(exc),
+                                    source="notebook")
+            raise MagicUsageError(f"%metaclaw evolve: library unchanged: {exc}") from None
         self.proposal = result.proposal if args.dry_run else None
         return result
 
@@ -598,7 +661,10 @@ class MetaClawMagics(Magics):
         runtime = self._require_runtime()
         if args.all:
             return proposals.frame(runtime.store)
-        return SkillDiffWidget(runtime.library)
+        # pinned to the current generation: the review of the proposals, not the last change
+        # (which read as proposals pending); %metaclaw diff shows the changes
+        generation = runtime.library.generation
+        return SkillDiffWidget(runtime.library, generation, generation)
 
     def _do_edit_proposal(self, argv: list[str], cell: str | None):
         """%%metaclaw edit-proposal ID SKILL [--by NAME]: the cell is the skill's new body."""
@@ -733,7 +799,7 @@ class MetaClawMagics(Magics):
             n = labels.export_file(runtime.store, args.path, shape=args.shape, **selection)
         except ValueError as exc:
             raise MagicUsageError(str(exc)) from None
-        print(f"{n} turns written to {args.path}")
+        print(labels.export_summary(n, args.path, shape=args.shape, labelled_only=args.labelled))
         return None
 
     def _do_train(self, argv: list[str], cell: str | None):
@@ -868,17 +934,27 @@ def _cell_progress() -> Any:
         def __repr__(self) -> str:  # a frontend without widgets (nbconvert, GitHub) shows it
             return label.value or "starting"
 
+    import time
+
     box = ProgressBox([bar, label])
     shown: list[Any] = []  # the display's handle
+    updated = [0.0]
 
     def on_progress(event: Any) -> None:
-        if not shown:
-            shown.append(display(box, display_id=True))
         bar.max = max(1, event.total or event.done or 1)
         bar.value = min(event.done, bar.max)
         label.value = str(event)
-        if event.total and event.done >= event.total and shown[0] is not None:
-            shown[0].update(box)  # the saved text says where it ended, not where it began
+        if not shown:
+            shown.append(display(box, display_id=True))
+            updated[0] = time.monotonic()
+            return
+        # the saved text (nbconvert, CI logs) says where the work stands: at its end, and every
+        # second or so before, so that a call that fails or is stopped does not leave "starting"
+        now = time.monotonic()
+        if shown[0] is not None and (event.total and event.done >= event.total
+                                     or now - updated[0] >= 1.0):
+            shown[0].update(box)
+            updated[0] = now
 
     return on_progress
 

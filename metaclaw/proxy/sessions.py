@@ -54,11 +54,10 @@ import orjson
 
 from metaclaw.protocols import tool_input
 from metaclaw.skills.asks import INSTRUCTION_ROLES, content_text
-from metaclaw.turns import IdentityError, check_principal, check_turn_type
+from metaclaw.turns import IdentityError, check_principal, check_session_id, check_turn_type
 
 log = logging.getLogger(__name__)
 
-MAX_SESSION_CHARS = 256
 #: Session headers of other frameworks, after ``X-Session-Id`` (first match wins).
 SESSION_HEADERS = ("X-Claude-Code-Session-Id", "X-Conversation-Id", "X-Thread-Id",
                    "Session-Id", "Conversation-Id")
@@ -80,10 +79,6 @@ def _metadata_user_session(user_id: str) -> str | None:
         return value if isinstance(value, str) and value.strip() else None
     found = _METADATA_SESSION.search(user_id)
     return found.group(1) if found else None
-# printable characters only: a session id is shown in tables and terminals; and no lone
-# surrogates (a header's bytes that are not UTF-8 arrive as those: the store cannot hold them,
-# and would write every such id alike)
-_SESSION_OK = re.compile(r"[^\x00-\x1f\x7f-\x9f\ud800-\udfff]+")
 
 
 @dataclass(frozen=True)
@@ -186,17 +181,6 @@ def _header(headers: Mapping[str, str], name: str) -> str | None:
     return value if value else None
 
 
-def _check_session(value: Any, where: str) -> str:
-    if not isinstance(value, str) or not value.strip():
-        raise IdentityError("session_id", f"the session id ({where}) must be a non-empty string")
-    value = value.strip()
-    if len(value) > MAX_SESSION_CHARS or not _SESSION_OK.fullmatch(value):
-        raise IdentityError("session_id", f"the session id ({where}) must be at most "
-                                          f"{MAX_SESSION_CHARS} printable characters of UTF-8 text "
-                                          "(no control characters)")
-    return value
-
-
 def _first_user_text(messages: list[Any]) -> str | None:
     for message in messages:
         if isinstance(message, dict) and message.get("role") == "user":
@@ -208,19 +192,20 @@ def session_of(headers: Mapping[str, str], body: dict[str, Any]) -> tuple[str, s
     """(session id, which rule found it) by the precedence in the module docstring."""
     for name in ("X-Session-Id",):
         if (value := _header(headers, name)) is not None:
-            return _check_session(value, f"header {name}"), f"header:{name}"
+            return check_session_id(value, f"header {name}"), f"header:{name}"
     if body.get("session_id") is not None:
-        return _check_session(body["session_id"], "body 'session_id'"), "body:session_id"
+        return check_session_id(body["session_id"], "body 'session_id'"), "body:session_id"
     for name in SESSION_HEADERS:
         if (value := _header(headers, name)) is not None:
-            return _check_session(value, f"header {name}"), f"header:{name}"
+            return check_session_id(value, f"header {name}"), f"header:{name}"
     metadata = body.get("metadata") if isinstance(body.get("metadata"), dict) else {}
     if isinstance(metadata.get("session_id"), str) and metadata["session_id"].strip():
-        return _check_session(metadata["session_id"], "metadata.session_id"), "metadata:session_id"
+        return (check_session_id(metadata["session_id"], "metadata.session_id"),
+                "metadata:session_id")
     if isinstance(metadata.get("user_id"), str):
         found = _metadata_user_session(metadata["user_id"])
         if found:
-            return _check_session(found, "metadata.user_id"), "metadata:user_id"
+            return check_session_id(found, "metadata.user_id"), "metadata:user_id"
     # OpenClaw (compat.supportsPromptCacheKey) sends "<sessionId>:<n>"; other clients use one
     # cache key for every conversation sharing a prompt prefix, which is not a session
     cache_key = body.get("prompt_cache_key")

@@ -1152,6 +1152,7 @@ class SkillLibrary:
         self.directory = Path(directory)
         self.store = store
         self.problems: list[LoadProblem] = []
+        self._warned: set[str] = set()  # the problems already logged (each once while it lasts)
         self._lock = threading.RLock()
         self._skills: dict[str, Skill] = {}
         self._sorted: tuple[Skill, ...] = ()
@@ -1467,8 +1468,11 @@ class SkillLibrary:
                     self._set(latest, stored)
             generation = self._generation
             changed = previous != -1 and generation != previous
+        said = {str(problem) for problem in self.problems}
         for problem in self.problems:
-            log.warning("skipped skill file %s", problem)
+            if str(problem) not in self._warned:
+                log.warning("skipped skill file %s", problem)
+        self._warned = said
         if changed:
             self._notify(generation)
         return generation

@@ -391,10 +391,11 @@ class SkillDiffWidget(_WorkspaceWidget):
 
         if self.error and not self.diff:
             return f"<div><b>Skill diff</b>: {_esc(self.error)}</div>"
-        if self.old == self.new and self.proposals:  # a review of proposals: no diff to show
+        if self.old == self.new:  # a review of proposals: no diff to show
+            held = sum(p['status'] == 'held' for p in self.proposals)
             parts = [f"<div><b>Skill library</b>: generation {self.new} &middot; "
-                     f"{sum(p['status'] == 'held' for p in self.proposals)} proposal(s) held for "
-                     "review</div>"]
+                     + (f"{held} proposal(s) held for review" if held else
+                        "no proposal held for review") + "</div>"]
         else:
             parts = [diff_html(self.diff),
                      f"<div style='color:#656d76;font-size:90%'>{_esc(self._pin_line())}</div>"]
@@ -419,6 +420,9 @@ class SkillDiffWidget(_WorkspaceWidget):
             f"; proposal #{p['id']} held: " + (", ".join(f"{d['op']} {d['name']}"
                                                         for d in p.get("diffs") or []) or "no change")
             for p in held)
+        if self.old == self.new:  # a review of proposals
+            return (f"SkillDiffWidget(generation {self.new}"
+                    f"{proposals or ': no proposal held for review'})")
         return (f"SkillDiffWidget(generation {self.old} -> {self.new}: +{s.get('added', 0)} added, "
                 f"~{s.get('edited', 0)} edited, -{s.get('removed', 0)} removed"
                 f"{', following' if self.follow else ''}{proposals})")
