@@ -154,6 +154,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.token:
         print("warning: listening beyond localhost without --token; anyone who can reach "
               f"{args.host}:{args.port} can use your upstream key", file=sys.stderr)
+    if not args.token and os.environ.get("METACLAW_PROXY_TOKEN") is not None:
+        # set but empty (an unset variable expanded?): read as no token, never silently
+        print("warning: $METACLAW_PROXY_TOKEN is set but empty, so clients need no token; "
+              "give it a value (or --token) to require one, or unset it", file=sys.stderr)
     if _keyless_remote_upstream(args):
         from metaclaw.redact import safe_url
 
@@ -669,11 +673,24 @@ def _experiment_run(args: argparse.Namespace, store: Any, ex: Any) -> int:
         raise CliError("give the upstream the replays go to: --upstream URL (key from "
                        "$METACLAW_UPSTREAM_API_KEY); `metaclaw sim-model` serves an offline "
                        "simulated one")
-    for spec in args.variant or []:  # a bad one before anything is stored
-        ex.Variant.parse(spec)
-    turn_ids = [int(t) for t in args.turns.split(",")] if args.turns else None
+    library = _library(args)
+    for spec in args.variant or []:  # a bad one before anything is stored: written wrong, or
+        # naming a generation, proposal or skill the workspace does not have
+        variant = ex.Variant.parse(spec)
+        if variant.base == "current":  # checked against the library as it is now
+            variant = ex.Variant(spec, f"gen:{library.generation}", variant.without)
+        variant.skills(library)
+    try:
+        turn_ids = [int(t) for t in args.turns.split(",") if t.strip()] if args.turns else None
+    except ValueError:
+        raise CliError(f"--turns takes turn ids separated by commas (--turns 3,4,9), not "
+                       f"{args.turns!r}") from None
     selected = bool(turn_ids or args.session or args.failures or args.labelled)
     names = {r["name"] for r in store.query("SELECT name FROM experiments")}
+    if args.name not in names and len(args.variant or []) < 2:
+        raise CliError(f"a new experiment compares at least two variants: give them with "
+                       f"--variant, e.g. metaclaw experiment run {args.name} --variant none "
+                       "--variant current")
     if args.name in names:
         experiment = ex.Experiment.open(store, args.name)
         first = experiment.variants[0].spec if experiment.variants else None
@@ -697,7 +714,6 @@ def _experiment_run(args: argparse.Namespace, store: Any, ex: Any) -> int:
                              replace=bool(args.dataset is None))
             print(f"dataset {dataset}: {len(ids)} turns")
         experiment = ex.Experiment.create(store, args.name, dataset, args.variant or [])
-    library = _library(args)
     judge = _judge(args)
     replayer = Replayer(judge, args.upstream, args.model)
     plan = experiment.plan(votes=judge.votes)
@@ -705,6 +721,8 @@ def _experiment_run(args: argparse.Namespace, store: Any, ex: Any) -> int:
     print(f"experiment {experiment.name}: {plan}{budget}", flush=True)
     with console.progress(args.verbosity) as on_progress:
         experiment.run(replayer, library, max_calls=args.max_calls, on_progress=on_progress)
+    for spec, why in experiment.skipped.items():
+        print(_printable(f"note: variant {spec!r} not replayed: {why}"), file=sys.stderr)
     _show_experiment(experiment, args.json)
     return 0
 

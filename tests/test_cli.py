@@ -622,6 +622,22 @@ def test_an_empty_token_variable_is_no_token_not_a_refusal(monkeypatch):
     assert cli.build_parser().parse_args(["serve"]).token == "s3cret"
 
 
+def test_serve_warns_when_the_token_variable_is_set_but_empty(tmp_path):
+    """`export METACLAW_PROXY_TOKEN=$UNSET`: no token, and the one who starts it is told."""
+    import os
+
+    proc = subprocess.Popen(
+        [*CLI, "serve", "--db", str(tmp_path / "ws.db"), "--skills", str(tmp_path / "skills"),
+         "--port", "0", "--retrieval", "lexical"], stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, env={**os.environ, "METACLAW_PROXY_TOKEN": ""})
+    try:
+        assert "MetaClaw proxy on" in proc.stdout.readline()
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+    assert "$METACLAW_PROXY_TOKEN is set but empty, so clients need no token" in err
+
+
 def test_events_refuses_a_count_beyond_sqlite_integers(tmp_path):
     proc = run_cli("events", "--db", tmp_path / "ws.db", "--last", str(2**70), check=False)
     assert proc.returncode == 2 and "too large" in proc.stderr

@@ -209,6 +209,59 @@ def test_cli(workspace, sim, capsys):
     assert "compares with its first variant 'none'" in captured.err
 
 
+def test_cli_refuses_what_would_break_an_experiment_before_storing_anything(workspace, sim,
+                                                                           capsys):
+    """A variant naming a generation, proposal or skill the workspace lacks, no second variant,
+    or turn ids that are not numbers: refused, and no experiment or dataset is left behind
+    (the name stays free to run again)."""
+    store, library = workspace
+    run = ["--upstream", sim.url, "--judge-url", sim.url, "--judge-model", "sim-judge",
+           "--votes", "1", "--db", str(store.target), "--skills", str(library.directory)]
+    for variants, says in ((["none", "gen:99"], "generation 99"),
+                           (["none", "proposal:99"], "proposal"),
+                           (["none", "current~no-such-skill"], "no skill no-such-skill"),
+                           (["none"], "at least two variants")):
+        argv = ["experiment", "run", "g99", "--turns", "1"]
+        for v in variants:
+            argv += ["--variant", v]
+        assert cli.main(argv + run) == 2, variants
+        assert says in capsys.readouterr().err
+    assert cli.main(["experiment", "run", "g99", "--turns", "1,abc", "--variant", "none",
+                     "--variant", "current"] + run) == 2
+    assert "--turns takes turn ids" in capsys.readouterr().err
+    assert not store.query("SELECT 1 FROM experiments WHERE name = 'g99'")
+    assert not store.query("SELECT 1 FROM datasets WHERE name = 'g99'")
+
+
+def test_current_is_the_library_of_the_first_run_and_a_lost_variant_is_left_out(workspace,
+                                                                               sim):
+    """Resumed after the library changed, ``current`` replays the generation of the first run
+    (its results are one library's); a variant that no longer resolves (its skill gone) is left
+    out, said, while the others run."""
+    store, library = workspace
+    ex.dataset(store, "two", failures=True)
+    cases = len(ex.dataset_ids(store, "two"))
+    name = library.skills()[0].name
+    run = ex.Experiment.create(store, "pinned", "two", ["none", "current", f"current~{name}"])
+    run.run(_replayer(sim), library, max_calls=2)
+    first = run.config["current_generation"]
+    assert first == library.generation and run.skipped == {}
+    library.rollback(0)  # the library changes: generation 0 holds none of these skills
+    again = ex.Experiment.open(store, "pinned")
+    again.run(_replayer(sim), library)
+    assert again.config["current_generation"] == first and again.skipped == {}
+    frame = again.frame()
+    assert len(frame) == 3 * cases
+    current = {json.dumps(sorted(json.loads(s))) for s in
+               frame.filter(frame["variant"] == "current")["skills"]}
+    assert len(current) == 1 and current != {"[]"}  # one library, not the rolled back one
+    # a variant whose skill is not in its library: the others still run
+    gone = ex.Experiment.create(store, "gone", "two", ["none", "gen:0~" + name])
+    gone.run(_replayer(sim), library)
+    assert list(gone.skipped) == ["gen:0~" + name] and "no skill" in gone.skipped["gen:0~" + name]
+    assert set(gone.frame()["variant"]) == {"none"}
+
+
 def test_the_summary_says_when_the_judge_could_not_tell_the_variants_apart(capsys):
     import polars as pl
 

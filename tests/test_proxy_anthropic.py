@@ -522,6 +522,9 @@ def test_caller_auth_forwards_the_callers_key(workspace, openai_double, anthropi
         no_token = httpx.post(proxy.url + "/chat/completions", headers={
             "Authorization": f"Bearer {caller_key}"}, json={"model": MODEL, "messages": [
                 {"role": "user", "content": "x"}]})
+        wrong = httpx.post(proxy.url + "/chat/completions", headers={
+            "Authorization": f"Bearer {caller_key}", "X-MetaClaw-Token": "wrong"},
+            json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]})
         proxy.flush()
     assert message.content[0].text == "echo: hi" and reply.choices[0].message.content == "echo: hi"
     for sent in double.requests:
@@ -531,6 +534,10 @@ def test_caller_auth_forwards_the_callers_key(workspace, openai_double, anthropi
         assert "team-token" not in json.dumps(headers)
     assert missing.status_code == 401 and missing.json()["error"]["type"] == "authentication_error"
     assert no_token.status_code == 401 and no_token.json()["error"]["code"] == "missing_token"
+    # the fix it names is the token's own header, never "set the api_key to the token" (which
+    # would send the team's token upstream as the member's key)
+    assert wrong.status_code == 401 and "X-MetaClaw-Token" in wrong.json()["error"]["message"]
+    assert "api_key" not in wrong.json()["error"]["message"].split("(")[0]
     store.close()
     data = (tmp_path / "metaclaw.db").read_bytes() + b"".join(
         p.read_bytes() for p in tmp_path.glob("metaclaw.db-*"))

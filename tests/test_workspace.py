@@ -310,6 +310,40 @@ def test_an_empty_skills_folder_never_empties_the_workspace(tmp_path):
     assert library.current()[0] == 1 and "beta" not in library
 
 
+def test_a_skills_folder_new_to_the_workspace_joins_it_and_removes_nothing(tmp_path):
+    """Another member's folder, or one used with another workspace, holds other skills than
+    the workspace: it joins the library (gets the skills it lacks, the workspace's version of
+    one it holds otherwise, its own version kept beside; its own skills are added), never read
+    as every missing skill removed, which every proxy of the team would follow."""
+    skills, db = tmp_path / "skills", tmp_path / "ws.db"
+    write_skill(skills, "alpha", "The alpha skill.", "Alpha body.")
+    write_skill(skills, "beta", "The beta skill.", "Beta body.")
+    assert SkillLibrary(skills, Store(db)).current()[0] == 0
+
+    mine = tmp_path / "mine" / "skills"
+    write_skill(mine, "personal", "My own skill.", "Personal body.")
+    write_skill(mine, "beta", "The beta skill.", "My older beta.")
+    store = Store(db)
+    library = SkillLibrary(mine, store)
+    assert sorted(s.name for s in library.current()[1]) == ["alpha", "beta", "personal"]
+    assert library.get("beta").body == "Beta body."  # the workspace's version stands
+    assert "Beta body." in (mine / "beta" / "SKILL.md").read_text()
+    assert "Alpha body." in (mine / "alpha" / "SKILL.md").read_text()
+    assert "My older beta." in (mine / "beta.conflict-0.md").read_text()  # nothing lost
+    [joined] = store.events(kind="skill_folder_joined")
+    assert "personal are added" in joined["message"] and "beta.conflict-0.md" in joined["message"]
+    ops = store.query("SELECT op, skill_name FROM skill_events WHERE generation = 1")
+    assert [(r["op"], r["skill_name"]) for r in ops] == [("add", "personal")]
+    # the first folder follows: nothing of it removed
+    first = SkillLibrary(skills, Store(db))
+    assert sorted(s.name for s in first.current()[1]) == ["alpha", "beta", "personal"]
+    # once joined, the folder is the workspace's: a skill removed by hand there is removed
+    import shutil
+
+    shutil.rmtree(mine / "alpha")
+    assert "alpha" not in SkillLibrary(mine, Store(db))
+
+
 def test_a_runtime_that_cannot_listen_leaves_nothing_running(tmp_path):
     """A busy port (``%metaclaw start --port N``, ``metaclaw serve``) fails the start with the
     operating system's error, and the half-started runtime is taken down: no offline double,

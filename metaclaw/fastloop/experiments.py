@@ -18,7 +18,8 @@ An **experiment** replays each case (the turn's messages as sent, its skill bloc
 once per **variant** through :class:`metaclaw.fastloop.replay.Replayer`, the engine the verification gate
 uses, and the PRM judges each reply. A variant is written as a short spec:
 
-- ``current``: the library as it is now; ``gen:G``: skill generation ``G``; ``none``: no skills;
+- ``current``: the library as it was when the experiment first ran (kept, so that every run
+  of it replays the same skills); ``gen:G``: skill generation ``G``; ``none``: no skills;
 - ``proposal:P``: proposal ``P``'s operations applied to the generation it was written for;
 - ``gen:G~NAME`` / ``current~NAME``: that library without the skill ``NAME`` (``~A~B`` removes
   several);
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import difflib
+import logging
 import random
 import re
 import time
@@ -52,6 +54,7 @@ from metaclaw.skills.library import Skill, SkillNotFound, apply_in_memory
 from metaclaw.store import IN_IDS, Store, id_list
 from metaclaw.turns import TASK_TURNS_SQL
 
+log = logging.getLogger(__name__)
 
 #: The columns of an experiment result a replay writes (after its key).
 _RESULT_COLUMNS = ("created_at, score, verdict, votes, reply, tool_calls, skills, error, "
@@ -119,7 +122,7 @@ def dataset(store: Store, name: str, *, turn_ids: Iterable[int] | None = None,
         missing = sorted(set(ids) - found)
         if missing:
             raise ExperimentError(f"no turn with id {', '.join(map(str, missing[:10]))} in "
-                                  f"{store.path}")
+                                  f"{store.location}")
         selection = {"turn_ids": ids}
     else:
         clauses, args = [f"{TASK_TURNS_SQL} AND status = 'ok'"], []
@@ -288,6 +291,23 @@ class Experiment:
                            (jsonlib.dumps(specs), self.id))
 
     # running -------------------------------------------------------------------------------
+    #: The variants :meth:`run` left out, with why (they no longer resolve: a generation or
+    #: proposal that is gone, ``~NAME`` of a skill no longer in that library).
+    skipped: dict[str, str] = {}
+
+    def _skills(self, variant: Variant, library: Any) -> list[Skill]:
+        """The skills ``variant`` replays with; ``current`` is the library's generation when
+        the experiment first ran (recorded then), so that a run resumed after the library
+        changed does not mix two libraries in one variant's results."""
+        if variant.base == "current":
+            pinned = self.config.get("current_generation")
+            if pinned is None:
+                pinned = self.config["current_generation"] = int(library.generation)
+                self.store.execute("UPDATE experiments SET config = ? WHERE id = ?",
+                                   (jsonlib.dumps(self.config), self.id))
+            variant = Variant(variant.spec, f"gen:{pinned}", variant.without, variant.model)
+        return variant.skills(library)
+
     def _done(self) -> set[tuple[int, str]]:
         """(turn id, variant) pairs with a result that need not run again (an upstream
         failure is retried)."""
@@ -327,8 +347,15 @@ class Experiment:
                    concurrency: int = CONCURRENCY, on_progress: ProgressFn | None = None) -> Plan:
         """The async form of :meth:`run`. Memory stays bounded whatever the dataset's size:
         ``concurrency`` workers each hold one case (read from the store when its turn comes)."""
-        skills = {v.spec: v.skills(library) for v in self.variants}  # bad variants fail first
-        todo = self._todo()
+        skills: dict[str, list[Skill]] = {}
+        self.skipped = {}
+        for v in self.variants:  # one that no longer resolves (a skill gone) is left out, said
+            try:
+                skills[v.spec] = self._skills(v, library)
+            except ExperimentError as exc:
+                self.skipped[v.spec] = str(exc)
+                log.warning("experiment %s: %s; its cases are not replayed", self.name, exc)
+        todo = [(turn_id, v) for turn_id, v in self._todo() if v.spec in skills]
         per_replay = 1 + replayer.judge.votes
         if max_calls is not None and len(todo) * per_replay > max_calls:
             todo = todo[:max(0, int(max_calls) // per_replay)]

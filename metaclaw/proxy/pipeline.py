@@ -700,9 +700,10 @@ class TurnPipeline:
                                 "missing_token")
         # a header's bytes that are not UTF-8 arrive as lone surrogates: compared as sent
         if not hmac.compare_digest(given.encode("utf-8", "surrogateescape"), token.encode()):
-            raise token_refused(client, "invalid token: set the client's api_key (sent as "
-                                "'Authorization: Bearer' or 'x-api-key') to the proxy's token",
-                                "invalid_token")
+            fix = ("send the proxy's token in 'X-MetaClaw-Token' (the api_key is your own "
+                   "upstream key here)" if config.caller_auth else "set the client's api_key "
+                   "(sent as 'Authorization: Bearer' or 'x-api-key') to the proxy's token")
+            raise token_refused(client, f"invalid token: {fix}", "invalid_token")
         return caller_key
 
     def too_large(self) -> ProxyError:

@@ -1441,6 +1441,13 @@ class SkillLibrary:
                     self._fill(latest)
                     disk, problems = load_skills_dir(self.directory)
                     self.problems = problems
+                elif stored and not damaged and _marks_kept(self.store) \
+                        and self._folder_mark() is None:
+                    # skills in a folder this workspace has never marked (another member's,
+                    # one used with another workspace): it joins the library, never read as it
+                    why = self._join(latest, stored, disk)
+                    disk, problems = load_skills_dir(self.directory)
+                    self.problems = problems
                 if not damaged:  # stale files are not hand edits: never recorded as such
                     for name, skill in self._catch_up(latest, stored, problems).items():
                         if skill is None:
@@ -1697,13 +1704,7 @@ class SkillLibrary:
                     log.info("skill library: merged the edit of %s in %s with generation %d's "
                              "change of it", name, self.directory, number)
                     return merged
-        aside = self.directory / f"{name}.conflict-{number}.md"
-        for k in itertools.count(2):  # never over an earlier one (it may hold another edit)
-            if not os.path.lexists(aside):
-                break
-            aside = self.directory / f"{name}.conflict-{number}.{k}.md"
-        if mine is not None:
-            _atomic_write(aside, mine)
+        aside = self._set_aside(name, number, mine) if mine is not None else None
         self._write([name], {name: latest} if latest is not None else {})
         if mine is None:  # removed here, changed there: the change stands, not the removal
             said = (f"{name} was removed from {_as_text(self.directory)} on its version of "
@@ -1719,8 +1720,48 @@ class SkillLibrary:
         log.warning("skill library: %s", said)
         self._pending_events.append({"source": "skills", "kind": "skill_edit_conflict",
                                      "level": "warning", "message": said,
-                                     "path": str(aside if mine is not None else path)})
+                                     "path": str(aside if aside is not None else path)})
         return latest
+
+    def _set_aside(self, name: str, number: int, text: str) -> Path:
+        """``text``, a version of skill ``name`` the folder no longer holds, kept beside the
+        skill folders as ``<name>.conflict-<number>.md`` (never read as a skill, never written
+        over: a second one gets ``.2``, ...)."""
+        aside = self.directory / f"{name}.conflict-{number}.md"
+        for k in itertools.count(2):  # never over an earlier one (it may hold another edit)
+            if not os.path.lexists(aside):
+                break
+            aside = self.directory / f"{name}.conflict-{number}.{k}.md"
+        _atomic_write(aside, text)
+        return aside
+
+    def _join(self, number: int, stored: dict[str, Skill], disk: dict[str, Skill]) -> str:
+        """A folder holding skills that the workspace has never marked (another member's, one
+        used with another workspace) joins the library at generation ``number`` (holding
+        ``stored``): it gets the skills it lacks, and the workspace's version of those it holds
+        otherwise (its own kept beside, as an overlapping edit is: :meth:`_set_aside`); its
+        other skills are added to the workspace. Its missing skills are never read as removals
+        (which every folder of the workspace would follow). Returns the reason of the
+        generation that adds its skills."""
+        differ = [name for name in sorted(set(stored) & set(disk)) if stored[name] != disk[name]]
+        kept = {name: self._set_aside(name, number, text) for name in differ
+                if (text := _file_text(self.directory / name / SKILL_FILE)) is not None}
+        self._write(differ, stored)
+        written = self._write_missing(stored)
+        extra = sorted(set(disk) - set(stored))
+        where = _as_text(self.directory)
+        said = (f"the skills folder {where} is new to this workspace (generation {number}, "
+                f"{len(stored)} skills): it joined the library instead of replacing it; wrote "
+                f"{written} skill{'' if written == 1 else 's'} it lacked")
+        if kept:
+            said += (f"; the workspace's version of {', '.join(kept)} replaced the folder's, "
+                     f"kept in {', '.join(_as_text(p) for p in kept.values())}")
+        if extra:
+            said += f"; its own skills {', '.join(extra)} are added to the workspace"
+        log.warning("skill library: %s", said)
+        self._pending_events.append({"source": "skills", "kind": "skill_folder_joined",
+                                     "level": "warning", "message": said, "path": where})
+        return f"skills of {where}, a folder new to the workspace"
 
     def _recover(self) -> None:
         """Finish what a process that died mid-change left in the folder (caller holds the
