@@ -78,6 +78,11 @@ def _library(args: argparse.Namespace, *, create: bool = False):
     here = Path(args.skills).is_dir()
     store = Store(args.db) if create or here else _store(args.db)
     if not here and args.skills == str(DEFAULT_SKILLS):  # run away from the served folder:
+        if getattr(store, "path", None) is None and store.latest_generation() is None:
+            # a new server workspace: its first generation (no skill) names it, and with it
+            # this user's folder of it, instead of a new .metaclaw/skills wherever this runs
+            store.add_generation(snapshot={}, kind="init", reason="a new workspace",
+                                 parent=None)
         served = next(iter(workspace_folders(store)), None)  # read it there
         if served is None and (served := own_folder(store)) is not None:
             print(f"note: no folder of this workspace on this machine; its skills are in "
@@ -750,6 +755,57 @@ def _show_experiment(experiment: Any, as_json: bool) -> None:
               "scores the user's reaction, which a replay has none of)")
 
 
+@command("proposals")
+def cmd_proposals(args: argparse.Namespace) -> int:
+    """`metaclaw proposals [list|show ID|promote ID|discard ID]`: the skill changes the
+    verification gate held back for review (metaclaw.fastloop.proposals)."""
+    from metaclaw.fastloop import proposals as pr
+
+    store = _store(args.db)
+    try:
+        if args.action == "list":
+            rows = pr.all(store) if args.all else pr.held(store)
+            for p in rows:
+                if args.json:
+                    _print_json({"id": p.id, "status": p.status, "origin": p.origin,
+                                 "base_generation": p.base_generation,
+                                 "ops": [f"{op.op} {op.name}" for op in p.ops],
+                                 "support_ids": p.support_ids, "reason": p.reason,
+                                 "decided_by": p.decided_by, "generation": p.generation})
+                else:
+                    print(_printable(str(p)))
+            if not rows and not args.json:
+                print("no proposal held for review" if not args.all else "no proposals yet")
+            return 0
+        if args.id is None:
+            raise CliError(f"proposals {args.action} needs the proposal's ID (metaclaw "
+                           "proposals list)")
+        if args.action == "show":
+            proposal = pr.get(store, args.id)
+            library = _library(args)
+            print(_printable(str(proposal)))
+            for d in proposal.diffs(library):
+                print(_printable(f"\n{d['op']} {d['name']}: {d['reason']}"))
+                print(_printable(d["unified_diff"].rstrip() or "(no change to the text)"))
+            cases = proposal.evidence.get("cases") or []
+            if cases:
+                print(f"\ngate: {proposal.evidence.get('decision')}: "
+                      f"{_printable(str(proposal.evidence.get('reason') or ''))}")
+                for c in cases:
+                    print(f"  turn #{c.get('turn_id')} {c.get('kind', '')}: {c.get('before')} -> "
+                          f"{c.get('after')} ({c.get('outcome', '')})")
+        elif args.action == "promote":
+            generation = pr.promote(store, _library(args), args.id, by=args.by, note=args.note,
+                                    allow_unsafe=args.allow_unsafe)
+            print(f"proposal #{args.id} promoted: the library is now generation {generation}")
+        else:
+            pr.discard(store, args.id, by=args.by, reason=args.note)
+            print(f"proposal #{args.id} discarded")
+        return 0
+    except pr.ProposalError as exc:
+        raise CliError(str(exc)) from None
+
+
 @command("events")
 def cmd_events(args: argparse.Namespace) -> int:
     from metaclaw.runtime import failure_summary
@@ -1387,6 +1443,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the reward above which a reply passes (default 0)")
     p.add_argument("--max-calls", type=argtypes.positive_int,
                    help="run: spend at most this many upstream + judge calls")
+    p.add_argument("--json", action="store_true")
+
+    p = add("proposals", help="the skill changes held back for review: list, show, promote "
+            "or discard them")
+    p.add_argument("action", nargs="?", choices=["list", "show", "promote", "discard"],
+                   default="list", help="list (default: the held ones), show ID, promote ID or "
+                   "discard ID")
+    p.add_argument("id", nargs="?", type=int, help="the proposal's number")
+    add_db(p)
+    p.add_argument("--skills", default=str(DEFAULT_SKILLS))
+    p.add_argument("--all", action="store_true", help="list: every proposal, decided ones too")
+    p.add_argument("--by", help="promote, discard: who decides (default: this user)")
+    p.add_argument("--note", default="", help="promote, discard: why")
+    p.add_argument("--allow-unsafe", action="store_true",
+                   help="promote: despite findings of the safety check")
     p.add_argument("--json", action="store_true")
 
     p = add("events", help="what the loops reported: failed judge / evolver calls, "

@@ -453,6 +453,45 @@ def _held_edit(store, library, body="Say hi and wave."):
                             base_generation=library.generation, reason="held for review")
 
 
+def test_a_burst_of_failures_leaves_one_held_proposal_and_the_cli_reviews_it(rig, capsys):
+    """Each failure of a burst made a proposal from the failures so far: the latest one replaces
+    those it holds all the failures of (kept on file, discarded with the reason), and
+    ``metaclaw proposals`` lists, shows, promotes and discards them."""
+    from metaclaw import cli
+
+    base = rig.library.get("greet-warmly")
+
+    def held_from(support):
+        op = SkillOp("edit", Skill("greet-warmly", base.description, body="Wave."),
+                     "greet-warmly", "friendlier", [], base.content_hash)
+        return proposals.record(rig.store, [op], origin="auto", status=proposals.HELD,
+                                base_generation=rig.library.generation, support_ids=support)
+
+    first, second = held_from([3]), held_from([3, 6])
+    other = held_from([9])  # other failures: not replaced
+    third = held_from([3, 6, 7])
+    assert sorted(proposals.supersede(rig.store, third)) == [first, second]
+    assert [p.id for p in proposals.held(rig.store)] == [other, third]
+    assert "superseded by proposal #%d" % third in proposals.get(rig.store, first).history[-1][
+        "reason"]
+
+    argv = ["--db", str(rig.store.target), "--skills", str(rig.library.directory)]
+    assert cli.main(["proposals", *argv]) == 0
+    listed = capsys.readouterr().out.splitlines()
+    assert [line.split()[1] for line in listed] == [f"#{other}", f"#{third}"]
+    assert cli.main(["proposals", "show", str(third), *argv]) == 0
+    shown = capsys.readouterr().out
+    assert "edit greet-warmly" in shown and "+Wave." in shown
+    assert cli.main(["proposals", "discard", str(other), "--note", "not needed", *argv]) == 0
+    assert cli.main(["proposals", "promote", str(third), "--by", "alice", *argv]) == 0
+    assert "promoted: the library is now generation" in capsys.readouterr().out
+    assert rig.library.sync() and rig.library.get("greet-warmly").body == "Wave."
+    assert cli.main(["proposals", *argv]) == 0
+    assert "no proposal held for review" in capsys.readouterr().out
+    assert cli.main(["proposals", "promote", "999", *argv]) == 2
+    assert "no proposal #999" in capsys.readouterr().err
+
+
 def test_promoting_an_edit_of_a_skill_changed_since_is_refused(rig):
     proposal_id = _held_edit(rig.store, rig.library)
     edited = proposals.edit(rig.store, proposal_id, "greet-warmly", body="Wave.", by="bob")

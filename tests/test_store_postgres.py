@@ -550,3 +550,17 @@ def test_skill_commands_on_a_machine_serving_no_folder_keep_one_of_their_own(
         assert ("no folder of this workspace on this machine" in err) == (here == "a")
     folder, = (tmp_path / "state" / "metaclaw").glob("workspace-*-skills")
     assert (folder / "steps" / "SKILL.md").is_file()
+
+
+def test_skill_commands_on_a_new_server_workspace_keep_no_folder_where_they_run(
+        url, tmp_path, monkeypatch, capsys):
+    """A workspace with no generation yet had no key to name this user's folder of it by, so
+    `metaclaw skills` made .metaclaw/skills wherever it was run."""
+    from metaclaw import cli
+
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["skills", "--db", url]) == 0
+    assert not (tmp_path / ".metaclaw").exists()
+    assert list((tmp_path / "state" / "metaclaw").glob("workspace-*-skills"))
+    assert Store(url).latest_generation() == 0

@@ -108,6 +108,8 @@ def test_hand_edits_become_generations_and_broken_files_are_reported(tmp_path):
         (skills / "first" / "SKILL.md").write_text("---\nname: [unclosed\n---\nbody\n")
         event = wait_until(lambda: store.events(kind="skill_file_problem"))
         assert "first" in event[0]["message"] and event[0]["level"] == "warning"
+        # the whole path: two processes' relative folders are told apart
+        assert str(skills / "first" / "SKILL.md") in event[0]["message"]
         assert library.get("first").body == "Body."  # the stored version is kept
         assert library.current()[0] == 1  # a broken file is not a removal
     finally:

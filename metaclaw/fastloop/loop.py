@@ -799,9 +799,13 @@ class FastLoop:
         proposal_id = proposals.record(
             self.store, proposal.ops, origin="auto", status=proposals.HELD,
             base_generation=parent, support_ids=proposal.support_ids, report=report)
+        # one held proposal per run of failures, not one per failure of it
+        replaced = proposals.supersede(self.store, proposal_id)
         return EvolveResult("held", parent, proposal=proposal, gate=report,
                             proposal_id=proposal_id,
-                            reason=f"held back as proposal #{proposal_id}: {report.reason}")
+                            reason=f"held back as proposal #{proposal_id}: {report.reason}"
+                            + (f" (replaces {', '.join(f'#{i}' for i in replaced)})"
+                               if replaced else ""))
 
     def evolve_now(self, dry_run: bool = False, timeout: float | None = 600.0) -> EvolveResult:
         """Run the evolver now on the current support set (manual trigger) and return its

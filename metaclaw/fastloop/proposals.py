@@ -150,8 +150,8 @@ def record(store: Store, ops: Iterable[SkillOp], *, origin: str, status: str,
 def get(store: Store, proposal_id: int) -> Proposal:
     rows = store.query("SELECT * FROM proposals WHERE id = ?", (int(proposal_id),))
     if not rows:
-        raise ProposalError(f"there is no proposal #{proposal_id}; list them with "
-                            "proposals.all(store) or %metaclaw proposals")
+        raise ProposalError(f"there is no proposal #{proposal_id}; list them with metaclaw "
+                            "proposals, %metaclaw proposals or proposals.all(store)")
     return Proposal.from_row(rows[0])
 
 
@@ -370,6 +370,28 @@ def discard(store: Store, proposal_id: int, *, by: str | None = None,
             "status": DISCARDED, "decided_by": who, "decided_at": time.time(),
             "history": _dumps(history)})
         return get(store, proposal.id)
+
+
+def supersede(store: Store, proposal_id: int) -> list[int]:
+    """Discard the automatic proposals still held that held proposal ``proposal_id`` makes
+    redundant: made from the same generation, from failures it was made from too (a burst of
+    failures made one after another, each from the failures so far). Returns their ids; each
+    keeps the reason on file."""
+    new = get(store, proposal_id)
+    support = set(new.support_ids)
+    gone = []
+    for old in held(store):
+        if old.id != new.id and old.origin == "auto" and new.origin == "auto" \
+                and old.base_generation == new.base_generation \
+                and set(old.support_ids) <= support:
+            try:
+                discard(store, old.id, by="fast loop",
+                        reason=f"superseded by proposal #{new.id}, made from the same failures "
+                               "and later ones")
+            except ProposalError:  # decided meanwhile by someone else: theirs stands
+                continue
+            gone.append(old.id)
+    return gone
 
 
 def automatic_generations(store: Store) -> list[int]:

@@ -477,7 +477,10 @@ class Recorder:
         the listeners. With ``-v`` (INFO), a line per recorded turn."""
         if log.isEnabledFor(logging.INFO):
             for (row, *_), turn_id in zip(group, ids):
-                log.info("turn #%s %s, session %s: %s in %.1f s; skills: %s", turn_id,
+                # a turn the store could not take is named so, never as a turn served "ok"
+                shown = f"#{turn_id}" if isinstance(turn_id, int) else \
+                    f"not recorded ({turn_id or 'failed'}): served"
+                log.info("turn %s %s, session %s: %s in %.1f s; skills: %s", shown,
                          row.get("protocol"), row.get("session_id"), row.get("status"),
                          (row.get("latency_ms") or 0) / 1000,
                          ", ".join(row.get("injected_skills") or []) or "none")

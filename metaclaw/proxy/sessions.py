@@ -45,6 +45,7 @@ import hashlib
 import json
 import logging
 import re
+import sys
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -54,6 +55,7 @@ import orjson
 
 from metaclaw.protocols import tool_input
 from metaclaw.skills.asks import INSTRUCTION_ROLES, content_text
+from metaclaw.store import StoreUnavailable
 from metaclaw.turns import IdentityError, check_principal, check_session_id, check_turn_type
 
 log = logging.getLogger(__name__)
@@ -66,6 +68,17 @@ SESSION_HEADERS = ("X-Claude-Code-Session-Id", "X-Conversation-Id", "X-Thread-Id
 EMBEDDED_SESSION = re.compile(r"\bsessionId=([A-Za-z0-9][A-Za-z0-9._:-]{0,127})")
 _METADATA_SESSION = re.compile(r"session_([A-Za-z0-9-]{6,128})")
 _ID_TOKEN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{5,127}")
+
+
+def _store_warning(what: str, subject: Any) -> None:
+    """A session look-up the workspace could not answer: one line where its database server
+    cannot be reached (a state the proxy reports on every request meanwhile), the traceback
+    where the failure is another."""
+    exc = sys.exc_info()[1]
+    if isinstance(exc, StoreUnavailable):
+        log.warning(what + ": %s", subject, exc)
+    else:
+        log.warning(what, subject, exc_info=True)
 
 
 def _metadata_user_session(user_id: str) -> str | None:
@@ -497,7 +510,7 @@ class ReplyThreads:
             rows = self._read("SELECT request_messages FROM turns WHERE session_id = ? "
                               "ORDER BY turn_index LIMIT 1", (fingerprint,))
         except Exception:  # noqa: BLE001 - a store that cannot answer: not known there
-            log.warning("could not read the recorded opening of %s", fingerprint, exc_info=True)
+            _store_warning("could not read the recorded opening of %s", fingerprint)
             rows = []
         if not rows and self._recorded(fingerprint):
             # claimed by an opening whose first reply is still on its way (another proxy's):
@@ -577,7 +590,7 @@ class ReplyThreads:
         try:
             return self._on_store(lambda store: store.claim_session(session_id))
         except Exception:  # noqa: BLE001 - a store that cannot answer: numbered as recorded
-            log.warning("could not claim the session %s", session_id, exc_info=True)
+            _store_warning("could not claim the session %s", session_id)
             return None
 
     def _on_store(self, call: Callable[[Any], Any]) -> Any:
@@ -607,7 +620,7 @@ class ReplyThreads:
         try:
             return bool(self._read("SELECT 1 AS found FROM sessions WHERE id = ?", (session_id,)))
         except Exception:  # noqa: BLE001 - a store that cannot answer: not known there
-            log.warning("could not read the recorded session %s", session_id, exc_info=True)
+            _store_warning("could not read the recorded session %s", session_id)
             return False
 
     def _recorded_count(self, fingerprint: str, known: int | None = None) -> int:
@@ -625,7 +638,7 @@ class ReplyThreads:
             rows = self._read("SELECT id FROM sessions WHERE id >= ? AND id < ?",
                               self._family(fingerprint))
         except Exception:  # noqa: BLE001 - a store that cannot answer: number from scratch
-            log.warning("could not read the recorded sessions of %s", fingerprint, exc_info=True)
+            _store_warning("could not read the recorded sessions of %s", fingerprint)
             return 0
         openings = (_opening(row["id"]) for row in rows)
         return max((number for found, number in filter(None, openings)
@@ -647,7 +660,7 @@ class ReplyThreads:
                 "GROUP BY session_id ORDER BY MAX(id) DESC LIMIT ?) "
                 "ORDER BY id", (*self._family(fingerprint), self.RECORDED_SESSIONS))
         except Exception:  # noqa: BLE001 - a store that cannot answer: the fingerprint it is
-            log.warning("could not read the recorded replies of %s", fingerprint, exc_info=True)
+            _store_warning("could not read the recorded replies of %s", fingerprint)
             return
         from metaclaw.skills.block import strip_skill_block  # the request as the client sent it
 

@@ -1542,9 +1542,14 @@ class SkillLibrary:
                     self.reload()
                     for problem in self.problems:
                         if (problem.path, problem.reason) not in known:
+                            # the whole path, and the machine where a server's workspace has
+                            # several: two processes' "./skills" are told apart
+                            where = _as_text(Path(problem.path).absolute())
+                            machine = _machine_of(self.store)
                             self.store.record_event(
                                 source="skills", kind="skill_file_problem", level="warning",
-                                message=str(problem), path=problem.path)
+                                message=f"{where}: {problem.reason}"
+                                + (f" (on {machine})" if machine else ""), path=where)
                 except Exception:  # keep watching: the next edit may fix it
                     log.exception("could not reload the skills folder %s", self.directory)
                 ready.set()

@@ -68,6 +68,11 @@ WRITE_LOCK = 0x6D63_7772  # "mcwr"
 CONNECT_TIMEOUT_S = 5
 #: Connections of the read pool, unless ``METACLAW_DB_POOL`` says otherwise.
 POOL_SIZE = 8
+#: After the server could not be reached (a connection or the pool's wait for one timed out),
+#: calls fail at once for this long instead of each waiting the timeout again: a proxy's
+#: requests meanwhile get their 503 at once (the proxy's Retry-After), and the first call after
+#: it tries the server again.
+UNREACHABLE_HOLD_S = 5.0
 #: libpq's TCP settings every connection gets unless the URL sets them: keepalive probes after
 #: 5 s idle, 2 s apart, 2 unanswered end it; data unacknowledged for 10 s ends it (Linux).
 TCP_TIMEOUTS = {"keepalives": "1", "keepalives_idle": "5", "keepalives_interval": "2",
@@ -252,6 +257,7 @@ class PostgresStore(Store):
         self._fsync_by_default = True
         self._waits_by_default = True
         self._txn_thread: int | None = None
+        self._down_until, self._down_reason = 0.0, ""  # see UNREACHABLE_HOLD_S
         self._probe = None
         self._listener: _GenerationListener | None = None
         self._listener_lock = threading.Lock()  # not _lock: a writer may hold that for long
@@ -264,7 +270,13 @@ class PostgresStore(Store):
         except Exception:
             self._db.close()
             raise
-        size = int(os.environ.get("METACLAW_DB_POOL", POOL_SIZE))
+        given = os.environ.get("METACLAW_DB_POOL", "").strip()
+        try:
+            size = int(given) if given else POOL_SIZE
+        except ValueError:
+            self._db.close()
+            raise StoreError(f"$METACLAW_DB_POOL is {given!r}: give the number of connections "
+                             f"each process may open (default {POOL_SIZE})") from None
         self._pool = pool_mod.ConnectionPool(
             self._conninfo, min_size=1, max_size=max(1, size), open=True,
             kwargs={"autocommit": True}, configure=self._configure,
@@ -312,11 +324,23 @@ class PostgresStore(Store):
             if self._txn_thread is not None:
                 raise StoreUnavailable("the connection to the PostgreSQL workspace was lost "
                                        "inside a transaction")
+            self._check_reachable()
             try:
                 self._db = self._connect()
             except StoreError as exc:
+                self._unreachable(str(exc))
                 raise StoreUnavailable(str(exc)) from None
         return self._db
+
+    def _check_reachable(self) -> None:
+        """:class:`StoreUnavailable` at once while the server was found unreachable moments ago
+        (:data:`UNREACHABLE_HOLD_S`)."""
+        if time.monotonic() < self._down_until:
+            raise StoreUnavailable(f"{self._down_reason} (moments ago: tried again within "
+                                   f"{UNREACHABLE_HOLD_S:.0f} s)")
+
+    def _unreachable(self, reason: str) -> None:
+        self._down_until, self._down_reason = time.monotonic() + UNREACHABLE_HOLD_S, reason
 
     def _failed(self, exc: BaseException) -> EngineError:
         """The store's error for a driver's ``exc``: :class:`StoreUnavailable` when the server
@@ -346,16 +370,30 @@ class PostgresStore(Store):
                 return [_row(r) for r in self._run(self._conn(), sql, params).fetchall()]
         for attempt in (1, 2):
             try:
-                with self._pool.connection() as conn:
+                with self._pooled() as conn:
                     return [_row(r) for r in self._run(conn, sql, params).fetchall()]
             except StoreUnavailable:
                 # a pooled connection the server dropped (a restart): the pool discards it;
-                # one more try on another (reads only: nothing was written)
-                if attempt == 2:
+                # one more try on another (reads only: nothing was written), unless no
+                # connection could be had at all
+                if attempt == 2 or time.monotonic() < self._down_until:
                     raise
-            except self._psycopg_pool_errors() as exc:
-                raise self._failed(exc) from exc
         raise AssertionError("unreachable")
+
+    @contextlib.contextmanager
+    def _pooled(self) -> Any:
+        """A pooled connection; :class:`StoreUnavailable` when none comes within the pool's
+        timeout, and at once while the server was found unreachable moments ago."""
+        self._check_reachable()
+        with contextlib.ExitStack() as stack:
+            try:
+                conn = stack.enter_context(self._pool.connection())
+            except self._psycopg_pool_errors() as exc:  # no connection within the timeout
+                failed = self._failed(exc)
+                if isinstance(failed, StoreUnavailable):
+                    self._unreachable(str(failed))
+                raise failed from exc
+            yield conn
 
     def _psycopg_pool_errors(self) -> tuple[type[BaseException], ...]:
         import psycopg_pool
@@ -424,7 +462,7 @@ class PostgresStore(Store):
                 rows = cur.fetchall()
                 names = [d.name for d in cur.description]
         else:
-            with self._pool.connection() as conn:
+            with self._pooled() as conn:
                 cur = self._run(conn, sql, params)
                 rows = cur.fetchall()
                 names = [d.name for d in cur.description]
@@ -453,12 +491,9 @@ class PostgresStore(Store):
         from it), committed without waiting for the flush. So a claim does not fail while
         another proxy records a turn, as two proxies opening alike at once do."""
         now = time.time()
-        try:
-            with self._pool.connection() as conn, conn.transaction():
-                conn.execute("SET LOCAL synchronous_commit = off")
-                cursor = self._run(conn, base.SESSION_CLAIM, (session_id, now, now, "{}"))
-        except self._psycopg_pool_errors() as exc:
-            raise self._failed(exc) from exc
+        with self._pooled() as conn, conn.transaction():
+            conn.execute("SET LOCAL synchronous_commit = off")
+            cursor = self._run(conn, base.SESSION_CLAIM, (session_id, now, now, "{}"))
         return cursor.rowcount == 1
 
     def record_turns(self, turns: list[tuple[dict[str, Any], bool]], *, fsync: bool = True,
