@@ -220,12 +220,14 @@ def test_a_database_restart_under_load_is_a_clear_error_then_serving_resumes(tea
             anonymous.append((reply.status_code, time.monotonic() - asked))
         assert {status for status, _ in anonymous} == {503}
         assert all(took < 2.0 for _, took in anonymous[1:]), anonymous
+        assert httpx.get(a + "/healthz", timeout=30).json()["store"] == "unreachable"
     finally:
         pg_cluster.start()
     deadline = time.monotonic() + 30
     while ask(a, "after").status_code != 200:  # reconnects by itself
         assert time.monotonic() < deadline, "serving did not resume"
         time.sleep(0.5)
+    assert httpx.get(a + "/healthz", timeout=30).json()["store"] == "ok"
     with Store(url) as store:
         sessions = {r["session_id"] for r in store.query("SELECT session_id FROM turns")}
     assert {"before", "after"} <= sessions

@@ -540,6 +540,8 @@ class Proxy(ServedApp):
         ready = responder is not None or bool(self.config.upstream_url)
         return web.json_response({
             "status": "ok" if ready else "no_upstream",
+            # a database server found down moments ago: requests get 503 meanwhile
+            "store": "unreachable" if self.store.unreachable() else "ok",
             "skill_generation": generation,
             "skills": len(skills),
             "upstream": safe_url(self.config.upstream_url),

@@ -674,6 +674,11 @@ class Store:
         event loop hands its writes to a thread instead of blocking the loop)."""
         return _Transaction(self, fsync, wait)
 
+    def unreachable(self) -> bool:
+        """Whether the workspace's database server was found unreachable moments ago (calls
+        fail at once meanwhile); never for a file."""
+        return False
+
     def loop_writer(self) -> "Store | None":
         """This store through its second connection, for the writes of an event loop (the
         proxy's turns): its transactions commit without fsync and without waiting for the write

@@ -339,6 +339,9 @@ class PostgresStore(Store):
             raise StoreUnavailable(f"{self._down_reason} (moments ago: tried again within "
                                    f"{UNREACHABLE_HOLD_S:.0f} s)")
 
+    def unreachable(self) -> bool:
+        return time.monotonic() < self._down_until
+
     def _unreachable(self, reason: str) -> None:
         self._down_until, self._down_reason = time.monotonic() + UNREACHABLE_HOLD_S, reason
 
