@@ -705,7 +705,7 @@ class Judge:
             missing = ids - {r["id"] for r in rows}
             if missing:
                 raise ValueError(f"no turn with id {', '.join(map(str, sorted(missing)))} in "
-                                 f"{store.path}; list turns with Store.turns()")
+                                 f"{store.location}; list turns with Store.turns()")
         elif where is not None:
             rows = store.turns(where, params)
         else:

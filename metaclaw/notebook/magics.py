@@ -590,6 +590,7 @@ class MetaClawMagics(Magics):
         (--dry-run keeps the proposal for %metaclaw promote)."""
         from metaclaw.fastloop.evolver import EvolveError
         from metaclaw.fastloop.llm import record_call_failure
+
         parser = _parser("evolve", self._do_evolve.__doc__)
         parser.add_argument("--dry-run", action="store_true")
         args = parser.parse_args(argv)
@@ -922,6 +923,8 @@ class MetaClawMagics(Magics):
 def _cell_progress() -> Any:
     """An ``on_progress`` (metaclaw.progress) drawing a bar in the running cell's output; None
     where ipywidgets is missing."""
+    import time
+
     try:
         import ipywidgets
         from IPython.display import display
@@ -933,8 +936,6 @@ def _cell_progress() -> Any:
     class ProgressBox(ipywidgets.HBox):
         def __repr__(self) -> str:  # a frontend without widgets (nbconvert, GitHub) shows it
             return label.value or "starting"
-
-    import time
 
     box = ProgressBox([bar, label])
     shown: list[Any] = []  # the display's handle
