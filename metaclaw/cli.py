@@ -88,10 +88,7 @@ def _library(args: argparse.Namespace, *, create: bool = False):
             print(f"note: no folder of this workspace on this machine; its skills are in "
                   f"{served}", file=sys.stderr)
         args.skills = str(served or args.skills)
-    library = SkillLibrary(args.skills, store)
-    for problem in library.problems:
-        print(f"warning: skipped {problem.path}: {problem.reason}", file=sys.stderr)
-    return library
+    return SkillLibrary(args.skills, store)  # its broken files are logged, once each
 
 
 # -- serve -----------------------------------------------------------------------------------
@@ -471,9 +468,13 @@ def cmd_skills(args: argparse.Namespace) -> int:
     if args.action == "keys":
         return _write_keys(args, library)
     if args.action == "import":
+        before = library.generation
         new = library.import_dir(args.path)
+        for problem in library.import_problems:  # one line each: nothing skipped in silence
+            print(_printable(f"warning: skipped {problem.path}: {problem.reason}"),
+                  file=sys.stderr)
         print(json.dumps({"generation": new}) if args.json else f"imported into generation {new}")
-        return 0
+        return 1 if library.import_problems and new == before else 0
     raise CliError(f"unknown skills action {args.action!r}")
 
 

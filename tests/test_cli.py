@@ -707,6 +707,33 @@ def test_a_reader_away_from_the_served_folder_reads_it_there_and_writes_nothing_
     assert list(repo.iterdir()) == []
 
 
+def test_skills_import_names_what_it_skipped_and_brings_a_skills_other_files(tmp_path):
+    """An upstream folder with a broken skill and a skill with scripts and a reference: the
+    broken one is named on stderr (it vanished in silence), the other's files are copied beside
+    its SKILL.md (the injected text points at them)."""
+    source, served, db = tmp_path / "src", tmp_path / "skills", tmp_path / "w.db"
+    good = source / "pdf-form-filling"
+    (good / "scripts").mkdir(parents=True)
+    (good / "SKILL.md").write_text("---\nname: pdf-form-filling\ndescription: Fill PDF forms "
+                                   "with pypdf.\nlicense: Apache-2.0\n---\nRun "
+                                   "`python scripts/list_fields.py`; see reference.md.\n")
+    (good / "scripts" / "list_fields.py").write_text("print('fields')\n")
+    (good / "reference.md").write_text("# Reference\n")
+    (source / "bad-yaml").mkdir()
+    (source / "bad-yaml" / "SKILL.md").write_text("---\nname: bad-yaml\ndescription: [x\n---\nb\n")
+    done = run_cli("skills", "import", "--from", source, "--db", db, "--skills", served)
+    assert "skipped" in done.stderr and "bad-yaml" in done.stderr
+    assert (served / "pdf-form-filling" / "scripts" / "list_fields.py").is_file()
+    assert (served / "pdf-form-filling" / "reference.md").read_text() == "# Reference\n"
+    # nothing importable at all: a failure
+    only_bad = tmp_path / "only-bad"
+    (only_bad / "bad-yaml").mkdir(parents=True)
+    (only_bad / "bad-yaml" / "SKILL.md").write_text("---\nname: [x\n---\nb\n")
+    failed = run_cli("skills", "import", "--from", only_bad, "--db", db, "--skills", served,
+                     check=False)
+    assert failed.returncode == 1 and "skipped" in failed.stderr
+
+
 def test_why_says_what_the_context_budget_changed():
     from metaclaw.cli import _budget_said
 

@@ -719,3 +719,19 @@ def test_a_distilled_table_gets_the_constants_chosen_for_it(monkeypatch):
     assert (hybrid.weight, hybrid.saturation, hybrid.default_min_score,
             hybrid.default_margin) == retrieval.HYBRID_CONSTANTS["distilled"]
     assert alone.default_min_score == retrieval.DISTILLED_MIN_SCORE
+
+
+def test_a_skill_too_long_for_the_budget_keeps_no_other_skill_out():
+    """The best-scoring skill cannot fit the block's budget: it is skipped, and it sets no
+    margin under which a fitting skill that passes the threshold is left out."""
+    ask = "rotate the kubernetes sealed secrets, then dedupe the exported secrets.csv by name"
+    long = Skill("k8s-secrets", "Rotate Kubernetes sealed secrets safely.", "ops",
+                 "\n".join(f"Step {i}: rotate the kubernetes sealed secrets, item {i}."
+                           for i in range(200)))
+    short = Skill("csv-dedupe", "Remove duplicate rows from a CSV by a key column.", "data",
+                  "Use drop_duplicates on the key column; keep the first row.")
+    retriever = LexicalRetriever()
+    scores = {r.skill.name: r.score for r in retriever.rank(ask, [long, short])}
+    assert scores["k8s-secrets"] > scores["csv-dedupe"] + 0.5
+    chosen = select(retriever, ask, [long, short], min_score=0.0, margin=0.5, budget_chars=2000)
+    assert [s.skill.name for s in chosen] == ["csv-dedupe"]

@@ -80,6 +80,25 @@ def test_keys_are_written_for_the_skills_without_them_as_one_generation(library,
     assert "retrieval keys written by the evolver model evolver" in events["iso-dates"]["reason"]
 
 
+def test_a_hand_written_half_of_the_keys_is_kept(library, store):
+    """A person wrote the "use when" line (or the anticipated asks) and not the other: only the
+    missing half is written; it was replaced whole."""
+    half = Skill("half-keyed", "Convert Markdown tables to HTML.", "docs", "Use pandoc.")
+    library.apply([SkillOp("add", half.with_retrieval_keys(use_when="for the wiki's tables")),
+                   SkillOp("edit", BACKUP.with_retrieval_keys(anticipated=["back it up?"]),
+                           base=BACKUP.content_hash)], kind="import")
+    with DoubleServer(answer) as double:
+        written = Evolver(double.url, "evolver", library, store,
+                          dedupe_threshold=None).write_keys(["half-keyed", "backup-first"])
+    assert sorted(written.written) == ["backup-first", "half-keyed"]
+    kept = library.get("half-keyed")
+    assert kept.use_when == "for the wiki's tables"  # the person's
+    assert kept.anticipated_asks[0] == "short ask about half-keyed"  # the missing half
+    other = library.get("backup-first")
+    assert other.anticipated_asks == ("back it up?",) and other.use_when == \
+        "requests about backup-first"
+
+
 def test_named_skills_rewrite_and_failures_are_reported_without_losing_the_others(library,
                                                                                   store):
     def flaky(body: dict) -> Reply:

@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from metaclaw.offline.double import DoubleServer, Reply
-from metaclaw.skills.library import Skill, SkillLibrary
+from metaclaw.skills.library import Skill, SkillConflict, SkillLibrary, SkillOp
 from metaclaw.store import Store
 from test_cli import CLI, free_port, run_cli, wait_for_port, write_skill
 from waiting import wait_until
@@ -476,3 +476,17 @@ def test_a_proposal_promoted_from_two_processes_at_once_is_promoted_once_and_the
     assert outs == ["promoted 1", f"refused proposal #{held} is already promoted (by {winner}); "
                                   "only held proposals can be changed"]
     assert [g["generation"] for g in SkillLibrary(skills, store).generations()] == [0, 1]
+
+
+def test_a_change_over_a_broken_file_says_to_fix_the_file(tmp_path):
+    """A skill whose file is broken by hand is never recorded, so "retry then" never worked: the
+    refusal names the broken file and what to do."""
+    skills, db = tmp_path / "skills", tmp_path / "ws.db"
+    write_skill(skills, "typo-keys", "The typo skill.", "Body.")
+    library = SkillLibrary(skills, Store(db))
+    (skills / "typo-keys" / "SKILL.md").write_text("---\nname: typo-keys\ndescription: [oops\n"
+                                                    "---\nBody.\n")
+    library.reload()
+    with pytest.raises(SkillConflict, match="its file in .* is broken .*fix it or remove"):
+        library.apply([SkillOp("remove", name="typo-keys", reason="not needed")])
+    assert "description: [oops" in (skills / "typo-keys" / "SKILL.md").read_text()  # kept

@@ -154,8 +154,10 @@ class KeysResult:
 async def awrite_keys(library: SkillLibrary, ask: AskFn, names: Iterable[str] | None = None, *,
                       rewrite: bool = False, by: str = "the evolver",
                       on_progress: ProgressFn | None = None) -> KeysResult:
-    """Write the keys of the skills ``names`` (default: every skill) that have none (with
+    """Write the keys of the skills ``names`` (default: every skill) that lack one (with
     ``rewrite``: all of them), asking ``ask`` once per skill, and apply them as one generation.
+    A skill with a "use when" line and no anticipated asks (or the reverse) keeps the half it
+    has: only the missing one is written, unless ``rewrite``.
 
     Raises :class:`metaclaw.skills.library.SkillNotFound` for an unknown name and
     :class:`metaclaw.skills.library.SkillConflict` when the library changed meanwhile (nothing
@@ -184,8 +186,11 @@ async def awrite_keys(library: SkillLibrary, ask: AskFn, names: Iterable[str] | 
                     reply = await ask(messages, KEYS_RESPONSE_FORMAT)
                     try:
                         use_when, asks = validate_keys(reply)
-                        return skill, skill.with_retrieval_keys(use_when=use_when,
-                                                                anticipated=asks), ""
+                        # the half a person wrote is kept (only --rewrite writes over it)
+                        keep = not rewrite
+                        return skill, skill.with_retrieval_keys(
+                            use_when=None if keep and skill.use_when else use_when,
+                            anticipated=None if keep and skill.anticipated_asks else asks), ""
                     except KeysValidationError as exc:
                         problem = str(exc)
                         messages = [*messages, {"role": "assistant", "content": reply[:2000]},

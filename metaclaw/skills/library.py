@@ -1010,6 +1010,26 @@ def _machine_id() -> str:
     return f"{host}/{found}" if found else host
 
 
+def _copy_resources(source: Path, dest: Path) -> None:
+    """The files of the skill folder ``source`` other than ``SKILL.md`` (scripts, references)
+    copied into ``dest`` where they are missing (links kept as links, nothing written over)."""
+    import shutil
+
+    if source.resolve() == dest.resolve() or not dest.is_dir():
+        return
+    for item in source.iterdir():
+        target = dest / item.name
+        if item.name == SKILL_FILE or os.path.lexists(target):
+            continue
+        try:
+            if item.is_dir() and not item.is_symlink():
+                shutil.copytree(item, target, symlinks=True)
+            else:
+                shutil.copy2(item, target, follow_symlinks=False)
+        except OSError as exc:
+            log.warning("skill library: could not copy %s into %s (%s)", item, dest, exc)
+
+
 def _folder_text(path: Path) -> str:
     """The key a folder is marked under: its path, or where the path has bytes that are no
     UTF-8 (which Python keeps as escapes), ``hex:`` and its bytes (no absolute path starts so:
@@ -1152,6 +1172,7 @@ class SkillLibrary:
         self.directory = Path(directory)
         self.store = store
         self.problems: list[LoadProblem] = []
+        self.import_problems: list[LoadProblem] = []  # the files the last import_dir skipped
         self._warned: set[str] = set()  # the problems already logged (each once while it lasts)
         self._lock = threading.RLock()
         self._skills: dict[str, Skill] = {}
@@ -1372,8 +1393,12 @@ class SkillLibrary:
 
     def import_dir(self, path: str | os.PathLike[str]) -> int:
         """Add or update skills from another upstream-style folder (``<path>/<name>/SKILL.md``,
-        or a single skill folder holding ``SKILL.md``). Broken files are added to :attr:`problems`
-        and skipped. Returns the new generation (the current one when nothing changed).
+        or a single skill folder holding ``SKILL.md``). A skill's other files (``scripts/``,
+        references its text points at) are copied beside its ``SKILL.md`` in this library's
+        folder, where they are not there yet (the workspace records ``SKILL.md`` alone: another
+        folder of the workspace gets the text, not these files). Broken files are skipped, added
+        to :attr:`problems` and kept in :attr:`import_problems`. Returns the new generation
+        (the current one when nothing changed).
         """
         source = Path(path)
         if not source.is_dir():
@@ -1381,16 +1406,22 @@ class SkillLibrary:
         if (source / SKILL_FILE).is_file():
             skill, problem = _read_skill_file(source / SKILL_FILE, None)
             incoming, problems = ({skill.name: skill} if skill else {}), [problem] if problem else []
+            folders = {skill.name: source} if skill else {}
         else:
             incoming, problems = load_skills_dir(source)
+            folders = {name: source / name for name in incoming}
+        self.import_problems = problems
         why = f"imported from {source}"
         with self._exclusive():
             self.problems.extend(problems)
             merged = {**self._skills, **incoming}
             ops = _changes(self._skills, merged, why)
-            if not ops:
-                return self._generation
-            generation = self._commit(merged, ops, kind="import", reason=why)
+            if ops:
+                generation = self._commit(merged, ops, kind="import", reason=why)
+        for name, folder in folders.items():
+            _copy_resources(folder, self.directory / name)
+        if not ops:
+            return self._generation
         self._notify(generation)
         return generation
 
@@ -1471,6 +1502,9 @@ class SkillLibrary:
                         reason=why, parent=latest,
                         events=[self._event(op) for op in ops])
                     self._set(number, disk)
+                    log.info("skill library: generation %d: %s in %s (%s)", number,
+                             ", ".join(f"{op.op} {op.name}" for op in ops) or "recorded",
+                             _as_text(self.directory), why)
                 else:
                     self._set(latest, stored)
             generation = self._generation
@@ -1878,6 +1912,12 @@ class SkillLibrary:
         touched = sorted(n for n in set(old) | set(new) if old.get(n) != new.get(n))
         edited = [name for name in touched if self._edited_by_hand(name, old.get(name))]
         if edited:  # writing over them would lose a hand edit no generation holds yet
+            broken = {Path(p.path).parent.name: p.reason for p in self.problems}
+            if any(name in broken for name in edited):  # never recorded while it stays broken
+                raise SkillConflict("; ".join(
+                    f"{name}: its file in {_as_text(self.directory)} is broken ({broken[name]})"
+                    for name in edited if name in broken) + ": fix it or remove its folder "
+                    "first (the change would write over it)")
             raise SkillConflict(f"{', '.join(edited)}: changed in {self.directory} since "
                                 f"generation {self._generation} (an edit not yet recorded, "
                                 "which the folder watcher or a reload records); retry then")

@@ -1225,8 +1225,9 @@ def select(retriever: Retriever, query: str, skills: list[Skill], *, top_k: int 
            margin: float | None = None,
            missed: list[tuple[ScoredSkill, float]] | None = None) -> list[ScoredSkill]:
     """The skills to inject: at most ``top_k``, each scoring at least ``min_score`` (``None``:
-    the retriever's ``default_min_score``) and at most ``margin`` below the best skill offered
-    (``None``: the retriever's ``default_margin``, where it has one; else no such limit), best
+    the retriever's ``default_min_score``) and at most ``margin`` below the best skill that fits
+    the budget (``None``: the retriever's ``default_margin``, where it has one; else no such
+    limit: a skill too long for the budget never keeps the others out), best
     first (ties by name), such that ``render_block`` of the result is at most ``budget_chars``
     long. A skill that does not fit the budget is skipped and the next one is tried.
 
@@ -1261,12 +1262,13 @@ def select(retriever: Retriever, query: str, skills: list[Skill], *, top_k: int 
                 break
             if keep is not None and not keep(item.skill):
                 continue
-            if best is None:  # the best skill offered (fitting the budget or not)
-                best = item.score
-                if margin is not None:
-                    floor = max(threshold, best - margin)
             size = 2 + len(section(item.skill))
             if used + size <= budget_chars:
+                if best is None:  # the best skill injected: one too long to ever fit the
+                    # budget sets no floor for the others
+                    best = item.score
+                    if margin is not None:
+                        floor = max(threshold, best - margin)
                 chosen.append(item)
                 used += size
                 if len(chosen) == top_k:
@@ -1340,7 +1342,9 @@ def scored_text(entry: dict[str, Any]) -> str:
     miss ``name 0.791 (not injected: below 0.825)``."""
     text = f"{entry['name']} {entry['score']:.3f}"
     if entry.get("injected") is False:
-        text += f" (not injected: below {entry['below']:.3f})"
+        below = entry["below"]  # BM25 alone asks only for a score above 0 (a word in common)
+        text += (f" (not injected: below {below:.3f})" if below >= 0.0005 else
+                 " (not injected: it needed a score above 0)")
     return text
 
 
