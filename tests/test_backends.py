@@ -553,6 +553,21 @@ def test_tinker_resume_and_durable_sampler_checkpoints():
     assert service.log[-3][0] == "ServiceClient.create_training_client_from_state_with_optimizer"
 
 
+def test_tinker_refusing_to_start_is_one_sentence_naming_the_key():
+    """No key (or a wrong one, a model the service does not serve): the SDK's TinkerError
+    ended `metaclaw train` in a traceback."""
+    import tinker
+
+    class Refusing(RecordingServiceClient):
+        def create_lora_training_client(self, *args, **kwargs):
+            raise tinker.TinkerError("The api_key client option must be set either by passing "
+                                     "api_key to the client or by setting TINKER_API_KEY")
+
+    with pytest.raises(BackendError, match="Tinker refused to start training 'm'.*set "
+                                           "TINKER_API_KEY"):
+        make_backend("tinker", "m", service_client=Refusing())
+
+
 # -- Tinker preflight ------------------------------------------------------------------------
 def test_preflight_fails_fast_with_a_clear_message_when_unreachable():
     import tinker.lib.base_url  # noqa: F401 - imported before the clock starts (1.5 s, more loaded)

@@ -447,6 +447,19 @@ def test_train_waits_for_turns_and_stops_on_sigterm_as_on_ctrl_c(tmp_path):
     assert status.startswith("state: waiting") and "no process holds the training lease" in status
 
 
+def test_train_now_with_nothing_to_train_says_so_before_loading_the_model(tmp_path):
+    """It loaded the model (20 s for SmolLM2), then said `0 steps` and exited 0."""
+    from metaclaw.offline.tinymodel import write_tiny_model
+    from metaclaw.store import Store
+
+    model, db = write_tiny_model(tmp_path / "tiny"), tmp_path / "ws.db"
+    Store(db).close()
+    proc = run_cli("train", "--db", db, "--backend", "local", "--base-model", model, "--now",
+                   "--judge-url", "http://127.0.0.1:9/v1", "--judge-model", "j", check=False)
+    assert proc.returncode == 2 and "nothing to train" in proc.stderr
+    assert "serve turns through the proxy first" in proc.stderr
+
+
 def test_train_now_with_a_judge_that_cannot_be_reached_says_so_and_fails(tmp_path):
     """It printed `skipped 1/1` and exited 0, `events` said no failures."""
     model, db, _ = training_workspace(tmp_path)

@@ -414,6 +414,10 @@ def test_checkpoint_retention_and_the_store_is_the_truth_across_restarts(world, 
     assert [v["version"] for v in versions] == [1, 2]
     kept = sorted(p.name for p in (world.root / "state").glob("step-*"))
     assert kept == ["step-000001", "step-000003"]  # step 1 published v1; step 3 is v2 and last
+    # an older published version keeps its weights, not the optimizer's state (2/3 of a state)
+    assert not (world.root / "state" / "step-000001" / "optimizer.pt").exists()
+    assert (world.root / "state" / "step-000001" / "adapter_model.safetensors").is_file()
+    assert (world.root / "state" / "step-000003" / "optimizer.pt").is_file()
     assert [v["checkpoint"].rsplit("/", 1)[-1] for v in versions] == kept
     prompt = world.backend.render_chat([{"role": "user", "content": "say yes"}])
     expected = world.backend.sampler().sample(prompt, 2, 6, 1.0, seed=5)
@@ -427,6 +431,45 @@ def test_checkpoint_retention_and_the_store_is_the_truth_across_restarts(world, 
         got = backend.sampler().sample(prompt, 2, 6, 1.0, seed=5)
         assert [s.tokens for s in got] == [s.tokens for s in expected]
         again.close()
+
+    # the workspace's folder moved (or copied): the recorded paths are gone; the states are
+    # found by name in the state folder, and a published version's weights are never pruned
+    (world.root / "state").rename(world.root / "moved")
+    backend = make_backend("local", tiny_model, lora_rank=8, seed=1)
+    moved = SlowLoop(world.store, backend, config=config, judge=world.reward,
+                     state_dir=world.root / "moved")
+    assert backend.policy_version == 2
+    got = backend.sampler().sample(prompt, 2, 6, 1.0, seed=5)
+    assert [s.tokens for s in got] == [s.tokens for s in expected]
+    assert moved.trainer._prune_checkpoints() == []
+    assert sorted(p.name for p in (world.root / "moved").glob("step-*")) == kept
+    moved.close()
+    from metaclaw.slowloop.backends import locate_checkpoint
+
+    assert locate_checkpoint(versions[1]["checkpoint"], world.root / "moved") == str(
+        world.root / "moved" / "step-000003")
+
+
+def test_a_step_stopped_after_its_update_keeps_the_weights_its_turns_are_counted_in(world):
+    """Stopped between the gradient update and the publish (Ctrl-C, a failed save): its turns
+    count as trained, so the weights that trained on them are saved when the loop closes, as
+    that step's state; before, they were counted and the weights lost."""
+    import json
+
+    loop = SlowLoop(world.store, world.backend, config=CONFIG, judge=world.reward,
+                    proxy=world.proxy, state_dir=world.root / "state")
+    world.serve_query_turns()
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt
+    world.backend.publish = stopped
+    with pytest.raises(KeyboardInterrupt):
+        loop.train_now(steps=1)
+    counted = world.store.query("SELECT COUNT(*) AS n FROM turns WHERE trained_steps > 0")
+    assert counted[0]["n"] > 0
+    loop.close()
+    latest = json.loads((world.root / "state" / "latest.json").read_text())
+    assert latest["step"] == 0 and (world.root / "state" / "step-000000").is_dir()
 
 
 def test_a_reward_named_on_the_command_line_loads_as_the_user_wrote_it(tmp_path, monkeypatch):

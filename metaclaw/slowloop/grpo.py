@@ -57,7 +57,8 @@ from metaclaw import buffers
 from metaclaw.aio import run_sync
 from metaclaw.fileio import fsync_path, write_atomic
 from metaclaw.progress import ProgressFn, notify
-from metaclaw.slowloop.backends import BackendError, Datum, check_loss_fn, render_request
+from metaclaw.slowloop.backends import (BackendError, Datum, check_loss_fn, locate_checkpoint,
+                                       render_request)
 
 log = logging.getLogger(__name__)
 ADVANTAGE_MODES = ("group", "batch", "none")
@@ -469,7 +470,7 @@ class GRPOTrainer:
             latest = self.state_dir / "latest.json"
             try:
                 saved = json.loads(latest.read_text())
-                checkpoint = saved["checkpoint"]
+                checkpoint = locate_checkpoint(saved["checkpoint"], self.state_dir)
             except (ValueError, KeyError, TypeError) as exc:
                 raise ValueError(f"cannot resume from {latest}: it is not a training state "
                                  f"record ({type(exc).__name__}: {exc}); remove it to start "
@@ -486,6 +487,7 @@ class GRPOTrainer:
         if store is not None:  # the store is the truth: serve its latest published version
             self.sync_with_store()
         self.next_step = self.start_step          # the number of the next step to run
+        self._unsaved_step: int | None = None     # a step that trained and then failed
         self._saved_step: int | None = self.start_step - 1 if self.start_step else None
 
     def _resume_older(self, checkpoint: str, error: BackendError) -> int:
@@ -522,6 +524,8 @@ class GRPOTrainer:
         if not rows or int(rows[0]["version"]) <= backend.policy_version:
             return backend.policy_version
         version, checkpoint = int(rows[0]["version"]), rows[0]["checkpoint"]
+        if checkpoint:  # recorded before the workspace's folder moved: found in state_dir
+            checkpoint = locate_checkpoint(checkpoint, self.state_dir)
         if (version, checkpoint) in self._declined:  # said once: this runs before every step
             return backend.policy_version
         if not checkpoint:  # published without saved weights (a trainer without a state_dir)
@@ -553,26 +557,36 @@ class GRPOTrainer:
 
     def _prune_checkpoints(self) -> list[str]:
         """Retention: keep the last ``keep_checkpoints`` saved states, the one ``latest.json``
-        points to, and every state a published policy version points to (the store's
-        ``policy_versions.checkpoint``); delete the others. Returns the deleted paths."""
+        points to, and the weights of every state a published policy version points to (the
+        store's ``policy_versions.checkpoint``; their optimizer state is dropped, as nothing
+        resumes from them); delete the others. Returns the deleted paths."""
         import shutil
 
         if self.state_dir is None or self.config.keep_checkpoints < 1:
             return []
         saved = sorted(p for p in self.state_dir.glob("step-*") if p.is_dir())
-        keep = {str(p.resolve()) for p in saved[-self.config.keep_checkpoints:]}
+        # by folder name: the recorded paths name the folder as its trainer saw it, which a
+        # moved or copied workspace no longer is (a published version's weights are never lost)
+        keep = {p.name for p in saved[-self.config.keep_checkpoints:]}
         with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
             # the state a resume starts from, whichever trainer saved it last
             latest = json.loads((self.state_dir / "latest.json").read_text())["checkpoint"]
-            keep.add(str(Path(latest).resolve()))
+            keep.add(Path(latest).name)
+        published = set()
         if self.store is not None:
-            keep |= {str(Path(r["checkpoint"]).resolve()) for r in self.store.query(
+            published = {Path(r["checkpoint"]).name for r in self.store.query(
                 "SELECT checkpoint FROM policy_versions WHERE checkpoint IS NOT NULL")}
         deleted = []
         for path in saved:
-            if str(path.resolve()) not in keep:
-                shutil.rmtree(path, ignore_errors=True)
-                deleted.append(str(path))
+            if path.name in keep:
+                continue
+            if path.name in published:  # served from its weights alone: the optimizer's state
+                # (the larger part, 2/3 of a LoRA state) is only for resuming, from the newest
+                with contextlib.suppress(OSError):
+                    (path / "optimizer.pt").unlink(missing_ok=True)
+                continue
+            shutil.rmtree(path, ignore_errors=True)
+            deleted.append(str(path))
         return deleted
 
     @property
@@ -632,7 +646,9 @@ class GRPOTrainer:
         :func:`metaclaw.fileio.write_atomic` with ``durable``): after an OS crash or power loss
         a recorded checkpoint is never empty or truncated files. Where the state cannot be
         written or synced this raises OSError naming the folder."""
-        step = self.next_step - 1 if step is None else step
+        if step is None:  # the last completed step, or a later one that trained and failed
+            step = max(self.next_step - 1, self._unsaved_step if self._unsaved_step is not None
+                       else -1)
         if self.state_dir is None or step < 0 or step == self._saved_step:
             return None
         checkpoint = self._save_state(step)
@@ -879,6 +895,8 @@ class GRPOTrainer:
                     self._commit_claim(claim_id, claimed, {})
                 except Exception:  # the store failed too: the claim expires; raise the first
                     log.exception("could not count GRPO step %s on its turns", claim_id)
+            if trained is not None:  # those weights are saved by save(), as the step's own
+                self._unsaved_step = step  # (close() saves): never counted and then lost
             raise
         finally:
             if renewer is not None:

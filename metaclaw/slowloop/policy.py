@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from metaclaw.proxy.upstreams import PolicyRequestError
-from metaclaw.slowloop.backends import Sample, render_request
+from metaclaw.slowloop.backends import Sample, locate_checkpoint, render_request
 
 log = logging.getLogger("metaclaw.policy")
 
@@ -388,9 +388,14 @@ class PolicyFollower:
     """
 
     def __init__(self, store, responder: PolicyResponder, load, *, proxy=None,
-                 poll_s: float = 0.5):
+                 poll_s: float = 0.5, state_dir: Any = None):
+        from metaclaw.store import local_dir
+
         self.store, self.responder, self.load = store, responder, load
         self.proxy, self.poll_s = proxy, poll_s
+        # where a checkpoint recorded before the workspace's folder moved is found now (the
+        # training state folder ``metaclaw train`` uses by default)
+        self.state_dir = state_dir if state_dir is not None else local_dir(store.target) / "train"
         try:
             self._probe = store.watcher()
         except ValueError:
@@ -416,6 +421,7 @@ class PolicyFollower:
             for version, backend, base_model, checkpoint in rows:
                 if version in self._settled or checkpoint is None:
                     continue
+                checkpoint = locate_checkpoint(checkpoint, self.state_dir)
                 try:
                     sampler = self.load(version, backend, base_model, checkpoint)
                 except PolicyMismatch as exc:

@@ -37,7 +37,7 @@ from typing import Any
 
 from metaclaw.slowloop.backends.base import (DEFAULT_CLIP_HIGH, DEFAULT_CLIP_LOW, LOSS_FNS, BackendError, Datum,
                                              Sample, Sampler, TokenizerMixin, TrainingBackend, check_loss_fn,
-                                             normalize_messages, render_request)
+                                             locate_checkpoint, normalize_messages, render_request)
 
 
 def make_backend(kind: str, base_model: str, **cfg: Any) -> TrainingBackend:
@@ -60,5 +60,5 @@ def make_backend(kind: str, base_model: str, **cfg: Any) -> TrainingBackend:
 
 
 __all__ = ["BackendError", "Datum", "LOSS_FNS", "Sample", "Sampler", "TokenizerMixin", "TrainingBackend",
-           "check_loss_fn", "make_backend", "normalize_messages", "render_request", "DEFAULT_CLIP_LOW",
+           "check_loss_fn", "locate_checkpoint", "make_backend", "normalize_messages", "render_request", "DEFAULT_CLIP_LOW",
            "DEFAULT_CLIP_HIGH"]

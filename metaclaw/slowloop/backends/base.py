@@ -7,7 +7,9 @@ made by :func:`metaclaw.slowloop.backends.make_backend`.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol, Sequence, runtime_checkable
 
 LOSS_FNS = ("importance_sampling", "ppo", "cispo")
@@ -128,6 +130,17 @@ class TrainingBackend(Protocol):
     def publish(self, version: int | None = None) -> int: ...
     def save_state(self, path: str) -> str: ...
     def load_state(self, path: str) -> None: ...
+
+
+def locate_checkpoint(checkpoint: str, state_dir: "str | os.PathLike[str] | None") -> str:
+    """Where a recorded checkpoint is now: as recorded, or, where that path is gone (the
+    workspace's folder was moved or copied: the store keeps the path the trainer saw), the
+    folder of that name in ``state_dir``. A remote state (``tinker://``) is as recorded."""
+    path = Path(checkpoint)
+    if "://" in str(checkpoint) or path.exists() or state_dir is None:
+        return checkpoint
+    moved = Path(state_dir) / path.name
+    return str(moved) if moved.exists() else checkpoint
 
 
 def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

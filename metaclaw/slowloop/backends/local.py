@@ -458,13 +458,19 @@ class LocalBackend(TokenizerMixin):
         with self._lock:
             try:
                 weights = load_file(str(src / "adapter_model.safetensors"))
-                optimizer = torch.load(src / "optimizer.pt", weights_only=True)
+                # an older published version keeps its weights only (retention drops the
+                # optimizer's state, the larger part): the optimizer then starts afresh
+                optimizer = torch.load(src / "optimizer.pt", weights_only=True) \
+                    if (src / "optimizer.pt").exists() else None
             except Exception as exc:  # truncated or foreign files: nothing is half-restored
                 raise BackendError(f"cannot load the training state saved in {str(src)!r} "
                                    f"({type(exc).__name__}: {exc}); restore it, or start "
                                    "afresh without it") from exc
             set_peft_model_state_dict(self.model, weights)
-            self.optimizer.load_state_dict(optimizer)
+            if optimizer is not None:
+                self.optimizer.load_state_dict(optimizer)
+            else:
+                self.optimizer.state.clear()
         self.steps = int(meta.get("steps", 0))
         self.policy_version = int(meta.get("policy_version", 0))
         self._sampler = self._snapshot(self.policy_version)

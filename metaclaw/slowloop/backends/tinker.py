@@ -148,17 +148,26 @@ class TinkerBackend(TokenizerMixin):
         self.grad_clip_norm = grad_clip_norm
         self.sampler_checkpoints = sampler_checkpoints
         self.ttl_seconds = ttl_seconds
-        if service_client is None:
-            preflight(base_url, preflight_timeout)
-            service_client = tinker.ServiceClient(base_url=base_url, api_key=api_key)
-        self.service = service_client
         if resume_from:
             self._check_path(resume_from)
-            self.training = self.service.create_training_client_from_state_with_optimizer(
-                resume_from).result()
-        else:
-            self.training = self.service.create_lora_training_client(
-                base_model=base_model, rank=lora_rank, seed=seed).result()
+        try:  # the service's refusals (no key, a wrong one, a model it does not serve): a
+            # sentence, not the SDK's traceback
+            if service_client is None:
+                preflight(base_url, preflight_timeout)
+                service_client = tinker.ServiceClient(base_url=base_url, api_key=api_key)
+            self.service = service_client
+            if resume_from:
+                self.training = self.service.create_training_client_from_state_with_optimizer(
+                    resume_from).result()
+            else:
+                self.training = self.service.create_lora_training_client(
+                    base_model=base_model, rank=lora_rank, seed=seed).result()
+        except tinker.TinkerError as exc:
+            said = " ".join(str(exc).split())[:300]
+            hint = ("; set TINKER_API_KEY (or pass api_key)" if "api_key" in said.lower()
+                    else "")
+            raise BackendError(f"Tinker refused to start training {base_model!r}: {said}"
+                               f"{hint}") from None
         self.tokenizer = tokenizer if tokenizer is not None else self.training.get_tokenizer()
         self.policy_version = 0
         self.steps = 0

@@ -488,8 +488,15 @@ def from_config(config: dict[str, Any] | None, *, train_step: Callable[[], Any] 
                 if kind == "proxy" and "last_request" not in options:
                     options["last_request"] = last_request
                 signals.append(SIGNAL_TYPES[kind](**options))
-        except TypeError as exc:
-            raise ValueError(f"bad option for the {kind} signal: {exc}") from None
+        except TypeError as exc:  # said with the options it takes, not Python's words
+            import inspect
+
+            taken = [name for name in inspect.signature(SIGNAL_TYPES[kind]).parameters
+                     if name not in ("self", "last_request", "clock")]
+            unknown = re.search(r"unexpected keyword argument '([^']+)'", str(exc))
+            what = f"no option {unknown.group(1)!r}" if unknown else str(exc)
+            raise ValueError(f"bad option for the {kind} signal: {what}; it takes "
+                             f"{', '.join(taken) or 'none'}") from None
     return Scheduler(signals, train_step=train_step, store=store, clock=clock, lease=lease,
                      mode=config.get("mode", "any"),
                      min_window_s=config.get("min_window_s", 0.0),
