@@ -710,3 +710,23 @@ def test_a_linked_skill_folder_is_copied_with_its_files_and_its_links_pointing_w
     assert (copy / "common" / "lint.sh").read_text() == "echo lint\n"
     assert os.readlink(copy / "run") == os.path.join("scripts", "run.sh")
     assert "The team's text." in (shared / "SKILL.md").read_text()
+
+
+def test_a_retrieval_key_written_where_it_is_not_read_is_said_once(tmp_path, caplog):
+    """`use_when` (the keys writer's JSON spelling) or `use-when` outside `metadata` was ignored
+    in silence: the skill matched on its text alone."""
+    import logging
+
+    from metaclaw.skills import library as skills
+
+    folder = tmp_path / "skills" / "x"
+    folder.mkdir(parents=True)
+    (folder / "SKILL.md").write_text("---\nname: x\ndescription: d\nuse-when: top level\n"
+                                     "metadata:\n  example_asks: [a]\n---\nbody\n")
+    with caplog.at_level(logging.WARNING, logger="metaclaw.skills.library"):
+        skills.load_skills_dir(tmp_path / "skills")
+        skills.load_skills_dir(tmp_path / "skills")  # said once per file and key
+    said = [r.getMessage() for r in caplog.records if "is not read" in r.getMessage()]
+    assert len(said) == 2
+    assert any("'use-when' is not read; write the key as metadata.use-when" in m for m in said)
+    assert any("'metadata.example_asks'" in m for m in said)

@@ -793,7 +793,31 @@ def _read_skill_file(path: Path, folder_name: str | None) -> tuple[Skill | None,
     if folder_name is not None and skill.name != folder_name:
         return None, LoadProblem(str(path), f"name {skill.name!r} does not match its folder "
                                             f"{folder_name!r}; rename one of them", skill.name)
+    _warn_misplaced_keys(path, skill)
     return skill, None
+
+
+#: Spellings and places of the retrieval keys that are not read (a hand-written skill), by the
+#: key they were meant to be.
+_KEY_SPELLINGS = {k: (k.replace("-", "_"), k.replace("-", "")) for k in
+                  (USE_WHEN_KEY, EXAMPLE_ASKS_KEY, ANTICIPATED_ASKS_KEY)}
+_warned_keys: set[tuple[str, str]] = set()
+
+
+def _warn_misplaced_keys(path: Path, skill: Skill) -> None:
+    """A retrieval key written where it is not read (``use_when``, or ``use-when`` outside
+    ``metadata``) is said once per file and key: otherwise the skill is silently matched on
+    its text alone."""
+    metadata = skill.extra.get("metadata")
+    metadata = metadata if isinstance(metadata, dict) else {}
+    for key, others in _KEY_SPELLINGS.items():
+        found = [f"metadata.{o}" for o in others if o in metadata]
+        found += [k for k in (key, *others) if k in skill.extra]
+        for where in found:
+            if (str(path), where) not in _warned_keys and len(_warned_keys) < 10_000:
+                _warned_keys.add((str(path), where))
+                log.warning("skill file %s: %r is not read; write the key as metadata.%s",
+                            path, where, key)
 
 
 def _atomic_write(path: Path, text: str) -> None:
