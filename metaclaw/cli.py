@@ -81,8 +81,11 @@ def _library(args: argparse.Namespace, *, create: bool = False):
         if getattr(store, "path", None) is None and store.latest_generation() is None:
             # a new server workspace: its first generation (no skill) names it, and with it
             # this user's folder of it, instead of a new .metaclaw/skills wherever this runs
-            store.add_generation(snapshot={}, kind="init", reason="a new workspace",
-                                 parent=None)
+            # (under the write lock: a proxy's first generation made meanwhile stands)
+            with store.transaction():
+                if store.latest_generation() is None:
+                    store.add_generation(snapshot={}, kind="init", reason="a new workspace",
+                                         parent=None)
         served = next(iter(workspace_folders(store)), None)  # read it there
         if served is None and (served := own_folder(store)) is not None:
             print(f"note: no folder of this workspace on this machine; its skills are in "
@@ -1045,15 +1048,15 @@ def cmd_train(args: argparse.Namespace) -> int:
         with console.progress(args.verbosity) as on_progress:
             loop.set_progress(on_progress)
             return _train(args, loop, state_dir)
-    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: said; a scheduled trainer's way to stop
-        print(f"metaclaw train: stopped; the steps it finished are kept (training state in "
-              f"{state_dir}), the one in flight is not", file=sys.stderr)
-        # `--now` stopped short is no success (`metaclaw train --now && deploy` must not go on)
-        return 130 if args.now else 0
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: a scheduled trainer's way to stop
+        pass
     finally:
-        loop.close()
+        loop.close()  # saves what was trained (a step stopped after its update included)
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+    print(f"metaclaw train: stopped; what it trained is saved in {state_dir}", file=sys.stderr)
+    # `--now` stopped short is no success (`metaclaw train --now && deploy` must not go on)
+    return 130 if args.now else 0
 
 
 def _gone(process: str | None) -> bool:

@@ -446,8 +446,11 @@ def test_checkpoint_retention_and_the_store_is_the_truth_across_restarts(world, 
     moved.close()
     from metaclaw.slowloop.backends import locate_checkpoint
 
-    assert locate_checkpoint(versions[1]["checkpoint"], world.root / "moved") == str(
+    assert locate_checkpoint(versions[1]["checkpoint"], world.root / "moved", 2) == str(
         world.root / "moved" / "step-000003")
+    # another state of the same name (another machine's folder) is not taken for version 2
+    assert locate_checkpoint(versions[1]["checkpoint"], world.root / "moved", 5) == \
+        versions[1]["checkpoint"]
 
 
 def test_a_step_stopped_after_its_update_keeps_the_weights_its_turns_are_counted_in(world):

@@ -564,3 +564,29 @@ def test_skill_commands_on_a_new_server_workspace_keep_no_folder_where_they_run(
     assert not (tmp_path / ".metaclaw").exists()
     assert list((tmp_path / "state" / "metaclaw").glob("workspace-*-skills"))
     assert Store(url).latest_generation() == 0
+
+
+def test_a_busy_pool_is_no_outage(url, monkeypatch):
+    """No pooled connection within the pool's timeout while the server answers (every
+    connection busy: slow queries, a lock wait) is no outage: the reads after it are not failed
+    at once as if the server were down (and /healthz does not say so)."""
+    import psycopg_pool
+
+    from metaclaw.store import StoreUnavailable
+
+    store = Store(url)
+    real = store._pool.connection
+    calls = []
+
+    def busy(*args, **kwargs):
+        calls.append(1)
+        if len(calls) <= 2:  # a read tries twice
+            raise psycopg_pool.PoolTimeout("couldn't get a connection after 6.00 sec")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(store._pool, "connection", busy)
+    with pytest.raises(StoreUnavailable):
+        store.query("SELECT 1 AS x")
+    assert not store.unreachable()
+    assert store.query("SELECT 1 AS x") == [{"x": 1}]
+    store.close()

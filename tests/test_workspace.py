@@ -344,6 +344,16 @@ def test_a_skills_folder_new_to_the_workspace_joins_it_and_removes_nothing(tmp_p
 
     shutil.rmtree(mine / "alpha")
     assert "alpha" not in SkillLibrary(mine, Store(db))
+    # a stale copy of a folder: a skill the workspace removed is not brought back (kept
+    # beside), and a stray file named like a skill is no removal
+    stale = tmp_path / "stale" / "skills"
+    write_skill(stale, "alpha", "The alpha skill.", "Alpha body.")
+    stale.joinpath("beta").write_text("not a skill folder")
+    joined = SkillLibrary(stale, Store(db))
+    names = sorted(s.name for s in joined.current()[1])
+    assert names == ["beta", "personal"]
+    assert not (stale / "alpha" / "SKILL.md").exists()
+    assert "Alpha body." in next(stale.glob("alpha.conflict-*.md")).read_text()
 
 
 def test_a_runtime_that_cannot_listen_leaves_nothing_running(tmp_path):

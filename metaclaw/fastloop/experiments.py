@@ -302,9 +302,14 @@ class Experiment:
         if variant.base == "current":
             pinned = self.config.get("current_generation")
             if pinned is None:
-                pinned = self.config["current_generation"] = int(library.generation)
-                self.store.execute("UPDATE experiments SET config = ? WHERE id = ?",
-                                   (jsonlib.dumps(self.config), self.id))
+                with self.store.transaction():  # two processes' first runs pin one generation
+                    row = self.store.query("SELECT config FROM experiments WHERE id = ?",
+                                           (self.id,))[0]
+                    self.config = jsonlib.loads(row["config"] or "{}")
+                    pinned = self.config.setdefault("current_generation",
+                                                    int(library.generation))
+                    self.store.execute("UPDATE experiments SET config = ? WHERE id = ?",
+                                       (jsonlib.dumps(self.config), self.id))
             variant = Variant(variant.spec, f"gen:{pinned}", variant.without, variant.model)
         return variant.skills(library)
 

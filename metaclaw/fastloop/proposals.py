@@ -373,17 +373,19 @@ def discard(store: Store, proposal_id: int, *, by: str | None = None,
 
 
 def supersede(store: Store, proposal_id: int) -> list[int]:
-    """Discard the automatic proposals still held that held proposal ``proposal_id`` makes
+    """Discard the older automatic proposals still held that held proposal ``proposal_id`` makes
     redundant: made from the same generation, from failures it was made from too (a burst of
-    failures made one after another, each from the failures so far). Returns their ids; each
-    keeps the reason on file."""
+    failures made one after another, each from the failures so far), changing no skill it does
+    not change. Returns their ids; each keeps the reason on file."""
     new = get(store, proposal_id)
-    support = set(new.support_ids)
+    if new.status != HELD or new.origin != "auto":
+        return []
+    support, touched = set(new.support_ids), {op.name for op in new.ops}
     gone = []
-    for old in held(store):
-        if old.id != new.id and old.origin == "auto" and new.origin == "auto" \
+    for old in held(store):  # older ones only, about the same skills (none else is lost)
+        if old.id < new.id and old.origin == "auto" \
                 and old.base_generation == new.base_generation \
-                and set(old.support_ids) <= support:
+                and set(old.support_ids) <= support and {op.name for op in old.ops} <= touched:
             try:
                 discard(store, old.id, by="fast loop",
                         reason=f"superseded by proposal #{new.id}, made from the same failures "

@@ -314,13 +314,17 @@ class MetaClawMagics(Magics):
 
         args = _start_parser().parse_args(argv)
         previous = self.runtime.url if self.runtime is not None else None
+        if self.runtime is not None and self.runtime.config.local_model:
+            # a model in memory (on a GPU that holds one copy): freed before the next loads
+            self._shutdown()
         try:  # a configuration refused here (a skills path that is a file, a model that
             # cannot load) leaves the running proxy as it was
             runtime = Runtime.build(RuntimeConfig.from_args(args))
         except Exception as exc:
             if previous:
+                still = "is still running" if self.runtime is not None else "was stopped"
                 raise MagicUsageError(f"%metaclaw start: {type(exc).__name__}: {exc} (the "
-                                      f"proxy at {previous} is still running)") from None
+                                      f"proxy at {previous} {still})") from None
             raise
         self._shutdown()  # the old one entirely, its port and watcher among them
         try:

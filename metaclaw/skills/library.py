@@ -1503,6 +1503,8 @@ class SkillLibrary:
                     why = self._join(latest, stored, disk)
                     disk, problems = load_skills_dir(self.directory)
                     self.problems = problems
+                    for name, skill in stored.items():  # never a removal (a stray file of its
+                        disk.setdefault(name, skill)    # name, a folder that cannot be written)
                 if not damaged:  # stale files are not hand edits: never recorded as such
                     for name, skill in self._catch_up(latest, stored, problems).items():
                         if skill is None:
@@ -1800,25 +1802,40 @@ class SkillLibrary:
 
     def _join(self, number: int, stored: dict[str, Skill], disk: dict[str, Skill]) -> str:
         """A folder holding skills that the workspace has never marked (another member's, one
-        used with another workspace) joins the library at generation ``number`` (holding
-        ``stored``): it gets the skills it lacks, and the workspace's version of those it holds
-        otherwise (its own kept beside, as an overlapping edit is: :meth:`_set_aside`); its
-        other skills are added to the workspace. Its missing skills are never read as removals
-        (which every folder of the workspace would follow). Returns the reason of the
-        generation that adds its skills."""
+        used with another workspace, or moved) joins the library at generation ``number``
+        (holding ``stored``): it gets the skills it lacks, and the workspace's version of those
+        it holds otherwise (its own kept beside, as an overlapping edit is:
+        :meth:`_set_aside`); its other skills are added to the workspace, but for skills the
+        workspace removed (a stale copy must not bring them back: kept beside and taken out of
+        the folder). Its missing skills are never read as removals (which every folder of the
+        workspace would follow). Returns the reason of the generation that adds its skills."""
         differ = [name for name in sorted(set(stored) & set(disk)) if stored[name] != disk[name]]
-        kept = {name: self._set_aside(name, number, text) for name in differ
-                if (text := _file_text(self.directory / name / SKILL_FILE)) is not None}
-        self._write(differ, stored)
-        written = self._write_missing(stored)
         extra = sorted(set(disk) - set(stored))
+        removed = [name for name in extra if self.store.query(
+            "SELECT 1 AS found FROM skill_events WHERE skill_name = ? LIMIT 1", (name,))]
+        kept: dict[str, Path] = {}
+        written = 0
+        try:
+            for name in differ + removed:
+                text = _file_text(self.directory / name / SKILL_FILE)
+                if text is not None:
+                    kept[name] = self._set_aside(name, number, text)
+            self._write(differ + removed, stored)  # the workspace's version, or none
+            written = self._write_missing(stored)
+        except OSError as exc:  # a folder that cannot be written: read as the workspace's
+            self._catch_up_failed = True
+            log.warning("skill library: cannot write the folder %s (%s); it is read as "
+                        "generation %d's skills", self.directory, exc, number)
+        extra = [name for name in extra if name not in removed]
         where = _as_text(self.directory)
-        said = (f"the skills folder {where} is new to this workspace (generation {number}, "
-                f"{len(stored)} skills): it joined the library instead of replacing it; wrote "
-                f"{written} skill{'' if written == 1 else 's'} it lacked")
+        said = (f"the skills folder {where} has no mark of this workspace (new to it, or moved; "
+                f"generation {number}, {len(stored)} skills): it joined the library instead of "
+                f"replacing it; wrote {written} skill{'' if written == 1 else 's'} it lacked")
         if kept:
-            said += (f"; the workspace's version of {', '.join(kept)} replaced the folder's, "
-                     f"kept in {', '.join(_as_text(p) for p in kept.values())}")
+            said += (f"; its own version of {', '.join(kept)} is kept in "
+                     f"{', '.join(_as_text(p) for p in kept.values())}")
+        if removed:
+            said += f" ({', '.join(removed)}: removed from the workspace before)"
         if extra:
             said += f"; its own skills {', '.join(extra)} are added to the workspace"
         log.warning("skill library: %s", said)

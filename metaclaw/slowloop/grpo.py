@@ -487,8 +487,9 @@ class GRPOTrainer:
         if store is not None:  # the store is the truth: serve its latest published version
             self.sync_with_store()
         self.next_step = self.start_step          # the number of the next step to run
-        self._unsaved_step: int | None = None     # a step that trained and then failed
         self._saved_step: int | None = self.start_step - 1 if self.start_step else None
+        self._unsaved_step: int | None = None     # a step that trained and then failed
+        self._dirty = False                       # trained since the last saved state
 
     def _resume_older(self, checkpoint: str, error: BackendError) -> int:
         """The latest saved state ``checkpoint`` cannot be loaded (``error``): load the newest
@@ -525,7 +526,7 @@ class GRPOTrainer:
             return backend.policy_version
         version, checkpoint = int(rows[0]["version"]), rows[0]["checkpoint"]
         if checkpoint:  # recorded before the workspace's folder moved: found in state_dir
-            checkpoint = locate_checkpoint(checkpoint, self.state_dir)
+            checkpoint = locate_checkpoint(checkpoint, self.state_dir, version)
         if (version, checkpoint) in self._declined:  # said once: this runs before every step
             return backend.policy_version
         if not checkpoint:  # published without saved weights (a trainer without a state_dir)
@@ -558,8 +559,9 @@ class GRPOTrainer:
     def _prune_checkpoints(self) -> list[str]:
         """Retention: keep the last ``keep_checkpoints`` saved states, the one ``latest.json``
         points to, and the weights of every state a published policy version points to (the
-        store's ``policy_versions.checkpoint``; their optimizer state is dropped, as nothing
-        resumes from them); delete the others. Returns the deleted paths."""
+        store's ``policy_versions.checkpoint``; their optimizer state is dropped: a resume
+        starts from the newest states, kept whole, and one from such an older state starts its
+        optimizer afresh); delete the others. Returns the deleted paths."""
         import shutil
 
         if self.state_dir is None or self.config.keep_checkpoints < 1:
@@ -649,8 +651,8 @@ class GRPOTrainer:
         if step is None:  # the last completed step, or a later one that trained and failed
             step = max(self.next_step - 1, self._unsaved_step if self._unsaved_step is not None
                        else -1)
-        if self.state_dir is None or step < 0 or step == self._saved_step:
-            return None
+        if self.state_dir is None or step < 0 or (step == self._saved_step and not self._dirty):
+            return None  # (a step retried under a saved one's number still saves its update)
         checkpoint = self._save_state(step)
         self._point_latest(step, checkpoint, self.backend.policy_version)
         return checkpoint
@@ -695,6 +697,7 @@ class GRPOTrainer:
                                      "checkpoint": checkpoint, "policy_version": version}),
                          durable=True)
             self._saved_step = step
+            self._dirty = False
             self._prune_checkpoints()
 
     def _new_state_path(self, step: int) -> Path:
@@ -821,6 +824,8 @@ class GRPOTrainer:
                       for s, a in zip(samples_G, advantages_G) if s.tokens]
             trained = backend.train_step(datums, config.loss_fn, config.learning_rate) \
                 if datums else None
+            if trained is not None:  # weights no saved state holds yet (save() writes them)
+                self._dirty = True
             loss, metrics = None, {"reward_failures": reward_failures,
                                    "reward_errors": list(dict.fromkeys(reward_errors))[:3],
                                    "stale_groups": len(stale),

@@ -421,7 +421,7 @@ class PolicyFollower:
             for version, backend, base_model, checkpoint in rows:
                 if version in self._settled or checkpoint is None:
                     continue
-                checkpoint = locate_checkpoint(checkpoint, self.state_dir)
+                checkpoint = locate_checkpoint(checkpoint, self.state_dir, version)
                 try:
                     sampler = self.load(version, backend, base_model, checkpoint)
                 except PolicyMismatch as exc:

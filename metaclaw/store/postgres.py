@@ -339,6 +339,15 @@ class PostgresStore(Store):
             raise StoreUnavailable(f"{self._down_reason} (moments ago: tried again within "
                                    f"{UNREACHABLE_HOLD_S:.0f} s)")
 
+    def _server_answers(self) -> bool:
+        """Whether a new connection opens now: a pool that gave none within its timeout may
+        only have had every connection busy (slow queries, a lock wait), which is no outage."""
+        try:
+            self._psycopg.connect(self._conninfo, autocommit=True).close()
+        except self._psycopg.Error:
+            return False
+        return True
+
     def unreachable(self) -> bool:
         return time.monotonic() < self._down_until
 
@@ -393,8 +402,8 @@ class PostgresStore(Store):
                 conn = stack.enter_context(self._pool.connection())
             except self._psycopg_pool_errors() as exc:  # no connection within the timeout
                 failed = self._failed(exc)
-                if isinstance(failed, StoreUnavailable):
-                    self._unreachable(str(failed))
+                if isinstance(failed, StoreUnavailable) and not self._server_answers():
+                    self._unreachable(str(failed))  # down, not only every connection busy
                 raise failed from exc
             yield conn
 

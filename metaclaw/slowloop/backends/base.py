@@ -132,15 +132,29 @@ class TrainingBackend(Protocol):
     def load_state(self, path: str) -> None: ...
 
 
-def locate_checkpoint(checkpoint: str, state_dir: "str | os.PathLike[str] | None") -> str:
+def locate_checkpoint(checkpoint: str, state_dir: "str | os.PathLike[str] | None",
+                      version: int | None = None) -> str:
     """Where a recorded checkpoint is now: as recorded, or, where that path is gone (the
     workspace's folder was moved or copied: the store keeps the path the trainer saw), the
-    folder of that name in ``state_dir``. A remote state (``tinker://``) is as recorded."""
+    folder of that name in ``state_dir``, if it holds policy ``version`` (where given: another
+    machine's folder of the same name is another state). A remote state (``tinker://``) is as
+    recorded."""
+    import json
+
     path = Path(checkpoint)
     if "://" in str(checkpoint) or path.exists() or state_dir is None:
         return checkpoint
     moved = Path(state_dir) / path.name
-    return str(moved) if moved.exists() else checkpoint
+    if not moved.exists():
+        return checkpoint
+    if version is not None:
+        try:
+            saved = json.loads((moved / "metaclaw_state.json").read_text())
+        except (OSError, ValueError):
+            return checkpoint
+        if not isinstance(saved, dict) or saved.get("policy_version") != version:
+            return checkpoint
+    return str(moved)
 
 
 def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
