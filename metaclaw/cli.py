@@ -75,6 +75,9 @@ def _library(args: argparse.Namespace, *, create: bool = False):
     from metaclaw.skills.library import SkillLibrary, own_folder, workspace_folders
     from metaclaw.store import Store
 
+    if Path(args.skills).exists() and not Path(args.skills).is_dir():
+        raise CliError(f"--skills {args.skills} is a file; give the skills folder (one "
+                       "<name>/SKILL.md per skill)")
     here = Path(args.skills).is_dir()
     store = Store(args.db) if create or here else _store(args.db)
     if not here and args.skills == str(DEFAULT_SKILLS):  # run away from the served folder:

@@ -747,6 +747,13 @@ def test_skills_import_names_what_it_skipped_and_brings_a_skills_other_files(tmp
     assert failed.returncode == 1 and "skipped" in failed.stderr
 
 
+def test_a_skills_path_that_is_a_file_is_named(tmp_path):
+    """It said there was no database, about a workspace nobody asked for."""
+    (tmp_path / "f").write_text("hi")
+    proc = run_cli("skills", "--skills", tmp_path / "f", "--db", tmp_path / "w.db", check=False)
+    assert proc.returncode == 2 and "is a file; give the skills folder" in proc.stderr
+
+
 def test_why_says_what_the_context_budget_changed():
     from metaclaw.cli import _budget_said
 

@@ -507,7 +507,9 @@ class GRPOTrainer:
             except BackendError:
                 continue
             log.warning("cannot resume from the latest training state (%s); resumed from the "
-                        "newest one that loads, %s", error, path)
+                        "newest one that loads, %s%s", error, path,
+                        "" if (path / "optimizer.pt").exists() else
+                        " (an older published version's weights: the optimizer starts afresh)")
             return int(path.name.split("-")[1].split(".")[0])
         raise error
 
