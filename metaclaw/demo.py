@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from metaclaw.bench.data import load_benchmark, select_days
 from metaclaw.bench.outdir import DEMO_ENTRIES, claim_out_dir
 from metaclaw.redact import upstream_key_for
 
@@ -169,6 +170,8 @@ def run_mode(mode: str, data: Path, days: Any, out: Path, upstream: str, model: 
     from metaclaw.skills.library import SkillLibrary
     from metaclaw.store import Store
 
+    # a wrong day, data folder or file before --out is touched (an earlier run's output stays)
+    select_days(load_benchmark(data), days)
     # refuses a folder no run wrote; one run at a time; a resumed run keeps the earlier output
     with claim_out_dir(out, RUN_ENTRIES, replace=not resume):
         store = Store(out / "metaclaw.db")
@@ -257,10 +260,13 @@ def run_mode(mode: str, data: Path, days: Any, out: Path, upstream: str, model: 
                 summary["evolve_events_note"] = (
                     "this part's evolutions only; the whole run's are the store's skill "
                     f"generations ({library.generation} after the last day)")
+                if "judge" in summary:
+                    summary["judge_note"] = "this part's judged turns only"
             if slow is not None:
                 slow.label(summary)
-                (out / "run" / "summary.json").write_text(
-                    json.dumps(summary, indent=2, ensure_ascii=False, default=str), encoding="utf-8")
+            # the file holds what is printed: the judge's tally and what was learned too
+            (out / "run" / "summary.json").write_text(
+                json.dumps(summary, indent=2, ensure_ascii=False, default=str), encoding="utf-8")
             return summary
         finally:
             if slow is not None:
@@ -317,7 +323,9 @@ def run_demo(data_dir: str | Path | None = None, days: str = "all", out_dir: str
     sim = responder = None
     simulated = upstream is None and local_model is None
     note = SIM_NOTE if simulated else ""
-    with claim_out_dir(out, DEMO_ENTRIES):   # refuses a folder no run wrote; one run at a time
+    select_days(load_benchmark(data), days)  # a wrong day or file before --out is touched
+    with claim_out_dir(out, DEMO_ENTRIES, kind="demo"):  # refuses a folder no run wrote (or a
+        # bench run's); one run at a time
         try:
             if local_model is not None:
                 from metaclaw.offline.localmodel import load_responder

@@ -417,3 +417,22 @@ def test_an_unreachable_model_is_an_error_not_a_zero_score(tmp_path, capsys):
     assert code == 1
     assert err.startswith("metaclaw bench: every one of the 5 rounds failed with an error")
     assert "the first error was day01 r1: " in err
+
+
+def test_a_mistyped_day_or_another_kinds_folder_leaves_the_earlier_output_as_it_was(
+        tmp_path, capsys):
+    """`--days day99` deleted the earlier run's results before it said the day was unknown;
+    a bench run in a demo's folder (or the reverse) replaced its learned skills."""
+    out = tmp_path / "b1"
+    assert main(["bench", "--days", "day01", "--out", str(out)]) == 0
+    before = (out / "run" / "summary.json").read_text()
+    capsys.readouterr()
+    assert main(["bench", "--days", "day99", "--out", str(out)]) == 1
+    assert "unknown day(s) day99" in capsys.readouterr().err
+    assert (out / "run" / "summary.json").read_text() == before
+    assert main(["demo", "--days", "day01", "--out", str(out)]) != 0
+    assert "holds a metaclaw bench run's output" in capsys.readouterr().err
+    assert (out / "run" / "summary.json").read_text() == before
+    fresh = tmp_path / "never"
+    assert main(["bench", "--days", "day99", "--out", str(fresh)]) == 1
+    assert not fresh.exists()  # nothing made for a run that cannot start

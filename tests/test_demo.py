@@ -39,6 +39,9 @@ def test_skills_mode_beats_baseline_offline(tmp_path):
     assert "SIMULATED" in text and "SIMULATED" in format_curve(result)
     saved = json.loads((tmp_path / "demo" / "demo.json").read_text())
     assert saved["curve"] == result["curve"] and saved["simulated"] is True
+    # the run's own summary file holds what was printed: the judge's tally, what was learned
+    written = json.loads((tmp_path / "demo" / "skills" / "run" / "summary.json").read_text())
+    assert written["skill_generation"] == skills["skill_generation"] and written["judge"]
     assert result["duration_s"] < 120
 
 

@@ -41,11 +41,14 @@ class OutDirError(ValueError):
 
 
 @contextlib.contextmanager
-def claim_out_dir(out: Path, entries: tuple[str, ...], *, replace: bool = True) -> Iterator[Path]:
-    """Lock ``out`` for one run and clear an earlier run's ``entries`` (when ``replace``).
+def claim_out_dir(out: Path, entries: tuple[str, ...], *, replace: bool = True,
+                  kind: str = "bench") -> Iterator[Path]:
+    """Lock ``out`` for one run of ``kind`` (``bench`` or ``demo``) and clear an earlier run's
+    ``entries`` (when ``replace``).
 
-    Raises :class:`OutDirError` when ``out`` is a file, holds files no run wrote, or another
-    run holds it.
+    Raises :class:`OutDirError` when ``out`` is a file, holds files no run wrote or another
+    kind of run's output (a bench run in a demo's folder would replace its learned skills), or
+    another run holds it.
     """
     out = Path(out)
     if out.exists() and not out.is_dir():
@@ -53,6 +56,12 @@ def claim_out_dir(out: Path, entries: tuple[str, ...], *, replace: bool = True) 
     if out.is_dir() and not (out / MARKER).is_file() and any(out.iterdir()):
         raise OutDirError(f"{out} already holds files that no metaclaw run wrote; choose an empty "
                           "or new --out folder (nothing in it was changed)")
+    earlier = None
+    with contextlib.suppress(OSError, ValueError, AttributeError):  # none, or an older marker
+        earlier = json.loads((out / MARKER).read_text()).get("kind")
+    if earlier and earlier != kind:
+        raise OutDirError(f"{out} holds a metaclaw {earlier} run's output; choose another "
+                          f"--out folder for this {kind} run (nothing in it was changed)")
     out.mkdir(parents=True, exist_ok=True)
     from filelock import FileLock, Timeout
 
@@ -63,8 +72,9 @@ def claim_out_dir(out: Path, entries: tuple[str, ...], *, replace: bool = True) 
         raise OutDirError(f"another metaclaw run is writing to {out}; wait for it to finish "
                           "or choose another --out folder") from None
     try:
-        (out / MARKER).write_text(json.dumps({"written_by": "metaclaw run", "pid": os.getpid(),
-                                              "started": time.time()}) + "\n")
+        (out / MARKER).write_text(json.dumps({"written_by": "metaclaw run", "kind": kind,
+                                              "pid": os.getpid(), "started": time.time()})
+                                  + "\n")
         if replace:
             for name in entries:
                 path = out / name

@@ -162,7 +162,8 @@ def format_table(summary: dict) -> str:
         tally = summary["judge"]
         lines.append(f"judge: {tally['judged']} turns judged"
                      + (f", {tally['failed']} failed ({tally['first_error']})" if tally["failed"]
-                        else ""))
+                        else "")
+                     + (f" ({summary['judge_note']})" if summary.get("judge_note") else ""))
     if summary.get("resumed_days"):
         kept = ", ".join(summary["resumed_days"])
         lines.append(f"resumed run: the totals and day lines include {kept}, kept from the "
