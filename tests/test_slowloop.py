@@ -475,6 +475,40 @@ def test_a_step_stopped_after_its_update_keeps_the_weights_its_turns_are_counted
     assert latest["step"] == 0 and (world.root / "state" / "step-000000").is_dir()
 
 
+def test_a_step_retried_under_a_saved_steps_number_saves_its_update(world, monkeypatch):
+    """A step whose record failed after its update is saved (close, stop); the step retried
+    under the same number trains again, and its update is saved too, not skipped as that
+    number's state already written."""
+    import dataclasses
+    import json
+    from pathlib import Path
+
+    config = dataclasses.replace(CONFIG, publish_every=2)  # no publish: only the saves keep it
+    loop = SlowLoop(world.store, world.backend, config=config, judge=world.reward,
+                    proxy=world.proxy, state_dir=world.root / "state")
+    world.serve_query_turns()
+    real, calls = world.store.record_training_step, []
+
+    def fails_once(**fields):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("the store failed while recording the step")
+        return real(**fields)
+
+    monkeypatch.setattr(world.store, "record_training_step", fails_once)
+    with pytest.raises(RuntimeError):
+        loop.train_now(steps=1)
+    assert loop.trainer.save() is not None  # the failed step's update, saved
+    trained = world.backend.steps
+    world.serve_query_turns()
+    assert loop.train_now(steps=1).steps_done == 1  # retried under the same number
+    assert world.backend.steps == trained + 1
+    loop.close()
+    latest = json.loads((world.root / "state" / "latest.json").read_text())
+    saved = json.loads((Path(latest["checkpoint"]) / "metaclaw_state.json").read_text())
+    assert saved["steps"] == trained + 1
+
+
 def test_a_reward_named_on_the_command_line_loads_as_the_user_wrote_it(tmp_path, monkeypatch):
     from metaclaw.slowloop.grpo import load_reward
 
