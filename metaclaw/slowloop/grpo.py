@@ -488,8 +488,7 @@ class GRPOTrainer:
             self.sync_with_store()
         self.next_step = self.start_step          # the number of the next step to run
         self._saved_step: int | None = self.start_step - 1 if self.start_step else None
-        self._unsaved_step: int | None = None     # a step that trained and then failed
-        self._dirty = False                       # trained since the last saved state
+        self._dirty_step: int | None = None       # a step whose update no saved state holds
 
     def _resume_older(self, checkpoint: str, error: BackendError) -> int:
         """The latest saved state ``checkpoint`` cannot be loaded (``error``): load the newest
@@ -651,9 +650,10 @@ class GRPOTrainer:
         a recorded checkpoint is never empty or truncated files. Where the state cannot be
         written or synced this raises OSError naming the folder."""
         if step is None:  # the last completed step, or a later one that trained and failed
-            step = max(self.next_step - 1, self._unsaved_step if self._unsaved_step is not None
-                       else -1)
-        if self.state_dir is None or step < 0 or (step == self._saved_step and not self._dirty):
+            step = max(self.next_step - 1,
+                       -1 if self._dirty_step is None else self._dirty_step)
+        if self.state_dir is None or step < 0 or (step == self._saved_step
+                                                   and self._dirty_step is None):
             return None  # (a step retried under a saved one's number still saves its update)
         checkpoint = self._save_state(step)
         self._point_latest(step, checkpoint, self.backend.policy_version)
@@ -699,7 +699,7 @@ class GRPOTrainer:
                                      "checkpoint": checkpoint, "policy_version": version}),
                          durable=True)
             self._saved_step = step
-            self._dirty = False
+            self._dirty_step = None
             self._prune_checkpoints()
 
     def _new_state_path(self, step: int) -> Path:
@@ -826,8 +826,8 @@ class GRPOTrainer:
                       for s, a in zip(samples_G, advantages_G) if s.tokens]
             trained = backend.train_step(datums, config.loss_fn, config.learning_rate) \
                 if datums else None
-            if trained is not None:  # weights no saved state holds yet (save() writes them)
-                self._dirty = True
+            if trained is not None:  # weights no saved state holds yet: save() writes them,
+                self._dirty_step = step  # also where the step then fails (close() saves)
             loss, metrics = None, {"reward_failures": reward_failures,
                                    "reward_errors": list(dict.fromkeys(reward_errors))[:3],
                                    "stale_groups": len(stale),
@@ -902,8 +902,6 @@ class GRPOTrainer:
                     self._commit_claim(claim_id, claimed, {})
                 except Exception:  # the store failed too: the claim expires; raise the first
                     log.exception("could not count GRPO step %s on its turns", claim_id)
-            if trained is not None:  # those weights are saved by save(), as the step's own
-                self._unsaved_step = step  # (close() saves): never counted and then lost
             raise
         finally:
             if renewer is not None:

@@ -328,14 +328,14 @@ class PostgresStore(Store):
             try:
                 self._db = self._connect()
             except StoreError as exc:
-                self._unreachable(str(exc))
+                self._mark_unreachable(str(exc))
                 raise StoreUnavailable(str(exc)) from None
         return self._db
 
     def _check_reachable(self) -> None:
         """:class:`StoreUnavailable` at once while the server was found unreachable moments ago
         (:data:`UNREACHABLE_HOLD_S`)."""
-        if time.monotonic() < self._down_until:
+        if self.unreachable():
             raise StoreUnavailable(f"{self._down_reason} (moments ago: tried again within "
                                    f"{UNREACHABLE_HOLD_S:.0f} s)")
 
@@ -351,7 +351,7 @@ class PostgresStore(Store):
     def unreachable(self) -> bool:
         return time.monotonic() < self._down_until
 
-    def _unreachable(self, reason: str) -> None:
+    def _mark_unreachable(self, reason: str) -> None:
         self._down_until, self._down_reason = time.monotonic() + UNREACHABLE_HOLD_S, reason
 
     def _failed(self, exc: BaseException) -> EngineError:
@@ -388,7 +388,7 @@ class PostgresStore(Store):
                 # a pooled connection the server dropped (a restart): the pool discards it;
                 # one more try on another (reads only: nothing was written), unless no
                 # connection could be had at all
-                if attempt == 2 or time.monotonic() < self._down_until:
+                if attempt == 2 or self.unreachable():
                     raise
         raise AssertionError("unreachable")
 
@@ -403,7 +403,7 @@ class PostgresStore(Store):
             except self._psycopg_pool_errors() as exc:  # no connection within the timeout
                 failed = self._failed(exc)
                 if isinstance(failed, StoreUnavailable) and not self._server_answers():
-                    self._unreachable(str(failed))  # down, not only every connection busy
+                    self._mark_unreachable(str(failed))  # down, not only every connection busy
                 raise failed from exc
             yield conn
 
