@@ -241,3 +241,27 @@ def test_readmes_offline_proxy_block_runs_as_pasted(tmp_path):
     assert "query: Edit deploy/config.yaml" in shown and "stopped" in shown, shown[-3000:]
     with socket.socket() as probe:  # the proxy is gone
         assert probe.connect_ex(("127.0.0.1", port)) != 0
+
+
+def test_the_wheel_holds_the_package_data_and_builds_without_warnings(tmp_path):
+    """The built wheel holds what the package reads from its own folders (starter skills, the
+    widgets' scripts, the shipped static table and its notice, the benchmark subset), and the
+    build says nothing about data folders left out of the package list (setuptools warned,
+    once per folder, at every ``pip install``)."""
+    import subprocess
+    import zipfile
+
+    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                           "--no-index", "-w", str(tmp_path), str(ROOT)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "absent from the `packages` configuration" not in done.stdout + done.stderr
+    (wheel,) = tmp_path.glob("*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    wanted = ["metaclaw/skills/data/static-minilm/table.npz",
+              "metaclaw/skills/data/static-minilm/NOTICE", "metaclaw/_widgets/trace.js",
+              "metaclaw/_widgets/metaclaw.css"]
+    assert all(name in names for name in wanted), sorted(set(wanted) - names)
+    assert any(n.startswith("metaclaw/skills/starter_skills/") and n.endswith("/SKILL.md")
+               for n in names)
+    assert any(n.startswith("metaclaw/bench/data/metaclaw-bench-small/") for n in names)
