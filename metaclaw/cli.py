@@ -832,7 +832,8 @@ def cmd_events(args: argparse.Namespace) -> int:
         failed = store.query("SELECT status, COUNT(*) AS n FROM turns WHERE status <> 'ok' "
                              "GROUP BY status ORDER BY status")
         print("turns not served whole: " + (", ".join(f"{r['status']} {r['n']}" for r in failed)
-                                            + " (metaclaw turns --status STATUS --why)"
+                                            + f" (metaclaw turns{store.db_option()} --status "
+                                              "STATUS --why)"
                                             if failed else "none"))
     return 0
 

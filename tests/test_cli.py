@@ -308,7 +308,9 @@ def test_turns_picks_by_status_id_and_newest_and_events_counts_turns_not_served_
     assert row["judge_rationale"] == "The date is not\nin ISO form." and "judge_votes" in row
     events = run_cli("events", "--db", db).stdout
     assert "loop failures (judge, evolver, training rewards, skill files): none" in events
-    assert "turns not served whole: cancelled 1, error 1 (metaclaw turns --status" in events
+    # the command it names opens this workspace, not the default one
+    assert f"turns not served whole: cancelled 1, error 1 (metaclaw turns --db {db} --status" \
+        in events
 
 
 def test_score_skips_a_turn_another_process_is_judging(tmp_path):

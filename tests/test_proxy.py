@@ -1256,9 +1256,25 @@ def test_the_failure_log_says_each_kind_once_a_minute_and_counts_the_rest(caplog
         now[0] += FailureLog.EVERY_S
         failures.warn(502, "cannot reach the upstream")
         failures.warn(502, "cannot reach the upstream")
-        failures.close()  # the proxy stops: the one no line counted yet is said
-        failures.close()
+        failures.close(" --db bench/workspace.db")  # the proxy stops: the one no line
+        failures.close()  # counted yet is said, with what opens the proxy's workspace
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 4 and "HTTP 401" in lines[1]
     assert lines[2].endswith("(2 more turns failed with it since the last such line)")
     assert lines[3].startswith("1 more turn failed (HTTP 502) since the last such line")
+    assert "`metaclaw turns --db bench/workspace.db --status error --why`" in lines[3]
+
+
+def test_a_workspace_names_the_option_that_opens_it(tmp_path, monkeypatch):
+    """Messages naming a command add ``--db`` only for a workspace a bare command would not
+    open, with a database URL's password masked."""
+    from metaclaw.store import Store
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("METACLAW_DB", raising=False)
+    (tmp_path / ".metaclaw").mkdir()
+    assert Store(".metaclaw/metaclaw.db").db_option() == ""
+    assert Store(tmp_path / ".metaclaw" / "metaclaw.db").db_option() == ""
+    assert Store(tmp_path / "my run.db").db_option() == f" --db '{tmp_path / 'my run.db'}'"
+    monkeypatch.setenv("METACLAW_DB", str(tmp_path / "my run.db"))
+    assert Store(tmp_path / "my run.db").db_option() == ""

@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import re
+import shlex
 import socket
 import sqlite3
 import threading
@@ -515,6 +516,16 @@ class Store:
     def location(self) -> str:
         """Where the store is, for messages: the file, or the database URL (password masked)."""
         return str(self.path)
+
+    def db_option(self) -> str:
+        """What a ``metaclaw`` command line in a message needs to open this workspace: ``""``
+        for the one a command opens unless told (``$METACLAW_DB``, else the default), else
+        `` --db LOCATION`` (a password masked)."""
+        engine, where = parse_target(default_target())
+        if self.target == where or (engine == "sqlite" and self.target != ":memory:"
+                                    and Path(where).resolve() == Path(self.target).resolve()):
+            return ""
+        return f" --db {shlex.quote(self.location)}"
 
     def __init__(self, path: "str | os.PathLike[str] | None" = None):
         """``path``: a file, ``sqlite:///path`` or ``postgresql://`` URL; default
