@@ -457,3 +457,24 @@ def test_a_chat_turn_kept_by_name_survives_other_cells(ip):
     line(ip, "skills")  # another cell: `_` is no longer the turn
     assert ip.user_ns["first"] is turn and "backup-before-modify" in turn.injected_skills
     assert "not a Python variable name" in fails(ip, "chat --as class", "hi")
+
+
+def test_a_chat_to_an_unreachable_upstream_says_why_once(ip, caplog):
+    """The cell says what the proxy answered, in one line; the proxy's log does not repeat it
+    (it did, above the cell's error, as a line for whoever runs ``metaclaw serve``)."""
+    import socket
+
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    line(ip, f"start --db {{ws}}/m.db --skills {{ws}}/skills --retrieval lexical "
+             f"--upstream http://127.0.0.1:{port}/v1")
+    magics = ip.magics_manager.registry["MetaClawMagics"]
+    with caplog.at_level("WARNING", logger="metaclaw.proxy"):
+        said = fails(ip, "chat --session s", "hello")
+        magics.runtime.proxy.flush()
+    assert said.startswith("%metaclaw chat: the proxy answered HTTP 502: cannot reach the "
+                           f"upstream http://127.0.0.1:{port}/v1")
+    assert "not added to this session's history" in said and magics.histories["s"] == []
+    assert not [r for r in caplog.records if "a turn failed" in r.getMessage()]
+    assert line(ip, "turns")["status"].to_list() == ["error"]  # recorded all the same

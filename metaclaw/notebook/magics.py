@@ -441,6 +441,7 @@ class MetaClawMagics(Magics):
         # no client retries: the proxy already retries the upstream, and every attempt the client
         # made would be recorded as one more turn of this one message
         client = runtime.client(max_retries=0)
+        runtime.proxy.show_failures_elsewhere(session)  # this cell says why a turn failed
         calls: list[dict[str, Any]] = []
         try:
             if args.done:
@@ -472,8 +473,14 @@ class MetaClawMagics(Magics):
             raise MagicInterrupted(
                 "interrupted: the message was not added to this session's history; what the "
                 "proxy had served is recorded (%metaclaw turns)") from None
-        except BaseException:
+        except BaseException as exc:
             del history[start:]
+            status = getattr(exc, "status_code", None)  # the proxy's answer: what it says
+            if isinstance(status, int) and isinstance(getattr(exc, "body", None), dict):
+                reason = exc.body.get("message") or exc.body.get("error") or exc.body
+                raise MagicUsageError(f"%metaclaw chat: the proxy answered HTTP {status}: "
+                                      f"{reason}; the message was not added to this "
+                                      "session's history") from None
             raise
         runtime.proxy.flush()  # turns are recorded off the request path; wait for these
         rows = runtime.store.turns("session_id = ? AND id > ?", (session, before))

@@ -296,6 +296,11 @@ class Proxy(ServedApp):
         if self._server.loop is not None:
             self._server.call(self._drain(), timeout)
 
+    def show_failures_elsewhere(self, session_id: str) -> None:
+        """The turns of ``session_id`` fail in front of whoever sent them (a notebook's chat
+        cell says why): the proxy's log does not say it again."""
+        self._parts.failures.shown_elsewhere.add(session_id)
+
     # -- seams for the loops --------------------------------------------------------------
     def add_turn_listener(self, fn: Callable[[int], None]) -> None:
         """Call ``fn(turn_id)`` in a worker thread after each turn is recorded (errors are logged)."""

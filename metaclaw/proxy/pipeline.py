@@ -553,9 +553,14 @@ class FailureLog:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._last: dict[Any, tuple[float, int]] = {}
+        #: Sessions whose failures are shown where they were sent (a notebook's chat cell), not
+        #: repeated in the log.
+        self.shown_elsewhere: set[str] = set()
 
-    def warn(self, status: Any, message: str) -> None:
+    def warn(self, status: Any, message: str, session: str | None = None) -> None:
         """``status``: the turn's HTTP status; 200 is a stream that failed after it began."""
+        if session in self.shown_elsewhere:
+            return
         status = "200, mid-stream" if status == 200 else status
         now = time.monotonic()
         with self._lock:
@@ -1069,7 +1074,8 @@ class _Relay:
                 if isinstance(row.get(key), str):
                     row[key] = self.parts.scrubber.text(row[key], self.caller_key)
         if row.get("status") == "error":
-            self.parts.failures.warn(row.get("http_status"), str(row.get("error") or ""))
+            self.parts.failures.warn(row.get("http_status"), str(row.get("error") or ""),
+                                     row.get("session_id"))
         if self.turn.thread is not None:
             self.parts.threads.settle(self.turn.thread, row.get("status") == "ok",
                                       row.get("response"), row.get("tool_calls"))
