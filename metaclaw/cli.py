@@ -672,15 +672,13 @@ def cmd_experiment(args: argparse.Namespace) -> int:
         if args.action == "run":
             return _experiment_run(args, store, ex)
         experiment = ex.Experiment.open(store, args.name)
-        _show_experiment(experiment, args.json)
+        _show_experiment(experiment, args.json, args.threshold)
         return 0
     except ex.ExperimentError as exc:
         raise CliError(str(exc)) from None
 
 
 def _experiment_run(args: argparse.Namespace, store: Any, ex: Any) -> int:
-    from metaclaw.fastloop.replay import Replayer
-
     if not args.upstream:
         raise CliError("give the upstream the replays go to: --upstream URL (key from "
                        "$METACLAW_UPSTREAM_API_KEY); `metaclaw sim-model` serves an offline "
@@ -705,6 +703,8 @@ def _experiment_run(args: argparse.Namespace, store: Any, ex: Any) -> int:
                        "--variant current")
     if args.name in names:
         experiment = ex.Experiment.open(store, args.name)
+        replayer = _replayer(args, experiment.settings())
+        experiment.check_settings(replayer.settings())  # before anything is added
         first = experiment.variants[0].spec if experiment.variants else None
         if args.variant and first and ex.Variant.parse(args.variant[0]).spec != first:
             print(f"note: experiment {experiment.name} compares with its first variant "
@@ -725,36 +725,87 @@ def _experiment_run(args: argparse.Namespace, store: Any, ex: Any) -> int:
                              failures=args.failures, labelled=args.labelled, last=args.last,
                              replace=bool(args.dataset is None))
             print(f"dataset {dataset}: {len(ids)} turns")
+        replayer = _replayer(args, {})
         experiment = ex.Experiment.create(store, args.name, dataset, args.variant or [])
-    judge = _judge(args)
-    replayer = Replayer(judge, args.upstream, args.model)
-    plan = experiment.plan(votes=judge.votes)
+    plan = experiment.plan(votes=replayer.judge.votes)
     budget = (f"; stops at --max-calls {args.max_calls}" if args.max_calls else "")
     print(f"experiment {experiment.name}: {plan}{budget}", flush=True)
+    before = set(_replays_failed(experiment))
     with console.progress(args.verbosity) as on_progress:
         experiment.run(replayer, library, max_calls=args.max_calls, on_progress=on_progress)
     for spec, why in experiment.skipped.items():
         print(_printable(f"note: variant {spec!r} not replayed: {why}"), file=sys.stderr)
     _show_experiment(experiment, args.json)
-    return 0
+    failed = _replays_failed(experiment)
+    if failed:
+        new = len(set(failed) - before)
+        print(_printable(f"note: {len(failed)} replays failed ({new} in this run; run again to "
+                         f"retry them), e.g. turn #{failed[0][0]} {failed[0][1]}: "
+                         f"{failed[0][2]}"), file=sys.stderr)
+    return 1 if failed and experiment.frame()["score"].drop_nulls().is_empty() else 0
 
 
-def _show_experiment(experiment: Any, as_json: bool) -> None:
-    summary = experiment.summary()
+def _replayer(args: argparse.Namespace, pinned: dict[str, Any]) -> Any:
+    """The replayer of ``experiment run``: an option left out takes the experiment's pinned
+    setting (its first run's), else `metaclaw serve`'s default."""
+    from metaclaw.fastloop.replay import Replayer
+    from metaclaw.skills.retrieval import RetrievalError, make_retriever
+
+    for key, default in (("judge_model", None), ("votes", 3), ("threshold", 0.0),
+                         ("model", None), ("top_k", 3), ("min_score", None),
+                         ("budget_chars", 6000)):
+        if getattr(args, key) is None:
+            setattr(args, key, pinned.get(key, default))
+    judge = _judge(args)
+    try:
+        retriever = make_retriever(args.retrieval or _pinned_kind(pinned.get("retrieval")))
+    except RetrievalError as exc:
+        raise CliError(str(exc)) from None
+    return Replayer(judge, args.upstream, args.model, retriever=retriever, top_k=args.top_k,
+                    min_score=args.min_score, budget_chars=args.budget_chars)
+
+
+def _pinned_kind(retrieval: str | None) -> str:
+    """The retrieval kind of an experiment's pinned retriever name (auto before one)."""
+    for name, kind in (("Hybrid", "hybrid"), ("Embedding", "embedding"), ("Lexical", "lexical")):
+        if retrieval and retrieval.startswith(name):
+            return kind
+    return "auto"
+
+
+def _replays_failed(experiment: Any) -> list[tuple[int, str, str]]:
+    """(turn, variant, why) of the experiment's replays that got no reply or no verdict."""
+    return [(r["turn_id"], r["variant"], r["error"] or "no verdict")
+            for r in experiment.frame().iter_rows(named=True)
+            if r["upstream_failed"] or r["score"] is None]
+
+
+def _show_experiment(experiment: Any, as_json: bool, threshold: float | None = None) -> None:
+    summary = experiment.summary(threshold=threshold)
     if as_json:
         for row in summary.iter_rows(named=True):
             _print_json(row)
         return
     fmt = lambda x, f="+.2f": "-" if x is None else format(x, f)  # noqa: E731
-    print(f"{'variant':<28}{'cases':>6}{'scored':>7}{'reward':>8}{'pass':>7}"
+    print(f"{'variant':<28}{'cases':>6}{'scored':>7}{'reward':>8}{'pass':>7}{'paired':>7}"
           f"{'vs first [95%]':>24}{'McNemar p':>11}")
     for row in summary.iter_rows(named=True):
         versus = "-" if row["diff_vs_first"] is None else (
             fmt(row["diff_vs_first"]) + ("" if row["diff_low"] is None else
                                          f" [{fmt(row['diff_low'])},{fmt(row['diff_high'])}]"))
+        paired = "-" if row["paired"] is None else str(row["paired"])
         print(_printable(f"{row['variant'][:27]:<28}{row['cases']:>6}{row['scored']:>7}"
                          f"{fmt(row['mean_reward']):>8}{fmt(row['pass_rate'], '.0%'):>7}"
-                         f"{versus:>24}{fmt(row['mcnemar_p'], '.3f'):>11}"))
+                         f"{paired:>7}{versus:>24}{fmt(row['mcnemar_p'], '.3f'):>11}"))
+    if any(row["paired"] is not None and row["paired"] < row["scored"]
+           for row in summary.iter_rows(named=True)):
+        print("note: the comparison with the first variant uses the cases both scored "
+              "(paired); a variant's own reward and pass columns use every case it scored")
+    settings = experiment.settings()
+    if settings:
+        print(_printable("replayed with " + ", ".join(
+            f"{experiment.SETTINGS[k]} {settings[k]}" for k in experiment.SETTINGS
+            if settings.get(k) is not None)))
     scores = experiment.frame()["score"].drop_nulls()
     if len(scores) and (scores == 0).all():
         print("note: the judge found every reply unclear (0), so this cannot tell the variants "
@@ -1465,8 +1516,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--judge-url")
     p.add_argument("--judge-model")
     p.add_argument("--votes", type=argtypes.positive_int, help="judge votes per reply (3)")
-    p.add_argument("--threshold", type=argtypes.finite_float, default=0.0,
-                   help="the reward above which a reply passes (default 0)")
+    p.add_argument("--threshold", type=argtypes.finite_float,
+                   help="the reward above which a reply passes (default 0; show: count passes "
+                   "with another)")
+    p.add_argument("--retrieval", choices=["auto", "hybrid", "embedding", "lexical"],
+                   help="run: how replays pick skills, as `metaclaw serve` does (default auto, "
+                   "with --top-k 3, the retriever's --min-score and --budget-chars 6000: serve's "
+                   "defaults; give serve's options if it ran with others)")
+    p.add_argument("--top-k", type=argtypes.positive_int)
+    p.add_argument("--min-score", type=argtypes.finite_float)
+    p.add_argument("--budget-chars", type=argtypes.positive_int)
     p.add_argument("--max-calls", type=argtypes.positive_int,
                    help="run: spend at most this many upstream + judge calls")
     p.add_argument("--json", action="store_true")

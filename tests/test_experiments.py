@@ -160,7 +160,8 @@ def test_upstream_failures_are_kept_and_retried(workspace, sim):
     store, library = workspace
     ex.dataset(store, "two", turn_ids=ex.dataset(store, "f", failures=True)[:2])
     run = ex.Experiment.create(store, "down", "two", ["none", "current"])
-    dead = Replayer(Judge(sim.url, "sim-judge", votes=1), "http://127.0.0.1:9/v1", timeout=2)
+    dead = Replayer(Judge(sim.url, "sim-judge", votes=1), "http://127.0.0.1:9/v1", timeout=2,
+                    retriever=LexicalRetriever(), min_score=0.0)
     run.run(dead, library)
     frame = run.frame()
     assert len(frame) == 4 and frame["upstream_failed"].all()
@@ -269,15 +270,19 @@ def test_the_summary_says_when_the_judge_could_not_tell_the_variants_apart(capsy
         def __init__(self, scores):
             self.scores = scores
 
-        def summary(self):
+        def summary(self, threshold=None):
             return pl.DataFrame({"variant": ["none", "current"], "cases": [2, 2],
                                  "scored": [2, 2], "mean_reward": [0.0, 0.0],
-                                 "pass_rate": [0.0, 0.0], "diff_vs_first": [None, 0.0],
+                                 "pass_rate": [0.0, 0.0], "paired": [None, 2],
+                                 "diff_vs_first": [None, 0.0],
                                  "diff_low": [None, 0.0], "diff_high": [None, 0.0],
                                  "mcnemar_p": [None, 1.0]})
 
         def frame(self):
             return pl.DataFrame({"score": self.scores}, schema={"score": pl.Float64})
+
+        def settings(self):
+            return {}
 
     cli._show_experiment(Judged([0.0, 0.0, 0.0, None]), as_json=False)
     assert "the judge found every reply unclear (0)" in capsys.readouterr().out
@@ -351,3 +356,49 @@ def test_every_case_variant_is_in_flight_at_once_within_the_open_file_limit(tmp_
         # 120 replays, 20 at a time, 0.4 s each: six waves
         assert len(arrivals) == 120 and time.monotonic() - started >= 6 * 0.4
     store.close()
+
+
+def test_a_run_with_other_judge_or_retrieval_settings_is_refused_and_show_recounts(
+        workspace, sim, capsys):
+    """Every result of an experiment is replayed and judged alike: its first run pins the
+    judge's model, votes and threshold, the model and the retrieval; a later run with others
+    is refused before anything is replayed (a variant added with a lower threshold passed every
+    case, and McNemar's test called that p = 2e-12), and one that leaves the options out takes
+    the pinned ones. ``show --threshold`` counts passes again from the stored rewards."""
+    store, library = workspace
+    base = ["--db", str(store.target), "--skills", str(library.directory)]
+    judge = ["--upstream", sim.url, "--judge-url", sim.url, "--judge-model", "sim-judge",
+             "--retrieval", "lexical", "--min-score", "0"]
+    assert cli.main(["experiment", "run", "pinned", "--failures", "--last", "2", "--variant",
+                     "none", "--variant", "current", "--votes", "1"] + judge + base) == 0
+    out = capsys.readouterr().out
+    assert " paired " in out.splitlines()[1] or "paired" in out  # the column is shown
+    assert "replayed with --judge-model sim-judge, --votes 1, --threshold 0.0" in out
+    assert cli.main(["experiment", "run", "pinned", "--variant", "gen:0", "--votes", "1",
+                     "--threshold", "-0.5"] + judge + base) == 2
+    said = capsys.readouterr().err
+    assert "--threshold 0.0 (now -0.5)" in said and "start a new experiment" in said
+    assert [v.spec for v in ex.Experiment.open(store, "pinned").variants] == ["none",
+                                                                               "current"]
+    # the options left out: the pinned ones (votes 1, lexical, min-score 0)
+    assert cli.main(["experiment", "run", "pinned", "--variant", "gen:0", "--upstream",
+                     sim.url, "--judge-url", sim.url] + base) == 0
+    capsys.readouterr()
+    run = ex.Experiment.open(store, "pinned")
+    assert set(run.frame()["variant"]) == {"none", "current", "gen:0"}
+    # a pass threshold below every reward: every scored case passes, for every variant alike
+    assert (run.summary(threshold=-2.0)["pass_rate"].drop_nulls() == 1.0).all()
+    assert cli.main(["experiment", "show", "pinned", "--threshold", "-2"] + base) == 0
+    assert "100%" in capsys.readouterr().out
+
+
+def test_a_run_whose_replays_all_failed_says_so_and_fails(workspace, sim, capsys):
+    store, library = workspace
+    base = ["--db", str(store.target), "--skills", str(library.directory)]
+    argv = ["experiment", "run", "down-cli", "--failures", "--last", "2", "--variant", "none",
+            "--variant", "current", "--upstream", "http://127.0.0.1:9/v1", "--judge-url",
+            sim.url, "--judge-model", "sim-judge", "--votes", "1"] + base
+    assert cli.main(argv) == 1
+    said = capsys.readouterr().err
+    assert "note: 4 replays failed (4 in this run; run again to retry them)" in said
+    assert "upstream failed" in said

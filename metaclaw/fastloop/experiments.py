@@ -313,6 +313,44 @@ class Experiment:
             variant = Variant(variant.spec, f"gen:{pinned}", variant.without, variant.model)
         return variant.skills(library)
 
+    #: The replay settings a later run must share (:meth:`Replayer.settings`), with the option
+    #: that sets each in ``metaclaw experiment run``.
+    SETTINGS = {"judge_model": "--judge-model", "votes": "--votes", "threshold": "--threshold",
+                "model": "--model", "retrieval": "--retrieval", "top_k": "--top-k",
+                "min_score": "--min-score", "budget_chars": "--budget-chars"}
+
+    def settings(self) -> dict[str, Any]:
+        """The settings the experiment's results were replayed and judged with (pinned by its
+        first run; empty before it)."""
+        return dict(self.config.get("settings") or {})
+
+    def _pin(self, settings: dict[str, Any]) -> None:
+        """Pin ``settings`` at the first run; a later run with others is refused: results
+        judged with two pass thresholds (or votes, models, retrieval) in one table compare
+        nothing (a variant run again with a lower threshold passed every case)."""
+        with self.store.transaction():
+            row = self.store.query("SELECT config FROM experiments WHERE id = ?", (self.id,))[0]
+            self.config = jsonlib.loads(row["config"] or "{}")
+            pinned = self.config.get("settings")
+            if pinned is None:
+                self.config["settings"] = dict(settings)
+                self.store.execute("UPDATE experiments SET config = ? WHERE id = ?",
+                                   (jsonlib.dumps(self.config), self.id))
+                return
+        self.check_settings(settings)
+
+    def check_settings(self, settings: dict[str, Any]) -> None:
+        """Raise :class:`ExperimentError` naming each of ``settings`` that differs from the
+        pinned ones (nothing before the first run)."""
+        pinned = self.settings()
+        differ = [f"{self.SETTINGS.get(k, k)} {pinned[k]!r} (now {v!r})"
+                  for k, v in settings.items() if k in pinned and pinned[k] != v]
+        if differ:
+            raise ExperimentError(
+                f"experiment {self.name!r} was replayed and judged with "
+                f"{', '.join(differ)}: run it with those settings (leaving an option out "
+                "takes the experiment's), or start a new experiment to compare others")
+
     def _done(self) -> set[tuple[int, str]]:
         """(turn id, variant) pairs with a result that need not run again (an upstream
         failure is retried)."""
@@ -352,6 +390,7 @@ class Experiment:
                    concurrency: int = CONCURRENCY, on_progress: ProgressFn | None = None) -> Plan:
         """The async form of :meth:`run`. Memory stays bounded whatever the dataset's size:
         ``concurrency`` workers each hold one case (read from the store when its turn comes)."""
+        self._pin(replayer.settings())
         skills: dict[str, list[Skill]] = {}
         self.skipped = {}
         for v in self.variants:  # one that no longer resolves (a skill gone) is left out, said
@@ -446,13 +485,21 @@ class Experiment:
         return pl.DataFrame(rows, schema=schema, orient="row") if rows else pl.DataFrame(
             schema=schema)
 
-    def summary(self, *, resamples: int = 2000, seed: int = 0):
+    def summary(self, *, resamples: int = 2000, seed: int = 0, threshold: float | None = None):
         """Per variant: cases, scored, mean reward, pass rate, tokens, latency; and against
-        the first variant on the cases both scored: the mean difference with its paired
-        bootstrap 95% interval, and McNemar's exact p on pass / fail (polars)."""
+        the first variant on the cases both scored: how many (``paired``), the mean difference
+        with its paired bootstrap 95% interval, and McNemar's exact p on pass / fail (polars).
+        A reply passes when its reward is above ``threshold`` (default: the threshold the
+        experiment was judged with)."""
         import polars as pl
 
         results = self.frame()
+        if threshold is None:
+            threshold = self.settings().get("threshold")
+        if threshold is not None:  # one threshold for every result, whatever run stored them
+            results = results.with_columns(verdict=pl.when(pl.col("score").is_null()).then(None)
+                                           .when(pl.col("score") > threshold).then(pl.lit("pass"))
+                                           .otherwise(pl.lit("fail")))
         order = [v.spec for v in self.variants]
         by = {v: {r["turn_id"]: r for r in results.filter(pl.col("variant") == v)
                   .iter_rows(named=True)} for v in order}

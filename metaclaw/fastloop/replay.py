@@ -71,6 +71,17 @@ class Replayer:
         self.upstream = LLMClient(upstream_url, api_key or os.environ.get(api_key_env),
                                   self.timeout)
 
+    def settings(self) -> dict[str, Any]:
+        """What decides a replay's reply and verdict, for an experiment to pin: the judge's
+        model, votes and pass threshold, the model asked for, and how skills are picked."""
+        retriever = self._retriever()
+        model_id = getattr(retriever, "model_id", None)
+        return {"judge_model": self.judge.model, "votes": self.judge.votes,
+                "threshold": self.judge.threshold, "model": self.model,
+                "retrieval": type(retriever).__name__ + (f" ({model_id})" if model_id else ""),
+                "top_k": self.top_k, "min_score": self.min_score,
+                "budget_chars": self.budget_chars}
+
     def _retriever(self) -> Any:
         if self.retriever is None:
             from metaclaw.skills.retrieval import make_retriever
