@@ -2,7 +2,8 @@
 clients, the fast loop's LLM client, ``metaclaw wire`` and the calendar signal.
 
 The rule: every secret of at least :data:`MIN_SECRET_CHARS` characters (an upstream key, the
-proxy's token, a caller's own key, the user and password in a URL) is replaced by :data:`MASK`
+proxy's token, a caller's own key, the user and password in a URL and its query parameters
+named like a key, :func:`url_secrets`) is replaced by :data:`MASK`
 wherever it appears, in text, in bytes as relayed, and in every string of a JSON value (keys
 included); a URL is shown without ``user:password@``, query or fragment (:func:`safe_url`), an
 address that is itself a credential (a private calendar's) by its host alone
@@ -18,6 +19,7 @@ A shared module: every wing may import it, and it imports nothing of the package
 
 from __future__ import annotations
 
+import base64
 import re
 from typing import Any
 
@@ -55,12 +57,31 @@ def upstream_key_for(url: str | None, upstream: str | None, key_env: str) -> str
     return None
 
 
-def url_credentials(url: str | None) -> tuple[str, str]:
-    """The password and the user name written in ``url`` (decoded; "" when absent)."""
-    from urllib.parse import unquote, urlsplit
+#: Query parameters of a URL whose values are secrets, by a part of their name (``key``,
+#: ``api-key``, ``access_token``, ``sig``, ...); others (``api-version``) are not.
+_SECRET_PARAMETER = re.compile(r"key|token|secret|passw|sig|auth|credential", re.IGNORECASE)
+
+
+def url_secrets(url: str | None) -> tuple[str, ...]:
+    """The secrets written in ``url``: its password and the values of its query parameters
+    named like a credential (:data:`_SECRET_PARAMETER`), each decoded and as written, and the
+    Basic header the user and password make (an upstream that quotes its request may show any). Not the user name: masked in a reply,
+    a name such as ``admin`` would mangle every text that says it."""
+    from urllib.parse import parse_qsl, unquote, urlsplit
 
     parts = urlsplit(url or "")
-    return unquote(parts.password or ""), unquote(parts.username or "")
+    found = [unquote(parts.password or ""), parts.password or ""]
+    if parts.password:  # the Basic header it becomes, as an upstream may quote it
+        found.append(base64.b64encode(f"{unquote(parts.username or '')}:{found[0]}".encode())
+                     .decode())
+    for name, value in parse_qsl(parts.query, keep_blank_values=True):
+        if _SECRET_PARAMETER.search(name):
+            found.append(value)
+    for pair in parts.query.split("&"):
+        name, _, value = pair.partition("=")
+        if _SECRET_PARAMETER.search(unquote(name)):
+            found.append(value)
+    return secrets_of(*dict.fromkeys(found))
 
 
 def mask(text: str | None, secrets: tuple[str, ...]) -> str | None:

@@ -22,6 +22,8 @@ as ``fault=<name>`` (anything else is answered normally, with an echo). Faults:
                      :attr:`FaultUpstream.location` (None: without a Location header)
 ``json_200``         HTTP 200 with :attr:`FaultUpstream.json_body` as a JSON body, streamed or not
 ``reflect_key``      a 401 error whose message, param and code quote the request's key
+``reflect_url``      a 400 error whose message quotes the request's path, query and
+                     ``Authorization`` header, decoded where it is Basic
 ``surrogate_reply``  a normal OpenAI reply whose text holds a lone surrogate (escaped in JSON)
 ``parts_reply``      a normal OpenAI reply whose content is a list of parts, a ``thinking`` part
                      then ``text`` (as Mistral's Magistral models answer), streamed or not
@@ -55,7 +57,7 @@ ENTRY = web.RequestKey("entry", dict)
 FAULT = re.compile(r"fault=([a-z0-9_]+)")
 FAULTS = ("reset", "reset_midstream", "truncate", "invalid_sse", "invalid_json", "wrong_shape",
           "error_event", "status_429", "status_500", "status_503", "flaky_503", "flaky_reset",
-          "slow_body", "hang", "reflect_key", "redirect_301", "redirect_302", "redirect_307",
+          "slow_body", "hang", "reflect_key", "reflect_url", "redirect_301", "redirect_302", "redirect_307",
           "redirect_308", "json_200", "corrupt_gzip", "short_body", "huge_error",
           "endless_event")
 
@@ -118,6 +120,14 @@ class FaultUpstream(ServedApp):
                 await asyncio.sleep(0.05)
             request[ENTRY]["gone"] = time.monotonic()
             return web.Response(status=500)
+        if fault == "reflect_url":
+            import base64
+
+            sent = request.headers.get("Authorization", "")
+            if sent.startswith("Basic "):
+                sent += " = " + base64.b64decode(sent[6:]).decode()
+            return web.json_response({"error": {"message": f"bad request to {request.path_qs} "
+                                                           f"with {sent}"}}, status=400)
         if fault.startswith("redirect_") and fault[9:] in ("301", "302", "307", "308"):
             headers = {"Location": self.location} if self.location is not None else {}
             return web.Response(status=int(fault[9:]), headers=headers, text="Moved")

@@ -307,6 +307,38 @@ def test_canary_key_reaches_the_upstream_and_nothing_else(env, caplog):
     assert sum(leaks.values()) == 0, leaks
 
 
+def test_credentials_written_in_the_upstream_url_are_never_relayed_stored_or_logged(
+        env, caplog):
+    """A password (``user:password@``) and a key in the query of ``--upstream`` are masked as
+    the key from the environment is: an upstream that quotes its request (the URL, the Basic
+    header, decoded or not) reached the agent, the store and the log with them."""
+    upstream, _, _, root = env
+    password, key = "pw-" + uuid.uuid4().hex, "qk-" + uuid.uuid4().hex
+    url = upstream.url.replace("http://", f"http://team:{password}@") + \
+        f"?api-version=2024-06-01&api-key={key}"
+    store = Store(f"{root}/url-credentials.db")
+    proxy = Proxy(ProxyConfig(upstream_url=url, api_key_env="METACLAW_TEST_UNSET_KEY",
+                              retrieval="lexical", timeout=TIMEOUT, max_retries=0),
+                  store, SkillLibrary(f"{root}/skills", store)).start()
+    caplog.set_level(logging.DEBUG)
+    try:
+        replies = [_request(proxy, "openai", "x fault=reflect_url", stream, f"url-{stream}")
+                   for stream in (False, True)]
+        proxy.flush()
+    finally:
+        proxy.stop()
+    assert replies[0].status_code == 400 and "api-version=2024-06-01" in replies[0].text
+    import base64
+
+    basic = base64.b64encode(f"team:{password}".encode()).decode()
+    said = [r.text for r in replies] + [caplog.text, json.dumps(
+        store.query("SELECT * FROM turns"), default=str), repr(proxy)]
+    assert upstream.requests[-1]["headers"].get("Authorization") == f"Basic {basic}"
+    for secret in (password, key, basic):
+        assert not [text for text in said if secret in text], secret
+    store.close()
+
+
 def test_fault_suite_figures(env):
     """Printed figure: upstream faults injected and mishandled (run with -s to see it)."""
     print(f"\nupstream faults injected: {len(INJECTED)}, mishandled: {len(MISHANDLED)}")

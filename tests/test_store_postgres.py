@@ -32,6 +32,9 @@ def test_targets_pick_the_engine_and_unknown_schemes_are_one_sentence(tmp_path):
     assert parse_target(f"sqlite:///{tmp_path}/w.db") == ("sqlite", f"{tmp_path}/w.db")
     assert parse_target("postgresql://u@h/db")[0] == "postgresql"
     assert parse_target("postgres://u@h/db")[0] == "postgresql"
+    # the scheme as libpq reads it (another spelling it takes for settings, and echoes)
+    assert parse_target("PostgreSQL://u:pw@h/db") == ("postgresql", "postgresql://u:pw@h/db")
+    assert parse_target("POSTGRESQL+psycopg://u@h/db") == ("postgresql", "postgresql://u@h/db")
     for bad in ("mysql://u@h/db", "http://example.com/x.db", "sqlite://relative.db"):
         with pytest.raises(StoreError) as err:
             Store(bad)
@@ -50,6 +53,7 @@ def test_a_libpq_key_value_string_is_refused_never_echoed_nor_made_a_file(tmp_pa
     assert "s3cret-pw" not in str(err.value)
     assert cli.main(["turns", "--db", conninfo]) == 1
     assert cli.main(["turns", "--db", " USER=bob"]) == 1
+    assert cli.main(["turns", "--db", "PostgreSQL://bob:s3cret-pw@127.0.0.1:1/team"]) == 1
     assert "s3cret-pw" not in capsys.readouterr().err and not list(tmp_path.iterdir())
     assert parse_target("hosts.db") == ("sqlite", "hosts.db")  # a file name is still one
 

@@ -32,7 +32,7 @@ from metaclaw.buffers import message_text
 from metaclaw.jsonlib import dumpb, loads
 from metaclaw.proxy.upstreams import (MAX_ERROR_BODY, UpstreamBodyError, environment_proxy,
                                       read_body, retry_after, tls_context)
-from metaclaw.redact import mask, safe_url, secrets_of, url_credentials
+from metaclaw.redact import mask, safe_url, secrets_of, url_secrets
 
 T = TypeVar("T")
 
@@ -170,7 +170,7 @@ class LLMClient:
 
     def mask(self, text: str) -> str:
         """``text`` with this client's key and the credentials in its URL replaced by ``***``."""
-        return mask(text, secrets_of(self.api_key, *url_credentials(self.base_url)))
+        return mask(text, secrets_of(self.api_key, *url_secrets(self.base_url)))
 
     async def chat(self, params: dict[str, Any]) -> dict[str, Any]:
         """``POST /chat/completions`` with ``params`` (the request body); returns the reply's

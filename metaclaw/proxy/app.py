@@ -243,7 +243,8 @@ class Proxy(ServedApp):
         # what the pipeline works with; upstream, responder, retrieval pool and stopping are
         # set on it as the proxy starts, swaps its responder and stops
         self._parts = Collaborators(config, library, self.retriever, self._recorder,
-                                    Scrubber(config.api_key_env, config.token), self.threads,
+                                    Scrubber(config.api_key_env, config.token,
+                                             config.upstream_url), self.threads,
                                     self.token_counter)
         self._pipeline = TurnPipeline(self._parts)
         self._log_filter = _SecretFilter(self._parts.scrubber)

@@ -46,7 +46,7 @@ from metaclaw.protocols import ProxyError, WireProtocol
 from metaclaw.proxy import context_budget, edge
 from metaclaw.proxy.sessions import FINGERPRINT, Identity, ReplyThreads, Thread, identify
 from metaclaw.proxy.upstreams import NO_KEY, ResponderUpstream, Upstream, policy_columns
-from metaclaw.redact import mask, mask_bytes, mask_json, secrets_of
+from metaclaw.redact import mask, mask_bytes, mask_json, secrets_of, url_secrets
 from metaclaw.skills import block as skill_block, retrieval
 from metaclaw.skills.library import visible
 from metaclaw.store import BUSY_TIMEOUT_S, StoreUnavailable, lock_busy
@@ -202,16 +202,19 @@ def record_row(turn: Turn, policy_version: int) -> dict[str, Any]:
 
 class Scrubber:
     """The proxy's secrets, never relayed, stored or logged: the upstream key (read from the
-    environment variable ``key_env`` when used), the proxy ``token`` and a caller's own key,
-    masked by the rule of :mod:`metaclaw.redact`."""
+    environment variable ``key_env`` when used), the credentials written in ``upstream_url``
+    (:func:`metaclaw.redact.url_secrets`), the proxy ``token`` and a caller's own key, masked by
+    the rule of :mod:`metaclaw.redact`."""
 
-    def __init__(self, key_env: str, token: str | None = None):
+    def __init__(self, key_env: str, token: str | None = None, upstream_url: str | None = None):
         self.key_env = key_env
         self.token = token
+        self.in_url = url_secrets(upstream_url)
 
     def secrets(self, *extra: str | None) -> tuple[str, ...]:
-        """The secrets to mask: the upstream key, the proxy token and ``extra``."""
-        found = (os.environ.get(self.key_env), self.token, *extra)
+        """The secrets to mask: the upstream key and URL credentials, the proxy token and
+        ``extra``."""
+        found = (os.environ.get(self.key_env), *self.in_url, self.token, *extra)
         return secrets_of(*(s for s in found if s != NO_KEY))
 
     def text(self, text: str | None, *extra: str | None) -> str | None:

@@ -372,7 +372,9 @@ def parse_target(target: "str | os.PathLike[str]") -> tuple[str, str]:
                              f"sqlite:////absolute/path, not {text!r}")
         return "sqlite", rest[1:]
     if scheme in POSTGRES_SCHEMES or scheme.startswith("postgresql+"):
-        return "postgresql", text
+        # the scheme as libpq reads it: any other spelling (PostgreSQL://, a SQLAlchemy-style
+        # driver suffix) it takes for key=value settings, and its error quotes the password
+        return "postgresql", f"{'postgresql' if '+' in scheme else scheme}://{rest}"
     raise StoreError(f"the store cannot open {scheme}:// URLs; give a file path, sqlite:///path "
                      f"or postgresql://user@host/dbname")
 

@@ -286,8 +286,6 @@ class PostgresStore(Store):
     # -- connections ----------------------------------------------------------------------
     @staticmethod
     def _conninfo_of(url: str) -> str:
-        if url.startswith("postgresql+"):  # SQLAlchemy-style driver suffix
-            url = "postgresql" + url[url.index("://"):]
         base_url, _, query_text = url.partition("?")
         query = dict(parse_qsl(query_text, keep_blank_values=True))
         query.setdefault("connect_timeout", str(CONNECT_TIMEOUT_S))
