@@ -1278,3 +1278,26 @@ def test_a_workspace_names_the_option_that_opens_it(tmp_path, monkeypatch):
     assert Store(tmp_path / "my run.db").db_option() == f" --db '{tmp_path / 'my run.db'}'"
     monkeypatch.setenv("METACLAW_DB", str(tmp_path / "my run.db"))
     assert Store(tmp_path / "my run.db").db_option() == ""
+
+
+def test_a_large_body_is_decoded_parsed_and_matched_off_the_event_loop(proxy, double,
+                                                                       monkeypatch):
+    """A body of megabytes is read into a turn in worker threads: on the event loop it held
+    every other client's turns and streams (a 16 MB Anthropic body: /healthz waited 2.6 s,
+    now 0.2 s). A small one is parsed on the loop, where it arrives."""
+    import metaclaw.proxy.pipeline as pipeline
+
+    real, seen = pipeline.parse_turn, []
+
+    def parse_turn(*args, **kwargs):
+        seen.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "parse_turn", parse_turn)
+    client = sync_client(proxy)
+    for size in (1_000, pipeline.OFF_LOOP_BYTES + 1_000):
+        double.add(Reply("done"))
+        client.chat.completions.create(model="m", messages=[
+            {"role": "user", "content": "x" * size}])
+    loop = proxy._server._thread.name
+    assert seen[0] == loop and seen[1] != loop, (seen, loop)

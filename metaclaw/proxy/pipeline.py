@@ -70,6 +70,10 @@ PROXY_FIELDS = ("session_id", "turn_type", "session_done")
 #: Building the index (seconds for 10,000 skills), and other retrievers (a model encoding the
 #: query), run in the retrieval pool, so that no request waits behind it.
 INLINE_RETRIEVERS = ("lexical",)
+#: Request bodies at least this large are decoded, parsed, identified and matched to skills in
+#: worker threads: done on the event loop, a body of megabytes held every other client's turns
+#: and streams for seconds (about 0.2 s per MB).
+OFF_LOOP_BYTES = 256 * 1024
 #: A body holding this may carry an earlier turn's skill block (checked on the raw bytes; the
 #: tag's name alone, as some JSON encoders escape "<" and ">").
 BLOCK_TAG = skill_block.BLOCK_TAG.strip("<>").encode()
@@ -759,6 +763,8 @@ class TurnPipeline:
             raise ProxyError(400, f"cannot read the request body ({type(exc).__name__}: "
                                   f"{reason}); send a well-formed body",
                              code="bad_request_body") from None
+        if len(raw) >= OFF_LOOP_BYTES:
+            return raw, await asyncio.to_thread(edge.decode_body, raw)
         return raw, edge.decode_body(raw)
 
     # -- retrieve, fit the budget, inject -------------------------------------------------
@@ -812,11 +818,16 @@ class TurnPipeline:
         the retriever is one of :data:`INLINE_RETRIEVERS` with its index built)."""
         caller_key = self.authenticate(request)
         raw, body = await self.read_body(request)
-        turn = parse_turn(protocol, body, raw, self.config.model, **parse)
-        # a protocol without a top-level message list (Responses' ``input``) is identified by
-        # its messages in the chat form
-        identity = identify_session(request.headers, body if "messages" in body
-                                    else {**body, "messages": turn.messages})
+        large = len(raw) >= OFF_LOOP_BYTES
+
+        def parsed() -> tuple[Turn, Identity]:
+            turn = parse_turn(protocol, body, raw, self.config.model, **parse)
+            # a protocol without a top-level message list (Responses' ``input``) is identified
+            # by its messages in the chat form
+            return turn, identify_session(request.headers, body if "messages" in body
+                                          else {**body, "messages": turn.messages})
+
+        turn, identity = await asyncio.to_thread(parsed) if large else parsed()
         turn.session_id, turn.turn_type, turn.done = (identity.session_id, identity.turn_type,
                                                       identity.done)
         turn.identified_by = identity.how
@@ -826,7 +837,8 @@ class TurnPipeline:
             # conversations opening alike are told apart by the replies they continue (a count
             # of tokens is no turn: it would take the session its conversation's turn is due)
             threads = self.parts.threads
-            if threads.reads_network:  # it may look up the recorded sessions: off the loop
+            if threads.reads_network or large:  # it may look up the recorded sessions, or
+                # hash megabytes: off the loop
                 resolving = asyncio.get_running_loop().run_in_executor(
                     None, threads.resolve, identity.session_id, turn.messages)
                 try:
@@ -846,8 +858,8 @@ class TurnPipeline:
             if is_task_turn(turn.turn_type) and skills:
                 retriever = self.parts.retriever
                 indexed = getattr(retriever, "indexed", None)  # not in the Retriever protocol
-                if getattr(retriever, "kind", None) in INLINE_RETRIEVERS and indexed is not None \
-                        and indexed(skills):
+                if getattr(retriever, "kind", None) in INLINE_RETRIEVERS and not large \
+                        and indexed is not None and indexed(skills):
                     self.select_and_inject(turn, skills)
                 else:
                     await asyncio.get_running_loop().run_in_executor(
@@ -855,7 +867,8 @@ class TurnPipeline:
             else:
                 if is_task_turn(turn.turn_type):  # no skill to choose: the ask is still shown
                     try:  # (turns --why, the trace)
-                        turn.query = retrieval_query(turn)
+                        turn.query = (await asyncio.to_thread(retrieval_query, turn) if large
+                                      else retrieval_query(turn))
                     except Exception:  # noqa: BLE001 - served all the same
                         log.exception("could not find the ask of a turn")
                 if BLOCK_TAG in turn.raw:
