@@ -557,14 +557,15 @@ def _skill_stats(args: argparse.Namespace, library: Any) -> int:
                                              f" [{row['delta_low']:+.2f},{row['delta_high']:+.2f}]"))
         last = row["last_used"].strftime("%Y-%m-%d %H:%M") if row["last_used"] else "never"
         name = row["skill"] + ("" if row["in_library"] else " (gone)")
+        without = (f"{fmt(row['reward_without']):>9} n={row['judged_without']:<3}"
+                   if row["judged_without"] is not None else f"{'-':>9}      ")  # not compared
         print(_printable(f"{name[:31]:<32}{row['injected']:>9}"
-                         f"{fmt(row['reward_with']):>8} n={row['judged_with']:<3}"
-                         f"{fmt(row['reward_without']):>9} n={row['judged_without'] or 0:<3}"
+                         f"{fmt(row['reward_with']):>8} n={row['judged_with']:<3}{without}"
                          f"{interval:>22}{last:>18}  "
                          f"{row['suggestion'] or '-'}"))
     print("reward: mean judged reward of the task turns with the skill, and of comparable turns "
-          "without it (asks it matches that did not get it); observational, see "
-          "`help(metaclaw.fastloop.evidence)`")
+          "without it (asks it matches that did not get it, since it was last added); "
+          "observational, see `help(metaclaw.fastloop.evidence)`")
     if args.propose:
         print(f"filed {len(filed)} proposals for review: "
               + (", ".join(f"#{i}" for i in filed) or "none new"))

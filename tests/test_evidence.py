@@ -53,6 +53,9 @@ def workspace(tmp_path):
               1.0, label="pass" if day == 0 else None)
     _turn(store, "edit config.yaml to raise the timeout", ["backup-first"], -1.0, label="fail")
     _turn(store, "edit settings.ini and change the port", ["backup-first"], -1.0)
+    for day in range(2):  # since it exists: date asks another skill's turn took
+        _turn(store, f"write the due date of task {day} into tasks.json as a date",
+              ["backup-first"], -1.0)
     _turn(store, "what is the capital of France", [], None)
     _turn(store, "an old ask", ["retired-skill"], 1.0)
     yield store, library
@@ -67,12 +70,13 @@ def test_with_and_without_are_counted_per_skill(workspace):
     dates = rows["iso-dates"]
     assert (dates["injected"], dates["judged_with"], dates["reward_with"]) == (5, 5, 1.0)
     assert dates["labels_pass_with"] == 1 and dates["pass_rate_with"] == 1.0
-    # the date asks from before the skill existed are its comparable turns
-    assert dates["comparable"] >= 4 and dates["reward_without"] < 0
-    assert dates["reward_delta"] > 0 and dates["delta_low"] is not None
-    assert dates["last_used"] is not None and dates["turns_since_added"] == 9
+    # the date asks served since it exists are its comparable turns, never those from before
+    # (other tasks, the very failures it was written from)
+    assert dates["comparable"] == 2 and dates["reward_without"] == -1.0
+    assert dates["reward_delta"] == 2.0 and dates["delta_low"] == 2.0  # no spread on a side
+    assert dates["last_used"] is not None and dates["turns_since_added"] == 11
     backup = rows["backup-first"]
-    assert (backup["injected"], backup["labels_fail_with"], backup["reward_with"]) == (2, 1, -1.0)
+    assert (backup["injected"], backup["labels_fail_with"], backup["reward_with"]) == (4, 1, -1.0)
     unused = rows["haiku-replies"]
     assert unused["injected"] == 0 and unused["last_used"] is None
     gone = rows["retired-skill"]
@@ -101,7 +105,7 @@ def test_suggestions_and_proposals_held_for_review(workspace, monkeypatch):
     proposal = proposals.get(store, filed[0])
     assert proposal.status == proposals.HELD and proposal.origin == "evidence"
     assert proposal.ops[0].op == "remove" and proposal.ops[0].name == "haiku-replies"
-    assert "never injected in 9 task turns" in proposal.reason
+    assert "not injected in 11 task turns since it was last added" in proposal.reason
     assert evidence.propose(store, library, stats) == []  # already held: not filed twice
     proposals.promote(store, library, filed[0], by="alice")
     assert "haiku-replies" not in library
@@ -168,7 +172,7 @@ def test_turns_are_read_in_batches(workspace, monkeypatch):
 
     monkeypatch.setattr(store, "raw", raw)
     big = evidence.skill_stats(store, library)
-    assert max(seen) <= 3 and sum(seen) == 13
+    assert max(seen) <= 3 and sum(seen) == 15
     monkeypatch.setattr(evidence, "BATCH", 5000)
     assert big.equals(evidence.skill_stats(store, library))
 
@@ -244,7 +248,7 @@ def test_one_scan_counts_the_turns_after_each_time_a_skill_was_added(workspace):
     times = [r[0] for r in store.raw("SELECT created_at FROM turns ORDER BY id")]
     library.add(Skill(name="late", description="a late skill", body="added last"), reason="t")
     added_times = times[::3] + times[:2]
-    scan = evidence._Scan([], 0.0, added_times, None)
+    scan = evidence._Scan([], 0.0, {f"skill-{i}": t for i, t in enumerate(added_times)}, None)
     for rows in evidence._task_turns(store, "created_at, injected_skills, reward, human_label, "
                                             "retrieval_query"):
         scan.add(store, rows)
@@ -254,3 +258,24 @@ def test_one_scan_counts_the_turns_after_each_time_a_skill_was_added(workspace):
                       **{t: sum(c > t for (c,) in task) for t in set(added_times)}}
     stats = evidence.skill_stats(store, library, compare=False)
     assert dict(zip(stats["skill"], stats["turns_since_added"]))["late"] == 0
+
+
+def test_the_interval_is_students_t_and_a_skill_re_added_can_be_retired(workspace,
+                                                                       monkeypatch):
+    """Few judged turns get Student's t (Welch's degrees of freedom), not the normal's 1.96
+    (an interval from 4 turns was half as wide as it should be); a skill removed and added
+    again, not given since, is suggested for retirement (its old turns kept it in)."""
+    with_ = evidence._Side(judged=3, reward=1.0, squares=3.0)  # rewards 1, 1, -1
+    without = evidence._Side(judged=3, reward=-1.0, squares=3.0)  # rewards -1, -1, 1
+    delta, low, high = evidence._interval(with_, without)
+    half = 2.776 * ((4 / 3) / 3 * 2) ** 0.5  # t(0.975, 4 df): both variances 4/3, n 3
+    assert delta == pytest.approx(2 / 3) and high - delta == pytest.approx(half, rel=0.01)
+    store, library = workspace
+    monkeypatch.setattr(evidence, "IDLE_TURNS", 3)
+    monkeypatch.setattr(evidence, "NEAR_DUPLICATE", 2.0)
+    library.remove("iso-dates", reason="test")
+    library.add(DATES, reason="test")  # back, and not given since
+    for day in range(3):
+        _turn(store, f"an unrelated ask {day}", [], None)
+    rows = {r["skill"]: r for r in evidence.skill_stats(store, library).iter_rows(named=True)}
+    assert rows["iso-dates"]["injected"] == 5 and rows["iso-dates"]["suggestion"] == "retire"

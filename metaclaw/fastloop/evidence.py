@@ -10,22 +10,28 @@ For each skill of the library (and each skill turns received that has left it si
 - **with**: the task turns it was injected into: how many, how many were judged, their mean
   reward and pass rate (reward above ``threshold``), the human labels (pass / fail), the first and
   last time it was used;
-- **without (comparable turns)**: the task turns whose recorded retrieval query the skill matches
-  but which did not get it. An ask matches a skill when the proxy's default retrieval scores the
-  pair at or above its injection threshold (BM25 fused with the static embedding of the skill's
-  text or example asks, :class:`metaclaw.skills.retrieval.HybridRetriever`), whatever the top-k, the
-  margin and the context budget decided: mostly the asks of its kind from before it existed, and
-  asks where another skill took its place. The same numbers as for *with*, and the difference in mean reward
-  with a 95% interval (normal approximation, Welch);
+- **without (comparable turns)**: the task turns served while the skill was in the library
+  (since it was last added) whose recorded retrieval query the skill matches but which did not
+  get it. An ask matches a skill when the proxy's default retrieval scores the pair at or above
+  its injection threshold (BM25 fused with the static embedding of the skill's text or example
+  asks, :class:`metaclaw.skills.retrieval.HybridRetriever`), whatever the top-k, the margin and
+  the context budget decided: asks where another skill took its place, or that a scope, a stage
+  or the budget kept it from. Turns from before it existed are left out: they met other tasks
+  and another policy, and they hold the very failures it was written from, which would make
+  any skill look good (or, as tasks grow harder, bad). The same numbers as for *with*, and the
+  difference in mean reward with a 95% interval (Welch, Student's t);
 - the nearest other skill of the library and their cosine (a near duplicate at
   :data:`NEAR_DUPLICATE` or more), and how many task turns arrived since the skill was added;
-- a suggestion: ``retire`` (never injected in :data:`IDLE_TURNS` or more task turns since it was
-  added), ``merge`` (a near duplicate of another skill), ``review`` (its turns did worse than the
+- a suggestion: ``retire`` (not injected in :data:`IDLE_TURNS` or more task turns since it was
+  last added), ``merge`` (a near duplicate of another skill), ``review`` (its turns did worse than the
   comparable ones, the whole interval below zero), or nothing.
 
 What the numbers cannot show: this is observation, not an experiment. The comparable turns are
-matched on the ask only; they come from other times (another skill generation, another policy,
-other tasks), so a difference may come from any of these; few judged turns give a wide interval.
+matched on the ask only, and they did not get the skill for a reason (another skill ranked
+above it), so a difference may come from that; every version of a skill edited over time is
+counted under its name; and the turns of one task (an agent's tool loop sends its ask many
+times, and they share a reward) are counted as if independent, so the interval is too narrow
+where tasks run many turns. Few judged turns give a wide interval.
 An experiment that replays the same turns with and without the skill answers the causal
 question. Suggestions are never applied here: :func:`propose` files them as held proposals (with
 their evidence), promoted or discarded by a person like any other (:mod:`metaclaw.fastloop.proposals`).
@@ -79,15 +85,30 @@ class _Side:
         return max(0.0, (self.squares - self.judged * mean * mean) / (self.judged - 1))
 
 
+def _t975(df: float) -> float:
+    """The 97.5% quantile of Student's t with ``df`` degrees of freedom (Cornish-Fisher
+    expansion about the normal's 1.96: within 1% from 2 degrees of freedom, a little short
+    below; 1.96 as ``df`` grows)."""
+    z, v = 1.959964, max(float(df), 1.0)
+    return (z + (z**3 + z) / (4 * v) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * v**2)
+            + (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / (384 * v**3)
+            + (79 * z**9 + 776 * z**7 + 1482 * z**5 - 1920 * z**3 - 945 * z) / (92160 * v**4))
+
+
 def _interval(with_: _Side, without: _Side) -> tuple[float | None, float | None, float | None]:
-    """Difference of the mean rewards and its 95% interval (None where a side has < 2)."""
+    """Difference of the mean rewards and its 95% interval (Welch: Student's t with the
+    Welch-Satterthwaite degrees of freedom; None where a side has < 2)."""
     a, b = with_.mean(), without.mean()
     if a is None or b is None:
         return None, None, None
     va, vb = with_.variance(), without.variance()
     if va is None or vb is None:
         return a - b, None, None
-    half = 1.96 * math.sqrt(va / with_.judged + vb / without.judged)
+    ea, eb = va / with_.judged, vb / without.judged
+    if ea + eb == 0:  # every reward alike on both sides: no spread to draw an interval from
+        return a - b, a - b, a - b
+    df = (ea + eb) ** 2 / (ea * ea / (with_.judged - 1) + eb * eb / (without.judged - 1))
+    half = _t975(df) * math.sqrt(ea + eb)
     return a - b, a - b - half, a - b + half
 
 
@@ -126,7 +147,7 @@ class _Scan:
       added).
     """
 
-    def __init__(self, skills: list[Skill], threshold: float, times: Iterable[float],
+    def __init__(self, skills: list[Skill], threshold: float, added: dict[str, float],
                  matcher: Any):
         import numpy as np
 
@@ -136,8 +157,14 @@ class _Scan:
         self.first = np.full(len(skills), np.inf)
         self.last = np.full(len(skills), -np.inf)
         self.without = np.zeros((len(_SUMS), len(skills))) if matcher is not None else None
-        self.times = np.array(sorted(set(times)), dtype=np.float64)
+        self.times = np.array(sorted(set(added.values())), dtype=np.float64)
         self.after = np.zeros(len(self.times) + 1, dtype=np.int64)
+        # a turn counts as comparable for a skill only once it was (last) added: before, the
+        # asks of its kind met other tasks, another policy, the very failures it was written
+        # from. A skill's rank: how many of ``times`` are at or before its own (0: no add
+        # recorded, always in); a turn's: how many are at or before the turn.
+        self.rank = np.array([np.searchsorted(self.times, added[s.name], side="right")
+                              if s.name in added else 0 for s in skills], dtype=np.intp)
         self._names: dict[str, list[int]] = {}  # an injected list as stored: its columns
 
     def _columns(self, raw: str) -> list[int]:
@@ -183,14 +210,21 @@ class _Scan:
         np.minimum.at(self.first, column, created[turn])
         np.maximum.at(self.last, column, created[turn])
         if self.without is not None:
-            # summed per distinct ask, then multiplied by which skills each ask matches
+            # summed per distinct ask, then multiplied by which skills each ask matches: per
+            # span of time between two additions, for the skills in the library then
             matched, ask = self._matched(store, ids, asked)
-            per_ask = np.stack([np.bincount(ask, weights=values[k], minlength=len(matched))
-                                for k in range(len(_SUMS))])
-            self.without += per_ask @ matched.astype(np.float64)
+            span = np.searchsorted(self.times, created, side="right")
+            for j in np.unique(span):
+                rows = span == j
+                per_ask = np.stack([np.bincount(ask[rows], weights=values[k, rows],
+                                                minlength=len(matched))
+                                    for k in range(len(_SUMS))])
+                there = self.rank <= j
+                self.without[:, there] += per_ask @ matched[:, there].astype(np.float64)
             # a turn that got a skill its ask matches is on the other side: taken out again
             mine = column < len(self.skills)
-            hit = matched[ask[turn[mine]], column[mine]]
+            hit = matched[ask[turn[mine]], column[mine]] & (
+                span[turn[mine]] >= self.rank[column[mine]])
             took, skill = turn[mine][hit], column[mine][hit]
             for k in range(len(_SUMS)):
                 self.without[k] -= np.bincount(skill, weights=values[k, took],
@@ -281,8 +315,7 @@ def collect(store: Store, skills: list[Skill], *, threshold: float = 0.0,
     from metaclaw.skills.retrieval import one_blas_thread
 
     added = _added_at(store)
-    scan = _Scan(skills, threshold, added.values(),
-                 _matcher(retriever) if compare and skills else None)
+    scan = _Scan(skills, threshold, added, _matcher(retriever) if compare and skills else None)
     # products split over threads wait for busy cores; the batches' many row tuples would make
     # the cyclic collector run over and over
     with one_blas_thread(), fewer_collections():
@@ -328,13 +361,15 @@ def skill_stats(store: Store, library: Any, *, threshold: float = 0.0, retriever
         w = sums["with"].get(name, _Side())
         wo = sums["without"].get(name) if sums["without"] is not None and in_library else None
         delta, low, high = _interval(w, wo) if wo is not None else (None, None, None)
-        since = None
+        since, start = None, None
         if in_library:
             start = added.get(name)
             since = sums["since"][start]  # (None: all of them)
         suggestion = ""
-        if in_library and w.turns == 0 and since is not None and since >= IDLE_TURNS:
-            suggestion = "retire"
+        last = sums["last"].get(name)
+        unused = w.turns == 0 or (start is not None and last is not None and last < start)
+        if in_library and unused and since is not None and since >= IDLE_TURNS:
+            suggestion = "retire"  # (not given it since it was last added)
         elif in_library and near[1] is not None and near[1] >= NEAR_DUPLICATE:
             suggestion = "merge"
         elif high is not None and high < 0:
@@ -369,8 +404,8 @@ def skill_stats(store: Store, library: Any, *, threshold: float = 0.0, retriever
 
 def _reason(row: dict[str, Any]) -> str:
     if row["suggestion"] == "retire":
-        return (f"retire {row['skill']}: never injected in {row['turns_since_added']} task turns "
-                "since it was added")
+        return (f"retire {row['skill']}: not injected in {row['turns_since_added']} task turns "
+                "since it was last added")
     if row["suggestion"] == "merge":
         return (f"merge {row['skill']} into {row['nearest']}: near duplicate (cosine "
                 f"{row['nearest_cosine']:.2f}); edit {row['nearest']} to keep what it adds")

@@ -22,10 +22,12 @@ uses, and the PRM judges each reply. A variant is written as a short spec:
   of it replays the same skills); ``gen:G``: skill generation ``G``; ``none``: no skills;
 - ``proposal:P``: proposal ``P``'s operations applied to the generation it was written for;
 - ``gen:G~NAME`` / ``current~NAME``: that library without the skill ``NAME`` (``~A~B`` removes
-  several);
+  several; retrieval picks from what is left, so the next-ranked skill may take its place);
 - any of them followed by ``@MODEL``: the replay asks the upstream for ``MODEL`` instead of the
   turn's own model (another model, or a policy served under its own name).
 
+The first run pins what decides a verdict (the judge's model, votes and threshold, the model,
+the retrieval: :meth:`Replayer.settings`); a later run with other settings is refused.
 Every result is stored as it arrives, so an interrupt keeps what finished and :meth:`run`
 again does only what is missing (or failed); adding a variant or extending the dataset and running
 again extends the experiment. Where a case has a human label with a corrected answer, each reply
