@@ -52,3 +52,34 @@ def test_a_report_the_gate_never_made_says_so_not_none():
     shown = cases_html({"decision": None, "reason": "", "cases": [], "safety": [],
                         "judge_calls": 0})
     assert "None" not in shown and "Not run through the verification gate" in shown
+
+
+def test_a_candidate_that_changes_nothing_is_rarely_promoted():
+    """Judge noise alone: 4 failures and 4 successes replayed with a 3-vote judge whose votes
+    are right 60-80% of the time, the candidate's replays drawn like the current library's. When
+    any rise of a failure's reward counted as fixed (-1 to an unclear 0), such a candidate went
+    live 22-25% of the time; a failure now counts as fixed only when it passes. A candidate that
+    truly fixes a failure still gets through far more often."""
+    import random
+
+    from metaclaw.fastloop.gate import FAILURE, SUCCESS, _outcome
+
+    def judged(rng, p_right, truth):
+        votes = [truth if rng.random() < p_right else
+                 rng.choice([s for s in (-1, 0, 1) if s != truth]) for _ in range(3)]
+        top = max(votes.count(s) for s in set(votes))
+        tied = [s for s in set(votes) if votes.count(s) == top]
+        return tied[0] if len(tied) == 1 else 0
+
+    def promoted(rng, p_right, fixes):
+        outcomes = [_outcome(FAILURE, judged(rng, p_right, -1),
+                             judged(rng, p_right, 1 if i < fixes else -1), 0.0) for i in range(4)]
+        outcomes += [_outcome(SUCCESS, judged(rng, p_right, 1), judged(rng, p_right, 1), 0.0)
+                     for _ in range(4)]
+        return "regressed" not in outcomes and "fixed" in outcomes
+
+    rng = random.Random(7)
+    for p_right in (0.6, 0.7, 0.8):
+        noop = sum(promoted(rng, p_right, 0) for _ in range(3000)) / 3000
+        real = sum(promoted(rng, p_right, 1) for _ in range(3000)) / 3000
+        assert noop < 0.13 and real > noop + 0.08, (p_right, noop, real)

@@ -12,8 +12,10 @@ FastLoop`) every candidate passes two checks before it becomes a generation:
 2. :meth:`Gate.areview`: the failures the candidate was written for and a sample of recent
    successes (judged or labelled pass) are replayed through the agent's upstream twice, with the
    skills the current library would inject and with the candidate's, and each reply is judged.
-   Per case: ``fixed`` / ``still failing`` (failures), ``kept`` / ``regressed`` (successes),
-   ``unscored`` (a replay or its judging failed).
+   Per case: ``fixed`` (the failure's replay with the candidate passes: reward above the
+   judge's threshold, where the one with the current library did not) / ``still failing``
+   (failures), ``kept`` / ``regressed`` (a lower reward: successes), ``unscored`` (a replay or
+   its judging failed).
 
 Decision: **promote** when no success regressed and at least one failure is fixed; otherwise
 **hold** (the candidate is stored as a proposal with all its evidence for a person to review,
@@ -199,8 +201,9 @@ def _outcome(kind: str, before: float | None, after: float | None, threshold: fl
         return "regressed" if kind == SUCCESS else "still failing"
     if before is None or after is None:
         return "unscored"
-    if kind == FAILURE:
-        return "fixed" if after > before or (after >= threshold > before) else "still failing"
+    if kind == FAILURE:  # fixed: it passes now (a rise from -1 to "unclear" 0 is judge noise
+        # as often as not: counted, a candidate that changed nothing went live one time in five)
+        return "fixed" if after > threshold >= before else "still failing"
     return "regressed" if after < before else "kept"
 
 
