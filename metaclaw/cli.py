@@ -1107,10 +1107,15 @@ def cmd_train(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM: a scheduled trainer's way to stop
         pass
     finally:
-        loop.close()  # saves what was trained (a step stopped after its update included)
+        saved = loop.close()  # saves what was trained (a step stopped after its update too)
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
-    print(f"metaclaw train: stopped; what it trained is saved in {state_dir}", file=sys.stderr)
+    if saved is None and not loop.trainer.steps_done:
+        print("metaclaw train: stopped before its first step finished; nothing was trained "
+              "or saved", file=sys.stderr)
+    else:
+        print(f"metaclaw train: stopped; what it trained is saved in {state_dir}",
+              file=sys.stderr)
     # `--now` stopped short is no success (`metaclaw train --now && deploy` must not go on)
     return 130 if args.now else 0
 

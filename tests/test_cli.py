@@ -437,6 +437,8 @@ def test_train_waits_for_turns_and_stops_on_sigterm_as_on_ctrl_c(tmp_path):
     finally:
         proc.kill()
     assert proc.returncode == 0 and "Traceback" not in err
+    # no step ran: it does not claim to have saved one (it named a folder never written)
+    assert "stopped before its first step finished; nothing was trained or saved" in err
     status = json.loads(run_cli("scheduler", "status", "--db", db, "--config", config,
                                 "--json").stdout)
     assert status["state"] != "training" and not status["training"]

@@ -344,17 +344,19 @@ class SlowLoop:
         with self._step_lock:
             self.trainer.save()
 
-    def close(self) -> None:
-        """:meth:`stop`, release the scheduler's signals, and hand the proxy back to its
-        upstream (the responder is removed and closed)."""
+    def close(self) -> str | None:
+        """:meth:`stop`, release the scheduler's signals, save what the trainer has not saved
+        yet, and hand the proxy back to its upstream (the responder is removed and closed).
+        Returns the checkpoint saved now (None: nothing was left to save)."""
         if self.scheduler is not None:
             self.scheduler.close()
         with self._step_lock:
-            self.trainer.save()
+            saved = self.trainer.save()
         if self.responder is not None:
             if self.proxy is not None and getattr(self.proxy, "responder", None) is self.responder:
                 self.proxy.set_responder(None)
             self.responder.close()
+        return saved
 
     # -- views --------------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
