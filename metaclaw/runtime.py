@@ -100,7 +100,8 @@ class RuntimeConfig:
     host: str = option("127.0.0.1", "--host", "bind address (default 127.0.0.1)")
     port: int = option(0, "--port", "port (default 30000; 0 = any free)", type=argtypes.port,
                        serve_default=30000)
-    skills_dir: str = option(str(DEFAULT_SKILLS), "--skills", "skill library directory")
+    skills_dir: str = option(str(DEFAULT_SKILLS), "--skills",
+                             f"the skills folder (default {DEFAULT_SKILLS})")
     db_path: str = option(default_target(), "--db", "the workspace: a database file, "
                           "sqlite:///path or postgresql://user@host/dbname (default: "
                           "$METACLAW_DB, else .metaclaw/metaclaw.db)")

@@ -9,7 +9,8 @@ with the widgets' state saved beside the outputs (what JupyterLab shows before t
 runs). A widget whose state carries a bundled JavaScript library of its own (altair's live
 chart: about 900 kB) is not saved: its output keeps its static forms (a PNG chart) instead
 of a reference to a state that is not there. Execution counts are renumbered from 1 and the
-per-cell timing metadata is dropped, so that a run changes the files only where an output did.
+per-cell timing metadata is dropped. Outputs that differ from run to run still change the
+files: the proxy's port, latencies, times, run ids, widget model ids and PNG bytes.
 """
 
 from __future__ import annotations

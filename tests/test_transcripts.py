@@ -380,8 +380,12 @@ def test_turns_import_and_export_on_the_command_line(tmp_path, capsys):
     db, fresh, out = tmp_path / "ws.db", tmp_path / "fresh.db", tmp_path / "out.jsonl"
     assert cli.main(["turns", "import", str(CLAUDE), str(CODEX), "--db", str(db)]) == 0
     assert "imported 4 turns in 2 sessions" in capsys.readouterr().out
-    assert cli.main(["turns", "import", str(CLAUDE), "--db", str(db), "--json"]) == 0
+    # options before the files (argparse took the files after an option for unknown words)
+    assert cli.main(["turns", "import", "--db", str(db), "--json", str(CLAUDE)]) == 0
     assert json.loads(capsys.readouterr().out)["skipped"] == 2
+    with pytest.raises(SystemExit):  # an unknown option is still refused
+        cli.main(["turns", "import", "--db", str(db), str(CLAUDE), "--bogus"])
+    capsys.readouterr()
     assert cli.main(["turns", "--db", str(db), "--json"]) == 0  # `turns` alone still lists
     listed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert len(listed) == 4 and listed[0]["identified_by"]["session"].startswith("imported:")
