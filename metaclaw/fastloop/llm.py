@@ -129,9 +129,12 @@ class LLMClient:
         self.api_key = api_key
         self.timeout = timeout
         self.max_connections = int(max_connections)
-        self._url = (safe_url(base_url) or "").rstrip("/") + "/chat/completions"
-        self._parsed: Any = None  # the URL parsed once (yarl), not per call
         parts = urlsplit(base_url)
+        self._url = (safe_url(base_url) or "").rstrip("/") + "/chat/completions"
+        # a query in the URL (Azure OpenAI's ``api-version``) goes with every call, as the
+        # proxy's upstream client sends it; never shown (it may carry a key)
+        self._query = parts.query
+        self._parsed: Any = None  # the URL parsed once (yarl), not per call
         self._basic = ((unquote(parts.username or ""), unquote(parts.password or ""))
                        if parts.username or parts.password else None)
         self._sessions: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Any]" = (
@@ -182,7 +185,8 @@ class LLMClient:
         if self._parsed is None:
             from yarl import URL
 
-            self._parsed = URL(self._url)
+            self._parsed = (URL(f"{self._url}?{self._query}", encoded=True) if self._query
+                            else URL(self._url))  # (the query as written: already encoded)
         try:
             response = await session.post(self._parsed, data=dumpb(params), proxy=proxy,
                                           allow_redirects=False)
