@@ -136,3 +136,25 @@ def atomic_folder(target: str | os.PathLike[str], *, prefix: str = ".extract-") 
 
 
 __all__ = ["atomic_folder", "atomic_write", "durable_replace", "fsync_path", "write_atomic"]
+
+
+def private_temp_dir(name: str) -> Path | None:
+    """The temp folder's ``name``, a folder of this user's own: made readable and writable by
+    its owner only, and, where it exists already, used only when this user owns it and no one
+    else can write to it (another local user could otherwise make it first, and fill it with
+    a model or table of their own); ``None`` where it cannot be had so."""
+    import stat
+    import tempfile
+
+    path = Path(tempfile.gettempdir()) / name
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.mkdir(mode=0o700, exist_ok=True)
+        info = path.lstat()
+    except OSError:
+        return None
+    if not stat.S_ISDIR(info.st_mode):  # a link or file put there by someone else
+        return None
+    if hasattr(os, "getuid") and (info.st_uid != os.getuid() or info.st_mode & 0o022):
+        return None
+    return path

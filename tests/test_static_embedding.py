@@ -153,6 +153,31 @@ def test_the_temp_fallback_is_per_user(no_home_cache, tmp_path, monkeypatch):
         tmp_path / "tmp" / f"metaclaw-cache-{os.getuid()}" / "static-embeddings")
 
 
+def test_a_temp_folder_someone_else_could_have_filled_is_never_used(no_home_cache, tmp_path,
+                                                                     monkeypatch):
+    """The per-user temp folder is used only when it is this user's and no one else can write
+    to it: another local user could make it first (open to all, or a link to their own folder)
+    and put a table or model of their own in it."""
+    import os
+    import tempfile
+
+    from metaclaw.fileio import private_temp_dir
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    mine = private_temp_dir("mine")
+    assert mine == tmp_path / "tmp" / "mine" and (mine.stat().st_mode & 0o777) == 0o700
+    (tmp_path / "tmp" / "open").mkdir(mode=0o777)
+    os.chmod(tmp_path / "tmp" / "open", 0o777)
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "tmp" / "linked").symlink_to(tmp_path / "elsewhere")
+    assert private_temp_dir("open") is None and private_temp_dir("linked") is None
+    os.chmod(tmp_path / "tmp", 0o755)
+    planted = tmp_path / "tmp" / f"metaclaw-cache-{os.getuid()}"
+    planted.mkdir(mode=0o777)
+    os.chmod(planted, 0o777)
+    assert static_embedding.cache_dir() is None  # not the planted folder
+
+
 def test_a_written_table_is_read_back_as_the_packaged_one_is(tiny_bert, tmp_path):
     """``write_table`` (what benchmarks/train_static_table.py writes the packaged folder with)
     gives a folder ``packaged`` reads: the rows within int8's half step, the notice beside."""

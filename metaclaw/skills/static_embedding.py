@@ -48,11 +48,10 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from metaclaw.fileio import atomic_write
+from metaclaw.fileio import atomic_write, private_temp_dir
 
 #: Dimensions kept by PCA.
 DIMS = 256
@@ -214,10 +213,12 @@ def _configured_dir() -> Path:
     return base / "static-embeddings"
 
 
-def _temp_dir() -> Path:
-    # one folder per user: a shared name could be created (or filled) first by someone else
+def _temp_dir() -> Path | None:
+    # a folder of this user's own: a shared name could be created (or filled) first by someone
+    # else (None where it cannot be had so)
     user = os.getuid() if hasattr(os, "getuid") else os.environ.get("USERNAME", "user")
-    return Path(tempfile.gettempdir()) / f"metaclaw-cache-{user}" / "static-embeddings"
+    own = private_temp_dir(f"metaclaw-cache-{user}")
+    return None if own is None else own / "static-embeddings"
 
 
 def cache_dir() -> Path | None:
@@ -226,6 +227,8 @@ def cache_dir() -> Path | None:
     ``metaclaw-cache-<uid>/static-embeddings``; ``None`` when none of them is writable. (A table
     already in the first, even read-only as in a prepared image, is used by :func:`load`.)"""
     for target in (_configured_dir(), _temp_dir()):
+        if target is None:
+            continue
         try:
             target.mkdir(parents=True, exist_ok=True)
         except OSError:
@@ -307,7 +310,7 @@ def load(model_path: str | os.PathLike, *, dims: int = DIMS,
         table = _read(prepared, vocab, dims, warn=False) if prepared.is_file() else None
         if table is not None:
             return StaticEmbedding(table, tokenizer, source=str(model_path))
-    folder = Path(directory) if directory is not None else (cache_dir() or _temp_dir())
+    folder = Path(directory) if directory is not None else (cache_dir() or _configured_dir())
     with contextlib.suppress(OSError):  # unwritable: _save says what to do
         folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{key}.npy"
