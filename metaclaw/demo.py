@@ -369,6 +369,7 @@ def run_demo(data_dir: str | Path | None = None, days: str = "all", out_dir: str
                   "skills_file_check": by_day.get(d["day"], {}).get("file_check_completion")}
                  for d in baseline["per_day"]]
         result = {
+            "paired": paired_rounds(baseline, skills),
             "simulated": simulated,
             "local_model": local_model is not None,
             "note": note,
@@ -386,6 +387,29 @@ def run_demo(data_dir: str | Path | None = None, days: str = "all", out_dir: str
     if echo:
         echo(format_curve(result))
     return result
+
+
+def paired_rounds(baseline: dict, skills: dict) -> dict[str, Any]:
+    """The rounds both runs graded, paired: how many the skills run passed where the baseline
+    failed (``gained``) and the reverse (``lost``), and McNemar's exact p on them: the same
+    rounds in both runs, so this, not the difference of two accuracies, says whether the
+    difference is more than chance."""
+    from metaclaw.fastloop.experiments import mcnemar_p
+
+    def passed(run: dict) -> dict[tuple[str, str], str]:
+        path = Path(run.get("rounds_file") or "")
+        if not path.is_file():
+            return {}
+        rows = (json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()
+                if line.strip())
+        return {(r["day"], r["round"]): "pass" if r.get("passed") else "fail" for r in rows}
+
+    before, after = passed(baseline), passed(skills)
+    pairs = [(before[k], after[k]) for k in sorted(before.keys() & after.keys())]
+    return {"rounds": len(pairs),
+            "gained": sum(a == "fail" and b == "pass" for a, b in pairs),
+            "lost": sum(a == "pass" and b == "fail" for a, b in pairs),
+            "mcnemar_p": mcnemar_p(pairs)}
 
 
 def _pct(value: float | None) -> str:
@@ -413,6 +437,11 @@ def format_curve(result: dict) -> str:
                  f"{_pct(b['file_check_completion']):>15} {_pct(s['file_check_completion']):>7}")
     lines.append(f"accuracy over {b['rounds']} rounds; file-check completion over "
                  f"{b['file_check_rounds']} file_check rounds")
+    paired = result.get("paired")
+    if paired and paired["rounds"]:
+        lines.append(f"the same {paired['rounds']} rounds paired: skills passed {paired['gained']} "
+                     f"the baseline failed and failed {paired['lost']} it passed (McNemar's "
+                     f"exact p = {paired['mcnemar_p']:.3g})")
     learned = ", ".join(sk["name"] for sk in result.get("skills_learned", [])) or "none"
     lines.append(f"skills learned (generation {s.get('skill_generation')}): {learned}")
     if result.get("note"):

@@ -24,6 +24,11 @@ def test_skills_mode_beats_baseline_offline(tmp_path):
     # the fast loop's effect: skills learned from judged feedback raise the scores
     assert skills["accuracy"] > base["accuracy"]
     assert skills["file_check_completion"] >= base["file_check_completion"] + 0.2
+    # the same rounds paired: more gained than lost, and McNemar's exact p on them printed
+    paired = result["paired"]
+    assert paired["rounds"] == 61 and paired["gained"] > paired["lost"]
+    assert 0 < paired["mcnemar_p"] < 0.05
+    assert f"the same 61 rounds paired: skills passed {paired['gained']}" in "\n".join(lines)
     later = [r for r in result["curve"] if r["day"] >= "day04"]
     assert sum(r["skills"] for r in later) > sum(r["baseline"] for r in later)
     assert [r["day"] for r in result["curve"]] == [f"day{i:02d}" for i in range(1, 13)]

@@ -529,7 +529,7 @@ class Experiment:
                 "diff_vs_first": (sum(diffs) / len(diffs)) if diffs and spec != order[0]
                 else None,
                 "diff_low": low, "diff_high": high,
-                "mcnemar_p": _mcnemar(verdicts) if spec != order[0] else None,
+                "mcnemar_p": mcnemar_p(verdicts) if spec != order[0] else None,
             })
         return pl.DataFrame(rows, orient="row", schema={
             "variant": pl.Utf8, "cases": pl.Int64, "scored": pl.Int64,
@@ -599,7 +599,7 @@ def _bootstrap(diffs: list[float], resamples: int, seed: int) -> tuple[float | N
     return means[int(0.025 * resamples)], means[min(resamples - 1, int(0.975 * resamples))]
 
 
-def _mcnemar(pairs: list[tuple[str, str]]) -> float | None:
+def mcnemar_p(pairs: list[tuple[str, str]]) -> float | None:
     """McNemar's exact two-sided p on pass / fail pairs (first, variant); None without pairs."""
     if not pairs:
         return None
