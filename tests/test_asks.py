@@ -188,6 +188,30 @@ def test_aiders_edit_format_reminder_is_not_part_of_the_ask():
     assert extract_ask([{"role": "user", "content": kept}]).ask == kept  # not at a line start
 
 
+@pytest.mark.parametrize("name", ["001", "002", "003"])
+def test_aiders_own_messages_and_prompt_examples_are_never_the_ask_or_its_context(name):
+    """aider sends the files it put in the chat (their contents), its repository map or "I am
+    not sharing any files" as user messages, and its prompt's worked examples as user messages
+    before "I switched to a new code base". A short ask ("add type hints") took the file
+    contents, or an example ("Change the greeting to be more casual"), as its context: three
+    skills were injected on that text."""
+    messages = captured("aider", name)["body"]["messages"]
+    ask = next(i for i in range(len(messages) - 1, -1, -1) if messages[i]["role"] == "user")
+    messages[ask] = {"role": "user", "content": "add type hints"}
+    found = extract_ask(messages)
+    earlier = "Add a --verbose flag to cli.py" if name == "003" else ""  # the user's own, kept
+    assert found.ask == "add type hints" and found.context == earlier
+    assert "Change the greeting" not in found.text and "added these files" not in found.text
+    for own in ("I am not sharing any files that you can edit yet.",
+                "Here are summaries of some files present in my git repository.\nDo not propose "
+                "changes to these files, treat them as *read-only*.\nsrc/app.py:\n  def main()"):
+        alone = [{"role": "user", "content": own}, {"role": "assistant", "content": "Ok."},
+                 {"role": "user", "content": "say hi"}]
+        assert extract_ask(alone).text == "say hi"
+    text = "Here are some READ ONLY files is what aider says; explain it"  # not its message
+    assert extract_ask([{"role": "user", "content": text}]).ask == text
+
+
 def test_only_short_asks_before_it_take_the_nearest_as_context():
     found = extract_ask([{"role": "user", "content": "ok"},
                          {"role": "assistant", "content": "Sure."},

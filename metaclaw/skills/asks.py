@@ -24,7 +24,10 @@ what this module does about it (every rule lives in :data:`RULES` or in :func:`e
   a text that is one quoted string is unquoted.
 - **Edit-format reminders.** aider appends its edit format's rules ("To suggest changes to a
   file you MUST return the entire content...", "# *SEARCH/REPLACE block* Rules:", ...) to the
-  user's message for some models: removed.
+  user's message for some models: removed. Its user messages of its own (the files it added to
+  the chat, with their contents; the repository map; "I am not sharing any files...") are
+  framework context, and its prompt's worked examples (user messages before "I switched to a
+  new code base") are never an ask, nor a short follow-up's context.
 - **Feedback prefixes.** A ``[Previous Feedback] ...`` block (the MetaClaw-Bench protocol, and a
   common way to pass a grader's verdict) is the outcome of the previous turn, not the new ask:
   it is split off into :attr:`Ask.feedback`.
@@ -113,6 +116,16 @@ _AIDER_REMINDER = re.compile(
     r"# \*SEARCH/REPLACE block\* Rules:|# V4A Diff Format Rules:|# File editing rules:|"
     r"ONLY return code using the `(?:replace_lines|write_file)` function\.|NEVER RETURN CODE!)"
     r".*\Z", re.S | re.M)
+# aider's own user messages: the files it put in the chat (their contents after this line), the
+# repository map, read-only files, or that it shares none. Each is framework context.
+_AIDER_CONTEXT = re.compile(
+    r"\A\s*(?:I have \*added these files to the chat\*|I am not sharing any files that you can "
+    r"edit yet\.|Don't try and edit any existing code without asking me to add the files to the "
+    r"chat!|Here are summaries of some files present in my git repository\.|Here are some READ "
+    r"ONLY files, provided for your reference\.)")
+# aider's "I switched to a new code base ...": every user message before it is one of its prompt's
+# worked examples ("Change get_factorial() to use math.factorial"), never the user's
+_AIDER_EXAMPLES_END = "I switched to a new code base. Please don't consider the above files"
 # Claude-Code slash commands: the command's arguments are the ask
 _COMMAND_ARGS = re.compile(r"<command-args>(.*?)</command-args>", re.S)
 # opencode's ``run`` sends an argument that has spaces in double quotes (its own escaped)
@@ -176,6 +189,7 @@ RULES: list[Rule] = [
     Rule("envelope", lambda text: _ENVELOPE.sub("", text), "["),
     Rule("header-lines", lambda text: _HEADER_LINES.sub("", text), ":"),
     Rule("aider-reminder", lambda text: _AIDER_REMINDER.sub("", text), "\n"),
+    Rule("aider-context", lambda text: "" if _AIDER_CONTEXT.match(text) else text),
     Rule("quoted-ask", _unquote, '"'),
 ]
 
@@ -261,7 +275,10 @@ def _last_ask(messages: list[Any], end: int) -> Ask:
         content = message.get("content")
         if _only_tool_results(content):
             continue
-        ask, feedback, fired = clean(content_text(content))
+        text = content_text(content)
+        if text.startswith(_AIDER_EXAMPLES_END):  # the prompt's examples are before it
+            break
+        ask, feedback, fired = clean(text)
         if not ask:
             if feedback and not found.feedback:
                 found.feedback, found.rules = feedback, fired
