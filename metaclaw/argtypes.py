@@ -85,6 +85,14 @@ def positive_float(text: str) -> float:
     return value
 
 
+def non_negative_float(text: str) -> float:
+    """A finite number of 0 or more (a wait in seconds, 0: none)."""
+    value = finite_float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is below 0")
+    return value
+
+
 def finite_float(text: str) -> float:
     """A finite number (no nan, no inf)."""
     try:

@@ -189,6 +189,12 @@ class RuntimeConfig:
     auto_evolve: bool = option(
         False, "--auto-evolve", "run the fast loop: judge every turn, evolve skills "
         "automatically")
+    feedback_wait: float = option(
+        600.0, "--feedback-wait", "with --auto-evolve, seconds a turn waits for the user's "
+        "next message in its session, the reaction the judge reads, before it is judged "
+        "without one (default 600: a person reads the agent's work before answering; a next "
+        "message or the session's end judges it at once)", type=argtypes.non_negative_float,
+        metavar="S")
     auto_keys: bool = option(
         True, "--auto-keys", "with --auto-evolve, the evolver model writes the retrieval keys "
         "(a \"use when\" line, anticipated asks) of skills that have none (default; not with "
@@ -383,6 +389,7 @@ class Runtime:
             self.extras["fast_loop"] = FastLoop(
                 self.store, self.library, self.judge, evolver, gate=gate,
                 auto_keys=self.config.auto_keys and not _simulated(evolver.model),
+                feedback_wait=self.config.feedback_wait,
             ).attach(self.proxy)
         return self.extras["fast_loop"]
 

@@ -52,7 +52,7 @@ def test_every_option_reaches_its_field_through_both_parsers(monkeypatch):
               "--local-model": "some/folder", "--judge-url": "http://j.example",
               "--judge-model": "jm", "--evolver-url": "http://e.example",
               "--evolver-model": "em", "--votes": "2", "--user": "alice",
-              "--agent": "codex-1", "--skill-scope": "shared"}
+              "--agent": "codex-1", "--skill-scope": "shared", "--feedback-wait": "45"}
     switches = ["--caller-auth", "--no-durable-acks", "--fsync-acks", "--starter-skills",
                 "--sim", "--auto-evolve", "--no-auto-keys"]
     argv = [word for flag, value in values.items() for word in (flag, value)] + switches
@@ -108,3 +108,23 @@ def test_the_proxy_config_declares_the_runtime_configs_fields_alike():
                != (_default(proxy[name]), proxy[name].type)]
     assert drifted == [], "fields whose default or type differ between the two: " + \
         "; ".join(drifted)
+
+
+def test_the_fast_loop_waits_for_the_users_reaction_as_configured(tmp_path):
+    """A person answers an agent after reading its work, often minutes later: a turn was judged
+    "no reaction" after 30 s and never again, so a correction sent at 50 s was lost. The wait
+    is 600 s by default and set by --feedback-wait."""
+    from metaclaw.fastloop.loop import FastLoop
+    from metaclaw.runtime import Runtime
+
+    assert RuntimeConfig().feedback_wait == 600.0
+    assert FastLoop.__init__.__kwdefaults__["feedback_wait"] == 600.0
+    runtime = Runtime.start(RuntimeConfig(simulated=True, feedback_wait=45.0,
+                                          db_path=str(tmp_path / "w.db"),
+                                          skills_dir=str(tmp_path / "skills")))
+    try:
+        assert runtime.fast_loop.feedback_wait == 45.0
+    finally:
+        runtime.stop()
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["serve", "--feedback-wait", "-1"])

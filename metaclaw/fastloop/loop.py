@@ -137,7 +137,9 @@ class FastLoop:
     ``min_judged``: evolve when more than this share of the current generation's judged turns
     (at least ``min_judged``) failed (``None`` turns it off); ``on_session_end``: evolve when a
     session is marked done. ``feedback_wait``: seconds to wait for a session's next turn before
-    judging a turn without feedback (0 judges at once). ``concurrency``: votes in flight at most.
+    judging a turn without feedback (0 judges at once; default 600: a person driving an agent
+    answers after reading its work, often minutes later, and a turn judged before that reaction
+    arrived was never judged again). ``concurrency``: votes in flight at most.
     ``on_event``: a callback for every :class:`FastLoopEvent`. ``gate``: the
     :class:`metaclaw.fastloop.gate.Gate` automatic candidates must pass (``None``: all are held back).
     ``auto_keys``: the evolver model writes the retrieval keys of skills that have none (step 7
@@ -158,7 +160,7 @@ class FastLoop:
 
     def __init__(self, store: Store, library: SkillLibrary, judge: Judge, evolver: Evolver,
                  every_n: int = 5, failure_rate: float | None = 0.5, min_judged: int = 3,
-                 on_session_end: bool = True, *, feedback_wait: float = 30.0,
+                 on_session_end: bool = True, *, feedback_wait: float = 600.0,
                  concurrency: int = 64, on_event: Callable[[FastLoopEvent], None] | None = None,
                  max_events: int = 10_000, gate: Gate | None = None, auto_keys: bool = False):
         if every_n < 0:
