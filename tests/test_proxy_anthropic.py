@@ -607,6 +607,14 @@ def test_claude_codes_output_ask_is_cut_to_the_chat_models_limit(workspace, open
                                        messages=[{"role": "user", "content": QUESTION}],
                                        timeout=30)
     assert openai_double.requests[-1]["body"]["max_tokens"] == 4_096
+    # no skill to fit (none matches the ask): the cut is recorded all the same
+    with _proxy(workspace, openai_double, "openai", model="gpt-4o-mini") as proxy:
+        _client(proxy).messages.create(model="claude-sonnet-4-5", max_tokens=128_000,
+                                       messages=[{"role": "user", "content": "tell me a joke"}],
+                                       timeout=30)
+    (plain,) = _turns(proxy, store)[-1:]
+    assert plain["injected_skills"] == [] and plain["context_budget"] == {
+        "reserved_output": 16_384, "asked_output": 128_000}
 
 
 def test_a_client_of_the_upstreams_own_protocol_keeps_its_output_ask(workspace, openai_double):

@@ -778,15 +778,13 @@ class TurnPipeline:
             window = context_budget.context_window(turn.model, config.context_windows,
                                                    config.context_window)
 
-            asked, allowed = self.output_tokens(turn)
+            allowed = self.output_tokens(turn)[1]
 
             def fit(selected: list[Any], render: Any) -> int:
                 budget = context_budget.fit_skills([s.skill.name for s in selected], render,
                                                    turn.raw, window, allowed,
                                                    parts.token_counter)
-                turn.budget = budget.record
-                if allowed != asked:  # asked upstream for less: no more is reserved
-                    turn.budget["asked_output"] = asked
+                turn.budget = budget.record  # (prepare adds what the client asked for)
                 return budget.keep
 
             done = retrieval.select_and_inject(
@@ -802,8 +800,6 @@ class TurnPipeline:
                 near, below = done.missed
                 turn.missed = (near.skill.name, near.score, below)
             turn.features = retrieval.ask_features(parts.retriever, turn.query)
-            if window is None and allowed != asked:  # no budget to record it in: the cut alone
-                turn.budget = {"asked_output": asked, "reserved_output": allowed}
             if done.block or BLOCK_TAG in turn.raw:  # or a resent earlier block, to take out
                 turn.body = turn.protocol.inject(turn.body, done.block)
                 turn.messages = done.messages
@@ -880,6 +876,11 @@ class TurnPipeline:
             if turn.thread is not None:
                 self.parts.threads.settle(turn.thread, False)
             raise
+        asked, allowed = self.output_tokens(turn)
+        if allowed != asked:  # the upstream is asked for less: the turn says so, whether or not
+            # skills were fitted to a budget (which then says more)
+            turn.budget = {"reserved_output": allowed, **(turn.budget or {}),
+                           "asked_output": asked}
         return turn, caller_key
 
     def identify_principals(self, turn: Turn, identity: Identity) -> None:
