@@ -93,6 +93,19 @@ def test_tool_result_only_user_messages_and_context_are_skipped():
     assert conv.earlier_user == [] and "framework notes" not in conv.knowledge
 
 
+def test_a_framework_block_in_the_asks_own_message_is_not_the_task():
+    """Claude Code puts its ``<system-reminder>`` (git status, attribution: "... files you create
+    from here on ...") in the same message as the ask: the simulated model took its task from
+    the whole text and wrote here.yaml into the user's project for "hello, what is your name?"."""
+    reminder = ("<system-reminder>\nAs you answer the user's questions, you can use the following "
+                "context: the attribution of commits and files you create from here on goes in "
+                "here.yaml\n</system-reminder>\n")
+    body = {"model": "sim-agent", "tools": [_tool("Write", "file_path", "content")],
+            "messages": [{"role": "user", "content": reminder + "hello, what is your name?"}]}
+    assert sm.parse_conversation(body["messages"]).question == "hello, what is your name?"
+    assert not sm.agent_reply(body).get("tool_calls")  # nothing written for a greeting
+
+
 def test_feedback_alone_is_still_the_users_own_message():
     messages = [{"role": "user", "content": "Write the report to out/report.md"},
                 {"role": "assistant", "content": "Done."},

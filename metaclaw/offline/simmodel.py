@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from metaclaw.offline.simrules import DATETIME_RE, KINDS, Rules, read_rules, rule_sentences
-from metaclaw.skills.asks import clean as clean_ask
+from metaclaw.skills.asks import clean as clean_ask, unwrap
 from metaclaw.skills.asks import content_text
 
 #: Model ids served by the simulated model server (the ``sim-`` prefix marks them as simulated).
@@ -143,7 +143,9 @@ def parse_conversation(messages: list[dict]) -> Conversation:
         elif role == "user":
             if i not in own:
                 continue  # framework context or tool results: not the user's words
-            fb, q = split_feedback(content_text(m.get("content")))
+            # the user's own words: a framework's wrapping (Claude Code's system reminders,
+            # OpenClaw's envelope) is no part of the task
+            fb, q = split_feedback(unwrap(content_text(m.get("content")))[0])
             if fb:
                 conv.feedback.append(fb)
             if i == last_user:

@@ -251,14 +251,21 @@ def split_feedback(text: str) -> tuple[str, str]:
     return rest.strip(), head.strip()
 
 
-def clean(text: str) -> tuple[str, str, list[str]]:
-    """Apply :data:`RULES` and split off feedback: (ask, feedback, names of rules that fired)."""
+def unwrap(text: str) -> tuple[str, list[str]]:
+    """``text`` with :data:`RULES` applied (a framework's wrapping removed, the user's own text
+    kept as written), and the names of the rules that fired."""
     fired = []
     for rule in RULES:
         new = rule.run(text)
         if new != text:
             fired.append(rule.name)
             text = new
+    return text, fired
+
+
+def clean(text: str) -> tuple[str, str, list[str]]:
+    """Apply :data:`RULES` and split off feedback: (ask, feedback, names of rules that fired)."""
+    text, fired = unwrap(text)
     feedback, text = split_feedback(text)
     if feedback:
         fired.append("feedback")
