@@ -349,15 +349,26 @@ def last_user_text(messages: list[dict[str, Any]] | None) -> str:
 
 def task_previews(store: Store, turn_ids: Iterable[int], limit: int = 80,
                   chunk: int = 500) -> dict[int, str]:
-    """``{turn id: its last user message, shortened to limit characters}`` (unknown ids absent).
-    The conversations, often tens of kB a turn, are read a chunk of turns at a time and only
-    the previews kept: read all at once, 20,000 turns took 862 MB for one refresh of a view."""
+    """``{turn id: what the user asked, shortened to limit characters}`` (unknown ids absent):
+    the recorded ask (``retrieval_query``: an agent framework's wrapping removed, as
+    ``metaclaw turns --why`` shows it), else the last user message. The conversations, often
+    tens of kB a turn, are read only for turns without a recorded ask, a chunk of turns at a
+    time: read all at once, 20,000 turns took 862 MB for one refresh of a view."""
     ids = sorted({int(i) for i in turn_ids})
     previews = {}
     for first in range(0, len(ids), chunk):
-        for row in store.query(f"SELECT id, request_messages FROM turns WHERE id {IN_IDS}",
-                               (id_list(ids[first:first + chunk]),)):
-            previews[row["id"]] = _short(last_user_text(row["request_messages"]), limit)
+        part = id_list(ids[first:first + chunk])
+        unasked = []
+        for row in store.query(f"SELECT id, retrieval_query FROM turns WHERE id {IN_IDS}",
+                               (part,)):
+            if row["retrieval_query"]:
+                previews[row["id"]] = _short(row["retrieval_query"], limit)
+            else:
+                unasked.append(row["id"])
+        if unasked:
+            for row in store.query(f"SELECT id, request_messages FROM turns WHERE id {IN_IDS}",
+                                   (id_list(unasked),)):
+                previews[row["id"]] = _short(last_user_text(row["request_messages"]), limit)
     return previews
 
 

@@ -141,10 +141,17 @@ def test_task_previews_read_conversations_a_chunk_at_a_time(store, monkeypatch):
 
     monkeypatch.setattr(store, "query", counting)
     previews = buffers.task_previews(store, [*ids, 999], chunk=3)
-    assert read == [3, 3, 2]
+    assert read == [3, 3, 1]  # (999 is no turn: its conversation is not asked for)
     assert previews == {i: ("" if i == ids[3] else f"ask {n}") for n, i in enumerate(ids)}
     frame = buffers.buffers_frame(store, all_turns=True)
     assert frame["task"].to_list() == [previews[i] for i in ids]
+    # a recorded ask is the preview (a framework's wrapping removed, as `turns --why` shows
+    # it: the column showed Claude Code's system reminder), and its conversation is not read
+    store.execute("UPDATE turns SET retrieval_query = 'write the status report' WHERE id = ?",
+                  (ids[0],))
+    read.clear()
+    assert buffers.task_previews(store, ids[:3])[ids[0]] == "write the status report"
+    assert read == [2]
 
 
 def test_stage_turns_enter_the_buffers_like_main_turns(store, library):
