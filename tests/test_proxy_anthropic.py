@@ -702,6 +702,8 @@ def test_a_wrong_proxy_token_is_a_403_naming_claude_codes_setting_for_claude_cod
             error = refused.json()["error"]
             assert refused.status_code == 403 and error["type"] == "permission_error"
             assert "ANTHROPIC_AUTH_TOKEN" in error["message"]
+            # wired, its settings.json holds the token and wins over the shell: wire it again
+            assert "metaclaw wire claude-code" in error["message"]
             assert "x-api-key" not in error["message"].lower()
             assert error["message"].startswith(code.split("_")[0])
         with pytest.raises(anthropic.AuthenticationError):

@@ -640,9 +640,12 @@ def token_refused(headers: Any, message: str, code: str) -> ProxyError:
     if not headers.get("User-Agent", "").startswith(CLAUDE_CODE_AGENT):
         return ProxyError(401, message, type="authentication_error", code=code)
     what = "missing" if code == "missing_token" else "invalid"
-    return ProxyError(403, f"{what} proxy token: set ANTHROPIC_AUTH_TOKEN (or ANTHROPIC_API_KEY) "
-                           "where Claude Code runs to the token `metaclaw serve` was given "
-                           "(--token or $METACLAW_PROXY_TOKEN)", type="permission_error", code=code)
+    return ProxyError(403, f"{what} proxy token: Claude Code must send the token `metaclaw "
+                           "serve` was given (--token or $METACLAW_PROXY_TOKEN): wired by `metaclaw "
+                           "wire claude-code`, its settings.json holds the token and wins over the "
+                           "shell, so wire it again with that --token (after --undo); else set "
+                           "ANTHROPIC_AUTH_TOKEN where Claude Code runs", type="permission_error",
+                      code=code)
 
 
 class TurnPipeline:
