@@ -1572,7 +1572,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "$OPENCLAW_CONFIG_PATH, else openclaw.json in $OPENCLAW_STATE_DIR or "
                    "~/.openclaw; Codex's config.toml in $CODEX_HOME or ~/.codex; Claude Code's "
                    "settings.json in $CLAUDE_CONFIG_DIR or ~/.claude; opencode's "
-                   "opencode/opencode.json in $XDG_CONFIG_HOME or ~/.config; aider's "
+                   "opencode/opencode.jsonc, else opencode/opencode.json, in $XDG_CONFIG_HOME or "
+                   "~/.config; aider's "
                    "~/.aider.conf.yml)")
     p.add_argument("--host", default="127.0.0.1", help="where the proxy listens")
     p.add_argument("--port", type=argtypes.port, default=30000,

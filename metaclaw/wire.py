@@ -346,15 +346,24 @@ def config_path(agent: str, explicit: str | os.PathLike[str] | None = None) -> P
     """Where ``agent`` reads its configuration: ``--config`` when given, else OpenClaw's
     (:func:`openclaw_config_path`), ``$CODEX_HOME/config.toml`` (``~/.codex``), Claude Code's
     ``$CLAUDE_CONFIG_DIR/settings.json`` (``~/.claude``), opencode's
-    ``$XDG_CONFIG_HOME/opencode/opencode.json`` (``~/.config``) or ``~/.aider.conf.yml``."""
+    ``$XDG_CONFIG_HOME/opencode/opencode.json`` or ``opencode.jsonc`` where that exists
+    (``~/.config``) or ``~/.aider.conf.yml``."""
     if agent == "openclaw":
         return openclaw_config_path(explicit)
     if explicit:
         return Path(explicit).expanduser()
     return {"codex": lambda: _home("CODEX_HOME", ".codex") / "config.toml",
             "claude-code": lambda: _home("CLAUDE_CONFIG_DIR", ".claude") / "settings.json",
-            "opencode": lambda: _home("XDG_CONFIG_HOME", ".config") / "opencode" / "opencode.json",
+            "opencode": lambda: _opencode_config(_home("XDG_CONFIG_HOME", ".config") / "opencode"),
             "aider": lambda: Path.home() / ".aider.conf.yml"}[agent]()
+
+
+def _opencode_config(folder: Path) -> Path:
+    """opencode's global config in ``folder``: ``opencode.jsonc`` where it exists (opencode
+    reads it after ``opencode.json``, so its settings win: wiring ``opencode.json`` beside it
+    changed nothing), else ``opencode.json``."""
+    jsonc = folder / "opencode.jsonc"
+    return jsonc if jsonc.is_file() else folder / "opencode.json"
 
 
 def _set(config: dict[str, Any], keys: list[str], value: Any,

@@ -181,6 +181,17 @@ def test_default_config_paths_follow_each_agents_own_variables(tmp_path, monkeyp
     assert wire.config_path("claude-code") == tmp_path / "claude" / "settings.json"
     assert wire.config_path("opencode") == tmp_path / "xdg" / "opencode" / "opencode.json"
     assert wire.config_path("aider") == tmp_path / "home" / ".aider.conf.yml"
+    # opencode reads opencode.jsonc after opencode.json, so its settings win: that is the file
+    # to wire (opencode.json written beside it changed nothing, and opencode failed)
+    jsonc = tmp_path / "xdg" / "opencode" / "opencode.jsonc"
+    jsonc.parent.mkdir(parents=True)
+    jsonc.write_text('{\n // mine\n "model": "anthropic/claude-sonnet-4-5",\n}\n')
+    assert wire.config_path("opencode") == jsonc
+    done = run_cli("wire", "opencode", "--port", "30100", "--model", "gpt-4o-mini")
+    assert str(jsonc) in done.stdout and not (jsonc.parent / "opencode.json").exists()
+    assert json.loads(jsonc.read_text())["model"] == "metaclaw/gpt-4o-mini"
+    run_cli("wire", "opencode", "--undo")
+    assert "// mine" in jsonc.read_text()  # the file as it was
 
 
 def test_an_unreadable_config_is_refused_and_left_alone(tmp_path):
