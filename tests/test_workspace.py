@@ -312,6 +312,30 @@ def test_an_empty_skills_folder_never_empties_the_workspace(tmp_path):
     assert library.current()[0] == 1 and "beta" not in library
 
 
+def test_a_workspace_moved_with_its_skills_folder_is_marked_without_a_warning(tmp_path,
+                                                                              caplog):
+    """A workspace copied or moved whole (its database and skills folder): the folder holds the
+    workspace's skills as they are. It said the folder "joined the library instead of replacing
+    it" at every such move; now it is marked as the workspace's, said at INFO."""
+    import logging
+    import shutil
+
+    skills, db = tmp_path / "a" / "skills", tmp_path / "a" / "ws.db"
+    write_skill(skills, "alpha", "The alpha skill.", "Alpha body.")
+    store = Store(db)
+    SkillLibrary(skills, store).current()
+    store.close()
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    with caplog.at_level(logging.INFO, logger="metaclaw.skills.library"):
+        moved = SkillLibrary(tmp_path / "b" / "skills", Store(tmp_path / "b" / "ws.db"))
+        assert moved.current()[0] == 0 and [s.name for s in moved.current()[1]] == ["alpha"]
+    said = [r for r in caplog.records if "moved or copied with its workspace" in r.getMessage()]
+    assert said and all(r.levelno == logging.INFO for r in said)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    [event] = moved.store.events(kind="skill_folder_joined")
+    assert event["level"] == "info" and not list((tmp_path / "b" / "skills").glob("*.conflict*"))
+
+
 def test_a_skills_folder_new_to_the_workspace_joins_it_and_removes_nothing(tmp_path):
     """Another member's folder, or one used with another workspace, holds other skills than
     the workspace: it joins the library (gets the skills it lacks, the workspace's version of

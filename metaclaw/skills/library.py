@@ -1828,6 +1828,14 @@ class SkillLibrary:
                         "generation %d's skills", self.directory, exc, number)
         extra = [name for name in extra if name not in removed]
         where = _as_text(self.directory)
+        if not (differ or removed or extra or written):  # the workspace's skills as they are:
+            # the folder moved or was copied with its workspace; nothing joined, nothing to warn
+            said = (f"the skills folder {where} holds generation {number}'s skills as they are "
+                    "(moved or copied with its workspace): marked as this workspace's")
+            log.info("skill library: %s", said)
+            self._pending_events.append({"source": "skills", "kind": "skill_folder_joined",
+                                         "level": "info", "message": said, "path": where})
+            return f"skills of {where}, the workspace's own, moved or copied"
         said = (f"the skills folder {where} has no mark of this workspace (new to it, or moved; "
                 f"generation {number}, {len(stored)} skills): it joined the library instead of "
                 f"replacing it; wrote {written} skill{'' if written == 1 else 's'} it lacked")
