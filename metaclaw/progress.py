@@ -10,8 +10,9 @@ goes on.
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 log = logging.getLogger(__name__)
 
@@ -37,10 +38,22 @@ ProgressFn = Callable[[Progress], None]
 def notify(fn: ProgressFn | None, task: str, done: int, total: int | None = None,
            detail: str = "") -> None:
     """Hand ``fn`` one :class:`Progress` (nothing when ``fn`` is None); a display that raises is
-    logged, never stops the work."""
+    logged (its traceback once: a display that cannot draw fails at every update, and a cell
+    showed a traceback per judged turn), never stops the work."""
     if fn is None:
         return
     try:
         fn(Progress(task, done, total, detail))
-    except Exception:  # noqa: BLE001 - a display must not break the work it shows
-        log.exception("progress display %r failed", fn)
+    except Exception as exc:  # noqa: BLE001 - a display must not break the work it shows
+        try:
+            if fn in _FAILED:
+                log.debug("progress display %r failed again: %s", fn, exc)
+                return
+            _FAILED.add(fn)
+        except TypeError:  # a display that cannot be weakly referenced: logged every time
+            pass
+        log.exception("progress display %r failed (its later failures are logged at DEBUG)", fn)
+
+
+#: The displays whose failure was logged (kept as long as they live).
+_FAILED: "weakref.WeakSet[Any]" = weakref.WeakSet()
