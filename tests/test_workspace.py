@@ -312,6 +312,7 @@ def test_an_empty_skills_folder_never_empties_the_workspace(tmp_path):
     assert library.current()[0] == 1 and "beta" not in library
 
 
+@pytest.mark.sqlite_only  # copies the workspace's database file
 def test_a_workspace_moved_with_its_skills_folder_is_marked_without_a_warning(tmp_path,
                                                                               caplog):
     """A workspace copied or moved whole (its database and skills folder): the folder holds the
