@@ -567,7 +567,10 @@ def _skill_stats(args: argparse.Namespace, library: Any) -> int:
                          f"{row['suggestion'] or '-'}"))
     print("reward: mean judged reward of the task turns with the skill, and of comparable turns "
           "without it (asks it matches that did not get it, since it was last added); "
-          "observational, see `help(metaclaw.fastloop.evidence)`")
+          "observational, see `help(metaclaw.fastloop.evidence)`. Whether a skill helps: replay "
+          "the turns it was given without it, `metaclaw experiment run NAME --given-skill SKILL "
+          "--variant current~SKILL --variant current --upstream URL --judge-url URL "
+          "--judge-model M`")
     if args.propose:
         print(f"filed {len(filed)} proposals for review: "
               + (", ".join(f"#{i}" for i in filed) or "none new"))
@@ -698,7 +701,8 @@ def _experiment_run(args: argparse.Namespace, store: Any, ex: Any) -> int:
     except ValueError:
         raise CliError(f"--turns takes turn ids separated by commas (--turns 3,4,9), not "
                        f"{args.turns!r}") from None
-    selected = bool(turn_ids or args.session or args.failures or args.labelled)
+    selected = bool(turn_ids or args.session or args.failures or args.labelled
+                    or args.given_skill)
     names = {r["name"] for r in store.query("SELECT name FROM experiments")}
     if args.name not in names and len(args.variant or []) < 2:
         raise CliError(f"a new experiment compares at least two variants: give them with "
@@ -718,14 +722,15 @@ def _experiment_run(args: argparse.Namespace, store: Any, ex: Any) -> int:
         if selected:  # more cases: the run replays the new ones
             before = len(ex.dataset_ids(store, experiment.dataset))
             ids = ex.dataset(store, experiment.dataset, turn_ids=turn_ids, session=args.session,
-                             failures=args.failures, labelled=args.labelled, last=args.last,
-                             extend=True)
+                             failures=args.failures, labelled=args.labelled,
+                             given=args.given_skill, last=args.last, extend=True)
             print(f"dataset {experiment.dataset}: {len(ids)} turns ({len(ids) - before} added)")
     else:
         dataset = args.dataset or args.name
         if selected or not args.dataset:
             ids = ex.dataset(store, dataset, turn_ids=turn_ids, session=args.session,
-                             failures=args.failures, labelled=args.labelled, last=args.last,
+                             failures=args.failures, labelled=args.labelled,
+                             given=args.given_skill, last=args.last,
                              replace=bool(args.dataset is None))
             print(f"dataset {dataset}: {len(ids)} turns")
         replayer = _replayer(args, {})
@@ -1521,6 +1526,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run: the cases are the judged or labelled failures (judged at or "
                         "below 0: an unclear verdict counts)")
     p.add_argument("--labelled", action="store_true", help="run: the cases are labelled turns")
+    p.add_argument("--given-skill", metavar="NAME",
+                   help="run: the cases are the turns skill NAME was injected into (with "
+                   "--variant current~NAME --variant current: does it help?)")
     p.add_argument("--last", type=argtypes.positive_int, help="run: only the latest N cases")
     p.add_argument("--upstream", help="run: the upstream the replays go to (OpenAI-compatible)")
     p.add_argument("--model", help="run: the model the replays ask for (default: each turn's)")

@@ -402,3 +402,28 @@ def test_a_run_whose_replays_all_failed_says_so_and_fails(workspace, sim, capsys
     said = capsys.readouterr().err
     assert "note: 4 replays failed (4 in this run; run again to retry them)" in said
     assert "upstream failed" in said
+
+
+def test_does_a_skill_help_the_turns_it_was_given_replayed_without_it(workspace, sim, capsys):
+    """`--given-skill NAME` selects the turns skill NAME was injected into; replayed with
+    `current~NAME` and `current`, they compare the library with and without it on the very
+    turns it served (the path `metaclaw skills stats` points to)."""
+    store, library = workspace
+    given = [t for t in store.turns() if t["injected_skills"]]
+    assert given, "the recorded run injected no skill"
+    name = given[-1]["injected_skills"][0]
+    ids = ex.dataset(store, "given", given=name)
+    assert ids == sorted(t["id"] for t in store.turns()
+                         if name in (t["injected_skills"] or []) and t["status"] == "ok"
+                         and t["turn_type"] == "main")
+    base = ["--db", str(store.target), "--skills", str(library.directory)]
+    assert cli.main(["experiment", "run", f"{name}-helps", "--given-skill", name, "--last", "2",
+                     "--variant", f"current~{name}", "--variant", "current", "--upstream",
+                     sim.url, "--judge-url", sim.url, "--judge-model", "sim-judge", "--votes",
+                     "1", "--retrieval", "lexical", "--min-score", "0"] + base) == 0
+    out = capsys.readouterr().out
+    assert f"dataset {name}-helps: 2 turns" in out and f"current~{name}" in out
+    frame = ex.Experiment.open(store, f"{name}-helps").frame()
+    with_it = frame.filter(frame["variant"] == "current")["skills"].to_list()
+    without = frame.filter(frame["variant"] == f"current~{name}")["skills"].to_list()
+    assert all(name in s for s in with_it) and not any(name in s for s in without)

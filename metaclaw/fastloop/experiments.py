@@ -103,20 +103,23 @@ class ExperimentError(ValueError):
 # -- datasets ------------------------------------------------------------------------------
 def dataset(store: Store, name: str, *, turn_ids: Iterable[int] | None = None,
             session: str | None = None, failures: bool = False, labelled: bool = False,
-            where: str | None = None, params: Iterable[Any] = (), last: int | None = None,
-            description: str = "", replace: bool = False, extend: bool = False) -> list[int]:
+            given: str | None = None, where: str | None = None, params: Iterable[Any] = (),
+            last: int | None = None, description: str = "", replace: bool = False,
+            extend: bool = False) -> list[int]:
     """Store the turns selected by the arguments as dataset ``name``; returns their ids.
 
     ``turn_ids``: an explicit list; otherwise the successful task turns, narrowed by
     ``session``, ``failures`` (judged at or below 0, or labelled fail), ``labelled`` (with a
-    human label), ``where`` (an SQL condition on ``turns`` with ``params``), and ``last`` (the
-    most recent N). An existing name is an error unless ``replace`` (the selection replaces its
+    human label), ``given`` (the turns the skill of that name was injected into: replayed with
+    ``current`` and ``current~NAME``, they answer "does it help?"), ``where`` (an SQL
+    condition on ``turns`` with ``params``), and ``last`` (the most recent N). An existing name is an error unless ``replace`` (the selection replaces its
     turns) or ``extend`` (the selection is added to them: an experiment on it then replays the
     new cases when run again)."""
     if not isinstance(name, str) or not re.fullmatch(r"[\w.-]{1,80}", name):
         raise ExperimentError(f"dataset name {name!r}: use 1-80 letters, digits, '_', '.', '-'")
     selection: dict[str, Any] = {"session": session, "failures": failures,
-                                 "labelled": labelled, "where": where, "last": last}
+                                 "labelled": labelled, "given": given, "where": where,
+                                 "last": last}
     if turn_ids is not None:
         ids = sorted({int(i) for i in turn_ids})
         found = {r["id"] for r in store.query(f"SELECT id FROM turns WHERE id {IN_IDS}",
@@ -135,6 +138,10 @@ def dataset(store: Store, name: str, *, turn_ids: Iterable[int] | None = None,
             clauses.append("(human_label = 'fail' OR (human_label IS NULL AND reward <= 0))")
         if labelled:
             clauses.append("human_label IS NOT NULL")
+        if given:
+            clauses.append(f"id IN (SELECT t.id FROM turns t, "
+                           f"{store.json_values('t.injected_skills', 'j')} WHERE j.value = ?)")
+            args.append(given)
         if where:
             clauses.append(f"({where})")
             args.extend(params)
