@@ -112,9 +112,10 @@ def dataset(store: Store, name: str, *, turn_ids: Iterable[int] | None = None,
     ``session``, ``failures`` (judged at or below 0, or labelled fail), ``labelled`` (with a
     human label), ``given`` (the turns the skill of that name was injected into: replayed with
     ``current`` and ``current~NAME``, they answer "does it help?"), ``where`` (an SQL
-    condition on ``turns`` with ``params``), and ``last`` (the most recent N). An existing name is an error unless ``replace`` (the selection replaces its
-    turns) or ``extend`` (the selection is added to them: an experiment on it then replays the
-    new cases when run again)."""
+    condition on ``turns`` with ``params``), and ``last`` (the most recent N). An existing
+    name is an error unless ``replace`` (the selection replaces its turns) or ``extend`` (the
+    selection is added to them: an experiment on it then replays the new cases when run
+    again)."""
     if not isinstance(name, str) or not re.fullmatch(r"[\w.-]{1,80}", name):
         raise ExperimentError(f"dataset name {name!r}: use 1-80 letters, digits, '_', '.', '-'")
     selection: dict[str, Any] = {"session": session, "failures": failures,
