@@ -65,8 +65,9 @@ _SECRET_PARAMETER = re.compile(r"key|token|secret|passw|sig|auth|credential", re
 def url_secrets(url: str | None) -> tuple[str, ...]:
     """The secrets written in ``url``: its password and the values of its query parameters
     named like a credential (:data:`_SECRET_PARAMETER`), each decoded and as written, and the
-    Basic header the user and password make (an upstream that quotes its request may show any). Not the user name: masked in a reply,
-    a name such as ``admin`` would mangle every text that says it."""
+    Basic header the user and password make (an upstream that quotes its request may show
+    any). Not the user name: masked in a reply, a name such as ``admin`` would mangle every
+    text that says it."""
     from urllib.parse import parse_qsl, unquote, urlsplit
 
     parts = urlsplit(url or "")

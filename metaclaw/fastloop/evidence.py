@@ -23,8 +23,8 @@ For each skill of the library (and each skill turns received that has left it si
 - the nearest other skill of the library and their cosine (a near duplicate at
   :data:`NEAR_DUPLICATE` or more), and how many task turns arrived since the skill was added;
 - a suggestion: ``retire`` (not injected in :data:`IDLE_TURNS` or more task turns since it was
-  last added), ``merge`` (a near duplicate of another skill), ``review`` (its turns did worse than the
-  comparable ones, the whole interval below zero), or nothing.
+  last added), ``merge`` (a near duplicate of another skill), ``review`` (its turns did worse
+  than the comparable ones, the whole interval below zero), or nothing.
 
 What the numbers cannot show: this is observation, not an experiment. The comparable turns are
 matched on the ask only, and they did not get the skill for a reason (another skill ranked
