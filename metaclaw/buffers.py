@@ -350,8 +350,8 @@ def last_user_text(messages: list[dict[str, Any]] | None) -> str:
 def task_previews(store: Store, turn_ids: Iterable[int], limit: int = 80,
                   chunk: int = 500) -> dict[int, str]:
     """``{turn id: what the user asked, shortened to limit characters}`` (unknown ids absent):
-    the recorded ask (``retrieval_query``: an agent framework's wrapping removed, as
-    ``metaclaw turns --why`` shows it), else the last user message. The conversations, often
+    the recorded ask (the last line of ``retrieval_query``: an agent framework's wrapping
+    removed, as ``metaclaw turns --why`` shows it), else the last user message. The conversations, often
     tens of kB a turn, are read only for turns without a recorded ask, a chunk of turns at a
     time: read all at once, 20,000 turns took 862 MB for one refresh of a view."""
     ids = sorted({int(i) for i in turn_ids})
@@ -361,8 +361,9 @@ def task_previews(store: Store, turn_ids: Iterable[int], limit: int = 80,
         unasked = []
         for row in store.query(f"SELECT id, retrieval_query FROM turns WHERE id {IN_IDS}",
                                (part,)):
-            if row["retrieval_query"]:
-                previews[row["id"]] = _short(row["retrieval_query"], limit)
+            if row["retrieval_query"]:  # its last line is the ask (earlier ones: the task
+                # a short follow-up continues, which the preview of its own turn shows)
+                previews[row["id"]] = _short(row["retrieval_query"].rsplit("\n", 1)[-1], limit)
             else:
                 unasked.append(row["id"])
         if unasked:

@@ -136,9 +136,12 @@ def add_config_options(p: argparse.ArgumentParser, group: str | None = None, *,
 
 def _keyless_remote_upstream(args: argparse.Namespace) -> bool:
     """Whether ``serve`` would send a remote upstream no key: none in the environment, none in
-    the URL, callers' own keys not forwarded. A server on this machine or a private network
-    (vLLM, Ollama, a double; 0.0.0.0 as vLLM prints it) often wants none."""
+    the URL (credentials, or a query parameter named like a key: Azure's ``api-key``), callers'
+    own keys not forwarded. A server on this machine or a private network (vLLM, Ollama, a
+    double; 0.0.0.0 as vLLM prints it) often wants none."""
     from urllib.parse import urlsplit
+
+    from metaclaw.redact import url_secrets
 
     if not args.upstream or args.caller_auth or os.environ.get("METACLAW_UPSTREAM_API_KEY"):
         return False
@@ -152,7 +155,7 @@ def _keyless_remote_upstream(args: argparse.Namespace) -> bool:
         local = address.is_loopback or address.is_unspecified or address.is_private
     except ValueError:  # a name
         local = host.split(".")[0] == "localhost" or host.endswith(".local")
-    return not local and not parts.username and not parts.password
+    return not local and not parts.username and not url_secrets(args.upstream)
 
 
 @command("serve")
@@ -738,19 +741,25 @@ def _experiment_run(args: argparse.Namespace, store: Any, ex: Any) -> int:
     plan = experiment.plan(votes=replayer.judge.votes)
     budget = (f"; stops at --max-calls {args.max_calls}" if args.max_calls else "")
     print(f"experiment {experiment.name}: {plan}{budget}", flush=True)
-    before = set(_replays_failed(experiment))
+    started = time.time()
     with console.progress(args.verbosity) as on_progress:
         experiment.run(replayer, library, max_calls=args.max_calls, on_progress=on_progress)
     for spec, why in experiment.skipped.items():
         print(_printable(f"note: variant {spec!r} not replayed: {why}"), file=sys.stderr)
     _show_experiment(experiment, args.json)
-    failed = _replays_failed(experiment)
+    # this run's results: stored (or stored again, for a retried failure) since it started
+    ran = experiment.store.query(
+        "SELECT turn_id, variant, score, error, upstream_failed FROM experiment_results "
+        "WHERE experiment_id = ? AND created_at >= ? ORDER BY turn_id, variant",
+        (experiment.id, started))
+    failed = [r for r in ran if r["upstream_failed"] or r["score"] is None]
     if failed:
-        new = len(set(failed) - before)
-        print(_printable(f"note: {len(failed)} replays failed ({new} in this run; run again to "
-                         f"retry them), e.g. turn #{failed[0][0]} {failed[0][1]}: "
-                         f"{failed[0][2]}"), file=sys.stderr)
-    return 1 if failed and experiment.frame()["score"].drop_nulls().is_empty() else 0
+        first = failed[0]
+        print(_printable(f"note: {len(failed)} of the {len(ran)} replays of this run failed "
+                         f"(run again to retry them), e.g. turn #{first['turn_id']} "
+                         f"{first['variant']}: {first['error'] or 'no verdict'}"),
+              file=sys.stderr)
+    return 1 if ran and len(failed) == len(ran) else 0
 
 
 def _replayer(args: argparse.Namespace, pinned: dict[str, Any]) -> Any:
@@ -779,13 +788,6 @@ def _pinned_kind(retrieval: str | None) -> str:
         if retrieval and retrieval.startswith(name):
             return kind
     return "auto"
-
-
-def _replays_failed(experiment: Any) -> list[tuple[int, str, str]]:
-    """(turn, variant, why) of the experiment's replays that got no reply or no verdict."""
-    return [(r["turn_id"], r["variant"], r["error"] or "no verdict")
-            for r in experiment.frame().iter_rows(named=True)
-            if r["upstream_failed"] or r["score"] is None]
 
 
 def _show_experiment(experiment: Any, as_json: bool, threshold: float | None = None) -> None:

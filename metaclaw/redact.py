@@ -66,15 +66,18 @@ def url_secrets(url: str | None) -> tuple[str, ...]:
     """The secrets written in ``url``: its password and the values of its query parameters
     named like a credential (:data:`_SECRET_PARAMETER`), each decoded and as written, and the
     Basic header the user and password make (an upstream that quotes its request may show
-    any). Not the user name: masked in a reply, a name such as ``admin`` would mangle every
-    text that says it."""
+    any). The user name only where no password follows it (``https://TOKEN@host``: a token):
+    masked in a reply, a name such as ``admin`` would mangle every text that says it."""
     from urllib.parse import parse_qsl, unquote, urlsplit
 
     parts = urlsplit(url or "")
     found = [unquote(parts.password or ""), parts.password or ""]
-    if parts.password:  # the Basic header it becomes, as an upstream may quote it
-        found.append(base64.b64encode(f"{unquote(parts.username or '')}:{found[0]}".encode())
-                     .decode())
+    if parts.username and parts.password is None:  # ``https://TOKEN@host``: a token, not a name
+        found += [unquote(parts.username), parts.username]
+    if parts.username or parts.password:  # the Basic header they become, as an upstream may
+        # quote it
+        found.append(base64.b64encode(f"{unquote(parts.username or '')}:"
+                                      f"{unquote(parts.password or '')}".encode()).decode())
     for name, value in parse_qsl(parts.query, keep_blank_values=True):
         if _SECRET_PARAMETER.search(name):
             found.append(value)

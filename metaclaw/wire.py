@@ -361,9 +361,12 @@ def config_path(agent: str, explicit: str | os.PathLike[str] | None = None) -> P
 def _opencode_config(folder: Path) -> Path:
     """opencode's global config in ``folder``: ``opencode.jsonc`` where it exists (opencode
     reads it after ``opencode.json``, so its settings win: wiring ``opencode.json`` beside it
-    changed nothing), else ``opencode.json``."""
-    jsonc = folder / "opencode.jsonc"
-    return jsonc if jsonc.is_file() else folder / "opencode.json"
+    changed nothing), else ``opencode.json``; but ``opencode.json`` while it holds a wiring,
+    so that ``--undo`` finds it."""
+    json_, jsonc = folder / "opencode.json", folder / "opencode.jsonc"
+    if Path(f"{json_}{STATE_SUFFIX}").exists():
+        return json_
+    return jsonc if jsonc.is_file() else json_
 
 
 def _set(config: dict[str, Any], keys: list[str], value: Any,

@@ -152,6 +152,10 @@ def test_task_previews_read_conversations_a_chunk_at_a_time(store, monkeypatch):
     read.clear()
     assert buffers.task_previews(store, ids[:3])[ids[0]] == "write the status report"
     assert read == [2]
+    # a short follow-up's recorded query is the task it continues, then its ask: the ask shows
+    store.execute("UPDATE turns SET retrieval_query = ? WHERE id = ?",
+                  ("write the quarterly sales summary for the board\nuse ISO dates", ids[1]))
+    assert buffers.task_previews(store, [ids[1]])[ids[1]] == "use ISO dates"
 
 
 def test_stage_turns_enter_the_buffers_like_main_turns(store, library):

@@ -270,6 +270,11 @@ def test_the_interval_is_students_t_and_a_skill_re_added_can_be_retired(workspac
     delta, low, high = evidence._interval(with_, without)
     half = 2.776 * ((4 / 3) / 3 * 2) ** 0.5  # t(0.975, 4 df): both variances 4/3, n 3
     assert delta == pytest.approx(2 / 3) and high - delta == pytest.approx(half, rel=0.01)
+    # the quantile itself, Welch's degrees of freedom need not be whole (a side of 2 turns gives
+    # between 1 and 2, where an expansion about the normal was 6-11% short)
+    for df, t in ((1, 12.7062), (1.5, 6.0167), (2, 4.3027), (5, 2.5706), (30, 2.0423),
+                  (10_000, 1.9602)):
+        assert evidence._t975(df) == pytest.approx(t, abs=1e-4)
     store, library = workspace
     monkeypatch.setattr(evidence, "IDLE_TURNS", 3)
     monkeypatch.setattr(evidence, "NEAR_DUPLICATE", 2.0)

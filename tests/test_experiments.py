@@ -400,8 +400,18 @@ def test_a_run_whose_replays_all_failed_says_so_and_fails(workspace, sim, capsys
             sim.url, "--judge-model", "sim-judge", "--votes", "1"] + base
     assert cli.main(argv) == 1
     said = capsys.readouterr().err
-    assert "note: 4 replays failed (4 in this run; run again to retry them)" in said
+    assert "note: 4 of the 4 replays of this run failed (run again to retry them)" in said
     assert "upstream failed" in said
+    # run again, still down: this run's 4 retries failed too (counted as this run's), exit 1
+    assert cli.main(argv[:3] + argv[10:]) == 1
+    assert "note: 4 of the 4 replays of this run failed" in capsys.readouterr().err
+    # a variant added while the upstream is down: that run's every replay failed, exit 1, though
+    # the experiment scored cases before
+    up = [a if a != "http://127.0.0.1:9/v1" else sim.url for a in argv]
+    assert cli.main(up[:3] + up[10:]) == 0
+    capsys.readouterr()
+    assert cli.main(argv[:3] + ["--variant", "gen:0"] + argv[10:]) == 1
+    assert "note: 2 of the 2 replays of this run failed" in capsys.readouterr().err
 
 
 def test_does_a_skill_help_the_turns_it_was_given_replayed_without_it(workspace, sim, capsys):

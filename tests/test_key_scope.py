@@ -170,6 +170,9 @@ def test_only_a_remote_upstream_without_a_key_is_warned_of(monkeypatch):
                   "http://192.168.1.5:8000/v1", "http://gpu-box.local:8000/v1"):
         assert not warned(local), local
     assert not warned("https://user:pass@api.example.com/v1")
+    # a key in the query (Azure's api-key, sent with every request); api-version alone is none
+    assert not warned("https://x.openai.azure.com/openai?api-version=2024-06-01&api-key=k-12345")
+    assert warned("https://x.openai.azure.com/openai?api-version=2024-06-01")
     assert not warned("https://api.openai.com/v1", caller_auth=True)
     monkeypatch.setenv("METACLAW_UPSTREAM_API_KEY", CANARY)
     assert not warned("https://api.openai.com/v1")

@@ -109,6 +109,21 @@ def test_the_request_carries_the_key_json_and_the_endpoints_path(scripted):
     assert scripted.requests[-1]["headers"]["Authorization"] == "Bearer unused"
 
 
+def test_a_token_written_as_the_urls_user_name_is_masked():
+    """``https://TOKEN@host/v1`` (a token, no password) is sent as Basic authentication; an
+    error quoting the token, or its Basic form, shows neither. A user name that a password
+    follows is a name, not a secret (masked, ``admin`` would mangle every reply saying it)."""
+    import base64
+
+    from metaclaw.redact import url_secrets
+
+    client = LLMClient("https://sk-live-0123456789abcdef@judge.example/v1", None, 5.0)
+    basic = base64.b64encode(b"sk-live-0123456789abcdef:").decode()
+    said = client.mask(f"invalid token sk-live-0123456789abcdef ({basic})")
+    assert "sk-live" not in said and basic not in said
+    assert "admin" not in url_secrets("http://admin:pw-hunter2@h/v1")
+
+
 def test_a_query_in_the_url_goes_with_every_call_and_never_into_errors(scripted):
     """Azure OpenAI's ``?api-version=`` (as the proxy's upstream client sends it): a judge or
     evolver pointed at such a URL was called without it. A key in the query is masked."""

@@ -1256,7 +1256,7 @@ def test_the_failure_log_says_each_kind_once_a_minute_and_counts_the_rest(caplog
         now[0] += FailureLog.EVERY_S
         failures.warn(502, "cannot reach the upstream")
         failures.warn(502, "cannot reach the upstream")
-        failures.close(" --db bench/workspace.db")  # the proxy stops: the one no line
+        failures.close(lambda: " --db bench/workspace.db")  # the proxy stops: the one no line
         failures.close()  # counted yet is said, with what opens the proxy's workspace
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 4 and "HTTP 401" in lines[1]
@@ -1278,6 +1278,10 @@ def test_a_workspace_names_the_option_that_opens_it(tmp_path, monkeypatch):
     assert Store(tmp_path / "my run.db").db_option() == f" --db '{tmp_path / 'my run.db'}'"
     monkeypatch.setenv("METACLAW_DB", str(tmp_path / "my run.db"))
     assert Store(tmp_path / "my run.db").db_option() == ""
+    # a $METACLAW_DB that cannot be read (the proxy was opened with --db): never an error (the
+    # proxy's stop called it before its drain)
+    monkeypatch.setenv("METACLAW_DB", "mysql://u@h/db")
+    assert Store(tmp_path / "my run.db").db_option() == f" --db '{tmp_path / 'my run.db'}'"
 
 
 def test_a_large_body_is_decoded_parsed_and_matched_off_the_event_loop(proxy, double,

@@ -192,6 +192,13 @@ def test_default_config_paths_follow_each_agents_own_variables(tmp_path, monkeyp
     assert json.loads(jsonc.read_text())["model"] == "metaclaw/gpt-4o-mini"
     run_cli("wire", "opencode", "--undo")
     assert "// mine" in jsonc.read_text()  # the file as it was
+    # an opencode.json wired before a .jsonc appeared beside it is still found to be undone
+    jsonc.rename(jsonc.with_suffix(".hidden"))
+    run_cli("wire", "opencode", "--port", "30100", "--model", "gpt-4o-mini", "--token", "tok-1234")
+    jsonc.with_suffix(".hidden").rename(jsonc)
+    assert wire.config_path("opencode") == jsonc.parent / "opencode.json"
+    run_cli("wire", "opencode", "--undo")
+    assert not (jsonc.parent / "opencode.json").exists() and wire.config_path("opencode") == jsonc
 
 
 def test_an_unreadable_config_is_refused_and_left_alone(tmp_path):

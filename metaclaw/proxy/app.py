@@ -470,7 +470,7 @@ class Proxy(ServedApp):
         for task in orphans:
             task.cancel()
         await asyncio.gather(*orphans, return_exceptions=True)
-        self._parts.failures.close(self.store.db_option())
+        self._parts.failures.close(self.store.db_option)
         await self._drain()
         if self._parts.upstream is not None:
             await self._parts.upstream.close()

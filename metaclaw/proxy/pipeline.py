@@ -579,16 +579,17 @@ class FailureLog:
         more = f" ({left_out} more turns failed with it since the last such line)" if left_out else ""
         log.warning("a turn failed (HTTP %s): %s%s", status, message[:300], more)
 
-    def close(self, db_option: str = "") -> None:
+    def close(self, db_option: Callable[[], str] = str) -> None:
         """Say the failures no line has counted yet (when the proxy stops); ``db_option``: what
-        the command it names needs to open the workspace (:meth:`Store.db_option`)."""
+        the command it names needs to open the workspace (:meth:`Store.db_option`; asked only
+        when there is something to say)."""
         with self._lock:
             left = {status: n for status, (_, n) in self._last.items() if n}
             self._last.clear()
         for status, n in left.items():
             log.warning("%d more turn%s failed (HTTP %s) since the last such line; `metaclaw "
                         "turns%s --status error --why` lists them", n, "s" * (n != 1), status,
-                        db_option)
+                        db_option())
 
 
 # ---------------------------------------------------------------------------------------------

@@ -522,11 +522,14 @@ class Store:
     def db_option(self) -> str:
         """What a ``metaclaw`` command line in a message needs to open this workspace: ``""``
         for the one a command opens unless told (``$METACLAW_DB``, else the default), else
-        `` --db LOCATION`` (a password masked)."""
-        engine, where = parse_target(default_target())
-        if self.target == where or (engine == "sqlite" and self.target != ":memory:"
-                                    and Path(where).resolve() == Path(self.target).resolve()):
-            return ""
+        `` --db LOCATION`` (a password masked; also where ``$METACLAW_DB`` cannot be read)."""
+        try:
+            engine, where = parse_target(default_target())
+            if self.target == where or (engine == "sqlite" and self.target != ":memory:"
+                                        and Path(where).resolve() == Path(self.target).resolve()):
+                return ""
+        except (StoreError, OSError, ValueError):
+            pass
         return f" --db {shlex.quote(self.location)}"
 
     def __init__(self, path: "str | os.PathLike[str] | None" = None):
