@@ -1282,6 +1282,9 @@ def test_a_workspace_names_the_option_that_opens_it(tmp_path, monkeypatch):
     # proxy's stop called it before its drain)
     monkeypatch.setenv("METACLAW_DB", "mysql://u@h/db")
     assert Store(tmp_path / "my run.db").db_option() == f" --db '{tmp_path / 'my run.db'}'"
+    import copy  # the store's writer copies it (no path given): never read from $METACLAW_DB
+
+    assert copy.copy(Store(tmp_path / "my run.db")).target == str(tmp_path / "my run.db")
 
 
 def test_a_large_body_is_decoded_parsed_and_matched_off_the_event_loop(proxy, double,

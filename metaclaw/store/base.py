@@ -511,7 +511,10 @@ class Store:
 
     def __new__(cls, path: "str | os.PathLike[str] | None" = None, *args: Any, **kwargs: Any):
         if cls is Store:
-            cls = ENGINES[parse_target(default_target() if path is None else path)[0]]()
+            try:
+                cls = ENGINES[parse_target(default_target() if path is None else path)[0]]()
+            except StoreError:  # said by __init__; a copy (no path given) is of this class
+                pass
         return super().__new__(cls)
 
     @property
