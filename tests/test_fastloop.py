@@ -784,3 +784,19 @@ def test_two_loops_of_one_workspace_write_a_skills_keys_once(rig, tmp_path):
     assert rig.models.keys_asked == ["greet-warmly"]
     kinds_of = [g["kind"] for g in rig.store.query("SELECT kind FROM skill_generations")]
     assert kinds_of.count("keys") == 1
+
+
+def test_an_idle_session_with_judged_failures_triggers_the_evolver(rig, monkeypatch):
+    """No agent says that a session ended: one correction in a Claude Code or Codex session
+    left its failures in the support set and no trigger fired, ever. A session holding judged
+    failures no attempt has seen, quiet for ``feedback_wait`` seconds, counts as ended."""
+    monkeypatch.setattr(FastLoop, "SWEEP_S", 0.3)
+    loop = rig.make_loop(every_n=0, failure_rate=None, on_session_end=True, feedback_wait=1.0)
+    rig.chat("quiet", [], "Convert 7 miles to kilometers")  # never marked done
+    wait_until(lambda: "evolved" in kinds(loop), timeout=30, what="an evolve once it is idle")
+    event = next(e for e in loop.events if e.kind == "evolve_started")
+    assert event.detail["trigger"] == "session quiet idle for 1 s with judged failures"
+    assert rig.library.get("miles-to-km").body == SKILL_BODY
+    started = kinds(loop).count("evolve_started")
+    time.sleep(1.0)  # later sweeps: nothing new failed, nothing asked again, no event
+    assert kinds(loop).count("evolve_started") == started and "evolve_skipped" not in kinds(loop)

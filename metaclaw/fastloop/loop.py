@@ -19,8 +19,10 @@ never on the proxy's. For each recorded turn:
 3. the verdict moves a failure (``reward < judge.threshold``) of the current generation to
    ``support / live``;
 4. the evolver is triggered when a session reaches a multiple of ``every_n`` judged turns, when a
-   session ends (``on_session_end``), or when the failure rate of the current generation's judged
-   turns exceeds ``failure_rate`` (once at least ``min_judged`` turns are judged). An automatic
+   session ends (``on_session_end``: marked done, or, holding judged failures, idle for
+   ``feedback_wait`` seconds, seen at a sweep), or when the failure rate of the current
+   generation's judged turns exceeds ``failure_rate`` (once at least ``min_judged`` turns are
+   judged). An automatic
    trigger runs only when the support set holds failures the previous attempt did not see, so
    a "no change" answer is not asked for again and again;
 5. on this automatic path the evolver's candidate goes live only through the verification gate
@@ -503,12 +505,34 @@ class FastLoop:
                     await self._judge(session, ids)
 
             await asyncio.gather(*(judge(session, ids) for session, ids in by_session.items()))
-        if resume:
-            trigger = self._trigger_in_store()
-            if trigger is not None:
-                await self._evolve(trigger)
+        trigger = self._trigger_in_store() if resume else None
+        if trigger is None:
+            trigger = self._idle_session()
+        if trigger is not None:
+            await self._evolve(trigger)
         if self.auto_keys:
             await self._write_missing_keys()
+
+    def _idle_session(self) -> str | None:
+        """With ``on_session_end``: a session whose judged failures wait in the support set,
+        unseen by any attempt, and that has sent no turn for ``feedback_wait`` seconds: its
+        user has moved on, as far as the loop can tell. No agent says that a session ended
+        (``X-Session-Done`` is MetaClaw's own), so without this one correction in a Claude Code
+        or Codex session (two failed turns among its four) set off no trigger at all."""
+        if not self.on_session_end:
+            return None
+        generation = buffers.current_generation(self.store)
+        seen = self._last_attempt | proposals.proposed_support(self.store, generation)
+        waiting = sorted({t["session_id"] for t in buffers.support_set(
+            self.store, threshold=self.judge.threshold) if int(t["id"]) not in seen})
+        quiet = time.time() - self.feedback_wait
+        for session in waiting:
+            last = self.store.query("SELECT MAX(created_at) AS at FROM turns WHERE "
+                                    "session_id = ?", (session,))[0]["at"]
+            if last is not None and last <= quiet:
+                return (f"session {session} idle for {self.feedback_wait:g} s with judged "
+                        "failures")
+        return None
 
     def _trigger_in_store(self) -> str | None:
         """A trigger that holds in the store now, as :meth:`_check_triggers` and the session-end
