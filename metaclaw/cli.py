@@ -45,6 +45,11 @@ def _printable(text: Any) -> str:
     return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", str(text))
 
 
+def _printable_lines(text: Any) -> str:
+    """:func:`_printable` line by line: a text of several lines (a diff) keeps its lines."""
+    return "\n".join(_printable(line) for line in str(text).split("\n"))
+
+
 def _print_json(obj: Any) -> None:
     print(json.dumps(obj, ensure_ascii=False, default=str))
 
@@ -206,7 +211,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
                          daemon=True, name="metaclaw-retrieval-ready").start()
 
     def evolution(event: Any) -> None:  # what the fast loop decided, or why it did nothing
-        if event.kind.startswith("evolve") and event.kind != "evolve_started" \
+        held = event.detail.get("proposal_id") if event.kind == "evolve_held" else None
+        if held is not None:  # what to do about it, in a sentence
+            print(_printable(f"fast loop: {', '.join(event.detail.get('ops') or [])} "
+                             f"{event.detail.get('reason')}; `metaclaw proposals show {held}` "
+                             f"shows it, `metaclaw proposals promote {held}` puts it live"),
+                  flush=True)
+        elif event.kind.startswith("evolve") and event.kind != "evolve_started" \
                 or event.kind in ("generation", "keys_written", "keys_failed"):
             print(_printable(f"fast loop: {event}"), flush=True)
 
@@ -850,12 +861,20 @@ def cmd_proposals(args: argparse.Namespace) -> int:
                            "proposals list)")
         if args.action == "show":
             proposal = pr.get(store, args.id)
-            library = _library(args)
-            print(_printable(str(proposal)))
-            for d in proposal.diffs(library):
-                print(_printable(f"\n{d['op']} {d['name']}: {d['reason']}"))
-                print(_printable(d["unified_diff"].rstrip() or "(no change to the text)"))
+            diffs = proposal.diffs(_library(args))
             cases = proposal.evidence.get("cases") or []
+            if args.json:
+                _print_json({"id": proposal.id, "status": proposal.status,
+                             "origin": proposal.origin, "reason": proposal.reason,
+                             "base_generation": proposal.base_generation,
+                             "support_ids": proposal.support_ids, "diffs": diffs,
+                             "gate": {k: proposal.evidence.get(k) for k in
+                                      ("decision", "reason", "cases")}})
+                return 0
+            print(_printable_lines(str(proposal)))
+            for d in diffs:
+                print(_printable_lines(f"\n{d['op']} {d['name']}: {d['reason']}"))
+                print(_printable_lines(d["unified_diff"].rstrip() or "(no change to the text)"))
             if cases:
                 print(f"\ngate: {proposal.evidence.get('decision')}: "
                       f"{_printable(str(proposal.evidence.get('reason') or ''))}")

@@ -481,7 +481,11 @@ def test_a_burst_of_failures_leaves_one_held_proposal_and_the_cli_reviews_it(rig
     assert [line.split()[1] for line in listed] == [f"#{other}", f"#{third}"]
     assert cli.main(["proposals", "show", str(third), *argv]) == 0
     shown = capsys.readouterr().out
-    assert "edit greet-warmly" in shown and "+Wave." in shown
+    assert "edit greet-warmly" in shown and "+Wave." in shown.splitlines()  # a line of its own
+    assert "\\x0a" not in shown  # the diff's lines kept (it printed as one escaped line)
+    assert cli.main(["proposals", "show", str(third), "--json", *argv]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["id"] == third and "+Wave." in shown["diffs"][0]["unified_diff"]
     assert cli.main(["proposals", "discard", str(other), "--note", "not needed", *argv]) == 0
     assert cli.main(["proposals", "promote", str(third), "--by", "alice", *argv]) == 0
     assert "promoted: the library is now generation" in capsys.readouterr().out

@@ -83,3 +83,30 @@ def test_a_candidate_that_changes_nothing_is_rarely_promoted():
         noop = sum(promoted(rng, p_right, 0) for _ in range(3000)) / 3000
         real = sum(promoted(rng, p_right, 1) for _ in range(3000)) / 3000
         assert noop < 0.13 and real > noop + 0.08, (p_right, noop, real)
+
+
+def test_a_judge_that_finds_every_replay_unclear_is_said_to_be_unable_to_tell(store, tmp_path):
+    """The offline simulated judge scores a turn from the user's reaction, which a replay has
+    none of: every replay is 0, and the gate said the candidate "fixes none of its failures",
+    as if it had been tried and found useless."""
+    import asyncio
+
+    from metaclaw.fastloop.gate import Gate
+    from metaclaw.fastloop.judge import Judge
+    from metaclaw.skills.library import SkillLibrary
+
+    library = SkillLibrary(tmp_path / "skills", store)
+    failure = store.record_turn(session_id="s", status="ok", response="9:30",
+                                request_messages=[{"role": "user", "content": "the time?"}])
+    store.update_turn(failure, reward=-1.0)
+    gate = Gate(Judge("http://127.0.0.1:9/v1", "sim-judge"), "http://127.0.0.1:9/v1")
+
+    async def unclear(turn, skills):
+        return {"score": 0.0, "reply": "r", "error": None, "votes": 3, "upstream_failed": False}
+
+    gate._replay = unclear
+    op = SkillOp("add", Skill("iso-times", "Write times in ISO 8601", body="Use ISO."),
+                 "iso-times", "r", [failure])
+    report = asyncio.run(gate.areview([op], library, store, [failure]))
+    assert report.decision == "hold"
+    assert report.reason.startswith("the judge could not tell the replies apart")

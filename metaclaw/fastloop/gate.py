@@ -307,6 +307,12 @@ class Gate:
                              f"{'es' if regressed > 1 else ''}")
         elif not scored_failures:
             report.reason = "no failure could be replayed and judged with both libraries"
+        elif not fixed and all(c.before == 0 and c.after == 0 for c in out
+                               if c.outcome != "unscored"):
+            report.reason = ("the judge could not tell the replies apart: it found every "
+                             "replay unclear (0), with the candidate and without (the offline "
+                             "simulated judge reads the user's reaction, which a replay has none "
+                             "of); review it by hand")
         elif not fixed:
             report.reason = f"the candidate fixes none of its {scored_failures} failures"
         else:
