@@ -316,3 +316,20 @@ def test_server_lists_sim_models_and_runs_a_day(bench, tmp_path):
         assert json.loads(judge["choices"][0]["message"]["content"])["score"] == 0
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("reaction, score", [
+    ("Not correct - times are ISO 8601 with +08:00, e.g. 2026-03-16T09:30:00+08:00", -1),
+    ("Correct the time: it should use ISO 8601", -1),
+    ("Nope. Use ISO 8601 with the offset", -1),
+    ("Hmm, not quite: the offset is missing", -1),
+    ("That is not the format we use for times", -1),
+    ("Could you switch to ISO 8601?", -1),
+    ("Please write times the way our team does: ISO 8601", -1),
+    ("No: times must be ISO 8601", -1),
+    ("Correct!", 1), ("Perfect, thanks", 1), ("Thanks, looks good", 1),
+    ("That is all for today, thank you.", 0)])
+def test_the_simulated_judge_reads_a_correction_as_people_phrase_it(reaction, score):
+    """"Not correct ..." scored +1 (its "correct"), and "Nope", "not quite", "please write ...
+    the way we do" scored 0: a real user's correction taught nothing."""
+    assert sm.feedback_score(sm.feedback_of(reaction)) == score

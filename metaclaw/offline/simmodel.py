@@ -1377,11 +1377,17 @@ def agent_reply(body: dict, seed: int = DEFAULT_SEED) -> dict:
 # --------------------------------------------------------------------------------------------
 
 _NEG = re.compile(r"\b(incorrect|incorrectly|wrong|missing|missed|does not|doesn't|did not|not correctly|"
-                  r"not conform|not meet|not follow|violat\w*|issues?|fail\w*|must|requires?|should be|"
-                  r"bad|forgot\w*|instead)\b", re.I)
-_OPENS_POS = re.compile(r"^\W*(correct|all correct|excellent|perfect|great|well done)\b", re.I)
+                  r"not correct|not right|not quite|not what|not the|is not|isn't|nope|"
+                  r"not conform|not meet|not follow|violat\w*|issues?|fail\w*|must|requires?|should|"
+                  r"bad|forgot\w*|instead|(?:switch|change) (?:it |them )?to|"
+                  r"please (?:use|fix|make|write \w+ (?:as|in|the way)))\b", re.I)
+# a reaction that opens with a no ("No: ...", "Nope.", "Hmm, not quite")
+_OPENS_NEG = re.compile(r"^\W*(no|nope|hmm)\b", re.I)
+# ... or with praise: "Correct!", "Perfect, thanks" (not "Correct the time: ...", a request)
+_OPENS_POS = re.compile(r"^\W*(correct|all correct|excellent|perfect|great|well done)\b"
+                        r"(?!\s+(?:the|this|that|these|those|it|its|your|my|them)\b)", re.I)
 _POS = re.compile(r"\b(correct|correctly|perfect|excellent|properly|follows|complies|comply|compliant|"
-                  r"success\w*|well done)\b", re.I)
+                  r"success\w*|well done|looks good|works)\b", re.I)
 _SECTION_RE = re.compile(r"^=== (.+?) ===$", re.M)
 
 
@@ -1404,6 +1410,8 @@ def feedback_score(text: str) -> int:
     """-1 when a feedback text reports a problem, +1 when it confirms success, 0 otherwise."""
     if not text.strip():
         return 0
+    if _OPENS_NEG.search(text):
+        return -1
     if _OPENS_POS.search(text):
         return 1
     if _NEG.search(text):
