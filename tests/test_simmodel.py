@@ -333,3 +333,12 @@ def test_the_simulated_judge_reads_a_correction_as_people_phrase_it(reaction, sc
     """"Not correct ..." scored +1 (its "correct"), and "Nope", "not quite", "please write ...
     the way we do" scored 0: a real user's correction taught nothing."""
     assert sm.feedback_score(sm.feedback_of(reaction)) == score
+
+
+def test_the_simulated_evolver_names_the_files_each_agent_wrote():
+    """Claude Code's write tool takes ``file_path`` and opencode's ``filePath``: every failed
+    turn was noted "-> wrote nothing", and opencode's quotes around its ask leaked in."""
+    line = sm._trail({"id": 3, "task": '"write the standup time into notes.json"',
+                      "tools": 'call Write {"file_path": "notes.json", "content": "x"}\n'
+                               'call write {"filePath": "b.json", "content": "y"}'})
+    assert line == "turn 3: 'write the standup time into notes.json' -> wrote notes.json, b.json"

@@ -1490,9 +1490,11 @@ def _trail(item: dict) -> str:
     written = []
     for line in str(item.get("tools") or "").splitlines():
         if line.startswith("call") and re.search(r"write|copy|append|move|edit", line.split("{")[0], re.I):
-            written += re.findall(r"\"(?:path|dst|destination|target|file)\"\s*:\s*\"([^\"]+)\"", line)
+            # the key as each agent names it (file_path: Claude Code's; filePath: opencode's)
+            written += re.findall(r"\"(?:path|dst|destination|target|file|file_?path|filePath)\""
+                                  r"\s*:\s*\"([^\"]+)\"", line)
     task = str(item.get("task") or "").strip().splitlines()
-    head = (task[-1] if task else "")[:100]
+    head = unwrap(task[-1] if task else "")[0][:100]  # (opencode quotes an ask)
     return f"turn {item.get('id')}: {head!r} -> wrote {', '.join(dict.fromkeys(written)) or 'nothing'}"
 
 
