@@ -213,7 +213,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     def evolution(event: Any) -> None:  # what the fast loop decided, or why it did nothing
         held = event.detail.get("proposal_id") if event.kind == "evolve_held" else None
         if held is not None:  # what to do about it, in a sentence
-            print(_printable(f"fast loop: {', '.join(event.detail.get('ops') or [])} "
+            print(_printable(f"fast loop ({event.detail.get('trigger')}): "
+                             f"{', '.join(event.detail.get('ops') or [])} "
                              f"{event.detail.get('reason')}; `metaclaw proposals show {held}` "
                              f"shows it, `metaclaw proposals promote {held}` puts it live"),
                   flush=True)

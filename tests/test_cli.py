@@ -558,7 +558,12 @@ def test_serve_sim_auto_evolve_holds_an_unverified_skill_for_review(tmp_path):
         proc.terminate()
         out, _ = proc.communicate(timeout=20)
     # the server says what the fast loop decided (no change, held, a new generation) and why
-    assert "fast loop: evolve_held: generation 0 — trigger=session s1 ended" in out
+    # (held: in a sentence that says why and what to do: the simulated judge cannot score a
+    # replay, so the gate cannot tell the replies apart)
+    said = next(line for line in out.splitlines() if line.startswith("fast loop (session s1 "
+                                                                      "ended): add "))
+    assert "held back as proposal #1: the judge could not tell the replies apart" in said
+    assert said.endswith("`metaclaw proposals promote 1` puts it live")
 
 
 def test_a_locked_workspace_or_an_unwritable_folder_is_a_one_line_error(tmp_path, monkeypatch,

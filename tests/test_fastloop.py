@@ -209,6 +209,10 @@ def test_session_end_triggers_the_evolver(rig):
     event = next(e for e in loop.events if e.kind == "evolved")
     assert event.detail["trigger"] == "session s2 ended"
     assert rig.library.get("miles-to-km").body == SKILL_BODY
+    # what it decided is in the workspace's events too (`metaclaw events`), not a failure
+    [recorded] = rig.store.events(kind="evolved")
+    assert recorded["level"] == "info" and "add miles-to-km" in recorded["message"]
+    assert "[trigger: session s2 ended]" in recorded["message"]
 
 
 def test_failure_rate_triggers_and_no_change_is_not_asked_again(rig):

@@ -100,6 +100,9 @@ EVENT_KINDS = ("turn", "judged", "judge_failed", "evolve_started", "evolved", "e
 
 #: Kinds that mean a judge or evolver call failed (logged and recorded in the store).
 FAILURE_KINDS = ("judge_failed", "evolve_failed", "keys_failed")
+#: What an evolver run decided, also recorded in the store's ``events`` table (``metaclaw
+#: events`` shows it beside the loop's failures, whoever ran the loop).
+OUTCOME_KINDS = ("evolved", "evolve_held", "evolve_no_change", "evolve_rejected")
 
 
 @dataclass
@@ -321,6 +324,8 @@ class FastLoop:
                               detail=fields)
         if kind in FAILURE_KINDS:
             self._report_failure(event)
+        elif kind in OUTCOME_KINDS:
+            self._record_outcome(event)
         with self._events_lock:
             self.events.append(event)
             if len(self.events) > self.max_events:
@@ -331,6 +336,20 @@ class FastLoop:
             except Exception:  # a broken display must not stop the loop
                 log.exception("fast loop event callback %r failed", callback)
         return event
+
+    def _record_outcome(self, event: FastLoopEvent) -> None:
+        """An evolver run's decision as a store event: what it changed or held, and why."""
+        detail = event.detail
+        ops = ", ".join(detail.get("ops") or []) or "no change"
+        message = f"{ops}: {detail.get('reason') or detail.get('status')}"
+        if detail.get("proposal_id") is not None and event.kind == "evolve_held":
+            message += f" (metaclaw proposals show {detail['proposal_id']})"
+        try:
+            self.store.record_event(source="fast_loop", kind=event.kind,
+                                    message=f"{message} [trigger: {detail.get('trigger')}]",
+                                    generation=event.generation)  # (info: no failure)
+        except Exception:  # noqa: BLE001 - the decision stands; only its record is missing
+            log.exception("could not record the fast loop's %s event", event.kind)
 
     def _report_failure(self, event: FastLoopEvent) -> None:
         """A failed judge or evolver call is never silent: it is logged with the endpoint, the
