@@ -808,3 +808,15 @@ def test_an_idle_session_with_judged_failures_triggers_the_evolver(rig, monkeypa
     started = kinds(loop).count("evolve_started")
     time.sleep(1.0)  # later sweeps: nothing new failed, nothing asked again, no event
     assert kinds(loop).count("evolve_started") == started and "evolve_skipped" not in kinds(loop)
+
+
+def test_an_idle_session_whose_evolver_is_down_is_tried_once_a_wait(rig, monkeypatch):
+    """An evolver that fails leaves the failures unseen: the sweep (every 30 s) would ask it
+    again at each sweep; an idle session sets off one attempt per ``feedback_wait``."""
+    monkeypatch.setattr(FastLoop, "SWEEP_S", 0.2)
+    rig.models.evolver_failures = 1_000
+    loop = rig.make_loop(every_n=0, failure_rate=None, on_session_end=True, feedback_wait=2.0)
+    rig.chat("down", [], "Convert 7 miles to kilometers")
+    wait_until(lambda: "evolve_failed" in kinds(loop), timeout=30, what="an attempt")
+    time.sleep(1.0)  # five sweeps within the wait: no second attempt
+    assert kinds(loop).count("evolve_started") == 1

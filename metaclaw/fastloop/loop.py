@@ -200,6 +200,7 @@ class FastLoop:
         self._waiting: dict[tuple[str, str], tuple[list[int], asyncio.TimerHandle, int]] = {}
         self._judged: dict[str, int] = {}
         self._ended: set[str] = set()
+        self._idle_tried: dict[str, float] = {}  # session -> when it last set off an evolve
         self._last_attempt: frozenset[int] = frozenset()
         self._evolve_lock: asyncio.Lock | None = None
         # one process of a workspace evolves at a time: a lock freed if its holder dies
@@ -544,11 +545,15 @@ class FastLoop:
         seen = self._last_attempt | proposals.proposed_support(self.store, generation)
         waiting = sorted({t["session_id"] for t in buffers.support_set(
             self.store, threshold=self.judge.threshold) if int(t["id"]) not in seen})
-        quiet = time.time() - self.feedback_wait
+        now = time.time()
         for session in waiting:
+            # once a wait: an evolver that failed (down) is not asked again at every sweep
+            if now - self._idle_tried.get(session, float("-inf")) < self.feedback_wait:
+                continue
             last = self.store.query("SELECT MAX(created_at) AS at FROM turns WHERE "
                                     "session_id = ?", (session,))[0]["at"]
-            if last is not None and last <= quiet:
+            if last is not None and last <= now - self.feedback_wait:
+                self._idle_tried[session] = now
                 return (f"session {session} idle for {self.feedback_wait:g} s with judged "
                         "failures")
         return None
