@@ -166,3 +166,39 @@ def test_bare_file_name_yields_to_a_work_folder_or_naming_rule():
     assert sm.parse_conversation([{"role": "system", "content": rule},
                                   {"role": "user", "content": "x"}]).rules.naming is not None
     assert _target("create hello.py that prints hi", system=rule) != "hello.py"
+
+
+def test_with_a_shell_tool_alone_the_files_are_read_and_written_through_it():
+    """Codex offers ``exec_command`` (a ``cmd``) and no file tool: the simulated model said "I
+    need file tools" to every task. It now reads with ``cat`` and writes with a here-document
+    through the shell tool, and reads a file's text back from the tool's report."""
+    import subprocess
+
+    tools = [_tool("exec_command", "cmd", "justification"), _tool("write_stdin", "chars")]
+    ask = "Summarise day01/notes.txt into day01/summary.json"
+    messages = [{"role": "user", "content": ask}]
+    first = sm.agent_reply({"model": "sim-agent", "tools": tools, "messages": messages})
+    (read,) = [c for c in first["tool_calls"]
+               if json.loads(c["function"]["arguments"])["cmd"] == "cat -- day01/notes.txt"]
+    messages += [{"role": "assistant", "content": None, "tool_calls": first["tool_calls"]}]
+    messages += [{"role": "tool", "tool_call_id": c["id"],
+                  "content": "Process exited with code 0\nOutput:\nstandup at 9:30"
+                  if c is read else "Process exited with code 1\nOutput:\nNo such file"}
+                 for c in first["tool_calls"]]
+    conv = sm.parse_conversation(messages)
+    assert sm._result_text(conv.steps[0][1]) in ("standup at 9:30", "No such file")
+    reply = first
+    for _ in range(6):  # on to the write
+        reply = sm.agent_reply({"model": "sim-agent", "tools": tools, "messages": messages})
+        if not reply.get("tool_calls"):
+            break
+        messages += [{"role": "assistant", "content": None, "tool_calls": reply["tool_calls"]}]
+        messages += [{"role": "tool", "tool_call_id": c["id"],
+                      "content": "Process exited with code 0\nOutput:\n"}
+                     for c in reply["tool_calls"]]
+    writes = [json.loads(c["function"]["arguments"])["cmd"] for m in messages
+              for c in m.get("tool_calls") or [] if "cat >" in c["function"]["arguments"]]
+    assert writes and reply["content"].startswith(sm.LABEL)
+    done = subprocess.run(["bash", "-c", writes[0]], cwd=__import__("tempfile").mkdtemp(),
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr  # a command a shell runs as it is

@@ -38,6 +38,7 @@ import hashlib
 import json
 import random
 import re
+import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -168,7 +169,11 @@ def _call_args(call: dict) -> dict:
 
 
 def _result_text(result: str) -> str:
-    """A tool result -> the file text it carries (JSON ``{"content": ...}`` or raw text)."""
+    """A tool result -> the file text it carries (JSON ``{"content": ...}``, a shell's output
+    after its ``Output:`` line, or raw text)."""
+    head, mark, output = result.partition("\nOutput:\n")
+    if mark and "exit" in head.lower():  # a shell tool's report, then what the command printed
+        return output
     try:
         obj = json.loads(result)
     except (ValueError, TypeError):
@@ -182,7 +187,8 @@ def _result_text(result: str) -> str:
 
 def _is_error(result: str) -> bool:
     head = result[:200].lower()
-    return head.startswith("error") or '"error"' in head or "not found" in head or "refused" in head
+    return (head.startswith("error") or '"error"' in head or "not found" in head
+            or "refused" in head or "no such file" in head)
 
 
 # --------------------------------------------------------------------------------------------
@@ -198,6 +204,11 @@ class ToolSet:
     PATH_WORDS = {"copy": ("path", "file", "src", "source", "dst", "dest", "target"),
                   "list": ("path", "dir", "folder", "file", "name")}
     DEFAULT_PATH_WORDS = ("path", "file", "dir", "name")
+    #: A shell tool: a name with one of these words and a parameter of these names.
+    SHELL_WORDS = ("exec", "shell", "command", "terminal")
+    SHELL_PARAMS = ("cmd", "command")
+    #: The end of a file's text in a shell write (a here-document).
+    HEREDOC = "SIM_EOF"
 
     def __init__(self, tools: list[dict] | None):
         self.tools: dict[str, tuple[str, list[str]]] = {}
@@ -212,6 +223,22 @@ class ToolSet:
             for kind in self.KINDS:
                 if kind in name.lower() and kind not in self.tools and self._fits(kind, props):
                     self.tools[kind] = (name, props)
+                    break
+        #: A shell tool that does the file work no file tool was offered for (Codex offers
+        #: ``exec_command`` and no file tools): its name and its command parameter.
+        self.shell: tuple[str, str] | None = None
+        if not ("read" in self.tools and "write" in self.tools):
+            for t in tools or []:
+                fn = t.get("function", t) if isinstance(t, dict) else {}
+                name = str(fn.get("name", "")) if isinstance(fn, dict) else ""
+                params = fn.get("parameters") or fn.get("input_schema") \
+                    if isinstance(fn, dict) else None
+                props = params.get("properties") if isinstance(params, dict) else None
+                command = next((p for p in (props or {}) if p.lower() in self.SHELL_PARAMS), None)
+                if command and any(w in name.lower() for w in self.SHELL_WORDS):
+                    self.shell = (name, command)
+                    for kind in ("read", "write", "list"):
+                        self.tools.setdefault(kind, (name, [command]))
                     break
 
     @classmethod
@@ -233,7 +260,43 @@ class ToolSet:
 
     def kind_of(self, call: dict) -> str | None:
         name = call.get("function", {}).get("name")
+        if self.shell is not None and name == self.shell[0]:
+            return self._shell_call(call)[0]
         return next((k for k, (n, _) in self.tools.items() if n == name), None)
+
+    def _is_shell(self, kind: str) -> bool:
+        return self.shell is not None and self.tools[kind][0] == self.shell[0]
+
+    def _shell_args(self, kind: str, path: str, other: str | None) -> dict:
+        quoted = shlex.quote(path)
+        if kind == "read":
+            command = f"cat -- {quoted}"
+        elif kind == "list":
+            command = f"ls -1 -- {quoted}"
+        else:
+            folder = f"mkdir -p -- {shlex.quote(path.rsplit('/', 1)[0])} && " if "/" in path \
+                else ""
+            command = (f"{folder}cat > {quoted} <<'{self.HEREDOC}'\n{other or ''}\n"
+                       f"{self.HEREDOC}")
+        return {self.shell[1]: command}
+
+    def _shell_call(self, call: dict) -> tuple[str | None, str | None, str | None]:
+        """(kind, path, content) of a shell call this tool set made (else all None)."""
+        command = str(_call_args(call).get(self.shell[1]) or "")
+        head, _, rest = command.partition("\n")
+        try:
+            words = shlex.split(head.split(" <<")[0])
+        except ValueError:
+            return None, None, None
+        if words[:2] == ["cat", "--"] and len(words) == 3:
+            return "read", words[2], None
+        if words[:2] == ["ls", "-1"] and len(words) == 4:
+            return "list", words[3], None
+        if ">" in words[:-1] and head.endswith(f"<<'{self.HEREDOC}'"):
+            end = f"\n{self.HEREDOC}"
+            content = rest[:-len(end)] if rest.endswith(end) else rest
+            return "write", words[words.index(">") + 1], content
+        return None, None, None
 
     @staticmethod
     def _pick(props: list[str], words: tuple[str, ...], default: int) -> str:
@@ -243,6 +306,8 @@ class ToolSet:
         return props[default] if len(props) > default else ("path", "content")[min(default, 1)]
 
     def args(self, kind: str, path: str, other: str | None = None) -> dict:
+        if self._is_shell(kind):
+            return self._shell_args(kind, path, other)
         _, props = self.tools[kind]
         if kind == "copy":
             src = self._pick(props, ("src", "source", "from"), 0)
@@ -260,6 +325,8 @@ class ToolSet:
         args = _call_args(call)
         if kind is None:
             return None, None
+        if self.shell is not None and call.get("function", {}).get("name") == self.shell[0]:
+            return self._shell_call(call)[1:]
         _, props = self.tools[kind]
         if kind == "copy":
             src = self._pick(props, ("src", "source", "from"), 0)
