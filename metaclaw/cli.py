@@ -213,11 +213,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     def evolution(event: Any) -> None:  # what the fast loop decided, or why it did nothing
         held = event.detail.get("proposal_id") if event.kind == "evolve_held" else None
         if held is not None:  # what to do about it, in a sentence
+            db = runtime.store.db_option()
             print(_printable(f"fast loop ({event.detail.get('trigger')}): "
                              f"{', '.join(event.detail.get('ops') or [])} "
-                             f"{event.detail.get('reason')}; `metaclaw proposals show {held}` "
-                             f"shows it, `metaclaw proposals promote {held}` puts it live"),
-                  flush=True)
+                             f"{event.detail.get('reason')}; `metaclaw proposals{db} show "
+                             f"{held}` shows it, `metaclaw proposals{db} promote {held}` puts "
+                             "it live"), flush=True)
         elif event.kind.startswith("evolve") and event.kind != "evolve_started" \
                 or event.kind in ("generation", "keys_written", "keys_failed"):
             print(_printable(f"fast loop: {event}"), flush=True)

@@ -563,7 +563,8 @@ def test_serve_sim_auto_evolve_holds_an_unverified_skill_for_review(tmp_path):
     said = next(line for line in out.splitlines() if line.startswith("fast loop (session s1 "
                                                                       "ended): add "))
     assert "held back as proposal #1: the judge could not tell the replies apart" in said
-    assert said.endswith("`metaclaw proposals promote 1` puts it live")
+    assert said.endswith(" promote 1` puts it live")
+    assert "`metaclaw proposals --db " in said  # the command opens the proxy's workspace
 
 
 def test_a_locked_workspace_or_an_unwritable_folder_is_a_one_line_error(tmp_path, monkeypatch,

@@ -815,8 +815,25 @@ def test_an_idle_session_whose_evolver_is_down_is_tried_once_a_wait(rig, monkeyp
     again at each sweep; an idle session sets off one attempt per ``feedback_wait``."""
     monkeypatch.setattr(FastLoop, "SWEEP_S", 0.2)
     rig.models.evolver_failures = 1_000
-    loop = rig.make_loop(every_n=0, failure_rate=None, on_session_end=True, feedback_wait=2.0)
-    rig.chat("down", [], "Convert 7 miles to kilometers")
+    loop = rig.make_loop(every_n=0, failure_rate=None, on_session_end=True, feedback_wait=1.0)
+    for session in ("down-1", "down-2", "down-3"):  # (one attempt for all of them)
+        rig.chat(session, [], "Convert 7 miles to kilometers")
     wait_until(lambda: "evolve_failed" in kinds(loop), timeout=30, what="an attempt")
-    time.sleep(1.0)  # five sweeps within the wait: no second attempt
+    time.sleep(1.5)  # sweeps within the retry wait: no second attempt, for no session
     assert kinds(loop).count("evolve_started") == 1
+
+
+def test_an_evolver_run_answered_no_change_is_not_asked_again_by_another_process(rig,
+                                                                                monkeypatch):
+    """Two proxies of one workspace: a "no change" answer is a workspace event, so the other
+    process's idle trigger does not ask the evolver about the same failures again."""
+    monkeypatch.setattr(FastLoop, "SWEEP_S", 0.2)
+    rig.models.evolver_ops = "none"
+    first = rig.make_loop(every_n=0, failure_rate=None, on_session_end=True, feedback_wait=1.0)
+    rig.chat("shared", [], "Convert 7 miles to kilometers")
+    wait_until(lambda: "evolve_no_change" in kinds(first), timeout=30, what="a no-change")
+    second = FastLoop(rig.store, rig.library, first.judge, first.evolver, every_n=0,
+                      failure_rate=None, on_session_end=True, feedback_wait=1.0)
+    assert second._idle_session() is None
+    [event] = rig.store.events(kind="evolve_no_change")
+    assert event["level"] == "info"

@@ -325,13 +325,17 @@ def test_server_lists_sim_models_and_runs_a_day(bench, tmp_path):
     ("Hmm, not quite: the offset is missing", -1),
     ("That is not the format we use for times", -1),
     ("Could you switch to ISO 8601?", -1),
-    ("Please write times the way our team does: ISO 8601", -1),
     ("No: times must be ISO 8601", -1),
+    ("Correct the date format, please", -1), ("Correct your answer: ISO 8601 times", -1),
     ("Correct!", 1), ("Perfect, thanks", 1), ("Thanks, looks good", 1),
+    ("No, that's perfect, thanks!", 1), ("No problems, all correct.", 1),
+    ("That's correct - nothing should change", 1), ("Hmm, that works, thanks", 1),
+    ("No complaints - works great", 1), ("Looks good. Please use the same format next time.", 1),
     ("That is all for today, thank you.", 0)])
 def test_the_simulated_judge_reads_a_correction_as_people_phrase_it(reaction, score):
-    """"Not correct ..." scored +1 (its "correct"), and "Nope", "not quite", "please write ...
-    the way we do" scored 0: a real user's correction taught nothing."""
+    """"Not correct ..." scored +1 (its "correct"), and "Nope", "not quite", "switch to ..."
+    scored 0: a real user's correction taught nothing. Praise that opens with "No," or says
+    "should" stays praise."""
     assert sm.feedback_score(sm.feedback_of(reaction)) == score
 
 

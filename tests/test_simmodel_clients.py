@@ -202,3 +202,24 @@ def test_with_a_shell_tool_alone_the_files_are_read_and_written_through_it():
     done = subprocess.run(["bash", "-c", writes[0]], cwd=__import__("tempfile").mkdtemp(),
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr  # a command a shell runs as it is
+
+
+def test_a_shell_write_keeps_the_text_whole_whatever_it_holds(tmp_path):
+    """A line of the text equal to the here-document's end ended it there (the rest ran as
+    commands); a text ending in a newline got a second one; a file at the root ran
+    ``mkdir -p -- ''`` and was not written."""
+    import subprocess
+
+    tools = sm.ToolSet([_tool("exec_command", "cmd")])
+    for path, text in (("out/a.txt", "line1\nSIM_EOF\nline3\n"), ("b.json", '{"a": 1}\n'),
+                       ("c.txt", "no newline at the end"), (f"{tmp_path}/d.txt", "rooted\n")):
+        args = tools.args("write", path, text)
+        call = {"function": {"name": "exec_command", "arguments": json.dumps(args)}}
+        assert tools.kind_of(call) == "write" and tools.path_of(call) == (path, text
+               if text.endswith("\n") else text + "\n")
+        done = subprocess.run(["bash", "-c", args["cmd"]], cwd=tmp_path, capture_output=True,
+                              text=True)
+        assert done.returncode == 0, done.stderr
+        written = (tmp_path / path).read_text() if not path.startswith("/") else \
+            open(path).read()
+        assert written == (text if text.endswith("\n") else text + "\n")

@@ -310,9 +310,9 @@ class Gate:
         elif not fixed and all(c.before == 0 and c.after == 0 for c in out
                                if c.outcome != "unscored"):
             report.reason = ("the judge could not tell the replies apart: it found every "
-                             "replay unclear (0), with the candidate and without (the offline "
-                             "simulated judge reads the user's reaction, which a replay has none "
-                             "of); review it by hand")
+                             "replay unclear (0), with the candidate and without (a judge that "
+                             "reads the user's reaction, as the offline simulated one does, "
+                             "finds none in a replay); review it by hand")
         elif not fixed:
             report.reason = f"the candidate fixes none of its {scored_failures} failures"
         else:

@@ -77,7 +77,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Awaitable, Callable, TypeVar
 
-from metaclaw import buffers
+from metaclaw import buffers, jsonlib
 from metaclaw.fastloop import proposals
 from metaclaw.fastloop.evolver import EvolveError, Evolver, EvolveResult
 from metaclaw.fastloop.gate import Gate, GateReport, safety_check
@@ -155,6 +155,9 @@ class FastLoop:
     LEASE_RECHECK_S = 30.0
     #: Seconds between two sweeps of the store for turns left without a verdict (:meth:`_sweep`).
     SWEEP_S = 30.0
+    #: Seconds before an idle session's failures that an evolver attempt left unseen (it
+    #: failed) set off another (at least; ``feedback_wait`` where longer).
+    IDLE_RETRY_S = 300.0
     #: Turns one sweep judges at most, oldest first.
     SWEEP_LIMIT = 100
     #: Times a sweep retries a turn whose judge call failed (after 1, 2, 4, ... ``SWEEP_S``);
@@ -200,7 +203,8 @@ class FastLoop:
         self._waiting: dict[tuple[str, str], tuple[list[int], asyncio.TimerHandle, int]] = {}
         self._judged: dict[str, int] = {}
         self._ended: set[str] = set()
-        self._idle_tried: dict[str, float] = {}  # session -> when it last set off an evolve
+        # the unseen failures the last idle trigger evolved from, and when
+        self._idle_tried: tuple[frozenset[int], float] = (frozenset(), float("-inf"))
         self._last_attempt: frozenset[int] = frozenset()
         self._evolve_lock: asyncio.Lock | None = None
         # one process of a workspace evolves at a time: a lock freed if its holder dies
@@ -348,7 +352,8 @@ class FastLoop:
         try:
             self.store.record_event(source="fast_loop", kind=event.kind,
                                     message=f"{message} [trigger: {detail.get('trigger')}]",
-                                    generation=event.generation)  # (info: no failure)
+                                    generation=event.generation,  # (info: no failure)
+                                    support=detail.get("support") or [])
         except Exception:  # noqa: BLE001 - the decision stands; only its record is missing
             log.exception("could not record the fast loop's %s event", event.kind)
 
@@ -542,21 +547,37 @@ class FastLoop:
         if not self.on_session_end:
             return None
         generation = buffers.current_generation(self.store)
-        seen = self._last_attempt | proposals.proposed_support(self.store, generation)
-        waiting = sorted({t["session_id"] for t in buffers.support_set(
-            self.store, threshold=self.judge.threshold) if int(t["id"]) not in seen})
+        seen = self._last_attempt | proposals.proposed_support(self.store, generation) \
+            | self._no_change_elsewhere(generation)
+        failing = [t for t in buffers.support_set(self.store, threshold=self.judge.threshold)
+                   if int(t["id"]) not in seen]
+        waiting = sorted({t["session_id"] for t in failing})
+        unseen = frozenset(int(t["id"]) for t in failing)
         now = time.time()
+        tried, when = self._idle_tried
+        if unseen <= tried and now - when < max(self.feedback_wait, self.IDLE_RETRY_S):
+            return None  # an evolver that failed on them (down) is not asked at every sweep
+        quiet = max(self.feedback_wait, self.SWEEP_S)  # (a wait of 0: quiet for a sweep)
         for session in waiting:
-            # once a wait: an evolver that failed (down) is not asked again at every sweep
-            if now - self._idle_tried.get(session, float("-inf")) < self.feedback_wait:
-                continue
             last = self.store.query("SELECT MAX(created_at) AS at FROM turns WHERE "
                                     "session_id = ?", (session,))[0]["at"]
-            if last is not None and last <= now - self.feedback_wait:
-                self._idle_tried[session] = now
-                return (f"session {session} idle for {self.feedback_wait:g} s with judged "
-                        "failures")
+            if last is not None and last <= now - quiet:
+                self._idle_tried = (unseen, now)
+                return f"session {session} idle for {quiet:g} s with judged failures"
         return None
+
+    def _no_change_elsewhere(self, generation: int) -> frozenset[int]:
+        """The failures of ``generation`` an evolver run answered "no change" for, in any
+        process (a workspace event: another proxy, or this one before a restart), so that an
+        idle session's trigger does not ask again about them."""
+        ids: set[int] = set()
+        for row in self.store.events(kind="evolve_no_change", limit=50):
+            detail = row.get("detail") or {}
+            if isinstance(detail, str):
+                detail = jsonlib.loads(detail)
+            if detail.get("generation") == generation:
+                ids.update(int(i) for i in detail.get("support") or ())
+        return frozenset(ids)
 
     def _trigger_in_store(self) -> str | None:
         """A trigger that holds in the store now, as :meth:`_check_triggers` and the session-end
@@ -805,7 +826,7 @@ class FastLoop:
                    ops=[f"{op.op} {op.name}" for op in (result.proposal.ops
                                                        if result.proposal else [])],
                    consumed=result.consumed, purged=result.purged, reason=result.reason,
-                   **gated)
+                   support=sorted(ids), **gated)
         return result
 
     async def _gated_evolve(self, support: list[dict[str, Any]]) -> EvolveResult:

@@ -274,10 +274,15 @@ class ToolSet:
         elif kind == "list":
             command = f"ls -1 -- {quoted}"
         else:
-            folder = f"mkdir -p -- {shlex.quote(path.rsplit('/', 1)[0])} && " if "/" in path \
-                else ""
-            command = (f"{folder}cat > {quoted} <<'{self.HEREDOC}'\n{other or ''}\n"
-                       f"{self.HEREDOC}")
+            parent = path.rsplit("/", 1)[0] if "/" in path else ""
+            folder = f"mkdir -p -- {shlex.quote(parent)} && " if parent else ""
+            text = other or ""
+            marker = self.HEREDOC  # one that is no line of the text (it would end it there)
+            while marker in text.split("\n"):
+                marker += "_"
+            # a here-document ends its text with a newline: none added where it has one
+            command = (f"{folder}cat > {quoted} <<'{marker}'\n{text}"
+                       f"{'' if not text or text.endswith(chr(10)) else chr(10)}{marker}")
         return {self.shell[1]: command}
 
     def _shell_call(self, call: dict) -> tuple[str | None, str | None, str | None]:
@@ -292,9 +297,9 @@ class ToolSet:
             return "read", words[2], None
         if words[:2] == ["ls", "-1"] and len(words) == 4:
             return "list", words[3], None
-        if ">" in words[:-1] and head.endswith(f"<<'{self.HEREDOC}'"):
-            end = f"\n{self.HEREDOC}"
-            content = rest[:-len(end)] if rest.endswith(end) else rest
+        marker = re.search(r"<<'([A-Z_]+)'$", head)
+        if ">" in words[:-1] and marker:
+            content = rest[:-len(marker[1])] if rest.endswith(marker[1]) else rest
             return "write", words[words.index(">") + 1], content
         return None, None, None
 
@@ -1445,11 +1450,12 @@ def agent_reply(body: dict, seed: int = DEFAULT_SEED) -> dict:
 
 _NEG = re.compile(r"\b(incorrect|incorrectly|wrong|missing|missed|does not|doesn't|did not|not correctly|"
                   r"not correct|not right|not quite|not what|not the|is not|isn't|nope|"
-                  r"not conform|not meet|not follow|violat\w*|issues?|fail\w*|must|requires?|should|"
-                  r"bad|forgot\w*|instead|(?:switch|change) (?:it |them )?to|"
-                  r"please (?:use|fix|make|write \w+ (?:as|in|the way)))\b", re.I)
-# a reaction that opens with a no ("No: ...", "Nope.", "Hmm, not quite")
-_OPENS_NEG = re.compile(r"^\W*(no|nope|hmm)\b", re.I)
+                  r"not conform|not meet|not follow|violat\w*|issues?|fail\w*|must|requires?|should be|"
+                  r"bad|forgot\w*|instead|(?:switch|change) (?:it |them )?to)\b", re.I)
+# a reaction that opens with a refusal ("Nope.", "No: ...", "No, use ...") or asks for a fix
+# ("Correct the time: ...", a request, not praise)
+_OPENS_NEG = re.compile(r"^\W*(?:nope\b|no\s*[:.]|no,\s*use\b|"
+                        r"correct\s+(?:the|this|that|these|those|it|its|your|my|them)\b)", re.I)
 # ... or with praise: "Correct!", "Perfect, thanks" (not "Correct the time: ...", a request)
 _OPENS_POS = re.compile(r"^\W*(correct|all correct|excellent|perfect|great|well done)\b"
                         r"(?!\s+(?:the|this|that|these|those|it|its|your|my|them)\b)", re.I)
