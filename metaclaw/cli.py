@@ -788,19 +788,13 @@ def _replayer(args: argparse.Namespace, pinned: dict[str, Any]) -> Any:
             setattr(args, key, pinned.get(key, default))
     judge = _judge(args)
     try:
-        retriever = make_retriever(args.retrieval or _pinned_kind(pinned.get("retrieval")))
+        # the kind pinned ("hybrid (static)": the kind, then the model), else serve's
+        retriever = make_retriever(args.retrieval
+                                   or str(pinned.get("retrieval") or "auto").split(" ")[0])
     except RetrievalError as exc:
         raise CliError(str(exc)) from None
     return Replayer(judge, args.upstream, args.model, retriever=retriever, top_k=args.top_k,
                     min_score=args.min_score, budget_chars=args.budget_chars)
-
-
-def _pinned_kind(retrieval: str | None) -> str:
-    """The retrieval kind of an experiment's pinned retriever name (auto before one)."""
-    for name, kind in (("Hybrid", "hybrid"), ("Embedding", "embedding"), ("Lexical", "lexical")):
-        if retrieval and retrieval.startswith(name):
-            return kind
-    return "auto"
 
 
 def _show_experiment(experiment: Any, as_json: bool, threshold: float | None = None) -> None:

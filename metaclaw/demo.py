@@ -400,7 +400,9 @@ def paired_rounds(baseline: dict, skills: dict) -> dict[str, Any]:
         path = Path(run.get("rounds_file") or "")
         if not path.is_file():
             return {}
-        rows = (json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()
+        # split on "\n" alone, as the runner writes and reads them (splitlines() also splits on
+        # a U+2028 a reply may hold raw)
+        rows = (json.loads(line) for line in path.read_text(encoding="utf-8").split("\n")
                 if line.strip())
         return {(r["day"], r["round"]): "pass" if r.get("passed") else "fail" for r in rows}
 

@@ -77,7 +77,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Awaitable, Callable, TypeVar
 
-from metaclaw import buffers, jsonlib
+from metaclaw import buffers
 from metaclaw.fastloop import proposals
 from metaclaw.fastloop.evolver import EvolveError, Evolver, EvolveResult
 from metaclaw.fastloop.gate import Gate, GateReport, safety_check
@@ -546,11 +546,13 @@ class FastLoop:
         or Codex session (two failed turns among its four) set off no trigger at all."""
         if not self.on_session_end:
             return None
+        failing = buffers.support_set(self.store, threshold=self.judge.threshold)
+        if not failing:  # (every sweep: the rest only where a failure waits)
+            return None
         generation = buffers.current_generation(self.store)
         seen = self._last_attempt | proposals.proposed_support(self.store, generation) \
             | self._no_change_elsewhere(generation)
-        failing = [t for t in buffers.support_set(self.store, threshold=self.judge.threshold)
-                   if int(t["id"]) not in seen]
+        failing = [t for t in failing if int(t["id"]) not in seen]
         waiting = sorted({t["session_id"] for t in failing})
         unseen = frozenset(int(t["id"]) for t in failing)
         now = time.time()
@@ -573,8 +575,6 @@ class FastLoop:
         ids: set[int] = set()
         for row in self.store.events(kind="evolve_no_change", limit=50):
             detail = row.get("detail") or {}
-            if isinstance(detail, str):
-                detail = jsonlib.loads(detail)
             if detail.get("generation") == generation:
                 ids.update(int(i) for i in detail.get("support") or ())
         return frozenset(ids)

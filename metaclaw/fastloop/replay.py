@@ -78,7 +78,7 @@ class Replayer:
         model_id = getattr(retriever, "model_id", None)
         return {"judge_model": self.judge.model, "votes": self.judge.votes,
                 "threshold": self.judge.threshold, "model": self.model,
-                "retrieval": type(retriever).__name__ + (f" ({model_id})" if model_id else ""),
+                "retrieval": f"{retriever.kind}" + (f" ({model_id})" if model_id else ""),
                 "top_k": self.top_k, "min_score": self.min_score,
                 "budget_chars": self.budget_chars}
 

@@ -212,6 +212,7 @@ class ToolSet:
 
     def __init__(self, tools: list[dict] | None):
         self.tools: dict[str, tuple[str, list[str]]] = {}
+        offered = []  # (name, parameter names) of each tool
         for t in tools or []:
             fn = t.get("function", t) if isinstance(t, dict) else {}
             name = str(fn.get("name", ""))
@@ -219,7 +220,8 @@ class ToolSet:
             if not isinstance(params, dict):   # Anthropic-style tools: input_schema
                 params = fn.get("input_schema") if isinstance(fn, dict) else None
             properties = params.get("properties") if isinstance(params, dict) else None
-            props = list(properties.keys()) if isinstance(properties, dict) else []
+            offered.append((name, list(properties.keys()) if isinstance(properties, dict) else []))
+        for name, props in offered:
             for kind in self.KINDS:
                 if kind in name.lower() and kind not in self.tools and self._fits(kind, props):
                     self.tools[kind] = (name, props)
@@ -228,13 +230,8 @@ class ToolSet:
         #: ``exec_command`` and no file tools): its name and its command parameter.
         self.shell: tuple[str, str] | None = None
         if not ("read" in self.tools and "write" in self.tools):
-            for t in tools or []:
-                fn = t.get("function", t) if isinstance(t, dict) else {}
-                name = str(fn.get("name", "")) if isinstance(fn, dict) else ""
-                params = fn.get("parameters") or fn.get("input_schema") \
-                    if isinstance(fn, dict) else None
-                props = params.get("properties") if isinstance(params, dict) else None
-                command = next((p for p in (props or {}) if p.lower() in self.SHELL_PARAMS), None)
+            for name, props in offered:
+                command = next((p for p in props if p.lower() in self.SHELL_PARAMS), None)
                 if command and any(w in name.lower() for w in self.SHELL_WORDS):
                     self.shell = (name, command)
                     for kind in ("read", "write", "list"):

@@ -1828,17 +1828,17 @@ class SkillLibrary:
                         "generation %d's skills", self.directory, exc, number)
         extra = [name for name in extra if name not in removed]
         where = _as_text(self.directory)
-        if not (differ or removed or extra or written):  # the workspace's skills as they are:
-            # the folder moved or was copied with its workspace; nothing joined, nothing to warn
+        # the workspace's skills as they are: the folder moved or was copied with its
+        # workspace; nothing joined, nothing to warn about
+        quiet = not (differ or removed or extra or written)
+        if quiet:
             said = (f"the skills folder {where} holds generation {number}'s skills as they are "
                     "(moved or copied with its workspace): marked as this workspace's")
-            log.info("skill library: %s", said)
-            self._pending_events.append({"source": "skills", "kind": "skill_folder_joined",
-                                         "level": "info", "message": said, "path": where})
-            return f"skills of {where}, the workspace's own, moved or copied"
-        said = (f"the skills folder {where} has no mark of this workspace (new to it, or moved; "
-                f"generation {number}, {len(stored)} skills): it joined the library instead of "
-                f"replacing it; wrote {written} skill{'' if written == 1 else 's'} it lacked")
+        else:
+            said = (f"the skills folder {where} has no mark of this workspace (new to it, or "
+                    f"moved; generation {number}, {len(stored)} skills): it joined the library "
+                    f"instead of replacing it; wrote {written} "
+                    f"skill{'' if written == 1 else 's'} it lacked")
         if kept:
             said += (f"; its own version of {', '.join(kept)} is kept in "
                      f"{', '.join(_as_text(p) for p in kept.values())}")
@@ -1846,9 +1846,10 @@ class SkillLibrary:
             said += f" ({', '.join(removed)}: removed from the workspace before)"
         if extra:
             said += f"; its own skills {', '.join(extra)} are added to the workspace"
-        log.warning("skill library: %s", said)
+        level = "info" if quiet else "warning"
+        log.log(logging.INFO if quiet else logging.WARNING, "skill library: %s", said)
         self._pending_events.append({"source": "skills", "kind": "skill_folder_joined",
-                                     "level": "warning", "message": said, "path": where})
+                                     "level": level, "message": said, "path": where})
         return f"skills of {where}, a folder new to the workspace"
 
     def _recover(self) -> None:
