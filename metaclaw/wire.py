@@ -12,9 +12,11 @@ command to run is printed). OpenClaw's static headers cannot carry a per-session
 on every turn (without it, OpenClaw still writes ``sessionId=<uuid>`` into each session's first
 message); :mod:`metaclaw.proxy.sessions` reads either, and side calls are recognised by their content.
 
-Wiring keeps the file's exact bytes in ``<config>.metaclaw-backup`` (JSON5 comments
-included; the patched file itself is written as plain JSON, which JSON5 accepts); ``--undo``
-restores them when the file is still as wired, and otherwise removes only what wiring added.
+Wiring changes only the keys it sets: the file is edited as text (:mod:`metaclaw.jsontext`), so
+its comments, key order and layout stay (a file that cannot be edited so is written whole as
+plain JSON, which JSON5 accepts). It keeps the file's exact bytes in ``<config>.metaclaw-backup``;
+``--undo`` restores them when the file is still as wired, and otherwise takes back only what
+wiring added, in the same way.
 Every write goes to a temporary file that then replaces the target, so a crash never leaves a
 half-written file; the config's mode and owner are kept (it holds API keys), and a symlinked
 config (dotfile managers) stays a symlink: the file it points to is the one rewritten.
@@ -42,6 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+from metaclaw import jsontext
 from metaclaw.fileio import write_atomic
 from metaclaw.redact import mask_config_line
 
@@ -108,8 +111,6 @@ def openclaw_config_path(explicit: str | os.PathLike[str] | None = None) -> Path
 
 def _read(path: Path) -> tuple[bytes | None, str, dict[str, Any]]:
     """The file's exact bytes (None when missing), its text and the object it holds."""
-    import json5
-
     if not path.exists():
         return None, "", {}
     try:
@@ -119,12 +120,8 @@ def _read(path: Path) -> tuple[bytes | None, str, dict[str, Any]]:
         raise WireError(f"{path} is not UTF-8 text; fix the file or pass --config") from None
     except OSError as exc:
         raise WireError(f"cannot read {path} ({exc.strerror}); fix it or pass --config") from None
-    try:  # plain JSON (as wiring writes it) first: the json5 parser is slow on big files
-        config = json.loads(text) if text.strip() else {}
-    except ValueError:
-        config = None
     try:
-        config = json5.loads(text) if config is None else config
+        config = jsontext.loads(text) if text.strip() else {}
     except (ValueError, RecursionError) as exc:
         raise WireError(f"cannot read {path} as JSON5 ({exc}); fix the file or pass --config") \
             from None
@@ -204,18 +201,21 @@ def plan_openclaw(config_path: Path, proxy_url: str, *, token: str | None = None
                        "maxTokens": 8192})
     for entry in models:  # OpenClaw then sends its session id as prompt_cache_key on every turn
         entry["compat"] = {**(entry.get("compat") or {}), "supportsPromptCacheKey": True}
-    wired = json.loads(json.dumps(config))
+    wired, keys = json.loads(json.dumps(config)), [["models", "providers", PROVIDER]]
     wired.setdefault("models", {}).setdefault("providers", {})[PROVIDER] = {
         "baseUrl": proxy_url, "apiKey": token or "metaclaw", "api": "openai-completions",
         "headers": {"X-MetaClaw-Client": "openclaw"}, "models": models}
     if "mode" not in wired["models"]:
         wired["models"]["mode"] = "merge"  # keep OpenClaw's built-in providers
+        keys.append(["models", "mode"])
     defaults = wired.setdefault("agents", {}).setdefault("defaults", {})
     if not isinstance(defaults.get("model"), dict):
         defaults["model"] = {}
+        keys.append(["agents", "defaults", "model"])
     defaults["model"]["primary"] = f"{PROVIDER}/{model}"
+    keys.append(["agents", "defaults", "model", "primary"])
     upstream = (source or {}).get("baseUrl")
-    return WirePlan(config_path, before, json.dumps(wired, indent=2, ensure_ascii=False) + "\n",
+    return WirePlan(config_path, before, _json_after(before, wired, keys),
                     upstream if isinstance(upstream, str) else None, model, primary, original)
 
 
@@ -292,19 +292,20 @@ def _undo(config_path: Path) -> str:
     elif agent != "openclaw":  # edited since: take back only what wiring added
         done = _unwire(agent, config_path, text, info.get("restore") or {})
     else:  # edited since: take back only what wiring added
-        providers = _dig(config, "models", "providers")
-        removed = isinstance(providers, dict) and providers.pop(PROVIDER, None) is not None
+        providers, keys = _dig(config, "models", "providers"), []
+        if isinstance(providers, dict) and providers.pop(PROVIDER, None) is not None:
+            keys.append(["models", "providers", PROVIDER])
         model = _dig(config, "agents", "defaults", "model")
         if isinstance(model, dict) and str(model.get("primary", "")).startswith(f"{PROVIDER}/"):
             if info.get("primary_before"):
                 model["primary"] = info["primary_before"]
             else:
                 model.pop("primary")
-            removed = True
-        if removed:
+            keys.append(["agents", "defaults", "model", "primary"])
+        if keys:
             _writable(config_path)
-            _write(config_path, (json.dumps(config, indent=2, ensure_ascii=False) + "\n")
-                   .encode("utf-8"), like=config_path)
+            _write(config_path, _json_after(text, config, keys).encode("utf-8"),
+                   like=config_path)
             done = (f"{config_path} changed since wiring: removed the '{PROVIDER}' provider and "
                     f"restored the primary model ({info.get('primary_before') or 'unset'}); other "
                     "edits kept")
@@ -391,6 +392,30 @@ def _json_text(config: dict[str, Any], like: str = "") -> str:
     return json.dumps(config, indent=indent, ensure_ascii=False) + "\n"
 
 
+def _json_after(before: str, wired: dict[str, Any], keys: list[list[str]]) -> str:
+    """The text of ``wired``: ``before`` with the values at the key paths ``keys`` made those of
+    ``wired`` (removed where ``wired`` has none), edited in place so that its comments and
+    layout stay (:func:`metaclaw.jsontext.set_keys`); else, where the text cannot be edited so
+    or reads back as anything but ``wired``, all of ``wired`` as JSON."""
+    changes = [(path, _dig_or_delete(wired, path)) for path in keys]
+    text = jsontext.set_keys(before, changes) if before.strip() else None
+    if text is not None:
+        try:
+            if jsontext.loads(text) == wired:
+                return text
+        except (ValueError, RecursionError):
+            pass
+    return _json_text(wired, before)
+
+
+def _dig_or_delete(config: dict[str, Any], keys: list[str]) -> Any:
+    for key in keys:
+        if not isinstance(config, dict) or key not in config:
+            return jsontext.DELETE
+        config = config[key]
+    return config
+
+
 def plan_claude_code(path: Path, proxy_url: str, *, token: str | None = None,
                      model: str | None = None) -> WirePlan:
     """Claude Code reads ``env`` from its settings: ``ANTHROPIC_BASE_URL`` points it at the
@@ -414,8 +439,8 @@ def plan_claude_code(path: Path, proxy_url: str, *, token: str | None = None,
         # another provider's model (gpt-4o-mini): Claude Code in front of an OpenAI-compatible
         # upstream, its requests translated (no Anthropic model is named so)
         upstream, protocol = "https://api.openai.com/v1", "openai"
-    return WirePlan(path, before, _json_text(wired, before), upstream, model or "", None,
-                    original, agent="claude-code", restore={"keys": restore},
+    return WirePlan(path, before, _json_after(before, wired, [k for k, _ in restore]), upstream,
+                    model or "", None, original, agent="claude-code", restore={"keys": restore},
                     upstream_protocol=protocol)
 
 
@@ -441,7 +466,7 @@ def plan_opencode(path: Path, proxy_url: str, *, token: str | None = None,
         "models": {model: {"name": model}}}, restore)
     _set(wired, ["model"], f"{PROVIDER}/{model}", restore)
     source = _dig(config, "provider", provider_name, "options", "baseURL")
-    return WirePlan(path, before, _json_text(wired, before),
+    return WirePlan(path, before, _json_after(before, wired, [k for k, _ in restore]),
                     source if isinstance(source, str) else None,
                     model, current or None, original, agent="opencode",
                     restore={"keys": restore})
@@ -618,9 +643,7 @@ def _unwire(agent: str, path: Path, text: str, restore: dict[str, Any]) -> str:
                             f"({' '.join(str(exc).split())}); fix it, then run --undo again") \
                 from None
     else:
-        import json5
-
-        config = json5.loads(text) if text.strip() else {}
+        config = jsontext.loads(text) if text.strip() else {}
     if not isinstance(config, dict):
         return f"{path} holds no MetaClaw wiring; left as it is"
     for keys, value in reversed(restore.get("keys") or []):
@@ -633,10 +656,12 @@ def _unwire(agent: str, path: Path, text: str, restore: dict[str, Any]) -> str:
             node.pop(keys[-1], None)
         else:
             node[keys[-1]] = value
+    keys = [k for k, _ in restore.get("keys") or []]
     if agent == "claude-code" and config.get("env") == {}:
         config.pop("env")
+        keys.append(["env"])
     data = (yaml.safe_dump(config, sort_keys=False, allow_unicode=True) if agent == "aider"
-            else _json_text(config))
+            else _json_after(text, config, keys))
     _writable(path)
     _write(path, data.encode("utf-8"), like=path)
     return (f"{path} changed since wiring: took back what wiring set "

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import json5
 import pytest
 
 from metaclaw.offline.double import DoubleServer, Reply
@@ -32,12 +33,13 @@ def test_wire_dry_run_apply_and_undo(tmp_path):
     config = tmp_path / "openclaw.json"
     config.write_text(ORIGINAL)
     dry = run_cli("wire", "openclaw", "--config", config, "--port", 31000, "--dry-run").stdout
-    assert '"primary": "metaclaw/acme-large"' in dry and "dry run: nothing written" in dry
+    assert 'primary: "metaclaw/acme-large"' in dry and "dry run: nothing written" in dry
     assert "--upstream https://llm.acme.test/v1 --model acme-large --port 31000" in dry
     assert config.read_text() == ORIGINAL
 
     out = run_cli("wire", "openclaw", "--config", config, "--port", 31000, "--token", "tok").stdout
-    wired = json.loads(config.read_text())
+    wired = json5.loads(config.read_text())
+    assert config.read_text().startswith("// my OpenClaw config")  # edited in place
     provider = wired["models"]["providers"]["metaclaw"]
     assert provider["baseUrl"] == "http://127.0.0.1:31000/v1" and provider["apiKey"] == "tok"
     assert provider["models"][0]["id"] == "acme-large" and provider["api"] == "openai-completions"
@@ -53,11 +55,11 @@ def test_wire_dry_run_apply_and_undo(tmp_path):
 
     # edited after wiring: undo takes back only what wiring added
     run_cli("wire", "openclaw", "--config", config)
-    edited = json.loads(config.read_text())
+    edited = json5.loads(config.read_text())
     edited["agents"]["defaults"]["workspace"] = "~/elsewhere"
     config.write_text(json.dumps(edited))
     assert "other edits kept" in run_cli("wire", "openclaw", "--config", config, "--undo").stdout
-    final = json.loads(config.read_text())
+    final = json5.loads(config.read_text())
     assert "metaclaw" not in final["models"]["providers"]
     assert final["agents"]["defaults"] == {"model": {"primary": "acme/acme-large"},
                                            "workspace": "~/elsewhere"}
@@ -79,7 +81,7 @@ def test_wire_keeps_a_symlinked_config_a_symlink_and_private(tmp_path):
     config = tmp_path / "openclaw.json"
     config.symlink_to(real)
     _wire(config, "--token", "tok")
-    assert config.is_symlink() and "metaclaw" in json.loads(real.read_text())["models"]["providers"]
+    assert config.is_symlink() and "metaclaw" in json5.loads(real.read_text())["models"]["providers"]
     assert real.stat().st_mode & 0o777 == 0o600
     for kept in tmp_path.glob("openclaw.json.metaclaw-*"):  # the backup holds the same keys
         assert kept.stat().st_mode & 0o077 == 0, kept
@@ -128,7 +130,7 @@ def test_undo_without_the_backup_takes_back_only_the_wiring(tmp_path):
     _wire(config)
     (tmp_path / "openclaw.json.metaclaw-backup").unlink()  # e.g. cleaned up by hand
     _wire(config, "--undo")
-    final = json.loads(config.read_text())
+    final = json5.loads(config.read_text())
     assert "metaclaw" not in final["models"]["providers"]
     assert final["agents"]["defaults"]["model"]["primary"] == "acme/acme-large"
 
@@ -154,13 +156,13 @@ def test_rewiring_after_a_hand_edit_undoes_to_the_edited_file(tmp_path):
     config = tmp_path / "openclaw.json"
     config.write_text(ORIGINAL)
     _wire(config)
-    edited = json.loads(config.read_text())
+    edited = json5.loads(config.read_text())
     edited["agents"]["defaults"]["model"]["primary"] = "acme/acme-large"  # unwired by hand
     edited["agents"]["defaults"]["workspace"] = "~/elsewhere"
     config.write_text(json.dumps(edited))
     _wire(config)
     _wire(config, "--undo")
-    assert json.loads(config.read_text()) == edited
+    assert json5.loads(config.read_text()) == edited
 
 
 def test_a_failed_replace_leaves_the_config_and_no_temporary_file(tmp_path, monkeypatch):
@@ -255,7 +257,7 @@ def test_two_wirings_at_once_take_turns_and_the_second_is_refused(tmp_path):
     winner = next(port for port, code in codes.items() if code == 0)
     loser = racers[next(port for port, code in codes.items() if code == 2)]
     assert "changed while it was being wired" in loser.stderr.read()
-    provider = json.loads(config.read_text())["models"]["providers"]["metaclaw"]
+    provider = json5.loads(config.read_text())["models"]["providers"]["metaclaw"]
     assert provider["baseUrl"] == f"http://127.0.0.1:{winner}/v1"
     assert (tmp_path / "openclaw.json.metaclaw-backup").read_text() == ORIGINAL
     record = json.loads((tmp_path / "openclaw.json.metaclaw-wire.json").read_text())
@@ -319,7 +321,7 @@ def test_a_symlinked_config_is_locked_by_the_file_it_points_to(tmp_path, monkeyp
     finally:
         _release(holder)
     wire.apply(wire.plan_openclaw(link, "http://127.0.0.1:30000/v1"))
-    assert link.is_symlink() and "metaclaw" in json.loads(real.read_text())["models"]["providers"]
+    assert link.is_symlink() and "metaclaw" in json5.loads(real.read_text())["models"]["providers"]
     assert not wire.lock_path(link).exists()
 
 

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tomllib
 
+import json5
 import pytest
 import yaml
 
@@ -165,7 +166,7 @@ def test_a_missing_config_is_created_and_undo_removes_it(tmp_path):
     done = run_cli("wire", "claude-code", "--config", config, "--port", 31000)
     # no token wired: a Claude Code that is not logged in needs a key of some kind
     assert "export ANTHROPIC_AUTH_TOKEN=metaclaw" in done.stdout
-    assert json.loads(config.read_text()) == {"env": {
+    assert json5.loads(config.read_text()) == {"env": {
         "ANTHROPIC_BASE_URL": "http://127.0.0.1:31000"}}
     assert "there was none before" in run_cli("wire", "claude-code", "--config", config,
                                               "--undo").stdout
@@ -189,7 +190,8 @@ def test_default_config_paths_follow_each_agents_own_variables(tmp_path, monkeyp
     assert wire.config_path("opencode") == jsonc
     done = run_cli("wire", "opencode", "--port", "30100", "--model", "gpt-4o-mini")
     assert str(jsonc) in done.stdout and not (jsonc.parent / "opencode.json").exists()
-    assert json.loads(jsonc.read_text())["model"] == "metaclaw/gpt-4o-mini"
+    assert json5.loads(jsonc.read_text())["model"] == "metaclaw/gpt-4o-mini"
+    assert "// mine" in jsonc.read_text()  # edited in place: the comment stays
     run_cli("wire", "opencode", "--undo")
     assert "// mine" in jsonc.read_text()  # the file as it was
     # an opencode.json wired before a .jsonc appeared beside it is still found to be undone
