@@ -21,6 +21,10 @@ as ``fault=<name>`` (anything else is answered normally, with an echo). Faults:
 ``redirect_301`` / ``redirect_302`` / ``redirect_307`` / ``redirect_308``  that redirect, to
                      :attr:`FaultUpstream.location` (None: without a Location header)
 ``json_200``         HTTP 200 with :attr:`FaultUpstream.json_body` as a JSON body, streamed or not
+``scripted``         a stream of :attr:`FaultUpstream.chunks` (each a ``data:`` event, as written),
+                     then ``data: [DONE]`` where :attr:`FaultUpstream.done` (a server's quirks:
+                     calls without ``index`` or ``id``, refusals, no ``[DONE]``); not streamed:
+                     :attr:`FaultUpstream.json_body`
 ``reflect_key``      a 401 error whose message, param and code quote the request's key
 ``reflect_url``      a 400 error whose message quotes the request's path, query and
                      ``Authorization`` header, decoded where it is Basic
@@ -58,7 +62,7 @@ FAULT = re.compile(r"fault=([a-z0-9_]+)")
 FAULTS = ("reset", "reset_midstream", "truncate", "invalid_sse", "invalid_json", "wrong_shape",
           "error_event", "status_429", "status_500", "status_503", "flaky_503", "flaky_reset",
           "slow_body", "hang", "reflect_key", "reflect_url", "redirect_301", "redirect_302", "redirect_307",
-          "redirect_308", "json_200", "corrupt_gzip", "short_body", "huge_error",
+          "redirect_308", "json_200", "scripted", "corrupt_gzip", "short_body", "huge_error",
           "endless_event")
 
 
@@ -78,6 +82,8 @@ class FaultUpstream(ServedApp):
         self._attempts: dict[str, int] = {}
         self.location: str | None = "https://example.invalid/v1/chat/completions"
         self.json_body: Any = {"error": {"message": "quota exceeded", "type": "insufficient_quota"}}
+        self.chunks: list[dict[str, Any]] = []
+        self.done = True
         self._server = BackgroundServer(self._make_app, "127.0.0.1", 0, "fault-upstream",
                                         shutdown_timeout=0.2)
 
@@ -98,7 +104,8 @@ class FaultUpstream(ServedApp):
             self._attempts[text] = attempt + 1
             fault = fault if attempt == 0 else ""
         request[ENTRY] = {"path": request.path, "headers": dict(request.headers),
-                            "fault": fault, "at": time.monotonic()}
+                            "fault": fault, "at": time.monotonic(),
+                            "stream": bool(body.get("stream"))}
         self.requests.append(request[ENTRY])
         key = request.headers.get("x-api-key") or request.headers.get(
             "Authorization", "").removeprefix("Bearer ")
@@ -136,8 +143,12 @@ class FaultUpstream(ServedApp):
         if status:
             wait = "1" if fault == "flaky_503" else "3600"
             return web.json_response(error, status=status, headers={"Retry-After": wait})
-        if fault == "json_200":
+        if fault == "json_200" or fault == "scripted" and not request[ENTRY]["stream"]:
             return web.json_response(self.json_body)
+        if fault == "scripted":
+            events = [f"data: {json.dumps(chunk)}\n\n".encode() for chunk in self.chunks]
+            return await self._stream(request, events + [b"data: [DONE]\n\n"] * self.done,
+                                      fault, b"")
         if fault == "corrupt_gzip":
             return web.Response(body=b"this is not gzip" * 64, status=200,
                                 headers={"Content-Type": "application/json",

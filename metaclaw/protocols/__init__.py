@@ -61,7 +61,9 @@ and implements:
   that says the response failed, relayed even though the stream errored; default none),
   ``error_payload(error)``, ``stream_error_event(error, first, last)`` (the first and the last
   event the client got, for numbered events): the wire encoding of events and errors;
-  ``upstream_events`` reads an upstream's stream (server-sent events unless overridden).
+  ``upstream_events`` reads an upstream's stream (server-sent events unless overridden);
+  optionally ``complete_reply(data)`` and ``complete_without_terminal(assembler)``: what an
+  upstream of this protocol may leave out (see :class:`WireProtocol`).
 
 The tests for a new protocol are its own round trips (``from_chat(to_chat(x))``, as in
 ``tests/test_protocols.py``) and an SDK of that protocol against a running proxy (as in
@@ -204,6 +206,16 @@ class WireProtocol:
     def reply_columns(self, data: dict[str, Any]) -> dict[str, Any]:
         """Recorded columns (response, tool_calls, finish_reason, usage...) of a reply."""
         return summarize_completion(self.reply_to_chat(data))
+
+    def complete_reply(self, data: dict[str, Any]) -> bool:
+        """Fill in, in place, what an upstream's non-streamed reply left out and every reader
+        needs alike (a tool call's id); whether anything was (the reply is then re-encoded)."""
+        return False
+
+    def complete_without_terminal(self, assembler: Any) -> bool:
+        """Whether an upstream stream that closed without this protocol's terminal event still
+        holds a whole reply (``assembler``: its events so far)."""
+        return False
 
     # -- wire encoding --------------------------------------------------------------------
     def encode_event(self, event: dict[str, Any] | None) -> bytes:
@@ -431,6 +443,8 @@ def summarize_completion(data: dict[str, Any]) -> dict[str, Any]:
     usage = data.get("usage") or None
     logprobs = [item.get("logprob") for item in ((choice.get("logprobs") or {}).get("content") or ())]
     content = message.get("content")
+    if not content and isinstance(message.get("refusal"), str):  # the model refused: its words
+        content = message["refusal"]
     return {
         "response": content if content is None else content_text(content),
         "tool_calls": message.get("tool_calls") or None,

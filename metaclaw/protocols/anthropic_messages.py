@@ -228,8 +228,23 @@ def _anthropic_usage(usage: dict[str, Any] | None) -> dict[str, Any]:
         return {k: usage[k] for k in ("input_tokens", "output_tokens",
                                       "cache_creation_input_tokens", "cache_read_input_tokens")
                 if k in usage}
-    return {"input_tokens": int(usage.get("prompt_tokens") or 0),
-            "output_tokens": int(usage.get("completion_tokens") or 0)}
+    prompt = int(usage.get("prompt_tokens") or 0)
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    cached = min(cached, prompt) if isinstance(cached, int) and cached > 0 else 0
+    # Anthropic counts the tokens read from the cache apart from the input tokens
+    return {"input_tokens": prompt - cached, "output_tokens":
+            int(usage.get("completion_tokens") or 0),
+            **({"cache_read_input_tokens": cached} if cached else {})}
+
+
+def _stop_reason(finish: str | None, calls: bool, refused: bool) -> str:
+    """Anthropic's stop reason of a chat reply: a chat upstream does not say which stop
+    sequence matched ("stop" is end_turn); a reply that calls tools stops for them, and one the
+    model refused is a refusal, whatever finish reason the server gave (some say "stop")."""
+    stop = _FINISH_TO_STOP.get(finish or "stop", "end_turn")
+    if stop == "end_turn" and calls:
+        return "tool_use"
+    return "refusal" if stop == "end_turn" and refused else stop
 
 
 def _new_id() -> str:
@@ -245,7 +260,9 @@ class ChatToAnthropicStream(StreamTranslator):
     gathered by index and sent whole, one block each, when the stream ends. For the same reason
     text or reasoning that arrives once the calls have begun (some servers send it between two
     fragments of a call) is gathered and sent after the calls: opening a block for it would
-    split the call in two."""
+    split the call in two. The live call's block opens with its first arguments (or at the end):
+    a name sent in pieces is whole by then. A refusal is sent as text, stopping for
+    ``refusal``."""
 
     def __init__(self) -> None:
         self.started = False
@@ -257,6 +274,8 @@ class ChatToAnthropicStream(StreamTranslator):
         self.live: int | None = None  # the OpenAI index of the call streamed live
         self.held: dict[int, dict[str, Any]] = {}  # the other calls, by OpenAI index
         self.after_calls = {"thinking": "", "text": ""}  # what came once the calls began
+        self.pending: dict[str, Any] | None = None  # the live call before its block opens
+        self.refused = False
 
     def _start(self, chunk: dict[str, Any]) -> list[dict[str, Any]]:
         self.started = True
@@ -298,6 +317,9 @@ class ChatToAnthropicStream(StreamTranslator):
             delta = choice.get("delta") or {}
             reasoning = delta.get("reasoning_content") or delta.get("reasoning")
             text = _text(delta.get("content"))  # a string, or parts (Mistral's Magistral)
+            if isinstance(delta.get("refusal"), str) and delta["refusal"]:
+                text += delta["refusal"]
+                self.refused = True
             if self.live is not None:
                 self.after_calls["thinking"] += reasoning or ""
                 self.after_calls["text"] += text
@@ -318,10 +340,15 @@ class ChatToAnthropicStream(StreamTranslator):
                 function = call.get("function") or {}
                 if self.live is None:
                     self.live = key
-                    out += self._open("tool", key, {
-                        "type": "tool_use",
-                        "id": call.get("id") or f"toolu_{uuid.uuid4().hex[:20]}",
-                        "name": function.get("name") or "", "input": {}})
+                    self.pending = {"id": None, "name": "", "arguments": ""}
+                if key == self.live and self.pending is not None:
+                    pending = self.pending
+                    pending["id"] = call.get("id") or pending["id"]
+                    pending["name"] += function.get("name") or ""
+                    pending["arguments"] += function.get("arguments") or ""
+                    if pending["arguments"]:
+                        out += self._open_live()
+                    continue
                 if key != self.live or self.block != ("tool", key):
                     held = self.held.setdefault(key, {"id": None, "name": "", "arguments": ""})
                     held["id"] = call.get("id") or held["id"]
@@ -335,11 +362,25 @@ class ChatToAnthropicStream(StreamTranslator):
                 self.finish = choice["finish_reason"]
         return out
 
+    def _open_live(self) -> list[dict[str, Any]]:
+        """The live call's block, opened with what it gathered so far."""
+        call, self.pending = self.pending, None
+        out = self._open("tool", self.live, {
+            "type": "tool_use", "id": call["id"] or f"toolu_{uuid.uuid4().hex[:20]}",
+            "name": call["name"], "input": {}})
+        if call["arguments"]:
+            out.append({"type": "content_block_delta", "index": self.index,
+                        "delta": {"type": "input_json_delta",
+                                  "partial_json": call["arguments"]}})
+        return out
+
     def close(self) -> list[dict[str, Any] | None]:
         if self.closed:
             return []
         self.closed = True
         out: list[dict[str, Any] | None] = [] if self.started else self._start({})
+        if self.pending is not None:  # the live call never sent arguments
+            out += self._open_live()
         for key in sorted(self.held):  # the calls after the live one, each whole
             call = self.held[key]
             out += self._open("tool", key, {
@@ -357,8 +398,7 @@ class ChatToAnthropicStream(StreamTranslator):
                 out.append({"type": "content_block_delta", "index": self.index,
                             "delta": {"type": delta, kind: self.after_calls[kind]}})
         out += self._close_block()
-        # a chat upstream does not say which stop sequence matched: "stop" is end_turn
-        stop = _FINISH_TO_STOP.get(self.finish or "stop", "end_turn")
+        stop = _stop_reason(self.finish, self.live is not None, self.refused)
         out.append({"type": "message_delta", "delta": {"stop_reason": stop, "stop_sequence": None},
                     "usage": _anthropic_usage(self.usage)})
         out.append({"type": "message_stop"})
@@ -739,8 +779,11 @@ class AnthropicMessages(WireProtocol):
         reasoning = message.get("reasoning_content") or message.get("reasoning")
         if reasoning:
             content.append({"type": "thinking", "thinking": reasoning, "signature": ""})
-        if message.get("content"):
-            content.append({"type": "text", "text": _text(message["content"])})
+        refused = not message.get("content") and isinstance(message.get("refusal"), str) \
+            and bool(message["refusal"])
+        if message.get("content") or refused:
+            content.append({"type": "text", "text": _text(message.get("content")
+                                                          or message["refusal"])})
         for call in message.get("tool_calls") or ():
             function = call.get("function") or {}
             content.append({"type": "tool_use", "id": call.get("id"),
@@ -748,8 +791,8 @@ class AnthropicMessages(WireProtocol):
                             "input": tool_input(function.get("arguments"))})
         return {"id": _new_id(), "type": "message", "role": "assistant",
                 "model": completion.get("model") or "", "content": content,
-                "stop_reason": _FINISH_TO_STOP.get(choice.get("finish_reason") or "stop",
-                                                   "end_turn"),
+                "stop_reason": _stop_reason(choice.get("finish_reason"),
+                                            bool(message.get("tool_calls")), refused),
                 "stop_sequence": None, "usage": _anthropic_usage(completion.get("usage"))}
 
     def stream_to_chat(self) -> StreamTranslator:

@@ -11,22 +11,24 @@ import uuid
 from typing import Any
 
 from metaclaw.jsonlib import dumpb
-from metaclaw.protocols import (ARRAY, BOOLEAN, INTEGER, NUMBER, OBJECT, STRING, ProxyError,
-                                StreamTranslator, WireProtocol, summarize_completion,
-                                usage_columns)
+from metaclaw.protocols import (ARRAY, BOOLEAN, INTEGER, NUMBER, OBJECT, STRING, Event,
+                                ProxyError, StreamTranslator, WireProtocol, sse_events,
+                                summarize_completion, usage_columns)
 from metaclaw.skills.asks import content_text
 
 
 class StreamAssembler:
     """Accumulates ``chat.completion.chunk`` dicts into the turn's reply (choice 0).
 
-    After the stream: ``content`` (str or None), ``tool_calls`` (list of OpenAI tool-call dicts,
+    After the stream: ``content`` (str or None; a refusal's text where the model refused),
+    ``refusal`` (whether it did), ``tool_calls`` (list of OpenAI tool-call dicts,
     by index, or None), ``finish_reason``, ``usage`` (dict or None), ``error`` (the error dict
     of an SSE error event, or None), ``logprobs`` (list of floats or None), ``chunks`` (count).
     """
 
     def __init__(self) -> None:
         self._parts: list[str] = []
+        self._refusal: list[str] = []
         self._tools: dict[int, dict[str, Any]] = {}
         self._logprobs: list[float] = []
         self.finish_reason: str | None = None
@@ -50,6 +52,8 @@ class StreamAssembler:
             delta = choice.get("delta") or {}
             if delta.get("content"):  # a list of parts from some servers (Mistral's Magistral)
                 self._parts.append(content_text(delta["content"]))
+            if isinstance(delta.get("refusal"), str):
+                self._refusal.append(delta["refusal"])
             for call in delta.get("tool_calls") or ():
                 slot = self._tools.setdefault(call.get("index", 0), {
                     "id": None, "type": "function", "function": {"name": "", "arguments": ""}})
@@ -70,7 +74,18 @@ class StreamAssembler:
 
     @property
     def content(self) -> str | None:
-        return "".join(self._parts) if self._parts else None
+        if self._parts:
+            return "".join(self._parts)
+        return "".join(self._refusal) if self._refusal else None
+
+    @property
+    def refusal(self) -> bool:
+        return bool(self._refusal)
+
+    @property
+    def finished(self) -> bool:
+        """Whether the reply's end was said (its finish reason)."""
+        return self.finish_reason is not None
 
     @property
     def tool_calls(self) -> list[dict[str, Any]] | None:
@@ -135,6 +150,75 @@ class TranslatedAssembler:
         for chunk in self._chat.close():
             self._inner.add(chunk)
         return self._inner.columns()
+
+
+class CallNumbering:
+    """Fills in what some OpenAI-compatible servers leave out of a streamed reply's tool calls,
+    so that every reader of the stream (the recorded turn, each translation, a chat client)
+    sees the same calls: a fragment without ``index`` belongs to the call whose ``id`` it
+    repeats, starts a new call when it brings a new ``id``, else continues the last call; a
+    call whose first fragment has no ``id`` gets one (``call_...``). Only the chunks it changes
+    are re-encoded."""
+
+    def __init__(self) -> None:
+        self.ids: dict[str, int] = {}
+        self.started: set[int] = set()
+        self.last: int | None = None
+
+    def fix(self, event: Event) -> Event:
+        raw, chunk = event
+        if chunk is None or b'"tool_calls"' not in raw:
+            return event
+        changed = False
+        for choice in chunk.get("choices") or ():
+            delta = choice.get("delta") if isinstance(choice, dict) else None
+            calls = delta.get("tool_calls") if isinstance(delta, dict) else None
+            if choice.get("index", 0) != 0 or not isinstance(calls, list):
+                continue
+            for call in calls:
+                if isinstance(call, dict):
+                    changed = self._fix_call(call) or changed
+        return (b"data: " + dumpb(chunk) + b"\n\n", chunk) if changed else event
+
+    def _fix_call(self, call: dict[str, Any]) -> bool:
+        changed = False
+        index, given = call.get("index"), call.get("id")
+        if not isinstance(index, int) or isinstance(index, bool):
+            if isinstance(given, str) and given in self.ids:
+                index = self.ids[given]
+            elif given or self.last is None:
+                index = max(self.started, default=-1) + 1
+            else:
+                index = self.last
+            call["index"], changed = index, True
+        if index not in self.started:
+            self.started.add(index)
+            if not given:
+                call["id"] = given = "call_" + uuid.uuid4().hex[:24]
+                changed = True
+        if isinstance(given, str) and given:
+            self.ids[given] = index
+        self.last = index
+        return changed
+
+
+async def _numbered(batches: Any) -> Any:
+    numbering = CallNumbering()
+    async for batch in batches:
+        yield [numbering.fix(event) for event in batch]
+
+
+def fill_call_ids(completion: dict[str, Any]) -> bool:
+    """Give each tool call of a ``chat.completion`` that has no ``id`` one (``call_...``), as
+    :class:`CallNumbering` does in a stream; whether any was missing."""
+    changed = False
+    for choice in completion.get("choices") or ():
+        message = choice.get("message") if isinstance(choice, dict) else None
+        calls = message.get("tool_calls") if isinstance(message, dict) else None
+        for call in calls if isinstance(calls, list) else ():
+            if isinstance(call, dict) and not call.get("id"):
+                call["id"], changed = "call_" + uuid.uuid4().hex[:24], True
+    return changed
 
 
 class _Identity(StreamTranslator):
@@ -267,6 +351,16 @@ class OpenAIChat(WireProtocol):
 
     def reply_to_chat(self, data: dict[str, Any]) -> dict[str, Any]:
         return data
+
+    def complete_reply(self, data: dict[str, Any]) -> bool:
+        return fill_call_ids(data)
+
+    def upstream_events(self, chunks: Any, timeout: float | None) -> Any:
+        return _numbered(sse_events(chunks, timeout))
+
+    def complete_without_terminal(self, assembler: Any) -> bool:
+        # some OpenAI-compatible servers close a finished stream without "data: [DONE]"
+        return assembler.finished
 
     def reply_problem(self, data: Any) -> str | None:
         if not isinstance(data, dict):

@@ -277,9 +277,16 @@ def _custom_input(arguments: Any) -> str:
     return str(arguments)
 
 
-def _message_item(text: str, status: str = "completed") -> dict[str, Any]:
+def _part(kind: str, text: str) -> dict[str, Any]:
+    """A message's content part: its text, or (``kind`` "refusal") the model's refusal."""
+    if kind == "refusal":
+        return {"type": "refusal", "refusal": text}
+    return {"type": "output_text", "text": text, "annotations": []}
+
+
+def _message_item(text: str, status: str = "completed", kind: str = "message") -> dict[str, Any]:
     return {"type": "message", "id": _new_id("msg"), "status": status, "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": []}]}
+            "content": [_part(kind, text)]}
 
 
 def _response(request: dict[str, Any] | None, model: str, output: list[dict[str, Any]],
@@ -316,7 +323,8 @@ class ChatToResponsesStream(StreamTranslator):
     ``output_item.done``, so calls after the first are gathered and sent whole, in order, when
     the stream ends (as the Anthropic translation does). A free-form tool's input is sent whole
     at its end: the chat model writes it as JSON (``{"input": ...}``), which is only readable
-    once complete. Reasoning text is sent as a ``reasoning`` item with a summary."""
+    once complete. Reasoning text is sent as a ``reasoning`` item with a summary, a refusal as a
+    message whose part is a ``refusal``."""
 
     def __init__(self, request: dict[str, Any] | None = None):
         self.request = request or {}
@@ -364,10 +372,9 @@ class ChatToResponsesStream(StreamTranslator):
         self.open = _Open(kind, item, index)
         out.append(self._event("response.output_item.added", output_index=index,
                                item={**item, "status": "in_progress"}))
-        if kind == "message":
+        if kind in ("message", "refusal"):
             out.append(self._event("response.content_part.added", item_id=item["id"],
-                                   output_index=index, content_index=0,
-                                   part={"type": "output_text", "text": "", "annotations": []}))
+                                   output_index=index, content_index=0, part=_part(kind, "")))
         elif kind == "reasoning":
             out.append(self._event("response.reasoning_summary_part.added", item_id=item["id"],
                                    output_index=index, summary_index=0,
@@ -381,10 +388,12 @@ class ChatToResponsesStream(StreamTranslator):
                                    "".join(self.open.parts))
         self.open = None
         out: list[dict[str, Any]] = []
-        if kind == "message":
-            part = {"type": "output_text", "text": text, "annotations": []}
+        if kind in ("message", "refusal"):
+            part = _part(kind, text)
             item = {**item, "content": [part]}
-            out += [self._event("response.output_text.done", item_id=item["id"],
+            out += [self._event("response.refusal.done", item_id=item["id"], output_index=index,
+                                content_index=0, refusal=text) if kind == "refusal" else
+                    self._event("response.output_text.done", item_id=item["id"],
                                 output_index=index, content_index=0, text=text),
                     self._event("response.content_part.done", item_id=item["id"],
                                 output_index=index, content_index=0, part=part)]
@@ -408,13 +417,14 @@ class ChatToResponsesStream(StreamTranslator):
         """Append to ``out`` a delta of ``text`` for the item of ``kind`` streaming now (opened
         first when another item streams)."""
         if self.open is None or self.open.kind != kind:
-            item = (_message_item("", "in_progress") if kind == "message" else
-                    {"type": "reasoning", "id": _new_id("rs"), "summary": []})
+            item = (_message_item("", "in_progress", kind) if kind in ("message", "refusal")
+                    else {"type": "reasoning", "id": _new_id("rs"), "summary": []})
             out += self._open_item(item, kind)
         opened = self.open
         opened.parts.append(text)
-        if kind == "message":
-            out.append({"type": "response.output_text.delta", "sequence_number": self.seq,
+        if kind in ("message", "refusal"):
+            out.append({"type": f"response.{'refusal' if kind == 'refusal' else 'output_text'}"
+                                ".delta", "sequence_number": self.seq,
                         "item_id": opened.item["id"], "output_index": opened.index,
                         "content_index": 0, "delta": text})
         else:
@@ -512,6 +522,7 @@ class ChatToResponsesStream(StreamTranslator):
         content = delta.get("content")
         text = content_text(content) if content else ""
         reasoning = delta.get("reasoning_content") or delta.get("reasoning")
+        refusal = delta.get("refusal") if isinstance(delta.get("refusal"), str) else ""
         if self.live is not None or self.calls:
             # once the calls began, an item may not open between their fragments: text is
             # gathered and sent after them; reasoning this late is left out
@@ -521,6 +532,8 @@ class ChatToResponsesStream(StreamTranslator):
             self._text("reasoning", reasoning, out)
         if text:
             self._text("message", text, out)
+        if refusal:
+            self._text("refusal", refusal, out)
         if delta.get("tool_calls"):
             out += self._tool_calls(delta["tool_calls"])
 
@@ -579,6 +592,8 @@ class ResponsesToChatStream(ToChatStream):
             return [self._chunk({"role": "assistant", "content": ""})]
         if kind == "response.output_text.delta":
             return [self._chunk({"content": event.get("delta") or ""})]
+        if kind == "response.refusal.delta":
+            return [self._chunk({"refusal": event.get("delta") or ""})]
         if kind == "response.reasoning_summary_text.delta":
             return [self._chunk({"reasoning_content": event.get("delta") or ""})]
         if kind == "response.output_item.added":
@@ -874,13 +889,16 @@ class OpenAIResponses(WireProtocol):
 
     # -- replies --------------------------------------------------------------------------
     def reply_to_chat(self, data: dict[str, Any]) -> dict[str, Any]:
-        texts, reasoning, calls = [], [], []
+        texts, reasoning, calls, refusals = [], [], [], []
         for item in data.get("output") or ():
             if not isinstance(item, dict):
                 continue
             kind = item.get("type")
             if kind == "message":
                 texts.append(_parts_text(item.get("content")))
+                refusals += [part["refusal"] for part in item.get("content") or ()
+                             if isinstance(part, dict) and part.get("type") == "refusal"
+                             and isinstance(part.get("refusal"), str)]
             elif kind == "reasoning":
                 reasoning.append(_parts_text(item.get("summary")))
             elif kind == "function_call":
@@ -895,6 +913,8 @@ class OpenAIResponses(WireProtocol):
             message["tool_calls"] = calls
         if any(reasoning):
             message["reasoning_content"] = "".join(reasoning)
+        if any(refusals):
+            message["refusal"] = "".join(refusals)
         reason = (data.get("incomplete_details") or {}).get("reason")
         finish = ("length" if reason == "max_output_tokens" else "content_filter"
                   if reason == "content_filter" else "tool_calls" if calls else "stop")
@@ -924,6 +944,8 @@ class OpenAIResponses(WireProtocol):
                            "summary": [{"type": "summary_text", "text": reasoning}]})
         if message.get("content"):
             output.append(_message_item(content_text(message["content"])))
+        if isinstance(message.get("refusal"), str) and message["refusal"]:
+            output.append(_message_item(message["refusal"], kind="refusal"))
         calls = [call for call in message.get("tool_calls") or () if isinstance(call, dict)]
         if calls:
             custom = custom_tools(request or {})

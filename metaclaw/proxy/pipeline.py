@@ -1141,6 +1141,8 @@ class _Relay:
                 body, self.caller_key, self.pipeline.upstream_headers(turn, upstream, request))
             if "policy_version" in policy:
                 self.headers["X-MetaClaw-Policy-Version"] = str(policy["policy_version"])
+            if upstream.protocol.complete_reply(data):  # e.g. a tool call's missing id
+                payload = dumpb(data)
             if upstream.protocol is not client:
                 payload = dumpb(client.reply_from_chat(
                     upstream.protocol.reply_to_chat(data), turn.body))
@@ -1255,6 +1257,11 @@ class _Relay:
                     if relayed:  # masked as a whole: an upstream may quote the key anywhere
                         await self.write(response, mask_bytes(b"".join(relayed),
                                                               self.secret_bytes))
+                if not ended and assembler.error is None and \
+                        source.complete_without_terminal(assembler):
+                    ended = True  # a whole reply whose upstream left out the terminal event
+                    if same:
+                        held.append(client.encode_event(None))
                 if not ended and assembler.error is None:
                     raise ProxyError(502, f"the upstream {_where(upstream)} ended its stream "
                                           "before the final event (truncated reply); retry the "
