@@ -1092,14 +1092,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     else:
         judge = _judge(args)
     if args.now:  # said before the model loads (seconds to minutes): nothing to train on
-        from metaclaw import buffers
-        from metaclaw.slowloop.grpo import select_query_turns
+        from metaclaw.slowloop.loop import nothing_to_train
 
-        buffers.refresh(store)  # as each step does before it reads the query set
-        if not select_query_turns(store):
-            raise CliError("nothing to train: no live query-set turns of the current skill "
-                           "generation; serve turns through the proxy first (metaclaw buffers "
-                           "shows the query set)")
+        empty = nothing_to_train(store)
+        if empty:
+            raise CliError(empty)
     state_dir = args.state_dir or str(local_dir(args.db) / "train")
     config = GRPOConfig(steps=args.steps, group_size=args.group_size,
                         groups_per_step=args.groups_per_step, max_tokens=args.max_tokens,

@@ -613,3 +613,24 @@ def test_a_reply_nested_past_the_parsers_stack_is_unparsable_not_a_crash():
     with pytest.raises(ValueError, match="no score found"):
         parse_verdict(deep)
     assert parse_verdict(deep + '\n{"score": -1, "rationale": "after"}') == (-1, "after")
+
+
+def test_a_later_conversation_that_only_shares_the_session_is_no_reaction():
+    """A trimmed history still counts as the reaction where the later turn holds this turn's
+    ask or reply; a new conversation under the same session name (a notebook's chat after a
+    kernel restart, a second notebook) does not."""
+    from metaclaw.fastloop.judge import next_user_message
+
+    turn = {"request_messages": [{"role": "user", "content": "Convert 5 miles to km"}],
+            "response": "8.05 km"}
+    unrelated = {"request_messages": [
+        {"role": "user", "content": "No, that's wrong: always back up files first."}]}
+    assert next_user_message(turn, [unrelated]) is None
+    trimmed = {"request_messages": [  # the client dropped the system prompt and older turns
+        {"role": "assistant", "content": "8.05 km"}, {"role": "user", "content": "In miles?"}]}
+    assert next_user_message(turn, [trimmed]) == "In miles?"
+    summarised = {"request_messages": [
+        {"role": "user", "content": "[summary of earlier work]"},
+        {"role": "user", "content": "Convert 5 miles to km"},
+        {"role": "assistant", "content": "(compacted)"}, {"role": "user", "content": "Thanks"}]}
+    assert next_user_message(turn, [summarised]) == "Thanks"

@@ -478,3 +478,32 @@ def test_a_chat_to_an_unreachable_upstream_says_why_once(ip, caplog):
     assert "not added to this session's history" in said and magics.histories["s"] == []
     assert not [r for r in caplog.records if "a turn failed" in r.getMessage()]
     assert line(ip, "turns")["status"].to_list() == ["error"]  # recorded all the same
+
+
+def test_a_new_conversation_under_a_used_session_name_records_apart(ip):
+    """After a new start (as after a kernel restart) or --new, a chat under a name the
+    workspace already has turns of records under NAME.2, NAME.3: the judge never reads the new
+    conversation's message as the reaction to the old one; --session NAME in the reading
+    actions means this kernel's conversation; a held proposal does not outlive its workspace."""
+    magics = ip.magics_manager.registry["MetaClawMagics"]
+    start = "start --sim --db {ws}/w.db --skills {ws}/skills"
+    line(ip, start)
+    assert cell(ip, "chat", "Convert 5 miles to km please").session_id == "notebook"
+    assert cell(ip, "chat", "and 10 miles?").session_id == "notebook"
+    magics.proposal = object()  # as a dry-run evolve leaves one
+    line(ip, start)
+    assert magics.proposal is None
+    assert cell(ip, "chat", "No, that's wrong: back up files first.").session_id == "notebook.2"
+    assert cell(ip, "chat --new", "Thanks!").session_id == "notebook.3"
+    assert set(line(ip, "turns --session notebook")["session_id"]) == {"notebook.3"}
+    assert cell(ip, "chat --session other", "hi").session_id == "other"
+
+
+def test_diff_and_train_say_what_is_wrong_in_a_sentence(ip):
+    line(ip, "start --sim --db {ws}/d.db --skills {ws}/skills")
+    said = fails(ip, "diff 0 9")
+    assert "generation 9 does not exist" in said and "TraitError" not in said
+    assert "nothing to compare yet" in repr(line(ip, "diff"))
+    ip.user_ns["yes"] = lambda prompt, text: 1.0
+    said = fails(ip, "train --base-model nowhere --now --reward yes")  # no turn served yet
+    assert "nothing to train" in said and "model" not in said.split(":")[1][:20]

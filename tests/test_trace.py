@@ -182,3 +182,13 @@ def test_sessions_count_failures_as_the_trace_does(tmp_path):
     marked = sum(trace.is_failure(row) for row in store.turns("session_id = 's'"))
     assert [s["failures"] for s in sessions(store, threshold=0.5)] == [marked] == [4]
     assert [s["failures"] for s in sessions(store)] == [3]
+
+
+def test_a_turn_chosen_in_the_front_end_that_cannot_be_shown_moves_nothing(store, session):
+    _library, ids = session
+    widget = TraceWidget(store, "s1")
+    shown = widget.detail
+    widget.set_state({"selected": ids[-1] + 999})  # as the front-end sends a choice
+    assert widget.selected == ids[0] and widget.detail == shown
+    assert f"#{ids[-1] + 999}" in widget.error
+    assert "3 turns" in repr(widget)

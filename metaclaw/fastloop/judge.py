@@ -202,10 +202,14 @@ def next_user_message(turn: dict[str, Any], later_turns: Iterable[dict[str, Any]
     ``later_turns``: the later turns of its thread (its session's turns of the same turn type:
     a stage's retry follows that stage), in order. A later turn's conversation holds
     the new user message after this turn's ones; when the client trimmed its history, the last
-    user message of the later turn is used if it is new. ``None`` when there is none yet.
+    user message of the later turn is used if it is new and the later turn still holds this
+    turn's last ask or its reply (a conversation that only shares the session's name, such as a
+    notebook's chat after a kernel restart, is no reaction to this turn). ``None`` when there is
+    none yet.
     """
     mine = [message_text(m.get("content")) for m in turn.get("request_messages") or []
             if isinstance(m, dict) and m.get("role") == "user"]
+    reply = turn.get("response")
     for later in later_turns:
         messages = later.get("request_messages") or []
         theirs = [message_text(m.get("content")) for m in messages
@@ -214,7 +218,10 @@ def next_user_message(turn: dict[str, Any], later_turns: Iterable[dict[str, Any]
             return theirs[len(mine)]
         if messages and isinstance(messages[-1], dict) and messages[-1].get("role") == "user":
             last = message_text(messages[-1].get("content"))
-            if last not in mine:
+            follows = (bool(mine) and mine[-1] in theirs[:-1]) or bool(reply) and any(
+                isinstance(m, dict) and m.get("role") == "assistant"
+                and message_text(m.get("content")) == reply for m in messages)
+            if last not in mine and follows:
                 return last
     return None
 

@@ -557,8 +557,10 @@ class FastLoop:
         unseen = frozenset(int(t["id"]) for t in failing)
         now = time.time()
         tried, when = self._idle_tried
-        if unseen <= tried and now - when < max(self.feedback_wait, self.IDLE_RETRY_S):
-            return None  # an evolver that failed on them (down) is not asked at every sweep
+        if tried and tried <= unseen and now - when < max(self.feedback_wait, self.IDLE_RETRY_S):
+            # the last attempt left its failures unseen: the evolver failed (down), and is not
+            # asked again at every sweep, nor at each failure judged since
+            return None
         quiet = max(self.feedback_wait, self.SWEEP_S)  # (a wait of 0: quiet for a sweep)
         for session in waiting:
             last = self.store.query("SELECT MAX(created_at) AS at FROM turns WHERE "

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import html
+import itertools
 import keyword
 import shlex
 from pathlib import Path
@@ -240,6 +241,8 @@ class MetaClawMagics(Magics):
         super().__init__(shell)
         self.runtime = None
         self.histories: dict[str, list[dict[str, Any]]] = {}
+        #: the session id each chat name records its conversation under (see :meth:`_session`)
+        self.sessions: dict[str, str] = {}
         self.proposal = None  # the last dry-run evolver proposal, for %metaclaw promote
         self.scheduler = None  # the scheduler %metaclaw scheduler built to show (no training)
 
@@ -294,6 +297,7 @@ class MetaClawMagics(Magics):
 
         runtime, self.runtime = self.runtime, None
         scheduler, self.scheduler = self.scheduler, None
+        self.proposal = None  # made from that workspace: never promoted into the next one
         if scheduler is not None:
             scheduler.close()
         if runtime is not None:
@@ -335,6 +339,7 @@ class MetaClawMagics(Magics):
                                       f"proxy at {previous} was stopped)") from None
             raise
         self.histories.clear()
+        self.sessions.clear()
         if previous:
             print(f"stopped the proxy at {previous}; the chat sessions start afresh")
         return self.runtime
@@ -355,7 +360,7 @@ class MetaClawMagics(Magics):
         args = parser.parse_args(argv)
         runtime = self._require_runtime()
         runtime.proxy.flush()
-        return explain_frame(runtime.store, session=args.session, last=args.last)
+        return explain_frame(runtime.store, session=self._named(args.session), last=args.last)
 
     def _do_events(self, argv: list[str], cell: str | None):
         """%metaclaw events [--kind K] [--last N]: what the loops reported (failed judge and
@@ -383,7 +388,9 @@ class MetaClawMagics(Magics):
         [--as NAME]: the cell is a user message. With --workspace the model gets file tools
         confined to DIR (read, write, list, copy, append) and the tool calls run until it
         answers. --as NAME also keeps the turn in the notebook variable NAME (``_`` is only the
-        last cell's value, and no longer this turn once another cell has run)."""
+        last cell's value, and no longer this turn once another cell has run). A new
+        conversation under a session name the workspace already has turns of records as
+        NAME.2, NAME.3, ... (after a restart, a new start, or --new)."""
         parser = _parser("chat", self._do_chat.__doc__)
         parser.add_argument("--session", default="notebook")
         parser.add_argument("--side", action="store_true", help="a side turn (no skills)")
@@ -427,6 +434,7 @@ class MetaClawMagics(Magics):
         history = self.histories.setdefault(session, [])
         if args.new:
             history.clear()
+        name, session = session, self._session(session, runtime.store, new=not history)
         start = len(history)
         if workspace is not None and not history:
             from metaclaw.bench.agent import system_prompt
@@ -485,9 +493,31 @@ class MetaClawMagics(Magics):
         runtime.proxy.flush()  # turns are recorded off the request path; wait for these
         rows = runtime.store.turns("session_id = ? AND id > ?", (session, before))
         turn = ChatTurn(session, cell.strip(), message.content or "", calls or made, rows)
+        self.sessions[name] = session
         if args.name is not None and self.shell is not None:
             self.shell.user_ns[args.name] = turn
         return turn
+
+    def _session(self, name: str, store: Any, *, new: bool) -> str:
+        """The session id a chat named ``name`` records under: the one its conversation began
+        with; for a new conversation (the first message after a start, a kernel restart or
+        ``--new``), ``name`` itself where the workspace holds no turn of it yet, else ``name.2``,
+        ``name.3``, ... so that the judge never reads a message of a new conversation as the
+        reaction to an old one (the proxy numbers a restarted conversation the same way)."""
+        if not new and name in self.sessions:
+            return self.sessions[name]
+        taken = set(self.sessions.values())
+        for n in itertools.count(1):
+            candidate = name if n == 1 else f"{name}.{n}"
+            if candidate not in taken and not store.query(
+                    "SELECT 1 AS x FROM turns WHERE session_id = ? LIMIT 1", (candidate,)):
+                return candidate
+        raise AssertionError("unreachable")
+
+    def _named(self, session: str | None) -> str | None:
+        """A ``--session`` given to a reading action: a chat's name means the session its
+        conversation records under (see :meth:`_session`)."""
+        return self.sessions.get(session, session) if session else session
 
     def _do_skills(self, argv: list[str], cell: str | None):
         """%metaclaw skills [--generation G]: the skill library as a table."""
@@ -520,7 +550,12 @@ class MetaClawMagics(Magics):
         if len(args.generations) not in (0, 2):
             raise MagicUsageError("%metaclaw diff takes no generation or two: %metaclaw diff 1 3")
         library = self._require_runtime().library
-        return SkillDiffWidget(library, *args.generations, follow=args.follow)
+        import traitlets
+
+        try:
+            return SkillDiffWidget(library, *args.generations, follow=args.follow)
+        except traitlets.TraitError as exc:  # a generation that does not exist: its sentence
+            raise MagicUsageError(f"%metaclaw diff: {exc}") from None
 
     def _do_experiment(self, argv: list[str], cell: str | None):
         """%metaclaw experiment [NAME] [--variant V] [--follow]: an experiment's view (default:
@@ -573,7 +608,7 @@ class MetaClawMagics(Magics):
         runtime = self._require_runtime()
         judge = runtime.judge  # a clear error now when no judge model is configured
         runtime.proxy.flush()
-        ids = turns_to_score(runtime.store, session=args.session, last=args.last,
+        ids = turns_to_score(runtime.store, session=self._named(args.session), last=args.last,
                              rescore=args.rescore)
         try:
             results = judge.judge_turns(runtime.store, ids, rescore=args.rescore,
@@ -738,7 +773,7 @@ class MetaClawMagics(Magics):
         args = parser.parse_args(argv)
         runtime = self._require_runtime()
         runtime.proxy.flush()
-        return TraceWidget(runtime.store, args.session, failures_only=args.failures,
+        return TraceWidget(runtime.store, self._named(args.session), failures_only=args.failures,
                            threshold=self._threshold(runtime))
 
     @staticmethod
@@ -773,7 +808,7 @@ class MetaClawMagics(Magics):
         parser.add_argument("--session")
         args = parser.parse_args(argv)
         runtime = self._require_runtime()
-        return labels.frame(runtime.store, session=args.session,
+        return labels.frame(runtime.store, session=self._named(args.session),
                             threshold=self._threshold(runtime))
 
     def _do_agreement(self, argv: list[str], cell: str | None):
@@ -805,7 +840,7 @@ class MetaClawMagics(Magics):
                         if args.turns else None)
         except ValueError:
             raise MagicUsageError("--turns takes turn ids separated by commas: --turns 3,4,9")
-        selection = {"turn_ids": turn_ids, "session": args.session,
+        selection = {"turn_ids": turn_ids, "session": self._named(args.session),
                      "labelled_only": args.labelled, "threshold": self._threshold(runtime)}
         try:
             n = labels.export_file(runtime.store, args.path, shape=args.shape, **selection)
@@ -852,6 +887,12 @@ class MetaClawMagics(Magics):
             if not callable(reward):
                 raise MagicUsageError(f"--reward {args.reward}: no callable of that name in the "
                                       f"notebook; define def {args.reward}(prompt, text) -> float")
+        if args.now:  # said before the model loads, as `metaclaw train --now` does
+            from metaclaw.slowloop.loop import nothing_to_train
+
+            empty = nothing_to_train(runtime.store)
+            if empty:
+                raise MagicUsageError(f"%metaclaw train --now: {empty} (%%metaclaw chat)")
         loop = runtime.extras.get("slow_loop")
         if loop is None:
             if not args.base_model:
@@ -925,7 +966,7 @@ class MetaClawMagics(Magics):
         runtime = self._require_runtime()
         runtime.proxy.flush()
         try:
-            where, params = turns_filter(args.session, args.type)
+            where, params = turns_filter(self._named(args.session), args.type)
         except ValueError as exc:
             raise MagicUsageError(str(exc)) from None
         return runtime.store.frame("turns", where, params).drop("ask_features", strict=False)

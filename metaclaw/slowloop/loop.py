@@ -48,6 +48,18 @@ log = logging.getLogger("metaclaw.slowloop")
 Reward = Callable[[Prompt, str], Any]
 
 
+def nothing_to_train(store) -> str | None:
+    """Why training now would find nothing to train (no live query-set turns of the current
+    skill generation), said before a model loads; None when there is something."""
+    from metaclaw.slowloop.grpo import select_query_turns
+
+    buffers.refresh(store)  # as each step does before it reads the query set
+    if select_query_turns(store):
+        return None
+    return ("nothing to train: no live query-set turns of the current skill generation; serve "
+            "turns through the proxy first (metaclaw buffers shows the query set)")
+
+
 def turn_evidence(store, turn: dict[str, Any] | None) -> str | None:
     """The recorded consequence of a served turn, as the judge's evidence: the results of its
     tool calls and the user's next message (both read from the session's next turns), and an

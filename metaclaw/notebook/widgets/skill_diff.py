@@ -395,7 +395,7 @@ class SkillDiffWidget(_WorkspaceWidget):
             held = sum(p['status'] == 'held' for p in self.proposals)
             parts = [f"<div><b>Skill library</b>: generation {self.new} &middot; "
                      + (f"{held} proposal(s) held for review" if held else
-                        "no proposal held for review") + "</div>"]
+                        self._nothing_held()) + "</div>"]
         else:
             parts = [diff_html(self.diff),
                      f"<div style='color:#656d76;font-size:90%'>{_esc(self._pin_line())}</div>"]
@@ -411,6 +411,13 @@ class SkillDiffWidget(_WorkspaceWidget):
                          "</details>")
         return "".join(parts)
 
+    def _nothing_held(self) -> str:
+        """What a view of one generation says when no proposal is held either."""
+        if len(self.generations) > 1:
+            return "no proposal held for review"
+        return ("the library's only generation: nothing to compare yet, and no proposal held "
+                "for review")
+
     def __repr__(self) -> str:
         s = self.diff.get("summary", {})
         # the held proposals too: the text form (nbconvert, CI logs, a terminal) of a widget
@@ -422,7 +429,7 @@ class SkillDiffWidget(_WorkspaceWidget):
             for p in held)
         if self.old == self.new:  # a review of proposals
             return (f"SkillDiffWidget(generation {self.new}"
-                    f"{proposals or ': no proposal held for review'})")
+                    f"{proposals or ': ' + self._nothing_held()})")
         return (f"SkillDiffWidget(generation {self.old} -> {self.new}: +{s.get('added', 0)} added, "
                 f"~{s.get('edited', 0)} edited, -{s.get('removed', 0)} removed"
                 f"{', following' if self.follow else ''}{proposals})")

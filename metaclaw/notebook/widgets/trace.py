@@ -97,7 +97,9 @@ class TraceWidget(_WorkspaceWidget):
             self.trace.store = store
         return store
 
-    def _select(self, turn_id: int | None) -> None:
+    def _select(self, turn_id: int | None, strict: bool = False) -> None:
+        """Show ``turn_id``; ``strict``: a turn that cannot be read raises (LookupError) and
+        moves nothing, as a choice made in the front-end must not."""
         visible = self._visible()
         ids = [r["id"] for r in visible]
         detail: dict[str, Any] = {}
@@ -107,6 +109,8 @@ class TraceWidget(_WorkspaceWidget):
             try:
                 detail = _clip_texts(_json_safe(self.trace.turn(int(turn_id))))
             except LookupError as exc:
+                if strict:
+                    raise
                 error = str(exc)
         self._ready = False
         try:
@@ -223,9 +227,9 @@ class TraceWidget(_WorkspaceWidget):
         if not self._ready:
             return
         try:
-            self._select(change["new"])
+            self._select(change["new"], strict=True)
         except Exception as exc:  # noqa: BLE001 - the selection stays where it was
-            self._selection_failed(change, exc)
+            self._selection_failed(change, exc, said=(SourceGone, LookupError))
 
     @_reacts("step_request", failing="cannot step")
     def _on_step_request(self, change: Any) -> None:
@@ -280,7 +284,8 @@ class TraceWidget(_WorkspaceWidget):
         return "".join(parts)
 
     def __repr__(self) -> str:
-        return (f"TraceWidget(session {self.session_id!r}: {self.total} turns, "
+        return (f"TraceWidget(session {self.session_id!r}: {self.total} "
+                f"turn{'' if self.total == 1 else 's'}, "
                 f"{self.failure_count} failed, selected #{self.selected})")
 
 
