@@ -450,3 +450,40 @@ def test_a_write_lock_that_stays_taken_answers_the_group_at_once_not_turn_by_tur
     results, err = _three_turns_refused(Recorder(LockedStore(tmp_path / "m.db"), fsync=True))
     assert results == [BUSY] * 3
     assert err.status == 503 and err.code == "store_busy" and err.headers == {"Retry-After": "5"}
+
+
+def test_a_session_look_up_the_store_never_answers_is_a_503_not_a_hang(tmp_path, monkeypatch):
+    """A conversation without a session id is told apart from alike-opening ones by reading
+    the recorded sessions; on a database that stopped answering (frozen, still connected) that
+    read hung the request for as long as the freeze."""
+    import httpx
+
+    from metaclaw.offline.double import DoubleServer
+    from metaclaw.proxy import pipeline as module
+    from metaclaw.proxy.app import Proxy, ProxyConfig
+    from metaclaw.proxy.sessions import ReplyThreads
+    from metaclaw.skills.library import SkillLibrary
+
+    monkeypatch.setattr(module, "ACK_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(ReplyThreads, "reads_network", property(lambda self: True))
+    resolve = ReplyThreads.resolve
+
+    def frozen(self, fingerprint, messages):
+        time.sleep(1.5)
+        return resolve(self, fingerprint, messages)
+
+    monkeypatch.setattr(ReplyThreads, "resolve", frozen)
+    store = Store(tmp_path / "m.db")
+    with DoubleServer() as upstream:
+        proxy = Proxy(ProxyConfig(upstream_url=upstream.url, retrieval="lexical"), store,
+                      SkillLibrary(tmp_path / "skills", store)).start()
+        try:
+            started = time.monotonic()
+            answer = httpx.post(proxy.url + "/chat/completions", timeout=10, json={
+                "model": "m", "messages": [{"role": "user", "content": "hello there"}]})
+            assert time.monotonic() - started < 1.4
+            assert answer.status_code == 503
+            assert answer.json()["error"]["code"] == "store_unavailable"
+        finally:
+            proxy.stop()
+            store.close()

@@ -293,3 +293,32 @@ def test_proxy_activity_is_the_newest_turn_or_a_request_in_flight(store):
     assert len(store.query("SELECT * FROM proxy_activity")) == 2
     store.forget_proxy("host:1:a")
     assert store.last_proxy_activity() == pytest.approx(ended + 50)
+
+
+def test_a_copy_whose_source_changes_meanwhile_leaves_the_destination_empty(tmp_path):
+    """A proxy recording into the source during `metaclaw db copy`: the verification found it
+    only after the commit, and left the destination half filled (a rerun was then refused)."""
+    from metaclaw.store import StoreError
+    from metaclaw.store.transfer import copy_store
+
+    source, dest = Store(tmp_path / "source.db"), Store(tmp_path / "dest.db")
+    writer = Store(tmp_path / "source.db")  # another process's proxy
+    for i in range(3):
+        source.record_turn(session_id="s", request_messages=[], status="ok", response=str(i))
+    rows, wrote = source._rows, []
+
+    def rows_while_a_proxy_writes(sql, params):
+        out = rows(sql, params)
+        if "FROM turns" in sql and not wrote:
+            wrote.append(writer.record_turn(session_id="s", request_messages=[], status="ok"))
+        return out
+
+    source._rows = rows_while_a_proxy_writes
+    with pytest.raises(StoreError, match="the source changed while it was copied"):
+        copy_store(source, dest)
+    assert not any(dest.counts().values())  # nothing written: a rerun is not refused
+    source._rows = rows
+    copy_store(source, dest)
+    assert dest.counts()["turns"] == 4
+    for store in (source, dest, writer):
+        store.close()

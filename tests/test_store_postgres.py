@@ -291,6 +291,28 @@ def test_the_store_comes_back_after_the_server_restarts(pg_cluster, url):
         assert store.current_generation() is None
 
 
+def test_the_first_write_and_read_after_a_restart_need_no_retry(pg_cluster, url, monkeypatch):
+    """A restart closes every idle connection, and none knows it until used: the first turn
+    after one got a 503 though the server was back, and reads failed where the pool held more
+    dead connections than the one retry."""
+    import contextlib
+
+    from metaclaw.store import postgres
+
+    monkeypatch.setattr(postgres, "IDLE_CHECK_S", 0.0)
+    with Store(url) as store:
+        store.record_turn(session_id="f", request_messages=[], status="ok")
+        with contextlib.ExitStack() as stack:  # three pooled connections, idle again after
+            for _ in range(3):
+                stack.enter_context(store._pool.connection())
+        pg_cluster.stop()
+        pg_cluster.start()
+        store.record_turn(session_id="f", request_messages=[], status="ok")
+        assert len(store.turns("session_id = 'f'")) == 2
+        with store.transaction():
+            store.execute("UPDATE sessions SET updated_at = updated_at WHERE id = 'f'")
+
+
 def test_a_url_without_a_host_part_opens_the_socket_named_in_its_query(pg_cluster, url):
     name = url.split("/")[3].split("?")[0]
     bare = f"postgresql:///{name}?host={pg_cluster.socket_dir}&user=metaclaw"

@@ -117,6 +117,33 @@ def test_hand_edits_become_generations_and_broken_files_are_reported(tmp_path):
     assert not library.watching
 
 
+def test_a_hand_edit_the_store_could_not_take_is_recorded_once_it_answers(tmp_path,
+                                                                          monkeypatch):
+    """A reload refused by a workspace database that was down (or restarting) waited for the
+    next edit of the folder: the edit never reached the team."""
+    from metaclaw.store import StoreUnavailable
+
+    skills, store = tmp_path / "skills", Store(tmp_path / "ws.db")
+    write_skill(skills, "first", "The first skill.", "Body.")
+    library = SkillLibrary(skills, store)
+    reload, refused = library.reload, []
+
+    def once_down():
+        if (skills / "by-hand").exists() and not refused:  # the reload of the edit
+            refused.append(True)
+            raise StoreUnavailable("the workspace database is restarting")
+        return reload()
+
+    monkeypatch.setattr(library, "reload", once_down)
+    library.watch()
+    try:
+        write_skill(skills, "by-hand", "Written in an editor.", "Hand-made body.")
+        wait_until(lambda: library.current()[0] == 1)  # with no further edit
+        assert refused and "by-hand" in library
+    finally:
+        library.unwatch()
+
+
 def test_an_idle_folder_watcher_wakes_a_few_times_a_second(tmp_path, monkeypatch):
     """Each wake-up of the watcher's thread takes the interpreter lock from the proxy's loop: at
     watchfiles' default step an idle library spent about 2.7 ms of CPU a second on them."""

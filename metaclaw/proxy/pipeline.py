@@ -842,12 +842,20 @@ class TurnPipeline:
                 resolving = asyncio.get_running_loop().run_in_executor(
                     None, threads.resolve, identity.session_id, turn.messages)
                 try:
-                    turn.session_id, how, turn.thread = await asyncio.shield(resolving)
-                except asyncio.CancelledError:  # the session it takes is freed once taken
+                    turn.session_id, how, turn.thread = await asyncio.wait_for(
+                        asyncio.shield(resolving), ACK_TIMEOUT_S)
+                except (asyncio.CancelledError, asyncio.TimeoutError) as exc:
+                    # the session it takes is freed once taken
                     resolving.add_done_callback(
                         lambda done: done.cancelled() or done.exception() is not None
                         or threads.settle(done.result()[2], False))
-                    raise
+                    if isinstance(exc, asyncio.CancelledError):
+                        raise
+                    raise ProxyError(  # a database that stopped answering: an error, no hang
+                        503, f"the workspace's store did not answer within "
+                             f"{ACK_TIMEOUT_S:.0f} s while this conversation's session was "
+                             "looked up; retry the request", type="server_error",
+                        code="store_unavailable", headers={"Retry-After": "5"}) from None
             else:
                 turn.session_id, how, turn.thread = threads.resolve(identity.session_id,
                                                                     turn.messages)

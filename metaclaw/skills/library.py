@@ -73,7 +73,7 @@ import yaml
 
 from metaclaw.fileio import atomic_folder, write_atomic
 from metaclaw.jsonlib import LONE_SURROGATE as _SURROGATE
-from metaclaw.store import Store, StoreBusy
+from metaclaw.store import Store, StoreBusy, StoreUnavailable
 from metaclaw.turns import SHARED_SCOPE, STAGE_NAME, check_scope, scope_visible, stage_of
 
 log = logging.getLogger(__name__)
@@ -1583,6 +1583,7 @@ class SkillLibrary:
             name = os.path.basename(path)
             return name == SKILL_FILE or (not name.startswith(".") and "." not in name)
 
+        pending = False  # a reload that failed (the store was down): tried again between edits
         try:
             # the first (empty) yield on timeout means the watch is in place: one reload then
             # catches edits made before it was; later empty yields are skipped
@@ -1591,12 +1592,13 @@ class SkillLibrary:
                                             stop_event=self._stop_watching,
                                             rust_timeout=WATCH_STEP_MS, yield_on_timeout=True,
                                             raise_interrupt=False):
-                if not changes and ready.is_set():
+                if not changes and ready.is_set() and not pending:
                     try:  # between edits: the folder follows the library
                         self._bring_folder_up()
                     except Exception:  # the store is down: tried again at the next step
                         log.debug("could not bring %s up to date", self.directory, exc_info=True)
                     continue
+                retry, pending = pending and not changes, False
                 try:
                     known = {(p.path, p.reason) for p in self.problems}
                     self.reload()
@@ -1610,6 +1612,11 @@ class SkillLibrary:
                                 source="skills", kind="skill_file_problem", level="warning",
                                 message=f"{where}: {problem.reason}"
                                 + (f" (on {machine})" if machine else ""), path=where)
+                except StoreUnavailable as exc:  # the edit waits for the store, not the next one
+                    pending = True
+                    if not retry:
+                        log.warning("could not reload the skills folder %s (%s); tried again "
+                                    "until the workspace answers", self.directory, exc)
                 except Exception:  # keep watching: the next edit may fix it
                     log.exception("could not reload the skills folder %s", self.directory)
                 ready.set()

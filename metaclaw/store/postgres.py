@@ -73,6 +73,10 @@ POOL_SIZE = 8
 #: requests meanwhile get their 503 at once (the proxy's Retry-After), and the first call after
 #: it tries the server again.
 UNREACHABLE_HOLD_S = 5.0
+#: Seconds the writer connection may sit idle before its next use first checks that the server
+#: still holds it open (one round trip): a server restart closes idle connections, and a write
+#: sent on one could not be told from a write the server took before it went.
+IDLE_CHECK_S = 2.0
 #: libpq's TCP settings every connection gets unless the URL sets them: keepalive probes after
 #: 5 s idle, 2 s apart, 2 unanswered end it; data unacknowledged for 10 s ends it (Linux).
 TCP_TIMEOUTS = {"keepalives": "1", "keepalives_idle": "5", "keepalives_interval": "2",
@@ -265,6 +269,7 @@ class PostgresStore(Store):
         self._txn_latest: Any = _UNKNOWN  # MAX(generation) as the write lock was taken
         self._conninfo = self._conninfo_of(url)
         self._db = self._connect()
+        self._db_used = time.monotonic()
         try:
             self._migrate()
         except Exception:
@@ -317,7 +322,16 @@ class PostgresStore(Store):
         return conn
 
     def _conn(self) -> Any:
-        """The writer connection, opened again if the server dropped it (a restart)."""
+        """The writer connection, opened again if the server dropped it (a restart; checked
+        after :data:`IDLE_CHECK_S` idle seconds)."""
+        now = time.monotonic()
+        if self._txn_thread is None and now - self._db_used > IDLE_CHECK_S \
+                and not (self._db.closed or self._db.broken):
+            try:
+                self._db.execute("SELECT 1")
+            except self._psycopg.Error:  # closed by the server: a new one below
+                self._db.close()
+        self._db_used = now
         if self._db.closed or self._db.broken:
             if self._txn_thread is not None:
                 raise StoreUnavailable("the connection to the PostgreSQL workspace was lost "
@@ -383,12 +397,21 @@ class PostgresStore(Store):
                 with self._pooled() as conn:
                     return [_row(r) for r in self._run(conn, sql, params).fetchall()]
             except StoreUnavailable:
-                # a pooled connection the server dropped (a restart): the pool discards it;
-                # one more try on another (reads only: nothing was written), unless no
-                # connection could be had at all
+                # a pooled connection the server dropped (a restart): the pool's others may
+                # be as dead; one more try once they are checked (reads only: nothing was
+                # written), unless no connection could be had at all
                 if attempt == 2 or self.unreachable():
                     raise
+                self._drop_dead_connections()
         raise AssertionError("unreachable")
+
+    def _drop_dead_connections(self) -> None:
+        """Check the pool's idle connections and replace those the server closed (a restart
+        closes them all, and none knows it until used)."""
+        try:
+            self._pool.check()
+        except Exception:  # noqa: BLE001 - the retry that follows says what is wrong
+            log.debug("checking the PostgreSQL pool failed", exc_info=True)
 
     @contextlib.contextmanager
     def _pooled(self) -> Any:
@@ -675,6 +698,16 @@ class PostgresStore(Store):
         return self._mine()
 
     def _begin(self, fsync: bool, wait: bool) -> None:
+        try:
+            self._open_transaction(fsync, wait)
+        except StoreUnavailable:
+            if not (self._db.closed or self._db.broken):
+                raise
+            # the server closed the writer connection while it was idle (a restart), which is
+            # found only now: nothing was written, so once more on a new connection
+            self._open_transaction(fsync, wait)
+
+    def _open_transaction(self, fsync: bool, wait: bool) -> None:
         db = self._conn()
         # one round trip: the statements go as one simple query (no parameters)
         # the latest generation in a statement of its own: its snapshot is taken once the lock

@@ -107,9 +107,14 @@ def copy_store(source: Store, dest: Store, on_progress: ProgressFn | None = None
                     break
                 last = rows[-1][names.index(key)]
             dest._after_copy(table, key)
-    theirs, ours = checksums(source, columns=columns), checksums(dest, columns=columns)
-    wrong = [t for t in TABLES if theirs[t] != ours[t]]
-    if wrong:
-        raise StoreError(f"the copy differs from its source in {', '.join(wrong)}; the "
-                         f"destination {dest.location} is incomplete: drop it and copy again")
+        # verified before the commit: a copy that differs is rolled back, never left half done
+        theirs, ours = checksums(source, columns=columns), checksums(dest, columns=columns)
+        wrong = [t for t in TABLES if theirs[t] != ours[t]]
+        if wrong:
+            changed = source.counts() != counts
+            raise StoreError(
+                (f"the source changed while it was copied ({', '.join(wrong)}: a proxy or "
+                 "another process wrote to it); stop what uses it and copy again"
+                 if changed else f"the copy differs from its source in {', '.join(wrong)}")
+                + f"; nothing was written to {dest.location}")
     return ours
