@@ -491,13 +491,16 @@ def cmd_skills(args: argparse.Namespace) -> int:
         return _share_skill(args, library)
     if args.action == "keys":
         return _write_keys(args, library)
+    if args.action == "remove":
+        return _remove_skills(args, library)
     if args.action == "import":
         before = library.generation
         new = library.import_dir(args.path)
         for problem in library.import_problems:  # one line each: nothing skipped in silence
             print(_printable(f"warning: skipped {problem.path}: {problem.reason}"),
                   file=sys.stderr)
-        print(json.dumps({"generation": new}) if args.json else f"imported into generation {new}")
+        print(json.dumps({"generation": new}) if args.json else f"imported into generation {new}"
+              if new != before else f"nothing imported: the library stays at generation {new}")
         return 1 if library.import_problems and new == before else 0
     raise CliError(f"unknown skills action {args.action!r}")
 
@@ -527,6 +530,32 @@ def _write_keys(args: argparse.Namespace, library: Any) -> int:
     else:
         print("\n".join(_printable(line) for line in str(result).splitlines()))
     return 1 if result.failed and not result.written else 0
+
+
+def _remove_skills(args: argparse.Namespace, library: Any) -> int:
+    """`metaclaw skills remove NAME ...`: the skills taken out of the library in one recorded
+    generation (every machine's folder follows; `skills rollback` brings them back). Deleting
+    a skill's folder by hand does the same, except for the last skill: an empty folder is
+    filled from the workspace, as a new machine's is."""
+    from metaclaw.skills.library import SkillOp
+
+    if not args.generations:
+        raise CliError("skills remove needs the skills' names: metaclaw skills remove NAME ... "
+                       "[--reason TEXT]")
+    missing = [name for name in args.generations if name not in library]
+    if missing:
+        raise CliError(f"skills remove: no skill named {', '.join(missing)} in generation "
+                       f"{library.generation} (metaclaw skills lists them)")
+    reason = args.reason or "removed by hand (metaclaw skills remove)"
+    new = library.apply([SkillOp("remove", None, name, reason)
+                         for name in dict.fromkeys(args.generations)], kind="remove",
+                        reason=reason)
+    if args.json:
+        _print_json({"removed": list(dict.fromkeys(args.generations)), "generation": new})
+    else:
+        print(_printable(f"generation {new}: removed {', '.join(dict.fromkeys(args.generations))}"
+                         f" (metaclaw skills rollback {new - 1} brings them back)"))
+    return 0
 
 
 def _share_skill(args: argparse.Namespace, library: Any) -> int:
@@ -981,14 +1010,17 @@ def cmd_db(args: argparse.Namespace) -> int:
     from metaclaw.store.transfer import copy_store
 
     if args.action == "migrate":
+        existed = workspace_exists(args.db) if args.db else True
         with Store(args.db) as store:  # opening applies what is missing, under the write lock
             out = {"db": store.location, "engine": store.engine,
-                   "schema_version": store.schema_version, "latest": SCHEMA_VERSION}
+                   "schema_version": store.schema_version, "latest": SCHEMA_VERSION,
+                   "created": not existed}
         if args.json:
             _print_json(out)
         else:
-            print(f"{out['db']} ({out['engine']}): schema version {out['schema_version']}, "
-                  "up to date")
+            print(f"{out['db']} ({out['engine']}): "
+                  + (f"created a new workspace, schema version {out['schema_version']}"
+                     if not existed else f"schema version {out['schema_version']}, up to date"))
         return 0
     if not args.source or not args.to:
         raise CliError("db copy needs --from SOURCE and --to DESTINATION")
@@ -1471,22 +1503,25 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("skills", help="list, diff, roll back or import skill generations; stats: "
             "per-skill evidence; share NAME: promote a private skill to the whole workspace; "
+            "remove NAME ...: take skills out of the library (a new generation); "
             "keys [NAME ...]: have the evolver model write the retrieval keys of skills that "
             "have none")
     p.add_argument("action", nargs="?", default="list",
-                   choices=["list", "diff", "rollback", "import", "stats", "share", "keys"],
-                   help="list (default), diff, rollback, import, stats, share or keys")
+                   choices=["list", "diff", "rollback", "import", "stats", "share", "keys",
+                            "remove"],
+                   help="list (default), diff, rollback, import, stats, share, keys or remove")
     p.add_argument("generations", nargs="*", metavar="GENERATION|NAME",
                    help="diff: two generations (one: what it changed; none: what the latest "
                    "changed); rollback: one; share: the skill's name; keys: "
-                   "the skills' names (default: every skill without keys)")
+                   "the skills' names (default: every skill without keys); remove: the "
+                   "skills' names")
     p.add_argument("--skills", default=str(DEFAULT_SKILLS),
                    help=f"the skills folder (default {DEFAULT_SKILLS})")
     add_db(p)
     p.add_argument("--from", dest="path", help="folder to import (skills import)")
     p.add_argument("--by", help="share: who promotes it (default $METACLAW_USER, else the "
                    "login name)")
-    p.add_argument("--reason", default="", help="share: why it is shared (recorded)")
+    p.add_argument("--reason", default="", help="share, remove: why (recorded)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--threshold", type=argtypes.finite_float, default=0.0,
                    help="stats: the reward above which a judged turn passed (default 0)")

@@ -150,6 +150,27 @@ def test_skills_list_diff_rollback(tmp_path):
     assert "line two" in (skills / "alpha" / "SKILL.md").read_text()
 
 
+def test_skills_remove_takes_even_the_last_skill_out_and_rollback_brings_it_back(tmp_path):
+    skills, db = tmp_path / "skills", tmp_path / "m.db"
+    write_skill(skills, "alpha", "First skill.", "body")
+    run_cli("skills", "list", "--skills", skills, "--db", db)  # generation 0 from the folder
+    proc = run_cli("skills", "remove", "nope", "--skills", skills, "--db", db, check=False)
+    assert proc.returncode == 2 and "no skill named nope" in proc.stderr
+    said = run_cli("skills", "remove", "alpha", "--skills", skills, "--db", db).stdout
+    assert "generation 1: removed alpha" in said and "rollback 0" in said
+    assert not (skills / "alpha").exists()
+    listed = run_cli("skills", "list", "--skills", skills, "--db", db, "--json").stdout
+    assert "alpha" not in listed  # the empty folder is not filled again from the workspace
+    run_cli("skills", "rollback", 0, "--skills", skills, "--db", db)
+    assert (skills / "alpha" / "SKILL.md").exists()
+    (tmp_path / "bad" / "x").mkdir(parents=True)
+    (tmp_path / "bad" / "x" / "SKILL.md").write_text("---\nname: [unclosed\n---\nbody\n")
+    imported = run_cli("skills", "import", "--from", tmp_path / "bad", "--skills", skills,
+                       "--db", db, check=False)
+    assert imported.returncode == 1 and "skipped" in imported.stderr
+    assert "nothing imported: the library stays at generation 2" in imported.stdout
+
+
 def test_clear_errors(tmp_path):
     proc = run_cli("turns", "--db", tmp_path / "missing.db", check=False)
     assert proc.returncode == 2 and "no MetaClaw database" in proc.stderr

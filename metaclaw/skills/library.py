@@ -1783,12 +1783,17 @@ class SkillLibrary:
                     f"generation {since} while generation {number} changed it through another "
                     f"folder: the folder holds generation {number}'s version again; remove it once "
                     "more to remove it from the workspace")
+        elif latest is None:  # edited here, removed there: the removal stands
+            said = (f"{name} was edited in {_as_text(self.directory)} on its version of "
+                    f"generation {since} while generation {number} removed it through another "
+                    f"folder: the removal stands and the edit is kept in {_as_text(aside)}; to "
+                    f"keep the skill, write it back as {_as_text(path)}")
         else:
             said = (f"{name} was edited in {_as_text(self.directory)} on its version of "
-                    f"generation {since} while generation {number} "
-                    f"{'changed' if latest else 'removed'} it through another folder, and the "
-                    f"two changes overlap: the folder holds generation {number}'s version; the "
-                    f"edit is kept in {_as_text(aside)}: merge it into {_as_text(path)} and save")
+                    f"generation {since} while generation {number} changed it through another "
+                    f"folder, and the two changes overlap: the folder holds generation "
+                    f"{number}'s version; the edit is kept in {_as_text(aside)}: merge it into "
+                    f"{_as_text(path)} and save")
         log.warning("skill library: %s", said)
         self._pending_events.append({"source": "skills", "kind": "skill_edit_conflict",
                                      "level": "warning", "message": said,
