@@ -45,6 +45,11 @@ def _printable(text: Any) -> str:
     return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", str(text))
 
 
+def _signed(value: float | None) -> str:
+    """A reward as the step lines show it ("-": none was observed)."""
+    return "-" if value is None else f"{value:+.3f}"
+
+
 def _printable_lines(text: Any) -> str:
     """:func:`_printable` line by line: a text of several lines (a diff) keeps its lines."""
     return "\n".join(_printable(line) for line in str(text).split("\n"))
@@ -1123,12 +1128,18 @@ def cmd_train(args: argparse.Namespace) -> int:
             raise CliError(str(exc)) from None
     else:
         judge = _judge(args)
-    if args.now:  # said before the model loads (seconds to minutes): nothing to train on
+    if args.now:  # said before the model loads (seconds to minutes): nothing to train on,
+        # or another process training it
         from metaclaw.slowloop.loop import nothing_to_train
+        from metaclaw.training_lease import TrainingLease
 
         empty = nothing_to_train(store)
         if empty:
             raise CliError(empty)
+        elsewhere = TrainingLease.for_store(store).training_elsewhere()
+        if elsewhere:
+            raise CliError(f"{elsewhere} is training this workspace, and one process trains it "
+                           "at a time: stop that one, or wait for it (metaclaw runs)")
     state_dir = args.state_dir or str(local_dir(args.db) / "train")
     config = GRPOConfig(steps=args.steps, group_size=args.group_size,
                         groups_per_step=args.groups_per_step, max_tokens=args.max_tokens,
@@ -1142,7 +1153,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     def show(record: dict[str, Any]) -> None:
         loss = "-" if record["loss"] is None else f"{record['loss']:.4g}"
         print(f"step {record['step']:>4}  policy v{record['policy_version']}  loss {loss:>10}  "
-              f"reward {record['reward_mean']:+.3f}  skipped {record['skipped_groups']}/"
+              f"reward {_signed(record['reward_mean'])}  skipped {record['skipped_groups']}/"
               f"{record['groups']}  tokens {record['tokens']}", flush=True)
         why = _skipped_why(record.get("metrics") or {})
         if why:
@@ -1272,7 +1283,7 @@ def cmd_runs(args: argparse.Namespace) -> int:
     for r in rows:
         loss = "-" if r["loss"] is None else f"{r['loss']:.4g}"
         print(f"{r['run_id']:<14}{r['step']:>5}{r['policy_version']:>7}{r['skill_generation']:>5}"
-              f"{loss:>11}{r['reward_mean']:>9.3f}{r['skipped_groups']:>5}/{r['groups']:<3}"
+              f"{loss:>11}{_signed(r['reward_mean']):>9}{r['skipped_groups']:>5}/{r['groups']:<3}"
               f"{r['tokens']:>8}")
     return 0
 

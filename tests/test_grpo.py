@@ -848,3 +848,24 @@ def test_a_damaged_latest_state_resumes_from_the_newest_one_that_loads(tiny_mode
     with pytest.raises(BackendError, match="start afresh"):
         train_grpo(make_backend("local", tiny_model, lora_rank=8, seed=2), prompts,
                    config=config)
+
+
+def test_a_state_of_another_base_model_is_not_continued(tiny_model, tmp_path):
+    """Training another base model in the same state folder continued the first one's LoRA
+    weights and optimizer under its run (silently where the shapes fit, a page of size
+    mismatches where they did not)."""
+    from metaclaw.offline.tinymodel import write_tiny_model
+    from metaclaw.slowloop.backends import make_backend
+
+    state_dir = tmp_path / "state"
+    config = GRPOConfig(steps=1, groups_per_step=1, group_size=2, max_tokens=4,
+                        state_dir=str(state_dir), save_every=1)
+    first = make_backend("local", tiny_model, lora_rank=8, seed=0)
+    train_grpo(first, prompts_from_tasks(first, YES_TASKS), config=config)
+    assert json.loads((state_dir / "latest.json").read_text())["base_model"] == first.base_model
+    other = make_backend("local", str(write_tiny_model(tmp_path / "other", seed=1)),
+                         lora_rank=8, seed=0)
+    with pytest.raises(ValueError, match="saved for base model .* a state folder of its own"):
+        train_grpo(other, prompts_from_tasks(other, YES_TASKS), config=config)
+    with pytest.raises(BackendError, match="was trained on"):
+        other.load_state(json.loads((state_dir / "latest.json").read_text())["checkpoint"])

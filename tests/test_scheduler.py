@@ -519,6 +519,28 @@ class GatedTrainer:
         return {"loss": (self.w - 3.0) ** 2}
 
 
+def test_a_user_back_during_a_step_stops_training_at_that_steps_boundary(tmp_path):
+    """The next step started at once after one whose user came back: the signals were read
+    only at the next poll (every 5 s), so a whole step more ran while the user worked."""
+    clock = FakeClock(10_000.0)
+    last = {"t": clock.t - 600}
+    keyboard = KeyboardIdle(60, clock=clock, last_input=lambda: last["t"])
+
+    def step():
+        last["t"] = clock.t  # the user returns while this step runs
+        return {"loss": 1.0}
+
+    scheduler = Scheduler([keyboard], train_step=step, min_window_s=0, clock=clock,
+                          store=Store(tmp_path / "ws.db"))
+    scheduler.step_number = lambda: 41 + scheduler.steps  # the trainer's own count
+    assert scheduler.tick() == "training"
+    assert "starting at step 41" in scheduler.transitions[-1].reason
+    assert scheduler.wait_for_training(10)
+    assert scheduler.steps == 1  # no poll came between: the boundary read the signals
+    assert scheduler.tick() == "waiting"
+    assert "after step 41" in scheduler.transitions[-1].reason
+
+
 def test_full_state_machine_pause_and_resume(tmp_path):
     clock = FakeClock(10_000.0)
     last = {"t": clock.t}

@@ -877,6 +877,9 @@ class MetaClawMagics(Magics):
         parser.add_argument("--no-serve", action="store_true",
                             help="keep answering from the upstream, only train")
         parser.add_argument("--scheduler-config", help="scheduler settings file (YAML/JSON)")
+        parser.add_argument("--state-dir", help="where training states are saved (default: "
+                            "train/ beside the workspace); another base model than the one "
+                            "saved there needs a folder of its own")
         parser.add_argument("--reward", metavar="NAME", help="a callable (prompt, completion_text)"
                             " -> float in the notebook's namespace (default: the PRM judge)")
         args = parser.parse_args(argv)
@@ -910,12 +913,13 @@ class MetaClawMagics(Magics):
             loop = SlowLoop(runtime.store, make_backend(args.backend, args.base_model),
                             config=config, judge=judge, proxy=runtime.proxy,
                             serve=not args.no_serve, scheduler_config=scheduler_config,
-                            state_dir=str(local_dir(runtime.config.db_path) / "train"))
+                            state_dir=args.state_dir
+                            or str(local_dir(runtime.config.db_path) / "train"))
             runtime.extras["slow_loop"] = loop
         else:
             kept = [f"--{name.replace('_', '-')}" for name in (
                 "backend", "base_model", "group_size", "groups_per_step", "max_tokens", "lr",
-                "no_serve", "scheduler_config", "reward")
+                "no_serve", "scheduler_config", "reward", "state_dir")
                 if getattr(args, name) != parser.get_default(name)]
             if kept:
                 print(f"%metaclaw train: this session's slow loop keeps its model and settings, "

@@ -158,7 +158,7 @@ class GRPOResult:
 
         rows = "".join(
             f"<tr><td>{h['step']}</td><td>{h['policy_version']}</td><td>{fmt(h['loss'])}</td>"
-            f"<td>{h['reward_mean']:.3f}</td><td>{h['skipped_groups']}/{h['groups']}</td>"
+            f"<td>{fmt(h['reward_mean'])}</td><td>{h['skipped_groups']}/{h['groups']}</td>"
             f"<td>{h['tokens']}</td></tr>" for h in self.history)
         status = f"stopped: {self.reason}" if self.stopped else "finished"
         return (f"<b>GRPO run {self.run_id}</b>: {self.steps_done} steps, {status}, policy "
@@ -423,6 +423,22 @@ class _ClaimRenewer:
         self._thread.join()
 
 
+def _saved_identity(saved: dict[str, Any], checkpoint: str) -> tuple[str, str] | None:
+    """(backend, base model) a saved training state was made with: from ``latest.json``, or
+    from the local state's own record (states saved before ``latest.json`` named them); None
+    where neither says."""
+    if saved.get("base_model") is not None:
+        return str(saved.get("backend")), str(saved["base_model"])
+    record = Path(checkpoint) / "metaclaw_state.json"
+    try:
+        meta = json.loads(record.read_text()) if record.is_file() else {}
+    except (OSError, ValueError):
+        return None
+    if isinstance(meta, dict) and meta.get("base_model") is not None:
+        return str(meta.get("backend")), str(meta["base_model"])
+    return None
+
+
 class GRPOTrainer:
     """A GRPO run that advances one step at a time and keeps its state between calls.
 
@@ -476,6 +492,13 @@ class GRPOTrainer:
                                  f"record ({type(exc).__name__}: {exc}); remove it to start "
                                  "afresh") from None
             step = int(saved["step"])
+            other = _saved_identity(saved, checkpoint)
+            if other is not None and other != (backend.kind, backend.base_model):
+                raise ValueError(
+                    f"the training state in {self.state_dir} was saved for base model "
+                    f"{other[1]} ({other[0]} backend), not {backend.base_model}: its weights "
+                    "cannot continue there; train this model in a state folder of its own "
+                    "(--state-dir DIR), or remove that folder to start afresh")
             try:
                 backend.load_state(checkpoint)
                 backend.policy_version = int(saved.get("policy_version",
@@ -696,7 +719,10 @@ class GRPOTrainer:
                                  durable=True)
             write_atomic(self.state_dir / "latest.json",
                          json.dumps({"run_id": self.run_id, "step": step,
-                                     "checkpoint": checkpoint, "policy_version": version}),
+                                     "checkpoint": checkpoint, "policy_version": version,
+                                     "backend": getattr(self.backend, "kind", None),
+                                     "base_model": getattr(self.backend, "base_model",
+                                                           None)}),
                          durable=True)
             self._saved_step = step
             self._dirty_step = None
@@ -877,8 +903,9 @@ class GRPOTrainer:
             record = {
                 "run_id": self.run_id, "step": step, "backend": backend.kind,
                 "policy_version": sampling_version, "skill_generation": gen, "loss": loss,
-                "reward_mean": _mean(all_rewards) if all_rewards else 0.0,
-                "reward_std": _std(all_rewards) if all_rewards else 0.0,
+                # no reward observed (every reward call failed): none, not a 0 on the chart
+                "reward_mean": _mean(all_rewards) if all_rewards else None,
+                "reward_std": _std(all_rewards) if all_rewards else None,
                 "groups": len(batch), "skipped_groups": skipped + reward_failures + len(stale),
                 "tokens": tokens, "wall_time_s": wall, "metrics": metrics,
             }

@@ -345,6 +345,7 @@ class SlowLoop:
         config = self.scheduler_config if self.scheduler_config is not None else load_config(None)
         self.scheduler = from_config(config, train_step=self.step, store=self.store,
                                      clock=self.clock, lease=self.lease, **overrides)
+        self.scheduler.step_number = lambda: self.trainer.next_step
         self.scheduler.run(poll_s)
         return self.scheduler
 
@@ -402,7 +403,8 @@ class SlowLoop:
         s = self.status()
         last = s["last_step"]
         last_text = "no step yet" if last is None else (
-            f"step {last['step']}: reward {last['reward_mean']:.3f}, loss "
+            f"step {last['step']}: reward "
+            f"{'-' if last['reward_mean'] is None else format(last['reward_mean'], '.3f')}, loss "
             f"{'' if last['loss'] is None else format(last['loss'], '.4g')}, skipped "
             f"{last['skipped_groups']}/{last['groups']}, {last['tokens']} tokens")
         scheduler = s["scheduler"]

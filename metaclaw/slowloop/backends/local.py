@@ -173,6 +173,11 @@ class LocalSampler:
             yield toks[0], lps[0]
 
 
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return (text.splitlines() or [type(exc).__name__])[0][:300]
+
+
 def read_state(path: str | os.PathLike[str]) -> dict:
     """The metadata of a :meth:`LocalBackend.save_state` directory (``backend``, ``base_model``,
     ``lora_rank``, ``policy_version``, ``steps``); BackendError when it is not one."""
@@ -451,6 +456,9 @@ class LocalBackend(TokenizerMixin):
 
         src = Path(path)
         meta = read_state(src)
+        if meta.get("base_model") not in (None, self.base_model):
+            raise BackendError(f"the state in {path!r} was trained on {meta['base_model']}, not "
+                               f"{self.base_model}")
         if meta.get("lora_rank") != self.lora_rank:
             raise BackendError(
                 f"the state in {path!r} has LoRA rank {meta.get('lora_rank')}, this backend "
@@ -466,7 +474,11 @@ class LocalBackend(TokenizerMixin):
                 raise BackendError(f"cannot load the training state saved in {str(src)!r} "
                                    f"({type(exc).__name__}: {exc}); restore it, or start "
                                    "afresh without it") from exc
-            set_peft_model_state_dict(self.model, weights)
+            try:
+                set_peft_model_state_dict(self.model, weights)
+            except RuntimeError as exc:  # shapes of another model: said in one line
+                raise BackendError(f"the state in {str(src)!r} does not fit this model "
+                                   f"({_first_line(exc)})") from None
             if optimizer is not None:
                 self.optimizer.load_state_dict(optimizer)
             else:

@@ -76,6 +76,9 @@ class Scheduler:
         self.waiting_for: str | None = None  # who holds the lease while a window waits for it
         self.state = "waiting"
         self.steps = 0
+        #: the number the trainer gives its next step (its own count across runs and
+        #: processes), for the transitions' reasons; None: this scheduler's steps, from 1
+        self.step_number: Callable[[], int] | None = None
         self.last_result: Any = None
         self.last_error: str | None = None
         self.last_readings: list[SignalReading] = []
@@ -201,7 +204,7 @@ class Scheduler:
                         self.waiting_for = self.lease.holder()
                     else:  # the worker gives the lease back when the run ends
                         self.waiting_for = None
-                        self._transition("training", f"starting at step {self.steps + 1}: "
+                        self._transition("training", f"starting at step {self._next_step()}: "
                                                      f"{reason}", readings, now)
                         self._start_worker()
             elif self.state == "training":
@@ -217,8 +220,17 @@ class Scheduler:
                     ended = self._worker_end
                     self._worker = None
                     self._transition("waiting", f"paused at a step boundary after step "
-                                                f"{self.steps} ({ended})", readings, now)
+                                                f"{self._next_step() - 1} ({ended})", readings,
+                                     now)
             return self.state
+
+    def _next_step(self) -> int:
+        if self.step_number is not None:
+            try:
+                return int(self.step_number())
+            except Exception:  # noqa: BLE001 - a reason's number is not worth a failed tick
+                pass
+        return self.steps + 1
 
     def _start_worker(self) -> None:
         self._pause.clear()
@@ -249,6 +261,11 @@ class Scheduler:
                 with self._lock:
                     self.steps += 1
                     self.last_result = result
+                if self.max_steps is None or self.steps < self.max_steps:
+                    try:  # the signals read again at the boundary: a user back meanwhile
+                        self.tick()  # stops the next step now, not at the next poll
+                    except Exception as exc:  # noqa: BLE001 - as a failed tick of the loop
+                        self.last_error = f"scheduler tick failed: {_short(exc)}"
         except Exception as exc:  # noqa: BLE001 - reported; the scheduler keeps running
             end = f"training step {self.steps + 1} failed: {_short(exc)}"
             self.last_error = end
@@ -308,8 +325,9 @@ class Scheduler:
         with self._lock:
             if self.state == "pausing" and (self._worker is None or not self._worker.is_alive()):
                 self._worker = None
-                self._transition("waiting", f"paused at a step boundary after step {self.steps} "
-                                            f"(scheduler stopped)", self.last_readings,
+                self._transition("waiting", f"paused at a step boundary after step "
+                                            f"{self._next_step() - 1} (scheduler stopped)",
+                                 self.last_readings,
                                  now_ts(self.clock))
             elif self.state == "window_open":
                 self.waiting_for = None
