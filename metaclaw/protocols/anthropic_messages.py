@@ -362,10 +362,10 @@ class ChatToAnthropicStream(StreamTranslator):
                 self.finish = choice["finish_reason"]
         return out
 
-    def _open_live(self) -> list[dict[str, Any]]:
-        """The live call's block, opened with what it gathered so far."""
-        call, self.pending = self.pending, None
-        out = self._open("tool", self.live, {
+    def _whole_call(self, key: int, call: dict[str, Any]) -> list[dict[str, Any]]:
+        """A call's block, opened with what was gathered of it (``id``, ``name``,
+        ``arguments``)."""
+        out = self._open("tool", key, {
             "type": "tool_use", "id": call["id"] or f"toolu_{uuid.uuid4().hex[:20]}",
             "name": call["name"], "input": {}})
         if call["arguments"]:
@@ -373,6 +373,11 @@ class ChatToAnthropicStream(StreamTranslator):
                         "delta": {"type": "input_json_delta",
                                   "partial_json": call["arguments"]}})
         return out
+
+    def _open_live(self) -> list[dict[str, Any]]:
+        """The live call's block, opened with what it gathered so far."""
+        call, self.pending = self.pending, None
+        return self._whole_call(self.live, call)
 
     def close(self) -> list[dict[str, Any] | None]:
         if self.closed:
@@ -382,14 +387,7 @@ class ChatToAnthropicStream(StreamTranslator):
         if self.pending is not None:  # the live call never sent arguments
             out += self._open_live()
         for key in sorted(self.held):  # the calls after the live one, each whole
-            call = self.held[key]
-            out += self._open("tool", key, {
-                "type": "tool_use", "id": call["id"] or f"toolu_{uuid.uuid4().hex[:20]}",
-                "name": call["name"], "input": {}})
-            if call["arguments"]:
-                out.append({"type": "content_block_delta", "index": self.index,
-                            "delta": {"type": "input_json_delta",
-                                      "partial_json": call["arguments"]}})
+            out += self._whole_call(key, self.held[key])
         for kind, start, delta in (("thinking", {"type": "thinking", "thinking": "",
                                                  "signature": ""}, "thinking_delta"),
                                    ("text", {"type": "text", "text": ""}, "text_delta")):
