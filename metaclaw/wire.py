@@ -408,6 +408,45 @@ def _json_after(before: str, wired: dict[str, Any], keys: list[list[str]]) -> st
     return _json_text(wired, before)
 
 
+_YAML_KEY = r"^{key}[ \t]*:(?P<rest>[^\n]*)(?:\n|$)"
+
+
+def _yaml_after(before: str, wired: dict[str, Any], keys: list[list[str]]) -> str:
+    """The text of ``wired`` (a YAML mapping): ``before`` with the lines of the top-level keys
+    ``keys`` set to their values in ``wired`` (removed where it has none, added at the end where
+    ``before`` has none), so that its comments and layout stay; else, where a key's value is
+    not a one-line scalar or the text reads back as anything but ``wired``, all of ``wired``
+    as YAML."""
+    import yaml
+
+    text = before
+    for path in keys:
+        if len(path) != 1:
+            break
+        key, value = path[0], _dig_or_delete(wired, path)
+        found = list(re.finditer(_YAML_KEY.format(key=re.escape(key)), text, re.M))
+        rest = found[-1].group("rest").split(" #")[0].strip() if found else ""
+        if len(found) > 1 or found and (not rest or rest[0] in "|>&*!{[") or found and \
+                text[found[-1].end():found[-1].end() + 1] in (" ", "\t", "-"):
+            break  # a block, a flow collection or a repeated key: not edited in place
+        line = "" if value is jsontext.DELETE else yaml.safe_dump(
+            {key: value}, sort_keys=False, allow_unicode=True, width=10_000)
+        comment = found[-1].group("rest").partition(" #")[2] if found else ""
+        if line and comment:  # the line's own comment stays on it
+            line = f"{line.rstrip()}  #{comment}\n"
+        if found:
+            text = text[:found[-1].start()] + line + text[found[-1].end():]
+        elif line:
+            text = (text if not text or text.endswith("\n") else text + "\n") + line
+    else:
+        try:
+            if (yaml.safe_load(text) or {}) == wired:
+                return text
+        except yaml.YAMLError:
+            pass
+    return yaml.safe_dump(wired, sort_keys=False, allow_unicode=True)
+
+
 def _dig_or_delete(config: dict[str, Any], keys: list[str]) -> Any:
     for key in keys:
         if not isinstance(config, dict) or key not in config:
@@ -475,8 +514,9 @@ def plan_opencode(path: Path, proxy_url: str, *, token: str | None = None,
 def plan_aider(path: Path, proxy_url: str, *, token: str | None = None,
                model: str | None = None) -> WirePlan:
     """aider (``.aider.conf.yml``): ``openai-api-base`` is the proxy, ``openai-api-key`` its
-    token and ``model`` ``openai/<model>`` (litellm's OpenAI-compatible route). The file is
-    rewritten as plain YAML (its comments are kept in the backup, which undo restores)."""
+    token and ``model`` ``openai/<model>`` (litellm's OpenAI-compatible route). Those keys'
+    lines are edited in place (:func:`_yaml_after`: the file's comments stay, aider's sample
+    file is mostly comments)."""
     import yaml
 
     original, before, _ = _read_raw(path)
@@ -501,7 +541,7 @@ def plan_aider(path: Path, proxy_url: str, *, token: str | None = None,
     _set(wired, ["openai-api-base"], proxy_url, restore)
     _set(wired, ["openai-api-key"], token or "metaclaw", restore)
     _set(wired, ["model"], f"openai/{model}", restore)
-    after = yaml.safe_dump(wired, sort_keys=False, allow_unicode=True)
+    after = _yaml_after(before, wired, [k for k, _ in restore])
     # where the model was served: its own base URL, else its provider's (litellm's prefix)
     base = config.get("openai-api-base") if isinstance(config.get("openai-api-base"),
                                                         str) else None
@@ -660,7 +700,7 @@ def _unwire(agent: str, path: Path, text: str, restore: dict[str, Any]) -> str:
     if agent == "claude-code" and config.get("env") == {}:
         config.pop("env")
         keys.append(["env"])
-    data = (yaml.safe_dump(config, sort_keys=False, allow_unicode=True) if agent == "aider"
+    data = (_yaml_after(text, config, keys) if agent == "aider"
             else _json_after(text, config, keys))
     _writable(path)
     _write(path, data.encode("utf-8"), like=path)

@@ -310,3 +310,20 @@ def test_aider_comment_only_config_and_provider_prefixes(tmp_path):
     broken = run_cli("wire", "aider", "--config", config, "--undo", check=False)
     assert broken.returncode != 0 and "no longer valid YAML" in broken.stderr
     assert "Traceback" not in broken.stderr
+
+
+def test_aider_keeps_its_comments_wired_and_undone_after_an_edit(tmp_path):
+    """aider's sample settings file is mostly comments; wiring rewrote it as plain YAML."""
+    config = tmp_path / ".aider.conf.yml"
+    config.write_text("# aider settings\n## the model to use\n#model: gpt-4\n"
+                      "model: gpt-4o-mini  # mine\ndark-mode: true\n")
+    run_cli("wire", "aider", "--config", config, "--port", 30100, "--token", "tok-1")
+    wired = config.read_text()
+    assert wired.startswith("# aider settings\n## the model to use\n#model: gpt-4\n")
+    assert "model: openai/gpt-4o-mini  # mine\n" in wired
+    assert yaml.safe_load(wired)["openai-api-base"] == "http://127.0.0.1:30100/v1"
+    config.write_text(wired + "# added later\nauto-commits: false\n")  # edited since
+    assert "other edits kept" in run_cli("wire", "aider", "--config", config, "--undo").stdout
+    assert config.read_text() == ("# aider settings\n## the model to use\n#model: gpt-4\n"
+                                  "model: gpt-4o-mini  # mine\ndark-mode: true\n"
+                                  "# added later\nauto-commits: false\n")
