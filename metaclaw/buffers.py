@@ -93,21 +93,27 @@ SUCCESS_SQL = ("(human_label = 'pass' OR (COALESCE(human_label, '') != 'fail' "
                "AND reward IS NOT NULL AND reward > 0))")
 
 
-def served_asks(store: Store, generation: int, *,
+def served_asks(store: Store, generation: int, *, scopes: dict[str, str] | None = None,
                 limit: int = 2000) -> dict[str, list[tuple[int, str]]]:
     """For each skill, the ``(turn id, retrieval query)`` of the task turns of ``generation``
     it was injected into that went well (:data:`SUCCESS_SQL`), oldest first: asks the skill is
     known to serve, which become its example asks at the next generation
-    (:func:`metaclaw.fastloop.proposals.apply_ops`). At most ``limit`` turns are read."""
+    (:func:`metaclaw.fastloop.proposals.apply_ops`). At most ``limit`` turns are read.
+
+    A person's ask is one of their private data: it is learnt only by a skill private to that
+    person (``scopes``: each skill's scope, shared where not given), never by one another
+    person reads."""
     rows = store.query(
-        f"SELECT id, injected_skills, retrieval_query FROM turns WHERE skill_generation = ? "
+        f"SELECT id, injected_skills, retrieval_query, person FROM turns "
+        f"WHERE skill_generation = ? "
         f"AND status = 'ok' AND retrieval_query IS NOT NULL AND retrieval_query != '' "
         f"AND injected_skills != '[]' AND {SUCCESS_SQL} ORDER BY id LIMIT ?",
         (generation, int(limit)))
     asks: dict[str, list[tuple[int, str]]] = {}
     for row in rows:
         for name in row["injected_skills"] or []:
-            asks.setdefault(name, []).append((int(row["id"]), row["retrieval_query"]))
+            if row["person"] is None or (scopes or {}).get(name) == f"person:{row['person']}":
+                asks.setdefault(name, []).append((int(row["id"]), row["retrieval_query"]))
     return asks
 
 

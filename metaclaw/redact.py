@@ -176,6 +176,29 @@ _BEARER = re.compile(r"(\bBearer\s+)[^\s\"',]+", re.IGNORECASE)
 _LIST_ASSIGNMENT = re.compile(r"^([-+ ]?\s*-\s*[\w.-]+\s*=\s*)(\S.*)$")
 
 
+# what looks like a credential in free text (an ask): a provider's key format, a long token of
+# letters and digits, a password or token given after its name, a bearer token
+_TOKEN_SHAPES = re.compile(
+    r"\b(?:sk|pk|rk)-[A-Za-z0-9_-]{16,}|\bgh[pousr]_[A-Za-z0-9]{20,}|\bgithub_pat_\w{20,}"
+    r"|\bAKIA[0-9A-Z]{16}\b|\bxox[abprs]-[A-Za-z0-9-]{10,}|\bAIza[0-9A-Za-z_-]{30,}"
+    r"|\beyJ[\w-]{8,}\.[\w-]{8,}\.[\w-]{8,}"
+    r"|\b(?=[A-Za-z0-9_-]*\d)(?=[A-Za-z0-9_-]*[A-Za-z])[A-Za-z0-9_-]{32,}\b")
+_NAMED_SECRET = re.compile(
+    r"\b((?:password|passwd|pwd|secret|token|api[ _-]?key|access[ _-]?key)s?\s*(?:is|[:=])\s*)"
+    r"(\S+)", re.IGNORECASE)
+_EMAIL = re.compile(r"\b[\w.+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)+\b")
+
+
+def mask_personal(text: str) -> str:
+    """``text`` (an ask a person typed) with what must not be kept where others read it
+    masked: credential-shaped tokens and values given after a name such as ``password`` or
+    ``api key`` as :data:`MASK`, e-mail addresses as ``<email>``."""
+    text = _BEARER.sub(lambda m: f"{m.group(1)}{MASK}", text)
+    text = _NAMED_SECRET.sub(lambda m: f"{m.group(1)}{MASK}", text)
+    text = _TOKEN_SHAPES.sub(MASK, text)
+    return _EMAIL.sub("<email>", text)
+
+
 def mask_config_line(line: str) -> str:
     """One line of a configuration file (JSON, JSON5, YAML; a diff's ``-``/``+``/`` `` prefix
     allowed) with :data:`MASK` for each value that stands under a key naming a secret (``key``,

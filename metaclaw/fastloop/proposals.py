@@ -257,7 +257,9 @@ def with_served_asks(library: Any, ops: list[SkillOp]) -> list[SkillOp]:
     with the generation the operations make anyway: a skill learns its keys without a
     generation of its own, which would purge the query set the slow loop trains on."""
     generation, skills = library.current()
-    served = buffers.served_asks(library.store, generation)
+    scopes = {skill.name: skill.scope for skill in skills}
+    scopes.update((op.name, op.skill.scope) for op in ops if op.skill is not None)
+    served = buffers.served_asks(library.store, generation, scopes=scopes)
     if not served:
         return ops
     out, touched = [], set()

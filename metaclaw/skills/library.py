@@ -187,13 +187,29 @@ def _expanded_size(node: yaml.Node, sizes: dict[int, int], open_nodes: set[int])
     return size
 
 
+#: Characters a retrieval key never keeps: control characters, bidirectional overrides, BOMs.
+_UNWRITTEN = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069\ufeff]")
+
+
+def key_line(text: Any, limit: int) -> str:
+    """A line of a skill's retrieval keys as it is stored (an ask, the "use when" line): its
+    whitespace folded, control characters dropped, runs of dashes cut to two (``---`` ends the
+    front matter for some readers), credentials and e-mail addresses masked
+    (:func:`metaclaw.redact.mask_personal`: the file is read by everyone with the workspace),
+    cut to ``limit`` characters."""
+    from metaclaw.redact import mask_personal
+
+    text = " ".join(_UNWRITTEN.sub("", str(text)).split())
+    return mask_personal(re.sub(r"-{3,}", "--", text))[:limit].strip()
+
+
 def bounded_asks(kept: Iterable[str], more: Iterable[str], limit: int) -> list[str]:
-    """``kept`` followed by the asks of ``more`` (whitespace folded, cut to
+    """``kept`` followed by the asks of ``more`` (each a :func:`key_line` of at most
     :data:`EXAMPLE_ASK_CHARS`, duplicates ignored by case) up to ``limit`` asks in all."""
     out = list(kept)
     seen = {a.casefold() for a in out}
     for ask in more:
-        ask = " ".join(str(ask).split())[:EXAMPLE_ASK_CHARS].strip()
+        ask = key_line(ask, EXAMPLE_ASK_CHARS)
         if ask and ask.casefold() not in seen and len(out) < limit:
             out.append(ask)
             seen.add(ask.casefold())
@@ -393,7 +409,7 @@ class Skill:
         :data:`MAX_ANTICIPATED_ASKS`). Returns ``self`` when nothing changes (no new generation
         for nothing)."""
         kept = bounded_asks(self.example_asks, asks, MAX_EXAMPLE_ASKS)
-        line = self.use_when if use_when is None else " ".join(use_when.split())[:USE_WHEN_CHARS]
+        line = self.use_when if use_when is None else key_line(use_when, USE_WHEN_CHARS)
         foreseen = self.anticipated_asks if anticipated is None else \
             bounded_asks((), anticipated, MAX_ANTICIPATED_ASKS)
         if (tuple(kept) == self.example_asks and line == self.use_when
