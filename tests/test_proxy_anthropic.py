@@ -525,6 +525,11 @@ def test_caller_auth_forwards_the_callers_key(workspace, openai_double, anthropi
         wrong = httpx.post(proxy.url + "/chat/completions", headers={
             "Authorization": f"Bearer {caller_key}", "X-MetaClaw-Token": "wrong"},
             json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]})
+        # Claude Code retries a 401 for minutes, saying nothing: a 403 naming its setting
+        claude_code = httpx.post(proxy.base_url + "/v1/messages", headers={
+            "x-api-key": caller_key, "X-MetaClaw-Token": "wrong",
+            "User-Agent": "claude-cli/2.1.328 (external, cli)"},
+            json={"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": "x"}]})
         proxy.flush()
     assert message.content[0].text == "echo: hi" and reply.choices[0].message.content == "echo: hi"
     for sent in double.requests:
@@ -538,6 +543,8 @@ def test_caller_auth_forwards_the_callers_key(workspace, openai_double, anthropi
     # would send the team's token upstream as the member's key)
     assert wrong.status_code == 401 and "X-MetaClaw-Token" in wrong.json()["error"]["message"]
     assert "api_key" not in wrong.json()["error"]["message"].split("(")[0]
+    assert claude_code.status_code == 403
+    assert "ANTHROPIC_CUSTOM_HEADERS" in claude_code.json()["error"]["message"]
     store.close()
     data = (tmp_path / "metaclaw.db").read_bytes() + b"".join(
         p.read_bytes() for p in tmp_path.glob("metaclaw.db-*"))

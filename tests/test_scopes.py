@@ -283,6 +283,31 @@ def test_one_persons_edit_of_a_shared_skill_becomes_a_private_copy(tmp_path, sto
     assert copy.scope == "person:alice" and copy.body == "Start with the ticket number."
 
 
+def test_two_peoples_failures_go_to_the_evolver_apart_under_the_private_policy(tmp_path,
+                                                                               store):
+    """One call shown alice's and bob's failures wrote alice's words into a shared skill (an
+    operation whose evidence spans two people is shared); a private add whose name another
+    scope holds took no skill at all."""
+    library = _library(tmp_path, store, SHARED, ALICE)
+    alice = _failed(store, library, "Edit config.yaml for my ONCOLOGY appointment",
+                    person="alice", session="a")
+    bob = _failed(store, library, "Edit deploy.yaml", person="bob", session="b")
+    buffers.refresh(store)
+    answers = [Reply(content=json.dumps({"operations": [_add("backup-first", [alice])]})),
+               Reply(content=json.dumps({"operations": [_add(ALICE.name, [bob])]}))]
+    with DoubleServer(answers) as double:
+        evolver = Evolver(double.url, "evolver", library, store, dedupe_threshold=None)
+        proposal = evolver.propose()
+        shown = [parse_evolver_prompt(r["body"]["messages"][-1]["content"])
+                 for r in double.requests]
+    assert len(shown) == 2  # one call per person, each shown that person's failure only
+    assert ["ONCOLOGY" in json.dumps(p) for p in shown] == [True, False]
+    scopes = {op.name: op.skill.scope for op in proposal.ops}
+    # bob's add of a name alice's private skill holds takes bob's own name, unseen by him
+    assert scopes == {"backup-first": "person:alice", f"{ALICE.name}-bob": "person:bob"}
+    assert proposal.support_ids == [alice, bob] and proposal.attempts == 2
+
+
 def test_scope_to_people_per_operation():
     shared = SHARED
     own = ALICE

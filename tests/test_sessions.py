@@ -708,3 +708,21 @@ def test_runs_of_a_preamble_client_stay_apart_across_proxies_and_restarts(tmp_pa
     edited = [*opening, {"role": "assistant", "content": "hi (edited)"},
               {"role": "user", "content": "go on"}]
     assert later.resolve("conv-fedcba987654", edited)[0] == "conv-fedcba987654"
+
+
+def test_two_people_opening_alike_never_share_a_fingerprinted_session():
+    """Alice and bob sent the same first message through one proxy: their turns were threaded
+    into each other's sessions (the judge then read bob's follow-up as alice's reaction)."""
+    import hashlib
+
+    from metaclaw.proxy.sessions import identify
+
+    body = {"messages": [{"role": "user", "content": "Plan my week"}]}
+    alice = identify({"X-MetaClaw-User": "alice"}, body).session_id
+    bob = identify({"X-MetaClaw-User": "bob"}, body).session_id
+    nobody = identify({}, body).session_id
+    assert len({alice, bob, nobody}) == 3
+    # a conversation that names no one keeps the fingerprint it always had
+    digest = hashlib.sha256("\x00Plan my week".encode()).hexdigest()
+    assert nobody == f"conv-{digest[:12]}"
+    assert identify({"X-MetaClaw-Agent": "bot"}, body).session_id not in (alice, bob, nobody)

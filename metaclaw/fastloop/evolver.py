@@ -41,9 +41,11 @@ Person scope (:func:`scope_to_people`, the workspace's ``skill_scope`` policy): 
 person's: an ``add`` gets ``metadata.scope: person:<id>``, an ``edit`` of that person's own
 private skill keeps it, an ``edit`` of a shared skill becomes an ``add`` of a private copy
 (``<name>-<person>``; the shared skill is left as everyone else gets it), and a ``remove`` of a
-shared skill is dropped. Operations from turns without a person (a single-user workspace) or
-from several people's turns, and every operation under ``shared``, work on the shared library as
-before. The model is shown only the skills every support turn may see (another person's private
+shared skill is dropped; each person's failures go to the model in a call of their own (one
+shown two people's failures would write one person's words into a skill the other reads), and a
+private ``add`` of a name another scope holds takes the person's name (``<name>-<person>``).
+Operations from turns without a person (a single-user workspace), and every operation under
+``shared``, work on the shared library as before. The model is shown only the skills every support turn may see (another person's private
 skills never reach it), and only those can be edited or removed. Promotion to shared is a
 separate, recorded step (``metaclaw skills share``, :meth:`SkillLibrary.share`).
 
@@ -760,19 +762,12 @@ class Evolver:
         return items
 
     # proposal ---------------------------------------------------------------------------
-    async def apropose(self, support_turns: list[dict[str, Any]] | None = None) -> EvolveProposal:
-        """Ask the model for operations on the current library from ``support_turns`` (turn
-        rows; default: the live support set of the current generation). Validated and deduped,
-        not applied. Raises :class:`EvolveError` when no valid answer came after one retry."""
-        if support_turns is None:
-            buffers.refresh(self.store, threshold=self.threshold)
-            support_turns = buffers.support_set(self.store, threshold=self.threshold)
-        turns = sorted(support_turns, key=lambda t: t["id"])[-self.max_support:]
-        if not turns:
-            raise EvolveError("there are no support turns to learn from; judge some turns first "
-                              "(failures below the threshold form the support set)",
-                              kind="nothing")
-        generation, every_skill = self.library.current()
+    async def _propose_from(self, turns: list[dict[str, Any]], generation: int,
+                            every_skill: list[Skill]
+                            ) -> tuple[list[SkillOp], list[dict[str, Any]], list[str],
+                                       dict[str, Skill]]:
+        """One model call's operations from ``turns`` (validated, scoped, with their origin
+        asks), the operations dropped, the model's replies, and the skills it was shown."""
         # only what every support turn may see: another person's private skill never reaches
         # the model, nor can it be edited or removed from someone else's failures
         audience = {(t.get("person") or None, t.get("agent") or None) for t in turns}
@@ -809,13 +804,63 @@ class Evolver:
                                              for t in turns}, self.skill_scope,
                                        {s.name: s for s in every_skill})
         hidden = {s.name for s in every_skill} - set(by_name)  # names of skills not shown
-        for op in [op for op in ops if op.op == "add" and op.name in hidden]:
-            ops.remove(op)
-            dropped.append({"name": op.name, "reason": "a skill of that name exists in a scope "
-                            "these failures' turns may not see; pick another name"})
+        taken = {s.name for s in every_skill} | {op.name for op in ops}
+        for i, op in enumerate(ops):
+            if op.op != "add" or op.name not in hidden:
+                continue
+            # a private add may not take a name another scope holds: its person's own name
+            kind, _, who = op.skill.scope.partition(":") if op.skill is not None else ("", "", "")
+            copy = _name_for(op.name, who) if kind == "person" else None
+            if copy is None or copy in taken:
+                ops[i] = None
+                dropped.append({"name": op.name, "reason": "a skill of that name exists in a "
+                                "scope these failures' turns may not see; pick another name"})
+                continue
+            taken.add(copy)
+            ops[i] = SkillOp("add", Skill(copy, op.skill.description, op.skill.category,
+                                          op.skill.body, op.skill.extra), copy,
+                             f"{op.reason} (named {copy!r}: {op.name!r} is taken)".strip(),
+                             list(op.evidence), op.base)
+        ops = [op for op in ops if op is not None]
         ops = with_origin_asks(ops, {int(t["id"]): t.get("retrieval_query") or "" for t in turns})
-        proposal = EvolveProposal(ops, support_ids, generation, self.model, attempts=len(replies),
-                                  replies=replies, dropped=dropped)
+        return ops, dropped, replies, by_name
+
+    async def apropose(self, support_turns: list[dict[str, Any]] | None = None) -> EvolveProposal:
+        """Ask the model for operations on the current library from ``support_turns`` (turn
+        rows; default: the live support set of the current generation). Validated and deduped,
+        not applied. Raises :class:`EvolveError` when no valid answer came after one retry."""
+        if support_turns is None:
+            buffers.refresh(self.store, threshold=self.threshold)
+            support_turns = buffers.support_set(self.store, threshold=self.threshold)
+        turns = sorted(support_turns, key=lambda t: t["id"])[-self.max_support:]
+        if not turns:
+            raise EvolveError("there are no support turns to learn from; judge some turns first "
+                              "(failures below the threshold form the support set)",
+                              kind="nothing")
+        generation, every_skill = self.library.current()
+        # under the private policy each person's failures go to the model apart: a call shown
+        # two people's failures would write one person's words into a skill the other reads
+        groups: dict[str | None, list[dict[str, Any]]] = {}
+        for turn in turns:
+            key = (turn.get("person") or None) if self.skill_scope == "private" else None
+            groups.setdefault(key, []).append(turn)
+        ops, dropped, replies, shown = [], [], [], {}
+        for group in groups.values():
+            more, lost, answers, by_name = await self._propose_from(group, generation,
+                                                                    every_skill)
+            taken = {op.name for op in ops}
+            for op in more:
+                if op.name in taken:  # two people's calls wrote the same name: the first stands
+                    lost.append({"name": op.name, "reason": "another person's failures, "
+                                 "answered apart, already wrote a skill of that name"})
+                else:
+                    ops.append(op)
+            dropped += lost
+            replies += answers
+            shown.update(by_name)
+        proposal = EvolveProposal(ops, [int(t["id"]) for t in turns], generation, self.model,
+                                  attempts=len(replies), replies=replies, dropped=dropped)
+        by_name = shown
         if ops and self.dedupe_threshold is not None:
             await asyncio.to_thread(self._dedupe, proposal, by_name)
         return proposal

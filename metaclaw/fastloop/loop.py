@@ -836,8 +836,10 @@ class FastLoop:
         proposal = await self.evolver.apropose(support)
         parent = proposal.base_generation
         if not proposal.ops:
+            dropped = "; ".join(f"{d['name']}: {d['reason']}" for d in proposal.dropped)
             return EvolveResult("no_change", parent, proposal=proposal,
-                                reason="the evolver proposed no change")
+                                reason="the evolver proposed no change" if not dropped else
+                                f"every change the evolver proposed was dropped ({dropped})")
         if self.gate is not None:
             report = await self.gate.areview(proposal.ops, self.library, self.store,
                                              proposal.support_ids, parent)

@@ -632,15 +632,23 @@ class Collaborators:
 CLAUDE_CODE_AGENT = "claude-cli/"
 
 
-def token_refused(headers: Any, message: str, code: str) -> ProxyError:
+def token_refused(headers: Any, message: str, code: str,
+                  caller_auth: bool = False) -> ProxyError:
     """The answer to a missing or wrong proxy token: a 401 ``authentication_error``; to Claude
     Code a 403 ``permission_error`` with its own settings named. Claude Code takes a 401 for its
     login expiring (it retried ten times over three minutes, then said "Not logged in · Please
     run /login") and any message naming the x-api-key header for its user's key being wrong; a
-    403's message it shows at once."""
+    403's message it shows at once. ``caller_auth``: the token comes in ``X-MetaClaw-Token``
+    (Claude Code sends it through ``ANTHROPIC_CUSTOM_HEADERS``)."""
     if not headers.get("User-Agent", "").startswith(CLAUDE_CODE_AGENT):
         return ProxyError(401, message, type="authentication_error", code=code)
     what = "missing" if code == "missing_token" else "invalid"
+    if caller_auth:
+        return ProxyError(403, f"{what} proxy token: this proxy forwards your own API key and "
+                               "takes its token in the header X-MetaClaw-Token; set "
+                               "ANTHROPIC_CUSTOM_HEADERS='X-MetaClaw-Token: <the token metaclaw "
+                               "serve was given>' where Claude Code runs",
+                          type="permission_error", code=code)
     return ProxyError(403, f"{what} proxy token: Claude Code must send the token `metaclaw "
                            "serve` was given (--token or $METACLAW_PROXY_TOKEN): wired by `metaclaw "
                            "wire claude-code`, its settings.json holds the token and wins over the "
@@ -714,17 +722,16 @@ class TurnPipeline:
         token = config.token
         if not token:
             return caller_key
-        # (under caller-auth the token comes in its own header: the answer names that one)
-        client = {} if config.caller_auth else headers
         if not given:
-            raise token_refused(client, f"missing token: this proxy requires {where}",
-                                "missing_token")
+            raise token_refused(headers, f"missing token: this proxy requires {where}",
+                                "missing_token", config.caller_auth)
         # a header's bytes that are not UTF-8 arrive as lone surrogates: compared as sent
         if not hmac.compare_digest(given.encode("utf-8", "surrogateescape"), token.encode()):
             fix = ("send the proxy's token in 'X-MetaClaw-Token' (the api_key is your own "
                    "upstream key here)" if config.caller_auth else "set the client's api_key "
                    "(sent as 'Authorization: Bearer' or 'x-api-key') to the proxy's token")
-            raise token_refused(client, f"invalid token: {fix}", "invalid_token")
+            raise token_refused(headers, f"invalid token: {fix}", "invalid_token",
+                                config.caller_auth)
         return caller_key
 
     def too_large(self) -> ProxyError:

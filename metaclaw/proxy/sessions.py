@@ -201,8 +201,11 @@ def _first_user_text(messages: list[Any]) -> str | None:
     return None
 
 
-def session_of(headers: Mapping[str, str], body: dict[str, Any]) -> tuple[str, str]:
-    """(session id, which rule found it) by the precedence in the module docstring."""
+def session_of(headers: Mapping[str, str], body: dict[str, Any],
+               principals: tuple[str | None, str | None] = (None, None)) -> tuple[str, str]:
+    """(session id, which rule found it) by the precedence in the module docstring;
+    ``principals``: the person and agent the request names, part of a fingerprint (two people
+    opening alike never share a session)."""
     for name in ("X-Session-Id",):
         if (value := _header(headers, name)) is not None:
             return check_session_id(value, f"header {name}"), f"header:{name}"
@@ -239,7 +242,10 @@ def session_of(headers: Mapping[str, str], body: dict[str, Any]) -> tuple[str, s
             return found.group(1), "message:sessionId"
     if first is not None:
         user = body.get("user") if isinstance(body.get("user"), str) else ""
-        digest = hashlib.sha256(f"{user}\x00{first}".encode("utf-8", "replace")).hexdigest()
+        key = f"{user}\x00{first}"
+        if any(principals):  # (a conversation without them keeps the fingerprint it had)
+            key += f"\x00person={principals[0] or ''}\x00agent={principals[1] or ''}"
+        digest = hashlib.sha256(key.encode("utf-8", "replace")).hexdigest()
         return f"conv-{digest[:12]}", FINGERPRINT
     log.warning("a request carries no session id and no user message; recorded as "
                 "'unidentified' (send X-Session-Id to group its turns)")
@@ -286,11 +292,11 @@ def principals_of(headers: Mapping[str, str]) -> tuple[str | None, str | None]:
 def identify(headers: Mapping[str, str], body: dict[str, Any]) -> Identity:
     """The session, turn type and done flag of a request (raises :class:`IdentityError` for a
     session id or turn type the client gave that cannot be accepted)."""
-    session_id, session_how = session_of(headers, body)
+    person, agent = principals_of(headers)
+    session_id, session_how = session_of(headers, body, (person, agent))
     turn_type, type_how = turn_type_of(headers, body)
     done_value = headers.get("X-Session-Done", body.get("session_done", False))
     done = done_value is True or str(done_value).strip().lower() in _TRUE
-    person, agent = principals_of(headers)
     return Identity(session_id, turn_type, done, {"session": session_how, "turn_type": type_how},
                     person, agent)
 
