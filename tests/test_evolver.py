@@ -185,6 +185,26 @@ def test_a_dry_run_proposal_can_be_applied_later_unless_the_library_moved(store,
     assert library.generation == 1
 
 
+def test_another_process_committing_between_the_check_and_the_write_is_a_conflict(
+        store, library, monkeypatch):
+    """Two `metaclaw evolve` at once: the loser's write found the library moved, and that was
+    reported as the evolver's answer being unusable (an evolve_failed event)."""
+    from metaclaw.skills.library import SkillConflict
+
+    fail = record(store, library, "q", "bad", reward=-1)
+
+    def moved(*args, **kwargs):
+        raise SkillConflict("the library moved from generation 0 to 1 since these operations "
+                            "were made from it; make them again")
+
+    with DoubleServer([ops_reply(op("add", "raced", "d", "b", evidence=[fail]))]) as double:
+        evolver = Evolver(double.url, "evolver", library, store, dedupe_threshold=None)
+        monkeypatch.setattr(library, "apply", moved)
+        with pytest.raises(EvolveError, match="library changed since") as err:
+            evolver.evolve()
+    assert err.value.kind == "conflict"
+
+
 # -- invalid output ---------------------------------------------------------------------------
 def test_invalid_output_is_retried_once_with_the_error(store, library):
     fail = record(store, library, "q", "bad", reward=-1)

@@ -496,6 +496,31 @@ def test_two_proxies_keep_apart_two_runs_that_open_alike_one_after_the_other(tmp
         and sessions[2] == sessions[0] + ".3", sessions
 
 
+def test_runs_that_alternate_between_two_proxies_each_keep_their_own_session(tmp_path):
+    """A round-robin in front of two proxies, three runs of one task one after the other, no
+    session id: each proxy read the other's recorded replies once per opening, so the later
+    runs' turns continued replies it had not seen and fell back into the first run's
+    session."""
+    from metaclaw.store import Store
+
+    first = {"role": "user", "content": "Rotate the TLS certificates on staging"}
+    with _two_proxies(tmp_path, *[Reply(f"Step {i} done.") for i in range(12)]) as \
+            (proxies, ask):
+        for run in range(3):
+            messages = [first]
+            for step in range(4):
+                ask(proxies[(step + run) % 2], messages)
+                with Store(tmp_path / "ws.db") as store:
+                    reply = store.turns()[-1]["response"]
+                messages = [*messages, {"role": "assistant", "content": reply},
+                            {"role": "user", "content": f"run {run}: go on ({step})"}]
+    with Store(tmp_path / "ws.db") as store:
+        by_session: dict[str, list[int]] = {}
+        for turn in store.turns():
+            by_session.setdefault(turn["session_id"], []).append(turn["turn_index"])
+    assert sorted(by_session.values()) == [[0, 1, 2, 3]] * 3, by_session
+
+
 def test_two_proxies_keep_apart_two_runs_that_open_alike_at_the_same_time(tmp_path):
     """Two proxies on one workspace get the same first message at once, before either reply
     is recorded (a turn is recorded when its reply ends): two sessions. Each proxy numbered

@@ -144,6 +144,28 @@ def test_a_hand_edit_the_store_could_not_take_is_recorded_once_it_answers(tmp_pa
         library.unwatch()
 
 
+@pytest.mark.sqlite_only
+def test_opening_an_up_to_date_library_waits_for_no_writer(tmp_path):
+    """`metaclaw skills list` (any process opening the library) waited for the write lock even
+    when nothing had changed, and failed with "database is locked" behind a long write."""
+    import sqlite3
+
+    skills, db = tmp_path / "skills", tmp_path / "ws.db"
+    write_skill(skills, "first", "The first skill.", "Body.")
+    SkillLibrary(skills, Store(db)).store.close()  # generation 0, the folder marked
+    writer = sqlite3.connect(db, isolation_level=None)
+    writer.execute("BEGIN IMMEDIATE")  # another process's long write
+    try:
+        started = time.monotonic()
+        library = SkillLibrary(skills, Store(db))
+        assert time.monotonic() - started < 5 and library.generation == 0 and "first" in library
+    finally:
+        writer.execute("ROLLBACK")
+        writer.close()
+    write_skill(skills, "second", "Added by hand.", "Body.")
+    assert SkillLibrary(skills, Store(db)).generation == 1  # a change still takes the lock
+
+
 def test_an_idle_folder_watcher_wakes_a_few_times_a_second(tmp_path, monkeypatch):
     """Each wake-up of the watcher's thread takes the interpreter lock from the proxy's loop: at
     watchfiles' default step an idle library spent about 2.7 ms of CPU a second on them."""

@@ -95,8 +95,8 @@ from metaclaw.fastloop.proposals import ProposalError, apply_ops
 from metaclaw.fastloop.replay import Replayer
 from metaclaw.progress import ProgressFn, notify
 from metaclaw.redact import safe_url
-from metaclaw.skills.library import (OPS, Skill, SkillFormatError, SkillLibrary, SkillOp,
-                                     apply_in_memory, oversize_reason, validate_name)
+from metaclaw.skills.library import (OPS, Skill, SkillConflict, SkillFormatError, SkillLibrary,
+                                     SkillOp, apply_in_memory, oversize_reason, validate_name)
 from metaclaw.store import Store
 from metaclaw.turns import scope_visible
 
@@ -1062,6 +1062,10 @@ class Evolver:
                 self.library, proposal.ops, proposal.support_ids,
                 base_generation=proposal.base_generation,
                 reason=f"evolved from {len(proposal.support_ids)} support turns: {summary}")
+        except SkillConflict as exc:  # another process evolved between the check and here
+            raise EvolveError(f"the library changed since the proposal was made ({exc.reason}); "
+                              "run evolve again", proposal.replies, proposal.attempts,
+                              kind="conflict") from exc
         except (SkillFormatError, ProposalError) as exc:
             raise EvolveError(f"the proposal could not be applied ({exc}); the library is "
                               "unchanged", proposal.replies, proposal.attempts) from exc

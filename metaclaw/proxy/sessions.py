@@ -406,7 +406,6 @@ class ReplyThreads:
         # replies found not to be one of the recorded openings' (looked up once)
         self._preambles: OrderedDict[tuple[str, str], bool] = OrderedDict()
         self._not_preambles: OrderedDict[tuple[str, str], bool] = OrderedDict()
-        self._looked_up: set[str] = set()  # fingerprints whose recorded replies were read
         self._lock = threading.Lock()
 
     @property
@@ -441,8 +440,10 @@ class ReplyThreads:
             if key is None:
                 return self._open(fingerprint, history, ask)
             waiting = self._replies.get(key)
-            if not waiting and key not in self._continued and fingerprint not in self._looked_up:
-                self._read_recorded_replies(fingerprint)  # once: later replies are kept here
+            if not waiting and key not in self._continued:
+                # replies this process gave are kept here; one it does not know may be another
+                # process's (two proxies of one workspace), recorded since it last looked
+                self._read_recorded_replies(fingerprint)
                 waiting = self._replies.get(key)
             if not waiting:
                 # a reply continued before: a client's retry while its first attempt is still
@@ -652,10 +653,8 @@ class ReplyThreads:
 
     def _read_recorded_replies(self, fingerprint: str) -> None:
         """Remember the latest recorded reply of each of ``fingerprint``'s latest sessions as
-        awaiting its continuation (called with the lock held, once per fingerprint)."""
-        self._looked_up.add(fingerprint)
-        if len(self._looked_up) > self.MAX_ENTRIES:
-            self._looked_up.clear()
+        awaiting its continuation (called with the lock held, where a turn continues a reply
+        this process does not know of)."""
         if self.store is None:
             return
         try:
@@ -685,6 +684,8 @@ class ReplyThreads:
                     add_message(ask, "user", message.get("content"))
             add_message(history, "assistant", row["response"], row["tool_calls"])
             key = (fingerprint, history.hexdigest())
+            if key in self._continued:  # continued here already (its turn still in flight)
+                continue
             if row["session_id"] not in self._replies.get(key, ()):
                 self._replies.setdefault(key, []).append(row["session_id"])
             if ask is not None:

@@ -1475,6 +1475,33 @@ class SkillLibrary:
         self._notify(new_generation)
         return new_generation
 
+    def _up_to_date(self) -> bool:
+        """Whether the folder holds the store's latest generation as it is, with nothing to
+        record, finish or bring up (no journal of a change, no broken file, the folder marked
+        as at that generation): then that generation is taken without the store's write lock,
+        so that opening a library to read it never waits behind another process's write."""
+        if any(self.directory.glob(JOURNAL_GLOB)):
+            return False
+        latest = self.store.latest_generation()
+        if latest is None:
+            return False
+        try:
+            stored = self.snapshot(latest)
+        except SkillFormatError:
+            return False
+        disk, problems = load_skills_dir(self.directory)
+        if problems or not disk or _changes(stored, disk, ""):
+            return False
+        if _marks_kept(self.store):
+            mark = self._folder_mark()
+            if mark is None or mark.get("generation") != latest:
+                return False
+        with self._lock:
+            self.problems = []
+            self._set(latest, stored)
+            self._folder_generation = latest
+        return True
+
     def reload(self) -> int:
         """Re-read the folder; records a ``disk`` generation if files changed. Returns the generation.
 
@@ -1482,75 +1509,76 @@ class SkillLibrary:
         some, is filled from that generation instead (a new checkout, or a wrong folder, must
         not empty the library for every process; remove skills through the library or a
         rollback)."""
-        with self._exclusive(adopt=False):
-            previous = self._generation
-            disk, problems = load_skills_dir(self.directory)
-            self.problems = problems
-            latest = self.store.latest_generation()
-            if latest is None:
-                ops = _changes({}, disk, f"initial library from {_as_text(self.directory)}")
-                number = self.store.add_generation(
-                    snapshot={n: disk[n].to_dict() for n in sorted(disk)}, kind="init",
-                    reason=f"initial library from {_as_text(self.directory)}", parent=None,
-                    events=[self._event(op) for op in ops])
-                self._set(number, disk)
-            else:
-                why, damaged = "files changed on disk", False
-                try:
-                    stored = self.snapshot(latest)
-                except SkillFormatError as exc:
-                    # the folder is what is left of the current library: recorded over the
-                    # damaged generation, so that every process can open the workspace again
-                    log.error("skill library: %s; recording the folder %s as a new "
-                              "generation", exc, self.directory)
-                    stored, damaged = {}, True
-                    why = f"{exc.reason.split(';')[0]}; recorded the folder"
-                if stored and not disk:
-                    # not a single readable skill in the folder of a workspace that has some (a
-                    # new checkout, a wrong --skills): filled from the store, never read as
-                    # "every skill removed" (a broken file in it is left as it is, below)
-                    self._fill(latest)
-                    disk, problems = load_skills_dir(self.directory)
-                    self.problems = problems
-                elif stored and not damaged and _marks_kept(self.store) \
-                        and self._folder_mark() is None:
-                    # skills in a folder this workspace has never marked (another member's,
-                    # one used with another workspace): it joins the library, never read as it
-                    why = self._join(latest, stored, disk)
-                    disk, problems = load_skills_dir(self.directory)
-                    self.problems = problems
-                    for name, skill in stored.items():  # never a removal (a stray file of its
-                        disk.setdefault(name, skill)    # name, a folder that cannot be written)
-                if not damaged:  # stale files are not hand edits: never recorded as such
-                    for name, skill in self._catch_up(latest, stored, problems).items():
-                        if skill is None:
-                            disk.pop(name, None)
-                        else:
-                            disk[name] = skill
-                # a broken file keeps the stored version of its folder's skill, and of the skill
-                # it names (a folder renamed by hand), instead of counting as their removal
-                for problem in problems:
-                    kept = [name for name in dict.fromkeys((Path(problem.path).parent.name,
-                                                            problem.name))
-                            if name in stored and name not in disk]
-                    for name in kept:
-                        disk[name] = stored[name]
-                    if kept:
-                        problem.reason += f" (keeping its version from generation {latest})"
-                ops = _changes(stored, disk, why)
-                if ops or damaged:
+        previous = self._generation
+        if not self._up_to_date():
+            with self._exclusive(adopt=False):
+                disk, problems = load_skills_dir(self.directory)
+                self.problems = problems
+                latest = self.store.latest_generation()
+                if latest is None:
+                    ops = _changes({}, disk, f"initial library from {_as_text(self.directory)}")
                     number = self.store.add_generation(
-                        snapshot={n: disk[n].to_dict() for n in sorted(disk)}, kind="disk",
-                        reason=why, parent=latest,
+                        snapshot={n: disk[n].to_dict() for n in sorted(disk)}, kind="init",
+                        reason=f"initial library from {_as_text(self.directory)}", parent=None,
                         events=[self._event(op) for op in ops])
                     self._set(number, disk)
-                    log.info("skill library: generation %d: %s in %s (%s)", number,
-                             ", ".join(f"{op.op} {op.name}" for op in ops) or "recorded",
-                             _as_text(self.directory), why)
                 else:
-                    self._set(latest, stored)
-            generation = self._generation
-            changed = previous != -1 and generation != previous
+                    why, damaged = "files changed on disk", False
+                    try:
+                        stored = self.snapshot(latest)
+                    except SkillFormatError as exc:
+                        # the folder is what is left of the current library: recorded over the
+                        # damaged generation, so that every process can open the workspace again
+                        log.error("skill library: %s; recording the folder %s as a new "
+                                  "generation", exc, self.directory)
+                        stored, damaged = {}, True
+                        why = f"{exc.reason.split(';')[0]}; recorded the folder"
+                    if stored and not disk:
+                        # not a single readable skill in the folder of a workspace that has some (a
+                        # new checkout, a wrong --skills): filled from the store, never read as
+                        # "every skill removed" (a broken file in it is left as it is, below)
+                        self._fill(latest)
+                        disk, problems = load_skills_dir(self.directory)
+                        self.problems = problems
+                    elif stored and not damaged and _marks_kept(self.store) \
+                            and self._folder_mark() is None:
+                        # skills in a folder this workspace has never marked (another member's,
+                        # one used with another workspace): it joins the library, never read as it
+                        why = self._join(latest, stored, disk)
+                        disk, problems = load_skills_dir(self.directory)
+                        self.problems = problems
+                        for name, skill in stored.items():  # never a removal (a stray file of its
+                            disk.setdefault(name, skill)    # name, a folder that cannot be written)
+                    if not damaged:  # stale files are not hand edits: never recorded as such
+                        for name, skill in self._catch_up(latest, stored, problems).items():
+                            if skill is None:
+                                disk.pop(name, None)
+                            else:
+                                disk[name] = skill
+                    # a broken file keeps the stored version of its folder's skill, and of the skill
+                    # it names (a folder renamed by hand), instead of counting as their removal
+                    for problem in problems:
+                        kept = [name for name in dict.fromkeys((Path(problem.path).parent.name,
+                                                                problem.name))
+                                if name in stored and name not in disk]
+                        for name in kept:
+                            disk[name] = stored[name]
+                        if kept:
+                            problem.reason += f" (keeping its version from generation {latest})"
+                    ops = _changes(stored, disk, why)
+                    if ops or damaged:
+                        number = self.store.add_generation(
+                            snapshot={n: disk[n].to_dict() for n in sorted(disk)}, kind="disk",
+                            reason=why, parent=latest,
+                            events=[self._event(op) for op in ops])
+                        self._set(number, disk)
+                        log.info("skill library: generation %d: %s in %s (%s)", number,
+                                 ", ".join(f"{op.op} {op.name}" for op in ops) or "recorded",
+                                 _as_text(self.directory), why)
+                    else:
+                        self._set(latest, stored)
+        generation = self._generation
+        changed = previous != -1 and generation != previous
         said = {str(problem) for problem in self.problems}
         for problem in self.problems:
             if str(problem) not in self._warned:
