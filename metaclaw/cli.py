@@ -622,7 +622,7 @@ def _skill_stats(args: argparse.Namespace, library: Any) -> int:
           "--variant current~SKILL --variant current --upstream URL --judge-url URL "
           "--judge-model M`")
     if args.propose:
-        print(f"filed {len(filed)} proposals for review: "
+        print(f"filed {len(filed)} proposal{'' if len(filed) == 1 else 's'} for review: "
               + (", ".join(f"#{i}" for i in filed) or "none new"))
     return 0
 
@@ -990,6 +990,9 @@ def cmd_buffers(args: argparse.Namespace) -> int:
     store = _store(args.db)
     buffers.refresh(store, threshold=args.threshold)
     frame = buffers.buffers_frame(store, all_turns=args.all)
+    total = frame.height
+    if args.last is not None:  # the newest (the frame is oldest first)
+        frame = frame.tail(args.last)
     if args.json:
         for row in frame.iter_rows(named=True):
             _print_json(row)
@@ -1002,8 +1005,9 @@ def cmd_buffers(args: argparse.Namespace) -> int:
     with pl.Config(tbl_cols=-1, tbl_rows=-1, fmt_str_lengths=48, tbl_width_chars=200,
                    tbl_hide_dataframe_shape=True, tbl_hide_column_data_types=True):
         print(shown)
-    print(f"{frame.height} turn{'' if frame.height == 1 else 's'}"
-          f"{'' if args.all else ' in a buffer'}; --json for every field in full")
+    print(f"{total} turn{'' if total == 1 else 's'}{'' if args.all else ' in a buffer'}"
+          + (f", the newest {frame.height} shown (--last)" if frame.height < total else "")
+          + "; --json for every field in full")
     return 0
 
 
@@ -1656,6 +1660,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_db(p)
     p.add_argument("--threshold", type=argtypes.finite_float, default=0.0)
     p.add_argument("--all", action="store_true", help="also turns in no buffer")
+    p.add_argument("--last", type=argtypes.positive_int, metavar="N",
+                   help="only the newest N turns (default: every one)")
     p.add_argument("--json", action="store_true", help="one JSON object per line per turn")
 
     p = add("tiny-model", help="write the tiny local model used offline")

@@ -274,6 +274,11 @@ def test_score_buffers_evolve_commands(tmp_path):
                                                 "skill_generation", "reward", "created_at", "task"))
         assert re.search(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d", table)
         assert table.rstrip().endswith("2 turns in a buffer; --json for every field in full")
+        newest = run_cli("buffers", "--db", db, "--last", 1).stdout
+        assert newest.rstrip().endswith("2 turns in a buffer, the newest 1 shown (--last); "
+                                        "--json for every field in full")
+        assert [json.loads(l)["reward"] for l in run_cli(
+            "buffers", "--db", db, "--json", "--last", 1).stdout.splitlines()] == [0.0]
 
         dry = json.loads(run_cli("evolve", "--db", db, "--skills", skills, "--evolver-url", url,
                                  "--evolver-model", "sim-evolver", "--dry-run", "--json").stdout)
