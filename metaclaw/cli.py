@@ -289,7 +289,7 @@ def _turn_rows(store: Any, where: str, params: list[Any], fields: tuple[str, ...
 
 @command("turns")
 def cmd_turns(args: argparse.Namespace) -> int:
-    from metaclaw.skills.retrieval import scored_text
+    from metaclaw.skills.retrieval import explain_keys, scored_text
     from metaclaw.turns import IdentityError, turns_filter
 
     if args.action == "import":
@@ -315,6 +315,7 @@ def cmd_turns(args: argparse.Namespace) -> int:
             _print_json({k: row[k] for k in TURN_FIELDS})
         return 0
     listed = width = 0
+    snapshots: dict[int, dict[str, Any]] = {}  # the generations the listed turns were served by
     for row in rows:
         if not listed:  # as wide as the longest session id listed (Codex's are 36 characters)
             width = max(7, store.query(f"SELECT MAX(LENGTH(session_id)) AS n FROM turns "
@@ -330,7 +331,8 @@ def cmd_turns(args: argparse.Namespace) -> int:
                                ) or "none"
             how = row.get("identified_by") or {}
             query = " ".join((row.get("retrieval_query") or "-").split())  # on one line
-            print(_printable(f"       query: {query[:100]}"))
+            print(_printable(f"       query: {query[:100]}" + ("..." if len(query) > 100
+                                                                 else "")))
             print(_printable(f"       scores: {scores}; session by {how.get('session', '?')}, "
                              f"turn type by {how.get('turn_type', '?')}"))
             print(_printable(
@@ -350,6 +352,9 @@ def cmd_turns(args: argparse.Namespace) -> int:
                     print(_printable(f"       {s['name']}: use when {s.get('use_when') or '-'}; "
                                      f"{s.get('example_asks', 0)} example asks, "
                                      f"{s.get('anticipated_asks', 0)} anticipated"))
+            nearest = explain_keys(store, row, snapshots)
+            if nearest:
+                print(_printable(f"       nearest key: {nearest}"))
     if not listed:
         which = f" numbered {args.id}" if args.id is not None else ""
         which += " of session " + repr(args.session) if args.session else ""

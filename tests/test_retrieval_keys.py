@@ -295,6 +295,14 @@ def test_serve_says_how_it_retrieves_and_why_shows_the_keys(tmp_path):
                          capture_output=True, text=True).stdout
     assert ("iso-dates: use when dates or deadlines in files; 1 example asks, 1 anticipated"
             in why)
+    # and the key the ask was nearest to, with its cosine
+    assert 'nearest key: iso-dates: "write the standup slot and action item deadlines into ' \
+        'standup.json" (0.9' in why, why
+    from metaclaw.skills.retrieval import explain_frame
+    from metaclaw.store import Store
+
+    with Store(db) as store:
+        assert explain_frame(store)["keys"][0].startswith('iso-dates: "write the standup')
 
 
 def test_the_trace_and_the_diff_show_the_keys(store, tmp_path):

@@ -1350,16 +1350,44 @@ def scored_text(entry: dict[str, Any]) -> str:
     return text
 
 
+def nearest_key(query: str | None, skill: Skill) -> tuple[str, float] | None:
+    """The retrieval key of ``skill`` (its "use when" line, an example or an anticipated ask)
+    nearest to ``query`` by the packaged static embedding's cosine, with that cosine: what an
+    ask was matched on, for a person reading why a turn got the skill (retrieval itself
+    compares the ask with the mean of the asks, :meth:`EmbeddingRetriever.scores`). None where
+    the skill has no keys, there is no query, or no embedding is installed."""
+    import numpy as np
+
+    keys = list(dict.fromkeys(([skill.use_when] if skill.use_when else [])
+                              + list(skill.retrieval_asks)))
+    if not keys or not (query or "").strip() or not embeddings_available():
+        return None
+    retriever = _explainer()
+    vectors = np.asarray(retriever._encode(keys), dtype=np.float32)
+    vectors /= np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
+    cosines = vectors @ np.asarray(retriever.embed_query(query), dtype=np.float32)
+    best = int(np.argmax(cosines))
+    return keys[best], float(cosines[best])
+
+
+@functools.lru_cache(maxsize=1)
+def _explainer() -> "EmbeddingRetriever":
+    return EmbeddingRetriever(STATIC_MODEL)
+
+
 def explain_frame(store: Any, *, session: str | None = None, last: int | None = None):
     """Why each turn got its skills, as a ``polars.DataFrame`` (newest last): ``id``,
     ``session_id``, ``turn_type``, ``retrieval_query`` (the ask found in the request),
-    ``injected_skills`` and ``scores`` (``name score`` pairs as text), ``session_by`` and
-    ``turn_type_by`` (the rules that identified the session and the turn type)."""
+    ``injected_skills`` and ``scores`` (``name score`` pairs as text), ``keys`` (for each
+    injected skill with retrieval keys, the one nearest the ask, :func:`nearest_key`),
+    ``session_by`` and ``turn_type_by`` (the rules that identified the session and the turn
+    type)."""
     import polars as pl
 
     where, params = ("session_id = ?", [session]) if session else ("1=1", [])
     rows = store.query(f"SELECT id, session_id, turn_type, retrieval_query, injected_skills, "
-                       f"retrieval_scores, identified_by FROM turns WHERE {where} "
+                       f"retrieval_scores, identified_by, skill_generation FROM turns "
+                       f"WHERE {where} "
                        f"ORDER BY id DESC"
                        + (f" LIMIT {max(0, int(last))}" if last is not None else ""), params)
     rows.reverse()
@@ -1370,8 +1398,36 @@ def explain_frame(store: Any, *, session: str | None = None, last: int | None = 
         "injected_skills": [", ".join(r["injected_skills"] or []) for r in rows],
         "scores": [", ".join(scored_text(s) for s in r["retrieval_scores"] or [])
                    for r in rows],
+        "keys": [explain_keys(store, r) for r in rows],
         "session_by": [(r["identified_by"] or {}).get("session") for r in rows],
         "turn_type_by": [(r["identified_by"] or {}).get("turn_type") for r in rows],
     }, schema={"id": pl.Int64, "session_id": pl.Utf8, "turn_type": pl.Utf8,
                "retrieval_query": pl.Utf8, "injected_skills": pl.Utf8, "scores": pl.Utf8,
-               "session_by": pl.Utf8, "turn_type_by": pl.Utf8})
+               "keys": pl.Utf8, "session_by": pl.Utf8, "turn_type_by": pl.Utf8})
+
+
+def explain_keys(store: Any, turn: dict[str, Any],
+                 snapshots: dict[int, dict[str, Any]] | None = None) -> str:
+    """For each skill ``turn`` got that carries retrieval keys, ``name: "the key nearest the
+    ask"`` (:func:`nearest_key`, the skill as its generation held it), joined by ``; ``;
+    ``snapshots``: generations already read, by number (filled here)."""
+    entries = [s for s in turn.get("retrieval_scores") or [] if s.get("injected") is not False
+               and (s.get("use_when") or s.get("example_asks") or s.get("anticipated_asks"))]
+    if not entries or turn.get("skill_generation") is None:
+        return ""
+    snapshots = {} if snapshots is None else snapshots
+    number = int(turn["skill_generation"])
+    if number not in snapshots:
+        row = store.generation(number)
+        snapshots[number] = (row or {}).get("snapshot") or {}
+    said = []
+    for entry in entries:
+        data = snapshots[number].get(entry["name"])
+        try:
+            skill = Skill.from_dict(data) if isinstance(data, dict) else None
+        except (ValueError, TypeError, KeyError):
+            skill = None
+        found = nearest_key(turn.get("retrieval_query"), skill) if skill is not None else None
+        if found:
+            said.append(f'{entry["name"]}: "{found[0]}" ({found[1]:.2f})')
+    return "; ".join(said)
