@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import sys
 import tempfile
 import time
 import tracemalloc
@@ -54,11 +55,12 @@ def build(folder: Path, n_turns: int, n_skills: int, seed: int = 0) -> tuple[Sto
     return store, library
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--turns", type=int, default=100_000)
     parser.add_argument("--skills", type=int, default=300)
     args = parser.parse_args()
+    failed = False
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
         store, library = build(Path(tmp), args.turns, args.skills)
@@ -83,8 +85,10 @@ def main() -> None:
             print(f"skill_stats ({what}): {seconds:.2f} s (median of 3), peak {peak:.0f} MiB traced (in a "
                   f"second run), {len(stats)} rows (target < 2 s: "
                   f"{'PASS' if seconds < 2 else 'FAIL'})")
+            failed = failed or seconds >= 2
         store.close()
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

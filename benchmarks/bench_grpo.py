@@ -34,6 +34,7 @@ import argparse
 import asyncio
 import os
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -122,7 +123,8 @@ class FixedSampler:
         return [Sample([7] * 7 + [2], [-0.1] * 8, "stop") for _ in range(n)]
 
 
-async def bench_swap(model_dir: str, waves: int, fixed: bool, device: str = "cpu") -> None:
+async def bench_swap(model_dir: str, waves: int, fixed: bool, device: str = "cpu") -> int:
+    """The swap part; returns the failed requests."""
     from metaclaw.slowloop.backends import make_backend
     from metaclaw.slowloop.policy import PolicyResponder
 
@@ -153,6 +155,7 @@ async def bench_swap(model_dir: str, waves: int, fixed: bool, device: str = "cpu
         print(f"  {name:<9} failed {fails}  p50 {statistics.median(lat):8.2f} ms  "
               f"p99 {percentile(lat, 99):8.2f} ms")
     print(f"  p99 added by swapping: {percentile(swapped, 99) - percentile(base, 99):+.2f} ms")
+    return fail_base + fail_swap
 
 
 MEMORY_CONFIGS = (("whole batch, full-vocabulary logits", 10 ** 6, 10 ** 9),
@@ -223,7 +226,7 @@ def bench_memory(args, model: str) -> None:
           f"{results[0][1]['vocab']})")
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--waves", type=int, default=10)
@@ -239,23 +242,34 @@ def main() -> None:
     parser.add_argument("--mb", type=int, default=8, help=argparse.SUPPRESS)
     parser.add_argument("--chunk", type=int, default=1024, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    import torch
+    try:
+        import torch
+    except ImportError:
+        print("error: this benchmark trains and samples with torch: pip install "
+              "'metaclaw-jupyter[training]'", file=sys.stderr)
+        return 2
 
     from metaclaw.offline.tinymodel import write_tiny_model
 
     torch.set_num_threads(args.threads)
     if args.memory_child:
         memory_child(args)
-        return
+        return 0
+    failed = 0
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = str(write_tiny_model(tmp, seed=0))
         if not args.memory_only:
             bench_grpo(model_dir, args.steps, args.device)
-            asyncio.run(bench_swap(model_dir, args.waves, fixed=True, device=args.device))
-            asyncio.run(bench_swap(model_dir, args.waves, fixed=False, device=args.device))
+            failed += asyncio.run(bench_swap(model_dir, args.waves, fixed=True,
+                                             device=args.device))
+            failed += asyncio.run(bench_swap(model_dir, args.waves, fixed=False,
+                                             device=args.device))
         if args.memory or args.memory_only:
             bench_memory(args, model_dir if args.model == "tiny" else args.model)
+    if failed:
+        print(f"error: {failed} requests failed while the policy was swapped", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import os
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -155,10 +156,12 @@ async def bench(proxy, responder, samplers, waves: int, concurrency: int, swap_e
     wave_floor = wave_p99("no swap (A)") - wave_p99("no swap (B)")
     print(f"  noise floor (no swap A vs B): {floor:+.2f} ms pooled, {wave_floor:+.2f} ms median "
           f"per wave; failed requests while swapping: {len(fails['swapping'])}")
+    return sum(len(f) for f in fails.values())
 
 
 def run(model_dir: str, root: Path, waves: int, concurrency: int, swap_every_s: float,
-        fixed: bool) -> None:
+        fixed: bool) -> int:
+    """One condition's waves; returns the failed requests."""
     from metaclaw.proxy.app import Proxy, ProxyConfig
     from metaclaw.skills.library import Skill, SkillLibrary
     from metaclaw.slowloop.backends import make_backend
@@ -186,14 +189,15 @@ def run(model_dir: str, root: Path, waves: int, concurrency: int, swap_every_s: 
     proxy.set_responder(responder)
     try:
         label = "constant-time sampler double" if fixed else "tiny model samplers"
-        asyncio.run(bench(proxy, responder, samplers, waves, concurrency, swap_every_s, label))
+        return asyncio.run(bench(proxy, responder, samplers, waves, concurrency, swap_every_s,
+                                 label))
     finally:
         proxy.stop()
         responder.close()
         store.close()
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--waves", type=int, default=20)
     parser.add_argument("--concurrency", type=int, default=50)
@@ -201,7 +205,12 @@ def main() -> None:
                         help="interval between swaps in the swapping condition")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     args = parser.parse_args()
-    import torch
+    try:
+        import torch
+    except ImportError:
+        print("error: this benchmark trains and samples with torch: pip install "
+              "'metaclaw-jupyter[training]'", file=sys.stderr)
+        return 2
 
     from metaclaw.offline.tinymodel import write_tiny_model
 
@@ -210,9 +219,12 @@ def main() -> None:
         root = Path(tmp)
         model_dir = str(write_tiny_model(root / "tiny", seed=0))
         every = args.swap_every_ms / 1000
-        run(model_dir, root, args.waves, args.concurrency, every, fixed=True)
-        run(model_dir, root, args.waves, args.concurrency, every, fixed=False)
+        failed = run(model_dir, root, args.waves, args.concurrency, every, fixed=True)
+        failed += run(model_dir, root, args.waves, args.concurrency, every, fixed=False)
+    if failed:
+        print(f"error: {failed} requests failed", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

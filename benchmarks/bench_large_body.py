@@ -17,6 +17,7 @@ import os
 import socket
 import subprocess
 import sys
+import shutil
 import tempfile
 import threading
 import time
@@ -24,7 +25,7 @@ import time
 import httpx
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--parts", type=int, default=300_000)
     args = parser.parse_args()
@@ -39,11 +40,15 @@ def main() -> None:
                               env={**os.environ, "METACLAW_PROXY_TOKEN": ""})
     try:
         deadline = time.time() + 60
-        while time.time() < deadline:
+        while True:
             try:
                 httpx.get(url + "/healthz", timeout=1)
                 break
             except httpx.HTTPError:
+                if time.time() > deadline or server.poll() is not None:
+                    print("error: metaclaw serve did not answer /healthz within 60 s",
+                          file=sys.stderr)
+                    return 1
                 time.sleep(0.2)
         parts = [{"type": "text", "text": f"part {i} of the task"} for i in range(args.parts)]
         body = json.dumps({"model": "m", "max_tokens": 10,
@@ -71,10 +76,16 @@ def main() -> None:
         print(f"one {len(body) / 1e6:.1f} MB Anthropic request ({args.parts} text blocks): HTTP "
               f"{reply.status_code} in {took:.2f} s; the worst /healthz wait meanwhile "
               f"{worst[0]:.2f} s (load average {load:.1f})")
+        if reply.status_code != 200:
+            print(f"error: the request was answered HTTP {reply.status_code}: "
+                  f"{reply.text[:300]}", file=sys.stderr)
+            return 1
+        return 0
     finally:
         server.terminate()
         server.wait(timeout=30)
+        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -631,7 +631,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--baseline-tree", metavar="DIR",
                         help="also measure the proxy of another checkout (before a change)")
     parser.add_argument("--check-targets", action="store_true",
-                        help="exit 1 when a target against the floor fails")
+                        help="exit 1 when a target fails (against the floor, or PostgreSQL's)")
     args = parser.parse_args(argv)
     protocols = [p.strip() for p in args.protocols.split(",") if p.strip()]
     if not protocols or set(protocols) - {"openai", "anthropic", "responses"}:
@@ -645,6 +645,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--warmup must be 0 or more")
     if args.rounds > args.requests:
         parser.error("--rounds must not exceed --requests")
+    if args.baseline_tree and not (Path(args.baseline_tree) / "metaclaw" / "__init__.py").is_file():
+        parser.error(f"--baseline-tree {args.baseline_tree}: no checkout of the project there "
+                     "(no metaclaw/__init__.py); e.g. git worktree add /tmp/before <commit>")
     warmup = args.warmup if args.warmup is not None else max(5, args.requests // 10)
 
     double_proc, double_url = start_double()
@@ -691,11 +694,14 @@ def main(argv: list[str] | None = None) -> int:
                 targets[postgres] = proxies[-1].url
             if args.baseline_tree:
                 tree = str(Path(args.baseline_tree).resolve())
-                # that tree's package first, ahead of an editable install of this one
+                # that tree's package first, ahead of an editable install of this one and of
+                # the working folder (which may be this checkout); the run says which it loaded
                 launcher = ("-c", "import sys; sys.meta_path[:] = [f for f in sys.meta_path if "
                             "'editable' not in getattr(f, '__module__', '')]; "
-                            f"sys.path.insert(0, {tree!r}); from metaclaw.cli import main; "
-                            "sys.exit(main())")
+                            "sys.path[:] = [p for p in sys.path if p not in ('', '.')]; "
+                            f"sys.path.insert(0, {tree!r}); import metaclaw; "
+                            f"assert metaclaw.__file__.startswith({tree!r}), metaclaw.__file__; "
+                            "from metaclaw.cli import main; sys.exit(main())")
                 proxies.append(start_proxy("lexical", double_url, tmp / "baseline", "openai",
                                            BASELINE, launcher=launcher))
                 targets[BASELINE] = proxies[-1].url
@@ -780,14 +786,18 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"  client: {1000 * client_cpu / (per_proxy * len(targets)):.2f} ms CPU "
                      "per request")
 
+        failed: list[str] = []
+
         def versus(name: str, base: str, title: str, target: float | None = None) -> None:
             """One line: ``name``'s added p50 and CPU per request against ``base``'s."""
             added = {n: statistics.median(samples[n].plain) - statistics.median(samples[direct].plain)
                      for n in (name, base)}
             cpu = {n: 1000 * cpu_used[n] / per_proxy for n in (name, base)}
             p50_ratio, cpu_ratio = added[name] / added[base], cpu[name] / cpu[base]
-            verdict = "" if target is None else \
-                f"; target <= {target}x: {'PASS' if max(p50_ratio, cpu_ratio) <= target else 'FAIL'}"
+            met = target is None or max(p50_ratio, cpu_ratio) <= target
+            verdict = "" if target is None else f"; target <= {target}x: {'PASS' if met else 'FAIL'}"
+            if not met:
+                failed.append(title)
             lines.extend(["", f"{title}: added p50 {added[name]:+.2f} vs {added[base]:+.2f} ms "
                           f"({p50_ratio:.2f}x), proxy CPU per request {cpu[name]:.2f} vs "
                           f"{cpu[base]:.2f} ms ({cpu_ratio:.2f}x){verdict}"])
@@ -802,7 +812,6 @@ def main(argv: list[str] | None = None) -> int:
             if cluster is not None:
                 lines.append(f"  the PostgreSQL server's own CPU: {1000 * server_cpu / per_proxy:.2f}"
                              " ms per request (all its processes, this run's requests)")
-        failed: list[str] = []
         if floors and CHECKED in targets:
             lines += report_targets(samples, results, cpu_used, direct, per_proxy,
                                     args.concurrency, failed)

