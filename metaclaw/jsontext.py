@@ -144,23 +144,29 @@ def _nest(keys: Sequence[str], value: Any) -> Any:
 
 
 def _insert(text: str, obj: _Object, key: str, value: Any, unit: str) -> str:
-    """``text`` with the member ``key: value`` added after ``obj``'s last member."""
+    """``text`` with the member ``key: value`` added after ``obj``'s last member (on one line
+    where the object's members are, else on lines of their own, ending as the file's do)."""
     last = obj.members[-1] if obj.members else None
-    compact = not _alone(text, obj.close) and "\n" not in text[obj.open:obj.close]
+    compact = last is not None and "\n" not in text[obj.open:obj.close]
+    newline = "\r\n" if "\r\n" in text else "\n"
     if last is not None and _alone(text, last.start):
         indent = text[_line_start(text, last.start):last.start]
     else:
         indent = text[_line_start(text, obj.open):obj.open]
         indent = indent[:len(indent) - len(indent.lstrip())] + unit
     member = f"{json.dumps(key, ensure_ascii=False)}: {_dumps(value, indent, unit, compact)}"
+    member = member.replace("\n", newline)
     if compact:
         glue = ", " if last is not None and last.comma is None else " " if last else ""
         return text[:obj.close].rstrip() + glue + member + text[obj.close:]
     if _alone(text, obj.close):  # the '}' on a line of its own: the member goes on the line above
         at = _line_start(text, obj.close)
-        text = text[:at] + indent + member + "\n" + text[at:]
+        text = text[:at] + indent + member + newline + text[at:]
     else:
-        text = text[:obj.close] + "\n" + indent + member + "\n" + text[obj.close:]
+        closing = text[_line_start(text, obj.open):obj.open]
+        closing = closing[:len(closing) - len(closing.lstrip())]
+        text = text[:obj.close] + newline + indent + member + newline + closing + \
+            text[obj.close:]
     if last is not None and last.comma is None:
         text = text[:last.value[1]] + "," + text[last.value[1]:]
     return text
@@ -208,7 +214,9 @@ def set_keys(text: str, changes: Sequence[tuple[Sequence[str], Any]]) -> str | N
                     start, end = member.value
                     indent = text[_line_start(text, member.start):member.start]
                     indent = indent if not indent.strip() else ""
-                    text = text[:start] + _dumps(value, indent, unit, False) + text[end:]
+                    newline = "\r\n" if "\r\n" in text else "\n"
+                    text = text[:start] + _dumps(value, indent, unit, False).replace(
+                        "\n", newline) + text[end:]
                 else:
                     if text[member.value[0]] != "{":
                         return None

@@ -182,10 +182,17 @@ _TOKEN_SHAPES = re.compile(
     r"\b(?:sk|pk|rk)-[A-Za-z0-9_-]{16,}|\bgh[pousr]_[A-Za-z0-9]{20,}|\bgithub_pat_\w{20,}"
     r"|\bAKIA[0-9A-Z]{16}\b|\bxox[abprs]-[A-Za-z0-9-]{10,}|\bAIza[0-9A-Za-z_-]{30,}"
     r"|\beyJ[\w-]{8,}\.[\w-]{8,}\.[\w-]{8,}"
-    r"|\b(?=[A-Za-z0-9_-]*\d)(?=[A-Za-z0-9_-]*[A-Za-z])[A-Za-z0-9_-]{32,}\b")
+    # a commit id, a digest or a UUID is no credential
+    r"|\b(?![0-9a-f]{40}\b|[0-9a-f]{64}\b|[0-9a-f]{8}(?:-[0-9a-f]{4}){3}-[0-9a-f]{12}\b)"
+    r"(?=[A-Za-z0-9_/+=-]*\d)(?=[A-Za-z0-9_/+=-]*[A-Za-z])[A-Za-z0-9_/+=-]{32,}")
+# a value given after a credential's name: with ":" or "=", or after "is" where it looks like
+# one (a digit or a sign in it: "the password is needed" names none)
 _NAMED_SECRET = re.compile(
-    r"\b((?:password|passwd|pwd|secret|token|api[ _-]?key|access[ _-]?key)s?\s*(?:is|[:=])\s*)"
-    r"(\S+)", re.IGNORECASE)
+    r"\b((?:password|passwd|passphrase|pwd|pw|secret|token|api[ _-]?key|access[ _-]?key)s?"
+    r"(?:\s*[:=]\s*|\s+is\s+(?=\S*[\d!#$%&*+/=?@^_~-])|\s+(?=\S*\d)))([^\s,;]+)",
+    re.IGNORECASE)
+_BASIC = re.compile(r"(\bBasic\s+)[A-Za-z0-9+/=]{8,}", re.IGNORECASE)
+_URL_PASSWORD = re.compile(r"(\b[a-z][a-z0-9+.-]*://[^\s:/@]+:)[^\s@/]+(@)", re.IGNORECASE)
 _EMAIL = re.compile(r"\b[\w.+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)+\b")
 
 
@@ -193,7 +200,9 @@ def mask_personal(text: str) -> str:
     """``text`` (an ask a person typed) with what must not be kept where others read it
     masked: credential-shaped tokens and values given after a name such as ``password`` or
     ``api key`` as :data:`MASK`, e-mail addresses as ``<email>``."""
+    text = _URL_PASSWORD.sub(lambda m: f"{m.group(1)}{MASK}{m.group(2)}", text)
     text = _BEARER.sub(lambda m: f"{m.group(1)}{MASK}", text)
+    text = _BASIC.sub(lambda m: f"{m.group(1)}{MASK}", text)
     text = _NAMED_SECRET.sub(lambda m: f"{m.group(1)}{MASK}", text)
     text = _TOKEN_SHAPES.sub(MASK, text)
     return _EMAIL.sub("<email>", text)

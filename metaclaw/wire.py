@@ -419,21 +419,29 @@ def _yaml_after(before: str, wired: dict[str, Any], keys: list[list[str]]) -> st
     as YAML."""
     import yaml
 
+    try:
+        present = yaml.safe_load(before) if before.strip() else {}
+    except yaml.YAMLError:
+        present = None
     text = before
     for path in keys:
         if len(path) != 1:
             break
         key, value = path[0], _dig_or_delete(wired, path)
         found = list(re.finditer(_YAML_KEY.format(key=re.escape(key)), text, re.M))
-        rest = found[-1].group("rest").split(" #")[0].strip() if found else ""
+        raw = found[-1].group("rest") if found else ""
+        quoted = "'" in raw or '"' in raw
+        rest, comment = (raw.strip(), "") if quoted else \
+            [part.strip() for part in (re.split(r"\s#", raw, maxsplit=1) + [""])[:2]]
+        if not found and isinstance(present, dict) and key in present:
+            break  # the key written another way (quoted): not found, so not edited in place
         if len(found) > 1 or found and (not rest or rest[0] in "|>&*!{[") or found and \
                 text[found[-1].end():found[-1].end() + 1] in (" ", "\t", "-"):
             break  # a block, a flow collection or a repeated key: not edited in place
         line = "" if value is jsontext.DELETE else yaml.safe_dump(
             {key: value}, sort_keys=False, allow_unicode=True, width=10_000)
-        comment = found[-1].group("rest").partition(" #")[2] if found else ""
         if line and comment:  # the line's own comment stays on it
-            line = f"{line.rstrip()}  #{comment}\n"
+            line = f"{line.rstrip()}  # {comment.lstrip('#').strip()}\n"
         if found:
             text = text[:found[-1].start()] + line + text[found[-1].end():]
         elif line:

@@ -133,6 +133,12 @@ def test_missing_parents_are_added_and_one_line_objects_stay_on_one_line():
     assert set_keys("{a: 1, b: 'x',}", [(["b"], DELETE)]) == "{a: 1, }"
 
 
+def test_crlf_files_stay_crlf_and_an_empty_object_is_written_on_lines():
+    edited = set_keys('{\r\n  "a": 1\r\n}\r\n', [(["b"], {"x": [1, 2]})])
+    assert "\n" not in edited.replace("\r\n", "") and loads(edited) == {"a": 1, "b": {"x": [1, 2]}}
+    assert set_keys("{}", [(["env", "X"], "y")]) == '{\n  "env": {\n    "X": "y"\n  }\n}'
+
+
 def test_a_text_that_is_not_one_object_is_not_edited():
     assert set_keys("[1, 2]", [(["a"], 1)]) is None
     assert set_keys('{"a": 1} {"b": 2}', [(["a"], 2)]) is None

@@ -634,3 +634,7 @@ def test_a_later_conversation_that_only_shares_the_session_is_no_reaction():
         {"role": "user", "content": "Convert 5 miles to km"},
         {"role": "assistant", "content": "(compacted)"}, {"role": "user", "content": "Thanks"}]}
     assert next_user_message(turn, [summarised]) == "Thanks"
+    compacted = {"request_messages": [  # Claude Code's /compact: a summary, then the next ask
+        {"role": "user", "content": "This session is being continued: ..."},
+        {"role": "user", "content": "No, that is wrong: use miles"}]}
+    assert next_user_message(turn, [compacted]) == "No, that is wrong: use miles"

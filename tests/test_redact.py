@@ -43,3 +43,26 @@ def test_known_secrets_and_urls_keep_their_rules():
     assert safe_url("https://u:p@host/v1?key=k#f") == "https://host/v1"
     assert masked_url("postgresql://me:pw@db/x?password=q&sslmode=require") == \
         "postgresql://me:***@db/x?password=***&sslmode=require"
+
+
+@pytest.mark.parametrize("text, kept", [
+    ("use api key sk-proj-AbC123xyz789SECRETkey000 please", "use api key *** please"),
+    ("my password is hunter2, log in", "my password is ***, log in"),
+    ("password hunter2", "password ***"), ("my pw: hunter2", "my pw: ***"),
+    ("passphrase=correct-horse", "passphrase=***"), ("set token=abc123def", "set token=***"),
+    ("Authorization: Basic dXNlcjpwYXNzd29yZA==", "Authorization: Basic ***"),
+    ("the token ghp_abcdefghijklmnopqrstuvwxyz012345", "the token ***"),
+    ("postgres://admin:S3cretPass@db.example.com/x", "postgres://admin:***@db.example.com/x"),
+    ("email the result to alice.smith@example.com", "email the result to <email>"),
+    # ordinary words after a credential's name, commit ids, digests and UUIDs stay
+    ("the API key is needed", "the API key is needed"),
+    ("Reset the password is not working", "Reset the password is not working"),
+    ("revert 3f2a9c1b2c3d4e5f60718293a4b5c6d7e8f90a1b", "revert 3f2a9c1b2c3d4e5f60718293a4b5c6d7e8f90a1b"),
+    ("run 123e4567-e89b-12d3-a456-426614174000 again", "run 123e4567-e89b-12d3-a456-426614174000 again"),
+    ("rename get_user_by_identifier_and_organisation_name",
+     "rename get_user_by_identifier_and_organisation_name"),
+])
+def test_an_ask_keeps_its_words_and_loses_its_credentials(text, kept):
+    from metaclaw.redact import mask_personal
+
+    assert mask_personal(text) == kept

@@ -305,6 +305,39 @@ def test_serve_says_how_it_retrieves_and_why_shows_the_keys(tmp_path):
         assert explain_frame(store)["keys"][0].startswith('iso-dates: "write the standup')
 
 
+def test_a_stored_key_holds_no_credential_control_character_or_front_matter_end():
+    from metaclaw.skills.library import key_line
+
+    assert key_line("deploy with key sk-proj-AbC123xyz789SECRETkey000, mail bob@example.com",
+                    300) == "deploy with key ***, mail <email>"
+    assert key_line("red \x1b[31mtext\x00 and a\u202eb", 300) == "red [31mtext and ab"
+    assert key_line("diff shows --- a/config.yaml\n---\nname: evil", 300) == \
+        "diff shows -- a/config.yaml -- name: evil"
+    skill = DATES.with_retrieval_keys(["fix the ---- frontmatter"], use_when="before --- dates")
+    assert skill.example_asks == ("fix the -- frontmatter",) and skill.use_when == "before -- dates"
+    assert Skill.from_markdown(skill.to_markdown()).example_asks == skill.example_asks
+
+
+def test_a_persons_ask_is_learnt_only_by_their_own_private_skill(store, tmp_path):
+    """alice's ask, served well by a shared skill, was written into it for everyone to read."""
+    library = SkillLibrary(tmp_path / "skills", store)
+    shared = Skill("backup-first", "Copy a file before changing it.", "safety", "Copy it.")
+    mine = Skill("alice-dates", DATES.description, DATES.category,
+                 DATES.body).with_scope("person:alice")
+    library.apply([SkillOp("add", shared), SkillOp("add", mine)], kind="import")
+    generation = library.generation
+    for person, skills, ask in ((None, ["backup-first"], "edit notes.md"),
+                                ("alice", ["backup-first", "alice-dates"], "my ONCOLOGY visit")):
+        turn = store.record_turn(session_id=f"s-{person}", request_messages=[
+            {"role": "user", "content": ask}], status="ok", response="done", person=person,
+            skill_generation=generation, injected_skills=skills, retrieval_query=ask)
+        store.update_turn(turn, reward=1.0, judged_at=1.0)
+    scopes = {s.name: s.scope for s in library.current()[1]}
+    served = buffers.served_asks(store, generation, scopes=scopes)
+    assert [ask for _, ask in served["backup-first"]] == ["edit notes.md"]
+    assert [ask for _, ask in served["alice-dates"]] == ["my ONCOLOGY visit"]
+
+
 def test_the_trace_and_the_diff_show_the_keys(store, tmp_path):
     from metaclaw.notebook.widgets import _trace_turn_html, diff_payload
 

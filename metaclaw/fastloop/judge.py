@@ -201,15 +201,15 @@ def next_user_message(turn: dict[str, Any], later_turns: Iterable[dict[str, Any]
 
     ``later_turns``: the later turns of its thread (its session's turns of the same turn type:
     a stage's retry follows that stage), in order. A later turn's conversation holds
-    the new user message after this turn's ones; when the client trimmed its history, the last
-    user message of the later turn is used if it is new and the later turn still holds this
-    turn's last ask or its reply (a conversation that only shares the session's name, such as a
-    notebook's chat after a kernel restart, is no reaction to this turn). ``None`` when there is
-    none yet.
+    the new user message after this turn's ones; when the client trimmed or compacted its
+    history, the last user message of the later turn is used if it is new. A later turn that
+    sends one user message alone (a conversation's first turn: a notebook's chat after a kernel
+    restart, another notebook under the same session name) is no reaction to this turn, unless
+    it still holds this turn's reply. ``None`` when there is none yet.
     """
     mine = [message_text(m.get("content")) for m in turn.get("request_messages") or []
             if isinstance(m, dict) and m.get("role") == "user"]
-    reply = turn.get("response")
+    reply = " ".join((turn.get("response") or "").split())
     for later in later_turns:
         messages = later.get("request_messages") or []
         theirs = [message_text(m.get("content")) for m in messages
@@ -218,9 +218,9 @@ def next_user_message(turn: dict[str, Any], later_turns: Iterable[dict[str, Any]
             return theirs[len(mine)]
         if messages and isinstance(messages[-1], dict) and messages[-1].get("role") == "user":
             last = message_text(messages[-1].get("content"))
-            follows = (bool(mine) and mine[-1] in theirs[:-1]) or bool(reply) and any(
+            follows = len(theirs) > 1 or bool(reply) and any(
                 isinstance(m, dict) and m.get("role") == "assistant"
-                and message_text(m.get("content")) == reply for m in messages)
+                and " ".join(message_text(m.get("content")).split()) == reply for m in messages)
             if last not in mine and follows:
                 return last
     return None

@@ -404,6 +404,8 @@ class ReplyThreads:
         self._answered: OrderedDict[tuple[str, str], str | None] = OrderedDict()
         # the first reply of clients' fixed preambles (after its history) -> True; and first
         # replies found not to be one of the recorded openings' (looked up once)
+        # the newest turn read of each fingerprint's sessions: a later look reads only newer ones
+        self._looked_up: OrderedDict[str, int] = OrderedDict()
         self._preambles: OrderedDict[tuple[str, str], bool] = OrderedDict()
         self._not_preambles: OrderedDict[tuple[str, str], bool] = OrderedDict()
         self._lock = threading.Lock()
@@ -654,21 +656,27 @@ class ReplyThreads:
     def _read_recorded_replies(self, fingerprint: str) -> None:
         """Remember the latest recorded reply of each of ``fingerprint``'s latest sessions as
         awaiting its continuation (called with the lock held, where a turn continues a reply
-        this process does not know of)."""
+        this process does not know of): the sessions with turns recorded since the last look
+        (another process's, of the same workspace), so that a look that finds nothing new costs
+        one read of turn ids."""
         if self.store is None:
             return
+        since = self._looked_up.get(fingerprint, 0)
         try:
             rows = self._read(
-                "SELECT session_id, request_messages, response, tool_calls FROM turns WHERE id IN "
-                "(SELECT MAX(id) FROM turns WHERE session_id >= ? AND session_id < ? AND status = 'ok' "
-                "AND (turn_type = 'main' OR turn_type LIKE 'stage:%') "
-                "GROUP BY session_id ORDER BY MAX(id) DESC LIMIT ?) "
-                "ORDER BY id", (*self._family(fingerprint), self.RECORDED_SESSIONS))
+                "SELECT id, session_id, request_messages, response, tool_calls FROM turns "
+                "WHERE id IN (SELECT MAX(id) FROM turns WHERE session_id >= ? AND session_id < ? "
+                "AND status = 'ok' AND (turn_type = 'main' OR turn_type LIKE 'stage:%') "
+                "AND id > ? GROUP BY session_id ORDER BY MAX(id) DESC LIMIT ?) ORDER BY id",
+                (*self._family(fingerprint), since, self.RECORDED_SESSIONS))
         except Exception:  # noqa: BLE001 - a store that cannot answer: the fingerprint it is
             _store_warning("could not read the recorded replies of %s", fingerprint)
             return
         from metaclaw.skills.block import strip_skill_block  # the request as the client sent it
 
+        self._looked_up[fingerprint] = max([since, *(int(row["id"]) for row in rows)])
+        self._looked_up.move_to_end(fingerprint)
+        _bound(self._looked_up, self.MAX_ENTRIES)
         for row in rows:
             if (_opening(row["session_id"]) or ("",))[0] != fingerprint \
                     or not isinstance(row["request_messages"], list):

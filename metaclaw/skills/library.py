@@ -1492,11 +1492,13 @@ class SkillLibrary:
         disk, problems = load_skills_dir(self.directory)
         if problems or not disk or _changes(stored, disk, ""):
             return False
-        if _marks_kept(self.store):
-            mark = self._folder_mark()
-            if mark is None or mark.get("generation") != latest:
+        if _marks_kept(self.store):  # marked in the workspace as a change would mark it
+            stored_mark = self.store.folder_marks(_machine_of(self.store)).get(self._folder_key())
+            if stored_mark != {"generation": latest, "snapshot": _skills_digest(stored)}:
                 return False
-        with self._lock:
+        with self._lock:  # a writer of this process holds it through its change: none is midway
+            if self._generation > latest or self.store.latest_generation() != latest:
+                return False  # committed meanwhile: the full reload reads it
             self.problems = []
             self._set(latest, stored)
             self._folder_generation = latest

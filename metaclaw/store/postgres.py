@@ -701,8 +701,8 @@ class PostgresStore(Store):
         try:
             self._open_transaction(fsync, wait)
         except StoreUnavailable:
-            if not (self._db.closed or self._db.broken):
-                raise
+            if not (self._db.closed or self._db.broken) or self.unreachable():
+                raise  # (a server found down is not waited for twice)
             # the server closed the writer connection while it was idle (a restart), which is
             # found only now: nothing was written, so once more on a new connection
             self._open_transaction(fsync, wait)
