@@ -127,6 +127,22 @@ def test_parallel_calls_without_index_stay_two_calls_with_the_recorded_ids(env):
         ("call_G0", {"cmd": "ls"}), ("call_G1", {"path": "a.txt"})]
 
 
+def test_parallel_calls_with_neither_index_nor_id_are_told_apart_by_their_names():
+    from metaclaw.protocols.openai_chat import CallNumbering, StreamAssembler
+
+    numbering, assembler = CallNumbering(), StreamAssembler()
+    for delta in ({"tool_calls": [{"function": {"name": "shell", "arguments": '{"cmd": '}}]},
+                  {"tool_calls": [{"function": {"arguments": '"ls"}'}}]},
+                  {"tool_calls": [{"function": {"name": "read", "arguments": '{"path": '}}]},
+                  {"tool_calls": [{"function": {"arguments": '"a.txt"}'}}]}):
+        raw = ("data: " + json.dumps(_chunk(delta)) + "\n\n").encode()
+        assembler.add(numbering.fix((raw, json.loads(raw[6:])))[1])
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+            for c in assembler.tool_calls] == [("shell", {"cmd": "ls"}),
+                                               ("read", {"path": "a.txt"})]
+    assert len({c["id"] for c in assembler.tool_calls}) == 2
+
+
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_call_without_an_id_is_served_and_recorded_with_one_id(env, stream):
     upstream, proxy, store = env

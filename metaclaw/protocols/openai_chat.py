@@ -164,6 +164,7 @@ class CallNumbering:
         self.ids: dict[str, int] = {}
         self.started: set[int] = set()
         self.last: int | None = None
+        self.named: set[int] = set()  # calls whose arguments began after their name
 
     def fix(self, event: Event) -> Event:
         raw, chunk = event
@@ -183,14 +184,19 @@ class CallNumbering:
     def _fix_call(self, call: dict[str, Any]) -> bool:
         changed = False
         index, given = call.get("index"), call.get("id")
+        function = call.get("function") if isinstance(call.get("function"), dict) else {}
         if not isinstance(index, int) or isinstance(index, bool):
             if isinstance(given, str) and given in self.ids:
                 index = self.ids[given]
-            elif given or self.last is None:
+            elif given or self.last is None or (function.get("name")
+                                                and self.last in self.named):
+                # a new id, or a name after the last call's arguments began: another call
                 index = max(self.started, default=-1) + 1
             else:
                 index = self.last
             call["index"], changed = index, True
+        if function.get("arguments"):
+            self.named.add(index)
         if index not in self.started:
             self.started.add(index)
             if not given:
