@@ -31,7 +31,7 @@ WINGS = {"skills": 1, "protocols": 2, "proxy": 3, "fastloop": 4, "slowloop": 5, 
          "bench": 7, "notebook": 7}
 OUTER = {"cli", "console", "argtypes", "runtime", "demo", "wire", "trace", "transcripts", "__main__"}
 SHARED = {"jsonlib", "aio", "turns", "redact", "progress", "store", "buffers", "training_lease",
-          "fileio", "gctune"}
+          "fileio", "gctune", "jsontext"}
 #: ``metaclaw/__init__.py`` defines the ``%load_ext metaclaw`` hooks, which load the notebook
 #: layer when IPython calls them.
 ALLOWED_UP = {("metaclaw", "metaclaw.notebook.magics")}
