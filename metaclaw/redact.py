@@ -177,14 +177,15 @@ _LIST_ASSIGNMENT = re.compile(r"^([-+ ]?\s*-\s*[\w.-]+\s*=\s*)(\S.*)$")
 
 
 # what looks like a credential in free text (an ask): a provider's key format, a long token of
-# letters and digits, a password or token given after its name, a bearer token
+# mixed case and digits (not a path, a slug or an identifier, whose words are one case), a
+# 40-character secret with "/" or "+" in it (AWS's), a JSON web token
 _TOKEN_SHAPES = re.compile(
     r"\b(?:sk|pk|rk)-[A-Za-z0-9_-]{16,}|\bgh[pousr]_[A-Za-z0-9]{20,}|\bgithub_pat_\w{20,}"
     r"|\bAKIA[0-9A-Z]{16}\b|\bxox[abprs]-[A-Za-z0-9-]{10,}|\bAIza[0-9A-Za-z_-]{30,}"
     r"|\beyJ[\w-]{8,}\.[\w-]{8,}\.[\w-]{8,}"
-    # a commit id, a digest or a UUID is no credential
-    r"|\b(?![0-9a-f]{40}\b|[0-9a-f]{64}\b|[0-9a-f]{8}(?:-[0-9a-f]{4}){3}-[0-9a-f]{12}\b)"
-    r"(?=[A-Za-z0-9_/+=-]*\d)(?=[A-Za-z0-9_/+=-]*[A-Za-z])[A-Za-z0-9_/+=-]{32,}")
+    r"|(?<![\w/+=-])(?=[\w+=-]*[A-Z])(?=[\w+=-]*[a-z])(?=[\w+=-]*\d)[\w+=-]{24,}(?![\w/+=-])"
+    r"|(?<![\w/+=])(?=[\w/+]*[/+])(?=[\w/+]*[A-Z])(?=[\w/+]*[a-z])(?=[\w/+]*\d)[\w/+]{40}"
+    r"(?![\w/+=])")
 # a value given after a credential's name: with ":" or "=", or after "is" where it looks like
 # one (a digit or a sign in it: "the password is needed" names none)
 _NAMED_SECRET = re.compile(
@@ -192,7 +193,7 @@ _NAMED_SECRET = re.compile(
     r"(?:\s*[:=]\s*|\s+is\s+(?=\S*[\d!#$%&*+/=?@^_~-])|\s+(?=\S*\d)))([^\s,;]+)",
     re.IGNORECASE)
 _BASIC = re.compile(r"(\bBasic\s+)[A-Za-z0-9+/=]{8,}", re.IGNORECASE)
-_URL_PASSWORD = re.compile(r"(\b[a-z][a-z0-9+.-]*://[^\s:/@]+:)[^\s@/]+(@)", re.IGNORECASE)
+_URL_PASSWORD = re.compile(r"(\b[a-z][a-z0-9+.-]*://[^\s:/@]+:)\S+(@[^\s@/]+)", re.IGNORECASE)
 _EMAIL = re.compile(r"\b[\w.+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)+\b")
 
 

@@ -141,6 +141,16 @@ def test_parallel_calls_with_neither_index_nor_id_are_told_apart_by_their_names(
             for c in assembler.tool_calls] == [("shell", {"cmd": "ls"}),
                                                ("read", {"path": "a.txt"})]
     assert len({c["id"] for c in assembler.tool_calls}) == 2
+    # a server that repeats the name on every fragment of one call: still one call
+    numbering, assembler = CallNumbering(), StreamAssembler()
+    for delta in ({"tool_calls": [{"id": "call_1", "function": {"name": "get_weather",
+                                                                "arguments": '{"city":'}}]},
+                  {"tool_calls": [{"function": {"name": "get_weather",
+                                                "arguments": '"Paris"}'}}]}):
+        raw = ("data: " + json.dumps(_chunk(delta)) + "\n\n").encode()
+        assembler.add(numbering.fix((raw, json.loads(raw[6:])))[1])
+    assert [(c["id"], c["function"]["name"], json.loads(c["function"]["arguments"]))
+            for c in assembler.tool_calls] == [("call_1", "get_weather", {"city": "Paris"})]
 
 
 @pytest.mark.parametrize("stream", [True, False])

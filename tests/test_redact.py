@@ -61,6 +61,10 @@ def test_known_secrets_and_urls_keep_their_rules():
     ("run 123e4567-e89b-12d3-a456-426614174000 again", "run 123e4567-e89b-12d3-a456-426614174000 again"),
     ("rename get_user_by_identifier_and_organisation_name",
      "rename get_user_by_identifier_and_organisation_name"),
+    ("fix packages/server/src/routes/api/v1/users2", "fix packages/server/src/routes/api/v1/users2"),
+    ("rename refactor-the-login-handler-for-oauth2-flow", "rename refactor-the-login-handler-for-oauth2-flow"),
+    ("aws secret wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY", "aws secret ***"),
+    ("https://user:p@ss@host/path", "https://user:***@host/path"),
 ])
 def test_an_ask_keeps_its_words_and_loses_its_credentials(text, kept):
     from metaclaw.redact import mask_personal

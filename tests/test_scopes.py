@@ -308,6 +308,29 @@ def test_two_peoples_failures_go_to_the_evolver_apart_under_the_private_policy(t
     assert proposal.support_ids == [alice, bob] and proposal.attempts == 2
 
 
+def test_one_persons_failed_call_leaves_the_others_changes(tmp_path, store):
+    library = _library(tmp_path, store, SHARED)
+    alice = _failed(store, library, "Edit config.yaml", person="alice", session="a")
+    bob = _failed(store, library, "Edit deploy.yaml", person="bob", session="b")
+    buffers.refresh(store)
+    answers = [Reply(content=json.dumps({"operations": [_add("backup-first", [alice])]})),
+               Reply(content="not JSON"), Reply(content="still not JSON")]
+    with DoubleServer(answers) as double:
+        proposal = Evolver(double.url, "evolver", library, store,
+                           dedupe_threshold=None).propose()
+    assert [op.name for op in proposal.ops] == ["backup-first"]
+    assert proposal.support_ids == [alice]  # bob's failure waits for the next attempt
+    assert proposal.attempts == 3 and "one person" in proposal.notes[0]
+
+
+def test_under_the_shared_policy_a_persons_ask_is_not_an_example_ask_of_a_shared_skill(
+        tmp_path, store):
+    library = _library(tmp_path, store, SHARED)
+    fail = _failed(store, library, "Edit config.yaml for my ONCOLOGY visit", person="alice")
+    result, _ = _evolve(store, library, [_add("backup-first", [fail])], skill_scope="shared")
+    assert result.applied and library.get("backup-first").example_asks == ()
+
+
 def test_scope_to_people_per_operation():
     shared = SHARED
     own = ALICE

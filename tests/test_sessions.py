@@ -751,3 +751,5 @@ def test_two_people_opening_alike_never_share_a_fingerprinted_session():
     digest = hashlib.sha256("\x00Plan my week".encode()).hexdigest()
     assert nobody == f"conv-{digest[:12]}"
     assert identify({"X-MetaClaw-Agent": "bot"}, body).session_id not in (alice, bob, nobody)
+    # a proxy serving one person (serve --user) fingerprints as if the header named them
+    assert identify({}, body, ("alice", None)).session_id == alice

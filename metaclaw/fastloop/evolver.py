@@ -392,14 +392,20 @@ def validate_operations(data: Any, library: dict[str, Skill],
     return ops
 
 
-def with_origin_asks(ops: list[SkillOp], asks: dict[int, str]) -> list[SkillOp]:
+def with_origin_asks(ops: list[SkillOp], asks: dict[int, str],
+                     people: dict[int, str | None] | None = None) -> list[SkillOp]:
     """``ops`` with each added or edited skill carrying, as example asks, the retrieval queries
     of the failed turns it cites (``asks``: turn id -> query): exactly the asks it is for, which
-    retrieval then matches new asks against (:attr:`metaclaw.skills.library.Skill.example_asks`)."""
+    retrieval then matches new asks against (:attr:`metaclaw.skills.library.Skill.example_asks`).
+    ``people``: turn id -> the person it served: a person's ask goes only into a skill private
+    to that person (the rule :func:`metaclaw.buffers.served_asks` keeps)."""
+    people = people or {}
     out = []
     for op in ops:
         if op.skill is not None and op.op in ("add", "edit"):
-            keyed = op.skill.with_retrieval_keys(asks.get(i, "") for i in op.evidence)
+            keyed = op.skill.with_retrieval_keys(
+                asks.get(i, "") for i in op.evidence
+                if people.get(i) is None or op.skill.scope == f"person:{people[i]}")
             if keyed is not op.skill:
                 op = SkillOp(op.op, keyed, op.name, op.reason, op.evidence, op.base)
         out.append(op)
@@ -822,7 +828,8 @@ class Evolver:
                              f"{op.reason} (named {copy!r}: {op.name!r} is taken)".strip(),
                              list(op.evidence), op.base)
         ops = [op for op in ops if op is not None]
-        ops = with_origin_asks(ops, {int(t["id"]): t.get("retrieval_query") or "" for t in turns})
+        ops = with_origin_asks(ops, {int(t["id"]): t.get("retrieval_query") or "" for t in turns},
+                               {int(t["id"]): t.get("person") or None for t in turns})
         return ops, dropped, replies, by_name
 
     async def apropose(self, support_turns: list[dict[str, Any]] | None = None) -> EvolveProposal:
@@ -844,10 +851,23 @@ class Evolver:
         for turn in turns:
             key = (turn.get("person") or None) if self.skill_scope == "private" else None
             groups.setdefault(key, []).append(turn)
-        ops, dropped, replies, shown = [], [], [], {}
+        ops, dropped, replies, shown, notes = [], [], [], {}, []
+        support, failed = [], None
         for group in groups.values():
-            more, lost, answers, by_name = await self._propose_from(group, generation,
-                                                                    every_skill)
+            try:
+                more, lost, answers, by_name = await self._propose_from(group, generation,
+                                                                        every_skill)
+            except EvolveError as exc:
+                if len(groups) == 1:
+                    raise
+                # one person's call that failed leaves the others' changes standing; its
+                # failures stay in the support set, unseen, for the next attempt
+                failed = exc
+                replies += exc.replies
+                notes.append(f"the evolver's call on {len(group)} failed turn(s) of one person "
+                             f"failed ({exc.reason}); they wait for the next attempt")
+                continue
+            support += [int(t["id"]) for t in group]
             taken = {op.name for op in ops}
             for op in more:
                 if op.name in taken:  # two people's calls wrote the same name: the first stands
@@ -858,8 +878,11 @@ class Evolver:
             dropped += lost
             replies += answers
             shown.update(by_name)
-        proposal = EvolveProposal(ops, [int(t["id"]) for t in turns], generation, self.model,
-                                  attempts=len(replies), replies=replies, dropped=dropped)
+        if not support:  # every person's call failed
+            raise EvolveError(failed.reason, replies, attempts=len(replies))
+        proposal = EvolveProposal(ops, sorted(support), generation, self.model,
+                                  attempts=len(replies), replies=replies, dropped=dropped,
+                                  notes=notes)
         by_name = shown
         if ops and self.dedupe_threshold is not None:
             await asyncio.to_thread(self._dedupe, proposal, by_name)

@@ -6,6 +6,7 @@ store records, so ``to_chat`` / ``from_chat`` and the reply translations are ide
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any
@@ -164,7 +165,8 @@ class CallNumbering:
         self.ids: dict[str, int] = {}
         self.started: set[int] = set()
         self.last: int | None = None
-        self.named: set[int] = set()  # calls whose arguments began after their name
+        self.arguments: dict[int, list[str]] = {}  # each call's argument fragments so far
+        self.names: dict[int, str] = {}  # each call's name so far
 
     def fix(self, event: Event) -> Event:
         raw, chunk = event
@@ -189,14 +191,23 @@ class CallNumbering:
             if isinstance(given, str) and given in self.ids:
                 index = self.ids[given]
             elif given or self.last is None or (function.get("name")
-                                                and self.last in self.named):
-                # a new id, or a name after the last call's arguments began: another call
+                                                and self._whole(self.last)):
+                # a new id, or a name once the last call's arguments are whole: another call
                 index = max(self.started, default=-1) + 1
-            else:
+            else:  # (a server may repeat the name on every fragment of one call)
                 index = self.last
             call["index"], changed = index, True
-        if function.get("arguments"):
-            self.named.add(index)
+        name = function.get("name")
+        if isinstance(name, str) and name:
+            if self.names.get(index) == name and index in self.arguments:
+                # the name repeated on a later fragment (some servers): said once, or every
+                # reader would join it to itself
+                del function["name"]
+                changed = True
+            elif len(self.names) < 64:
+                self.names[index] = self.names.get(index, "") + name
+        if isinstance(function.get("arguments"), str) and len(self.arguments) < 64:
+            self.arguments.setdefault(index, []).append(function["arguments"])
         if index not in self.started:
             self.started.add(index)
             if not given:
@@ -206,6 +217,17 @@ class CallNumbering:
             self.ids[given] = index
         self.last = index
         return changed
+
+    def _whole(self, index: int) -> bool:
+        """Whether call ``index``'s arguments so far are a whole JSON value."""
+        text = "".join(self.arguments.get(index, ())).strip()
+        if not text:
+            return False
+        try:
+            json.loads(text)
+        except ValueError:
+            return False
+        return True
 
 
 async def _numbered(batches: Any) -> Any:

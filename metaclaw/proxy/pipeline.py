@@ -137,13 +137,15 @@ def parse_turn(protocol: WireProtocol, body: dict[str, Any], raw: bytes,
     return Turn(protocol, forward, chat, raw, model, stream, messages=chat["messages"])
 
 
-def identify_session(headers: Mapping[str, str], body: Mapping[str, Any]) -> Identity:
+def identify_session(headers: Mapping[str, str], body: Mapping[str, Any],
+                     principals: tuple[str | None, str | None] = (None, None)) -> Identity:
     """Step 2: the session, turn type and done flag, with the rule that decided each
     (:func:`metaclaw.proxy.sessions.identify`: headers, body fields, ids the framework embeds, a
     conversation fingerprint; side calls recognised by their content). A session id or turn
-    type the client gave that cannot be accepted is a 400 naming the field."""
+    type the client gave that cannot be accepted is a 400 naming the field. ``principals``: the
+    proxy's configured person and agent, where the headers name none."""
     try:
-        return identify(headers, dict(body))
+        return identify(headers, dict(body), principals)
     except IdentityError as exc:
         raise ProxyError(400, str(exc), param=exc.param) from None
 
@@ -645,9 +647,10 @@ def token_refused(headers: Any, message: str, code: str,
     what = "missing" if code == "missing_token" else "invalid"
     if caller_auth:
         return ProxyError(403, f"{what} proxy token: this proxy forwards your own API key and "
-                               "takes its token in the header X-MetaClaw-Token; set "
-                               "ANTHROPIC_CUSTOM_HEADERS='X-MetaClaw-Token: <the token metaclaw "
-                               "serve was given>' where Claude Code runs",
+                               "takes its token in the header X-MetaClaw-Token; add the line "
+                               "'X-MetaClaw-Token: <the token metaclaw serve was given>' to "
+                               "ANTHROPIC_CUSTOM_HEADERS where Claude Code runs (one header a "
+                               "line)",
                           type="permission_error", code=code)
     return ProxyError(403, f"{what} proxy token: Claude Code must send the token `metaclaw "
                            "serve` was given (--token or $METACLAW_PROXY_TOKEN): wired by `metaclaw "
@@ -832,7 +835,8 @@ class TurnPipeline:
             # a protocol without a top-level message list (Responses' ``input``) is identified
             # by its messages in the chat form
             return turn, identify_session(request.headers, body if "messages" in body
-                                          else {**body, "messages": turn.messages})
+                                          else {**body, "messages": turn.messages},
+                                          (self.config.user, self.config.agent))
 
         turn, identity = await asyncio.to_thread(parsed) if large else parsed()
         turn.session_id, turn.turn_type, turn.done = (identity.session_id, identity.turn_type,

@@ -289,11 +289,15 @@ def principals_of(headers: Mapping[str, str]) -> tuple[str | None, str | None]:
     return found[0], found[1]
 
 
-def identify(headers: Mapping[str, str], body: dict[str, Any]) -> Identity:
+def identify(headers: Mapping[str, str], body: dict[str, Any],
+             configured: tuple[str | None, str | None] = (None, None)) -> Identity:
     """The session, turn type and done flag of a request (raises :class:`IdentityError` for a
-    session id or turn type the client gave that cannot be accepted)."""
+    session id or turn type the client gave that cannot be accepted). ``configured``: the
+    person and agent the proxy serves where the headers name none (they take part in a
+    fingerprint as the headers' would)."""
     person, agent = principals_of(headers)
-    session_id, session_how = session_of(headers, body, (person, agent))
+    session_id, session_how = session_of(
+        headers, body, (person or configured[0] or None, agent or configured[1] or None))
     turn_type, type_how = turn_type_of(headers, body)
     done_value = headers.get("X-Session-Done", body.get("session_done", False))
     done = done_value is True or str(done_value).strip().lower() in _TRUE
@@ -617,6 +621,8 @@ class ReplyThreads:
         finally:
             self._lock.acquire()
 
+    #: Turn ids a look for recorded replies reads back over (see _read_recorded_replies).
+    LOOK_BACK = 256
     #: Most session ids looked up one at a time past the number known, before all are read.
     PROBES = 32
     #: Most numbers an opening tries when the workspace has each taken (claimed elsewhere).
@@ -661,7 +667,9 @@ class ReplyThreads:
         one read of turn ids."""
         if self.store is None:
             return
-        since = self._looked_up.get(fingerprint, 0)
+        # ids are taken before their turns commit (two proxies' turns may commit out of order):
+        # a look reads back over the last few ids it has already passed
+        since = max(0, self._looked_up.get(fingerprint, 0) - self.LOOK_BACK)
         try:
             rows = self._read(
                 "SELECT id, session_id, request_messages, response, tool_calls FROM turns "
@@ -674,7 +682,8 @@ class ReplyThreads:
             return
         from metaclaw.skills.block import strip_skill_block  # the request as the client sent it
 
-        self._looked_up[fingerprint] = max([since, *(int(row["id"]) for row in rows)])
+        self._looked_up[fingerprint] = max([self._looked_up.get(fingerprint, 0),
+                                            *(int(row["id"]) for row in rows)])
         self._looked_up.move_to_end(fingerprint)
         _bound(self._looked_up, self.MAX_ENTRIES)
         for row in rows:

@@ -1391,6 +1391,7 @@ def explain_frame(store: Any, *, session: str | None = None, last: int | None = 
                        f"ORDER BY id DESC"
                        + (f" LIMIT {max(0, int(last))}" if last is not None else ""), params)
     rows.reverse()
+    snapshots: dict[int, dict[str, Any]] = {}  # each generation read once
     return pl.DataFrame({
         "id": [r["id"] for r in rows], "session_id": [r["session_id"] for r in rows],
         "turn_type": [r["turn_type"] for r in rows],
@@ -1398,7 +1399,7 @@ def explain_frame(store: Any, *, session: str | None = None, last: int | None = 
         "injected_skills": [", ".join(r["injected_skills"] or []) for r in rows],
         "scores": [", ".join(scored_text(s) for s in r["retrieval_scores"] or [])
                    for r in rows],
-        "keys": [explain_keys(store, r) for r in rows],
+        "keys": [explain_keys(store, r, snapshots) for r in rows],
         "session_by": [(r["identified_by"] or {}).get("session") for r in rows],
         "turn_type_by": [(r["identified_by"] or {}).get("turn_type") for r in rows],
     }, schema={"id": pl.Int64, "session_id": pl.Utf8, "turn_type": pl.Utf8,
