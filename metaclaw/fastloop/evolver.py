@@ -45,8 +45,10 @@ shared skill is dropped; each person's failures go to the model in a call of the
 shown two people's failures would write one person's words into a skill the other reads), and a
 private ``add`` of a name another scope holds takes the person's name (``<name>-<person>``).
 Operations from turns without a person (a single-user workspace), and every operation under
-``shared``, work on the shared library as before. The model is shown only the skills every support turn may see (another person's private
-skills never reach it), and only those can be edited or removed. Promotion to shared is a
+``shared``, work on the shared library as before; under either policy a person's ask becomes an
+example ask only of a skill private to that person (:func:`with_origin_asks`). The model is
+shown only the skills every support turn may see (another person's private skills never reach
+it), and only those can be edited or removed. Promotion to shared is a
 separate, recorded step (``metaclaw skills share``, :meth:`SkillLibrary.share`).
 
 Dedupe: each ``add`` is compared with the library (and the proposal's earlier adds) of the same
