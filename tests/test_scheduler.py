@@ -570,6 +570,9 @@ def test_full_state_machine_pause_and_resume(tmp_path):
     wait_until(lambda: scheduler.steps == 2)
     assert scheduler.tick() == "training"           # still idle: keeps training
     w_after_2 = trainer.w
+    # (the worker reads the signals at each step boundary: once step 3 has begun, the user's
+    # return below lets it finish)
+    wait_until(lambda: trainer.calls == 3)
 
     last["t"] = clock.t                              # the user returns during step 3
     assert scheduler.tick() == "pausing" and scheduler.should_stop()
@@ -588,6 +591,7 @@ def test_full_state_machine_pause_and_resume(tmp_path):
     assert not scheduler.should_stop()
     trainer.permits.release(2)
     wait_until(lambda: scheduler.steps == 5)        # the counter continues: 4, 5
+    wait_until(lambda: trainer.calls == 6)          # step 6 begun
     assert scheduler.last_result["loss"] == pytest.approx((trainer.w - 3.0) ** 2)
     last["t"] = clock.t
     assert scheduler.tick() == "pausing"
