@@ -171,9 +171,12 @@ def locked(config_path: Path, timeout: float | None = None) -> Iterator[None]:
         lock.release()
 
 
-def _dig(config: dict[str, Any], *keys: str) -> Any:
+def _dig(config: dict[str, Any], *keys: str, missing: Any = None) -> Any:
+    """``config[k1][k2]...``, or ``missing`` where a key on the way is absent."""
     for key in keys:
-        config = config.get(key) if isinstance(config, dict) else None
+        if not isinstance(config, dict) or key not in config:
+            return missing
+        config = config[key]
     return config
 
 
@@ -397,7 +400,7 @@ def _json_after(before: str, wired: dict[str, Any], keys: list[list[str]]) -> st
     ``wired`` (removed where ``wired`` has none), edited in place so that its comments and
     layout stay (:func:`metaclaw.jsontext.set_keys`); else, where the text cannot be edited so
     or reads back as anything but ``wired``, all of ``wired`` as JSON."""
-    changes = [(path, _dig_or_delete(wired, path)) for path in keys]
+    changes = [(path, _dig(wired, *path, missing=jsontext.DELETE)) for path in keys]
     text = jsontext.set_keys(before, changes) if before.strip() else None
     if text is not None:
         try:
@@ -427,7 +430,7 @@ def _yaml_after(before: str, wired: dict[str, Any], keys: list[list[str]]) -> st
     for path in keys:
         if len(path) != 1:
             break
-        key, value = path[0], _dig_or_delete(wired, path)
+        key, value = path[0], _dig(wired, *path, missing=jsontext.DELETE)
         found = list(re.finditer(_YAML_KEY.format(key=re.escape(key)), text, re.M))
         raw = found[-1].group("rest") if found else ""
         quoted = "'" in raw or '"' in raw
@@ -453,14 +456,6 @@ def _yaml_after(before: str, wired: dict[str, Any], keys: list[list[str]]) -> st
         except yaml.YAMLError:
             pass
     return yaml.safe_dump(wired, sort_keys=False, allow_unicode=True)
-
-
-def _dig_or_delete(config: dict[str, Any], keys: list[str]) -> Any:
-    for key in keys:
-        if not isinstance(config, dict) or key not in config:
-            return jsontext.DELETE
-        config = config[key]
-    return config
 
 
 def plan_claude_code(path: Path, proxy_url: str, *, token: str | None = None,
