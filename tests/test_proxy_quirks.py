@@ -21,6 +21,7 @@ from fault_upstream import FaultUpstream
 from metaclaw.proxy.app import Proxy, ProxyConfig
 from metaclaw.skills.library import SkillLibrary
 from metaclaw.store import Store
+from waiting import wait_until
 
 ASK = "fault=scripted please"
 TOOLS_OPENAI = [{"type": "function", "name": name, "parameters": {"type": "object"}}
@@ -50,8 +51,8 @@ def _chunk(delta=None, finish=None, usage=None):
 
 
 def _last_turn(store, session):
-    rows = store.turns("session_id = ?", (session,))
-    assert rows, session
+    # a failed stream is recorded after the client has seen the error: wait for the row
+    rows = wait_until(lambda: store.turns("session_id = ?", (session,)), what=session)
     return rows[-1]
 
 
