@@ -561,6 +561,12 @@ def test_an_opening_claims_its_session_before_its_reply(tmp_path):
     assert trace_sessions(store) == []
     store.ensure_session(f"{fp}.4")
     assert store.claim_session(f"{fp}.3") is False and store.claim_session("conv-x") is True
+    # the first of a family: written only where none of its ids is recorded
+    store.ensure_session("conv-m.2")
+    assert store.claim_session("conv-m", first_of=("conv-m", "conv-m/")) is False
+    assert store.session("conv-m") is None
+    assert store.claim_session("conv-n", first_of=("conv-n", "conv-n/")) is True
+    assert store.claim_session("conv-n", first_of=("conv-n", "conv-n/")) is False
     other = Store(tmp_path / "ws.db")
     sqlite = getattr(store, "engine", "sqlite") == "sqlite"
     with store.transaction():  # another connection holds the write lock

@@ -564,8 +564,15 @@ class ReplyThreads:
         opening meanwhile takes the next. For a fingerprint this process knows, the claim is
         the look-up: the ids recorded since are read (one key at a time) only when the next one
         is taken. A claim not written (no store, the write lock held at that instant) leaves
-        the opening numbered after what was recorded. Holds the lock (a round trip over the
-        network lets go of it meanwhile)."""
+        the opening numbered after what was recorded. Over the network, a fingerprint no process
+        recorded takes its bare id in one round trip (a claim written only where its family has
+        no id). Holds the lock (a round trip over the network lets go of it meanwhile)."""
+        if new and self.reads_network:
+            # the first opening anywhere, in one round trip: claimed unless any is recorded
+            # (a file's read costs microseconds: there, what was recorded is read first)
+            if self._claim(fingerprint, first_of=self._family(fingerprint)):
+                opened[0] = max(opened[0], 1)  # another thread may have numbered meanwhile
+                return fingerprint
         if new:
             opened[0] = max(opened[0], self._recorded_count(fingerprint))
         for _ in range(self.CLAIMS):
@@ -596,12 +603,12 @@ class ReplyThreads:
     def _read(self, sql: str, params: tuple[Any, ...]) -> list[dict[str, Any]]:
         return self._on_store(lambda store: store.query(sql, params))
 
-    def _claim(self, session_id: str) -> bool | None:
+    def _claim(self, session_id: str, first_of: tuple[str, str] | None = None) -> bool | None:
         """:meth:`Store.claim_session` (None without a store, or when it cannot be written)."""
         if self.store is None:
             return None
         try:
-            return self._on_store(lambda store: store.claim_session(session_id))
+            return self._on_store(lambda store: store.claim_session(session_id, first_of))
         except Exception:  # noqa: BLE001 - a store that cannot answer: numbered as recorded
             _store_warning("could not claim the session %s", session_id)
             return None

@@ -438,6 +438,20 @@ SESSION_UPSERT = ("INSERT INTO sessions (id, created_at, updated_at, meta) VALUE
 #: Create a session's row unless there is one (:meth:`Store.claim_session`).
 SESSION_CLAIM = ("INSERT INTO sessions (id, created_at, updated_at, meta) VALUES (?, ?, ?, ?) "
                  "ON CONFLICT(id) DO NOTHING")
+#: SESSION_CLAIM, written only when no session's id lies in [?, ?) (a family of ids).
+SESSION_CLAIM_FIRST = ("INSERT INTO sessions (id, created_at, updated_at, meta) "
+                       "SELECT ?, ?, ?, ? WHERE NOT EXISTS "
+                       "(SELECT 1 FROM sessions WHERE id >= ? AND id < ?) "
+                       "ON CONFLICT(id) DO NOTHING")
+
+
+def session_claim(session_id: str, first_of: tuple[str, str] | None
+                  ) -> tuple[str, tuple[Any, ...]]:
+    """The statement claiming ``session_id`` (see :meth:`Store.claim_session`)."""
+    now = time.time()
+    if first_of is None:
+        return SESSION_CLAIM, (session_id, now, now, "{}")
+    return SESSION_CLAIM_FIRST, (session_id, now, now, "{}", *first_of)
 
 
 def turn_insert(row: dict[str, Any], stale: dict[str, str] | None = None
@@ -756,16 +770,18 @@ class Store:
         now = time.time()
         self.execute(SESSION_UPSERT, (session_id, now, now, _dumps(meta)))
 
-    def claim_session(self, session_id: str) -> bool | None:
+    def claim_session(self, session_id: str, first_of: tuple[str, str] | None = None
+                      ) -> bool | None:
         """Create the row of ``session_id`` unless there is one, without waiting for the write
         lock: what a proxy does when a conversation opens, before its first reply, so that
         another proxy of the workspace numbering the same opening finds the id taken. True: this
         call created it; False: it was there (taken elsewhere); None: the write lock was held
-        and nothing was written."""
-        now = time.time()
+        and nothing was written. ``first_of=(low, high)``: created only when no session's id
+        lies in that range either (False otherwise): the first of a family of ids claimed with
+        no look-up before it."""
         try:
             with self.transaction(fsync=False, wait=False):
-                created = self.execute(SESSION_CLAIM, (session_id, now, now, "{}")).rowcount
+                created = self.execute(*session_claim(session_id, first_of)).rowcount
         except StoreBusy:
             return None
         return created == 1

@@ -306,11 +306,14 @@ class PostgresStore(Store):
         return mask(self.url)
 
     def _configure(self, conn: Any) -> None:
+        """A pooled connection: it reads, and claims session ids (:meth:`claim_session`),
+        whose commits need not wait for the flush; turns are written on the main one."""
         from psycopg.rows import dict_row
         from psycopg.types.numeric import FloatLoader
 
         conn.row_factory = dict_row
         conn.adapters.register_loader("numeric", FloatLoader)
+        conn.execute("SET synchronous_commit = off")
 
     def _connect(self) -> Any:
         try:
@@ -518,15 +521,14 @@ class PostgresStore(Store):
         return f"WITH s AS ({base.SESSION_UPSERT}) {sql}", [row["session_id"], now, now, "{}",
                                                             *values]
 
-    def claim_session(self, session_id: str) -> bool | None:
+    def claim_session(self, session_id: str, first_of: tuple[str, str] | None = None
+                      ) -> bool | None:
         """:meth:`Store.claim_session`, outside the workspace's write lock: one INSERT on a
         pooled connection, which the session's key alone keeps unique (nothing is numbered
         from it), committed without waiting for the flush. So a claim does not fail while
         another proxy records a turn, as two proxies opening alike at once do."""
-        now = time.time()
-        with self._pooled() as conn, conn.transaction():
-            conn.execute("SET LOCAL synchronous_commit = off")
-            cursor = self._run(conn, base.SESSION_CLAIM, (session_id, now, now, "{}"))
+        with self._pooled() as conn:  # autocommit: one round trip
+            cursor = self._run(conn, *base.session_claim(session_id, first_of))
         return cursor.rowcount == 1
 
     def record_turns(self, turns: list[tuple[dict[str, Any], bool]], *, fsync: bool = True,
