@@ -17,9 +17,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from metaclaw.fastloop import proposals
-from metaclaw.skills.library import (FOLDER_MARKS, Skill, SkillFormatError, SkillLibrary, SkillOp,
+from metaclaw.skills.library import (FOLDER_MARKS, UNNAMED_FILE, Skill, SkillFormatError,
+                                     SkillLibrary, SkillOp, _machine_of, _skills_digest,
                                      load_skills_dir, workspace_folders)
 from metaclaw.store import Store
+
+
+def _marks(store: Store) -> dict:
+    """The folder marks ``store`` keeps for this machine (a workspace file: for that file)."""
+    return store.folder_marks(_machine_of(store))
 
 
 def write_skill(root: Path, folder: str, text: str) -> Path:
@@ -193,7 +199,7 @@ def test_a_restart_on_a_folder_another_folder_moved_past_keeps_the_workspace(tmp
     assert restarted.generation == evolved and _evolved(restarted) == EVOLVED
     assert [g["kind"] for g in restarted.generations()][-1] != "disk"
     assert {n: Skill.from_markdown(t).body for n, t in files(skills).items()} == EVOLVED
-    marks = restarted.store.folder_marks("")  # kept in the workspace (a file: any host name)
+    marks = _marks(restarted.store)  # kept in the workspace (a file: any host name)
     assert marks[str(skills.resolve())]["generation"] == evolved
     assert not db.with_name(db.name + FOLDER_MARKS).exists()
     assert sorted(p.name for p in skills.iterdir()) == ["dates", "units"]  # skills only
@@ -275,8 +281,8 @@ def test_an_edit_of_a_stale_file_that_overlaps_the_change_is_set_aside_not_recor
     assert mine.reload() == generation and sorted(mine.problems) == []  # not a skill
     # a second overlapping edit of the same generation's file never writes over the first
     write_skill(here, "steps", STEPS.format("Read the file.", "Back it up to svn.", "Then edit."))
-    mine.store.mark_folder("", str(here.resolve()), 0, __import__(  # lagging again
-        "metaclaw.skills.library", fromlist=["_skills_digest"])._skills_digest(mine.snapshot(0)))
+    mine.store.mark_folder(_machine_of(mine.store), str(here.resolve()), 0,  # lagging again
+                           _skills_digest(mine.snapshot(0)))
     assert mine.reload() == generation
     assert (here / f"steps.conflict-{generation}.md").read_text() == edited
     assert "svn" in (here / f"steps.conflict-{generation}.2.md").read_text()
@@ -417,8 +423,6 @@ def test_a_revert_never_writes_over_a_change_committed_while_it_waits(tmp_path):
 def test_a_folder_marked_in_the_file_of_before_is_still_brought_up(tmp_path):
     """Marks were kept in a file beside the database before the workspace kept them: a folder
     marked there only (a workspace from before) is still known to lag, and brought up."""
-    from metaclaw.skills.library import _skills_digest
-
     here, mine, there, theirs = _two_folders(tmp_path)
     db = tmp_path / "ws.db"
     mine.store.execute("DELETE FROM skill_folders")  # as a workspace from before had none
@@ -429,8 +433,8 @@ def test_a_folder_marked_in_the_file_of_before_is_still_brought_up(tmp_path):
     reopened = SkillLibrary(here, Store(db))
     assert reopened.generation == generation and "first" in _body(reopened)
     assert "first" in (here / "steps" / "SKILL.md").read_text()
-    assert reopened.store.folder_marks("")[str(here.resolve())]["generation"] == \
-        generation  # marked in the workspace from now on
+    # marked in the workspace from now on
+    assert _marks(reopened.store)[str(here.resolve())]["generation"] == generation
 
 
 def test_a_workspace_files_folder_marks_hold_whatever_the_host_is_called(tmp_path, monkeypatch):
@@ -455,14 +459,44 @@ def test_a_folder_whose_path_is_not_utf8_is_marked(tmp_path):
     folder = Path(os.fsdecode(bytes(tmp_path) + b"/caf\xe9"))
     library = SkillLibrary(folder, Store(tmp_path / "ws.db"))
     generation = library.add(Skill(name="steps", description="Steps.", body="Back it up."))
-    (key,) = library.store.folder_marks("")
+    (key,) = _marks(library.store)
     assert key.startswith("hex:") and library.generation == generation
     assert SkillLibrary(folder, Store(tmp_path / "ws.db")).generation == generation
     # a folder named with those characters written out is another folder, with its own mark
     SkillLibrary(tmp_path / "caf\\xe9", Store(tmp_path / "ws.db"))
-    assert len(library.store.folder_marks("")) == 2
+    assert len(_marks(library.store)) == 2
     assert sorted(map(str, workspace_folders(library.store))) == sorted(
         [str(folder), str(tmp_path / "caf\\xe9")])
+
+
+def test_a_copy_of_a_workspace_file_is_not_used_through_the_originals_folder(
+        tmp_path, monkeypatch, capsys):
+    """A workspace copied whole (``cp -r A B``) carries the marks of A's folder: a command on
+    B's file without ``--skills`` wrote into A's folder, and A recorded the change as a hand
+    edit. Marks name their workspace file: B's has none of its own. Marks from before they
+    named it are read, and dropped once the file's own are written."""
+    import shutil
+
+    from metaclaw import cli
+
+    a, b = tmp_path / "A", tmp_path / "B"
+    library = SkillLibrary(a / "skills", Store(a / "ws.db"))
+    generation = library.add(Skill(name="steps", description="Steps.", body="Back it up."))
+    library.store.close()
+    shutil.copytree(a, b)
+    assert workspace_folders(Store(b / "ws.db")) == []
+    assert workspace_folders(Store(a / "ws.db")) == [(a / "skills").resolve()]
+    monkeypatch.chdir(b)
+    assert cli.main(["skills", "--db", "ws.db", "remove", "steps"]) == 0
+    capsys.readouterr()
+    assert (a / "skills" / "steps" / "SKILL.md").exists()
+    assert SkillLibrary(a / "skills", Store(a / "ws.db")).generation == generation
+    # a workspace from before: its marks under no file's name are read, then replaced
+    store = Store(a / "ws.db")
+    store.execute("UPDATE skill_folders SET machine = ?", (UNNAMED_FILE,))
+    assert workspace_folders(store) == [(a / "skills").resolve()]
+    SkillLibrary(a / "skills", store).add(Skill(name="dates", description="D.", body="ISO."))
+    assert set(store.folder_marks(None)) == {(_machine_of(store), str((a / "skills").resolve()))}
 
 
 def test_a_copied_workspace_file_brings_a_lagging_folder_up(tmp_path, capsys):

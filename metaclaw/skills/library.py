@@ -1094,10 +1094,24 @@ def _as_text(path: Path) -> str:
 
 
 def _machine_of(store: Store) -> str:
-    """The machine a folder mark of ``store`` is kept under: ``""`` for a workspace file (it is
-    on this machine's disk: folder paths name its folders, whatever the host is called), else
-    :func:`this_machine`."""
-    return "" if getattr(store, "path", None) is not None else this_machine()
+    """The machine a folder mark of ``store`` is kept under: for a workspace file, ``file:``
+    and the file's resolved path (it is on this machine's disk: folder paths name its folders,
+    whatever the host is called; and a copy of the file, which carries the marks, is not used
+    through the original's folders), else :func:`this_machine`."""
+    path = getattr(store, "path", None)
+    if path is None:
+        return this_machine()
+    return "file:" + _folder_text(Path(path).resolve())
+
+
+#: The key a workspace file's folder marks had before they named the file: read where the
+#: file's own have none, and dropped once its own are written (a copy made since finds none).
+UNNAMED_FILE = ""
+
+
+def _names_a_file(machine: str) -> bool:
+    """Whether folder marks kept under ``machine`` are those of a workspace file."""
+    return machine == UNNAMED_FILE or machine.startswith("file:")
 
 
 def _marks_kept(store: Store) -> bool:
@@ -1124,7 +1138,9 @@ def _folder_marks(store: Store) -> dict[str, Any]:
     to (:data:`FOLDER_MARKS`)."""
     if not _marks_kept(store):
         return {}
-    return {**_file_marks(store), **store.folder_marks(_machine_of(store))}
+    machine = _machine_of(store)
+    unnamed = store.folder_marks(UNNAMED_FILE) if _names_a_file(machine) else {}
+    return {**_file_marks(store), **unnamed, **store.folder_marks(machine)}
 
 
 def carry_folder_marks(source: Store, dest: Store) -> int:
@@ -1137,9 +1153,11 @@ def carry_folder_marks(source: Store, dest: Store) -> int:
     if not (_marks_kept(source) and _marks_kept(dest)):
         return 0
     here, there = _machine_of(source), _machine_of(dest)
-    marks = {(there if machine == here else machine, folder): mark
-             for (machine, folder), mark in source.folder_marks(None).items()
-             if machine == here or there != ""}
+    ours = (here, UNNAMED_FILE) if _names_a_file(here) else (here,)
+    found = sorted(source.folder_marks(None).items(), key=lambda item: item[0][0] == here)
+    marks = {(there if machine in ours else machine, folder): mark  # its own over unnamed ones
+             for (machine, folder), mark in found
+             if machine in ours or not _names_a_file(there)}
     for folder, mark in _file_marks(source).items():  # kept in a file before: this machine's
         marks.setdefault((there, folder), mark)
     written = 0
@@ -1657,7 +1675,8 @@ class SkillLibrary:
                             self.store.record_event(
                                 source="skills", kind="skill_file_problem", level="warning",
                                 message=f"{where}: {problem.reason}"
-                                + (f" (on {machine})" if machine else ""), path=where)
+                                + ("" if _names_a_file(machine) else f" (on {machine})"),
+                                path=where)
                 except StoreUnavailable as exc:  # the edit waits for the store, not the next one
                     pending = True
                     if not retry:
@@ -1739,6 +1758,8 @@ class SkillLibrary:
         if self.store.folder_marks(machine).get(self._folder_key()) == mark:
             return  # (a mark of the files of before is written here all the same)
         self.store.mark_folder(machine, self._folder_key(), mark["generation"], mark["snapshot"])
+        if _names_a_file(machine):
+            self.store.forget_folder(UNNAMED_FILE, self._folder_key())
 
     def _catch_up(self, number: int, latest: dict[str, Skill],
                   problems: list[LoadProblem]) -> dict[str, Skill | None]:

@@ -801,6 +801,11 @@ class Store:
         have the digest ``digest``)."""
         self.execute(FOLDER_MARK_UPSERT, (machine, folder, generation, digest))
 
+    def forget_folder(self, machine: str, folder: str) -> None:
+        """Drop the mark of ``machine``'s skill folder ``folder`` (see :meth:`mark_folder`)."""
+        self.execute("DELETE FROM skill_folders WHERE machine = ? AND folder = ?",
+                     (machine, folder))
+
     def mark_proxy_busy(self, proxy: str, at: float | None = None) -> None:
         """Record that the proxy process ``proxy`` has a request in flight at ``at`` (now)."""
         self.execute(PROXY_BUSY_UPSERT, (proxy, time.time() if at is None else at))
