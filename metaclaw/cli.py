@@ -982,9 +982,11 @@ def cmd_wire(args: argparse.Namespace) -> int:
     except wire.WireError as exc:
         raise CliError(str(exc)) from None
     model = f"model {plan.model}; " if plan.model else ""
+    kept = (f"the original is kept, `metaclaw wire {args.agent} --undo` restores it"
+            if plan.original is not None else
+            f"there was none before: `metaclaw wire {args.agent} --undo` removes it")
     print(f"wired {args.agent} ({path}) to the proxy at http://{args.host}:{args.port} "
-          f"({model}the original is kept, `metaclaw wire {args.agent} --undo` restores "
-          f"it).\nNow run: {plan.serve_command(args.port, typed_token)}{token}")
+          f"({model}{kept}).\nNow run: {plan.serve_command(args.port, typed_token)}{token}")
     return 0
 
 

@@ -235,6 +235,10 @@ def apply(plan: WirePlan) -> None:
     """
     path = plan.path
     _writable(path)
+    made, folder = [], path.resolve().parent
+    while not folder.exists():  # made for it: undo removes them again where left empty
+        made.append(str(folder))
+        folder = folder.parent
     path.resolve().parent.mkdir(parents=True, exist_ok=True)
     with locked(path):
         try:
@@ -245,10 +249,10 @@ def apply(plan: WirePlan) -> None:
         if current != plan.original:
             raise WireError(f"{path} changed while it was being wired (another `metaclaw wire`, "
                             "or an edit); nothing was written: run the command again")
-        _apply(plan)
+        _apply(plan, made)
 
 
-def _apply(plan: WirePlan) -> None:
+def _apply(plan: WirePlan, made: list[str]) -> None:
     path = plan.path
     backup, state = Path(f"{path}{BACKUP_SUFFIX}"), Path(f"{path}{STATE_SUFFIX}")
     after = plan.after.encode("utf-8")
@@ -258,7 +262,7 @@ def _apply(plan: WirePlan) -> None:
         _write(backup, plan.original, like=path)
     _write(state, json.dumps({"written_sha256": _sha(after), "existed": plan.original is not None,
                               "primary_before": plan.primary_before, "agent": plan.agent,
-                              "restore": plan.restore}).encode("utf-8"))
+                              "restore": plan.restore, "made_folders": made}).encode("utf-8"))
     _write(path, after, like=path)
 
 
@@ -269,10 +273,16 @@ def undo(config_path: Path) -> str:
         raise WireError(f"{config_path} was not wired by metaclaw (no {state.name}); nothing to "
                         "undo")
     with locked(config_path):
-        return _undo(config_path)
+        done, made = _undo(config_path)
+    for folder in made:  # the folders wiring made for a file that was not there, if empty
+        with contextlib.suppress(OSError):
+            Path(folder).rmdir()
+    return done
 
 
-def _undo(config_path: Path) -> str:
+def _undo(config_path: Path) -> tuple[str, list[str]]:
+    """What :func:`undo` did, and the folders to remove where empty (none unless the file
+    it made was removed)."""
     backup, state = Path(f"{config_path}{BACKUP_SUFFIX}"), Path(f"{config_path}{STATE_SUFFIX}")
     if not state.exists():  # another process undid it while this one waited for the lock
         raise WireError(f"{config_path} was not wired by metaclaw (no {state.name}); nothing to "
@@ -284,10 +294,12 @@ def _undo(config_path: Path) -> str:
                              else _read_raw(config_path))
     existed = info.get("existed")
     as_wired = current is not None and _sha(current) == info["written_sha256"]
+    made: list[str] = []
     if as_wired and not existed:
         _writable(config_path)
         config_path.unlink()
         done = f"removed {config_path}: there was none before wiring"
+        made = [str(folder) for folder in info.get("made_folders") or []]
     elif as_wired and backup.exists():  # without the backup, only taking back the wiring is safe
         _writable(config_path)
         _write(config_path, backup.read_bytes(), like=config_path)
@@ -316,7 +328,7 @@ def _undo(config_path: Path) -> str:
             done = f"{config_path} holds no MetaClaw wiring; left as it is"
     backup.unlink(missing_ok=True)
     state.unlink(missing_ok=True)
-    return done
+    return done, made
 
 
 # -- the other agents -----------------------------------------------------------------------------

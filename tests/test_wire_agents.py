@@ -162,15 +162,23 @@ def _write(path, text):
 
 
 def test_a_missing_config_is_created_and_undo_removes_it(tmp_path):
-    config = tmp_path / "fresh" / "settings.json"
+    (tmp_path / "home").mkdir()
+    config = tmp_path / "home" / "fresh" / ".claude" / "settings.json"
     done = run_cli("wire", "claude-code", "--config", config, "--port", 31000)
     # no token wired: a Claude Code that is not logged in needs a key of some kind
     assert "export ANTHROPIC_AUTH_TOKEN=metaclaw" in done.stdout
+    assert "there was none before: `metaclaw wire claude-code --undo` removes it" in done.stdout
     assert json5.loads(config.read_text()) == {"env": {
         "ANTHROPIC_BASE_URL": "http://127.0.0.1:31000"}}
     assert "there was none before" in run_cli("wire", "claude-code", "--config", config,
                                               "--undo").stdout
-    assert not config.exists()
+    # the folders made for it go with it; one that held something else stays
+    assert not config.exists() and list((tmp_path / "home").iterdir()) == []
+    config.parent.mkdir(parents=True)
+    (config.parent / "notes.txt").write_text("mine")
+    run_cli("wire", "claude-code", "--config", config, "--port", 31000)
+    run_cli("wire", "claude-code", "--config", config, "--undo")
+    assert not config.exists() and (config.parent / "notes.txt").read_text() == "mine"
 
 
 def test_default_config_paths_follow_each_agents_own_variables(tmp_path, monkeypatch):

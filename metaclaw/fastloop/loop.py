@@ -16,8 +16,9 @@ never on the proxy's. For each recorded turn:
    turn type: a stage's retry follows that stage, not the next stage) arrives (its new user
    message is the feedback), when the session is marked done (``X-Session-Done``), or after
    ``feedback_wait`` seconds without a next turn. All votes run concurrently;
-3. the verdict moves a failure (``reward < judge.threshold``) of the current generation to
-   ``support / live``;
+3. the verdict makes a failure (``reward < judge.threshold``) of the current generation part of
+   the next evolution's evidence (the support set); it stays ``query / live`` until a new
+   generation consumes it (:mod:`metaclaw.buffers`, rule 2);
 4. the evolver is triggered when a session reaches a multiple of ``every_n`` judged turns, when a
    session ends (``on_session_end``: marked done, or, holding judged failures, idle for
    ``feedback_wait`` seconds, seen at a sweep), or when the failure rate of the current
