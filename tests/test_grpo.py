@@ -461,7 +461,8 @@ trainer.step()
 """
 
 
-def test_a_trainer_killed_between_saving_and_recording_loses_no_weights(tiny_model, tmp_path):
+def test_a_trainer_killed_between_saving_and_recording_loses_no_weights(tiny_model, tmp_path,
+                                                                        monkeypatch):
     """kill -9 after a step saved its weights but before it recorded their version: no version
     is left without weights, the turns are not counted as trained into lost weights, and the
     restarted trainer resumes the state before, under its own number, and records its next
@@ -486,10 +487,11 @@ def test_a_trainer_killed_between_saving_and_recording_loses_no_weights(tiny_mod
     assert all(store.turn(t)["trained_steps"] == 0 for t in turns)  # to be trained again
 
     backend = make_backend("local", tiny_model, lora_rank=4, seed=0)
+    monkeypatch.chdir(tmp_path)
     trainer = GRPOTrainer(backend, lambda: prompts_from_query_set(store, backend), store=store,
                           judge=lambda prompt, text: float(len(text) % 3),
                           config=GRPOConfig(steps=1, groups_per_step=2, group_size=4,
-                                            max_tokens=6, state_dir=str(state_dir)))
+                                            max_tokens=6, state_dir="state"))  # relative
     # the state before (none here): no number the store never recorded, no weights under it
     assert trainer.start_step == 0 and backend.policy_version == 0
     assert not (state_dir / "latest.json").exists()
@@ -497,6 +499,8 @@ def test_a_trainer_killed_between_saving_and_recording_loses_no_weights(tiny_mod
     rows = store.query("SELECT version, checkpoint FROM policy_versions")
     assert [r["version"] for r in rows] == [1] and (Path(rows[0]["checkpoint"]) /
                                                     "metaclaw_state.json").is_file()
+    # recorded whole: a process started in another folder loads these weights
+    assert Path(rows[0]["checkpoint"]).is_absolute()
     assert json.loads((state_dir / "latest.json").read_text())["policy_version"] == 1
 
 

@@ -471,7 +471,9 @@ class GRPOTrainer:
         #: the rewards, the update
         self.on_progress = on_progress
         self.skill_generation = skill_generation
-        self.state_dir = Path(self.config.state_dir) if self.config.state_dir else None
+        # absolute: the checkpoint paths it records are read by processes started elsewhere
+        self.state_dir = (Path(self.config.state_dir).expanduser().resolve()
+                          if self.config.state_dir else None)
         self.run_id = run_id or uuid.uuid4().hex[:12]
         self.start_step = 0
         self.history: list[dict[str, Any]] = []   # records of the steps run by this trainer
