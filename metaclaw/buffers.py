@@ -310,6 +310,14 @@ def support_set(store: Store, generation: int | None = None,
     return store.turns(f"skill_generation = ? AND {where}", [gen, *params])
 
 
+def next_evidence(store: Store, threshold: float = 0.0) -> set[int]:
+    """The ids of :func:`support_set`'s live turns (the evolver's next evidence), read alone."""
+    rows = store.query(f"SELECT id FROM turns WHERE skill_generation = ? AND "
+                       f"buffer_state = 'live' AND {FAILURE_SQL}",
+                       (current_generation(store), float(threshold)))
+    return {int(row["id"]) for row in rows}
+
+
 def query_set(store: Store, generation: int | None = None,
               state: str | None = LIVE) -> list[dict[str, Any]]:
     """Query turns of ``generation`` (default: the current one), whatever their judged outcome;

@@ -994,9 +994,13 @@ def cmd_wire(args: argparse.Namespace) -> int:
 def cmd_buffers(args: argparse.Namespace) -> int:
     from metaclaw import buffers
 
+    import polars as pl
+
     store = _store(args.db)
-    buffers.refresh(store, threshold=args.threshold)
+    buffers.refresh(store)
     frame = buffers.buffers_frame(store, all_turns=args.all)
+    evidence = buffers.next_evidence(store, args.threshold)
+    frame = frame.with_columns(pl.col("id").is_in(sorted(evidence)).alias("next_evidence"))
     total = frame.height
     if args.last is not None:  # the newest (the frame is oldest first)
         frame = frame.tail(args.last)
@@ -1004,8 +1008,6 @@ def cmd_buffers(args: argparse.Namespace) -> int:
         for row in frame.iter_rows(named=True):
             _print_json(row)
         return 0
-    import polars as pl
-
     shown = frame.with_columns(  # a time a person reads, every column and row, one line each
         pl.from_epoch((pl.col("created_at") * 1000).cast(pl.Int64), time_unit="ms")
         .dt.strftime("%Y-%m-%d %H:%M:%S").alias("created_at"))
@@ -1665,7 +1667,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("buffers", help="support / query buffers by generation")
     add_db(p)
-    p.add_argument("--threshold", type=argtypes.finite_float, default=0.0)
+    p.add_argument("--threshold", type=argtypes.finite_float, default=0.0,
+                   help="the judge's pass threshold (default 0): the live turns of the current "
+                        "generation judged below it, or labelled fail, are the evolver's next "
+                        "evidence (column next_evidence)")
     p.add_argument("--all", action="store_true", help="also turns in no buffer")
     p.add_argument("--last", type=argtypes.positive_int, metavar="N",
                    help="only the newest N turns (default: every one)")

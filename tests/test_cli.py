@@ -268,10 +268,16 @@ def test_score_buffers_evolve_commands(tmp_path):
         rows = [json.loads(l) for l in run_cli("buffers", "--db", db, "--json").stdout.splitlines()]
         assert [(r["set"], r["state"], r["skill_generation"], r["reward"]) for r in rows] == [
             ("query", "live", 0, -1.0), ("query", "live", 0, 0.0)]
+        # the evolver's next evidence: the failures below the threshold given
+        assert [r["next_evidence"] for r in rows] == [True, False]
+        assert [json.loads(l)["next_evidence"] for l in run_cli(
+            "buffers", "--db", db, "--json", "--threshold", 0.5).stdout.splitlines()] == [
+            True, True]
         table = run_cli("buffers", "--db", db).stdout  # every column, a readable time
         header = table.splitlines()[1]
         assert all(name in header for name in ("id", "session_id", "turn_type", "set", "state",
-                                                "skill_generation", "reward", "created_at", "task"))
+                                                "skill_generation", "reward", "created_at", "task",
+                                                "next_evidence"))
         assert re.search(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d", table)
         assert table.rstrip().endswith("2 turns in a buffer; --json for every field in full")
         newest = run_cli("buffers", "--db", db, "--last", 1).stdout
