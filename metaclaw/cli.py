@@ -1520,7 +1520,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out", metavar="OUT.jsonl|OUT.parquet")
     add_db(p)
     p.add_argument("--session", help="only this session")
-    p.add_argument("--labelled-only", action="store_true", help="only turns a person labelled")
+    p.add_argument("--labelled-only", "--labelled", action="store_true", dest="labelled_only",
+                   help="only turns a person labelled")
     p.add_argument("--shape", choices=["chat", "eval"], default="chat",
                    help="chat: fine-tuning records of turns labelled pass or corrected "
                    "(default); eval: one OpenAI evals sample per turn")

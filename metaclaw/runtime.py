@@ -116,12 +116,15 @@ class RuntimeConfig:
         None, "--embedding-model", "'static' (default: the packaged token table of "
         "all-MiniLM-L6-v2), 'minilm' (the transformer, loaded in the background), or a "
         "sentence-transformers model path or id")
-    top_k: int = option(3, "--top-k", "skills injected per turn", type=argtypes.positive_int)
-    min_score: float | None = option(None, "--min-score", "minimum relevance to inject a skill",
+    top_k: int = option(3, "--top-k", "most skills injected per turn (default 3)",
+                        type=argtypes.positive_int)
+    min_score: float | None = option(None, "--min-score", "minimum relevance to inject a skill "
+                                     "(default: the retriever's own threshold)",
                                      type=argtypes.finite_float)
-    budget_chars: int = option(6000, "--budget-chars", "size budget of the skill block",
+    budget_chars: int = option(6000, "--budget-chars",
+                               "size budget of the skill block in characters (default 6000)",
                                type=argtypes.positive_int)
-    timeout: float = option(120.0, "--timeout", "upstream timeout in seconds",
+    timeout: float = option(120.0, "--timeout", "upstream timeout in seconds (default 120)",
                             type=argtypes.positive_float)
     max_retries: int = option(
         2, "--upstream-retries", "further attempts after an upstream 408/409/429/5xx, before "

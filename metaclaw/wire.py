@@ -195,6 +195,10 @@ def plan_openclaw(config_path: Path, proxy_url: str, *, token: str | None = None
     providers = _dig(config, "models", "providers") or {}
     source = providers.get(source_name) if isinstance(providers, dict) else None
     model = model or source_model
+    if not model and original is None:
+        raise WireError(f"there is no OpenClaw configuration at {config_path}: pass --config "
+                        "PATH of the one OpenClaw reads, or --model NAME (the model the proxy "
+                        "should serve) to write a new one there")
     if not model:
         raise WireError(f"{config_path} names no primary model (agents.defaults.model.primary); "
                         "pass --model NAME (the model the proxy should serve)")

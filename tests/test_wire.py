@@ -144,6 +144,16 @@ def test_undo_leaves_a_file_without_wiring_byte_for_byte(tmp_path):
     assert config.read_text() == ORIGINAL  # JSON5 comments kept
 
 
+def test_a_missing_openclaw_config_is_said_missing(tmp_path):
+    config = tmp_path / ".openclaw" / "openclaw.json"
+    proc = _wire(config, "--dry-run", check=False)
+    assert proc.returncode == 2 and "there is no OpenClaw configuration at" in proc.stderr
+    assert "--model NAME" in proc.stderr and not config.parent.exists()
+    assert _wire(config, "--model", "m").returncode == 0  # written new, with the model given
+    assert json5.loads(config.read_text())["agents"]["defaults"]["model"]["primary"] \
+        == "metaclaw/m"
+
+
 def test_undo_keeps_an_empty_config_file(tmp_path):
     config = tmp_path / "openclaw.json"
     config.write_text("")

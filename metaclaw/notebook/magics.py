@@ -830,7 +830,8 @@ class MetaClawMagics(Magics):
         parser.add_argument("path")
         parser.add_argument("--session")
         parser.add_argument("--turns", help="comma-separated turn ids")
-        parser.add_argument("--labelled", action="store_true", help="only labelled turns")
+        parser.add_argument("--labelled", "--labelled-only", action="store_true",
+                            dest="labelled", help="only labelled turns")
         parser.add_argument("--shape", choices=["chat", "eval"], default="chat")
         args = parser.parse_args(argv)
         runtime = self._require_runtime()
