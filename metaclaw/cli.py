@@ -605,23 +605,26 @@ def _skill_stats(args: argparse.Namespace, library: Any) -> int:
         if args.propose:
             _print_json({"proposals_filed": filed})
         return 0
-    print(f"{'skill':<32}{'injected':>9}{'reward with':>13}{'without':>15}{'delta [95%]':>22}"
+    print(f"{'skill':<32}{'injected':>9}  {'reward with':<17} {'without':<17}{'delta [95%]':>22}"
           f"{'last used':>18}  suggestion")
     fmt = lambda x: "-" if x is None else f"{x:+.2f}"  # noqa: E731
+
+    def side(reward: Any, judged: Any, sessions: Any) -> str:  # "-" where not compared
+        return "-" if judged is None else f"{fmt(reward):>5} n={judged}/{sessions}"
+
     for row in stats.iter_rows(named=True):
         interval = "-" if row["reward_delta"] is None else (
             f"{row['reward_delta']:+.2f}" + ("" if row["delta_low"] is None else
                                              f" [{row['delta_low']:+.2f},{row['delta_high']:+.2f}]"))
         last = row["last_used"].strftime("%Y-%m-%d %H:%M") if row["last_used"] else "never"
         name = row["skill"] + ("" if row["in_library"] else " (gone)")
-        without = (f"{fmt(row['reward_without']):>9} n={row['judged_without']:<3}"
-                   if row["judged_without"] is not None else f"{'-':>9}      ")  # not compared
-        print(_printable(f"{name[:31]:<32}{row['injected']:>9}"
-                         f"{fmt(row['reward_with']):>8} n={row['judged_with']:<3}{without}"
-                         f"{interval:>22}{last:>18}  "
-                         f"{row['suggestion'] or '-'}"))
+        with_ = side(row["reward_with"], row["judged_with"], row["sessions_with"])
+        without = side(row["reward_without"], row["judged_without"], row["sessions_without"])
+        print(_printable(f"{name[:31]:<32}{row['injected']:>9}  {with_:<17} {without:<17}"
+                         f"{interval:>22}{last:>18}  {row['suggestion'] or '-'}"))
     print("reward: mean judged reward of the task turns with the skill, and of comparable turns "
-          "without it (asks it matches that did not get it, since it was last added); "
+          "without it (asks it matches that did not get it, since it was last added); n: judged "
+          "turns / the sessions they came from (the interval counts sessions); "
           "observational, see `help(metaclaw.fastloop.evidence)`. Whether a skill helps: replay "
           "the turns it was given without it, `metaclaw experiment run NAME --given-skill SKILL "
           "--variant current~SKILL --variant current --upstream URL --judge-url URL "

@@ -1,11 +1,15 @@
-"""Per-skill evidence (metaclaw.fastloop.evidence): with / without counts, comparable turns matched on
-the ask, suggestions filed only as held proposals, the CLI view, bounded reads."""
+"""Per-skill evidence (metaclaw.fastloop.evidence): with / without counts, comparable turns
+matched on the ask, the interval counting sessions as the independent units, suggestions filed
+only as held proposals, the CLI view, bounded reads."""
 
 from __future__ import annotations
 
+import itertools
 import json
+import statistics
 
 import pytest
+from polars.testing import assert_frame_equal
 
 from metaclaw import cli
 from metaclaw.fastloop import evidence, proposals
@@ -20,9 +24,14 @@ UNUSED = Skill(name="haiku-replies", description="Answer poetry requests as a ha
                body="When asked for a poem, write a haiku of three lines.")
 
 
+_TASKS = itertools.count()
+
+
 def _turn(store: Store, ask: str, injected: list[str], reward: float | None,
-          label: str | None = None) -> int:
-    turn = store.record_turn(session_id="s", request_messages=[{"role": "user", "content": ask}],
+          label: str | None = None, session: str | None = None) -> int:
+    """Record a task turn: of ``session``, or (None) of a session of its own."""
+    turn = store.record_turn(session_id=session or f"task-{next(_TASKS)}",
+                             request_messages=[{"role": "user", "content": ask}],
                              status="ok", response="done", injected_skills=injected,
                              retrieval_query=ask)
     fields = {}
@@ -33,6 +42,51 @@ def _turn(store: Store, ask: str, injected: list[str], reward: float | None,
     if fields:
         store.update_turn(turn, **fields)
     return turn
+
+
+def _side(sessions: list[list[float]]) -> evidence._Side:
+    """The sums of a side whose judged turns have these rewards, grouped by session."""
+    rewards = [r for session in sessions for r in session]
+    return evidence._Side(turns=len(rewards), judged=len(rewards), reward=sum(rewards),
+                          squares=sum(r * r for r in rewards), sessions=len(sessions),
+                          session_judged_sq=sum(len(s) ** 2 for s in sessions),
+                          session_cross=sum(len(s) * sum(s) for s in sessions),
+                          session_reward_sq=sum(sum(s) ** 2 for s in sessions))
+
+
+def _welch(with_: list[float], without: list[float]) -> tuple[float, float, float]:
+    """The difference of the mean rewards and its 95% Welch interval, every turn taken as
+    independent."""
+    ea, eb = (statistics.variance(side) / len(side) for side in (with_, without))
+    df = (ea + eb) ** 2 / (ea * ea / (len(with_) - 1) + eb * eb / (len(without) - 1))
+    delta = statistics.mean(with_) - statistics.mean(without)
+    half = evidence._t975(df) * (ea + eb) ** 0.5
+    return delta, delta - half, delta + half
+
+
+EDIT = "edit config.yaml to raise the timeout"
+
+
+def _backup_first(store: Store, library: SkillLibrary, with_: dict[str, list[float]],
+                  without: dict[str, list[float]]) -> dict:
+    """Record, per session, task turns asking EDIT with backup-first and without it (of the
+    rewards given), and return backup-first's row of the evidence."""
+    for given, sessions in ((["backup-first"], with_), ([], without)):
+        for session, rewards in sessions.items():
+            for reward in rewards:
+                _turn(store, EDIT, given, reward, session=session)
+    stats = evidence.skill_stats(store, library)
+    return next(r for r in stats.iter_rows(named=True) if r["skill"] == "backup-first")
+
+
+@pytest.fixture()
+def backup_only(tmp_path):
+    """A workspace whose library holds backup-first only, and no turn yet."""
+    store = Store(tmp_path / "metaclaw.db")
+    library = SkillLibrary(tmp_path / "skills", store)
+    library.add(BACKUP.with_retrieval_keys([EDIT]), reason="test")
+    yield store, library
+    store.close()
 
 
 @pytest.fixture()
@@ -73,6 +127,7 @@ def test_with_and_without_are_counted_per_skill(workspace):
     # the date asks served since it exists are its comparable turns, never those from before
     # (other tasks, the very failures it was written from)
     assert dates["comparable"] == 2 and dates["reward_without"] == -1.0
+    assert (dates["sessions_with"], dates["sessions_without"]) == (5, 2)  # a session each
     assert dates["reward_delta"] == 2.0 and dates["delta_low"] == 2.0  # no spread on a side
     assert dates["last_used"] is not None and dates["turns_since_added"] == 11
     backup = rows["backup-first"]
@@ -127,10 +182,65 @@ def test_merge_and_review_suggestions(workspace, monkeypatch):
     assert rows["backup-first"]["delta_high"] < 0
     filed = evidence.propose(store, library, stats)
     reasons = [proposals.get(store, i).reason for i in filed]
-    assert any(r.startswith("review backup-first") and "observational" in r for r in reasons)
+    assert any(r.startswith("review backup-first: its 5 judged turns, of 5 sessions,")
+               and "observational" in r for r in reasons)
     review = next(proposals.get(store, i) for i in filed
                   if proposals.get(store, i).ops[0].name == "backup-first")
     assert review.ops[0].evidence  # the judged turns that had it
+
+
+def test_turns_of_few_sessions_are_not_taken_for_many(backup_only, monkeypatch):
+    """Forty turns from two sessions a side, the sessions' rewards apart: taken as independent
+    turns they give an interval clear of zero (and ``review``); counted by session, two a side
+    show nothing either way. The same when a session's turns span batches."""
+    store, library = backup_only
+    with_ = {"w1": [-0.2, -0.4] * 10, "w2": [0.2, 0.0] * 10}  # mean -0.1
+    without = {"o1": [0.6, 0.4] * 10, "o2": [0.2, 0.0] * 10}  # mean 0.3
+    turns = [sum(sessions.values(), []) for sessions in (with_, without)]
+    _, _, per_turn_high = _welch(*turns)
+    assert per_turn_high < 0  # turns taken as independent
+    row = _backup_first(store, library, with_, without)
+    assert (row["judged_with"], row["sessions_with"]) == (40, 2)
+    assert (row["judged_without"], row["sessions_without"]) == (40, 2)
+    assert row["reward_delta"] == pytest.approx(-0.4)  # per turn
+    assert row["delta_low"] < 0 < row["delta_high"] and row["suggestion"] == ""
+    # each side's mean: variance 2 / 1 * (20 * 0.2) ** 2 * 2 / 40 ** 2 = 0.04, 2 sessions
+    # a side give 2 degrees of freedom
+    half = evidence._t975(2) * 0.08 ** 0.5
+    assert row["delta_high"] - row["reward_delta"] == pytest.approx(half)
+    whole = evidence.skill_stats(store, library)
+    monkeypatch.setattr(evidence, "BATCH", 7)
+    assert_frame_equal(evidence.skill_stats(store, library), whole)
+
+
+def test_many_sessions_still_show_a_real_difference(backup_only):
+    """Thirty sessions, each with three turns given the skill and three not (a session counts on
+    both sides), the sessions' rewards apart: the interval is wider than the per-turn one, and
+    still clear of zero."""
+    store, library = backup_only
+    effect = [0.2 * (g % 5 - 2) for g in range(30)]  # what each session's tasks add
+    with_ = {f"t{g}": [0.4 + e + d for d in (-0.1, 0.0, 0.1)] for g, e in enumerate(effect)}
+    without = {f"t{g}": [-0.2 + e + d for d in (-0.1, 0.0, 0.1)] for g, e in enumerate(effect)}
+    row = _backup_first(store, library, with_, without)
+    assert (row["sessions_with"], row["sessions_without"]) == (30, 30)
+    assert row["reward_delta"] == pytest.approx(0.6)
+    _, low, high = _welch(*(sum(sessions.values(), []) for sessions in (with_, without)))
+    assert row["delta_high"] - row["delta_low"] > 1.5 * (high - low)
+    assert 0 < row["delta_low"] < 0.6 < row["delta_high"]
+
+
+def test_one_turn_per_session_gives_the_per_turn_interval(backup_only):
+    """Where every session has one judged turn, the interval is the per-turn Welch interval."""
+    store, library = backup_only
+    with_ = [1.0, 0.5, -0.5, 1.0, 0.0, 0.8]
+    without = [-1.0, 0.2, 0.5, -0.3]
+    row = _backup_first(store, library, {f"w{i}": [r] for i, r in enumerate(with_)},
+                        {f"o{i}": [r] for i, r in enumerate(without)})
+    assert (row["sessions_with"], row["sessions_without"]) == (6, 4)
+    expected = _welch(with_, without)
+    assert (row["reward_delta"], row["delta_low"], row["delta_high"]) == pytest.approx(expected)
+    assert evidence._interval(_side([[r] for r in with_]),
+                              _side([[r] for r in without])) == pytest.approx(expected)
 
 
 def test_cli_skills_stats(workspace, tmp_path, capsys):
@@ -144,8 +254,11 @@ def test_cli_skills_stats(workspace, tmp_path, capsys):
     assert {r["skill"] for r in rows} >= {"iso-dates", "backup-first", "haiku-replies"}
     iso = next(r for r in rows if r["skill"] == "iso-dates")
     (line,) = [line for line in out.splitlines() if line.startswith("iso-dates ")]
-    # both sample sizes, with and without the skill
-    assert line.count(" n=") == 2 and f"n={iso['judged_without'] or 0}" in line.split()
+    # both sample sizes, with and without the skill: judged turns / their sessions
+    assert line.count(" n=") == 2
+    assert f"n={iso['judged_with']}/{iso['sessions_with']}" in line.split()
+    assert f"n={iso['judged_without']}/{iso['sessions_without']}" in line.split()
+    assert "the interval counts sessions" in out
 
 
 def test_empty_workspace(tmp_path):
@@ -249,8 +362,7 @@ def test_one_scan_counts_the_turns_after_each_time_a_skill_was_added(workspace):
     library.add(Skill(name="late", description="a late skill", body="added last"), reason="t")
     added_times = times[::3] + times[:2]
     scan = evidence._Scan([], 0.0, {f"skill-{i}": t for i, t in enumerate(added_times)}, None)
-    for rows in evidence._task_turns(store, "created_at, injected_skills, reward, human_label, "
-                                            "retrieval_query"):
+    for rows in evidence._task_turns(store, evidence._READ):
         scan.add(store, rows)
     counts = scan.result()["since"]
     task = store.raw("SELECT created_at FROM turns WHERE turn_type = 'main' AND status = 'ok'")
@@ -265,8 +377,8 @@ def test_the_interval_is_students_t_and_a_skill_re_added_can_be_retired(workspac
     """Few judged turns get Student's t (Welch's degrees of freedom), not the normal's 1.96
     (an interval from 4 turns was half as wide as it should be); a skill removed and added
     again, not given since, is suggested for retirement (its old turns kept it in)."""
-    with_ = evidence._Side(judged=3, reward=1.0, squares=3.0)  # rewards 1, 1, -1
-    without = evidence._Side(judged=3, reward=-1.0, squares=3.0)  # rewards -1, -1, 1
+    with_ = _side([[1], [1], [-1]])  # one turn a session
+    without = _side([[-1], [-1], [1]])
     delta, low, high = evidence._interval(with_, without)
     half = 2.776 * ((4 / 3) / 3 * 2) ** 0.5  # t(0.975, 4 df): both variances 4/3, n 3
     assert delta == pytest.approx(2 / 3) and high - delta == pytest.approx(half, rel=0.01)

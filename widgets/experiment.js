@@ -234,14 +234,14 @@ function renderEvidence(model, el) {
       "They differ in time, generation and task too; an experiment that replays the same turns answers the causal question."));
     if (model.get("error")) parts.push(h("div", { class: "mc-error" }, model.get("error")));
     const table = h("table", { class: "mc-table" },
-      h("thead", {}, h("tr", {}, ["skill", "injected", "reward with (judged)", "comparable without (judged)", "difference (95% interval)", "labels pass / fail", "last used", "nearest skill", "suggestion"].map((c) => h("th", {}, c)))));
+      h("thead", {}, h("tr", {}, ["skill", "injected", "reward with (judged / sessions)", "comparable without (judged / sessions)", "difference (95% interval)", "labels pass / fail", "last used", "nearest skill", "suggestion"].map((c) => h("th", {}, c)))));
     const body = h("tbody");
     for (const r of rows) {
       body.append(h("tr", {},
         h("td", {}, h("b", {}, r.skill), r.in_library ? "" : h("span", { class: "mc-muted" }, " (removed)")),
         h("td", {}, r.injected),
-        h("td", { class: signClass(r.reward_with) }, `${num(r.reward_with)} (${r.judged_with})`),
-        h("td", { class: signClass(r.reward_without) }, `${num(r.reward_without)} (${r.judged_without ?? "—"})`),
+        h("td", { class: signClass(r.reward_with) }, `${num(r.reward_with)} (${r.judged_with} / ${r.sessions_with})`),
+        h("td", { class: signClass(r.reward_without) }, `${num(r.reward_without)} (${r.judged_without == null ? "—" : `${r.judged_without} / ${r.sessions_without}`})`),
         h("td", { class: signClass(r.reward_delta) }, num(r.reward_delta) + (r.delta_low === null || r.delta_low === undefined ? "" : ` (${num(r.delta_low)} to ${num(r.delta_high)})`)),
         h("td", {}, `${r.labels_pass_with} / ${r.labels_fail_with}`),
         h("td", { class: "mc-muted" }, formatTime(r.last_used) || "never"),

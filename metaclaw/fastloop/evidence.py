@@ -7,9 +7,9 @@
 
 For each skill of the library (and each skill turns received that has left it since):
 
-- **with**: the task turns it was injected into: how many, how many were judged, their mean
-  reward and pass rate (reward above ``threshold``), the human labels (pass / fail), the first and
-  last time it was used;
+- **with**: the task turns it was injected into: how many, how many were judged and the sessions
+  those came from, their mean reward and pass rate (reward above ``threshold``), the human labels
+  (pass / fail), the first and last time it was used;
 - **without (comparable turns)**: the task turns served while the skill was in the library
   (since it was last added) whose recorded retrieval query the skill matches but which did not
   get it. An ask matches a skill when the proxy's default retrieval scores the pair at or above
@@ -19,22 +19,32 @@ For each skill of the library (and each skill turns received that has left it si
   or the budget kept it from. Turns from before it existed are left out: they met other tasks
   and another policy, and they hold the very failures it was written from, which would make
   any skill look good (or, as tasks grow harder, bad). The same numbers as for *with*, and the
-  difference in mean reward with a 95% interval (Welch, Student's t);
+  difference in mean reward per judged turn with a 95% interval that counts sessions, not
+  turns, as the independent units (see below);
 - the nearest other skill of the library and their cosine (a near duplicate at
   :data:`NEAR_DUPLICATE` or more), and how many task turns arrived since the skill was added;
 - a suggestion: ``retire`` (not injected in :data:`IDLE_TURNS` or more task turns since it was
   last added), ``merge`` (a near duplicate of another skill), ``review`` (its turns did worse
   than the comparable ones, the whole interval below zero), or nothing.
 
+The interval: the turns of one session are not independent (an agent's tool loop sends its ask
+many times, and they share a reward), so the session is the unit. The difference stays per
+judged turn (of the two means shown); the variance of each side's mean is cluster-robust by
+session (CR1: each session's residuals summed before squaring, so forty turns of two sessions
+count as two observations, not forty), never below the variance of independent turns, and
+Student's t takes the Welch-Satterthwaite degrees of freedom counted in sessions:
+``sessions_with`` / ``sessions_without`` are the sample sizes that matter. With one turn per
+session it is the per-turn Welch interval. A session with turns on both sides counts on each,
+the sides taken as independent (where its turns share a reward, that errs wide).
+
 What the numbers cannot show: this is observation, not an experiment. The comparable turns are
 matched on the ask only, and they did not get the skill for a reason (another skill ranked
 above it), so a difference may come from that; every version of a skill edited over time is
-counted under its name; and the turns of one task (an agent's tool loop sends its ask many
-times, and they share a reward) are counted as if independent, so the interval is too narrow
-where tasks run many turns. Few judged turns give a wide interval.
+counted under its name. Few judged sessions give a wide interval (or none, under two a side).
 An experiment that replays the same turns with and without the skill answers the causal
 question. Suggestions are never applied here: :func:`propose` files them as held proposals (with
-their evidence), promoted or discarded by a person like any other (:mod:`metaclaw.fastloop.proposals`).
+their evidence), promoted or discarded by a person like any other
+(:mod:`metaclaw.fastloop.proposals`).
 """
 
 from __future__ import annotations
@@ -53,19 +63,22 @@ from metaclaw.turns import TASK_TURNS_SQL
 NEAR_DUPLICATE = 0.9
 #: Task turns since a skill was added, none of them given it, before ``retire`` is suggested.
 IDLE_TURNS = 200
-#: Turns read per batch when matching asks (bounds the memory).
+#: Turns read per batch when matching asks (bounds the memory, with the few sums kept per
+#: skill and session).
 BATCH = 5_000
 
-COLUMNS = ("skill", "in_library", "injected", "judged_with", "reward_with", "pass_rate_with",
-           "labels_pass_with", "labels_fail_with", "comparable", "judged_without",
-           "reward_without", "pass_rate_without", "reward_delta", "delta_low", "delta_high",
-           "first_used", "last_used", "turns_since_added", "nearest", "nearest_cosine",
-           "suggestion")
+COLUMNS = ("skill", "in_library", "injected", "judged_with", "sessions_with", "reward_with",
+           "pass_rate_with", "labels_pass_with", "labels_fail_with", "comparable",
+           "judged_without", "sessions_without", "reward_without", "pass_rate_without",
+           "reward_delta", "delta_low", "delta_high", "first_used", "last_used",
+           "turns_since_added", "nearest", "nearest_cosine", "suggestion")
 
 
 @dataclass
 class _Side:
-    """The sums of one side (with / without) of one skill."""
+    """The sums of one side (with / without) of one skill: over its turns, and over the
+    sessions its judged turns came from (of each session's judged turns ``n`` and their summed
+    reward ``r``: ``n * n``, ``n * r``, ``r * r``)."""
 
     turns: int = 0
     judged: int = 0
@@ -74,15 +87,34 @@ class _Side:
     passed: int = 0
     label_pass: int = 0
     label_fail: int = 0
+    sessions: int = 0
+    session_judged_sq: float = 0.0
+    session_cross: float = 0.0
+    session_reward_sq: float = 0.0
 
     def mean(self) -> float | None:
         return self.reward / self.judged if self.judged else None
 
     def variance(self) -> float | None:
+        """The variance of one judged turn's reward (the turns taken as independent)."""
         if self.judged < 2:
             return None
         mean = self.reward / self.judged
         return max(0.0, (self.squares - self.judged * mean * mean) / (self.judged - 1))
+
+    def mean_variance(self) -> float | None:
+        """The variance of :meth:`mean`, cluster-robust by session (CR1: each session's
+        residuals ``r - n * mean`` summed before squaring, times ``G / (G - 1)`` for ``G``
+        sessions), and never below the one of independent turns (a few sessions whose means
+        happen to agree would otherwise claim none); None under 2 sessions."""
+        per_turn = self.variance()
+        if per_turn is None or self.sessions < 2:
+            return None
+        mean = self.reward / self.judged
+        residuals = (self.session_reward_sq - 2 * mean * self.session_cross
+                     + mean * mean * self.session_judged_sq)
+        clustered = self.sessions / (self.sessions - 1) * max(0.0, residuals) / self.judged ** 2
+        return max(clustered, per_turn / self.judged)
 
 
 def _betainc(a: float, b: float, x: float) -> float:
@@ -129,18 +161,23 @@ def _t975(df: float) -> float:
 
 
 def _interval(with_: _Side, without: _Side) -> tuple[float | None, float | None, float | None]:
-    """Difference of the mean rewards and its 95% interval (Welch: Student's t with the
-    Welch-Satterthwaite degrees of freedom; None where a side has < 2)."""
+    """Difference of the mean rewards per judged turn and its 95% interval, the session the unit
+    of independence: Welch's form on each side's cluster-robust variance of its mean
+    (:meth:`_Side.mean_variance`), Student's t with the Welch-Satterthwaite degrees of freedom
+    counted in sessions (None where a side has < 2 sessions).
+
+    Cluster-robust variances keep the difference per turn, the same means the columns show
+    (per-session means would weigh a session of one turn like one of fifty), and with one turn
+    per session they are exactly the per-turn Welch interval."""
     a, b = with_.mean(), without.mean()
     if a is None or b is None:
         return None, None, None
-    va, vb = with_.variance(), without.variance()
-    if va is None or vb is None:
+    ea, eb = with_.mean_variance(), without.mean_variance()
+    if ea is None or eb is None:
         return a - b, None, None
-    ea, eb = va / with_.judged, vb / without.judged
     if ea + eb == 0:  # every reward alike on both sides: no spread to draw an interval from
         return a - b, a - b, a - b
-    df = (ea + eb) ** 2 / (ea * ea / (with_.judged - 1) + eb * eb / (without.judged - 1))
+    df = (ea + eb) ** 2 / (ea * ea / (with_.sessions - 1) + eb * eb / (without.sessions - 1))
     half = _t975(df) * math.sqrt(ea + eb)
     return a - b, a - b - half, a - b + half
 
@@ -165,15 +202,81 @@ def _task_turns(store: Store, columns: str) -> Iterable[list[tuple[Any, ...]]]:
         last = rows[-1][0]
 
 
+#: The columns of the task turns a scan reads (after ``id``), in this order.
+_READ = "session_id, created_at, injected_skills, reward, human_label, retrieval_query"
 #: The sums kept per skill and side, in this order (rows of :class:`_Scan`'s arrays).
 _SUMS = ("turns", "judged", "reward", "squares", "passed", "label_pass", "label_fail")
+#: The sums over sessions kept per skill and side (:class:`_SessionSums`), in this order.
+_SESSION_SUMS = ("sessions", "session_judged_sq", "session_cross", "session_reward_sq")
+
+
+class _SessionSums:
+    """Per skill (a column of :class:`_Scan`) and session, for one side: the judged turns and
+    their summed reward. A session's turns may come in several batches, so its sums are kept
+    until the scan ends: sorted keys ``column << 32 | session``, two numbers each, the batches'
+    cells merged in (:meth:`settle`) once they are many."""
+
+    def __init__(self) -> None:
+        import numpy as np
+
+        self.keys = np.zeros(0, dtype=np.int64)
+        self.sums = np.zeros((2, 0))
+        self.pending: list[tuple[Any, Any, Any]] = []
+        self.pending_size = 0
+
+    def add(self, column: Any, session: Any, judged: Any, reward: Any) -> None:
+        """Add each judged turn (or, with ``judged`` -1, take it out again: in the same batch)
+        to the sums of its skill's ``column`` and ``session`` (arrays alike in length)."""
+        import numpy as np
+
+        counted = judged != 0
+        self.pending.append(((column[counted].astype(np.int64) << 32) | session[counted],
+                             judged[counted], reward[counted]))
+        self.pending_size += int(counted.sum())
+
+    def settle(self, force: bool = False) -> None:
+        """At the end of a batch: merge what the batches added in, once it is more than half as
+        many cells as there are (or ``force``), so that merging costs little per batch."""
+        import numpy as np
+
+        if not self.pending or not force and self.pending_size <= max(len(self.keys) // 2,
+                                                                       BATCH):
+            return
+        keys, where = np.unique(np.concatenate([k for k, _, _ in self.pending]),
+                                return_inverse=True)
+        sums = np.stack([np.bincount(where.ravel(), minlength=len(keys),
+                                     weights=np.concatenate([p[i] for p in self.pending]))
+                         for i in (1, 2)])
+        self.pending, self.pending_size = [], 0
+        kept = sums[0] > 0.5  # (a cell whose every turn went to the other side has none)
+        keys, sums = keys[kept], sums[:, kept]
+        at = np.searchsorted(self.keys, keys)
+        known = np.zeros(len(keys), dtype=bool)
+        inside = at < len(self.keys)
+        known[inside] = self.keys[at[inside]] == keys[inside]
+        self.sums[:, at[known]] += sums[:, known]
+        self.keys = np.insert(self.keys, at[~known], keys[~known])
+        self.sums = np.insert(self.sums, at[~known], sums[:, ~known], axis=1)
+
+    def per_column(self, width: int) -> Any:
+        """Per column (``width`` of them), the sums of :data:`_SESSION_SUMS`: the sessions, and
+        over them ``n * n``, ``n * r``, ``r * r`` of their judged turns ``n`` and reward ``r``."""
+        import numpy as np
+
+        self.settle(force=True)
+        column = self.keys >> 32
+        judged, reward = self.sums
+        return np.stack([np.bincount(column, weights=w, minlength=width)
+                         for w in (np.ones_like(judged), judged * judged, judged * reward,
+                                   reward * reward)])
 
 
 class _Scan:
     """What one scan of the task turns adds up, a batch of turns at a time (:func:`collect`):
 
     - ``with``: per skill name a turn was given (the library's skills first, then the names
-      that have left it), the sums of :data:`_SUMS` and the first and last time;
+      that have left it), the sums of :data:`_SUMS` and of :data:`_SESSION_SUMS`, and the first
+      and last time;
     - ``without`` (with a ``matcher``): per skill of the library, the same sums over the turns
       whose ask the matcher scores at or above its injection threshold but which did not get it;
     - ``after``: how many turns were recorded after each of ``times`` (the times skills were
@@ -190,6 +293,9 @@ class _Scan:
         self.first = np.full(len(skills), np.inf)
         self.last = np.full(len(skills), -np.inf)
         self.without = np.zeros((len(_SUMS), len(skills))) if matcher is not None else None
+        self.with_sessions = _SessionSums()
+        self.without_sessions = _SessionSums() if matcher is not None else None
+        self.session_number: dict[str, int] = {}  # a session's id: the number its sums use
         self.times = np.array(sorted(set(added.values())), dtype=np.float64)
         self.after = np.zeros(len(self.times) + 1, dtype=np.int64)
         # a turn counts as comparable for a skill only once it was (last) added: before, the
@@ -213,11 +319,13 @@ class _Scan:
         return columns
 
     def add(self, store: Store, rows: list[tuple[Any, ...]]) -> None:
-        """Add one batch of turns (rows of ``id, created_at, injected_skills, reward,
-        human_label, retrieval_query``)."""
+        """Add one batch of turns (rows of ``id`` and the columns of :data:`_READ`)."""
         import numpy as np
 
-        ids, created, injected, rewards, labels, asked = zip(*rows)
+        ids, sessions, created, injected, rewards, labels, asked = zip(*rows)
+        numbers = self.session_number
+        session = np.fromiter((numbers.setdefault(s, len(numbers)) for s in sessions),
+                              np.int64, len(rows))
         created = np.array(created, dtype=np.float64)
         # turns after each time: a turn counts for every time before its own
         self.after += np.bincount(np.searchsorted(self.times, created, side="left"),
@@ -242,18 +350,27 @@ class _Scan:
                                              minlength=len(self.column))
         np.minimum.at(self.first, column, created[turn])
         np.maximum.at(self.last, column, created[turn])
+        judged_reward = values[1:3]
+        self.with_sessions.add(column, session[turn], *judged_reward[:, turn])
+        self.with_sessions.settle()
         if self.without is not None:
-            # summed per distinct ask, then multiplied by which skills each ask matches: per
-            # span of time between two additions, for the skills in the library then
+            # summed per session and distinct ask in each span of time between two additions,
+            # then multiplied by which skills each ask matches of those in the library then
             matched, ask = self._matched(store, ids, asked)
             span = np.searchsorted(self.times, created, side="right")
-            for j in np.unique(span):
-                rows = span == j
-                per_ask = np.stack([np.bincount(ask[rows], weights=values[k, rows],
-                                                minlength=len(matched))
-                                    for k in range(len(_SUMS))])
-                there = self.rank <= j
-                self.without[:, there] += per_ask @ matched[:, there].astype(np.float64)
+            local = np.unique(session, return_inverse=True)[1].ravel()  # numbered in the batch
+            _, first, group = np.unique((span * len(matched) + ask) * (local.max() + 1) + local,
+                                        return_index=True, return_inverse=True)
+            group_span, group_ask, group_session = span[first], ask[first], session[first]
+            per_group = np.stack([np.bincount(group.ravel(), weights=values[k],
+                                              minlength=len(first))
+                                  for k in range(len(_SUMS))])
+            comparable = matched[group_ask] & (self.rank <= group_span[:, None])
+            self.without += per_group @ comparable.astype(np.float64)
+            judged_groups = np.flatnonzero(per_group[1])
+            at, of = np.nonzero(comparable[judged_groups])  # (a judged group, a skill)
+            at = judged_groups[at]
+            self.without_sessions.add(of, group_session[at], *per_group[1:3, at])
             # a turn that got a skill its ask matches is on the other side: taken out again
             mine = column < len(self.skills)
             hit = matched[ask[turn[mine]], column[mine]] & (
@@ -262,6 +379,8 @@ class _Scan:
             for k in range(len(_SUMS)):
                 self.without[k] -= np.bincount(skill, weights=values[k, took],
                                                minlength=len(self.skills))
+            self.without_sessions.add(skill, session[took], *-judged_reward[:, took])
+            self.without_sessions.settle()
 
     def _grow(self, width: int) -> None:
         import numpy as np
@@ -303,23 +422,27 @@ class _Scan:
         return table, np.array([place.get(q, len(queries)) for q in asked], dtype=np.intp)
 
     def result(self) -> dict[str, Any]:
-        sides = {name: _side(self.with_sums[:, c]) for name, c in self.column.items()
-                 if self.with_sums[0, c]}
+        with_sessions = self.with_sessions.per_column(len(self.column))
+        sides = {name: _side(self.with_sums[:, c], with_sessions[:, c])
+                 for name, c in self.column.items() if self.with_sums[0, c]}
         used = {n: c for n, c in self.column.items() if n in sides}
         after = self.after[::-1].cumsum()[::-1]  # after[k]: turns after times[k - 1]
         since: dict[float | None, int] = {None: int(after[0])}
         since.update((float(t), int(after[k + 1])) for k, t in enumerate(self.times))
         return {"with": sides,
                 "without": None if self.without is None else
-                {s.name: _side(c) for s, c in zip(self.skills, self.without.T)},
+                {s.name: _side(c, w) for s, c, w in zip(
+                    self.skills, self.without.T,
+                    self.without_sessions.per_column(len(self.skills)).T)},
                 "first": {n: float(self.first[c]) for n, c in used.items()},
                 "last": {n: float(self.last[c]) for n, c in used.items()},
                 "since": since}
 
 
-def _side(sums: Any) -> _Side:
+def _side(sums: Any, session_sums: Any) -> _Side:
+    """A :class:`_Side` from its sums of :data:`_SUMS` and of :data:`_SESSION_SUMS`."""
     return _Side(int(sums[0]), int(sums[1]), float(sums[2]), float(sums[3]), int(sums[4]),
-                 int(sums[5]), int(sums[6]))
+                 int(sums[5]), int(sums[6]), int(session_sums[0]), *map(float, session_sums[1:]))
 
 
 def _names(raw: Any) -> list[str]:
@@ -352,8 +475,7 @@ def collect(store: Store, skills: list[Skill], *, threshold: float = 0.0,
     # products split over threads wait for busy cores; the batches' many row tuples would make
     # the cyclic collector run over and over
     with one_blas_thread(), fewer_collections():
-        for rows in _task_turns(store, "created_at, injected_skills, reward, human_label, "
-                                       "retrieval_query"):
+        for rows in _task_turns(store, _READ):
             scan.add(store, rows)
     return {**scan.result(), "added": added}
 
@@ -409,10 +531,11 @@ def skill_stats(store: Store, library: Any, *, threshold: float = 0.0, retriever
             suggestion = "review"
         rows.append({
             "skill": name, "in_library": in_library, "injected": w.turns,
-            "judged_with": w.judged, "reward_with": w.mean(),
+            "judged_with": w.judged, "sessions_with": w.sessions, "reward_with": w.mean(),
             "pass_rate_with": w.passed / w.judged if w.judged else None,
             "labels_pass_with": w.label_pass, "labels_fail_with": w.label_fail,
             "comparable": wo.turns if wo else None, "judged_without": wo.judged if wo else None,
+            "sessions_without": wo.sessions if wo else None,
             "reward_without": wo.mean() if wo else None,
             "pass_rate_without": wo.passed / wo.judged if wo and wo.judged else None,
             "reward_delta": delta, "delta_low": low, "delta_high": high,
@@ -421,9 +544,10 @@ def skill_stats(store: Store, library: Any, *, threshold: float = 0.0, retriever
             "suggestion": suggestion,
         })
     schema = {"skill": pl.Utf8, "in_library": pl.Boolean, "injected": pl.Int64,
-              "judged_with": pl.Int64, "reward_with": pl.Float64, "pass_rate_with": pl.Float64,
-              "labels_pass_with": pl.Int64, "labels_fail_with": pl.Int64,
-              "comparable": pl.Int64, "judged_without": pl.Int64, "reward_without": pl.Float64,
+              "judged_with": pl.Int64, "sessions_with": pl.Int64, "reward_with": pl.Float64,
+              "pass_rate_with": pl.Float64, "labels_pass_with": pl.Int64,
+              "labels_fail_with": pl.Int64, "comparable": pl.Int64, "judged_without": pl.Int64,
+              "sessions_without": pl.Int64, "reward_without": pl.Float64,
               "pass_rate_without": pl.Float64, "reward_delta": pl.Float64,
               "delta_low": pl.Float64, "delta_high": pl.Float64, "first_used": pl.Float64,
               "last_used": pl.Float64, "turns_since_added": pl.Int64, "nearest": pl.Utf8,
@@ -442,10 +566,11 @@ def _reason(row: dict[str, Any]) -> str:
     if row["suggestion"] == "merge":
         return (f"merge {row['skill']} into {row['nearest']}: near duplicate (cosine "
                 f"{row['nearest_cosine']:.2f}); edit {row['nearest']} to keep what it adds")
-    return (f"review {row['skill']}: its {row['judged_with']} judged turns averaged "
-            f"{row['reward_with']:+.2f}, comparable turns without it {row['reward_without']:+.2f} "
-            f"(difference {row['reward_delta']:+.2f}, 95% interval {row['delta_low']:+.2f} to "
-            f"{row['delta_high']:+.2f}; observational)")
+    return (f"review {row['skill']}: its {row['judged_with']} judged turns, of "
+            f"{row['sessions_with']} sessions, averaged {row['reward_with']:+.2f}, comparable "
+            f"turns without it {row['reward_without']:+.2f} (of {row['sessions_without']} "
+            f"sessions; difference {row['reward_delta']:+.2f}, 95% interval "
+            f"{row['delta_low']:+.2f} to {row['delta_high']:+.2f}; observational)")
 
 
 def propose(store: Store, library: Any, stats: Any) -> list[int]:
@@ -476,19 +601,22 @@ def propose(store: Store, library: Any, stats: Any) -> list[int]:
 
 def chart(stats: Any):
     """An altair chart: each skill's mean reward with it and on comparable turns without it
-    (the judged ones), skills with no judged turn on either side left out."""
+    (the judged ones, and the sessions they came from), skills with no judged turn on either
+    side left out."""
     import altair as alt
 
     rows = []
     for row in stats.iter_rows(named=True):
-        for side, key, n in (("with the skill", "reward_with", "judged_with"),
-                             ("comparable turns without it", "reward_without",
-                              "judged_without")):
-            if row[key] is not None:
-                rows.append({"skill": row["skill"], "side": side, "reward": row[key],
-                             "judged": row[n]})
+        for side, suffix in (("with the skill", "with"),
+                             ("comparable turns without it", "without")):
+            if row[f"reward_{suffix}"] is not None:
+                rows.append({"skill": row["skill"], "side": side,
+                             "reward": row[f"reward_{suffix}"],
+                             "judged": row[f"judged_{suffix}"],
+                             "sessions": row[f"sessions_{suffix}"]})
     return alt.Chart(alt.Data(values=rows)).mark_point(filled=True, size=80).encode(
         x=alt.X("reward:Q", title="mean judged reward", scale=alt.Scale(domain=[-1, 1])),
         y=alt.Y("skill:N", title=None), color=alt.Color("side:N", title=None),
-        tooltip=["skill:N", "side:N", alt.Tooltip("reward:Q", format="+.2f"), "judged:Q"],
+        tooltip=["skill:N", "side:N", alt.Tooltip("reward:Q", format="+.2f"), "judged:Q",
+                 "sessions:Q"],
     ).properties(title="Per-skill evidence (observational)")

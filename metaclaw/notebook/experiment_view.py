@@ -504,9 +504,10 @@ def _call_text(call: Any) -> str:
 
 # -- per-skill evidence --------------------------------------------------------------------
 #: The skill_stats columns the evidence view sends to the front-end.
-EVIDENCE_COLUMNS = ("skill", "in_library", "injected", "judged_with", "reward_with",
-                    "pass_rate_with", "labels_pass_with", "labels_fail_with", "comparable",
-                    "judged_without", "reward_without", "reward_delta", "delta_low",
+EVIDENCE_COLUMNS = ("skill", "in_library", "injected", "judged_with", "sessions_with",
+                    "reward_with", "pass_rate_with", "labels_pass_with", "labels_fail_with",
+                    "comparable", "judged_without", "sessions_without", "reward_without",
+                    "reward_delta", "delta_low",
                     "delta_high", "first_used", "last_used", "turns_since_added", "nearest",
                     "nearest_cosine", "suggestion")
 
@@ -586,7 +587,8 @@ class EvidenceView(_WorkspaceWidget):
 
     def _repr_html_(self) -> str:
         head = "".join(f"<th>{c}</th>" for c in (
-            "skill", "injected", "reward with (judged)", "comparable turns: reward (judged)",
+            "skill", "injected", "reward with (judged / sessions)",
+            "comparable turns: reward (judged / sessions)",
             "difference (95% interval)", "labels pass/fail", "nearest", "suggestion"))
         body = []
         for r in self.rows:
@@ -594,8 +596,11 @@ class EvidenceView(_WorkspaceWidget):
                         f" ({_fmt_num(r['delta_low'])} to {_fmt_num(r['delta_high'])})")
             body.append(
                 f"<tr><td><b>{_esc(r['skill'])}</b>{'' if r['in_library'] else ' (removed)'}</td>"
-                f"<td>{r['injected']}</td><td>{_fmt_num(r['reward_with'])} ({r['judged_with']})</td>"
-                f"<td>{_fmt_num(r['reward_without'])} ({r['judged_without'] if r['judged_without'] is not None else '—'})</td>"
+                f"<td>{r['injected']}</td><td>{_fmt_num(r['reward_with'])} "
+                f"({r['judged_with']} / {r['sessions_with']})</td>"
+                f"<td>{_fmt_num(r['reward_without'])} ("
+                + ("—" if r["judged_without"] is None else
+                   f"{r['judged_without']} / {r['sessions_without']}") + ")</td>"
                 f"<td>{_fmt_num(r['reward_delta'])}{interval}</td>"
                 f"<td>{r['labels_pass_with']}/{r['labels_fail_with']}</td>"
                 f"<td>{_esc(r['nearest'] or '—')}"
