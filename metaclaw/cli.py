@@ -1241,8 +1241,8 @@ def _train(args: argparse.Namespace, loop: Any, state_dir: str) -> int:
     trained nothing because every reward call failed exits 1."""
     if args.now:
         result = loop.train_now(args.steps)
-        print(f"{result.steps_done} steps ({result.reason}); policy version "
-              f"{result.policy_version}")
+        print(f"{result.steps_done} step{'' if result.steps_done == 1 else 's'} "
+              f"({result.reason}); policy version {result.policy_version}")
         steps = loop.trainer.history[-result.steps_done:] if result.steps_done else []
         if steps and all(step["loss"] is None and step["groups"]
                          and (step["metrics"] or {}).get("reward_failures") == step["groups"]

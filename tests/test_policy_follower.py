@@ -226,6 +226,32 @@ def test_versions_it_cannot_serve_are_reported_once_and_it_keeps_serving(tmp_pat
         restarted.stop()
 
 
+def test_many_versions_of_another_base_model_are_said_in_one_line(tmp_path, tiny_model,
+                                                                  caplog):
+    """A workspace that trained another base model for a while: a server of this one says
+    once which versions it leaves, not a warning per version; each is still an event."""
+    import logging
+
+    from metaclaw.runtime import Runtime
+
+    db = str(tmp_path / "ws.db")
+    store = Store(db)
+    versions = [store.add_policy_version(backend="local", base_model=str(tmp_path / "other"),
+                                         checkpoint=str(tmp_path / f"step-{n}"))
+                for n in range(3)]
+    with caplog.at_level(logging.WARNING, logger="metaclaw"):
+        runtime = Runtime.start(local_model=tiny_model, db_path=db,
+                                skills_dir=str(tmp_path / "skills"), retrieval="lexical")
+        try:
+            wait_until(lambda: len(store.events(kind="policy_not_adopted")) == 3)
+        finally:
+            runtime.stop()
+    said = [r.getMessage() for r in caplog.records if "not adopted" in r.getMessage()]
+    assert said == [f"policy versions {', '.join(map(str, versions))} not adopted (newest: "
+                    + said[0].split("(newest: ", 1)[1]], said
+    assert "still serving policy version 0" in said[0]
+
+
 def test_loading_a_version_never_blocks_requests(tmp_path, tiny_model):
     """While a new version's checkpoint loads (held here at a gate), requests are answered by
     the old version; the swap happens once it is loaded, and the next request gets it."""

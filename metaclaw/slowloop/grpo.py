@@ -161,7 +161,8 @@ class GRPOResult:
             f"<td>{fmt(h['reward_mean'])}</td><td>{h['skipped_groups']}/{h['groups']}</td>"
             f"<td>{h['tokens']}</td></tr>" for h in self.history)
         status = f"stopped: {self.reason}" if self.stopped else "finished"
-        return (f"<b>GRPO run {self.run_id}</b>: {self.steps_done} steps, {status}, policy "
+        return (f"<b>GRPO run {self.run_id}</b>: {self.steps_done} "
+                f"step{'' if self.steps_done == 1 else 's'}, {status}, policy "
                 f"version {self.policy_version}<table><tr><th>step</th><th>policy</th>"
                 f"<th>loss</th><th>reward</th><th>skipped</th><th>tokens</th></tr>{rows}</table>")
 

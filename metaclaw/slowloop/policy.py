@@ -418,35 +418,53 @@ class PolicyFollower:
                 "SELECT version, backend, base_model, checkpoint FROM policy_versions "
                 "WHERE version > ? ORDER BY version DESC",
                 (self.responder.policy_version,))
-            for version, backend, base_model, checkpoint in rows:
-                if version in self._settled or checkpoint is None:
-                    continue
-                checkpoint = locate_checkpoint(checkpoint, self.state_dir, version)
-                try:
-                    sampler = self.load(version, backend, base_model, checkpoint)
-                except PolicyMismatch as exc:
-                    self._report(version, "policy_not_adopted", "warning", str(exc))
-                    continue
-                except Exception as exc:
-                    self._report(version, "policy_load_failed", "error",
-                                 f"cannot load policy version {version}: {exc}")
-                    continue
-                previous = self.responder.policy_version
-                self.responder.swap(sampler, version)
-                log.info("serving policy version %d (was %d), loaded from %s", version,
-                         previous, checkpoint)
-                self.store.record_event(source="policy", kind="policy_adopted",
-                                        message=f"now serving policy version {version} "
-                                                f"(was {previous})",
-                                        version=version, previous=previous,
-                                        checkpoint=checkpoint)
-                return version
-            return None
+            mismatched: list[tuple[int, str]] = []  # said in one line (a workspace may hold many)
+            try:
+                return self._adopt(rows, mismatched)
+            finally:
+                if mismatched:
+                    versions = ", ".join(str(v) for v, _ in sorted(mismatched))
+                    log.warning("%s", f"policy version{'s' if len(mismatched) > 1 else ''} "
+                                f"{versions} not adopted (newest: {mismatched[0][1]}); still "
+                                f"serving policy version {self.responder.policy_version}")
 
-    def _report(self, version: int, kind: str, level: str, reason: str) -> None:
+    def _adopt(self, rows: list[tuple[Any, ...]], mismatched: list[tuple[int, str]]
+               ) -> int | None:
+        """Swap in the first version of ``rows`` (newest first) that loads; those trained for
+        another base model or backend are added to ``mismatched``."""
+        for version, backend, base_model, checkpoint in rows:
+            if version in self._settled or checkpoint is None:
+                continue
+            checkpoint = locate_checkpoint(checkpoint, self.state_dir, version)
+            try:
+                sampler = self.load(version, backend, base_model, checkpoint)
+            except PolicyMismatch as exc:
+                self._report(version, "policy_not_adopted", "warning", str(exc), said=False)
+                mismatched.append((version, str(exc)))
+                continue
+            except Exception as exc:
+                self._report(version, "policy_load_failed", "error",
+                             f"cannot load policy version {version}: {exc}")
+                continue
+            previous = self.responder.policy_version
+            self.responder.swap(sampler, version)
+            log.info("serving policy version %d (was %d), loaded from %s", version,
+                     previous, checkpoint)
+            self.store.record_event(source="policy", kind="policy_adopted",
+                                    message=f"now serving policy version {version} "
+                                            f"(was {previous})",
+                                    version=version, previous=previous,
+                                    checkpoint=checkpoint)
+            return version
+        return None
+
+    def _report(self, version: int, kind: str, level: str, reason: str, *,
+                said: bool = True) -> None:
+        """Record (and, ``said``, log) that ``version`` is not served, for good."""
         self._settled.add(version)
         message = f"{reason}; still serving policy version {self.responder.policy_version}"
-        getattr(log, level)("%s", message)
+        if said:
+            getattr(log, level)("%s", message)
         self.store.record_event(source="policy", kind=kind, level=level, message=message,
                                 version=version, serving=self.responder.policy_version)
 
