@@ -1096,8 +1096,13 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(status)
         return 0
-    print(f"state: {status['state']}  (window {'open' if status['idle'] else 'closed'}: "
-          f"{status['reason']})")
+    if store is None:
+        print(f"state: {status['state']}  (window {'open' if status['idle'] else 'closed'}: "
+              f"{status['reason']})")
+    else:  # the state is the trainer's; the window, this command's reading of its settings
+        print(f"state: {status['state']} (the last trainer's)")
+        print(f"window by {args.config or 'the default settings'} (--config; a trainer may "
+              f"use others): {'open' if status['idle'] else 'closed'}: {status['reason']}")
     if status.get("training"):
         print(f"training this workspace now: {_printable(status['training'])}")
     if status.get("note"):
@@ -1736,8 +1741,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("scheduler", help="the idle-gated training scheduler")
     p.add_argument("action", choices=["status"])
-    p.add_argument("--config", help="scheduler settings (YAML/JSON); default: night 23:00-07:00 "
-                   "local or 15 min without keyboard input")
+    p.add_argument("--config", "--scheduler-config", dest="config",
+                   help="the settings (YAML/JSON) the signals are read with here, as `train "
+                        "--scheduler-config` takes them; default: night 23:00-07:00 local or "
+                        "15 min without keyboard input")
     add_db(p)
     p.add_argument("--json", action="store_true")
 

@@ -426,7 +426,7 @@ def test_train_with_a_programmatic_reward_trains_without_a_judge(tmp_path):
               "--now", "--group-size", 4, "--groups-per-step", 2, "--max-tokens", 6,
               "--lr", "0.01")
     out = run_cli(*common, "--reward", f"{rewards}:longer").stdout
-    assert "1 steps" in out
+    assert "1 step (finished)" in out
     steps = [json.loads(l) for l in run_cli("runs", "--db", db, "--json").stdout.splitlines()]
     assert steps[-1]["loss"] is not None  # trained: the reward told the samples apart
     for bad, says in ((f"{rewards}:shorter", "has no function shorter"),
@@ -479,8 +479,11 @@ def test_train_waits_for_turns_and_stops_on_sigterm_as_on_ctrl_c(tmp_path):
     with Store(db) as store:  # a trainer killed mid-step (kill -9) leaves `training` last
         store.record_transition(from_state="waiting", to_state="training", reason="window open",
                                 process=f"pid {gone.pid} on {socket.gethostname()}")
-    status = run_cli("scheduler", "status", "--db", db, "--config", config).stdout
-    assert status.startswith("state: waiting") and "no process holds the training lease" in status
+    status = run_cli("scheduler", "status", "--db", db, "--scheduler-config", config).stdout
+    assert status.startswith("state: waiting (the last trainer's)")
+    assert "no process holds the training lease" in status
+    # the window is this command's reading, by the settings it was given: said so
+    assert f"window by {config} (--config; a trainer may use others): " in status
 
 
 def test_train_now_with_nothing_to_train_says_so_before_loading_the_model(tmp_path):
