@@ -156,6 +156,8 @@ def _insert(text: str, obj: _Object, key: str, value: Any, unit: str) -> str:
         indent = indent[:len(indent) - len(indent.lstrip())] + unit
     member = f"{json.dumps(key, ensure_ascii=False)}: {_dumps(value, indent, unit, compact)}"
     member = member.replace("\n", newline)
+    if last is not None and last.comma is not None:  # a trailing comma: the file's style
+        member += ","
     if compact:
         glue = ", " if last is not None and last.comma is None else " " if last else ""
         return text[:obj.close].rstrip() + glue + member + text[obj.close:]

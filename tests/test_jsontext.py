@@ -133,6 +133,14 @@ def test_missing_parents_are_added_and_one_line_objects_stay_on_one_line():
     assert set_keys("{a: 1, b: 'x',}", [(["b"], DELETE)]) == "{a: 1, }"
 
 
+def test_a_file_with_trailing_commas_gets_them_on_what_is_added_and_undo_keeps_them():
+    text = '{\n  "provider": {\n    "anthropic": {"x": 1},\n  },\n  "theme": "dark",\n}\n'
+    wired = set_keys(text, [(["provider", "metaclaw"], {"y": 2}), (["z"], 1)])
+    assert wired.count("},\n") == 3 and '"z": 1,' in wired and loads(wired)["z"] == 1
+    assert set_keys(wired, [(["provider", "metaclaw"], DELETE), (["z"], DELETE)]) == text
+    assert set_keys('{"a": 1,}', [(["b"], 2)]) == '{"a": 1, "b": 2,}'
+
+
 def test_crlf_files_stay_crlf_and_an_empty_object_is_written_on_lines():
     edited = set_keys('{\r\n  "a": 1\r\n}\r\n', [(["b"], {"x": [1, 2]})])
     assert "\n" not in edited.replace("\r\n", "") and loads(edited) == {"a": 1, "b": {"x": [1, 2]}}
