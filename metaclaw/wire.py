@@ -430,6 +430,25 @@ def _json_after(before: str, wired: dict[str, Any], keys: list[list[str]]) -> st
 _YAML_KEY = r"^{key}[ \t]*:(?P<rest>[^\n]*)(?:\n|$)"
 
 
+def _yaml_comment(raw: str) -> tuple[str, str]:
+    """A YAML line's text after its key's ``:``, split into the value and the comment after
+    it with the space before it (``"  # main model"``; ``""`` where there is none); a ``#``
+    inside quotes is the value's."""
+    quote, escaped = None, False
+    for i, char in enumerate(raw):
+        if escaped:  # \" in double quotes
+            escaped = False
+        elif quote:
+            escaped = quote == '"' and char == "\\"
+            quote = None if char == quote else quote  # ('' in single quotes toggles twice)
+        elif char in "'\"":
+            quote = char
+        elif char == "#" and i and raw[i - 1] in " \t":
+            start = len(raw[:i].rstrip(" \t"))
+            return raw[:start].strip(), raw[start:].rstrip()
+    return raw.strip(), ""
+
+
 def _yaml_after(before: str, wired: dict[str, Any], keys: list[list[str]]) -> str:
     """The text of ``wired`` (a YAML mapping): ``before`` with the lines of the top-level keys
     ``keys`` set to their values in ``wired`` (removed where it has none, added at the end where
@@ -449,9 +468,8 @@ def _yaml_after(before: str, wired: dict[str, Any], keys: list[list[str]]) -> st
         key, value = path[0], _dig(wired, *path, missing=jsontext.DELETE)
         found = list(re.finditer(_YAML_KEY.format(key=re.escape(key)), text, re.M))
         raw = found[-1].group("rest") if found else ""
-        quoted = "'" in raw or '"' in raw
-        rest, comment = (raw.strip(), "") if quoted else \
-            [part.strip() for part in (re.split(r"\s#", raw, maxsplit=1) + [""])[:2]]
+        ending = "\r\n" if raw.endswith("\r") or not found and "\r\n" in text else "\n"
+        rest, comment = _yaml_comment(raw.removesuffix("\r"))
         if not found and isinstance(present, dict) and key in present:
             break  # the key written another way (quoted): not found, so not edited in place
         if len(found) > 1 or found and (not rest or rest[0] in "|>&*!{[") or found and \
@@ -459,12 +477,12 @@ def _yaml_after(before: str, wired: dict[str, Any], keys: list[list[str]]) -> st
             break  # a block, a flow collection or a repeated key: not edited in place
         line = "" if value is jsontext.DELETE else yaml.safe_dump(
             {key: value}, sort_keys=False, allow_unicode=True, width=10_000)
-        if line and comment:  # the line's own comment stays on it
-            line = f"{line.rstrip()}  # {comment.lstrip('#').strip()}\n"
+        if line:  # the line's own comment stays on it, as it was spaced, and its line ending
+            line = line.rstrip("\n") + comment + ending
         if found:
             text = text[:found[-1].start()] + line + text[found[-1].end():]
         elif line:
-            text = (text if not text or text.endswith("\n") else text + "\n") + line
+            text = (text if not text or text.endswith("\n") else text + ending) + line
     else:
         try:
             if (yaml.safe_load(text) or {}) == wired:

@@ -335,3 +335,20 @@ def test_aider_keeps_its_comments_wired_and_undone_after_an_edit(tmp_path):
     assert config.read_text() == ("# aider settings\n## the model to use\n#model: gpt-4\n"
                                   "model: gpt-4o-mini  # mine\ndark-mode: true\n"
                                   "# added later\nauto-commits: false\n")
+
+
+def test_aider_lines_keep_their_spacing_quotes_comments_and_crlf(tmp_path):
+    """A wired line kept its comment but not the spaces before it; CRLF lines became LF while
+    wired; a quoted value's comment was dropped."""
+    config = tmp_path / ".aider.conf.yml"
+    config.write_bytes(b'# settings\r\nmodel: "gpt-4o"   # main model, "quoted"\r\n'
+                       b"dark-mode: true\r\n")
+    run_cli("wire", "aider", "--config", config, "--port", 30100)
+    wired = config.read_bytes()
+    assert b"model: openai/gpt-4o   # main model, \"quoted\"\r\n" in wired
+    assert b"\n" not in wired.replace(b"\r\n", b"") and wired.startswith(b"# settings\r\n")
+    assert yaml.safe_load(wired)["openai-api-base"] == "http://127.0.0.1:30100/v1"
+    config.write_bytes(wired.replace(b"dark-mode: true", b"dark-mode: false"))  # edited since
+    run_cli("wire", "aider", "--config", config, "--undo")
+    assert config.read_bytes() == (b'# settings\r\nmodel: gpt-4o   # main model, "quoted"\r\n'
+                                   b"dark-mode: false\r\n")
