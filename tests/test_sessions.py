@@ -759,3 +759,38 @@ def test_two_people_opening_alike_never_share_a_fingerprinted_session():
     assert identify({"X-MetaClaw-Agent": "bot"}, body).session_id not in (alice, bob, nobody)
     # a proxy serving one person (serve --user) fingerprints as if the header named them
     assert identify({}, body, ("alice", None)).session_id == alice
+
+
+def test_openings_alike_while_the_database_server_is_down_stay_apart(monkeypatch):
+    """A server's store unreachable: every look-up and claim fails after a wait, during which
+    the lock is let go. An opening that waited wrote back the number it had read before its
+    wait over the ones other threads took meanwhile: two conversations shared an id."""
+    import threading
+    import time
+
+    class Down:
+        engine = "postgresql"
+
+        def loop_writer(self):
+            return None
+
+        def claim_session(self, session_id, first_of=None):
+            time.sleep(0.0 if first_of else 0.3)
+            raise RuntimeError("server down")
+
+        def query(self, sql, params=()):
+            time.sleep(0.3)
+            raise RuntimeError("server down")
+
+    monkeypatch.setattr(ReplyThreads, "reads_network", property(lambda self: True))
+    threads, taken = ReplyThreads(Down()), []
+    opening = [{"role": "user", "content": "the same first message"}]
+    started = []
+    for delay in (0, 0.05, 0.15):  # three runs opening alike within 0.15 s
+        time.sleep(delay)
+        started.append(threading.Thread(
+            target=lambda: taken.append(threads.resolve("conv-565656565656", opening)[0])))
+        started[-1].start()
+    for thread in started:
+        thread.join()
+    assert len(set(taken)) == 3, taken

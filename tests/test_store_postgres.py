@@ -118,6 +118,18 @@ def test_schema_migrates_once_and_a_newer_schema_is_refused(url):
         Store(url)
 
 
+def test_only_pooled_connections_commit_without_waiting_for_the_flush(url):
+    """Pooled connections read and claim session ids; every other commit (turns, migrations)
+    returns once the server flushed it."""
+    store = Store(url)
+    with store._lock:
+        setting = store._conn().execute("SHOW synchronous_commit").fetchone()
+    assert setting["synchronous_commit"] == "on"
+    with store._pooled() as conn:
+        assert conn.execute("SHOW synchronous_commit").fetchone()["synchronous_commit"] == "off"
+    store.close()
+
+
 def test_concurrent_writers_on_several_processes_keep_one_linear_history(url):
     code = """
         import sys

@@ -573,8 +573,9 @@ class ReplyThreads:
             if self._claim(fingerprint, first_of=self._family(fingerprint)):
                 opened[0] = max(opened[0], 1)  # another thread may have numbered meanwhile
                 return fingerprint
-        if new:
-            opened[0] = max(opened[0], self._recorded_count(fingerprint))
+        if new:  # (read before opened[0] is: the read lets go of the lock meanwhile)
+            recorded = self._recorded_count(fingerprint)
+            opened[0] = max(opened[0], recorded)
         for _ in range(self.CLAIMS):
             opened[0] += 1  # this process's before the claim: another thread takes the next
             number = opened[0]
@@ -591,7 +592,8 @@ class ReplyThreads:
                         session_id = f"{fingerprint}.{number}"
                 break
             # taken elsewhere: past the ones recorded since this process looked
-            opened[0] = max(opened[0], self._recorded_count(fingerprint, number))
+            recorded = self._recorded_count(fingerprint, number)
+            opened[0] = max(opened[0], recorded)
         return session_id
 
     # -- what the workspace recorded ----------------------------------------------------------

@@ -284,7 +284,7 @@ class PostgresStore(Store):
                              f"each process may open (default {POOL_SIZE})") from None
         self._pool = pool_mod.ConnectionPool(
             self._conninfo, min_size=1, max_size=max(1, size), open=True,
-            kwargs={"autocommit": True}, configure=self._configure,
+            kwargs={"autocommit": True}, configure=self._configure_pooled,
             timeout=CONNECT_TIMEOUT_S + 1,
             name="metaclaw-store")
 
@@ -306,13 +306,17 @@ class PostgresStore(Store):
         return mask(self.url)
 
     def _configure(self, conn: Any) -> None:
-        """A pooled connection: it reads, and claims session ids (:meth:`claim_session`),
-        whose commits need not wait for the flush; turns are written on the main one."""
         from psycopg.rows import dict_row
         from psycopg.types.numeric import FloatLoader
 
         conn.row_factory = dict_row
         conn.adapters.register_loader("numeric", FloatLoader)
+
+    def _configure_pooled(self, conn: Any) -> None:
+        """A pooled connection: it reads, and claims session ids (:meth:`claim_session`),
+        whose commits need not wait for the flush (a turn's commit on the main connection,
+        flushed, flushes the claims before it too)."""
+        self._configure(conn)
         conn.execute("SET synchronous_commit = off")
 
     def _connect(self) -> Any:
