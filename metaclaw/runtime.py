@@ -484,7 +484,7 @@ class Runtime:
             "url": self.url,
             "upstream": self.upstream_label(long=True),
             "model": responder.model_name if responder is not None else self.proxy.config.model,
-            "skills_dir": str(Path(self.config.skills_dir).resolve()),
+            "skills_dir": str(self.library.directory),
             "db": self.store.location,
             "skill_generation": generation,
             "skills": len(skills),

@@ -55,6 +55,27 @@ def test_quickstart_flow(ip, capsys):
     assert "stopped" in capsys.readouterr().out
 
 
+def test_a_change_of_directory_keeps_the_workspace_started_with_relative_paths(
+        ip, tmp_path, monkeypatch):
+    """`%metaclaw start` with the default (relative) paths, then `%cd sub`: the widgets said the
+    workspace was deleted, evolved skills were written under sub/, and training state too."""
+    import os
+
+    monkeypatch.chdir(tmp_path)
+    runtime = line(ip, "start --db .metaclaw/m.db --skills .metaclaw/skills --starter-skills "
+                       "--retrieval lexical")
+    cell(ip, "chat", "Before editing config.yaml keep a backup copy of the original file")
+    (tmp_path / "sub").mkdir()
+    os.chdir(tmp_path / "sub")
+    assert runtime.store.path == tmp_path / ".metaclaw" / "m.db"
+    assert line(ip, "trace").error == "" and len(line(ip, "trace").rows) == 1
+    assert runtime.status()["skills_dir"] == str(tmp_path / ".metaclaw" / "skills")
+    runtime.library.add(runtime.library.get("backup-before-modify").__class__(
+        name="dates", description="Dates.", body="ISO 8601."))
+    assert (tmp_path / ".metaclaw" / "skills" / "dates" / "SKILL.md").is_file()
+    assert not (tmp_path / "sub" / ".metaclaw").exists()
+
+
 def test_stage_turns_from_chat_and_turns_filtered_by_type(ip, capsys):
     line(ip, "start --db {ws}/m.db --skills {ws}/skills --starter-skills --retrieval lexical")
     plan = cell(ip, "chat --session run1 --type stage:plan", "Keep a backup copy of config.yaml")

@@ -915,7 +915,7 @@ class MetaClawMagics(Magics):
                             config=config, judge=judge, proxy=runtime.proxy,
                             serve=not args.no_serve, scheduler_config=scheduler_config,
                             state_dir=args.state_dir
-                            or str(local_dir(runtime.config.db_path) / "train"))
+                            or str(local_dir(runtime.store.target) / "train"))
             runtime.extras["slow_loop"] = loop
         else:
             kept = [f"--{name.replace('_', '-')}" for name in (

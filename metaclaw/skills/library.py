@@ -1227,7 +1227,7 @@ class SkillLibrary:
     """
 
     def __init__(self, directory: str | os.PathLike[str], store: Store):
-        self.directory = Path(directory)
+        self.directory = Path(directory).absolute()  # a later change of directory keeps it
         self.store = store
         self.problems: list[LoadProblem] = []
         self.import_problems: list[LoadProblem] = []  # the files the last import_dir skipped

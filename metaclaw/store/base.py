@@ -556,6 +556,8 @@ class Store:
         if engine != "sqlite":  # a subclass of the SQLite engine given another engine's URL
             raise StoreError(f"{type(self).__name__} is a SQLite store; it cannot open "
                              f"{engine} workspaces")
+        if str(path) != ":memory:":  # whole: a later change of directory (a notebook's %cd)
+            path = Path(path).absolute()  # must not move the workspace
         #: What ``Store(...)`` opens this workspace again with (in another process too).
         self.target = str(path)
         self.path = Path(path)
