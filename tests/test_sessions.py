@@ -521,6 +521,30 @@ def test_runs_that_alternate_between_two_proxies_each_keep_their_own_session(tmp
     assert sorted(by_session.values()) == [[0, 1, 2, 3]] * 3, by_session
 
 
+def test_more_runs_at_once_than_a_page_each_keep_their_own_session(tmp_path, monkeypatch):
+    """A batch of alike tasks on two proxies, more at once than one read of recorded replies
+    holds (64; 2 here): the other proxy read only the newest sessions' replies, moved past the
+    rest, and their next turns fell into the first run's session."""
+    from metaclaw.store import Store
+
+    monkeypatch.setattr(ReplyThreads, "RECORDED_SESSIONS", 2)
+    first = {"role": "user", "content": "Rotate the TLS certificates on staging"}
+    with _two_proxies(tmp_path, *[Reply(f"Run {i} started.") for i in range(10)]) as \
+            (proxies, ask):
+        for _ in range(5):  # five runs open on the first proxy
+            ask(proxies[0], [first])
+        with Store(tmp_path / "ws.db") as store:
+            replies = [t["response"] for t in store.turns()]
+        for run, reply in enumerate(replies):  # each goes on through the other
+            ask(proxies[1], [first, {"role": "assistant", "content": reply},
+                             {"role": "user", "content": f"run {run}: go on"}])
+    with Store(tmp_path / "ws.db") as store:
+        by_session: dict[str, list[int]] = {}
+        for turn in store.turns():
+            by_session.setdefault(turn["session_id"], []).append(turn["turn_index"])
+    assert sorted(by_session.values()) == [[0, 1]] * 5, by_session
+
+
 def test_two_proxies_keep_apart_two_runs_that_open_alike_at_the_same_time(tmp_path):
     """Two proxies on one workspace get the same first message at once, before either reply
     is recorded (a turn is recorded when its reply ends): two sessions. Each proxy numbered

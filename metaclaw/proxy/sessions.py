@@ -376,8 +376,8 @@ class ReplyThreads:
     so a new run never joins
     an earlier run's session, or one opening at the same moment, this process's or another
     proxy's; a client's fixed preamble is known from the fingerprint's recorded opening; and a
-    continuation of a reply found as the latest turn of a recorded session (of the
-    :attr:`RECORDED_SESSIONS` latest) joins it. A
+    continuation of a reply found as the latest turn of a recorded session (of those with
+    turns since the last look, :attr:`PAGES` pages of :attr:`RECORDED_SESSIONS`) joins it. A
     continuation of a reply found nowhere (the client edited the history, or continues an
     earlier reply than its session's latest) falls back to the fingerprint.
 
@@ -396,6 +396,8 @@ class ReplyThreads:
     MAX_ENTRIES = 50_000
     #: Recorded sessions of one fingerprint whose latest reply a continuation is looked up in.
     RECORDED_SESSIONS = 64
+    #: Most pages of :attr:`RECORDED_SESSIONS` one look for recorded replies reads.
+    PAGES = 16
 
     def __init__(self, store: Any = None) -> None:
         self.store = store
@@ -679,13 +681,21 @@ class ReplyThreads:
         # ids are taken before their turns commit (two proxies' turns may commit out of order):
         # a look reads back over the last few ids it has already passed
         since = max(0, self._looked_up.get(fingerprint, 0) - self.LOOK_BACK)
-        try:
-            rows = self._read(
-                "SELECT id, session_id, request_messages, response, tool_calls FROM turns "
-                "WHERE id IN (SELECT MAX(id) FROM turns WHERE session_id >= ? AND session_id < ? "
-                "AND status = 'ok' AND (turn_type = 'main' OR turn_type LIKE 'stage:%') "
-                "AND id > ? GROUP BY session_id ORDER BY MAX(id) DESC LIMIT ?) ORDER BY id",
-                (*self._family(fingerprint), since, self.RECORDED_SESSIONS))
+        rows: list[dict[str, Any]] = []
+        try:  # the sessions with turns since, newest first, a page at a time: where more than
+            # a page's ran at once (a batch of alike tasks), the others' replies are read too
+            for page in range(self.PAGES):
+                found = self._read(
+                    "SELECT id, session_id, request_messages, response, tool_calls FROM turns "
+                    "WHERE id IN (SELECT MAX(id) FROM turns WHERE session_id >= ? AND "
+                    "session_id < ? AND status = 'ok' AND (turn_type = 'main' OR turn_type "
+                    "LIKE 'stage:%') AND id > ? GROUP BY session_id ORDER BY MAX(id) DESC "
+                    "LIMIT ? OFFSET ?) ORDER BY id",
+                    (*self._family(fingerprint), since, self.RECORDED_SESSIONS,
+                     page * self.RECORDED_SESSIONS))
+                rows = found + rows
+                if len(found) < self.RECORDED_SESSIONS:
+                    break
         except Exception:  # noqa: BLE001 - a store that cannot answer: the fingerprint it is
             _store_warning("could not read the recorded replies of %s", fingerprint)
             return
