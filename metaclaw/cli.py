@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import re
+import shlex
 import signal
 import sys
 import threading
@@ -985,9 +986,10 @@ def cmd_wire(args: argparse.Namespace) -> int:
     except wire.WireError as exc:
         raise CliError(str(exc)) from None
     model = f"model {plan.model}; " if plan.model else ""
-    kept = (f"the original is kept, `metaclaw wire {args.agent} --undo` restores it"
-            if plan.original is not None else
-            f"there was none before: `metaclaw wire {args.agent} --undo` removes it")
+    undo = f"metaclaw wire {args.agent}" + (
+        f" --config {shlex.quote(str(path))}" if args.config else "") + " --undo"
+    kept = (f"the original is kept, `{undo}` restores it" if plan.original is not None else
+            f"there was none before: `{undo}` removes it")
     print(f"wired {args.agent} ({path}) to the proxy at http://{args.host}:{args.port} "
           f"({model}{kept}).\nNow run: {plan.serve_command(args.port, typed_token)}{token}")
     return 0
@@ -1100,7 +1102,8 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
         print(f"state: {status['state']}  (window {'open' if status['idle'] else 'closed'}: "
               f"{status['reason']})")
     else:  # the state is the trainer's; the window, this command's reading of its settings
-        print(f"state: {status['state']} (the last trainer's)")
+        print(f"state: {status['state']} ("
+              + ("the last trainer's" if status["transitions"] else "no trainer has run") + ")")
         print(f"window by {args.config or 'the default settings'} (--config; a trainer may "
               f"use others): {'open' if status['idle'] else 'closed'}: {status['reason']}")
     if status.get("training"):

@@ -479,6 +479,9 @@ def test_train_waits_for_turns_and_stops_on_sigterm_as_on_ctrl_c(tmp_path):
     with Store(db) as store:  # a trainer killed mid-step (kill -9) leaves `training` last
         store.record_transition(from_state="waiting", to_state="training", reason="window open",
                                 process=f"pid {gone.pid} on {socket.gethostname()}")
+    Store(tmp_path / "fresh.db").close()
+    assert run_cli("scheduler", "status", "--db", tmp_path / "fresh.db").stdout.startswith(
+        "state: waiting (no trainer has run)")
     status = run_cli("scheduler", "status", "--db", db, "--scheduler-config", config).stdout
     assert status.startswith("state: waiting (the last trainer's)")
     assert "no process holds the training lease" in status

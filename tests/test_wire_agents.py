@@ -167,7 +167,8 @@ def test_a_missing_config_is_created_and_undo_removes_it(tmp_path):
     done = run_cli("wire", "claude-code", "--config", config, "--port", 31000)
     # no token wired: a Claude Code that is not logged in needs a key of some kind
     assert "export ANTHROPIC_AUTH_TOKEN=metaclaw" in done.stdout
-    assert "there was none before: `metaclaw wire claude-code --undo` removes it" in done.stdout
+    assert (f"there was none before: `metaclaw wire claude-code --config {config} --undo` "
+            "removes it") in done.stdout  # the file given, so that the hint undoes that one
     assert json5.loads(config.read_text()) == {"env": {
         "ANTHROPIC_BASE_URL": "http://127.0.0.1:31000"}}
     assert "there was none before" in run_cli("wire", "claude-code", "--config", config,
