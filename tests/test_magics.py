@@ -342,6 +342,9 @@ def test_trace_label_agreement_and_export_magics(ip, tmp_path, capsys):
     agreement = line(ip, "agreement")
     assert agreement.overall["agree"] == 1 and agreement.overall["labelled"] == 2
     assert line(ip, "trace s1 --failures").selected == second
+    cell(ip, "chat --session s2", "Something else entirely")  # the newest, without a failure
+    newest = line(ip, "trace --failures")  # the newest session that has one
+    assert newest.session_id == "s1" and newest.selected == second
     line(ip, f"export {tmp_path}/ft.jsonl --session s1")
     records = [json.loads(x) for x in (tmp_path / "ft.jsonl").read_text().splitlines()]
     assert [r["messages"][-1]["content"] for r in records][-1] == "Renamed it."

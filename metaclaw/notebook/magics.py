@@ -763,8 +763,8 @@ class MetaClawMagics(Magics):
 
     def _do_trace(self, argv: list[str], cell: str | None):
         """%metaclaw trace [SESSION] [--failures]: the TraceWidget for a session (default: the
-        most recent): turns as the upstream saw them, judge votes, labels; .trace.index() is
-        polars."""
+        most recent; with --failures, the most recent with a failure): turns as the upstream saw
+        them, judge votes, labels; .trace.index() is polars."""
         from metaclaw.notebook.widgets import TraceWidget
 
         parser = _parser("trace", self._do_trace.__doc__)
@@ -773,7 +773,14 @@ class MetaClawMagics(Magics):
         args = parser.parse_args(argv)
         runtime = self._require_runtime()
         runtime.proxy.flush()
-        return TraceWidget(runtime.store, self._named(args.session), failures_only=args.failures,
+        session = self._named(args.session)
+        if session is None and args.failures:  # the newest session that has a failure
+            from metaclaw.buffers import FAILURE_SQL
+
+            found = runtime.store.query(f"SELECT session_id FROM turns WHERE {FAILURE_SQL} "
+                                        "ORDER BY id DESC LIMIT 1", (self._threshold(runtime),))
+            session = found[0]["session_id"] if found else None
+        return TraceWidget(runtime.store, session, failures_only=args.failures,
                            threshold=self._threshold(runtime))
 
     @staticmethod
