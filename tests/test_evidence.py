@@ -284,8 +284,16 @@ def test_turns_are_read_in_batches(workspace, monkeypatch):
         return rows
 
     monkeypatch.setattr(store, "raw", raw)
+    kept = []  # the (skill, session) cells kept after each batch: the last session's at most
+    add = evidence._Scan.add
+
+    def counted_add(scan, *args):
+        add(scan, *args)
+        kept.append(len({int(k) & 0xFFFFFFFF for k in scan.with_sessions.keys}))
+
+    monkeypatch.setattr(evidence._Scan, "add", counted_add)
     big = evidence.skill_stats(store, library)
-    assert max(seen) <= 3 and sum(seen) == 15
+    assert max(seen) <= 3 and sum(seen) == 15 and max(kept) <= 1
     monkeypatch.setattr(evidence, "BATCH", 5000)
     assert big.equals(evidence.skill_stats(store, library))
 

@@ -63,8 +63,8 @@ from metaclaw.turns import TASK_TURNS_SQL
 NEAR_DUPLICATE = 0.9
 #: Task turns since a skill was added, none of them given it, before ``retire`` is suggested.
 IDLE_TURNS = 200
-#: Turns read per batch when matching asks (bounds the memory, with the few sums kept per
-#: skill and session).
+#: Turns read per batch when matching asks (bounds the memory: a batch's sessions but the
+#: last are folded into per-skill sums when it is added).
 BATCH = 5_000
 
 COLUMNS = ("skill", "in_library", "injected", "judged_with", "sessions_with", "reward_with",
@@ -190,20 +190,22 @@ def _added_at(store: Store) -> dict[str, float]:
 
 
 def _task_turns(store: Store, columns: str) -> Iterable[list[tuple[Any, ...]]]:
-    """The successful task turns (rows of ``id, columns``, JSON as stored), ``BATCH`` at a
-    time, by id."""
-    last = 0
+    """The successful task turns (rows of ``id, session_id, turn_index, columns``, JSON as
+    stored), ``BATCH`` at a time, a session's turns together (in the order of the index on
+    ``session_id, turn_index``), so that a session is complete once a later one is read."""
+    last: tuple[Any, ...] = ("", -1, 0)
     while True:
-        rows = store.raw(f"SELECT id, {columns} FROM turns WHERE {TASK_TURNS_SQL} AND "
-                         f"status = 'ok' AND id > ? ORDER BY id LIMIT {BATCH}", (last,))
+        rows = store.raw(f"SELECT id, session_id, turn_index, {columns} FROM turns WHERE "
+                         f"{TASK_TURNS_SQL} AND status = 'ok' AND (session_id, turn_index, id) "
+                         f"> (?, ?, ?) ORDER BY session_id, turn_index, id LIMIT {BATCH}", last)
         if not rows:
             return
         yield rows
-        last = rows[-1][0]
+        last = (rows[-1][1], rows[-1][2], rows[-1][0])
 
 
-#: The columns of the task turns a scan reads (after ``id``), in this order.
-_READ = "session_id, created_at, injected_skills, reward, human_label, retrieval_query"
+#: The columns of the task turns a scan reads (after ``id, session_id, turn_index``).
+_READ = "created_at, injected_skills, reward, human_label, retrieval_query"
 #: The sums kept per skill and side, in this order (rows of :class:`_Scan`'s arrays).
 _SUMS = ("turns", "judged", "reward", "squares", "passed", "label_pass", "label_fail")
 #: The sums over sessions kept per skill and side (:class:`_SessionSums`), in this order.
@@ -212,9 +214,11 @@ _SESSION_SUMS = ("sessions", "session_judged_sq", "session_cross", "session_rewa
 
 class _SessionSums:
     """Per skill (a column of :class:`_Scan`) and session, for one side: the judged turns and
-    their summed reward. A session's turns may come in several batches, so its sums are kept
-    until the scan ends: sorted keys ``column << 32 | session``, two numbers each, the batches'
-    cells merged in (:meth:`settle`) once they are many."""
+    their summed reward, while the session may still have turns to come (sorted keys ``column
+    << 32 | session``, two numbers each, the batches' cells merged in by :meth:`settle`); once
+    it is complete (:meth:`fold`), its cells are added to the per-column sums of
+    :data:`_SESSION_SUMS` and dropped, so what is kept grows with the skills, not the
+    sessions."""
 
     def __init__(self) -> None:
         import numpy as np
@@ -222,7 +226,7 @@ class _SessionSums:
         self.keys = np.zeros(0, dtype=np.int64)
         self.sums = np.zeros((2, 0))
         self.pending: list[tuple[Any, Any, Any]] = []
-        self.pending_size = 0
+        self.folded = np.zeros((len(_SESSION_SUMS), 0))
 
     def add(self, column: Any, session: Any, judged: Any, reward: Any) -> None:
         """Add each judged turn (or, with ``judged`` -1, take it out again: in the same batch)
@@ -232,22 +236,19 @@ class _SessionSums:
         counted = judged != 0
         self.pending.append(((column[counted].astype(np.int64) << 32) | session[counted],
                              judged[counted], reward[counted]))
-        self.pending_size += int(counted.sum())
 
-    def settle(self, force: bool = False) -> None:
-        """At the end of a batch: merge what the batches added in, once it is more than half as
-        many cells as there are (or ``force``), so that merging costs little per batch."""
+    def settle(self) -> None:
+        """Merge the cells the batch added into those kept."""
         import numpy as np
 
-        if not self.pending or not force and self.pending_size <= max(len(self.keys) // 2,
-                                                                       BATCH):
+        if not self.pending:
             return
         keys, where = np.unique(np.concatenate([k for k, _, _ in self.pending]),
                                 return_inverse=True)
         sums = np.stack([np.bincount(where.ravel(), minlength=len(keys),
                                      weights=np.concatenate([p[i] for p in self.pending]))
                          for i in (1, 2)])
-        self.pending, self.pending_size = [], 0
+        self.pending = []
         kept = sums[0] > 0.5  # (a cell whose every turn went to the other side has none)
         keys, sums = keys[kept], sums[:, kept]
         at = np.searchsorted(self.keys, keys)
@@ -258,17 +259,34 @@ class _SessionSums:
         self.keys = np.insert(self.keys, at[~known], keys[~known])
         self.sums = np.insert(self.sums, at[~known], sums[:, ~known], axis=1)
 
+    def fold(self, before: int) -> None:
+        """Add the cells of the sessions numbered below ``before`` (complete) to the
+        per-column sums, and drop them."""
+        import numpy as np
+
+        self.settle()
+        done = (self.keys & 0xFFFFFFFF) < before
+        if not done.any():
+            return
+        column = self.keys[done] >> 32
+        judged, reward = self.sums[:, done]
+        width = max(self.folded.shape[1], int(column.max()) + 1)
+        self.folded = np.pad(self.folded, ((0, 0), (0, width - self.folded.shape[1])))
+        for k, weight in enumerate((np.ones_like(judged), judged * judged, judged * reward,
+                                    reward * reward)):
+            self.folded[k] += np.bincount(column, weights=weight, minlength=width)
+        self.keys, self.sums = self.keys[~done], self.sums[:, ~done]
+
     def per_column(self, width: int) -> Any:
         """Per column (``width`` of them), the sums of :data:`_SESSION_SUMS`: the sessions, and
         over them ``n * n``, ``n * r``, ``r * r`` of their judged turns ``n`` and reward ``r``."""
         import numpy as np
 
-        self.settle(force=True)
-        column = self.keys >> 32
-        judged, reward = self.sums
-        return np.stack([np.bincount(column, weights=w, minlength=width)
-                         for w in (np.ones_like(judged), judged * judged, judged * reward,
-                                   reward * reward)])
+        self.fold(1 << 32)  # every session: the scan is over
+        out = np.zeros((len(_SESSION_SUMS), width))
+        kept = min(width, self.folded.shape[1])
+        out[:, :kept] = self.folded[:, :kept]
+        return out
 
 
 class _Scan:
@@ -295,7 +313,9 @@ class _Scan:
         self.without = np.zeros((len(_SUMS), len(skills))) if matcher is not None else None
         self.with_sessions = _SessionSums()
         self.without_sessions = _SessionSums() if matcher is not None else None
-        self.session_number: dict[str, int] = {}  # a session's id: the number its sums use
+        # the number the sums of the session read last use (by its id), and how many were read
+        self.session_number: dict[str, int] = {}
+        self.sessions_seen = 0
         self.times = np.array(sorted(set(added.values())), dtype=np.float64)
         self.after = np.zeros(len(self.times) + 1, dtype=np.int64)
         # a turn counts as comparable for a skill only once it was (last) added: before, the
@@ -322,10 +342,18 @@ class _Scan:
         """Add one batch of turns (rows of ``id`` and the columns of :data:`_READ`)."""
         import numpy as np
 
-        ids, sessions, created, injected, rewards, labels, asked = zip(*rows)
+        ids, sessions, _, created, injected, rewards, labels, asked = zip(*rows)
+        # numbered in the order read (a session's turns together): all but the batch's last
+        # session are complete once it is added
         numbers = self.session_number
-        session = np.fromiter((numbers.setdefault(s, len(numbers)) for s in sessions),
-                              np.int64, len(rows))
+        session = np.empty(len(rows), dtype=np.int64)
+        for i, name in enumerate(sessions):
+            number = numbers.get(name)
+            if number is None:
+                number = numbers[name] = self.sessions_seen
+                self.sessions_seen += 1
+            session[i] = number
+        self.session_number = {sessions[-1]: int(session[-1])}
         created = np.array(created, dtype=np.float64)
         # turns after each time: a turn counts for every time before its own
         self.after += np.bincount(np.searchsorted(self.times, created, side="left"),
@@ -352,7 +380,6 @@ class _Scan:
         np.maximum.at(self.last, column, created[turn])
         judged_reward = values[1:3]
         self.with_sessions.add(column, session[turn], *judged_reward[:, turn])
-        self.with_sessions.settle()
         if self.without is not None:
             # summed per session and distinct ask in each span of time between two additions,
             # then multiplied by which skills each ask matches of those in the library then
@@ -380,7 +407,10 @@ class _Scan:
                 self.without[k] -= np.bincount(skill, weights=values[k, took],
                                                minlength=len(self.skills))
             self.without_sessions.add(skill, session[took], *-judged_reward[:, took])
-            self.without_sessions.settle()
+        # every session of the batch but its last is complete: its cells are summed up
+        for sums in (self.with_sessions, self.without_sessions):
+            if sums is not None:
+                sums.fold(int(session[-1]))
 
     def _grow(self, width: int) -> None:
         import numpy as np
