@@ -322,3 +322,23 @@ def test_a_copy_whose_source_changes_meanwhile_leaves_the_destination_empty(tmp_
     assert dest.counts()["turns"] == 4
     for store in (source, dest, writer):
         store.close()
+
+
+def test_an_outage_is_logged_once_a_while_not_once_a_turn(caplog):
+    """A 14-second database outage logged thousands of warnings, each turn and task its own."""
+    import logging
+    import time
+
+    from metaclaw.store import OutageLog
+
+    log = logging.getLogger("metaclaw.test-outage")
+    outages = OutageLog(log, interval=0.2)
+    with caplog.at_level(logging.WARNING, logger="metaclaw.test-outage"):
+        for _ in range(50):
+            outages.warning("could not record %d turns: %s", 1, "server down")
+        time.sleep(0.25)
+        outages.warning("could not record %d turns: %s", 2, "server down")
+    said = [r.getMessage() for r in caplog.records]
+    assert said == ["could not record 1 turns: server down",
+                    "could not record 2 turns: server down (49 more like it in the last 0.2 "
+                    "s not shown)"]

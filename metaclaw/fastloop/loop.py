@@ -86,11 +86,13 @@ from metaclaw.fastloop.judge import Judge
 from metaclaw.fastloop.keys import KeysResult, has_keys
 from metaclaw.fastloop.llm import record_call_failure
 from metaclaw.skills.library import Skill, SkillConflict, SkillLibrary
-from metaclaw.store import IN_IDS, Store, id_list
+from metaclaw.store import IN_IDS, OutageLog, Store, StoreUnavailable, id_list
 from metaclaw.training_lease import TrainingLease
 from metaclaw.turns import TASK_TURNS_SQL, is_task_turn
 
 log = logging.getLogger("metaclaw.fastloop")
+#: Warnings about an unreachable workspace, rate-limited (every turn meets it meanwhile).
+_OUTAGES = OutageLog(log)
 T = TypeVar("T")
 
 #: Kinds of :class:`FastLoopEvent`.
@@ -409,7 +411,10 @@ class FastLoop:
         self._tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
             exc = task.exception()
-            log.error("fast loop task failed: %s", exc, exc_info=exc)
+            if isinstance(exc, StoreUnavailable):  # every task meets it while it lasts
+                _OUTAGES.warning("fast loop task failed: %s", exc)
+            else:
+                log.error("fast loop task failed: %s", exc, exc_info=exc)
             self._emit("error", error=f"{type(exc).__name__}: {exc}")
 
     async def _on_turn(self, turn_id: int) -> None:

@@ -49,13 +49,15 @@ from metaclaw.proxy.upstreams import NO_KEY, ResponderUpstream, Upstream, policy
 from metaclaw.redact import mask, mask_bytes, mask_json, secrets_of, url_secrets
 from metaclaw.skills import block as skill_block, retrieval
 from metaclaw.skills.library import visible
-from metaclaw.store import BUSY_TIMEOUT_S, StoreUnavailable, lock_busy
+from metaclaw.store import BUSY_TIMEOUT_S, OutageLog, StoreUnavailable, lock_busy
 from metaclaw.turns import IdentityError, is_task_turn
 
 if TYPE_CHECKING:  # pragma: no cover
     from metaclaw.store import Store
 
 log = logging.getLogger("metaclaw.proxy")
+#: Warnings about an unreachable workspace, rate-limited (every turn meets it meanwhile).
+_OUTAGES = OutageLog(log)
 
 #: Longest wait for a turn's commit before its reply is withheld with a 503: longer than a
 #: write may wait for the store's lock (``BUSY_TIMEOUT_S``) and for a connection, so only a
@@ -458,7 +460,7 @@ class Recorder:
             ids = self._write_all(store, group, fsync)
             self._thread_commits += 1
         except StoreUnavailable as exc:  # the database is down: one by one would fail alike
-            log.warning("could not record %d turns: %s", len(group), exc)
+            _OUTAGES.warning("could not record %d turns: %s", len(group), exc)
             ids = [UNREACHABLE] * len(group)
         except Exception as exc:
             if not lock_busy(exc):

@@ -48,7 +48,8 @@ which every wing may import (checked by ``tests/test_architecture.py``).
 
 from metaclaw.store.base import (  # noqa: F401  the store's public names
     BUSY_TIMEOUT_S, DB_ERRORS, DEFAULT_DB, ENGINES, EVENT_LEVELS, IN_IDS, JSON_COLUMNS, MIGRATIONS,
-    SCHEMA_VERSION, TABLES, EngineError, Store, StoreBusy, StoreError, StoreUnavailable,
+    SCHEMA_VERSION, TABLES, EngineError, OutageLog, Store, StoreBusy, StoreError,
+    StoreUnavailable,
     default_target, id_list,
     local_dir, lock_busy, parse_target, this_process, workspace_exists,
 )

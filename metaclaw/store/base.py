@@ -7,6 +7,7 @@ import contextlib
 import copy
 import json
 import logging
+import math
 import os
 import re
 import shlex
@@ -333,6 +334,29 @@ class EngineError(Exception):
 class StoreUnavailable(EngineError):
     """The workspace's database server cannot be reached now (down, restarting, the network):
     the call failed after the connect timeout; a later call reconnects by itself."""
+
+
+class OutageLog:
+    """Warnings about a workspace that cannot be reached, which every turn and task meets while
+    it lasts: the first at once, then at most one per ``interval`` seconds, saying how many
+    were held back (a 14-second outage logged thousands of lines, each with a traceback)."""
+
+    def __init__(self, logger: Any, interval: float = 30.0) -> None:
+        self.logger, self.interval = logger, interval
+        self._lock = threading.Lock()
+        self._said_at = -math.inf
+        self._held = 0
+
+    def warning(self, message: str, *args: Any) -> None:
+        with self._lock:
+            now = time.monotonic()
+            if now - self._said_at < self.interval:
+                self._held += 1
+                return
+            held, self._held, self._said_at = self._held, 0, now
+        if held:
+            message += f" ({held} more like it in the last {self.interval:g} s not shown)"
+        self.logger.warning(message, *args)
 
 
 #: What a database call of either engine may raise: ``except DB_ERRORS`` where code used to
