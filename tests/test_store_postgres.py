@@ -303,6 +303,30 @@ def test_the_store_comes_back_after_the_server_restarts(pg_cluster, url):
         assert store.current_generation() is None
 
 
+def test_calls_go_through_once_the_listener_is_back_not_after_a_fixed_hold(
+        pg_cluster, url, monkeypatch):
+    """After the server could not be reached, calls fail at once for a while instead of each
+    waiting for the connect timeout; proxies kept answering 503 for up to 5 s after the server
+    was back. The store's generation listener, which retries every half second, ends it."""
+    from metaclaw.store import StoreUnavailable, postgres
+
+    monkeypatch.setattr(postgres, "UNREACHABLE_HOLD_S", 120.0)
+    with Store(url) as store:
+        store.current_generation()  # its listener runs
+        pg_cluster.stop()
+        try:
+            with pytest.raises(StoreUnavailable):
+                store.record_turn(session_id="h", request_messages=[], status="ok")
+            assert store.unreachable()
+        finally:
+            pg_cluster.start()
+        started = time.monotonic()
+        while store.unreachable():
+            assert time.monotonic() - started < 15, "still held after the server came back"
+            time.sleep(0.1)
+        store.record_turn(session_id="h", request_messages=[], status="ok")
+
+
 def test_the_first_write_and_read_after_a_restart_need_no_retry(pg_cluster, url, monkeypatch):
     """A restart closes every idle connection, and none knows it until used: the first turn
     after one got a 503 though the server was back, and reads failed where the pool held more

@@ -44,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 import os
 import re
 import threading
@@ -71,7 +72,8 @@ POOL_SIZE = 8
 #: After the server could not be reached (a connection or the pool's wait for one timed out),
 #: calls fail at once for this long instead of each waiting the timeout again: a proxy's
 #: requests meanwhile get their 503 at once (the proxy's Retry-After), and the first call after
-#: it tries the server again.
+#: it tries the server again; sooner where the store's generation listener, which retries every
+#: half second, has connected again since.
 UNREACHABLE_HOLD_S = 5.0
 #: Seconds the writer connection may sit idle before its next use first checks that the server
 #: still holds it open (one round trip): a server restart closes idle connections, and a write
@@ -262,6 +264,7 @@ class PostgresStore(Store):
         self._waits_by_default = True
         self._txn_thread: int | None = None
         self._down_until, self._down_reason = 0.0, ""  # see UNREACHABLE_HOLD_S
+        self._down_since = 0.0
         self._probe = None
         self._listener: _GenerationListener | None = None
         self._listener_lock = threading.Lock()  # not _lock: a writer may hold that for long
@@ -368,10 +371,17 @@ class PostgresStore(Store):
         return True
 
     def unreachable(self) -> bool:
-        return time.monotonic() < self._down_until
+        if time.monotonic() >= self._down_until:
+            return False
+        listener = self._listener
+        if listener is not None and listener.connected_at > self._down_since:
+            self._down_until = 0.0  # its listener connected again since: the server is back
+            return False
+        return True
 
     def _mark_unreachable(self, reason: str) -> None:
-        self._down_until, self._down_reason = time.monotonic() + UNREACHABLE_HOLD_S, reason
+        self._down_since = time.monotonic()
+        self._down_until, self._down_reason = self._down_since + UNREACHABLE_HOLD_S, reason
 
     def _failed(self, exc: BaseException) -> EngineError:
         """The store's error for a driver's ``exc``: :class:`StoreUnavailable` when the server
@@ -890,6 +900,7 @@ class _GenerationListener:
         self.last: Any = _UNKNOWN  # the newest number known, kept while the connection is down
         self._latest_lock = threading.Lock()
         self._conn: Any = None
+        self.connected_at = -math.inf  # when its connection last opened (monotonic)
         self._stopped = threading.Event()
         _LISTENERS.add(self)
         self._thread = threading.Thread(target=self._serve, name="metaclaw-generation-listener",
@@ -905,6 +916,7 @@ class _GenerationListener:
                 self._conn = conn = psycopg.connect(conninfo, autocommit=True)
                 with conn:
                     conn.execute(f"LISTEN {GENERATION_CHANNEL}")
+                    self.connected_at = time.monotonic()  # the server answers (again)
                     read_at = 0.0
                     while not self._stopped.is_set():
                         if time.monotonic() - read_at >= self.CHECK_S:
