@@ -158,14 +158,26 @@ def test_odd_arguments_interrupts_and_failed_starts_leave_a_usable_session(ip, t
         assert f"the proxy at {runtime.url} is still running" in said
         assert magics.runtime is runtime
     assert cell(ip, "chat --session s", "still there?").turn is not None
-    # one that fails once the old proxy is stopped (its port taken) says that it was stopped
+    # a port another process holds is refused before the running proxy stops
     import socket
 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
+        port = taken.getsockname()[1]
         said = fails(ip, f"start --db {{ws}}/m.db --skills {{ws}}/skills --retrieval lexical "
-                         f"--port {taken.getsockname()[1]}")
+                         f"--port {port}")
+    assert f"cannot listen on 127.0.0.1:{port}" in said
+    assert f"the proxy at {runtime.url} is still running" in said and magics.runtime is runtime
+    # one that fails once the old proxy is stopped says that it was stopped
+    import metaclaw.runtime
+
+    def refuse(self):
+        raise OSError("no more ports")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(metaclaw.runtime.Runtime, "launch", refuse)
+        said = fails(ip, "start --db {ws}/m.db --skills {ws}/skills --retrieval lexical")
     assert f"the proxy at {runtime.url} was stopped" in said
     assert magics.runtime is None and runtime.proxy.base_url  # the stopped one is not kept
     assert "run %metaclaw start first" in fails(ip, "status")

@@ -169,6 +169,21 @@ class ChatTurn:
         return (f"{self.reply}\n-- injected skills: {', '.join(self.injected_skills) or 'none'}")
 
 
+def _check_port_free(host: str, port: int, running: str) -> None:
+    """:class:`MagicUsageError` where ``host:port`` cannot be bound now (the proxy at
+    ``running`` is left as it is)."""
+    import socket
+
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise MagicUsageError(f"%metaclaw start: cannot listen on {host}:{port} "
+                                  f"({exc.strerror}); the proxy at {running} is still "
+                                  "running") from None
+
+
 class _Status:
     """``%metaclaw status``: the runtime's status as a table, and as text where no HTML is shown
     (nbconvert, CI logs), read when shown."""
@@ -318,6 +333,8 @@ class MetaClawMagics(Magics):
 
         args = _start_parser().parse_args(argv)
         previous = self.runtime.url if self.runtime is not None else None
+        if previous and args.port and f":{args.port}/" not in previous:
+            _check_port_free(args.host, args.port, previous)  # before the running one stops
         if self.runtime is not None and self.runtime.config.local_model:
             # a model in memory (on a GPU that holds one copy): freed before the next loads
             self._shutdown()
