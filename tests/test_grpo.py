@@ -326,12 +326,19 @@ def test_pause_at_step_boundary_then_resume(tiny_model, tmp_path):
     probe = prompts[0].tokens
     reference = first.sampler().sample(probe, n=2, max_tokens=6, seed=7)
 
+    # steps recorded after the saved state (a process stopped between two saves): their
+    # weights are gone, and they are trained again under their numbers, one row a step
+    for lost in (3, 4):
+        store.record_training_step(run_id=paused.run_id, step=lost, backend="local",
+                                   policy_version=paused.policy_version, skill_generation=0)
     second = make_backend("local", tiny_model, lora_rank=8, seed=1)  # different LoRA init
     resumed = train_grpo(second, prompts, config=GRPOConfig(**{**config.__dict__, "steps": 1}),
                          store=store, should_stop=lambda: False,
                          on_step=lambda r: calls.append(("resumed-at", r["step"])))
     assert resumed.run_id == paused.run_id
     assert [h["step"] for h in resumed.history] == [3]
+    [event] = store.events(kind="training_steps_lost")
+    assert "steps 3-4 were recorded but not saved" in event["message"]
     assert resumed.history[0]["policy_version"] == paused.policy_version
     # the resumed backend sampled step 3 from exactly the paused weights
     restored = make_backend("local", tiny_model, lora_rank=8, seed=2)

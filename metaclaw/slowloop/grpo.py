@@ -510,11 +510,39 @@ class GRPOTrainer:
                 step = self._resume_older(checkpoint, exc)
             backend.sampler().policy_version = backend.policy_version
             self.start_step, self.run_id = step + 1, saved["run_id"]
+            if store is not None:
+                self._forget_unsaved_steps(store)
         if store is not None:  # the store is the truth: serve its latest published version
             self.sync_with_store()
         self.next_step = self.start_step          # the number of the next step to run
         self._saved_step: int | None = self.start_step - 1 if self.start_step else None
         self._dirty_step: int | None = None       # a step whose update no saved state holds
+
+    def _forget_unsaved_steps(self, store: Any) -> None:
+        """The steps of this run recorded after its saved state (a process stopped between
+        two saves: their weights went with it) are trained again under the same numbers: their
+        rows go, so that each step of a run has one row (a chart showed 331, 332, 330, 331),
+        and an event says which were lost. Not while another process trains the workspace
+        (the steps may be its own, not yet saved)."""
+        from metaclaw.training_lease import TrainingLease
+
+        if TrainingLease.for_store(store).training_elsewhere():
+            return
+        with store.transaction():
+            lost = store.query("SELECT COUNT(*) AS n, MIN(step) AS first, MAX(step) AS last "
+                               "FROM training_steps WHERE run_id = ? AND step >= ?",
+                               (self.run_id, self.start_step))[0]
+            if not lost["n"]:
+                return
+            store.execute("DELETE FROM training_steps WHERE run_id = ? AND step >= ?",
+                          (self.run_id, self.start_step))
+            store.record_event(
+                source="training", kind="training_steps_lost", level="warning",
+                message=f"run {self.run_id}: steps {lost['first']}-{lost['last']} were recorded "
+                        f"but not saved (the process stopped before its next save); their "
+                        f"weights are lost and they are trained again from step "
+                        f"{self.start_step}", run_id=self.run_id, first=lost["first"],
+                last=lost["last"])
 
     def _resume_older(self, checkpoint: str, error: BackendError) -> int:
         """The latest saved state ``checkpoint`` cannot be loaded (``error``): load the newest
