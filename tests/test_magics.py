@@ -516,7 +516,7 @@ def test_a_chat_to_an_unreachable_upstream_says_why_once(ip, caplog):
     assert line(ip, "turns")["status"].to_list() == ["error"]  # recorded all the same
 
 
-def test_a_new_conversation_under_a_used_session_name_records_apart(ip):
+def test_a_new_conversation_under_a_used_session_name_records_apart(ip, capsys):
     """After a new start (as after a kernel restart) or --new, a chat under a name the
     workspace already has turns of records under NAME.2, NAME.3: the judge never reads the new
     conversation's message as the reaction to the old one; --session NAME in the reading
@@ -532,6 +532,9 @@ def test_a_new_conversation_under_a_used_session_name_records_apart(ip):
     assert cell(ip, "chat", "No, that's wrong: back up files first.").session_id == "notebook.2"
     assert cell(ip, "chat --new", "Thanks!").session_id == "notebook.3"
     assert set(line(ip, "turns --session notebook")["session_id"]) == {"notebook.3"}
+    assert "--session =notebook names the stored session" in capsys.readouterr().out
+    # the conversation of before the new start, by its stored id
+    assert line(ip, "turns --session =notebook").height == 2
     assert cell(ip, "chat --session other", "hi").session_id == "other"
 
 

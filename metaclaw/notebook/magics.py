@@ -533,8 +533,17 @@ class MetaClawMagics(Magics):
 
     def _named(self, session: str | None) -> str | None:
         """A ``--session`` given to a reading action: a chat's name means the session its
-        conversation records under (see :meth:`_session`)."""
-        return self.sessions.get(session, session) if session else session
+        conversation records under (see :meth:`_session`); ``=ID`` the stored session ``ID``
+        as it is (an earlier conversation under that name, after a restart)."""
+        if not session:
+            return session
+        if session.startswith("="):
+            return session[1:]
+        mapped = self.sessions.get(session, session)
+        if mapped != session:
+            print(f"(this kernel's conversation {session!r} records as {mapped!r}; "
+                  f"--session ={session} names the stored session {session!r})")
+        return mapped
 
     def _do_skills(self, argv: list[str], cell: str | None):
         """%metaclaw skills [--generation G]: the skill library as a table."""
