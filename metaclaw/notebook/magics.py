@@ -172,16 +172,27 @@ class ChatTurn:
 def _check_port_free(host: str, port: int, running: str) -> None:
     """:class:`MagicUsageError` where ``host:port`` cannot be bound now (the proxy at
     ``running`` is left as it is)."""
+    import errno
+    import os
     import socket
 
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((host, port))
-        except OSError as exc:
-            raise MagicUsageError(f"%metaclaw start: cannot listen on {host}:{port} "
-                                  f"({exc.strerror}); the proxy at {running} is still "
-                                  "running") from None
+    try:  # every address the proxy would listen on (a name may have an IPv4 and an IPv6 one)
+        addresses = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                       flags=socket.AI_PASSIVE)
+    except OSError:  # not resolvable here: the start itself says so
+        return
+    for family, kind, proto, _, address in addresses:
+        with socket.socket(family, kind, proto) as probe:
+            if os.name != "nt":  # (on Windows it lets a port in use be bound)
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                if exc.errno == errno.EADDRNOTAVAIL:  # a family not enabled here, as asyncio
+                    continue  # skips it too
+                raise MagicUsageError(f"%metaclaw start: cannot listen on {host}:{port} "
+                                      f"({exc.strerror}); the proxy at {running} is still "
+                                      "running") from None
 
 
 class _Status:
@@ -537,7 +548,7 @@ class MetaClawMagics(Magics):
         as it is (an earlier conversation under that name, after a restart)."""
         if not session:
             return session
-        if session.startswith("="):
+        if session.startswith("=") and session not in self.sessions:  # (a chat named "=x")
             return session[1:]
         mapped = self.sessions.get(session, session)
         if mapped != session:

@@ -396,8 +396,11 @@ class ReplyThreads:
     MAX_ENTRIES = 50_000
     #: Recorded sessions of one fingerprint whose latest reply a continuation is looked up in.
     RECORDED_SESSIONS = 64
-    #: Most pages of :attr:`RECORDED_SESSIONS` one look for recorded replies reads.
+    #: Most pages of :attr:`RECORDED_SESSIONS` one look for recorded replies reads: the next
+    #: page only where the last one's sessions all had a turn among the :attr:`RECENT_IDS`
+    #: latest turn ids (so many at once; a first look after a restart does not read them all).
     PAGES = 16
+    RECENT_IDS = 4096
 
     def __init__(self, store: Any = None) -> None:
         self.store = store
@@ -682,6 +685,7 @@ class ReplyThreads:
         # a look reads back over the last few ids it has already passed
         since = max(0, self._looked_up.get(fingerprint, 0) - self.LOOK_BACK)
         rows: list[dict[str, Any]] = []
+        newest = 0
         try:  # the sessions with turns since, newest first, a page at a time: where more than
             # a page's ran at once (a batch of alike tasks), the others' replies are read too
             for page in range(self.PAGES):
@@ -694,8 +698,10 @@ class ReplyThreads:
                     (*self._family(fingerprint), since, self.RECORDED_SESSIONS,
                      page * self.RECORDED_SESSIONS))
                 rows = found + rows
-                if len(found) < self.RECORDED_SESSIONS:
-                    break
+                newest = max(newest, *(int(row["id"]) for row in found)) if found else newest
+                if len(found) < self.RECORDED_SESSIONS or min(
+                        int(row["id"]) for row in found) < newest - self.RECENT_IDS:
+                    break  # all read, or the rest went quiet long ago (not a batch at once)
         except Exception:  # noqa: BLE001 - a store that cannot answer: the fingerprint it is
             _store_warning("could not read the recorded replies of %s", fingerprint)
             return

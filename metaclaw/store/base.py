@@ -338,25 +338,41 @@ class StoreUnavailable(EngineError):
 
 class OutageLog:
     """Warnings about a workspace that cannot be reached, which every turn and task meets while
-    it lasts: the first at once, then at most one per ``interval`` seconds, saying how many
-    were held back (a 14-second outage logged thousands of lines, each with a traceback)."""
+    it lasts: the first at once, then at most one per ``interval`` seconds; those held back
+    meanwhile are said when the interval ends, the last of them with their count (a 14-second
+    outage logged thousands of lines, each with a traceback)."""
 
     def __init__(self, logger: Any, interval: float = 30.0) -> None:
         self.logger, self.interval = logger, interval
         self._lock = threading.Lock()
         self._said_at = -math.inf
-        self._held = 0
+        self._held: list[Any] = []  # [count, since (epoch), message, args] while any is held
+        self._timer: threading.Timer | None = None
 
     def warning(self, message: str, *args: Any) -> None:
         with self._lock:
             now = time.monotonic()
-            if now - self._said_at < self.interval:
-                self._held += 1
+            if now - self._said_at >= self.interval and not self._held:
+                self._said_at = now
+            else:
+                count, since = (self._held[0], self._held[1]) if self._held else (0, time.time())
+                self._held = [count + 1, since, message, args]
+                if self._timer is None:
+                    self._timer = threading.Timer(
+                        max(0.0, self._said_at + self.interval - now), self._say_held)
+                    self._timer.daemon = True
+                    self._timer.start()
                 return
-            held, self._held, self._said_at = self._held, 0, now
-        if held:
-            message += f" ({held} more like it in the last {self.interval:g} s not shown)"
         self.logger.warning(message, *args)
+
+    def _say_held(self) -> None:
+        with self._lock:
+            held, self._held, self._timer = self._held, [], None
+            self._said_at = time.monotonic()
+        if held:
+            count, since, message, args = held
+            when = time.strftime("%H:%M:%S", time.localtime(since))
+            self.logger.warning(message + f" ({count} like it since {when})", *args)
 
 
 #: What a database call of either engine may raise: ``except DB_ERRORS`` where code used to

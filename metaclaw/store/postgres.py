@@ -265,6 +265,7 @@ class PostgresStore(Store):
         self._txn_thread: int | None = None
         self._down_until, self._down_reason = 0.0, ""  # see UNREACHABLE_HOLD_S
         self._down_since = 0.0
+        self._hold_lock = threading.Lock()
         self._probe = None
         self._listener: _GenerationListener | None = None
         self._listener_lock = threading.Lock()  # not _lock: a writer may hold that for long
@@ -374,14 +375,16 @@ class PostgresStore(Store):
         if time.monotonic() >= self._down_until:
             return False
         listener = self._listener
-        if listener is not None and listener.connected_at > self._down_since:
-            self._down_until = 0.0  # its listener connected again since: the server is back
-            return False
+        with self._hold_lock:  # (not a hold another thread has just set)
+            if listener is not None and listener.connected_at > self._down_since:
+                self._down_until = 0.0  # its listener connected again since: the server is back
+                return False
         return True
 
     def _mark_unreachable(self, reason: str) -> None:
-        self._down_since = time.monotonic()
-        self._down_until, self._down_reason = self._down_since + UNREACHABLE_HOLD_S, reason
+        with self._hold_lock:
+            self._down_since = time.monotonic()
+            self._down_until, self._down_reason = self._down_since + UNREACHABLE_HOLD_S, reason
 
     def _failed(self, exc: BaseException) -> EngineError:
         """The store's error for a driver's ``exc``: :class:`StoreUnavailable` when the server
