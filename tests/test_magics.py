@@ -245,7 +245,7 @@ def test_failed_judge_and_evolver_calls_from_magics_are_recorded(ip, tmp_path):
     assert sorted(kinds) == ["evolve_failed", "judge_failed"]
 
 
-def test_fast_loop_magics_with_the_simulated_model(ip):
+def test_fast_loop_magics_with_the_simulated_model(ip, capsys):
     line(ip, "start --sim --db {ws}/m.db --skills {ws}/skills --retrieval lexical")
     cell(ip, "chat --session s1", "Write the meeting time 9:30 tomorrow into day01/standup.json "
                                   "as meeting_time.")
@@ -253,6 +253,11 @@ def test_fast_loop_magics_with_the_simulated_model(ip):
          "a full datetime with timezone offset, e.g. 2026-03-16T09:30:00+08:00.")
     verdicts = line(ip, "score")
     assert verdicts["score"].to_list() == [-1, 0]
+    capsys.readouterr()
+    assert line(ip, "score --session nosuch").height == 0  # an empty table says why
+    assert "(no session 'nosuch' in the workspace)" in capsys.readouterr().out
+    assert line(ip, "score").height == 0
+    assert "no turn left to judge; --rescore judges them again" in capsys.readouterr().out
     dry = line(ip, "evolve --dry-run")
     assert dry.status == "dry_run" and dry.generation is None
     applied = line(ip, "promote")

@@ -645,8 +645,14 @@ class MetaClawMagics(Magics):
         runtime = self._require_runtime()
         judge = runtime.judge  # a clear error now when no judge model is configured
         runtime.proxy.flush()
-        ids = turns_to_score(runtime.store, session=self._named(args.session), last=args.last,
+        session = self._named(args.session)
+        ids = turns_to_score(runtime.store, session=session, last=args.last,
                              rescore=args.rescore)
+        if not ids:  # an empty table says why
+            print(f"(no session {session!r} in the workspace)"
+                  if session and runtime.store.session(session) is None else
+                  "(no turn left to judge" + ("" if args.rescore else
+                                              "; --rescore judges them again") + ")")
         try:
             results = judge.judge_turns(runtime.store, ids, rescore=args.rescore,
                                         on_progress=_cell_progress()) if ids else []
