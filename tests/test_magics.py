@@ -367,6 +367,9 @@ def test_trace_label_agreement_and_export_magics(ip, tmp_path, capsys):
     assert [r["messages"][-1]["content"] for r in records][-1] == "Renamed it."
     line(ip, f"export {tmp_path}/all.parquet --labelled")
     assert "wrote 2 records" in capsys.readouterr().out.splitlines()[-1]
+    line(ip, f"export {tmp_path}/none.jsonl --turns {second},99999 --session nosuch")
+    said = capsys.readouterr().out
+    assert "(no turn 99999 in the workspace)" in said and "(no session 'nosuch'" in said
     assert "ending in .jsonl or .parquet" in fails(ip, "export out.csv")
 
 

@@ -898,6 +898,12 @@ class MetaClawMagics(Magics):
         except ValueError as exc:
             raise MagicUsageError(str(exc)) from None
         print(labels.export_summary(n, args.path, shape=args.shape, labelled_only=args.labelled))
+        session = selection["session"]
+        missing = [t for t in turn_ids or () if runtime.store.turn(t) is None]
+        if missing:  # an id mistyped, or of another workspace: said, not just counted out
+            print(f"(no turn {', '.join(map(str, missing))} in the workspace)")
+        if session and runtime.store.session(session) is None:
+            print(f"(no session {session!r} in the workspace)")
         return None
 
     def _do_train(self, argv: list[str], cell: str | None):
