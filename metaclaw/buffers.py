@@ -287,6 +287,10 @@ def release_orphaned_claims(store: Store) -> int:
                          "WHERE train_claim_by IS NOT NULL").rowcount
 
 
+#: The evolver's next evidence among a generation's turns (one parameter: the threshold).
+PENDING_SQL = f"buffer_state = 'live' AND {FAILURE_SQL}"
+
+
 def support_set(store: Store, generation: int | None = None,
                 state: str | None = LIVE, threshold: float = 0.0) -> list[dict[str, Any]]:
     """Support turns of ``generation`` (default: the current one), oldest first.
@@ -297,7 +301,7 @@ def support_set(store: Store, generation: int | None = None,
     takes precedence over the judge, :func:`is_failure`). ``'consumed'``: the failures that drove an evolution. ``None``: both.
     """
     gen = current_generation(store) if generation is None else int(generation)
-    pending = (f"buffer_state = 'live' AND {FAILURE_SQL}", [float(threshold)])
+    pending = (PENDING_SQL, [float(threshold)])
     done = ("buffer_set = 'support' AND buffer_state = 'consumed'", [])
     if state == LIVE:
         where, params = pending
@@ -312,8 +316,7 @@ def support_set(store: Store, generation: int | None = None,
 
 def next_evidence(store: Store, threshold: float = 0.0) -> set[int]:
     """The ids of :func:`support_set`'s live turns (the evolver's next evidence), read alone."""
-    rows = store.query(f"SELECT id FROM turns WHERE skill_generation = ? AND "
-                       f"buffer_state = 'live' AND {FAILURE_SQL}",
+    rows = store.query(f"SELECT id FROM turns WHERE skill_generation = ? AND {PENDING_SQL}",
                        (current_generation(store), float(threshold)))
     return {int(row["id"]) for row in rows}
 

@@ -238,26 +238,19 @@ class _SessionSums:
                              judged[counted], reward[counted]))
 
     def settle(self) -> None:
-        """Merge the cells the batch added into those kept."""
+        """Merge the cells the batch added into those kept (the last session's, at most)."""
         import numpy as np
 
         if not self.pending:
             return
-        keys, where = np.unique(np.concatenate([k for k, _, _ in self.pending]),
+        keys, where = np.unique(np.concatenate([self.keys, *(k for k, _, _ in self.pending)]),
                                 return_inverse=True)
-        sums = np.stack([np.bincount(where.ravel(), minlength=len(keys),
-                                     weights=np.concatenate([p[i] for p in self.pending]))
-                         for i in (1, 2)])
+        sums = np.stack([np.bincount(where.ravel(), minlength=len(keys), weights=np.concatenate(
+                             [self.sums[i], *(p[i + 1] for p in self.pending)]))
+                         for i in (0, 1)])
         self.pending = []
         kept = sums[0] > 0.5  # (a cell whose every turn went to the other side has none)
-        keys, sums = keys[kept], sums[:, kept]
-        at = np.searchsorted(self.keys, keys)
-        known = np.zeros(len(keys), dtype=bool)
-        inside = at < len(self.keys)
-        known[inside] = self.keys[at[inside]] == keys[inside]
-        self.sums[:, at[known]] += sums[:, known]
-        self.keys = np.insert(self.keys, at[~known], keys[~known])
-        self.sums = np.insert(self.sums, at[~known], sums[:, ~known], axis=1)
+        self.keys, self.sums = keys[kept], sums[:, kept]
 
     def fold(self, before: int) -> None:
         """Add the cells of the sessions numbered below ``before`` (complete) to the

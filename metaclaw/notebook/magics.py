@@ -195,6 +195,19 @@ def _check_port_free(host: str, port: int, running: str) -> None:
                                       "running") from None
 
 
+def _said_unknown(store: Any, session: str | None, turn_ids: Any = ()) -> bool:
+    """Say which of ``session`` and ``turn_ids`` (given to an action) the workspace does not
+    hold, an id mistyped or of another workspace, rather than only counting them out; whether
+    anything was said."""
+    missing = [t for t in turn_ids if store.turn(t) is None]
+    if missing:
+        print(f"(no turn {', '.join(map(str, missing))} in the workspace)")
+    unknown = bool(session) and store.session(session) is None
+    if unknown:
+        print(f"(no session {session!r} in the workspace)")
+    return bool(missing) or unknown
+
+
 class _Status:
     """``%metaclaw status``: the runtime's status as a table, and as text where no HTML is shown
     (nbconvert, CI logs), read when shown."""
@@ -648,10 +661,8 @@ class MetaClawMagics(Magics):
         session = self._named(args.session)
         ids = turns_to_score(runtime.store, session=session, last=args.last,
                              rescore=args.rescore)
-        if not ids:  # an empty table says why
-            print(f"(no session {session!r} in the workspace)"
-                  if session and runtime.store.session(session) is None else
-                  "(no turn left to judge" + ("" if args.rescore else
+        if not ids and not _said_unknown(runtime.store, session):  # an empty table says why
+            print("(no turn left to judge" + ("" if args.rescore else
                                               "; --rescore judges them again") + ")")
         try:
             results = judge.judge_turns(runtime.store, ids, rescore=args.rescore,
@@ -898,12 +909,7 @@ class MetaClawMagics(Magics):
         except ValueError as exc:
             raise MagicUsageError(str(exc)) from None
         print(labels.export_summary(n, args.path, shape=args.shape, labelled_only=args.labelled))
-        session = selection["session"]
-        missing = [t for t in turn_ids or () if runtime.store.turn(t) is None]
-        if missing:  # an id mistyped, or of another workspace: said, not just counted out
-            print(f"(no turn {', '.join(map(str, missing))} in the workspace)")
-        if session and runtime.store.session(session) is None:
-            print(f"(no session {session!r} in the workspace)")
+        _said_unknown(runtime.store, selection["session"], turn_ids or ())
         return None
 
     def _do_train(self, argv: list[str], cell: str | None):

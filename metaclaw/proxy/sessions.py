@@ -55,10 +55,13 @@ import orjson
 
 from metaclaw.protocols import tool_input
 from metaclaw.skills.asks import INSTRUCTION_ROLES, content_text
-from metaclaw.store import StoreUnavailable
+from metaclaw.store import OutageLog, StoreUnavailable
 from metaclaw.turns import IdentityError, check_principal, check_session_id, check_turn_type
 
 log = logging.getLogger(__name__)
+#: Warnings of the look-ups an unreachable workspace failed, rate-limited (every opening
+#: meets it while it lasts).
+_OUTAGES = OutageLog(log)
 
 #: Session headers of other frameworks, after ``X-Session-Id`` (first match wins).
 SESSION_HEADERS = ("X-Claude-Code-Session-Id", "X-Conversation-Id", "X-Thread-Id",
@@ -71,12 +74,12 @@ _ID_TOKEN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{5,127}")
 
 
 def _store_warning(what: str, subject: Any) -> None:
-    """A session look-up the workspace could not answer: one line where its database server
-    cannot be reached (a state the proxy reports on every request meanwhile), the traceback
-    where the failure is another."""
+    """A session look-up the workspace could not answer: one line, once a while, where its
+    database server cannot be reached (a state the proxy reports on every request meanwhile),
+    the traceback where the failure is another."""
     exc = sys.exc_info()[1]
     if isinstance(exc, StoreUnavailable):
-        log.warning(what + ": %s", subject, exc)
+        _OUTAGES.warning(what + ": %s", subject, exc)
     else:
         log.warning(what, subject, exc_info=True)
 
