@@ -81,7 +81,8 @@ def test_the_lease_is_exclusive_across_processes_and_freed_by_kill_9(holder):
     # its name is still in the file: not believed (a database server frees the lock once it
     # sees the connection closed, moments later)
     wait_until(lambda: lease.training_elsewhere() is None, timeout=10, what="the lease freed")
-    assert lease.acquire() and lease.acquire()  # re-entrant for its holder
+    wait_until(lease.acquire, timeout=10, what="the lease taken")
+    assert lease.acquire()  # re-entrant for its holder
     assert lease.holder().startswith("this process") and lease.training_elsewhere() is None
     other = TrainingLease.for_store(Store(db))  # another object of this process is excluded
     assert not other.acquire() and str(os.getpid()) in other.training_elsewhere()
