@@ -598,7 +598,7 @@ def _skill_stats(args: argparse.Namespace, library: Any) -> int:
     from metaclaw.fastloop import evidence
 
     stats = evidence.skill_stats(library.store, library, threshold=args.threshold,
-                                 compare=not args.no_compare)
+                                 compare=not args.no_compare, all_versions=args.all_versions)
     filed = evidence.propose(library.store, library, stats) if args.propose else []
     if args.json:
         for row in stats.iter_rows(named=True):
@@ -606,8 +606,8 @@ def _skill_stats(args: argparse.Namespace, library: Any) -> int:
         if args.propose:
             _print_json({"proposals_filed": filed})
         return 0
-    print(f"{'skill':<32}{'injected':>9}  {'reward with':<17} {'without':<17}{'delta [95%]':>22}"
-          f"{'last used':>18}  suggestion")
+    print(f"{'skill':<32}{'since':<12}{'injected':>9}  {'reward with':<17} {'without':<17}"
+          f"{'delta [95%]':>22}{'last used':>18}  suggestion")
     fmt = lambda x: "-" if x is None else f"{x:+.2f}"  # noqa: E731
 
     def side(reward: Any, judged: Any, sessions: Any) -> str:  # "-" where not compared
@@ -619,12 +619,15 @@ def _skill_stats(args: argparse.Namespace, library: Any) -> int:
                                              f" [{row['delta_low']:+.2f},{row['delta_high']:+.2f}]"))
         last = row["last_used"].strftime("%Y-%m-%d %H:%M") if row["last_used"] else "never"
         name = row["skill"] + ("" if row["in_library"] else " (gone)")
+        since = row["counted_since"].strftime("%m-%d %H:%M") if row["counted_since"] else "-"
         with_ = side(row["reward_with"], row["judged_with"], row["sessions_with"])
         without = side(row["reward_without"], row["judged_without"], row["sessions_without"])
-        print(_printable(f"{name[:31]:<32}{row['injected']:>9}  {with_:<17} {without:<17}"
-                         f"{interval:>22}{last:>18}  {row['suggestion'] or '-'}"))
-    print("reward: mean judged reward of the task turns with the skill, and of comparable turns "
-          "without it (asks it matches that did not get it, since it was last added); n: judged "
+        print(_printable(f"{name[:31]:<32}{since:<12}{row['injected']:>9}  {with_:<17} "
+                         f"{without:<17}{interval:>22}{last:>18}  {row['suggestion'] or '-'}"))
+    print("since: the turns counted on both sides are from then on, when the skill's current "
+          "version began (added, or its description or body last changed; --all-versions: since "
+          "it was last added); reward: mean judged reward of the task turns with the skill, and "
+          "of comparable turns without it (asks it matches that did not get it); n: judged "
           "turns / the sessions they came from (the interval counts sessions); "
           "observational, see `help(metaclaw.fastloop.evidence)`. Whether a skill helps: replay "
           "the turns it was given without it, `metaclaw experiment run NAME --given-skill SKILL "
@@ -1566,6 +1569,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--propose", action="store_true",
                    help="stats: file the suggestions (retire, merge, review) as proposals held "
                    "for review")
+    p.add_argument("--all-versions", action="store_true",
+                   help="stats: count every version of a skill since it was last added "
+                   "(default: its current version's turns only)")
     add_config_options(p, "fast loop", only=("--evolver-url", "--evolver-model"), no_upstream=True)
     p.add_argument("--rewrite", action="store_true",
                    help="keys: write them again for skills that have some")

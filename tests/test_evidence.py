@@ -129,7 +129,7 @@ def test_with_and_without_are_counted_per_skill(workspace):
     assert dates["comparable"] == 2 and dates["reward_without"] == -1.0
     assert (dates["sessions_with"], dates["sessions_without"]) == (5, 2)  # a session each
     assert dates["reward_delta"] == 2.0 and dates["delta_low"] == 2.0  # no spread on a side
-    assert dates["last_used"] is not None and dates["turns_since_added"] == 11
+    assert dates["last_used"] is not None and dates["turns_since"] == 11
     backup = rows["backup-first"]
     assert (backup["injected"], backup["labels_fail_with"], backup["reward_with"]) == (4, 1, -1.0)
     unused = rows["haiku-replies"]
@@ -160,7 +160,8 @@ def test_suggestions_and_proposals_held_for_review(workspace, monkeypatch):
     proposal = proposals.get(store, filed[0])
     assert proposal.status == proposals.HELD and proposal.origin == "evidence"
     assert proposal.ops[0].op == "remove" and proposal.ops[0].name == "haiku-replies"
-    assert "not injected in 11 task turns since it was last added" in proposal.reason
+    assert "not injected in 11 task turns since 20" in proposal.reason  # (its start's date)
+    assert proposal.reason.endswith("(its current version)")
     assert evidence.propose(store, library, stats) == []  # already held: not filed twice
     proposals.promote(store, library, filed[0], by="alice")
     assert "haiku-replies" not in library
@@ -182,7 +183,8 @@ def test_merge_and_review_suggestions(workspace, monkeypatch):
     assert rows["backup-first"]["delta_high"] < 0
     filed = evidence.propose(store, library, stats)
     reasons = [proposals.get(store, i).reason for i in filed]
-    assert any(r.startswith("review backup-first: its 5 judged turns, of 5 sessions,")
+    assert any(r.startswith("review backup-first: its 5 judged turns since 20")
+               and ", of 5 sessions," in r
                and "observational" in r for r in reasons)
     review = next(proposals.get(store, i) for i in filed
                   if proposals.get(store, i).ops[0].name == "backup-first")
@@ -259,6 +261,10 @@ def test_cli_skills_stats(workspace, tmp_path, capsys):
     assert f"n={iso['judged_with']}/{iso['sessions_with']}" in line.split()
     assert f"n={iso['judged_without']}/{iso['sessions_without']}" in line.split()
     assert "the interval counts sessions" in out
+    assert iso["counted_since"] is not None and line.split()[1] != "-"  # its version's start
+    assert cli.main(argv + ["--all-versions", "--json"]) == 0
+    assert {r["skill"] for r in map(json.loads, capsys.readouterr().out.splitlines())} >= {
+        "iso-dates"}
 
 
 def test_empty_workspace(tmp_path):
@@ -377,14 +383,15 @@ def test_one_scan_counts_the_turns_after_each_time_a_skill_was_added(workspace):
     assert counts == {None: len(task),
                       **{t: sum(c > t for (c,) in task) for t in set(added_times)}}
     stats = evidence.skill_stats(store, library, compare=False)
-    assert dict(zip(stats["skill"], stats["turns_since_added"]))["late"] == 0
+    assert dict(zip(stats["skill"], stats["turns_since"]))["late"] == 0
 
 
 def test_the_interval_is_students_t_and_a_skill_re_added_can_be_retired(workspace,
                                                                        monkeypatch):
     """Few judged turns get Student's t (Welch's degrees of freedom), not the normal's 1.96
     (an interval from 4 turns was half as wide as it should be); a skill removed and added
-    again, not given since, is suggested for retirement (its old turns kept it in)."""
+    again, not given since, is suggested for retirement (its old turns kept it in): they are
+    counted for all its versions only."""
     with_ = _side([[1], [1], [-1]])  # one turn a session
     without = _side([[-1], [-1], [1]])
     delta, low, high = evidence._interval(with_, without)
@@ -403,4 +410,44 @@ def test_the_interval_is_students_t_and_a_skill_re_added_can_be_retired(workspac
     for day in range(3):
         _turn(store, f"an unrelated ask {day}", [], None)
     rows = {r["skill"]: r for r in evidence.skill_stats(store, library).iter_rows(named=True)}
-    assert rows["iso-dates"]["injected"] == 5 and rows["iso-dates"]["suggestion"] == "retire"
+    assert rows["iso-dates"]["injected"] == 0 and rows["iso-dates"]["suggestion"] == "retire"
+    assert rows["iso-dates"]["turns_since"] == 3
+    pooled = evidence.skill_stats(store, library, all_versions=True)
+    assert dict(zip(pooled["skill"], pooled["injected"]))["iso-dates"] == 0  # since added
+
+
+def test_an_edited_skill_is_judged_on_its_current_version(backup_only):
+    """An evolver's edit of a failing skill: the earlier text's turns (bad, with and without
+    it alike) are left out on both sides, so the edit is judged on the turns it served, and
+    ``review`` comes from the new text's turns only. An edit of its retrieval keys alone
+    starts no version; ``all_versions`` pools every version since it was added."""
+    store, library = backup_only
+    for session in range(3):  # the first text does worse than the comparable turns
+        _turn(store, EDIT, ["backup-first"], -1.0, session=f"old-with-{session}")
+        _turn(store, EDIT, [], 0.5, session=f"old-without-{session}")
+    old = {r["skill"]: r for r in evidence.skill_stats(store, library).iter_rows(named=True)}
+    assert old["backup-first"]["suggestion"] == "review"
+    first = old["backup-first"]["counted_since"]
+    keys_only = library.get("backup-first").with_retrieval_keys(["back up the nginx config"])
+    library.edit(keys_only, reason="keys")
+    same = {r["skill"]: r for r in evidence.skill_stats(store, library).iter_rows(named=True)}
+    assert same["backup-first"]["counted_since"] == first  # what a turn reads did not change
+    assert same["backup-first"]["injected"] == 3 and same["backup-first"]["comparable"] == 3
+    fixed = library.get("backup-first")
+    library.edit(Skill(name=fixed.name, description=fixed.description,
+                       body=fixed.body + " Keep the copy until the edit is verified.",
+                       extra=fixed.extra), reason="evolver: fix")
+    for session in range(3):  # the new text does as well as the turns without it
+        _turn(store, EDIT, ["backup-first"], 0.5, session=f"new-with-{session}")
+        _turn(store, EDIT, [], 0.5, session=f"new-without-{session}")
+    stats = evidence.skill_stats(store, library)
+    row = next(r for r in stats.iter_rows(named=True) if r["skill"] == "backup-first")
+    assert row["counted_since"] > first and row["turns_since"] == 6
+    assert (row["injected"], row["sessions_with"], row["reward_with"]) == (3, 3, 0.5)
+    assert (row["comparable"], row["sessions_without"], row["reward_without"]) == (3, 3, 0.5)
+    assert row["reward_delta"] == 0.0 and row["suggestion"] == ""
+    assert evidence.propose(store, library, stats) == []
+    pooled = evidence.skill_stats(store, library, all_versions=True)
+    row = next(r for r in pooled.iter_rows(named=True) if r["skill"] == "backup-first")
+    assert row["counted_since"] == first and (row["injected"], row["comparable"]) == (6, 6)
+    assert row["reward_with"] == pytest.approx(-0.25)

@@ -415,6 +415,8 @@ def test_experiment_and_evidence_magics_and_cell_progress(ip, capsys, monkeypatc
                                   "as meeting_time.")
     assert "no experiment" in fails(ip, "experiment")
     assert isinstance(line(ip, "evidence"), EvidenceView)
+    view = line(ip, "evidence --all-versions")
+    assert view._options["all_versions"] and view.stats["counted_since"].dtype.is_temporal()
     shown, updated = [], []
 
     class Handle:

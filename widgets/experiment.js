@@ -234,11 +234,12 @@ function renderEvidence(model, el) {
       "They differ in time, generation and task too; an experiment that replays the same turns answers the causal question."));
     if (model.get("error")) parts.push(h("div", { class: "mc-error" }, model.get("error")));
     const table = h("table", { class: "mc-table" },
-      h("thead", {}, h("tr", {}, ["skill", "injected", "reward with (judged / sessions)", "comparable without (judged / sessions)", "difference (95% interval)", "labels pass / fail", "last used", "nearest skill", "suggestion"].map((c) => h("th", {}, c)))));
+      h("thead", {}, h("tr", {}, ["skill", "counted since", "injected", "reward with (judged / sessions)", "comparable without (judged / sessions)", "difference (95% interval)", "labels pass / fail", "last used", "nearest skill", "suggestion"].map((c) => h("th", {}, c)))));
     const body = h("tbody");
     for (const r of rows) {
       body.append(h("tr", {},
         h("td", {}, h("b", {}, r.skill), r.in_library ? "" : h("span", { class: "mc-muted" }, " (removed)")),
+        h("td", { class: "mc-muted", title: "the turns counted on both sides are from then on: the skill's current version" }, formatTime(r.counted_since) || "—"),
         h("td", {}, r.injected),
         h("td", { class: signClass(r.reward_with) }, `${num(r.reward_with)} (${r.judged_with} / ${r.sessions_with})`),
         h("td", { class: signClass(r.reward_without) }, `${num(r.reward_without)} (${r.judged_without == null ? "—" : `${r.judged_without} / ${r.sessions_without}`})`),

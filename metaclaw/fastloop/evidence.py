@@ -5,26 +5,32 @@
     evidence.chart(stats)                            # reward with vs without, per skill
     evidence.propose(store, library, stats)          # held proposals for the suggestions
 
-For each skill of the library (and each skill turns received that has left it since):
+For each skill of the library (and each skill turns received that has left it since), over the
+task turns served since its **current version** began (``counted_since``: when it was added, or
+a change last rewrote what a turn given it reads, its description or body; a change of its
+retrieval keys alone starts no version), the earlier versions' turns left out (``all_versions``
+counts every turn it was given, and the comparable ones since it was last added):
 
 - **with**: the task turns it was injected into: how many, how many were judged and the sessions
   those came from, their mean reward and pass rate (reward above ``threshold``), the human labels
   (pass / fail), the first and last time it was used;
 - **without (comparable turns)**: the task turns served while the skill was in the library
-  (since it was last added) whose recorded retrieval query the skill matches but which did not
+  (since its version began) whose recorded retrieval query the skill matches but which did not
   get it. An ask matches a skill when the proxy's default retrieval scores the pair at or above
   its injection threshold (BM25 fused with the static embedding of the skill's text or example
   asks, :class:`metaclaw.skills.retrieval.HybridRetriever`), whatever the top-k, the margin and
   the context budget decided: asks where another skill took its place, or that a scope, a stage
   or the budget kept it from. Turns from before it existed are left out: they met other tasks
   and another policy, and they hold the very failures it was written from, which would make
-  any skill look good (or, as tasks grow harder, bad). The same numbers as for *with*, and the
+  any skill look good (or, as tasks grow harder, bad); so are those of its earlier versions,
+  on both sides: an edit that fixed a skill is not held against it by the turns it fixed. The same numbers as for *with*, and the
   difference in mean reward per judged turn with a 95% interval that counts sessions, not
   turns, as the independent units (see below);
 - the nearest other skill of the library and their cosine (a near duplicate at
-  :data:`NEAR_DUPLICATE` or more), and how many task turns arrived since the skill was added;
-- a suggestion: ``retire`` (not injected in :data:`IDLE_TURNS` or more task turns since it was
-  last added), ``merge`` (a near duplicate of another skill), ``review`` (its turns did worse
+  :data:`NEAR_DUPLICATE` or more), and how many task turns arrived since its version began
+  (``turns_since``);
+- a suggestion: ``retire`` (not injected in :data:`IDLE_TURNS` or more task turns since its
+  version began), ``merge`` (a near duplicate of another skill), ``review`` (its turns did worse
   than the comparable ones, the whole interval below zero), or nothing.
 
 The interval: the turns of one session are not independent (an agent's tool loop sends its ask
@@ -39,8 +45,9 @@ the sides taken as independent (where its turns share a reward, that errs wide).
 
 What the numbers cannot show: this is observation, not an experiment. The comparable turns are
 matched on the ask only, and they did not get the skill for a reason (another skill ranked
-above it), so a difference may come from that; every version of a skill edited over time is
-counted under its name. Few judged sessions give a wide interval (or none, under two a side).
+above it), so a difference may come from that. A turn counts for the version committed when it
+was recorded (one served by the earlier version while the change landed counts for the new
+one). Few judged sessions give a wide interval (or none, under two a side).
 An experiment that replays the same turns with and without the skill answers the causal
 question. Suggestions are never applied here: :func:`propose` files them as held proposals (with
 their evidence), promoted or discarded by a person like any other
@@ -71,7 +78,7 @@ COLUMNS = ("skill", "in_library", "injected", "judged_with", "sessions_with", "r
            "pass_rate_with", "labels_pass_with", "labels_fail_with", "comparable",
            "judged_without", "sessions_without", "reward_without", "pass_rate_without",
            "reward_delta", "delta_low", "delta_high", "first_used", "last_used",
-           "turns_since_added", "nearest", "nearest_cosine", "suggestion")
+           "counted_since", "turns_since", "nearest", "nearest_cosine", "suggestion")
 
 
 @dataclass
@@ -189,6 +196,42 @@ def _added_at(store: Store) -> dict[str, float]:
     return {r["skill_name"]: r["at"] for r in rows}
 
 
+def _served(skill: Skill) -> tuple[str, str]:
+    """What a turn given ``skill`` reads of it (its section of the injected block)."""
+    return skill.description, skill.body
+
+
+def version_starts(store: Store, library: Any, skills: list[Skill]) -> dict[str, float]:
+    """When each of ``skills`` (as they are now) took its current version: the time of its
+    latest ``add``, or of a later ``edit`` that changed what a turn given it reads (its
+    description or body: an edit of its retrieval keys alone starts no version). A skill with
+    neither recorded is absent (every turn counts). ``library``: where the generations'
+    skills are read (:meth:`SkillLibrary.snapshot`), only for the edits newer than a skill's
+    version."""
+    from metaclaw.skills.library import SkillNotFound
+
+    current = {s.name: _served(s) for s in skills}
+    starts: dict[str, float] = {}
+    rows = store.query("SELECT e.skill_name, e.op, e.generation, e.created_at, g.parent "
+                       "FROM skill_events e LEFT JOIN skill_generations g "
+                       "ON g.generation = e.generation WHERE e.op IN ('add', 'edit') "
+                       "ORDER BY e.generation DESC, e.id DESC")
+    for row in rows:  # newest first: each skill's version is found at its newest change
+        name = row["skill_name"]
+        if name not in current or name in starts:
+            continue
+        if row["op"] == "edit":
+            parent = row["parent"] if row["parent"] is not None else row["generation"] - 1
+            try:
+                before = library.snapshot(parent).get(name)
+            except SkillNotFound:
+                before = None
+            if before is not None and _served(before) == current[name]:
+                continue  # its keys changed, not what a turn reads
+        starts[name] = row["created_at"]
+    return starts
+
+
 def _task_turns(store: Store, columns: str) -> Iterable[list[tuple[Any, ...]]]:
     """The successful task turns (rows of ``id, session_id, turn_index, columns``, JSON as
     stored), ``BATCH`` at a time, a session's turns together (in the order of the index on
@@ -294,7 +337,7 @@ class _Scan:
       added).
     """
 
-    def __init__(self, skills: list[Skill], threshold: float, added: dict[str, float],
+    def __init__(self, skills: list[Skill], threshold: float, since: dict[str, float],
                  matcher: Any):
         import numpy as np
 
@@ -309,14 +352,15 @@ class _Scan:
         # the number the sums of the session read last use (by its id), and how many were read
         self.session_number: dict[str, int] = {}
         self.sessions_seen = 0
-        self.times = np.array(sorted(set(added.values())), dtype=np.float64)
+        self.times = np.array(sorted(set(since.values())), dtype=np.float64)
         self.after = np.zeros(len(self.times) + 1, dtype=np.int64)
-        # a turn counts as comparable for a skill only once it was (last) added: before, the
-        # asks of its kind met other tasks, another policy, the very failures it was written
-        # from. A skill's rank: how many of ``times`` are at or before its own (0: no add
-        # recorded, always in); a turn's: how many are at or before the turn.
-        self.rank = np.array([np.searchsorted(self.times, added[s.name], side="right")
-                              if s.name in added else 0 for s in skills], dtype=np.intp)
+        # a turn counts for a skill only from its start on (``since``: its version's, or when
+        # it was last added): before, the asks of its kind met other tasks, another policy, the
+        # very failures it was written from, or another text of it. A skill's rank: how many of
+        # ``times`` are at or before its own (0: no start recorded, always in); a turn's: how
+        # many are at or before the turn.
+        self.rank = np.array([np.searchsorted(self.times, since[s.name], side="right")
+                              if s.name in since else 0 for s in skills], dtype=np.intp)
         self._names: dict[str, list[int]] = {}  # an injected list as stored: its columns
 
     def _columns(self, raw: str) -> list[int]:
@@ -365,6 +409,11 @@ class _Scan:
                     turn.append(r)
                     column.append(c)
         turn, column = np.array(turn, dtype=np.intp), np.array(column, dtype=np.intp)
+        span = np.searchsorted(self.times, created, side="right")
+        ours = column < len(self.skills)  # a skill's turns before its start are not counted
+        counted = ~ours  # (a name that left the library: all of them)
+        counted[ours] = span[turn[ours]] >= self.rank[column[ours]]
+        turn, column = turn[counted], column[counted]
         self._grow(len(self.column))
         for k in range(len(_SUMS)):
             self.with_sums[k] += np.bincount(column, weights=values[k, turn],
@@ -377,7 +426,6 @@ class _Scan:
             # summed per session and distinct ask in each span of time between two additions,
             # then multiplied by which skills each ask matches of those in the library then
             matched, ask = self._matched(store, ids, asked)
-            span = np.searchsorted(self.times, created, side="right")
             local = np.unique(session, return_inverse=True)[1].ravel()  # numbered in the batch
             _, first, group = np.unique((span * len(matched) + ask) * (local.max() + 1) + local,
                                         return_index=True, return_inverse=True)
@@ -392,9 +440,8 @@ class _Scan:
             at = judged_groups[at]
             self.without_sessions.add(of, group_session[at], *per_group[1:3, at])
             # a turn that got a skill its ask matches is on the other side: taken out again
-            mine = column < len(self.skills)
-            hit = matched[ask[turn[mine]], column[mine]] & (
-                span[turn[mine]] >= self.rank[column[mine]])
+            mine = column < len(self.skills)  # (each counted: from its skill's start on)
+            hit = matched[ask[turn[mine]], column[mine]]
             took, skill = turn[mine][hit], column[mine][hit]
             for k in range(len(_SUMS)):
                 self.without[k] -= np.bincount(skill, weights=values[k, took],
@@ -486,21 +533,24 @@ def _matcher(retriever: Any) -> Any:
 
 
 def collect(store: Store, skills: list[Skill], *, threshold: float = 0.0,
-            retriever: Any = None, compare: bool = True) -> dict[str, Any]:
+            retriever: Any = None, compare: bool = True,
+            since: dict[str, float] | None = None) -> dict[str, Any]:
     """The sums behind :func:`skill_stats`, from one scan of the task turns: ``with`` (by skill
     name), ``without`` (by skill of ``skills``; None without ``compare``), ``first`` / ``last``
-    use, ``added``: when each skill was last added, and ``since``: the task turns recorded after
-    each of those times (under ``None``: all of them)."""
+    use, ``starts``: from when each skill of ``skills`` is counted (``since``, by name: its
+    turns before are left out on both sides; default: when it was last added), and
+    ``since``: the task turns recorded after each of those times (under ``None``: all of
+    them)."""
     from metaclaw.skills.retrieval import one_blas_thread
 
-    added = _added_at(store)
-    scan = _Scan(skills, threshold, added, _matcher(retriever) if compare and skills else None)
+    starts = _added_at(store) if since is None else since
+    scan = _Scan(skills, threshold, starts, _matcher(retriever) if compare and skills else None)
     # products split over threads wait for busy cores; the batches' many row tuples would make
     # the cyclic collector run over and over
     with one_blas_thread(), fewer_collections():
         for rows in _task_turns(store, _READ):
             scan.add(store, rows)
-    return {**scan.result(), "added": added}
+    return {**scan.result(), "starts": starts}
 
 
 def _nearest(skills: list[Skill], retriever: Any) -> list[tuple[str | None, float | None]]:
@@ -520,18 +570,22 @@ def _nearest(skills: list[Skill], retriever: Any) -> list[tuple[str | None, floa
 
 
 def skill_stats(store: Store, library: Any, *, threshold: float = 0.0, retriever: Any = None,
-                compare: bool = True):
+                compare: bool = True, all_versions: bool = False):
     """One row per skill (see the module's docstring), the library's skills first, by name;
     ``threshold``: the reward above which a judged turn passed (the judge's); ``retriever``:
     the one that matches asks to skills (an embedding or hybrid retriever; default: the
     proxy's default); ``compare``: False skips the comparable turns and the near duplicates (no
-    embedding at all). A polars DataFrame."""
+    embedding at all); ``all_versions``: count every version of a skill since it was last added
+    (default: its current version's turns only, :func:`version_starts`). A polars
+    DataFrame."""
     import polars as pl
 
     skills = sorted(library.skills(), key=lambda s: s.name)
-    sums = collect(store, skills, threshold=threshold, retriever=retriever, compare=compare)
+    since = None if all_versions else version_starts(store, library, skills)
+    sums = collect(store, skills, threshold=threshold, retriever=retriever, compare=compare,
+                   since=since)
     nearest = _nearest(skills, retriever) if compare else [(None, None)] * len(skills)
-    added = sums["added"]
+    starts = sums["starts"]
     gone = sorted(set(sums["with"]) - {s.name for s in skills})
     rows = []
     for name, in_library, near in [(s.name, True, n) for s, n in zip(skills, nearest)] + \
@@ -541,13 +595,11 @@ def skill_stats(store: Store, library: Any, *, threshold: float = 0.0, retriever
         delta, low, high = _interval(w, wo) if wo is not None else (None, None, None)
         since, start = None, None
         if in_library:
-            start = added.get(name)
+            start = starts.get(name)
             since = sums["since"][start]  # (None: all of them)
         suggestion = ""
-        last = sums["last"].get(name)
-        unused = w.turns == 0 or (start is not None and last is not None and last < start)
-        if in_library and unused and since is not None and since >= IDLE_TURNS:
-            suggestion = "retire"  # (not given it since it was last added)
+        if in_library and w.turns == 0 and since is not None and since >= IDLE_TURNS:
+            suggestion = "retire"  # (not given it since its start: its turns are from then)
         elif in_library and near[1] is not None and near[1] >= NEAR_DUPLICATE:
             suggestion = "merge"
         elif high is not None and high < 0:
@@ -563,7 +615,8 @@ def skill_stats(store: Store, library: Any, *, threshold: float = 0.0, retriever
             "pass_rate_without": wo.passed / wo.judged if wo and wo.judged else None,
             "reward_delta": delta, "delta_low": low, "delta_high": high,
             "first_used": sums["first"].get(name), "last_used": sums["last"].get(name),
-            "turns_since_added": since, "nearest": near[0], "nearest_cosine": near[1],
+            "counted_since": start, "turns_since": since, "nearest": near[0],
+            "nearest_cosine": near[1],
             "suggestion": suggestion,
         })
     schema = {"skill": pl.Utf8, "in_library": pl.Boolean, "injected": pl.Int64,
@@ -573,23 +626,30 @@ def skill_stats(store: Store, library: Any, *, threshold: float = 0.0, retriever
               "sessions_without": pl.Int64, "reward_without": pl.Float64,
               "pass_rate_without": pl.Float64, "reward_delta": pl.Float64,
               "delta_low": pl.Float64, "delta_high": pl.Float64, "first_used": pl.Float64,
-              "last_used": pl.Float64, "turns_since_added": pl.Int64, "nearest": pl.Utf8,
+              "last_used": pl.Float64, "counted_since": pl.Float64, "turns_since": pl.Int64,
+              "nearest": pl.Utf8,
               "nearest_cosine": pl.Float64, "suggestion": pl.Utf8}
     frame = pl.DataFrame(rows, schema=schema, orient="row") if rows else pl.DataFrame(
         schema=schema)
     return frame.with_columns(
         pl.from_epoch((pl.col(c) * 1000).cast(pl.Int64), time_unit="ms").alias(c)
-        for c in ("first_used", "last_used"))
+        for c in ("first_used", "last_used", "counted_since"))
+
+
+def _since(row: dict[str, Any]) -> str:
+    """" since <when its counted turns start>" ("" where all of them count)."""
+    start = row.get("counted_since")
+    return "" if start is None else f" since {start:%Y-%m-%d %H:%M}"
 
 
 def _reason(row: dict[str, Any]) -> str:
     if row["suggestion"] == "retire":
-        return (f"retire {row['skill']}: not injected in {row['turns_since_added']} task turns "
-                "since it was last added")
+        return (f"retire {row['skill']}: not injected in {row['turns_since']} task turns"
+                f"{_since(row)} (its current version)")
     if row["suggestion"] == "merge":
         return (f"merge {row['skill']} into {row['nearest']}: near duplicate (cosine "
                 f"{row['nearest_cosine']:.2f}); edit {row['nearest']} to keep what it adds")
-    return (f"review {row['skill']}: its {row['judged_with']} judged turns, of "
+    return (f"review {row['skill']}: its {row['judged_with']} judged turns{_since(row)}, of "
             f"{row['sessions_with']} sessions, averaged {row['reward_with']:+.2f}, comparable "
             f"turns without it {row['reward_without']:+.2f} (of {row['sessions_without']} "
             f"sessions; difference {row['reward_delta']:+.2f}, 95% interval "
@@ -611,10 +671,12 @@ def propose(store: Store, library: Any, stats: Any) -> list[int]:
         name = row["skill"]
         if name in pending or name not in current:
             continue
+        start = row["counted_since"]  # the turns its figures are of
         evidence = [r["id"] for r in store.query(
             f"SELECT t.id FROM turns t, {store.json_values('t.injected_skills', 'j')} "
-            "WHERE j.value = ? AND "
-            "t.reward IS NOT NULL ORDER BY t.id DESC LIMIT 20", (name,))]
+            "WHERE j.value = ? AND t.reward IS NOT NULL AND t.created_at >= ? "
+            "ORDER BY t.id DESC LIMIT 20",
+            (name, float("-inf") if start is None else start.timestamp()))]
         op = SkillOp("remove", name=name, reason=_reason(row), evidence=evidence,
                      base=current[name].content_hash)
         ids.append(proposals.record(store, [op], origin="evidence", status=proposals.HELD,

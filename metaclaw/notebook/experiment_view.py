@@ -508,15 +508,15 @@ EVIDENCE_COLUMNS = ("skill", "in_library", "injected", "judged_with", "sessions_
                     "reward_with", "pass_rate_with", "labels_pass_with", "labels_fail_with",
                     "comparable", "judged_without", "sessions_without", "reward_without",
                     "reward_delta", "delta_low",
-                    "delta_high", "first_used", "last_used", "turns_since_added", "nearest",
-                    "nearest_cosine", "suggestion")
+                    "delta_high", "first_used", "last_used", "counted_since", "turns_since",
+                    "nearest", "nearest_cosine", "suggestion")
 
 
 class EvidenceView(_WorkspaceWidget):
     """Per-skill evidence (:func:`metaclaw.fastloop.evidence.skill_stats`): one row per skill, the
     suggestions (retire, merge, review) with their reasons, and :meth:`propose` to file them
-    as proposals held for review. ``threshold``, ``retriever``, ``compare``: as for
-    ``skill_stats``. A snapshot: :meth:`refresh` (or the *refresh* button) reads it again."""
+    as proposals held for review. ``threshold``, ``retriever``, ``compare``,
+    ``all_versions``: as for ``skill_stats``. A snapshot: :meth:`refresh` (or the *refresh* button) reads it again."""
 
     _esm = ESM
     _css = CSS
@@ -530,10 +530,12 @@ class EvidenceView(_WorkspaceWidget):
     taken_at = traitlets.Float(0.0).tag(sync=True)
 
     def __init__(self, store: Any, library: Any, *, threshold: float = 0.0,
-                 retriever: Any = None, compare: bool = True, **kwargs: Any):
+                 retriever: Any = None, compare: bool = True, all_versions: bool = False,
+                 **kwargs: Any):
         self._read_from(store)
         self._library = library
-        self._options = {"threshold": threshold, "retriever": retriever, "compare": compare}
+        self._options = {"threshold": threshold, "retriever": retriever, "compare": compare,
+                         "all_versions": all_versions}
         self.stats: Any = None
         super().__init__(**kwargs)
         self._ready = True
@@ -547,7 +549,7 @@ class EvidenceView(_WorkspaceWidget):
         self.stats = stats
         rows = [{k: row[k] for k in EVIDENCE_COLUMNS} for row in stats.iter_rows(named=True)]
         for row in rows:
-            for key in ("first_used", "last_used"):
+            for key in ("first_used", "last_used", "counted_since"):
                 row[key] = None if row[key] is None else row[key].timestamp()
         self.rows = _json_safe(rows)
         self.suggestions = _json_safe([

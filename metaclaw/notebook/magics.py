@@ -626,14 +626,18 @@ class MetaClawMagics(Magics):
             raise MagicUsageError(f"%metaclaw experiment: {exc}") from None
 
     def _do_evidence(self, argv: list[str], cell: str | None):
-        """%metaclaw evidence: per-skill evidence of the library (metaclaw.fastloop.evidence), with its
+        """%metaclaw evidence [--all-versions]: per-skill evidence of the library
+        (metaclaw.fastloop.evidence), each skill's current version unless --all-versions, with its
         suggestions; its button files them as proposals held for review."""
         from metaclaw.notebook.experiment_view import evidence_view
 
-        _parser("evidence", self._do_evidence.__doc__).parse_args(argv)
+        parser = _parser("evidence", self._do_evidence.__doc__)
+        parser.add_argument("--all-versions", action="store_true",
+                            help="count every version of a skill since it was last added")
+        args = parser.parse_args(argv)
         runtime = self._require_runtime()
         runtime.proxy.flush()
-        return evidence_view(runtime.store, runtime.library)
+        return evidence_view(runtime.store, runtime.library, all_versions=args.all_versions)
 
     def _do_buffers(self, argv: list[str], cell: str | None):
         """%metaclaw buffers: the support / query buffers (BufferWidget; .frame is polars)."""
