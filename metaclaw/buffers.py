@@ -88,13 +88,15 @@ FAILURE_SQL = ("(human_label = 'fail' OR (COALESCE(human_label, '') != 'pass' "
                "AND reward IS NOT NULL AND reward < ?))")
 
 
-#: A turn that went well: a person's pass, or a judged reward above zero no person overruled.
+#: A turn that went well (one parameter: the judge threshold): a person's pass, or a judged
+#: reward above the threshold no person overruled (:func:`metaclaw.turns.judge_verdict`: at the
+#: threshold the judge could not tell, neither a failure nor a success).
 SUCCESS_SQL = ("(human_label = 'pass' OR (COALESCE(human_label, '') != 'fail' "
-               "AND reward IS NOT NULL AND reward > 0))")
+               "AND reward IS NOT NULL AND reward > ?))")
 
 
 def served_asks(store: Store, generation: int, *, scopes: dict[str, str] | None = None,
-                limit: int = 2000) -> dict[str, list[tuple[int, str]]]:
+                threshold: float = 0.0, limit: int = 2000) -> dict[str, list[tuple[int, str]]]:
     """For each skill, the ``(turn id, retrieval query)`` of the task turns of ``generation``
     it was injected into that went well (:data:`SUCCESS_SQL`), oldest first: asks the skill is
     known to serve, which become its example asks at the next generation
@@ -108,7 +110,7 @@ def served_asks(store: Store, generation: int, *, scopes: dict[str, str] | None 
         f"WHERE skill_generation = ? "
         f"AND status = 'ok' AND retrieval_query IS NOT NULL AND retrieval_query != '' "
         f"AND injected_skills != '[]' AND {SUCCESS_SQL} ORDER BY id LIMIT ?",
-        (generation, int(limit)))
+        (generation, float(threshold), int(limit)))
     asks: dict[str, list[tuple[int, str]]] = {}
     for row in rows:
         for name in row["injected_skills"] or []:
@@ -127,15 +129,14 @@ def is_failure(turn: dict[str, Any], threshold: float = 0.0) -> bool:
     return reward is not None and float(reward) < threshold
 
 
-def classify(turn: dict[str, Any], *, generation: int,
-             threshold: float = 0.0) -> tuple[str | None, str | None]:
+def classify(turn: dict[str, Any], *, generation: int) -> tuple[str | None, str | None]:
     """The ``(buffer_set, buffer_state)`` a turn row should have under the rules above.
 
     ``turn`` is a row of ``turns`` (as returned by ``Store.turn``); ``generation`` the current one.
     The set is decided once: a turn that already has one keeps it. Returns the turn's present
     values unchanged for final states and for turns that never enter the buffers (side turns,
-    failed requests). ``threshold`` is accepted for callers that pass it; judging a turn does
-    not move it between sets.
+    failed requests). Judging a turn does not move it between sets: the threshold is read
+    where the support set is (:func:`support_set`).
     """
     present = (turn.get("buffer_set"), turn.get("buffer_state"))
     if not is_task_turn(turn.get("turn_type", "main")) or turn.get("status") != "ok":
@@ -148,7 +149,7 @@ def classify(turn: dict[str, Any], *, generation: int,
     return wanted_set, LIVE
 
 
-def refresh(store: Store, turn_ids: Iterable[int] | None = None, *, threshold: float = 0.0,
+def refresh(store: Store, turn_ids: Iterable[int] | None = None, *,
             generation: int | None = None) -> dict[str, int]:
     """Apply the buffer rules to some turns (default: every successful task turn not in a final
     state).
@@ -168,7 +169,7 @@ def refresh(store: Store, turn_ids: Iterable[int] | None = None, *, threshold: f
         else:
             rows = store.query(f"{columns} WHERE id {IN_IDS} ORDER BY id", (id_list(turn_ids),))
         for row in rows:
-            new = classify(row, generation=gen, threshold=threshold)
+            new = classify(row, generation=gen)
             if new == (row.get("buffer_set"), row.get("buffer_state")):
                 continue
             store.update_turn(row["id"], buffer_set=new[0], buffer_state=new[1])

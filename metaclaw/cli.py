@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import json
 import os
@@ -655,6 +656,7 @@ def _judge(args: argparse.Namespace):
 def cmd_score(args: argparse.Namespace) -> int:
     from metaclaw.fastloop.judge import turns_to_score
     from metaclaw.fastloop.llm import record_call_failure
+    from metaclaw.turns import judge_verdict
 
     store = _store(args.db)
     judge = _judge(args)
@@ -669,6 +671,8 @@ def cmd_score(args: argparse.Namespace) -> int:
             print(r)
     failed = sum(1 for r in results if r.failed_call)
     skipped = sum(1 for r in results if r.skipped)
+    said = collections.Counter(judge_verdict(r.score, args.threshold) for r in results
+                               if not r.failed_call and not r.skipped)
     for r in results:
         if r.failed_call:
             record_call_failure(store, "judge_failed", judge,
@@ -677,6 +681,8 @@ def cmd_score(args: argparse.Namespace) -> int:
     if not args.json:
         print(f"judged {len(results) - failed - skipped} of {len(ids)} turns with {judge.model} "
               f"({judge.votes} votes each)" + (f"; {failed} could not be judged" if failed else "")
+              + (f": {said['fail']} below {args.threshold:g} (failures), {said['pass']} above, "
+                 f"{said['unclear']} at it (unclear)" if said else "")
               + (f"; {skipped} skipped (judged meanwhile or being judged by another process)"
                  if skipped else "")
               + ("" if ids or args.rescore else
@@ -696,7 +702,8 @@ def cmd_evolve(args: argparse.Namespace) -> int:
     _store(args.db)
     library = _library(args)
     evolver = Evolver(args.evolver_url, args.evolver_model, library, library.store,
-                      dedupe_threshold=args.dedupe, skill_scope=args.skill_scope)
+                      dedupe_threshold=args.dedupe, skill_scope=args.skill_scope,
+                      threshold=args.threshold)
     try:
         with console.progress(args.verbosity) as on_progress:
             result = evolver.evolve(dry_run=args.dry_run, on_progress=on_progress)
@@ -785,17 +792,19 @@ def _experiment_run(args: argparse.Namespace, store: Any, ex: Any) -> int:
             before = len(ex.dataset_ids(store, experiment.dataset))
             ids = ex.dataset(store, experiment.dataset, turn_ids=turn_ids, session=args.session,
                              failures=args.failures, labelled=args.labelled,
-                             given=args.given_skill, last=args.last, extend=True)
+                             given=args.given_skill, last=args.last, extend=True,
+                             threshold=replayer.judge.threshold)
             print(f"dataset {experiment.dataset}: {len(ids)} turns ({len(ids) - before} added)")
     else:
         dataset = args.dataset or args.name
+        replayer = _replayer(args, {})  # (a run it refuses stores nothing)
         if selected or not args.dataset:
             ids = ex.dataset(store, dataset, turn_ids=turn_ids, session=args.session,
                              failures=args.failures, labelled=args.labelled,
                              given=args.given_skill, last=args.last,
-                             replace=bool(args.dataset is None))
+                             replace=bool(args.dataset is None),
+                             threshold=replayer.judge.threshold)
             print(f"dataset {dataset}: {len(ids)} turns")
-        replayer = _replayer(args, {})
         experiment = ex.Experiment.create(store, args.name, dataset, args.variant or [])
     plan = experiment.plan(votes=replayer.judge.votes)
     budget = (f"; stops at --max-calls {args.max_calls}" if args.max_calls else "")
@@ -1581,7 +1590,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_options(p, "fast loop", only=("--judge-url", "--judge-model", "--votes"),
                        no_upstream=True)
     p.add_argument("--threshold", type=argtypes.finite_float, default=0.0,
-                   help="a turn scoring below this is a failure (support set)")
+                   help="the summary counts a turn judged below this as a failure, above it "
+                   "as a pass (default 0; rewards are stored as they are: `evolve "
+                   "--threshold` reads the support set with its own)")
     p.add_argument("--session", help="only this session")
     p.add_argument("--last", type=argtypes.positive_int, help="only the last N turns")
     p.add_argument("--rescore", action="store_true", help="judge already judged turns again")
@@ -1596,6 +1607,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="show the operations, change nothing")
     p.add_argument("--dedupe", type=argtypes.finite_float, default=0.85,
                    help="embedding similarity at which an added skill counts as a duplicate")
+    p.add_argument("--threshold", type=argtypes.finite_float, default=0.0,
+                   help="the support set: judged turns below this reward (default 0), as "
+                   "`metaclaw buffers --threshold` shows them")
     p.add_argument("--json", action="store_true")
 
     p = add("experiment", help="replay recorded turns with several skill libraries or "

@@ -207,7 +207,7 @@ def run_mode(mode: str, data: Path, days: Any, out: Path, upstream: str, model: 
                 attempted: set[int] = set()
 
                 def evolve_if_new() -> None:
-                    buffers.refresh(store, threshold=judge.threshold)
+                    buffers.refresh(store)
                     ids = {int(t["id"]) for t in buffers.support_set(store, threshold=judge.threshold)}
                     if ids - attempted:
                         attempted.update(ids)

@@ -32,6 +32,7 @@ from metaclaw import buffers
 from metaclaw.buffers import message_text
 from metaclaw.skills.asks import INSTRUCTION_ROLES
 from metaclaw.store import Store
+from metaclaw.turns import judge_verdict
 
 #: Length of the previews in :meth:`Trace.index`.
 PREVIEW_CHARS = 160
@@ -130,7 +131,7 @@ class Trace:
         return self._index
 
     def _judge_verdict(self, reward: Any) -> str | None:
-        return None if reward is None else ("fail" if float(reward) < self.threshold else "pass")
+        return judge_verdict(reward, self.threshold)
 
     def is_failure(self, row: dict[str, Any]) -> bool:
         if row.get("status") != "ok":

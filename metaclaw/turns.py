@@ -31,6 +31,23 @@ STAGE_TURNS_SQL = f"substr(turn_type, 1, {len(STAGE_PREFIX)}) = '{STAGE_PREFIX}'
 TASK_TURNS_SQL = f"(turn_type = 'main' OR {STAGE_TURNS_SQL})"
 
 
+#: A judged turn's verdict against the failure threshold ``T``: ``fail`` below it, ``pass``
+#: above it, ``unclear`` at it (a tie of the judge's votes, or every vote unclear: a reward of 0
+#: at the default threshold 0). One rule for every reader: the support set, the exports, the
+#: judge–human agreement, the gate, experiments, the trace. A person's label, where there is
+#: one, takes precedence (:data:`metaclaw.buffers.FAILURE_SQL`, :data:`~metaclaw.buffers.SUCCESS_SQL`).
+VERDICTS = ("pass", "fail", "unclear")
+
+
+def judge_verdict(reward: Any, threshold: float = 0.0) -> str | None:
+    """The judge's verdict on a turn of reward ``reward`` (None: not judged); see
+    :data:`VERDICTS`."""
+    if reward is None:
+        return None
+    reward = float(reward)
+    return "fail" if reward < threshold else "pass" if reward > threshold else "unclear"
+
+
 class IdentityError(ValueError):
     """A session id or turn type the client gave is not acceptable; ``param`` names it."""
 

@@ -40,7 +40,7 @@ def test_classification_of_the_current_generation(store, library):
     unjudged = turn(store, 0)
     side = turn(store, 0, turn_type="side", reward=-1)
     error = turn(store, 0, status="error")
-    changes = buffers.refresh(store, threshold=0.0)
+    changes = buffers.refresh(store)
     assert changes == {"support": 0, "query": 4, "purged": 0}
     for t in (fail, unclear, good, unjudged):
         assert state(store, t) == ("query", "live")
@@ -51,7 +51,7 @@ def test_classification_of_the_current_generation(store, library):
     # a higher threshold makes "unclear" a failure too, for the evolver; no turn changes set
     assert [t["id"] for t in buffers.support_set(store, threshold=0.5)] == [fail, unclear]
     store.update_turn(fail, reward=1.0)
-    assert buffers.refresh(store, threshold=0.5) == {"support": 0, "query": 0, "purged": 0}
+    assert buffers.refresh(store) == {"support": 0, "query": 0, "purged": 0}
     assert state(store, fail) == ("query", "live")
 
 

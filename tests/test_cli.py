@@ -265,6 +265,9 @@ def test_score_buffers_evolve_commands(tmp_path):
         again = run_cli("score", "--db", db, "--judge-url", url, "--judge-model", "sim-judge")
         assert "judged 0 of 0 turns" in again.stdout and "--rescore judges them again" in \
             again.stdout  # not a silent nothing
+        rescored = run_cli("score", "--db", db, "--judge-url", url, "--judge-model", "sim-judge",
+                           "--rescore")  # the summary counts the verdicts at its threshold
+        assert ": 1 below 0 (failures), 0 above, 1 at it (unclear)" in rescored.stdout
         rows = [json.loads(l) for l in run_cli("buffers", "--db", db, "--json").stdout.splitlines()]
         assert [(r["set"], r["state"], r["skill_generation"], r["reward"]) for r in rows] == [
             ("query", "live", 0, -1.0), ("query", "live", 0, 0.0)]

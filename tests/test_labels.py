@@ -191,3 +191,43 @@ def test_an_export_frame_holds_no_made_up_messages_for_a_malformed_row(tmp_path)
     assert frame["id"].to_list() == [good, bad]
     assert json.loads(frame["request_messages"][0]) == [{"role": "user", "content": "x"}]
     assert frame["request_messages"][1] is None
+
+
+def test_a_reward_at_the_threshold_is_unclear_for_every_reader(store, add_buffer_turn):
+    """One rule (metaclaw.turns.judge_verdict): below the threshold a failure, above it a pass,
+    at it neither (a tie of the judge's votes: 0 at the default 0). The export, the agreement,
+    the support set, the skills' served asks, the gate's guards and an experiment's failures
+    read it alike; at a threshold of 0.75 a reward of 0.5 is a failure and not a success."""
+    from metaclaw.fastloop import experiments
+    from metaclaw.fastloop.gate import Gate
+    from metaclaw.turns import judge_verdict
+
+    assert [judge_verdict(r) for r in (-1, 0, 0.5, None)] == ["fail", "unclear", "pass", None]
+    ids = [judged(add_buffer_turn, store, f"s{i}", f"ask {i}", r)
+           for i, r in enumerate((-1.0, 0.0, 0.5, 1.0))]
+    for turn in ids:
+        store.update_turn(turn, injected_skills=["sk"], retrieval_query=f"q{turn}")
+    labels.label(store, ids[1], "fail", author="alice")
+    labels.label(store, ids[3], "pass", author="alice")
+    records = {r["metadata"]["turn_id"]: r["metadata"]["judge_verdict"]
+               for r in labels.export_records(store, shape="eval")}
+    assert [records[i] for i in ids] == ["fail", "unclear", "pass", "pass"]
+    agreement = labels.agreement(store)
+    assert agreement.overall["labelled"] == 1 and agreement.overall["judge_unclear"] == 1
+    assert "could not tell" in repr(agreement)
+    assert [t["id"] for t in buffers.support_set(store)] == [ids[0], ids[1]]  # (alice: fail)
+    for threshold, served in ((0.0, [ids[2], ids[3]]), (0.75, [ids[3]])):
+        asks = buffers.served_asks(store, 0, threshold=threshold)
+        assert [turn for turn, _ in asks["sk"]] == served
+        assert not set(served) & {t["id"] for t in buffers.support_set(store,
+                                                                       threshold=threshold)}
+
+    class Judge:
+        threshold = 0.0
+    gate = Gate.__new__(Gate)
+    gate.judge, gate.successes = Judge(), 10
+    assert {t["id"] for t in gate.recent_successes(store)} == {ids[2], ids[3]}
+    failures = experiments.dataset(store, "failing", failures=True)
+    assert failures == [ids[0], ids[1]]  # the unclear one only for alice's fail label
+    assert experiments.dataset(store, "failing", failures=True, threshold=0.75,
+                               replace=True) == ids[:3]

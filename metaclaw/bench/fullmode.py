@@ -168,7 +168,7 @@ class FullMode:
         from metaclaw import buffers
         from metaclaw.slowloop.grpo import select_query_turns
 
-        buffers.refresh(self.store, threshold=threshold)
+        buffers.refresh(self.store)
         query = select_query_turns(self.store)
         before = self.backend.policy_version
         result = self.slow.train_now(self.train_steps) if query else None

@@ -839,7 +839,7 @@ class Evolver:
         rows; default: the live support set of the current generation). Validated and deduped,
         not applied. Raises :class:`EvolveError` when no valid answer came after one retry."""
         if support_turns is None:
-            buffers.refresh(self.store, threshold=self.threshold)
+            buffers.refresh(self.store)
             support_turns = buffers.support_set(self.store, threshold=self.threshold)
         turns = sorted(support_turns, key=lambda t: t["id"])[-self.max_support:]
         if not turns:
@@ -1030,7 +1030,7 @@ class Evolver:
         async with self._lock():
             notify(on_progress, "evolving", 0, phases, "reading the support set")
             if support_turns is None:
-                buffers.refresh(self.store, threshold=self.threshold)
+                buffers.refresh(self.store)
                 support_turns = buffers.support_set(self.store, threshold=self.threshold)
             parent = self.library.generation
             if not support_turns:
@@ -1085,7 +1085,7 @@ class Evolver:
         try:  # the generation and the buffers it moves commit together
             generation, moved = apply_ops(
                 self.library, proposal.ops, proposal.support_ids,
-                base_generation=proposal.base_generation,
+                base_generation=proposal.base_generation, threshold=self.threshold,
                 reason=f"evolved from {len(proposal.support_ids)} support turns: {summary}")
         except SkillConflict as exc:  # another process evolved between the check and here
             raise EvolveError(f"the library changed since the proposal was made ({exc.reason}); "

@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 from metaclaw import jsonlib
+from metaclaw.buffers import FAILURE_SQL
 from metaclaw.gctune import fewer_collections
 from metaclaw.progress import ProgressFn, notify
 from metaclaw.skills.library import Skill, SkillNotFound, apply_in_memory
@@ -105,11 +106,13 @@ def dataset(store: Store, name: str, *, turn_ids: Iterable[int] | None = None,
             session: str | None = None, failures: bool = False, labelled: bool = False,
             given: str | None = None, where: str | None = None, params: Iterable[Any] = (),
             last: int | None = None, description: str = "", replace: bool = False,
-            extend: bool = False) -> list[int]:
+            extend: bool = False, threshold: float = 0.0) -> list[int]:
     """Store the turns selected by the arguments as dataset ``name``; returns their ids.
 
     ``turn_ids``: an explicit list; otherwise the successful task turns, narrowed by
-    ``session``, ``failures`` (judged at or below 0, or labelled fail), ``labelled`` (with a
+    ``session``, ``failures`` (judged below ``threshold`` and not labelled pass, or labelled
+    fail: :data:`metaclaw.buffers.FAILURE_SQL`; a reward at the threshold, the judge unable to
+    tell, is not a failure), ``labelled`` (with a
     human label), ``given`` (the turns the skill of that name was injected into: replayed with
     ``current`` and ``current~NAME``, they answer "does it help?"), ``where`` (an SQL
     condition on ``turns`` with ``params``), and ``last`` (the most recent N). An existing
@@ -136,7 +139,9 @@ def dataset(store: Store, name: str, *, turn_ids: Iterable[int] | None = None,
             clauses.append("session_id = ?")
             args.append(session)
         if failures:
-            clauses.append("(human_label = 'fail' OR (human_label IS NULL AND reward <= 0))")
+            clauses.append(FAILURE_SQL)
+            args.append(float(threshold))
+            selection["threshold"] = float(threshold)
         if labelled:
             clauses.append("human_label IS NOT NULL")
         if given:

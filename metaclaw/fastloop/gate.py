@@ -32,6 +32,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable
 
+from metaclaw.buffers import SUCCESS_SQL
 from metaclaw.fastloop.judge import Judge
 from metaclaw.fastloop.llm import check_url
 from metaclaw.fastloop.replay import Replayer
@@ -251,13 +252,13 @@ class Gate:
                 "votes": replay.votes, "upstream_failed": replay.upstream_failed}
 
     def recent_successes(self, store: Any, exclude: Iterable[int] = ()) -> list[dict[str, Any]]:
-        """The most recent successful task turns (labelled pass, or judged at or above the
-        threshold without a fail label), newest first, at most ``successes``."""
+        """The most recent successful task turns (labelled pass, or judged above the threshold
+        without a fail label: :data:`metaclaw.buffers.SUCCESS_SQL`; a turn the judge could not
+        tell guards nothing), newest first, at most ``successes``."""
         skip = {int(i) for i in exclude}
         rows = store.query(
-            f"SELECT id FROM turns WHERE {TASK_TURNS_SQL} AND status = 'ok' AND ("
-            "human_label = 'pass' OR (human_label IS NULL AND reward IS NOT NULL AND reward >= ?))"
-            " ORDER BY id DESC LIMIT ?", (self.judge.threshold, self.successes + len(skip)))
+            f"SELECT id FROM turns WHERE {TASK_TURNS_SQL} AND status = 'ok' AND {SUCCESS_SQL} "
+            "ORDER BY id DESC LIMIT ?", (self.judge.threshold, self.successes + len(skip)))
         ids = [int(r["id"]) for r in rows if int(r["id"]) not in skip][:self.successes]
         return [t for t in (store.turn(i) for i in ids) if t is not None]
 

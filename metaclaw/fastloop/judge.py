@@ -816,7 +816,7 @@ class Judge:
                                   judge_model=result.model, judge_votes=result.votes,
                                   judge_rationale=result.rationale, judged_at=now)
         if update_buffers and judged:
-            buffers.refresh(store, [r.turn_id for r in judged], threshold=self.threshold)
+            buffers.refresh(store, [r.turn_id for r in judged])
         return len(judged)
 
     async def aclose(self) -> None:

@@ -13,8 +13,10 @@ verdict is also written to ``turns.human_label``, where the buffer rules read it
 support set is built, so a turn the judge passed but a person failed feeds the evolver, and a
 false alarm of the judge does not.
 
-Agreement: a judged turn's judge verdict is ``fail`` when ``reward < threshold``; it agrees with
-the human when both say the same. Cohen's kappa corrects the raw rate for chance.
+Agreement: a judged turn's judge verdict is ``fail`` below the threshold, ``pass`` above it and
+``unclear`` at it (:func:`metaclaw.turns.judge_verdict`); over the turns the judge gave a pass or
+a fail, it agrees with the human when both say the same (an unclear turn is counted apart, as
+``judge_unclear``: the judge said neither). Cohen's kappa corrects the raw rate for chance.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from metaclaw import buffers
 from metaclaw.jsonlib import LONE_SURROGATE as _SURROGATE, jsonl_line
 from metaclaw.skills.library import default_author
 from metaclaw.store import IN_IDS, Store, id_list
+from metaclaw.turns import judge_verdict
 
 log = logging.getLogger(__name__)
 
@@ -78,13 +81,12 @@ def _turn_id(turn_id: Any) -> int:
 
 
 def label(store: Store, turn_id: int, verdict: Any, *, note: str = "",
-          corrected: str | None = None, author: str | None = None,
-          threshold: float = 0.0) -> dict[str, Any]:
+          corrected: str | None = None, author: str | None = None) -> dict[str, Any]:
     """Store a human label for a turn and re-classify the turn in the buffers.
 
     ``verdict``: pass / fail; ``note``: free text; ``corrected``: the answer the turn should
-    have given (used by the exports); ``author``: who labels (default :func:`default_author`);
-    ``threshold``: the judge's failure threshold (for re-classification). Returns the label row.
+    have given (used by the exports); ``author``: who labels (default :func:`default_author`).
+    Returns the label row.
     """
     value = normalise_verdict(verdict)
     if not isinstance(note, str):
@@ -110,7 +112,7 @@ def label(store: Store, turn_id: int, verdict: Any, *, note: str = "",
             "corrected": corrected if corrected and corrected.strip() else None,
             "author": who, "created_at": time.time()})
         store.update_turn(turn_id, human_label=value)
-        buffers.refresh(store, [turn_id], threshold=threshold)
+        buffers.refresh(store, [turn_id])
     return store.query("SELECT * FROM labels WHERE id = ?", (row_id,))[0]
 
 
@@ -130,17 +132,12 @@ def latest(store: Store, turn_ids: Iterable[int] | None = None) -> dict[int, dic
     return {int(r["turn_id"]): r for r in rows if int(r["turn_id"]) in wanted}
 
 
-def _judge_verdict(reward: Any, threshold: float) -> str | None:
-    if reward is None:
-        return None
-    return "fail" if float(reward) < threshold else "pass"
-
-
 def frame(store: Store, *, session: str | None = None, threshold: float = 0.0):
     """Labelled turns beside the judge's verdict, as a ``polars.DataFrame``.
 
     Columns: turn_id, session_id, verdict (human), note, corrected, author, labelled_at,
-    reward, judge_verdict (pass / fail / null when unjudged), agree (null when unjudged).
+    reward, judge_verdict (pass / fail / unclear, null when unjudged), agree (null when
+    unjudged or unclear: the judge said neither).
     """
     import polars as pl
 
@@ -153,9 +150,9 @@ def frame(store: Store, *, session: str | None = None, threshold: float = 0.0):
         "JOIN (SELECT turn_id, MAX(id) AS id FROM labels GROUP BY turn_id) m ON l.id = m.id "
         f"JOIN turns t ON t.id = l.turn_id {where} ORDER BY l.turn_id", params)
     for row in rows:
-        row["judge_verdict"] = _judge_verdict(row["reward"], threshold)
-        row["agree"] = None if row["judge_verdict"] is None else row["judge_verdict"] == \
-            row["verdict"]
+        row["judge_verdict"] = judge_verdict(row["reward"], threshold)
+        row["agree"] = None if row["judge_verdict"] in (None, "unclear") else \
+            row["judge_verdict"] == row["verdict"]
     schema = {"turn_id": pl.Int64, "session_id": pl.Utf8, "verdict": pl.Utf8, "note": pl.Utf8,
               "corrected": pl.Utf8, "author": pl.Utf8, "labelled_at": pl.Float64,
               "reward": pl.Float64, "judge_verdict": pl.Utf8, "agree": pl.Boolean}
@@ -179,8 +176,10 @@ def _kappa(pairs: list[tuple[str, str]]) -> float | None:
 class Agreement:
     """Judge–human agreement: :attr:`table` (per session, polars) and :attr:`overall`.
 
-    A row per session: ``session_id``, ``labelled`` (judged and labelled turns), ``agree``,
-    ``rate``, ``kappa``, ``judge_fail`` / ``human_fail`` (how often each said fail).
+    A row per session: ``session_id``, ``labelled`` (labelled turns the judge passed or
+    failed), ``agree``, ``rate``, ``kappa``, ``judge_fail`` / ``human_fail`` (how often each
+    said fail), ``judge_unclear`` (labelled turns the judge could not tell, left out of the
+    rate).
     """
 
     def __init__(self, table: Any, overall: dict[str, Any]):
@@ -209,18 +208,21 @@ class Agreement:
 
     def __repr__(self) -> str:
         o = self.overall
+        unclear = o.get("judge_unclear") or 0
+        apart = f"; {unclear} the judge could not tell, left out" if unclear else ""
         if not o.get("labelled"):
-            return "Agreement(no judged and labelled turn yet)"
+            return f"Agreement(no judged and labelled turn yet{apart})"
         kappa = "n/a" if o["kappa"] is None else f"{o['kappa']:.2f}"
         return (f"Agreement({o['agree']}/{o['labelled']} = {o['rate']:.0%} overall, "
-                f"kappa {kappa}, {self.table.height} sessions)")
+                f"kappa {kappa}, {self.table.height} sessions{apart})")
 
     def _repr_html_(self) -> str:
         import html
 
+        rate = lambda r: "n/a" if r["rate"] is None else format(r["rate"], ".0%")  # noqa: E731
         rows = "".join(
             f"<tr><td>{html.escape(str(r['session_id']))}</td><td>{r['labelled']}</td>"
-            f"<td>{r['agree']}</td><td>{r['rate']:.0%}</td>"
+            f"<td>{r['agree']}</td><td>{rate(r)}</td>"
             f"<td>{'n/a' if r['kappa'] is None else format(r['kappa'], '.2f')}</td></tr>"
             for r in self.table.to_dicts())
         svg = ""
@@ -239,23 +241,28 @@ def agreement(store: Store, *, threshold: float = 0.0) -> Agreement:
     """Judge–human agreement over the turns that are both judged and labelled."""
     import polars as pl
 
-    labelled = frame(store, threshold=threshold).filter(pl.col("judge_verdict").is_not_null())
+    judged = frame(store, threshold=threshold).filter(pl.col("judge_verdict").is_not_null())
+    unclear = pl.col("judge_verdict") == "unclear"
     rows = []
-    for (session,), group in labelled.group_by(["session_id"], maintain_order=True):
-        pairs = list(zip(group["judge_verdict"].to_list(), group["verdict"].to_list()))
+    for (session,), group in judged.group_by(["session_id"], maintain_order=True):
+        said = group.filter(~unclear)
+        pairs = list(zip(said["judge_verdict"].to_list(), said["verdict"].to_list()))
         agree = sum(1 for a, b in pairs if a == b)
         rows.append({"session_id": session, "labelled": len(pairs), "agree": agree,
-                     "rate": agree / len(pairs), "kappa": _kappa(pairs),
+                     "rate": agree / len(pairs) if pairs else None, "kappa": _kappa(pairs),
                      "judge_fail": sum(1 for a, _ in pairs if a == "fail"),
-                     "human_fail": sum(1 for _, b in pairs if b == "fail")})
+                     "human_fail": sum(1 for _, b in pairs if b == "fail"),
+                     "judge_unclear": len(group) - len(said)})
     schema = {"session_id": pl.Utf8, "labelled": pl.Int64, "agree": pl.Int64,
               "rate": pl.Float64, "kappa": pl.Float64, "judge_fail": pl.Int64,
-              "human_fail": pl.Int64}
+              "human_fail": pl.Int64, "judge_unclear": pl.Int64}
     table = pl.DataFrame({k: [r[k] for r in rows] for k in schema}, schema=schema)
-    pairs = list(zip(labelled["judge_verdict"].to_list(), labelled["verdict"].to_list()))
+    said = judged.filter(~unclear)
+    pairs = list(zip(said["judge_verdict"].to_list(), said["verdict"].to_list()))
     agree = sum(1 for a, b in pairs if a == b)
     overall = {"labelled": len(pairs), "agree": agree,
-               "rate": agree / len(pairs) if pairs else None, "kappa": _kappa(pairs)}
+               "rate": agree / len(pairs) if pairs else None, "kappa": _kappa(pairs),
+               "judge_unclear": len(judged) - len(said)}
     return Agreement(table, overall)
 
 
@@ -338,7 +345,7 @@ def export_records(store: Store, *, turn_ids: Iterable[int] | None = None,
                           "note": mark["note"] if mark else None,
                           "author": mark["author"] if mark else None,
                           "judge_reward": turn.get("reward"),
-                          "judge_verdict": _judge_verdict(turn.get("reward"), threshold),
+                          "judge_verdict": judge_verdict(turn.get("reward"), threshold),
                           "skill_generation": turn.get("skill_generation"),
                           "policy_version": turn.get("policy_version")}}
         out.append(record)
@@ -380,7 +387,7 @@ def export_frame(store: Store, *, turn_ids: Iterable[int] | None = None,
         for key in ("request_messages", "tool_calls"):  # None: absent, or malformed in the row
             data[key].append(None if turn.get(key) is None
                              else json.dumps(turn[key], ensure_ascii=False))
-        data["judge_verdict"].append(_judge_verdict(turn.get("reward"), threshold))
+        data["judge_verdict"].append(judge_verdict(turn.get("reward"), threshold))
         data["human_verdict"].append(mark.get("verdict"))
         for key in ("note", "corrected", "author"):
             data[key].append(mark.get(key))

@@ -428,7 +428,7 @@ class FastLoop:
                    generation=turn.get("skill_generation"), turn_type=turn.get("turn_type"),
                    status=turn.get("status"))
         if task_ok:
-            buffers.refresh(self.store, [turn_id], threshold=self.judge.threshold)
+            buffers.refresh(self.store, [turn_id])
         if not is_task_turn(turn.get("turn_type")):
             return
         row = self.store.session(session) or {}
@@ -777,7 +777,7 @@ class FastLoop:
     async def _evolve_alone(self, trigger: str, *, manual: bool,
                             dry_run: bool) -> EvolveResult | None:
         self.library.sync()  # a generation another process committed while this waited
-        buffers.refresh(self.store, threshold=self.judge.threshold)
+        buffers.refresh(self.store)
         support = buffers.support_set(self.store, threshold=self.judge.threshold)
         ids = frozenset(int(t["id"]) for t in support)
         generation = self.library.generation

@@ -250,16 +250,16 @@ def _edit(store: Store, proposal: Proposal, name: str, *, body: str | None,
                         + ", ".join(repr(o.name) for o in ops))
 
 
-def with_served_asks(library: Any, ops: list[SkillOp]) -> list[SkillOp]:
-    """``ops`` with the asks each skill served well in the current generation
-    (:func:`metaclaw.buffers.served_asks`) added to its example asks: into the operation on it,
+def with_served_asks(library: Any, ops: list[SkillOp], threshold: float = 0.0) -> list[SkillOp]:
+    """``ops`` with the asks each skill served well in the current generation (judged above
+    ``threshold``, or labelled pass: :func:`metaclaw.buffers.served_asks`) added to its example asks: into the operation on it,
     or as an ``edit`` of its retrieval keys alone (``evidence``: those turns). They ride along
     with the generation the operations make anyway: a skill learns its keys without a
     generation of its own, which would purge the query set the slow loop trains on."""
     generation, skills = library.current()
     scopes = {skill.name: skill.scope for skill in skills}
     scopes.update((op.name, op.skill.scope) for op in ops if op.skill is not None)
-    served = buffers.served_asks(library.store, generation, scopes=scopes)
+    served = buffers.served_asks(library.store, generation, scopes=scopes, threshold=threshold)
     if not served:
         return ops
     out, touched = [], set()
@@ -282,7 +282,7 @@ def with_served_asks(library: Any, ops: list[SkillOp]) -> list[SkillOp]:
 
 
 def apply_ops(library: Any, ops: list[SkillOp], support_ids: Iterable[int], *, reason: str,
-              base_generation: int | None = None,
+              base_generation: int | None = None, threshold: float = 0.0,
               then: Callable[[int], None] | None = None) -> tuple[int, dict[str, Any]]:
     """Apply ``ops`` as a new ``evolve`` generation and move the buffers (the support turns it
     learned from are consumed, older live turns purged), with ``then(generation)`` (the
@@ -290,9 +290,9 @@ def apply_ops(library: Any, ops: list[SkillOp], support_ids: Iterable[int], *, r
     none. Returns the generation and the buffer changes: ``{"consumed": n, "purged": n,
     "consumed_ids": [...]}`` (support turns a GRPO step trained on meanwhile stay query
     turns). ``base_generation``: refuse (:class:`~metaclaw.skills.library.SkillConflict`) if the
-    library has moved past it."""
+    library has moved past it. ``threshold``: the judge's (:func:`with_served_asks`)."""
     moved: dict[str, Any] = {}
-    ops = with_served_asks(library, ops)
+    ops = with_served_asks(library, ops, threshold)
 
     def with_the_generation(generation: int) -> None:
         moved["consumed_ids"] = buffers.consumable(library.store, support_ids)

@@ -861,7 +861,7 @@ class MetaClawMagics(Magics):
         runtime.proxy.flush()
         row = labels.label(runtime.store, args.turn, args.verdict, note=args.note,
                            corrected=cell.strip() if cell and cell.strip() else None,
-                           author=args.by, threshold=self._threshold(runtime))
+                           author=args.by)
         print(f"turn #{row['turn_id']} labelled {row['verdict']} by {row['author']}")
         return None
 

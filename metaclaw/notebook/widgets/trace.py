@@ -193,7 +193,7 @@ class TraceWidget(_WorkspaceWidget):
         if target is None:
             raise ValueError("no turn is selected; select one before labelling")
         row = labels.label(self._store, target, verdict, note=note, corrected=corrected,
-                           author=self.author or None, threshold=self._threshold)
+                           author=self.author or None)
         self.message = f"turn #{target} labelled {row['verdict']} by {row['author']}"
         self._reload()
         return row
