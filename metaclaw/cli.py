@@ -974,11 +974,15 @@ def cmd_wire(args: argparse.Namespace) -> int:
     from metaclaw import wire
 
     path = wire.config_path(args.agent, args.config)
+    if args.port == 0 and not args.undo:
+        raise CliError("--port 0 names no port an agent could reach: give the port `metaclaw "
+                       "serve` listens on (default 30000)")
+    host = f"[{args.host}]" if ":" in args.host and not args.host.startswith("[") else args.host
     try:
         if args.undo:
             print(wire.undo(path))
             return 0
-        plan = wire.plan(args.agent, path, f"http://{args.host}:{args.port}/v1",
+        plan = wire.plan(args.agent, path, f"http://{host}:{args.port}/v1",
                          token=args.token, model=args.model)
         typed_token = bool(args.token) and args.token != os.environ.get("METACLAW_PROXY_TOKEN")
         token = ""
@@ -1002,7 +1006,7 @@ def cmd_wire(args: argparse.Namespace) -> int:
         f" --config {shlex.quote(str(path))}" if args.config else "") + " --undo"
     kept = (f"the original is kept, `{undo}` restores it" if plan.original is not None else
             f"there was none before: `{undo}` removes it")
-    print(f"wired {args.agent} ({path}) to the proxy at http://{args.host}:{args.port} "
+    print(f"wired {args.agent} ({path}) to the proxy at http://{host}:{args.port} "
           f"({model}{kept}).\nNow run: {plan.serve_command(args.port, typed_token)}{token}")
     return 0
 

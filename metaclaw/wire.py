@@ -40,6 +40,7 @@ import hashlib
 import json
 import os
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -109,9 +110,24 @@ def openclaw_config_path(explicit: str | os.PathLike[str] | None = None) -> Path
     return (Path(state).expanduser() if state else Path.home() / ".openclaw") / "openclaw.json"
 
 
+def _regular(path: Path) -> bool:
+    """Whether ``path`` (through a symlink) is a file (False: missing; :class:`WireError`:
+    something else, a device, a pipe or a folder, which wiring must never replace nor read)."""
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        raise WireError(f"cannot read {path} ({exc.strerror}); fix it or pass --config") from None
+    if not stat.S_ISREG(mode):
+        raise WireError(f"{path} is not a regular file; pass --config with the agent's "
+                        "configuration file")
+    return True
+
+
 def _read(path: Path) -> tuple[bytes | None, str, dict[str, Any]]:
     """The file's exact bytes (None when missing), its text and the object it holds."""
-    if not path.exists():
+    if not _regular(path):
         return None, "", {}
     try:
         raw = path.read_bytes()  # bytes, not text: line endings and a BOM survive the backup
@@ -190,8 +206,9 @@ def plan_openclaw(config_path: Path, proxy_url: str, *, token: str | None = None
         primary = None
     source_name, _, source_model = (primary or "").partition("/")
     if source_name == PROVIDER:
-        raise WireError(f"{config_path} is already wired to MetaClaw (primary model {primary}); "
-                        "run `metaclaw wire openclaw --undo` first to re-wire")
+        raise WireError(f"{config_path} is already wired to MetaClaw (primary model "
+                        f"{primary}); " + _first_undo("openclaw", config_path,
+                                                   "agents.defaults.model.primary"))
     providers = _dig(config, "models", "providers") or {}
     source = providers.get(source_name) if isinstance(providers, dict) else None
     model = model or source_model
@@ -226,6 +243,15 @@ def plan_openclaw(config_path: Path, proxy_url: str, *, token: str | None = None
                     upstream if isinstance(upstream, str) else None, model, primary, original)
 
 
+def _first_undo(agent: str, path: Path, entry: str) -> str:
+    """What to do before wiring again a file that already points at the proxy: undo the
+    wiring that did it, or (none recorded: a hand edit) change that entry by hand."""
+    if Path(f"{path}{STATE_SUFFIX}").exists():
+        return f"run `metaclaw wire {agent} --config {path} --undo` first to re-wire"
+    return (f"it was not wired by `metaclaw wire` (nothing to undo): edit {entry} by hand, or "
+            "leave it as it is")
+
+
 def _sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
@@ -239,6 +265,7 @@ def apply(plan: WirePlan) -> None:
     """
     path = plan.path
     _writable(path)
+    _regular(path)
     made, folder = [], path.resolve().parent
     while not folder.exists():  # made for it: undo removes them again where left empty
         made.append(str(folder))
@@ -260,14 +287,22 @@ def _apply(plan: WirePlan, made: list[str]) -> None:
     path = plan.path
     backup, state = Path(f"{path}{BACKUP_SUFFIX}"), Path(f"{path}{STATE_SUFFIX}")
     after = plan.after.encode("utf-8")
-    if plan.original is not None:
-        # the file as it is now, even if an earlier wiring left a backup: undo gives back what
-        # the user had just before this wiring, edits since the earlier one included
-        _write(backup, plan.original, like=path)
-    _write(state, json.dumps({"written_sha256": _sha(after), "existed": plan.original is not None,
-                              "primary_before": plan.primary_before, "agent": plan.agent,
-                              "restore": plan.restore, "made_folders": made}).encode("utf-8"))
-    _write(path, after, like=path)
+    try:
+        if plan.original is not None:
+            # the file as it is now, even if an earlier wiring left a backup: undo gives back
+            # what the user had just before this wiring, edits since the earlier one included
+            _write(backup, plan.original, like=path)
+        _write(state, json.dumps({"written_sha256": _sha(after),
+                                  "existed": plan.original is not None,
+                                  "primary_before": plan.primary_before, "agent": plan.agent,
+                                  "restore": plan.restore, "made_folders": made}
+                                 ).encode("utf-8"))
+        _write(path, after, like=path)
+    except BaseException:  # (a full disk, an interrupt) not wired: nothing says it is
+        for left in (state, backup):
+            with contextlib.suppress(OSError):
+                left.unlink(missing_ok=True)
+        raise
 
 
 def undo(config_path: Path) -> str:
@@ -298,15 +333,25 @@ def _undo(config_path: Path) -> tuple[str, list[str]]:
                              else _read_raw(config_path))
     existed = info.get("existed")
     as_wired = current is not None and _sha(current) == info["written_sha256"]
+    original = backup.read_bytes() if existed and backup.exists() else None
     made: list[str] = []
-    if as_wired and not existed:
+    if current is None and original is not None:  # removed since: the original comes back
+        _write(config_path, original, like=backup)
+        done = f"restored {config_path} exactly as it was before wiring (it had been removed)"
+    elif current is None:
+        done = (f"{config_path} is gone; there was none before wiring"
+                if not existed else f"{config_path} is gone, and so is its backup; nothing "
+                "to restore")
+    elif current == original:  # the wiring never landed (cut short), or was undone by hand
+        done = f"{config_path} is as it was before wiring; left as it is"
+    elif as_wired and not existed:
         _writable(config_path)
-        config_path.unlink()
+        config_path.resolve().unlink()  # (through a symlink: the file wiring made, not the link)
         done = f"removed {config_path}: there was none before wiring"
         made = [str(folder) for folder in info.get("made_folders") or []]
-    elif as_wired and backup.exists():  # without the backup, only taking back the wiring is safe
+    elif as_wired and original is not None:  # without the backup, only taking back the wiring is safe
         _writable(config_path)
-        _write(config_path, backup.read_bytes(), like=config_path)
+        _write(config_path, original, like=config_path)
         done = f"restored {config_path} exactly as it was before wiring"
     elif agent != "openclaw":  # edited since: take back only what wiring added
         done = _unwire(agent, config_path, text, info.get("restore") or {})
@@ -346,7 +391,7 @@ _ABSENT = "__metaclaw_absent__"
 
 def _read_raw(path: Path) -> tuple[bytes | None, str, Any]:
     """The file's exact bytes (None when missing) and its text (no parsing)."""
-    if not path.exists():
+    if not _regular(path):
         return None, "", None
     try:
         raw = path.read_bytes()
@@ -391,14 +436,20 @@ def _opencode_config(folder: Path) -> Path:
 
 def _set(config: dict[str, Any], keys: list[str], value: Any,
          restore: list[list[Any]]) -> None:
-    """Set ``config[k1][k2]... = value``, remembering the value it had (for undo)."""
+    """Set ``config[k1][k2]... = value``, remembering the value it had and a digest of the one
+    written (for undo: a value the user changed since is left as it is)."""
     node = config
     for key in keys[:-1]:
         if not isinstance(node.get(key), dict):
             node[key] = {}
         node = node[key]
-    restore.append([keys, node.get(keys[-1], _ABSENT)])
+    restore.append([keys, node.get(keys[-1], _ABSENT), _value_sha(value)])
     node[keys[-1]] = value
+
+
+def _value_sha(value: Any) -> str:
+    """A digest of a configuration value (what wiring wrote, kept without the token in it)."""
+    return _sha(json.dumps(value, sort_keys=True, ensure_ascii=False).encode("utf-8"))
 
 
 def _json_text(config: dict[str, Any], like: str = "") -> str:
@@ -502,8 +553,8 @@ def plan_claude_code(path: Path, proxy_url: str, *, token: str | None = None,
     env = config.get("env") if isinstance(config.get("env"), dict) else {}
     root = proxy_url.removesuffix("/v1")
     if env.get("ANTHROPIC_BASE_URL") == root:
-        raise WireError(f"{path} is already wired to MetaClaw; run `metaclaw wire claude-code "
-                        "--undo` first to re-wire")
+        raise WireError(f"{path} is already wired to MetaClaw (env.ANTHROPIC_BASE_URL); "
+                        + _first_undo("claude-code", path, "env.ANTHROPIC_BASE_URL"))
     wired, restore = json.loads(json.dumps(config)), []
     _set(wired, ["env", "ANTHROPIC_BASE_URL"], root, restore)
     if token:
@@ -515,7 +566,7 @@ def plan_claude_code(path: Path, proxy_url: str, *, token: str | None = None,
         # another provider's model (gpt-4o-mini): Claude Code in front of an OpenAI-compatible
         # upstream, its requests translated (no Anthropic model is named so)
         upstream, protocol = "https://api.openai.com/v1", "openai"
-    return WirePlan(path, before, _json_after(before, wired, [k for k, _ in restore]), upstream,
+    return WirePlan(path, before, _json_after(before, wired, [k[0] for k in restore]), upstream,
                     model or "", None, original, agent="claude-code", restore={"keys": restore},
                     upstream_protocol=protocol)
 
@@ -528,8 +579,8 @@ def plan_opencode(path: Path, proxy_url: str, *, token: str | None = None,
     current = config.get("model") if isinstance(config.get("model"), str) else ""
     provider_name, _, current_model = current.partition("/")
     if provider_name == PROVIDER:
-        raise WireError(f"{path} is already wired to MetaClaw (model {current}); run "
-                        "`metaclaw wire opencode --undo` first to re-wire")
+        raise WireError(f"{path} is already wired to MetaClaw (model {current}); "
+                        + _first_undo("opencode", path, "its model (and provider.metaclaw)"))
     model = model or current_model
     if not model:
         where = (f"{path} names no model (\"model\": \"provider/model\")" if original is not None
@@ -542,7 +593,7 @@ def plan_opencode(path: Path, proxy_url: str, *, token: str | None = None,
         "models": {model: {"name": model}}}, restore)
     _set(wired, ["model"], f"{PROVIDER}/{model}", restore)
     source = _dig(config, "provider", provider_name, "options", "baseURL")
-    return WirePlan(path, before, _json_after(before, wired, [k for k, _ in restore]),
+    return WirePlan(path, before, _json_after(before, wired, [k[0] for k in restore]),
                     source if isinstance(source, str) else None,
                     model, current or None, original, agent="opencode",
                     restore={"keys": restore})
@@ -566,8 +617,8 @@ def plan_aider(path: Path, proxy_url: str, *, token: str | None = None,
     if not isinstance(config, dict):
         raise WireError(f"{path} does not hold a YAML mapping; fix the file or pass --config")
     if config.get("openai-api-base") == proxy_url:
-        raise WireError(f"{path} is already wired to MetaClaw; run `metaclaw wire aider --undo` "
-                        "first to re-wire")
+        raise WireError(f"{path} is already wired to MetaClaw (openai-api-base); "
+                        + _first_undo("aider", path, "openai-api-base"))
     current = config.get("model") if isinstance(config.get("model"), str) else ""
     provider = current.split("/", 1)[0] if "/" in current else "openai"
     model = model or current.split("/", 1)[-1]
@@ -578,7 +629,7 @@ def plan_aider(path: Path, proxy_url: str, *, token: str | None = None,
     _set(wired, ["openai-api-base"], proxy_url, restore)
     _set(wired, ["openai-api-key"], token or "metaclaw", restore)
     _set(wired, ["model"], f"openai/{model}", restore)
-    after = _yaml_after(before, wired, [k for k, _ in restore])
+    after = _yaml_after(before, wired, [k[0] for k in restore])
     # where the model was served: its own base URL, else its provider's (litellm's prefix)
     base = config.get("openai-api-base") if isinstance(config.get("openai-api-base"),
                                                         str) else None
@@ -590,6 +641,8 @@ def plan_aider(path: Path, proxy_url: str, *, token: str | None = None,
 
 
 _TOML_HEADER = re.compile(r"^\s*\[", re.M)
+_TOML_OWN_TABLE = re.compile(rf"^[ \t]*\[model_providers\.{PROVIDER}\][ \t]*(?:#[^\n]*)?$",
+                             re.M)
 _TOML_PROVIDER = re.compile(r"^model_provider\s*=.*$", re.M)
 
 
@@ -610,8 +663,8 @@ def plan_codex(path: Path, proxy_url: str, *, token: str | None = None,
     providers = config.get("model_providers") if isinstance(
         config.get("model_providers"), dict) else {}
     if PROVIDER in providers:
-        raise WireError(f"{path} already has [model_providers.{PROVIDER}]; run `metaclaw wire "
-                        "codex --undo` first to re-wire")
+        raise WireError(f"{path} is already wired to MetaClaw ([model_providers.{PROVIDER}]); "
+                        + _first_undo("codex", path, f"[model_providers.{PROVIDER}]"))
     if re.search(r"^model_providers\s*=", before, re.M):
         raise WireError(f"{path} declares model_providers as an inline table, which TOML lets "
                         "no one extend; write each provider as a [model_providers.<name>] table, "
@@ -696,13 +749,19 @@ def _unwire(agent: str, path: Path, text: str, restore: dict[str, Any]) -> str:
     """Take back only what wiring added to ``path`` (edited since): the keys it set get the
     values they had; Codex's provider table goes and its ``model_provider`` line comes back."""
     if agent == "codex":
-        start = text.find(f"[model_providers.{PROVIDER}]")
-        if start < 0 and not re.search(rf'^model_provider\s*=\s*"{PROVIDER}"', text, re.M):
+        header = _TOML_OWN_TABLE.search(text)  # a header line, not a comment naming it
+        if header is None and not re.search(rf'^model_provider\s*=\s*"{PROVIDER}"', text, re.M):
             return f"{path} holds no MetaClaw wiring; left as it is"
-        if start >= 0:
-            following = _TOML_HEADER.search(text, start + 1)
-            text = text[:start].rstrip("\n") + "\n" + (text[following.start():] if following
-                                                        else "")
+        if header is not None:
+            start = header.start()
+            following = _TOML_HEADER.search(text, header.end())
+            end = following.start() if following else len(text)
+            lines = text[start:end].splitlines(keepends=True)
+            # its keys go; comments and blank lines after the last (the user's) stay
+            last = max(i for i, line in enumerate(lines)
+                       if line.strip() and not line.lstrip().startswith("#"))
+            kept = "".join(lines[last + 1:])
+            text = text[:start].rstrip("\n") + "\n" + kept.lstrip("\n") + text[end:]
         line = restore.get("line")
         text = re.sub(rf'^model_provider\s*=\s*"{PROVIDER}"[^\n]*\n?',
                       (line + "\n") if line else "", text, count=1, flags=re.M)
@@ -723,17 +782,22 @@ def _unwire(agent: str, path: Path, text: str, restore: dict[str, Any]) -> str:
         config = jsontext.loads(text) if text.strip() else {}
     if not isinstance(config, dict):
         return f"{path} holds no MetaClaw wiring; left as it is"
-    for keys, value in reversed(restore.get("keys") or []):
+    taken, left = [], []
+    for keys, value, *wrote in reversed(restore.get("keys") or []):
         node = config
         for key in keys[:-1]:
             node = node.get(key) if isinstance(node, dict) else None
         if not isinstance(node, dict):
             continue
+        if wrote and (keys[-1] not in node or _value_sha(node[keys[-1]]) != wrote[0]):
+            left.append(keys)  # the user's own value since (or removed): theirs to keep
+            continue
         if value == _ABSENT:
             node.pop(keys[-1], None)
         else:
             node[keys[-1]] = value
-    keys = [k for k, _ in restore.get("keys") or []]
+        taken.append(keys)
+    keys = list(taken)
     if agent == "claude-code" and config.get("env") == {}:
         config.pop("env")
         keys.append(["env"])
@@ -741,5 +805,8 @@ def _unwire(agent: str, path: Path, text: str, restore: dict[str, Any]) -> str:
             else _json_after(text, config, keys))
     _writable(path)
     _write(path, data.encode("utf-8"), like=path)
+    kept = (f"; kept {', '.join('.'.join(k) for k in reversed(left))}, changed since"
+            if left else "")
     return (f"{path} changed since wiring: took back what wiring set "
-            f"({', '.join('.'.join(k) for k, _ in restore.get('keys') or [])}); other edits kept")
+            f"({', '.join('.'.join(k) for k in reversed(taken)) or 'nothing left'}){kept}; "
+            "other edits kept")

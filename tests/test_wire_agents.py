@@ -353,3 +353,111 @@ def test_aider_lines_keep_their_spacing_quotes_comments_and_crlf(tmp_path):
     run_cli("wire", "aider", "--config", config, "--undo")
     assert config.read_bytes() == (b'# settings\r\nmodel: gpt-4o   # main model, "quoted"\r\n'
                                    b"dark-mode: false\r\n")
+
+
+def _wire(agent, config, **options):
+    wire.apply(wire.plan(agent, config, "http://127.0.0.1:31000/v1", **options))
+
+
+def test_undo_after_the_wired_file_was_removed_gives_back_the_original(tmp_path):
+    """The backup is the only copy of the original: undo restores it, for every agent, where
+    it took the file's absence for an edit (a settings file of ``{}``) and dropped the backup."""
+    for agent, (name, original) in ORIGINALS.items():
+        config = tmp_path / agent / name
+        config.parent.mkdir()
+        config.write_bytes(original.encode())
+        _wire(agent, config)
+        config.unlink()
+        assert "it had been removed" in wire.undo(config)
+        assert config.read_bytes() == original.encode(), agent
+        assert sorted(p.name for p in config.parent.iterdir()) == [name]
+
+
+def test_a_wiring_cut_short_leaves_no_wiring_behind(tmp_path, monkeypatch):
+    """A write of the config that fails (a full disk, an interrupt) leaves no state saying the
+    file is wired nor a backup; a wiring whose file holds the original bytes again (undone by
+    hand) is undone by changing nothing."""
+    config = _write(tmp_path / "settings.json", CLAUDE)
+    real = wire._write
+
+    def full_disk(path, data, like=None):
+        if path == config:
+            raise OSError(28, "No space left on device")
+        real(path, data, like)
+    monkeypatch.setattr(wire, "_write", full_disk)
+    with pytest.raises(OSError):
+        _wire("claude-code", config)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["settings.json"]
+    monkeypatch.setattr(wire, "_write", real)
+    _wire("claude-code", config)
+    config.write_text(CLAUDE)  # the user put it back by hand
+    assert "as it was before wiring; left as it is" in wire.undo(config)
+    assert config.read_text() == CLAUDE and sorted(p.name for p in tmp_path.iterdir()) == [
+        "settings.json"]
+
+
+def test_a_dangling_symlink_keeps_its_link_through_wire_and_undo(tmp_path):
+    (tmp_path / "dot").mkdir()
+    link = tmp_path / "settings.json"
+    link.symlink_to(tmp_path / "dot" / "settings.json")
+    _wire("claude-code", link, token="T0KEN")
+    assert "T0KEN" in (tmp_path / "dot" / "settings.json").read_text()
+    assert "there was none before wiring" in wire.undo(link)
+    assert link.is_symlink() and not (tmp_path / "dot" / "settings.json").exists()
+
+
+def test_undo_after_an_edit_keeps_a_wired_key_the_user_changed(tmp_path):
+    config = _write(tmp_path / "opencode.json", OPENCODE)
+    _wire("opencode", config)
+    wired = json5.loads(config.read_text())
+    config.write_text(json.dumps({**wired, "model": "anthropic/claude-sonnet-4"}))
+    done = wire.undo(config)
+    assert "kept model, changed since" in done
+    after = json5.loads(config.read_text())
+    assert after["model"] == "anthropic/claude-sonnet-4" and "metaclaw" not in after["provider"]
+
+
+CODEX_HAND = """# an old setup by hand, kept for reference:
+# [model_providers.metaclaw]
+# base_url = "http://127.0.0.1:30000/v1"
+approval_policy = "never"
+sandbox_mode = "workspace-write"
+
+[profiles.fast]
+model = "gpt-5-mini"
+"""
+
+
+def test_codex_undo_after_an_edit_takes_back_its_table_only(tmp_path):
+    """A comment naming the provider table is not the table; comments the user wrote after
+    the wired table stay; a table the user wrote by hand is theirs (not an undo's)."""
+    config = _write(tmp_path / "config.toml", CODEX_HAND)
+    _wire("codex", config)
+    config.write_text(config.read_text() + "# TODO: rotate keys\n\n[mcp_servers.docs]\n"
+                      'command = "docs"\n')
+    assert "changed since wiring" in wire.undo(config)
+    text = config.read_text()
+    assert text == CODEX_HAND + "# TODO: rotate keys\n\n[mcp_servers.docs]\ncommand = \"docs\"\n"
+    hand = _write(tmp_path / "hand.toml", '[model_providers.metaclaw]\nbase_url = "x"\n')
+    with pytest.raises(wire.WireError, match="not wired by `metaclaw wire`"):
+        wire.plan("codex", hand, "http://127.0.0.1:31000/v1")
+
+
+def test_only_regular_files_are_wired(tmp_path):
+    """A device (``--config /dev/null``) is never replaced, a pipe never read (it blocks)."""
+    with pytest.raises(wire.WireError, match="not a regular file"):
+        wire.plan("claude-code", wire.Path(os.devnull), "http://127.0.0.1:31000/v1")
+    assert not os.path.isfile(os.devnull)
+    fifo = tmp_path / "settings.json"
+    os.mkfifo(fifo)
+    for agent in ("claude-code", "codex", "aider"):
+        with pytest.raises(wire.WireError, match="not a regular file"):
+            wire.plan(agent, fifo, "http://127.0.0.1:31000/v1", model="m")
+
+
+def test_wire_brackets_an_ipv6_host_and_refuses_port_0(tmp_path):
+    config = _write(tmp_path / "config.toml", CODEX)
+    shown = run_cli("wire", "codex", "--config", config, "--host", "::1", "--dry-run").stdout
+    assert 'base_url = "http://[::1]:30000/v1"' in shown
+    refused = run_cli("wire", "codex", "--config", config, "--port", 0, check=False)
+    assert refused.returncode == 2 and "--port 0" in refused.stderr
