@@ -1053,13 +1053,17 @@ def cmd_db(args: argparse.Namespace) -> int:
         with Store(args.db) as store:  # opening applies what is missing, under the write lock
             out = {"db": store.location, "engine": store.engine,
                    "schema_version": store.schema_version, "latest": SCHEMA_VERSION,
-                   "created": not existed}
+                   "created": not existed, "migrated_from": store.migrated_from}
         if args.json:
             _print_json(out)
         else:
             print(f"{out['db']} ({out['engine']}): "
                   + (f"created a new workspace, schema version {out['schema_version']}"
-                     if not existed else f"schema version {out['schema_version']}, up to date"))
+                     if not existed else
+                     f"migrated from schema version {store.migrated_from} to "
+                     f"{out['schema_version']} (a MetaClaw older than this one no longer opens "
+                     "it)" if store.migrated_from is not None else
+                     f"schema version {out['schema_version']}, up to date"))
         return 0
     if not args.source or not args.to:
         raise CliError("db copy needs --from SOURCE and --to DESTINATION")
@@ -1118,8 +1122,13 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
         print(f"state: {status['state']}  (window {'open' if status['idle'] else 'closed'}: "
               f"{status['reason']})")
     else:  # the state is the trainer's; the window, this command's reading of its settings
+        steps = store.query("SELECT COUNT(*) AS n, MAX(created_at) AS at FROM training_steps")[0]
         print(f"state: {status['state']} ("
-              + ("the last trainer's" if status["transitions"] else "no trainer has run") + ")")
+              + ("the last scheduled trainer's" if status["transitions"] else
+                 "no scheduled trainer has run")
+              + (f"; {steps['n']} training step{'' if steps['n'] == 1 else 's'} recorded, the "
+                 f"last at {time.strftime('%Y-%m-%d %H:%M', time.localtime(steps['at']))}, "
+                 "`metaclaw runs`" if steps["n"] else "") + ")")
         print(f"window by {args.config or 'the default settings'} (--config; a trainer may "
               f"use others): {'open' if status['idle'] else 'closed'}: {status['reason']}")
     if status.get("training"):

@@ -484,9 +484,15 @@ def test_train_waits_for_turns_and_stops_on_sigterm_as_on_ctrl_c(tmp_path):
                                 process=f"pid {gone.pid} on {socket.gethostname()}")
     Store(tmp_path / "fresh.db").close()
     assert run_cli("scheduler", "status", "--db", tmp_path / "fresh.db").stdout.startswith(
-        "state: waiting (no trainer has run)")
+        "state: waiting (no scheduled trainer has run)")
+    with Store(tmp_path / "fresh.db") as store:  # `train --now` trains with no scheduler
+        store._insert("training_steps", {"run_id": "r", "step": 1, "created_at": 1.0e9,
+                                         "backend": "local", "policy_version": 1,
+                                         "skill_generation": 0})
+    assert "no scheduled trainer has run; 1 training step recorded, the last at " in run_cli(
+        "scheduler", "status", "--db", tmp_path / "fresh.db").stdout
     status = run_cli("scheduler", "status", "--db", db, "--scheduler-config", config).stdout
-    assert status.startswith("state: waiting (the last trainer's)")
+    assert status.startswith("state: waiting (the last scheduled trainer's")
     assert "no process holds the training lease" in status
     # the window is this command's reading, by the settings it was given: said so
     assert f"window by {config} (--config; a trainer may use others): " in status

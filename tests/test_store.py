@@ -181,6 +181,25 @@ def test_a_v6_workspace_migrates_keeping_its_trained_counts(tmp_path):
 
 
 @pytest.mark.sqlite_only
+def test_a_migration_is_said_where_it_happens(tmp_path, caplog, capsys):
+    """Opening an older workspace migrates it: the store says from which version (in the
+    log, and `metaclaw db migrate` in its line), since an older MetaClaw refuses it after."""
+    from metaclaw import cli
+
+    path = tmp_path / "ws.db"
+    _v6_workspace(path)
+    assert cli.main(["db", "migrate", "--db", str(path)]) == 0
+    assert (f"migrated from schema version 6 to {SCHEMA_VERSION} (a MetaClaw older than this "
+            "one no longer opens it)") in capsys.readouterr().out
+    assert "from schema version 6" in caplog.text
+    caplog.clear()
+    with Store(path) as store:
+        assert store.migrated_from is None and "migrated" not in caplog.text
+    assert cli.main(["db", "migrate", "--db", str(path)]) == 0
+    assert "up to date" in capsys.readouterr().out
+
+
+@pytest.mark.sqlite_only
 @pytest.mark.parametrize("trial", range(2))
 def test_processes_opening_a_v6_workspace_at_once_all_migrate_it(tmp_path, trial):
     import time

@@ -386,6 +386,24 @@ def test_a_workspace_moved_with_its_skills_folder_is_marked_without_a_warning(tm
     assert event["level"] == "info" and not list((tmp_path / "b" / "skills").glob("*.conflict*"))
 
 
+def test_a_workspace_from_before_folder_marks_reads_its_folders_edits_as_edits(tmp_path):
+    """A workspace made before folder marks were kept has none: its folder, edited by hand
+    while nothing ran, is read as before (the edit recorded as a generation), not joined as a
+    stranger's (the workspace's version written over the edit, the edit set aside)."""
+    skills, db = tmp_path / "skills", tmp_path / "ws.db"
+    write_skill(skills, "alpha", "The alpha skill.", "Alpha body.")
+    SkillLibrary(skills, Store(db))
+    with Store(db) as store:  # as such a workspace is: no mark anywhere
+        store.execute("DELETE FROM skill_folders")
+    path = skills / "alpha" / "SKILL.md"
+    path.write_text(path.read_text().replace("Alpha body.", "Alpha body, edited offline."))
+    store = Store(db)
+    library = SkillLibrary(skills, store)
+    assert library.generation == 1 and library.get("alpha").body == "Alpha body, edited offline."
+    assert not list(skills.glob("*.conflict-*")) and store.events(kind="skill_folder_joined") == []
+    assert store.folder_marks(None)  # marked from now on
+
+
 def test_a_skills_folder_new_to_the_workspace_joins_it_and_removes_nothing(tmp_path):
     """Another member's folder, or one used with another workspace, holds other skills than
     the workspace: it joins the library (gets the skills it lacks, the workspace's version of

@@ -1143,6 +1143,12 @@ def _folder_marks(store: Store) -> dict[str, Any]:
     return {**_file_marks(store), **unnamed, **store.folder_marks(machine)}
 
 
+def _any_marks(store: Store) -> bool:
+    """Whether ``store``'s workspace has marked any folder, on any machine (none: it was made
+    before folder marks were kept)."""
+    return bool(store.folder_marks(None)) or bool(_file_marks(store))
+
+
 def carry_folder_marks(source: Store, dest: Store) -> int:
     """Write the folder marks of ``source`` into ``dest``, a copy of it (``metaclaw db copy``:
     the copy keeps the source's generation numbers), under the machine names ``dest`` keeps them
@@ -1561,9 +1567,11 @@ class SkillLibrary:
                         disk, problems = load_skills_dir(self.directory)
                         self.problems = problems
                     elif stored and not damaged and _marks_kept(self.store) \
-                            and self._folder_mark() is None:
+                            and self._folder_mark() is None and _any_marks(self.store):
                         # skills in a folder this workspace has never marked (another member's,
                         # one used with another workspace): it joins the library, never read as it
+                        # (a workspace that marked no folder ever predates the marks: its folder
+                        # is read as it always was, what differs a hand edit)
                         why = self._join(latest, stored, disk)
                         disk, problems = load_skills_dir(self.directory)
                         self.problems = problems

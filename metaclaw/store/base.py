@@ -277,9 +277,22 @@ MIGRATIONS: list[str] = [
         PRIMARY KEY (machine, folder)
     );
     """,
+    # 14: a skill's changes by name (per-skill evidence reads each skill's latest add or edit);
+    # also the version from which a workspace file's folder marks name the file (an older
+    # MetaClaw, reading them under another key, would take its folders for strangers')
+    """
+    CREATE INDEX skill_events_skill ON skill_events(skill_name, generation);
+    """,
 ]
 
 SCHEMA_VERSION = len(MIGRATIONS)
+
+
+def said_migrated(location: str, before: int) -> None:
+    """Log that the workspace at ``location`` was migrated from schema ``before`` (a MetaClaw
+    older than this one refuses it from now on)."""
+    log.warning("migrated the workspace %s from schema version %d to %d; a MetaClaw older "
+                "than this one no longer opens it", location, before, SCHEMA_VERSION)
 
 #: The tables of the workspace's records (``metaclaw db copy`` copies them; ``skill_folders``
 #: and ``proxy_activity`` hold the state of the machines and proxies using it).
@@ -589,6 +602,10 @@ class Store:
             pass
         return f" --db {shlex.quote(self.location)}"
 
+    #: The schema version this process migrated the workspace from when it opened it (None:
+    #: it was up to date, or new).
+    migrated_from: int | None = None
+
     def __init__(self, path: "str | os.PathLike[str] | None" = None):
         """``path``: a file, ``sqlite:///path`` or ``postgresql://`` URL; default
         ``$METACLAW_DB``, else :data:`DEFAULT_DB`."""
@@ -640,11 +657,15 @@ class Store:
                         f"{self.path} has schema version {version}, newer than this MetaClaw "
                         f"understands ({SCHEMA_VERSION}); upgrade the metaclaw package.")
                 if version == SCHEMA_VERSION:
+                    if self.migrated_from is not None:
+                        said_migrated(str(self.path), self.migrated_from)
                     return
                 self._db.execute("BEGIN IMMEDIATE")
                 try:  # read again under the write lock: another process may have migrated
                     version = self._db.execute("PRAGMA user_version").fetchone()[0]
                     if version < SCHEMA_VERSION:
+                        if self.migrated_from is None and version > 0:  # (0: created)
+                            self.migrated_from = version
                         for statement in _split_sql(MIGRATIONS[version]):
                             self._db.execute(statement)
                         self._db.execute(f"PRAGMA user_version={version + 1}")

@@ -58,7 +58,7 @@ from metaclaw.redact import masked_url as mask
 import metaclaw.store.base as base
 from metaclaw.store.base import (
     BUSY_TIMEOUT_S, IN_IDS, MIGRATIONS, SCHEMA_VERSION, EngineError, Store, StoreBusy, StoreError,
-    StoreUnavailable, _decode, _split_sql,
+    StoreUnavailable, _decode, _split_sql, said_migrated,
 )
 
 log = logging.getLogger(__name__)
@@ -475,6 +475,9 @@ class PostgresStore(Store):
                 db.execute(_ENGINE_TABLES)
                 for statement in _FUNCTIONS:
                     db.execute(statement)
+            if 0 < version < SCHEMA_VERSION:  # (0: created)
+                self.migrated_from = version
+                said_migrated(self.location, version)
 
     @property
     def schema_version(self) -> int:
