@@ -429,10 +429,17 @@ def cmd_export(args: argparse.Namespace) -> int:
     if Path(args.out).suffix.lower() not in EXPORT_SUFFIXES:
         raise CliError(f"export: write to a file ending in {' or '.join(EXPORT_SUFFIXES)}, not "
                        f"{Path(args.out).name!r}")
+    turn_ids = None
+    if args.turns is not None:
+        try:
+            turn_ids = [int(t) for t in args.turns.split(",") if t.strip()]
+        except ValueError:
+            raise CliError("--turns takes turn ids separated by commas: --turns 3,4,9") from None
     store = _store(args.db)
     try:
         count = export_file(store, args.out, session=args.session, shape=args.shape,
-                            labelled_only=args.labelled_only)
+                            labelled_only=args.labelled_only, turn_ids=turn_ids,
+                            threshold=args.threshold)
     finally:
         store.close()
     print(_printable(export_summary(count, args.out, shape=args.shape,
@@ -453,11 +460,13 @@ def _generation_numbers(args: argparse.Namespace) -> list[int]:
 
 @command("skills")
 def cmd_skills(args: argparse.Namespace) -> int:
-    if args.action in ("diff", "rollback"):
+    if args.action in ("diff", "rollback", "revert"):
         args.generations = _generation_numbers(args)
-        needs, usage = (("at most two generations", "[[G1] G2]") if args.action == "diff"
-                        else ("one generation", "G"))
+        needs, usage = {"diff": ("at most two generations", "[[G1] G2]"),
+                        "revert": ("at most one generation", "[G]")}.get(
+            args.action, ("one generation", "G"))
         if (len(args.generations) > 2 if args.action == "diff"
+                else len(args.generations) > 1 if args.action == "revert"
                 else len(args.generations) != 1):
             raise CliError(f"skills {args.action} needs {needs}: metaclaw skills {args.action} "
                            f"{usage}")
@@ -497,6 +506,8 @@ def cmd_skills(args: argparse.Namespace) -> int:
         else:
             print(f"generation {new} now equals generation {args.generations[0]}")
         return 0
+    if args.action == "revert":
+        return _revert(args, library)
     if args.action == "stats":
         return _skill_stats(args, library)
     if args.action == "share":
@@ -590,6 +601,81 @@ def _share_skill(args: argparse.Namespace, library: Any) -> int:
     else:
         print(_printable(f"generation {new}: {name} is shared with the workspace (was {was}); "
                          f"recorded: {event['reason']}"))
+    return 0
+
+
+def _revert(args: argparse.Namespace, library: Any) -> int:
+    """`metaclaw skills revert [G]`: undo generation G's changes (default: the latest the gate
+    promoted without a person) as a new generation."""
+    from metaclaw.fastloop import proposals
+
+    try:
+        new = proposals.revert(library, args.generations[0] if args.generations else None,
+                               by=args.by)
+    except proposals.ProposalError as exc:
+        raise CliError(f"skills revert: {exc}") from None
+    reason = library.store.generation(new)["reason"]
+    if args.json:
+        _print_json({"generation": new, "reason": reason})
+    else:
+        print(_printable(f"reverted ({reason}): the library is now generation {new}"))
+    return 0
+
+
+@command("label")
+def cmd_label(args: argparse.Namespace) -> int:
+    from metaclaw.fastloop import labels
+
+    store = _store(args.db)
+    try:
+        row = labels.label(store, args.turn, args.verdict, note=args.note,
+                           corrected=args.corrected, author=args.by)
+    except labels.LabelError as exc:
+        raise CliError(str(exc)) from None
+    finally:
+        store.close()
+    print(_printable(f"turn #{row['turn_id']} labelled {row['verdict']} by {row['author']}"))
+    return 0
+
+
+@command("labels")
+def cmd_labels(args: argparse.Namespace) -> int:
+    from metaclaw.fastloop import labels
+
+    store = _store(args.db)
+    try:
+        if args.agreement:
+            if args.session:
+                raise CliError("labels --agreement covers every session (per session and "
+                               "overall); leave out --session")
+            found = labels.agreement(store, threshold=args.threshold)
+            if args.json:
+                for row in found.table.iter_rows(named=True):
+                    _print_json(row)
+                _print_json({"overall": found.overall})
+            else:
+                print(_printable(repr(found)))
+                for row in found.table.iter_rows(named=True):
+                    rate = "n/a" if row["rate"] is None else f"{row['rate']:.0%}"
+                    print(_printable(f"  {row['session_id']:<40} {row['agree']}/"
+                                     f"{row['labelled']} agree ({rate}), judge unclear "
+                                     f"{row['judge_unclear']}"))
+            return 0
+        frame = labels.frame(store, session=args.session, threshold=args.threshold)
+    finally:
+        store.close()
+    for row in frame.iter_rows(named=True):
+        if args.json:
+            _print_json(row)
+        else:
+            agree = {True: "agrees", False: "DISAGREES", None: "-"}[row["agree"]]
+            print(_printable(f"#{row['turn_id']:<6} {row['session_id'][:30]:<31} "
+                             f"{row['verdict']:<5} by {row['author']:<12} judge "
+                             f"{row['judge_verdict'] or 'unjudged':<9} {agree:<9} "
+                             f"{row['note'] or ''}"))
+    if not args.json and frame.is_empty():
+        print("no labelled turn" + (f" in session {args.session}" if args.session else "")
+              + ": metaclaw label TURN pass|fail")
     return 0
 
 
@@ -1561,6 +1647,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shape", choices=["chat", "eval"], default="chat",
                    help="chat: fine-tuning records of turns labelled pass or corrected "
                    "(default); eval: one OpenAI evals sample per turn")
+    p.add_argument("--turns", help="only these turns: ids separated by commas (3,4,9)")
+    p.add_argument("--threshold", type=argtypes.finite_float, default=0.0,
+                   help="the judge's verdict written beside each turn: fail below this reward, "
+                   "pass above, unclear at it (default 0)")
+
+    p = add("label", help="label a turn pass or fail as a person: it takes precedence over the "
+            "judge (the support set, the exports)")
+    p.add_argument("turn", type=int, help="the turn's id (metaclaw turns)")
+    p.add_argument("verdict", choices=["pass", "fail"])
+    add_db(p)
+    p.add_argument("--note", default="", help="why")
+    p.add_argument("--corrected", help="the answer the turn should have given (the exports "
+                   "use it)")
+    p.add_argument("--by", help="who labels (default $METACLAW_USER, else the login name)")
+
+    p = add("labels", help="labelled turns beside the judge's verdict; --agreement: "
+            "judge-human agreement per session and overall")
+    add_db(p)
+    p.add_argument("--session", help="only this session")
+    p.add_argument("--agreement", action="store_true",
+                   help="the agreement per session and overall (Cohen's kappa) instead")
+    p.add_argument("--threshold", type=argtypes.finite_float, default=0.0,
+                   help="the judge's verdict: fail below this reward, pass above, unclear at "
+                   "it (default 0)")
+    p.add_argument("--json", action="store_true", help="one JSON object per line")
 
     p = add("skills", help="list, diff, roll back or import skill generations; stats: "
             "per-skill evidence; share NAME: promote a private skill to the whole workspace; "
@@ -1568,19 +1679,22 @@ def build_parser() -> argparse.ArgumentParser:
             "keys [NAME ...]: have the evolver model write the retrieval keys of skills that "
             "have none")
     p.add_argument("action", nargs="?", default="list",
-                   choices=["list", "diff", "rollback", "import", "stats", "share", "keys",
-                            "remove"],
-                   help="list (default), diff, rollback, import, stats, share, keys or remove")
+                   choices=["list", "diff", "rollback", "revert", "import", "stats", "share",
+                            "keys", "remove"],
+                   help="list (default), diff, rollback, revert, import, stats, share, keys or "
+                   "remove")
     p.add_argument("generations", nargs="*", metavar="GENERATION|NAME",
                    help="diff: two generations (one: what it changed; none: what the latest "
-                   "changed); rollback: one; share: the skill's name; keys: "
+                   "changed); rollback: one; revert: the generation whose changes to undo "
+                   "(default: the latest the gate promoted without a person); share: the "
+                   "skill's name; keys: "
                    "the skills' names (default: every skill without keys); remove: the "
                    "skills' names")
     p.add_argument("--skills", default=str(DEFAULT_SKILLS),
                    help=f"the skills folder (default {DEFAULT_SKILLS})")
     add_db(p)
     p.add_argument("--from", dest="path", help="folder to import (skills import)")
-    p.add_argument("--by", help="share: who promotes it (default $METACLAW_USER, else the "
+    p.add_argument("--by", help="share, revert: who does it (default $METACLAW_USER, else the "
                    "login name)")
     p.add_argument("--reason", default="", help="share, remove: why (recorded)")
     p.add_argument("--json", action="store_true")

@@ -834,3 +834,50 @@ def test_evolve_with_nothing_to_learn_from_records_no_failure(tmp_path, capsys):
                      "http://127.0.0.1:9/v1", "--evolver-model", "e"]) == 0
     assert "no live support turns" in capsys.readouterr().out
     assert not [e for e in Store(db).events() if e["kind"] == "evolve_failed"]
+
+
+def test_labels_revert_and_export_of_chosen_turns_from_the_cli(tmp_path, capsys):
+    """What the notebook offers a person, the command line does too: label a turn, list the
+    labels beside the judge, the agreement (an unclear verdict apart), revert the latest
+    automatic generation (`serve --auto-evolve` runs without a notebook), export chosen turns."""
+    from metaclaw import cli
+    from metaclaw.fastloop import proposals
+    from metaclaw.skills.library import SkillLibrary, SkillOp
+    from metaclaw.store import Store
+
+    db, skills = tmp_path / "ws.db", tmp_path / "skills"
+    write_skill(skills, "alpha", "The alpha skill.", "Alpha body.")
+    store = Store(db)
+    library = SkillLibrary(skills, store)
+    ids = [store.record_turn(session_id="s1", request_messages=[{"role": "user", "content": q}],
+                             status="ok", response="done", reward=r)
+           for q, r in (("one", -1.0), ("two", 0.0), ("three", 1.0))]
+    assert cli.main(["label", str(ids[0]), "fail", "--db", str(db), "--note", "wrong unit",
+                     "--by", "alice"]) == 0
+    assert f"turn #{ids[0]} labelled fail by alice" in capsys.readouterr().out
+    assert cli.main(["label", str(ids[1]), "pass", "--db", str(db), "--corrected", "2"]) == 0
+    assert cli.main(["label", "999", "pass", "--db", str(db)]) == 2
+    capsys.readouterr()
+    assert cli.main(["labels", "--db", str(db)]) == 0
+    out = capsys.readouterr().out
+    assert "judge fail" in out and "agrees" in out and "judge unclear" in out
+    assert cli.main(["labels", "--agreement", "--db", str(db), "--json"]) == 0
+    overall = json.loads(capsys.readouterr().out.splitlines()[-1])["overall"]
+    assert (overall["agree"], overall["labelled"], overall["judge_unclear"]) == (1, 1, 1)
+    out_file = tmp_path / "two.jsonl"
+    assert cli.main(["export", str(out_file), "--db", str(db), "--turns", f"{ids[1]}",
+                     "--shape", "eval"]) == 0
+    [record] = [json.loads(line) for line in out_file.read_text().splitlines()]
+    assert record["ideal"] == "2" and record["metadata"]["judge_verdict"] == "unclear"
+    assert cli.main(["export", str(out_file), "--db", str(db), "--turns", "x"]) == 2
+    base = library.generation
+    new = library.apply([SkillOp("add", Skill(name="beta", description="The beta skill.",
+                                              body="Beta body."))], kind="evolve", reason="auto")
+    proposals.record(store, [], origin="auto", status=proposals.PROMOTED, base_generation=base,
+                     decided_by="gate", generation=new)
+    capsys.readouterr()
+    argv = ["skills", "revert", "--db", str(db), "--skills", str(skills), "--by", "bob"]
+    assert cli.main(argv) == 0
+    assert f"reverted (revert generation {new}" in capsys.readouterr().out
+    assert "beta" not in SkillLibrary(skills, Store(db))
+    assert cli.main(argv[:2] + ["0"] + argv[2:]) == 2  # the initial library: nothing to revert

@@ -406,11 +406,18 @@ def automatic_generations(store: Store) -> list[int]:
     return [int(r["generation"]) for r in rows]
 
 
-def revert(library: Any, generation: int, *, by: str | None = None) -> int:
+def revert(library: Any, generation: int | None = None, *, by: str | None = None) -> int:
     """Undo one generation's changes on top of the current library (later changes to other
-    skills stay): each skill it touched goes back to its version in the generation's parent.
-    Refuses when a later generation changed one of those skills again. Returns the new
-    generation (kind ``rollback``)."""
+    skills stay): each skill it touched goes back to its version in the generation's parent
+    (default: the latest generation the gate promoted without a person,
+    :func:`automatic_generations`). Refuses when a later generation changed one of those skills
+    again. Returns the new generation (kind ``rollback``)."""
+    if generation is None:
+        automatic = automatic_generations(library.store)
+        if not automatic:
+            raise ProposalError("no automatic generation to revert (none the gate promoted "
+                                "without a person); name the generation to revert")
+        generation = automatic[-1]
     row = library.store.generation(int(generation))
     if row is None:
         raise ProposalError(f"there is no skill generation {generation}")

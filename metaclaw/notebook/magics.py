@@ -808,15 +808,12 @@ class MetaClawMagics(Magics):
         parser.add_argument("--by")
         args = parser.parse_args(argv)
         runtime = self._require_runtime()
-        generation = args.generation
-        if generation is None:
-            automatic = proposals.automatic_generations(runtime.store)
-            if not automatic:
-                raise MagicUsageError("no automatic generation to revert; give one: "
-                                      "%metaclaw revert G")
-            generation = automatic[-1]
-        new = proposals.revert(runtime.library, generation, by=args.by)
-        print(f"generation {generation} reverted: the library is now generation {new}")
+        try:
+            new = proposals.revert(runtime.library, args.generation, by=args.by)
+        except proposals.ProposalError as exc:
+            raise MagicUsageError(f"%metaclaw revert: {exc}") from None
+        print(f"reverted ({runtime.store.generation(new)['reason']}): the library is now "
+              f"generation {new}")
         return runtime.library
 
     def _do_trace(self, argv: list[str], cell: str | None):
