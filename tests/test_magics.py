@@ -546,6 +546,13 @@ def test_a_new_conversation_under_a_used_session_name_records_apart(ip, capsys):
     # the conversation of before the new start, by its stored id
     assert line(ip, "turns --session =notebook").height == 2
     assert cell(ip, "chat --session other", "hi").session_id == "other"
+    # another kernel on the workspace, its conversation's first turn not recorded yet: the
+    # name it took is claimed, so this kernel's new conversation takes the next
+    from metaclaw.store import Store
+
+    with Store(magics.runtime.store.target) as other:
+        assert other.claim_session("notebook.4") is True
+    assert cell(ip, "chat --new", "Once more").session_id == "notebook.5"
 
 
 def test_diff_and_train_say_what_is_wrong_in_a_sentence(ip):

@@ -20,6 +20,7 @@ import html
 import itertools
 import keyword
 import shlex
+import time
 from pathlib import Path
 from dataclasses import dataclass
 from typing import Any
@@ -544,14 +545,25 @@ class MetaClawMagics(Magics):
         with; for a new conversation (the first message after a start, a kernel restart or
         ``--new``), ``name`` itself where the workspace holds no turn of it yet, else ``name.2``,
         ``name.3``, ... so that the judge never reads a message of a new conversation as the
-        reaction to an old one (the proxy numbers a restarted conversation the same way)."""
+        reaction to an old one (the proxy numbers a restarted conversation the same way). The
+        id is claimed in the workspace before the first message goes
+        (:meth:`~metaclaw.store.Store.claim_session`): another kernel on the same workspace,
+        starting a conversation of the same name before this one's first turn is recorded,
+        takes the next number."""
         if not new and name in self.sessions:
             return self.sessions[name]
         taken = set(self.sessions.values())
         for n in itertools.count(1):
             candidate = name if n == 1 else f"{name}.{n}"
-            if candidate not in taken and not store.query(
+            if candidate in taken or store.query(
                     "SELECT 1 AS x FROM turns WHERE session_id = ? LIMIT 1", (candidate,)):
+                continue
+            for _ in range(100):  # a claim never waits for the write lock: try again a while
+                claimed = store.claim_session(candidate)
+                if claimed is not None:
+                    break
+                time.sleep(0.02)
+            if claimed is not False:  # (still busy after two seconds: numbered as recorded)
                 return candidate
         raise AssertionError("unreachable")
 
