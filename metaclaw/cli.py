@@ -920,11 +920,12 @@ def _replayer(args: argparse.Namespace, pinned: dict[str, Any]) -> Any:
     """The replayer of ``experiment run``: an option left out takes the experiment's pinned
     setting (its first run's), else `metaclaw serve`'s default."""
     from metaclaw.fastloop.replay import Replayer
+    from metaclaw.skills.block import BUDGET_CHARS, TOP_K
     from metaclaw.skills.retrieval import RetrievalError, make_retriever
 
     for key, default in (("judge_model", None), ("votes", 3), ("threshold", 0.0),
-                         ("model", None), ("top_k", 3), ("min_score", None),
-                         ("budget_chars", 6000)):
+                         ("model", None), ("top_k", TOP_K), ("min_score", None),
+                         ("budget_chars", BUDGET_CHARS)):
         if getattr(args, key) is None:
             setattr(args, key, pinned.get(key, default))
     judge = _judge(args)

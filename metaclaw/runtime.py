@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 from metaclaw import argtypes
 from metaclaw.redact import upstream_key_for
+from metaclaw.skills.block import BUDGET_CHARS, TOP_K
 from metaclaw.store import Store, default_target
 
 DEFAULT_SKILLS = Path(".metaclaw") / "skills"
@@ -116,13 +117,13 @@ class RuntimeConfig:
         None, "--embedding-model", "'static' (default: the packaged token table of "
         "all-MiniLM-L6-v2), 'minilm' (the transformer, loaded in the background), or a "
         "sentence-transformers model path or id")
-    top_k: int = option(3, "--top-k", "most skills injected per turn (default 3)",
+    top_k: int = option(TOP_K, "--top-k", f"most skills injected per turn (default {TOP_K})",
                         type=argtypes.positive_int)
     min_score: float | None = option(None, "--min-score", "minimum relevance to inject a skill "
                                      "(default: the retriever's own threshold)",
                                      type=argtypes.finite_float)
-    budget_chars: int = option(6000, "--budget-chars",
-                               "size budget of the skill block in characters (default 6000)",
+    budget_chars: int = option(BUDGET_CHARS, "--budget-chars", "size budget of the skill block "
+                               f"in characters (default {BUDGET_CHARS})",
                                type=argtypes.positive_int)
     timeout: float = option(120.0, "--timeout", "upstream timeout in seconds (default 120)",
                             type=argtypes.positive_float)

@@ -5,7 +5,7 @@ above it; see each package's ``__init__`` docstring and README's *Layout*):
 
 0. the shared modules at the top of the package (``metaclaw/*.py`` below the outer layer:
    ``jsonlib``, ``aio``, ``turns``, ``redact``, ``progress``, ``store``, ``buffers``,
-   ``training_lease``, ``fileio``, ``gctune``);
+   ``training_lease``, ``fileio``, ``gctune``, ``jsontext``);
 1. ``metaclaw.skills``: the skill format, the library, the skill block, retrieval;
 2. ``metaclaw.protocols``: the wire formats;
 3. ``metaclaw.proxy``: the request path;

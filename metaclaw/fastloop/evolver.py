@@ -99,6 +99,7 @@ from metaclaw.progress import ProgressFn, notify
 from metaclaw.redact import safe_url
 from metaclaw.skills.library import (OPS, Skill, SkillConflict, SkillFormatError, SkillLibrary,
                                      SkillOp, apply_in_memory, oversize_reason, validate_name)
+from metaclaw.skills.block import BUDGET_CHARS, TOP_K
 from metaclaw.store import Store
 from metaclaw.turns import scope_visible
 
@@ -107,7 +108,6 @@ SKILL_SCOPE_POLICIES = ("private", "shared")
 
 SECTION_SUPPORT = "Support turns"
 SECTION_LIBRARY = "Current skill library"
-EVOLVER_SECTIONS = (SECTION_SUPPORT, SECTION_LIBRARY)
 
 #: JSON schema of one operation (every field required so it works in strict mode; an empty
 #: string means "not given").
@@ -667,8 +667,8 @@ class Evolver:
                  retriever: Any = None, dedupe_retriever: Any = None,
                  verify_url: str | None = None, verify_model: str | None = None,
                  verify_api_key: str | None = None, verify_samples: int = 4,
-                 top_k: int = 3, min_score: float | None = None, budget_chars: int = 6000,
-                 threshold: float | None = None, seed: int = 0, skill_scope: str = "private"):
+                 top_k: int = TOP_K, min_score: float | None = None,
+                 budget_chars: int = BUDGET_CHARS, threshold: float | None = None, seed: int = 0, skill_scope: str = "private"):
         check_url("base_url", base_url)
         if skill_scope not in SKILL_SCOPE_POLICIES:
             raise ValueError(f"skill_scope must be one of {', '.join(SKILL_SCOPE_POLICIES)}, "

@@ -37,6 +37,7 @@ from metaclaw.fastloop.judge import Judge
 from metaclaw.fastloop.llm import check_url
 from metaclaw.fastloop.replay import Replayer
 from metaclaw.skills.library import Skill, SkillOp, apply_in_memory
+from metaclaw.skills.block import BUDGET_CHARS, TOP_K
 from metaclaw.turns import TASK_TURNS_SQL
 
 # -- safety ---------------------------------------------------------------------------------------
@@ -221,8 +222,8 @@ class Gate:
     def __init__(self, judge: Judge, upstream_url: str, model: str | None = None, *,
                  api_key: str | None = None, api_key_env: str = "METACLAW_UPSTREAM_API_KEY",
                  successes: int = 4, max_failures: int = 4, retriever: Any = None,
-                 top_k: int = 3, min_score: float | None = None, budget_chars: int = 6000,
-                 timeout: float = 120.0, seed: int = 0):
+                 top_k: int = TOP_K, min_score: float | None = None,
+                 budget_chars: int = BUDGET_CHARS, timeout: float = 120.0, seed: int = 0):
         if not isinstance(judge, Judge):
             raise TypeError("Gate needs a metaclaw.fastloop.judge.Judge to score the replays")
         check_url("upstream_url", upstream_url)
@@ -324,8 +325,3 @@ class Gate:
 
     async def aclose(self) -> None:
         await self.replayer.aclose()
-
-
-def support_ids_of(ops: Iterable[SkillOp]) -> list[int]:
-    """Every evidence turn id cited by ``ops``."""
-    return sorted({int(i) for op in ops for i in op.evidence})

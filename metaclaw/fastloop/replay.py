@@ -25,6 +25,7 @@ from metaclaw.buffers import message_text
 from metaclaw.fastloop.judge import Judge
 from metaclaw.fastloop.llm import LLMClient, answer_error, check_url, replay_params, reply_message
 from metaclaw.skills.library import Skill, visible
+from metaclaw.skills.block import BUDGET_CHARS, TOP_K
 
 
 @dataclass
@@ -59,8 +60,8 @@ class Replayer:
 
     def __init__(self, judge: Judge, upstream_url: str, model: str | None = None, *,
                  api_key: str | None = None, api_key_env: str = "METACLAW_UPSTREAM_API_KEY",
-                 retriever: Any = None, top_k: int = 3, min_score: float | None = None,
-                 budget_chars: int = 6000, timeout: float = 120.0):
+                 retriever: Any = None, top_k: int = TOP_K, min_score: float | None = None,
+                 budget_chars: int = BUDGET_CHARS, timeout: float = 120.0):
         check_url("upstream_url", upstream_url)
         self.judge = judge
         self.upstream_url = upstream_url

@@ -308,8 +308,3 @@ class LocalModelServer(ServedApp):
                 await response.write(f"data: {json.dumps(error)}\n\n".encode())
                 await response.write_eof()
         return response
-
-
-def serve_local_model(path: str | None = None, host: str = "127.0.0.1", port: int = 0, **kw: Any) -> LocalModelServer:
-    """Load the model and start :class:`LocalModelServer` in the background (started)."""
-    return LocalModelServer(load_responder(path, **kw), host, port).start()

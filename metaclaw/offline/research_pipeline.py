@@ -37,7 +37,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 from metaclaw.turns import STAGE_TURNS_SQL, stage_of, stage_turn_type
@@ -406,10 +406,6 @@ def run_table(store: Any, runs: Iterable[RunRecord | str], label: str):
 
 def _robustness(execution: dict[str, Any]) -> float:
     return (1.0 / execution["attempts"]) if execution["passed"] else 0.0
-
-
-def as_dicts(runs: list[RunRecord]) -> list[dict[str, Any]]:
-    return [asdict(r) for r in runs]
 
 
 def runtime_hooks(runtime: Any, model: str = "sim-research"):

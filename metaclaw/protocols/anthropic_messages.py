@@ -82,8 +82,6 @@ _FINISH_TO_STOP = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "to
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                 403: "permission_error", 404: "not_found_error", 413: "request_too_large",
                 429: "rate_limit_error", 529: "overloaded_error"}
-_CHAT_DROPPED = ("n", "logprobs", "top_logprobs", "response_format", "seed", "presence_penalty",
-                 "frequency_penalty", "logit_bias", "stream_options", "parallel_tool_calls")
 
 
 #: Roles of the messages in ``messages``: ``system`` is a system message inside the conversation

@@ -60,8 +60,6 @@ from metaclaw.skills.asks import content_text
 
 #: Message roles a Responses input item may carry.
 ROLES = ("user", "assistant", "system", "developer")
-#: Tool types a chat upstream can be given (the others are hosted by OpenAI and dropped).
-_CALLABLE_TOOLS = ("function", "custom", "namespace")
 #: Finish reasons of a chat completion -> (response status, incomplete reason).
 _INCOMPLETE = {"length": "max_output_tokens", "content_filter": "content_filter"}
 

@@ -72,6 +72,7 @@ from metaclaw.proxy.sessions import ReplyThreads
 from metaclaw.proxy.upstreams import make_upstream
 from metaclaw.redact import safe_url
 from metaclaw.skills import retrieval
+from metaclaw.skills.block import BUDGET_CHARS, TOP_K
 from metaclaw.store import Store, StoreUnavailable
 from metaclaw.turns import IdentityError, check_principal
 
@@ -145,9 +146,9 @@ class ProxyConfig:
     token: str | None = None
     retrieval: str = "auto"
     embedding_model: str | None = None
-    top_k: int = 3
+    top_k: int = TOP_K
     min_score: float | None = None
-    budget_chars: int = 6000
+    budget_chars: int = BUDGET_CHARS
     timeout: float = 120.0
     max_body_bytes: int = 32 * 2**20
     max_retries: int = 2

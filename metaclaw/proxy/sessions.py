@@ -56,7 +56,8 @@ import orjson
 from metaclaw.protocols import tool_input
 from metaclaw.skills.asks import INSTRUCTION_ROLES, content_text
 from metaclaw.store import OutageLog, StoreUnavailable
-from metaclaw.turns import IdentityError, check_principal, check_session_id, check_turn_type
+from metaclaw.turns import (TASK_TURNS_SQL, IdentityError, check_principal, check_session_id,
+                            check_turn_type)
 
 log = logging.getLogger(__name__)
 #: Warnings of the look-ups an unreachable workspace failed, rate-limited (every opening
@@ -695,8 +696,8 @@ class ReplyThreads:
                 found = self._read(
                     "SELECT id, session_id, request_messages, response, tool_calls FROM turns "
                     "WHERE id IN (SELECT MAX(id) FROM turns WHERE session_id >= ? AND "
-                    "session_id < ? AND status = 'ok' AND (turn_type = 'main' OR turn_type "
-                    "LIKE 'stage:%') AND id > ? GROUP BY session_id ORDER BY MAX(id) DESC "
+                    f"session_id < ? AND status = 'ok' AND {TASK_TURNS_SQL} AND id > ? "
+                    "GROUP BY session_id ORDER BY MAX(id) DESC "
                     "LIMIT ? OFFSET ?) ORDER BY id",
                     (*self._family(fingerprint), since, self.RECORDED_SESSIONS,
                      page * self.RECORDED_SESSIONS))

@@ -152,6 +152,13 @@ _HTML_BLOCK_ENDS = [(re.compile(r" {0,3}<%s(?:[\s>]|$)" % tag, re.IGNORECASE), f
     (re.compile(r" {0,3}<!\[CDATA\["), "]]>"), (re.compile(r" {0,3}<![A-Za-z]"), ">")]
 
 
+#: The proxy's defaults for a turn's skills (``metaclaw serve --top-k``, ``--budget-chars``): at
+#: most this many skills, in a block of at most this many characters; replays and the gate
+#: select alike (:func:`metaclaw.skills.retrieval.select`).
+TOP_K = 3
+BUDGET_CHARS = 6000
+
+
 @functools.lru_cache(maxsize=1)
 def _commonmark() -> Any:
     """A CommonMark parser of blocks only: the blocks are all :func:`_open_block_end` looks at,

@@ -55,8 +55,8 @@ from typing import Any, Callable, NamedTuple, Protocol, Sequence, runtime_checka
 
 from metaclaw.fileio import atomic_folder
 from metaclaw.skills.asks import extract_ask
-from metaclaw.skills.block import (BLOCK_FOOTER, BLOCK_HEADER, inject, render_block, section,
-                                   strip_skill_block)
+from metaclaw.skills.block import (BLOCK_FOOTER, BLOCK_HEADER, BUDGET_CHARS, TOP_K, inject,
+                                   render_block, section, strip_skill_block)
 from metaclaw.skills.library import Skill, offered_to
 from metaclaw.skills.static_embedding import STOPWORDS
 
@@ -1221,8 +1221,8 @@ def _rank(retriever: Retriever, query: str, skills: list[Skill], limit: int) -> 
     return retriever.rank(query, skills)[:limit]
 
 
-def select(retriever: Retriever, query: str, skills: list[Skill], *, top_k: int = 3,
-           min_score: float | None = None, budget_chars: int = 6000,
+def select(retriever: Retriever, query: str, skills: list[Skill], *, top_k: int = TOP_K,
+           min_score: float | None = None, budget_chars: int = BUDGET_CHARS,
            keep: Callable[[Skill], bool] | None = None,
            margin: float | None = None,
            missed: list[tuple[ScoredSkill, float]] | None = None) -> list[ScoredSkill]:
@@ -1310,8 +1310,8 @@ class Injection(NamedTuple):
 
 
 def select_and_inject(retriever: Retriever, messages: list[dict], skills: list[Skill], *,
-                      turn_type: str | None = "main", top_k: int = 3,
-                      min_score: float | None = None, budget_chars: int = 6000,
+                      turn_type: str | None = "main", top_k: int = TOP_K,
+                      min_score: float | None = None, budget_chars: int = BUDGET_CHARS,
                       query: str | None = None,
                       fit: Callable[[list[ScoredSkill], Callable[[int], str]], int] | None = None,
                       ) -> Injection:

@@ -988,18 +988,3 @@ def _forget_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_in_child)
-
-
-def wait_until_reachable(url: str, timeout_s: float = 30.0) -> None:
-    """Block until ``url`` accepts a connection (for scripts that start a server), or raise."""
-    psycopg, _ = _driver()
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            psycopg.connect(PostgresStore._conninfo_of(url)).close()
-            return
-        except psycopg.Error as exc:
-            if time.monotonic() > deadline:
-                raise StoreError(f"{mask(url)} did not accept a connection within "
-                                 f"{timeout_s:.0f} s: {_one_line(exc)}") from None
-            time.sleep(0.1)
