@@ -35,7 +35,8 @@ TASK_TURNS_SQL = f"(turn_type = 'main' OR {STAGE_TURNS_SQL})"
 #: above it, ``unclear`` at it (a tie of the judge's votes, or every vote unclear: a reward of 0
 #: at the default threshold 0). One rule for every reader: the support set, the exports, the
 #: judge–human agreement, the gate, experiments, the trace. A person's label, where there is
-#: one, takes precedence (:data:`metaclaw.buffers.FAILURE_SQL`, :data:`~metaclaw.buffers.SUCCESS_SQL`).
+#: one, takes precedence (:data:`metaclaw.buffers.FAILURE_SQL`,
+#: :data:`~metaclaw.buffers.SUCCESS_SQL`).
 VERDICTS = ("pass", "fail", "unclear")
 
 

@@ -349,7 +349,7 @@ def _undo(config_path: Path) -> tuple[str, list[str]]:
         config_path.resolve().unlink()  # (through a symlink: the file wiring made, not the link)
         done = f"removed {config_path}: there was none before wiring"
         made = [str(folder) for folder in info.get("made_folders") or []]
-    elif as_wired and original is not None:  # without the backup, only taking back the wiring is safe
+    elif as_wired and original is not None:  # (without it, only taking back the wiring is safe)
         _writable(config_path)
         _write(config_path, original, like=config_path)
         done = f"restored {config_path} exactly as it was before wiring"

@@ -23,9 +23,9 @@ counts every turn it was given, and the comparable ones since it was last added)
   or the budget kept it from. Turns from before it existed are left out: they met other tasks
   and another policy, and they hold the very failures it was written from, which would make
   any skill look good (or, as tasks grow harder, bad); so are those of its earlier versions,
-  on both sides: an edit that fixed a skill is not held against it by the turns it fixed. The same numbers as for *with*, and the
-  difference in mean reward per judged turn with a 95% interval that counts sessions, not
-  turns, as the independent units (see below);
+  on both sides: an edit that fixed a skill is not held against it by the turns it fixed. The
+  same numbers as for *with*, and the difference in mean reward per judged turn with a 95%
+  interval that counts sessions, not turns, as the independent units (see below);
 - the nearest other skill of the library and their cosine (a near duplicate at
   :data:`NEAR_DUPLICATE` or more), and how many task turns arrived since its version began
   (``turns_since``);

@@ -668,7 +668,8 @@ class Evolver:
                  verify_url: str | None = None, verify_model: str | None = None,
                  verify_api_key: str | None = None, verify_samples: int = 4,
                  top_k: int = TOP_K, min_score: float | None = None,
-                 budget_chars: int = BUDGET_CHARS, threshold: float | None = None, seed: int = 0, skill_scope: str = "private"):
+                 budget_chars: int = BUDGET_CHARS, threshold: float | None = None,
+                 seed: int = 0, skill_scope: str = "private"):
         check_url("base_url", base_url)
         if skill_scope not in SKILL_SCOPE_POLICIES:
             raise ValueError(f"skill_scope must be one of {', '.join(SKILL_SCOPE_POLICIES)}, "

@@ -252,10 +252,11 @@ def _edit(store: Store, proposal: Proposal, name: str, *, body: str | None,
 
 def with_served_asks(library: Any, ops: list[SkillOp], threshold: float = 0.0) -> list[SkillOp]:
     """``ops`` with the asks each skill served well in the current generation (judged above
-    ``threshold``, or labelled pass: :func:`metaclaw.buffers.served_asks`) added to its example asks: into the operation on it,
-    or as an ``edit`` of its retrieval keys alone (``evidence``: those turns). They ride along
-    with the generation the operations make anyway: a skill learns its keys without a
-    generation of its own, which would purge the query set the slow loop trains on."""
+    ``threshold``, or labelled pass: :func:`metaclaw.buffers.served_asks`) added to its example
+    asks: into the operation on it, or as an ``edit`` of its retrieval keys alone (``evidence``:
+    those turns). They ride along with the generation the operations make anyway: a skill
+    learns its keys without a generation of its own, which would purge the query set the slow
+    loop trains on."""
     generation, skills = library.current()
     scopes = {skill.name: skill.scope for skill in skills}
     scopes.update((op.name, op.skill.scope) for op in ops if op.skill is not None)

@@ -515,8 +515,8 @@ EVIDENCE_COLUMNS = ("skill", "in_library", "injected", "judged_with", "sessions_
 class EvidenceView(_WorkspaceWidget):
     """Per-skill evidence (:func:`metaclaw.fastloop.evidence.skill_stats`): one row per skill, the
     suggestions (retire, merge, review) with their reasons, and :meth:`propose` to file them
-    as proposals held for review. ``threshold``, ``retriever``, ``compare``,
-    ``all_versions``: as for ``skill_stats``. A snapshot: :meth:`refresh` (or the *refresh* button) reads it again."""
+    as proposals held for review. ``threshold``, ``retriever``, ``compare``, ``all_versions``: as
+    for ``skill_stats``. A snapshot: :meth:`refresh` (or the *refresh* button) reads it again."""
 
     _esm = ESM
     _css = CSS
