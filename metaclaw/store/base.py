@@ -657,14 +657,16 @@ class Store:
                         f"{self.path} has schema version {version}, newer than this MetaClaw "
                         f"understands ({SCHEMA_VERSION}); upgrade the metaclaw package.")
                 if version == SCHEMA_VERSION:
-                    if self.migrated_from is not None:
+                    if not self.migrated_from:  # a new workspace was created, not migrated
+                        self.migrated_from = None
+                    else:
                         said_migrated(str(self.path), self.migrated_from)
                     return
                 self._db.execute("BEGIN IMMEDIATE")
                 try:  # read again under the write lock: another process may have migrated
                     version = self._db.execute("PRAGMA user_version").fetchone()[0]
                     if version < SCHEMA_VERSION:
-                        if self.migrated_from is None and version > 0:  # (0: created)
+                        if self.migrated_from is None:  # (0: created, and said as such)
                             self.migrated_from = version
                         for statement in _split_sql(MIGRATIONS[version]):
                             self._db.execute(statement)
