@@ -869,6 +869,12 @@ def test_labels_revert_and_export_of_chosen_turns_from_the_cli(tmp_path, capsys)
                      "--shape", "eval"]) == 0
     [record] = [json.loads(line) for line in out_file.read_text().splitlines()]
     assert record["ideal"] == "2" and record["metadata"]["judge_verdict"] == "unclear"
+    assert cli.main(["export", str(out_file), "--db", str(db), "--turns", f"{ids[2]}",
+                     "--shape", "eval"]) == 0  # judged pass, no label: the reply is the ideal
+    assert json.loads(out_file.read_text())["ideal"] == "done"
+    assert cli.main(["export", str(out_file), "--db", str(db), "--turns", f"{ids[0]}",
+                     "--shape", "eval"]) == 0  # labelled fail: no reference answer
+    assert json.loads(out_file.read_text())["ideal"] == ""
     assert cli.main(["export", str(out_file), "--db", str(db), "--turns", "x"]) == 2
     base = library.generation
     new = library.apply([SkillOp("add", Skill(name="beta", description="The beta skill.",

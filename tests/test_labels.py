@@ -155,7 +155,9 @@ def test_any_label_text_is_refused_with_a_reason_or_exported_exactly(
     labels.export_jsonl(store, path, turn_ids=[turn], shape="eval")
     [record] = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
     assert record["metadata"]["note"] == note
-    assert record["ideal"] == (corrected if corrected.strip() else "5 km")
+    # a reply labelled fail is no reference answer: the corrected one, else none
+    assert record["ideal"] == (corrected if corrected.strip() else "")
+    assert record["metadata"]["reply"] == "5 km"
     assert record["metadata"]["author"] == ((author or library.default_author()).strip()
                                             or "unknown")
 

@@ -301,10 +301,13 @@ def export_records(store: Store, *, turn_ids: Iterable[int] | None = None,
     ``shape="chat"``: the OpenAI fine-tuning format, ``{"messages": [..., assistant]}`` (plus
     ``"tools"`` when the turn offered tools); only turns fit to learn from are kept: labelled
     pass, or with a corrected answer (which replaces the reply). ``shape="eval"``: an OpenAI
-    evals sample per turn, ``{"input": messages, "ideal": corrected or reply, "metadata":
-    {turn_id, session_id, human verdict, note, author, judge reward and verdict, skill
-    generation, policy version}}``. ``keep_skills``: keep the injected skill block in the system
-    prompt (default: stripped, the prompt as the agent wrote it).
+    evals sample per turn, ``{"input": messages, "ideal": ..., "metadata": {turn_id,
+    session_id, reply, human verdict, note, author, judge reward and verdict, skill generation,
+    policy version}}``: ``ideal``, the reference answer graders compare with, is the corrected
+    answer, else the reply where it passed (a person's pass, else the judge's without a
+    person's fail), else empty (a failed or unclear reply is no reference; it stays in
+    ``metadata.reply``). ``keep_skills``: keep the injected skill block in the system prompt
+    (default: stripped, the prompt as the agent wrote it).
     """
     from metaclaw.skills.block import strip_skill_block
 
@@ -337,15 +340,19 @@ def export_records(store: Store, *, turn_ids: Iterable[int] | None = None,
             if tools:
                 record["tools"] = tools
         else:
+            judged = judge_verdict(turn.get("reward"), threshold)
+            passed = mark["verdict"] == "pass" if mark else judged == "pass"
+            reply = turn.get("response") or ""
             record = {"input": messages,
-                      "ideal": corrected if corrected else (turn.get("response") or ""),
+                      "ideal": corrected if corrected else reply if passed else "",
                       "metadata": {
                           "turn_id": turn["id"], "session_id": turn["session_id"],
+                          "reply": reply,
                           "human_verdict": mark["verdict"] if mark else None,
                           "note": mark["note"] if mark else None,
                           "author": mark["author"] if mark else None,
                           "judge_reward": turn.get("reward"),
-                          "judge_verdict": judge_verdict(turn.get("reward"), threshold),
+                          "judge_verdict": judged,
                           "skill_generation": turn.get("skill_generation"),
                           "policy_version": turn.get("policy_version")}}
         out.append(record)
