@@ -260,7 +260,7 @@ TURN_FIELDS = ("id", "session_id", "turn_index", "turn_type", "created_at", "mod
                "finish_reason", "prompt_tokens", "completion_tokens", "latency_ms", "status",
                "http_status", "error", "reward", "buffer_set", "buffer_state", "retrieval_query",
                "retrieval_scores", "identified_by", "person", "agent", "context_budget",
-               "judge_votes", "judge_rationale")
+               "judge_votes", "judge_rationale", "human_label")
 
 
 #: Turns read per query by ``metaclaw turns``: the listing streams, so a workspace of any size
@@ -270,9 +270,19 @@ TURN_CHUNK = 1000
 
 #: What the text listing shows of a turn, and what ``--why`` adds.
 LISTED_FIELDS = ("id", "session_id", "turn_type", "skill_generation", "status",
-                 "injected_skills", "response", "tool_calls", "error")
+                 "injected_skills", "response", "tool_calls", "error", "reward", "human_label")
 WHY_FIELDS = ("retrieval_query", "retrieval_scores", "identified_by", "person", "agent",
-              "context_budget", "reward", "judge_rationale")
+              "context_budget", "judge_rationale")
+
+
+def _verdict_text(row: dict[str, Any], threshold: float) -> str:
+    """A turn's verdict in a word: a person's label (``human:pass``) over the judge's
+    (:func:`metaclaw.turns.judge_verdict`), ``-`` where neither said one."""
+    from metaclaw.turns import judge_verdict
+
+    if row.get("human_label") in ("pass", "fail"):
+        return f"human:{row['human_label']}"
+    return judge_verdict(row.get("reward"), threshold) or "-"
 
 
 def _turn_rows(store: Any, where: str, params: list[Any], fields: tuple[str, ...]):
@@ -291,8 +301,9 @@ def _turn_rows(store: Any, where: str, params: list[Any], fields: tuple[str, ...
 
 @command("turns")
 def cmd_turns(args: argparse.Namespace) -> int:
+    from metaclaw.fastloop.labels import latest
     from metaclaw.skills.retrieval import explain_keys, scored_text
-    from metaclaw.turns import IdentityError, turns_filter
+    from metaclaw.turns import IdentityError, judge_verdict, turns_filter
 
     if args.action == "import":
         return _import_turns(args)
@@ -323,10 +334,11 @@ def cmd_turns(args: argparse.Namespace) -> int:
             width = max(7, store.query(f"SELECT MAX(LENGTH(session_id)) AS n FROM turns "
                                        f"WHERE ({where})", params)[0]["n"] or 0)
             print(f"{'turn':<6} {'session':<{width}} {'type':<5} {'gen':<3} {'status':<9} "
-                  "skills  reply")
+                  f"{'verdict':<10} skills  reply")
         listed += 1
         print(_printable(f"#{row['id']:<5} {row['session_id']:<{width}} {row['turn_type']:<5} "
                          f"{row['skill_generation']:<3} {row['status']:<9} "
+                         f"{_verdict_text(row, args.threshold):<10} "
                          f"{','.join(row['injected_skills']) or '-'}  {_reply_text(row)[:60]}"))
         if args.why:  # why these skills: the query retrieval used and the scores it got
             scores = ", ".join(scored_text(s) for s in row.get("retrieval_scores") or []
@@ -344,8 +356,15 @@ def cmd_turns(args: argparse.Namespace) -> int:
                 + (f" (by {how['agent']})" if how.get("agent") else "")))
             if row.get("reward") is not None:  # the judge's verdict and why
                 reason = " ".join((row.get("judge_rationale") or "").split())
-                print(_printable(f"       judged: reward {row['reward']:+.2f}"
+                print(_printable(f"       judged: reward {row['reward']:+.2f} ("
+                                 f"{judge_verdict(row['reward'], args.threshold)})"
                                  + (f": {reason[:200]}" if reason else "")))
+            if row.get("human_label"):  # a person's label, which wins over the judge
+                mark = latest(store, [row["id"]]).get(int(row["id"])) or {}
+                print(_printable(f"       labelled: {row['human_label']} by "
+                                 f"{mark.get('author') or '?'}"
+                                 + (f": {mark['note']}" if mark.get("note") else "")
+                                 + " (it takes precedence over the judge)"))
             said = _budget_said(row.get("context_budget") or {})
             if said:
                 print(_printable(f"       context budget: {said}"))
@@ -1636,6 +1655,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="only the newest N turns")
     p.add_argument("--why", action="store_true", help="also the retrieval query, the skills' "
                                                      "scores and how the session was found")
+    p.add_argument("--threshold", type=argtypes.finite_float, default=0.0,
+                   help="the verdict column: fail below this reward, pass above, unclear at "
+                   "it (default 0); a person's label is shown instead where there is one")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
 
     p = add("export", help="write labelled turns as OpenAI chat JSON Lines (OUT.jsonl), or "

@@ -107,7 +107,7 @@ def test_serve_then_turns_and_skills(served):
     none = run_cli("turns", "--db", served["db"], "--type", "stage:plan")
     assert none.stdout == "" and "no turns of type 'stage:plan'" in none.stderr
     head, line = run_cli("turns", "--db", served["db"], "--type", "main").stdout.splitlines()
-    assert head.split()[:6] == ["turn", "session", "type", "gen", "status", "skills"]
+    assert head.split()[:6] == ["turn", "session", "type", "gen", "status", "verdict"]
     assert line.startswith("#") and " cli-s1 " in line and "backup-before-modify" in line
     bad = run_cli("turns", "--db", served["db"], "--type", "stage:Plan!", check=False)
     assert bad.returncode != 0 and "'stage:<name>'" in bad.stderr
@@ -337,7 +337,7 @@ def test_turns_picks_by_status_id_and_newest_and_events_counts_turns_not_served_
     none = run_cli("turns", "--db", db, "--id", "999")
     assert none.stdout == "" and "no turns numbered 999" in none.stderr
     why = run_cli("turns", "--db", db, "--id", ids[0], "--why").stdout
-    assert "judged: reward -1.00: The date is not in ISO form." in why  # why the judge failed it
+    assert "judged: reward -1.00 (fail): The date is not in ISO form." in why  # why the judge failed it
     assert "query: ask 0 second line" in why  # on one line
     (row,) = [json.loads(line) for line in listed("--id", ids[0], "--json")]
     assert row["judge_rationale"] == "The date is not\nin ISO form." and "judge_votes" in row
@@ -858,6 +858,13 @@ def test_labels_revert_and_export_of_chosen_turns_from_the_cli(tmp_path, capsys)
     assert cli.main(["label", str(ids[1]), "pass", "--db", str(db), "--corrected", "2"]) == 0
     assert cli.main(["label", "999", "pass", "--db", str(db)]) == 2
     capsys.readouterr()
+    assert cli.main(["turns", "--db", str(db), "--why"]) == 0
+    out = capsys.readouterr().out  # the verdict in a word, a person's label over the judge's
+    assert "human:fail" in out and "human:pass" in out and " pass " in out
+    assert "judged: reward -1.00 (fail)" in out
+    assert "labelled: fail by alice: wrong unit (it takes precedence over the judge)" in out
+    assert cli.main(["turns", "--db", str(db), "--json", "--id", str(ids[0])]) == 0
+    assert json.loads(capsys.readouterr().out)["human_label"] == "fail"
     assert cli.main(["labels", "--db", str(db)]) == 0
     out = capsys.readouterr().out
     assert "judge fail" in out and "agrees" in out and "judge unclear" in out
