@@ -354,7 +354,10 @@ def _undo(config_path: Path) -> tuple[str, list[str]]:
         _write(config_path, original, like=config_path)
         done = f"restored {config_path} exactly as it was before wiring"
     elif agent != "openclaw":  # edited since: take back only what wiring added
-        done = _unwire(agent, config_path, text, info.get("restore") or {})
+        done, keep = _unwire(agent, config_path, text, info.get("restore") or {})
+        if keep:  # a key the user changed was kept: the original stays for them to compare
+            state.unlink(missing_ok=True)
+            return done, made
     else:  # edited since: take back only what wiring added
         providers, keys = _dig(config, "models", "providers"), []
         if isinstance(providers, dict) and providers.pop(PROVIDER, None) is not None:
@@ -435,16 +438,24 @@ def _opencode_config(folder: Path) -> Path:
 
 
 def _set(config: dict[str, Any], keys: list[str], value: Any,
-         restore: list[list[Any]]) -> None:
+         restore: list[list[Any]], *, secret: bool = False) -> None:
     """Set ``config[k1][k2]... = value``, remembering the value it had and a digest of the one
-    written (for undo: a value the user changed since is left as it is)."""
+    written (for undo: a value the user changed since is left as it is); a ``secret`` value
+    (the token) leaves no digest (a short token could be found again from it): its key is
+    taken back whatever it holds."""
     node = config
     for key in keys[:-1]:
         if not isinstance(node.get(key), dict):
             node[key] = {}
         node = node[key]
-    restore.append([keys, node.get(keys[-1], _ABSENT), _value_sha(value)])
+    restore.append([keys, node.get(keys[-1], _ABSENT)] + ([] if secret else [_value_sha(value)]))
     node[keys[-1]] = value
+
+
+def _names_the_proxy(value: Any) -> bool:
+    """Whether a configuration value still points at the proxy (the ``metaclaw`` provider): a
+    value the user changed to another MetaClaw model is the wiring's, not theirs to keep."""
+    return isinstance(value, str) and value.startswith(f"{PROVIDER}/")
 
 
 def _value_sha(value: Any) -> str:
@@ -558,7 +569,7 @@ def plan_claude_code(path: Path, proxy_url: str, *, token: str | None = None,
     wired, restore = json.loads(json.dumps(config)), []
     _set(wired, ["env", "ANTHROPIC_BASE_URL"], root, restore)
     if token:
-        _set(wired, ["env", "ANTHROPIC_AUTH_TOKEN"], token, restore)
+        _set(wired, ["env", "ANTHROPIC_AUTH_TOKEN"], token, restore, secret=True)
     if model:
         _set(wired, ["env", "ANTHROPIC_MODEL"], model, restore)
     upstream, protocol = env.get("ANTHROPIC_BASE_URL") or "https://api.anthropic.com", "anthropic"
@@ -590,7 +601,7 @@ def plan_opencode(path: Path, proxy_url: str, *, token: str | None = None,
     _set(wired, ["provider", PROVIDER], {
         "npm": "@ai-sdk/openai-compatible", "name": "MetaClaw",
         "options": {"baseURL": proxy_url, "apiKey": token or "metaclaw"},
-        "models": {model: {"name": model}}}, restore)
+        "models": {model: {"name": model}}}, restore, secret=True)
     _set(wired, ["model"], f"{PROVIDER}/{model}", restore)
     source = _dig(config, "provider", provider_name, "options", "baseURL")
     return WirePlan(path, before, _json_after(before, wired, [k[0] for k in restore]),
@@ -627,7 +638,7 @@ def plan_aider(path: Path, proxy_url: str, *, token: str | None = None,
                         "serve)")
     wired, restore = dict(config), []
     _set(wired, ["openai-api-base"], proxy_url, restore)
-    _set(wired, ["openai-api-key"], token or "metaclaw", restore)
+    _set(wired, ["openai-api-key"], token or "metaclaw", restore, secret=True)
     _set(wired, ["model"], f"openai/{model}", restore)
     after = _yaml_after(before, wired, [k[0] for k in restore])
     # where the model was served: its own base URL, else its provider's (litellm's prefix)
@@ -641,9 +652,9 @@ def plan_aider(path: Path, proxy_url: str, *, token: str | None = None,
 
 
 _TOML_HEADER = re.compile(r"^\s*\[", re.M)
-_TOML_OWN_TABLE = re.compile(rf"^[ \t]*\[model_providers\.{PROVIDER}\][ \t]*(?:#[^\n]*)?$",
-                             re.M)
-_TOML_PROVIDER = re.compile(r"^model_provider\s*=.*$", re.M)
+_TOML_OWN_TABLE = re.compile(
+    rf"^[ \t]*\[model_providers\.{PROVIDER}\][ \t]*(?:#[^\r\n]*)?\r?$", re.M)
+_TOML_PROVIDER = re.compile(r"^model_provider\s*=[^\r\n]*", re.M)
 
 
 def plan_codex(path: Path, proxy_url: str, *, token: str | None = None,
@@ -745,13 +756,15 @@ def plan(agent: str, path: Path, proxy_url: str, *, token: str | None = None,
     return PLANS[agent](path, proxy_url, token=token, model=model)
 
 
-def _unwire(agent: str, path: Path, text: str, restore: dict[str, Any]) -> str:
+def _unwire(agent: str, path: Path, text: str, restore: dict[str, Any]) -> tuple[str, bool]:
     """Take back only what wiring added to ``path`` (edited since): the keys it set get the
-    values they had; Codex's provider table goes and its ``model_provider`` line comes back."""
+    values they had, but for one the user changed since to a value of their own (kept);
+    Codex's provider table goes and its ``model_provider`` line comes back. Returns what was
+    done, and whether a key was kept (the backup is then kept too)."""
     if agent == "codex":
         header = _TOML_OWN_TABLE.search(text)  # a header line, not a comment naming it
         if header is None and not re.search(rf'^model_provider\s*=\s*"{PROVIDER}"', text, re.M):
-            return f"{path} holds no MetaClaw wiring; left as it is"
+            return f"{path} holds no MetaClaw wiring; left as it is", False
         if header is not None:
             start = header.start()
             following = _TOML_HEADER.search(text, header.end())
@@ -763,12 +776,13 @@ def _unwire(agent: str, path: Path, text: str, restore: dict[str, Any]) -> str:
             kept = "".join(lines[last + 1:])
             text = text[:start].rstrip("\n") + "\n" + kept.lstrip("\n") + text[end:]
         line = restore.get("line")
-        text = re.sub(rf'^model_provider\s*=\s*"{PROVIDER}"[^\n]*\n?',
-                      (line + "\n") if line else "", text, count=1, flags=re.M)
+        text = re.sub(rf'^model_provider\s*=\s*"{PROVIDER}"[^\r\n]*(\r?\n)?',
+                      lambda m: (line + (m.group(1) or "\n")) if line else "", text, count=1,
+                      flags=re.M)  # (the file's own line ending)
         _writable(path)
         _write(path, text.encode("utf-8"), like=path)
         return (f"{path} changed since wiring: removed the '{PROVIDER}' provider and restored "
-                f"model_provider ({line or 'unset'}); other edits kept")
+                f"model_provider ({line or 'unset'}); other edits kept"), False
     if agent == "aider":
         import yaml
 
@@ -781,7 +795,7 @@ def _unwire(agent: str, path: Path, text: str, restore: dict[str, Any]) -> str:
     else:
         config = jsontext.loads(text) if text.strip() else {}
     if not isinstance(config, dict):
-        return f"{path} holds no MetaClaw wiring; left as it is"
+        return f"{path} holds no MetaClaw wiring; left as it is", False
     taken, left = [], []
     for keys, value, *wrote in reversed(restore.get("keys") or []):
         node = config
@@ -789,7 +803,8 @@ def _unwire(agent: str, path: Path, text: str, restore: dict[str, Any]) -> str:
             node = node.get(key) if isinstance(node, dict) else None
         if not isinstance(node, dict):
             continue
-        if wrote and (keys[-1] not in node or _value_sha(node[keys[-1]]) != wrote[0]):
+        if wrote and (keys[-1] not in node or _value_sha(node[keys[-1]]) != wrote[0]) \
+                and not _names_the_proxy(node.get(keys[-1])):
             left.append(keys)  # the user's own value since (or removed): theirs to keep
             continue
         if value == _ABSENT:
@@ -805,8 +820,8 @@ def _unwire(agent: str, path: Path, text: str, restore: dict[str, Any]) -> str:
             else _json_after(text, config, keys))
     _writable(path)
     _write(path, data.encode("utf-8"), like=path)
-    kept = (f"; kept {', '.join('.'.join(k) for k in reversed(left))}, changed since"
-            if left else "")
+    kept = (f"; kept {', '.join('.'.join(k) for k in reversed(left))}, changed since (the "
+            f"original stays in {path.name}{BACKUP_SUFFIX})" if left else "")
     return (f"{path} changed since wiring: took back what wiring set "
             f"({', '.join('.'.join(k) for k in reversed(taken)) or 'nothing left'}){kept}; "
-            "other edits kept")
+            "other edits kept"), bool(left)

@@ -412,9 +412,45 @@ def test_undo_after_an_edit_keeps_a_wired_key_the_user_changed(tmp_path):
     wired = json5.loads(config.read_text())
     config.write_text(json.dumps({**wired, "model": "anthropic/claude-sonnet-4"}))
     done = wire.undo(config)
-    assert "kept model, changed since" in done
+    assert "kept model, changed since (the original stays in opencode.json.metaclaw-backup)" \
+        in done
     after = json5.loads(config.read_text())
     assert after["model"] == "anthropic/claude-sonnet-4" and "metaclaw" not in after["provider"]
+    assert (tmp_path / "opencode.json.metaclaw-backup").read_text() == OPENCODE
+    # a value changed to another of the proxy's models is the wiring's: taken back with it
+    config.write_text(OPENCODE)
+    (tmp_path / "opencode.json.metaclaw-backup").unlink()
+    _wire("opencode", config)
+    wired = json5.loads(config.read_text())
+    config.write_text(json.dumps({**wired, "model": "metaclaw/gpt-4o-mini"}))
+    assert "changed since (the original" not in wire.undo(config)
+    assert json5.loads(config.read_text()) == json5.loads(OPENCODE)
+
+
+def test_the_wiring_state_holds_no_digest_of_the_token(tmp_path):
+    """A short token could be found again from its digest: its key is taken back, not
+    compared."""
+    for agent in ("claude-code", "aider", "opencode"):
+        name, original = ORIGINALS[agent]
+        config = _write(tmp_path / name, original)
+        _wire(agent, config, token="T0K", model="m")
+        state = (tmp_path / f"{name}.metaclaw-wire.json").read_text()
+        digest = wire._value_sha("T0K")
+        assert "T0K" not in state and digest not in state, agent
+        wire.undo(config)
+
+
+def test_codex_undo_after_an_edit_follows_crlf_line_endings(tmp_path):
+    config = tmp_path / "config.toml"
+    config.write_bytes(CODEX.replace("\n", "\r\n").encode())
+    _wire("codex", config)
+    edited = config.read_bytes().replace(b"\n", b"\r\n").replace(b"\r\r\n", b"\r\n")
+    config.write_bytes(edited.replace(b'"gpt-5-mini"', b'"gpt-5-nano"'))
+    wire.undo(config)
+    text = config.read_bytes()
+    assert b"metaclaw" not in text and b'model_provider = "acme"' in text
+    assert b"\n" not in text.replace(b"\r\n", b"")  # every line still ends with CRLF
+    assert tomllib.loads(text.decode())["profiles"]["fast"]["model"] == "gpt-5-nano"
 
 
 CODEX_HAND = """# an old setup by hand, kept for reference:
