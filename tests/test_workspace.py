@@ -402,6 +402,16 @@ def test_a_workspace_from_before_folder_marks_reads_its_folders_edits_as_edits(t
     assert library.generation == 1 and library.get("alpha").body == "Alpha body, edited offline."
     assert not list(skills.glob("*.conflict-*")) and store.events(kind="skill_folder_joined") == []
     assert store.folder_marks(None)  # marked from now on
+    # a stranger's folder opened first on such a workspace (a stale checkout, lacking skills)
+    # joins it: what it lacks is never read as removed
+    store.execute("DELETE FROM skill_folders")
+    write_skill(skills, "beta", "The beta skill.", "Beta body.")
+    SkillLibrary(skills, Store(db))
+    store.execute("DELETE FROM skill_folders")
+    stranger = tmp_path / "stranger"
+    write_skill(stranger, "gamma", "The gamma skill.", "Gamma body.")
+    joined = SkillLibrary(stranger, Store(db))
+    assert sorted(s.name for s in joined.current()[1]) == ["alpha", "beta", "gamma"]
 
 
 def test_a_skills_folder_new_to_the_workspace_joins_it_and_removes_nothing(tmp_path):

@@ -1567,11 +1567,13 @@ class SkillLibrary:
                         disk, problems = load_skills_dir(self.directory)
                         self.problems = problems
                     elif stored and not damaged and _marks_kept(self.store) \
-                            and self._folder_mark() is None and _any_marks(self.store):
+                            and self._folder_mark() is None \
+                            and (_any_marks(self.store) or not set(stored) <= set(disk)):
                         # skills in a folder this workspace has never marked (another member's,
                         # one used with another workspace): it joins the library, never read as it
-                        # (a workspace that marked no folder ever predates the marks: its folder
-                        # is read as it always was, what differs a hand edit)
+                        # (a workspace that marked no folder ever predates the marks: its folder,
+                        # holding every skill of the library, is read as it always was, what
+                        # differs a hand edit; one that lacks some joins, never removing them)
                         why = self._join(latest, stored, disk)
                         disk, problems = load_skills_dir(self.directory)
                         self.problems = problems
