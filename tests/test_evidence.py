@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import json
 import statistics
+import time
 
 import pytest
 from polars.testing import assert_frame_equal
@@ -416,7 +417,7 @@ def test_the_interval_is_students_t_and_a_skill_re_added_can_be_retired(workspac
     assert dict(zip(pooled["skill"], pooled["injected"]))["iso-dates"] == 0  # since added
 
 
-def test_an_edited_skill_is_judged_on_its_current_version(backup_only):
+def test_an_edited_skill_is_judged_on_its_current_version(backup_only, monkeypatch):
     """An evolver's edit of a failing skill: the earlier text's turns (bad, with and without
     it alike) are left out on both sides, so the edit is judged on the turns it served, and
     ``review`` comes from the new text's turns only. An edit of its retrieval keys alone
@@ -425,7 +426,8 @@ def test_an_edited_skill_is_judged_on_its_current_version(backup_only):
     for session in range(3):  # the first text does worse than the comparable turns
         _turn(store, EDIT, ["backup-first"], -1.0, session=f"old-with-{session}")
         _turn(store, EDIT, [], 0.5, session=f"old-without-{session}")
-    old = {r["skill"]: r for r in evidence.skill_stats(store, library).iter_rows(named=True)}
+    old_stats = evidence.skill_stats(store, library)
+    old = {r["skill"]: r for r in old_stats.iter_rows(named=True)}
     assert old["backup-first"]["suggestion"] == "review"
     first = old["backup-first"]["counted_since"]
     keys_only = library.get("backup-first").with_retrieval_keys(["back up the nginx config"])
@@ -447,6 +449,15 @@ def test_an_edited_skill_is_judged_on_its_current_version(backup_only):
     assert (row["comparable"], row["sessions_without"], row["reward_without"]) == (3, 3, 0.5)
     assert row["reward_delta"] == 0.0 and row["suggestion"] == ""
     assert evidence.propose(store, library, stats) == []
+    given = sorted(r["id"] for r in store.turns("reward IS NOT NULL AND injected_skills != '[]'"))
+    for zone in ("America/New_York", "Asia/Tokyo"):  # the evidence of its version, anywhere
+        monkeypatch.setenv("TZ", zone)
+        time.tzset()
+        [filed] = evidence.propose(store, library, old_stats)  # (its turns since `first`)
+        assert sorted(proposals.get(store, filed).ops[0].evidence) == given
+        proposals.discard(store, filed, by="test", reason="test")
+    monkeypatch.delenv("TZ")
+    time.tzset()
     pooled = evidence.skill_stats(store, library, all_versions=True)
     row = next(r for r in pooled.iter_rows(named=True) if r["skill"] == "backup-first")
     assert row["counted_since"] == first and (row["injected"], row["comparable"]) == (6, 6)

@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from datetime import timezone
 from typing import Any, Iterable
 
 from metaclaw import jsonlib
@@ -676,7 +677,8 @@ def propose(store: Store, library: Any, stats: Any) -> list[int]:
             f"SELECT t.id FROM turns t, {store.json_values('t.injected_skills', 'j')} "
             "WHERE j.value = ? AND t.reward IS NOT NULL AND t.created_at >= ? "
             "ORDER BY t.id DESC LIMIT 20",
-            (name, float("-inf") if start is None else start.timestamp()))]
+            # (the frame's times are UTC, without a zone: read as local, they moved by hours)
+            (name, 0.0 if start is None else start.replace(tzinfo=timezone.utc).timestamp()))]
         op = SkillOp("remove", name=name, reason=_reason(row), evidence=evidence,
                      base=current[name].content_hash)
         ids.append(proposals.record(store, [op], origin="evidence", status=proposals.HELD,
