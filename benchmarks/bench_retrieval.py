@@ -19,7 +19,9 @@ only the skills, adds off-topic asks of the kind an agent mostly gets: near-doma
 agent work that no skill covers), harder than trivia. Its dev half joins the dev split; its test
 half is reported with ``--split heldout``. A third set (``benchmarks/data/retrieval/third.json``),
 written by a third writer who also saw only the skills, is a test set alone: nothing is chosen
-on it (``--split third``).
+on it (``--split third``). A fourth (``benchmarks/data/retrieval/fourth.json``), written after
+every constant was chosen by a fourth writer who saw only the skills and ran no retrieval, is
+the one never read before a figure of it was reported (``--split fourth``).
 
 What it prints, per retriever, at the proxy's defaults (``select`` with top_k=3 and the
 retriever's own thresholds):
@@ -46,7 +48,7 @@ share of asks that pay MiniLM's encode.
 Then retrieval latency (query extraction, ranking, selection, rendering, injection: what the
 proxy adds) p50 over 100 and 10,000 skills with fresh queries.
 
-    python benchmarks/bench_retrieval.py [--split test|dev|heldout|third] [--tune [static|minilm|unsure]] [--queries 300]
+    python benchmarks/bench_retrieval.py [--split test|dev|heldout|third|fourth] [--tune [static|minilm|unsure]] [--queries 300]
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ LABELLED = DATA / "labelled.json"
 EVOLVER_KEYS = DATA / "evolver_keys.json"
 HELDOUT = DATA / "heldout.json"
 THIRD = DATA / "third.json"
+FOURTH = DATA / "fourth.json"
 SPLIT = DATA / "split.json"
 SPLIT_SEED = 20261126
 TARGETS = {"single": 0.90, "two_top3": 0.75, "off_topic": 0.10}
@@ -125,13 +128,15 @@ def load_set(split_name: str) -> tuple[dict[str, list[Skill]], list[dict]]:
             use_when=written["use_when"], anticipated=written["anticipated_asks"]))
     heldout = json.loads(HELDOUT.read_text())
     third = json.loads(THIRD.read_text())
+    fourth = json.loads(FOURTH.read_text())
     # dev: the labelled set's dev split and the second set's dev half; test: the labelled set's
     # test split; heldout: the second set's test half; third: the third set, all of it
     pools = {"dev": [(data["asks"], split["clients"], set(split["dev"])),
                      (heldout["asks"], heldout["clients"], set(heldout["dev"]))],
              "test": [(data["asks"], split["clients"], set(split["test"]))],
              "heldout": [(heldout["asks"], heldout["clients"], set(heldout["test"]))],
-             "third": [(third["asks"], third["clients"], set(third["clients"]))]}
+             "third": [(third["asks"], third["clients"], set(third["clients"]))],
+             "fourth": [(fourth["asks"], fourth["clients"], set(fourth["clients"]))]}
     asks = []
     for pool, clients, wanted in pools[split_name]:
         for a in pool:
@@ -384,10 +389,12 @@ def use_static_table(folder: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--split", choices=["dev", "test", "heldout", "third"], default="test",
+    parser.add_argument("--split", choices=["dev", "test", "heldout", "third", "fourth"],
+                        default="test",
                         help="test (default), dev (where constants are chosen), heldout: the "
-                        "test half of the second set, with near-domain off-topic asks, or "
-                        "third: the third set, never used to choose")
+                        "test half of the second set, with near-domain off-topic asks, "
+                        "third: the third set, never used to choose, or fourth: the fourth, "
+                        "also never read while choosing")
     parser.add_argument("--tune", metavar="MODEL", nargs="?", const="static",
                         help="grid-search the hybrid's constants on dev (for 'static' or "
                         "'minilm'; 'unsure': the band of MiniLM where the static is "
