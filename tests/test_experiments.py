@@ -437,3 +437,14 @@ def test_does_a_skill_help_the_turns_it_was_given_replayed_without_it(workspace,
     with_it = frame.filter(frame["variant"] == "current")["skills"].to_list()
     without = frame.filter(frame["variant"] == f"current~{name}")["skills"].to_list()
     assert all(name in s for s in with_it) and not any(name in s for s in without)
+
+
+def test_an_unclear_reply_is_said_so_and_counts_as_not_passing():
+    """A replay whose judge votes tie (0 at the threshold 0) is unclear, as everywhere else;
+    the pass rate and McNemar's test count it as not passing."""
+    from metaclaw.fastloop.experiments import mcnemar_p
+    from metaclaw.turns import judge_verdict
+
+    assert judge_verdict(0.0) == "unclear"
+    assert mcnemar_p([("unclear", "pass")] * 6) == mcnemar_p([("fail", "pass")] * 6) == 0.03125
+    assert mcnemar_p([("unclear", "fail")] * 6) == 1.0  # neither passed: nothing changed

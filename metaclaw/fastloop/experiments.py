@@ -55,7 +55,7 @@ from metaclaw.gctune import fewer_collections
 from metaclaw.progress import ProgressFn, notify
 from metaclaw.skills.library import Skill, SkillNotFound, apply_in_memory
 from metaclaw.store import IN_IDS, Store, id_list
-from metaclaw.turns import TASK_TURNS_SQL
+from metaclaw.turns import TASK_TURNS_SQL, judge_verdict
 
 log = logging.getLogger(__name__)
 
@@ -457,8 +457,7 @@ class Experiment:
 
     def _store(self, turn_id: int, variant: str, replay: Any, threshold: float,
                corrected: str | None) -> None:
-        verdict = None if replay.score is None else (
-            "pass" if replay.score > threshold else "fail")
+        verdict = judge_verdict(replay.score, threshold)
         similarity = (round(difflib.SequenceMatcher(None, corrected, replay.reply).ratio(), 4)
                       if corrected is not None and not replay.upstream_failed else None)
         with self.store.transaction(fsync=False):  # survives kill -9; see Store.transaction
@@ -503,9 +502,11 @@ class Experiment:
     def summary(self, *, resamples: int = 2000, seed: int = 0, threshold: float | None = None):
         """Per variant: cases, scored, mean reward, pass rate, tokens, latency; and against
         the first variant on the cases both scored: how many (``paired``), the mean difference
-        with its paired bootstrap 95% interval, and McNemar's exact p on pass / fail (polars).
-        A reply passes when its reward is above ``threshold`` (default: the threshold the
-        experiment was judged with)."""
+        with its paired bootstrap 95% interval, and McNemar's exact p on passing or not
+        (polars). A reply passes when its reward is above ``threshold`` (default: the threshold
+        the experiment was judged with), fails below it and is unclear at it
+        (:func:`metaclaw.turns.judge_verdict`): the pass rate and McNemar's test count an
+        unclear reply as not passing."""
         import polars as pl
 
         results = self.frame()
@@ -514,7 +515,8 @@ class Experiment:
         if threshold is not None:  # one threshold for every result, whatever run stored them
             results = results.with_columns(verdict=pl.when(pl.col("score").is_null()).then(None)
                                            .when(pl.col("score") > threshold).then(pl.lit("pass"))
-                                           .otherwise(pl.lit("fail")))
+                                           .when(pl.col("score") < threshold).then(pl.lit("fail"))
+                                           .otherwise(pl.lit("unclear")))
         order = [v.spec for v in self.variants]
         by = {v: {r["turn_id"]: r for r in results.filter(pl.col("variant") == v)
                   .iter_rows(named=True)} for v in order}
@@ -613,11 +615,12 @@ def _bootstrap(diffs: list[float], resamples: int, seed: int) -> tuple[float | N
 
 
 def mcnemar_p(pairs: list[tuple[str, str]]) -> float | None:
-    """McNemar's exact two-sided p on pass / fail pairs (first, variant); None without pairs."""
+    """McNemar's exact two-sided p on verdict pairs (first, variant), passing or not (a fail
+    and an unclear verdict alike); None without pairs."""
     if not pairs:
         return None
-    gained = sum(a == "fail" and b == "pass" for a, b in pairs)
-    lost = sum(a == "pass" and b == "fail" for a, b in pairs)
+    gained = sum(a != "pass" and b == "pass" for a, b in pairs)
+    lost = sum(a == "pass" and b != "pass" for a, b in pairs)
     n = gained + lost
     if n == 0:
         return 1.0
