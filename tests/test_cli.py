@@ -882,7 +882,10 @@ def test_labels_revert_and_export_of_chosen_turns_from_the_cli(tmp_path, capsys)
     assert cli.main(["export", str(out_file), "--db", str(db), "--turns", f"{ids[0]}",
                      "--shape", "eval"]) == 0  # labelled fail: no reference answer
     assert json.loads(out_file.read_text())["ideal"] == ""
-    assert cli.main(["export", str(out_file), "--db", str(db), "--turns", "x"]) == 2
+    for bad in (["--turns", "x"], ["--turns", ","], ["--turns", f"{ids[1]},999"],
+                ["--turns", f"{ids[1]}", "--session", "s1"]):
+        assert cli.main(["export", str(out_file), "--db", str(db), *bad]) == 2
+    assert "no turn with id 999" in capsys.readouterr().err
     base = library.generation
     new = library.apply([SkillOp("add", Skill(name="beta", description="The beta skill.",
                                               body="Beta body."))], kind="evolve", reason="auto")
@@ -893,4 +896,7 @@ def test_labels_revert_and_export_of_chosen_turns_from_the_cli(tmp_path, capsys)
     assert cli.main(argv) == 0
     assert f"reverted (revert generation {new}" in capsys.readouterr().out
     assert "beta" not in SkillLibrary(skills, Store(db))
+    assert cli.main(argv) == 2  # reverted already: none left to revert, said so
+    assert "none the gate promoted without a person, or each reverted already" in \
+        capsys.readouterr().err
     assert cli.main(argv[:2] + ["0"] + argv[2:]) == 2  # the initial library: nothing to revert

@@ -432,9 +432,9 @@ def export_summary(count: int, path: str | os.PathLike[str], *, shape: str = "ch
                                       "labelled turns" if labelled_only else "turns")
     line = f"wrote {count} records to {path} ({which})"
     if count == 0 and shape == "chat" and Path(path).suffix.lower() == ".jsonl":
-        line += ("; label turns pass or give a corrected answer (%metaclaw label, the trace "
-                 "view, metaclaw.fastloop.labels.label), or export the eval shape, which keeps "
-                 "every selected turn")
+        line += ("; label turns pass or give a corrected answer (metaclaw label, %metaclaw "
+                 "label, the trace view), or export the eval shape, which keeps every selected "
+                 "turn")
     return line
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import difflib
 import html
 import json
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
@@ -313,12 +314,14 @@ def apply_ops(library: Any, ops: list[SkillOp], support_ids: Iterable[int], *, r
 
 
 def promote(store: Store, library: Any, proposal_id: int, *, by: str | None = None,
-            allow_unsafe: bool = False, note: str = "") -> int:
+            allow_unsafe: bool = False, note: str = "", threshold: float = 0.0) -> int:
     """Promote a held proposal: its (possibly edited) operations become a new generation.
 
     The promotion records who promoted it, when, and on what evidence (the gate's cases stay on
     the row). The safety check runs again on the edited text; a finding refuses the promotion
-    unless ``allow_unsafe``. Returns the new generation.
+    unless ``allow_unsafe``. ``threshold``: the judge's, above which a turn served well (its ask
+    becomes an example ask of its skills, :func:`with_served_asks`). Returns the new
+    generation.
     """
     proposal = _require_held(store, proposal_id)
     who = by or default_author()
@@ -348,7 +351,7 @@ def promote(store: Store, library: Any, proposal_id: int, *, by: str | None = No
 
     try:
         generation, _moved = apply_ops(library, proposal.ops, proposal.support_ids,
-                                       reason=reason, then=decide)
+                                       reason=reason, threshold=threshold, then=decide)
     except (SkillConflict, ProposalError) as exc:
         # promoted or discarded by another process meanwhile: its operations then no longer
         # apply (an add of a skill it just added), which is not what happened; say what did
@@ -410,14 +413,19 @@ def automatic_generations(store: Store) -> list[int]:
 def revert(library: Any, generation: int | None = None, *, by: str | None = None) -> int:
     """Undo one generation's changes on top of the current library (later changes to other
     skills stay): each skill it touched goes back to its version in the generation's parent
-    (default: the latest generation the gate promoted without a person,
-    :func:`automatic_generations`). Refuses when a later generation changed one of those skills
-    again. Returns the new generation (kind ``rollback``)."""
+    (default: the latest generation the gate promoted without a person that no revert has
+    undone yet, :func:`automatic_generations`). Refuses when a later generation changed one of
+    those skills again. Returns the new generation (kind ``rollback``)."""
     if generation is None:
-        automatic = automatic_generations(library.store)
+        reverted = {int(found.group(1)) for row in library.store.query(
+                        "SELECT reason FROM skill_generations WHERE kind = 'rollback'")
+                    for found in [re.match(r"revert generation (\d+) ", row["reason"] or "")]
+                    if found}
+        automatic = [g for g in automatic_generations(library.store) if g not in reverted]
         if not automatic:
-            raise ProposalError("no automatic generation to revert (none the gate promoted "
-                                "without a person); name the generation to revert")
+            raise ProposalError("no automatic generation left to revert (none the gate "
+                                "promoted without a person, or each reverted already); name "
+                                "the generation to revert")
         generation = automatic[-1]
     row = library.store.generation(int(generation))
     if row is None:

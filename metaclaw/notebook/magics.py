@@ -755,7 +755,8 @@ class MetaClawMagics(Magics):
         runtime = self._require_runtime()
         if args.id is not None:
             proposals.promote(runtime.store, runtime.library, args.id, by=args.by,
-                              note=args.note, allow_unsafe=args.allow_unsafe)
+                              note=args.note, allow_unsafe=args.allow_unsafe,
+                              threshold=self._threshold(runtime))
             return proposals.get(runtime.store, args.id)
         if self.proposal is None:
             raise MagicUsageError("nothing to promote: give a held proposal's id (%metaclaw "
