@@ -996,11 +996,15 @@ def _show_experiment(experiment: Any, as_json: bool, threshold: float | None = N
         print(_printable("replayed with " + ", ".join(
             f"{experiment.SETTINGS[k]} {settings[k]}" for k in experiment.SETTINGS
             if settings.get(k) is not None)))
+    counted = settings.get("threshold") if threshold is None else threshold
+    if threshold is not None and threshold != settings.get("threshold"):
+        print(f"pass counted at --threshold {threshold:g} (judged at "
+              f"{settings.get('threshold', 0.0):g})")
     scores = experiment.frame()["score"].drop_nulls()
-    if len(scores) and (scores == 0).all():
-        print("note: the judge found every reply unclear (0), so this cannot tell the variants "
-              "apart; a judge that scores the reply itself can (the offline simulated judge "
-              "scores the user's reaction, which a replay has none of)")
+    if len(scores) and (scores == (counted or 0.0)).all():
+        print(f"note: the judge found every reply unclear ({counted or 0.0:g}), so this cannot "
+              "tell the variants apart; a judge that scores the reply itself can (the offline "
+              "simulated judge scores the user's reaction, which a replay has none of)")
 
 
 @command("proposals")

@@ -110,3 +110,13 @@ def test_a_judge_that_finds_every_replay_unclear_is_said_to_be_unable_to_tell(st
     report = asyncio.run(gate.areview([op], library, store, [failure]))
     assert report.decision == "hold"
     assert report.reason.startswith("the judge could not tell the replies apart")
+
+
+def test_a_failure_replayed_to_an_unclear_reply_is_said_so():
+    """A replay the judge could not tell (its reward at the threshold) is neither fixed nor a
+    plain failure: its outcome says so, as every other reader of a verdict does."""
+    from metaclaw.fastloop.gate import FAILURE, _outcome
+
+    assert _outcome(FAILURE, -1.0, 0.0, 0.0) == "not fixed (unclear)"
+    assert _outcome(FAILURE, -1.0, -1.0, 0.0) == "still failing"
+    assert _outcome(FAILURE, -1.0, 1.0, 0.0) == "fixed"

@@ -14,8 +14,8 @@ FastLoop`) every candidate passes two checks before it becomes a generation:
    skills the current library would inject and with the candidate's, and each reply is judged.
    Per case: ``fixed`` (the failure's replay with the candidate passes: reward above the
    judge's threshold, where the one with the current library did not) / ``still failing``
-   (failures), ``kept`` / ``regressed`` (a lower reward: successes), ``unscored`` (a replay or
-   its judging failed).
+   (below it) / ``not fixed (unclear)`` (at it: the judge could not tell) (failures), ``kept`` /
+   ``regressed`` (a lower reward: successes), ``unscored`` (a replay or its judging failed).
 
 Decision: **promote** when no success regressed and at least one failure is fixed; otherwise
 **hold** (the candidate is stored as a proposal with all its evidence for a person to review,
@@ -159,7 +159,8 @@ class GateReport:
 
     def __str__(self) -> str:
         tally = ", ".join(f"{self.count(o)} {o}" for o in
-                          ("fixed", "still failing", "kept", "regressed", "unscored")
+                          ("fixed", "still failing", "not fixed (unclear)", "kept",
+                           "regressed", "unscored")
                           if self.count(o))
         return (f"gate: {self.decision} — {self.reason} ({tally or 'no replays'}; "
                 f"{self.judge_calls} judge votes)")
@@ -205,7 +206,8 @@ def _outcome(kind: str, before: float | None, after: float | None, threshold: fl
         return "unscored"
     if kind == FAILURE:  # fixed: it passes now (a rise from -1 to "unclear" 0 is judge noise
         # as often as not: counted, a candidate that changed nothing went live one time in five)
-        return "fixed" if after > threshold >= before else "still failing"
+        return ("fixed" if after > threshold >= before else
+                "not fixed (unclear)" if after == threshold else "still failing")
     return "regressed" if after < before else "kept"
 
 
