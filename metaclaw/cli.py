@@ -228,7 +228,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                              "it live"), flush=True)
         elif event.kind.startswith("evolve") and event.kind != "evolve_started" \
                 or event.kind in ("generation", "keys_written", "keys_failed"):
-            print(_printable(f"fast loop: {event}"), flush=True)
+            print(_printable(f"fast loop: {_loop_said(event)}"), flush=True)
 
     try:
         runtime.serve_forever(on_ready=ready, on_loop_event=evolution)
@@ -237,6 +237,36 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print("metaclaw serve: stopped; every turn it answered is recorded", file=sys.stderr,
           flush=True)
     return 0
+
+
+def _loop_said(event: Any) -> str:
+    """What the fast loop decided, in a sentence (the event's fields where no sentence fits)."""
+    d = event.detail
+    why = f" ({d['trigger']})" if d.get("trigger") else ""
+    turns = ", ".join(f"#{i}" for i in d.get("support") or [])
+    if event.kind == "evolved":
+        return (f"generation {event.generation}{why}: {', '.join(d.get('ops') or [])}, from "
+                f"the failures {turns}; {d.get('reason') or ''}".rstrip("; "))
+    if event.kind == "evolve_no_change":
+        return (f"the evolver changed nothing for the failures {turns}{why}"
+                + (f": {d['reason']}" if d.get("reason") else ""))
+    if event.kind == "evolve_rejected":
+        return f"a change was rejected{why}: {d.get('reason') or 'no reason given'}"
+    if event.kind == "evolve_skipped":
+        return f"no evolution{why}: {d.get('reason') or 'nothing to do'}"
+    if event.kind == "evolve_failed":
+        return f"the evolver failed{why}: {d.get('error') or 'no reason given'}"
+    if event.kind == "generation":
+        purged = d.get("purged") or 0
+        return (f"generation {event.generation} is live" + (
+            f"; {purged} turn{'' if purged == 1 else 's'} of older generations left the "
+            "query set (never trained on)" if purged else ""))
+    if event.kind == "keys_written":
+        return (f"retrieval keys written for {len(d.get('written') or [])} skill(s) "
+                f"(generation {event.generation})")
+    if event.kind == "keys_failed":
+        return f"{d.get('error')}; tried again {d.get('retry')}"
+    return str(event)
 
 
 #: A retrieval warm-up longer than this (a transformer model loading) is announced, and its end.
@@ -665,7 +695,8 @@ def cmd_label(args: argparse.Namespace) -> int:
         raise CliError(str(exc)) from None
     finally:
         store.close()
-    print(_printable(f"turn #{row['turn_id']} labelled {row['verdict']} by {row['author']}"))
+    print(_printable(f"turn #{row['turn_id']} labelled {row['verdict']} by {row['author']}"
+                     + labels.reach(row)))
     return 0
 
 
@@ -797,7 +828,7 @@ def cmd_score(args: argparse.Namespace) -> int:
                                 turn_id=r.turn_id)
     if not args.json:
         print(f"judged {len(results) - failed - skipped} of {len(ids)} turns with {judge.model} "
-              f"({judge.votes} votes each)" + (f"; {failed} could not be judged" if failed else "")
+              f"({judge.votes} vote{'' if judge.votes == 1 else 's'} each)" + (f"; {failed} could not be judged" if failed else "")
               + (f": {said['fail']} below {args.threshold:g} (failures), {said['pass']} above, "
                  f"{said['unclear']} at it (unclear)" if said else "")
               + (f"; {skipped} skipped (judged meanwhile or being judged by another process)"

@@ -900,3 +900,23 @@ def test_labels_revert_and_export_of_chosen_turns_from_the_cli(tmp_path, capsys)
     assert "none the gate promoted without a person, or each reverted already" in \
         capsys.readouterr().err
     assert cli.main(argv[:2] + ["0"] + argv[2:]) == 2  # the initial library: nothing to revert
+
+
+def test_serve_says_what_the_fast_loop_decided_in_sentences():
+    """`metaclaw serve` prints the fast loop's outcomes as sentences, not as field dumps."""
+    from metaclaw.cli import _loop_said
+    from metaclaw.fastloop.loop import FastLoopEvent
+
+    def said(kind, generation=1, **detail):
+        return _loop_said(FastLoopEvent(kind, 0.0, generation=generation, detail=detail))
+
+    assert said("evolve_no_change", trigger="session idle", support=[19, 20],
+                reason="nothing to add") == ("the evolver changed nothing for the failures "
+                                             "#19, #20 (session idle): nothing to add")
+    assert said("generation", 2, purged=8) == (
+        "generation 2 is live; 8 turns of older generations left the query set (never trained "
+        "on)")
+    assert said("evolved", 3, trigger="rate", ops=["add iso-dates"], support=[4],
+                reason="dates") == "generation 3 (rate): add iso-dates, from the failures #4; dates"
+    assert "=" not in said("evolve_failed", error="timeout") + said("keys_written",
+                                                                     written=["a", "b"])

@@ -233,3 +233,15 @@ def test_a_reward_at_the_threshold_is_unclear_for_every_reader(store, add_buffer
     assert failures == [ids[0], ids[1]]  # the unclear one only for alice's fail label
     assert experiments.dataset(store, "failing", failures=True, threshold=0.75,
                                replace=True) == ids[:3]
+
+
+def test_a_label_says_when_it_can_no_longer_feed_the_evolver(store, add_buffer_turn):
+    """A person failing a turn whose generation was replaced (purged) or that an evolution
+    already consumed is told the label feeds no evolution; a live turn's label says nothing
+    more."""
+    live = judged(add_buffer_turn, store, "s1", "live ask", 1.0)
+    gone = add_buffer_turn("s2", "old ask", reward=1.0, set_="query", state="purged")
+    assert labels.reach(labels.label(store, live, "fail")) == ""
+    said = labels.reach(labels.label(store, gone, "fail"))
+    assert said.startswith(" (purged: its generation 0 was replaced;") and "no evolution" in said
+    assert labels.reach(labels.label(store, gone, "pass")) == ""

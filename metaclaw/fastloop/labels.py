@@ -86,7 +86,8 @@ def label(store: Store, turn_id: int, verdict: Any, *, note: str = "",
 
     ``verdict``: pass / fail; ``note``: free text; ``corrected``: the answer the turn should
     have given (used by the exports); ``author``: who labels (default :func:`default_author`).
-    Returns the label row.
+    Returns the label row, with the turn's place in the buffers (:func:`reach` says what the
+    label can still change).
     """
     value = normalise_verdict(verdict)
     if not isinstance(note, str):
@@ -113,7 +114,24 @@ def label(store: Store, turn_id: int, verdict: Any, *, note: str = "",
             "author": who, "created_at": time.time()})
         store.update_turn(turn_id, human_label=value)
         buffers.refresh(store, [turn_id])
-    return store.query("SELECT * FROM labels WHERE id = ?", (row_id,))[0]
+    return store.query("SELECT l.*, t.buffer_set, t.buffer_state, t.skill_generation FROM "
+                       "labels l JOIN turns t ON t.id = l.turn_id WHERE l.id = ?", (row_id,))[0]
+
+
+def reach(row: dict[str, Any]) -> str:
+    """What a label (a row :func:`label` returned) can still change, where that is less than
+    a person would expect: a turn out of the live buffers no longer feeds the evolver (``""``
+    where it does, or where the label is a pass)."""
+    state, place = row.get("buffer_state"), row.get("buffer_set")
+    if row.get("verdict") != "fail" or state == "live":
+        return ""
+    if place is None:
+        return " (a turn outside the buffers: the label is kept for the exports and the " \
+               "agreement, and feeds no evolution)"
+    why = {"purged": f"its generation {row.get('skill_generation')} was replaced",
+           "consumed": "an evolution already learned from it"}.get(state, f"it is {state}")
+    return (f" ({state}: {why}; the label is kept for the exports and the agreement, and "
+            "feeds no evolution)")
 
 
 def history(store: Store, turn_id: int) -> list[dict[str, Any]]:

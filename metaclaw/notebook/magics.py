@@ -872,7 +872,8 @@ class MetaClawMagics(Magics):
         row = labels.label(runtime.store, args.turn, args.verdict, note=args.note,
                            corrected=cell.strip() if cell and cell.strip() else None,
                            author=args.by)
-        print(f"turn #{row['turn_id']} labelled {row['verdict']} by {row['author']}")
+        print(f"turn #{row['turn_id']} labelled {row['verdict']} by {row['author']}"
+              + labels.reach(row))
         return None
 
     def _do_labels(self, argv: list[str], cell: str | None):
