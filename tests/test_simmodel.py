@@ -331,7 +331,10 @@ def test_server_lists_sim_models_and_runs_a_day(bench, tmp_path):
     ("No, that's perfect, thanks!", 1), ("No problems, all correct.", 1),
     ("That's correct - nothing should change", 1), ("Hmm, that works, thanks", 1),
     ("No complaints - works great", 1), ("Looks good. Please use the same format next time.", 1),
-    ("That is all for today, thank you.", 0)])
+    ("That is all for today, thank you.", 0),
+    ("No, I asked for the file to be named notes.md, not release_notes.md.", -1),
+    ("No, I asked for notes.md. " + "The release notes belong in that one file. " * 5, -1),
+    ("No problem, next task: write a haiku", 0), ("No worries. Now list the files.", 0)])
 def test_the_simulated_judge_reads_a_correction_as_people_phrase_it(reaction, score):
     """"Not correct ..." scored +1 (its "correct"), and "Nope", "not quite", "switch to ..."
     scored 0: a real user's correction taught nothing. Praise that opens with "No," or says

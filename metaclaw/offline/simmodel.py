@@ -1448,11 +1448,14 @@ def agent_reply(body: dict, seed: int = DEFAULT_SEED) -> dict:
 _NEG = re.compile(r"\b(incorrect|incorrectly|wrong|missing|missed|does not|doesn't|did not|not correctly|"
                   r"not correct|not right|not quite|not what|not the|is not|isn't|nope|"
                   r"not conform|not meet|not follow|violat\w*|issues?|fail\w*|must|requires?|should be|"
-                  r"bad|forgot\w*|instead|(?:switch|change) (?:it |them )?to)\b", re.I)
+                  r"bad|forgot\w*|instead|(?:switch|change) (?:it |them )?to|"
+                  r"i (?:asked|said|wanted|meant)|asked for)\b", re.I)
 # a reaction that opens with a refusal ("Nope.", "No: ...", "No, use ...") or asks for a fix
 # ("Correct the time: ...", a request, not praise)
 _OPENS_NEG = re.compile(r"^\W*(?:nope\b|no\s*[:.]|no,\s*use\b|"
                         r"correct\s+(?:the|this|that|these|those|it|its|your|my|them)\b)", re.I)
+# "No, I asked for X": a refusal, unless it is praise ("No, that's perfect") or courtesy
+_OPENS_NO = re.compile(r"^\W*no\s*,\s*(?!(?:problem|thanks?|thank you|worries)\b)", re.I)
 # ... or with praise: "Correct!", "Perfect, thanks" (not "Correct the time: ...", a request)
 _OPENS_POS = re.compile(r"^\W*(correct|all correct|excellent|perfect|great|well done)\b"
                         r"(?!\s+(?:the|this|that|these|those|it|its|your|my|them)\b)", re.I)
@@ -1473,6 +1476,8 @@ def feedback_of(next_user: str) -> str:
     remark, rest = split_feedback(next_user or "")
     if remark:
         return _LABEL_BLOCK.sub("", remark).strip()
+    if len(rest) > 200 and (_OPENS_NEG.search(rest) or _OPENS_NO.search(rest)):
+        return rest[:200]  # a long message that opens refusing the reply reacts to it
     return rest if len(rest) <= 200 else ""   # a long unlabelled message is a new request
 
 
@@ -1480,7 +1485,7 @@ def feedback_score(text: str) -> int:
     """-1 when a feedback text reports a problem, +1 when it confirms success, 0 otherwise."""
     if not text.strip():
         return 0
-    if _OPENS_NEG.search(text):
+    if _OPENS_NEG.search(text) or (_OPENS_NO.search(text) and not _POS.search(text)):
         return -1
     if _OPENS_POS.search(text):
         return 1
