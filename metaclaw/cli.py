@@ -474,7 +474,6 @@ def cmd_export(args: argparse.Namespace) -> int:
     samples), the file ``metaclaw turns import`` reads back; ``OUT.parquet``: the turns with
     their labels as a table."""
     from metaclaw.fastloop.labels import EXPORT_SUFFIXES, export_file, export_summary
-    from metaclaw.store import IN_IDS, id_list
 
     if Path(args.out).suffix.lower() not in EXPORT_SUFFIXES:
         raise CliError(f"export: write to a file ending in {' or '.join(EXPORT_SUFFIXES)}, not "
@@ -491,13 +490,10 @@ def cmd_export(args: argparse.Namespace) -> int:
             raise CliError("--turns takes turn ids separated by commas: --turns 3,4,9")
     store = _store(args.db)
     try:
-        if turn_ids:
-            found = {r["id"] for r in store.query(f"SELECT id FROM turns WHERE id {IN_IDS}",
-                                                  (id_list(turn_ids),))}
-            missing = sorted(set(turn_ids) - found)
-            if missing:
-                raise CliError(f"no turn with id {', '.join(map(str, missing[:10]))} in "
-                               f"{store.location}; `metaclaw turns` lists them")
+        missing = store.absent_turns(turn_ids or [])
+        if missing:
+            raise CliError(f"no turn with id {', '.join(map(str, missing[:10]))} in "
+                           f"{store.location}; `metaclaw turns` lists them")
         count = export_file(store, args.out, session=args.session, shape=args.shape,
                             labelled_only=args.labelled_only, turn_ids=turn_ids,
                             threshold=args.threshold)

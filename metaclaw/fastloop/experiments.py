@@ -126,9 +126,7 @@ def dataset(store: Store, name: str, *, turn_ids: Iterable[int] | None = None,
                                  "last": last}
     if turn_ids is not None:
         ids = sorted({int(i) for i in turn_ids})
-        found = {r["id"] for r in store.query(f"SELECT id FROM turns WHERE id {IN_IDS}",
-                                              (id_list(ids),))}
-        missing = sorted(set(ids) - found)
+        missing = store.absent_turns(ids)
         if missing:
             raise ExperimentError(f"no turn with id {', '.join(map(str, missing[:10]))} in "
                                   f"{store.location}")

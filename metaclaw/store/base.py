@@ -932,6 +932,13 @@ class Store:
     def update_turn(self, turn_id: int, **fields: Any) -> None:
         self._update("turns", "id", turn_id, fields)
 
+    def absent_turns(self, turn_ids: Iterable[int]) -> list[int]:
+        """The ids of ``turn_ids`` no turn has, in order (none: every one is recorded)."""
+        ids = sorted({int(i) for i in turn_ids})
+        found = {r["id"] for r in self.query(f"SELECT id FROM turns WHERE id {IN_IDS}",
+                                             (id_list(ids),))}
+        return [i for i in ids if i not in found]
+
     def turn(self, turn_id: int) -> dict[str, Any] | None:
         rows = self.query("SELECT * FROM turns WHERE id = ?", (turn_id,))
         return rows[0] if rows else None
