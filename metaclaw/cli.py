@@ -551,9 +551,14 @@ def cmd_skills(args: argparse.Namespace) -> int:
                                "give two: metaclaw skills diff G1 G2")
             numbers = [numbers[0] - 1, numbers[0]]
         diff = library.diff(*numbers)
+        # one generation's changes: what made it (an evolution, a promotion: by whom, a note)
+        made = library.store.generation(numbers[1]) if numbers[1] == numbers[0] + 1 else None
         if args.json:
-            _print_json(diff.to_dict())
+            _print_json({**diff.to_dict(), **({"kind": made["kind"], "reason": made["reason"]}
+                                              if made else {})})
         else:
+            if made:
+                print(_printable(f"generation {numbers[1]} ({made['kind']}): {made['reason']}"))
             print(diff)
         return 0
     if args.action == "rollback":

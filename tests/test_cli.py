@@ -135,8 +135,10 @@ def test_skills_list_diff_rollback(tmp_path):
     assert [s["name"] for s in diff["added"]] == ["beta"]
     assert diff["edited"][0]["name"] == "alpha"
     assert "+line 2 edited" in diff["edited"][0]["unified_diff"]
+    assert diff["kind"] == "disk" and diff["reason"]  # what made the generation
     text = run_cli("skills", "diff", 0, 1, "--skills", skills, "--db", db).stdout
     assert "beta" in text and "alpha" in text
+    assert text.startswith(f"generation 1 (disk): {diff['reason']}")
     # one generation: what it changed; none: what the latest changed
     assert run_cli("skills", "diff", 1, "--skills", skills, "--db", db).stdout == text
     assert run_cli("skills", "diff", "--skills", skills, "--db", db).stdout == text
