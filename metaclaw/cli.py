@@ -245,8 +245,12 @@ def _loop_said(event: Any) -> str:
     why = f" ({d['trigger']})" if d.get("trigger") else ""
     turns = ", ".join(f"#{i}" for i in d.get("support") or [])
     if event.kind == "evolved":
-        return (f"generation {event.generation}{why}: {', '.join(d.get('ops') or [])}, from "
+        return (f"generation {event.generation}{why}: "
+                f"{', '.join(d.get('ops') or []) or 'the retrieval keys of its skills'}, from "
                 f"the failures {turns}; {d.get('reason') or ''}".rstrip("; "))
+    if event.kind == "evolve_held":
+        return (f"a change was held for review{why}: {d.get('reason') or ''}; `metaclaw "
+                "proposals` lists it").replace(": ; ", "; ")
     if event.kind == "evolve_no_change":
         return (f"the evolver changed nothing for the failures {turns}{why}"
                 + (f": {d['reason']}" if d.get("reason") else ""))
@@ -262,10 +266,12 @@ def _loop_said(event: Any) -> str:
             f"; {purged} turn{'' if purged == 1 else 's'} of older generations left the "
             "query set (never trained on)" if purged else ""))
     if event.kind == "keys_written":
-        return (f"retrieval keys written for {len(d.get('written') or [])} skill(s) "
-                f"(generation {event.generation})")
+        return (f"generation {event.generation}: retrieval keys written for "
+                f"{', '.join(d.get('written') or []) or 'no skill'}")
     if event.kind == "keys_failed":
-        return f"{d.get('error')}; tried again {d.get('retry')}"
+        retry = d.get("retry") or ""
+        return f"{d.get('error')}; " + (f"tried again {retry}" if retry.startswith("at ")
+                                        else retry)
     return str(event)
 
 

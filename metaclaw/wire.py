@@ -354,7 +354,8 @@ def _undo(config_path: Path) -> tuple[str, list[str]]:
         _write(config_path, original, like=config_path)
         done = f"restored {config_path} exactly as it was before wiring"
     elif agent != "openclaw":  # edited since: take back only what wiring added
-        done, keep = _unwire(agent, config_path, text, info.get("restore") or {})
+        done, keep = _unwire(agent, config_path, text, info.get("restore") or {},
+                             backed_up=original is not None)
         if keep:  # a key the user changed was kept: the original stays for them to compare
             state.unlink(missing_ok=True)
             return done, made
@@ -438,17 +439,17 @@ def _opencode_config(folder: Path) -> Path:
 
 
 def _set(config: dict[str, Any], keys: list[str], value: Any,
-         restore: list[list[Any]], *, secret: bool = False) -> None:
+         restore: list[list[Any]]) -> None:
     """Set ``config[k1][k2]... = value``, remembering the value it had and a digest of the one
-    written (for undo: a value the user changed since is left as it is); a ``secret`` value
-    (the token) leaves no digest (a short token could be found again from it): its key is
-    taken back whatever it holds."""
+    written (for undo: a value the user changed since is left as it is). The state file that
+    keeps them exists only while the file it sits beside holds the wired values themselves (a
+    token too), with the same owner and mode."""
     node = config
     for key in keys[:-1]:
         if not isinstance(node.get(key), dict):
             node[key] = {}
         node = node[key]
-    restore.append([keys, node.get(keys[-1], _ABSENT)] + ([] if secret else [_value_sha(value)]))
+    restore.append([keys, node.get(keys[-1], _ABSENT), _value_sha(value)])
     node[keys[-1]] = value
 
 
@@ -459,7 +460,7 @@ def _names_the_proxy(value: Any) -> bool:
 
 
 def _value_sha(value: Any) -> str:
-    """A digest of a configuration value (what wiring wrote, kept without the token in it)."""
+    """A digest of a configuration value (what wiring wrote)."""
     return _sha(json.dumps(value, sort_keys=True, ensure_ascii=False).encode("utf-8"))
 
 
@@ -569,7 +570,7 @@ def plan_claude_code(path: Path, proxy_url: str, *, token: str | None = None,
     wired, restore = json.loads(json.dumps(config)), []
     _set(wired, ["env", "ANTHROPIC_BASE_URL"], root, restore)
     if token:
-        _set(wired, ["env", "ANTHROPIC_AUTH_TOKEN"], token, restore, secret=True)
+        _set(wired, ["env", "ANTHROPIC_AUTH_TOKEN"], token, restore)
     if model:
         _set(wired, ["env", "ANTHROPIC_MODEL"], model, restore)
     upstream, protocol = env.get("ANTHROPIC_BASE_URL") or "https://api.anthropic.com", "anthropic"
@@ -601,7 +602,7 @@ def plan_opencode(path: Path, proxy_url: str, *, token: str | None = None,
     _set(wired, ["provider", PROVIDER], {
         "npm": "@ai-sdk/openai-compatible", "name": "MetaClaw",
         "options": {"baseURL": proxy_url, "apiKey": token or "metaclaw"},
-        "models": {model: {"name": model}}}, restore, secret=True)
+        "models": {model: {"name": model}}}, restore)
     _set(wired, ["model"], f"{PROVIDER}/{model}", restore)
     source = _dig(config, "provider", provider_name, "options", "baseURL")
     return WirePlan(path, before, _json_after(before, wired, [k[0] for k in restore]),
@@ -638,7 +639,7 @@ def plan_aider(path: Path, proxy_url: str, *, token: str | None = None,
                         "serve)")
     wired, restore = dict(config), []
     _set(wired, ["openai-api-base"], proxy_url, restore)
-    _set(wired, ["openai-api-key"], token or "metaclaw", restore, secret=True)
+    _set(wired, ["openai-api-key"], token or "metaclaw", restore)
     _set(wired, ["model"], f"openai/{model}", restore)
     after = _yaml_after(before, wired, [k[0] for k in restore])
     # where the model was served: its own base URL, else its provider's (litellm's prefix)
@@ -756,7 +757,8 @@ def plan(agent: str, path: Path, proxy_url: str, *, token: str | None = None,
     return PLANS[agent](path, proxy_url, token=token, model=model)
 
 
-def _unwire(agent: str, path: Path, text: str, restore: dict[str, Any]) -> tuple[str, bool]:
+def _unwire(agent: str, path: Path, text: str, restore: dict[str, Any], *,
+            backed_up: bool = True) -> tuple[str, bool]:
     """Take back only what wiring added to ``path`` (edited since): the keys it set get the
     values they had, but for one the user changed since to a value of their own (kept);
     Codex's provider table goes and its ``model_provider`` line comes back. Returns what was
@@ -820,8 +822,9 @@ def _unwire(agent: str, path: Path, text: str, restore: dict[str, Any]) -> tuple
             else _json_after(text, config, keys))
     _writable(path)
     _write(path, data.encode("utf-8"), like=path)
-    kept = (f"; kept {', '.join('.'.join(k) for k in reversed(left))}, changed since (the "
-            f"original stays in {path.name}{BACKUP_SUFFIX})" if left else "")
+    kept = (f"; kept {', '.join('.'.join(k) for k in reversed(left))}, changed since ("
+            + (f"the original stays in {path.name}{BACKUP_SUFFIX})" if backed_up else
+               "there was no file before wiring)") if left else "")
     return (f"{path} changed since wiring: took back what wiring set "
             f"({', '.join('.'.join(k) for k in reversed(taken)) or 'nothing left'}){kept}; "
             "other edits kept"), bool(left)

@@ -334,7 +334,11 @@ def test_server_lists_sim_models_and_runs_a_day(bench, tmp_path):
     ("That is all for today, thank you.", 0),
     ("No, I asked for the file to be named notes.md, not release_notes.md.", -1),
     ("No, I asked for notes.md. " + "The release notes belong in that one file. " * 5, -1),
-    ("No problem, next task: write a haiku", 0), ("No worries. Now list the files.", 0)])
+    ("No problem, next task: write a haiku", 0), ("No worries. Now list the files.", 0),
+    ("That's exactly what I asked for, thanks!", 0), ("Like I said, this works great.", 1),
+    ("No, that's fine.", 0), ("No, you're right.", 0), ("No, it should be ISO 8601", -1),
+    ("Now, I asked my team and they want a summary too.", 0),
+    ("No. Now a new task: " + "write the quarterly report and send it to finance. " * 5, 0)])
 def test_the_simulated_judge_reads_a_correction_as_people_phrase_it(reaction, score):
     """"Not correct ..." scored +1 (its "correct"), and "Nope", "not quite", "switch to ..."
     scored 0: a real user's correction taught nothing. Praise that opens with "No," or says

@@ -8,6 +8,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -188,8 +189,9 @@ def test_serve_with_the_fast_loop_writes_the_missing_keys_and_says_so(library, s
              "--db", db, "--skills", skills, "--port", "0", "--auto-evolve"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
-            lines = []
-            while not any("keys_written" in line for line in lines):
+            lines, deadline = [], time.monotonic() + 120
+            while not any("retrieval keys written for" in line for line in lines):
+                assert time.monotonic() < deadline, f"no keys written in 120 s: {lines}"
                 line = proc.stdout.readline()
                 assert line, f"serve exited: {lines} {proc.stderr.read()}"
                 lines.append(line)

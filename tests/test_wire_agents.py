@@ -427,17 +427,22 @@ def test_undo_after_an_edit_keeps_a_wired_key_the_user_changed(tmp_path):
     assert json5.loads(config.read_text()) == json5.loads(OPENCODE)
 
 
-def test_the_wiring_state_holds_no_digest_of_the_token(tmp_path):
-    """A short token could be found again from its digest: its key is taken back, not
-    compared."""
-    for agent in ("claude-code", "aider", "opencode"):
-        name, original = ORIGINALS[agent]
-        config = _write(tmp_path / name, original)
-        _wire(agent, config, token="T0K", model="m")
-        state = (tmp_path / f"{name}.metaclaw-wire.json").read_text()
-        digest = wire._value_sha("T0K")
-        assert "T0K" not in state and digest not in state, agent
-        wire.undo(config)
+def test_a_key_the_user_rotated_after_wiring_is_kept_by_undo(tmp_path):
+    """A key the user typed after wiring (a rotated API key, another base URL) is theirs: undo
+    leaves it, the original stays in the backup, and says so; where there was no file before
+    wiring, it says that instead of naming a backup."""
+    config = _write(tmp_path / ".aider.conf.yml", "model: gpt-4o\nopenai-api-key: sk-OLD\n")
+    _wire("aider", config, token="tok123")
+    config.write_text(config.read_text().replace("tok123", "sk-NEW-rotated"))
+    done = wire.undo(config)
+    assert "kept openai-api-key, changed since (the original stays in" in done
+    assert yaml.safe_load(config.read_text())["openai-api-key"] == "sk-NEW-rotated"
+    fresh = tmp_path / "fresh" / "settings.json"
+    _wire("claude-code", fresh, token="tok123", model="claude-x")
+    wired = json5.loads(fresh.read_text())
+    wired["env"]["ANTHROPIC_MODEL"] = "claude-mine"
+    fresh.write_text(json.dumps(wired))
+    assert "(there was no file before wiring)" in wire.undo(fresh)
 
 
 def test_codex_undo_after_an_edit_follows_crlf_line_endings(tmp_path):

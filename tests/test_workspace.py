@@ -3,6 +3,7 @@ hand edits become generations, and concurrent writers keep one linear history.""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -412,6 +413,25 @@ def test_a_workspace_from_before_folder_marks_reads_its_folders_edits_as_edits(t
     write_skill(stranger, "gamma", "The gamma skill.", "Gamma body.")
     joined = SkillLibrary(stranger, Store(db))
     assert sorted(s.name for s in joined.current()[1]) == ["alpha", "beta", "gamma"]
+
+
+def test_a_stale_copy_of_a_workspace_from_before_folder_marks_never_overwrites_it(tmp_path):
+    """A teammate's copy of the folder, taken before a skill's last edit, opened first on a
+    workspace that never marked a folder: its older text is an earlier generation's, not a
+    hand edit; it joins (the library keeps the newer text, the older one set aside)."""
+    skills, db = tmp_path / "skills", tmp_path / "ws.db"
+    write_skill(skills, "alpha", "The alpha skill.", "Alpha v1.")
+    SkillLibrary(skills, Store(db))
+    stale = tmp_path / "stale"
+    shutil.copytree(skills, stale)
+    path = skills / "alpha" / "SKILL.md"
+    path.write_text(path.read_text().replace("v1", "v2"))
+    assert SkillLibrary(skills, Store(db)).get("alpha").body == "Alpha v2."
+    with Store(db) as store:
+        store.execute("DELETE FROM skill_folders")  # as a workspace of before the marks
+    behind = SkillLibrary(stale, Store(db))
+    assert behind.get("alpha").body == "Alpha v2." and behind.generation == 1
+    assert "v1" in next(stale.glob("alpha.conflict-*")).read_text()
 
 
 def test_a_skills_folder_new_to_the_workspace_joins_it_and_removes_nothing(tmp_path):

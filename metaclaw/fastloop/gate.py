@@ -311,12 +311,12 @@ class Gate:
                              f"{'es' if regressed > 1 else ''}")
         elif not scored_failures:
             report.reason = "no failure could be replayed and judged with both libraries"
-        elif not fixed and all(c.before == 0 and c.after == 0 for c in out
+        elif not fixed and all(c.before == threshold and c.after == threshold for c in out
                                if c.outcome != "unscored"):
             report.reason = ("the judge could not tell the replies apart: it found every "
-                             "replay unclear (0), with the candidate and without (a judge that "
-                             "reads the user's reaction, as the offline simulated one does, "
-                             "finds none in a replay); review it by hand")
+                             f"replay unclear ({threshold:g}), with the candidate and without "
+                             "(a judge that reads the user's reaction, as the offline simulated "
+                             "one does, finds none in a replay); review it by hand")
         elif not fixed:
             report.reason = f"the candidate fixes none of its {scored_failures} failures"
         else:

@@ -1448,14 +1448,16 @@ def agent_reply(body: dict, seed: int = DEFAULT_SEED) -> dict:
 _NEG = re.compile(r"\b(incorrect|incorrectly|wrong|missing|missed|does not|doesn't|did not|not correctly|"
                   r"not correct|not right|not quite|not what|not the|is not|isn't|nope|"
                   r"not conform|not meet|not follow|violat\w*|issues?|fail\w*|must|requires?|should be|"
-                  r"bad|forgot\w*|instead|(?:switch|change) (?:it |them )?to|"
-                  r"i (?:asked|said|wanted|meant)|asked for)\b", re.I)
+                  r"bad|forgot\w*|instead|(?:switch|change) (?:it |them )?to)\b", re.I)
 # a reaction that opens with a refusal ("Nope.", "No: ...", "No, use ...") or asks for a fix
 # ("Correct the time: ...", a request, not praise)
 _OPENS_NEG = re.compile(r"^\W*(?:nope\b|no\s*[:.]|no,\s*use\b|"
                         r"correct\s+(?:the|this|that|these|those|it|its|your|my|them)\b)", re.I)
-# "No, I asked for X": a refusal, unless it is praise ("No, that's perfect") or courtesy
-_OPENS_NO = re.compile(r"^\W*no\s*,\s*(?!(?:problem|thanks?|thank you|worries)\b)", re.I)
+# "No, I asked for X", "No, it should ...": a refusal that says what was wanted ("No, that's
+# fine", "No, all good" are not)
+_OPENS_NO = re.compile(r"^\W*no\s*,\s*(?:i\s+(?:asked|said|wanted|meant|need(?:ed)?)\b|"
+                       r"(?:it|that|this|they|you)\s+(?:should|must|needs?\s+to|"
+                       r"(?:is|are|was|were)\s+(?:wrong|not)\b))", re.I)
 # ... or with praise: "Correct!", "Perfect, thanks" (not "Correct the time: ...", a request)
 _OPENS_POS = re.compile(r"^\W*(correct|all correct|excellent|perfect|great|well done)\b"
                         r"(?!\s+(?:the|this|that|these|those|it|its|your|my|them)\b)", re.I)
@@ -1476,8 +1478,8 @@ def feedback_of(next_user: str) -> str:
     remark, rest = split_feedback(next_user or "")
     if remark:
         return _LABEL_BLOCK.sub("", remark).strip()
-    if len(rest) > 200 and (_OPENS_NEG.search(rest) or _OPENS_NO.search(rest)):
-        return rest[:200]  # a long message that opens refusing the reply reacts to it
+    if len(rest) > 200 and _OPENS_NO.search(rest):
+        return rest[:200]  # a long message that opens saying what was wanted reacts to it
     return rest if len(rest) <= 200 else ""   # a long unlabelled message is a new request
 
 
@@ -1485,7 +1487,7 @@ def feedback_score(text: str) -> int:
     """-1 when a feedback text reports a problem, +1 when it confirms success, 0 otherwise."""
     if not text.strip():
         return 0
-    if _OPENS_NEG.search(text) or (_OPENS_NO.search(text) and not _POS.search(text)):
+    if _OPENS_NEG.search(text) or _OPENS_NO.search(text):
         return -1
     if _OPENS_POS.search(text):
         return 1

@@ -1568,12 +1568,12 @@ class SkillLibrary:
                         self.problems = problems
                     elif stored and not damaged and _marks_kept(self.store) \
                             and self._folder_mark() is None \
-                            and (_any_marks(self.store) or not set(stored) <= set(disk)):
+                            and (_any_marks(self.store) or self._lags(stored, disk)):
                         # skills in a folder this workspace has never marked (another member's,
                         # one used with another workspace): it joins the library, never read as it
-                        # (a workspace that marked no folder ever predates the marks: its folder,
-                        # holding every skill of the library, is read as it always was, what
-                        # differs a hand edit; one that lacks some joins, never removing them)
+                        # (a workspace that marked no folder ever predates the marks: its folder
+                        # is read as it always was, what differs a hand edit, unless it lags:
+                        # it lacks skills, or holds an earlier version of one; it joins then)
                         why = self._join(latest, stored, disk)
                         disk, problems = load_skills_dir(self.directory)
                         self.problems = problems
@@ -1888,6 +1888,24 @@ class SkillLibrary:
             aside = self.directory / f"{name}.conflict-{number}.{k}.md"
         _atomic_write(aside, text)
         return aside
+
+    def _lags(self, stored: dict[str, Skill], disk: dict[str, Skill]) -> bool:
+        """Whether a folder no mark speaks for is behind the library (``stored``, its latest
+        generation's skills): it lacks some of them, or holds a version of one that an earlier
+        generation had (a stale copy, not a hand edit)."""
+        if not set(stored) <= set(disk):
+            return True
+        for name in (n for n in stored if stored[n] != disk[n]):
+            rows = self.store.query("SELECT DISTINCT generation FROM skill_events WHERE "
+                                    "skill_name = ? AND op IN ('add', 'edit') "
+                                    "ORDER BY generation DESC", (name,))
+            for row in rows:
+                try:
+                    if self.snapshot(int(row["generation"])).get(name) == disk[name]:
+                        return True
+                except SkillNotFound:
+                    continue
+        return False
 
     def _join(self, number: int, stored: dict[str, Skill], disk: dict[str, Skill]) -> str:
         """A folder holding skills that the workspace has never marked (another member's, one

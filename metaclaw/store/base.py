@@ -935,8 +935,9 @@ class Store:
     def absent_turns(self, turn_ids: Iterable[int]) -> list[int]:
         """The ids of ``turn_ids`` no turn has, in order (none: every one is recorded)."""
         ids = sorted({int(i) for i in turn_ids})
+        kept = [i for i in ids if 0 < i < 2 ** 63]  # (no id lies outside: a server's bigint)
         found = {r["id"] for r in self.query(f"SELECT id FROM turns WHERE id {IN_IDS}",
-                                             (id_list(ids),))}
+                                             (id_list(kept),))} if kept else set()
         return [i for i in ids if i not in found]
 
     def turn(self, turn_id: int) -> dict[str, Any] | None:
