@@ -9,7 +9,7 @@ For each skill of the library (and each skill turns received that has left it si
 task turns served since its **current version** began (``counted_since``: when it was added, or
 a change last rewrote what a turn given it reads, its description or body; a change of its
 retrieval keys alone starts no version), the earlier versions' turns left out (``all_versions``
-counts every turn it was given, and the comparable ones since it was last added):
+counts every version since it was last added, on both sides):
 
 - **with**: the task turns it was injected into: how many, how many were judged and the sessions
   those came from, their mean reward and pass rate (reward above ``threshold``), the human labels

@@ -294,6 +294,7 @@ def said_migrated(location: str, before: int) -> None:
     log.warning("migrated the workspace %s from schema version %d to %d; a MetaClaw older "
                 "than this one no longer opens it", location, before, SCHEMA_VERSION)
 
+
 #: The tables of the workspace's records (``metaclaw db copy`` copies them; ``skill_folders``
 #: and ``proxy_activity`` hold the state of the machines and proxies using it).
 TABLES = ("sessions", "turns", "skill_generations", "skill_events", "policy_versions",
