@@ -1213,13 +1213,14 @@ def cmd_db(args: argparse.Namespace) -> int:
         with Store(args.db) as store:  # opening applies what is missing, under the write lock
             out = {"db": store.location, "engine": store.engine,
                    "schema_version": store.schema_version, "latest": SCHEMA_VERSION,
-                   "created": not existed, "migrated_from": store.migrated_from}
+                   "created": not existed or store.created,
+                   "migrated_from": store.migrated_from}
         if args.json:
             _print_json(out)
         else:
             print(f"{out['db']} ({out['engine']}): "
                   + (f"created a new workspace, schema version {out['schema_version']}"
-                     if not existed else
+                     if out["created"] else
                      f"migrated from schema version {store.migrated_from} to "
                      f"{out['schema_version']} (a MetaClaw older than this one no longer opens "
                      "it)" if store.migrated_from is not None else

@@ -197,6 +197,9 @@ def test_a_migration_is_said_where_it_happens(tmp_path, caplog, capsys):
         assert store.migrated_from is None and "migrated" not in caplog.text
     with Store(tmp_path / "new.db") as store:  # created, not migrated: nothing said
         assert store.migrated_from is None and "migrated" not in caplog.text
+        assert store.created
+    with Store(tmp_path / "new.db") as store:
+        assert not store.created
     assert cli.main(["db", "migrate", "--db", str(path)]) == 0
     assert "up to date" in capsys.readouterr().out
 

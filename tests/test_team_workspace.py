@@ -3,6 +3,7 @@ folders and home directories on one database, skills changed from a third proces
 proxy under load (a throwaway cluster; skipped where PostgreSQL cannot start)."""
 
 import concurrent.futures
+import json
 import os
 import signal
 import socket
@@ -166,9 +167,11 @@ def test_db_migrate_and_copy_through_the_cli(pg_cluster, tmp_path, capsys):
         store.add_generation(snapshot={}, kind="init")
         store.record_event(source="test", kind="note", message="moved")
     team_url = pg_cluster.new_database("team")
-    assert cli.main(["db", "migrate", "--db", team_url, "--json"]) == 0
-    assert cli.main(["db", "migrate", "--db", team_url]) == 0  # idempotent
     capsys.readouterr()
+    assert cli.main(["db", "migrate", "--db", team_url, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["created"] is True  # an empty database given
+    assert cli.main(["db", "migrate", "--db", team_url]) == 0  # idempotent
+    assert "up to date" in capsys.readouterr().out
     assert cli.main(["db", "copy", "--from", f"sqlite:///{personal}", "--to", team_url]) == 0
     out = capsys.readouterr().out
     assert "row count and checksum match" in out and "turns" in out

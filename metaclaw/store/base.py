@@ -604,8 +604,9 @@ class Store:
         return f" --db {shlex.quote(self.location)}"
 
     #: The schema version this process migrated the workspace from when it opened it (None:
-    #: it was up to date, or new).
+    #: it was up to date, or new); ``created``: this process made its schema (a new workspace).
     migrated_from: int | None = None
+    created = False
 
     def __init__(self, path: "str | os.PathLike[str] | None" = None):
         """``path``: a file, ``sqlite:///path`` or ``postgresql://`` URL; default
@@ -659,6 +660,7 @@ class Store:
                         f"understands ({SCHEMA_VERSION}); upgrade the metaclaw package.")
                 if version == SCHEMA_VERSION:
                     if not self.migrated_from:  # a new workspace was created, not migrated
+                        self.created = self.migrated_from == 0
                         self.migrated_from = None
                     else:
                         said_migrated(str(self.path), self.migrated_from)

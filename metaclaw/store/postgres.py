@@ -475,9 +475,10 @@ class PostgresStore(Store):
                 db.execute(_ENGINE_TABLES)
                 for statement in _FUNCTIONS:
                     db.execute(statement)
-            if 0 < version < SCHEMA_VERSION:  # (0: created)
+            if 0 < version < SCHEMA_VERSION:
                 self.migrated_from = version
                 said_migrated(self.location, version)
+            self.created = version == 0  # (an empty database given: its schema made here)
 
     @property
     def schema_version(self) -> int:
