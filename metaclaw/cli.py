@@ -681,7 +681,7 @@ def _revert(args: argparse.Namespace, library: Any) -> int:
         new = proposals.revert(library, args.generations[0] if args.generations else None,
                                by=args.by)
     except proposals.ProposalError as exc:
-        raise CliError(f"skills revert: {exc}") from None
+        raise CliError(str(exc)) from None
     reason = library.store.generation(new)["reason"]
     if args.json:
         _print_json({"generation": new, "reason": reason})
@@ -723,7 +723,13 @@ def cmd_labels(args: argparse.Namespace) -> int:
                     _print_json(row)
                 _print_json({"overall": found.overall})
             else:
-                print(_printable(repr(found)))
+                o = found.overall
+                print(f"judge-human agreement: {o['agree']} of {o['labelled']} labelled turns "
+                      + (f"({o['rate']:.0%}), Cohen's kappa "
+                         f"{'n/a' if o['kappa'] is None else format(o['kappa'], '.2f')}"
+                         if o["labelled"] else "(none the judge passed or failed)")
+                      + (f"; {o['judge_unclear']} the judge could not tell, left out"
+                         if o.get("judge_unclear") else ""))
                 for row in found.table.iter_rows(named=True):
                     rate = "n/a" if row["rate"] is None else f"{row['rate']:.0%}"
                     print(_printable(f"  {row['session_id']:<40} {row['agree']}/"
@@ -762,7 +768,7 @@ def _skill_stats(args: argparse.Namespace, library: Any) -> int:
         if args.propose:
             _print_json({"proposals_filed": filed})
         return 0
-    print(f"{'skill':<32}{'since':<12}{'injected':>9}  {'reward with':<17} {'without':<17}"
+    print(f"{'skill':<32}{'since':<18}{'injected':>9}  {'reward with':<17} {'without':<17}"
           f"{'delta [95%]':>22}{'last used':>18}  suggestion")
     fmt = lambda x: "-" if x is None else f"{x:+.2f}"  # noqa: E731
 
@@ -775,10 +781,11 @@ def _skill_stats(args: argparse.Namespace, library: Any) -> int:
                                              f" [{row['delta_low']:+.2f},{row['delta_high']:+.2f}]"))
         last = row["last_used"].strftime("%Y-%m-%d %H:%M") if row["last_used"] else "never"
         name = row["skill"] + ("" if row["in_library"] else " (gone)")
-        since = row["counted_since"].strftime("%m-%d %H:%M") if row["counted_since"] else "-"
+        since = (row["counted_since"].strftime("%Y-%m-%d %H:%M") if row["counted_since"]
+                 else "-")
         with_ = side(row["reward_with"], row["judged_with"], row["sessions_with"])
         without = side(row["reward_without"], row["judged_without"], row["sessions_without"])
-        print(_printable(f"{name[:31]:<32}{since:<12}{row['injected']:>9}  {with_:<17} "
+        print(_printable(f"{name[:31]:<32}{since:<18}{row['injected']:>9}  {with_:<17} "
                          f"{without:<17}{interval:>22}{last:>18}  {row['suggestion'] or '-'}"))
     print("since: the turns counted on both sides are from then on, when the skill's current "
           "version began (added, or its description or body last changed; --all-versions: since "
@@ -1139,6 +1146,10 @@ def cmd_wire(args: argparse.Namespace) -> int:
                        "serve` listens on (default 30000)")
     host = f"[{args.host}]" if ":" in args.host and not args.host.startswith("[") else args.host
     try:
+        if args.undo and args.dry_run:  # an undo writes the backup back: nothing to preview
+            raise CliError(f"--dry-run previews a wiring; an undo writes back the original kept "
+                           f"at wiring: compare {path} with {path}{wire.BACKUP_SUFFIX}, then run "
+                           "--undo without --dry-run")
         if args.undo:
             print(wire.undo(path))
             return 0

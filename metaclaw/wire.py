@@ -443,14 +443,20 @@ def _set(config: dict[str, Any], keys: list[str], value: Any,
     """Set ``config[k1][k2]... = value``, remembering the value it had and a digest of the one
     written (for undo: a value the user changed since is left as it is). The state file that
     keeps them exists only while the file it sits beside holds the wired values themselves (a
-    token too), with the same owner and mode."""
+    token too), with the same owner and mode. An object made on the way (``provider`` where
+    there was none) is remembered as such: undo puts back what was there once it is empty."""
     node = config
-    for key in keys[:-1]:
+    for depth, key in enumerate(keys[:-1]):
         if not isinstance(node.get(key), dict):
+            restore.append([keys[:depth + 1], node.get(key, _ABSENT), _value_sha({}), _MADE])
             node[key] = {}
         node = node[key]
     restore.append([keys, node.get(keys[-1], _ABSENT), _value_sha(value)])
     node[keys[-1]] = value
+
+
+#: Marks a key of ``restore`` whose object wiring made to hold its values (see :func:`_set`).
+_MADE = "made"
 
 
 def _names_the_proxy(value: Any) -> bool:
@@ -798,24 +804,36 @@ def _unwire(agent: str, path: Path, text: str, restore: dict[str, Any], *,
         config = jsontext.loads(text) if text.strip() else {}
     if not isinstance(config, dict):
         return f"{path} holds no MetaClaw wiring; left as it is", False
-    taken, left = [], []
-    for keys, value, *wrote in reversed(restore.get("keys") or []):
+    taken, left, emptied, set_back = [], [], [], []
+    entries = restore.get("keys") or []
+    for keys, value, *wrote in reversed(entries):
         node = config
         for key in keys[:-1]:
             node = node.get(key) if isinstance(node, dict) else None
         if not isinstance(node, dict):
             continue
-        if wrote and (keys[-1] not in node or _value_sha(node[keys[-1]]) != wrote[0]) \
-                and not _names_the_proxy(node.get(keys[-1])):
-            left.append(keys)  # the user's own value since (or removed): theirs to keep
+        current = node.get(keys[-1], _ABSENT)
+        if wrote[1:] == [_MADE]:  # an object wiring made: as it was, once nothing is left in it
+            if current == {}:
+                if value == _ABSENT:
+                    node.pop(keys[-1])
+                else:
+                    node[keys[-1]] = value
+                emptied.append(keys)
             continue
+        if wrote and (current == _ABSENT or _value_sha(current) != wrote[0]):
+            if not _names_the_proxy(current):
+                left.append(keys)  # the user's own value since (or removed): theirs to keep
+                continue
+            set_back.append(f"{'.'.join(keys)} {current}")  # still the proxy's: it goes too
         if value == _ABSENT:
             node.pop(keys[-1], None)
         else:
             node[keys[-1]] = value
         taken.append(keys)
-    keys = list(taken)
-    if agent == "claude-code" and config.get("env") == {}:
+    keys = taken + emptied
+    if agent == "claude-code" and config.get("env") == {} and all(
+            len(e) < 3 for e in entries):  # (a wiring recorded before made objects were)
         config.pop("env")
         keys.append(["env"])
     data = (_yaml_after(text, config, keys) if agent == "aider"
@@ -825,6 +843,8 @@ def _unwire(agent: str, path: Path, text: str, restore: dict[str, Any], *,
     kept = (f"; kept {', '.join('.'.join(k) for k in reversed(left))}, changed since ("
             + (f"the original stays in {path.name}{BACKUP_SUFFIX})" if backed_up else
                "there was no file before wiring)") if left else "")
+    back = (f"; set back {', '.join(set_back)} (changed since, still the proxy's: it goes with "
+            "the wiring)" if set_back else "")
     return (f"{path} changed since wiring: took back what wiring set "
-            f"({', '.join('.'.join(k) for k in reversed(taken)) or 'nothing left'}){kept}; "
+            f"({', '.join('.'.join(k) for k in reversed(taken)) or 'nothing left'}){back}{kept}; "
             "other edits kept"), bool(left)

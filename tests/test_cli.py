@@ -881,6 +881,13 @@ def test_labels_revert_and_export_of_chosen_turns_from_the_cli(tmp_path, capsys)
     assert cli.main(["export", str(out_file), "--db", str(db), "--turns", f"{ids[2]}",
                      "--shape", "eval"]) == 0  # judged pass, no label: the reply is the ideal
     assert json.loads(out_file.read_text())["ideal"] == "done"
+    calls = [{"id": "c1", "type": "function", "function": {"name": "write", "arguments": "{}"}}]
+    tooled = store.record_turn(session_id="s2", request_messages=[{"role": "user", "content": "w"}],
+                               status="ok", response="", reward=1.0, tool_calls=calls)
+    assert cli.main(["export", str(out_file), "--db", str(db), "--turns", f"{tooled}",
+                     "--shape", "eval"]) == 0  # a reply of tool calls: the calls
+    record = json.loads(out_file.read_text())
+    assert json.loads(record["ideal"]) == calls and record["metadata"]["tool_calls"] == calls
     assert cli.main(["export", str(out_file), "--db", str(db), "--turns", f"{ids[0]}",
                      "--shape", "eval"]) == 0  # labelled fail: no reference answer
     assert json.loads(out_file.read_text())["ideal"] == ""
@@ -900,6 +907,9 @@ def test_labels_revert_and_export_of_chosen_turns_from_the_cli(tmp_path, capsys)
     assert "beta" not in SkillLibrary(skills, Store(db))
     assert cli.main(argv) == 2  # reverted already: none left to revert, said so
     assert "none the gate promoted without a person, or each reverted already" in \
+        capsys.readouterr().err
+    assert cli.main(argv[:2] + [str(new)] + argv[2:]) == 2
+    assert f"generation {new} was reverted already, by generation {new + 1}" in \
         capsys.readouterr().err
     assert cli.main(argv[:2] + ["0"] + argv[2:]) == 2  # the initial library: nothing to revert
 

@@ -206,7 +206,7 @@ def test_restarts_sessions_stops_and_exports_say_what_they_did(ip, capsys):
     said = capsys.readouterr().out
     assert "wrote 0 records" in said and "eval shape" in said
     line(ip, "export {ws}/all.jsonl --shape eval")
-    assert "wrote 1 records" in capsys.readouterr().out
+    assert "wrote 1 record " in capsys.readouterr().out
 
     review = line(ip, "proposals")
     assert "no proposal held for review" in repr(review)

@@ -423,8 +423,26 @@ def test_undo_after_an_edit_keeps_a_wired_key_the_user_changed(tmp_path):
     _wire("opencode", config)
     wired = json5.loads(config.read_text())
     config.write_text(json.dumps({**wired, "model": "metaclaw/gpt-4o-mini"}))
-    assert "changed since (the original" not in wire.undo(config)
+    done = wire.undo(config)
+    assert "changed since (the original" not in done
+    assert "set back model metaclaw/gpt-4o-mini (changed since, still the proxy's" in done
     assert json5.loads(config.read_text()) == json5.loads(OPENCODE)
+
+
+def test_an_object_wiring_made_goes_once_empty_and_one_the_user_had_stays(tmp_path):
+    """opencode's ``provider`` made by wiring is gone after an edited undo (it left an empty
+    ``"provider": {}``); Claude Code's own ``"env": {}`` stays."""
+    config = _write(tmp_path / "opencode.json", '{"model": "acme/x", "share": "disabled"}\n')
+    _wire("opencode", config)
+    wired = json5.loads(config.read_text())
+    config.write_text(json.dumps({**wired, "share": "manual"}))
+    wire.undo(config)
+    assert json5.loads(config.read_text()) == {"model": "acme/x", "share": "manual"}
+    settings = _write(tmp_path / "settings.json", '{"env": {}, "theme": "dark"}\n')
+    _wire("claude-code", settings)
+    settings.write_text(json.dumps({**json5.loads(settings.read_text()), "theme": "light"}))
+    wire.undo(settings)
+    assert json5.loads(settings.read_text()) == {"env": {}, "theme": "light"}
 
 
 def test_a_key_the_user_rotated_after_wiring_is_kept_by_undo(tmp_path):

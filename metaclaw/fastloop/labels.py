@@ -320,12 +320,13 @@ def export_records(store: Store, *, turn_ids: Iterable[int] | None = None,
     ``"tools"`` when the turn offered tools); only turns fit to learn from are kept: labelled
     pass, or with a corrected answer (which replaces the reply). ``shape="eval"``: an OpenAI
     evals sample per turn, ``{"input": messages, "ideal": ..., "metadata": {turn_id,
-    session_id, reply, human verdict, note, author, judge reward and verdict, skill generation,
-    policy version}}``: ``ideal``, the reference answer graders compare with, is the corrected
-    answer, else the reply where it passed (a person's pass, else the judge's without a
-    person's fail), else empty (a failed or unclear reply is no reference; it stays in
-    ``metadata.reply``). ``keep_skills``: keep the injected skill block in the system prompt
-    (default: stripped, the prompt as the agent wrote it).
+    session_id, reply, tool_calls, human verdict, note, author, judge reward and verdict, skill
+    generation, policy version}}``: ``ideal``, the reference answer graders compare with, is the
+    corrected answer, else the reply where it passed (a person's pass, else the judge's without a
+    person's fail; a reply of tool calls is the calls as JSON text), else empty (a failed or
+    unclear reply is no reference; it stays in ``metadata.reply``). ``keep_skills``: keep the
+    injected skill block in the system prompt (default: stripped, the prompt as the agent wrote
+    it).
     """
     from metaclaw.skills.block import strip_skill_block
 
@@ -360,12 +361,15 @@ def export_records(store: Store, *, turn_ids: Iterable[int] | None = None,
         else:
             judged = judge_verdict(turn.get("reward"), threshold)
             passed = mark["verdict"] == "pass" if mark else judged == "pass"
-            reply = turn.get("response") or ""
+            calls = turn.get("tool_calls") or []
+            # a reply of tool calls is those calls (as JSON text: an evals sample's answer is text)
+            reply = turn.get("response") or (json.dumps(calls, ensure_ascii=False)
+                                             if calls else "")
             record = {"input": messages,
                       "ideal": corrected if corrected else reply if passed else "",
                       "metadata": {
                           "turn_id": turn["id"], "session_id": turn["session_id"],
-                          "reply": reply,
+                          "reply": reply, "tool_calls": calls,
                           "human_verdict": mark["verdict"] if mark else None,
                           "note": mark["note"] if mark else None,
                           "author": mark["author"] if mark else None,
@@ -448,7 +452,7 @@ def export_summary(count: int, path: str | os.PathLike[str], *, shape: str = "ch
         which = f"{shape} shape: " + ("turns labelled pass or with a corrected answer"
                                       if shape == "chat" else
                                       "labelled turns" if labelled_only else "turns")
-    line = f"wrote {count} records to {path} ({which})"
+    line = f"wrote {count} record{'' if count == 1 else 's'} to {path} ({which})"
     if count == 0 and shape == "chat" and Path(path).suffix.lower() == ".jsonl":
         line += ("; label turns pass or give a corrected answer (metaclaw label, %metaclaw "
                  "label, the trace view), or export the eval shape, which keeps every selected "

@@ -416,11 +416,15 @@ def revert(library: Any, generation: int | None = None, *, by: str | None = None
     (default: the latest generation the gate promoted without a person that no revert has
     undone yet, :func:`automatic_generations`). Refuses when a later generation changed one of
     those skills again. Returns the new generation (kind ``rollback``)."""
+    reverted = {int(found.group(1)): int(row["generation"]) for row in library.store.query(
+                    "SELECT generation, reason FROM skill_generations WHERE kind = 'rollback' "
+                    "ORDER BY generation")
+                for found in [re.match(r"revert generation (\d+) ", row["reason"] or "")]
+                if found}
+    if generation is not None and int(generation) in reverted:
+        raise ProposalError(f"generation {generation} was reverted already, by generation "
+                            f"{reverted[int(generation)]}")
     if generation is None:
-        reverted = {int(found.group(1)) for row in library.store.query(
-                        "SELECT reason FROM skill_generations WHERE kind = 'rollback'")
-                    for found in [re.match(r"revert generation (\d+) ", row["reason"] or "")]
-                    if found}
         automatic = [g for g in automatic_generations(library.store) if g not in reverted]
         if not automatic:
             raise ProposalError("no automatic generation left to revert (none the gate "
