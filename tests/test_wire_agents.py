@@ -520,3 +520,15 @@ def test_wire_brackets_an_ipv6_host_and_refuses_port_0(tmp_path):
     assert 'base_url = "http://[::1]:30000/v1"' in shown
     refused = run_cli("wire", "codex", "--config", config, "--port", 0, check=False)
     assert refused.returncode == 2 and "--port 0" in refused.stderr
+
+
+def test_an_undo_is_never_a_dry_run(tmp_path):
+    """``--undo --dry-run`` undid the wiring (and the real undo then found nothing to undo)."""
+    config = _write(tmp_path / "config.toml", CODEX)
+    run_cli("wire", "codex", "--config", config, "--port", 31000)
+    wired = config.read_bytes()
+    refused = run_cli("wire", "codex", "--config", config, "--undo", "--dry-run", check=False)
+    assert refused.returncode == 2 and "--dry-run previews a wiring" in refused.stderr
+    assert config.read_bytes() == wired and (tmp_path / "config.toml.metaclaw-wire.json").exists()
+    run_cli("wire", "codex", "--config", config, "--undo")
+    assert config.read_text() == CODEX

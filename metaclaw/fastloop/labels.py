@@ -231,8 +231,9 @@ class Agreement:
         if not o.get("labelled"):
             return f"Agreement(no judged and labelled turn yet{apart})"
         kappa = "n/a" if o["kappa"] is None else f"{o['kappa']:.2f}"
+        sessions = self.table.height
         return (f"Agreement({o['agree']}/{o['labelled']} = {o['rate']:.0%} overall, "
-                f"kappa {kappa}, {self.table.height} sessions{apart})")
+                f"kappa {kappa}, {sessions} session{'' if sessions == 1 else 's'}{apart})")
 
     def _repr_html_(self) -> str:
         import html
