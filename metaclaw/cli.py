@@ -2076,6 +2076,9 @@ def main(argv: list[str] | None = None) -> int:
     if extra and getattr(args, "action", None) == "import" and args.command == "turns" \
             and not any(word.startswith("-") for word in extra):
         args.files, extra = [*args.files, *extra], []
+    # `skills revert --skills DIR 3`: the same for a skills action's generations or names
+    if extra and args.command == "skills" and not any(word.startswith("-") for word in extra):
+        args.generations, extra = [*args.generations, *extra], []
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.verbosity = getattr(args, "verbose", 0) - getattr(args, "quiet", 0)

@@ -912,6 +912,9 @@ def test_labels_revert_and_export_of_chosen_turns_from_the_cli(tmp_path, capsys)
     assert f"generation {new} was reverted already, by generation {new + 1}" in \
         capsys.readouterr().err
     assert cli.main(argv[:2] + ["0"] + argv[2:]) == 2  # the initial library: nothing to revert
+    assert "initial library" in capsys.readouterr().err
+    assert cli.main(argv + ["0"]) == 2  # the generation after the options: read all the same
+    assert "initial library" in capsys.readouterr().err
 
 
 def test_serve_says_what_the_fast_loop_decided_in_sentences():
