@@ -511,10 +511,8 @@ class Experiment:
         if threshold is None:
             threshold = self.settings().get("threshold")
         if threshold is not None:  # one threshold for every result, whatever run stored them
-            results = results.with_columns(verdict=pl.when(pl.col("score").is_null()).then(None)
-                                           .when(pl.col("score") > threshold).then(pl.lit("pass"))
-                                           .when(pl.col("score") < threshold).then(pl.lit("fail"))
-                                           .otherwise(pl.lit("unclear")))
+            results = results.with_columns(verdict=pl.col("score").map_elements(
+                lambda score: judge_verdict(score, threshold), return_dtype=pl.Utf8))
         order = [v.spec for v in self.variants]
         by = {v: {r["turn_id"]: r for r in results.filter(pl.col("variant") == v)
                   .iter_rows(named=True)} for v in order}

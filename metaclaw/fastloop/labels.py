@@ -123,13 +123,13 @@ def reach(row: dict[str, Any]) -> str:
     a person would expect: a turn out of the live buffers no longer feeds the evolver (``""``
     where it does, or where the label is a pass)."""
     state, place = row.get("buffer_state"), row.get("buffer_set")
-    if row.get("verdict") != "fail" or state == "live":
+    if row.get("verdict") != "fail" or state == buffers.LIVE:
         return ""
     if place is None:
         return " (a turn outside the buffers: the label is kept for the exports and the " \
                "agreement, and feeds no evolution)"
-    why = {"purged": f"its generation {row.get('skill_generation')} was replaced",
-           "consumed": "an evolution already learned from it"}.get(state, f"it is {state}")
+    why = {buffers.PURGED: f"its generation {row.get('skill_generation')} was replaced",
+           buffers.CONSUMED: "an evolution already learned from it"}.get(state, f"it is {state}")
     return (f" ({state}: {why}; the label is kept for the exports and the agreement, and "
             "feeds no evolution)")
 
