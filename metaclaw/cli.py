@@ -1958,7 +1958,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"learning rate (default {TRAIN_DEFAULTS['learning_rate']:g})")
     p.add_argument("--loss", choices=["importance_sampling", "ppo", "cispo"],
                    default="importance_sampling")
-    p.add_argument("--state-dir", help="training state (resume) folder; default: next to --db")
+    p.add_argument("--state-dir", help="training state (resume) folder; default: train/ next to "
+                   "--db (a PostgreSQL workspace's: under $METACLAW_DATA_DIR, else "
+                   "~/.local/share/metaclaw)")
     p.add_argument("--scheduler-config", help="scheduler settings file (YAML/JSON)")
     p.add_argument("--poll", type=argtypes.positive_float, default=5.0,
                    help="seconds between scheduler checks")

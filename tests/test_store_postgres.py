@@ -42,6 +42,29 @@ def test_targets_pick_the_engine_and_unknown_schemes_are_one_sentence(tmp_path):
     assert not any(p.name.endswith(":") for p in tmp_path.iterdir())
 
 
+def test_a_server_workspace_keeps_its_machine_files_in_one_folder_whatever_the_working_folder(
+        tmp_path, monkeypatch):
+    from metaclaw.store.base import local_dir
+
+    monkeypatch.setenv("METACLAW_DATA_DIR", str(tmp_path / "data"))
+    url = "postgresql://bob:s3cret-pw@db.example:5433/team"
+    monkeypatch.chdir(tmp_path)
+    here = local_dir(url)
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert local_dir(url) == here and here.parent == tmp_path / "data" / "workspaces"
+    assert here.name.startswith("team-") and "s3cret" not in str(here)
+    assert local_dir("postgresql://bob:other-pw@db.example:5433/team") == here  # not the password
+    assert local_dir("postgresql://bob@db.example:5433/team2") != here
+    assert local_dir("postgresql://alice@db.example:5433/team") != here
+    # training state an earlier release kept in the working folder is still found
+    (tmp_path / "elsewhere" / ".metaclaw" / "train").mkdir(parents=True)
+    assert local_dir(url) == tmp_path / "elsewhere" / ".metaclaw"
+    here.mkdir(parents=True)
+    assert local_dir(url) == here
+    assert local_dir(tmp_path / "w.db") == tmp_path  # a SQLite workspace: beside its file
+
+
 def test_a_libpq_key_value_string_is_refused_never_echoed_nor_made_a_file(tmp_path, monkeypatch,
                                                                           capsys):
     from metaclaw import cli

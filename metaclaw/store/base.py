@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
 import json
 import logging
 import math
@@ -17,6 +18,7 @@ import threading
 import time
 from pathlib import Path
 from typing import Any, Iterable
+from urllib.parse import parse_qs, unquote, urlsplit
 
 from metaclaw.jsonlib import dumps
 
@@ -330,9 +332,27 @@ def workspace_exists(target: "str | os.PathLike[str]") -> bool:
 
 def local_dir(target: "str | os.PathLike[str]") -> Path:
     """The folder for this machine's files of a workspace (training state, checkpoints): beside
-    the SQLite file, or ``.metaclaw`` in the working folder for a database server."""
+    the SQLite file; for a database server, one folder per database whatever the working folder:
+    ``$METACLAW_DATA_DIR`` (else ``$XDG_DATA_HOME/metaclaw``, else ``~/.local/share/metaclaw``)
+    ``/workspaces/<dbname>-<digest of user, host, port and dbname>``. A ``.metaclaw/train``
+    folder in the working folder (where earlier releases kept a server workspace's training
+    state) is still used while the new folder does not exist."""
     engine, where = parse_target(target)
-    return Path(where).resolve().parent if engine == "sqlite" else DEFAULT_DB.parent.resolve()
+    if engine == "sqlite":
+        return Path(where).resolve().parent
+    url = urlsplit(where)
+    dbname = unquote(url.path.lstrip("/")) or unquote(url.username or "") or "postgres"
+    host = url.hostname or parse_qs(url.query).get("host", [""])[0]
+    who = f"{unquote(url.username or '')}@{host}:{url.port or ''}/{dbname}"
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", dbname)[:40].strip(".") or "db"
+    root = os.environ.get("METACLAW_DATA_DIR")
+    base = Path(root) if root else Path(os.environ.get("XDG_DATA_HOME") or
+                                        Path.home() / ".local" / "share") / "metaclaw"
+    folder = base / "workspaces" / f"{name}-{hashlib.sha256(who.encode()).hexdigest()[:12]}"
+    legacy = DEFAULT_DB.parent.resolve()
+    if not folder.exists() and (legacy / "train").is_dir():
+        return legacy
+    return folder
 
 
 class StoreError(RuntimeError):
