@@ -33,6 +33,28 @@ def test_newer_schema_is_refused_with_a_clear_error(tmp_path):
 
 
 @pytest.mark.sqlite_only
+def test_a_schema_of_another_build_is_refused_in_a_sentence_and_left_as_it_was(tmp_path):
+    path = tmp_path / "m.db"
+    with Store(path) as store:  # tables of version 12 stamped 11, as a development build's
+        store.record_turn(session_id="s", request_messages=[{"role": "user", "content": "hi"}],
+                          status="ok")
+    db = sqlite3.connect(path)
+    db.execute("PRAGMA user_version=11")
+    db.commit()
+    db.close()
+    with pytest.raises(StoreError) as err:
+        Store(path)
+    message = str(err.value)
+    assert "cannot be upgraded from schema version 11 to 12" in message
+    assert "duplicate column" in message and "development build" in message
+    assert "\n" not in message and "Nothing was changed" in message
+    db = sqlite3.connect(path)
+    assert db.execute("PRAGMA user_version").fetchone()[0] == 11
+    assert db.execute("SELECT COUNT(*) FROM turns").fetchone()[0] == 1
+    db.close()
+
+
+@pytest.mark.sqlite_only
 def test_not_a_database_is_a_store_error(tmp_path):
     path = tmp_path / "m.db"
     path.write_bytes(b"this is not sqlite" * 100)

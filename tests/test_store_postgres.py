@@ -141,6 +141,23 @@ def test_schema_migrates_once_and_a_newer_schema_is_refused(url):
         Store(url)
 
 
+def test_a_schema_of_another_build_is_refused_in_a_sentence_and_left_as_it_was(url):
+    with Store(url) as store:
+        store.record_turn(session_id="s", request_messages=[{"role": "user", "content": "hi"}],
+                          status="ok")
+        store.execute("UPDATE metaclaw_schema SET version = 11")
+    with pytest.raises(StoreError) as err:
+        Store(url)
+    message = str(err.value)
+    assert "cannot be upgraded from schema version 11 to 12" in message
+    assert "development build" in message and "\n" not in message
+    import psycopg
+
+    with psycopg.connect(url) as conn:
+        assert conn.execute("SELECT version FROM metaclaw_schema").fetchone()[0] == 11
+        assert conn.execute("SELECT COUNT(*) FROM turns").fetchone()[0] == 1
+
+
 def test_only_pooled_connections_commit_without_waiting_for_the_flush(url):
     """Pooled connections read and claim session ids; every other commit (turns, migrations)
     returns once the server flushed it."""

@@ -453,6 +453,16 @@ def parse_target(target: "str | os.PathLike[str]") -> tuple[str, str]:
                      f"or postgresql://user@host/dbname")
 
 
+def unmigratable(where: object, version: int, error: BaseException) -> str:
+    """The sentence for a workspace whose schema upgrade from ``version`` failed (its tables are
+    not the ones this release's schema ``version`` has: a development build made it)."""
+    reason = " ".join(str(error).split())[:200]
+    return (f"{where} cannot be upgraded from schema version {version} to {version + 1} "
+            f"({reason}): its tables are not those of this release's schema version {version}, "
+            f"as happens with a workspace made by a development build of MetaClaw. Nothing was "
+            f"changed. Open it with the build that made it, or start a new workspace.")
+
+
 def this_process() -> str:
     """This process as the workspace's rows name it: ``pid N on HOST`` (read at each call: a
     forked child is another process)."""
@@ -692,7 +702,10 @@ class Store:
                         if self.migrated_from is None:  # (0: created, and said as such)
                             self.migrated_from = version
                         for statement in _split_sql(MIGRATIONS[version]):
-                            self._db.execute(statement)
+                            try:
+                                self._db.execute(statement)
+                            except sqlite3.DatabaseError as exc:
+                                raise StoreError(unmigratable(self.path, version, exc)) from None
                         self._db.execute(f"PRAGMA user_version={version + 1}")
                     self._db.execute("COMMIT")
                 except BaseException:

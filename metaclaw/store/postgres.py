@@ -58,7 +58,7 @@ from metaclaw.redact import masked_url as mask
 import metaclaw.store.base as base
 from metaclaw.store.base import (
     BUSY_TIMEOUT_S, IN_IDS, MIGRATIONS, SCHEMA_VERSION, EngineError, Store, StoreBusy, StoreError,
-    StoreUnavailable, _decode, _split_sql, said_migrated,
+    StoreUnavailable, _decode, _split_sql, said_migrated, unmigratable,
 )
 
 log = logging.getLogger(__name__)
@@ -470,7 +470,10 @@ class PostgresStore(Store):
                         f"understands ({SCHEMA_VERSION}); upgrade the metaclaw package.")
                 for number in range(version, SCHEMA_VERSION):
                     for statement in _split_sql(MIGRATIONS[number]):
-                        db.execute(ddl(statement))
+                        try:
+                            db.execute(ddl(statement))
+                        except self._psycopg.errors.ProgrammingError as exc:
+                            raise StoreError(unmigratable(self.location, number, exc)) from None
                     db.execute("UPDATE metaclaw_schema SET version = %s", (number + 1,))
                 db.execute(_ENGINE_TABLES)
                 for statement in _FUNCTIONS:
