@@ -71,8 +71,9 @@ from retrieval_clients import CLIENTS, wrap  # noqa: E402
 
 from metaclaw.skills.asks import extract_ask  # noqa: E402
 from metaclaw.skills.library import Skill  # noqa: E402
-from metaclaw.skills.retrieval import (HybridRetriever, LexicalRetriever, ScoredSkill,
-                                       embeddings_available, make_retriever, select,
+from metaclaw.skills.retrieval import (HOLD_BACK_CANDIDATES, HYBRID_CONSTANTS, HybridRetriever,
+                                       LexicalRetriever,
+                                       ScoredSkill, embeddings_available, make_retriever, select,
                                        select_and_inject)
 
 DATA = Path(__file__).resolve().parent / "data" / "retrieval"
@@ -81,6 +82,7 @@ EVOLVER_KEYS = DATA / "evolver_keys.json"
 HELDOUT = DATA / "heldout.json"
 THIRD = DATA / "third.json"
 FOURTH = DATA / "fourth.json"
+FIFTH = DATA / "fifth.json"
 SPLIT = DATA / "split.json"
 SPLIT_SEED = 20261126
 TARGETS = {"single": 0.90, "two_top3": 0.75, "off_topic": 0.10}
@@ -125,10 +127,12 @@ def load_set(split_name: str) -> tuple[dict[str, list[Skill]], list[dict]]:
         libraries["plain"].append(skill)
         libraries["example asks"].append(keyed)
         libraries["evolver keys"].append(keyed.with_retrieval_keys(
-            use_when=written["use_when"], anticipated=written["anticipated_asks"]))
+            use_when=written["use_when"], anticipated=written["anticipated_asks"],
+            near_miss=written["near_miss_asks"]))
     heldout = json.loads(HELDOUT.read_text())
     third = json.loads(THIRD.read_text())
     fourth = json.loads(FOURTH.read_text())
+    fifth = json.loads(FIFTH.read_text())
     # dev: the labelled set's dev split and the second set's dev half; test: the labelled set's
     # test split; heldout: the second set's test half; third: the third set, all of it
     pools = {"dev": [(data["asks"], split["clients"], set(split["dev"])),
@@ -136,7 +140,8 @@ def load_set(split_name: str) -> tuple[dict[str, list[Skill]], list[dict]]:
              "test": [(data["asks"], split["clients"], set(split["test"]))],
              "heldout": [(heldout["asks"], heldout["clients"], set(heldout["test"]))],
              "third": [(third["asks"], third["clients"], set(third["clients"]))],
-             "fourth": [(fourth["asks"], fourth["clients"], set(fourth["clients"]))]}
+             "fourth": [(fourth["asks"], fourth["clients"], set(fourth["clients"]))],
+             "fifth": [(fifth["asks"], fifth["clients"], set(fifth["clients"]))]}
     asks = []
     for pool, clients, wanted in pools[split_name]:
         for a in pool:
@@ -219,15 +224,24 @@ HEADER = (f"  {'retriever (at its defaults)':<44} {'single':>7} {'two':>7} {'two
           f"{'precision':>9} {'off-topic':>9}")
 
 
-def tune(libraries: dict[str, Any], asks: list[dict], model: str) -> None:
+#: The hold-back settings (weight, slack) tried by :func:`tune` (weight 0: none).
+HOLD_BACKS = [(0.0, 0.0)] + list(itertools.product([0.25, 0.5, 1.0, 2.0, 5.0],
+                                                    [-0.05, 0.0, 0.05, 0.1, 0.15, 0.2]))
+
+
+def tune(libraries: dict[str, Any], asks: list[dict], model: str,
+         held: tuple[float, ...] | None = None) -> None:
     """Grid search of the hybrid's constants on these (dev) asks, over every library state
     (:data:`LIBRARIES`) together: among the settings whose off-topic rate is at most the target
     in each state (the served one included: the targets are read there), the best by
     single-skill hits + two-skill hits + precision of all states together (a skill injected for
     nothing costs the user tokens and attention). The scores are computed once per ask, the
-    ranking once per weight and saturation; the selection (top 3, ``min_score``, ``margin``) is
-    replayed for each setting."""
-    retriever = HybridRetriever(model)
+    ranking once per weight, saturation and hold-back (:data:`HOLD_BACKS`: applied, as
+    :meth:`HybridRetriever.hold_back` does, to each ask's best
+    :data:`~metaclaw.skills.retrieval.HOLD_BACK_CANDIDATES` skills); the selection (top 3,
+    ``min_score``, ``margin``) is replayed for each setting. ``held``: the hybrid's constants
+    (weight, saturation, min_score, margin) held as they are, only the hold-back chosen."""
+    retriever = HybridRetriever(model, hold_back=(0.0, 0.0))
     states = list(libraries)
     cases = [(state, a) for state in states for a in asks]
     # one lexical retriever serves every model and BM25 alone: its ``absent`` was chosen with
@@ -236,11 +250,17 @@ def tune(libraries: dict[str, Any], asks: list[dict], model: str) -> None:
     absents = (LexicalRetriever.ABSENT,)
     width = max(len(library_of(libraries[state], a)) for state, a in cases)
     dense = np.full((len(cases), width), -np.inf)
+    # each skill's hold-back margin for the ask: nearest near-miss ask's cosine - own asks' best
+    contrast = np.full((len(cases), width), -np.inf)
     relevant = np.zeros((len(cases), width), dtype=bool)
     name_rank = np.full((len(cases), width), width)  # ties broken by name, as select() does
     for row, (state, a) in enumerate(cases):
         skills = library_of(libraries[state], a)
         dense[row, :len(skills)] = retriever.dense.scores(a["query"], skills)
+        for i, skill in enumerate(skills):
+            seen = retriever.dense.contrast(a["query"], skill)
+            if seen is not None:
+                contrast[row, i] = seen[1] - seen[2]
         relevant[row, :len(skills)] = [s.name in a["relevant"] for s in skills]
         order = sorted(range(len(skills)), key=lambda i: skills[i].name)
         name_rank[row, order] = np.arange(len(skills))
@@ -256,25 +276,36 @@ def tune(libraries: dict[str, Any], asks: list[dict], model: str) -> None:
         for row, (state, a) in enumerate(cases):
             skills = library_of(libraries[state], a)
             bm25[row, :len(skills)] = lexical.scores(a["query"], skills)
-        for weight, saturation in itertools.product([0.6, 0.8, 1.0, 1.2, 1.5],
-                                                    [3.0, 6.0, 8.0, 10.0, 15.0, 25.0, 40.0]):
+        weights, saturations, min_scores, margins = (
+            ([held[0]], [held[1]], [held[2]], [held[3]]) if held else
+            ([0.6, 0.8, 1.0, 1.2, 1.5], [3.0, 6.0, 8.0, 10.0, 15.0, 25.0, 40.0],
+             np.round(np.arange(0.6, 1.6, 0.025), 3), [0.1, 0.15, 0.2, 0.25, 0.3, 0.4]))
+        for weight, saturation, (penalised, slack) in itertools.product(weights, saturations,
+                                                                      HOLD_BACKS):
             fused = dense + weight * bm25 / (bm25 + saturation)
+            if penalised:
+                candidates = np.argsort(-fused, axis=1)[:, :HOLD_BACK_CANDIDATES]
+                penalty = np.zeros_like(fused)
+                penalty[rows, candidates] = np.maximum(
+                    0.0, penalised * (contrast[rows, candidates] + slack))
+                fused = fused - penalty
             top = np.lexsort((name_rank, -fused), axis=1)[:, :3]
             value, hit = fused[rows, top], relevant[rows, top]
-            for min_score, margin in itertools.product(np.round(np.arange(0.6, 1.6, 0.025), 3),
-                                                       [0.1, 0.15, 0.2, 0.25, 0.3, 0.4]):
+            for min_score, margin in itertools.product(min_scores, margins):
                 chosen = (value >= min_score) & (value >= value[:, :1] - margin)
                 right = (chosen & hit).sum(axis=1)
                 on_topic = n_relevant > 0
                 results.append((
-                    (absent, weight, saturation, round(float(min_score), 3), margin),
+                    (absent, weight, saturation, round(float(min_score), 3), margin, penalised,
+                     slack),
                     (right[single_rows] > 0).mean(),
                     (right[two_rows] == n_relevant[two_rows]).mean(),
                     right[on_topic].sum() / max(chosen[on_topic].sum(), 1),
                     [chosen[o].any(axis=1).mean() for o in off_rows]))
     ok = [r for r in results if max(r[4]) <= TARGETS["off_topic"]]
     ok.sort(key=lambda r: -(r[1] + r[2] + r[3]))
-    print(f"best on dev for model {model!r} (absent, weight, saturation, min_score, margin), "
+    print(f"best on dev for model {model!r} (absent, weight, saturation, min_score, margin, "
+          f"hold-back weight, slack), "
           f"every library state together (off-topic per state: {', '.join(states)}):")
     for params, single, two, precision, off in ok[:12]:
         print(f"  {params}: single {single:.1%} two {two:.1%} precision {precision:.1%} "
@@ -389,12 +420,13 @@ def use_static_table(folder: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--split", choices=["dev", "test", "heldout", "third", "fourth"],
+    parser.add_argument("--split", choices=["dev", "test", "heldout", "third", "fourth", "fifth"],
                         default="test",
                         help="test (default), dev (where constants are chosen), heldout: the "
                         "test half of the second set, with near-domain off-topic asks, "
-                        "third: the third set, never used to choose, or fourth: the fourth, "
-                        "also never read while choosing")
+                        "third: the third set, never used to choose, fourth: the fourth, "
+                        "also never read while choosing, or fifth: the fifth, written after "
+                        "the near-miss asks were chosen")
     parser.add_argument("--tune", metavar="MODEL", nargs="?", const="static",
                         help="grid-search the hybrid's constants on dev (for 'static' or "
                         "'minilm'; 'unsure': the band of MiniLM where the static is "
@@ -412,6 +444,8 @@ def main() -> None:
         libraries, asks = load_set("dev")
         if args.tune == "unsure":
             tune_unsure(libraries, asks)
+        elif args.tune == "hold-back":
+            tune(libraries, asks, "static", held=HYBRID_CONSTANTS["static"])
         else:
             tune(libraries, asks, args.tune)
         return

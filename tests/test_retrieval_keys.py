@@ -12,10 +12,10 @@ import pytest
 from metaclaw import buffers
 from metaclaw.fastloop.evolver import validate_operations, with_origin_asks
 from metaclaw.fastloop.proposals import apply_ops
-from metaclaw.skills.library import (MAX_ANTICIPATED_ASKS, MAX_EXAMPLE_ASKS, Skill, SkillLibrary,
-                                    SkillOp)
+from metaclaw.skills.library import (MAX_ANTICIPATED_ASKS, MAX_EXAMPLE_ASKS, MAX_NEAR_MISS_ASKS,
+                                     Skill, SkillLibrary, SkillOp)
 from metaclaw.skills.retrieval import (EmbeddingRetriever, HybridRetriever, LexicalRetriever,
-                                       keys_text, make_retriever, select)
+                                       held_back, keys_text, make_retriever, select)
 
 DATES = Skill("iso-dates", "Write every date as an ISO 8601 datetime with the user's offset.",
               "data", "Use `2026-03-16T09:30:00+08:00`, never `3/16` or `9:30am`.")
@@ -151,7 +151,8 @@ def test_the_evolver_writes_anticipated_asks_and_an_edit_without_them_keeps_the_
     assert "anticipated_asks" in EVOLVER_OP_SCHEMA["required"]  # strict structured outputs
     assert '"anticipated_asks"' in EVOLVER_SYSTEM_PROMPT
     assert ANTICIPATED_RULE in EVOLVER_SYSTEM_PROMPT and '"anticipated_asks" are nine' in \
-        ANTICIPATED_RULE and EVOLVER_SYSTEM_PROMPT.count('"<ask>"') == 9 <= MAX_ANTICIPATED_ASKS
+        ANTICIPATED_RULE and EVOLVER_SYSTEM_PROMPT.count('"<ask>"') == 9 + 6
+    assert 9 <= MAX_ANTICIPATED_ASKS and 6 <= MAX_NEAR_MISS_ASKS
     op = {"op": "add", "name": "iso-dates", "description": DATES.description,
           "category": "data", "body": DATES.body, "use_when": "dates in files",
           "anticipated_asks": ["what date format goes in the feed?", "  ", "deadline looks odd"],
@@ -355,3 +356,61 @@ def test_the_trace_and_the_diff_show_the_keys(store, tmp_path):
          "example_asks": 1, "anticipated_asks": 3}]}, "messages": []})
     assert "use when: dates or deadlines in files" in html and "1 example asks" in html
     assert "3 anticipated asks" in html
+
+
+def test_near_miss_asks_round_trip_and_hold_a_skill_back_from_nearby_work(tmp_path, store):
+    """The evolver's near-miss asks (front matter ``metadata.near-miss-asks``) lower a skill's
+    score for an ask nearer one of them than the skill's own asks, and say so in ``--why``."""
+    near = ["add a tags array to the order JSON response",
+            "the JSON config fails to load, there is a trailing comma"]
+    keyed = DATES.with_retrieval_keys(["what date format goes in the export?"],
+                                      use_when="writing dates into files",
+                                      anticipated=["the deadline in the report looks ambiguous"],
+                                      near_miss=near + ["  ", near[0]])
+    assert keyed.near_miss_asks == tuple(near)  # blank and repeated ones dropped
+    assert keyed.with_retrieval_keys(near_miss=[f"n{i}" for i in range(20)]).near_miss_asks == \
+        tuple(f"n{i}" for i in range(MAX_NEAR_MISS_ASKS))
+    library = SkillLibrary(tmp_path / "skills", store)
+    library.apply([SkillOp("add", keyed)], kind="import")
+    text = (library.directory / "iso-dates" / "SKILL.md").read_text()
+    assert "near-miss-asks:" in text and near[1] in text
+    assert SkillLibrary(tmp_path / "skills", store).get("iso-dates") == keyed
+    plain = keyed.with_retrieval_keys(near_miss=[])
+    assert plain.near_miss_asks == () and "near-miss-asks" not in plain.to_markdown()
+
+    ask = "add a tags array to the order JSON response, please"
+    held, free = HybridRetriever(hold_back=(1.0, 0.1)), HybridRetriever(hold_back=(0.0, 0.0))
+    assert held.scores(ask, [keyed])[0] < free.scores(ask, [keyed])[0]
+    assert held.scores(ask, [plain])[0] == pytest.approx(free.scores(ask, [plain])[0])
+    own = "what date format goes in the export?"  # the skill's own ask is not held back
+    assert held.scores(own, [keyed])[0] == pytest.approx(free.scores(own, [keyed])[0])
+    found = held.dense.contrast(ask, keyed)
+    assert found[0] == near[0] and found[1] > found[2]
+    said = held_back(ask, keyed)
+    assert said.startswith(f'nearer its near-miss ask "{near[0]}"') and held_back(own, keyed) \
+        is None and held_back(ask, plain) is None
+    # only the best few are checked: the rest of a large library costs nothing
+    many = [keyed] + [Skill(f"other-{i}", f"Unrelated advice number {i}.", "misc", "Body.")
+                      for i in range(30)]
+    assert len(held.hold_back(ask, many, held.scores(ask, many))) <= 1
+
+
+def test_the_evolver_writes_near_miss_asks_and_why_names_the_one_that_held_a_skill_back(store):
+    from metaclaw.fastloop.evolver import EVOLVER_OP_SCHEMA
+    from metaclaw.skills.retrieval import explain_keys
+
+    assert "near_miss_asks" in EVOLVER_OP_SCHEMA["required"]
+    op = {"op": "add", "name": "iso-dates", "description": DATES.description,
+          "category": "data", "body": DATES.body, "use_when": "dates in files",
+          "anticipated_asks": ["what date format goes in the feed?"],
+          "near_miss_asks": ["pretty-print this JSON file", " "],
+          "reason": "dates were ambiguous", "evidence": [7]}
+    skill = validate_operations({"operations": [op]}, {}, [7])[0].skill
+    assert skill.near_miss_asks == ("pretty-print this JSON file",)
+    generation = store.add_generation(snapshot={skill.name: skill.to_dict()}, kind="init",
+                                      reason="test", parent=None)
+    turn = {"skill_generation": generation, "retrieval_query": "pretty-print this JSON file now",
+            "retrieval_scores": [{"name": "iso-dates", "score": 0.7, "injected": False,
+                                  "below": 0.825}]}
+    assert 'iso-dates held back: nearer its near-miss ask "pretty-print this JSON file"' in \
+        explain_keys(store, turn)

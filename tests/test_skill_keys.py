@@ -32,7 +32,8 @@ KEYED = Skill("commit-messages", "Write commit messages with an imperative subje
 def keys_for(name: str) -> dict:
     return {"use_when": f"requests about {name}",
             "anticipated_asks": [f"short ask about {name}", f"a longer ask about {name}, with a "
-                                 "situation", f"a symptom of {name}"]}
+                                 "situation", f"a symptom of {name}"],
+            "near_miss_asks": [f"nearby work that {name} does not change"]}
 
 
 def answer(body: dict) -> Reply:
@@ -68,14 +69,18 @@ def test_keys_are_written_for_the_skills_without_them_as_one_generation(library,
         skill = library.get(name)
         assert skill.use_when == f"requests about {name}"
         assert skill.anticipated_asks[0] == f"short ask about {name}"
+        assert skill.near_miss_asks == (f"nearby work that {name} does not change",)
         text = (library.directory / name / "SKILL.md").read_text()
-        assert "anticipated-asks:" in text and "use-when:" in text
+        assert "anticipated-asks:" in text and "use-when:" in text and "near-miss-asks:" in text
     assert library.get("commit-messages") == KEYED  # it had keys
     # one request per skill, with the schema; the unusable answer was asked again once
     assert len(bodies) == 3
     assert all(b["response_format"] == KEYS_RESPONSE_FORMAT for b in bodies)
     assert sum(b["messages"][-1]["content"].startswith(RETRY_PREFIX) for b in bodies) == 1
     assert '"anticipated_asks" are nine requests' in bodies[0]["messages"][0]["content"]
+    assert '"near_miss_asks" are six requests' in bodies[0]["messages"][0]["content"]
+    assert KEYS_RESPONSE_FORMAT["json_schema"]["schema"]["required"] == [
+        "use_when", "anticipated_asks", "near_miss_asks"]
     events = {e["skill_name"]: e for e in store.skill_events(result.generation)}
     assert set(events) == {"backup-first", "iso-dates"}
     assert "retrieval keys written by the evolver model evolver" in events["iso-dates"]["reason"]
@@ -134,11 +139,15 @@ def test_unusable_replies_say_what_is_wrong(reply, problem):
     # a copy of the template before the real answer is passed over; placeholders are dropped
     template = KEYS_SYSTEM_PROMPT.rsplit("\n", 1)[-1]
     assert validate_keys(template + ' {"use_when": "dates in files", "anticipated_asks": '
-                         '["<ask>", "csv dates?"]}') == ("dates in files", ["csv dates?"])
+                         '["<ask>", "csv dates?"], "near_miss_asks": ["<ask>", "sort the csv"]}'
+                         ) == ("dates in files", ["csv dates?"], ["sort the csv"])
     asks = [f" ask {i} " for i in range(MAX_ANTICIPATED_ASKS + 1)]
+    # near-miss asks may be left out (an older model's reply): the skill gets none
     assert validate_keys('Sure: {"use_when": " dates\\n in files ", "anticipated_asks": '
                          + json.dumps(asks) + "}") == \
-        ("dates in files", [a.strip() for a in asks[:MAX_ANTICIPATED_ASKS]])
+        ("dates in files", [a.strip() for a in asks[:MAX_ANTICIPATED_ASKS]], [])
+    with pytest.raises(KeysValidationError, match="'near_miss_asks' must be a list of strings"):
+        validate_keys('{"use_when": "x", "anticipated_asks": ["a"], "near_miss_asks": "b"}')
 
 
 def test_the_cli_writes_keys_and_asks_for_the_evolver(library, store, tmp_path):

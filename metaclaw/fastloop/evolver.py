@@ -16,8 +16,8 @@ What it answers (:data:`EVOLVER_SCHEMA`, requested as a JSON schema when ``struc
 
     {"operations": [{"op": "add" | "edit" | "remove", "name": "<slug>", "description": "...",
                      "category": "...", "body": "<markdown>", "use_when": "...",
-                     "anticipated_asks": ["...", ...], "reason": "...",
-                     "evidence": [<turn ids>]}]}
+                     "anticipated_asks": ["...", ...], "near_miss_asks": ["...", ...],
+                     "reason": "...", "evidence": [<turn ids>]}]}
 
 Validation (:func:`validate_operations`): names are slugs; ``add`` needs a description and a body
 and a name that does not exist yet; ``edit`` and ``remove`` must name an existing skill (empty
@@ -88,9 +88,10 @@ from typing import Any, Iterable
 from metaclaw import buffers
 from metaclaw.fastloop.judge import (SECTION_TASK, SECTION_TOOLS, Judge, json_objects,
                                      next_user_message, render_sections, trim)
-from metaclaw.fastloop.keys import (ANTICIPATED_RULE, ANTICIPATED_TEMPLATE, RETRY_PREFIX,
-                                    USE_WHEN_RULE, KeysResult, KeysValidationError,
-                                    anticipated_of, awrite_keys, placeholder)
+from metaclaw.fastloop.keys import (ANTICIPATED_RULE, ANTICIPATED_TEMPLATE, NEAR_MISS_RULE,
+                                    NEAR_MISS_TEMPLATE, RETRY_PREFIX, USE_WHEN_RULE, KeysResult,
+                                    KeysValidationError, anticipated_of, awrite_keys,
+                                    placeholder)
 from metaclaw.fastloop.llm import (CallFailed, LLMClient, chat_params, check_url, reply_text,
                                    run_sync)
 from metaclaw.fastloop.proposals import ProposalError, apply_ops
@@ -121,11 +122,12 @@ EVOLVER_OP_SCHEMA: dict[str, Any] = {
         "body": {"type": "string"},
         "use_when": {"type": "string"},
         "anticipated_asks": {"type": "array", "items": {"type": "string"}},
+        "near_miss_asks": {"type": "array", "items": {"type": "string"}},
         "reason": {"type": "string"},
         "evidence": {"type": "array", "items": {"type": "integer"}},
     },
     "required": ["op", "name", "description", "category", "body", "use_when",
-                 "anticipated_asks", "reason", "evidence"],
+                 "anticipated_asks", "near_miss_asks", "reason", "evidence"],
     "additionalProperties": False,
 }
 
@@ -164,14 +166,15 @@ Names are slugs: 1-64 lowercase letters, digits, '-' or '_' (e.g. "check-units-f
 {USE_WHEN_RULE}: the skill is retrieved for a request by matching it against this line, its \
 description and the failed tasks it cites.
 {ANTICIPATED_RULE} They are matched like "use_when".
+{NEAR_MISS_RULE} The skill is held back from requests nearer these than its own.
 Each operation cites the ids of the failed turns it addresses in "evidence" and says why in \
-"reason". Use "" (or [] for "anticipated_asks") for fields that do not apply (e.g. the body of \
-a remove).
+"reason". Use "" (or [] for the asks) for fields that do not apply (e.g. the body of a remove).
 
 Answer with JSON only:
 {{"operations": [{{"op": "add" | "edit" | "remove", "name": "<slug>", "description": \
 "<one line>", "category": "<word>", "body": "<markdown>", "use_when": "<one line>", \
-"anticipated_asks": {ANTICIPATED_TEMPLATE}, "reason": "<why>", "evidence": [<turn ids>]}}]}}
+"anticipated_asks": {ANTICIPATED_TEMPLATE}, "near_miss_asks": {NEAR_MISS_TEMPLATE}, \
+"reason": "<why>", "evidence": [<turn ids>]}}]}}
 Answer {{"operations": []}} when no change would help."""
 
 #: Character budgets of the fields of one support turn and of one skill body in the prompt.
@@ -336,9 +339,10 @@ def validate_operations(data: Any, library: dict[str, Skill],
         use_when = " ".join((use_when or "").split()) or None  # "": not given
         if use_when and placeholder(use_when):  # the template's "<one line>", copied
             use_when = None
-        anticipated = raw.get("anticipated_asks")
+        anticipated, near = raw.get("anticipated_asks"), raw.get("near_miss_asks")
         try:  # absent or []: not given
             anticipated = None if anticipated is None else anticipated_of(anticipated) or None
+            near = None if near is None else anticipated_of(near, "near_miss_asks") or None
         except KeysValidationError as exc:
             problems.append(f"{where}: {exc}")
             continue
@@ -353,7 +357,8 @@ def validate_operations(data: Any, library: dict[str, Skill],
                 skill = Skill(name=name, description=text_fields["description"],
                               category=text_fields["category"].strip() or "general",
                               body=text_fields["body"]).with_retrieval_keys(
-                                  use_when=use_when, anticipated=anticipated)
+                                  use_when=use_when, anticipated=anticipated,
+                                  near_miss=near)
             except SkillFormatError as exc:
                 problems.append(f"{where}: {exc.reason}")
                 continue
@@ -372,7 +377,8 @@ def validate_operations(data: Any, library: dict[str, Skill],
                               category=text_fields["category"].strip() or old.category,
                               body=text_fields["body"] if text_fields["body"].strip() else old.body,
                               extra=old.extra).with_retrieval_keys(
-                                  use_when=use_when, anticipated=anticipated)
+                                  use_when=use_when, anticipated=anticipated,
+                                  near_miss=near)
             except SkillFormatError as exc:
                 problems.append(f"{where}: {exc.reason}")
                 continue

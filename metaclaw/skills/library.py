@@ -111,11 +111,13 @@ MAX_SKILL_BYTES = 256 * 1024
 WATCH_STEP_MS = 250
 _CORE_KEYS = ("name", "description", "category")
 #: Retrieval keys in the front matter's ``metadata`` map (string values, as the Agent Skills
-#: format asks): a one-line "use when", the example asks (asks seen in turns), and the
-#: anticipated asks (asks the evolver wrote, in a user's words), one per line.
+#: format asks): a one-line "use when", the example asks (asks seen in turns), the
+#: anticipated asks (asks the evolver wrote, in a user's words) and the near-miss asks (asks
+#: near the skill's subject that it is not for), one per line.
 USE_WHEN_KEY = "use-when"
 EXAMPLE_ASKS_KEY = "example-asks"
 ANTICIPATED_ASKS_KEY = "anticipated-asks"
+NEAR_MISS_ASKS_KEY = "near-miss-asks"
 #: Who may be offered the skill, in the front matter's ``metadata`` map: ``shared`` (the
 #: default: every skill without the key), ``person:<id>`` or ``agent:<id>`` (see
 #: :attr:`Skill.scope`).
@@ -127,6 +129,8 @@ MAX_EXAMPLE_ASKS = 8
 EXAMPLE_ASK_CHARS = 300
 #: At most this many anticipated asks are kept per skill (the evolver writes nine).
 MAX_ANTICIPATED_ASKS = 12
+#: At most this many near-miss asks are kept per skill (the evolver writes six).
+MAX_NEAR_MISS_ASKS = 12
 #: A "use when" line is cut to this many characters.
 USE_WHEN_CHARS = 300
 
@@ -385,6 +389,14 @@ class Skill:
         matches them like :attr:`example_asks`; unlike those, no user sent them."""
         return self._asks(ANTICIPATED_ASKS_KEY)
 
+    @functools.cached_property
+    def near_miss_asks(self) -> tuple[str, ...]:
+        """Asks near this skill's subject that it is not for, which the evolver wrote with its
+        anticipated asks (front matter ``metadata.near-miss-asks``, one per line): ordinary work
+        on the same files, tools or subject where the skill changes nothing. Retrieval holds the
+        skill back from an ask nearer one of them than to the skill's own asks."""
+        return self._asks(NEAR_MISS_ASKS_KEY)
+
     @property
     def retrieval_asks(self) -> tuple[str, ...]:
         """Every ask retrieval matches new asks against: the example asks, then the anticipated
@@ -401,24 +413,28 @@ class Skill:
         return tuple(line for line in (" ".join(v.split()) for v in value.split("\n")) if line)
 
     def with_retrieval_keys(self, asks: Iterable[str] = (), *, use_when: str | None = None,
-                            anticipated: Iterable[str] | None = None) -> "Skill":
+                            anticipated: Iterable[str] | None = None,
+                            near_miss: Iterable[str] | None = None) -> "Skill":
         """This skill with ``asks`` added to its example asks (whitespace folded, cut to
         :data:`EXAMPLE_ASK_CHARS`, duplicates ignored by case, at most
-        :data:`MAX_EXAMPLE_ASKS` kept: the earliest) and, when given, a new ``use_when`` line
-        and new ``anticipated`` asks (replacing the old ones; at most
-        :data:`MAX_ANTICIPATED_ASKS`). Returns ``self`` when nothing changes (no new generation
-        for nothing)."""
+        :data:`MAX_EXAMPLE_ASKS` kept: the earliest) and, when given, a new ``use_when`` line,
+        new ``anticipated`` asks (replacing the old ones; at most :data:`MAX_ANTICIPATED_ASKS`)
+        and new ``near_miss`` asks (likewise; at most :data:`MAX_NEAR_MISS_ASKS`). Returns
+        ``self`` when nothing changes (no new generation for nothing)."""
         kept = bounded_asks(self.example_asks, asks, MAX_EXAMPLE_ASKS)
         line = self.use_when if use_when is None else key_line(use_when, USE_WHEN_CHARS)
         foreseen = self.anticipated_asks if anticipated is None else \
             bounded_asks((), anticipated, MAX_ANTICIPATED_ASKS)
+        near = self.near_miss_asks if near_miss is None else \
+            bounded_asks((), near_miss, MAX_NEAR_MISS_ASKS)
         if (tuple(kept) == self.example_asks and line == self.use_when
-                and tuple(foreseen) == self.anticipated_asks):
+                and tuple(foreseen) == self.anticipated_asks and tuple(near) == self.near_miss_asks):
             return self
         metadata = dict(self.extra.get("metadata") or {}) \
             if isinstance(self.extra.get("metadata"), dict) else {}
         for key, value in ((USE_WHEN_KEY, line), (EXAMPLE_ASKS_KEY, "\n".join(kept)),
-                           (ANTICIPATED_ASKS_KEY, "\n".join(foreseen))):
+                           (ANTICIPATED_ASKS_KEY, "\n".join(foreseen)),
+                           (NEAR_MISS_ASKS_KEY, "\n".join(near))):
             metadata.pop(key, None)
             if value:
                 metadata[key] = value

@@ -491,6 +491,14 @@ TRANSFORMER_MIN_SCORE = 0.25
 #: where the packaged files are unusable), the transformer's for all-MiniLM-L6-v2.
 HYBRID_CONSTANTS = {"static": (1.2, 25.0, 0.825, 0.25), "distilled": (1.0, 8.0, 1.15, 0.25),
                     "transformer": (1.0, 8.0, 0.95, 0.2)}
+#: How far the hybrid holds back a skill from an ask nearer one of its near-miss asks than its
+#: own asks (:meth:`HybridRetriever.hold_back`), per kind of model: (weight, slack): the score
+#: loses ``weight * (near - own + slack)`` where that is positive (``near``: the best cosine
+#: with its near-miss asks; ``own``: with its own asks), chosen with :data:`HYBRID_CONSTANTS` on
+#: the same dev split (weight 0: near-miss asks are not used).
+HOLD_BACK_CONSTANTS = {"static": (0.25, 0.2), "distilled": (0.0, 0.0), "transformer": (0.0, 0.0)}
+#: The hybrid's best this many skills for an ask are checked against their near-miss asks.
+HOLD_BACK_CANDIDATES = 8
 
 _MODELS: dict[str, Any] = {}
 _MODELS_LOCK = threading.Lock()
@@ -736,7 +744,11 @@ class EmbeddingRetriever:
         self._waiting: dict[str, _Slot] = {}
         self._skill_vectors: OrderedDict[str, Any] = OrderedDict()
         self._query_vectors: OrderedDict[str, Any] = OrderedDict()
+        self._contrasts: OrderedDict[str, Any] = OrderedDict()
         self._cache = _IndexCache()
+
+    #: At most this many skills' near-miss and own ask vectors are kept (:meth:`contrast`).
+    CONTRAST_CACHE = 4096
 
     @property
     def model_id(self) -> str:
@@ -843,6 +855,42 @@ class EmbeddingRetriever:
             while len(self._skill_vectors) > max(50_000, len(skills)):
                 self._skill_vectors.popitem(last=False)
             return built
+
+    def _rows(self, texts: Sequence[str]) -> Any:
+        import numpy as np
+
+        if not texts:
+            return None
+        vectors = np.asarray(self._encode(list(texts)), dtype=np.float32)
+        return vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
+
+    def contrast(self, query: str, skill: Skill) -> tuple[str, float, float] | None:
+        """How ``query`` sits between ``skill``'s own asks and its near-miss asks: ``(the nearest
+        near-miss ask, its cosine with the query, the best cosine of the skill's own asks)``
+        (the last: with its text, for a skill without asks); None for a skill without near-miss
+        asks. The asks are embedded once per content (bounded cache)."""
+        import numpy as np
+
+        if not skill.near_miss_asks:
+            return None
+        key = skill.content_hash
+        with self._lock:
+            rows = self._contrasts.get(key)
+            if rows is not None:
+                self._contrasts.move_to_end(key)
+        if rows is None:
+            rows = (self._rows(skill.near_miss_asks), self._rows(skill.retrieval_asks))
+            with self._lock:
+                self._contrasts[key] = rows
+                while len(self._contrasts) > self.CONTRAST_CACHE:
+                    self._contrasts.popitem(last=False)
+        near, own = rows
+        vector = self.embed_query(query or "")
+        products = near @ vector
+        best = int(np.argmax(products))
+        mine = float((own @ vector).max()) if own is not None else \
+            float(self.scores(query, [skill])[0])
+        return skill.near_miss_asks[best], float(products[best]), mine
 
     def embed_query(self, query: str):
         """The normalized embedding of ``query`` (LRU-cached by text hash).
@@ -965,16 +1013,49 @@ class HybridRetriever:
 
     def __init__(self, model: str | None = None, *, weight: float | None = None,
                  saturation: float | None = None, min_score: float | None = None,
-                 margin: float | None = None):
+                 margin: float | None = None, hold_back: tuple[float, float] | None = None):
         self.dense = EmbeddingRetriever(model)
         self.lexical = LexicalRetriever()
         self._given = (weight, saturation, min_score, margin)
+        self._hold_back = hold_back
 
     def _constant(self, i: int) -> float:
         given = self._given[i]
         if given is not None:
             return float(given)
         return HYBRID_CONSTANTS[self.dense.table][i]
+
+    @property
+    def hold_back_constants(self) -> tuple[float, float]:
+        """(weight, slack) of :meth:`hold_back` (:data:`HOLD_BACK_CONSTANTS`)."""
+        given = self._hold_back
+        return tuple(map(float, given)) if given is not None else \
+            HOLD_BACK_CONSTANTS[self.dense.table]
+
+    def hold_back(self, query: str, skills: list[Skill], scores: Any) -> dict[int, tuple]:
+        """Lower, in place, the fused ``scores`` of the best :data:`HOLD_BACK_CANDIDATES`
+        skills for an ask nearer one of their near-miss asks than their own asks: ordinary work
+        near a skill's subject that the skill is not for. Returns, by index in ``skills``, what
+        held each lowered one back: ``(near-miss ask, its cosine, own asks' best, penalty)``."""
+        import numpy as np
+
+        weight, slack = self.hold_back_constants
+        if weight <= 0 or not len(scores):
+            return {}
+        count = min(HOLD_BACK_CANDIDATES, len(scores))
+        best = np.argpartition(-scores, count - 1)[:count] if count < len(scores) else \
+            range(len(scores))
+        held = {}
+        for i in best:
+            seen = self.dense.contrast(query, skills[i])
+            if seen is None:
+                continue
+            ask, near, own = seen
+            penalty = weight * (near - own + slack)
+            if penalty > 0:
+                scores[i] -= penalty
+                held[int(i)] = (ask, near, own, penalty)
+        return held
 
     @property
     def model_id(self) -> str:
@@ -990,9 +1071,12 @@ class HybridRetriever:
         return f"HybridRetriever(model={self.dense.model or 'default'!r})"
 
     def scores(self, query: str, skills: list[Skill]):
-        """Each skill's fused score for ``query`` (a numpy vector in the order of ``skills``)."""
+        """Each skill's fused score for ``query`` (a numpy vector in the order of ``skills``),
+        near-miss asks held back (:meth:`hold_back`)."""
         bm25 = self.lexical.scores(query, skills)
-        return self.dense.scores(query, skills) + self.weight * bm25 / (bm25 + self.saturation)
+        fused = self.dense.scores(query, skills) + self.weight * bm25 / (bm25 + self.saturation)
+        self.hold_back(query, skills, fused)
+        return fused
 
     def score_matrix(self, queries: Sequence[str], skills: list[Skill], *,
                      floor: float | None = None,
@@ -1012,6 +1096,9 @@ class HybridRetriever:
         bm25 = self.lexical.score_matrix([queries[row] for row in rows], skills,
                                          terms=[given[row] and given[row].terms for row in rows])
         matrix[rows] += self.weight * bm25 / (bm25 + self.saturation)
+        if self.hold_back_constants[0] > 0:
+            for row in rows:
+                self.hold_back(queries[row], list(skills), matrix[row])
         return matrix
 
     def rank(self, query: str, skills: list[Skill], *, limit: int | None = None) -> list[ScoredSkill]:
@@ -1412,8 +1499,11 @@ def explain_keys(store: Any, turn: dict[str, Any],
     """For each skill ``turn`` got that carries retrieval keys, ``name: "the key nearest the
     ask"`` (:func:`nearest_key`, the skill as its generation held it), joined by ``; ``;
     ``snapshots``: generations already read, by number (filled here)."""
-    entries = [s for s in turn.get("retrieval_scores") or [] if s.get("injected") is not False
+    scored = turn.get("retrieval_scores") or []
+    entries = [s for s in scored if s.get("injected") is not False
                and (s.get("use_when") or s.get("example_asks") or s.get("anticipated_asks"))]
+    # the nearest miss too, where its near-miss asks held it back
+    entries += [s for s in scored if s.get("injected") is False]
     if not entries or turn.get("skill_generation") is None:
         return ""
     snapshots = {} if snapshots is None else snapshots
@@ -1428,7 +1518,29 @@ def explain_keys(store: Any, turn: dict[str, Any],
             skill = Skill.from_dict(data) if isinstance(data, dict) else None
         except (ValueError, TypeError, KeyError):
             skill = None
-        found = nearest_key(turn.get("retrieval_query"), skill) if skill is not None else None
+        if skill is None:
+            continue
+        if entry.get("injected") is False:
+            held = held_back(turn.get("retrieval_query"), skill)
+            if held:
+                said.append(f"{entry['name']} held back: {held}")
+            continue
+        found = nearest_key(turn.get("retrieval_query"), skill)
         if found:
             said.append(f'{entry["name"]}: "{found[0]}" ({found[1]:.2f})')
     return "; ".join(said)
+
+
+def held_back(query: str | None, skill: Skill) -> str | None:
+    """Why the default hybrid held ``skill`` back from ``query`` (:meth:`HybridRetriever.hold_back`
+    with the packaged static table): ``nearer its near-miss ask "..." (0.62) than its own asks
+    (0.48)``; None where it did not (no near-miss asks, the ask nearer its own, no query, or no
+    embedding installed)."""
+    if not skill.near_miss_asks or not (query or "").strip() or not embeddings_available():
+        return None
+    ask, near, own = _explainer().contrast(query, skill)
+    weight, slack = HOLD_BACK_CONSTANTS["static"]
+    if weight <= 0 or near - own + slack <= 0:
+        return None
+    return f'nearer its near-miss ask "{ask}" ({near:.2f}) than its own asks ({own:.2f})'
+
