@@ -21,7 +21,8 @@ half is reported with ``--split heldout``. A third set (``benchmarks/data/retrie
 written by a third writer who also saw only the skills, is a test set alone: nothing is chosen
 on it (``--split third``). A fourth (``benchmarks/data/retrieval/fourth.json``), written after
 every constant was chosen by a fourth writer who saw only the skills and ran no retrieval, is
-the one never read before a figure of it was reported (``--split fourth``).
+reported with ``--split fourth``; a fifth (``benchmarks/data/retrieval/fifth.json``), written the
+same way after the near-miss asks and their constants were chosen, with ``--split fifth``.
 
 What it prints, per retriever, at the proxy's defaults (``select`` with top_k=3 and the
 retriever's own thresholds):
@@ -33,12 +34,13 @@ retriever's own thresholds):
 - off-topic: the share of off-topic asks given any skill;
 - for four states of the same skills, three in one library: without retrieval keys (a skill
   folder imported as it is), with the asks they were written from (example asks), and as the
-  evolver writes them: those asks plus the evolver's "use when" line and nine anticipated asks
-  (``benchmarks/data/retrieval/evolver_keys.json``, written from each skill alone, without sight
-  of the set's asks). The targets are read on the last: the library the proxy serves after
-  the evolver wrote it. The fourth: the same skills in a library of 8, per ask: its own skills and
-  others drawn at random (seeded by the split's seed and the ask's id), as a new user's library
-  is, and the default's hits and off-topic rate by library size (4 to 32 skills and all).
+  evolver writes them: those asks plus the evolver's "use when" line, nine anticipated asks and
+  six near-miss asks (``benchmarks/data/retrieval/evolver_keys.json``, written from each skill
+  alone, without sight of the set's asks). The targets are read on the last: the library the
+  proxy serves after the evolver wrote it. The fourth: the same skills in a library of 8, per
+  ask: its own skills and others drawn at random (seeded by the split's seed and the ask's id),
+  as a new user's library is, and the default's hits and off-topic rate by library size (4 to 32
+  skills and all).
 
 Where MiniLM is installed (the ``minilm`` extra), its rows too, and one option measured here and
 not offered by the proxy: the static hybrid, with MiniLM's hybrid deciding the asks the static
@@ -48,7 +50,8 @@ share of asks that pay MiniLM's encode.
 Then retrieval latency (query extraction, ranking, selection, rendering, injection: what the
 proxy adds) p50 over 100 and 10,000 skills with fresh queries.
 
-    python benchmarks/bench_retrieval.py [--split test|dev|heldout|third|fourth] [--tune [static|minilm|unsure]] [--queries 300]
+    python benchmarks/bench_retrieval.py [--split test|dev|heldout|third|fourth|fifth]
+        [--tune [static|minilm|unsure|hold-back]] [--queries 300]
 """
 
 from __future__ import annotations
@@ -430,7 +433,8 @@ def main() -> None:
     parser.add_argument("--tune", metavar="MODEL", nargs="?", const="static",
                         help="grid-search the hybrid's constants on dev (for 'static' or "
                         "'minilm'; 'unsure': the band of MiniLM where the static is "
-                        "unsure) and print the best settings")
+                        "unsure; 'hold-back': the near-miss hold-back with the static hybrid's "
+                        "constants held) and print the best settings")
     parser.add_argument("--queries", type=int, default=300, help="timed queries per size")
     parser.add_argument("--static-table", metavar="FOLDER", type=Path,
                         help="read the static table from FOLDER instead of the packaged one "
