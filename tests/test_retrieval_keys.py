@@ -345,9 +345,11 @@ def test_the_trace_and_the_diff_show_the_keys(store, tmp_path):
     library = SkillLibrary(tmp_path / "skills", store)
     first = library.generation
     keyed = DATES.with_retrieval_keys([ASK], use_when="dates or deadlines in files",
-                                      anticipated=["what format for the due dates?"])
+                                      anticipated=["what format for the due dates?"],
+                                      near_miss=["sort tasks.json by priority"])
     library.apply([SkillOp("add", keyed)], kind="import")
     payload = diff_payload(library.diff(first, library.generation), store)
+    assert payload["added"][0]["near_miss_asks"] == ["sort tasks.json by priority"]
     assert payload["added"][0]["use_when"] == "dates or deadlines in files"
     assert payload["added"][0]["example_asks"] == [ASK]
     assert payload["added"][0]["anticipated_asks"] == ["what format for the due dates?"]

@@ -161,7 +161,7 @@ function skillCard(diff, kind, item, mode, open, opened) {
   // what retrieval matches this skill on, besides its text (each count's tooltip lists the asks)
   const keys = [item.use_when ? `use when: ${item.use_when}` : null];
   for (const [asks, label] of [[item.example_asks || [], "example ask"],
-    [item.anticipated_asks || [], "anticipated ask"]]) {
+    [item.anticipated_asks || [], "anticipated ask"], [item.near_miss_asks || [], "near-miss ask"]]) {
     if (asks.length) keys.push(h("span", { title: asks.join("\n") }, `${asks.length} ${label}${asks.length === 1 ? "" : "s"}`));
   }
   const shown = keys.filter(Boolean);

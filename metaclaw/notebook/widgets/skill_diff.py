@@ -15,15 +15,16 @@ from metaclaw.notebook.widgets.base import (CSS, SourceGone, _esc, _json_safe, _
 def _skill_entry(skill: Any) -> dict[str, Any]:
     return {"name": skill.name, "description": skill.description, "category": skill.category,
             "use_when": skill.use_when, "example_asks": list(skill.example_asks),
-            "anticipated_asks": list(skill.anticipated_asks), "markdown": skill.to_markdown()}
+            "anticipated_asks": list(skill.anticipated_asks),
+            "near_miss_asks": list(skill.near_miss_asks), "markdown": skill.to_markdown()}
 
 
 def diff_payload(diff: Any, store: Any) -> dict[str, Any]:
     """The data the diff widget shows, from a :class:`metaclaw.skills.library.SkillDiff`.
 
     Returns ``SkillDiff.to_dict()`` normalised for display: ``added`` / ``removed`` (name,
-    description, category, use_when, example_asks, anticipated_asks, markdown), ``edited``
-    (name, description, use_when, example_asks, anticipated_asks, unified_diff, before and after
+    description, category, use_when, example_asks, anticipated_asks, near_miss_asks, markdown),
+    ``edited`` (name, description, use_when, the asks, unified_diff, before and after
     markdown), ``events`` (generation, op, skill_name, reason, evidence turn ids),
     ``turns`` (a preview of every evidence turn: task text and reward, by id) and ``summary``
     (the counts).
@@ -40,6 +41,7 @@ def diff_payload(diff: Any, store: Any) -> dict[str, Any]:
         "edited": [{"name": e.name, "description": e.after.description,
                     "use_when": e.after.use_when, "example_asks": list(e.after.example_asks),
                     "anticipated_asks": list(e.after.anticipated_asks),
+                    "near_miss_asks": list(e.after.near_miss_asks),
                     "unified_diff": e.unified_diff, "before": e.before.to_markdown(),
                     "after": e.after.to_markdown()} for e in diff.edited],
         "events": events,
