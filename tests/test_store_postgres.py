@@ -57,11 +57,9 @@ def test_a_server_workspace_keeps_its_machine_files_in_one_folder_whatever_the_w
     assert local_dir("postgresql://bob:other-pw@db.example:5433/team") == here  # not the password
     assert local_dir("postgresql://bob@db.example:5433/team2") != here
     assert local_dir("postgresql://alice@db.example:5433/team") != here
-    # training state an earlier release kept in the working folder is still found
-    (tmp_path / "elsewhere" / ".metaclaw" / "train").mkdir(parents=True)
-    assert local_dir(url) == tmp_path / "elsewhere" / ".metaclaw"
-    here.mkdir(parents=True)
-    assert local_dir(url) == here
+    assert local_dir("postgresql:///team?user=alice") != local_dir("postgresql:///team?user=bob")
+    assert local_dir("postgresql://bob@h1:5432,h2:5433/team").name.startswith("team-")  # libpq's
+    assert local_dir("postgresql:///x?dbname=other").name.startswith("other-")
     assert local_dir(tmp_path / "w.db") == tmp_path  # a SQLite workspace: beside its file
 
 

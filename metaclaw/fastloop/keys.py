@@ -145,7 +145,7 @@ def validate_keys(text: str) -> tuple[str, list[str], list[str]]:
     asks = anticipated_of(found.get("anticipated_asks"))
     if not asks:
         raise KeysValidationError("'anticipated_asks' must hold at least one ask")
-    near = anticipated_of(found.get("near_miss_asks", []), "near_miss_asks")  # may be left out
+    near = anticipated_of(found.get("near_miss_asks") or [], "near_miss_asks")  # may be left out
     return " ".join(use_when.split()), asks, near  # the skill cuts it to USE_WHEN_CHARS
 
 

@@ -832,7 +832,7 @@ def _read_skill_file(path: Path, folder_name: str | None) -> tuple[Skill | None,
 #: Spellings and places of the retrieval keys that are not read (a hand-written skill), by the
 #: key they were meant to be.
 _KEY_SPELLINGS = {k: (k.replace("-", "_"), k.replace("-", "")) for k in
-                  (USE_WHEN_KEY, EXAMPLE_ASKS_KEY, ANTICIPATED_ASKS_KEY)}
+                  (USE_WHEN_KEY, EXAMPLE_ASKS_KEY, ANTICIPATED_ASKS_KEY, NEAR_MISS_ASKS_KEY)}
 _warned_keys: set[tuple[str, str]] = set()
 
 

@@ -867,8 +867,7 @@ class EmbeddingRetriever:
     def contrast(self, query: str, skill: Skill) -> tuple[str, float, float] | None:
         """How ``query`` sits between ``skill``'s own asks and its near-miss asks: ``(the nearest
         near-miss ask, its cosine with the query, the best cosine of the skill's own asks)``
-        (the last: with its text, for a skill without asks); None for a skill without near-miss
-        asks. The asks are embedded once per content (bounded cache)."""
+        (with its text, for a skill without asks); None for a skill without near-miss asks. The asks are embedded once per content (bounded cache)."""
         import numpy as np
 
         if not skill.near_miss_asks:
@@ -878,8 +877,9 @@ class EmbeddingRetriever:
             rows = self._contrasts.get(key)
             if rows is not None:
                 self._contrasts.move_to_end(key)
-        if rows is None:
-            rows = (self._rows(skill.near_miss_asks), self._rows(skill.retrieval_asks))
+        if rows is None:  # (a skill without asks of its own: its text stands for them)
+            rows = (self._rows(skill.near_miss_asks),
+                    self._rows(list(skill.retrieval_asks) or [skill_text(skill)]))
             with self._lock:
                 self._contrasts[key] = rows
                 while len(self._contrasts) > self.CONTRAST_CACHE:
@@ -888,9 +888,7 @@ class EmbeddingRetriever:
         vector = self.embed_query(query or "")
         products = near @ vector
         best = int(np.argmax(products))
-        mine = float((own @ vector).max()) if own is not None else \
-            float(self.scores(query, [skill])[0])
-        return skill.near_miss_asks[best], float(products[best]), mine
+        return skill.near_miss_asks[best], float(products[best]), float((own @ vector).max())
 
     def embed_query(self, query: str):
         """The normalized embedding of ``query`` (LRU-cached by text hash).
@@ -1040,7 +1038,7 @@ class HybridRetriever:
         import numpy as np
 
         weight, slack = self.hold_back_constants
-        if weight <= 0 or not len(scores):
+        if weight <= 0 or not len(scores) or not (query or "").strip():
             return {}
         count = min(HOLD_BACK_CANDIDATES, len(scores))
         best = np.argpartition(-scores, count - 1)[:count] if count < len(scores) else \
@@ -1532,15 +1530,18 @@ def explain_keys(store: Any, turn: dict[str, Any],
 
 
 def held_back(query: str | None, skill: Skill) -> str | None:
-    """Why the default hybrid held ``skill`` back from ``query`` (:meth:`HybridRetriever.hold_back`
-    with the packaged static table): ``nearer its near-miss ask "..." (0.62) than its own asks
-    (0.48)``; None where it did not (no near-miss asks, the ask nearer its own, no query, or no
-    embedding installed)."""
+    """Why the default hybrid would hold ``skill`` back from ``query``
+    (:meth:`HybridRetriever.hold_back` with the packaged static table's constants, the skill
+    among the best few): ``nearer its near-miss ask "..." (0.62) than its own asks (0.48)``;
+    None where it would not (no near-miss asks, the ask nearer its own by more than the
+    slack, no query, or no embedding installed)."""
     if not skill.near_miss_asks or not (query or "").strip() or not embeddings_available():
         return None
     ask, near, own = _explainer().contrast(query, skill)
     weight, slack = HOLD_BACK_CONSTANTS["static"]
     if weight <= 0 or near - own + slack <= 0:
         return None
-    return f'nearer its near-miss ask "{ask}" ({near:.2f}) than its own asks ({own:.2f})'
+    return (f'its near-miss ask "{ask}" ({near:.2f}) came within {slack:g} of its own asks\' '
+            f'best ({own:.2f})' if near <= own else
+            f'nearer its near-miss ask "{ask}" ({near:.2f}) than its own asks ({own:.2f})')
 

@@ -334,25 +334,21 @@ def local_dir(target: "str | os.PathLike[str]") -> Path:
     """The folder for this machine's files of a workspace (training state, checkpoints): beside
     the SQLite file; for a database server, one folder per database whatever the working folder:
     ``$METACLAW_DATA_DIR`` (else ``$XDG_DATA_HOME/metaclaw``, else ``~/.local/share/metaclaw``)
-    ``/workspaces/<dbname>-<digest of user, host, port and dbname>``. A ``.metaclaw/train``
-    folder in the working folder (where earlier releases kept a server workspace's training
-    state) is still used while the new folder does not exist."""
+    ``/workspaces/<dbname>-<digest of user, hosts and dbname>``."""
     engine, where = parse_target(target)
     if engine == "sqlite":
         return Path(where).resolve().parent
     url = urlsplit(where)
-    dbname = unquote(url.path.lstrip("/")) or unquote(url.username or "") or "postgres"
-    host = url.hostname or parse_qs(url.query).get("host", [""])[0]
-    who = f"{unquote(url.username or '')}@{host}:{url.port or ''}/{dbname}"
+    query = {k: v[-1] for k, v in parse_qs(url.query).items()}
+    user = query.get("user") or unquote(url.username or "")
+    dbname = query.get("dbname") or unquote(url.path.lstrip("/")) or user or "postgres"
+    hosts = url.netloc.rpartition("@")[2].lower() or query.get("host", "").lower()
+    who = f"{user}@{unquote(hosts)}/{dbname}"
     name = re.sub(r"[^A-Za-z0-9_.-]+", "_", dbname)[:40].strip(".") or "db"
     root = os.environ.get("METACLAW_DATA_DIR")
-    base = Path(root) if root else Path(os.environ.get("XDG_DATA_HOME") or
-                                        Path.home() / ".local" / "share") / "metaclaw"
-    folder = base / "workspaces" / f"{name}-{hashlib.sha256(who.encode()).hexdigest()[:12]}"
-    legacy = DEFAULT_DB.parent.resolve()
-    if not folder.exists() and (legacy / "train").is_dir():
-        return legacy
-    return folder
+    base = Path(root).expanduser().resolve() if root else Path(
+        os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share") / "metaclaw"
+    return base / "workspaces" / f"{name}-{hashlib.sha256(who.encode()).hexdigest()[:12]}"
 
 
 class StoreError(RuntimeError):
@@ -451,6 +447,10 @@ def parse_target(target: "str | os.PathLike[str]") -> tuple[str, str]:
         return "postgresql", f"{'postgresql' if '+' in scheme else scheme}://{rest}"
     raise StoreError(f"the store cannot open {scheme}:// URLs; give a file path, sqlite:///path "
                      f"or postgresql://user@host/dbname")
+
+
+#: What an engine says when a migration meets tables that already have its change.
+_MISMATCH = re.compile(r"duplicate column|already exists", re.IGNORECASE)
 
 
 def unmigratable(where: object, version: int, error: BaseException) -> str:
@@ -704,7 +704,9 @@ class Store:
                         for statement in _split_sql(MIGRATIONS[version]):
                             try:
                                 self._db.execute(statement)
-                            except sqlite3.DatabaseError as exc:
+                            except sqlite3.OperationalError as exc:
+                                if not _MISMATCH.search(str(exc)):
+                                    raise
                                 raise StoreError(unmigratable(self.path, version, exc)) from None
                         self._db.execute(f"PRAGMA user_version={version + 1}")
                     self._db.execute("COMMIT")

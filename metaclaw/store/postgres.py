@@ -472,7 +472,9 @@ class PostgresStore(Store):
                     for statement in _split_sql(MIGRATIONS[number]):
                         try:
                             db.execute(ddl(statement))
-                        except self._psycopg.errors.ProgrammingError as exc:
+                        except (self._psycopg.errors.DuplicateColumn,
+                                self._psycopg.errors.DuplicateTable,
+                                self._psycopg.errors.DuplicateObject) as exc:
                             raise StoreError(unmigratable(self.location, number, exc)) from None
                     db.execute("UPDATE metaclaw_schema SET version = %s", (number + 1,))
                 db.execute(_ENGINE_TABLES)
