@@ -428,7 +428,8 @@ class Skill:
         near = self.near_miss_asks if near_miss is None else \
             bounded_asks((), near_miss, MAX_NEAR_MISS_ASKS)
         if (tuple(kept) == self.example_asks and line == self.use_when
-                and tuple(foreseen) == self.anticipated_asks and tuple(near) == self.near_miss_asks):
+                and tuple(foreseen) == self.anticipated_asks
+                and tuple(near) == self.near_miss_asks):
             return self
         metadata = dict(self.extra.get("metadata") or {}) \
             if isinstance(self.extra.get("metadata"), dict) else {}

@@ -867,7 +867,8 @@ class EmbeddingRetriever:
     def contrast(self, query: str, skill: Skill) -> tuple[str, float, float] | None:
         """How ``query`` sits between ``skill``'s own asks and its near-miss asks: ``(the nearest
         near-miss ask, its cosine with the query, the best cosine of the skill's own asks)``
-        (with its text, for a skill without asks); None for a skill without near-miss asks. The asks are embedded once per content (bounded cache)."""
+        (with its text, for a skill without asks); None for a skill without near-miss asks. The
+        asks are embedded once per content (bounded cache)."""
         import numpy as np
 
         if not skill.near_miss_asks:
