@@ -338,7 +338,7 @@ def _turn_rows(store: Any, where: str, params: list[Any], fields: tuple[str, ...
 @command("turns")
 def cmd_turns(args: argparse.Namespace) -> int:
     from metaclaw.fastloop.labels import latest
-    from metaclaw.skills.retrieval import explain_keys, scored_text
+    from metaclaw.skills.retrieval import explain_held, explain_keys, scored_text
     from metaclaw.turns import IdentityError, judge_verdict, turns_filter
 
     if args.action == "import":
@@ -412,6 +412,9 @@ def cmd_turns(args: argparse.Namespace) -> int:
             nearest = explain_keys(store, row, snapshots)
             if nearest:
                 print(_printable(f"       nearest key: {nearest}"))
+            held = explain_held(row)
+            if held:
+                print(_printable(f"       held back: {held}"))
     if not listed:
         which = f" numbered {args.id}" if args.id is not None else ""
         which += " of session " + repr(args.session) if args.session else ""

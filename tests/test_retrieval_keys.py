@@ -15,7 +15,7 @@ from metaclaw.fastloop.proposals import apply_ops
 from metaclaw.skills.library import (MAX_ANTICIPATED_ASKS, MAX_EXAMPLE_ASKS, MAX_NEAR_MISS_ASKS,
                                      Skill, SkillLibrary, SkillOp)
 from metaclaw.skills.retrieval import (EmbeddingRetriever, HybridRetriever, LexicalRetriever,
-                                       held_back, keys_text, make_retriever, select)
+                                       keys_text, make_retriever, select)
 
 DATES = Skill("iso-dates", "Write every date as an ISO 8601 datetime with the user's offset.",
               "data", "Use `2026-03-16T09:30:00+08:00`, never `3/16` or `9:30am`.")
@@ -254,12 +254,13 @@ def test_serve_says_how_it_retrieves_and_why_shows_the_keys(tmp_path):
     skills = tmp_path / "skills"
     keyed = DATES.with_retrieval_keys(["write the standup slot and action item deadlines into "
                                        "standup.json"], use_when="dates or deadlines in files",
-                                      anticipated=["what format for the due dates?"])
+                                      anticipated=["what format for the due dates?"],
+                                      near_miss=["rename the due key to dueDate in standup.json"])
     for skill in (keyed, *OTHERS):
         (skills / skill.name).mkdir(parents=True)
         (skills / skill.name / "SKILL.md").write_text(skill.to_markdown())
     db = tmp_path / "ws.db"
-    with DoubleServer([Reply("done")]) as upstream:
+    with DoubleServer([Reply("done"), Reply("done")]) as upstream:
         proc = subprocess.Popen([sys.executable, "-m", "metaclaw", "serve", "--upstream",
                                  upstream.url, "--db", str(db), "--skills", str(skills),
                                  "--port", "0"], stdout=subprocess.PIPE,
@@ -274,6 +275,12 @@ def test_serve_says_how_it_retrieves_and_why_shows_the_keys(tmp_path):
                 "model": "m", "messages": [{"role": "user", "content": ASK}]})
             assert reply.status_code == 200, reply.text
             assert "iso-dates" in upstream.requests[-1]["body"]["messages"][0]["content"]
+            # ordinary work near the skill's subject: held back by its near-miss ask
+            reply = httpx.post(f"{url}/chat/completions", timeout=30, json={
+                "model": "m", "messages": [{"role": "user", "content": "please rename the due "
+                                            "key to dueDate in standup.json"}]})
+            assert reply.status_code == 200, reply.text
+            assert "iso-dates" not in json.dumps(upstream.requests[-1]["body"]["messages"])
         finally:
             proc.terminate()
             _, errors = proc.communicate(timeout=30)
@@ -285,9 +292,14 @@ def test_serve_says_how_it_retrieves_and_why_shows_the_keys(tmp_path):
         rows = [json.loads(line) for line in subprocess.run(
             [sys.executable, "-m", "metaclaw", "turns", "--db", str(db), "--json"],
             capture_output=True, text=True).stdout.splitlines()]
-        if rows:
+        if len(rows) == 2:
             break
         time.sleep(0.2)
+    rows.sort(key=lambda r: r["id"])
+    held = rows[1]["retrieval_scores"][-1]
+    assert held["name"] == "iso-dates" and held["injected"] is False
+    assert held["held_back"]["ask"] == "rename the due key to dueDate in standup.json"
+    assert held["held_back"]["near"] > held["held_back"]["own"]
     scores = rows[0]["retrieval_scores"]
     assert scores[0]["name"] == "iso-dates"
     assert scores[0]["use_when"] == "dates or deadlines in files"
@@ -299,11 +311,15 @@ def test_serve_says_how_it_retrieves_and_why_shows_the_keys(tmp_path):
     # and the key the ask was nearest to, with its cosine
     assert 'nearest key: iso-dates: "write the standup slot and action item deadlines into ' \
         'standup.json" (0.9' in why, why
+    assert 'held back: iso-dates by its near-miss ask "rename the due key to dueDate in ' \
+        'standup.json" (1.00; its own asks 0.' in why, why
     from metaclaw.skills.retrieval import explain_frame
     from metaclaw.store import Store
 
     with Store(db) as store:
-        assert explain_frame(store)["keys"][0].startswith('iso-dates: "write the standup')
+        frame = explain_frame(store)
+        assert frame["keys"][0].startswith('iso-dates: "write the standup')
+        assert frame["held_back"][1].startswith("iso-dates by its near-miss ask")
 
 
 def test_a_stored_key_holds_no_credential_control_character_or_front_matter_end():
@@ -388,18 +404,19 @@ def test_near_miss_asks_round_trip_and_hold_a_skill_back_from_nearby_work(tmp_pa
     assert held.scores(own, [keyed])[0] == pytest.approx(free.scores(own, [keyed])[0])
     found = held.dense.contrast(ask, keyed)
     assert found[0] == near[0] and found[1] > found[2]
-    said = held_back(ask, keyed)
-    assert said.startswith(f'nearer its near-miss ask "{near[0]}"') and held_back(own, keyed) \
-        is None and held_back(ask, plain) is None
+    said = held.held(ask, keyed)
+    assert said[0] == near[0] and said[3] > 0 and held.held(own, keyed) is None
+    assert held.held(ask, plain) is None and free.held(ask, keyed) is None
+    assert held.held("  ", keyed) is None and held.hold_back("", [keyed], [1.0]) == {}
     # only the best few are checked: the rest of a large library costs nothing
     many = [keyed] + [Skill(f"other-{i}", f"Unrelated advice number {i}.", "misc", "Body.")
                       for i in range(30)]
     assert len(held.hold_back(ask, many, held.scores(ask, many))) <= 1
 
 
-def test_the_evolver_writes_near_miss_asks_and_why_names_the_one_that_held_a_skill_back(store):
+def test_the_evolver_writes_near_miss_asks():
     from metaclaw.fastloop.evolver import EVOLVER_OP_SCHEMA
-    from metaclaw.skills.retrieval import explain_keys
+    from metaclaw.skills.retrieval import explain_held
 
     assert "near_miss_asks" in EVOLVER_OP_SCHEMA["required"]
     op = {"op": "add", "name": "iso-dates", "description": DATES.description,
@@ -409,10 +426,7 @@ def test_the_evolver_writes_near_miss_asks_and_why_names_the_one_that_held_a_ski
           "reason": "dates were ambiguous", "evidence": [7]}
     skill = validate_operations({"operations": [op]}, {}, [7])[0].skill
     assert skill.near_miss_asks == ("pretty-print this JSON file",)
-    generation = store.add_generation(snapshot={skill.name: skill.to_dict()}, kind="init",
-                                      reason="test", parent=None)
-    turn = {"skill_generation": generation, "retrieval_query": "pretty-print this JSON file now",
-            "retrieval_scores": [{"name": "iso-dates", "score": 0.7, "injected": False,
-                                  "below": 0.825}]}
-    assert 'iso-dates held back: nearer its near-miss ask "pretty-print this JSON file"' in \
-        explain_keys(store, turn)
+    edit = {**op, "op": "edit", "body": "Use ISO 8601.", "near_miss_asks": []}  # none given:
+    assert validate_operations({"operations": [edit]}, {"iso-dates": skill}, [7])[0] \
+        .skill.near_miss_asks == skill.near_miss_asks  # the old ones are kept
+    assert explain_held({"retrieval_scores": [{"name": "x", "injected": False}]}) == ""

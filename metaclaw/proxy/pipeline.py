@@ -113,8 +113,10 @@ class Turn:
     #: each injected skill's retrieval keys: (its "use when" line, how many example asks, how
     #: many anticipated asks)
     keys: list[tuple[str, int, int]] = field(default_factory=list)
-    #: the nearest miss: the best skill offered that scored too low, and the floor it missed
-    missed: tuple[str, float, float] | None = None
+    #: the nearest miss: the best skill offered that scored too low, the floor it missed, and
+    #: what held it back where its near-miss asks did (:meth:`~metaclaw.skills.retrieval.
+    #: HybridRetriever.held`)
+    missed: tuple[str, float, float, tuple | None] | None = None
     budget: dict[str, Any] | None = None
     #: the ask's features as recorded (:func:`metaclaw.skills.retrieval.ask_features`)
     features: str | None = None
@@ -195,9 +197,13 @@ def record_row(turn: Turn, policy_version: int) -> dict[str, Any]:
                              in itertools.zip_longest(turn.injected, turn.scores, turn.keys)],
     }
     if turn.missed is not None:  # why a skill the person may expect was not injected
-        name, score, below = turn.missed
-        row["retrieval_scores"].append({"name": name, "score": round(float(score), 4),
-                                        "injected": False, "below": round(float(below), 4)})
+        name, score, below, held = turn.missed
+        entry = {"name": name, "score": round(float(score), 4), "injected": False,
+                 "below": round(float(below), 4)}
+        if held is not None:
+            ask, near, own, _ = held
+            entry["held_back"] = {"ask": ask, "near": round(near, 4), "own": round(own, 4)}
+        row["retrieval_scores"].append(entry)
     row["protocol"] = turn.protocol.name
     if turn.person is not None:
         row["person"] = turn.person
@@ -814,7 +820,9 @@ class TurnPipeline:
                           len(s.skill.anticipated_asks)) for s in selected]
             if done.missed is not None:
                 near, below = done.missed
-                turn.missed = (near.skill.name, near.score, below)
+                held = getattr(parts.retriever, "held", None)
+                turn.missed = (near.skill.name, near.score, below,
+                               held(turn.query, near.skill) if held is not None else None)
             turn.features = retrieval.ask_features(parts.retriever, turn.query)
             if done.block or BLOCK_TAG in turn.raw:  # or a resent earlier block, to take out
                 turn.body = turn.protocol.inject(turn.body, done.block)

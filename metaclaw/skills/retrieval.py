@@ -1031,30 +1031,39 @@ class HybridRetriever:
         return tuple(map(float, given)) if given is not None else \
             HOLD_BACK_CONSTANTS[self.dense.table]
 
+    def held(self, query: str, skill: Skill) -> tuple[str, float, float, float] | None:
+        """What holds ``skill`` back from ``query`` (:meth:`hold_back`), as this retriever's
+        constants have it: ``(the nearest near-miss ask, its cosine, the best cosine of the
+        skill's own asks, the score it loses)``; None where nothing does."""
+        weight, slack = self.hold_back_constants
+        if weight <= 0 or not (query or "").strip():
+            return None
+        seen = self.dense.contrast(query, skill)
+        if seen is None:
+            return None
+        ask, near, own = seen
+        penalty = weight * (near - own + slack)
+        return (ask, near, own, penalty) if penalty > 0 else None
+
     def hold_back(self, query: str, skills: list[Skill], scores: Any) -> dict[int, tuple]:
         """Lower, in place, the fused ``scores`` of the best :data:`HOLD_BACK_CANDIDATES`
-        skills for an ask nearer one of their near-miss asks than their own asks: ordinary work
-        near a skill's subject that the skill is not for. Returns, by index in ``skills``, what
-        held each lowered one back: ``(near-miss ask, its cosine, own asks' best, penalty)``."""
+        skills for an ask about as near one of their near-miss asks as their own asks, or
+        nearer: ordinary work near a skill's subject that the skill is not for. Returns, by index
+        in ``skills``, what held each lowered one back (:meth:`held`)."""
         import numpy as np
 
-        weight, slack = self.hold_back_constants
-        if weight <= 0 or not len(scores) or not (query or "").strip():
+        if self.hold_back_constants[0] <= 0 or not len(scores) or not (query or "").strip():
             return {}
         count = min(HOLD_BACK_CANDIDATES, len(scores))
         best = np.argpartition(-scores, count - 1)[:count] if count < len(scores) else \
             range(len(scores))
-        held = {}
+        out = {}
         for i in best:
-            seen = self.dense.contrast(query, skills[i])
-            if seen is None:
-                continue
-            ask, near, own = seen
-            penalty = weight * (near - own + slack)
-            if penalty > 0:
-                scores[i] -= penalty
-                held[int(i)] = (ask, near, own, penalty)
-        return held
+            found = self.held(query, skills[i])
+            if found is not None:
+                scores[i] -= found[3]
+                out[int(i)] = found
+        return out
 
     @property
     def model_id(self) -> str:
@@ -1466,6 +1475,7 @@ def explain_frame(store: Any, *, session: str | None = None, last: int | None = 
     ``session_id``, ``turn_type``, ``retrieval_query`` (the ask found in the request),
     ``injected_skills`` and ``scores`` (``name score`` pairs as text), ``keys`` (for each
     injected skill with retrieval keys, the one nearest the ask, :func:`nearest_key`),
+    ``held_back`` (the nearest miss held back by a near-miss ask, :func:`explain_held`),
     ``session_by`` and ``turn_type_by`` (the rules that identified the session and the turn
     type)."""
     import polars as pl
@@ -1486,11 +1496,13 @@ def explain_frame(store: Any, *, session: str | None = None, last: int | None = 
         "scores": [", ".join(scored_text(s) for s in r["retrieval_scores"] or [])
                    for r in rows],
         "keys": [explain_keys(store, r, snapshots) for r in rows],
+        "held_back": [explain_held(r) for r in rows],
         "session_by": [(r["identified_by"] or {}).get("session") for r in rows],
         "turn_type_by": [(r["identified_by"] or {}).get("turn_type") for r in rows],
     }, schema={"id": pl.Int64, "session_id": pl.Utf8, "turn_type": pl.Utf8,
                "retrieval_query": pl.Utf8, "injected_skills": pl.Utf8, "scores": pl.Utf8,
-               "keys": pl.Utf8, "session_by": pl.Utf8, "turn_type_by": pl.Utf8})
+               "keys": pl.Utf8, "held_back": pl.Utf8, "session_by": pl.Utf8,
+               "turn_type_by": pl.Utf8})
 
 
 def explain_keys(store: Any, turn: dict[str, Any],
@@ -1501,8 +1513,6 @@ def explain_keys(store: Any, turn: dict[str, Any],
     scored = turn.get("retrieval_scores") or []
     entries = [s for s in scored if s.get("injected") is not False
                and (s.get("use_when") or s.get("example_asks") or s.get("anticipated_asks"))]
-    # the nearest miss too, where its near-miss asks held it back
-    entries += [s for s in scored if s.get("injected") is False]
     if not entries or turn.get("skill_generation") is None:
         return ""
     snapshots = {} if snapshots is None else snapshots
@@ -1519,30 +1529,19 @@ def explain_keys(store: Any, turn: dict[str, Any],
             skill = None
         if skill is None:
             continue
-        if entry.get("injected") is False:
-            held = held_back(turn.get("retrieval_query"), skill)
-            if held:
-                said.append(f"{entry['name']} held back: {held}")
-            continue
         found = nearest_key(turn.get("retrieval_query"), skill)
         if found:
             said.append(f'{entry["name"]}: "{found[0]}" ({found[1]:.2f})')
     return "; ".join(said)
 
 
-def held_back(query: str | None, skill: Skill) -> str | None:
-    """Why the default hybrid would hold ``skill`` back from ``query``
-    (:meth:`HybridRetriever.hold_back` with the packaged static table's constants, the skill
-    among the best few): ``nearer its near-miss ask "..." (0.62) than its own asks (0.48)``;
-    None where it would not (no near-miss asks, the ask nearer its own by more than the
-    slack, no query, or no embedding installed)."""
-    if not skill.near_miss_asks or not (query or "").strip() or not embeddings_available():
-        return None
-    ask, near, own = _explainer().contrast(query, skill)
-    weight, slack = HOLD_BACK_CONSTANTS["static"]
-    if weight <= 0 or near - own + slack <= 0:
-        return None
-    return (f'its near-miss ask "{ask}" ({near:.2f}) came within {slack:g} of its own asks\' '
-            f'best ({own:.2f})' if near <= own else
-            f'nearer its near-miss ask "{ask}" ({near:.2f}) than its own asks ({own:.2f})')
-
+def explain_held(turn: dict[str, Any]) -> str:
+    """The nearest miss of ``turn`` held back by its near-miss asks, as the proxy recorded it
+    (``retrieval_scores``' ``held_back``): ``name by its near-miss ask "..." (0.62; its own
+    asks 0.48)``; "" where none was."""
+    return "; ".join(
+        f'{s["name"]} by its near-miss ask "{s["held_back"].get("ask", "?")}" '
+        f'({float(s["held_back"].get("near", 0)):.2f}; its own asks '
+        f'{float(s["held_back"].get("own", 0)):.2f})'
+        for s in turn.get("retrieval_scores") or []
+        if s.get("injected") is False and isinstance(s.get("held_back"), dict))
