@@ -412,6 +412,12 @@ def test_near_miss_asks_round_trip_and_hold_a_skill_back_from_nearby_work(tmp_pa
     many = [keyed] + [Skill(f"other-{i}", f"Unrelated advice number {i}.", "misc", "Body.")
                       for i in range(30)]
     assert len(held.hold_back(ask, many, held.scores(ask, many))) <= 1
+    # skills of another stage that outrank it (passed over for this turn) do not crowd it out
+    decoys = [Skill(f"plan-{i}", f"Add a tags array to the order JSON response, step {i}.",
+                    "plan", "Plan it.").with_stage("plan") for i in range(8)]
+    import numpy as np
+
+    assert 0 in held.hold_back(ask, [keyed, *decoys], np.array([0.5] + [1.0] * 8))
 
 
 def test_the_evolver_writes_near_miss_asks():

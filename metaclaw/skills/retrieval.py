@@ -798,7 +798,8 @@ class EmbeddingRetriever:
         return np.asarray(vectors, dtype=np.float32)
 
     def _matrix(self, skills: list[Skill]):
-        """(vectors, indices of the skills with asks, names, name ranks) of ``skills``:
+        """(vectors, indices of the skills with asks, names, name ranks, how many are scoped to a
+        stage) of ``skills``:
         ``vectors`` holds one column per skill, then one per skill with asks (the normalized
         mean of the embeddings of its :attr:`~metaclaw.skills.library.Skill.retrieval_asks`),
         in the order of the indices: stored
@@ -848,7 +849,8 @@ class EmbeddingRetriever:
             matrix = np.ascontiguousarray(matrix.T)
             names = [s.name for s in skills]
             built = (matrix, with_examples, names,
-                     np.asarray(_name_order(names)[1], dtype=np.intp))
+                     np.asarray(_name_order(names)[1], dtype=np.intp),
+                     sum(s.stage is not None for s in skills))
             self._cache.put(skills, built)
             for s in skills:  # keep the vectors in use the most recent, then bound the cache
                 self._skill_vectors.move_to_end(s.content_hash)
@@ -939,7 +941,7 @@ class EmbeddingRetriever:
         where that is higher."""
         import numpy as np
 
-        matrix_t, with_examples, _, _ = self._matrix(skills)
+        matrix_t, with_examples = self._matrix(skills)[:2]
         products = _products(self.embed_query(query or ""), matrix_t)
         scores = products[:len(skills)]
         if len(with_examples):
@@ -954,7 +956,7 @@ class EmbeddingRetriever:
         records it, :func:`ask_features`; None: encoded here)."""
         import numpy as np
 
-        matrix_t, with_examples, _, _ = self._matrix(list(skills))
+        matrix_t, with_examples = self._matrix(list(skills))[:2]
         if not len(queries):
             return np.zeros((0, len(skills)), dtype=np.float32)
         missing = list(range(len(queries))) if vectors is None else \
@@ -980,7 +982,7 @@ class EmbeddingRetriever:
         if not skills:
             return []
         scores = self.scores(query, skills)
-        _, _, names, name_rank = self._matrix(skills)
+        names, name_rank = self._matrix(skills)[2:4]
         return [ScoredSkill(skills[i], s)
                 for s, i in _order_array(scores, names, name_rank, limit)]
 
@@ -1054,7 +1056,10 @@ class HybridRetriever:
 
         if self.hold_back_constants[0] <= 0 or not len(scores) or not (query or "").strip():
             return {}
-        count = min(HOLD_BACK_CANDIDATES, len(scores))
+        # skills scoped to a stage may be passed over for a turn (select's ``keep``): as many
+        # more candidates, so that the best few a turn is offered are all checked
+        staged = self.dense._matrix(skills)[4]
+        count = min(HOLD_BACK_CANDIDATES + staged, len(scores))
         best = np.argpartition(-scores, count - 1)[:count] if count < len(scores) else \
             range(len(scores))
         out = {}
@@ -1115,7 +1120,7 @@ class HybridRetriever:
         if not skills:
             return []
         scores = self.scores(query, skills)
-        _, _, names, name_rank = self.dense._matrix(skills)
+        names, name_rank = self.dense._matrix(skills)[2:4]
         return [ScoredSkill(skills[i], float(s))
                 for s, i in _order_array(scores, names, name_rank, limit)]
 
