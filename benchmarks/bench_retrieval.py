@@ -22,7 +22,8 @@ written by a third writer who also saw only the skills, is a test set alone: not
 on it (``--split third``). A fourth (``benchmarks/data/retrieval/fourth.json``), written after
 every constant was chosen by a fourth writer who saw only the skills and ran no retrieval, is
 reported with ``--split fourth``; a fifth (``benchmarks/data/retrieval/fifth.json``), written the
-same way after the near-miss asks and their constants were chosen, with ``--split fifth``.
+same way after the near-miss asks and their constants were chosen, with ``--split fifth``; a
+sixth (``sixth.json``), written after every choice, with ``--split sixth``.
 
 What it prints, per retriever, at the proxy's defaults (``select`` with top_k=3 and the
 retriever's own thresholds):
@@ -50,8 +51,8 @@ share of asks that pay MiniLM's encode.
 Then retrieval latency (query extraction, ranking, selection, rendering, injection: what the
 proxy adds) p50 over 100 and 10,000 skills with fresh queries.
 
-    python benchmarks/bench_retrieval.py [--split test|dev|heldout|third|fourth|fifth]
-        [--tune [static|minilm|unsure|hold-back]] [--queries 300]
+    python benchmarks/bench_retrieval.py [--split test|dev|heldout|third|fourth|fifth|sixth]
+        [--tune [static|minilm|unsure|hold-back|hold-back:minilm]] [--queries 300]
 """
 
 from __future__ import annotations
@@ -86,6 +87,7 @@ HELDOUT = DATA / "heldout.json"
 THIRD = DATA / "third.json"
 FOURTH = DATA / "fourth.json"
 FIFTH = DATA / "fifth.json"
+SIXTH = DATA / "sixth.json"
 SPLIT = DATA / "split.json"
 SPLIT_SEED = 20261126
 TARGETS = {"single": 0.90, "two_top3": 0.75, "off_topic": 0.10}
@@ -136,6 +138,7 @@ def load_set(split_name: str) -> tuple[dict[str, list[Skill]], list[dict]]:
     third = json.loads(THIRD.read_text())
     fourth = json.loads(FOURTH.read_text())
     fifth = json.loads(FIFTH.read_text())
+    sixth = json.loads(SIXTH.read_text())
     # dev: the labelled set's dev split and the second set's dev half; test: the labelled set's
     # test split; heldout: the second set's test half; third: the third set, all of it
     pools = {"dev": [(data["asks"], split["clients"], set(split["dev"])),
@@ -144,7 +147,8 @@ def load_set(split_name: str) -> tuple[dict[str, list[Skill]], list[dict]]:
              "heldout": [(heldout["asks"], heldout["clients"], set(heldout["test"]))],
              "third": [(third["asks"], third["clients"], set(third["clients"]))],
              "fourth": [(fourth["asks"], fourth["clients"], set(fourth["clients"]))],
-             "fifth": [(fifth["asks"], fifth["clients"], set(fifth["clients"]))]}
+             "fifth": [(fifth["asks"], fifth["clients"], set(fifth["clients"]))],
+             "sixth": [(sixth["asks"], sixth["clients"], set(sixth["clients"]))]}
     asks = []
     for pool, clients, wanted in pools[split_name]:
         for a in pool:
@@ -423,18 +427,19 @@ def use_static_table(folder: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--split", choices=["dev", "test", "heldout", "third", "fourth", "fifth"],
+    parser.add_argument("--split", choices=["dev", "test", "heldout", "third", "fourth", "fifth",
+                                                  "sixth"],
                         default="test",
                         help="test (default), dev (where constants are chosen), heldout: the "
                         "test half of the second set, with near-domain off-topic asks, "
                         "third: the third set, never used to choose, fourth: the fourth, "
-                        "also never read while choosing, or fifth: the fifth, written after "
-                        "the near-miss asks were chosen")
+                        "also never read while choosing, fifth: the fifth, written after "
+                        "the near-miss asks were chosen, or sixth: written after every choice")
     parser.add_argument("--tune", metavar="MODEL", nargs="?", const="static",
                         help="grid-search the hybrid's constants on dev (for 'static' or "
                         "'minilm'; 'unsure': the band of MiniLM where the static is "
-                        "unsure; 'hold-back': the near-miss hold-back with the static hybrid's "
-                        "constants held) and print the best settings")
+                        "unsure; 'hold-back' or 'hold-back:minilm': the near-miss hold-back "
+                        "with that hybrid's constants held) and print the best settings")
     parser.add_argument("--queries", type=int, default=300, help="timed queries per size")
     parser.add_argument("--static-table", metavar="FOLDER", type=Path,
                         help="read the static table from FOLDER instead of the packaged one "
@@ -448,8 +453,10 @@ def main() -> None:
         libraries, asks = load_set("dev")
         if args.tune == "unsure":
             tune_unsure(libraries, asks)
-        elif args.tune == "hold-back":
-            tune(libraries, asks, "static", held=HYBRID_CONSTANTS["static"])
+        elif args.tune.startswith("hold-back"):  # hold-back (static) or hold-back:minilm
+            model = args.tune.partition(":")[2] or "static"
+            table = "static" if model == "static" else "transformer"
+            tune(libraries, asks, model, held=HYBRID_CONSTANTS[table])
         else:
             tune(libraries, asks, args.tune)
         return

@@ -491,12 +491,13 @@ TRANSFORMER_MIN_SCORE = 0.25
 #: where the packaged files are unusable), the transformer's for all-MiniLM-L6-v2.
 HYBRID_CONSTANTS = {"static": (1.2, 25.0, 0.825, 0.25), "distilled": (1.0, 8.0, 1.15, 0.25),
                     "transformer": (1.0, 8.0, 0.95, 0.2)}
-#: How far the hybrid holds back a skill from an ask nearer one of its near-miss asks than its
-#: own asks (:meth:`HybridRetriever.hold_back`), per kind of model: (weight, slack): the score
-#: loses ``weight * (near - own + slack)`` where that is positive (``near``: the best cosine
-#: with its near-miss asks; ``own``: with its own asks), chosen with :data:`HYBRID_CONSTANTS` on
-#: the same dev split (weight 0: near-miss asks are not used).
-HOLD_BACK_CONSTANTS = {"static": (0.25, 0.2), "distilled": (0.0, 0.0), "transformer": (0.0, 0.0)}
+#: How far the hybrid holds back a skill from an ask about as near one of its near-miss asks as
+#: its own asks, or nearer (:meth:`HybridRetriever.hold_back`), per kind of model: (weight,
+#: slack): the score loses ``weight * (near - own + slack)`` where that is positive (``near``:
+#: the best cosine with its near-miss asks; ``own``: with its own asks), chosen on the same dev
+#: split with :data:`HYBRID_CONSTANTS` held (``benchmarks/bench_retrieval.py --tune hold-back``,
+#: ``--tune hold-back:minilm``; weight 0: near-miss asks are not used).
+HOLD_BACK_CONSTANTS = {"static": (0.25, 0.2), "distilled": (0.0, 0.0), "transformer": (0.25, 0.0)}
 #: The hybrid's best this many skills for an ask are checked against their near-miss asks.
 HOLD_BACK_CANDIDATES = 8
 
