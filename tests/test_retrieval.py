@@ -683,7 +683,7 @@ def test_the_nearest_miss_is_recorded_and_shown_beside_what_was_injected(tmp_pat
     near, below = done.missed
     assert near.skill.name == "iso-dates" and 0 < near.score < below == 50.0
     turn = Turn(protocol=get_protocol("openai"), body={}, chat={}, raw=b"", model="m",
-                stream=False, messages=ask, missed=(near.skill.name, near.score, below, None))
+                stream=False, messages=ask, missed=(near.skill.name, near.score, below))
     [entry] = record_row(turn, 0)["retrieval_scores"]
     assert entry["injected"] is False and entry["below"] == 50.0
     assert scored_text(entry) == f"iso-dates {near.score:.3f} (not injected: below 50.000)"

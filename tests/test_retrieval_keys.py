@@ -260,7 +260,7 @@ def test_serve_says_how_it_retrieves_and_why_shows_the_keys(tmp_path):
         (skills / skill.name).mkdir(parents=True)
         (skills / skill.name / "SKILL.md").write_text(skill.to_markdown())
     db = tmp_path / "ws.db"
-    with DoubleServer([Reply("done"), Reply("done")]) as upstream:
+    with DoubleServer([Reply("done")] * 3) as upstream:
         proc = subprocess.Popen([sys.executable, "-m", "metaclaw", "serve", "--upstream",
                                  upstream.url, "--db", str(db), "--skills", str(skills),
                                  "--port", "0"], stdout=subprocess.PIPE,
@@ -281,6 +281,10 @@ def test_serve_says_how_it_retrieves_and_why_shows_the_keys(tmp_path):
                                             "key to dueDate in standup.json"}]})
             assert reply.status_code == 200, reply.text
             assert "iso-dates" not in json.dumps(upstream.requests[-1]["body"]["messages"])
+            # an ask far from the skill: a penalty that changed nothing is not recorded
+            reply = httpx.post(f"{url}/chat/completions", timeout=30, json={
+                "model": "m", "messages": [{"role": "user", "content": "what time is it?"}]})
+            assert reply.status_code == 200, reply.text
         finally:
             proc.terminate()
             _, errors = proc.communicate(timeout=30)
@@ -292,14 +296,16 @@ def test_serve_says_how_it_retrieves_and_why_shows_the_keys(tmp_path):
         rows = [json.loads(line) for line in subprocess.run(
             [sys.executable, "-m", "metaclaw", "turns", "--db", str(db), "--json"],
             capture_output=True, text=True).stdout.splitlines()]
-        if len(rows) == 2:
+        if len(rows) == 3:
             break
         time.sleep(0.2)
     rows.sort(key=lambda r: r["id"])
-    held = rows[1]["retrieval_scores"][-1]
-    assert held["name"] == "iso-dates" and held["injected"] is False
+    [held] = [e for e in rows[1]["retrieval_scores"] if e["name"] == "iso-dates"]
+    assert held["injected"] is False and held["below"] == 0.825
     assert held["held_back"]["ask"] == "rename the due key to dueDate in standup.json"
     assert held["held_back"]["near"] > held["held_back"]["own"]
+    assert held["score"] < 0.825 <= held["score"] + held["held_back"]["lost"]
+    assert not any("held_back" in e for e in rows[2]["retrieval_scores"])
     scores = rows[0]["retrieval_scores"]
     assert scores[0]["name"] == "iso-dates"
     assert scores[0]["use_when"] == "dates or deadlines in files"
@@ -320,6 +326,7 @@ def test_serve_says_how_it_retrieves_and_why_shows_the_keys(tmp_path):
         frame = explain_frame(store)
         assert frame["keys"][0].startswith('iso-dates: "write the standup')
         assert frame["held_back"][1].startswith("iso-dates by its near-miss ask")
+        assert frame["held_back"][2] == ""
 
 
 def test_a_stored_key_holds_no_credential_control_character_or_front_matter_end():
@@ -404,6 +411,8 @@ def test_near_miss_asks_round_trip_and_hold_a_skill_back_from_nearby_work(tmp_pa
     assert held.scores(own, [keyed])[0] == pytest.approx(free.scores(own, [keyed])[0])
     found = held.dense.contrast(ask, keyed)
     assert found[0] == near[0] and found[1] > found[2]
+    held.scores(ask, [keyed, OTHERS[0]])
+    assert list(held.last_held(ask)) == ["iso-dates"] and held.last_held("another ask") == {}
     said = held.held(ask, keyed)
     assert said[0] == near[0] and said[3] > 0 and held.held(own, keyed) is None
     assert held.held(ask, plain) is None and free.held(ask, keyed) is None
@@ -436,3 +445,6 @@ def test_the_evolver_writes_near_miss_asks():
     assert validate_operations({"operations": [edit]}, {"iso-dates": skill}, [7])[0] \
         .skill.near_miss_asks == skill.near_miss_asks  # the old ones are kept
     assert explain_held({"retrieval_scores": [{"name": "x", "injected": False}]}) == ""
+    for odd in ({"near": None, "own": 1}, {"near": "x", "own": 1}, {}, "text"):
+        assert explain_held({"retrieval_scores": [
+            {"name": "x", "injected": False, "held_back": odd}]}) == ""

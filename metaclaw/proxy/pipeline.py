@@ -113,10 +113,13 @@ class Turn:
     #: each injected skill's retrieval keys: (its "use when" line, how many example asks, how
     #: many anticipated asks)
     keys: list[tuple[str, int, int]] = field(default_factory=list)
-    #: the nearest miss: the best skill offered that scored too low, the floor it missed, and
-    #: what held it back where its near-miss asks did (:meth:`~metaclaw.skills.retrieval.
-    #: HybridRetriever.held`)
-    missed: tuple[str, float, float, tuple | None] | None = None
+    #: the nearest miss: the best skill offered that scored too low, and the floor it missed
+    missed: tuple[str, float, float] | None = None
+    #: the skills its near-miss asks kept out: by name, (near-miss ask, its cosine, the own asks'
+    #: best, the score lost, the score left) (:meth:`~metaclaw.skills.retrieval.HybridRetriever.
+    #: last_held`), with the threshold they fell below
+    held: dict[str, tuple] = field(default_factory=dict)
+    held_below: float = 0.0
     budget: dict[str, Any] | None = None
     #: the ask's features as recorded (:func:`metaclaw.skills.retrieval.ask_features`)
     features: str | None = None
@@ -197,13 +200,18 @@ def record_row(turn: Turn, policy_version: int) -> dict[str, Any]:
                              in itertools.zip_longest(turn.injected, turn.scores, turn.keys)],
     }
     if turn.missed is not None:  # why a skill the person may expect was not injected
-        name, score, below, held = turn.missed
-        entry = {"name": name, "score": round(float(score), 4), "injected": False,
-                 "below": round(float(below), 4)}
-        if held is not None:
-            ask, near, own, _ = held
-            entry["held_back"] = {"ask": ask, "near": round(near, 4), "own": round(own, 4)}
-        row["retrieval_scores"].append(entry)
+        name, score, below = turn.missed
+        row["retrieval_scores"].append({"name": name, "score": round(float(score), 4),
+                                        "injected": False, "below": round(float(below), 4)})
+    for name, (ask, near, own, lost, score) in turn.held.items():
+        # a skill its near-miss asks kept out: on the nearest miss's entry, or one of its own
+        said = {"ask": ask, "near": round(near, 4), "own": round(own, 4), "lost": round(lost, 4)}
+        entry = next((e for e in row["retrieval_scores"] if e["name"] == name), None)
+        if entry is None:
+            entry = {"name": name, "score": round(score, 4), "injected": False,
+                     "below": round(turn.held_below, 4)}
+            row["retrieval_scores"].append(entry)
+        entry["held_back"] = said
     row["protocol"] = turn.protocol.name
     if turn.person is not None:
         row["person"] = turn.person
@@ -820,9 +828,14 @@ class TurnPipeline:
                           len(s.skill.anticipated_asks)) for s in selected]
             if done.missed is not None:
                 near, below = done.missed
-                held = getattr(parts.retriever, "held", None)
-                turn.missed = (near.skill.name, near.score, below,
-                               held(turn.query, near.skill) if held is not None else None)
+                turn.missed = (near.skill.name, near.score, below)
+            last_held = getattr(parts.retriever, "last_held", None)
+            if last_held is not None:  # what the hold-back kept out: enough before, not after
+                floor = parts.retriever.default_min_score if config.min_score is None \
+                    else config.min_score
+                turn.held = {name: h for name, h in last_held(done.query).items()
+                             if name not in turn.injected and h[4] < floor <= h[4] + h[3]}
+                turn.held_below = floor
             turn.features = retrieval.ask_features(parts.retriever, turn.query)
             if done.block or BLOCK_TAG in turn.raw:  # or a resent earlier block, to take out
                 turn.body = turn.protocol.inject(turn.body, done.block)

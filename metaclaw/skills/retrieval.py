@@ -498,7 +498,8 @@ HYBRID_CONSTANTS = {"static": (1.2, 25.0, 0.825, 0.25), "distilled": (1.0, 8.0, 
 #: split with :data:`HYBRID_CONSTANTS` held (``benchmarks/bench_retrieval.py --tune hold-back``,
 #: ``--tune hold-back:minilm``; weight 0: near-miss asks are not used).
 HOLD_BACK_CONSTANTS = {"static": (0.25, 0.2), "distilled": (0.0, 0.0), "transformer": (0.25, 0.0)}
-#: The hybrid's best this many skills for an ask are checked against their near-miss asks.
+#: The hybrid's best this many skills for an ask are checked against their near-miss asks (and
+#: one more for each skill of the library scoped to a stage, which a turn may not be offered).
 HOLD_BACK_CANDIDATES = 8
 
 _MODELS: dict[str, Any] = {}
@@ -1020,6 +1021,7 @@ class HybridRetriever:
         self.lexical = LexicalRetriever()
         self._given = (weight, saturation, min_score, margin)
         self._hold_back = hold_back
+        self._last = threading.local()  # what the hold-back did in this thread's last scoring
 
     def _constant(self, i: int) -> float:
         given = self._given[i]
@@ -1089,8 +1091,17 @@ class HybridRetriever:
         near-miss asks held back (:meth:`hold_back`)."""
         bm25 = self.lexical.scores(query, skills)
         fused = self.dense.scores(query, skills) + self.weight * bm25 / (bm25 + self.saturation)
-        self.hold_back(query, skills, fused)
+        held = self.hold_back(query, skills, fused)
+        self._last.held = (query, {skills[i].name: (*found, float(fused[i]))
+                                   for i, found in held.items()})
         return fused
+
+    def last_held(self, query: str) -> dict[str, tuple[str, float, float, float, float]]:
+        """What :meth:`hold_back` lowered when this thread last scored ``query``, by skill name:
+        ``(the nearest near-miss ask, its cosine, the own asks' best cosine, the score lost, the
+        score left)``; empty when this thread's last scoring was of another query."""
+        last = getattr(self._last, "held", None)
+        return last[1] if last is not None and last[0] == query else {}
 
     def score_matrix(self, queries: Sequence[str], skills: list[Skill], *,
                      floor: float | None = None,
@@ -1542,12 +1553,19 @@ def explain_keys(store: Any, turn: dict[str, Any],
 
 
 def explain_held(turn: dict[str, Any]) -> str:
-    """The nearest miss of ``turn`` held back by its near-miss asks, as the proxy recorded it
-    (``retrieval_scores``' ``held_back``): ``name by its near-miss ask "..." (0.62; its own
-    asks 0.48)``; "" where none was."""
-    return "; ".join(
-        f'{s["name"]} by its near-miss ask "{s["held_back"].get("ask", "?")}" '
-        f'({float(s["held_back"].get("near", 0)):.2f}; its own asks '
-        f'{float(s["held_back"].get("own", 0)):.2f})'
-        for s in turn.get("retrieval_scores") or []
-        if s.get("injected") is False and isinstance(s.get("held_back"), dict))
+    """The skills of ``turn`` that its near-miss asks kept out, as the proxy recorded them
+    (``retrieval_scores``' ``held_back``: a skill that scored enough before the hold-back and
+    too little after): ``name by its near-miss ask "..." (0.62; its own asks 0.48)``; "" where
+    none was."""
+    said = []
+    for s in turn.get("retrieval_scores") or []:
+        held = s.get("held_back") if isinstance(s, dict) else None
+        if s.get("injected") is not False or not isinstance(held, dict):
+            continue
+        try:
+            near, own = float(held["near"]), float(held["own"])
+        except (KeyError, TypeError, ValueError):
+            continue
+        said.append(f'{s.get("name")} by its near-miss ask "{held.get("ask", "?")}" '
+                    f'({near:.2f}; its own asks {own:.2f})')
+    return "; ".join(said)
