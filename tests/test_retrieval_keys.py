@@ -393,6 +393,9 @@ def test_near_miss_asks_round_trip_and_hold_a_skill_back_from_nearby_work(tmp_pa
                                       anticipated=["the deadline in the report looks ambiguous"],
                                       near_miss=near + ["  ", near[0]])
     assert keyed.near_miss_asks == tuple(near)  # blank and repeated ones dropped
+    # an ask of the skill's own is never one of its near misses
+    assert keyed.with_retrieval_keys(near_miss=["What date format goes in the export?", near[1]]
+                                     ).near_miss_asks == (near[1],)
     assert keyed.with_retrieval_keys(near_miss=[f"n{i}" for i in range(20)]).near_miss_asks == \
         tuple(f"n{i}" for i in range(MAX_NEAR_MISS_ASKS))
     library = SkillLibrary(tmp_path / "skills", store)

@@ -166,7 +166,7 @@ Names are slugs: 1-64 lowercase letters, digits, '-' or '_' (e.g. "check-units-f
 {USE_WHEN_RULE}: the skill is retrieved for a request by matching it against this line, its \
 description and the failed tasks it cites.
 {ANTICIPATED_RULE} They are matched like "use_when".
-{NEAR_MISS_RULE} The skill is held back from requests nearer these than its own.
+{NEAR_MISS_RULE} The skill is held back from requests as near these as its own asks.
 Each operation cites the ids of the failed turns it addresses in "evidence" and says why in \
 "reason". Use "" (or [] for the asks) for fields that do not apply (e.g. the body of a remove).
 

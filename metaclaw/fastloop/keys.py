@@ -1,6 +1,7 @@
-"""Retrieval keys for skills that have none: the evolver model writes a skill's "use when" line and
-its anticipated asks (:attr:`metaclaw.skills.library.Skill.anticipated_asks`) from the skill alone,
-as it does for every skill it adds or edits. Skills from elsewhere (an imported folder, a
+"""Retrieval keys for skills that have none: the evolver model writes a skill's "use when" line,
+its anticipated asks (:attr:`metaclaw.skills.library.Skill.anticipated_asks`) and its near-miss
+asks (:attr:`~metaclaw.skills.library.Skill.near_miss_asks`) from the skill alone, as it does for
+every skill it adds or edits. Skills from elsewhere (an imported folder, a
 hand-written skill) otherwise match asks on their text alone, which reaches far fewer of the
 asks that need them (``docs/explanation/retrieval.md`` has the figures).
 
@@ -97,7 +98,7 @@ def build_keys_messages(skill: Skill) -> list[dict[str, str]]:
     """The chat messages that ask for ``skill``'s keys."""
     shown = {"name": skill.name, "description": skill.description, "category": skill.category,
              "body": trim(skill.body, _BODY_BUDGET), "example_asks": list(skill.example_asks)}
-    # the keys it has: asks to keep apart from the near misses (all of them are written anew)
+    # the keys it already has, for the near misses to stay clear of (a reply writes all three)
     shown.update({key: value for key, value in (("use_when", skill.use_when),
                                                 ("anticipated_asks", list(skill.anticipated_asks)))
                   if value})

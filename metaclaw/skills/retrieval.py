@@ -1122,8 +1122,9 @@ class HybridRetriever:
                                          terms=[given[row] and given[row].terms for row in rows])
         matrix[rows] += self.weight * bm25 / (bm25 + self.saturation)
         if self.hold_back_constants[0] > 0:
+            listed = list(skills)
             for row in rows:
-                self.hold_back(queries[row], list(skills), matrix[row])
+                self.hold_back(queries[row], listed, matrix[row])
         return matrix
 
     def rank(self, query: str, skills: list[Skill], *, limit: int | None = None) -> list[ScoredSkill]:
@@ -1492,7 +1493,7 @@ def explain_frame(store: Any, *, session: str | None = None, last: int | None = 
     ``session_id``, ``turn_type``, ``retrieval_query`` (the ask found in the request),
     ``injected_skills`` and ``scores`` (``name score`` pairs as text), ``keys`` (for each
     injected skill with retrieval keys, the one nearest the ask, :func:`nearest_key`),
-    ``held_back`` (the nearest miss held back by a near-miss ask, :func:`explain_held`),
+    ``held_back`` (the skills its near-miss asks kept out, :func:`explain_held`),
     ``session_by`` and ``turn_type_by`` (the rules that identified the session and the turn
     type)."""
     import polars as pl
@@ -1527,8 +1528,7 @@ def explain_keys(store: Any, turn: dict[str, Any],
     """For each skill ``turn`` got that carries retrieval keys, ``name: "the key nearest the
     ask"`` (:func:`nearest_key`, the skill as its generation held it), joined by ``; ``;
     ``snapshots``: generations already read, by number (filled here)."""
-    scored = turn.get("retrieval_scores") or []
-    entries = [s for s in scored if s.get("injected") is not False
+    entries = [s for s in turn.get("retrieval_scores") or [] if s.get("injected") is not False
                and (s.get("use_when") or s.get("example_asks") or s.get("anticipated_asks"))]
     if not entries or turn.get("skill_generation") is None:
         return ""
@@ -1560,7 +1560,7 @@ def explain_held(turn: dict[str, Any]) -> str:
     said = []
     for s in turn.get("retrieval_scores") or []:
         held = s.get("held_back") if isinstance(s, dict) else None
-        if s.get("injected") is not False or not isinstance(held, dict):
+        if not isinstance(held, dict) or s.get("injected") is not False:
             continue
         try:
             near, own = float(held["near"]), float(held["own"])
