@@ -21,7 +21,7 @@ from metaclaw.bench.grading import (FORMAT_ERROR, extract_choice, feedback_text,
                                     run_check, score_choice, with_feedback)
 from metaclaw.bench.oracle import idle_replies, oracle_replies
 from metaclaw.bench.runner import format_table, run_bench, summarize
-from metaclaw.bench.workspace import Workspace, execute_tool
+from metaclaw.bench.workspace import Workspace, execute_tool, tool_step
 
 DATA = small_bench_dir()
 TS = "2026-03-16T09:30:00+08:00"
@@ -295,6 +295,23 @@ def ws(tmp_path):
     write(root / "AGENTS.md", "# Agent roles")
     write(root / "day01/input.txt", "raw notes")
     return Workspace(root)
+
+
+def test_one_tool_step_runs_the_calls_and_adds_their_results_to_the_conversation(ws):
+    """The step both agent loops take (the bench's and the notebook chat's)."""
+    message = {"content": "", "tool_calls": [
+        {"id": "c1", "function": {"name": "read_file", "arguments": '{"path": "day01/input.txt"}'}},
+        {"id": "c2", "function": {"name": "list_dir", "arguments": None}}]}
+    added, calls = tool_step(ws, message)
+    assert [m["role"] for m in added] == ["assistant", "tool", "tool"]
+    assert added[0]["tool_calls"][1]["function"]["arguments"] == "{}"
+    assert "result" not in added[0]["tool_calls"][0]  # the history holds what the model said
+    assert added[1] == {"role": "tool", "tool_call_id": "c1", "content": "raw notes"}
+    assert calls[0]["result"] == "raw notes" and calls[1]["function"]["name"] == "list_dir"
+    # without a workspace the calls are recorded, not run; a reply without calls ends the loop
+    added, calls = tool_step(None, message)
+    assert len(added) == 1 and all("result" not in c for c in calls)
+    assert tool_step(ws, {"content": "done"}) == ([{"role": "assistant", "content": "done"}], [])
 
 
 class TestWorkspace:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from metaclaw.bench.data import Day
-from metaclaw.bench.workspace import TOOL_SCHEMAS, TOOL_NAMES, Workspace, execute_tool
+from metaclaw.bench.workspace import TOOL_NAMES, TOOL_SCHEMAS, Workspace, tool_step
 
 SESSION_HEADER = "X-Session-Id"
 DONE_HEADER = "X-Session-Done"
@@ -146,23 +146,15 @@ class DayAgent:
                 turn.error = str(exc)
                 break
             turn.model_calls += 1
-            calls = list(message.tool_calls or [])
-            entry: dict[str, Any] = {"role": "assistant", "content": message.content or ""}
-            if calls:
-                entry["tool_calls"] = [{"id": c.id, "type": "function",
-                                        "function": {"name": c.function.name,
-                                                     "arguments": c.function.arguments or "{}"}}
-                                       for c in calls]
-            self.messages.append(entry)
+            added, calls = tool_step(self.workspace, message)
+            self.messages += added
             if message.content:
                 turn.reply = message.content
             if not calls:
                 break
-            for c in calls:
-                result = execute_tool(self.workspace, c.function.name, c.function.arguments)
-                turn.tool_calls.append({"name": c.function.name, "arguments": c.function.arguments,
-                                        "result": result[:2000]})
-                self.messages.append({"role": "tool", "tool_call_id": c.id, "content": result})
+            turn.tool_calls += [{"name": c["function"]["name"],
+                                 "arguments": c["function"]["arguments"],
+                                 "result": c["result"][:2000]} for c in calls]
         else:
             turn.error = (f"the agent made {self.config.max_iterations} model calls without a final "
                           "answer; raise max_iterations if the tasks need more tool steps")

@@ -221,3 +221,29 @@ def execute_tool(workspace: Workspace, name: str, arguments: str | dict | None) 
         return f"Error: {exc}"
     except OSError as exc:
         return f"Error: {name} failed: {exc.strerror or exc}"
+
+
+def tool_step(workspace: Workspace | None, message: Any) -> tuple[list[dict], list[dict]]:
+    """One step of an agent's tool loop, from a chat completion's ``message`` (the openai SDK's,
+    or a dict of its shape): the messages it adds to the conversation (the assistant's, with its
+    tool calls, then one ``tool`` message per call with the call's result) and the calls made,
+    in the chat API's shape (``{"id", "type", "function": {"name", "arguments"}}``) with their
+    ``"result"``. Without a ``workspace`` the calls are recorded but not run (no ``tool``
+    messages, no results). The loop ends when a step makes no call."""
+    def field(obj: Any, name: str) -> Any:
+        return obj.get(name) if isinstance(obj, dict) else getattr(obj, name, None)
+
+    made = [{"id": field(c, "id"), "type": "function",
+             "function": {"name": field(field(c, "function"), "name"),
+                          "arguments": field(field(c, "function"), "arguments") or "{}"}}
+            for c in field(message, "tool_calls") or []]
+    entry: dict[str, Any] = {"role": "assistant", "content": field(message, "content") or ""}
+    if made:
+        entry["tool_calls"] = [dict(c) for c in made]
+    added = [entry]
+    if workspace is not None:
+        for call in made:
+            call["result"] = execute_tool(workspace, call["function"]["name"],
+                                          call["function"]["arguments"])
+            added.append({"role": "tool", "tool_call_id": call["id"], "content": call["result"]})
+    return added, made

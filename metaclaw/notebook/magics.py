@@ -502,19 +502,13 @@ class MetaClawMagics(Magics):
                     extra_body=fields, **({"tools": tools} if tools else {}),
                     **({"max_tokens": args.max_tokens} if args.max_tokens else {}))
                 message = completion.choices[0].message
-                made = [c.model_dump() for c in (message.tool_calls or [])]
-                history.append({"role": "assistant", "content": message.content or "",
-                                **({"tool_calls": made} if made else {})})
+                from metaclaw.bench.workspace import tool_step
+
+                added, made = tool_step(workspace, message)
+                history += added
+                calls += made
                 if not made or workspace is None:
                     break
-                from metaclaw.bench.workspace import execute_tool
-
-                for call in made:
-                    result = execute_tool(workspace, call["function"]["name"],
-                                          call["function"]["arguments"])
-                    calls.append({**call, "result": result})
-                    history.append({"role": "tool", "tool_call_id": call["id"],
-                                    "content": result})
             else:
                 raise MagicUsageError(f"the model was still calling tools after {args.max_steps} "
                                       f"steps; raise --max-steps")
@@ -534,7 +528,7 @@ class MetaClawMagics(Magics):
             raise
         runtime.proxy.flush()  # turns are recorded off the request path; wait for these
         rows = runtime.store.turns("session_id = ? AND id > ?", (session, before))
-        turn = ChatTurn(session, cell.strip(), message.content or "", calls or made, rows)
+        turn = ChatTurn(session, cell.strip(), message.content or "", calls, rows)
         self.sessions[name] = session
         if args.name is not None and self.shell is not None:
             self.shell.user_ns[args.name] = turn
