@@ -408,13 +408,14 @@ def cmd_turns(args: argparse.Namespace) -> int:
                 if s.get("use_when") or s.get("example_asks") or s.get("anticipated_asks"):
                     print(_printable(f"       {s['name']}: use when {s.get('use_when') or '-'}; "
                                      f"{s.get('example_asks', 0)} example asks, "
-                                     f"{s.get('anticipated_asks', 0)} anticipated"))
+                                     f"{s.get('anticipated_asks', 0)} anticipated"
+                                     + (f", {s['near_miss_asks']} near-miss"
+                                        if s.get("near_miss_asks") else "")))
             nearest = explain_keys(store, row, snapshots)
             if nearest:
                 print(_printable(f"       nearest key: {nearest}"))
-            held = explain_held(row)
-            if held:
-                print(_printable(f"       held back: {held}"))
+            for line in explain_held(row):
+                print(_printable(f"       {line}"))
     if not listed:
         which = f" numbered {args.id}" if args.id is not None else ""
         which += " of session " + repr(args.session) if args.session else ""

@@ -692,6 +692,40 @@ def test_the_nearest_miss_is_recorded_and_shown_beside_what_was_injected(tmp_pat
     assert [s.skill.name for s in done.selected] == ["iso-dates"] and done.missed is None
 
 
+def test_what_near_miss_asks_did_is_recorded_and_said_in_words():
+    """A skill they kept out (its own entry, or the nearest miss's), one they only lowered (on
+    its injected entry), and one an ask that is its near miss in other words kept out."""
+    from metaclaw.protocols.registry import get_protocol
+    from metaclaw.proxy.pipeline import Turn, record_row
+    from metaclaw.skills.retrieval import NEAR_MISS_OUT, explain_held
+
+    turn = Turn(protocol=get_protocol("openai"), body={}, chat={}, raw=b"", model="m",
+                stream=False, messages=[], injected=["kept"], scores=[1.1],
+                keys=[("", 0, 0, 2)], missed=("near", 0.7, 0.825),
+                held={"kept": ("tidy config.yaml", 0.7, 0.6, 0.07, 1.1),
+                      "near": ("sort the csv", 0.8, 0.5, 0.125, 0.7),
+                      "other": ("rename a key", 0.9, 0.4, 0.175, 0.65),
+                      "same": ("what time is it", 1.0, 0.3, NEAR_MISS_OUT, 0.9 - NEAR_MISS_OUT)},
+                held_below=0.825)
+    entries = {e["name"]: e for e in record_row(turn, 0)["retrieval_scores"]}
+    assert entries["kept"]["near_miss_asks"] == 2
+    assert entries["kept"]["held_back"]["lost"] == 0.07 and "injected" not in entries["kept"]
+    assert entries["near"]["below"] == 0.825 and entries["near"]["held_back"]["ask"] == \
+        "sort the csv"
+    assert entries["other"] == {"name": "other", "score": 0.65, "injected": False,
+                                "below": 0.825, "held_back": {"ask": "rename a key",
+                                                              "near": 0.9, "own": 0.4,
+                                                              "lost": 0.175}}
+    assert entries["same"]["score"] == 0.9 and entries["same"]["held_back"]["lost"] is None
+    lines = explain_held({"retrieval_scores": list(entries.values())})
+    assert lines[0] == ('lowered: kept by its near-miss ask "tidy config.yaml" (-0.07: 1.17 -> '
+                        "1.10; cosine 0.70 with it, 0.60 with its own asks); injected all the "
+                        "same")
+    assert lines[2] == ('held back: other by its near-miss ask "rename a key" (-0.17: 0.82 -> '
+                        "0.65; cosine 0.90 with it, 0.40 with its own asks)")
+    assert "kept out whatever else it matched" in lines[3]
+
+
 def test_bench_help_states_the_minimum_score_serve_runs():
     """``metaclaw bench --help`` names serve's retrieval settings as numbers (the CLI does not
     import retrieval to print them): they must be the hybrid's own."""

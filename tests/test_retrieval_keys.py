@@ -304,7 +304,7 @@ def test_serve_says_how_it_retrieves_and_why_shows_the_keys(tmp_path):
     assert held["injected"] is False and held["below"] == 0.825
     assert held["held_back"]["ask"] == "rename the due key to dueDate in standup.json"
     assert held["held_back"]["near"] > held["held_back"]["own"]
-    assert held["score"] < 0.825 <= held["score"] + held["held_back"]["lost"]
+    assert held["score"] >= 0.825 and held["held_back"]["lost"] is None  # that near miss
     assert not any("held_back" in e for e in rows[2]["retrieval_scores"])
     scores = rows[0]["retrieval_scores"]
     assert scores[0]["name"] == "iso-dates"
@@ -318,14 +318,15 @@ def test_serve_says_how_it_retrieves_and_why_shows_the_keys(tmp_path):
     assert 'nearest key: iso-dates: "write the standup slot and action item deadlines into ' \
         'standup.json" (0.9' in why, why
     assert 'held back: iso-dates by its near-miss ask "rename the due key to dueDate in ' \
-        'standup.json" (1.00; its own asks 0.' in why, why
+        'standup.json" (the ask is that near miss in other words: kept out whatever else it ' \
+        'matched; cosine 1.00 with it, 0.' in why, why
     from metaclaw.skills.retrieval import explain_frame
     from metaclaw.store import Store
 
     with Store(db) as store:
         frame = explain_frame(store)
         assert frame["keys"][0].startswith('iso-dates: "write the standup')
-        assert frame["held_back"][1].startswith("iso-dates by its near-miss ask")
+        assert frame["held_back"][1].startswith("held back: iso-dates by its near-miss ask")
         assert frame["held_back"][2] == ""
 
 
@@ -412,6 +413,19 @@ def test_near_miss_asks_round_trip_and_hold_a_skill_back_from_nearby_work(tmp_pa
     assert held.scores(ask, [plain])[0] == pytest.approx(free.scores(ask, [plain])[0])
     own = "what date format goes in the export?"  # the skill's own ask is not held back
     assert held.scores(own, [keyed])[0] == pytest.approx(free.scores(own, [keyed])[0])
+    # an ask that is one of its near misses in other words is kept out whatever else it matches
+    from metaclaw.skills.retrieval import NEAR_MISS_OUT
+
+    strong = keyed.with_retrieval_keys(near_miss=["what date format goes in the export, again?"])
+    assert held.held("what date format goes in the export, again?", strong)[3] == NEAR_MISS_OUT
+    assert HybridRetriever().held("what date format goes in the export, again?", strong)[3] \
+        == NEAR_MISS_OUT
+    # a hand-written file: its own ask listed as a near miss is not one, a long ask is cut
+    metadata = dict(keyed.extra["metadata"])
+    metadata["near-miss-asks"] = "What date format goes in the export?\n" + "x" * 5000
+    by_hand = Skill(keyed.name, keyed.description, keyed.category, keyed.body,
+                    {**keyed.extra, "metadata": metadata})
+    assert [len(a) for a in by_hand.near_miss_asks] == [300]
     found = held.dense.contrast(ask, keyed)
     assert found[0] == near[0] and found[1] > found[2]
     held.scores(ask, [keyed, OTHERS[0]])
@@ -447,7 +461,7 @@ def test_the_evolver_writes_near_miss_asks():
     edit = {**op, "op": "edit", "body": "Use ISO 8601.", "near_miss_asks": []}  # none given:
     assert validate_operations({"operations": [edit]}, {"iso-dates": skill}, [7])[0] \
         .skill.near_miss_asks == skill.near_miss_asks  # the old ones are kept
-    assert explain_held({"retrieval_scores": [{"name": "x", "injected": False}]}) == ""
+    assert explain_held({"retrieval_scores": [{"name": "x", "injected": False}]}) == []
     for odd in ({"near": None, "own": 1}, {"near": "x", "own": 1}, {}, "text"):
         assert explain_held({"retrieval_scores": [
-            {"name": "x", "injected": False, "held_back": odd}]}) == ""
+            {"name": "x", "injected": False, "score": 0.5, "held_back": odd}]}) == []

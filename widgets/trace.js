@@ -99,7 +99,7 @@ function detailView(model, d) {
       scores.length
         ? h("table", { class: "mc-scores" }, scores.map((s) => h("tr", {},
             h("td", {}, s.name), h("td", {}, s.score === null || s.score === undefined ? "—" : Number(s.score).toFixed(3)),
-            h("td", { class: "mc-muted" }, [s.injected === false ? `not injected: below ${Number(s.below).toFixed(3)}` : "", s.use_when ? `use when: ${s.use_when}` : "", s.example_asks ? `${s.example_asks} example asks` : "", s.anticipated_asks ? `${s.anticipated_asks} anticipated asks` : ""].filter(Boolean).join(" · ")))))
+            h("td", { class: "mc-muted" }, [s.injected === false ? `not injected: below ${Number(s.below).toFixed(3)}` : "", s.use_when ? `use when: ${s.use_when}` : "", s.example_asks ? `${s.example_asks} example asks` : "", s.anticipated_asks ? `${s.anticipated_asks} anticipated asks` : "", s.near_miss_asks ? `${s.near_miss_asks} near-miss asks` : "", s.held_back ? `${s.injected === false ? "held back" : "lowered"} by its near-miss ask "${s.held_back.ask}"` : ""].filter(Boolean).join(" · ")))))
         : h("div", { class: "mc-muted" }, "no skill injected")));
 
   pane.append(h("div", { class: "mc-subtitle" }, "Request as the upstream saw it"));

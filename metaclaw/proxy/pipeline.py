@@ -110,14 +110,15 @@ class Turn:
     generation: int = 0
     injected: list[str] = field(default_factory=list)
     scores: list[float] = field(default_factory=list)
-    #: each injected skill's retrieval keys: (its "use when" line, how many example asks, how
-    #: many anticipated asks)
-    keys: list[tuple[str, int, int]] = field(default_factory=list)
+    #: each injected skill's retrieval keys: (its "use when" line, how many example, anticipated
+    #: and near-miss asks)
+    keys: list[tuple[str, int, int, int]] = field(default_factory=list)
     #: the nearest miss: the best skill offered that scored too low, and the floor it missed
     missed: tuple[str, float, float] | None = None
-    #: the skills its near-miss asks kept out: by name, (near-miss ask, its cosine, the own asks'
+    #: the skills its near-miss asks lowered: by name, (near-miss ask, its cosine, the own asks'
     #: best, the score lost, the score left) (:meth:`~metaclaw.skills.retrieval.HybridRetriever.
-    #: last_held`), with the threshold they fell below
+    #: last_held`): those injected all the same, and those it kept out (they scored the floor
+    #: ``held_below`` before and not after); the others it changed nothing for
     held: dict[str, tuple] = field(default_factory=dict)
     held_below: float = 0.0
     budget: dict[str, Any] | None = None
@@ -157,18 +158,20 @@ def identify_session(headers: Mapping[str, str], body: Mapping[str, Any],
         raise ProxyError(400, str(exc), param=exc.param) from None
 
 
-def _scored(name: str, score: float, keys: tuple[str, int, int] | None) -> dict[str, Any]:
+def _scored(name: str, score: float, keys: tuple[str, int, int, int] | None) -> dict[str, Any]:
     """One injected skill as recorded in ``retrieval_scores``: its name and score, and the
-    retrieval keys it carried (``use_when``; ``example_asks``, ``anticipated_asks``: how many)
-    where it had any."""
+    retrieval keys it carried (``use_when``; ``example_asks``, ``anticipated_asks``,
+    ``near_miss_asks``: how many) where it had any."""
     entry: dict[str, Any] = {"name": name, "score": round(float(score), 4)}
-    use_when, examples, anticipated = keys or ("", 0, 0)
+    use_when, examples, anticipated, near = keys or ("", 0, 0, 0)
     if use_when:
         entry["use_when"] = use_when
     if examples:
         entry["example_asks"] = examples
     if anticipated:
         entry["anticipated_asks"] = anticipated
+    if near:
+        entry["near_miss_asks"] = near
     return entry
 
 
@@ -204,8 +207,12 @@ def record_row(turn: Turn, policy_version: int) -> dict[str, Any]:
         row["retrieval_scores"].append({"name": name, "score": round(float(score), 4),
                                         "injected": False, "below": round(float(below), 4)})
     for name, (ask, near, own, lost, score) in turn.held.items():
-        # a skill its near-miss asks kept out: on the nearest miss's entry, or one of its own
-        said = {"ask": ask, "near": round(near, 4), "own": round(own, 4), "lost": round(lost, 4)}
+        # a skill its near-miss asks lowered: on its entry (injected, or the nearest miss), or
+        # one of its own (kept out)
+        out = lost >= retrieval.NEAR_MISS_OUT  # the near miss itself: out whatever its score
+        score = score + lost if out else score
+        said = {"ask": ask, "near": round(near, 4), "own": round(own, 4),
+                "lost": None if out else round(lost, 4)}
         entry = next((e for e in row["retrieval_scores"] if e["name"] == name), None)
         if entry is None:
             entry = {"name": name, "score": round(score, 4), "injected": False,
@@ -825,16 +832,19 @@ class TurnPipeline:
             turn.injected = [s.skill.name for s in selected]
             turn.scores = [s.score for s in selected]
             turn.keys = [(s.skill.use_when, len(s.skill.example_asks),
-                          len(s.skill.anticipated_asks)) for s in selected]
+                          len(s.skill.anticipated_asks), len(s.skill.near_miss_asks))
+                         for s in selected]
             if done.missed is not None:
                 near, below = done.missed
                 turn.missed = (near.skill.name, near.score, below)
             last_held = getattr(parts.retriever, "last_held", None)
-            if last_held is not None:  # what the hold-back kept out: enough before, not after
-                floor = parts.retriever.default_min_score if config.min_score is None \
-                    else config.min_score
+            if last_held is not None:  # what the hold-back did: lowered an injected skill, or
+                # kept one out (it reached the floor before, not after)
+                floor = done.missed[1] if done.missed is not None else (
+                    parts.retriever.default_min_score if config.min_score is None
+                    else config.min_score)
                 turn.held = {name: h for name, h in last_held(done.query).items()
-                             if name not in turn.injected and h[4] < floor <= h[4] + h[3]}
+                             if name in turn.injected or h[4] < floor <= h[4] + h[3]}
                 turn.held_below = floor
             turn.features = retrieval.ask_features(parts.retriever, turn.query)
             if done.block or BLOCK_TAG in turn.raw:  # or a resent earlier block, to take out

@@ -394,8 +394,13 @@ class Skill:
         """Asks near this skill's subject that it is not for, which the evolver wrote with its
         anticipated asks (front matter ``metadata.near-miss-asks``, one per line): ordinary work
         on the same files, tools or subject where the skill changes nothing. Retrieval holds the
-        skill back from an ask nearer one of them than to the skill's own asks."""
-        return self._asks(NEAR_MISS_ASKS_KEY)
+        skill back from an ask about as near one of them as its own asks, or nearer. As a skill
+        keeps them: each cut to :data:`EXAMPLE_ASK_CHARS`, at most :data:`MAX_NEAR_MISS_ASKS`,
+        none that is one of the skill's own asks (a hand-written file is read so too)."""
+        own = {a.casefold() for a in self.retrieval_asks}
+        return tuple(bounded_asks((), [a for a in self._asks(NEAR_MISS_ASKS_KEY)
+                                       if key_line(a, EXAMPLE_ASK_CHARS).casefold() not in own],
+                                  MAX_NEAR_MISS_ASKS))
 
     @property
     def retrieval_asks(self) -> tuple[str, ...]:

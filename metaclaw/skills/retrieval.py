@@ -501,6 +501,12 @@ HOLD_BACK_CONSTANTS = {"static": (0.25, 0.2), "distilled": (0.0, 0.0), "transfor
 #: The hybrid's best this many skills for an ask are checked against their near-miss asks (and
 #: one more for each skill of the library scoped to a stage, which a turn may not be offered).
 HOLD_BACK_CANDIDATES = 8
+#: An ask this near one of a skill's near-miss asks (and nearer it than any of the skill's own)
+#: is that near miss in other words: the skill is kept out whatever else it matches (a person's
+#: lever: write the ask a skill keeps being injected into wrongly as one of its near misses).
+NEAR_MISS_SAME = 0.95
+#: What a skill loses for it: more than any fused score can be.
+NEAR_MISS_OUT = 10.0
 
 _MODELS: dict[str, Any] = {}
 _MODELS_LOCK = threading.Lock()
@@ -1047,7 +1053,8 @@ class HybridRetriever:
         if seen is None:
             return None
         ask, near, own = seen
-        penalty = weight * (near - own + slack)
+        penalty = NEAR_MISS_OUT if near >= NEAR_MISS_SAME and near > own else \
+            weight * (near - own + slack)
         return (ask, near, own, penalty) if penalty > 0 else None
 
     def hold_back(self, query: str, skills: list[Skill], scores: Any) -> dict[int, tuple]:
@@ -1493,7 +1500,7 @@ def explain_frame(store: Any, *, session: str | None = None, last: int | None = 
     ``session_id``, ``turn_type``, ``retrieval_query`` (the ask found in the request),
     ``injected_skills`` and ``scores`` (``name score`` pairs as text), ``keys`` (for each
     injected skill with retrieval keys, the one nearest the ask, :func:`nearest_key`),
-    ``held_back`` (the skills its near-miss asks kept out, :func:`explain_held`),
+    ``held_back`` (what its near-miss asks did, :func:`explain_held`),
     ``session_by`` and ``turn_type_by`` (the rules that identified the session and the turn
     type)."""
     import polars as pl
@@ -1514,7 +1521,7 @@ def explain_frame(store: Any, *, session: str | None = None, last: int | None = 
         "scores": [", ".join(scored_text(s) for s in r["retrieval_scores"] or [])
                    for r in rows],
         "keys": [explain_keys(store, r, snapshots) for r in rows],
-        "held_back": [explain_held(r) for r in rows],
+        "held_back": ["; ".join(explain_held(r)) for r in rows],
         "session_by": [(r["identified_by"] or {}).get("session") for r in rows],
         "turn_type_by": [(r["identified_by"] or {}).get("turn_type") for r in rows],
     }, schema={"id": pl.Int64, "session_id": pl.Utf8, "turn_type": pl.Utf8,
@@ -1552,20 +1559,31 @@ def explain_keys(store: Any, turn: dict[str, Any],
     return "; ".join(said)
 
 
-def explain_held(turn: dict[str, Any]) -> str:
-    """The skills of ``turn`` that its near-miss asks kept out, as the proxy recorded them
-    (``retrieval_scores``' ``held_back``: a skill that scored enough before the hold-back and
-    too little after): ``name by its near-miss ask "..." (0.62; its own asks 0.48)``; "" where
-    none was."""
-    said = []
+def explain_held(turn: dict[str, Any]) -> list[str]:
+    """What ``turn``'s near-miss asks did, as the proxy recorded it (``retrieval_scores``'
+    ``held_back``): a line per skill they kept out (it scored the floor before and not after),
+    ``held back: NAME by its near-miss ask "..." (-0.17: 0.87 -> 0.70; cosine 1.00 with it,
+    0.53 with its own asks)``, and per injected skill they lowered, ``lowered: NAME ...``."""
+    lines = []
     for s in turn.get("retrieval_scores") or []:
         held = s.get("held_back") if isinstance(s, dict) else None
-        if not isinstance(held, dict) or s.get("injected") is not False:
+        if not isinstance(held, dict):
             continue
         try:
-            near, own = float(held["near"]), float(held["own"])
+            near, own, score = float(held["near"]), float(held["own"]), float(s["score"])
+            lost = None if held.get("lost") is None else float(held["lost"])
         except (KeyError, TypeError, ValueError):
             continue
-        said.append(f'{s.get("name")} by its near-miss ask "{held.get("ask", "?")}" '
-                    f'({near:.2f}; its own asks {own:.2f})')
-    return "; ".join(said)
+        kept_out = s.get("injected") is False
+        change = ("the ask is that near miss in other words: kept out whatever else it matched"
+                  if lost is None else f"-{lost:.2f}: {score + lost:.2f} -> {score:.2f}")
+        lines.append(f'{"held back" if kept_out else "lowered"}: {s.get("name")} by its near-miss '
+                     f'ask "{_brief(str(held.get("ask", "?")))}" ({change}; cosine {near:.2f} '
+                     f"with it, {own:.2f} with its own asks)"
+                     + ("" if kept_out else "; injected all the same"))
+    return lines
+
+
+def _brief(text: str, limit: int = 120) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."

@@ -9,6 +9,7 @@ import traitlets
 
 from metaclaw.notebook.widgets.base import (CSS, SourceGone, _clip_texts, _esc, _fmt_reward,
                                             _json_safe, _reacts, _short, _WorkspaceWidget, esm)
+from metaclaw.skills.retrieval import explain_held
 
 class TraceWidget(_WorkspaceWidget):
     """One session turn by turn: each turn as the upstream saw it (the injected skill block
@@ -317,7 +318,12 @@ def _trace_turn_html(d: dict[str, Any]) -> str:
                               if s.get("example_asks") else "")
                            + (f" <small>{int(s['anticipated_asks'])} anticipated asks</small>"
                               if s.get("anticipated_asks") else "")
+                           + (f" <small>{int(s['near_miss_asks'])} near-miss asks</small>"
+                              if s.get("near_miss_asks") else "")
                            for s in retrieval.get("scores") or [])
+        held = explain_held({"retrieval_scores": retrieval.get("scores") or []})
+        if held:
+            scores += "".join(f"<br><small>{_esc(line)}</small>" for line in held)
         parts.append(f"<p><i>Retrieval</i>: {_esc(retrieval.get('query') or '')} &rarr; "
                      f"{scores or 'no skill'}</p>")
     for m in d.get("messages") or []:
