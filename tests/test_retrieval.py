@@ -724,6 +724,9 @@ def test_what_near_miss_asks_did_is_recorded_and_said_in_words():
     assert lines[2] == ('held back: other by its near-miss ask "rename a key" (-0.17: 0.82 -> '
                         "0.65; cosine 0.90 with it, 0.40 with its own asks)")
     assert "kept out whatever else it matched" in lines[3]
+    from metaclaw.skills.retrieval import scored_text
+
+    assert scored_text(entries["other"]) == "other 0.650 (not injected: held back by a near-miss ask)"
 
 
 def test_bench_help_states_the_minimum_score_serve_runs():

@@ -1461,9 +1461,12 @@ def select_and_inject(retriever: Retriever, messages: list[dict], skills: list[S
 
 def scored_text(entry: dict[str, Any]) -> str:
     """One entry of a turn's ``retrieval_scores`` as text: ``name 0.812``, or for the nearest
-    miss ``name 0.791 (not injected: below 0.825)``."""
+    miss ``name 0.791 (not injected: below 0.825)``, and for a skill its near-miss asks kept out
+    ``name 0.791 (not injected: held back by a near-miss ask)``."""
     text = f"{entry['name']} {entry['score']:.3f}"
-    if entry.get("injected") is False:
+    if entry.get("injected") is False and isinstance(entry.get("held_back"), dict):
+        text += " (not injected: held back by a near-miss ask)"
+    elif entry.get("injected") is False:
         below = entry["below"]  # BM25 alone asks only for a score above 0 (a word in common)
         text += (f" (not injected: below {below:.3f})" if below >= 0.0005 else
                  " (not injected: it needed a score above 0)")
