@@ -405,7 +405,8 @@ def cmd_turns(args: argparse.Namespace) -> int:
             if said:
                 print(_printable(f"       context budget: {said}"))
             for s in row.get("retrieval_scores") or []:  # the keys the skills were matched on
-                if s.get("use_when") or s.get("example_asks") or s.get("anticipated_asks"):
+                if s.get("use_when") or s.get("example_asks") or s.get("anticipated_asks") \
+                        or s.get("near_miss_asks"):
                     print(_printable(f"       {s['name']}: use when {s.get('use_when') or '-'}; "
                                      f"{s.get('example_asks', 0)} example asks, "
                                      f"{s.get('anticipated_asks', 0)} anticipated"

@@ -312,6 +312,11 @@ def test_one_tool_step_runs_the_calls_and_adds_their_results_to_the_conversation
     added, calls = tool_step(None, message)
     assert len(added) == 1 and all("result" not in c for c in calls)
     assert tool_step(ws, {"content": "done"}) == ([{"role": "assistant", "content": "done"}], [])
+    # arguments given as an object go upstream as the JSON text the chat API expects
+    added, _ = tool_step(ws, {"tool_calls": [{"id": "c3", "function": {
+        "name": "read_file", "arguments": {"path": "day01/input.txt"}}}]})
+    assert added[0]["tool_calls"][0]["function"]["arguments"] == '{"path": "day01/input.txt"}'
+    assert added[1]["content"] == "raw notes"
 
 
 class TestWorkspace:

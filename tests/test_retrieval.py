@@ -729,6 +729,43 @@ def test_what_near_miss_asks_did_is_recorded_and_said_in_words():
     assert scored_text(entries["other"]) == "other 0.650 (not injected: held back by a near-miss ask)"
 
 
+def test_a_hold_back_is_recorded_only_where_it_changed_what_the_turn_got():
+    """Not for a skill the turn is never offered (another stage's), not where the places were
+    taken by better skills anyway, and nothing from an earlier scoring when none was done."""
+    from types import SimpleNamespace
+
+    from metaclaw.proxy.pipeline import held_back
+    from metaclaw.skills.retrieval import HybridRetriever, ScoredSkill
+
+    general = Skill("general", "Write dates as ISO 8601.", "data", "Use YYYY-MM-DD.")
+    staged = general.with_stage("plan")
+    staged = Skill("staged", staged.description, "data", staged.body, staged.extra)
+    winner = Skill("winner", "Back up files before editing them.", "safety", "cp a a.bak")
+    parts = SimpleNamespace(retriever=HybridRetriever())
+    config = SimpleNamespace(min_score=None, top_k=3)
+    found = ("rename a key", 0.9, 0.4, 0.2, 0.7)  # 0.9 before, 0.7 after: kept out of 0.825
+    skills = [general, staged, winner]
+    kept, floor = held_back({"general": found, "staged": found}, [], skills, "main", config,
+                            parts, None)
+    assert list(kept) == ["general"] and floor == 0.825  # the plan stage's skill: not offered
+    assert list(held_back({"staged": found}, [], skills, "stage:plan", config, parts, None)[0]) \
+        == ["staged"]
+    # one place, taken by a skill scoring more than it had before: the hold-back changed nothing
+    one = SimpleNamespace(min_score=None, top_k=1)
+    assert held_back({"general": found}, [ScoredSkill(winner, 1.0)], skills, "main", one, parts,
+                     None)[0] == {}
+    # an injected skill it only lowered is kept; a skill it lowered that stayed above the floor
+    # it missed for another reason (the budget) is not
+    assert list(held_back({"winner": ("x", 0.5, 0.4, 0.05, 1.0)}, [ScoredSkill(winner, 1.0)],
+                          skills, "main", config, parts, None)[0]) == ["winner"]
+    assert held_back({"general": ("x", 0.5, 0.4, 0.05, 0.9)}, [], skills, "main", config, parts,
+                     None)[0] == {}
+    retriever = parts.retriever
+    retriever.scores("rename a key", skills)
+    retriever.forget_held()
+    assert retriever.last_held("rename a key") == {}
+
+
 def test_bench_help_states_the_minimum_score_serve_runs():
     """``metaclaw bench --help`` names serve's retrieval settings as numbers (the CLI does not
     import retrieval to print them): they must be the hybrid's own."""

@@ -416,10 +416,13 @@ def test_near_miss_asks_round_trip_and_hold_a_skill_back_from_nearby_work(tmp_pa
     # an ask that is one of its near misses in other words is kept out whatever else it matches
     from metaclaw.skills.retrieval import NEAR_MISS_OUT
 
-    strong = keyed.with_retrieval_keys(near_miss=["what date format goes in the export, again?"])
-    assert held.held("what date format goes in the export, again?", strong)[3] == NEAR_MISS_OUT
-    assert HybridRetriever().held("what date format goes in the export, again?", strong)[3] \
+    strong = keyed.with_retrieval_keys(near_miss=["rename the due key in the export file"])
+    assert held.held("rename the due key in the export file", strong)[3] == NEAR_MISS_OUT
+    assert HybridRetriever().held("rename the due key in the export file!", strong)[3] \
         == NEAR_MISS_OUT
+    # not a near miss that is as near one of the skill's own asks (a paraphrase of it)
+    twin = keyed.with_retrieval_keys(near_miss=["what date format goes in the export, please?"])
+    assert held.held("what date format goes in the export?", twin)[3] < NEAR_MISS_OUT
     # a hand-written file: its own ask listed as a near miss is not one, a long ask is cut
     metadata = dict(keyed.extra["metadata"])
     metadata["near-miss-asks"] = "What date format goes in the export?\n" + "x" * 5000

@@ -233,9 +233,14 @@ def tool_step(workspace: Workspace | None, message: Any) -> tuple[list[dict], li
     def field(obj: Any, name: str) -> Any:
         return obj.get(name) if isinstance(obj, dict) else getattr(obj, name, None)
 
+    def arguments(call: Any) -> str:  # the chat API's shape: a JSON text
+        given = field(field(call, "function"), "arguments")
+        return given if isinstance(given, str) and given.strip() else \
+            json.dumps(given or {}, ensure_ascii=False, default=str)
+
     made = [{"id": field(c, "id"), "type": "function",
-             "function": {"name": field(field(c, "function"), "name"),
-                          "arguments": field(field(c, "function"), "arguments") or "{}"}}
+             "function": {"name": field(field(c, "function"), "name") or "",
+                          "arguments": arguments(c)}}
             for c in field(message, "tool_calls") or []]
     entry: dict[str, Any] = {"role": "assistant", "content": field(message, "content") or ""}
     if made:

@@ -48,7 +48,7 @@ from metaclaw.proxy.sessions import FINGERPRINT, Identity, ReplyThreads, Thread,
 from metaclaw.proxy.upstreams import NO_KEY, ResponderUpstream, Upstream, policy_columns
 from metaclaw.redact import mask, mask_bytes, mask_json, secrets_of, url_secrets
 from metaclaw.skills import block as skill_block, retrieval
-from metaclaw.skills.library import visible
+from metaclaw.skills.library import offered_to, visible
 from metaclaw.store import BUSY_TIMEOUT_S, OutageLog, StoreUnavailable, lock_busy
 from metaclaw.turns import IdentityError, is_task_turn
 
@@ -175,6 +175,38 @@ def _scored(name: str, score: float, keys: tuple[str, int, int, int] | None) -> 
     return entry
 
 
+def held_back(held: dict[str, tuple], selected: list[Any], skills: list[Any],
+              turn_type: str | None, config: Any, parts: Any,
+              missed: tuple[Any, float] | None) -> tuple[dict[str, tuple], float]:
+    """What the near-miss hold-back did to a turn (``held``: :meth:`~metaclaw.skills.retrieval.
+    HybridRetriever.last_held`), kept where it changed something a person should see: an
+    injected skill it lowered, and a skill offered to the turn that it kept out (its score
+    before the hold-back would have taken a place: it reached the floor the turn had, and beat
+    the last skill injected where all the places were taken). Returns those and the floor."""
+    if not held:
+        return {}, 0.0
+    retriever = parts.retriever
+    threshold = retriever.default_min_score if config.min_score is None else config.min_score
+    margin = getattr(retriever, "default_margin", None)
+    floor = missed[1] if missed is not None else threshold
+    if missed is None and selected and margin is not None:
+        floor = max(threshold, selected[0].score - margin)
+    injected = {s.skill.name for s in selected}
+    full = len(selected) >= config.top_k
+    last = min((s.score for s in selected), default=float("inf"))
+    offered = offered_to(turn_type)
+    by_name = {s.name: s for s in skills}
+    kept = {}
+    for name, found in held.items():
+        before = found[4] + found[3]
+        if name in injected:
+            kept[name] = found
+        elif (name in by_name and offered(by_name[name]) and found[4] < floor <= before
+              and (not full or before > last)):
+            kept[name] = found
+    return kept, floor
+
+
 def retrieval_query(turn: Turn) -> str:
     """Step 3: the text to retrieve skills for: the user's real ask in the neutral view
     (:func:`metaclaw.skills.asks.extract_ask`, via :func:`metaclaw.skills.retrieval.query_text`)."""
@@ -210,14 +242,15 @@ def record_row(turn: Turn, policy_version: int) -> dict[str, Any]:
         # a skill its near-miss asks lowered: on its entry (injected, or the nearest miss), or
         # one of its own (kept out)
         out = lost >= retrieval.NEAR_MISS_OUT  # the near miss itself: out whatever its score
-        score = score + lost if out else score
+        score = score + lost if out else score  # (its score before, not the sentinel's)
         said = {"ask": ask, "near": round(near, 4), "own": round(own, 4),
                 "lost": None if out else round(lost, 4)}
         entry = next((e for e in row["retrieval_scores"] if e["name"] == name), None)
         if entry is None:
-            entry = {"name": name, "score": round(score, 4), "injected": False,
-                     "below": round(turn.held_below, 4)}
+            entry = {"name": name, "injected": False, "below": round(turn.held_below, 4)}
             row["retrieval_scores"].append(entry)
+        if out or entry.get("injected") is False:
+            entry["score"] = round(score, 4)
         entry["held_back"] = said
     row["protocol"] = turn.protocol.name
     if turn.person is not None:
@@ -824,6 +857,9 @@ class TurnPipeline:
                 turn.budget = budget.record  # (prepare adds what the client asked for)
                 return budget.keep
 
+            last_held = getattr(parts.retriever, "last_held", None)
+            if last_held is not None:  # a selection that scores nothing must not read the last
+                parts.retriever.forget_held()
             done = retrieval.select_and_inject(
                 parts.retriever, turn.messages, skills, turn_type=turn.turn_type,
                 top_k=config.top_k, min_score=config.min_score, budget_chars=config.budget_chars,
@@ -837,22 +873,17 @@ class TurnPipeline:
             if done.missed is not None:
                 near, below = done.missed
                 turn.missed = (near.skill.name, near.score, below)
-            last_held = getattr(parts.retriever, "last_held", None)
-            if last_held is not None:  # what the hold-back did: lowered an injected skill, or
-                # kept one out (it reached the floor before, not after)
-                floor = done.missed[1] if done.missed is not None else (
-                    parts.retriever.default_min_score if config.min_score is None
-                    else config.min_score)
-                turn.held = {name: h for name, h in last_held(done.query).items()
-                             if name in turn.injected or h[4] < floor <= h[4] + h[3]}
-                turn.held_below = floor
+            if last_held is not None:
+                turn.held, turn.held_below = held_back(
+                    last_held(done.query), selected, skills, turn.turn_type, config, parts,
+                    done.missed)
             turn.features = retrieval.ask_features(parts.retriever, turn.query)
             if done.block or BLOCK_TAG in turn.raw:  # or a resent earlier block, to take out
                 turn.body = turn.protocol.inject(turn.body, done.block)
                 turn.messages = done.messages
         except Exception as exc:  # serve the turn without skills rather than fail the agent
             log.exception("skill retrieval failed; serving this turn without skills")
-            turn.injected, turn.scores, turn.keys = [], [], []
+            turn.injected, turn.scores, turn.keys, turn.held = [], [], [], {}
             turn.retrieval_error = f"skill retrieval failed (served without skills): {exc}"
 
     async def prepare(self, protocol: WireProtocol, request: web.Request,

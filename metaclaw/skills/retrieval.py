@@ -501,10 +501,12 @@ HOLD_BACK_CONSTANTS = {"static": (0.25, 0.2), "distilled": (0.0, 0.0), "transfor
 #: The hybrid's best this many skills for an ask are checked against their near-miss asks (and
 #: one more for each skill of the library scoped to a stage, which a turn may not be offered).
 HOLD_BACK_CANDIDATES = 8
-#: An ask this near one of a skill's near-miss asks (and nearer it than any of the skill's own)
-#: is that near miss in other words: the skill is kept out whatever else it matches (a person's
-#: lever: write the ask a skill keeps being injected into wrongly as one of its near misses).
+#: An ask this near one of a skill's near-miss asks, and clearly nearer it (by
+#: :data:`NEAR_MISS_CLEAR`) than any of the skill's own asks, is that near miss in other words:
+#: the skill is kept out whatever else it matches (a person's lever: write the ask a skill keeps
+#: being injected into wrongly as one of its near misses).
 NEAR_MISS_SAME = 0.95
+NEAR_MISS_CLEAR = 0.05
 #: What a skill loses for it: more than any fused score can be.
 NEAR_MISS_OUT = 10.0
 
@@ -1053,8 +1055,8 @@ class HybridRetriever:
         if seen is None:
             return None
         ask, near, own = seen
-        penalty = NEAR_MISS_OUT if near >= NEAR_MISS_SAME and near > own else \
-            weight * (near - own + slack)
+        penalty = NEAR_MISS_OUT if near >= NEAR_MISS_SAME and near - own >= NEAR_MISS_CLEAR \
+            else weight * (near - own + slack)
         return (ask, near, own, penalty) if penalty > 0 else None
 
     def hold_back(self, query: str, skills: list[Skill], scores: Any) -> dict[int, tuple]:
@@ -1096,12 +1098,18 @@ class HybridRetriever:
     def scores(self, query: str, skills: list[Skill]):
         """Each skill's fused score for ``query`` (a numpy vector in the order of ``skills``),
         near-miss asks held back (:meth:`hold_back`)."""
+        self.forget_held()
         bm25 = self.lexical.scores(query, skills)
         fused = self.dense.scores(query, skills) + self.weight * bm25 / (bm25 + self.saturation)
         held = self.hold_back(query, skills, fused)
         self._last.held = (query, {skills[i].name: (*found, float(fused[i]))
                                    for i, found in held.items()})
         return fused
+
+    def forget_held(self) -> None:
+        """Forget what this thread's last scoring held back (before a selection that may score
+        nothing: :meth:`last_held` then says nothing)."""
+        self._last.held = None
 
     def last_held(self, query: str) -> dict[str, tuple[str, float, float, float, float]]:
         """What :meth:`hold_back` lowered when this thread last scored ``query``, by skill name:
@@ -1578,10 +1586,11 @@ def explain_held(turn: dict[str, Any]) -> list[str]:
         except (KeyError, TypeError, ValueError):
             continue
         kept_out = s.get("injected") is False
-        change = ("the ask is that near miss in other words: kept out whatever else it matched"
-                  if lost is None else f"-{lost:.2f}: {score + lost:.2f} -> {score:.2f}")
+        change = ("" if "lost" not in held else  # (a record without it says no more)
+                  "the ask is that near miss in other words: kept out whatever else it matched; "
+                  if lost is None else f"-{lost:.2f}: {score + lost:.2f} -> {score:.2f}; ")
         lines.append(f'{"held back" if kept_out else "lowered"}: {s.get("name")} by its near-miss '
-                     f'ask "{_brief(str(held.get("ask", "?")))}" ({change}; cosine {near:.2f} '
+                     f'ask "{_brief(str(held.get("ask", "?")))}" ({change}cosine {near:.2f} '
                      f"with it, {own:.2f} with its own asks)"
                      + ("" if kept_out else "; injected all the same"))
     return lines
