@@ -258,9 +258,10 @@ def test_starter_skills_are_well_formed():
     for s in skills.values():
         assert s.category != "general" and len(s.description) > 30 and len(s.body) > 300
         assert Skill.from_markdown(s.to_markdown()) == s
-        # they ship with the keys the evolver writes: a "use when" line and nine asks, none cut
-        assert s.use_when and len(s.anticipated_asks) == 9
-        assert all(len(a) < EXAMPLE_ASK_CHARS for a in s.anticipated_asks)
+        # they ship with the keys the evolver writes: a "use when" line, nine anticipated asks
+        # and six near-miss asks, none cut
+        assert s.use_when and len(s.anticipated_asks) == 9 and len(s.near_miss_asks) == 6
+        assert all(len(a) < EXAMPLE_ASK_CHARS for a in s.anticipated_asks + s.near_miss_asks)
 
 
 # -- generations ---------------------------------------------------------------------------------
