@@ -91,7 +91,7 @@ from metaclaw.fastloop.judge import (SECTION_TASK, SECTION_TOOLS, Judge, json_ob
 from metaclaw.fastloop.keys import (ANTICIPATED_RULE, ANTICIPATED_TEMPLATE, NEAR_MISS_RULE,
                                     NEAR_MISS_TEMPLATE, RETRY_PREFIX, USE_WHEN_RULE, KeysResult,
                                     KeysValidationError, anticipated_of, awrite_keys,
-                                    placeholder)
+                                    near_misses_of, placeholder)
 from metaclaw.fastloop.llm import (CallFailed, LLMClient, chat_params, check_url, reply_text,
                                    run_sync)
 from metaclaw.fastloop.proposals import ProposalError, apply_ops
@@ -342,7 +342,7 @@ def validate_operations(data: Any, library: dict[str, Skill],
         anticipated, near = raw.get("anticipated_asks"), raw.get("near_miss_asks")
         try:  # absent or []: not given
             anticipated = None if anticipated is None else anticipated_of(anticipated) or None
-            near = None if near is None else anticipated_of(near, "near_miss_asks") or None
+            near = None if near is None else near_misses_of(near) or None
         except KeysValidationError as exc:
             problems.append(f"{where}: {exc}")
             continue

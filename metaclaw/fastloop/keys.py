@@ -116,15 +116,20 @@ def placeholder(text: str) -> bool:
     return bool(_PLACEHOLDER.fullmatch(text.strip()))
 
 
-def anticipated_of(value: Any, key: str = "anticipated_asks") -> list[str]:
-    """The asks of an ``anticipated_asks`` (or, with ``key``, ``near_miss_asks``) value as a
-    skill keeps them (folded; empty, repeated and template placeholder ones dropped; at most
-    :data:`MAX_ANTICIPATED_ASKS` or :data:`MAX_NEAR_MISS_ASKS`); raises
-    :class:`KeysValidationError` unless it is a list of strings."""
+def anticipated_of(value: Any, key: str = "anticipated_asks",
+                   limit: int = MAX_ANTICIPATED_ASKS) -> list[str]:
+    """The asks of an ``anticipated_asks`` value (or of ``key``'s, e.g. ``near_miss_asks``) as
+    a skill keeps them (folded; empty, repeated and template placeholder ones dropped; at most
+    ``limit``); raises :class:`KeysValidationError` unless it is a list of strings."""
     if not isinstance(value, list) or not all(isinstance(a, str) for a in value):
         raise KeysValidationError(f"'{key}' must be a list of strings")
-    limit = MAX_NEAR_MISS_ASKS if key == "near_miss_asks" else MAX_ANTICIPATED_ASKS
     return bounded_asks((), [a for a in value if not placeholder(a)], limit)
+
+
+def near_misses_of(value: Any) -> list[str]:
+    """:func:`anticipated_of` for a ``near_miss_asks`` value (at most
+    :data:`MAX_NEAR_MISS_ASKS`)."""
+    return anticipated_of(value, "near_miss_asks", MAX_NEAR_MISS_ASKS)
 
 
 def validate_keys(text: str) -> tuple[str, list[str], list[str]]:
@@ -146,7 +151,7 @@ def validate_keys(text: str) -> tuple[str, list[str], list[str]]:
     asks = anticipated_of(found.get("anticipated_asks"))
     if not asks:
         raise KeysValidationError("'anticipated_asks' must hold at least one ask")
-    near = anticipated_of(found.get("near_miss_asks") or [], "near_miss_asks")  # may be left out
+    near = near_misses_of(found.get("near_miss_asks") or [])  # may be left out
     return " ".join(use_when.split()), asks, near  # the skill cuts it to USE_WHEN_CHARS
 
 

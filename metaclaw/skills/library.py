@@ -430,10 +430,8 @@ class Skill:
         line = self.use_when if use_when is None else key_line(use_when, USE_WHEN_CHARS)
         foreseen = self.anticipated_asks if anticipated is None else \
             bounded_asks((), anticipated, MAX_ANTICIPATED_ASKS)
-        own = {a.casefold() for a in (*kept, *foreseen)}  # an ask is never its own near miss
-        near = self.near_miss_asks if near_miss is None else bounded_asks(
-            (), [a for a in near_miss if key_line(a, EXAMPLE_ASK_CHARS).casefold() not in own],
-            MAX_NEAR_MISS_ASKS)
+        near = self.near_miss_asks if near_miss is None else \
+            bounded_asks((), near_miss, MAX_NEAR_MISS_ASKS)  # (read back without own asks)
         if (tuple(kept) == self.example_asks and line == self.use_when
                 and tuple(foreseen) == self.anticipated_asks
                 and tuple(near) == self.near_miss_asks):

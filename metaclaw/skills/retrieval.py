@@ -1098,7 +1098,6 @@ class HybridRetriever:
     def scores(self, query: str, skills: list[Skill]):
         """Each skill's fused score for ``query`` (a numpy vector in the order of ``skills``),
         near-miss asks held back (:meth:`hold_back`)."""
-        self.forget_held()
         bm25 = self.lexical.scores(query, skills)
         fused = self.dense.scores(query, skills) + self.weight * bm25 / (bm25 + self.saturation)
         held = self.hold_back(query, skills, fused)
@@ -1590,12 +1589,8 @@ def explain_held(turn: dict[str, Any]) -> list[str]:
                   "the ask is that near miss in other words: kept out whatever else it matched; "
                   if lost is None else f"-{lost:.2f}: {score + lost:.2f} -> {score:.2f}; ")
         lines.append(f'{"held back" if kept_out else "lowered"}: {s.get("name")} by its near-miss '
-                     f'ask "{_brief(str(held.get("ask", "?")))}" ({change}cosine {near:.2f} '
+                     f'ask "{held.get("ask", "?")}" ({change}cosine {near:.2f} '
                      f"with it, {own:.2f} with its own asks)"
                      + ("" if kept_out else "; injected all the same"))
     return lines
 
-
-def _brief(text: str, limit: int = 120) -> str:
-    text = " ".join(text.split())
-    return text if len(text) <= limit else text[:limit - 3] + "..."
