@@ -195,7 +195,8 @@ def held_back(held: dict[str, tuple], selected: list[Any], skills: list[Any],
     full = len(selected) >= config.top_k
     last = min((s.score for s in selected), default=float("inf"))
     offered = offered_to(turn_type)
-    by_name = {s.name: s for s in skills}
+    others = held.keys() - injected  # (the library is scanned only for a skill kept out)
+    by_name = {s.name: s for s in skills if s.name in others} if others else {}
     kept = {}
     for name, found in held.items():
         before = found[4] + found[3]
